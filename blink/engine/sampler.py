@@ -1,0 +1,313 @@
+"""The on-device sampler: logits -> next tokens (+ logprobs), branch-free and fixed-shape.
+
+One call handles a whole batch whose rows use different parameters. Order (vLLM v1's):
+
+1. raw logprobs: ``log_softmax(logits)`` of the model's logits, before anything below touches
+   them (vLLM's default ``logprobs_mode="raw_logprobs"``). The chosen token's logprob and the
+   top-N alternatives are read from these.
+2. logit bias (``logits[b, id] += value``), then ``suppress_ids`` set to -inf (the scheduler
+   passes EOS/stop ids there while a request has fewer than ``min_tokens`` outputs).
+3. penalties: repetition over prompt + output tokens (positive logits divided by the penalty,
+   non-positive multiplied), then ``- frequency * count`` and ``- presence * (count > 0)`` over
+   output tokens only (OpenAI's definition).
+4. greedy rows (temperature 0) take the argmax of these logits.
+5. other rows: divide by temperature, min-p / top-k / top-p filtering, Gumbel-max sample with
+   the counter-based RNG of :mod:`blink.kernels.sampling_reference` keyed by (seed, counter).
+6. ``torch.where(temperature == 0, greedy, sampled)``: both paths are always computed.
+
+Nothing here reads a tensor value on the host or branches on one, so the call works under
+``torch.compile(fullgraph=True)`` and inside a captured CUDA graph. A row's token depends only
+on its own logits, parameters, history, seed and counter: never on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import NamedTuple, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from blink.engine.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    SamplingParams,
+    SamplingParamsError,
+    draw_seed,
+)
+from blink.errors import BlinkError
+from blink.kernels import sampling_reference as ref
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters as fixed-shape tensors on the sampling device.
+
+    B rows, K = logit-bias capacity (``MAX_LOGIT_BIAS`` by default).
+
+    temperature        f32 [B]   0 = greedy
+    top_k              i32 [B]   <= 0 = off
+    top_p              f32 [B]   1 = off
+    min_p              f32 [B]   0 = off
+    repetition_penalty f32 [B]   1 = off
+    presence_penalty   f32 [B]   0 = off
+    frequency_penalty  f32 [B]   0 = off
+    seed               i64 [B]   always set: unseeded requests get :func:`draw_seed` at admission
+    bias_ids           i32 [B,K] token ids, -1 = padding
+    bias_values        f32 [B,K] added to the logits of ``bias_ids``
+    n_logprobs         i32 [B]   how many top alternatives the row wants (0 = none)
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    repetition_penalty: torch.Tensor
+    presence_penalty: torch.Tensor
+    frequency_penalty: torch.Tensor
+    seed: torch.Tensor
+    bias_ids: torch.Tensor
+    bias_values: torch.Tensor
+    n_logprobs: torch.Tensor
+
+    @classmethod
+    def empty(
+        cls, batch: int, device: torch.device | str = "cpu", max_logit_bias: int = MAX_LOGIT_BIAS
+    ) -> "SamplingTensors":
+        """``batch`` rows of neutral parameters (greedy, no filtering, no penalty, no bias)."""
+
+        def full(
+            value: float | int, dtype: torch.dtype, shape: tuple[int, ...] = (batch,)
+        ) -> torch.Tensor:
+            return torch.full(shape, value, dtype=dtype, device=device)
+
+        return cls(
+            temperature=full(0.0, torch.float32),
+            top_k=full(0, torch.int32),
+            top_p=full(1.0, torch.float32),
+            min_p=full(0.0, torch.float32),
+            repetition_penalty=full(1.0, torch.float32),
+            presence_penalty=full(0.0, torch.float32),
+            frequency_penalty=full(0.0, torch.float32),
+            seed=full(0, torch.int64),
+            bias_ids=full(-1, torch.int32, (batch, max_logit_bias)),
+            bias_values=full(0.0, torch.float32, (batch, max_logit_bias)),
+            n_logprobs=full(0, torch.int32),
+        )
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        device: torch.device | str = "cpu",
+        max_logit_bias: int = MAX_LOGIT_BIAS,
+        seeds: Sequence[int | None] | None = None,
+    ) -> "SamplingTensors":
+        """Host-side builder: one row per ``SamplingParams`` (a seed is drawn where none is given).
+
+        ``seeds[i]``, when given, overrides ``params[i].seed`` (e.g. a seed the engine already
+        drew for an unseeded request). Not for the per-step path: admission writes rows once.
+        """
+        st = cls.empty(len(params), "cpu", max_logit_bias)
+        for row, p in enumerate(params):
+            st.set_row(row, p, seed=None if seeds is None else seeds[row])
+        return st.to(device)
+
+    def set_row(self, row: int, params: SamplingParams, seed: int | None = None) -> None:
+        """Write one request's parameters into row ``row`` (a host-side write, at admission)."""
+        max_bias = self.bias_ids.shape[1]
+        if len(params.logit_bias) > max_bias:
+            raise SamplingParamsError(
+                f"logit_bias has {len(params.logit_bias)} entries; this sampler holds {max_bias}"
+            )
+        if seed is None:
+            seed = params.seed if params.seed is not None else draw_seed()
+        self.temperature[row] = params.temperature
+        self.top_k[row] = params.top_k
+        self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
+        self.repetition_penalty[row] = params.repetition_penalty
+        self.presence_penalty[row] = params.presence_penalty
+        self.frequency_penalty[row] = params.frequency_penalty
+        self.seed[row] = seed
+        ids = list(params.logit_bias) + [-1] * (max_bias - len(params.logit_bias))
+        values = list(params.logit_bias.values()) + [0.0] * (max_bias - len(params.logit_bias))
+        self.bias_ids[row] = torch.tensor(ids, dtype=torch.int32)
+        self.bias_values[row] = torch.tensor(values, dtype=torch.float32)
+        self.n_logprobs[row] = params.logprobs or 0
+
+    def to(self, device: torch.device | str) -> "SamplingTensors":
+        """A copy with every tensor on ``device``."""
+        return SamplingTensors(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+    def gather(self, rows: torch.Tensor) -> "SamplingTensors":
+        """The rows ``rows`` (int64 [B'], on the tensors' device), e.g. per-slot -> per-batch."""
+        return SamplingTensors(
+            **{f.name: getattr(self, f.name).index_select(0, rows) for f in fields(self)}
+        )
+
+
+class SamplerOutput(NamedTuple):
+    """What the sampler returns for a batch of B rows, with N = the sampler's ``max_logprobs``.
+
+    tokens        i64 [B]    the chosen tokens
+    logprob       f32 [B]    raw logprob of the chosen token (log-softmax of the model logits)
+    top_ids       i64 [B,N]  the row's top raw-logprob tokens, best first; -1 past n_logprobs
+    top_logprobs  f32 [B,N]  their raw logprobs; -inf past n_logprobs
+    """
+
+    tokens: torch.Tensor
+    logprob: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+
+def _row_mask(ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Map -1 padding and out-of-vocabulary ids to the spare column ``vocab_size``.
+
+    Returns (int64 ids safe for a [B, V+1] scatter, bool validity mask).
+    """
+    ids = ids.long()
+    valid = (ids >= 0) & (ids < vocab_size)
+    return torch.where(valid, ids, vocab_size), valid
+
+
+def apply_logit_bias(
+    logits: torch.Tensor, bias_ids: torch.Tensor, bias_values: torch.Tensor
+) -> torch.Tensor:
+    """``logits[b, bias_ids[b, j]] += bias_values[b, j]`` for every non-padding entry."""
+    batch, vocab_size = logits.shape
+    ids, valid = _row_mask(bias_ids, vocab_size)
+    values = torch.where(valid, bias_values.to(logits.dtype), 0.0)
+    bias = torch.zeros(batch, vocab_size + 1, dtype=logits.dtype, device=logits.device)
+    bias = bias.scatter_add(1, ids, values)
+    return logits + bias[:, :vocab_size]
+
+
+def apply_suppress(logits: torch.Tensor, suppress_ids: torch.Tensor) -> torch.Tensor:
+    """Set ``logits[b, suppress_ids[b, j]]`` to -inf for every id >= 0 (-1 = padding)."""
+    batch, vocab_size = logits.shape
+    ids, _ = _row_mask(suppress_ids, vocab_size)
+    banned = torch.zeros(batch, vocab_size + 1, dtype=torch.bool, device=logits.device)
+    banned = banned.scatter(1, ids, True)
+    return logits.masked_fill(banned[:, :vocab_size], float("-inf"))
+
+
+def token_counts(
+    token_ids: torch.Tensor, start: torch.Tensor, end: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """f32 [B, V]: how often each token occurs in ``token_ids[b, start[b]:end[b]]``.
+
+    Positions outside the range, and ids outside [0, V), are counted in a spare column that is
+    dropped, so the shape is fixed whatever the lengths are.
+    """
+    batch, length = token_ids.shape
+    pos = torch.arange(length, device=token_ids.device)
+    ids, valid = _row_mask(token_ids, vocab_size)
+    in_range = (pos >= start.long().unsqueeze(-1)) & (pos < end.long().unsqueeze(-1)) & valid
+    ids = torch.where(in_range, ids, vocab_size)
+    counts = torch.zeros(batch, vocab_size + 1, dtype=torch.float32, device=token_ids.device)
+    counts = counts.scatter_add(1, ids, in_range.to(torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    prompt_lens: torch.Tensor,
+    total_lens: torch.Tensor,
+    repetition_penalty: torch.Tensor,
+    presence_penalty: torch.Tensor,
+    frequency_penalty: torch.Tensor,
+) -> torch.Tensor:
+    """vLLM's penalties, computed from ``token_ids`` [B, L] (prompt then output, padded).
+
+    Tokens seen anywhere in ``[0, total_len)`` get the repetition penalty: logit / r when the
+    logit is positive, logit * r otherwise. Then, with c = the token's count in the output
+    ``[prompt_len, total_len)``: ``logit -= frequency * c + presence * (c > 0)``.
+    """
+    vocab_size = logits.shape[-1]
+    zeros = torch.zeros_like(prompt_lens)
+    seen = token_counts(token_ids, zeros, total_lens, vocab_size) > 0
+    out_counts = token_counts(token_ids, prompt_lens, total_lens, vocab_size).to(logits.dtype)
+
+    r = repetition_penalty.to(logits.dtype).unsqueeze(-1)
+    penalised = torch.where(logits > 0, logits / r, logits * r)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - frequency_penalty.to(logits.dtype).unsqueeze(-1) * out_counts
+    logits = logits - presence_penalty.to(logits.dtype).unsqueeze(-1) * (out_counts > 0).to(
+        logits.dtype
+    )
+    return logits
+
+
+class Sampler:
+    """Turns a step's logits into tokens and logprobs; see the module docstring for the order.
+
+    ``max_logprobs`` fixes N, the width of the top-logprobs output (0 skips the top-k).
+    """
+
+    def __init__(self, max_logprobs: int = MAX_LOGPROBS) -> None:
+        if not 0 <= max_logprobs <= MAX_LOGPROBS:
+            raise BlinkError(
+                f"max_logprobs must be between 0 and {MAX_LOGPROBS}, got {max_logprobs}"
+            )
+        self.max_logprobs = max_logprobs
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        st: SamplingTensors,
+        token_ids: torch.Tensor,
+        prompt_lens: torch.Tensor,
+        total_lens: torch.Tensor,
+        step_counters: torch.Tensor,
+        suppress_ids: torch.Tensor | None = None,
+    ) -> SamplerOutput:
+        """Sample one token per row.
+
+        logits        f32 [B, V]  the model's last-position logits (other float dtypes upcast)
+        st            per-row parameters, B rows
+        token_ids     i32 [B, L]  prompt then output tokens so far, any padding past total_len
+        prompt_lens   i32/i64 [B]
+        total_lens    i32/i64 [B] prompt + output tokens so far
+        step_counters i64 [B]     RNG counter per row; must differ between a row's draws (the
+                                  number of tokens so far is a good choice). Siblings of an
+                                  n > 1 request need distinct seeds.
+        suppress_ids  i32 [B, S]  optional ids to forbid this step (-1 = padding)
+        """
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+
+        logits = apply_logit_bias(logits, st.bias_ids, st.bias_values)
+        if suppress_ids is not None:  # a host-side choice of call signature, not a tensor value
+            logits = apply_suppress(logits, suppress_ids)
+        logits = apply_penalties(
+            logits,
+            token_ids,
+            prompt_lens,
+            total_lens,
+            st.repetition_penalty,
+            st.presence_penalty,
+            st.frequency_penalty,
+        )
+
+        greedy_tokens = torch.argmax(logits, dim=-1)
+
+        is_greedy = st.temperature <= 0
+        temperature = torch.where(is_greedy, 1.0, st.temperature).unsqueeze(-1)
+        filtered = ref.apply_top_k_top_p_min_p(logits / temperature, st.top_k, st.top_p, st.min_p)
+        sampled_tokens = ref.sample(filtered, st.seed, step_counters)
+        tokens = torch.where(is_greedy, greedy_tokens, sampled_tokens)
+
+        logprob = raw_logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        # A vocabulary smaller than N (tiny test models) leaves the tail as padding.
+        k = min(self.max_logprobs, raw_logprobs.shape[-1])
+        top_logprobs, top_ids = torch.topk(raw_logprobs, k, dim=-1)
+        top_logprobs = F.pad(top_logprobs, (0, self.max_logprobs - k), value=float("-inf"))
+        top_ids = F.pad(top_ids, (0, self.max_logprobs - k), value=-1)
+        # Rows asking for fewer than N alternatives get -1 / -inf past their count.
+        wanted = torch.arange(self.max_logprobs, device=logits.device) < st.n_logprobs.unsqueeze(-1)
+        top_ids = torch.where(wanted, top_ids, -1)
+        top_logprobs = torch.where(wanted, top_logprobs, float("-inf"))
+        return SamplerOutput(tokens, logprob, top_ids, top_logprobs)

@@ -1,0 +1,296 @@
+"""Per-request sampling parameters, validated like vLLM's.
+
+This module must stay torch-free: the frontend (``blink.dpu``) imports it to validate a request
+before writing it into the ring. The fixed-size ring fields (stop ids, logit bias, logprobs)
+are sized from the ``MAX_*`` constants below.
+
+Semantics follow vLLM (``vllm.SamplingParams``):
+
+- ``temperature == 0`` means greedy; then ``top_p``, ``top_k`` and ``min_p`` are reset to
+  "off" because they cannot change an argmax. A temperature in (0, 0.01) is raised to 0.01
+  (vLLM does the same: smaller values overflow the scaled logits for no visible gain).
+- ``top_k`` of 0 or -1 disables top-k. ``max_tokens=None`` means "up to max_model_len".
+- ``logprobs=N`` asks for the chosen token's logprob plus the top-N alternatives; the values are
+  vLLM's default "raw logprobs": the log-softmax of the model's logits before logit bias,
+  penalties, temperature and filtering.
+- ``seed=None`` does not mean "depends on the batch": the engine draws a random seed once per
+  request (:func:`draw_seed`), so every request's tokens depend only on its own seed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from blink.errors import BlinkError
+
+logger = logging.getLogger(__name__)
+
+#: Fixed ring capacities; the ring layout sizes its per-slot arrays from these.
+MAX_STOP_TOKEN_IDS = 16
+MAX_LOGIT_BIAS = 32
+MAX_LOGPROBS = 20
+#: |logit_bias value| limit, as in the OpenAI API.
+MAX_LOGIT_BIAS_VALUE = 100.0
+
+_SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
+_MIN_TEMP = 1e-2  # positive temperatures are raised to at least this (vLLM's _MAX_TEMP)
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_INT32_MAX = 2**31 - 1
+
+# generation_config.json key -> SamplingParams field, the keys vLLM takes defaults from.
+_GENERATION_CONFIG_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+class SamplingParamsError(BlinkError):
+    """A sampling parameter is out of range or of the wrong type."""
+
+
+def draw_seed() -> int:
+    """A fresh random seed for a request that gave none (a non-negative int64).
+
+    Drawn once when the request is admitted, so the request's tokens still depend only on its
+    own seed and never on which other requests share its batch.
+    """
+    return secrets.randbits(63)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the next tokens of one request (field names and defaults as in vLLM)."""
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Normalise the loose forms a JSON request carries before checking ranges.
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if self.logit_bias is None:
+            self.logit_bias = {}
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        self.logit_bias = self._normalise_logit_bias(self.logit_bias)
+        self.validate()
+        if 0.0 < self.temperature < _MIN_TEMP:
+            logger.warning(
+                "temperature %s is below %s; it is set to %s to avoid overflow",
+                self.temperature,
+                _MIN_TEMP,
+                _MIN_TEMP,
+            )
+            self.temperature = _MIN_TEMP
+        if self.temperature < _SAMPLING_EPS:
+            # Greedy: filtering cannot change an argmax, so turn it off (as vLLM does).
+            self.temperature = 0.0
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    @staticmethod
+    def _normalise_logit_bias(bias: Any) -> dict[int, float]:
+        """Accept OpenAI's JSON form (token ids as strings) as well as int keys."""
+        if not isinstance(bias, dict):
+            raise SamplingParamsError(
+                f"logit_bias must be a mapping of token id to bias, got {type(bias).__name__}"
+            )
+        out: dict[int, float] = {}
+        for key, value in bias.items():
+            try:
+                token_id = int(key) if not isinstance(key, bool) else None
+            except (TypeError, ValueError):
+                token_id = None
+            if token_id is None or (isinstance(key, float) and not key.is_integer()):
+                raise SamplingParamsError(f"logit_bias keys must be token ids, got {key!r}")
+            if not _is_number(value):
+                raise SamplingParamsError(
+                    f"logit_bias value for token {token_id} must be a number, got {value!r}"
+                )
+            out[token_id] = float(value)
+        return out
+
+    @property
+    def is_greedy(self) -> bool:
+        """Whether the next token is the argmax (temperature 0)."""
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise :class:`SamplingParamsError` for any out-of-range or mistyped value."""
+        self._check_types()
+        if self.n < 1:
+            raise SamplingParamsError(f"n must be at least 1, got {self.n}.")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise SamplingParamsError(
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}."
+            )
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise SamplingParamsError(
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}."
+            )
+        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
+            raise SamplingParamsError(
+                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}."
+            )
+        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
+            raise SamplingParamsError(f"temperature must be non-negative, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < -1:
+            raise SamplingParamsError(
+                f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}."
+            )
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingParamsError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise SamplingParamsError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.min_tokens < 0:
+            raise SamplingParamsError(
+                f"min_tokens must be greater than or equal to 0, got {self.min_tokens}."
+            )
+        for name in ("top_k", "max_tokens", "min_tokens"):
+            value = getattr(self, name)
+            if value is not None and value > _INT32_MAX:  # the ring stores these as int32
+                raise SamplingParamsError(f"{name} must be at most {_INT32_MAX}, got {value}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise SamplingParamsError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                f"got {self.min_tokens}."
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise SamplingParamsError(
+                f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}."
+            )
+        if self.seed is not None and not _INT64_MIN <= self.seed <= _INT64_MAX:
+            raise SamplingParamsError(f"seed must fit in a signed 64-bit integer, got {self.seed}.")
+        if any(not s for s in self.stop):
+            raise SamplingParamsError("stop cannot contain an empty string.")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise SamplingParamsError(
+                f"stop_token_ids can hold at most {MAX_STOP_TOKEN_IDS} ids, "
+                f"got {len(self.stop_token_ids)}."
+            )
+        if any(t < 0 for t in self.stop_token_ids):
+            raise SamplingParamsError(
+                f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids}."
+            )
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise SamplingParamsError(
+                f"logit_bias can hold at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}."
+            )
+        for token_id, value in self.logit_bias.items():
+            if token_id < 0:
+                raise SamplingParamsError(
+                    f"logit_bias token id must be non-negative, got {token_id}."
+                )
+            if not (math.isfinite(value) and abs(value) <= MAX_LOGIT_BIAS_VALUE):
+                raise SamplingParamsError(
+                    f"logit_bias value for token {token_id} must be in "
+                    f"[-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}], got {value}."
+                )
+
+    def _check_types(self) -> None:
+        for name in ("n", "min_tokens", "top_k"):
+            value = getattr(self, name)
+            if not _is_int(value):
+                raise SamplingParamsError(f"{name} must be an int, got {value!r}.")
+        for name in ("max_tokens", "seed", "logprobs"):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise SamplingParamsError(f"{name} must be an int or None, got {value!r}.")
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
+            value = getattr(self, name)
+            if not _is_number(value):
+                raise SamplingParamsError(f"{name} must be a number, got {value!r}.")
+            if not math.isfinite(value):
+                raise SamplingParamsError(f"{name} must be finite, got {value!r}.")
+        if not all(isinstance(s, str) for s in self.stop):
+            raise SamplingParamsError(
+                f"stop must be a string or a list of strings, got {self.stop!r}."
+            )
+        if not all(_is_int(t) for t in self.stop_token_ids):
+            raise SamplingParamsError(
+                f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}."
+            )
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise :class:`SamplingParamsError` for token ids outside a ``vocab_size`` vocabulary.
+
+        Separate from :meth:`validate` because the vocabulary is known only once a model is.
+        """
+        for token_id in self.stop_token_ids:
+            if token_id >= vocab_size:
+                raise SamplingParamsError(
+                    f"stop_token_ids contains {token_id}, outside the vocabulary of "
+                    f"{vocab_size} tokens."
+                )
+        for token_id in self.logit_bias:
+            if token_id >= vocab_size:
+                raise SamplingParamsError(
+                    f"logit_bias contains token {token_id}, outside the vocabulary of "
+                    f"{vocab_size} tokens."
+                )
+
+    @classmethod
+    def from_generation_config(
+        cls, cfg: dict[str, Any] | None, **overrides: Any
+    ) -> "SamplingParams":
+        """Parameters with a model's ``generation_config.json`` defaults, then ``overrides``.
+
+        Like vLLM, only ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``
+        and ``max_new_tokens`` (-> ``max_tokens``) are taken from the file, and they are taken
+        whatever ``do_sample`` says. An override whose value is ``None`` counts as "not given"
+        (an OpenAI request's unset field), so the model default stays.
+        """
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise SamplingParamsError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        kwargs: dict[str, Any] = {}
+        for key, name in _GENERATION_CONFIG_KEYS.items():
+            value = (cfg or {}).get(key)
+            if value is not None:
+                kwargs[name] = value
+        kwargs.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**kwargs)

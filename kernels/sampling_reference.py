@@ -1,0 +1,158 @@
+"""Torch reference for the sampling kernels: counter-based RNG, top-k/top-p/min-p, Gumbel-max.
+
+This file is the specification the Triton sampling kernel must reproduce. Everything is
+branch-free tensor code of fixed shape (no host sync, no Python branching on tensor values), so
+it runs inside a captured CUDA graph and under ``torch.compile(fullgraph=True)``.
+
+Counter-based RNG (exact formula)
+---------------------------------
+All arithmetic is on unsigned 32-bit values. The reference holds them in int64 tensors and masks
+explicitly, so no product ever exceeds 2**63 (no reliance on overflow behaviour); a Triton kernel
+computes the very same bits with ``tl.uint32`` arithmetic, which wraps modulo 2**32 natively.
+
+    M32            = 0xFFFFFFFF
+    lo32(x)        = x & M32                 (x int64, two's complement)
+    hi32(x)        = (x >> 32) & M32         (arithmetic shift, then mask)
+    mul32(a, c)    = (a * c) mod 2**32       for a, c < 2**32
+                   = (a * (c & 0xFFFF) + (((a * (c >> 16)) & 0xFFFF) << 16)) & M32
+    fmix32(h)      = murmur3 finaliser:
+                       h ^= h >> 16;  h = mul32(h, 0x85EBCA6B)
+                       h ^= h >> 13;  h = mul32(h, 0xC2B2AE35)
+                       h ^= h >> 16
+    row_key(seed, counter) =                 (seed, counter: int64, one per row)
+        k = fmix32(lo32(seed) ^ 0x243F6A88)
+        k = fmix32(k ^ hi32(seed))
+        k = fmix32(k ^ lo32(counter))
+        k = fmix32(k ^ hi32(counter))
+    bits(seed, counter, v) = fmix32(row_key(seed, counter) ^ mul32(v, 0x9E3779B9))
+                                             (v: vocabulary index, 0 <= v < 2**31)
+    uniform(seed, counter, v) = float32(((bits >> 9) << 1) + 1) * 2**-24
+
+``uniform`` is exactly representable in float32 and lies in [2**-24, 1 - 2**-24], strictly
+inside (0, 1), so ``-log(-log(u))`` is always finite. ``v -> bits`` is a bijection for a
+fixed row key (odd multiplier, xor, and fmix32 are all bijections), so no two vocabulary entries
+of a row share a draw. The draws of a row depend only on (seed, counter, v): never on the batch
+size, on the row's position in the batch or on the other rows.
+
+Sampling (Gumbel-max)
+---------------------
+    token = argmax_v ( logits[v] + g[v] ),   g[v] = -log(-log(uniform(seed, counter, v)))
+
+computed in float32; ties go to the lowest vocabulary index (``torch.argmax`` returns the first
+maximum; the kernel must do the same). ``argmax(logits + g)`` draws from ``softmax(logits)``
+exactly (Gumbel-max), and is the log-domain form of vLLM's exponential race
+``argmax(probs / E)`` with ``E = -log(u)``. Masked logits (-inf) are never chosen unless the
+whole row is -inf. ``log`` may differ by an ulp between torch and a GPU kernel, so the two agree
+on the token unless two candidates' scores are within rounding of each other.
+
+Filtering: see :func:`apply_top_k_top_p_min_p` for the exact per-row rule.
+"""
+
+from __future__ import annotations
+
+import torch
+
+M32 = 0xFFFFFFFF
+_FMIX_C1 = 0x85EBCA6B
+_FMIX_C2 = 0xC2B2AE35
+_SEED_SALT = 0x243F6A88  # first digits of pi: keeps seed 0 away from fmix32's fixed point 0
+_GOLDEN = 0x9E3779B9  # 2**32 / golden ratio, odd: v -> v * _GOLDEN mod 2**32 is a bijection
+_TWO_POW_M24 = 2.0**-24
+
+
+def mul32(a: torch.Tensor, c: int) -> torch.Tensor:
+    """``(a * c) mod 2**32`` for int64 ``a`` in [0, 2**32) and a constant ``c`` < 2**32.
+
+    Split ``c`` in 16-bit halves so that every intermediate stays below 2**49.
+    """
+    c_lo, c_hi = c & 0xFFFF, c >> 16
+    return (a * c_lo + (((a * c_hi) & 0xFFFF) << 16)) & M32
+
+
+def fmix32(h: torch.Tensor) -> torch.Tensor:
+    """Murmur3's 32-bit finaliser on int64 tensors holding values in [0, 2**32)."""
+    h = h ^ (h >> 16)
+    h = mul32(h, _FMIX_C1)
+    h = h ^ (h >> 13)
+    h = mul32(h, _FMIX_C2)
+    return h ^ (h >> 16)
+
+
+def row_key(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """Per-row 32-bit key (held in int64) from int64 ``seeds`` and ``counters`` (any shape)."""
+    seeds, counters = seeds.long(), counters.long()
+    k = fmix32((seeds & M32) ^ _SEED_SALT)
+    k = fmix32(k ^ ((seeds >> 32) & M32))
+    k = fmix32(k ^ (counters & M32))
+    return fmix32(k ^ ((counters >> 32) & M32))
+
+
+def random_bits(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int64 [B, vocab_size] of 32-bit hashes ``bits(seed[b], counter[b], v)``."""
+    key = row_key(seeds, counters).unsqueeze(-1)
+    v = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    return fmix32(key ^ mul32(v, _GOLDEN))
+
+
+def uniform(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """float32 [B, vocab_size] uniform draws in [2**-24, 1 - 2**-24] (see module docstring)."""
+    bits = random_bits(seeds, counters, vocab_size)
+    return (((bits >> 9) << 1) + 1).to(torch.float32) * _TWO_POW_M24
+
+
+def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """float32 [B, vocab_size] standard Gumbel noise ``-log(-log(u))``."""
+    return -torch.log(-torch.log(uniform(seeds, counters, vocab_size)))
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Mask (to -inf) the logits that min-p, top-k or top-p filtering removes.
+
+    logits f32 [B, V] (already temperature-scaled), top_k i32 [B] (<= 0: off; > V: V),
+    top_p f32 [B] (>= 1: off), min_p f32 [B] (0: off). Returns a new f32 [B, V] tensor.
+
+    Exact rule per row (vLLM v1's order: min-p, then top-k, then top-p on what survives):
+
+        s, idx   = sort(x, descending, stable)     ties keep the lower vocab index first
+        keep_mp  = exp(s - s[0]) >= min_p          p_j / p_max >= min_p   (min_p 0: all)
+        k_eff    = V if top_k <= 0 else min(top_k, V)
+        keep_k   = s >= s[k_eff - 1]               ties with the k-th value are kept (vLLM)
+        s1       = where(keep_mp & keep_k, s, -inf)
+        q        = softmax(s1)                     renormalised over the survivors
+        before   = cumsum(q) - q                   mass ranked strictly above each entry
+        keep_p   = (top_p >= 1) | (before < top_p) the top entry always survives
+        out[idx] = where(keep_p, s1, -inf)
+
+    The top entry survives every filter, so no row is left empty.
+    """
+    vocab_size = logits.shape[-1]
+    s, idx = torch.sort(logits, dim=-1, descending=True, stable=True)
+    s_max = s[:, :1]
+
+    keep = torch.exp(s - s_max) >= min_p.to(s.dtype).unsqueeze(-1)
+
+    top_k = top_k.long()
+    k_eff = torch.where(top_k <= 0, vocab_size, top_k.clamp(max=vocab_size))
+    kth_value = s.gather(-1, (k_eff - 1).clamp(min=0).unsqueeze(-1))
+    keep = keep & (s >= kth_value)
+
+    s1 = s.masked_fill(~keep, float("-inf"))
+    q = torch.softmax(s1, dim=-1)
+    before = torch.cumsum(q, dim=-1) - q
+    top_p = top_p.to(s.dtype).unsqueeze(-1)
+    keep_p = (top_p >= 1.0) | (before < top_p)
+    s2 = s1.masked_fill(~keep_p, float("-inf"))
+    return torch.empty_like(logits).scatter(-1, idx, s2)
+
+
+def sample(logits: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """Draw one token per row from ``softmax(logits)`` with the counter-based RNG.
+
+    logits f32 [B, V] (log-probabilities or any unnormalised log-weights; -inf = excluded),
+    seeds i64 [B], counters i64 [B] (the caller's per-row draw index, e.g. the position of the
+    token being generated). Returns int64 [B]. Gumbel-max: ``argmax(logits + gumbel_noise)``.
+    """
+    noise = gumbel_noise(seeds, counters, logits.shape[-1])
+    return torch.argmax(logits.float() + noise, dim=-1)
