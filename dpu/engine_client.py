@@ -1,0 +1,113 @@
+"""The frontend's view of the engine: one small async interface, whatever carries the bytes.
+
+The HTTP layer (:mod:`blink.dpu.app`) talks only to an :class:`EngineClient`. The production
+implementation writes requests into the ring and polls the output streams (the transport
+engineer's ``ring_client``); :class:`blink.dpu.fake_engine.FakeEngineClient` stands in for it
+in tests. Nothing here imports torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AsyncIterator, Literal, Protocol, TypedDict, runtime_checkable
+
+from blink.engine.sampling_params import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class EngineError(Exception):
+    """Base class of the errors an :class:`EngineClient` raises to the HTTP layer."""
+
+
+class EngineOverloadedError(EngineError):
+    """No request slot / prompt-arena space became free within the bounded wait.
+
+    The HTTP layer answers 503 with a ``Retry-After`` header of ``retry_after_s`` seconds.
+    """
+
+    def __init__(self, message: str = "The engine is overloaded; retry later.",
+                 retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class EngineDeadError(EngineError):
+    """The engine's heartbeat is stale (or its state is FAILED): no request can make progress."""
+
+    def __init__(self, message: str = "The engine is not responding (heartbeat stale).") -> None:
+        super().__init__(message)
+
+
+@dataclass
+class EngineOutput:
+    """One delta of a request's output stream: the tokens produced since the previous delta.
+
+    ``logprobs[i]`` is the logprob of ``new_token_ids[i]``; ``top_logprobs[i]`` lists the
+    ``SamplingParams.logprobs`` most likely (token id, logprob) pairs at that position. Both are
+    ``None`` unless the request asked for logprobs. ``num_prompt_tokens`` and
+    ``num_cached_tokens`` (prompt tokens served from the prefix cache) are repeated on every
+    delta, so a consumer can read them from whichever it sees first.
+
+    ``queue_time_s`` (optional): seconds the request waited between being written to the ring
+    and being admitted by the scheduler, when the engine reports it; it is set on the first
+    delta only and feeds ``blink:request_queue_time_seconds``.
+    """
+
+    new_token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    queue_time_s: float | None = None
+
+
+class EngineStats(TypedDict):
+    """What :meth:`EngineClient.stats` returns (read by ``/metrics`` at every scrape).
+
+    Counters are cumulative since engine start; prefix-cache counters count tokens (as vLLM's
+    ``prefix_cache_queries`` / ``prefix_cache_hits`` do).
+    """
+
+    running: int
+    waiting: int
+    kv_usage: float  # fraction of KV-cache blocks in use, 0..1
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    preemptions: int
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """The engine as the frontend sees it."""
+
+    model_name: str
+    max_model_len: int
+
+    def is_healthy(self) -> bool:
+        """True while the engine's heartbeat is live (and its state is READY)."""
+        ...
+
+    def generate(self, request_id: str, prompt_ids: list[int],
+                 params: SamplingParams) -> AsyncIterator[EngineOutput]:
+        """Submit one request (``params.n == 1``) and yield its output deltas until finished.
+
+        Implemented as an async generator. Submission happens on the first ``__anext__``, which
+        raises :class:`EngineOverloadedError` when no slot frees up within a bounded wait, or
+        :class:`EngineDeadError` when the engine is dead; a later ``__anext__`` raises
+        :class:`EngineDeadError` if the engine dies mid-request. The last delta has
+        ``finished=True``.
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Cancel a request (client went away, or the frontend matched a stop string).
+
+        Idempotent; aborting an unknown or finished request is a no-op.
+        """
+        ...
+
+    def stats(self) -> EngineStats:
+        """Scheduler counters for ``/metrics``."""
+        ...

@@ -1,0 +1,169 @@
+"""A deterministic in-process :class:`EngineClient` for tests and frontend development.
+
+It produces a scripted token stream per request (by default it echoes the prompt), honours
+``max_tokens``, ``min_tokens`` and ``stop_token_ids`` like the real engine, and can be made
+slow, "full" (every submit raises :class:`EngineOverloadedError`) or "dead" (the heartbeat
+stops: new and in-flight requests raise :class:`EngineDeadError`).
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Callable, Sequence
+
+from blink.dpu.engine_client import (
+    EngineDeadError,
+    EngineOutput,
+    EngineOverloadedError,
+    EngineStats,
+)
+from blink.engine.sampling_params import SamplingParams
+
+#: Given (prompt ids, params), the tokens the fake engine will "generate", in order. When the
+#: script runs out before ``max_tokens`` the request finishes with "stop" (as if EOS).
+Responder = Callable[[list[int], SamplingParams], Sequence[int]]
+
+
+def echo_responder(prompt_ids: list[int], params: SamplingParams) -> list[int]:
+    """Default script: repeat the prompt, forever (so ``max_tokens`` decides the length)."""
+    if not prompt_ids:
+        return []
+    reps = (params.max_tokens or len(prompt_ids)) // len(prompt_ids) + 1
+    return list(prompt_ids) * reps
+
+
+class FakeEngineClient:
+    """Scripted engine; see the module docstring. All knobs are plain attributes."""
+
+    def __init__(
+        self,
+        *,
+        model_name: str = "fake-model",
+        max_model_len: int = 2048,
+        responder: Responder = echo_responder,
+        first_token_delay_s: float = 0.0,
+        token_delay_s: float = 0.0,
+        tokens_per_delta: int = 1,
+        num_cached_tokens: int = 0,
+        queue_time_s: float | None = None,
+        vocab_size: int = 50_000,
+        retry_after_s: float = 2.0,
+    ) -> None:
+        if tokens_per_delta < 1:
+            raise ValueError(f"tokens_per_delta must be >= 1, got {tokens_per_delta}")
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.responder = responder
+        self.first_token_delay_s = first_token_delay_s
+        self.token_delay_s = token_delay_s
+        self.tokens_per_delta = tokens_per_delta
+        self.num_cached_tokens = num_cached_tokens
+        self.queue_time_s = queue_time_s
+        self.vocab_size = vocab_size
+        self.retry_after_s = retry_after_s
+        self.full = False  # every submit raises EngineOverloadedError while set
+        self.dead = False  # heartbeat stopped while set
+        #: request id -> (prompt ids, params), in submission order
+        self.submitted: dict[str, tuple[list[int], SamplingParams]] = {}
+        self.aborted: list[str] = []
+        self.finished: dict[str, str] = {}  # request id -> finish reason
+        self.running: set[str] = set()
+        self.kv_usage = 0.0
+        self.preemptions = 0
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+
+    # -- failure injection -------------------------------------------------------------
+    def die(self) -> None:
+        """Stop the heartbeat: in-flight streams raise at their next step, new ones at submit."""
+        self.dead = True
+
+    def revive(self) -> None:
+        self.dead = False
+
+    # -- EngineClient --------------------------------------------------------------------
+    def is_healthy(self) -> bool:
+        return not self.dead
+
+    async def generate(self, request_id: str, prompt_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[EngineOutput]:
+        if self.dead:
+            raise EngineDeadError()
+        if self.full:
+            raise EngineOverloadedError(retry_after_s=self.retry_after_s)
+        if request_id in self.running:
+            raise ValueError(f"request id {request_id!r} is already running")
+        if params.n != 1:
+            raise ValueError(f"the engine takes one sequence per request, got n={params.n}")
+        self.submitted[request_id] = (list(prompt_ids), params)
+        self.running.add(request_id)
+        cached = min(self.num_cached_tokens, len(prompt_ids))
+        self._prefix_queries += len(prompt_ids)
+        self._prefix_hits += cached
+        script = list(self.responder(list(prompt_ids), params))
+        max_tokens = params.max_tokens or (self.max_model_len - len(prompt_ids))
+        stop_ids = set(params.stop_token_ids)
+        try:
+            produced = 0
+            first = True
+            while True:
+                await asyncio.sleep(self.first_token_delay_s if first else self.token_delay_s)
+                if self.dead:
+                    raise EngineDeadError()
+                if request_id in self.aborted:
+                    self.finished[request_id] = "abort"
+                    yield self._output([], params, True, "abort", len(prompt_ids), cached, first)
+                    return
+                tokens: list[int] = []
+                reason: str | None = None
+                while len(tokens) < self.tokens_per_delta:
+                    if produced >= len(script):
+                        reason = "stop"  # script exhausted: as if the model emitted EOS
+                        break
+                    token = script[produced]
+                    tokens.append(token)
+                    produced += 1
+                    if token in stop_ids and produced > params.min_tokens:
+                        reason = "stop"
+                        break
+                    if produced >= max_tokens:
+                        reason = "length"
+                        break
+                if reason is not None:
+                    self.finished[request_id] = reason
+                yield self._output(tokens, params, reason is not None, reason,
+                                   len(prompt_ids), cached, first)
+                first = False
+                if reason is not None:
+                    return
+        finally:
+            self.running.discard(request_id)
+
+    def _output(self, tokens: list[int], params: SamplingParams, finished: bool,
+                reason: str | None, n_prompt: int, cached: int, first: bool) -> EngineOutput:
+        logprobs = top = None
+        if params.logprobs is not None:
+            # Deterministic, plausible-looking values: a distinct negative number per token.
+            logprobs = [-((t % 7) + 1) / 8.0 for t in tokens]
+            top = [
+                [(t, lp)] + [((t + k + 1) % self.vocab_size, lp - k - 1.0)
+                             for k in range(params.logprobs - 1)]
+                for t, lp in zip(tokens, logprobs)
+            ]
+            top = [row[: params.logprobs] for row in top]
+        return EngineOutput(
+            new_token_ids=tokens, logprobs=logprobs, top_logprobs=top, finished=finished,
+            finish_reason=reason,  # type: ignore[arg-type]
+            num_prompt_tokens=n_prompt, num_cached_tokens=cached,
+            queue_time_s=self.queue_time_s if first else None,
+        )
+
+    async def abort(self, request_id: str) -> None:
+        if request_id not in self.aborted:
+            self.aborted.append(request_id)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self.running), waiting=0, kv_usage=self.kv_usage,
+            prefix_cache_queries=self._prefix_queries, prefix_cache_hits=self._prefix_hits,
+            preemptions=self.preemptions,
+        )

@@ -1,0 +1,180 @@
+"""One choice of a completion: an engine request turned into text deltas.
+
+:class:`ChoiceRun` owns everything per choice: the engine stream, the incremental detokenizer,
+the stop-string matcher, token accounting and latency metrics. It aborts the engine request
+when it ends early (stop string matched, client gone, error), so no engine slot is left
+generating for nobody.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import anyio
+
+from blink.dpu.detokenizer import IncrementalDetokenizer
+from blink.dpu.engine_client import EngineClient, EngineError, EngineOutput
+from blink.dpu.metrics import FrontendMetrics
+from blink.dpu.stop_strings import StopStringMatcher
+from blink.dpu.tokenizer import Tokenizer
+from blink.engine.sampling_params import SamplingParams
+
+
+class EngineRequestError(EngineError):
+    """The engine ended a request with finish_reason "error" (or ended it without output)."""
+
+
+@dataclass
+class ChoiceDelta:
+    """What one engine delta contributes to a choice (the ``token_ids`` are those counted as
+    completion tokens; tokens past a matched stop string are dropped)."""
+
+    index: int
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None
+
+
+class ChoiceRun:
+    """Drive one engine request (one choice): :meth:`start`, then iterate :meth:`deltas`."""
+
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, metrics: FrontendMetrics, *,
+                 request_id: str, index: int, prompt_ids: list[int], params: SamplingParams,
+                 include_stop_str_in_output: bool = False, arrival_time: float | None = None
+                 ) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.request_id = request_id
+        self.index = index
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        self._matcher = StopStringMatcher(params.stop, include_stop_str_in_output)
+        self._stop_token_ids = frozenset(params.stop_token_ids)
+        self._stream: AsyncIterator[EngineOutput] | None = None
+        self._first: EngineOutput | None = None
+        self._last_token_time: float | None = None
+        self.completion_tokens = 0
+        self.num_cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.engine_finished = False  # the engine side is done (no abort needed)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    async def start(self) -> None:
+        """Submit the request and wait for its first delta.
+
+        Raises :class:`EngineOverloadedError` / :class:`EngineDeadError` from the engine, so a
+        streaming response can still answer 503 before its headers are sent.
+        """
+        self._stream = self.engine.generate(self.request_id, self.prompt_ids, self.params)
+        try:
+            self._first = await self._stream.__anext__()
+        except StopAsyncIteration:
+            self.engine_finished = True
+            raise EngineRequestError(
+                f"the engine ended request {self.request_id} without any output") from None
+        except EngineError:
+            self.engine_finished = True  # not admitted (full) or the engine is gone: no abort
+            raise
+
+    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        """Text deltas until the choice finishes; aborts the engine request if cut short."""
+        if self._stream is None or self._first is None:
+            raise RuntimeError("start() must complete before deltas()")
+        try:
+            out: EngineOutput | None = self._first
+            self._first = None
+            while out is not None:
+                delta = self._process(out)
+                if delta.text or delta.token_ids or delta.finish_reason:
+                    yield delta
+                if self.finished:
+                    return
+                try:
+                    out = await self._stream.__anext__()
+                except StopAsyncIteration:
+                    self.engine_finished = True
+                    raise EngineRequestError(
+                        f"the engine stream of {self.request_id} ended before it finished"
+                    ) from None
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Abort the engine request unless the engine already finished it. Idempotent."""
+        stream, self._stream = self._stream, None
+        if stream is None:
+            return
+        # Shielded: this runs while the task is being cancelled (client disconnect), and the
+        # abort must still reach the engine.
+        with anyio.CancelScope(shield=True):
+            if not self.engine_finished:
+                self.engine_finished = True
+                await self.engine.abort(self.request_id)
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    def _observe_timing(self, n_tokens: int, now: float) -> None:
+        if self._last_token_time is None:
+            self.metrics.ttft.observe(now - self.arrival_time)
+        else:
+            # Tokens read together (the frontend polls the ring) share the wait equally.
+            gap = (now - self._last_token_time) / n_tokens
+            for _ in range(n_tokens):
+                self.metrics.itl.observe(gap)
+        self._last_token_time = now
+
+    def _process(self, out: EngineOutput) -> ChoiceDelta:
+        now = time.monotonic()
+        self.num_cached_tokens = out.num_cached_tokens
+        if out.queue_time_s is not None:
+            self.metrics.queue_time.observe(out.queue_time_s)
+        if out.new_token_ids:
+            self._observe_timing(len(out.new_token_ids), now)
+        if out.finished and out.finish_reason == "error":
+            self.engine_finished = True
+            raise EngineRequestError(f"the engine failed request {self.request_id}")
+
+        pieces: list[str] = []
+        kept = 0
+        last = len(out.new_token_ids) - 1
+        for i, token_id in enumerate(out.new_token_ids):
+            kept += 1
+            self.completion_tokens += 1
+            if (out.finished and i == last and out.finish_reason == "stop"
+                    and token_id in self._stop_token_ids and not self.include_stop_str_in_output):
+                continue  # the stop token (eos) ends the text; it is counted, not shown
+            active = self.completion_tokens > self.params.min_tokens  # vLLM's rule
+            pieces.append(self._matcher.feed(self._detok.step(token_id), active))
+            if self._matcher.matched is not None:
+                self.finish_reason = "stop"
+                break
+        if self.finish_reason is None and out.finished:
+            tail = self._matcher.feed(self._detok.flush())
+            pieces.append(tail)
+            if self._matcher.matched is None:
+                pieces.append(self._matcher.flush())
+            self.finish_reason = "stop" if self._matcher.matched else (out.finish_reason or "stop")
+        if out.finished:
+            self.engine_finished = True
+
+        self.metrics.generation_tokens.inc(kept)
+        if self.finished:
+            self.metrics.prompt_tokens.inc(len(self.prompt_ids))
+            self.metrics.e2e.observe(now - self.arrival_time)
+            self.metrics.request_finished(self.finish_reason or "stop")
+        return ChoiceDelta(
+            index=self.index, text="".join(pieces), token_ids=out.new_token_ids[:kept],
+            logprobs=out.logprobs[:kept] if out.logprobs is not None else None,
+            top_logprobs=out.top_logprobs[:kept] if out.top_logprobs is not None else None,
+            finish_reason=self.finish_reason,
+        )

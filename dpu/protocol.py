@@ -1,0 +1,321 @@
+"""OpenAI API request/response models (chat completions, completions, models) and vLLM's
+``/tokenize`` / ``/detokenize``.
+
+Requests are strict: wrong JSON types and unknown arguments are 400s, as with OpenAI (a
+silently ignored typo such as ``"max_token"`` would otherwise change the answer). vLLM's
+sampling extras (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
+``stop_token_ids``, ...) are accepted. Parameters OpenAI defines but this server does not
+implement (tools, response formats, echo, ...) are accepted as fields so that a request that
+sets them gets a clear "not supported" error instead of "unrecognized argument".
+Numeric ranges are checked by :class:`blink.engine.sampling_params.SamplingParams`.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # OpenAI treats an explicit null as "not given"; many clients send them.
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items()
+                    if v is not None or k not in cls.model_fields
+                    or cls.model_fields[k].default is None}
+        return data
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk
+
+
+class ChatMessage(BaseModel):
+    """An input message. Extra keys (``tool_calls``, ``reasoning_content``, ...) go to the
+    template untouched; content parts are checked when the template is rendered."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class _SamplingFields(_Request):
+    """Fields shared by chat and completions requests."""
+
+    model: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    max_tokens: int | None = None
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # accepted and ignored: bookkeeping that does not change the answer
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # OpenAI parameters we reject when set (see unsupported())
+    echo: bool = False
+    best_of: int | None = None
+    use_beam_search: bool = False
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(param, reason) for the first set parameter this server cannot honour."""
+        if self.echo:
+            return "echo", "echo is not supported"
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of", "best_of different from n is not supported"
+        if self.use_beam_search:
+            return "use_beam_search", "beam search is not supported"
+        return None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    # vLLM extras for templates
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    # tool calling / structured output are not implemented
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        base = super().unsupported()
+        if base:
+            return base
+        if self.tools or self.functions:
+            return ("tools" if self.tools else "functions"), "tool calling is not supported"
+        if self.tool_choice not in (None, "none"):
+            return "tool_choice", "tool calling is not supported"
+        if self.function_call not in (None, "none"):
+            return "function_call", "tool calling is not supported"
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            return "response_format", "only response_format {'type': 'text'} is supported"
+        if self.modalities is not None and self.modalities != ["text"]:
+            return "modalities", "only the 'text' modality is supported"
+        if self.audio is not None:
+            return "audio", "audio output is not supported"
+        if self.prediction is not None:
+            return "prediction", "predicted outputs are not supported"
+        if self.reasoning_effort is not None:
+            return "reasoning_effort", "reasoning_effort is not supported"
+        if self.add_generation_prompt and self.continue_final_message:
+            return ("continue_final_message",
+                    "continue_final_message requires add_generation_prompt=false")
+        return None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+    def unsupported(self) -> tuple[str, str] | None:
+        base = super().unsupported()
+        if base:
+            return base
+        if self.suffix:
+            return "suffix", "suffix is not supported"
+        return None
+
+
+# -- responses ---------------------------------------------------------------------------
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(_Response):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(_Response):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(_Response):
+    """A streamed message delta; unset fields are left out (``{}`` for the final chunk)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionStreamChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionLogprobs(_Response):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "blink"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# -- vLLM's tokenizer endpoints ------------------------------------------------------------
+class TokenizeCompletionRequest(_Request):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Request):
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str

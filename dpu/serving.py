@@ -1,0 +1,613 @@
+"""Request handling for the OpenAI endpoints: validate, tokenize, fan out, stream back.
+
+One HTTP request becomes ``len(prompts) * n`` engine requests (:class:`ChoiceRun`), run
+concurrently by a :class:`RequestFanout`, which also watches the connection: when the client
+goes away (streaming or not) every unfinished engine request is aborted at once, instead of
+generating to ``max_tokens`` for nobody.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from blink.dpu import errors
+from blink.dpu.chat_template import ChatTemplateError
+from blink.dpu.engine_client import (
+    EngineClient,
+    EngineDeadError,
+    EngineError,
+    EngineOverloadedError,
+)
+from blink.dpu.errors import APIError, bad_request
+from blink.dpu.generation import ChoiceDelta, ChoiceRun
+from blink.dpu.metrics import FrontendMetrics
+from blink.dpu.protocol import (
+    AssistantMessage,
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    PromptTokensDetails,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    TopLogprob,
+    UsageInfo,
+)
+from blink.dpu.tokenizer import Tokenizer
+from blink.engine.sampling_params import SamplingParams, SamplingParamsError
+
+_M = TypeVar("_M", bound=BaseModel)
+_DONE = object()
+_DISCONNECTED = object()
+# JSON has no -inf; vLLM clamps logprobs the same way.
+_MIN_LOGPROB = -9999.0
+# Status for "client closed the request" (nginx's convention; nobody reads it).
+_CLIENT_CLOSED = 499
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the answer was ready."""
+
+
+def parse_request(model: type[_M], body: bytes) -> _M:
+    """Validate a JSON body; malformed JSON and wrong types become 400s."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise errors.from_validation_error(e) from None
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Return when the client disconnects (the body must already have been read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def engine_error_to_api(exc: BaseException) -> APIError:
+    if isinstance(exc, EngineOverloadedError):
+        return errors.overloaded(str(exc), exc.retry_after_s)
+    if isinstance(exc, EngineDeadError):
+        return errors.engine_unavailable(str(exc))
+    return errors.internal_error(str(exc) or type(exc).__name__)
+
+
+class RequestFanout:
+    """The engine requests of one HTTP request, run concurrently, plus disconnect watching."""
+
+    def __init__(self, request: Request, runs: list[ChoiceRun]) -> None:
+        self.request = request
+        self.runs = runs
+        self.disconnected = False
+        self._watcher: asyncio.Task[None] | None = None
+        self._pumps: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        """Submit every run and wait for each one's first delta.
+
+        Raises :class:`ClientDisconnected` if the client leaves meanwhile, or the first engine
+        error (then no run is left running).
+        """
+        self._watcher = asyncio.ensure_future(wait_for_disconnect(self.request))
+        starter = asyncio.ensure_future(
+            asyncio.gather(*(run.start() for run in self.runs), return_exceptions=True))
+        try:
+            await asyncio.wait({starter, self._watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            starter.cancel()
+            await self.close()
+            raise
+        if not starter.done():
+            self.disconnected = True
+            starter.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(starter, return_exceptions=True)
+            await self.close()
+            raise ClientDisconnected()
+        failures = [r for r in starter.result() if isinstance(r, BaseException)]
+        if failures:
+            await self.close()
+            raise failures[0]
+
+    @staticmethod
+    async def _pump(run: ChoiceRun, queue: asyncio.Queue[Any]) -> None:
+        try:
+            async for delta in run.deltas():
+                queue.put_nowait(delta)
+        except Exception as e:  # handed to the consumer, which turns it into an error answer
+            queue.put_nowait(e)
+        finally:
+            queue.put_nowait(_DONE)
+
+    async def events(self) -> AsyncIterator[ChoiceDelta]:
+        """Deltas of all runs as they arrive. Ends when all finish, or early (with
+        :attr:`disconnected` set) when the client leaves; re-raises a run's engine error."""
+        assert self._watcher is not None, "start() first"
+        # Unbounded (like vLLM's output queues): a slow client's tokens wait here instead of
+        # stalling the engine client's poller, which serves every request.
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+
+        def on_disconnect(task: asyncio.Task[None]) -> None:
+            if not task.cancelled() and task.exception() is None:
+                queue.put_nowait(_DISCONNECTED)
+
+        self._watcher.add_done_callback(on_disconnect)  # also fires if it is already done
+        self._pumps = [asyncio.ensure_future(self._pump(run, queue)) for run in self.runs]
+        remaining = len(self._pumps)
+        try:
+            while remaining:
+                item = await queue.get()
+                if item is _DISCONNECTED:
+                    self.disconnected = True
+                    return
+                if item is _DONE:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Stop watching; abort every unfinished run. Safe to call more than once."""
+        with anyio.CancelScope(shield=True):
+            if self._watcher is not None:
+                self._watcher.cancel()
+            for pump in self._pumps:
+                pump.cancel()
+            if self._pumps:
+                await asyncio.gather(*self._pumps, return_exceptions=True)
+            for run in self.runs:
+                await run.close()
+
+
+class _SSEResponse(StreamingResponse):
+    """A StreamingResponse that always runs ``on_close``, even if the body never started
+    (the client vanished before the headers went out)."""
+
+    def __init__(self, content: AsyncIterator[str],
+                 on_close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=_SSE_HEADERS)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
+
+
+def _sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+def _clamp(logprob: float) -> float:
+    return max(logprob, _MIN_LOGPROB)
+
+
+def _sampling_param_name(exc: SamplingParamsError, renames: dict[str, str]) -> str | None:
+    """SamplingParams messages start with the field name; map it to the request's name."""
+    word = str(exc).split(" ", 1)[0]
+    if word in {f.name for f in dataclasses.fields(SamplingParams)}:
+        return renames.get(word, word)
+    return None
+
+
+class OpenAIServing:
+    """The handlers behind the routes in :mod:`blink.dpu.app`."""
+
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, metrics: FrontendMetrics,
+                 model_name: str) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.model_name = model_name
+        self.max_model_len = engine.max_model_len
+
+    # -- shared checks ---------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise errors.model_not_found(name)
+
+    def check_healthy(self) -> None:
+        if not self.engine.is_healthy():
+            raise errors.engine_unavailable(
+                "The engine is not available (heartbeat stale); try again later.")
+
+    def _check_request(self, req: ChatCompletionRequest | CompletionRequest) -> None:
+        self.check_model(req.model)
+        problem = req.unsupported()
+        if problem is not None:
+            raise bad_request(f"{problem[1]}.", param=problem[0])
+
+    def _check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.tokenizer.vocab_size
+        for token_id in ids:
+            if not 0 <= token_id < vocab:
+                raise bad_request(f"Token id {token_id} is out of vocabulary "
+                                  f"(the vocabulary has {vocab} tokens).", param=param)
+
+    def _sampling_params(self, req: ChatCompletionRequest | CompletionRequest,
+                         max_tokens: int, logprobs: int | None,
+                         renames: dict[str, str]) -> SamplingParams:
+        stop_ids = list(req.stop_token_ids or [])
+        if not req.ignore_eos:
+            # The engine stops on stop_token_ids; eos is one unless the client ignores it.
+            stop_ids += [t for t in self.tokenizer.eos_token_ids if t not in stop_ids]
+        try:
+            params = SamplingParams.from_generation_config(
+                self.tokenizer.generation_config,
+                n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens,
+                temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                seed=req.seed, stop=req.stop, stop_token_ids=stop_ids,
+                ignore_eos=req.ignore_eos, logprobs=logprobs, logit_bias=req.logit_bias,
+                skip_special_tokens=req.skip_special_tokens,
+            )
+            params.check_vocab(self.tokenizer.vocab_size)
+        except SamplingParamsError as e:
+            raise bad_request(str(e), param=_sampling_param_name(e, renames)) from None
+        return params
+
+    def _check_context(self, prompt_len: int, max_tokens: int | None) -> None:
+        if max_tokens is None:
+            if prompt_len >= self.max_model_len:
+                raise errors.context_length_exceeded(self.max_model_len, prompt_len, None)
+        elif prompt_len + max_tokens > self.max_model_len:
+            raise errors.context_length_exceeded(self.max_model_len, prompt_len, max_tokens)
+
+    def _default_max_tokens(self, prompt_len: int) -> int:
+        """Chat without max_tokens: the rest of the context (capped by generation_config's
+        max_new_tokens, as vLLM does)."""
+        room = self.max_model_len - prompt_len
+        cap = self.tokenizer.generation_config.get("max_new_tokens")
+        return min(room, cap) if isinstance(cap, int) and cap > 0 else room
+
+    def _make_runs(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                   include_stop: bool, arrival: float) -> list[ChoiceRun]:
+        runs = []
+        for p, prompt_ids in enumerate(prompts):
+            for i in range(params.n):
+                # One engine request per choice; a given seed is offset per choice so the
+                # choices differ but stay reproducible.
+                seed = None if params.seed is None else params.seed + i
+                choice_params = dataclasses.replace(params, n=1, seed=seed)
+                index = p * params.n + i
+                suffix = f"{p}-{i}" if len(prompts) > 1 else str(i)
+                runs.append(ChoiceRun(
+                    self.engine, self.tokenizer, self.metrics,
+                    request_id=f"{request_id}-{suffix}", index=index, prompt_ids=prompt_ids,
+                    params=choice_params, include_stop_str_in_output=include_stop,
+                    arrival_time=arrival))
+        return runs
+
+    @staticmethod
+    async def _start(request: Request, runs: list[ChoiceRun]) -> RequestFanout | None:
+        """Start a fanout; ``None`` if the client left while waiting for the first tokens."""
+        fanout = RequestFanout(request, runs)
+        try:
+            await fanout.start()
+        except ClientDisconnected:
+            return None
+        except EngineError as e:
+            raise engine_error_to_api(e) from None
+        return fanout
+
+    def _usage(self, prompts: list[list[int]], runs: list[ChoiceRun], n: int) -> UsageInfo:
+        # A prompt counts once however many choices it has (as with OpenAI).
+        prompt_tokens = sum(len(p) for p in prompts)
+        completion = sum(r.completion_tokens for r in runs)
+        cached = sum(runs[p * n].num_cached_tokens for p in range(len(prompts)))
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion,
+                         total_tokens=prompt_tokens + completion,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+    # -- logprobs formatting ---------------------------------------------------------------
+    def _chat_logprobs(self, d: ChoiceDelta) -> list[ChatTokenLogprob]:
+        assert d.logprobs is not None and d.top_logprobs is not None
+        tok = self.tokenizer
+        out = []
+        for token_id, lp, top in zip(d.token_ids, d.logprobs, d.top_logprobs):
+            out.append(ChatTokenLogprob(
+                token=tok.token_text(token_id), logprob=_clamp(lp),
+                bytes=list(tok.token_bytes(token_id)),
+                top_logprobs=[TopLogprob(token=tok.token_text(t), logprob=_clamp(v),
+                                         bytes=list(tok.token_bytes(t))) for t, v in top]))
+        return out
+
+    def _completion_logprobs(self, d: ChoiceDelta, offset: int) -> tuple[CompletionLogprobs, int]:
+        assert d.logprobs is not None and d.top_logprobs is not None
+        tok = self.tokenizer
+        out = CompletionLogprobs()
+        for token_id, lp, top in zip(d.token_ids, d.logprobs, d.top_logprobs):
+            text = tok.token_text(token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(_clamp(lp))
+            out.text_offset.append(offset)
+            offset += len(text)
+            alternatives: dict[str, float] = {}
+            for t, v in top:  # two ids can share a text; keep the likelier
+                key = tok.token_text(t)
+                alternatives[key] = max(alternatives.get(key, _MIN_LOGPROB), _clamp(v))
+            out.top_logprobs.append(alternatives)
+        return out, offset
+
+    # -- /v1/chat/completions --------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        req = parse_request(ChatCompletionRequest, await request.body())
+        self._check_request(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
+        if not req.messages:
+            raise bad_request("messages must contain at least one message.", param="messages")
+        self.check_healthy()
+        try:
+            prompt_ids = self.tokenizer.encode_chat(
+                [m.model_dump(exclude_none=True) for m in req.messages],
+                add_special_tokens=req.add_special_tokens,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                documents=req.documents, chat_template_kwargs=req.chat_template_kwargs,
+                chat_template=req.chat_template)
+        except ChatTemplateError as e:
+            raise bad_request(str(e), param="messages") from None
+        if not prompt_ids:
+            raise bad_request("The rendered prompt is empty.", param="messages")
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None \
+            else req.max_tokens
+        max_param = "max_completion_tokens" if req.max_completion_tokens is not None \
+            else "max_tokens"
+        if requested is None:
+            self._check_context(len(prompt_ids), None)
+        max_tokens = requested if requested is not None \
+            else self._default_max_tokens(len(prompt_ids))
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = self._sampling_params(req, max_tokens, logprobs,
+                                       {"logprobs": "top_logprobs", "max_tokens": max_param})
+        self._check_context(len(prompt_ids), requested)
+
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        runs = self._make_runs(request_id, [prompt_ids], params,
+                               req.include_stop_str_in_output, arrival)
+        fanout = await self._start(request, runs)
+        if fanout is None:
+            return Response(status_code=_CLIENT_CLOSED)
+        if req.stream:
+            return _SSEResponse(self._chat_stream(req, request_id, fanout, [prompt_ids]),
+                                fanout.close)
+        return await self._chat_full(req, request_id, fanout, [prompt_ids])
+
+    async def _chat_full(self, req: ChatCompletionRequest, request_id: str,
+                         fanout: RequestFanout, prompts: list[list[int]]) -> Response:
+        n = len(fanout.runs)
+        texts: list[list[str]] = [[] for _ in range(n)]
+        logprobs: list[list[ChatTokenLogprob]] = [[] for _ in range(n)]
+        finish: list[str | None] = [None] * n
+        try:
+            async for d in fanout.events():
+                texts[d.index].append(d.text)
+                if req.logprobs and d.token_ids:
+                    logprobs[d.index] += self._chat_logprobs(d)
+                finish[d.index] = d.finish_reason or finish[d.index]
+        except EngineError as e:
+            raise engine_error_to_api(e) from None
+        if fanout.disconnected:
+            return Response(status_code=_CLIENT_CLOSED)
+        choices = [ChatCompletionChoice(
+            index=i, message=AssistantMessage(content="".join(texts[i])),
+            logprobs=ChatChoiceLogprobs(content=logprobs[i]) if req.logprobs else None,
+            finish_reason=finish[i]) for i in range(n)]
+        body = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                      usage=self._usage(prompts, fanout.runs, req.n))
+        return JSONResponse(body.model_dump(mode="json"))
+
+    async def _chat_stream(self, req: ChatCompletionRequest, request_id: str,
+                           fanout: RequestFanout, prompts: list[list[int]]) -> AsyncIterator[str]:
+        created = int(time.time())
+        opts = req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = include_usage and bool(opts and opts.continuous_usage_stats)
+        exclude = None if include_usage else {"usage"}
+
+        def chunk(choice: ChatCompletionStreamChoice) -> str:
+            usage = self._usage(prompts, fanout.runs, req.n) if continuous else None
+            c = ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
+                                    choices=[choice], usage=usage)
+            return _sse(c.model_dump_json(exclude=exclude))
+
+        try:
+            for run in fanout.runs:
+                yield chunk(ChatCompletionStreamChoice(
+                    index=run.index, delta=DeltaMessage(role="assistant", content="")))
+            async for d in fanout.events():
+                lp = ChatChoiceLogprobs(content=self._chat_logprobs(d)) \
+                    if req.logprobs and d.token_ids else None
+                if not (d.text or d.finish_reason or lp):
+                    continue  # tokens whose text is still held back: nothing to send yet
+                yield chunk(ChatCompletionStreamChoice(
+                    index=d.index, delta=DeltaMessage(content=d.text) if d.text else DeltaMessage(),
+                    logprobs=lp, finish_reason=d.finish_reason))
+            if fanout.disconnected:
+                return
+            if include_usage:
+                c = ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
+                                        choices=[], usage=self._usage(prompts, fanout.runs, req.n))
+                yield _sse(c.model_dump_json())
+        except EngineError as e:
+            yield _sse(json.dumps(engine_error_to_api(e).body()))
+        finally:
+            await fanout.close()
+        yield "data: [DONE]\n\n"
+
+    # -- /v1/completions -------------------------------------------------------------------
+    def _completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            texts_or_ids: list[Any] = [prompt]
+        elif prompt and all(isinstance(x, int) for x in prompt):
+            texts_or_ids = [prompt]
+        else:
+            texts_or_ids = list(prompt)
+        if not texts_or_ids:
+            raise bad_request("The prompt cannot be empty.", param="prompt")
+        prompts: list[list[int]] = []
+        for item in texts_or_ids:
+            if isinstance(item, str):
+                if not item:
+                    raise bad_request("The prompt cannot be empty.", param="prompt")
+                ids = self.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
+            else:
+                ids = list(item)
+                self._check_token_ids(ids, "prompt")
+            if not ids:
+                raise bad_request("The prompt cannot be empty.", param="prompt")
+            prompts.append(ids)
+        return prompts
+
+    async def completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        req = parse_request(CompletionRequest, await request.body())
+        self._check_request(req)
+        self.check_healthy()
+        prompts = self._completion_prompts(req)
+        max_tokens = req.max_tokens if req.max_tokens is not None else 16
+        params = self._sampling_params(req, max_tokens, req.logprobs, {})
+        for ids in prompts:
+            self._check_context(len(ids), max_tokens)
+
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        runs = self._make_runs(request_id, prompts, params, req.include_stop_str_in_output,
+                               arrival)
+        fanout = await self._start(request, runs)
+        if fanout is None:
+            return Response(status_code=_CLIENT_CLOSED)
+        if req.stream:
+            return _SSEResponse(self._completion_stream(req, request_id, fanout, prompts),
+                                fanout.close)
+        return await self._completion_full(req, request_id, fanout, prompts)
+
+    async def _completion_full(self, req: CompletionRequest, request_id: str,
+                               fanout: RequestFanout, prompts: list[list[int]]) -> Response:
+        n = len(fanout.runs)
+        texts: list[list[str]] = [[] for _ in range(n)]
+        logprobs = [CompletionLogprobs() for _ in range(n)]
+        offsets = [0] * n
+        finish: list[str | None] = [None] * n
+        try:
+            async for d in fanout.events():
+                texts[d.index].append(d.text)
+                if req.logprobs is not None and d.token_ids:
+                    part, offsets[d.index] = self._completion_logprobs(d, offsets[d.index])
+                    acc = logprobs[d.index]
+                    acc.tokens += part.tokens
+                    acc.token_logprobs += part.token_logprobs
+                    acc.top_logprobs += part.top_logprobs
+                    acc.text_offset += part.text_offset
+                finish[d.index] = d.finish_reason or finish[d.index]
+        except EngineError as e:
+            raise engine_error_to_api(e) from None
+        if fanout.disconnected:
+            return Response(status_code=_CLIENT_CLOSED)
+        choices = [CompletionChoice(
+            index=i, text="".join(texts[i]),
+            logprobs=logprobs[i] if req.logprobs is not None else None,
+            finish_reason=finish[i]) for i in range(n)]
+        body = CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                  usage=self._usage(prompts, fanout.runs, req.n))
+        return JSONResponse(body.model_dump(mode="json"))
+
+    async def _completion_stream(self, req: CompletionRequest, request_id: str,
+                                 fanout: RequestFanout, prompts: list[list[int]]
+                                 ) -> AsyncIterator[str]:
+        created = int(time.time())
+        opts = req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = include_usage and bool(opts and opts.continuous_usage_stats)
+        exclude = None if include_usage else {"usage"}
+        offsets = [0] * len(fanout.runs)
+        try:
+            async for d in fanout.events():
+                lp = None
+                if req.logprobs is not None and d.token_ids:
+                    lp, offsets[d.index] = self._completion_logprobs(d, offsets[d.index])
+                if not (d.text or d.finish_reason or lp):
+                    continue  # tokens whose text is still held back: nothing to send yet
+                usage = self._usage(prompts, fanout.runs, req.n) if continuous else None
+                c = CompletionResponse(
+                    id=request_id, created=created, model=self.model_name, usage=usage,
+                    choices=[CompletionChoice(index=d.index, text=d.text, logprobs=lp,
+                                              finish_reason=d.finish_reason)])
+                yield _sse(c.model_dump_json(exclude=exclude))
+            if fanout.disconnected:
+                return
+            if include_usage:
+                c = CompletionResponse(id=request_id, created=created, model=self.model_name,
+                                       choices=[], usage=self._usage(prompts, fanout.runs, req.n))
+                yield _sse(c.model_dump_json())
+        except EngineError as e:
+            yield _sse(json.dumps(engine_error_to_api(e).body()))
+        finally:
+            await fanout.close()
+        yield "data: [DONE]\n\n"
+
+    # -- /tokenize, /detokenize --------------------------------------------------------------
+    async def tokenize(self, request: Request) -> TokenizeResponse:
+        body = await request.body()
+        try:
+            data = json.loads(body)
+        except ValueError:
+            data = None  # parse_request below reports the JSON error
+        is_chat = isinstance(data, dict) and "messages" in data
+        if is_chat:
+            chat = parse_request(TokenizeChatRequest, body)
+            self.check_model(chat.model)
+            try:
+                ids = self.tokenizer.encode_chat(
+                    [m.model_dump(exclude_none=True) for m in chat.messages],
+                    add_special_tokens=chat.add_special_tokens,
+                    add_generation_prompt=chat.add_generation_prompt,
+                    continue_final_message=chat.continue_final_message, tools=chat.tools,
+                    chat_template_kwargs=chat.chat_template_kwargs,
+                    chat_template=chat.chat_template)
+            except ChatTemplateError as e:
+                raise bad_request(str(e), param="messages") from None
+            want_strs = chat.return_token_strs
+        else:
+            plain = parse_request(TokenizeCompletionRequest, body)
+            self.check_model(plain.model)
+            ids = self.tokenizer.encode(plain.prompt, add_special_tokens=plain.add_special_tokens)
+            want_strs = plain.return_token_strs
+        strs = [self.tokenizer.id_to_token(t) or "" for t in ids] if want_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids,
+                                token_strs=strs)
+
+    async def detokenize(self, request: Request) -> DetokenizeResponse:
+        req = parse_request(DetokenizeRequest, await request.body())
+        self.check_model(req.model)
+        self._check_token_ids(req.tokens, "tokens")
+        return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
