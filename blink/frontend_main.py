@@ -1,0 +1,70 @@
+"""The frontend process: bootstrap with a running engine, attach the ring, serve HTTP.
+
+Torch-free: this is what runs on the DPU (``blink serve --frontend-only --engine HOST:PORT``),
+and what ``blink serve`` starts as its second process.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from blink.errors import BlinkError
+
+
+def parse_host_port(value: str, what: str = "--engine") -> tuple[str, int]:
+    """``HOST:PORT`` → (host, port), with a clear error for anything else."""
+    host, sep, port = (value or "").rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise BlinkError(f"{what} must be HOST:PORT (for example 127.0.0.1:7000), got {value!r}")
+    return host, int(port)
+
+
+async def _serve(args: argparse.Namespace, host: str, port: int) -> None:
+    import uvicorn
+
+    from blink.dpu.app import create_app
+    from blink.dpu.ring_client import RingEngineClient
+    from blink.dpu.tokenizer import Tokenizer
+
+    engine = await RingEngineClient.connect(host, port, expect_transport=args.transport)
+    try:
+        tokenizer = Tokenizer.from_pretrained(engine.info.tokenizer)
+        model_name = getattr(args, "served_model_name", None) or engine.model_name
+        app = create_app(engine, tokenizer, model_name=model_name, api_key=args.api_key)
+        config = uvicorn.Config(
+            app, host=args.host, port=args.port, log_level="warning", access_log=False,
+            timeout_graceful_shutdown=10,
+        )
+        server = uvicorn.Server(config)
+        engine.start()
+        serve_task = asyncio.create_task(server.serve())
+        while not server.started and not serve_task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            print(f"Blink frontend ready: http://{args.host}:{args.port}/v1 "
+                  f"(model {model_name!r}, engine {host}:{port})", flush=True)
+        await serve_task
+        if not server.started:
+            raise BlinkError(f"the HTTP server could not start on {args.host}:{args.port} "
+                             f"(is the port in use?)")
+    finally:
+        await engine.close()
+
+
+def run_frontend(args: argparse.Namespace) -> int:
+    """Entry point of ``blink serve --frontend-only --engine HOST:PORT``."""
+    if not args.engine:
+        raise BlinkError("--frontend-only needs --engine HOST:PORT (the engine's bootstrap address)")
+    host, port = parse_host_port(args.engine)
+    try:
+        asyncio.run(_serve(args, host, port))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover - used via the blink CLI
+    from blink.cli import main
+
+    sys.exit(main(["serve", "--frontend-only", *sys.argv[1:]]))

@@ -1,0 +1,380 @@
+"""Connection bootstrap: a small TCP handshake, like rdma_cm's, before any one-sided access.
+
+Messages are JSON objects, each preceded by its length (4 bytes, big-endian). One exchange:
+
+    frontend -> engine   {"type": "hello", "layout_version": V, "client": ..., "pid": ...}
+    engine -> frontend   {"type": "welcome", "layout_version", "transport", "total_bytes",
+                          "model", "max_model_len", "tokenizer", <transport fields>}
+                      or {"type": "refused", "error": "..."}   (then the engine hangs up)
+
+Transport fields: loopback ``region_name``; verbs ``addr``, ``rkey``, ``memory`` and the
+engine queue pair's ``qp_num``, ``psn``, ``lid``, ``gid``, ``mtu``. Verbs then takes one more
+step, because an RC queue pair needs both ends' numbers:
+
+    frontend -> engine   {"type": "connect", "endpoint": {qp_num, psn, lid, gid, mtu}}
+    engine -> frontend   {"type": "ready"}
+
+and the TCP connection stays open for as long as the frontend is connected: when it closes, the
+engine destroys the queue pair it made for that frontend. A loopback handshake ends at welcome.
+
+A frontend of another ring layout version is refused, with the same message on both sides (the
+engine logs it and keeps it in ``BootstrapServer.refusals``; the frontend raises it).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import struct
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from blink.ring import LAYOUT_VERSION
+from blink.transport.base import HandshakeError, Region, Transport, TransportError, set_thread_name
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 10.0
+MAX_MESSAGE_BYTES = 1 << 20
+_HEADER = struct.Struct(">I")
+TRANSPORT_KINDS = ("loopback", "verbs")
+
+
+# -- framing ----------------------------------------------------------------------------------
+
+
+def encode_message(obj: dict[str, Any]) -> bytes:
+    """Length-prefixed compact JSON."""
+    body = json.dumps(obj, separators=(",", ":")).encode()
+    if len(body) > MAX_MESSAGE_BYTES:
+        raise HandshakeError(f"bootstrap message of {len(body)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    return _HEADER.pack(len(body)) + body
+
+
+def send_message(sock: socket.socket, obj: dict[str, Any]) -> None:
+    sock.sendall(encode_message(obj))
+
+
+def _recv_exact(sock: socket.socket, n: int, peer: str) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        try:
+            chunk = sock.recv(n - got)
+        except socket.timeout:
+            raise HandshakeError(f"bootstrap: {peer} did not answer in time") from None
+        if not chunk:
+            raise HandshakeError(f"bootstrap: {peer} closed the connection mid-handshake")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def recv_message(sock: socket.socket, peer: str = "peer") -> dict[str, Any]:
+    """One message; :class:`HandshakeError` on EOF, timeout, oversize or non-JSON."""
+    (length,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size, peer))
+    if length > MAX_MESSAGE_BYTES:
+        raise HandshakeError(
+            f"bootstrap: {peer} sent a {length}-byte message (limit {MAX_MESSAGE_BYTES}): "
+            f"not a Blink bootstrap endpoint?"
+        )
+    body = _recv_exact(sock, length, peer)
+    try:
+        obj = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise HandshakeError(f"bootstrap: {peer} sent malformed JSON: {exc}") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
+        raise HandshakeError(f"bootstrap: {peer} sent a message without a type: {obj!r:.200}")
+    return obj
+
+
+# -- what the engine tells the frontend -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """The welcome message: everything the frontend needs before touching the ring."""
+
+    layout_version: int
+    transport: str
+    total_bytes: int
+    model_name: str
+    max_model_len: int
+    #: where the frontend loads the tokenizer files from (model path or name)
+    tokenizer: str
+    #: transport-specific fields (loopback: region_name; verbs: addr, rkey, qp_num, ...)
+    connection: dict[str, Any] = field(default_factory=dict)
+
+    _CORE = {
+        "layout_version": int, "transport": str, "total_bytes": int,
+        "model": str, "max_model_len": int, "tokenizer": str,
+    }
+
+    def to_message(self) -> dict[str, Any]:
+        clash = set(self.connection) & (set(self._CORE) | {"type"})
+        if clash:
+            raise HandshakeError(f"bootstrap: transport fields {sorted(clash)} clash with the welcome")
+        return {
+            "type": "welcome",
+            "layout_version": self.layout_version,
+            "transport": self.transport,
+            "total_bytes": self.total_bytes,
+            "model": self.model_name,
+            "max_model_len": self.max_model_len,
+            "tokenizer": self.tokenizer,
+            **self.connection,
+        }
+
+    @classmethod
+    def from_message(cls, msg: dict[str, Any]) -> "EngineInfo":
+        for key, kind in cls._CORE.items():
+            value = msg.get(key)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise HandshakeError(
+                    f"bootstrap: the engine's welcome has no valid {key!r} (got {value!r})"
+                )
+        connection = {k: v for k, v in msg.items() if k not in cls._CORE and k != "type"}
+        return cls(
+            layout_version=msg["layout_version"], transport=msg["transport"],
+            total_bytes=msg["total_bytes"], model_name=msg["model"],
+            max_model_len=msg["max_model_len"], tokenizer=msg["tokenizer"], connection=connection,
+        )
+
+
+def version_mismatch_message(engine_version: int, frontend_version: Any) -> str:
+    return (
+        f"ring layout version mismatch: the engine speaks layout version {engine_version}, the "
+        f"frontend speaks {frontend_version}; run the frontend and the engine from the same "
+        f"Blink release"
+    )
+
+
+# -- engine side ------------------------------------------------------------------------------
+
+
+class BootstrapServer:
+    """Serves the handshake for ``region`` on ``host:port`` from a background thread
+    (``blink-bootstrap``; one short-lived ``blink-bs-peer`` thread per connection)."""
+
+    def __init__(
+        self,
+        region: Region,
+        *,
+        model_name: str,
+        max_model_len: int,
+        tokenizer: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        layout_version: int = LAYOUT_VERSION,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        self.region = region
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+        self.host, self.port = host, port
+        self.layout_version = layout_version
+        self.timeout_s = timeout_s
+        #: messages of refused handshakes, newest last (diagnostics and tests)
+        self.refusals: list[str] = []
+        #: number of completed handshakes
+        self.accepted = 0
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._peers: set[socket.socket] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(host, port) actually bound (port 0 picks a free one)."""
+        if self._sock is None:
+            raise TransportError("bootstrap server is not started")
+        host, port = self._sock.getsockname()[:2]
+        return host, port
+
+    def start(self) -> tuple[str, int]:
+        if self._sock is not None:
+            return self.address
+        try:
+            sock = socket.create_server((self.host, self.port), reuse_port=False)
+        except OSError as exc:
+            raise TransportError(
+                f"bootstrap: cannot listen on {self.host}:{self.port}: {exc.strerror or exc}"
+            ) from exc
+        sock.settimeout(0.2)  # lets the accept loop notice stop()
+        self._sock = sock
+        self._thread = threading.Thread(target=self._serve, name="blink-bootstrap", daemon=True)
+        self._thread.start()
+        logger.info("bootstrap: listening on %s:%d (%s transport)", *self.address, self.region.kind)
+        return self.address
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        with self._lock:
+            peers = list(self._peers)
+        for conn in peers:  # unblock peer threads waiting for their frontend to hang up
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self._sock is not None:
+            self._sock.close()
+
+    def __enter__(self) -> "BootstrapServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _serve(self) -> None:
+        set_thread_name("blink-bootstrap")
+        assert self._sock is not None
+        while not self._stop.is_set():
+            try:
+                conn, addr = self._sock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                raise
+            peer = f"{addr[0]}:{addr[1]}"
+            threading.Thread(
+                target=self._serve_peer, args=(conn, peer), name="blink-bs-peer", daemon=True
+            ).start()
+
+    def _refuse(self, conn: socket.socket, peer: str, message: str) -> None:
+        logger.error("bootstrap: refused frontend %s: %s", peer, message)
+        self.refusals.append(message)
+        try:
+            send_message(conn, {"type": "refused", "error": message})
+        except OSError:
+            pass
+
+    def _serve_peer(self, conn: socket.socket, peer: str) -> None:
+        set_thread_name("blink-bs-peer")
+        session: Any = None
+        with self._lock:
+            self._peers.add(conn)
+        try:
+            conn.settimeout(self.timeout_s)
+            hello = recv_message(conn, f"frontend {peer}")
+            if hello["type"] != "hello":
+                self._refuse(conn, peer, f"expected a hello message, got {hello['type']!r}")
+                return
+            version = hello.get("layout_version")
+            if version != self.layout_version:
+                self._refuse(conn, peer, version_mismatch_message(self.layout_version, version))
+                return
+            offer, session = self.region.session_offer(hello)
+            info = EngineInfo(
+                layout_version=self.layout_version, transport=self.region.kind,
+                total_bytes=self.region.total_bytes, model_name=self.model_name,
+                max_model_len=self.max_model_len, tokenizer=self.tokenizer, connection=offer,
+            )
+            send_message(conn, info.to_message())
+            if session is None:
+                with self._lock:
+                    self.accepted += 1
+                logger.info("bootstrap: frontend %s (pid %s) attached", peer, hello.get("pid"))
+                return
+            msg = recv_message(conn, f"frontend {peer}")
+            if msg["type"] != "connect":
+                self._refuse(conn, peer, f"expected a connect message, got {msg['type']!r}")
+                return
+            reply = self.region.session_complete(session, msg)
+            send_message(conn, {"type": "ready", **reply})
+            with self._lock:
+                self.accepted += 1
+            logger.info("bootstrap: frontend %s (pid %s) connected", peer, hello.get("pid"))
+            # The session lives as long as the connection: wait for the frontend to hang up.
+            conn.settimeout(None)
+            while not self._stop.is_set() and conn.recv(4096):
+                pass
+        except (HandshakeError, TransportError) as exc:
+            logger.warning("bootstrap: handshake with %s failed: %s", peer, exc)
+            if isinstance(exc, TransportError) and not isinstance(exc, HandshakeError):
+                self._refuse(conn, peer, str(exc))
+        except OSError as exc:
+            logger.warning("bootstrap: connection to %s failed: %s", peer, exc)
+        finally:
+            if session is not None:
+                self.region.session_close(session)
+            with self._lock:
+                self._peers.discard(conn)
+            conn.close()
+
+
+# -- frontend side ----------------------------------------------------------------------------
+
+
+def connect(
+    host: str,
+    port: int,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    layout_version: int = LAYOUT_VERSION,
+    expect_transport: str | None = None,
+    **transport_options: Any,
+) -> tuple[EngineInfo, Transport]:
+    """Handshake with the engine at ``host:port`` and open the transport it offers.
+
+    ``expect_transport`` ("loopback"/"verbs"), when given, must match what the engine serves.
+    ``transport_options`` go to the verbs transport (device, port, gid_index).
+    """
+    where = f"{host}:{port}"
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+    except ConnectionRefusedError:
+        raise HandshakeError(
+            f"no Blink engine is listening at {where} (connection refused): start the engine "
+            f"first, or check --engine-host/--engine-port"
+        ) from None
+    except (socket.timeout, OSError) as exc:
+        raise HandshakeError(f"cannot reach the engine at {where}: {exc}") from None
+    keep_open = False
+    try:
+        send_message(sock, {
+            "type": "hello", "layout_version": layout_version,
+            "client": "blink-frontend", "pid": os.getpid(),
+        })
+        reply = recv_message(sock, f"engine {where}")
+        if reply["type"] == "refused":
+            raise HandshakeError(f"the engine at {where} refused this frontend: {reply.get('error')}")
+        if reply["type"] != "welcome":
+            raise HandshakeError(f"bootstrap: engine {where} answered {reply['type']!r}, not welcome")
+        info = EngineInfo.from_message(reply)
+        if info.layout_version != layout_version:
+            raise HandshakeError(version_mismatch_message(info.layout_version, layout_version))
+        if expect_transport is not None and info.transport != expect_transport:
+            raise HandshakeError(
+                f"the engine at {where} serves the {info.transport} transport, but this frontend "
+                f"was asked for --transport {expect_transport}"
+            )
+        if info.transport == "loopback":
+            from blink.transport.loopback import LoopbackTransport
+
+            region_name = info.connection.get("region_name")
+            if not isinstance(region_name, str):
+                raise HandshakeError("bootstrap: loopback welcome without a region_name")
+            return info, LoopbackTransport(region_name, info.total_bytes)
+        if info.transport == "verbs":
+            from blink.transport.verbs import VerbsTransport
+
+            transport = VerbsTransport(sock, info, timeout_s=timeout_s, **transport_options)
+            keep_open = True  # the engine keeps our queue pair while this connection lives
+            return info, transport
+        raise HandshakeError(
+            f"the engine at {where} offers an unknown transport {info.transport!r} "
+            f"(this frontend knows {', '.join(TRANSPORT_KINDS)})"
+        )
+    except OSError as exc:
+        raise HandshakeError(f"bootstrap with the engine at {where} failed: {exc}") from None
+    finally:
+        if not keep_open:
+            sock.close()
