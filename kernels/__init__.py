@@ -19,6 +19,8 @@ _OP_NAMES = (
     "silu_and_mul",
     "write_kv_cache",
     "paged_attention",
+    "moe_topk_route",
+    "moe_experts",
 )
 
 _cache: dict[str, SimpleNamespace] = {}
@@ -36,5 +38,33 @@ def ops_for(device: torch.device | str) -> SimpleNamespace:
 
 
 def _triton_ops() -> dict:
-    """Triton replacements for the reference ops (filled in as kernels land)."""
-    return {}
+    """Triton replacements for the reference ops, under the reference names.
+
+    The sampling pair replaces :mod:`blink.kernels.sampling_reference`'s functions of the
+    same names. Without an importable Triton the reference ops stay (slower, still correct).
+    """
+    try:
+        from blink.kernels import (
+            triton_activation,
+            triton_attention,
+            triton_moe,
+            triton_norm_rope,
+            triton_sampling,
+        )
+    except ImportError as exc:  # e.g. a CUDA torch without the triton package
+        import warnings
+
+        warnings.warn(f"Triton kernels unavailable ({exc}); using the torch reference ops")
+        return {}
+    return {
+        "rms_norm": triton_norm_rope.rms_norm,
+        "fused_add_rms_norm": triton_norm_rope.fused_add_rms_norm,
+        "apply_rope": triton_norm_rope.apply_rope,
+        "silu_and_mul": triton_activation.silu_and_mul,
+        "write_kv_cache": triton_attention.write_kv_cache,
+        "paged_attention": triton_attention.paged_attention,
+        "moe_topk_route": triton_moe.moe_topk_route,
+        "moe_experts": triton_moe.moe_experts,
+        "apply_top_k_top_p_min_p": triton_sampling.apply_top_k_top_p_min_p,
+        "sample": triton_sampling.sample,
+    }

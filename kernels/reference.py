@@ -9,7 +9,7 @@ sequence can later be captured in a CUDA graph with the Triton versions swapped 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,13 @@ class AttentionMetadata:
     block_tables:    int32 [B,M] cache block ids of each sequence.
     max_context:     int | None  optional host-side upper bound on ``seq_lens`` that lets the
                                  CPU reference gather fewer blocks; ``None`` means M*block_size.
+    max_query_len:   int | None  optional host-side upper bound on any row's number of new
+                                 tokens (1 for a decode-only step); ``None`` means T.
+    step_cache:      dict | None scratch space valid for one forward pass: ops may memoise
+                                 tensors derived from the fields above in it, so per-layer ops
+                                 do not redo per-step index work. The model gives each forward
+                                 a fresh dict; ``None`` (the default) disables memoising, so a
+                                 caller that edits the tensors in place never sees stale data.
     """
 
     slot_mapping: torch.Tensor
@@ -41,6 +48,8 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
     max_context: int | None = None
+    max_query_len: int | None = None
+    step_cache: dict | None = field(default=None, repr=False, compare=False)
 
 
 # ----------------------------------------------------------------------------- norms
@@ -108,19 +117,17 @@ def apply_rope(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style (rotate-half, the HF Llama convention) RoPE on the first ``rotary_dim``
-    channels of each head. q: [T, H, D], k: [T, KVH, D]. Returns new tensors."""
+    channels of each head, computed in fp32. q: [T, H, D], k: [T, KVH, D]. Returns new
+    tensors (views into one buffer: q and k are rotated together, in one pass)."""
     rotary_dim = cos_sin_cache.shape[-1]
-    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [T, rotary_dim/2]
-    cos = cos.unsqueeze(1)
-    sin = sin.unsqueeze(1)
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
-        x1, x2 = rot.float().chunk(2, dim=-1)
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-        return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
-
-    return rotate(q), rotate(k)
+    n_q_heads = q.shape[1]
+    qk = torch.cat([q, k], dim=1)
+    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rotary_dim/2]
+    x1, x2 = qk[..., :rotary_dim].float().chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(q.dtype)
+    if rotary_dim < qk.shape[-1]:
+        out = torch.cat([out, qk[..., rotary_dim:]], dim=-1)
+    return out[:, :n_q_heads], out[:, n_q_heads:]
 
 
 # ----------------------------------------------------------------------------- mlp
@@ -149,9 +156,46 @@ def write_kv_cache(
     v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-# Bytes of gathered K (per chunk of query tokens) above which the reference splits the
-# tokens into chunks, so long prefills do not materialise [T, context, KVH, D] at once.
+# Bytes of gathered K/V (plus mask) per chunk of sequence rows above which the reference
+# splits the rows into chunks, so long contexts do not materialise everything at once.
 _GATHER_BUDGET_BYTES = 64 << 20
+
+
+@dataclass
+class _AttentionPlan:
+    """Index tensors the reference derives from the metadata; the same for every layer."""
+
+    key: tuple
+    cell: torch.Tensor  # [T] cell of each token in the padded [B*Q (+1 dump)] query grid
+    mask: torch.Tensor  # [B, 1, Q, L] bool: may cell (b, i) see key position j
+    tables: torch.Tensor  # [B, n_blocks] int64 block ids
+
+
+def _attention_plan(md: AttentionMetadata, T: int, block_size: int) -> _AttentionPlan:
+    B, n_blocks = md.block_tables.shape
+    if md.max_context is not None:
+        n_blocks = max(1, min(n_blocks, -(-md.max_context // block_size)))
+    Q = T if md.max_query_len is None else max(1, min(T, md.max_query_len))
+    key = (T, block_size, B, n_blocks, Q)
+    cache = md.step_cache
+    if cache is not None and getattr(cache.get("paged_attention"), "key", None) == key:
+        return cache["paged_attention"]
+
+    device = md.positions.device
+    rows = md.token_seq_idx
+    q_idx = torch.arange(T, device=device) - md.query_start_loc[rows]
+    fits = (q_idx >= 0) & (q_idx < Q)
+    cell = torch.where(fits, rows * Q + q_idx, B * Q)  # B*Q is the dump cell
+    # Last key position each cell may see (-1: none); bounded by the row's context length.
+    limit = torch.full((B * Q + 1,), -1, dtype=torch.long, device=device)
+    limit.index_copy_(0, cell, md.positions.long())
+    limit = torch.minimum(limit[:-1].view(B, Q), md.seq_lens.long().unsqueeze(1) - 1)
+    key_pos = torch.arange(n_blocks * block_size, device=device)
+    mask = (key_pos <= limit.unsqueeze(-1)).unsqueeze(1)
+    plan = _AttentionPlan(key, cell, mask, md.block_tables[:, :n_blocks].long())
+    if cache is not None:
+        cache["paged_attention"] = plan
+    return plan
 
 
 def paged_attention(
@@ -166,33 +210,87 @@ def paged_attention(
     q: [T, H, D]; caches [num_blocks, block_size, KVH, D] already hold this step's K/V.
     Token t of sequence s attends to context positions ``j <= positions[t]`` (and
     ``j < seq_lens[s]``). This one function serves prefill, chunked prefill over a cached
-    prefix, and decode. Returns [T, H, D] in q's dtype.
+    prefix, and decode. Returns [T, H, D] in q's dtype; tokens of unused rows get zeros.
+
+    The reference lays the queries out on a padded [B, Q] grid (Q = ``md.max_query_len``,
+    or T when unknown), gathers each row's context once and runs fp32 SDPA with a mask, so
+    decode (Q = 1) costs one gather per sequence and a prefill does not copy its context
+    once per token. Tokens that do not fit the grid (padding) land in a dump cell. The grid
+    indices and mask are memoised in ``md.step_cache`` (when set) for the next layers.
     """
     T, H, D = q.shape
     block_size, KVH = k_cache.shape[1], k_cache.shape[2]
-    n_blocks = md.block_tables.shape[1]
-    if md.max_context is not None:
-        n_blocks = max(1, min(n_blocks, -(-md.max_context // block_size)))
-    L = n_blocks * block_size
-    group = H // KVH
-    tables = md.block_tables[:, :n_blocks].long()
+    plan = _attention_plan(md, T, block_size)
+    B, _, Q, L = plan.mask.shape
 
-    out = torch.empty_like(q)
-    per_token_bytes = L * KVH * D * 4 * 2
-    chunk = max(1, _GATHER_BUDGET_BYTES // max(per_token_bytes, 1))
-    key_pos = torch.arange(L, device=q.device)
-    for start in range(0, T, chunk):  # chunks of tokens, not requests
-        end = min(T, start + chunk)
-        rows = md.token_seq_idx[start:end]
-        blocks = tables[rows]  # [t, n_blocks]
-        k = k_cache[blocks].reshape(end - start, L, KVH, D).float()
-        v = v_cache[blocks].reshape(end - start, L, KVH, D).float()
-        qc = q[start:end].float().view(end - start, KVH, group, D)
-        scores = torch.einsum("tkgd,tlkd->tkgl", qc, k) * scale
-        limit = torch.minimum(md.positions[start:end], md.seq_lens[rows].long() - 1)
-        mask = key_pos.unsqueeze(0) > limit.unsqueeze(1)  # [t, L]
-        scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # rows fully masked = padding
-        o = torch.einsum("tkgl,tlkd->tkgd", probs, v)
-        out[start:end] = o.reshape(end - start, H, D).to(q.dtype)
-    return out
+    q_grid = q.new_zeros(B * Q + 1, H, D).index_copy_(0, plan.cell, q)
+    q_grid = q_grid[:-1].view(B, Q, H, D).transpose(1, 2)  # [B, H, Q, D]
+    out_grid = torch.empty(B * Q + 1, H, D, dtype=torch.float32, device=q.device)
+    out_grid[-1] = 0.0
+    out_view = out_grid[:-1].view(B, Q, H, D)
+    per_row_bytes = L * KVH * D * 4 * 2 + Q * L * (H * 4 + 1)
+    chunk = max(1, _GATHER_BUDGET_BYTES // per_row_bytes)
+    for start in range(0, B, chunk):  # chunks of rows sized by shapes only, never by values
+        end = min(B, start + chunk)
+        n = end - start
+        blocks = plan.tables[start:end]
+        # [n, KVH, L, D]; fp32 because CPU SDPA is both faster and more exact in fp32.
+        k = k_cache[blocks].view(n, L, KVH, D).transpose(1, 2).float()
+        v = v_cache[blocks].view(n, L, KVH, D).transpose(1, 2).float()
+        o = F.scaled_dot_product_attention(
+            q_grid[start:end].float(), k, v, attn_mask=plan.mask[start:end], scale=scale,
+            enable_gqa=KVH != H,
+        )
+        out_view[start:end] = o.transpose(1, 2)
+    return out_grid[plan.cell].to(q.dtype)
+
+
+# ----------------------------------------------------------------------------- moe
+
+
+def moe_topk_route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over experts (fp32), keep the ``top_k`` largest, optionally renormalise them
+    to sum to one (Qwen3-MoE's ``norm_topk_prob``). Returns (weights [T, k] fp32,
+    expert ids [T, k] int64)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def moe_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
+    """Mixture of SiLU-gated experts: ``sum_k weights[t,k] * expert_{ids[t,k]}(x[t])`` with
+    ``expert_e(x) = w2[e] @ (silu(w13[e][:I] @ x) * (w13[e][I:] @ x))``.
+
+    x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; weights [T, k] (fp32), ids [T, k].
+    Returns [T, H] in x's dtype. No data-dependent shapes or host reads: few tokens gather
+    their experts' weights (decode), many tokens run every expert densely and weight the
+    results (the choice depends on shapes only). Triton replaces this on GPU.
+    """
+    T, k = ids.shape
+    E = w13.shape[0]
+    if 2 * T * k < E:
+        # Gather each (token, choice) pair's expert: [T*k, 2I, H] and [T*k, H, I].
+        flat = ids.reshape(-1)
+        xs = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
+        h = silu_and_mul(torch.bmm(w13[flat], xs).squeeze(-1))  # [T*k, I]
+        y = torch.bmm(w2[flat], h.unsqueeze(-1)).squeeze(-1)  # [T*k, H]
+        y = y.float().view(T, k, -1) * weights.unsqueeze(-1)
+        return y.sum(dim=1).to(x.dtype)
+    # Per-token weight of each expert (0 where not chosen): [T, E].
+    coef = torch.zeros(T, E, dtype=torch.float32, device=x.device)
+    coef.scatter_add_(1, ids, weights.float())
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(E):  # loop over experts (a fixed count), not over requests
+        h = silu_and_mul(F.linear(x, w13[e]))
+        out += F.linear(h, w2[e]).float() * coef[:, e : e + 1]
+    return out.to(x.dtype)

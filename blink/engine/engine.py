@@ -1,0 +1,260 @@
+"""The engine: model executor + scheduler + sampler over a ring, driven by a device loop.
+
+On CPU the device loop is an engine thread (``blink-loop``) that repeats
+``schedule → forward → sample → update`` over CPU tensors. Everything a request needs comes
+from the ring and everything the engine produces goes back into it: the offline
+:class:`~blink.engine.llm.LLM` and the HTTP frontend are both just ring clients.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, replace
+
+import torch
+
+from blink.config import ModelConfig
+from blink.engine.sampler import Sampler, SamplingTensors
+from blink.engine.scheduler import Scheduler, StepBatch
+from blink.engine.state import SchedulerConfig, ring_tensors
+from blink.errors import BlinkError
+from blink.executor import ModelExecutor
+from blink.kernels.reference import AttentionMetadata
+from blink.ring import (
+    C_ENGINE_STATE,
+    C_HEARTBEAT,
+    C_SHUTDOWN,
+    ENGINE_DRAINING,
+    ENGINE_FAILED,
+    ENGINE_READY,
+    ENGINE_STOPPED,
+    SLOT_FREE,
+    Ring,
+    RingConfig,
+    RingLayout,
+)
+from blink.transport import create_region, set_thread_name
+
+log = logging.getLogger("blink.engine")
+
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+@dataclass
+class EngineConfig:
+    """Everything that sizes the engine. Defaults suit CPU serving of a small model."""
+
+    model: str = "smollm2-135m"
+    dtype: str = "auto"  # auto | float32 | bfloat16
+    device: str = "auto"  # auto | cpu | cuda
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_tokens: int | None = None
+    kv_cache_memory_gib: float = 1.0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 512
+    max_admit_per_step: int = 16
+    enable_prefix_caching: bool = True
+    stream_capacity: int = 64
+    transport: str = "loopback"
+    threads: int | None = None
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise BlinkError("--device cuda was asked for, but torch sees no CUDA GPU (use --device cpu)")
+        return torch.device(self.device)
+
+    def resolved_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]
+
+
+def _kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * element
+
+
+def _slice_sampling(st: SamplingTensors, n: int) -> SamplingTensors:
+    return SamplingTensors(**{name: getattr(st, name)[:n] for name in st.__dataclass_fields__})
+
+
+class Engine:
+    """Loads the model, creates the ring region and runs the CPU device loop in a thread.
+
+    ``start()`` returns once the loop runs (engine state READY). ``stop(drain=True)`` lets
+    running requests finish (bounded by ``drain_timeout_s``) before the loop exits.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        from blink.loader import open_model
+
+        self.config = config
+        self.device = config.resolved_device()
+        if self.device.type != "cpu":
+            raise BlinkError(
+                "the GPU device loop is not available in this build; run with --device cpu"
+            )
+        dtype = config.resolved_dtype(self.device)
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        files = open_model(config.model)
+        model_config = ModelConfig.from_hf(files.hf_config, files.source)
+        max_len = config.max_model_len or min(model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        if config.kv_cache_tokens is not None:
+            kv_tokens = config.kv_cache_tokens
+        else:
+            kv_tokens = int(config.kv_cache_memory_gib * (1 << 30)) // _kv_bytes_per_token(model_config, dtype)
+        num_blocks = kv_tokens // config.block_size
+        if num_blocks * config.block_size < max_len:
+            raise BlinkError(
+                f"the KV cache ({num_blocks * config.block_size} tokens) cannot hold one sequence "
+                f"of max_model_len {max_len}: raise --kv-cache-memory/--kv-cache-tokens or lower "
+                f"--max-model-len"
+            )
+        self.executor = ModelExecutor(
+            files, dtype=dtype, device=self.device, block_size=config.block_size,
+            num_blocks=num_blocks, max_model_len=max_len,
+        )
+        self.model_config = model_config
+        self.max_model_len = self.executor.max_model_len
+        self.source = str(files.source)
+
+        self.ring_config = RingConfig(
+            n_slots=config.max_num_seqs,
+            arena_tokens=max(4 * self.max_model_len, 1 << 18),
+            stream_capacity=config.stream_capacity,
+            max_model_len=self.max_model_len,
+        )
+        self.region = create_region(config.transport, RingLayout(self.ring_config).total_bytes)
+        self.ring = Ring.create(self.region.buffer, self.ring_config)
+        self.scheduler_config = SchedulerConfig(
+            block_size=config.block_size,
+            num_blocks=num_blocks,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_admit_per_step=config.max_admit_per_step,
+            enable_prefix_caching=config.enable_prefix_caching,
+            eos_token_ids=list(model_config.eos_token_ids),
+        )
+        self.scheduler = Scheduler(self.scheduler_config, ring_tensors(self.ring), self.device)
+        self.sampler = Sampler(max_logprobs=max(self.ring_config.max_logprobs, 1))
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._drain = True
+        self.drain_timeout_s = 30.0
+        self.error: BaseException | None = None
+
+    # ---------------------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="blink-loop", daemon=True)
+        self._thread.start()
+        while self.ring.engine_state not in (ENGINE_READY, ENGINE_FAILED):
+            time.sleep(0.001)
+
+    def stop(self, drain: bool = True) -> None:
+        """Stop the loop; with ``drain`` let requests in flight finish first."""
+        self._drain = drain
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def close(self) -> None:
+        self.stop(drain=False)
+        self.region.close()
+
+    def __enter__(self) -> "Engine":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ----------------------------------------------------------------------------- the loop
+
+    def _run(self) -> None:
+        set_thread_name("blink-loop")
+        control = self.ring.control
+        control[C_ENGINE_STATE] = ENGINE_READY
+        idle_sleep = 0.0
+        drain_deadline: float | None = None
+        try:
+            with torch.inference_mode():
+                while True:
+                    if self._stop.is_set() or control[C_SHUTDOWN]:
+                        if not self._drain or self._quiescent():
+                            break
+                        if drain_deadline is None:
+                            control[C_ENGINE_STATE] = ENGINE_DRAINING
+                            drain_deadline = time.monotonic() + self.drain_timeout_s
+                        elif time.monotonic() > drain_deadline:
+                            log.warning("drain timed out with requests still in flight")
+                            break
+                    if self._idle():
+                        # Nothing to do: keep the heartbeat moving and back off (no busy spin).
+                        control[C_HEARTBEAT] += 1
+                        idle_sleep = min(max(idle_sleep * 2, 5e-5), 5e-3)
+                        time.sleep(idle_sleep)
+                        continue
+                    if self.step():
+                        idle_sleep = 0.0
+                    else:
+                        # Rows exist but none can run (full output streams): back off too.
+                        idle_sleep = min(max(idle_sleep * 2, 5e-5), 2e-3)
+                        time.sleep(idle_sleep)
+            control[C_ENGINE_STATE] = ENGINE_STOPPED
+        except BaseException as exc:  # the loop must never die silently
+            self.error = exc
+            control[C_ENGINE_STATE] = ENGINE_FAILED
+            print("blink engine loop failed:\n" + traceback.format_exc(), file=sys.stderr, flush=True)
+
+    def _idle(self) -> bool:
+        """Host-side check (CPU loop only) that no slot holds a request."""
+        return bool((self.ring.state == SLOT_FREE).all())
+
+    def _quiescent(self) -> bool:
+        return self._idle()
+
+    def step(self) -> bool:
+        """One engine step. Returns False when nothing was scheduled."""
+        batch = self.scheduler.schedule()
+        n = int(batch.num_scheduled_tokens)  # CPU loop: a plain memory read, not a device sync
+        if n == 0:  # admissions/cancels may have happened, but there is nothing to compute
+            return False
+        ns = int(batch.num_sample_rows)
+        md = batch.attn
+        sliced = AttentionMetadata(
+            slot_mapping=md.slot_mapping[:n],
+            positions=md.positions[:n],
+            token_seq_idx=md.token_seq_idx[:n],
+            query_start_loc=md.query_start_loc,
+            seq_lens=md.seq_lens,
+            block_tables=md.block_tables,
+            max_context=int(md.seq_lens.max()),
+        )
+        logits = self.executor.execute(batch.input_ids[:n], sliced, batch.logits_indices[:ns])
+        history = self.scheduler.token_history(batch)[:ns]
+        out = self.sampler(
+            logits,
+            _slice_sampling(batch.sampling, ns),
+            history,
+            batch.prompt_lens[:ns],
+            batch.total_lens[:ns],
+            batch.total_lens[:ns],
+            batch.suppress_ids[:ns],
+        )
+        self.scheduler.update(batch, out.tokens, out.logprob, out.top_ids, out.top_logprobs)
+        return True

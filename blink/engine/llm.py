@@ -1,0 +1,234 @@
+"""Offline inference: ``LLM(model=...).generate(prompts, SamplingParams(...))``.
+
+The offline API is a ring client like the HTTP frontend: it writes requests into the
+engine's ring through the loopback transport and reads tokens back from the output streams,
+so it exercises exactly the serving path (never a side door into the model).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from blink.dpu.detokenizer import IncrementalDetokenizer
+from blink.dpu.ring_client import RingClient, RingHandle, ring_fields
+from blink.dpu.stop_strings import StopStringMatcher
+from blink.dpu.tokenizer import Tokenizer
+from blink.engine.engine import Engine, EngineConfig
+from blink.engine.sampling_params import SamplingParams, SamplingParamsError
+from blink.errors import BlinkError
+from blink.loader import load_tokenizer_files
+from blink.transport import LoopbackTransport
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence (one of a request's ``n`` choices)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    #: per generated token: {token_id: logprob} of the chosen token and the top-N, when asked
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """The result for one prompt; ``text``/``token_ids``/... are shortcuts to choice 0."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[dict[int, float]] | None:
+        return self.outputs[0].logprobs
+
+
+@dataclass
+class _Choice:
+    """Bookkeeping of one in-flight sequence."""
+
+    request: int
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    fields: dict[str, Any]
+    detok: IncrementalDetokenizer
+    matcher: StopStringMatcher
+    handle: RingHandle | None = None
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    num_cached: int = 0
+    stopped_by_string: bool = False
+
+
+class LLM:
+    """An engine plus a ring client in one process, for batch generation from Python.
+
+    Keyword arguments are :class:`~blink.engine.engine.EngineConfig` fields (``dtype``,
+    ``max_model_len``, ``max_num_seqs``, ``kv_cache_tokens``, ``enable_prefix_caching``...).
+    """
+
+    def __init__(self, model: str = "smollm2-135m", **engine_kwargs: Any) -> None:
+        tokenizer_json, tokenizer_config, generation_config = load_tokenizer_files(model)
+        self.tokenizer = Tokenizer(tokenizer_json, tokenizer_config, generation_config)
+        self.generation_config = generation_config
+        self.engine = Engine(EngineConfig(model=model, **engine_kwargs))
+        self.engine.start()
+        self._ring = RingClient(LoopbackTransport(self.engine.region.name, self.engine.region.total_bytes))
+        self.max_model_len = self.engine.max_model_len
+
+    # ------------------------------------------------------------------------------ public
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (text, or a list of token ids). Outputs keep prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_ids = [self._encode(p) for p in prompts]
+        params_list = self._params_for(len(prompt_ids), sampling_params)
+        choices: list[_Choice] = []
+        for r, (ids, params) in enumerate(zip(prompt_ids, params_list)):
+            for index in range(params.n):
+                choices.append(self._new_choice(r, index, ids, params))
+        self._run(choices, timeout_s)
+        results = []
+        for r, prompt in enumerate(prompts):
+            mine = [c for c in choices if c.request == r]
+            results.append(RequestOutput(
+                prompt=prompt if isinstance(prompt, str) else None,
+                prompt_token_ids=prompt_ids[r],
+                outputs=[CompletionOutput(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs)
+                         for c in mine],
+                num_cached_tokens=mine[0].num_cached if mine else 0,
+            ))
+        return results
+
+    def chat(
+        self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | None = None, **template_kwargs: Any,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        ids = [self.tokenizer.encode_chat(conv, **template_kwargs) for conv in conversations]
+        return self.generate(ids, sampling_params)
+
+    def close(self) -> None:
+        self._ring.close()
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------------------- helpers
+
+    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise BlinkError("empty prompt: give at least one token")
+        return ids
+
+    def _params_for(self, n: int, sampling_params: Any) -> list[SamplingParams]:
+        if sampling_params is None:
+            sampling_params = SamplingParams.from_generation_config(self.generation_config)
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise SamplingParamsError(f"got {len(params)} SamplingParams for {n} prompts")
+        return params
+
+    def _new_choice(self, r: int, index: int, ids: list[int], params: SamplingParams) -> _Choice:
+        stop_ids = list(params.stop_token_ids)
+        if not params.ignore_eos:  # the engine stops on stop ids; eos is one unless ignored
+            stop_ids += [t for t in self.tokenizer.eos_token_ids if t not in stop_ids]
+        seed = None if params.seed is None else params.seed + index
+        one = SamplingParams(**{**params.__dict__, "n": 1, "seed": seed, "stop_token_ids": stop_ids})
+        fields = ring_fields(one, len(ids), self.max_model_len, self._ring.config)
+        if len(ids) + fields["max_tokens"] > self.max_model_len and params.max_tokens is not None:
+            fields["max_tokens"] = max(1, self.max_model_len - len(ids))
+        return _Choice(
+            request=r, index=index, prompt_ids=ids, params=params, fields=fields,
+            detok=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
+            matcher=StopStringMatcher(params.stop),
+            logprobs=[] if params.logprobs is not None else None,
+        )
+
+    def _run(self, choices: list[_Choice], timeout_s: float | None) -> None:
+        pending = list(reversed(choices))  # pop() from the end keeps submission order
+        active: dict[RingHandle, _Choice] = {}
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        request_id = 0
+        while pending or active:
+            if self.engine.error is not None or not self.engine.alive:
+                raise BlinkError(f"the engine loop stopped: {self.engine.error!r}")
+            while pending:
+                choice = pending[-1]
+                request_id += 1
+                handle = self._ring.try_submit(request_id, choice.prompt_ids, **choice.fields)
+                if handle is None:
+                    break  # slots or arena full: poll and retry
+                pending.pop()
+                choice.handle = handle
+                active[handle] = choice
+            deltas = self._ring.poll_many(list(active))
+            for handle, delta in deltas.items():
+                choice = active[handle]
+                self._consume(choice, delta)
+                if delta.finished:
+                    del active[handle]
+            if not deltas:
+                if deadline is not None and time.monotonic() > deadline:
+                    for handle in active:
+                        self._ring.cancel(handle)
+                    raise BlinkError(f"generate() timed out after {timeout_s} s")
+                time.sleep(2e-4)
+
+    def _consume(self, choice: _Choice, delta: Any) -> None:
+        choice.num_cached = delta.num_cached_tokens
+        if not choice.stopped_by_string:
+            for i, token in enumerate(delta.token_ids):
+                choice.token_ids.append(token)
+                if choice.logprobs is not None:
+                    entry = {token: float(delta.logprobs[i])}
+                    if delta.top_ids is not None:
+                        for tid, lp in zip(delta.top_ids[i], delta.top_logprobs[i]):
+                            if tid >= 0:
+                                entry.setdefault(int(tid), float(lp))
+                    choice.logprobs.append(entry)
+                text = choice.detok.step(token)
+                past_min = len(choice.token_ids) > choice.params.min_tokens
+                choice.text += choice.matcher.feed(text, active=past_min)
+                if choice.matcher.matched is not None:
+                    choice.stopped_by_string = True
+                    choice.finish_reason = "stop"
+                    self._ring.cancel(choice.handle)
+                    break
+        if delta.finished and not choice.stopped_by_string:
+            choice.text += choice.matcher.feed(choice.detok.flush()) + choice.matcher.flush()
+            choice.finish_reason = delta.finish_reason

@@ -1,0 +1,198 @@
+"""Prefix caching over hash-chained full KV blocks, as fixed-shape tensor code.
+
+A block is registered once all its ``block_size`` tokens have KV. Its key is a hash of the
+whole prefix up to its end (so equal keys mean "same prefix", not just "same block"), kept as
+two polynomial hashes modulo 31-bit primes: every product fits in int64, so the arithmetic is
+exact on every device and the per-token terms can be summed with ``cumsum``.
+
+The table is open addressing with a bounded probe window: slot ``key % H`` and the next
+``prefix_probes - 1`` slots hold block ids. A slot is live only while the block it names
+points back at it (``block_slot[b] == slot``), so evicting a block (reallocating it) or losing
+a parallel insert needs no table write: stale entries just stop matching.
+
+A hash match is never trusted. A hit on block j of a request needs: the stored key matches,
+the stored tokens equal the request's tokens, and the block's recorded parent is exactly the
+block hit at j - 1 with the generation it had when the child was registered (a block's
+generation changes whenever it is reallocated, so a stale child never validates). By
+induction the whole prefix is verified token by token, whatever the hash does (the tests force
+every key to collide).
+"""
+from __future__ import annotations
+
+import torch
+
+from blink.engine.state import EngineState, SchedulerConfig
+
+INT64_MIN = -(2**63)
+
+# Two Mersenne-ish primes and bases: key = (h1 << 31) | h2, a 62-bit prefix key.
+PRIMES = (2_147_483_647, 2_147_483_629)
+BASES = (1_000_003, 998_244_353)
+
+
+def power_table(length: int, device: torch.device | str) -> torch.Tensor:
+    """int64 [2, length]: BASES[m] ** i mod PRIMES[m] (built once, on the host)."""
+    rows = []
+    for base, prime in zip(BASES, PRIMES):
+        acc, row = 1, []
+        for _ in range(length):
+            row.append(acc)
+            acc = acc * base % prime
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+def primes(device: torch.device | str) -> torch.Tensor:
+    """int64 [2, 1]: the moduli, shaped to broadcast over [2, ...] hash tensors."""
+    return torch.tensor(PRIMES, dtype=torch.int64, device=device).view(2, 1)
+
+
+def table_key(h: torch.Tensor) -> torch.Tensor:
+    """The table key of prefix hashes ``h`` [2, ...] (each < 2**31): int64 [...] >= 0.
+
+    Module-level on purpose: the tests replace it with a constant to force collisions."""
+    return (h[0] << 31) | h[1]
+
+
+def token_terms(ids: torch.Tensor, positions: torch.Tensor, pows: torch.Tensor) -> torch.Tensor:
+    """Per-token hash terms [2, *ids.shape]: (id + 1) * base**pos mod p. The prefix hash of
+    a sequence is the sum of its tokens' terms mod p. ``positions`` matches the trailing
+    dimensions of ``ids``."""
+    p = primes(ids.device).view(2, *([1] * ids.dim()))
+    pw = pows[:, positions]
+    pw = pw.view(2, *([1] * (ids.dim() - positions.dim())), *positions.shape)
+    return (ids.long().unsqueeze(0) + 1) * pw % p
+
+
+def lookup(
+    st: EngineState,
+    cfg: SchedulerConfig,
+    rows: torch.Tensor,
+    ok: torch.Tensor,
+    pows: torch.Tensor,
+    stamp: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Find and take the longest verified cached prefix of each row in ``rows`` [K] (where
+    ``ok``). Hits are capped so at least the row's last token is still computed (its logits
+    are needed). Writes the hit blocks into the block table and takes a reference on each.
+
+    Returns (hit blocks per row [K], prefix hash at the end of the hit [K, 2], number of
+    hash matches rejected by verification).
+    """
+    N, B, M, H = cfg.num_blocks, cfg.block_size, cfg.max_blocks_per_seq, cfg.hash_table_size
+    K = rows.shape[0]
+    dev = rows.device
+    p = primes(dev).view(2, 1, 1)
+    toks = st.tokens[rows, : M * B]  # [K, M*B]
+    col = torch.arange(M * B, device=dev)
+    terms = token_terms(toks, col, pows).view(2, K, M, B).sum(-1) % p
+    h = terms.cumsum(-1) % p  # [2, K, M]: hash of the prefix ending with block j
+    key = table_key(h)  # [K, M]
+
+    probe = (key % H).unsqueeze(-1) + torch.arange(cfg.prefix_probes, device=dev)
+    probe = probe % H  # [K, M, P]
+    cand = st.hash_table[probe]
+    live = (st.block_slot[cand] == probe) & (st.block_key[cand] == key.unsqueeze(-1))
+    first = live.int().argmax(-1, keepdim=True)  # first live match in the window
+    blk = torch.where(live.any(-1), cand.gather(-1, first).squeeze(-1), N)  # [K, M]
+
+    # Verification: tokens equal, and the chain of parents is exactly the blocks hit so far.
+    same_tokens = (st.block_tokens[blk] == toks.view(K, M, B)).all(-1)
+    parent = torch.cat([torch.full((K, 1), N, dtype=blk.dtype, device=dev), blk[:, :-1]], 1)
+    same_parent = (st.block_parent[blk] == parent) & (
+        (parent == N) | (st.block_parent_gen[blk] == st.block_gen[parent])
+    )
+    j = torch.arange(M, device=dev)
+    eligible = ok.unsqueeze(1) & (j < ((st.num_tokens[rows]) // B).unsqueeze(1))
+    found = (blk < N) & eligible
+    verified = found & same_tokens & same_parent
+    n_hit = verified.long().cumprod(1).sum(1)  # leading verified blocks
+    rejects = (found & ~verified & (j == n_hit.unsqueeze(1))).sum()  # at the first miss
+
+    hit = j < n_hit.unsqueeze(1)  # [K, M]
+    hit_blk = torch.where(hit, blk, N)
+    table = st.block_table[rows].long()
+    st.block_table[rows] = torch.where(hit, blk, table).to(st.block_table.dtype)
+    flat = hit_blk.flatten()
+    st.block_ref.index_add_(0, flat, hit.flatten().to(st.block_ref.dtype))
+    st.block_last_used.scatter_reduce_(0, flat, torch.where(hit, stamp, 0).flatten(), "amax")
+
+    end = (n_hit - 1).clamp(min=0).view(1, K, 1).expand(2, K, 1)
+    hit_hash = torch.where(n_hit > 0, h.gather(2, end).squeeze(2), 0).T  # [K, 2]
+    return n_hit, hit_hash, rejects
+
+
+def register(
+    st: EngineState,
+    cfg: SchedulerConfig,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    rows: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    valid: torch.Tensor,
+    pows: torch.Tensor,
+    stamp: torch.Tensor,
+) -> None:
+    """After a step's forward: record the tokens computed into each block, advance the rows'
+    prefix hashes, and insert every block this step filled into the table.
+
+    All inputs are the step's flat [T] token arrays; ``valid`` masks the padding."""
+    N, B, H = cfg.num_blocks, cfg.block_size, cfg.hash_table_size
+    dev = input_ids.device
+    p = primes(dev)
+
+    # Token ids go where their KV went (padding lands in the scratch block).
+    st.block_tokens.view(-1).index_copy_(0, slot_mapping, input_ids.to(st.block_tokens.dtype))
+
+    # Prefix hash at every token: the row's hash before the step + this step's terms so far.
+    terms = token_terms(input_ids, positions, pows) * valid  # [2, T]
+    incl = terms.cumsum(1)
+    start = query_start_loc.long()[rows]
+    before_row = (incl - terms).gather(1, start.unsqueeze(0).expand(2, -1))
+    prefix = (st.row_hash[rows].T + incl - before_row) % p  # [2, T]
+    st.row_hash.index_add_(0, rows, terms.T)
+    st.row_hash.remainder_(p.T)
+
+    fills = valid & ((positions + 1) % B == 0)  # this token completes its block
+    j = positions // B
+    key = table_key(prefix)
+    parent = torch.where(j > 0, st.block_table[rows, (j - 1).clamp(min=0)].long(), N)
+
+    # Slot choice in the probe window. A key has at most one live entry. If it is anchored
+    # (its parent is still the live entry of the previous key, or it is a first block) it is
+    # part of a reachable chain and is kept: this block stays uncached. An orphaned entry is
+    # replaced. A new key takes the first dead slot, else the least recently used entry
+    # (entries of free cached blocks before those of blocks in use).
+    probe = ((key % H).unsqueeze(-1) + torch.arange(cfg.prefix_probes, device=dev)) % H
+    occupant = st.hash_table[probe]
+    live = st.block_slot[occupant] == probe
+    same_key = live & (st.block_key[occupant] == key.unsqueeze(-1))
+    up = st.block_parent[occupant]
+    anchored = (up == N) | ((st.block_slot[up] >= 0) & (st.block_parent_gen[occupant] == st.block_gen[up]))
+    in_use = (st.block_ref[occupant] > 0).long() << 62
+    score = torch.where(same_key, -2, torch.where(live, st.block_last_used[occupant] + in_use, -1))
+    choice = score.argmin(1, keepdim=True)
+    target = probe.gather(1, choice).squeeze(1)
+    taken = (same_key & anchored).gather(1, choice).squeeze(1)
+    fills = fills & ~taken
+    # Several inserts into one slot this step: the oldest request wins (it is the one ahead
+    # in FCFS order, so its chain keeps winning); the others stay uncached.
+    prio = torch.where(fills, -(st.arrival[rows] * (cfg.max_blocks_per_seq + 1) + j), INT64_MIN)
+    best = torch.full((H + 1,), INT64_MIN, dtype=torch.int64, device=dev)
+    best.scatter_reduce_(0, torch.where(fills, target, H), prio, "amax")
+    win = fills & (best[target] == prio)
+    target = torch.where(win, target, H)  # slot H is the sink
+    blk = torch.where(win, slot_mapping // B, N)
+
+    victim = st.hash_table[target]
+    evicted = win & (st.block_slot[victim] == target)
+    st.block_slot.index_put_((torch.where(evicted, victim, N),), torch.full_like(victim, -1))
+    st.hash_table.index_put_((target,), blk)
+    st.block_slot.index_put_((blk,), target)
+    st.block_key.index_put_((blk,), key)
+    st.block_parent.index_put_((blk,), parent)
+    st.block_parent_gen.index_put_((blk,), st.block_gen[parent])
+    st.block_slot[N] = -1
+    st.hash_table[H] = N
+    st.block_last_used.scatter_reduce_(0, blk, torch.where(win, stamp, 0), "amax")

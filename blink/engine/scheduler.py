@@ -1,0 +1,573 @@
+"""The device-resident scheduler: branch-free tensor code over fixed-shape state.
+
+One step is ``batch = scheduler.schedule()``, the forward pass and sampler, then
+``scheduler.update(batch, ...)``. Neither call loops over requests in Python, reads a tensor
+value on the host, or branches on one (the tests compile both with
+``torch.compile(fullgraph=True)``), so the same code runs on CPU tensors, on GPU tensors
+and inside a captured CUDA graph. The only Python branches are on the static config.
+
+Policy (vLLM V1's "no phases" model: a request is ``num_computed`` of ``num_tokens``):
+
+- Cancellation: a slot whose ``cancel`` word is set finishes with FINISH_ABORT this step.
+- Admission: up to ``max_admit_per_step`` WRITTEN slots, lowest arrival ticket first. The
+  prompt is copied out of the circular arena, the sampling fields out of the slot, the stream
+  is reset, then the slot state becomes RUNNING. Empty prompts and prompts that leave no
+  room for one output token finish with FINISH_ERROR instead.
+- Prefix cache: newly admitted (and preempted) rows take the longest verified cached prefix
+  of full blocks, never their last token (its logits are needed).
+- Budget: rows in FCFS order each ask for all their uncomputed tokens; a cumulative sum over
+  the token budget gives each its share, the last one a partial chunk (chunked prefill mixed
+  with decode). Rows whose output stream is full are skipped (backpressure, nothing lost).
+- Blocks: let freed(k) = blocks referenced only by rows at FCFS positions >= k. The longest
+  prefix of rows whose new blocks fit in free + freed(k) is served (the next row gets what
+  is left); then the shortest newest-first suffix of rows whose blocks cover the deficit is
+  preempted by recompute: blocks released, ``num_computed = 0``, back to WAITING, tokens
+  kept. The oldest request can always progress (``num_blocks`` holds one max-length one).
+- Finish (in ``update``): stop/EOS (EOS unless ``ignore_eos``, both only once ``min_tokens``
+  outputs exist; the sampler gets them as ``suppress_ids`` before that), ``max_tokens``
+  (<= 0 means no limit), or ``max_model_len``. The finishing token is written to the stream.
+
+Ring writes keep the protocol's order: stream payload before ``produced``, finish reason
+before the state word. The ``state`` word is the one word both sides write, so it is only
+ever written lane by lane with ``index_put_`` (lanes with nothing to publish go to the
+control block's scratch word), never rewritten wholesale with a masked select.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from blink.engine import prefix_cache
+from blink.engine.sampler import SamplingTensors
+from blink.engine.state import (
+    C_ENGINE_SCRATCH,
+    INT64_MAX,
+    K_GENERATED_TOKENS,
+    K_PREEMPTIONS,
+    K_PREFIX_HITS,
+    K_PREFIX_QUERIES,
+    K_PREFIX_REJECTS,
+    K_PROMPT_TOKENS,
+    K_STEPS,
+    ROW_EMPTY,
+    ROW_RUNNING,
+    ROW_WAITING,
+    SAMPLING_FIELDS,
+    EngineState,
+    SchedulerConfig,
+)
+from blink.errors import BlinkError
+from blink.kernels.reference import AttentionMetadata
+from blink.ring import (
+    C_ARENA_TOKENS,
+    C_HEARTBEAT,
+    C_MAX_LOGIT_BIAS,
+    C_MAX_LOGPROBS,
+    C_MAX_MODEL_LEN,
+    C_MAX_STOP_IDS,
+    C_N_SLOTS,
+    C_STAT_GENERATED_TOKENS,
+    C_STAT_KV_BLOCKS_TOTAL,
+    C_STAT_KV_BLOCKS_USED,
+    C_STAT_PREEMPTIONS,
+    C_STAT_PREFIX_HITS,
+    C_STAT_PREFIX_QUERIES,
+    C_STAT_PROMPT_TOKENS,
+    C_STAT_RUNNING,
+    C_STAT_STEPS,
+    C_STAT_WAITING,
+    C_STREAM_CAPACITY,
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_NONE,
+    FINISH_STOP,
+    SLOT_FINISHED,
+    SLOT_RUNNING,
+    SLOT_WRITTEN,
+    RingConfig,
+    RingLayout,
+)
+
+_STAT_WORDS = (
+    C_STAT_RUNNING, C_STAT_WAITING, C_STAT_KV_BLOCKS_USED, C_STAT_KV_BLOCKS_TOTAL,
+    C_STAT_PREFIX_QUERIES, C_STAT_PREFIX_HITS, C_STAT_PREEMPTIONS, C_STAT_STEPS,
+    C_STAT_PROMPT_TOKENS, C_STAT_GENERATED_TOKENS,
+)
+
+
+@dataclass
+class StepBatch:
+    """One step's work, all fixed-shape tensors. T = the token budget, S = rows.
+
+    input_ids            int64 [T]  token of each scheduled position; 0 for padding
+    attn                 AttentionMetadata over the S rows (padding tokens: row 0,
+                         position 0, slot in the scratch block; seq_lens 0 = row idle)
+    num_scheduled_tokens int64 0-d  real tokens (<= T); the host slices to its bucket
+    bucket_index         int64 0-d  index in ``config.buckets`` of the smallest bucket
+                                    holding the step (for a device-side graph switch)
+    num_new_tokens       int64 [S]  tokens each row computes this step
+    sample_rows          int64 [S]  rows that produce a token, compacted first, -1 padded
+    num_sample_rows      int64 0-d  (<= num_scheduled_tokens, so a bucket's rows suffice)
+    sample_pos           int64 [S]  row -> its index in ``sample_rows``, -1 when none
+    logits_indices       int64 [S]  flat index of each sample row's last token; 0 padded
+    sampling             SamplingTensors of the sample rows (padding: row 0's values)
+    prompt_lens          int64 [S]  per sample row
+    total_lens           int64 [S]  tokens so far per sample row; also the RNG counter
+    suppress_ids         int32 [S, max_stop_ids + n_eos]  ids banned while the row has
+                                    fewer than min_tokens outputs (-1 padded)
+    preempted            bool  [S]  rows preempted this step
+    """
+
+    input_ids: torch.Tensor
+    attn: AttentionMetadata
+    num_scheduled_tokens: torch.Tensor
+    bucket_index: torch.Tensor
+    num_new_tokens: torch.Tensor
+    sample_rows: torch.Tensor
+    num_sample_rows: torch.Tensor
+    sample_pos: torch.Tensor
+    logits_indices: torch.Tensor
+    sampling: SamplingTensors
+    prompt_lens: torch.Tensor
+    total_lens: torch.Tensor
+    suppress_ids: torch.Tensor
+    preempted: torch.Tensor
+
+
+def _ceil_div(x: torch.Tensor, d: int) -> torch.Tensor:
+    return (x + d - 1) // d
+
+
+def _ring_config(control: torch.Tensor) -> RingConfig:
+    """The ring's sizes, read once from its control block (host read at startup only)."""
+    c = control.cpu()
+    return RingConfig(
+        n_slots=int(c[C_N_SLOTS]),
+        arena_tokens=int(c[C_ARENA_TOKENS]),
+        stream_capacity=int(c[C_STREAM_CAPACITY]),
+        max_logprobs=int(c[C_MAX_LOGPROBS]),
+        max_stop_ids=int(c[C_MAX_STOP_IDS]),
+        max_logit_bias=int(c[C_MAX_LOGIT_BIAS]),
+        max_model_len=int(c[C_MAX_MODEL_LEN]),
+    )
+
+
+class Scheduler:
+    """Admission, batching, paged-KV allocation, prefix caching and output publishing over
+    the ring, as tensor code. See the module docstring for the policy.
+
+    ``ring_tensors``: torch views of the ring fields by name plus ``"region"`` (the whole
+    ring as uint8, aliasing the fields); :func:`blink.engine.state.ring_tensors` builds it on
+    CPU. ``device``: where the engine state lives (the ring views must be usable from it).
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        ring_tensors: dict[str, torch.Tensor],
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.ring = ring_tensors
+        self.ring_config = ring_cfg = _ring_config(ring_tensors["control"])
+        if config.max_model_len > ring_cfg.max_model_len:
+            raise BlinkError(
+                f"scheduler max_model_len ({config.max_model_len}) exceeds the ring's "
+                f"({ring_cfg.max_model_len})"
+            )
+        self.num_slots = S = ring_cfg.n_slots
+        self.stream_capacity = ring_cfg.stream_capacity
+        self.num_top = max(ring_cfg.max_logprobs, 1)
+        self.state = EngineState.allocate(config, ring_cfg, self.device)
+
+        # The slot state words, addressed through one int32 view of the whole region so that
+        # lanes with nothing to publish can write a scratch word instead (see _publish_state).
+        layout = RingLayout(ring_cfg)
+        region = ring_tensors["region"]
+        state_offset = layout.fields["state"].offset
+        if ring_tensors["state"].data_ptr() != region.data_ptr() + state_offset:
+            raise BlinkError("ring_tensors['region'] does not alias ring_tensors['state']")
+        self._words = region[: layout.total_bytes].view(torch.int32)
+        self._state_word0 = state_offset // 4
+        self._scratch_word = (layout.fields["control"].offset + 8 * C_ENGINE_SCRATCH) // 4
+
+        M, B = config.max_blocks_per_seq, config.block_size
+        dev = self.device
+        self._rows = torch.arange(S, device=dev)
+        self._cols = torch.arange(M, device=dev)
+        self._tok = torch.arange(config.max_num_batched_tokens, device=dev)
+        self._prompt_cols = torch.arange(config.max_model_len, device=dev)
+        eos = list(config.eos_token_ids) or [-1]
+        self._eos = torch.tensor(eos, dtype=torch.int64, device=dev)
+        self._buckets = torch.tensor(config.buckets, dtype=torch.int64, device=dev)
+        self._stat_words = torch.tensor(_STAT_WORDS, dtype=torch.int64, device=dev)
+        self._pows = prefix_cache.power_table(M * B, dev)
+
+    # ------------------------------------------------------------------------------ step
+
+    def schedule(self) -> StepBatch:
+        """Cancel, admit, look up prefixes, budget/allocate/preempt, build the batch."""
+        st, ring = self.state, self.ring
+        st.step += 1
+        st.counters[K_STEPS] += 1
+        ring["control"][C_HEARTBEAT] += 1
+        # Acquire: the slot state words are read once, before any payload.
+        slot_state = ring["state"].clone()
+        cancel = ring["cancel"] != 0
+
+        self._finish(cancel & (st.status != ROW_EMPTY), FINISH_ABORT)
+        self._admit(slot_state, cancel)
+        if self.config.enable_prefix_caching:
+            self._lookup()
+        num_new, preempted = self._allocate()
+        batch = self._build_batch(num_new, preempted)
+        self._write_stats()
+        return batch
+
+    def update(
+        self,
+        batch: StepBatch,
+        tokens: torch.Tensor,
+        logprob: torch.Tensor,
+        top_ids: torch.Tensor,
+        top_logprobs: torch.Tensor,
+    ) -> None:
+        """Account the step's forward pass and publish the sampled tokens.
+
+        ``tokens`` [>=num_sample_rows], ``logprob`` likewise, ``top_ids``/``top_logprobs``
+        [.., N]: the sampler's outputs, aligned with ``batch.sample_rows``."""
+        st, cfg = self.state, self.config
+        if cfg.enable_prefix_caching:
+            md = batch.attn
+            prefix_cache.register(
+                st, cfg, batch.input_ids, md.positions, md.token_seq_idx, md.slot_mapping,
+                md.query_start_loc, self._tok < batch.num_scheduled_tokens, self._pows,
+                self._stamp(self.config.max_blocks_per_seq),
+            )
+        st.num_computed += batch.num_new_tokens
+
+        # Sampled values, moved from batch order to row order.
+        sampled = batch.sample_pos >= 0
+        k = batch.sample_pos.clamp(0, tokens.shape[0] - 1)
+        tok = tokens.long()[k]
+        width = top_ids.shape[1]
+        top_i = F.pad(top_ids.long()[:, : self.num_top], (0, max(0, self.num_top - width)), value=-1)[k]
+        top_l = F.pad(top_logprobs.float()[:, : self.num_top], (0, max(0, self.num_top - width)),
+                      value=float("-inf"))[k]
+
+        n_out_before = st.num_tokens - st.num_prompt
+        sink = st.tokens.shape[1] - 1
+        st.tokens.scatter_(1, torch.where(sampled, st.num_tokens, sink).unsqueeze(1),
+                           tok.to(st.tokens.dtype).unsqueeze(1))
+        st.num_tokens += sampled.long()
+
+        # Stream: payload first, then the produced counter.
+        at = (self.ring["produced"] % self.stream_capacity).unsqueeze(1)  # [S, 1]
+        self._stream_write("tokens", at, tok, sampled)
+        self._stream_write("logprob", at, logprob.float()[k], sampled)
+        self._stream_write("top_ids", at, top_i, sampled)
+        self._stream_write("top_logprobs", at, top_l, sampled)
+        self.ring["produced"].add_(sampled.long())
+        st.counters[K_GENERATED_TOKENS] += sampled.sum()
+
+        sp = st.sampling
+        stop_token = (sp["stop_ids"] == tok.unsqueeze(1)).any(1) | (
+            (self._eos == tok.unsqueeze(1)).any(1) & (sp["ignore_eos"] == 0)
+        )
+        stop = sampled & stop_token & (n_out_before >= sp["min_tokens"])
+        max_tokens = sp["max_tokens"].long()
+        length = sampled & (
+            ((max_tokens > 0) & (n_out_before + 1 >= max_tokens))
+            | (st.num_tokens >= cfg.max_model_len)
+        )
+        self._finish(stop | length, torch.where(stop, FINISH_STOP, FINISH_LENGTH))
+        self._write_stats()
+
+    def token_history(self, batch: StepBatch) -> torch.Tensor:
+        """int32 [S, max_model_len]: prompt + output tokens of each sample row (for the
+        sampler's penalties; valid up to ``batch.total_lens``)."""
+        rows = batch.sample_rows.clamp(min=0)
+        return self.state.tokens[rows, : self.config.max_model_len]
+
+    # ---------------------------------------------------------------------- schedule parts
+
+    def _admit(self, slot_state: torch.Tensor, cancel: torch.Tensor) -> None:
+        """Take up to ``max_admit_per_step`` WRITTEN slots into their rows, FCFS; abort
+        cancelled WRITTEN slots and reject invalid prompts."""
+        st, ring, cfg = self.state, self.ring, self.config
+        S, L = self.num_slots, cfg.max_model_len
+        written = (slot_state == SLOT_WRITTEN) & (st.status == ROW_EMPTY)
+        aborted = written & cancel
+        candidate = written & ~cancel
+        K = min(cfg.max_admit_per_step, S)
+        _, idx = torch.topk(torch.where(candidate, ring["arrival"], INT64_MAX), K, largest=False)
+        picked = torch.zeros_like(candidate)
+        picked[idx] = candidate[idx]
+        plen = ring["prompt_len"].long()
+        admit = picked & (plen >= 1) & (plen < L)
+        rejected = picked & ~admit
+
+        # The prompt, out of the circular arena (it may wrap around the end).
+        arena = ring["arena"]
+        src = (ring["prompt_offset"][idx].unsqueeze(1) + self._prompt_cols) % arena.shape[0]
+        prompt = torch.where(self._prompt_cols < plen[idx].unsqueeze(1), arena[src], 0)
+        keep = st.tokens[idx, :L]
+        st.tokens[idx, :L] = torch.where(admit[idx].unsqueeze(1), prompt.to(keep.dtype), keep)
+
+        for name, dtype in SAMPLING_FIELDS:
+            dst = st.sampling[name]
+            mask = admit.view(S, *([1] * (dst.dim() - 1)))
+            dst.copy_(torch.where(mask, ring[name].to(dtype), dst))
+        st.arrival.copy_(torch.where(admit, ring["arrival"], st.arrival))
+        st.num_prompt.copy_(torch.where(admit, plen, st.num_prompt))
+        st.num_tokens.copy_(torch.where(admit, plen, st.num_tokens))
+        st.num_computed.masked_fill_(admit, 0)
+        st.row_hash.masked_fill_(admit.unsqueeze(1), 0)
+        st.status.masked_fill_(admit, ROW_WAITING)
+        if cfg.enable_prefix_caching:
+            st.needs_lookup |= admit
+        st.counters[K_PROMPT_TOKENS] += (plen * admit).sum()
+
+        # Every slot leaving WRITTEN: stream reset and finish reason, then the state word.
+        opened = admit | aborted | rejected
+        reason = torch.where(aborted, FINISH_ABORT, torch.where(rejected, FINISH_ERROR, FINISH_NONE))
+        self._ring_set(opened, "stream_seq", ring["seq"])
+        self._ring_set(opened, "produced", 0)
+        self._ring_set(opened, "finish_reason", reason)
+        self._ring_set(opened, "num_prompt_tokens", plen)
+        self._ring_set(opened, "num_cached_tokens", 0)
+        self._publish_state(opened, torch.where(admit, SLOT_RUNNING, SLOT_FINISHED))
+
+    def _lookup(self) -> None:
+        """Prefix-cache lookup for up to ``max_admit_per_step`` rows waiting for one."""
+        st, cfg = self.state, self.config
+        K = min(cfg.max_admit_per_step, self.num_slots)
+        _, rows = torch.topk(torch.where(st.needs_lookup, st.arrival, INT64_MAX), K, largest=False)
+        ok = st.needs_lookup[rows]
+        n_hit, hit_hash, rejects = prefix_cache.lookup(
+            st, cfg, rows, ok, self._pows, self._stamp(cfg.max_blocks_per_seq)
+        )
+        hit_tokens = n_hit * cfg.block_size
+        st.num_blocks[rows] = torch.where(ok, n_hit, st.num_blocks[rows])
+        st.num_computed[rows] = torch.where(ok, hit_tokens, st.num_computed[rows])
+        st.row_hash[rows] = torch.where(ok.unsqueeze(1), hit_hash, st.row_hash[rows])
+        st.needs_lookup[rows] = st.needs_lookup[rows] & ~ok
+
+        num_tokens = st.num_tokens[rows]
+        st.counters[K_PREFIX_QUERIES] += (num_tokens * ok).sum()
+        st.counters[K_PREFIX_HITS] += hit_tokens.sum()
+        st.counters[K_PREFIX_REJECTS] += rejects
+        first_time = ok & (num_tokens == st.num_prompt[rows])  # not a recompute
+        cached = self.ring["num_cached_tokens"]
+        cached[rows] = torch.where(first_time, hit_tokens, cached[rows].long()).to(cached.dtype)
+
+    def _allocate(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token budget, block allocation and preemption. Returns (tokens per row this step,
+        rows preempted)."""
+        st, cfg = self.state, self.config
+        S, N, B = self.num_slots, cfg.num_blocks, cfg.block_size
+        active = st.status != ROW_EMPTY
+        room = (self.ring["produced"] - self.ring["consumed"]) < self.stream_capacity
+        schedulable = active & ~st.needs_lookup & room
+        want = torch.where(schedulable, st.num_tokens - st.num_computed, 0)
+
+        # Position p in FCFS order (0 = oldest request); idle rows sort last.
+        order = torch.argsort(torch.where(active, st.arrival, INT64_MAX), stable=True)
+        rank = torch.empty_like(order).scatter_(0, order, self._rows)
+        w, nc, held = want[order], st.num_computed[order], st.num_blocks[order]
+
+        # Token budget: each position gets what is left after the older ones.
+        grant = torch.minimum((cfg.max_num_batched_tokens - (w.cumsum(0) - w)).clamp(min=0), w)
+        need = (_ceil_div(nc + grant, B) - held).clamp(min=0)
+
+        # freed[k]: blocks referenced only by positions >= k (what preempting them frees).
+        table = st.block_table.long()
+        owner_pos = rank.unsqueeze(1).expand_as(table)
+        first_user = torch.full((N + 1,), S, dtype=torch.int64, device=table.device)
+        first_user.scatter_reduce_(0, table.flatten(), owner_pos.flatten(), "amin")
+        per_pos = torch.zeros(S + 1, dtype=torch.int64, device=table.device)
+        per_pos.scatter_add_(0, first_user[:N], torch.ones_like(first_user[:N]))
+        freed = F.pad(per_pos[:S].flip(0).cumsum(0).flip(0), (0, 1))  # [S+1], freed[S] = 0
+        free_now = (st.block_ref[:N] == 0).sum()
+
+        # Serve the longest prefix of positions whose new blocks fit if everything newer
+        # were preempted; the position at the cut gets a chunk of what is left, if any.
+        need_before = F.pad(need.cumsum(0), (1, 0))  # [S+1]
+        cut = (need_before <= free_now + freed)[1:].sum().view(1)  # 1-d: indexing stays on device
+        left = free_now + freed[(cut + 1).clamp(max=S)] - need_before[cut]
+        fits = ((held + left.clamp(min=0)) * B - nc).clamp(min=0)
+        cut_grant = torch.where(left >= 0, torch.minimum(grant, fits), 0)
+        p = self._rows
+        grant = torch.where(p < cut, grant, torch.where(p == cut, cut_grant, 0))
+        need = (_ceil_div(nc + grant, B) - held).clamp(min=0)
+
+        # Preempt, newest first, the shortest suffix whose blocks cover the deficit.
+        deficit = need.sum() - free_now
+        first_preempted = (freed[1:] >= deficit).sum()
+        preempt = ((p >= first_preempted) & (held > 0))[rank]
+        num_new, need = grant[rank], need[rank]
+
+        self._release(preempt)
+        st.status.masked_fill_(preempt, ROW_WAITING)
+        st.num_computed.masked_fill_(preempt, 0)
+        st.row_hash.masked_fill_(preempt.unsqueeze(1), 0)
+        if cfg.enable_prefix_caching:
+            st.needs_lookup |= preempt
+        st.counters[K_PREEMPTIONS] += preempt.sum()
+
+        # New blocks: free ones, never-cached first, then cached ones least recently used.
+        free = st.block_ref[:N] == 0
+        cached = st.block_slot[:N] >= 0
+        order_key = torch.where(free, torch.where(cached, st.block_last_used[:N], -1), INT64_MAX)
+        free_list = torch.argsort(order_key, stable=True)
+        offset = self._cols.unsqueeze(0) - st.num_blocks.unsqueeze(1)  # [S, M]
+        fresh = (offset >= 0) & (offset < need.unsqueeze(1))
+        start = (need.cumsum(0) - need).unsqueeze(1)
+        blocks = free_list[(start + offset).clamp(0, N - 1)]
+        st.block_table.copy_(torch.where(fresh, blocks, st.block_table.long()))
+        lanes = torch.where(fresh, blocks, N).flatten()
+        st.block_ref.index_add_(0, lanes, fresh.flatten().to(st.block_ref.dtype))
+        st.block_slot.index_put_((lanes,), torch.full_like(lanes, -1))  # evict from the cache
+        st.block_gen.index_add_(0, lanes, fresh.flatten().long())  # new content: children stale
+        stamp = self._stamp(cfg.max_blocks_per_seq)
+        st.block_last_used.scatter_reduce_(0, lanes, torch.where(fresh, stamp, 0).flatten(), "amax")
+        st.num_blocks += need
+        st.status.masked_fill_(num_new > 0, ROW_RUNNING)
+        return num_new, preempt
+
+    def _build_batch(self, num_new: torch.Tensor, preempted: torch.Tensor) -> StepBatch:
+        """Flatten the scheduled tokens (rows in index order) and gather the sampler inputs."""
+        st, cfg = self.state, self.config
+        S, N, B = self.num_slots, cfg.num_blocks, cfg.block_size
+        ends = num_new.cumsum(0)
+        query_start_loc = F.pad(ends, (1, 0))
+        total = ends[-1]
+        t = self._tok
+        valid = t < total
+        row = torch.where(valid, torch.searchsorted(ends, t, right=True).clamp(max=S - 1), 0)
+        pos = torch.where(valid, st.num_computed[row] + t - query_start_loc[row], 0)
+        input_ids = torch.where(valid, st.tokens[row, pos].long(), 0)
+        block = st.block_table[row, pos // B].long()
+        slot_mapping = torch.where(valid, block * B + pos % B, N * B)
+        seq_lens = torch.where(num_new > 0, st.num_computed + num_new, 0)
+
+        # Rows whose last known token is computed this step produce the next one.
+        sampled = (num_new > 0) & (st.num_computed + num_new == st.num_tokens)
+        dest = torch.where(sampled, sampled.long().cumsum(0) - 1, S)
+        sample_rows = torch.full((S + 1,), -1, dtype=torch.int64, device=t.device)
+        sample_rows = sample_rows.scatter(0, dest, self._rows)[:S]
+        r = sample_rows.clamp(min=0)
+        logits_indices = torch.where(sample_rows >= 0, query_start_loc[r + 1] - 1, 0)
+
+        sp = {name: tensor[r] for name, tensor in st.sampling.items()}
+        sampling = SamplingTensors(
+            temperature=sp["temperature"], top_k=sp["top_k"], top_p=sp["top_p"],
+            min_p=sp["min_p"], repetition_penalty=sp["repetition_penalty"],
+            presence_penalty=sp["presence_penalty"], frequency_penalty=sp["frequency_penalty"],
+            seed=sp["seed"], bias_ids=sp["logit_bias_ids"], bias_values=sp["logit_bias_values"],
+            n_logprobs=sp["n_logprobs"],
+        )
+        prompt_lens, total_lens = st.num_prompt[r], st.num_tokens[r]
+        eos = torch.where(sp["ignore_eos"].unsqueeze(1) != 0, -1, self._eos.unsqueeze(0))
+        suppress = torch.cat([sp["stop_ids"].long(), eos], 1)
+        too_early = (total_lens - prompt_lens) < sp["min_tokens"]
+        suppress_ids = torch.where(too_early.unsqueeze(1), suppress, -1).to(torch.int32)
+
+        attn = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            positions=pos,
+            token_seq_idx=row,
+            query_start_loc=query_start_loc.to(torch.int32),
+            seq_lens=seq_lens.to(torch.int32),
+            block_tables=st.block_table,
+        )
+        return StepBatch(
+            input_ids=input_ids,
+            attn=attn,
+            num_scheduled_tokens=total,
+            bucket_index=torch.bucketize(total, self._buckets),
+            num_new_tokens=num_new,
+            sample_rows=sample_rows,
+            num_sample_rows=sampled.sum(),
+            sample_pos=torch.where(sampled, dest, -1),
+            logits_indices=logits_indices,
+            sampling=sampling,
+            prompt_lens=prompt_lens,
+            total_lens=total_lens,
+            suppress_ids=suppress_ids,
+            preempted=preempted,
+        )
+
+    # ---------------------------------------------------------------------------- helpers
+
+    def _stamp(self, j: torch.Tensor | int) -> torch.Tensor:
+        """LRU stamp for block index ``j`` of a sequence at this step: later steps are newer;
+        within a step deeper blocks are older, so a released sequence is evicted tail first
+        (its shared beginning survives longest)."""
+        M = self.config.max_blocks_per_seq
+        return self.state.step * (M + 1) + (M - j)
+
+    def _release(self, mask: torch.Tensor) -> None:
+        """Drop the block references of rows in ``mask``; freed blocks stay cached."""
+        st, N = self.state, self.config.num_blocks
+        table = st.block_table.long()
+        drop = mask.unsqueeze(1) & (table < N)
+        lanes = torch.where(drop, table, N).flatten()
+        st.block_ref.index_add_(0, lanes, -drop.flatten().to(st.block_ref.dtype))
+        stamp = torch.where(drop, self._stamp(self._cols).unsqueeze(0), 0).flatten()
+        st.block_last_used.scatter_reduce_(0, lanes, stamp, "amax")
+        st.block_table.masked_fill_(mask.unsqueeze(1), N)
+        st.num_blocks.masked_fill_(mask, 0)
+
+    def _finish(self, mask: torch.Tensor, reason: torch.Tensor | int) -> None:
+        """Finish the rows in ``mask``: free their blocks, publish the reason, then the
+        FINISHED state word, and empty the rows."""
+        st = self.state
+        self._release(mask)
+        self._ring_set(mask, "finish_reason", reason)
+        self._publish_state(mask, SLOT_FINISHED)
+        st.status.masked_fill_(mask, ROW_EMPTY)
+        for counter in (st.num_prompt, st.num_tokens, st.num_computed):
+            counter.masked_fill_(mask, 0)
+        st.needs_lookup &= ~mask
+
+    def _ring_set(self, mask: torch.Tensor, name: str, value: torch.Tensor | int) -> None:
+        """``ring[name][mask] = value`` for an engine-owned per-slot field (the frontend
+        never writes it, so rewriting the other lanes with their own value is harmless)."""
+        field = self.ring[name]
+        field.copy_(torch.where(mask, value, field))
+
+    def _publish_state(self, mask: torch.Tensor, value: torch.Tensor | int) -> None:
+        """Write slot state words of ``mask`` lanes only. The frontend writes the state words
+        of FREE/FINISHED slots concurrently, so rewriting other lanes (even with the value
+        just read) could undo its write; those lanes go to a scratch word instead."""
+        lanes = torch.where(mask, self._state_word0 + self._rows, self._scratch_word)
+        values = torch.where(mask, value, 0).to(torch.int32)
+        self._words.index_put_((lanes,), values)
+
+    def _stream_write(self, name: str, at: torch.Tensor, value: torch.Tensor, mask: torch.Tensor) -> None:
+        """Write ``value`` [S, ...] at stream position ``at`` [S, 1] of ``mask`` rows."""
+        field = self.ring[name]
+        index = at.view(-1, 1, *([1] * (field.dim() - 2))).expand(-1, 1, *field.shape[2:])
+        old = field.gather(1, index)
+        new = value.to(field.dtype).view_as(old)
+        field.scatter_(1, index, torch.where(mask.view(-1, *([1] * (field.dim() - 1))), new, old))
+
+    def _write_stats(self) -> None:
+        """Mirror the gauges and counters into the ring control block."""
+        st, cfg = self.state, self.config
+        unadmitted = ((self.ring["state"] == SLOT_WRITTEN) & (st.status == ROW_EMPTY)).sum()
+        c = st.counters
+        values = torch.stack([
+            (st.status == ROW_RUNNING).sum(),
+            (st.status == ROW_WAITING).sum() + unadmitted,
+            (st.block_ref[: cfg.num_blocks] > 0).sum(),
+            torch.full_like(c[0], cfg.num_blocks),
+            c[K_PREFIX_QUERIES], c[K_PREFIX_HITS], c[K_PREEMPTIONS], c[K_STEPS],
+            c[K_PROMPT_TOKENS], c[K_GENERATED_TOKENS],
+        ])
+        self.ring["control"][self._stat_words] = values

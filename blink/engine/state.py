@@ -1,0 +1,242 @@
+"""Fixed-shape engine state: what the device-resident scheduler reads and writes every step.
+
+Every tensor here is allocated once, at startup, on the engine device; a step only mutates
+them in place. Nothing is ever resized, so the same code runs on CPU tensors, on GPU tensors
+and inside a captured CUDA graph.
+
+Rows: engine row ``i`` serves ring slot ``i`` (S = the ring's ``n_slots``), so admission needs
+no row allocator. A row is EMPTY (no request), WAITING (admitted or preempted, holds no
+computed KV beyond prefix-cache hits) or RUNNING (scheduled at least once since then). A
+request is just "``num_computed`` of ``num_tokens`` tokens have KV in the cache" (vLLM V1's
+idea): prefill, chunked prefill, decode and recompute after preemption are the same thing.
+
+Blocks: the KV pool has ``num_blocks`` blocks; id ``num_blocks`` is the scratch block (the
+executor allocates ``num_blocks + 1``). Per-block arrays have ``num_blocks + 1`` entries so
+that fixed-shape scatters can send their unused lanes to the scratch entry. A block-table
+entry equal to ``num_blocks`` means "no block", so the table is always a valid index.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+import torch
+
+from blink.errors import BlinkError
+from blink.ring import CONTROL_WORDS, Ring, RingConfig
+
+# Row status.
+ROW_EMPTY, ROW_WAITING, ROW_RUNNING = 0, 1, 2
+
+#: Control word the engine uses as a write sink for fixed-shape scatters into the ring's
+#: shared ``state`` words (lanes with nothing to publish write there; see
+#: ``Scheduler._publish_state``). The frontend must never use it.
+C_ENGINE_SCRATCH = CONTROL_WORDS - 1
+
+# Cumulative counters in ``EngineState.counters`` (mirrored into the ring control block).
+(
+    K_PREFIX_QUERIES,  # tokens looked up in the prefix cache
+    K_PREFIX_HITS,  # tokens served from it
+    K_PREFIX_REJECTS,  # hash matches that failed token/parent verification
+    K_PREEMPTIONS,
+    K_STEPS,
+    K_PROMPT_TOKENS,  # prompt tokens of admitted requests
+    K_GENERATED_TOKENS,
+) = range(7)
+NUM_COUNTERS = 7
+
+INT64_MAX = 2**63 - 1
+
+
+def default_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """Powers of two from 8 up to the token budget, plus the budget itself."""
+    buckets, b = [], 8
+    while b < max_num_batched_tokens:
+        buckets.append(b)
+        b *= 2
+    buckets.append(max_num_batched_tokens)
+    return tuple(buckets)
+
+
+def bucket_for(num_tokens: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket that holds ``num_tokens`` tokens (host side, between steps)."""
+    i = bisect.bisect_left(buckets, num_tokens)
+    if i == len(buckets):
+        raise ValueError(f"{num_tokens} tokens exceed the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Sizes and policy knobs of the scheduler. All fixed at startup.
+
+    max_num_batched_tokens: the per-step token budget; also T, the flat batch size.
+    max_admit_per_step: ring slots admitted (and prefix-cache lookups done) per step.
+    eos_token_ids: ids that end a request (unless ``ignore_eos``).
+    buckets: token counts graphs are captured for (default: :func:`default_buckets`).
+    prefix_probes: probe window of the open-addressing prefix-cache table.
+    """
+
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_model_len: int = 2048
+    max_num_batched_tokens: int = 2048
+    max_admit_per_step: int = 16
+    enable_prefix_caching: bool = True
+    eos_token_ids: tuple[int, ...] = ()
+    buckets: tuple[int, ...] | None = None
+    prefix_probes: int = 8
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+        for name in ("block_size", "num_blocks", "max_model_len", "max_num_batched_tokens",
+                     "max_admit_per_step", "prefix_probes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise BlinkError(f"scheduler config: {name} must be a positive integer, got {value!r}")
+        if self.num_blocks < self.max_blocks_per_seq:
+            # Below this a lone max-length request could never finish (no progress guarantee).
+            raise BlinkError(
+                f"scheduler config: num_blocks ({self.num_blocks}) must hold one max_model_len "
+                f"sequence ({self.max_blocks_per_seq} blocks of {self.block_size})"
+            )
+        buckets = tuple(self.buckets) if self.buckets else default_buckets(self.max_num_batched_tokens)
+        if list(buckets) != sorted(set(buckets)) or buckets[-1] != self.max_num_batched_tokens:
+            raise BlinkError(
+                f"scheduler config: buckets must be increasing and end at the token budget "
+                f"({self.max_num_batched_tokens}), got {buckets}"
+            )
+        object.__setattr__(self, "buckets", buckets)
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """M: block-table width."""
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def hash_table_size(self) -> int:
+        """H: prefix-cache table slots (a power of two, at least twice the pool)."""
+        return 1 << max(4, (2 * self.num_blocks - 1).bit_length())
+
+    def bucket_for(self, num_tokens: int) -> int:
+        return bucket_for(num_tokens, self.buckets)
+
+
+# Sampling fields copied from the ring slot at admission: (ring name, state dtype).
+SAMPLING_FIELDS: tuple[tuple[str, torch.dtype], ...] = (
+    ("temperature", torch.float32),
+    ("top_k", torch.int32),
+    ("top_p", torch.float32),
+    ("min_p", torch.float32),
+    ("repetition_penalty", torch.float32),
+    ("presence_penalty", torch.float32),
+    ("frequency_penalty", torch.float32),
+    ("seed", torch.int64),
+    ("n_logprobs", torch.int32),
+    ("max_tokens", torch.int32),
+    ("min_tokens", torch.int32),
+    ("ignore_eos", torch.int32),
+    ("stop_ids", torch.int32),
+    ("logit_bias_ids", torch.int32),
+    ("logit_bias_values", torch.float32),
+)
+
+
+@dataclass
+class EngineState:
+    """All scheduler state, fixed shapes, on one device. S rows, N blocks, M = blocks per
+    sequence, B = block size, H = prefix table size, W = M*B + 1 token columns.
+
+    Rows [S]:
+      status (int32 ROW_*), arrival (int64 FCFS ticket), num_prompt, num_tokens,
+      num_computed, num_blocks (int64), needs_lookup (bool: prefix lookup pending),
+      row_hash [S, 2] (int64 polynomial hash of tokens[:num_computed], two moduli),
+      tokens [S, W] int32 (prompt + generated; column W-1 is a write sink),
+      block_table [S, M] int32 (``num_blocks`` = no block), sampling fields (SAMPLING_FIELDS).
+    Blocks [N+1] (entry N = scratch / write sink):
+      block_ref (int32 references from block tables), block_last_used (int64 LRU stamp),
+      block_key (int64 chained-prefix key), block_slot (int64 prefix-table slot holding it,
+      -1 = not cached), block_parent (previous block of its chain, N = first block),
+      block_gen / block_parent_gen (registration generation, so a re-registered parent never
+      validates a stale child), block_tokens [N+1, B] int32 (the tokens, to verify hits).
+    Prefix table [H+1] int64: block id per slot, N = empty; slot H is a write sink.
+    counters [NUM_COUNTERS] int64 (K_*), step (0-d int64).
+    """
+
+    status: torch.Tensor
+    arrival: torch.Tensor
+    num_prompt: torch.Tensor
+    num_tokens: torch.Tensor
+    num_computed: torch.Tensor
+    num_blocks: torch.Tensor
+    needs_lookup: torch.Tensor
+    row_hash: torch.Tensor
+    tokens: torch.Tensor
+    block_table: torch.Tensor
+    sampling: dict[str, torch.Tensor]
+    block_ref: torch.Tensor
+    block_last_used: torch.Tensor
+    block_key: torch.Tensor
+    block_slot: torch.Tensor
+    block_parent: torch.Tensor
+    block_gen: torch.Tensor
+    block_parent_gen: torch.Tensor
+    block_tokens: torch.Tensor
+    hash_table: torch.Tensor
+    counters: torch.Tensor
+    step: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
+
+    @classmethod
+    def allocate(
+        cls, cfg: SchedulerConfig, ring_cfg: RingConfig, device: torch.device | str = "cpu"
+    ) -> "EngineState":
+        S, N, M, B = ring_cfg.n_slots, cfg.num_blocks, cfg.max_blocks_per_seq, cfg.block_size
+        H = cfg.hash_table_size
+
+        def full(shape, value, dtype):
+            return torch.full(shape, value, dtype=dtype, device=device)
+
+        per_slot = {"stop_ids": (ring_cfg.max_stop_ids,), "logit_bias_ids": (ring_cfg.max_logit_bias,),
+                    "logit_bias_values": (ring_cfg.max_logit_bias,)}
+        sampling = {name: full((S, *per_slot.get(name, ())), -1 if name.endswith("_ids") else 0, dtype)
+                    for name, dtype in SAMPLING_FIELDS}
+        return cls(
+            status=full((S,), ROW_EMPTY, torch.int32),
+            arrival=full((S,), 0, torch.int64),
+            num_prompt=full((S,), 0, torch.int64),
+            num_tokens=full((S,), 0, torch.int64),
+            num_computed=full((S,), 0, torch.int64),
+            num_blocks=full((S,), 0, torch.int64),
+            needs_lookup=full((S,), False, torch.bool),
+            row_hash=full((S, 2), 0, torch.int64),
+            tokens=full((S, M * B + 1), 0, torch.int32),
+            block_table=full((S, M), N, torch.int32),
+            sampling=sampling,
+            block_ref=full((N + 1,), 0, torch.int32),
+            block_last_used=full((N + 1,), 0, torch.int64),
+            block_key=full((N + 1,), -1, torch.int64),
+            block_slot=full((N + 1,), -1, torch.int64),
+            block_parent=full((N + 1,), N, torch.int64),
+            block_gen=full((N + 1,), 0, torch.int64),
+            block_parent_gen=full((N + 1,), 0, torch.int64),
+            block_tokens=full((N + 1, B), -1, torch.int32),
+            hash_table=full((H + 1,), N, torch.int64),
+            counters=full((NUM_COUNTERS,), 0, torch.int64),
+            step=full((), 0, torch.int64),
+        )
+
+
+def ring_tensors(ring: Ring) -> dict[str, torch.Tensor]:
+    """CPU torch views of every ring field, all over one storage, plus ``"region"`` (the
+    whole region as uint8), which the scheduler needs to publish slot state words safely.
+
+    On a GPU the device loop builds the same dict over the mapped region instead."""
+    region = torch.frombuffer(ring.buffer, dtype=torch.uint8, count=ring.layout.total_bytes)
+    views = {"region": region}
+    for spec in ring.layout:
+        dtype = _TORCH_DTYPES[spec.dtype.str]
+        views[spec.name] = region[spec.offset : spec.offset + spec.nbytes].view(dtype).view(spec.shape)
+    return views
+
+
+_TORCH_DTYPES = {"<i4": torch.int32, "<i8": torch.int64, "<f4": torch.float32}

@@ -1,0 +1,173 @@
+"""The model executor: loaded weights, the paged KV cache, and one flattened-token forward.
+
+The executor owns no scheduling state. A caller (the scheduler, a test, a benchmark) hands
+it the step's tokens plus an :class:`~blink.kernels.reference.AttentionMetadata` that says
+where each token sits in the paged cache, and gets fp32 logits for the rows it asks for.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from blink.config import ModelConfig
+from blink.errors import ModelLoadError, UnsupportedModelError
+from blink.kernels.reference import AttentionMetadata
+from blink.models import DecoderForCausalLM, build_model
+
+# Default KV-cache size when the caller gives no num_blocks: four full-length sequences,
+# but at most this many bytes (K and V, all layers).
+_DEFAULT_KV_BYTES = 512 << 20
+
+
+class ModelFilesLike(Protocol):
+    """What the executor needs from :func:`blink.loader.open_model`'s result."""
+
+    hf_config: dict[str, Any]
+    source: Any
+
+    def iter_tensors(self, dtype: torch.dtype) -> Any: ...
+
+
+class ModelExecutor:
+    """Runs the model over a flattened batch of new tokens against a paged KV cache.
+
+    ``model`` is a name or path for :func:`blink.loader.open_model`, or an object already
+    returned by it. The cache has ``num_blocks`` usable blocks of ``block_size`` tokens per
+    layer plus one scratch block (index ``scratch_block``) that padding tokens write to.
+    ``max_model_len`` defaults to the model's ``max_position_embeddings`` (capped at its
+    sliding window, since windowed attention is not implemented: within the window it is
+    plain causal attention). ``num_threads`` sets torch's intra-op threads only when given.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | ModelFilesLike,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_model_len: int | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        if isinstance(model, (str, Path)):
+            from blink.loader import open_model
+
+            model = open_model(model)
+        self.files = model
+        self.source = str(model.source)
+        self.config = ModelConfig.from_hf(model.hf_config, self.source)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.max_model_len = self._check_max_model_len(max_model_len)
+
+        self.model: DecoderForCausalLM = build_model(
+            self.config, dtype, self.device, max_positions=self.max_model_len
+        )
+        self.model.load_weights(model.iter_tensors(dtype), self.source)
+
+        cfg = self.config
+        block_bytes = 2 * cfg.num_hidden_layers * block_size * cfg.kv_size * dtype.itemsize
+        if num_blocks is None:
+            full = -(-self.max_model_len // block_size)
+            num_blocks = max(full, min(4 * full, _DEFAULT_KV_BYTES // block_bytes))
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.scratch_block = num_blocks  # the extra last block
+        shape = (num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (
+                torch.zeros(shape, dtype=dtype, device=self.device),
+                torch.zeros(shape, dtype=dtype, device=self.device),
+            )
+            for _ in range(cfg.num_hidden_layers)
+        ]
+
+    def _check_max_model_len(self, requested: int | None) -> int:
+        cfg = self.config
+        limit = cfg.max_position_embeddings
+        if cfg.sliding_window is not None:
+            limit = min(limit, cfg.sliding_window)
+        if requested is None:
+            return limit
+        if requested <= 0:
+            raise ValueError(f"max_model_len must be positive, got {requested}")
+        if requested > cfg.max_position_embeddings:
+            raise ModelLoadError(
+                self.source,
+                f"max_model_len {requested} exceeds the model's max_position_embeddings "
+                f"{cfg.max_position_embeddings}",
+            )
+        if cfg.sliding_window is not None and requested > cfg.sliding_window:
+            raise UnsupportedModelError(
+                self.source,
+                f"sliding-window attention is not implemented; max_model_len {requested} "
+                f"must not exceed the model's window of {cfg.sliding_window} tokens",
+            )
+        return requested
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        input_ids: torch.Tensor,
+        md: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Forward the step's tokens (writing their K/V into the cache) and return fp32
+        logits ``[len(logits_indices), vocab]`` for the selected token rows."""
+        hidden = self.model(input_ids, md, self.kv_caches)
+        return self.model.compute_logits(hidden[logits_indices]).float()
+
+    def build_metadata(
+        self, seqs: list[tuple[list[int], int, list[int]]]
+    ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Host-side convenience for tests and benchmarks (the scheduler builds these
+        tensors on the device): ``seqs`` holds, per sequence, (new token ids, number of
+        tokens already in the cache, block ids). Returns (input_ids, metadata, indices of
+        each sequence's last token)."""
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []
+        starts = [0]
+        seq_lens: list[int] = []
+        for row, (new_ids, num_cached, block_ids) in enumerate(seqs):
+            total = num_cached + len(new_ids)
+            if not new_ids or len(block_ids) * bs < total or total > self.max_model_len:
+                raise ValueError(
+                    f"sequence {row}: {len(new_ids)} new + {num_cached} cached tokens need "
+                    f"{-(-total // bs)} blocks (max_model_len {self.max_model_len}), "
+                    f"got {len(block_ids)}"
+                )
+            for pos in range(num_cached, total):
+                positions.append(pos)
+                slots.append(block_ids[pos // bs] * bs + pos % bs)
+            ids.extend(new_ids)
+            rows.extend([row] * len(new_ids))
+            starts.append(starts[-1] + len(new_ids))
+            seq_lens.append(total)
+        width = max(len(b) for _, _, b in seqs)
+        tables = [list(b) + [self.scratch_block] * (width - len(b)) for _, _, b in seqs]
+
+        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        md = AttentionMetadata(
+            slot_mapping=tensor(slots, torch.int64),
+            positions=tensor(positions, torch.int64),
+            token_seq_idx=tensor(rows, torch.int64),
+            query_start_loc=tensor(starts, torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32),
+            block_tables=tensor(tables, torch.int32),
+            max_context=max(seq_lens),
+            max_query_len=max(len(n) for n, _, _ in seqs),
+        )
+        return tensor(ids, torch.int64), md, tensor([s - 1 for s in starts[1:]], torch.int64)

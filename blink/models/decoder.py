@@ -1,0 +1,351 @@
+"""One decoder-only transformer for every supported family (Llama, Mistral, Qwen2, Qwen3,
+Phi-3/Phi-4, Qwen3-MoE).
+
+The families differ only in flags of :class:`~blink.config.ModelConfig` (biases, q/k norm,
+rotary dim, rope scaling, MoE layers, tied embeddings); the checkpoint layout differences
+(separate vs fused q/k/v and gate/up, per-expert vs stacked experts) are absorbed by
+:meth:`DecoderForCausalLM.load_weights`.
+
+The forward pass works on a flattened batch: all sequences' new tokens side by side,
+described by an :class:`~blink.kernels.reference.AttentionMetadata`. Every op except the
+matmuls goes through ``blink.kernels.ops_for(device)``, so GPU kernels replace the torch
+references without this file changing. Nothing here loops over requests or reads a tensor
+value on the host.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blink.config import ModelConfig
+from blink.errors import ModelLoadError
+from blink.kernels import ops_for
+from blink.kernels.reference import AttentionMetadata, rope_cos_sin_cache
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def _param(*shape: int) -> nn.Parameter:
+    """Uninitialised parameter in the default dtype/device (set by :func:`build_model`);
+    ``load_weights`` fills it in place, so the weights are never held twice."""
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """``y = x @ weight.T (+ bias)``; weight [out, in] as in HF checkpoints."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = _param(out_features, in_features)
+        self.bias = _param(out_features) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """Holds the weight; the op itself comes from the kernel table."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = _param(dim)
+
+
+class Attention(nn.Module):
+    """Fused qkv projection, optional per-head q/k RMSNorm, RoPE, paged KV cache write,
+    paged attention, output projection."""
+
+    def __init__(self, config: ModelConfig, ops) -> None:
+        super().__init__()
+        self.ops = ops
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.eps = config.rms_norm_eps
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_bias)
+        self.q_norm = RMSNorm(self.head_dim) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim) if config.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        md: AttentionMetadata,
+        kv_cache: KVCache,
+        cos_sin: torch.Tensor,
+    ) -> torch.Tensor:
+        ops = self.ops
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = ops.rms_norm(q, self.q_norm.weight, self.eps)
+            k = ops.rms_norm(k, self.k_norm.weight, self.eps)
+        q, k = ops.apply_rope(q, k, md.positions, cos_sin)
+        k_cache, v_cache = kv_cache
+        ops.write_kv_cache(k, v, k_cache, v_cache, md.slot_mapping)
+        o = ops.paged_attention(q, k_cache, v_cache, md, self.scale)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    """SiLU-gated MLP with gate and up fused into one projection."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool, ops) -> None:
+        super().__init__()
+        self.ops = ops
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias)
+        self.down_proj = Linear(intermediate, hidden, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class Experts(nn.Module):
+    """All experts' weights stacked: w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]."""
+
+    def __init__(self, n_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.w13 = _param(n_experts, 2 * intermediate, hidden)
+        self.w2 = _param(n_experts, hidden, intermediate)
+
+
+class SparseMoE(nn.Module):
+    """Router (``gate``) + top-k experts, as in Qwen3-MoE."""
+
+    def __init__(self, config: ModelConfig, ops) -> None:
+        super().__init__()
+        self.ops = ops
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
+        self.gate = Linear(config.hidden_size, config.num_experts)
+        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.ops.moe_topk_route(self.gate(x), self.top_k, self.renormalize)
+        return self.ops.moe_experts(x, self.experts.w13, self.experts.w2, weights, ids)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, ops) -> None:
+        super().__init__()
+        self.ops = ops
+        self.eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size)
+        self.self_attn = Attention(config, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size)
+        if config.is_moe_layer(layer):
+            self.mlp: nn.Module = SparseMoE(config, ops)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, ops)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        md: AttentionMetadata,
+        kv_cache: KVCache,
+        cos_sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ops = self.ops
+        if residual is None:
+            residual = x
+            x = ops.rms_norm(x, self.input_layernorm.weight, self.eps)
+        else:
+            x, residual = ops.fused_add_rms_norm(x, residual, self.input_layernorm.weight, self.eps)
+        x = self.self_attn(x, md, kv_cache, cos_sin)
+        x, residual = ops.fused_add_rms_norm(
+            x, residual, self.post_attention_layernorm.weight, self.eps
+        )
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, ops) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = _param(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, ops) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size)
+
+
+class DecoderForCausalLM(nn.Module):
+    """The whole model. ``forward`` returns final hidden states [T, H] of the flattened
+    batch; ``compute_logits`` projects the rows that need logits."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        self.ops = ops_for(device)
+        self.model = DecoderModel(config, self.ops)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        cos_sin = rope_cos_sin_cache(
+            config.rotary_dim, max_positions, config.rope_theta, config.rope_scaling
+        )
+        self.register_buffer("cos_sin", cos_sin.to(device), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        md: AttentionMetadata,
+        kv_caches: list[KVCache],
+    ) -> torch.Tensor:
+        """input_ids [T] -> hidden [T, hidden_size] (after the final norm)."""
+        # A fresh step cache per forward: ops memoise per-step index work in it once
+        # and every layer reuses it (see AttentionMetadata.step_cache).
+        md = dataclasses.replace(md, step_cache={})
+        x = F.embedding(input_ids, self.model.embed_tokens.weight)
+        residual = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x, residual = layer(x, residual, md, kv_cache, self.cos_sin)
+        x, _ = self.ops.fused_add_rms_norm(x, residual, self.model.norm.weight, self.config.rms_norm_eps)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> logits [N, vocab] in the model dtype."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    # ------------------------------------------------------------------ weight loading
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], source: str | Path | None = None
+    ) -> None:
+        """Copy HF-named tensors into the (fused) parameters, one tensor at a time.
+
+        Accepts q/k/v and gate/up either separate or fused, and MoE experts either per
+        expert (``mlp.experts.{e}.gate_proj.weight``) or stacked (``mlp.experts.gate_up_proj``).
+        Raises :class:`ModelLoadError` naming the tensor on an unexpected name, a shape
+        mismatch, a tensor given twice, or weights left missing at the end.
+        """
+        source = source if source is not None else self.config.source or None
+        params = dict(self.named_parameters())
+        filled = dict.fromkeys(params, 0)  # elements written per parameter
+        seen: set[str] = set()
+        for name, tensor in weights:
+            target = self._destination(name, params, source)
+            if target is None:
+                continue
+            pname, dst = target
+            if tensor.shape != dst.shape:
+                raise ModelLoadError(
+                    source,
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}",
+                )
+            filled[pname] += dst.numel()
+            if name in seen or filled[pname] > params[pname].numel():
+                raise ModelLoadError(source, f"weight {name!r} is given twice (or overlaps a fused weight)")
+            seen.add(name)
+            with torch.no_grad():
+                dst.copy_(tensor)
+        missing = [p for p, n in filled.items() if n < params[p].numel()]
+        if missing:
+            shown = ", ".join(self._hf_names(p, seen) for p in missing[:6])
+            more = f" and {len(missing) - 6} more" if len(missing) > 6 else ""
+            raise ModelLoadError(source, f"missing weight(s): {shown}{more}")
+
+    _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+    _QKV = re.compile(r"self_attn\.([qkv])_proj\.(weight|bias)")
+    _GATE_UP = re.compile(r"mlp\.(gate|up)_proj\.(weight|bias)")
+    _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+
+    def _destination(
+        self, name: str, params: dict[str, nn.Parameter], source: str | Path | None
+    ) -> tuple[str, torch.Tensor] | None:
+        """(parameter name, view of it to fill) for an HF tensor name; None = ignore it."""
+        if name.endswith("rotary_emb.inv_freq"):
+            return None  # some old checkpoints store the rope table; we compute it
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None  # tied: the embedding is the head (some exports store both)
+        match = self._LAYER.fullmatch(name)
+        if match is not None:
+            prefix = f"model.layers.{match[1]}."
+            rest = match[2]
+            if m := self._QKV.fullmatch(rest):
+                pname = prefix + f"self_attn.qkv_proj.{m[2]}"
+                if pname in params:
+                    q, kv = self.config.q_size, self.config.kv_size
+                    start = {"q": 0, "k": q, "v": q + kv}[m[1]]
+                    size = q if m[1] == "q" else kv
+                    return pname, params[pname][start : start + size]
+            elif m := self._GATE_UP.fullmatch(rest):
+                pname = prefix + f"mlp.gate_up_proj.{m[2]}"
+                if pname in params:
+                    half = params[pname].shape[0] // 2
+                    return pname, params[pname][:half] if m[1] == "gate" else params[pname][half:]
+            elif m := self._EXPERT.fullmatch(rest):
+                expert, kind = int(m[1]), m[2]
+                pname = prefix + ("mlp.experts.w2" if kind == "down" else "mlp.experts.w13")
+                if pname in params and expert < params[pname].shape[0]:
+                    w = params[pname][expert]
+                    if kind == "down":
+                        return pname, w
+                    half = w.shape[0] // 2
+                    return pname, w[:half] if kind == "gate" else w[half:]
+            elif rest in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
+                # transformers-5 in-memory layout: already stacked [E, 2I, H] / [E, H, I]
+                pname = prefix + ("mlp.experts.w13" if rest.endswith("gate_up_proj") else "mlp.experts.w2")
+                if pname in params:
+                    return pname, params[pname]
+        if name in params:
+            return name, params[name]
+        raise ModelLoadError(
+            source,
+            f"unexpected weight {name!r} for a {self.config.model_type} model",
+        )
+
+    def _hf_names(self, pname: str, seen: set[str]) -> str:
+        """The checkpoint names that would fill ``pname`` and were not given."""
+        prefix, _, leaf = pname.rpartition(".")
+        if self.config.hf_fused_projections:
+            return pname
+        if prefix.endswith("self_attn.qkv_proj"):
+            base = prefix.removesuffix("qkv_proj")
+            names = [f"{base}{p}_proj.{leaf}" for p in "qkv"]
+        elif prefix.endswith("mlp.gate_up_proj"):
+            base = prefix.removesuffix("gate_up_proj")
+            names = [f"{base}{p}_proj.{leaf}" for p in ("gate", "up")]
+        elif pname.endswith(("mlp.experts.w13", "mlp.experts.w2")):
+            base = pname.rsplit(".", 1)[0]
+            kinds = ("down",) if leaf == "w2" else ("gate", "up")
+            n = self.config.num_experts
+            names = [f"{base}.{e}.{k}_proj.weight" for e in range(n) for k in kinds]
+        else:
+            return pname
+        return ", ".join(n for n in names if n not in seen) or pname
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    max_positions: int,
+) -> DecoderForCausalLM:
+    """An unloaded model whose parameters are allocated (uninitialised) directly in
+    ``dtype`` on ``device``; fill it with :meth:`DecoderForCausalLM.load_weights`."""
+    device = torch.device(device)
+    with _default_dtype(dtype), device:
+        model = DecoderForCausalLM(config, max_positions, device)
+    return model.eval()

@@ -1,0 +1,202 @@
+"""Triton paged attention and KV-cache write against the torch reference.
+
+Runs on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1``, which must be set
+before the kernel modules are imported; see ``_kernels_env``). Shapes are small because the
+interpreter executes every program in Python.
+
+Tolerances: fp32 atol/rtol 1e-4 (same math, different summation order); bf16 atol/rtol
+2e-2 (the interpreter truncates fp32 -> bf16 instead of rounding, ~1 ulp = 2^-8 relative,
+plus reordered fp32 sums).
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated
+
+import pytest
+import torch
+
+from blink.kernels import reference as ref
+
+triton_attention = pytest.importorskip("blink.kernels.triton_attention")
+from blink.kernels.triton_common import interpreting  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
+if DEVICE == "cpu" and not interpreting():
+    pytest.skip("Triton kernels were imported without TRITON_INTERPRET=1", allow_module_level=True)
+
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def make_batch(
+    rows: list[tuple[int, int]],
+    *,
+    n_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    pad_tokens: int = 0,
+    extra_table_cols: int = 1,
+    seed: int = 0,
+):
+    """A step over ``rows`` = [(cached_len, new_len)] with a random cache and block layout.
+
+    Rows with (0, 0) are unused (seq_lens 0). Physical blocks are shuffled so a wrong block
+    lookup cannot pass by accident; the last block is the scratch block padding writes to.
+    Returns (caches, new K/V, metadata, number of live tokens).
+    """
+    g = torch.Generator().manual_seed(seed)
+    n_rows = len(rows)
+    blocks_per_row = [-(-(c + n) // block_size) for c, n in rows]
+    max_blocks = max(blocks_per_row) + extra_table_cols
+    n_blocks = sum(blocks_per_row) + 1  # + scratch
+    perm = torch.randperm(n_blocks - 1, generator=g)
+    tables = torch.zeros(n_rows, max_blocks, dtype=torch.int32)
+    used = 0
+    for r, nb in enumerate(blocks_per_row):
+        tables[r, :nb] = perm[used:used + nb].to(torch.int32)
+        used += nb
+    k_cache = torch.randn(n_blocks, block_size, n_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(n_blocks, block_size, n_kv_heads, head_dim, generator=g).to(dtype)
+
+    slots, positions, seq_idx, starts = [], [], [], [0]
+    for r, (cached, new) in enumerate(rows):
+        for p in range(cached, cached + new):
+            positions.append(p)
+            seq_idx.append(r)
+            slots.append(int(tables[r, p // block_size]) * block_size + p % block_size)
+        starts.append(starts[-1] + new)
+    n_live = len(slots)
+    pad_row = next((r for r, (c, n) in enumerate(rows) if c + n == 0), 0)
+    for i in range(pad_tokens):
+        positions.append(0)
+        seq_idx.append(pad_row)
+        slots.append((n_blocks - 1) * block_size + i % block_size)
+    md = ref.AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        token_seq_idx=torch.tensor(seq_idx, dtype=torch.int64),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor([c + n for c, n in rows], dtype=torch.int32),
+        block_tables=tables,
+    )
+    T = len(slots)
+    k_new = torch.randn(T, n_kv_heads, head_dim, generator=g).to(dtype)
+    v_new = torch.randn(T, n_kv_heads, head_dim, generator=g).to(dtype)
+    return k_cache, v_cache, k_new, v_new, md, n_live
+
+
+def to_device(*ts):
+    out = []
+    for t in ts:
+        if isinstance(t, ref.AttentionMetadata):
+            out.append(ref.AttentionMetadata(**{k: (v.to(DEVICE) if torch.is_tensor(v) else v)
+                                                 for k, v in vars(t).items()}))
+        else:
+            out.append(t.to(DEVICE))
+    return out
+
+
+# A mixed step: decode rows, a fresh prefill, an extend over a cached prefix (prefix cache /
+# chunked prefill), an unused row, and bucket padding.
+MIXED = [(37, 1), (0, 9), (0, 0), (20, 5), (5, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_cache_matches_reference_on_strided_views(dtype):
+    k_cache, v_cache, _, _, md, _ = make_batch(MIXED, n_kv_heads=2, head_dim=16, block_size=4,
+                                               dtype=dtype, pad_tokens=2)
+    T = md.slot_mapping.shape[0]
+    # K/V as column slices of a fused qkv projection: row stride != KVH * D.
+    qkv = torch.randn(T, (4 + 2 + 2) * 16).to(dtype)
+    k = qkv[:, 64:96].view(T, 2, 16)
+    v = qkv[:, 96:128].view(T, 2, 16)
+    kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
+    ref.write_kv_cache(k, v, kc_ref, vc_ref, md.slot_mapping)
+    k_d, v_d, kc, vc, slots = to_device(k, v, k_cache.clone(), v_cache.clone(), md.slot_mapping)
+    triton_attention.write_kv_cache(k_d, v_d, kc, vc, slots)
+    assert torch.equal(kc.cpu(), kc_ref) and torch.equal(vc.cpu(), vc_ref)
+
+
+@pytest.mark.parametrize(
+    "n_heads,n_kv_heads,head_dim,block_size,dtype",
+    [
+        (4, 4, 16, 4, torch.float32),     # MHA, tiny blocks
+        (4, 2, 32, 16, torch.float32),    # GQA 2
+        (8, 2, 64, 16, torch.bfloat16),   # GQA 4, Llama-like head
+        (6, 2, 24, 8, torch.float32),     # group 3 and head dim 24: padded tiles
+        (4, 1, 128, 16, torch.bfloat16),  # MQA, head 128
+    ],
+)
+def test_mixed_step_matches_reference(n_heads, n_kv_heads, head_dim, block_size, dtype):
+    """Decode + prefill + extend + unused row + padding in one launch, cache written by the
+    Triton write kernel first (the model's order)."""
+    k_cache, v_cache, k_new, v_new, md, n_live = make_batch(
+        MIXED, n_kv_heads=n_kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype,
+        pad_tokens=3,
+    )
+    T = md.slot_mapping.shape[0]
+    q = torch.randn(T, n_heads, head_dim, generator=torch.Generator().manual_seed(1)).to(dtype)
+    scale = head_dim ** -0.5
+    kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
+    ref.write_kv_cache(k_new, v_new, kc_ref, vc_ref, md.slot_mapping)
+    expected = ref.paged_attention(q, kc_ref, vc_ref, md, scale)
+
+    q_d, k_d, v_d, kc, vc, md_d = to_device(q, k_new, v_new, k_cache.clone(), v_cache.clone(), md)
+    triton_attention.write_kv_cache(k_d, v_d, kc, vc, md_d.slot_mapping)
+    out = triton_attention.paged_attention(q_d, kc, vc, md_d, scale).cpu()
+
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out[:n_live].float(), expected[:n_live].float(), **TOL[dtype])
+    # Padding tokens (outside every row's query range) come back as exact zeros.
+    assert torch.count_nonzero(out[n_live:]) == 0
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_context_split_k(num_splits, dtype):
+    """Decode over ~300 positions crossing 75 four-slot blocks; split-K partials (including
+    splits that get no keys for the shorter rows) merge to the same result."""
+    rows = [(299, 1), (130, 1), (0, 0), (3, 1)]
+    k_cache, v_cache, _, _, md, n_live = make_batch(
+        rows, n_kv_heads=2, head_dim=32, block_size=4, dtype=dtype, pad_tokens=1
+    )
+    T = md.slot_mapping.shape[0]
+    q = torch.randn(T, 4, 32, generator=torch.Generator().manual_seed(2)).to(dtype)
+    expected = ref.paged_attention(q, k_cache, v_cache, md, 0.2)
+    q_d, kc, vc, md_d = to_device(q, k_cache, v_cache, md)
+    config = triton_attention.AttnConfig(block_q=8, block_n=16, num_splits=num_splits)
+    out = triton_attention.paged_attention_impl(q_d, kc, vc, md_d, 0.2, config).cpu()
+    torch.testing.assert_close(out[:n_live].float(), expected[:n_live].float(), **TOL[dtype])
+    assert torch.count_nonzero(out[n_live:]) == 0
+
+
+@pytest.mark.parametrize("block_q,block_n", [(1, 16), (4, 8), (16, 32)])
+def test_tile_shapes_do_not_change_the_result(block_q, block_n):
+    """Query tiles that straddle nothing / several tokens, key tiles smaller and larger than
+    the cache block: a prefill longer than one query tile and an extend over a prefix."""
+    rows = [(0, 19), (11, 7), (6, 1)]
+    k_cache, v_cache, _, _, md, n_live = make_batch(
+        rows, n_kv_heads=1, head_dim=16, block_size=16, dtype=torch.float32
+    )
+    q = torch.randn(n_live, 2, 16, generator=torch.Generator().manual_seed(3))
+    expected = ref.paged_attention(q, k_cache, v_cache, md, 0.25)
+    q_d, kc, vc, md_d = to_device(q, k_cache, v_cache, md)
+    config = triton_attention.AttnConfig(block_q=block_q, block_n=block_n, num_splits=2)
+    out = triton_attention.paged_attention_impl(q_d, kc, vc, md_d, 0.25, config).cpu()
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_choose_config_depends_only_on_shapes():
+    """Decode-like steps get 16-row tiles and, for long contexts with few sequences,
+    several splits; big prefill steps get one split. Same shapes -> same launch."""
+    cpu = torch.device("cpu")
+    choose = triton_attention.choose_config
+    cfg = choose(4, 4, 8, 4, 8192, cpu)
+    assert cfg.block_q * 4 == 16 and cfg.num_splits > 1
+    assert choose(4, 4, 8, 4, 8192, cpu) == cfg
+    assert choose(4, 4, 8, 4, 512, cpu).num_splits == 1  # short context: no reduction
+    assert choose(4, 256, 8, 4, 8192, cpu, max_query_len=1).block_q * 4 == 16
+    big = choose(8192, 64, 8, 4, 8192, cpu)
+    assert big.block_q * 4 == 128 and big.num_splits == 1

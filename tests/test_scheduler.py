@@ -1,0 +1,699 @@
+"""The device-resident scheduler, driven end to end over a real ring.
+
+The tests play the frontend (write requests into the ring, consume the streams, free
+finished slots, cancel) and run a fake model whose next token is a hash of the context it
+reads back *through the paged KV cache* (block tables + slot mapping). A wrong block table,
+a block written by two requests, or a false prefix-cache hit therefore changes the tokens,
+and every stream is compared with a plain-Python reference generation.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from blink.engine import prefix_cache
+from blink.engine.scheduler import Scheduler, StepBatch
+from blink.engine.state import (
+    K_PREEMPTIONS,
+    K_PREFIX_HITS,
+    K_PREFIX_REJECTS,
+    ROW_EMPTY,
+    SchedulerConfig,
+    bucket_for,
+    default_buckets,
+    ring_tensors,
+)
+from blink.errors import BlinkError
+from blink.ring import (
+    C_HEARTBEAT,
+    C_STAT_KV_BLOCKS_TOTAL,
+    C_STAT_KV_BLOCKS_USED,
+    C_STAT_PREEMPTIONS,
+    C_STAT_PREFIX_HITS,
+    C_STAT_RUNNING,
+    C_STAT_STEPS,
+    C_STAT_WAITING,
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    SLOT_FINISHED,
+    SLOT_FREE,
+    SLOT_RUNNING,
+    SLOT_WRITTEN,
+    Ring,
+    RingConfig,
+    RingLayout,
+)
+
+VOCAB = 16
+EOS = 0
+N_TOP = 3
+_HASH_PRIME = 1_000_003
+_WEIGHTS = [(i * 7919 + 13) % 9973 + 1 for i in range(4096)]
+
+
+# ----------------------------------------------------------------------------- reference model
+
+
+def raw_next(seq: list[int]) -> int:
+    """The fake model: a hash of the whole context (so every KV position matters)."""
+    return sum((t + 1) * _WEIGHTS[i] for i, t in enumerate(seq)) % _HASH_PRIME % VOCAB
+
+
+def pick(raw: int, banned: set[int]) -> int:
+    """What the fake sampler does with banned (suppressed) ids: step to the next id."""
+    tok = raw
+    while tok in banned:
+        tok = (tok + 1) % VOCAB
+    return tok
+
+
+def logprob_of(tok: int, pos: int) -> float:
+    return -float((tok * 31 + pos) % 97) / 10.0
+
+
+@dataclass
+class Req:
+    prompt: list[int]
+    max_tokens: int = 8
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_ids: tuple[int, ...] = ()
+    n_logprobs: int = 0
+    submit_step: int = 0
+    cancel_step: int | None = None
+    # Filled in by the frontend.
+    slot: int = -1
+    seq: int = -1
+    arrival: int = -1
+    out: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    tops: list[list[int]] = field(default_factory=list)
+    finish: int | None = None
+    cancelled: bool = False
+
+
+def reference(req: Req, max_model_len: int, eos: tuple[int, ...] = (EOS,)) -> tuple[list[int], int]:
+    """Expected output tokens and finish reason, written independently of the scheduler."""
+    if not 1 <= len(req.prompt) < max_model_len:
+        return [], FINISH_ERROR
+    seq, out = list(req.prompt), []
+    stops = set(req.stop_ids) | (set() if req.ignore_eos else set(eos))
+    while True:
+        banned = stops if len(out) < req.min_tokens else set()
+        tok = pick(raw_next(seq), banned)
+        stopped = tok in stops and len(out) >= req.min_tokens
+        out.append(tok)
+        seq.append(tok)
+        if stopped:
+            return out, FINISH_STOP
+        if (req.max_tokens > 0 and len(out) >= req.max_tokens) or len(seq) >= max_model_len:
+            return out, FINISH_LENGTH
+
+
+# ----------------------------------------------------------------------------- fake frontend
+
+
+class Frontend:
+    """Plays the frontend side of the ring protocol (payload first, then the state word)."""
+
+    def __init__(self, ring: Ring, rate: int = 1 << 30, stall_every: int = 0) -> None:
+        self.ring = ring
+        self.rate = rate  # tokens consumed per slot per poll
+        self.stall_every = stall_every  # every n-th poll consumes nothing (slow client)
+        self.free = deque(range(ring.config.n_slots))
+        self.by_slot: dict[int, Req] = {}
+        self.head = 0  # arena write position (monotonic)
+        self.live: deque[tuple[int, int, int, int]] = deque()  # arena (start, end, slot, seq)
+        self.ticket = 0
+        self.polls = 0
+        self.done: list[Req] = []
+
+    def submit(self, req: Req) -> bool:
+        ring, cfg = self.ring, self.ring.config
+        if not self.free or len(req.prompt) > self._arena_free():
+            return False
+        slot = self.free.popleft()
+        n = len(req.prompt)
+        if n:
+            ring.arena[(self.head + np.arange(n)) % cfg.arena_tokens] = req.prompt
+        seq = int(ring.seq[slot]) + 1
+        ring.seq[slot] = seq
+        ring.request_id[slot] = id(req)
+        ring.arrival[slot] = self.ticket
+        ring.prompt_offset[slot] = self.head % cfg.arena_tokens
+        ring.prompt_len[slot] = n
+        ring.max_tokens[slot] = req.max_tokens
+        ring.min_tokens[slot] = req.min_tokens
+        ring.ignore_eos[slot] = int(req.ignore_eos)
+        ring.n_logprobs[slot] = req.n_logprobs
+        ring.top_k[slot] = 0
+        ring.temperature[slot] = 0.0
+        ring.top_p[slot] = 1.0
+        ring.seed[slot] = 1234 + slot
+        ring.stop_ids[slot] = -1
+        ring.stop_ids[slot, : len(req.stop_ids)] = req.stop_ids
+        ring.logit_bias_ids[slot] = -1
+        ring.cancel[slot] = 0
+        ring.consumed[slot] = 0
+        ring.state[slot] = SLOT_WRITTEN  # last: publishes the request
+        self.live.append((self.head, self.head + n, slot, seq))
+        self.head += n
+        req.slot, req.seq, req.arrival = slot, seq, self.ticket
+        self.ticket += 1
+        self.by_slot[slot] = req
+        return True
+
+    def _arena_free(self) -> int:
+        # A prompt's arena range is reusable once its slot left WRITTEN (the engine copied it).
+        ring = self.ring
+        while self.live:
+            _, _, slot, seq = self.live[0]
+            if ring.state[slot] == SLOT_WRITTEN and ring.seq[slot] == seq:
+                break
+            self.live.popleft()
+        start = self.live[0][0] if self.live else self.head
+        return ring.config.arena_tokens - (self.head - start)
+
+    def cancel(self, req: Req) -> None:
+        if req.slot >= 0 and req.finish is None:
+            self.ring.cancel[req.slot] = 1
+            req.cancelled = True
+
+    def poll(self) -> None:
+        ring, cap = self.ring, self.ring.config.stream_capacity
+        self.polls += 1
+        stalled = self.stall_every and self.polls % self.stall_every == 0
+        for slot in list(self.by_slot):
+            req = self.by_slot[slot]
+            state = int(ring.state[slot])
+            if state not in (SLOT_RUNNING, SLOT_FINISHED) or ring.stream_seq[slot] != req.seq:
+                continue
+            produced, consumed = int(ring.produced[slot]), int(ring.consumed[slot])
+            assert 0 <= produced - consumed <= cap, "engine overwrote unread stream tokens"
+            n = 0 if stalled else min(produced - consumed, self.rate)
+            for i in range(consumed, consumed + n):
+                req.out.append(int(ring.tokens[slot, i % cap]))
+                req.logprobs.append(float(ring.logprob[slot, i % cap]))
+                req.tops.append([int(x) for x in ring.top_ids[slot, i % cap, : req.n_logprobs]])
+            ring.consumed[slot] = consumed + n
+            if state == SLOT_FINISHED and consumed + n == produced:
+                req.finish = int(ring.finish_reason[slot])
+                ring.state[slot] = SLOT_FREE
+                del self.by_slot[slot]
+                self.free.append(slot)
+                self.done.append(req)
+        # Slots the frontend owns (FREE) must never be touched by the engine.
+        for slot in self.free:
+            assert ring.state[slot] == SLOT_FREE, f"engine wrote the state of free slot {slot}"
+
+
+# ----------------------------------------------------------------------------- fake model
+
+
+class FakeModel:
+    """Writes each token (and its position) into a paged "KV cache" at ``slot_mapping`` and
+    computes the next token from the context read back through the block tables."""
+
+    def __init__(self, cfg: SchedulerConfig, rows: int) -> None:
+        self.cfg = cfg
+        n = (cfg.num_blocks + 1) * cfg.block_size  # + the scratch block
+        self.kv_tok = torch.full((n,), -1, dtype=torch.int64)
+        self.kv_pos = torch.full((n,), -1, dtype=torch.int64)
+        self.weights = torch.tensor(_WEIGHTS[: cfg.max_blocks_per_seq * cfg.block_size])
+
+    def __call__(self, batch: StepBatch) -> tuple[torch.Tensor, ...]:
+        cfg, md = self.cfg, batch.attn
+        bucket = cfg.bucket_for(max(1, int(batch.num_scheduled_tokens)))  # host side, as the loop
+        self.kv_tok[md.slot_mapping[:bucket]] = batch.input_ids[:bucket]
+        self.kv_pos[md.slot_mapping[:bucket]] = md.positions[:bucket]
+        rows = batch.sample_rows.clamp(min=0)
+        B = cfg.block_size
+        tables = md.block_tables[rows].long()
+        slots = (tables.unsqueeze(-1) * B + torch.arange(B)).flatten(1)
+        n_ctx = md.seq_lens[rows].long().unsqueeze(1)
+        j = torch.arange(slots.shape[1])
+        inside = j < n_ctx
+        ctx, ctx_pos = self.kv_tok[slots], self.kv_pos[slots]
+        corrupt = (inside & (ctx_pos != j)).any(1)
+        raw = ((ctx + 1) * self.weights * inside).sum(1) % _HASH_PRIME % VOCAB
+        raw = torch.where(corrupt, VOCAB + 1, raw)  # a token no reference produces
+        tok = raw
+        for _ in range(batch.suppress_ids.shape[1] + 1):
+            banned = (batch.suppress_ids.long() == tok.unsqueeze(1)).any(1)
+            tok = torch.where(banned, (tok + 1) % VOCAB, tok)
+        pos = md.seq_lens[rows].long()  # position of the new token
+        logprob = -((tok * 31 + pos) % 97).float() / 10.0
+        top_ids = tok.unsqueeze(1) + torch.arange(N_TOP)
+        top_lp = logprob.unsqueeze(1) - torch.arange(N_TOP)
+        return tok, logprob, top_ids, top_lp
+
+
+# ----------------------------------------------------------------------------- harness
+
+
+def make_ring(n_slots: int, max_model_len: int, stream_capacity: int, arena_tokens: int | None = None) -> Ring:
+    cfg = RingConfig(
+        n_slots=n_slots,
+        arena_tokens=arena_tokens or 4 * max_model_len,
+        stream_capacity=stream_capacity,
+        max_logprobs=N_TOP,
+        max_stop_ids=4,
+        max_logit_bias=2,
+        max_model_len=max_model_len,
+    )
+    return Ring.create(bytearray(RingLayout(cfg).total_bytes), cfg)
+
+
+def check_blocks(sched: Scheduler) -> None:
+    """Reference counts equal block-table occupancy; tables are well formed."""
+    s, N, B = sched.state, sched.config.num_blocks, sched.config.block_size
+    table = s.block_table.long()
+    counts = torch.zeros(N + 1, dtype=torch.int64).index_add_(0, table.flatten(), torch.ones(table.numel(), dtype=torch.int64))
+    assert torch.equal(counts[:N], s.block_ref[:N].long()), "block ref counts differ from the block tables"
+    assert int(s.block_ref[N]) == 0
+    held = (table < N).sum(1)
+    assert torch.equal(held, s.num_blocks), "num_blocks differs from the block table"
+    cols = torch.arange(table.shape[1])
+    assert bool(((table < N) == (cols < s.num_blocks.unsqueeze(1))).all()), "holes in a block table"
+    for row in range(table.shape[0]):  # no block twice in one sequence
+        ids = table[row][table[row] < N]
+        assert ids.unique().numel() == ids.numel()
+    assert bool((s.status[s.num_blocks > 0] != ROW_EMPTY).all())
+
+
+def check_batch(sched: Scheduler, batch: StepBatch, before: dict[str, torch.Tensor]) -> None:
+    """The step respects the budget, computes exactly the next tokens of each row, writes
+    only into blocks the row owns alone, and samples exactly the rows that reach their end."""
+    cfg, s = sched.config, sched.state
+    B, N = cfg.block_size, cfg.num_blocks
+    n = int(batch.num_scheduled_tokens)
+    new = batch.num_new_tokens
+    assert 0 <= n <= cfg.max_num_batched_tokens and n == int(new.sum())
+    assert cfg.buckets[int(batch.bucket_index)] == bucket_for(max(n, 1), cfg.buckets) or n == 0
+    nc = s.num_computed
+    assert bool((nc + new <= s.num_tokens).all())
+    md = batch.attn
+    qsl = md.query_start_loc.long()
+    assert torch.equal(qsl[1:] - qsl[:-1], new)
+    for t in range(n):
+        row, pos = int(md.token_seq_idx[t]), int(md.positions[t])
+        assert int(qsl[row]) <= t < int(qsl[row + 1])
+        assert pos == int(nc[row]) + t - int(qsl[row])
+        assert int(batch.input_ids[t]) == int(s.tokens[row, pos])
+        blk = int(md.slot_mapping[t]) // B
+        assert blk == int(s.block_table[row, pos // B]) and blk < N
+        assert int(s.block_ref[blk]) == 1, "a step writes into a shared block"
+    assert bool((md.slot_mapping[n:] // B == N).all()), "padding must write the scratch block"
+    assert torch.equal(md.seq_lens.long(), torch.where(new > 0, nc + new, 0))
+    # Backpressure: a row with a full stream is never scheduled.
+    full = (sched.ring["produced"] - sched.ring["consumed"]) >= sched.stream_capacity
+    assert not bool((full & (new > 0)).any())
+    # Sample rows: exactly the rows reaching their last token, compacted first.
+    ns = int(batch.num_sample_rows)
+    expect = ((new > 0) & (nc + new == s.num_tokens)).nonzero().flatten().tolist()
+    assert batch.sample_rows[:ns].tolist() == expect
+    assert bool((batch.sample_rows[ns:] == -1).all())
+    for k, row in enumerate(expect):
+        li = int(batch.logits_indices[k])
+        assert li == int(qsl[row + 1]) - 1
+        assert int(md.positions[li]) == int(s.num_tokens[row]) - 1
+        assert int(batch.sample_pos[row]) == k
+
+
+@dataclass
+class Outcome:
+    steps: int
+    reqs: list[Req]
+    sched: Scheduler
+    ring: Ring
+
+
+def run(
+    reqs: list[Req],
+    cfg: SchedulerConfig,
+    n_slots: int = 4,
+    stream_capacity: int = 4,
+    rate: int = 1 << 30,
+    stall_every: int = 0,
+    arena_tokens: int | None = None,
+    max_steps: int = 3000,
+    checks: bool = True,
+    model=None,
+    compile_steps: bool = False,
+) -> Outcome:
+    """Drive requests through ring + scheduler + fake model until everything finished."""
+    ring = make_ring(n_slots, cfg.max_model_len, stream_capacity, arena_tokens)
+    sched = Scheduler(cfg, ring_tensors(ring))
+    model = model or FakeModel(cfg, n_slots)
+    schedule, update = sched.schedule, sched.update
+    if compile_steps:  # proof of no host sync / data-dependent Python control flow
+        schedule = torch.compile(schedule, fullgraph=True, backend="eager")
+        update = torch.compile(update, fullgraph=True, backend="eager")
+    fe = Frontend(ring, rate, stall_every)
+    pending = sorted(reqs, key=lambda r: r.submit_step)
+    queue: deque[Req] = deque()
+    step = 0
+    while len(fe.done) < len(reqs):
+        assert step < max_steps, f"no progress: {len(fe.done)}/{len(reqs)} finished after {step} steps"
+        while pending and pending[0].submit_step <= step:
+            queue.append(pending.pop(0))
+        while queue and fe.submit(queue[0]):  # frontend FIFO, like a server's queue
+            queue.popleft()
+        for req in reqs:
+            if req.cancel_step == step:
+                fe.cancel(req)
+        before = {name: torch.from_numpy(getattr(ring, name).copy()) for name in
+                  ("state", "cancel", "arrival", "produced", "consumed")}
+        batch = schedule()
+        if checks:
+            check_fcfs(sched, before, ring)
+            check_blocks(sched)
+            check_batch(sched, batch, before)
+        update(batch, *model(batch))
+        if checks:
+            check_blocks(sched)
+        fe.poll()
+        step += 1
+    return Outcome(step, reqs, sched, ring)
+
+
+def check_fcfs(sched: Scheduler, before: dict[str, torch.Tensor], ring: Ring) -> None:
+    """Admission takes the oldest WRITTEN slots first, up to max_admit_per_step."""
+    waiting = ((before["state"] == SLOT_WRITTEN) & (before["cancel"] == 0)).nonzero().flatten().tolist()
+    waiting.sort(key=lambda s: int(before["arrival"][s]))
+    taken = [s for s in waiting if ring.state[s] != SLOT_WRITTEN]
+    k = min(len(waiting), sched.config.max_admit_per_step)
+    assert taken == waiting[:k], f"admission not FCFS: took {taken} of {waiting}"
+    for s in range(len(before["state"])):  # cancelled WRITTEN slots finish at once
+        if before["state"][s] == SLOT_WRITTEN and before["cancel"][s]:
+            assert ring.state[s] == SLOT_FINISHED and ring.finish_reason[s] == FINISH_ABORT
+
+
+def check_outcome(out: Outcome) -> None:
+    """Every request finished exactly once with exactly the reference tokens; everything is
+    free again at quiescence."""
+    cfg, s, ring = out.sched.config, out.sched.state, out.ring
+    assert len({id(r) for r in out.reqs}) == len(out.reqs)
+    for req in out.reqs:
+        tokens, reason = reference(req, cfg.max_model_len, cfg.eos_token_ids)
+        if req.cancelled and req.finish == FINISH_ABORT:
+            assert req.out == tokens[: len(req.out)], "aborted stream is not a prefix of the reference"
+        else:
+            assert (req.out, req.finish) == (tokens, reason), f"prompt {req.prompt}"
+        prompt_len = len(req.prompt)
+        for i, tok in enumerate(req.out):
+            assert req.logprobs[i] == pytest.approx(logprob_of(tok, prompt_len + i))
+            assert req.tops[i] == [tok + j for j in range(req.n_logprobs)]
+    assert bool((s.status == ROW_EMPTY).all())
+    assert int(s.block_ref.abs().sum()) == 0, "blocks still referenced at quiescence"
+    assert bool((s.block_table == cfg.num_blocks).all())
+    assert bool((torch.from_numpy(ring.state.copy()) == SLOT_FREE).all())
+    c = ring.control
+    assert c[C_STAT_KV_BLOCKS_USED] == 0 and c[C_STAT_KV_BLOCKS_TOTAL] == cfg.num_blocks
+    assert c[C_STAT_RUNNING] == 0 and c[C_STAT_WAITING] == 0
+    assert c[C_STAT_STEPS] == out.steps and c[C_HEARTBEAT] == out.steps
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def _cfg(**kw) -> SchedulerConfig:
+    base = dict(block_size=4, num_blocks=32, max_model_len=32, max_num_batched_tokens=16,
+                max_admit_per_step=2, enable_prefix_caching=True, eos_token_ids=(EOS,))
+    base.update(kw)
+    return SchedulerConfig(**base)
+
+
+def _random_reqs(rng: np.random.Generator, n: int, max_model_len: int, shared: int = 0) -> list[Req]:
+    base = rng.integers(1, VOCAB, size=max_model_len).tolist()
+    reqs = []
+    for _ in range(n):
+        keep = int(rng.integers(0, shared + 1)) if shared else 0
+        tail = rng.integers(0, VOCAB, size=int(rng.integers(1, max_model_len // 2))).tolist()
+        reqs.append(Req(prompt=(base[:keep] + tail)[: max_model_len - 2],
+                        max_tokens=int(rng.integers(1, 10)), submit_step=int(rng.integers(0, 12)),
+                        n_logprobs=int(rng.integers(0, N_TOP + 1))))
+    return reqs
+
+
+def test_two_requests_end_to_end():
+    reqs = [Req(prompt=[1, 2, 3, 4, 5], max_tokens=6), Req(prompt=[7] * 9, max_tokens=3, submit_step=2)]
+    check_outcome(run(reqs, _cfg()))
+    assert all(r.out for r in reqs)
+
+
+def test_tiny_pool_preempts_and_recomputes():
+    """A pool that holds barely one max-length sequence: preemption must happen, and the
+    recomputed requests still produce exactly the reference tokens."""
+    reqs = _random_reqs(np.random.default_rng(1), 10, 32)
+    for r in reqs:
+        r.ignore_eos, r.max_tokens = True, 14
+    for prefix in (False, True):
+        out = run(reqs, _cfg(num_blocks=8, enable_prefix_caching=prefix), n_slots=5)
+        check_outcome(out)
+        assert int(out.sched.state.counters[K_PREEMPTIONS]) > 0
+        assert out.ring.control[C_STAT_PREEMPTIONS] == int(out.sched.state.counters[K_PREEMPTIONS])
+        for r in reqs:
+            r.out, r.logprobs, r.tops, r.finish, r.slot = [], [], [], None, -1
+
+
+def test_shared_prefixes_hit_the_cache():
+    reqs = _random_reqs(np.random.default_rng(2), 12, 32, shared=24)
+    for i, r in enumerate(reqs):
+        r.submit_step = 3 * i  # later requests find the earlier ones' blocks
+    out = run(reqs, _cfg(), n_slots=4)
+    check_outcome(out)
+    hits = int(out.sched.state.counters[K_PREFIX_HITS])
+    assert hits > 0 and out.ring.control[C_STAT_PREFIX_HITS] == hits
+    assert int(out.sched.state.counters[K_PREFIX_REJECTS]) == 0
+
+
+def test_identical_prompts_share_blocks():
+    """Requests with one long common prompt: later ones hold the first one's blocks (refcount
+    > 1) and report the cached tokens in their stream."""
+    prompt = list(range(1, 18))
+    reqs = [Req(prompt=prompt, max_tokens=12, ignore_eos=True, submit_step=0),
+            Req(prompt=prompt, max_tokens=4, ignore_eos=True, submit_step=8)]
+    ring = make_ring(2, 32, 8)
+    sched = Scheduler(_cfg(), ring_tensors(ring))
+    model, fe = FakeModel(sched.config, 2), Frontend(ring)
+    fe.submit(reqs[0])
+    for step in range(20):
+        if step == 8:
+            fe.submit(reqs[1])
+        batch = sched.schedule()
+        if step == 8:
+            assert int(ring.num_cached_tokens[reqs[1].slot]) == 16  # 4 full blocks, last token recomputed
+            shared = sched.state.block_table[reqs[1].slot, :4]
+            assert bool((sched.state.block_ref[shared.long()] == 2).all())
+        sched.update(batch, *model(batch))
+        fe.poll()
+    for r in reqs:
+        assert (r.out, r.finish) == reference(r, 32)
+
+
+def test_forced_hash_collisions_never_give_false_hits(monkeypatch):
+    """Every key collides: only token-and-parent verified blocks may be used."""
+    monkeypatch.setattr(prefix_cache, "table_key", lambda h: torch.zeros_like(h[0]))
+    reqs = _random_reqs(np.random.default_rng(3), 12, 32, shared=20)
+    for i, r in enumerate(reqs):
+        r.submit_step = 2 * i
+    out = run(reqs, _cfg(), n_slots=4)
+    check_outcome(out)
+    assert int(out.sched.state.counters[K_PREFIX_REJECTS]) > 0  # collisions were seen and refused
+
+
+def test_full_streams_wait_without_losing_tokens():
+    """Stream capacity 1 and a client that stalls: requests wait, nothing is overwritten
+    (Frontend.poll asserts produced - consumed <= capacity) and nothing is lost."""
+    reqs = _random_reqs(np.random.default_rng(4), 6, 32)
+    out = run(reqs, _cfg(), n_slots=3, stream_capacity=1, rate=1, stall_every=2)
+    check_outcome(out)
+
+
+def test_compiled_steps_are_one_graph_each():
+    """schedule() and update() trace as single graphs (no host sync, no Python branch on a
+    tensor value) and give the same streams as eager mode."""
+    torch._dynamo.reset()
+    reqs = _random_reqs(np.random.default_rng(5), 5, 32, shared=12)
+    out = run(reqs, _cfg(num_blocks=10), n_slots=3, stream_capacity=2, compile_steps=True, checks=False)
+    check_outcome(out)
+
+
+# ----------------------------------------------------------------------------- finish rules
+
+
+class ScriptModel:
+    """Emits ``script[n]`` as the n-th output of every row; a suppressed id becomes 9 (as a
+    sampler that bans it would pick something else). Records the suppress lists seen."""
+
+    def __init__(self, script: list[int]) -> None:
+        self.script = script
+        self.suppressed: list[list[int]] = []
+
+    def __call__(self, batch: StepBatch) -> tuple[torch.Tensor, ...]:
+        n_out = (batch.total_lens - batch.prompt_lens).clamp(0, len(self.script) - 1)
+        tok = torch.tensor(self.script)[n_out]
+        banned = (batch.suppress_ids.long() == tok.unsqueeze(1)).any(1)
+        for k in range(int(batch.num_sample_rows)):
+            self.suppressed.append(sorted(x for x in batch.suppress_ids[k].tolist() if x >= 0))
+        tok = torch.where(banned, 9, tok)
+        pos = batch.total_lens
+        logprob = -((tok * 31 + pos) % 97).float() / 10.0
+        return tok, logprob, tok.unsqueeze(1) + torch.arange(N_TOP), logprob.unsqueeze(1) - torch.arange(N_TOP)
+
+
+def _one(req: Req, script: list[int], **cfg_kw) -> tuple[Req, ScriptModel]:
+    model = ScriptModel(script)
+    run([req], _cfg(**cfg_kw), n_slots=2, model=model)
+    return req, model
+
+
+@pytest.mark.parametrize(
+    "kw, script, out, finish",
+    [
+        (dict(max_tokens=10), [5, 6, EOS, 7], [5, 6, EOS], FINISH_STOP),
+        (dict(max_tokens=5, ignore_eos=True), [5, 6, EOS, 7, 8, 9], [5, 6, EOS, 7, 8], FINISH_LENGTH),
+        (dict(max_tokens=10, stop_ids=(7,)), [5, 7, 8], [5, 7], FINISH_STOP),
+        (dict(max_tokens=10, stop_ids=(7,), ignore_eos=True), [5, EOS, 7, 8], [5, EOS, 7], FINISH_STOP),
+        (dict(max_tokens=3), [5, 6, 7, 8, 9], [5, 6, 7], FINISH_LENGTH),
+        (dict(max_tokens=1), [EOS], [EOS], FINISH_STOP),  # stop wins over length
+        (dict(max_tokens=10, min_tokens=3), [EOS, EOS, EOS, EOS], [9, 9, 9, EOS], FINISH_STOP),
+        (dict(max_tokens=10, min_tokens=2, stop_ids=(7,)), [7, 7, 7], [9, 9, 7], FINISH_STOP),
+    ],
+)
+def test_finish_rules(kw, script, out, finish):
+    req, model = _one(Req(prompt=[1, 2, 3], **kw), script)
+    assert (req.out, req.finish) == (out, finish)
+
+
+def test_min_tokens_suppresses_eos_and_stop_ids_only_while_needed():
+    req, model = _one(Req(prompt=[1, 2, 3], max_tokens=4, min_tokens=2, stop_ids=(7,)), [5, 5, 5, 5])
+    assert model.suppressed == [[EOS, 7], [EOS, 7], [], []]
+    req, model = _one(Req(prompt=[1, 2, 3], max_tokens=2, min_tokens=1, ignore_eos=True), [5, 5])
+    assert model.suppressed == [[], []]  # ignore_eos: EOS is not a stop, nothing to ban
+
+
+def test_max_model_len_ends_the_request():
+    req, _ = _one(Req(prompt=list(range(1, 30)), max_tokens=0), [5] * 10)  # 0 = no limit
+    assert (len(req.out), req.finish) == (3, FINISH_LENGTH)  # 29 + 3 = max_model_len 32
+
+
+@pytest.mark.parametrize("n", [0, 32, 40])
+def test_invalid_prompts_finish_with_error(n):
+    req, model = _one(Req(prompt=[3] * n, max_tokens=4), [5])
+    assert (req.out, req.finish) == ([], FINISH_ERROR)
+
+
+def test_cancel_is_honoured_within_one_step():
+    ring = make_ring(3, 32, 4)
+    sched = Scheduler(_cfg(), ring_tensors(ring))
+    model, fe = FakeModel(sched.config, 3), Frontend(ring)
+    waiting, running = Req(prompt=[1, 2, 3], max_tokens=20), Req(prompt=[4] * 10, max_tokens=20, ignore_eos=True)
+    fe.submit(running)
+    for _ in range(3):
+        batch = sched.schedule()
+        sched.update(batch, *model(batch))
+        fe.poll()
+    fe.submit(waiting)
+    fe.cancel(waiting)
+    fe.cancel(running)
+    sched.schedule()  # the very next step finishes both
+    for r in (waiting, running):
+        assert ring.state[r.slot] == SLOT_FINISHED and ring.finish_reason[r.slot] == FINISH_ABORT
+    assert int(sched.state.block_ref.sum()) == 0
+    fe.poll()
+    assert waiting.out == [] and len(running.out) == 3 and running.finish == waiting.finish == FINISH_ABORT
+
+
+# ----------------------------------------------------------------------------- properties
+
+
+@st.composite
+def scenarios(draw):
+    block_size = draw(st.sampled_from([2, 4]))
+    max_model_len = draw(st.sampled_from([16, 24]))
+    blocks_per_seq = -(-max_model_len // block_size)
+    cfg = SchedulerConfig(
+        block_size=block_size,
+        num_blocks=draw(st.integers(blocks_per_seq, blocks_per_seq + 6)),  # tiny: preemption
+        max_model_len=max_model_len,
+        max_num_batched_tokens=draw(st.integers(1, 20)),
+        max_admit_per_step=draw(st.integers(1, 3)),
+        enable_prefix_caching=draw(st.booleans()),
+        eos_token_ids=(EOS,),
+    )
+    shared = draw(st.lists(st.integers(1, VOCAB - 1), min_size=max_model_len, max_size=max_model_len))
+    token = st.integers(0, VOCAB - 1)
+    reqs = []
+    for _ in range(draw(st.integers(1, 10))):
+        length = draw(st.integers(1, max_model_len - 1))
+        if draw(st.integers(0, 15)) == 0:  # now and then an invalid prompt
+            length = draw(st.sampled_from([0, max_model_len]))
+        keep = draw(st.integers(0, length))
+        prompt = shared[:keep] + draw(st.lists(token, min_size=length - keep, max_size=length - keep))
+        max_tokens = draw(st.integers(0, 12))
+        submit = draw(st.integers(0, 15))
+        reqs.append(Req(
+            prompt=prompt,
+            max_tokens=max_tokens,
+            min_tokens=draw(st.integers(0, 3 if max_tokens == 0 else min(3, max_tokens))),
+            ignore_eos=draw(st.booleans()),
+            stop_ids=tuple(draw(st.lists(token, max_size=2))),
+            n_logprobs=draw(st.integers(0, N_TOP)),
+            submit_step=submit,
+            cancel_step=draw(st.none() | st.integers(submit, submit + 12)),
+        ))
+    env = dict(
+        n_slots=draw(st.integers(1, 6)),
+        stream_capacity=draw(st.integers(1, 4)),
+        rate=draw(st.integers(1, 3)),
+        stall_every=draw(st.sampled_from([0, 2, 3])),
+        arena_tokens=max_model_len + draw(st.integers(1, 2 * max_model_len)),
+    )
+    return cfg, reqs, env, draw(st.booleans())
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_random_workloads_keep_every_invariant(scenario):
+    """Random arrivals, prompt lengths, limits, cancels, tiny pools, tiny streams, a slow
+    client, shared prefixes and (sometimes) every hash colliding: every step keeps the block
+    and batch invariants, admission is FCFS, and every request ends exactly once with
+    exactly its reference tokens (or a prefix of them when aborted)."""
+    cfg, reqs, env, collide = scenario
+    original = prefix_cache.table_key
+    if collide:
+        prefix_cache.table_key = lambda h: torch.zeros_like(h[0])
+    try:
+        check_outcome(run(reqs, cfg, max_steps=1500, **env))
+    finally:
+        prefix_cache.table_key = original
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_buckets():
+    assert default_buckets(100) == (8, 16, 32, 64, 100)
+    assert default_buckets(8) == (8,)
+    assert bucket_for(1, (8, 16)) == 8 and bucket_for(9, (8, 16)) == 16 and bucket_for(16, (8, 16)) == 16
+    with pytest.raises(ValueError):
+        bucket_for(17, (8, 16))
+    assert _cfg(buckets=(4, 16)).bucket_for(5) == 16
+
+
+def test_config_rejects_a_pool_smaller_than_one_sequence():
+    with pytest.raises(BlinkError, match="num_blocks"):
+        _cfg(num_blocks=7)  # 32 tokens need 8 blocks of 4
+    with pytest.raises(BlinkError, match="buckets"):
+        _cfg(buckets=(4, 8))  # must end at the budget
