@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 from blink.errors import BlinkError
@@ -15,7 +16,7 @@ from blink.errors import BlinkError
 def parse_host_port(value: str, what: str = "--engine") -> tuple[str, int]:
     """``HOST:PORT`` → (host, port), with a clear error for anything else."""
     host, sep, port = (value or "").rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise BlinkError(f"{what} must be HOST:PORT (for example 127.0.0.1:7000), got {value!r}")
     return host, int(port)
 
@@ -31,7 +32,8 @@ async def _serve(args: argparse.Namespace, host: str, port: int) -> None:
     try:
         tokenizer = Tokenizer.from_pretrained(engine.info.tokenizer)
         model_name = getattr(args, "served_model_name", None) or engine.model_name
-        app = create_app(engine, tokenizer, model_name=model_name, api_key=args.api_key)
+        api_key = args.api_key or os.environ.get("BLINK_API_KEY") or None
+        app = create_app(engine, tokenizer, model_name=model_name, api_key=api_key)
         config = uvicorn.Config(
             app, host=args.host, port=args.port, log_level="warning", access_log=False,
             timeout_graceful_shutdown=10,

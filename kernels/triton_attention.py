@@ -247,14 +247,18 @@ def choose_config(
     max_context: int,
     device: torch.device,
     max_query_len: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> AttnConfig:
     """Tile sizes and split count from shapes alone, so every call with the same shapes
     launches the same grid (CUDA-graph safe, no host sync).
 
     Decode-like steps (about one token per row) use 16-row tiles (the smallest ``tl.dot``
     takes); prefill-like steps use 128-row tiles with 8 warps (the usual FlashAttention-2
-    shape for head dim 128). Whenever the busy (tile, KV head) programs cannot fill the GPU
-    twice over and the context is long, the context is split, keeping >= 512 keys a split.
+    shape for head dim 128), or 32 rows for fp32, which has no tensor-core path. Whenever
+    the busy (tile, KV head) programs cannot fill the GPU twice over and the context is
+    long, the context is split, keeping >= 512 keys per split. These defaults compile
+    without register spills for sm_90 (see ``triton_compile_check``); they are not tuned
+    on a GPU yet (``benchmarks/gpu_kernels.py --sweep`` times the alternatives).
     """
     if max_query_len is not None:
         decode_like = max_query_len <= 4
@@ -262,14 +266,15 @@ def choose_config(
         decode_like = n_tokens <= 2 * n_rows
     if decode_like:
         block_q, block_n, warps = max(1, 16 // group_p2), 64, 4
+    elif dtype == torch.float32:
+        block_q, block_n, warps = max(1, 32 // group_p2), 32, 4
     else:
         block_q, block_n, warps = max(1, 128 // group_p2), 64, 8
     splits = 1
     if max_context > 1024:
         n_sm = _sm_count(device.index or 0) if device.type == "cuda" else 132
-        busy_tiles = min(n_tokens, n_rows) + n_tokens // block_q
-        if decode_like:
-            busy_tiles = min(n_tokens, n_rows)
+        # Upper bound of tiles with work: one per row, plus one per full query tile.
+        busy_tiles = min(n_tokens, n_rows) + (0 if decode_like else n_tokens // block_q)
         busy = max(1, busy_tiles * n_kv_heads)
         splits = max(1, min(16, triton.cdiv(max_context, 512), triton.cdiv(2 * n_sm, busy)))
     return AttnConfig(block_q, block_n, splits, warps)
@@ -354,6 +359,6 @@ def paged_attention(
         max_context = min(max_context, md.max_context)
     config = choose_config(
         q.shape[0], md.seq_lens.shape[0], k_cache.shape[2], next_pow2(q.shape[1] // k_cache.shape[2]),
-        max_context, q.device, md.max_query_len,
+        max_context, q.device, md.max_query_len, q.dtype,
     )
     return paged_attention_impl(q, k_cache, v_cache, md, scale, config)

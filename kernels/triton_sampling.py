@@ -203,41 +203,41 @@ def _filter_kernel(
         key_k = _search(row_ptr, vocab, m, min_p, 0, 0, k_eff.to(tl.float32), key_k, key_max,
                         0, NP, BLOCK_V)
 
-    # Z: unnormalised mass of the min-p and top-k survivors (the reference's softmax(s1)).
-    z = tl.zeros([], tl.float32)
-    for start in range(0, vocab, BLOCK_V):
-        v = start + tl.arange(0, BLOCK_V)
-        x = tl.load(row_ptr + v, mask=v < vocab, other=float("-inf"))
-        e = tl.exp(x - m)
-        alive = (v < vocab) & (e >= min_p) & (_float_key(x) >= key_k)
-        z += tl.sum(tl.where(alive, e, 0.0), axis=0)
-
     # Top-p: key of the last kept value, then how many of its ties (lowest index first) fit.
     key_p = tl.full([], _INT32_MIN, tl.int64)
     first_cut = vocab.to(tl.int64)  # tied entries at key_p with index >= first_cut are cut
-    if (top_p < 1.0) & (z > 0.0):
-        target = top_p * z
-        key_p = _search(row_ptr, vocab, m, min_p, key_k, 0, target, key_k, key_max,
-                        1, NP, BLOCK_V)
-        above = tl.zeros([], tl.float32)  # mass strictly above key_p
-        n_tied = tl.zeros([], tl.float32)
-        e_tied = tl.zeros([], tl.float32)
+    if top_p < 1.0:
+        # Z: unnormalised mass of the min-p and top-k survivors (the reference's softmax(s1)).
+        z = tl.zeros([], tl.float32)
         for start in range(0, vocab, BLOCK_V):
             v = start + tl.arange(0, BLOCK_V)
             x = tl.load(row_ptr + v, mask=v < vocab, other=float("-inf"))
-            vkey = _float_key(x).to(tl.int64)
             e = tl.exp(x - m)
-            alive = (v < vocab) & (e >= min_p) & (vkey >= key_k)
-            above += tl.sum(tl.where(alive & (vkey > key_p), e, 0.0), axis=0)
-            tied = alive & (vkey == key_p)
-            n_tied += tl.sum(tied.to(tl.float32), axis=0)
-            e_tied = tl.maximum(e_tied, tl.max(tl.where(tied, e, 0.0), axis=0))
-        # The j-th tie (0-based) has mass above + j * e_tied before it; kept while < target.
-        n_keep = tl.minimum(tl.ceil((target - above) / e_tied), n_tied)
-        if n_keep < n_tied:
-            first_cut = _search(row_ptr, vocab, m, min_p, key_k, key_p.to(tl.int32),
-                                n_tied - n_keep, tl.full([], 0, tl.int64),
-                                first_cut - 1, 2, NP, BLOCK_V)
+            alive = (v < vocab) & (e >= min_p) & (_float_key(x) >= key_k)
+            z += tl.sum(tl.where(alive, e, 0.0), axis=0)
+        if z > 0.0:
+            target = top_p * z
+            key_p = _search(row_ptr, vocab, m, min_p, key_k, 0, target, key_k, key_max,
+                            1, NP, BLOCK_V)
+            above = tl.zeros([], tl.float32)  # mass strictly above key_p
+            n_tied = tl.zeros([], tl.float32)
+            e_tied = tl.zeros([], tl.float32)
+            for start in range(0, vocab, BLOCK_V):
+                v = start + tl.arange(0, BLOCK_V)
+                x = tl.load(row_ptr + v, mask=v < vocab, other=float("-inf"))
+                vkey = _float_key(x).to(tl.int64)
+                e = tl.exp(x - m)
+                alive = (v < vocab) & (e >= min_p) & (vkey >= key_k)
+                above += tl.sum(tl.where(alive & (vkey > key_p), e, 0.0), axis=0)
+                tied = alive & (vkey == key_p)
+                n_tied += tl.sum(tied.to(tl.float32), axis=0)
+                e_tied = tl.maximum(e_tied, tl.max(tl.where(tied, e, 0.0), axis=0))
+            # The j-th tie (0-based) has mass above + j * e_tied before it; kept while < target.
+            n_keep = tl.minimum(tl.ceil((target - above) / e_tied), n_tied)
+            if n_keep < n_tied:
+                first_cut = _search(row_ptr, vocab, m, min_p, key_k, key_p.to(tl.int32),
+                                    n_tied - n_keep, tl.full([], 0, tl.int64),
+                                    first_cut - 1, 2, NP, BLOCK_V)
 
     # Final pass: write survivors, -inf elsewhere.
     for start in range(0, vocab, BLOCK_V):

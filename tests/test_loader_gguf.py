@@ -248,6 +248,38 @@ def test_progress_bar_goes_to_stderr(smollm, capsys):
     assert "Loading weights" in captured.err and captured.out == ""
 
 
+def test_smollm_converted_directory_matches_transformers_gguf(smollm, transformers_smollm, tmp_path):
+    """blink convert: transformers loads the written directory, and its logits equal those of
+    transformers loading the GGUF itself; the directory's tokenizer gives our ids."""
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from blink.loader import convert_gguf_to_hf
+
+    out = convert_gguf_to_hf(smollm.source, tmp_path / "smollm2", dtype=torch.float32, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+    ]
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["torch_dtype"] == "float32"
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    ours = Tokenizer.from_str(smollm.tokenizer_json)
+    for text in ["The capital of France is", "日本語 😀 café 12345\n\n  x", "<|im_start|>user\nhi<|im_end|>\n"]:
+        assert tokenizer(text)["input_ids"] == ours.encode(text).ids, text
+    assert tokenizer.chat_template == smollm.tokenizer_config["chat_template"]
+    assert (tokenizer.bos_token, tokenizer.eos_token) == ("<|im_start|>", "<|im_end|>")
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert model.config.tie_word_embeddings and model.config.head_dim == 64
+    assert model.generation_config.eos_token_id == 2
+    ids = torch.tensor([tokenizer("def fib(n):\n    return")["input_ids"]])
+    with torch.no_grad():
+        expected = transformers_smollm(ids).logits
+        actual = model(ids).logits
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+
+
 # ----------------------------------------------------------------------------- tiny models, every architecture
 
 

@@ -6,6 +6,7 @@ family (GPT-2 regex, Llama-3 regex, Qwen2 regex) and for a SentencePiece vocabul
 """
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -112,29 +113,10 @@ def test_smollm_chat_template_render_and_ids(smollm_files, smollm_reference):
         assert ours.encode(text).ids == list(ids)
 
 
-def test_load_tokenizer_files_needs_no_torch(tmp_path):
-    """The frontend has no torch: the tokenizer path must not import it (GGUF and HF dir)."""
-    hf_dir = tmp_path / "hf"
-    hf_dir.mkdir()
-    (hf_dir / "tokenizer.json").write_text(Tokenizer(models.BPE()).to_str())
-    code = (
-        "import sys\n"
-        "sys.modules['torch'] = None  # any import of torch now fails\n"
-        "from blink.loader import load_tokenizer_files\n"
-        "from tokenizers import Tokenizer\n"
-        f"tj, tc, gc = load_tokenizer_files({str(smollm_path())!r})\n"
-        "print(Tokenizer.from_str(tj).encode('Hello world').ids, gc['eos_token_id'])\n"
-        f"load_tokenizer_files({str(hf_dir)!r})\n"
-        "assert 'transformers' not in sys.modules\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[19556, 905] 2"
-
-
 # ----------------------------------------------------------------------------- synthetic vocabularies
 
 
+@functools.cache
 def _byte_level_vocab() -> tuple[list[str], list[str]]:
     """A small byte-level BPE trained here; specials first, as in real files."""
     tokenizer = Tokenizer(models.BPE())
@@ -204,6 +186,7 @@ def test_pre_tokenizer_choice_matters(tmp_path):
     assert len(encodings) == 3
 
 
+@functools.cache
 def _sentencepiece_vocab() -> tuple[list[str], list[float], list[int]]:
     """A llama.cpp-style SentencePiece vocabulary: <unk>, <s>, </s>, 256 byte tokens, then
     pieces best first with descending scores (no merges, as llama.cpp writes them)."""
@@ -239,6 +222,33 @@ def test_sentencepiece_ids_equal_transformers(tmp_path, arch):
     assert config["add_bos_token"] is True and ours.encode("x").ids[0] == 1
     # bytes outside the vocabulary fall back to byte tokens, and decode back
     assert ours.decode(ours.encode("日本 😀").ids) == "日本 😀"
+
+
+def test_load_tokenizer_files_needs_no_torch(tmp_path):
+    """The frontend has no torch: the tokenizer path must not import it (GGUF and HF dir)."""
+    tokens, merges = _byte_level_vocab()
+    path = _tokenizer_gguf(tmp_path / "t.gguf", {
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "llama-bpe", "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [3] * 5 + [1] * (len(tokens) - 5), "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.eos_token_id": 2,
+    })
+    expected = Tokenizer.from_str(load_tokenizer_files(path)[0]).encode("Hello world").ids
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "tokenizer.json").write_text(Tokenizer(models.BPE()).to_str())
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None  # any import of torch now fails\n"
+        "from blink.loader import load_tokenizer_files\n"
+        "from tokenizers import Tokenizer\n"
+        f"tj, tc, gc = load_tokenizer_files({str(path)!r})\n"
+        "print(Tokenizer.from_str(tj).encode('Hello world').ids, gc['eos_token_id'])\n"
+        f"load_tokenizer_files({str(hf_dir)!r})\n"
+        "assert 'transformers' not in sys.modules\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"{expected} 2"
 
 
 def test_gguf_without_tokenizer_is_an_error(tmp_path):

@@ -148,14 +148,20 @@ class GGUFFile:
             raise ModelLoadError(self.path, f"GGUF metadata lacks {self.architecture}.{name}")
         return value
 
+    def _positive(self, name: str) -> int:
+        value = self._require(name)
+        if not isinstance(value, int) or value <= 0:
+            raise ModelLoadError(self.path, f"GGUF metadata {self.architecture}.{name} is {value!r}, not a positive integer")
+        return value
+
     # ---- config --------------------------------------------------------------------------------
 
     def _build_config(self) -> dict[str, Any]:
         arch = self.architecture
         model_type, hf_class = SUPPORTED_ARCHITECTURES[arch]
         tensor_names = {t.name for t in self.reader.tensors}
-        hidden = int(self._require("embedding_length"))
-        heads = int(self._require("attention.head_count"))
+        hidden = self._positive("embedding_length")
+        heads = self._positive("attention.head_count")
         kv_heads = self.arch_key("attention.head_count_kv", heads)
         if isinstance(kv_heads, list):
             # Some files store one count per layer; the supported models use the same everywhere.
@@ -184,7 +190,7 @@ class GGUFFile:
             "architectures": [hf_class],
             "model_type": model_type,
             "hidden_size": hidden,
-            "num_hidden_layers": int(self._require("block_count")),
+            "num_hidden_layers": self._positive("block_count"),
             "num_attention_heads": heads,
             "num_key_value_heads": int(kv_heads),
             "head_dim": int(head_dim),
@@ -228,7 +234,7 @@ class GGUFFile:
         return config
 
     def _moe_config(self) -> dict[str, Any]:
-        experts = int(self._require("expert_count"))
+        experts = self._positive("expert_count")
         gate = next((t for t in self.reader.tensors if t.name.endswith("ffn_gate_exps.weight")), None)
         if gate is not None and int(gate.shape[-1]) != experts:
             raise ModelLoadError(
@@ -236,7 +242,7 @@ class GGUFFile:
             )
         moe_config: dict[str, Any] = {
             "num_experts": experts,
-            "num_experts_per_tok": int(self._require("expert_used_count")),
+            "num_experts_per_tok": self._positive("expert_used_count"),
             # llama.cpp always renormalises the top-k routing weights for Qwen3-MoE.
             "norm_topk_prob": True,
             "decoder_sparse_step": 1,
@@ -298,7 +304,7 @@ class GGUFFile:
             if qtype in checked:
                 continue
             # dequantize() is the authority on what the installed gguf package can unpack.
-            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            _, type_size = gguf.GGML_QUANT_SIZES[qtype]
             try:
                 gguf.quants.dequantize(np.zeros((1, type_size), dtype=np.uint8), qtype)
             except NotImplementedError:
@@ -427,7 +433,7 @@ def _reverse_rope_permute(weight: "torch.Tensor", n_heads: int) -> "torch.Tensor
     return weight.reshape(n_heads, half, 2, *rest).transpose(1, 2).reshape(weight.shape)
 
 
-def llama3_rope_factors(
+def _llama3_rope_factors(
     head_dim: int, theta: float, factor: float, low_freq_factor: float, high_freq_factor: float, original: int
 ) -> np.ndarray:
     """The per-frequency divisors llama.cpp stores as ``rope_freqs`` for Llama-3.1 rope scaling."""
@@ -473,7 +479,7 @@ def _llama3_rope_scaling(
     for low_f, high_f in ((round(low, 6), round(low + span, 6)), (low, low + span)):
         if low_f <= 0 or high_f <= low_f:
             continue
-        rebuilt = llama3_rope_factors(head_dim, theta, factor, low_f, high_f, original)
+        rebuilt = _llama3_rope_factors(head_dim, theta, factor, low_f, high_f, original)
         if np.allclose(rebuilt, stored, rtol=1e-4, atol=1e-5):
             return {
                 "rope_type": "llama3",

@@ -117,11 +117,10 @@ def build_tokenizer(get: Callable[[str, Any], Any], path: Path, architecture: st
         # The converter kept the original tokenizer.json: nothing to rebuild.
         tokenizer = Tokenizer.from_str(embedded)
     elif kind == "gpt2":
-        tokenizer = _byte_level(tokens, get("tokenizer.ggml.merges", None) or [], token_types,
-                                get("tokenizer.ggml.pre", None))
+        tokenizer = _byte_level(tokens, get("tokenizer.ggml.merges", None) or [], get("tokenizer.ggml.pre", None))
     elif kind == "llama":
-        tokenizer = _sentencepiece(tokens, get("tokenizer.ggml.merges", None),
-                                   get("tokenizer.ggml.scores", None), token_types, architecture)
+        tokenizer = _sentencepiece(path, tokens, get("tokenizer.ggml.merges", None),
+                                   get("tokenizer.ggml.scores", None), architecture)
     else:
         raise UnsupportedModelError(
             path, f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2', 'llama')"
@@ -144,7 +143,7 @@ def build_tokenizer(get: Callable[[str, Any], Any], path: Path, architecture: st
     return tokenizer.to_str(), config
 
 
-def _byte_level(tokens: list[str], merges: list[str], token_types: list[int], pre: str | None) -> Tokenizer:
+def _byte_level(tokens: list[str], merges: list[str], pre: str | None) -> Tokenizer:
     spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
     # A few files store tokens as plain text rather than in the byte alphabet; respell those.
@@ -177,15 +176,14 @@ def _byte_level(tokens: list[str], merges: list[str], token_types: list[int], pr
 
 
 def _sentencepiece(
-    tokens: list[str], merges: list[str] | None, scores: list[float] | None, token_types: list[int],
-    architecture: str,
+    path: Path, tokens: list[str], merges: list[str] | None, scores: list[float] | None, architecture: str
 ) -> Tokenizer:
     vocab = {token: index for index, token in enumerate(tokens)}
     if merges:
         merge_pairs = [tuple(merge.split(" ")) for merge in merges]
     else:
         if scores is None:
-            raise UnsupportedModelError(None, "SentencePiece GGUF tokenizer has neither merges nor scores")
+            raise ModelLoadError(path, "SentencePiece GGUF tokenizer has neither merges nor scores")
         merge_pairs = _merges_from_scores(vocab, dict(zip(tokens, scores)))
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=True, byte_fallback=True, dropout=None))
     if architecture == "phi3":
