@@ -184,6 +184,24 @@ def attention_batch(
     return q, k_cache, v_cache, md
 
 
+def sdpa_dense(
+    q_lens: list[int], before: list[int], hq: int, hkv: int, d: int, scale: float,
+    dtype: torch.dtype, device: torch.device,
+) -> Callable[[], Any] | None:
+    """The same attention with torch SDPA on dense, unpaged K/V (what attention costs
+    without paging), for uniform batches SDPA can express: decode, or prefill from 0
+    (``is_causal`` is top-left aligned, so an extend over a prefix has no equivalent)."""
+    if len(set(q_lens)) != 1 or len(set(before)) != 1 or (q_lens[0] > 1 and before[0] > 0):
+        return None
+    n_rows, n_new, ctx = len(q_lens), q_lens[0], q_lens[0] + before[0]
+    qd = torch.randn(n_rows, hq, n_new, d, dtype=dtype, device=device)
+    kd = torch.randn(n_rows, hkv, ctx, d, dtype=dtype, device=device)
+    vd = torch.randn_like(kd)
+    return lambda: F.scaled_dot_product_attention(
+        qd, kd, vd, is_causal=n_new > 1, scale=scale, enable_gqa=hq != hkv
+    )
+
+
 def attention_cases(model: str, dims: dict, small: bool, device: torch.device, dtype: torch.dtype) -> list[Case]:
     hq, hkv, d = dims["hq"], dims["hkv"], dims["d"]
     gen = torch.Generator().manual_seed(0)
@@ -210,25 +228,13 @@ def attention_cases(model: str, dims: dict, small: bool, device: torch.device, d
         bytes_moved = kv_bytes + 2 * q.numel() * el
         causal_pairs = sum(n * b + n * (n + 1) // 2 for n, b in zip(q_lens, before))
         flops = 4 * causal_pairs * hq * d
-        alt_fn, alt_name = None, ""
-        if len(set(q_lens)) == 1 and len(set(before)) == 1:
-            n_rows, n_new, ctx = len(q_lens), q_lens[0], q_lens[0] + before[0]
-            qd = torch.randn(n_rows, hq, n_new, d, dtype=dtype, device=device)
-            kd = torch.randn(n_rows, hkv, ctx, d, dtype=dtype, device=device)
-            vd = torch.randn_like(kd)
-            if n_new == 1 or before[0] == 0:  # SDPA's is_causal is top-left aligned
-                causal = n_new > 1
-
-                def alt_fn(qd=qd, kd=kd, vd=vd, causal=causal):
-                    return F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale,
-                                                          enable_gqa=hq != hkv)
-                alt_name = "sdpa dense"
+        alt_fn = sdpa_dense(q_lens, before, hq, hkv, d, scale, dtype, device)
         cases.append(Case(
             model, f"paged_attention {name}",
             triton_fn=lambda q=q, kc=kc, vc=vc, md=md: triton_attention.paged_attention(q, kc, vc, md, scale),
             reference_fn=lambda q=q, kc=kc, vc=vc, md=md: ref.paged_attention(q, kc, vc, md, scale),
             compare=allclose(2e-2, 2e-2) if dtype != torch.float32 else allclose(1e-4, 1e-4),
-            bytes_moved=bytes_moved, flops=flops, alt_fn=alt_fn, alt_name=alt_name,
+            bytes_moved=bytes_moved, flops=flops, alt_fn=alt_fn, alt_name="sdpa dense" if alt_fn else "",
         ))
     # The cache write of a prefill step.
     q_lens = [20, 12] if small else [2048] * 4

@@ -1,8 +1,9 @@
 """Triton RMSNorm (plain and fused with the residual add) and neox-style RoPE.
 
 Each function has the signature and semantics of its twin in :mod:`blink.kernels.reference`,
-including where the reference rounds to the activation dtype, so bf16 results agree with the
-reference to the last bit up to the order of the fp32 reductions.
+including where the reference rounds to the activation dtype, so on a GPU bf16 results agree
+with the reference up to the order of the fp32 reductions. (The CPU interpreter truncates
+fp32 -> bf16 instead of rounding to nearest, so there they differ by up to one bf16 ulp.)
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """Triton paged attention and KV-cache write against the torch reference.
 
 Runs on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1``, which must be set
-before the kernel modules are imported; see ``_kernels_env``). Shapes are small because the
-interpreter executes every program in Python.
+before the kernel modules are imported: Triton reads it when a kernel is decorated). Shapes
+are small because the interpreter executes every program in Python. With
+``TRITON_INTERPRET=0`` on a CUDA machine the same tests run the kernels on the GPU.
 
 Tolerances: fp32 atol/rtol 1e-4 (same math, different summation order); bf16 atol/rtol
 2e-2 (the interpreter truncates fp32 -> bf16 instead of rounding, ~1 ulp = 2^-8 relative,

@@ -220,33 +220,52 @@ class Frontend:
 
 
 class FakeModel:
-    """Writes each token (and its position) into a paged "KV cache" at ``slot_mapping`` and
-    computes the next token from the context read back through the block tables."""
+    """A stand-in transformer over a paged "KV cache". Each position's cache entry holds its
+    token, its position and a running hash of the whole prefix *as this model computed it*:
+    the hash of the previous position is read back through the block table, like attention
+    reads K/V. The next token is the prefix hash at the last position. So a wrong block
+    table, a block written by two requests, or a prefix-cache hit on a block computed after a
+    different prefix all change the tokens (and are flagged as a token no reference makes)."""
 
     def __init__(self, cfg: SchedulerConfig, rows: int) -> None:
         self.cfg = cfg
         n = (cfg.num_blocks + 1) * cfg.block_size  # + the scratch block
         self.kv_tok = torch.full((n,), -1, dtype=torch.int64)
         self.kv_pos = torch.full((n,), -1, dtype=torch.int64)
+        self.kv_val = torch.full((n,), -1, dtype=torch.int64)
         self.weights = torch.tensor(_WEIGHTS[: cfg.max_blocks_per_seq * cfg.block_size])
 
     def __call__(self, batch: StepBatch) -> tuple[torch.Tensor, ...]:
-        cfg, md = self.cfg, batch.attn
-        bucket = cfg.bucket_for(max(1, int(batch.num_scheduled_tokens)))  # host side, as the loop
-        self.kv_tok[md.slot_mapping[:bucket]] = batch.input_ids[:bucket]
-        self.kv_pos[md.slot_mapping[:bucket]] = md.positions[:bucket]
+        cfg, md, B = self.cfg, batch.attn, self.cfg.block_size
+        n = int(batch.num_scheduled_tokens)
+        bucket = cfg.bucket_for(max(1, n))  # host side, as the device loop does
+        self.kv_val[md.slot_mapping[n:bucket]] = -5  # padding writes garbage (scratch block)
+
+        # Write: prefix hash = cached hash before the row's chunk + the chunk's terms.
+        ids, pos, rows, slot = batch.input_ids[:n], md.positions[:n], md.token_seq_idx[:n], md.slot_mapping[:n]
+        terms = (ids + 1) * self.weights[pos] % _HASH_PRIME
+        first = md.query_start_loc.long()[rows]
+        start = md.positions[first]
+        prev = (start - 1).clamp(min=0)
+        prev_slot = md.block_tables[rows, prev // B].long() * B + prev % B
+        base = torch.where(start > 0, self.kv_val[prev_slot], 0)
+        incl = terms.cumsum(0)
+        self.kv_val[slot] = (base + incl - (incl - terms)[first]) % _HASH_PRIME
+        self.kv_tok[slot], self.kv_pos[slot] = ids, pos
+
+        # Read: each sampling row's whole context, checked link by link.
         rows = batch.sample_rows.clamp(min=0)
-        B = cfg.block_size
         tables = md.block_tables[rows].long()
         slots = (tables.unsqueeze(-1) * B + torch.arange(B)).flatten(1)
         n_ctx = md.seq_lens[rows].long().unsqueeze(1)
         j = torch.arange(slots.shape[1])
         inside = j < n_ctx
-        ctx, ctx_pos = self.kv_tok[slots], self.kv_pos[slots]
-        corrupt = (inside & (ctx_pos != j)).any(1)
-        raw = ((ctx + 1) * self.weights * inside).sum(1) % _HASH_PRIME % VOCAB
-        raw = torch.where(corrupt, VOCAB + 1, raw)  # a token no reference produces
-        tok = raw
+        tok, at, val = self.kv_tok[slots], self.kv_pos[slots], self.kv_val[slots]
+        before = torch.nn.functional.pad(val[:, :-1], (1, 0))
+        consistent = (at == j) & (val == (before + (tok + 1) * self.weights) % _HASH_PRIME)
+        corrupt = (inside & ~consistent).any(1)
+        last = val.gather(1, (n_ctx - 1).clamp(min=0)).squeeze(1)
+        tok = torch.where(corrupt, VOCAB + 1, last % VOCAB)  # VOCAB + 1: no reference makes it
         for _ in range(batch.suppress_ids.shape[1] + 1):
             banned = (batch.suppress_ids.long() == tok.unsqueeze(1)).any(1)
             tok = torch.where(banned, (tok + 1) % VOCAB, tok)
@@ -512,6 +531,53 @@ def test_forced_hash_collisions_never_give_false_hits(monkeypatch):
     assert int(out.sched.state.counters[K_PREFIX_REJECTS]) > 0  # collisions were seen and refused
 
 
+def _cached_prompt_scheduler(prompt: list[int]) -> Scheduler:
+    """A scheduler whose prefix cache holds ``prompt``'s full blocks (request finished)."""
+    ring = make_ring(2, 32, 8)
+    sched = Scheduler(_cfg(), ring_tensors(ring))
+    model, fe = FakeModel(sched.config, 2), Frontend(ring)
+    req = Req(prompt=prompt, max_tokens=1)
+    fe.submit(req)
+    while req.finish is None:
+        batch = sched.schedule()
+        sched.update(batch, *model(batch))
+        fe.poll()
+    return sched
+
+
+def _lookup(sched: Scheduler, prompt: list[int]) -> tuple[int, int]:
+    """Run the prefix lookup alone for ``prompt`` in row 0: (blocks hit, rejected matches)."""
+    st = sched.state
+    st.tokens[0, : len(prompt)] = torch.tensor(prompt)
+    st.num_tokens[0] = len(prompt)
+    rows, ok = torch.tensor([0]), torch.tensor([True])
+    n_hit, _, rejects = prefix_cache.lookup(st, sched.config, rows, ok, sched._pows, sched._stamp(0))
+    return int(n_hit[0]), int(rejects)
+
+
+@pytest.mark.parametrize("tamper, hits", [
+    (None, 3),
+    ("tokens", 1),  # block 1 holds other tokens under the same key
+    ("parent", 2),  # block 2's KV was computed after another block 1
+    ("generation", 2),  # block 1 was reallocated since block 2 was registered
+])
+def test_lookup_verifies_tokens_parent_and_generation(tamper, hits):
+    """Simulated hash collisions: a key match whose tokens or parent chain differ is refused."""
+    prompt = list(range(1, 15))  # 14 tokens: 3 full blocks can hit (the last token never does)
+    sched = _cached_prompt_scheduler(prompt)
+    st = sched.state
+    probe = _cached_prompt_scheduler(prompt)  # learn the block ids by a clean lookup
+    assert _lookup(probe, prompt) == (3, 0)
+    b0, b1, b2 = probe.state.block_table[0, :3].long().tolist()
+    if tamper == "tokens":
+        st.block_tokens[b1, 0] += 1
+    elif tamper == "parent":
+        st.block_parent[b2] = b0
+    elif tamper == "generation":
+        st.block_gen[b1] += 1
+    assert _lookup(sched, prompt) == (hits, 0 if tamper is None else 1)
+
+
 def test_full_streams_wait_without_losing_tokens():
     """Stream capacity 1 and a client that stalls: requests wait, nothing is overwritten
     (Frontend.poll asserts produced - consumed <= capacity) and nothing is lost."""
@@ -536,8 +602,9 @@ class ScriptModel:
     """Emits ``script[n]`` as the n-th output of every row; a suppressed id becomes 9 (as a
     sampler that bans it would pick something else). Records the suppress lists seen."""
 
-    def __init__(self, script: list[int]) -> None:
+    def __init__(self, script: list[int], honor_suppress: bool = True) -> None:
         self.script = script
+        self.honor_suppress = honor_suppress
         self.suppressed: list[list[int]] = []
 
     def __call__(self, batch: StepBatch) -> tuple[torch.Tensor, ...]:
@@ -546,14 +613,14 @@ class ScriptModel:
         banned = (batch.suppress_ids.long() == tok.unsqueeze(1)).any(1)
         for k in range(int(batch.num_sample_rows)):
             self.suppressed.append(sorted(x for x in batch.suppress_ids[k].tolist() if x >= 0))
-        tok = torch.where(banned, 9, tok)
+        tok = torch.where(banned & self.honor_suppress, 9, tok)
         pos = batch.total_lens
         logprob = -((tok * 31 + pos) % 97).float() / 10.0
         return tok, logprob, tok.unsqueeze(1) + torch.arange(N_TOP), logprob.unsqueeze(1) - torch.arange(N_TOP)
 
 
-def _one(req: Req, script: list[int], **cfg_kw) -> tuple[Req, ScriptModel]:
-    model = ScriptModel(script)
+def _one(req: Req, script: list[int], honor_suppress: bool = True, **cfg_kw) -> tuple[Req, ScriptModel]:
+    model = ScriptModel(script, honor_suppress)
     run([req], _cfg(**cfg_kw), n_slots=2, model=model)
     return req, model
 
@@ -574,6 +641,11 @@ def _one(req: Req, script: list[int], **cfg_kw) -> tuple[Req, ScriptModel]:
 def test_finish_rules(kw, script, out, finish):
     req, model = _one(Req(prompt=[1, 2, 3], **kw), script)
     assert (req.out, req.finish) == (out, finish)
+
+
+def test_min_tokens_holds_even_if_the_sampler_emits_a_stop_token():
+    req, _ = _one(Req(prompt=[1, 2, 3], max_tokens=10, min_tokens=2), [EOS, 5, EOS, 6], honor_suppress=False)
+    assert (req.out, req.finish) == ([EOS, 5, EOS], FINISH_STOP)
 
 
 def test_min_tokens_suppresses_eos_and_stop_ids_only_while_needed():
@@ -660,7 +732,7 @@ def scenarios(draw):
         stall_every=draw(st.sampled_from([0, 2, 3])),
         arena_tokens=max_model_len + draw(st.integers(1, 2 * max_model_len)),
     )
-    return cfg, reqs, env, draw(st.booleans())
+    return cfg, reqs, env, draw(st.sampled_from(["real", "real", "constant", "mod3"]))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -670,10 +742,12 @@ def test_random_workloads_keep_every_invariant(scenario):
     client, shared prefixes and (sometimes) every hash colliding: every step keeps the block
     and batch invariants, admission is FCFS, and every request ends exactly once with
     exactly its reference tokens (or a prefix of them when aborted)."""
-    cfg, reqs, env, collide = scenario
+    cfg, reqs, env, keys = scenario
     original = prefix_cache.table_key
-    if collide:
+    if keys == "constant":  # every key collides
         prefix_cache.table_key = lambda h: torch.zeros_like(h[0])
+    elif keys == "mod3":  # different prefixes share keys while both stay cached
+        prefix_cache.table_key = lambda h: h[1] % 3
     try:
         check_outcome(run(reqs, cfg, max_steps=1500, **env))
     finally:

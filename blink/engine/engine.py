@@ -92,6 +92,7 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
+        from blink.engine.null_model import NullExecutor, is_null_model, open_null_model
         from blink.loader import open_model
 
         self.config = config
@@ -103,7 +104,8 @@ class Engine:
         dtype = config.resolved_dtype(self.device)
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        files = open_model(config.model)
+        null = is_null_model(config.model)  # --model null: no model work (control-plane benchmark)
+        files = open_null_model() if null else open_model(config.model)
         model_config = ModelConfig.from_hf(files.hf_config, files.source)
         max_len = config.max_model_len or min(model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         if config.kv_cache_tokens is not None:
@@ -117,7 +119,7 @@ class Engine:
                 f"of max_model_len {max_len}: raise --kv-cache-memory/--kv-cache-tokens or lower "
                 f"--max-model-len"
             )
-        self.executor = ModelExecutor(
+        self.executor = (NullExecutor if null else ModelExecutor)(
             files, dtype=dtype, device=self.device, block_size=config.block_size,
             num_blocks=num_blocks, max_model_len=max_len,
         )
@@ -234,7 +236,9 @@ class Engine:
         n = int(batch.num_scheduled_tokens)  # CPU loop: a plain memory read, not a device sync
         if n == 0:  # admissions/cancels may have happened, but there is nothing to compute
             return False
-        ns = int(batch.num_sample_rows)
+        # At least one (padding) sample row: a step of prefill chunks only samples nothing,
+        # and update() indexes the sampler outputs (an empty tensor cannot be indexed).
+        ns = max(int(batch.num_sample_rows), 1)
         md = batch.attn
         sliced = AttentionMetadata(
             slot_mapping=md.slot_mapping[:n],

