@@ -467,3 +467,36 @@ def test_compiles_fullgraph_without_host_sync() -> None:
     got, want = compiled(*args), step(*args)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+_PLAN_PARAMS = st_.sampled_from([
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=0.8, seed=3),
+    SamplingParams(temperature=1.0, top_k=5, seed=4),
+    SamplingParams(temperature=1.0, top_p=0.5, seed=5),
+    SamplingParams(temperature=0.7, min_p=0.2, seed=6),
+    SamplingParams(temperature=0, repetition_penalty=1.5),
+    SamplingParams(temperature=1.0, frequency_penalty=1.0, presence_penalty=0.5, seed=7),
+])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st_.lists(_PLAN_PARAMS, min_size=1, max_size=5), st_.integers(0, 1000))
+def test_sampler_plan_skips_only_identity_stages(params: list[SamplingParams], seed: int) -> None:
+    """The CPU loop's host-side plan must never change a token: with the plan the sampler
+    skips stages no row uses; the result equals running every stage."""
+    from blink.engine.sampler import SamplerPlan
+
+    b, vocab = len(params), 64
+    logits = _flat_logits(b, vocab, seed) * 4
+    token_ids = torch.randint(0, vocab, (b, 12), generator=torch.Generator().manual_seed(seed)).int()
+    pl = torch.full((b,), 6, dtype=torch.int32)
+    tl = torch.full((b,), 12, dtype=torch.int32)
+    counters = torch.arange(b, dtype=torch.int64) + seed
+    st = SamplingTensors.from_params(params)
+    full = Sampler()(logits, st, token_ids, pl, tl, counters)
+    planned = Sampler()(logits, st, token_ids, pl, tl, counters, plan=SamplerPlan.of(st))
+    assert torch.equal(full.tokens, planned.tokens)
+    assert torch.equal(full.logprob, planned.logprob)
+    plan = SamplerPlan.of(st)
+    assert plan.any_random == any(p.temperature > 0 for p in params)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from blink.config import ModelConfig
-from blink.engine.sampler import Sampler, SamplingTensors
+from blink.engine.sampler import Sampler, SamplerPlan, SamplingTensors
 from blink.engine.scheduler import Scheduler, StepBatch
 from blink.engine.state import SchedulerConfig, ring_tensors
 from blink.errors import BlinkError
@@ -251,14 +251,16 @@ class Engine:
         )
         logits = self.executor.execute(batch.input_ids[:n], sliced, batch.logits_indices[:ns])
         history = self.scheduler.token_history(batch)[:ns]
+        sampling = _slice_sampling(batch.sampling, ns)
         out = self.sampler(
             logits,
-            _slice_sampling(batch.sampling, ns),
+            sampling,
             history,
             batch.prompt_lens[:ns],
             batch.total_lens[:ns],
             batch.total_lens[:ns],
             batch.suppress_ids[:ns],
+            plan=SamplerPlan.of(sampling),  # CPU loop: skip the stages no row uses
         )
         self.scheduler.update(batch, out.tokens, out.logprob, out.top_ids, out.top_logprobs)
         return True

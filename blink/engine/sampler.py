@@ -241,6 +241,36 @@ def apply_penalties(
     return logits
 
 
+@dataclass(frozen=True)
+class SamplerPlan:
+    """Host-side knowledge of which features a batch uses, so a CPU loop can skip work that
+    cannot change the result (the full-vocabulary sort when no row filters, the random draw
+    when every row is greedy, the penalty histograms when no row has a penalty).
+
+    Each skipped stage is an exact identity for the rows of that batch, so outputs do not
+    depend on the plan. Graph-captured callers pass no plan and run every stage.
+    """
+
+    any_random: bool = True
+    any_filter: bool = True
+    any_penalty: bool = True
+
+    @classmethod
+    def of(cls, st: SamplingTensors) -> "SamplerPlan":
+        """Read the batch's parameters (a host read: CPU tensors only)."""
+        random = st.temperature > 0
+        return cls(
+            any_random=bool(random.any()),
+            any_filter=bool((random & ((st.top_k > 0) | (st.top_p < 1) | (st.min_p > 0))).any()),
+            any_penalty=bool(
+                ((st.repetition_penalty != 1) | (st.presence_penalty != 0) | (st.frequency_penalty != 0)).any()
+            ),
+        )
+
+
+_FULL_PLAN = SamplerPlan()
+
+
 class Sampler:
     """Turns a step's logits into tokens and logprobs; see the module docstring for the order.
 
@@ -263,6 +293,7 @@ class Sampler:
         total_lens: torch.Tensor,
         step_counters: torch.Tensor,
         suppress_ids: torch.Tensor | None = None,
+        plan: SamplerPlan | None = None,
     ) -> SamplerOutput:
         """Sample one token per row.
 
@@ -275,30 +306,36 @@ class Sampler:
                                   number of tokens so far is a good choice). Siblings of an
                                   n > 1 request need distinct seeds.
         suppress_ids  i32 [B, S]  optional ids to forbid this step (-1 = padding)
+        plan          optional host-side :class:`SamplerPlan` (CPU loop) to skip no-op stages
         """
+        plan = plan or _FULL_PLAN
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1)
 
         logits = apply_logit_bias(logits, st.bias_ids, st.bias_values)
         if suppress_ids is not None:  # a host-side choice of call signature, not a tensor value
             logits = apply_suppress(logits, suppress_ids)
-        logits = apply_penalties(
-            logits,
-            token_ids,
-            prompt_lens,
-            total_lens,
-            st.repetition_penalty,
-            st.presence_penalty,
-            st.frequency_penalty,
-        )
+        if plan.any_penalty:
+            logits = apply_penalties(
+                logits,
+                token_ids,
+                prompt_lens,
+                total_lens,
+                st.repetition_penalty,
+                st.presence_penalty,
+                st.frequency_penalty,
+            )
 
         greedy_tokens = torch.argmax(logits, dim=-1)
-
-        is_greedy = st.temperature <= 0
-        temperature = torch.where(is_greedy, 1.0, st.temperature).unsqueeze(-1)
-        filtered = ref.apply_top_k_top_p_min_p(logits / temperature, st.top_k, st.top_p, st.min_p)
-        sampled_tokens = ref.sample(filtered, st.seed, step_counters)
-        tokens = torch.where(is_greedy, greedy_tokens, sampled_tokens)
+        tokens = greedy_tokens
+        if plan.any_random:
+            is_greedy = st.temperature <= 0
+            temperature = torch.where(is_greedy, 1.0, st.temperature).unsqueeze(-1)
+            scaled = logits / temperature
+            if plan.any_filter:
+                scaled = ref.apply_top_k_top_p_min_p(scaled, st.top_k, st.top_p, st.min_p)
+            sampled_tokens = ref.sample(scaled, st.seed, step_counters)
+            tokens = torch.where(is_greedy, greedy_tokens, sampled_tokens)
 
         logprob = raw_logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         # A vocabulary smaller than N (tiny test models) leaves the tail as padding.
