@@ -84,6 +84,27 @@ def _slice_sampling(st: SamplingTensors, n: int) -> SamplingTensors:
     return SamplingTensors(**{name: getattr(st, name)[:n] for name in st.__dataclass_fields__})
 
 
+def _compact_rows(batch: StepBatch, n: int) -> AttentionMetadata:
+    """CPU loop only: the step's metadata cut down to its ``n`` real tokens and the rows that
+    have tokens this step, so the reference attention neither pads nor gathers idle rows.
+    (A captured graph keeps the fixed shapes instead.)"""
+    md = batch.attn
+    active = torch.nonzero(batch.num_new_tokens > 0).squeeze(1)
+    remap = torch.zeros(batch.num_new_tokens.shape[0], dtype=torch.int64)
+    remap[active] = torch.arange(active.shape[0])
+    seq_lens = md.seq_lens[active]
+    return AttentionMetadata(
+        slot_mapping=md.slot_mapping[:n],
+        positions=md.positions[:n],
+        token_seq_idx=remap[md.token_seq_idx[:n]],
+        query_start_loc=torch.cat([md.query_start_loc[active], md.query_start_loc[-1:]]),
+        seq_lens=seq_lens,
+        block_tables=md.block_tables[active],
+        max_context=int(seq_lens.max()),
+        max_query_len=int(batch.num_new_tokens.max()),
+    )
+
+
 class Engine:
     """Loads the model, creates the ring region and runs the CPU device loop in a thread.
 
@@ -239,16 +260,7 @@ class Engine:
         # At least one (padding) sample row: a step of prefill chunks only samples nothing,
         # and update() indexes the sampler outputs (an empty tensor cannot be indexed).
         ns = max(int(batch.num_sample_rows), 1)
-        md = batch.attn
-        sliced = AttentionMetadata(
-            slot_mapping=md.slot_mapping[:n],
-            positions=md.positions[:n],
-            token_seq_idx=md.token_seq_idx[:n],
-            query_start_loc=md.query_start_loc,
-            seq_lens=md.seq_lens,
-            block_tables=md.block_tables,
-            max_context=int(md.seq_lens.max()),
-        )
+        sliced = _compact_rows(batch, n)
         logits = self.executor.execute(batch.input_ids[:n], sliced, batch.logits_indices[:ns])
         history = self.scheduler.token_history(batch)[:ns]
         sampling = _slice_sampling(batch.sampling, ns)
