@@ -297,8 +297,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="(Re)generate or inspect benchmarks/data/prompts.jsonl")
     ap.add_argument("--write", action="store_true", help="write the prompt set")
     ap.add_argument("--stats", metavar="TOKENIZER", help="print length statistics with TOKENIZER")
+    ap.add_argument("--write-corpus", metavar="PATH",
+                    help="write a plain-text corpus (~N KiB of the prompt-set sentences) for "
+                         "clients that fetch a book over HTTP, e.g. llama-benchy --book-url")
+    ap.add_argument("--corpus-kib", type=int, default=400)
     ap.add_argument("-n", type=int, default=200)
     args = ap.parse_args(argv)
+    if args.write_corpus:
+        rng = np.random.default_rng(7)
+        parts, size = [], 0
+        while size < args.corpus_kib * 1024:
+            para = " ".join(_SENTENCES[int(i)] for i in rng.integers(len(_SENTENCES), size=6))
+            parts.append(para)
+            size += len(para) + 2
+        Path(args.write_corpus).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.write_corpus).write_text("\n\n".join(parts) + "\n")
+        print(f"wrote {args.write_corpus} ({size // 1024} KiB)")
     if args.write:
         PROMPTS_PATH.parent.mkdir(parents=True, exist_ok=True)
         with PROMPTS_PATH.open("w") as f:

@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     convert.add_argument("gguf", help="the .gguf file, or a model name such as smollm2-135m")
     convert.add_argument("outdir", type=Path, help="output directory (created)")
+    convert.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                         help="dtype of the written weights (float32 keeps the dequantised "
+                              "values exact; default: %(default)s)")
     return parser
 
 
@@ -143,8 +146,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         raise ConfigFileError(f"{config_path}: unknown option(s): {', '.join(unknown)}")
     for dest, value in values.items():
         action = known[dest]
+        if action.nargs == 0 and not isinstance(value, bool):  # an on/off flag
+            raise ConfigFileError(f"{config_path}: {dest} must be true or false, got {value!r}")
         if action.type is not None and value is not None and not isinstance(value, bool):
-            value = action.type(value)
+            try:
+                value = action.type(value)
+            except (TypeError, ValueError):
+                kind = getattr(action.type, "__name__", str(action.type))
+                raise ConfigFileError(f"{config_path}: {dest} must be of type {kind}, got {value!r}") from None
         if action.choices is not None and value not in action.choices:
             raise ConfigFileError(
                 f"{config_path}: {dest} must be one of {', '.join(map(str, action.choices))}, got {value!r}"
@@ -162,7 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "convert":
             from blink.loader import convert_gguf_to_hf
 
-            out = convert_gguf_to_hf(args.gguf, args.outdir)
+            import torch
+
+            out = convert_gguf_to_hf(args.gguf, args.outdir, dtype=getattr(torch, args.dtype))
             print(f"wrote {out}")
             return 0
         if args.command == "engine":

@@ -123,7 +123,7 @@ class ModelExecutor:
         """Forward the step's tokens (writing their K/V into the cache) and return fp32
         logits ``[len(logits_indices), vocab]`` for the selected token rows."""
         hidden = self.model(input_ids, md, self.kv_caches)
-        return self.model.compute_logits(hidden[logits_indices]).float()
+        return self.model.compute_logits(hidden.index_select(0, logits_indices)).float()
 
     def build_metadata(
         self, seqs: list[tuple[list[int], int, list[int]]]

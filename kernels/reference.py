@@ -122,7 +122,7 @@ def apply_rope(
     rotary_dim = cos_sin_cache.shape[-1]
     n_q_heads = q.shape[1]
     qk = torch.cat([q, k], dim=1)
-    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rotary_dim/2]
+    cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
     x1, x2 = qk[..., :rotary_dim].float().chunk(2, dim=-1)
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(q.dtype)
     if rotary_dim < qk.shape[-1]:
@@ -183,7 +183,7 @@ def _attention_plan(md: AttentionMetadata, T: int, block_size: int) -> _Attentio
 
     device = md.positions.device
     rows = md.token_seq_idx
-    q_idx = torch.arange(T, device=device) - md.query_start_loc[rows]
+    q_idx = torch.arange(T, device=device) - md.query_start_loc.index_select(0, rows)
     fits = (q_idx >= 0) & (q_idx < Q)
     cell = torch.where(fits, rows * Q + q_idx, B * Q)  # B*Q is the dump cell
     # Last key position each cell may see (-1: none); bounded by the row's context length.
@@ -217,6 +217,8 @@ def paged_attention(
     decode (Q = 1) costs one gather per sequence and a prefill does not copy its context
     once per token. Tokens that do not fit the grid (padding) land in a dump cell. The grid
     indices and mask are memoised in ``md.step_cache`` (when set) for the next layers.
+    Gathers use ``index_select``: advanced indexing (``t[idx]``) starts a parallel region
+    even for a few KiB, which costs milliseconds per call when the CPU is shared.
     """
     T, H, D = q.shape
     block_size, KVH = k_cache.shape[1], k_cache.shape[2]
@@ -235,14 +237,14 @@ def paged_attention(
         n = end - start
         blocks = plan.tables[start:end]
         # [n, KVH, L, D]; fp32 because CPU SDPA is both faster and more exact in fp32.
-        k = k_cache[blocks].view(n, L, KVH, D).transpose(1, 2).float()
-        v = v_cache[blocks].view(n, L, KVH, D).transpose(1, 2).float()
+        k = k_cache.index_select(0, blocks.reshape(-1)).view(n, L, KVH, D).transpose(1, 2).float()
+        v = v_cache.index_select(0, blocks.reshape(-1)).view(n, L, KVH, D).transpose(1, 2).float()
         o = F.scaled_dot_product_attention(
             q_grid[start:end].float(), k, v, attn_mask=plan.mask[start:end], scale=scale,
             enable_gqa=KVH != H,
         )
         out_view[start:end] = o.transpose(1, 2)
-    return out_grid[plan.cell].to(q.dtype)
+    return out_grid.index_select(0, plan.cell).to(q.dtype)
 
 
 # ----------------------------------------------------------------------------- moe
@@ -282,8 +284,8 @@ def moe_experts(
         # Gather each (token, choice) pair's expert: [T*k, 2I, H] and [T*k, H, I].
         flat = ids.reshape(-1)
         xs = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
-        h = silu_and_mul(torch.bmm(w13[flat], xs).squeeze(-1))  # [T*k, I]
-        y = torch.bmm(w2[flat], h.unsqueeze(-1)).squeeze(-1)  # [T*k, H]
+        h = silu_and_mul(torch.bmm(w13.index_select(0, flat), xs).squeeze(-1))  # [T*k, I]
+        y = torch.bmm(w2.index_select(0, flat), h.unsqueeze(-1)).squeeze(-1)  # [T*k, H]
         y = y.float().view(T, k, -1) * weights.unsqueeze(-1)
         return y.sum(dim=1).to(x.dtype)
     # Per-token weight of each expert (0 where not chosen): [T, E].

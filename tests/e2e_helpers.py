@@ -245,11 +245,30 @@ def read_metrics(base_url: str, client: httpx.Client | None = None) -> dict[str,
     return out
 
 
+_IDLE_GAUGES = ("blink:num_requests_running", "blink:num_requests_waiting",
+                "blink:kv_cache_usage_perc")
+
+
 def engine_idle(base_url: str) -> bool:
-    """No request running or waiting, and no KV-cache block in use."""
+    """No request running or waiting, and no KV-cache block in use (cached-but-free prefix
+    blocks count as free)."""
     m = read_metrics(base_url)
-    return (m["blink:num_requests_running"] == 0 and m["blink:num_requests_waiting"] == 0
-            and m["blink:kv_cache_usage_perc"] == 0)
+    return all(m[name] == 0 for name in _IDLE_GAUGES)
+
+
+def wait_engine_idle(base_url: str, timeout_s: float = 30.0, what: str = "",
+                     logs: Callable[[], str] | None = None) -> None:
+    """Wait until :func:`engine_idle`; on timeout, fail showing the gauges (and ``logs()``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = read_metrics(base_url)
+        if all(m[name] == 0 for name in _IDLE_GAUGES):
+            return
+        if time.monotonic() > deadline:
+            gauges = {name: m[name] for name in _IDLE_GAUGES}
+            extra = f"\n{logs()}" if logs is not None else ""
+            raise AssertionError(f"the engine is not idle {timeout_s:g} s {what}: {gauges}{extra}")
+        time.sleep(0.1)
 
 
 def assert_error_shape(response: httpx.Response, status: int, *, type: str | None = None,

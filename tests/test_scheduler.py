@@ -8,7 +8,6 @@ and every stream is compared with a plain-Python reference generation.
 """
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -576,6 +575,15 @@ def test_lookup_verifies_tokens_parent_and_generation(tamper, hits):
     elif tamper == "generation":
         st.block_gen[b1] += 1
     assert _lookup(sched, prompt) == (hits, 0 if tamper is None else 1)
+    if tamper is None:  # a block-aligned prompt keeps its last block to compute (logits)
+        assert _lookup(sched, prompt[:12]) == (2, 0)
+
+
+def test_admission_is_fcfs_and_bounded_per_step():
+    """Six requests written at once, one admission per step: oldest first (check_fcfs)."""
+    reqs = [Req(prompt=[i + 1] * (3 + i), max_tokens=2) for i in range(6)]
+    out = run(reqs, _cfg(max_admit_per_step=1), n_slots=6)
+    check_outcome(out)
 
 
 def test_full_streams_wait_without_losing_tokens():

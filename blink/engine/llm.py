@@ -164,6 +164,13 @@ class LLM:
         return params
 
     def _new_choice(self, r: int, index: int, ids: list[int], params: SamplingParams) -> _Choice:
+        # Checked for every prompt before anything is submitted, so that a bad prompt never
+        # leaves the batch's earlier requests orphaned in the ring.
+        if len(ids) >= self.max_model_len:
+            raise SamplingParamsError(
+                f"prompt {r} has {len(ids)} tokens, which leaves no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
         stop_ids = list(params.stop_token_ids)
         if not params.ignore_eos:  # the engine stops on stop ids; eos is one unless ignored
             stop_ids += [t for t in self.tokenizer.eos_token_ids if t not in stop_ids]
@@ -182,6 +189,14 @@ class LLM:
     def _run(self, choices: list[_Choice], timeout_s: float | None) -> None:
         pending = list(reversed(choices))  # pop() from the end keeps submission order
         active: dict[RingHandle, _Choice] = {}
+        try:
+            self._loop(pending, active, timeout_s)
+        except BaseException:
+            self._abandon(active)
+            raise
+
+    def _loop(self, pending: list[_Choice], active: dict[RingHandle, _Choice],
+              timeout_s: float | None) -> None:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         request_id = 0
         while pending or active:
@@ -202,12 +217,25 @@ class LLM:
                 self._consume(choice, delta)
                 if delta.finished:
                     del active[handle]
+            for handle in active:
+                if handle.error is not None:  # poll_many drops such a handle for good
+                    raise BlinkError(f"request failed in the ring: {handle.error}")
             if not deltas:
                 if deadline is not None and time.monotonic() > deadline:
-                    for handle in active:
-                        self._ring.cancel(handle)
                     raise BlinkError(f"generate() timed out after {timeout_s} s")
                 time.sleep(2e-4)
+
+    def _abandon(self, active: dict[RingHandle, _Choice], wait_s: float = 5.0) -> None:
+        """Cancel what is still in flight and read it to the end (bounded), so that the slots
+        come back FREE and the engine goes idle instead of holding FINISHED slots forever."""
+        todo = [h for h in active if not h.done and h.error is None]
+        for handle in todo:
+            self._ring.cancel(handle)
+        deadline = time.monotonic() + wait_s
+        while todo and self.engine.alive and time.monotonic() < deadline:
+            self._ring.poll_many(todo)
+            todo = [h for h in todo if not h.done and h.error is None]
+            time.sleep(1e-3)
 
     def _consume(self, choice: _Choice, delta: Any) -> None:
         choice.num_cached = delta.num_cached_tokens

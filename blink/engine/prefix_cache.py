@@ -105,7 +105,7 @@ def lookup(
     j = torch.arange(M, device=dev)
     eligible = ok.unsqueeze(1) & (j < ((st.num_tokens[rows] - 1) // B).unsqueeze(1))
     found = (blk < N) & eligible
-    verified = found & same_parent
+    verified = found & same_tokens & same_parent
     n_hit = verified.long().cumprod(1).sum(1)  # leading verified blocks
     rejects = (found & ~verified & (j == n_hit.unsqueeze(1))).sum()  # at the first miss
 

@@ -311,12 +311,14 @@ class Scheduler:
         admit = picked & (plen >= 1) & (plen < L)
         rejected = picked & ~admit
 
-        # The prompt, out of the circular arena (it may wrap around the end).
+        # The prompt, out of the circular arena (it may wrap around the end). Columns past
+        # the prompt get arena garbage: nothing reads a row beyond num_tokens.
         arena = ring["arena"]
-        src = (ring["prompt_offset"][idx].unsqueeze(1) + self._prompt_cols) % arena.shape[0]
-        prompt = torch.where(self._prompt_cols < plen[idx].unsqueeze(1), arena[src], 0)
+        A = arena.shape[0]
+        src = (ring["prompt_offset"][idx] % A).unsqueeze(1) + self._prompt_cols
+        src = torch.where(src >= A, src - A, src)  # L <= A: one wrap at most
         keep = st.tokens[idx, :L]
-        st.tokens[idx, :L] = torch.where(admit[idx].unsqueeze(1), prompt.to(keep.dtype), keep)
+        st.tokens[idx, :L] = torch.where(admit[idx].unsqueeze(1), arena[src].to(keep.dtype), keep)
 
         for name, dtype in SAMPLING_FIELDS:
             dst = st.sampling[name]

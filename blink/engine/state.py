@@ -157,8 +157,10 @@ class EngineState:
       block_ref (int32 references from block tables), block_last_used (int64 LRU stamp),
       block_key (int64 chained-prefix key), block_slot (int64 prefix-table slot holding it,
       -1 = not cached), block_parent (previous block of its chain, N = first block),
-      block_gen / block_parent_gen (registration generation, so a re-registered parent never
-      validates a stale child), block_tokens [N+1, B] int32 (the tokens, to verify hits).
+      block_gen (bumped whenever the block is allocated, i.e. gets new content) and
+      block_parent_gen (the parent's generation when this block was registered: a reused
+      parent never validates a stale child), block_tokens [N+1, B] int32 (the tokens, to
+      verify hits).
     Prefix table [H+1] int64: block id per slot, N = empty; slot H is a write sink.
     counters [NUM_COUNTERS] int64 (K_*), step (0-d int64).
     """
