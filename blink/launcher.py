@@ -48,12 +48,7 @@ def run_engine(args: argparse.Namespace) -> int:
     from blink.frontend_main import parse_host_port
 
     host, port = parse_host_port(args.listen, "--listen")
-    if args.loop in ("host", "device"):
-        raise BlinkError(
-            f"--loop {args.loop} needs the GPU device loop, which this build does not include; "
-            f"use --loop cpu (or auto)"
-        )
-    from blink.engine.engine import Engine
+    from blink.engine.gpu_loop import create_engine
     from blink.transport import BootstrapServer
 
     stop = threading.Event()
@@ -63,7 +58,7 @@ def run_engine(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    engine = Engine(engine_config_from_args(args))
+    engine = create_engine(engine_config_from_args(args), loop=args.loop)
     server = None
     try:
         model_name = args.served_model_name or args.model

@@ -12,17 +12,17 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from blink.config import ModelConfig
-from blink.engine.sampler import Sampler, SamplerPlan, SamplingTensors
-from blink.engine.scheduler import Scheduler, StepBatch
+from blink.engine.graphs import StepParts, run_step
+from blink.engine.sampler import Sampler
+from blink.engine.scheduler import Scheduler
 from blink.engine.state import SchedulerConfig, ring_tensors
 from blink.errors import BlinkError
 from blink.executor import ModelExecutor
-from blink.kernels.reference import AttentionMetadata
 from blink.ring import (
     C_ENGINE_STATE,
     C_HEARTBEAT,
@@ -80,37 +80,15 @@ def _kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * element
 
 
-def _slice_sampling(st: SamplingTensors, n: int) -> SamplingTensors:
-    return SamplingTensors(**{name: getattr(st, name)[:n] for name in st.__dataclass_fields__})
-
-
-def _compact_rows(batch: StepBatch, n: int) -> AttentionMetadata:
-    """CPU loop only: the step's metadata cut down to its ``n`` real tokens and the rows that
-    have tokens this step, so the reference attention neither pads nor gathers idle rows.
-    (A captured graph keeps the fixed shapes instead.)"""
-    md = batch.attn
-    active = torch.nonzero(batch.num_new_tokens > 0).squeeze(1)
-    remap = torch.zeros(batch.num_new_tokens.shape[0], dtype=torch.int64)
-    remap[active] = torch.arange(active.shape[0])
-    seq_lens = md.seq_lens[active]
-    return AttentionMetadata(
-        slot_mapping=md.slot_mapping[:n],
-        positions=md.positions[:n],
-        token_seq_idx=remap[md.token_seq_idx[:n]],
-        query_start_loc=torch.cat([md.query_start_loc[active], md.query_start_loc[-1:]]),
-        seq_lens=seq_lens,
-        block_tables=md.block_tables[active],
-        max_context=int(seq_lens.max()),
-        max_query_len=int(batch.num_new_tokens.max()),
-    )
-
-
 class Engine:
     """Loads the model, creates the ring region and runs the CPU device loop in a thread.
 
     ``start()`` returns once the loop runs (engine state READY). ``stop(drain=True)`` lets
     running requests finish (bounded by ``drain_timeout_s``) before the loop exits.
+    The GPU loops subclass it (:class:`blink.engine.gpu_loop.GpuEngine`).
     """
+
+    supported_devices: tuple[str, ...] = ("cpu",)
 
     def __init__(self, config: EngineConfig) -> None:
         from blink.engine.null_model import NullExecutor, is_null_model, open_null_model
@@ -118,9 +96,9 @@ class Engine:
 
         self.config = config
         self.device = config.resolved_device()
-        if self.device.type != "cpu":
+        if self.device.type not in self.supported_devices:
             raise BlinkError(
-                "the GPU device loop is not available in this build; run with --device cpu"
+                "the CPU loop runs on --device cpu; on a GPU use --loop host or --loop device"
             )
         dtype = config.resolved_dtype(self.device)
         if config.threads is not None:
@@ -165,13 +143,17 @@ class Engine:
             enable_prefix_caching=config.enable_prefix_caching,
             eos_token_ids=list(model_config.eos_token_ids),
         )
-        self.scheduler = Scheduler(self.scheduler_config, ring_tensors(self.ring), self.device)
+        self.scheduler = Scheduler(self.scheduler_config, self._ring_tensors(), self.device)
         self.sampler = Sampler(max_logprobs=max(self.ring_config.max_logprobs, 1))
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._drain = True
         self.drain_timeout_s = 30.0
         self.error: BaseException | None = None
+
+    def _ring_tensors(self) -> dict[str, torch.Tensor]:
+        """The ring's fields as tensors the scheduler can use from ``self.device``."""
+        return ring_tensors(self.ring)
 
     # ---------------------------------------------------------------------------- lifecycle
 
@@ -253,26 +235,4 @@ class Engine:
 
     def step(self) -> bool:
         """One engine step. Returns False when nothing was scheduled."""
-        batch = self.scheduler.schedule()
-        n = int(batch.num_scheduled_tokens)  # CPU loop: a plain memory read, not a device sync
-        if n == 0:  # admissions/cancels may have happened, but there is nothing to compute
-            return False
-        # At least one (padding) sample row: a step of prefill chunks only samples nothing,
-        # and update() indexes the sampler outputs (an empty tensor cannot be indexed).
-        ns = max(int(batch.num_sample_rows), 1)
-        sliced = _compact_rows(batch, n)
-        logits = self.executor.execute(batch.input_ids[:n], sliced, batch.logits_indices[:ns])
-        history = self.scheduler.token_history(batch)[:ns]
-        sampling = _slice_sampling(batch.sampling, ns)
-        out = self.sampler(
-            logits,
-            sampling,
-            history,
-            batch.prompt_lens[:ns],
-            batch.total_lens[:ns],
-            batch.total_lens[:ns],
-            batch.suppress_ids[:ns],
-            plan=SamplerPlan.of(sampling),  # CPU loop: skip the stages no row uses
-        )
-        self.scheduler.update(batch, out.tokens, out.logprob, out.top_ids, out.top_logprobs)
-        return True
+        return run_step(StepParts(self.scheduler, self.executor, self.sampler))
