@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
+import signal
 import sys
 
 from blink.errors import BlinkError
@@ -21,9 +23,24 @@ def parse_host_port(value: str, what: str = "--engine") -> tuple[str, int]:
     return host, int(port)
 
 
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises SIGTERM after its graceful shutdown, which skips our cleanup and
+        exits with -15; we handle the signals ourselves instead."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):  # type: ignore[override]
+            yield
+
+    return Server
+
+
 async def _serve(args: argparse.Namespace, host: str, port: int) -> None:
     import uvicorn
 
+    _Server = _server_class()
     from blink.dpu.app import create_app
     from blink.dpu.ring_client import RingEngineClient
     from blink.dpu.tokenizer import Tokenizer
@@ -38,7 +55,10 @@ async def _serve(args: argparse.Namespace, host: str, port: int) -> None:
             app, host=args.host, port=args.port, log_level="warning", access_log=False,
             timeout_graceful_shutdown=10,
         )
-        server = uvicorn.Server(config)
+        server = _Server(config)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # graceful stop, then a normal exit 0
+            loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
         engine.start()
         serve_task = asyncio.create_task(server.serve())
         while not server.started and not serve_task.done():

@@ -143,6 +143,10 @@ def _stop_child(proc: subprocess.Popen | None, timeout_s: float) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """``blink serve``: engine and frontend as two processes over the loopback ring."""
+    if args.model != "null":  # fail in a second with one clear line, before starting anything
+        from blink.loader import resolve_model
+
+        resolve_model(args.model)
     python = [sys.executable, "-m", "blink.cli"]
     env = dict(os.environ)
     stop = threading.Event()

@@ -683,7 +683,9 @@ class RingEngineClient:
     after a tick that found output and backing off to ``poll_max_interval_s`` otherwise. It also
     watches the engine: state FAILED/STOPPED, or a heartbeat that does not move for
     ``heartbeat_timeout_s`` while requests are in flight, ends every stream with
-    :class:`EngineDeadError` and makes :meth:`is_healthy` False for good.
+    :class:`EngineDeadError`. FAILED/STOPPED (or a broken poller) is final; a stalled heartbeat
+    is not: the stalled requests are cancelled, :meth:`is_healthy` is False and new requests
+    are refused until the heartbeat moves again (a slow step on a loaded CPU recovers).
     """
 
     def __init__(
@@ -712,6 +714,8 @@ class RingEngineClient:
         self._streams: dict[str, _Stream] = {}
         self._by_handle: dict[RingHandle, _Stream] = {}
         self._dead: str | None = None
+        self._stalled: str | None = None  # heartbeat stale: refused until it moves again
+        self._stalled_at = 0.0
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._closed = False
@@ -752,7 +756,7 @@ class RingEngineClient:
 
     def is_healthy(self) -> bool:
         """Not declared dead, state READY, and the heartbeat moved within the timeout."""
-        if self._dead is not None or self._closed:
+        if self._dead is not None or self._stalled is not None or self._closed:
             return False
         now = time.monotonic()
         if self._task is None or self._task.done():
@@ -766,6 +770,8 @@ class RingEngineClient:
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"the engine is not available: {self._dead}")
+        if self._stalled is not None:
+            raise EngineDeadError(f"the engine is not responding: {self._stalled}")
         if self._closed:
             raise EngineDeadError("the engine client is closed")
 
@@ -778,6 +784,18 @@ class RingEngineClient:
             stream.queue.put_nowait(EngineDeadError(f"the engine died mid-request: {reason}"))
         self._streams.clear()
         self._by_handle.clear()
+
+    def _stall(self, reason: str) -> None:
+        """End the in-flight streams with an error and cancel their slots; keep polling so
+        the slots drain if the engine comes back."""
+        self._stalled = reason
+        self._stalled_at = time.monotonic()
+        logger.error("engine not responding: %s", reason)
+        for stream in list(self._streams.values()):
+            stream.queue.put_nowait(EngineDeadError(f"the engine stopped responding mid-request: {reason}"))
+            stream.abandoned = True
+            self.ring.cancel(stream.handle)
+        self._streams.clear()
 
     # -- the poller ----------------------------------------------------------------------
 
@@ -816,15 +834,19 @@ class RingEngineClient:
         if self._last_state in (ENGINE_FAILED, ENGINE_STOPPED):
             self._declare_dead(f"engine state is {ENGINE_STATE_NAMES[self._last_state]}")
             return False
+        if self._stalled is not None and self._heartbeat_changed > self._stalled_at:
+            logger.warning("engine heartbeat resumed; accepting requests again")
+            self._stalled = None
         active = self.ring.active
         if not active:
             return False
         if self._stale_for(now) > self.heartbeat_timeout_s:
-            self._declare_dead(
-                f"heartbeat stale for {self._stale_for(now):.1f} s "
-                f"(timeout {self.heartbeat_timeout_s:g} s) with {len(active)} requests in flight"
-            )
-            return False
+            if self._stalled is None:
+                self._stall(
+                    f"heartbeat stale for {self._stale_for(now):.1f} s "
+                    f"(timeout {self.heartbeat_timeout_s:g} s) with {len(active)} requests in flight"
+                )
+
         deltas = self.ring.poll_many(active)
         for handle in active:
             stream = self._by_handle.get(handle)

@@ -468,6 +468,15 @@ def test_async_heartbeat_stall_kills_in_flight_streams(setup):
         assert not client.is_healthy()
         with pytest.raises(EngineDeadError):
             await client.generate("b", [1], SamplingParams(max_tokens=1)).__anext__()
+        # A stall is not final: once the heartbeat moves again, requests are served again
+        # (a slow step on a loaded CPU must not take the server down for good).
+        setup.engine.paused = False
+        deadline = time.monotonic() + 5
+        while not client.is_healthy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert client.is_healthy()
+        outs = [o async for o in client.generate("c", [1], SamplingParams(max_tokens=2))]
+        assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == 2
         await client.close()
 
     asyncio.run(main())
