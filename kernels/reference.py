@@ -167,7 +167,7 @@ class _AttentionPlan:
 
     key: tuple
     cell: torch.Tensor  # [T] cell of each token in the padded [B*Q (+1 dump)] query grid
-    mask: torch.Tensor  # [B, 1, Q, L] bool: may cell (b, i) see key position j
+    mask: torch.Tensor  # [B, 1, Q, L] fp32, additive: 0 where cell (b, i) may see key j, else -inf
     tables: torch.Tensor  # [B, n_blocks] int64 block ids
 
 
@@ -191,7 +191,9 @@ def _attention_plan(md: AttentionMetadata, T: int, block_size: int) -> _Attentio
     limit.index_copy_(0, cell, md.positions.long())
     limit = torch.minimum(limit[:-1].view(B, Q), md.seq_lens.long().unsqueeze(1) - 1)
     key_pos = torch.arange(n_blocks * block_size, device=device)
-    mask = (key_pos <= limit.unsqueeze(-1)).unsqueeze(1)
+    # additive float mask: SDPA would convert a bool mask to this on every layer
+    visible = (key_pos <= limit.unsqueeze(-1)).unsqueeze(1)
+    mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
     plan = _AttentionPlan(key, cell, mask, md.block_tables[:, :n_blocks].long())
     if cache is not None:
         cache["paged_attention"] = plan
@@ -227,10 +229,9 @@ def paged_attention(
 
     q_grid = q.new_zeros(B * Q + 1, H, D).index_copy_(0, plan.cell, q)
     q_grid = q_grid[:-1].view(B, Q, H, D).transpose(1, 2)  # [B, H, Q, D]
-    out_grid = torch.empty(B * Q + 1, H, D, dtype=torch.float32, device=q.device)
-    out_grid[-1] = 0.0
+    out_grid = torch.zeros(B * Q + 1, H, D, dtype=torch.float32, device=q.device)
     out_view = out_grid[:-1].view(B, Q, H, D)
-    per_row_bytes = L * KVH * D * 4 * 2 + Q * L * (H * 4 + 1)
+    per_row_bytes = L * KVH * D * 4 * 2 + Q * L * H * 4
     chunk = max(1, _GATHER_BUDGET_BYTES // per_row_bytes)
     for start in range(0, B, chunk):  # chunks of rows sized by shapes only, never by values
         end = min(B, start + chunk)

@@ -477,6 +477,7 @@ _PLAN_PARAMS = st_.sampled_from([
     SamplingParams(temperature=0.7, min_p=0.2, seed=6),
     SamplingParams(temperature=0, repetition_penalty=1.5),
     SamplingParams(temperature=1.0, frequency_penalty=1.0, presence_penalty=0.5, seed=7),
+    SamplingParams(temperature=0, logprobs=3),
 ])
 
 
@@ -498,5 +499,7 @@ def test_sampler_plan_skips_only_identity_stages(params: list[SamplingParams], s
     planned = Sampler()(logits, st, token_ids, pl, tl, counters, plan=SamplerPlan.of(st))
     assert torch.equal(full.tokens, planned.tokens)
     assert torch.equal(full.logprob, planned.logprob)
+    assert torch.equal(full.top_ids, planned.top_ids)
+    assert torch.equal(full.top_logprobs, planned.top_logprobs)
     plan = SamplerPlan.of(st)
     assert plan.any_random == any(p.temperature > 0 for p in params)

@@ -254,6 +254,7 @@ class SamplerPlan:
     any_random: bool = True
     any_filter: bool = True
     any_penalty: bool = True
+    any_top_logprobs: bool = True
 
     @classmethod
     def of(cls, st: SamplingTensors) -> "SamplerPlan":
@@ -265,6 +266,7 @@ class SamplerPlan:
             any_penalty=bool(
                 ((st.repetition_penalty != 1) | (st.presence_penalty != 0) | (st.frequency_penalty != 0)).any()
             ),
+            any_top_logprobs=bool((st.n_logprobs > 0).any()),
         )
 
 
@@ -310,7 +312,9 @@ class Sampler:
         """
         plan = plan or _FULL_PLAN
         logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        # Raw logprobs are x - logsumexp(x): one reduction instead of a [B, V] log_softmax.
+        raw_logits = logits
+        log_norm = torch.logsumexp(raw_logits, dim=-1, keepdim=True)
 
         logits = apply_logit_bias(logits, st.bias_ids, st.bias_values)
         if suppress_ids is not None:  # a host-side choice of call signature, not a tensor value
@@ -337,10 +341,11 @@ class Sampler:
             sampled_tokens = ref.sample(scaled, st.seed, step_counters)
             tokens = torch.where(is_greedy, greedy_tokens, sampled_tokens)
 
-        logprob = raw_logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        logprob = (raw_logits.gather(-1, tokens.unsqueeze(-1)) - log_norm).squeeze(-1)
         # A vocabulary smaller than N (tiny test models) leaves the tail as padding.
-        k = min(self.max_logprobs, raw_logprobs.shape[-1])
-        top_logprobs, top_ids = torch.topk(raw_logprobs, k, dim=-1)
+        k = min(self.max_logprobs, raw_logits.shape[-1]) if plan.any_top_logprobs else 0
+        top_values, top_ids = torch.topk(raw_logits, k, dim=-1)
+        top_logprobs = top_values - log_norm
         top_logprobs = F.pad(top_logprobs, (0, self.max_logprobs - k), value=float("-inf"))
         top_ids = F.pad(top_ids, (0, self.max_logprobs - k), value=-1)
         # Rows asking for fewer than N alternatives get -1 / -inf past their count.
