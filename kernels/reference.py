@@ -161,43 +161,76 @@ def write_kv_cache(
 _GATHER_BUDGET_BYTES = 64 << 20
 
 
+# Masks up to this many elements are built once per step; larger ones per chunk of tiles.
+_WHOLE_MASK_ELEMENTS = 1 << 22
+
+
 @dataclass
 class _AttentionPlan:
-    """Index tensors the reference derives from the metadata; the same for every layer."""
+    """Index tensors the reference derives from the metadata; the same for every layer.
+
+    The new tokens are laid out in query tiles of ``Qt`` slots: each sequence row gets
+    ``ceil(n_new / Qt)`` consecutive tiles, and every tile attends to its row's context.
+    """
 
     key: tuple
-    cell: torch.Tensor  # [T] cell of each token in the padded [B*Q (+1 dump)] query grid
-    mask: torch.Tensor  # [B, 1, Q, L] fp32, additive: 0 where cell (b, i) may see key j, else -inf
-    tables: torch.Tensor  # [B, n_blocks] int64 block ids
+    cell: torch.Tensor  # [T] slot of each token in the [NT*Qt (+1 dump)] tile grid
+    tables: torch.Tensor  # [NT, n_blocks] int64 block ids of each tile's row
+    limit: torch.Tensor  # [NT, Qt] last key position each slot may see (-1: none)
+    mask: torch.Tensor | None  # [NT, 1, Qt, L] additive fp32 mask, when small enough
 
 
 def _attention_plan(md: AttentionMetadata, T: int, block_size: int) -> _AttentionPlan:
+    """Tile the step's queries, from shapes and metadata tensors only (no host reads).
+
+    With ``Qt = ceil(T / B)`` (capped at the longest query) there are at most ``B + T/Qt``
+    tiles, so the work is within about 2x of the ideal for any mix: decode-only steps get
+    one single-slot tile per sequence, a lone prefill one tile, a chunked prefill beside
+    many decodes small tiles, and no token copies its context for itself alone.
+    """
     B, n_blocks = md.block_tables.shape
     if md.max_context is not None:
         n_blocks = max(1, min(n_blocks, -(-md.max_context // block_size)))
+    L = n_blocks * block_size
     Q = T if md.max_query_len is None else max(1, min(T, md.max_query_len))
+    Qt = max(1, min(Q, -(-T // B)))
+    NT = min(B * -(-Q // Qt), B + -(-T // Qt))  # upper bound on the tiles needed
     key = (T, block_size, B, n_blocks, Q)
     cache = md.step_cache
     if cache is not None and getattr(cache.get("paged_attention"), "key", None) == key:
         return cache["paged_attention"]
 
     device = md.positions.device
+    starts = md.query_start_loc.long()
+    n_new = starts[1:] - starts[:-1]  # [B]
+    tiles = (n_new + Qt - 1) // Qt
+    tile_end = torch.cumsum(tiles, 0)
     rows = md.token_seq_idx
-    q_idx = torch.arange(T, device=device) - md.query_start_loc.index_select(0, rows)
-    fits = (q_idx >= 0) & (q_idx < Q)
-    cell = torch.where(fits, rows * Q + q_idx, B * Q)  # B*Q is the dump cell
-    # Last key position each cell may see (-1: none); bounded by the row's context length.
-    limit = torch.full((B * Q + 1,), -1, dtype=torch.long, device=device)
+    q_idx = torch.arange(T, device=device) - starts.index_select(0, rows)
+    fits = (q_idx >= 0) & (q_idx < n_new.index_select(0, rows))
+    tile = (tile_end - tiles).index_select(0, rows) + q_idx // Qt
+    cell = torch.where(fits & (tile < NT), tile * Qt + q_idx % Qt, NT * Qt)  # last: dump
+    # Row of each tile; tiles past the last row's are unused (their slots see nothing).
+    tile_row = torch.searchsorted(tile_end, torch.arange(NT, device=device), right=True)
+    tile_row = tile_row.clamp_(max=B - 1)
+    limit = torch.full((NT * Qt + 1,), -1, dtype=torch.long, device=device)
     limit.index_copy_(0, cell, md.positions.long())
-    limit = torch.minimum(limit[:-1].view(B, Q), md.seq_lens.long().unsqueeze(1) - 1)
-    key_pos = torch.arange(n_blocks * block_size, device=device)
-    # additive float mask: SDPA would convert a bool mask to this on every layer
-    visible = (key_pos <= limit.unsqueeze(-1)).unsqueeze(1)
-    mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
-    plan = _AttentionPlan(key, cell, mask, md.block_tables[:, :n_blocks].long())
+    row_limit = md.seq_lens.long().index_select(0, tile_row) - 1
+    limit = torch.minimum(limit[:-1].view(NT, Qt), row_limit.unsqueeze(1))
+    tables = md.block_tables[:, :n_blocks].long().index_select(0, tile_row)
+    mask = _additive_mask(limit, L) if NT * Qt * L <= _WHOLE_MASK_ELEMENTS else None
+    plan = _AttentionPlan(key, cell, tables, limit, mask)
     if cache is not None:
         cache["paged_attention"] = plan
     return plan
+
+
+def _additive_mask(limit: torch.Tensor, L: int) -> torch.Tensor:
+    """[n, Qt] last visible key -> [n, 1, Qt, L] fp32 mask of 0 / -inf (SDPA would
+    otherwise convert a bool mask on every call)."""
+    key_pos = torch.arange(L, device=limit.device)
+    hidden = (key_pos > limit.unsqueeze(-1)).unsqueeze(1)
+    return torch.zeros(hidden.shape, device=limit.device).masked_fill_(hidden, float("-inf"))
 
 
 def paged_attention(
@@ -214,35 +247,35 @@ def paged_attention(
     ``j < seq_lens[s]``). This one function serves prefill, chunked prefill over a cached
     prefix, and decode. Returns [T, H, D] in q's dtype; tokens of unused rows get zeros.
 
-    The reference lays the queries out on a padded [B, Q] grid (Q = ``md.max_query_len``,
-    or T when unknown), gathers each row's context once and runs fp32 SDPA with a mask, so
-    decode (Q = 1) costs one gather per sequence and a prefill does not copy its context
-    once per token. Tokens that do not fit the grid (padding) land in a dump cell. The grid
-    indices and mask are memoised in ``md.step_cache`` (when set) for the next layers.
-    Gathers use ``index_select``: advanced indexing (``t[idx]``) starts a parallel region
-    even for a few KiB, which costs milliseconds per call when the CPU is shared.
+    The reference lays the queries out in tiles (see :func:`_attention_plan`), gathers
+    each tile's context once and runs fp32 SDPA with a mask. Tokens outside every tile
+    (padding) land in a dump slot. The plan is memoised in ``md.step_cache`` (when set)
+    for the next layers. Gathers use ``index_select``: advanced indexing (``t[idx]``)
+    starts a parallel region even for a few KiB, which costs milliseconds per call when
+    the CPU is shared.
     """
     T, H, D = q.shape
     block_size, KVH = k_cache.shape[1], k_cache.shape[2]
     plan = _attention_plan(md, T, block_size)
-    B, _, Q, L = plan.mask.shape
+    NT, Qt = plan.limit.shape
+    L = plan.tables.shape[1] * block_size
 
-    q_grid = q.new_zeros(B * Q + 1, H, D).index_copy_(0, plan.cell, q)
-    q_grid = q_grid[:-1].view(B, Q, H, D).transpose(1, 2)  # [B, H, Q, D]
-    out_grid = torch.zeros(B * Q + 1, H, D, dtype=torch.float32, device=q.device)
-    out_view = out_grid[:-1].view(B, Q, H, D)
-    per_row_bytes = L * KVH * D * 4 * 2 + Q * L * H * 4
-    chunk = max(1, _GATHER_BUDGET_BYTES // per_row_bytes)
-    for start in range(0, B, chunk):  # chunks of rows sized by shapes only, never by values
-        end = min(B, start + chunk)
+    q_grid = q.new_zeros(NT * Qt + 1, H, D).index_copy_(0, plan.cell, q)
+    q_grid = q_grid[:-1].view(NT, Qt, H, D).transpose(1, 2)  # [NT, H, Qt, D]
+    out_grid = torch.zeros(NT * Qt + 1, H, D, dtype=torch.float32, device=q.device)
+    out_view = out_grid[:-1].view(NT, Qt, H, D)
+    per_tile_bytes = L * KVH * D * 4 * 2 + Qt * L * H * 4
+    chunk = max(1, _GATHER_BUDGET_BYTES // per_tile_bytes)
+    for start in range(0, NT, chunk):  # chunks of tiles sized by shapes only, never by values
+        end = min(NT, start + chunk)
         n = end - start
-        blocks = plan.tables[start:end]
+        blocks = plan.tables[start:end].reshape(-1)
         # [n, KVH, L, D]; fp32 because CPU SDPA is both faster and more exact in fp32.
-        k = k_cache.index_select(0, blocks.reshape(-1)).view(n, L, KVH, D).transpose(1, 2).float()
-        v = v_cache.index_select(0, blocks.reshape(-1)).view(n, L, KVH, D).transpose(1, 2).float()
+        k = k_cache.index_select(0, blocks).view(n, L, KVH, D).transpose(1, 2).float()
+        v = v_cache.index_select(0, blocks).view(n, L, KVH, D).transpose(1, 2).float()
+        mask = plan.mask[start:end] if plan.mask is not None else _additive_mask(plan.limit[start:end], L)
         o = F.scaled_dot_product_attention(
-            q_grid[start:end].float(), k, v, attn_mask=plan.mask[start:end], scale=scale,
-            enable_gqa=KVH != H,
+            q_grid[start:end].float(), k, v, attn_mask=mask, scale=scale, enable_gqa=KVH != H
         )
         out_view[start:end] = o.transpose(1, 2)
     return out_grid.index_select(0, plan.cell).to(q.dtype)

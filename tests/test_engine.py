@@ -276,8 +276,10 @@ def test_seeded_sampling_independent_of_batch(llm, tiny_kv_llm):
     assert reordered[3].token_ids == alone.token_ids
     assert [o.token_ids for o in batch] == [o.token_ids for o in reordered[::-1]]
     # the same under preemption and recompute (the RNG counter is the token position)
+    preempted = stats(tiny_kv_llm, C_STAT_PREEMPTIONS)
     crowded = _sample(tiny_kv_llm, SEEDED * 3, [11, 12, 13, 14] * 3)
-    assert [o.token_ids for o in crowded[:4]] == [o.token_ids for o in batch]
+    assert stats(tiny_kv_llm, C_STAT_PREEMPTIONS) > preempted
+    assert [o.token_ids for o in crowded] == [o.token_ids for o in batch] * 3
     # a sampled continuation is not the greedy one, and another seed gives another one
     [other] = _sample(llm, [SEEDED[0]], [99])
     assert other.token_ids != alone.token_ids

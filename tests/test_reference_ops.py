@@ -103,12 +103,54 @@ def test_paged_attention_matches_naive(seed, block_size, decode_only):
         assert torch.equal(got[n_real:], torch.zeros_like(got[n_real:]))
 
 
-def test_paged_attention_chunks_rows_under_a_small_budget(monkeypatch):
+def test_paged_attention_chunks_tiles_under_a_small_budget(monkeypatch):
     seqs, md, q, k_new, v_new, k_cache, v_cache = _random_batch(3, 4, False, padding=0)
     reference.write_kv_cache(k_new, v_new, k_cache, v_cache, md.slot_mapping)
     whole = reference.paged_attention(q, k_cache, v_cache, md, 0.5)
-    monkeypatch.setattr(reference, "_GATHER_BUDGET_BYTES", 1)  # one row per chunk
+    monkeypatch.setattr(reference, "_GATHER_BUDGET_BYTES", 1)  # one tile per chunk
+    monkeypatch.setattr(reference, "_WHOLE_MASK_ELEMENTS", 0)  # masks built per chunk
     torch.testing.assert_close(reference.paged_attention(q, k_cache, v_cache, md, 0.5), whole)
+
+
+def test_paged_attention_prefill_chunk_beside_many_decodes():
+    """The continuous-batching mix: one long chunk (over a cached prefix) and many
+    single-token rows, in small tiles, with a step cache shared by two 'layers'."""
+    block_size, H, KVH, D = 4, 4, 2, 8
+    g = torch.Generator().manual_seed(7)
+    seqs = [(6, 23, list(range(0, 8)))] + [(3 + i, 1, [8 + 3 * i, 9 + 3 * i, 10 + 3 * i]) for i in range(9)]
+    positions, slots, rows, starts = [], [], [], [0]
+    for row, (cached, new, blocks) in enumerate(seqs):
+        for pos in range(cached, cached + new):
+            positions.append(pos)
+            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+            rows.append(row)
+        starts.append(starts[-1] + new)
+    width = max(len(b) for _, _, b in seqs)
+    md = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        positions=torch.tensor(positions),
+        token_seq_idx=torch.tensor(rows),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor([c + n for c, n, _ in seqs], dtype=torch.int32),
+        block_tables=torch.tensor([b + [40] * (width - len(b)) for _, _, b in seqs], dtype=torch.int32),
+        max_context=29,
+        max_query_len=23,
+        step_cache={},
+    )
+    T = len(positions)
+    k_cache = torch.randn(41, block_size, KVH, D, generator=g)
+    v_cache = torch.randn(41, block_size, KVH, D, generator=g)
+    reference.write_kv_cache(
+        torch.randn(T, KVH, D, generator=g), torch.randn(T, KVH, D, generator=g), k_cache, v_cache, md.slot_mapping
+    )
+    q = torch.randn(T, H, D, generator=g)
+    want = _naive_attention(seqs, md, q, k_cache, v_cache, 0.4)
+    for _ in range(2):  # the second call reuses the memoised plan
+        got = reference.paged_attention(q, k_cache, v_cache, md, 0.4)
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    plan = md.step_cache["paged_attention"]
+    n_tiles, tile = plan.limit.shape
+    assert tile == 4 and n_tiles <= len(seqs) + -(-T // tile)  # small tiles, not a T x B grid
 
 
 def test_paged_attention_bf16_close_to_fp32():

@@ -584,8 +584,13 @@ class GpuEngine(Engine):
     def close(self) -> None:
         self.stop(drain=False)
         if self.mapped is not None:
-            torch.cuda.synchronize(self.device)
-            self.mapped.unregister()
+            if self.tier == "B" and not self.simulate and getattr(self, "api", None) is not None \
+                    and not self.api.query():
+                # A hung device loop still reads the ring: leave the mapping to process exit.
+                log.error("the device loop is still running at close; the ring stays registered")
+            else:
+                torch.cuda.synchronize(self.device)
+                self.mapped.unregister()
         self.region.close()
 
     def _run(self) -> None:
