@@ -1,9 +1,10 @@
 """Bare model-executor throughput against transformers on the same weights, on CPU.
 
 Measures, for each executor dtype: prefill tokens/s (one prompt in one step), single-stream
-decode tokens/s (one token per step, the host-side metadata build included) and batch-16
-decode tokens/s; then transformers' forward/``generate`` on the same model in the same run,
-and prints the ratios. Example (the numbers in docs/benchmarks.md come from this):
+decode tokens/s (one token per step, the host-side metadata build included) and the CPU
+time it takes per token (process time: steadier than wall time on a shared machine, though
+spinning OpenMP threads count too), and batch-16 decode tokens/s; then transformers'
+forward/``generate`` on the same model in the same run, and prints the speed-ups. Example (the numbers in docs/benchmarks.md come from this):
 
     python benchmarks/bench_executor.py --threads 2
 """
@@ -62,15 +63,18 @@ def bench_blink(args, dtype: torch.dtype) -> dict[str, float]:
 
         for _ in range(3):  # warm-up
             step()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(args.decode_tokens):
             step()
-        return batch * args.decode_tokens / (time.perf_counter() - t0)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        return batch * args.decode_tokens / wall, 1e3 * cpu / (batch * args.decode_tokens)
 
+    single, single_cpu = decode(1)
     return {
         "prefill_tok_s": args.prompt_len / t_prefill,
-        "decode_tok_s": decode(1),
-        f"decode_b{args.batch}_tok_s": decode(args.batch),
+        "decode_tok_s": single,
+        "decode_cpu_ms_per_tok": single_cpu,
+        f"decode_b{args.batch}_tok_s": decode(args.batch)[0],
     }
 
 
@@ -90,14 +94,20 @@ def bench_transformers(args, dtype: torch.dtype, hf_model) -> dict[str, float]:
                 model.generate(inp, max_new_tokens=n, min_new_tokens=n, **kw)
 
             gen(4)  # warm-up
-            t_first = _median_time(lambda: gen(1), 2)  # prefill + first token
+            c0 = time.process_time()
+            t_first = _median_time(lambda: gen(1), 1)  # prefill + first token
+            c1 = time.process_time()
             t_all = _median_time(lambda: gen(args.decode_tokens + 1), 1)
-            return batch * args.decode_tokens / (t_all - t_first)
+            c2 = time.process_time()
+            n = batch * args.decode_tokens
+            return n / (t_all - t_first), 1e3 * ((c2 - c1) - (c1 - c0)) / n
 
+        single, single_cpu = decode(1)
         return {
             "prefill_tok_s": args.prompt_len / t_prefill,
-            "decode_tok_s": decode(1),
-            f"decode_b{args.batch}_tok_s": decode(args.batch),
+            "decode_tok_s": single,
+            "decode_cpu_ms_per_tok": single_cpu,
+            f"decode_b{args.batch}_tok_s": decode(args.batch)[0],
         }
 
 
@@ -147,8 +157,12 @@ def main() -> None:
     base_names = [k for k in rows if k.startswith("transformers")]
     for base in base_names:
         for engine in (k for k in rows if k.startswith("blink")):
-            ratios = ", ".join(f"{k} {rows[engine][k] / rows[base][k]:.2f}x" for k in rows[engine])
-            print(f"{engine} vs {base}: {ratios}")
+            # speed-up: for CPU ms per token lower is better, so the ratio is inverted
+            ratios = ", ".join(
+                f"{k} {rows[base][k] / rows[engine][k] if 'ms' in k else rows[engine][k] / rows[base][k]:.2f}x"
+                for k in rows[engine]
+            )
+            print(f"{engine} vs {base} (speed-up): {ratios}")
 
 
 def _fmt(row: dict[str, float]) -> str:

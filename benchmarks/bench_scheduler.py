@@ -32,7 +32,7 @@ def build(slots: int, prefix_caching: bool) -> tuple[Ring, Scheduler]:
         num_blocks=slots * (MAX_MODEL_LEN // BLOCK_SIZE // 2),
         max_model_len=MAX_MODEL_LEN,
         max_num_batched_tokens=max(2048, slots),
-        max_admit_per_step=16,
+        max_admit_per_step=max(16, slots // 64),  # admission keeps up with the slot count
         enable_prefix_caching=prefix_caching,
         eos_token_ids=(0,),
     )
@@ -93,7 +93,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"CPU, {args.threads} threads, steady-state decode, block {BLOCK_SIZE}, "
-          f"max_model_len {MAX_MODEL_LEN}, median of {args.steps} steps")
+          f"max_model_len {MAX_MODEL_LEN}, budget max(2048, slots), admit max(16, slots/64), "
+          f"median of {args.steps} steps")
     print("(wall: elapsed time; cpu: process CPU time, all threads; a loaded machine inflates wall)")
     print(f"{'slots':>6} {'prefix$':>7} {'schedule ms':>12} {'update ms':>10} {'step ms':>8} "
           f"{'cpu ms':>7} {'tok/step':>9}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import threading
 import time
@@ -197,7 +198,7 @@ def peer_command(name: str, port: int, args: argparse.Namespace) -> tuple[list[s
     if name == "blink":
         return (["blink", "serve", "--port", str(port), "--model", args.gguf or args.model_name,
                  "--served-model-name", args.model_name, "--max-num-seqs", str(args.max_num_seqs),
-                 "--max-model-len", str(args.max_model_len)], {}, {})
+                 "--max-model-len", str(args.max_model_len)] + shlex.split(args.blink_args), {}, {})
     if name == "llamacpp":
         # llama-cpp-python's server runs one sequence at a time (no parallel slots) and has no
         # ignore_eos: fixed lengths come from a logit bias on EOS.
@@ -211,8 +212,11 @@ def peer_command(name: str, port: int, args: argparse.Namespace) -> tuple[list[s
                  "--model", hf_dir, "--served-model-name", args.model_name,
                  "--host", "127.0.0.1", "--port", str(port), "--max-model-len",
                  str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
-                 "--dtype", args.vllm_dtype, "--disable-log-stats"],
-                {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "all",
+                 "--dtype", args.vllm_dtype, "--disable-log-stats"] + shlex.split(args.vllm_args),
+                # OMP threads bound to an explicit core list (this vllm-cpu rejects "all"), so
+                # vLLM computes on the same cores as the other peers.
+                {"VLLM_CPU_KVCACHE_SPACE": "1",
+                 "VLLM_CPU_OMP_THREADS_BIND": f"0-{int(threads) - 1}" if int(threads) > 1 else "0",
                  "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
                 {})
     if name == "transformers":
@@ -317,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=None, help="server threads (default: all cores)")
     ap.add_argument("--vllm-dtype", default="bfloat16")
+    ap.add_argument("--blink-args", default="", help="extra `blink serve` flags, one string")
+    ap.add_argument("--vllm-args", default="", help="extra vLLM api_server flags, one string")
     ap.add_argument("--port-base", type=int, default=8810)
     ap.add_argument("--ready-timeout", type=float, default=900.0)
     ap.add_argument("--seed", type=int, default=0)

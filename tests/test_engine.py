@@ -309,9 +309,11 @@ def test_cancel_within_one_step_frees_slot_and_blocks(model_dir):
     forward pass, and its slot and KV blocks come back."""
     with make_llm(model_dir, max_num_seqs=4) as llm:
         permits = threading.Semaphore(0)
+        entered = [0]  # forward passes begun
         real = llm.engine.executor.model.forward
 
         def gated(*args, **kwargs):
+            entered[0] += 1
             permits.acquire(timeout=10)
             return real(*args, **kwargs)
 
@@ -333,7 +335,8 @@ def test_cancel_within_one_step_frees_slot_and_blocks(model_dir):
         for _ in range(3):
             permits.release()
         wait_for(lambda: (poll(), len(got) >= 3)[1], what="three tokens")
-        wait_for(lambda: stats(llm, C_STAT_KV_BLOCKS_USED) > 0, what="blocks in use")
+        wait_for(lambda: entered[0] == 4, what="step 4's forward pass")
+        assert stats(llm, C_STAT_KV_BLOCKS_USED) > 0
         ring.cancel(handle)  # the engine waits in step 4's forward pass
         permits.release()  # step 4 completes; step 5 must finish the request without a forward
         wait_for(poll, what="the cancelled request to finish")
@@ -377,7 +380,7 @@ def test_tiny_streams_with_slow_reader_lose_nothing(model_dir, ref):
         deadline = time.monotonic() + 60
         while not all(h.done for h in handles):
             assert time.monotonic() < deadline, "slow reader timed out"
-            time.sleep(0.02)  # slow reader: the engine fills the 2-token streams meanwhile
+            time.sleep(0.05)  # slow reader: the engine fills the 2-token streams meanwhile
             for i, h in enumerate(handles):
                 delta = ring.poll(h) if not h.done else None
                 assert h.error is None, h.error
