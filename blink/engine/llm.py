@@ -199,6 +199,7 @@ class LLM:
               timeout_s: float | None) -> None:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         request_id = 0
+        idle_sleep = 0.0
         while pending or active:
             if self.engine.error is not None or not self.engine.alive:
                 raise BlinkError(f"the engine loop stopped: {self.engine.error!r}")
@@ -220,10 +221,15 @@ class LLM:
             for handle in active:
                 if handle.error is not None:  # poll_many drops such a handle for good
                     raise BlinkError(f"request failed in the ring: {handle.error}")
-            if not deltas:
+            if deltas:
+                idle_sleep = 0.0
+            else:
                 if deadline is not None and time.monotonic() > deadline:
                     raise BlinkError(f"generate() timed out after {timeout_s} s")
-                time.sleep(2e-4)
+                # Back off while the engine computes a step, so polling does not take the
+                # CPU the engine thread needs (a step is milliseconds to seconds on CPU).
+                idle_sleep = min(max(idle_sleep * 2, 1e-4), 2e-3)
+                time.sleep(idle_sleep)
 
     def _abandon(self, active: dict[RingHandle, _Choice], wait_s: float = 5.0) -> None:
         """Cancel what is still in flight and read it to the end (bounded), so that the slots
