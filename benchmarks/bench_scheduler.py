@@ -31,7 +31,7 @@ def build(slots: int, prefix_caching: bool) -> tuple[Ring, Scheduler]:
         block_size=BLOCK_SIZE,
         num_blocks=slots * (MAX_MODEL_LEN // BLOCK_SIZE // 2),
         max_model_len=MAX_MODEL_LEN,
-        max_num_batched_tokens=max(2048, slots),
+        max_num_batched_tokens=max(2048, 2 * slots),  # room to prefill beside the decodes
         max_admit_per_step=max(16, slots // 64),  # admission keeps up with the slot count
         enable_prefix_caching=prefix_caching,
         eos_token_ids=(0,),
@@ -70,10 +70,12 @@ def measure(slots: int, steps: int, prefix_caching: bool) -> dict[str, float]:
         torch.zeros(slots, n_top, dtype=torch.int64),
         torch.zeros(slots, n_top),
     )
-    while True:  # admission and prefill, untimed
+    for _ in range(10 * slots):  # admission and prefill, untimed
         *_, n = step(ring, sched, outputs)
         if n == slots and int((sched.state.num_computed > 0).sum()) == slots:
-            break
+            break  # every slot decodes one token per step
+    else:
+        raise RuntimeError(f"{slots} slots never reached steady-state decode")
     for _ in range(3):  # warm-up
         step(ring, sched, outputs)
     times = np.array([step(ring, sched, outputs) for _ in range(steps)])
@@ -93,7 +95,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"CPU, {args.threads} threads, steady-state decode, block {BLOCK_SIZE}, "
-          f"max_model_len {MAX_MODEL_LEN}, budget max(2048, slots), admit max(16, slots/64), "
+          f"max_model_len {MAX_MODEL_LEN}, budget max(2048, 2*slots), admit max(16, slots/64), "
           f"median of {args.steps} steps")
     print("(wall: elapsed time; cpu: process CPU time, all threads; a loaded machine inflates wall)")
     print(f"{'slots':>6} {'prefix$':>7} {'schedule ms':>12} {'update ms':>10} {'step ms':>8} "

@@ -66,6 +66,9 @@ ALIGN = 64
     C_STAT_GENERATED_TOKENS,
 ) = range(23)
 CONTROL_WORDS = 32
+#: Reserved for the engine: a write sink for its fixed-shape scatters into the slot state
+#: words (lanes with nothing to publish write here). The frontend never reads or writes it.
+C_ENGINE_SCRATCH = CONTROL_WORDS - 1
 
 # Engine states (control word C_ENGINE_STATE).
 ENGINE_STARTING, ENGINE_READY, ENGINE_DRAINING, ENGINE_STOPPED, ENGINE_FAILED = range(5)

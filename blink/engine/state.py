@@ -23,15 +23,11 @@ from dataclasses import dataclass, field
 import torch
 
 from blink.errors import BlinkError
-from blink.ring import CONTROL_WORDS, Ring, RingConfig
+from blink.ring import C_ENGINE_SCRATCH, CONTROL_WORDS, Ring, RingConfig
 
 # Row status.
 ROW_EMPTY, ROW_WAITING, ROW_RUNNING = 0, 1, 2
 
-#: Control word the engine uses as a write sink for fixed-shape scatters into the ring's
-#: shared ``state`` words (lanes with nothing to publish write there; see
-#: ``Scheduler._publish_state``). The frontend must never use it.
-C_ENGINE_SCRATCH = CONTROL_WORDS - 1
 
 # Cumulative counters in ``EngineState.counters`` (mirrored into the ring control block).
 (
