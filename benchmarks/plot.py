@@ -75,7 +75,7 @@ def plot(series: list[dict[str, Any]], outdir: Path, percentile: float = 99.0,
     for ax, metric, name in ((axes[0], "ttft_ms", "TTFT"), (axes[1], "tpot_ms", "TPOT")):
         for s in series:
             line(ax, s, lambda r, m=metric: r[m].get(lab, float("nan")))
-        ax.set_xlabel("offered load (req/s)")
+        ax.set_xlabel("offered load (req/s; achieved for closed-loop runs)")
         ax.set_ylabel(f"{lab.upper()} {name} (ms)")
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
@@ -94,7 +94,7 @@ def plot(series: list[dict[str, Any]], outdir: Path, percentile: float = 99.0,
     axes[0].set_ylabel("achieved throughput (req/s)")
     axes[1].set_ylabel("output throughput (tok/s)")
     for ax in axes:
-        ax.set_xlabel("offered load (req/s)")
+        ax.set_xlabel("offered load (req/s; achieved for closed-loop runs)")
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle(title or "Throughput vs offered load (solid: isolated, dashed: interference)")

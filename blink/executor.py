@@ -6,6 +6,8 @@ where each token sits in the paged cache, and gets fp32 logits for the rows it a
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -34,8 +36,11 @@ class ModelExecutor:
     """Runs the model over a flattened batch of new tokens against a paged KV cache.
 
     ``model`` is a name or path for :func:`blink.loader.open_model`, or an object already
-    returned by it. The cache has ``num_blocks`` usable blocks of ``block_size`` tokens per
-    layer plus one scratch block (index ``scratch_block``) that padding tokens write to.
+    returned by it. ``dtype`` is the dtype of weights, activations and KV cache (bf16 by
+    default: on CPU it prefills ~2x faster than fp32 and decodes at least as fast; fp32
+    gives exact parity with transformers' fp32). The cache has ``num_blocks`` usable blocks
+    of ``block_size`` tokens per layer plus one scratch block (index ``scratch_block``)
+    that padding tokens write to; by default four full-length sequences, at most 512 MiB.
     ``max_model_len`` defaults to the model's ``max_position_embeddings`` (capped at its
     sliding window, since windowed attention is not implemented: within the window it is
     plain causal attention). ``num_threads`` sets torch's intra-op threads only when given.
@@ -71,6 +76,11 @@ class ModelExecutor:
             self.config, dtype, self.device, max_positions=self.max_model_len
         )
         self.model.load_weights(model.iter_tensors(dtype), self.source)
+        # bf16 matrix-vector products (one-token steps): torch's own kernel reads the
+        # weights ~1.7x faster than oneDNN's on this CPU; from two rows up oneDNN wins.
+        self._bf16_cpu = self.device.type == "cpu" and dtype == torch.bfloat16
+        if self.device.type == "cpu" and dtype == torch.float32:
+            self.model.use_input_major_weights()
 
         cfg = self.config
         block_bytes = 2 * cfg.num_hidden_layers * block_size * cfg.kv_size * dtype.itemsize
@@ -122,8 +132,10 @@ class ModelExecutor:
     ) -> torch.Tensor:
         """Forward the step's tokens (writing their K/V into the cache) and return fp32
         logits ``[len(logits_indices), vocab]`` for the selected token rows."""
-        hidden = self.model(input_ids, md, self.kv_caches)
-        return self.model.compute_logits(hidden.index_select(0, logits_indices)).float()
+        single_row = input_ids.shape[0] == 1 and self._bf16_cpu
+        with _onednn_disabled() if single_row else contextlib.nullcontext():
+            hidden = self.model(input_ids, md, self.kv_caches)
+            return self.model.compute_logits(hidden.index_select(0, logits_indices)).float()
 
     def build_metadata(
         self, seqs: list[tuple[list[int], int, list[int]]]
@@ -171,3 +183,14 @@ class ModelExecutor:
             max_query_len=max(len(n) for n, _, _ in seqs),
         )
         return tensor(ids, torch.int64), md, tensor([s - 1 for s in starts[1:]], torch.int64)
+
+
+@contextlib.contextmanager
+def _onednn_disabled() -> Iterator[None]:
+    """Route CPU matmuls to torch's native kernels for the duration (a global flag)."""
+    previous = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = previous

@@ -136,6 +136,12 @@ def test_bf16_runs_and_stays_close(case, tiny_root):
     assert err < 0.05, f"{arch}: bf16 logits off by {err:.3f} of the logit range"
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean()
     assert agree >= 0.8, f"{arch}: bf16 top-1 agrees on only {agree:.0%} of tokens"
+    # a one-token step takes the matrix-vector path (torch's kernel instead of oneDNN's)
+    seq = seqs[1] + _tokens(32, 1)
+    ids, md, last = ex.build_metadata([(seq[-1:], len(seq) - 1, _blocks(2, 4)[1])])
+    step = ex.execute(ids, md, last)[0]
+    want_step = _hf_logits(hf, seq)[-1]
+    assert (step - want_step).abs().max() / want_step.abs().max() < 0.05
 
 
 # ----------------------------------------------------------------------------- config

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from blink.errors import BlinkError
-from blink.ring import C_ENGINE_SCRATCH, CONTROL_WORDS, Ring, RingConfig
+from blink.ring import C_ENGINE_SCRATCH, Ring, RingConfig
 
 # Row status.
 ROW_EMPTY, ROW_WAITING, ROW_RUNNING = 0, 1, 2

@@ -218,6 +218,19 @@ class DecoderForCausalLM(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight)
 
+    def use_input_major_weights(self) -> None:
+        """Store every projection weight (and a tied embedding) input-major in memory,
+        keeping its [out, in] shape: on CPU, fp32 matrix-vector products read [in, out]
+        memory about 1.7x faster than [out, in] (measured here; bf16 gains nothing). One
+        tensor is copied at a time."""
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, Linear):
+                    module.weight.data = module.weight.data.t().contiguous().t()
+            if self.lm_head is None:
+                embed = self.model.embed_tokens.weight
+                embed.data = embed.data.t().contiguous().t()
+
     # ------------------------------------------------------------------ weight loading
 
     def load_weights(
