@@ -9,7 +9,10 @@ requested output tokens only, so transformers' static-batching waste counts agai
 
 The run also prints where Blink's time goes (engine thread: scheduler / executor forward /
 sampler / update, and the client thread's ring polling) and how many prompts' greedy
-outputs agree with transformers'. Example (the numbers in docs/benchmarks.md come from it):
+outputs agree with transformers'. For a per-function profile of the engine thread use py-spy
+(``py-spy record --format raw -o out.txt -- python benchmarks/bench_offline.py --skip-hf``;
+torch.profiler in the main thread does not see the engine thread). Example (the numbers in
+docs/benchmarks.md come from it):
 
     python benchmarks/bench_offline.py --threads 2
 """
@@ -139,16 +142,9 @@ def bench_blink(args, requests) -> dict:
         cpu0 = thread_cpu()
         steps0 = int(engine.ring.control[C_STAT_STEPS])
 
-        profiler = None
-        if args.torch_profile:
-            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-            profiler.__enter__()
         t0 = time.perf_counter()
         outs = llm.generate([p for p, _ in requests], params)
         elapsed = time.perf_counter() - t0
-        if profiler is not None:
-            profiler.__exit__(None, None, None)
-            print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
         cpu = cpu_by_role(cpu0, thread_cpu(), loop_id)
         steps = int(engine.ring.control[C_STAT_STEPS]) - steps0
     finally:
@@ -210,7 +206,6 @@ def main() -> None:
     parser.add_argument("--hf-batch", type=int, default=64, help="transformers batch size")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--no-breakdown", dest="breakdown", action="store_false")
-    parser.add_argument("--torch-profile", action="store_true", help="torch.profiler op table")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 

@@ -31,7 +31,8 @@ from blink.ring import (
     ENGINE_FAILED,
     ENGINE_READY,
     ENGINE_STOPPED,
-    SLOT_FREE,
+    SLOT_RUNNING,
+    SLOT_WRITTEN,
     Ring,
     RingConfig,
     RingLayout,
@@ -227,8 +228,10 @@ class Engine:
             print("blink engine loop failed:\n" + traceback.format_exc(), file=sys.stderr, flush=True)
 
     def _idle(self) -> bool:
-        """Host-side check (CPU loop only) that no slot holds a request."""
-        return bool((self.ring.state == SLOT_FREE).all())
+        """Host-side check (CPU loop only) that no slot needs the engine: FREE slots and
+        FINISHED slots waiting for the frontend to read them need no step."""
+        state = self.ring.state
+        return not bool(((state == SLOT_WRITTEN) | (state == SLOT_RUNNING)).any())
 
     def _quiescent(self) -> bool:
         return self._idle()
