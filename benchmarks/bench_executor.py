@@ -1,17 +1,21 @@
 """Bare model-executor throughput against transformers on the same weights, on CPU.
 
-Measures, for each executor dtype: prefill tokens/s (one prompt in one step), single-stream
-decode tokens/s (one token per step, the host-side metadata build included) and the CPU
-time it takes per token (process time: steadier than wall time on a shared machine, though
-spinning OpenMP threads count too), and batch-16 decode tokens/s; then transformers'
-forward/``generate`` on the same model in the same run, and prints the speed-ups. Example (the numbers in docs/benchmarks.md come from this):
+For each engine (Blink's executor per dtype, transformers per dtype) it measures prefill
+tokens/s (one prompt in one step), single-stream decode tokens/s (one token per step; for
+Blink the host-side metadata build is included, for transformers ``generate``'s own loop),
+the CPU time per single-stream token (process time: steadier than wall time on a shared
+machine, though spinning OpenMP threads count too) and batch-16 decode tokens/s.
+
+The engines take turns, round by round, and each keeps its best round: on a shared machine
+the load changes by the minute, and alternating gives every engine the same chances.
+Example (the numbers in docs/benchmarks.md come from this):
 
     python benchmarks/bench_executor.py --threads 2
 """
 from __future__ import annotations
 
 import argparse
-import statistics
+import copy
 import time
 
 import torch
@@ -24,95 +28,71 @@ def _prompt(n: int, seed: int, vocab: int) -> list[int]:
     return torch.randint(100, vocab - 100, (n,), generator=g).tolist()
 
 
-def _median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
+class BlinkEngine:
+    """The bare executor with a host-side greedy loop."""
+
+    def __init__(self, args, dtype: torch.dtype) -> None:
+        self.args = args
+        self.per_seq = -(-max(args.prompt_len, args.decode_prompt_len + 4 * args.decode_tokens) // 16)
+        self.ex = ModelExecutor(
+            args.model, dtype=dtype, block_size=16, num_blocks=self.per_seq * max(args.batch, 1)
+        )
+        self.vocab = self.ex.config.vocab_size
+
+    def _blocks(self, row: int) -> list[int]:
+        return list(range(row * self.per_seq, (row + 1) * self.per_seq))
+
+    def prefill(self) -> float:
+        ids, md, last = self.ex.build_metadata([(_prompt(self.args.prompt_len, 0, self.vocab), 0, self._blocks(0))])
         t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        self.ex.execute(ids, md, last)
+        return self.args.prompt_len / (time.perf_counter() - t0)
 
-
-def bench_blink(args, dtype: torch.dtype) -> dict[str, float]:
-    per_seq_blocks = -(-(max(args.prompt_len, args.decode_prompt_len + args.decode_tokens + 8)) // 16)
-    n_blocks = per_seq_blocks * max(args.batch, 1)
-    ex = ModelExecutor(args.model, dtype=dtype, block_size=16, num_blocks=n_blocks)
-    vocab = ex.config.vocab_size
-    blocks = [list(range(i * per_seq_blocks, (i + 1) * per_seq_blocks)) for i in range(max(args.batch, 1))]
-
-    # prefill: one prompt of prompt_len tokens in one step
-    prompt = _prompt(args.prompt_len, 0, vocab)
-    ids, md, last = ex.build_metadata([(prompt, 0, blocks[0])])
-    ex.execute(ids, md, last)  # warm-up
-    t_prefill = _median_time(lambda: ex.execute(ids, md, last), args.repeats)
-
-    def decode(batch: int) -> float:
-        prompts = [_prompt(args.decode_prompt_len, 1 + i, vocab) for i in range(batch)]
+    def decode(self, batch: int) -> tuple[float, float]:
+        n_new = self.args.decode_tokens
+        prompts = [_prompt(self.args.decode_prompt_len, 1 + i, self.vocab) for i in range(batch)]
+        blocks = [self._blocks(i) for i in range(batch)]
         lens = [len(p) for p in prompts]
-        ids, md, last = ex.build_metadata([(p, 0, b) for p, b in zip(prompts, blocks)])
-        nxt = ex.execute(ids, md, last).argmax(-1).tolist()
-
-        def step() -> None:
-            nonlocal nxt
-            ids, md, last = ex.build_metadata(
-                [([t], n, b) for t, n, b in zip(nxt, lens, blocks)]
-            )
-            nxt = ex.execute(ids, md, last).argmax(-1).tolist()
-            for i in range(batch):
-                lens[i] += 1
-
-        for _ in range(3):  # warm-up
-            step()
+        ids, md, last = self.ex.build_metadata([(p, 0, b) for p, b in zip(prompts, blocks)])
+        nxt = self.ex.execute(ids, md, last).argmax(-1).tolist()
         t0, c0 = time.perf_counter(), time.process_time()
-        for _ in range(args.decode_tokens):
-            step()
+        for _ in range(n_new):
+            ids, md, last = self.ex.build_metadata([([t], n, b) for t, n, b in zip(nxt, lens, blocks)])
+            nxt = self.ex.execute(ids, md, last).argmax(-1).tolist()
+            lens = [n + 1 for n in lens]
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        return batch * args.decode_tokens / wall, 1e3 * cpu / (batch * args.decode_tokens)
-
-    single, single_cpu = decode(1)
-    row = {
-        "prefill_tok_s": args.prompt_len / t_prefill,
-        "decode_tok_s": single,
-        "decode_cpu_ms_per_tok": single_cpu,
-    }
-    if args.batch > 1:
-        row[f"decode_b{args.batch}_tok_s"] = decode(args.batch)[0]
-    return row
+        return batch * n_new / wall, 1e3 * cpu / (batch * n_new)
 
 
-def bench_transformers(args, dtype: torch.dtype, hf_model) -> dict[str, float]:
-    model = hf_model.to(dtype)
-    vocab = model.config.vocab_size
-    prompt = torch.tensor([_prompt(args.prompt_len, 0, vocab)])
-    with torch.inference_mode():
-        model(prompt)  # warm-up
-        t_prefill = _median_time(lambda: model(prompt), args.repeats)
+class TransformersEngine:
+    """transformers' forward (prefill) and ``generate`` (decode, greedy, no early stop)."""
 
-        def decode(batch: int) -> float:
-            inp = torch.tensor([_prompt(args.decode_prompt_len, 1 + i, vocab) for i in range(batch)])
-            kw = dict(do_sample=False, pad_token_id=model.config.eos_token_id or 0)
+    def __init__(self, args, model) -> None:
+        self.args = args
+        self.model = model
+        self.vocab = model.config.vocab_size
 
-            def gen(n: int) -> None:
-                model.generate(inp, max_new_tokens=n, min_new_tokens=n, **kw)
+    @torch.inference_mode()
+    def prefill(self) -> float:
+        prompt = torch.tensor([_prompt(self.args.prompt_len, 0, self.vocab)])
+        t0 = time.perf_counter()
+        self.model(prompt)
+        return self.args.prompt_len / (time.perf_counter() - t0)
 
-            gen(4)  # warm-up
-            c0 = time.process_time()
-            t_first = _median_time(lambda: gen(1), 1)  # prefill + first token
-            c1 = time.process_time()
-            t_all = _median_time(lambda: gen(args.decode_tokens + 1), 1)
-            c2 = time.process_time()
-            n = batch * args.decode_tokens
-            return n / (t_all - t_first), 1e3 * ((c2 - c1) - (c1 - c0)) / n
+    @torch.inference_mode()
+    def decode(self, batch: int) -> tuple[float, float]:
+        inp = torch.tensor([_prompt(self.args.decode_prompt_len, 1 + i, self.vocab) for i in range(batch)])
+        kw = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(inp))
 
-        single, single_cpu = decode(1)
-        row = {
-            "prefill_tok_s": args.prompt_len / t_prefill,
-            "decode_tok_s": single,
-            "decode_cpu_ms_per_tok": single_cpu,
-        }
-        if args.batch > 1:
-            row[f"decode_b{args.batch}_tok_s"] = decode(args.batch)[0]
-        return row
+        def gen(n: int) -> tuple[float, float]:
+            t0, c0 = time.perf_counter(), time.process_time()
+            self.model.generate(inp, max_new_tokens=n, min_new_tokens=n, **kw)
+            return time.perf_counter() - t0, time.process_time() - c0
+
+        first_wall, first_cpu = gen(1)  # prefill + first token, subtracted below
+        all_wall, all_cpu = gen(self.args.decode_tokens + 1)
+        n = batch * self.args.decode_tokens
+        return n / (all_wall - first_wall), 1e3 * (all_cpu - first_cpu) / n
 
 
 def load_transformers(model: str):
@@ -134,43 +114,55 @@ def main() -> None:
     parser.add_argument("--hf-dtypes", default="float32,bfloat16", help="transformers dtypes ('' to skip)")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--decode-prompt-len", type=int, default=32)
-    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--batch", type=int, default=16, help="batched decode rows (<= 1: skip)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; each engine keeps its best")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"model={args.model} threads={torch.get_num_threads()} torch={torch.__version__} "
-          f"prompt={args.prompt_len} decode: {args.decode_tokens} tokens after a "
-          f"{args.decode_prompt_len}-token prompt, batch {args.batch}")
+          f"prefill={args.prompt_len} tokens; decode: {args.decode_tokens} tokens after a "
+          f"{args.decode_prompt_len}-token prompt, batch 1 and {args.batch}; best of {args.rounds} rounds")
 
-    rows: dict[str, dict[str, float]] = {}
+    engines: dict[str, object] = {}
     for name in filter(None, args.dtypes.split(",")):
-        rows[f"blink {name}"] = bench_blink(args, getattr(torch, name))
-        print(f"blink {name:9s}", _fmt(rows[f'blink {name}']), flush=True)
+        engines[f"blink {name}"] = BlinkEngine(args, getattr(torch, name))
     hf_dtypes = list(filter(None, args.hf_dtypes.split(",")))
     if hf_dtypes:
-        hf_model = load_transformers(args.model)
+        base = load_transformers(args.model)
         for name in hf_dtypes:
-            rows[f"transformers {name}"] = bench_transformers(args, getattr(torch, name), hf_model)
-            print(f"transformers {name:9s}", _fmt(rows[f'transformers {name}']), flush=True)
+            model = base if name == "float32" else copy.deepcopy(base).to(getattr(torch, name))
+            engines[f"transformers {name}"] = TransformersEngine(args, model)
 
-    print("\n| engine | " + " | ".join(next(iter(rows.values())).keys()) + " |")
-    print("|---|" + "---|" * len(next(iter(rows.values()))))
-    for engine, row in rows.items():
-        print(f"| {engine} | " + " | ".join(f"{v:.1f}" for v in row.values()) + " |")
-    base_names = [k for k in rows if k.startswith("transformers")]
-    for base in base_names:
-        for engine in (k for k in rows if k.startswith("blink")):
-            # speed-up: for CPU ms per token lower is better, so the ratio is inverted
+    metrics = ["prefill_tok_s", "decode_tok_s", "decode_cpu_ms_per_tok"]
+    if args.batch > 1:
+        metrics.append(f"decode_b{args.batch}_tok_s")
+    best: dict[str, dict[str, float]] = {e: {} for e in engines}
+    for engine in engines.values():  # warm-up: first calls allocate and pick kernels
+        engine.prefill()
+        engine.decode(1)
+    for r in range(args.rounds):
+        for name, engine in engines.items():
+            row = {"prefill_tok_s": engine.prefill()}
+            row["decode_tok_s"], row["decode_cpu_ms_per_tok"] = engine.decode(1)
+            if args.batch > 1:
+                row[f"decode_b{args.batch}_tok_s"] = engine.decode(args.batch)[0]
+            for k, v in row.items():
+                better = min if "ms" in k else max
+                best[name][k] = better(best[name].get(k, v), v)
+            print(f"round {r} {name:22s}", "  ".join(f"{k}={v:.1f}" for k, v in row.items()), flush=True)
+
+    print("\n| engine | " + " | ".join(metrics) + " |")
+    print("|---|" + "---:|" * len(metrics))
+    for name, row in best.items():
+        print(f"| {name} | " + " | ".join(f"{row[k]:.1f}" for k in metrics) + " |")
+    for base in (e for e in best if e.startswith("transformers")):
+        for name in (e for e in best if e.startswith("blink")):
+            # speed-ups; for CPU ms per token lower is better, so that ratio is inverted
             ratios = ", ".join(
-                f"{k} {rows[base][k] / rows[engine][k] if 'ms' in k else rows[engine][k] / rows[base][k]:.2f}x"
-                for k in rows[engine]
+                f"{k} {best[base][k] / best[name][k] if 'ms' in k else best[name][k] / best[base][k]:.2f}x"
+                for k in metrics
             )
-            print(f"{engine} vs {base} (speed-up): {ratios}")
-
-
-def _fmt(row: dict[str, float]) -> str:
-    return "  ".join(f"{k}={v:.1f}" for k, v in row.items())
+            print(f"{name} vs {base}: {ratios}")
 
 
 if __name__ == "__main__":
