@@ -11,7 +11,6 @@ stream a test can edit (to check the executor's errors).
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path

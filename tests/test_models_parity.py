@@ -19,6 +19,16 @@ BLOCK = 4  # small, so every sequence spans several blocks
 ATOL = 1e-4
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread: on a shared 2-core machine two OpenMP threads wait on each other
+    for milliseconds per op (see docs/benchmarks.md, Executor); restored afterwards."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="module")
 def tiny_root(tmp_path_factory):
     return tmp_path_factory.mktemp("tiny_models")
@@ -29,7 +39,6 @@ def case(request, tiny_root):
     """(arch, transformers model loaded from disk, fp32 executor) for one architecture."""
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(2)
     path = make_tiny_model(request.param, tiny_root)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ex = ModelExecutor(model_files(path), dtype=torch.float32, block_size=BLOCK, num_blocks=96)

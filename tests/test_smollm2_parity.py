@@ -16,6 +16,16 @@ PROMPTS = [
 N_NEW = 32
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread: on a shared 2-core machine two OpenMP threads wait on each other
+    for milliseconds per op (see docs/benchmarks.md, Executor); restored afterwards."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="module")
 def model_path():
     from blink.errors import ModelLoadError
@@ -29,7 +39,6 @@ def model_path():
 
 @pytest.fixture(scope="module")
 def executor(model_path):
-    torch.set_num_threads(2)
     return ModelExecutor(model_path, dtype=torch.float32, block_size=16, num_blocks=32)
 
 
