@@ -36,12 +36,11 @@ from blink.engine.engine import Engine, EngineConfig  # noqa: E402
 from blink.engine.gpu_loop import (  # noqa: E402
     GpuEngine,
     create_engine,
-    ring_views,
     tier_a_problems,
     tier_b_problems,
 )
 from blink.engine.sampling_params import SamplingParams  # noqa: E402
-from blink.engine.state import SchedulerConfig, ring_tensors  # noqa: E402
+from blink.engine.state import SchedulerConfig, ring_tensors, ring_views  # noqa: E402
 from blink.errors import BlinkError  # noqa: E402
 from blink.ring import (  # noqa: E402
     C_ENGINE_STATE,

@@ -104,6 +104,7 @@ from blink.engine.graphs import (
     model_phase,
     plan_graphs,
 )
+from blink.engine.state import ring_views
 from blink.errors import BlinkError
 from blink.ring import (
     C_ENGINE_STATE,
@@ -121,7 +122,6 @@ from blink.transport import set_thread_name
 
 log = logging.getLogger("blink.gpu_loop")
 
-_TORCH_DTYPES = {"<i4": torch.int32, "<i8": torch.int64, "<f4": torch.float32}
 _MIN_DRIVER_CONDITIONAL = 12040  # CUDA 12.4: IF/WHILE conditional nodes, memcpy/memset in bodies
 _HOST_REGISTER_PORTABLE, _HOST_REGISTER_MAPPED = 1, 2
 
@@ -242,15 +242,6 @@ def _device_pointer(host_ptr: int) -> int:
     if err != runtime.cudaError_t.cudaSuccess:
         raise BlinkError(f"cudaHostGetDevicePointer failed: {err}")
     return int(dptr)
-
-
-def ring_views(layout: RingLayout, base: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Torch views of every ring field over ``base`` (the region as uint8), plus "region"."""
-    views = {"region": base}
-    for spec in layout:
-        dtype = _TORCH_DTYPES[spec.dtype.str]
-        views[spec.name] = base[spec.offset: spec.offset + spec.nbytes].view(dtype).view(spec.shape)
-    return views
 
 
 def map_ring(buffer: Any, layout: RingLayout, device: torch.device) -> MappedRing:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from blink.errors import BlinkError
-from blink.ring import C_ENGINE_SCRATCH, Ring, RingConfig
+from blink.ring import C_ENGINE_SCRATCH, Ring, RingConfig, RingLayout
 
 # Row status.
 ROW_EMPTY, ROW_WAITING, ROW_RUNNING = 0, 1, 2
@@ -230,10 +230,16 @@ def ring_tensors(ring: Ring) -> dict[str, torch.Tensor]:
 
     On a GPU the device loop builds the same dict over the mapped region instead."""
     region = torch.frombuffer(ring.buffer, dtype=torch.uint8, count=ring.layout.total_bytes)
-    views = {"region": region}
-    for spec in ring.layout:
+    return ring_views(ring.layout, region)
+
+
+def ring_views(layout: RingLayout, base: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Torch views of every ring field over ``base`` (the region as uint8, on any device),
+    plus ``"region"`` itself."""
+    views = {"region": base}
+    for spec in layout:
         dtype = _TORCH_DTYPES[spec.dtype.str]
-        views[spec.name] = region[spec.offset : spec.offset + spec.nbytes].view(dtype).view(spec.shape)
+        views[spec.name] = base[spec.offset : spec.offset + spec.nbytes].view(dtype).view(spec.shape)
     return views
 
 
