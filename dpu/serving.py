@@ -426,8 +426,8 @@ class OpenAIServing:
                                       usage=self._usage(prompts, fanout.runs, req.n))
         return JSONResponse(body.model_dump(mode="json"))
 
-    async def _chat_stream(self, req: ChatCompletionRequest, request_id: str,
-                           fanout: RequestFanout, prompts: list[list[int]]) -> AsyncIterator[str]:
+    def _chat_stream(self, req: ChatCompletionRequest, request_id: str,
+                     fanout: RequestFanout, prompts: list[list[int]]) -> AsyncIterator[str]:
         created = int(time.time())
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
@@ -440,7 +440,12 @@ class OpenAIServing:
                                     choices=[choice], usage=usage)
             return _sse(c.model_dump_json(exclude=exclude))
 
-        try:
+        def usage_chunk() -> str:
+            c = ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
+                                    choices=[], usage=self._usage(prompts, fanout.runs, req.n))
+            return _sse(c.model_dump_json())
+
+        async def chunks() -> AsyncIterator[str]:
             for run in fanout.runs:
                 yield chunk(ChatCompletionStreamChoice(
                     index=run.index, delta=DeltaMessage(role="assistant", content="")))
@@ -452,17 +457,8 @@ class OpenAIServing:
                 yield chunk(ChatCompletionStreamChoice(
                     index=d.index, delta=DeltaMessage(content=d.text) if d.text else DeltaMessage(),
                     logprobs=lp, finish_reason=d.finish_reason))
-            if fanout.disconnected:
-                return
-            if include_usage:
-                c = ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
-                                        choices=[], usage=self._usage(prompts, fanout.runs, req.n))
-                yield _sse(c.model_dump_json())
-        except EngineError as e:
-            yield _sse(json.dumps(engine_error_to_api(e).body()))
-        finally:
-            await fanout.close()
-        yield "data: [DONE]\n\n"
+
+        return self._framed_stream(fanout, chunks(), usage_chunk if include_usage else None)
 
     # -- /v1/completions -------------------------------------------------------------------
     def _completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
@@ -541,16 +537,22 @@ class OpenAIServing:
                                   usage=self._usage(prompts, fanout.runs, req.n))
         return JSONResponse(body.model_dump(mode="json"))
 
-    async def _completion_stream(self, req: CompletionRequest, request_id: str,
-                                 fanout: RequestFanout, prompts: list[list[int]]
-                                 ) -> AsyncIterator[str]:
+    def _completion_stream(self, req: CompletionRequest, request_id: str,
+                           fanout: RequestFanout, prompts: list[list[int]]
+                           ) -> AsyncIterator[str]:
         created = int(time.time())
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = include_usage and bool(opts and opts.continuous_usage_stats)
         exclude = None if include_usage else {"usage"}
         offsets = [0] * len(fanout.runs)
-        try:
+
+        def usage_chunk() -> str:
+            c = CompletionResponse(id=request_id, created=created, model=self.model_name,
+                                   choices=[], usage=self._usage(prompts, fanout.runs, req.n))
+            return _sse(c.model_dump_json())
+
+        async def chunks() -> AsyncIterator[str]:
             async for d in fanout.events():
                 lp = None
                 if req.logprobs is not None and d.token_ids:
@@ -563,12 +565,22 @@ class OpenAIServing:
                     choices=[CompletionChoice(index=d.index, text=d.text, logprobs=lp,
                                               finish_reason=d.finish_reason)])
                 yield _sse(c.model_dump_json(exclude=exclude))
+
+        return self._framed_stream(fanout, chunks(), usage_chunk if include_usage else None)
+
+    @staticmethod
+    async def _framed_stream(fanout: RequestFanout, chunks: AsyncIterator[str],
+                             usage_chunk: Callable[[], str] | None) -> AsyncIterator[str]:
+        """The SSE framing both endpoints share: the choice chunks, then (unless the client
+        left) the usage-only chunk, an engine error as an error event, and ``[DONE]``; the
+        fan-out is closed (its engine requests aborted) however the stream ends."""
+        try:
+            async for item in chunks:
+                yield item
             if fanout.disconnected:
                 return
-            if include_usage:
-                c = CompletionResponse(id=request_id, created=created, model=self.model_name,
-                                       choices=[], usage=self._usage(prompts, fanout.runs, req.n))
-                yield _sse(c.model_dump_json())
+            if usage_chunk is not None:
+                yield usage_chunk()
         except EngineError as e:
             yield _sse(json.dumps(engine_error_to_api(e).body()))
         finally:
