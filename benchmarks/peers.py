@@ -17,6 +17,12 @@ or an EOS logit bias where the server has no ``ignore_eos``), then a single-stre
 
     python -m benchmarks.peers --peers blink,llamacpp,vllm,transformers --result-json peers.json
 
+Optional, on the same server process: ``--rate-sweep 0.25,0.5,1,2`` adds a Poisson sweep over
+offered load with the shipped prompt set (for ``benchmarks.plot``'s latency/throughput vs load
+figures, several systems on one figure), and ``--interference`` repeats the concurrency run
+(and the sweep) with a CPU hog on every core beside the server (stress-ng, else the built-in
+hog of ``benchmarks.interference``) and adds the interference/isolation ratios.
+
 This file's top level imports only the standard library so that the transformers server can run
 as a plain script inside the peer's venv.
 """
@@ -235,15 +241,21 @@ def peer_command(name: str, port: int, args: argparse.Namespace) -> tuple[list[s
     raise ValueError(f"unknown peer {name!r}")
 
 
-def _client_args(args: argparse.Namespace, base_url: str, *, concurrency: int, num: int,
-                 label: str, overrides: dict[str, Any]) -> argparse.Namespace:
+def _client_args(args: argparse.Namespace, base_url: str, *, concurrency: int | None, num: int,
+                 label: str, overrides: dict[str, Any], condition: str = "isolated",
+                 sweep: bool = False) -> argparse.Namespace:
+    """Client options of one run: the fixed-length random config, or (``sweep``) the Poisson
+    sweep over ``--rate-sweep`` with the shipped prompt set (each prompt's own output length)."""
     from benchmarks.serve import build_parser
 
     argv = ["--base-url", base_url, "--model", args.model_name, "--tokenizer", args.tokenizer,
-            "--dataset", "random", "--random-input-len", str(args.input_len),
-            "--random-output-len", str(args.output_len), "--num-prompts", str(num),
-            "--max-concurrency", str(concurrency), "--ignore-eos", "--label", label,
+            "--num-prompts", str(num), "--ignore-eos", "--label", label, "--condition", condition,
             "--seed", str(args.seed), "--warmup", "2", "--quiet"]
+    if sweep:
+        argv += ["--dataset", "prompts", "--rate-sweep", args.rate_sweep]
+    else:
+        argv += ["--dataset", "random", "--random-input-len", str(args.input_len),
+                 "--random-output-len", str(args.output_len), "--max-concurrency", str(concurrency)]
     if args.disable_tqdm:
         argv.append("--disable-tqdm")
     if overrides.get("eos_logit_bias"):
@@ -273,11 +285,65 @@ def run_peer(name: str, port: int, args: argparse.Namespace, tok: Any) -> dict[s
             s_args = _client_args(args, base_url, concurrency=1, num=args.single_stream_prompts,
                                   label=f"{name} single", overrides=overrides)
             row["single"] = run_benchmark(s_args, tokenizer=tok)["runs"][0]
+            if args.rate_sweep:
+                w_args = _client_args(args, base_url, concurrency=None, num=args.sweep_prompts,
+                                      label=name, overrides=overrides, sweep=True)
+                row["sweep"] = run_benchmark(w_args, tokenizer=tok)
+            if args.interference:
+                _run_interfered(row, name, base_url, args, tok, overrides)
             row["status"] = "ok"
     except (RuntimeError, TimeoutError, SystemExit, OSError) as exc:
         row["status"] = f"failed: {exc}"
         print(f"{name} failed: {exc}\n{server.tail(15)}", file=sys.stderr)
     return row
+
+
+def _run_interfered(row: dict[str, Any], name: str, base_url: str, args: argparse.Namespace,
+                    tok: Any, overrides: dict[str, Any]) -> None:
+    """The concurrency run (and the sweep) again with a CPU hog on every core beside the server."""
+    from benchmarks.interference import Hog, ratios
+    from benchmarks.serve import run_benchmark
+
+    hog = Hog(args.hog)
+    row["hog"] = hog.describe()
+    with hog:
+        time.sleep(args.hog_settle)
+        print(f"== {name}: under interference ({row['hog']})", flush=True)
+        c_args = _client_args(args, base_url, concurrency=args.concurrency, num=args.num_prompts,
+                              label=name, overrides=overrides, condition="interference")
+        row["concurrent_interference"] = run_benchmark(c_args, tokenizer=tok)["runs"][0]
+        if args.rate_sweep:
+            w_args = _client_args(args, base_url, concurrency=None, num=args.sweep_prompts,
+                                  label=name, overrides=overrides, condition="interference",
+                                  sweep=True)
+            row["sweep_interference"] = run_benchmark(w_args, tokenizer=tok)
+    row["interference_ratios"] = ratios(row["concurrent"], row["concurrent_interference"])
+
+
+#: (metric key, column title) of the interference table
+_INTERFERENCE_COLUMNS = [("output_throughput", "output tok/s retention"),
+                         ("ttft_ms.p50", "P50 TTFT"), ("ttft_ms.p99", "P99 TTFT"),
+                         ("tpot_ms.p50", "P50 TPOT"), ("tpot_ms.p99", "P99 TPOT"),
+                         ("itl_ms.p99", "P99 ITL")]
+
+
+def interference_table(rows: list[dict[str, Any]]) -> str:
+    """Interference / isolation per peer and metric (the paper's Table 7 brackets)."""
+    lines = ["| system | hog | " + " | ".join(t for _, t in _INTERFERENCE_COLUMNS) + " |",
+             "|---|---|" + "---:|" * len(_INTERFERENCE_COLUMNS)]
+    for r in rows:
+        if not r.get("interference_ratios"):
+            continue
+        by_key = {x["metric"]: x for x in r["interference_ratios"]}
+        cells = []
+        for key, _ in _INTERFERENCE_COLUMNS:
+            x = by_key.get(key)
+            if x is None or x["ratio"] is None:
+                cells.append("-")
+            else:
+                cells.append(f"{x['isolated']:.0f} → {x['interference']:.0f} [{x['ratio']:.2f}]")
+        lines.append(f"| {r['peer']} | {r['hog']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def markdown_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
@@ -299,7 +365,12 @@ def markdown_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
             f"{c['ttft_ms']['p50']:.0f} | {c['ttft_ms']['p99']:.0f} | {c['tpot_ms']['p50']:.1f} | "
             f"{c['tpot_ms']['p99']:.1f} | {c['itl_ms']['p99']:.1f} | {decode:.1f} | "
             f"{s['ttft_ms']['p50']:.0f} | {ok} |")
-    return head + "\n".join(lines)
+    table = head + "\n".join(lines)
+    if any(r.get("interference_ratios") for r in rows):
+        table += ("\n\nUnder interference (same concurrency run, hog beside the server): "
+                  "isolated → interference [interference / isolation]; latencies in ms.\n\n"
+                  + interference_table(rows))
+    return table
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -331,6 +402,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--vllm-dtype", default="bfloat16")
     ap.add_argument("--blink-args", default="", help="extra `blink serve` flags, one string")
     ap.add_argument("--vllm-args", default="", help="extra vLLM api_server flags, one string")
+    ap.add_argument("--rate-sweep", default=None,
+                    help="also run a Poisson sweep over these offered loads (req/s, comma-separated) "
+                         "with the shipped prompt set, e.g. 0.25,0.5,1,2")
+    ap.add_argument("--sweep-prompts", type=int, default=24, help="requests per sweep rate")
+    ap.add_argument("--interference", action="store_true",
+                    help="repeat the concurrency run (and the sweep) with a CPU hog on every core")
+    ap.add_argument("--hog", default="auto", choices=["auto", "stress-ng", "python"])
+    ap.add_argument("--hog-settle", type=float, default=3.0,
+                    help="seconds between starting the hog and the interfered run")
     ap.add_argument("--port-base", type=int, default=8810)
     ap.add_argument("--ready-timeout", type=float, default=900.0)
     ap.add_argument("--seed", type=int, default=0)

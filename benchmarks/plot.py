@@ -36,10 +36,16 @@ def load_series(paths: Sequence[str]) -> list[dict[str, Any]]:
             add(doc["isolated"])
             add(doc["interference"])
         elif "peers" in doc:                                  # benchmarks.peers
+            # the rate sweeps when the run had them, else the single concurrency run
             for row in doc["peers"]:
-                if row.get("concurrent"):
-                    series.append({"label": row["peer"], "condition": "isolated",
-                                   "runs": [row["concurrent"]]})
+                for cond in ("isolated", "interference"):
+                    suffix = "" if cond == "isolated" else "_interference"
+                    if row.get("sweep" + suffix):
+                        series.append({"label": row["peer"], "condition": cond,
+                                       "runs": row["sweep" + suffix]["runs"]})
+                    elif row.get("concurrent" + suffix):
+                        series.append({"label": row["peer"], "condition": cond,
+                                       "runs": [row["concurrent" + suffix]]})
         else:                                                 # benchmarks.serve
             add(doc)
     return series

@@ -245,3 +245,36 @@ def test_peers_table_and_plots(tmp_path):
     assert [s["condition"] for s in series] == ["isolated", "isolated", "interference"]
     paths = plot(series, tmp_path / "plots")
     assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_peers_sweep_and_interference_rows(tmp_path):
+    from benchmarks.interference import ratios
+    from benchmarks.peers import _client_args, build_parser, markdown_table
+
+    args = build_parser().parse_args(["--rate-sweep", "0.5,2", "--sweep-prompts", "6",
+                                      "--interference"])
+    args.tokenizer = "smollm2-135m"
+    sweep = _client_args(args, "http://x", concurrency=None, num=6, label="blink",
+                         overrides={}, condition="interference", sweep=True)
+    assert sweep.dataset == "prompts" and sweep.rate_sweep == "0.5,2"
+    assert sweep.max_concurrency is None and sweep.condition == "interference"
+    fixed = _client_args(args, "http://x", concurrency=16, num=8, label="blink", overrides={})
+    assert fixed.dataset == "random" and fixed.max_concurrency == 16 and fixed.rate_sweep is None
+
+    iso, slow = _metrics(1.0, 2.0), _metrics(2.0, 1.0)
+    row = {"peer": "blink", "status": "ok", "concurrent": iso, "single": iso, "hog": "stress-ng",
+           "concurrent_interference": slow, "interference_ratios": ratios(iso, slow),
+           "sweep": {"runs": [dict(iso, offered_rate=0.5), dict(iso, offered_rate=2.0)]},
+           "sweep_interference": {"runs": [dict(slow, offered_rate=0.5)]}}
+    table = markdown_table([row], args)
+    assert "Under interference" in table and "| blink | stress-ng |" in table
+    tpot = next(r for r in row["interference_ratios"] if r["metric"] == "tpot_ms.p99")
+    assert tpot["ratio"] == pytest.approx(slow["tpot_ms"]["p99"] / iso["tpot_ms"]["p99"])
+
+    pytest.importorskip("matplotlib")
+    from benchmarks.plot import load_series
+
+    (tmp_path / "peers.json").write_text(json.dumps({"peers": [row]}))
+    series = load_series([str(tmp_path / "peers.json")])
+    assert [(s["label"], s["condition"], len(s["runs"])) for s in series] == [
+        ("blink", "isolated", 2), ("blink", "interference", 1)]
