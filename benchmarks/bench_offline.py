@@ -120,7 +120,7 @@ def bench_blink(args, requests) -> dict:
 
     t0 = time.perf_counter()
     llm = LLM(args.model, threads=args.threads, max_model_len=args.max_model_len,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype)
     load_s = time.perf_counter() - t0
     engine = llm.engine
     try:
@@ -151,7 +151,8 @@ def bench_blink(args, requests) -> dict:
         llm.close()
     tokens = [o.token_ids for o in outs]
     assert all(len(t) == m for t, (_, m) in zip(tokens, requests)), "wrong output lengths"
-    return dict(load_s=load_s, elapsed=elapsed, tokens=tokens, timers=timers, steps=steps, cpu=cpu)
+    return dict(load_s=load_s, elapsed=elapsed, tokens=tokens, timers=timers, steps=steps, cpu=cpu,
+                dtype=str(engine.dtype).removeprefix("torch."))
 
 
 def load_transformers(model: str):
@@ -205,6 +206,9 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--hf-batch", type=int, default=64, help="transformers batch size")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="Blink's --dtype (transformers runs float32; float32 on both sides "
+                             "makes the greedy outputs agree token for token)")
     parser.add_argument("--no-breakdown", dest="breakdown", action="store_false")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -222,7 +226,7 @@ def main() -> None:
           f"output tokens={n_out} (len {out_lens[0]}-{out_lens[1]}) greedy, ignore_eos", flush=True)
 
     b = bench_blink(args, requests)
-    print(f"blink:        load {b['load_s']:.1f} s, generate {b['elapsed']:.2f} s, "
+    print(f"blink:        dtype {b['dtype']}, load {b['load_s']:.1f} s, generate {b['elapsed']:.2f} s, "
           f"{n_out / b['elapsed']:.1f} output tok/s, {(n_prompt + n_out) / b['elapsed']:.1f} total tok/s, "
           f"{b['steps']} steps ({b['elapsed'] / max(b['steps'], 1) * 1e3:.1f} ms/step)", flush=True)
     print("  CPU seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in b["cpu"].items())

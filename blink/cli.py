@@ -29,7 +29,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None,
                    help="name clients use in the 'model' field (default: the --model value)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="weight and activation dtype (auto: float32 on CPU, bfloat16 on GPU)")
+                   help="weight, activation and KV-cache dtype. auto: bfloat16 on a GPU; on "
+                        "CPU bfloat16 when the CPU has native bf16 (avx512_bf16 or amx_bf16) "
+                        "and the checkpoint is not float32, else float32 (BLINK_CPU_BF16=0 "
+                        "forces float32). float32 gives exact parity with transformers' fp32")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the model and the device loop run (default: cuda if available)")
     g.add_argument("--max-model-len", type=int, default=None,
@@ -59,6 +62,20 @@ def _add_frontend_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 endpoints (/health stays open)")
+    from blink.dpu.engine_client import DEFAULT_ENGINE_DEAD_TIMEOUT_S, DEFAULT_HEARTBEAT_TIMEOUT_S
+
+    g.add_argument("--heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT_S,
+                   metavar="SECONDS",
+                   help="seconds without an engine heartbeat, with requests in flight, after "
+                        "which the engine counts as stalled: /health answers 503, but requests "
+                        "in flight keep waiting and new ones still queue (default: %(default)g)")
+    g.add_argument("--engine-dead-timeout", type=float, default=DEFAULT_ENGINE_DEAD_TIMEOUT_S,
+                   metavar="SECONDS",
+                   help="hard limit: seconds without an engine heartbeat, with requests in "
+                        "flight, after which they end with an 'engine unavailable' error and new "
+                        "ones are refused until the heartbeat moves again; must be >= "
+                        "--heartbeat-timeout (default: %(default)g). A FAILED/stopped engine or "
+                        "an exited engine process ends requests at once")
 
 
 def _add_config_arg(p: argparse.ArgumentParser) -> None:

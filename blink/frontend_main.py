@@ -45,7 +45,10 @@ async def _serve(args: argparse.Namespace, host: str, port: int) -> None:
     from blink.dpu.ring_client import RingEngineClient
     from blink.dpu.tokenizer import Tokenizer
 
-    engine = await RingEngineClient.connect(host, port, expect_transport=args.transport)
+    engine = await RingEngineClient.connect(
+        host, port, expect_transport=args.transport,
+        heartbeat_timeout_s=args.heartbeat_timeout, engine_dead_timeout_s=args.engine_dead_timeout,
+    )
     try:
         tokenizer = Tokenizer.from_pretrained(engine.info.tokenizer)
         model_name = getattr(args, "served_model_name", None) or engine.model_name
@@ -74,11 +77,22 @@ async def _serve(args: argparse.Namespace, host: str, port: int) -> None:
         await engine.close()
 
 
+def check_timeout_flags(args: argparse.Namespace) -> None:
+    """``--heartbeat-timeout`` / ``--engine-dead-timeout``: one clear line if they do not fit."""
+    from blink.dpu.engine_client import check_engine_timeouts
+
+    try:
+        check_engine_timeouts(args.heartbeat_timeout, args.engine_dead_timeout)
+    except ValueError as exc:
+        raise BlinkError(f"--heartbeat-timeout / --engine-dead-timeout: {exc}") from None
+
+
 def run_frontend(args: argparse.Namespace) -> int:
     """Entry point of ``blink serve --frontend-only --engine HOST:PORT``."""
     if not args.engine:
         raise BlinkError("--frontend-only needs --engine HOST:PORT (the engine's bootstrap address)")
     host, port = parse_host_port(args.engine)
+    check_timeout_flags(args)
     try:
         asyncio.run(_serve(args, host, port))
     except KeyboardInterrupt:

@@ -69,7 +69,8 @@ def run_engine(args: argparse.Namespace) -> int:
         bound_host, bound_port = server.start()
         engine.start()
         print(f"{ENGINE_READY_PREFIX}{bound_host}:{bound_port}", flush=True)
-        print(f"blink engine: model {model_name!r} ({engine.source}), max_model_len "
+        print(f"blink engine: model {model_name!r} ({engine.source}), "
+              f"dtype {str(engine.dtype).removeprefix('torch.')} ({engine.dtype_reason}), max_model_len "
               f"{engine.max_model_len}, {engine.scheduler_config.num_blocks} KV blocks of "
               f"{engine.scheduler_config.block_size}, bootstrap at {bound_host}:{bound_port}",
               file=sys.stderr, flush=True)
@@ -141,9 +142,24 @@ def _stop_child(proc: subprocess.Popen | None, timeout_s: float) -> None:
         proc.wait()
 
 
+def frontend_args(args: argparse.Namespace, address: str) -> list[str]:
+    """The ``blink serve --frontend-only`` arguments ``blink serve`` starts its frontend with
+    (the API key goes through the environment instead)."""
+    out = ["serve", "--frontend-only", "--engine", address, "--host", args.host,
+           "--port", str(args.port), "--transport", args.transport,
+           "--heartbeat-timeout", repr(args.heartbeat_timeout),
+           "--engine-dead-timeout", repr(args.engine_dead_timeout)]
+    if args.served_model_name:
+        out += ["--served-model-name", args.served_model_name]
+    return out
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """``blink serve``: engine and frontend as two processes over the loopback ring."""
-    if args.model != "null":  # fail in a second with one clear line, before starting anything
+    from blink.frontend_main import check_timeout_flags
+
+    check_timeout_flags(args)  # fail at once with one clear line, before starting anything
+    if args.model != "null":
         from blink.loader import resolve_model
 
         resolve_model(args.model)
@@ -162,10 +178,7 @@ def run_serve(args: argparse.Namespace) -> int:
         )
         ready = _wait_for_line(engine, ENGINE_READY_PREFIX, "engine", 600, sys.stderr)
         address = ready[len(ENGINE_READY_PREFIX):]
-        frontend_cmd = [*python, "serve", "--frontend-only", "--engine", address,
-                        "--host", args.host, "--port", str(args.port), "--transport", args.transport]
-        if args.served_model_name:
-            frontend_cmd += ["--served-model-name", args.served_model_name]
+        frontend_cmd = [*python, *frontend_args(args, address)]
         if args.api_key:
             env["BLINK_API_KEY"] = args.api_key  # not on the command line, where ps shows it
         frontend = subprocess.Popen(frontend_cmd, stdout=subprocess.PIPE, text=True, env=env,

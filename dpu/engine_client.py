@@ -14,6 +14,24 @@ from blink.engine.sampling_params import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
+#: Seconds without a heartbeat move, with requests in flight, before the engine counts as
+#: stalled: ``/health`` answers 503, but in-flight requests keep waiting.
+DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0
+#: Seconds without a heartbeat move, with requests in flight, before they are given up:
+#: each ends with :class:`EngineDeadError` (the hard limit; a slow step must stay under it).
+DEFAULT_ENGINE_DEAD_TIMEOUT_S = 60.0
+
+
+def check_engine_timeouts(heartbeat_timeout_s: float, engine_dead_timeout_s: float) -> None:
+    """Raise ``ValueError`` unless 0 < heartbeat timeout <= engine-dead timeout."""
+    if not heartbeat_timeout_s > 0:
+        raise ValueError(f"the heartbeat timeout must be positive, got {heartbeat_timeout_s:g} s")
+    if not engine_dead_timeout_s >= heartbeat_timeout_s:
+        raise ValueError(
+            f"the engine-dead timeout ({engine_dead_timeout_s:g} s) must be at least the heartbeat "
+            f"timeout ({heartbeat_timeout_s:g} s)"
+        )
+
 
 class EngineError(Exception):
     """Base class of the errors an :class:`EngineClient` raises to the HTTP layer."""
@@ -32,7 +50,8 @@ class EngineOverloadedError(EngineError):
 
 
 class EngineDeadError(EngineError):
-    """The engine's heartbeat is stale (or its state is FAILED): no request can make progress."""
+    """The engine is gone (state FAILED/STOPPED, process exited) or has not moved its heartbeat
+    for the hard limit: no request can make progress."""
 
     def __init__(self, message: str = "The engine is not responding (heartbeat stale).") -> None:
         super().__init__(message)
@@ -86,7 +105,13 @@ class EngineClient(Protocol):
     max_model_len: int
 
     def is_healthy(self) -> bool:
-        """True while the engine's heartbeat is live (and its state is READY)."""
+        """True while the engine's heartbeat is live (and its state is READY): ``/health``."""
+        ...
+
+    def is_accepting(self) -> bool:
+        """True while new requests are taken. Also True while the engine is merely stalled
+        (unhealthy, heartbeat stale for a while but under the hard limit): the request queues
+        and runs when the engine moves again. False once the engine is dead."""
         ...
 
     def generate(self, request_id: str, prompt_ids: list[int],

@@ -107,8 +107,6 @@ def from_validation_error(exc: ValidationError) -> APIError:
         return bad_request("The request body must be a JSON object.")
     path = "".join(_field_path(first["loc"]))
     param = path or None
-    if kind == "extra_forbidden":
-        return bad_request(f"Unrecognized request argument supplied: {path}", param=param)
     if kind == "missing":
         return bad_request(f"Missing required parameter: '{path}'.", param=param)
     # A union reports one error per branch; name the field once with the first reason.

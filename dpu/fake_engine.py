@@ -2,8 +2,10 @@
 
 It produces a scripted token stream per request (by default it echoes the prompt), honours
 ``max_tokens``, ``min_tokens`` and ``stop_token_ids`` like the real engine, and can be made
-slow, "full" (every submit raises :class:`EngineOverloadedError`) or "dead" (the heartbeat
-stops: new and in-flight requests raise :class:`EngineDeadError`).
+slow, "full" (every submit raises :class:`EngineOverloadedError`), "stalled" (unhealthy, but
+new requests are taken and every stream just waits until :meth:`FakeEngineClient.resume`, like
+the ring client during a slow engine step) or "dead" (new and in-flight requests raise
+:class:`EngineDeadError`).
 """
 from __future__ import annotations
 
@@ -61,7 +63,8 @@ class FakeEngineClient:
         self.vocab_size = vocab_size
         self.retry_after_s = retry_after_s
         self.full = False  # every submit raises EngineOverloadedError while set
-        self.dead = False  # heartbeat stopped while set
+        self.dead = False  # heartbeat stopped for good while set
+        self.stalled = False  # heartbeat stale while set: unhealthy, streams wait
         #: request id -> (prompt ids, params), in submission order
         self.submitted: dict[str, tuple[list[int], SamplingParams]] = {}
         self.aborted: list[str] = []
@@ -80,8 +83,18 @@ class FakeEngineClient:
     def revive(self) -> None:
         self.dead = False
 
+    def stall(self) -> None:
+        """A slow step: unhealthy, new requests still taken, every stream waits for resume()."""
+        self.stalled = True
+
+    def resume(self) -> None:
+        self.stalled = False
+
     # -- EngineClient --------------------------------------------------------------------
     def is_healthy(self) -> bool:
+        return not self.dead and not self.stalled
+
+    def is_accepting(self) -> bool:
         return not self.dead
 
     async def generate(self, request_id: str, prompt_ids: list[int],
@@ -107,6 +120,8 @@ class FakeEngineClient:
             first = True
             while True:
                 await asyncio.sleep(self.first_token_delay_s if first else self.token_delay_s)
+                while self.stalled and not self.dead:
+                    await asyncio.sleep(0.005)
                 if self.dead:
                     raise EngineDeadError()
                 if request_id in self.aborted:

@@ -1,31 +1,68 @@
 """OpenAI API request/response models (chat completions, completions, models) and vLLM's
 ``/tokenize`` / ``/detokenize``.
 
-Requests are strict: wrong JSON types and unknown arguments are 400s, as with OpenAI (a
-silently ignored typo such as ``"max_token"`` would otherwise change the answer). vLLM's
-sampling extras (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
-``stop_token_ids``, ...) are accepted. Parameters OpenAI defines but this server does not
-implement (tools, response formats, echo, ...) are accepted as fields so that a request that
-sets them gets a clear "not supported" error instead of "unrecognized argument".
+Known fields are strict: a wrong JSON type is a 400, as with OpenAI. Unknown fields are
+ignored, as vLLM does (clients written for vLLM or other servers send extras such as
+``cache_prompt``): validation collects their names and :func:`blink.dpu.serving.parse_request`
+logs one warning per request naming them ("The following fields were present in the request
+but ignored: ..."). vLLM's sampling extras (``top_k``, ``min_p``, ``repetition_penalty``,
+``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ...) and ``return_token_ids`` are
+implemented. Parameters OpenAI defines but this server does not implement (tools, response
+formats, echo, ...) are declared as fields so that a request that sets them gets a clear
+"not supported" error instead of being silently ignored.
 Numeric ranges are checked by :class:`blink.engine.sampling_params.SamplingParams`.
 """
 from __future__ import annotations
 
+import logging
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
     model_serializer,
     model_validator,
 )
 
+logger = logging.getLogger(__name__)
+
+#: Key of the validation ``context`` dict under which request models append the names of the
+#: fields they ignored (a list); without it they log the warning themselves.
+IGNORED_FIELDS = "ignored_fields"
+
+
+def ignored_fields_warning(names: list[str]) -> str:
+    """vLLM's wording for the fields a request carried but the server ignored."""
+    return ("The following fields were present in the request but ignored: {"
+            + ", ".join(repr(n) for n in sorted(set(names))) + "}")
+
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+    # Unknown fields are dropped (vLLM's policy); known fields keep strict types.
+    model_config = ConfigDict(strict=True, extra="ignore")
+    #: How this model's fields are named in a request (for nested models' warnings).
+    _ignored_prefix: ClassVar[str] = ""
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_ignored_fields(cls, data: Any, handler: ValidatorFunctionWrapHandler,
+                             info: ValidationInfo) -> Any:
+        result = handler(data)  # only a request that validates gets here
+        if isinstance(data, dict):
+            ignored = [cls._ignored_prefix + str(k) for k in data if k not in cls.model_fields]
+            if ignored:
+                sink = info.context.get(IGNORED_FIELDS) if isinstance(info.context, dict) \
+                    else None
+                if isinstance(sink, list):
+                    sink.extend(ignored)
+                else:
+                    logger.warning("%s", ignored_fields_warning(ignored))
+        return result
 
     @model_validator(mode="before")
     @classmethod
@@ -42,7 +79,21 @@ class _Response(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class _TokenIdsResponse(_Response):
+    """A response part with vLLM's ``return_token_ids`` fields, which are left out of the JSON
+    unless set (so a request that does not ask for them gets plain OpenAI shapes)."""
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_token_ids(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        for key in ("prompt_token_ids", "token_ids"):
+            if key in out and out[key] is None:
+                del out[key]
+        return out
+
+
 class StreamOptions(_Request):
+    _ignored_prefix: ClassVar[str] = "stream_options."
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage on every chunk
 
@@ -82,6 +133,8 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM: prompt_token_ids and the generated token_ids in the response
+    return_token_ids: bool = False
     # accepted and ignored: bookkeeping that does not change the answer
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -204,20 +257,22 @@ class AssistantMessage(_Response):
     content: str | None = None
 
 
-class ChatCompletionChoice(_Response):
+class ChatCompletionChoice(_TokenIdsResponse):
     index: int
     message: AssistantMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # vLLM, with return_token_ids: the generated ids
 
 
-class ChatCompletionResponse(_Response):
+class ChatCompletionResponse(_TokenIdsResponse):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] | None = None  # vLLM, with return_token_ids
 
 
 class DeltaMessage(_Response):
@@ -231,20 +286,22 @@ class DeltaMessage(_Response):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatCompletionStreamChoice(_Response):
+class ChatCompletionStreamChoice(_TokenIdsResponse):
     index: int
     delta: DeltaMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # vLLM, with return_token_ids: this chunk's new ids
 
 
-class ChatCompletionChunk(_Response):
+class ChatCompletionChunk(_TokenIdsResponse):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM, with return_token_ids: first chunk only
 
 
 class CompletionLogprobs(_Response):
@@ -254,11 +311,17 @@ class CompletionLogprobs(_Response):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(_Response):
+class CompletionChoice(_TokenIdsResponse):
+    """A completion choice, also used for streamed chunks. With ``return_token_ids`` (vLLM)
+    ``prompt_token_ids`` is set on it (on a stream's first chunk of that choice only) and
+    ``token_ids`` holds the generated ids (a chunk's new ids when streaming)."""
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(_Response):

@@ -34,10 +34,13 @@ from typing import Any, AsyncIterator, Iterable, Mapping, Sequence
 import numpy as np
 
 from blink.dpu.engine_client import (
+    DEFAULT_ENGINE_DEAD_TIMEOUT_S,
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
     EngineDeadError,
     EngineOutput,
     EngineOverloadedError,
     EngineStats,
+    check_engine_timeouts,
 )
 from blink.engine.sampling_params import SamplingParams, SamplingParamsError, draw_seed
 from blink.errors import BlinkError
@@ -681,12 +684,26 @@ class RingEngineClient:
 
     One poller task polls every in-flight request each tick, sleeping ``poll_min_interval_s``
     after a tick that found output and backing off to ``poll_max_interval_s`` otherwise. It also
-    watches the engine: state FAILED/STOPPED, or a heartbeat that does not move for
-    ``heartbeat_timeout_s`` while requests are in flight, ends every stream with
-    :class:`EngineDeadError`. FAILED/STOPPED (or a broken poller) is final; a stalled heartbeat
-    is not: the stalled requests are cancelled, :meth:`is_healthy` is False and new requests
-    are refused until the heartbeat moves again (a slow step on a loaded CPU recovers).
+    watches the engine, and tells a slow engine from a dead one:
+
+    - **dead** (final): engine state FAILED/STOPPED, the engine process gone (the transport can
+      tell: loopback checks the segment creator's pid and start time), or a broken poller.
+      Every stream ends at once with :class:`EngineDeadError`; new requests are refused.
+    - **stalled**: the heartbeat has not moved for ``heartbeat_timeout_s`` while requests are
+      in flight (one long step on a loaded CPU). :meth:`is_healthy` is False (``/health``
+      answers 503), but nothing is lost: in-flight streams keep waiting, and new requests are
+      still accepted (:meth:`is_accepting`) and queue in the ring, bounded by its slots and
+      prompt arena (a full ring answers 503 + Retry-After after ``submit_timeout_s``, as
+      always). When the heartbeat moves again all of them proceed.
+    - **unresponsive**: the heartbeat has not moved for ``engine_dead_timeout_s`` (the hard
+      limit) while requests are in flight: every in-flight stream ends with
+      :class:`EngineDeadError` and its slot is cancelled, and new requests are refused. Not
+      final either: once the heartbeat moves again, requests are served again.
     """
+
+    #: how often (at most) to ask the transport whether the engine process is alive, while
+    #: the heartbeat is not moving
+    peer_check_interval_s = 0.25
 
     def __init__(
         self,
@@ -694,17 +711,20 @@ class RingEngineClient:
         *,
         model_name: str,
         max_model_len: int | None = None,
-        heartbeat_timeout_s: float = 5.0,
+        heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+        engine_dead_timeout_s: float = DEFAULT_ENGINE_DEAD_TIMEOUT_S,
         submit_timeout_s: float = 2.0,
         retry_after_s: float = 1.0,
         poll_min_interval_s: float = 2e-4,
         poll_max_interval_s: float = 5e-3,
         idle_interval_s: float = 0.1,
     ) -> None:
+        check_engine_timeouts(heartbeat_timeout_s, engine_dead_timeout_s)
         self.ring = ring
         self.model_name = model_name
         self.max_model_len = max_model_len or ring.config.max_model_len
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.engine_dead_timeout_s = engine_dead_timeout_s
         self.submit_timeout_s = submit_timeout_s
         self.retry_after_s = retry_after_s
         self.poll_min_interval_s = poll_min_interval_s
@@ -714,11 +734,13 @@ class RingEngineClient:
         self._streams: dict[str, _Stream] = {}
         self._by_handle: dict[RingHandle, _Stream] = {}
         self._dead: str | None = None
-        self._stalled: str | None = None  # heartbeat stale: refused until it moves again
+        self._stalled: str | None = None  # heartbeat stale: unhealthy, requests keep waiting
         self._stalled_at = 0.0
+        self._unresponsive: str | None = None  # past the hard limit: refused until it moves
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._closed = False
+        self._peer_checked = 0.0
         status = ring.engine_status()
         self._last_state = status.state
         self._last_heartbeat = status.heartbeat
@@ -739,7 +761,11 @@ class RingEngineClient:
         except BaseException:
             transport.close()
             raise
-        client = cls(ring, model_name=info.model_name, max_model_len=info.max_model_len, **kwargs)
+        try:
+            client = cls(ring, model_name=info.model_name, max_model_len=info.max_model_len, **kwargs)
+        except BaseException:
+            ring.close()
+            raise
         client.info = info
         return client
 
@@ -754,26 +780,70 @@ class RingEngineClient:
     def _stale_for(self, now: float) -> float:
         return now - max(self._heartbeat_changed, self._busy_since)
 
+    def _check_peer(self, now: float) -> None:
+        """While the heartbeat is not moving, ask the transport (at most every
+        ``peer_check_interval_s``) whether the engine process still exists; declare the
+        engine dead at once if it does not."""
+        peer_alive = getattr(self.ring.transport, "peer_alive", None)  # None: cannot tell
+        if peer_alive is None or self._dead is not None:
+            return
+        if (now - self._heartbeat_changed < self.peer_check_interval_s
+                or now - self._peer_checked < self.peer_check_interval_s):
+            return
+        self._peer_checked = now
+        if peer_alive() is False:
+            self._declare_dead("the engine process has exited")
+
+    def _sample(self) -> bool:
+        """No poller sampling for us: sample the engine now. False if it cannot be read."""
+        if self._task is not None and not self._task.done():
+            return True
+        now = time.monotonic()
+        try:
+            self._observe(self.ring.engine_status(), now)
+        except BlinkError:
+            return False
+        self._check_peer(now)
+        return True
+
+    @property
+    def stalled(self) -> bool:
+        """The heartbeat is stale with requests in flight (not yet past the hard limit)."""
+        return self._stalled is not None and self._unresponsive is None
+
     def is_healthy(self) -> bool:
-        """Not declared dead, state READY, and the heartbeat moved within the timeout."""
+        """Not dead, not stalled, state READY, and the heartbeat moved within
+        ``heartbeat_timeout_s`` (what ``/health`` reports)."""
         if self._dead is not None or self._stalled is not None or self._closed:
             return False
-        now = time.monotonic()
-        if self._task is None or self._task.done():
-            try:  # no poller sampling for us: sample now
-                self._observe(self.ring.engine_status(), now)
-            except BlinkError:
-                return False
+        if not self._sample() or self._dead is not None:
+            return False
         return (self._last_state == ENGINE_READY
-                and now - self._heartbeat_changed <= self.heartbeat_timeout_s)
+                and time.monotonic() - self._heartbeat_changed <= self.heartbeat_timeout_s)
+
+    def is_accepting(self) -> bool:
+        """Whether a new request is taken: also during a stall (the request queues in the
+        ring), not once the engine is dead, draining, or past ``engine_dead_timeout_s``."""
+        if self._refusal() is not None:
+            return False
+        if not self._sample() or self._dead is not None:
+            return False
+        return (self._last_state == ENGINE_READY
+                and time.monotonic() - self._heartbeat_changed <= self.engine_dead_timeout_s)
+
+    def _refusal(self) -> str | None:
+        if self._dead is not None:
+            return f"the engine is not available: {self._dead}"
+        if self._closed:
+            return "the engine client is closed"
+        if self._unresponsive is not None:
+            return f"the engine is not responding: {self._unresponsive}"
+        return None
 
     def _check_alive(self) -> None:
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine is not available: {self._dead}")
-        if self._stalled is not None:
-            raise EngineDeadError(f"the engine is not responding: {self._stalled}")
-        if self._closed:
-            raise EngineDeadError("the engine client is closed")
+        refusal = self._refusal()
+        if refusal is not None:
+            raise EngineDeadError(refusal)
 
     def _declare_dead(self, reason: str) -> None:
         if self._dead is not None:
@@ -785,12 +855,11 @@ class RingEngineClient:
         self._streams.clear()
         self._by_handle.clear()
 
-    def _stall(self, reason: str) -> None:
-        """End the in-flight streams with an error and cancel their slots; keep polling so
-        the slots drain if the engine comes back."""
-        self._stalled = reason
-        self._stalled_at = time.monotonic()
-        logger.error("engine not responding: %s", reason)
+    def _give_up(self, reason: str) -> None:
+        """Past the hard limit: end the in-flight streams with an error and cancel their
+        slots; keep polling so the slots drain if the engine comes back."""
+        self._unresponsive = reason
+        logger.error("engine not responding, ending %d requests: %s", len(self._streams), reason)
         for stream in list(self._streams.values()):
             stream.queue.put_nowait(EngineDeadError(f"the engine stopped responding mid-request: {reason}"))
             stream.abandoned = True
@@ -834,18 +903,26 @@ class RingEngineClient:
         if self._last_state in (ENGINE_FAILED, ENGINE_STOPPED):
             self._declare_dead(f"engine state is {ENGINE_STATE_NAMES[self._last_state]}")
             return False
+        self._check_peer(now)
+        if self._dead is not None:
+            return False
         if self._stalled is not None and self._heartbeat_changed > self._stalled_at:
-            logger.warning("engine heartbeat resumed; accepting requests again")
-            self._stalled = None
+            logger.warning("engine heartbeat resumed after %.1f s; %s", now - self._stalled_at,
+                           "accepting requests again" if self._unresponsive else "requests continue")
+            self._stalled = self._unresponsive = None
         active = self.ring.active
         if not active:
             return False
-        if self._stale_for(now) > self.heartbeat_timeout_s:
-            if self._stalled is None:
-                self._stall(
-                    f"heartbeat stale for {self._stale_for(now):.1f} s "
-                    f"(timeout {self.heartbeat_timeout_s:g} s) with {len(active)} requests in flight"
-                )
+        stale = self._stale_for(now)
+        if stale > self.heartbeat_timeout_s and self._stalled is None:
+            self._stalled = (f"heartbeat stale for {stale:.1f} s (timeout "
+                             f"{self.heartbeat_timeout_s:g} s) with {len(active)} requests in flight")
+            self._stalled_at = now
+            logger.warning("engine stalled: %s; requests keep waiting up to %g s",
+                           self._stalled, self.engine_dead_timeout_s)
+        if stale > self.engine_dead_timeout_s and self._unresponsive is None:
+            self._give_up(f"heartbeat stale for {stale:.1f} s (limit {self.engine_dead_timeout_s:g} s, "
+                          f"--engine-dead-timeout) with {len(active)} requests in flight")
 
         deltas = self.ring.poll_many(active)
         for handle in active:
@@ -910,8 +987,10 @@ class RingEngineClient:
             await asyncio.sleep(0.002)  # the poller frees slots meanwhile
             self._check_alive()
         stream = _Stream(request_id, handle, params)
-        if len(self.ring.active) == 1:
-            self._busy_since = time.monotonic()  # judge the heartbeat from now, not from idle
+        now = time.monotonic()
+        if len(self.ring.active) == 1 and now - self._heartbeat_changed <= self.heartbeat_timeout_s:
+            # Judge the heartbeat from now, not from idle (unless it was already stale then).
+            self._busy_since = now
         self._streams[request_id] = stream
         self._by_handle[handle] = stream
         assert self._wake is not None

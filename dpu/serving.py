@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
@@ -31,6 +32,7 @@ from blink.dpu.errors import APIError, bad_request
 from blink.dpu.generation import ChoiceDelta, ChoiceRun
 from blink.dpu.metrics import FrontendMetrics
 from blink.dpu.protocol import (
+    IGNORED_FIELDS,
     AssistantMessage,
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -52,10 +54,12 @@ from blink.dpu.protocol import (
     TokenizeResponse,
     TopLogprob,
     UsageInfo,
+    ignored_fields_warning,
 )
 from blink.dpu.tokenizer import Tokenizer
 from blink.engine.sampling_params import SamplingParams, SamplingParamsError
 
+logger = logging.getLogger(__name__)
 _M = TypeVar("_M", bound=BaseModel)
 _DONE = object()
 _DISCONNECTED = object()
@@ -71,11 +75,16 @@ class ClientDisconnected(Exception):
 
 
 def parse_request(model: type[_M], body: bytes) -> _M:
-    """Validate a JSON body; malformed JSON and wrong types become 400s."""
+    """Validate a JSON body; malformed JSON and wrong types become 400s. Unknown fields are
+    ignored (as vLLM does), with one warning per request naming them."""
+    ignored: list[str] = []
     try:
-        return model.model_validate_json(body)
+        req = model.model_validate_json(body, context={IGNORED_FIELDS: ignored})
     except ValidationError as e:
         raise errors.from_validation_error(e) from None
+    if ignored:
+        logger.warning("%s", ignored_fields_warning(ignored))
+    return req
 
 
 async def wait_for_disconnect(request: Request) -> None:
@@ -233,9 +242,11 @@ class OpenAIServing:
             raise errors.model_not_found(name)
 
     def check_healthy(self) -> None:
-        if not self.engine.is_healthy():
+        # is_accepting, not is_healthy: a stalled engine (one slow step) still takes requests,
+        # which queue in the ring; only a dead or given-up engine refuses them.
+        if not self.engine.is_accepting():
             raise errors.engine_unavailable(
-                "The engine is not available (heartbeat stale); try again later.")
+                "The engine is not available (not responding or stopped); try again later.")
 
     def _check_request(self, req: ChatCompletionRequest | CompletionRequest) -> None:
         self.check_model(req.model)
@@ -407,10 +418,12 @@ class OpenAIServing:
         n = len(fanout.runs)
         texts: list[list[str]] = [[] for _ in range(n)]
         logprobs: list[list[ChatTokenLogprob]] = [[] for _ in range(n)]
+        token_ids: list[list[int]] = [[] for _ in range(n)]
         finish: list[str | None] = [None] * n
         try:
             async for d in fanout.events():
                 texts[d.index].append(d.text)
+                token_ids[d.index] += d.token_ids
                 if req.logprobs and d.token_ids:
                     logprobs[d.index] += self._chat_logprobs(d)
                 finish[d.index] = d.finish_reason or finish[d.index]
@@ -418,12 +431,15 @@ class OpenAIServing:
             raise engine_error_to_api(e) from None
         if fanout.disconnected:
             return Response(status_code=_CLIENT_CLOSED)
+        want_ids = req.return_token_ids
         choices = [ChatCompletionChoice(
             index=i, message=AssistantMessage(content="".join(texts[i])),
             logprobs=ChatChoiceLogprobs(content=logprobs[i]) if req.logprobs else None,
-            finish_reason=finish[i]) for i in range(n)]
+            finish_reason=finish[i], token_ids=token_ids[i] if want_ids else None)
+            for i in range(n)]
         body = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                      usage=self._usage(prompts, fanout.runs, req.n))
+                                      usage=self._usage(prompts, fanout.runs, req.n),
+                                      prompt_token_ids=prompts[0] if want_ids else None)
         return JSONResponse(body.model_dump(mode="json"))
 
     def _chat_stream(self, req: ChatCompletionRequest, request_id: str,
@@ -433,11 +449,14 @@ class OpenAIServing:
         include_usage = bool(opts and opts.include_usage)
         continuous = include_usage and bool(opts and opts.continuous_usage_stats)
         exclude = None if include_usage else {"usage"}
+        want_ids = req.return_token_ids
 
-        def chunk(choice: ChatCompletionStreamChoice) -> str:
+        def chunk(choice: ChatCompletionStreamChoice,
+                  prompt_token_ids: list[int] | None = None) -> str:
             usage = self._usage(prompts, fanout.runs, req.n) if continuous else None
             c = ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
-                                    choices=[choice], usage=usage)
+                                    choices=[choice], usage=usage,
+                                    prompt_token_ids=prompt_token_ids)
             return _sse(c.model_dump_json(exclude=exclude))
 
         def usage_chunk() -> str:
@@ -447,16 +466,21 @@ class OpenAIServing:
 
         async def chunks() -> AsyncIterator[str]:
             for run in fanout.runs:
+                # vLLM: with return_token_ids the prompt ids ride on the first (role) chunk.
                 yield chunk(ChatCompletionStreamChoice(
-                    index=run.index, delta=DeltaMessage(role="assistant", content="")))
+                    index=run.index, delta=DeltaMessage(role="assistant", content="")),
+                    prompt_token_ids=run.prompt_ids if want_ids else None)
             async for d in fanout.events():
                 lp = ChatChoiceLogprobs(content=self._chat_logprobs(d)) \
                     if req.logprobs and d.token_ids else None
-                if not (d.text or d.finish_reason or lp):
-                    continue  # tokens whose text is still held back: nothing to send yet
+                if not (d.text or d.finish_reason or lp or (want_ids and d.token_ids)):
+                    # Tokens whose text is still held back: nothing to send yet (unless the
+                    # client wants every token id, as vLLM sends them).
+                    continue
                 yield chunk(ChatCompletionStreamChoice(
                     index=d.index, delta=DeltaMessage(content=d.text) if d.text else DeltaMessage(),
-                    logprobs=lp, finish_reason=d.finish_reason))
+                    logprobs=lp, finish_reason=d.finish_reason,
+                    token_ids=d.token_ids if want_ids else None))
 
         return self._framed_stream(fanout, chunks(), usage_chunk if include_usage else None)
 
@@ -512,11 +536,13 @@ class OpenAIServing:
         n = len(fanout.runs)
         texts: list[list[str]] = [[] for _ in range(n)]
         logprobs = [CompletionLogprobs() for _ in range(n)]
+        token_ids: list[list[int]] = [[] for _ in range(n)]
         offsets = [0] * n
         finish: list[str | None] = [None] * n
         try:
             async for d in fanout.events():
                 texts[d.index].append(d.text)
+                token_ids[d.index] += d.token_ids
                 if req.logprobs is not None and d.token_ids:
                     part, offsets[d.index] = self._completion_logprobs(d, offsets[d.index])
                     acc = logprobs[d.index]
@@ -529,10 +555,13 @@ class OpenAIServing:
             raise engine_error_to_api(e) from None
         if fanout.disconnected:
             return Response(status_code=_CLIENT_CLOSED)
+        want_ids = req.return_token_ids
         choices = [CompletionChoice(
             index=i, text="".join(texts[i]),
             logprobs=logprobs[i] if req.logprobs is not None else None,
-            finish_reason=finish[i]) for i in range(n)]
+            finish_reason=finish[i],
+            prompt_token_ids=fanout.runs[i].prompt_ids if want_ids else None,
+            token_ids=token_ids[i] if want_ids else None) for i in range(n)]
         body = CompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                   usage=self._usage(prompts, fanout.runs, req.n))
         return JSONResponse(body.model_dump(mode="json"))
@@ -546,6 +575,8 @@ class OpenAIServing:
         continuous = include_usage and bool(opts and opts.continuous_usage_stats)
         exclude = None if include_usage else {"usage"}
         offsets = [0] * len(fanout.runs)
+        want_ids = req.return_token_ids
+        prompt_sent = [False] * len(fanout.runs)  # vLLM: prompt ids on a choice's first chunk
 
         def usage_chunk() -> str:
             c = CompletionResponse(id=request_id, created=created, model=self.model_name,
@@ -557,13 +588,19 @@ class OpenAIServing:
                 lp = None
                 if req.logprobs is not None and d.token_ids:
                     lp, offsets[d.index] = self._completion_logprobs(d, offsets[d.index])
-                if not (d.text or d.finish_reason or lp):
+                if not (d.text or d.finish_reason or lp or (want_ids and d.token_ids)):
                     continue  # tokens whose text is still held back: nothing to send yet
                 usage = self._usage(prompts, fanout.runs, req.n) if continuous else None
+                prompt_ids = None
+                if want_ids and not prompt_sent[d.index]:
+                    prompt_sent[d.index] = True
+                    prompt_ids = fanout.runs[d.index].prompt_ids
                 c = CompletionResponse(
                     id=request_id, created=created, model=self.model_name, usage=usage,
-                    choices=[CompletionChoice(index=d.index, text=d.text, logprobs=lp,
-                                              finish_reason=d.finish_reason)])
+                    choices=[CompletionChoice(
+                        index=d.index, text=d.text, logprobs=lp, finish_reason=d.finish_reason,
+                        prompt_token_ids=prompt_ids,
+                        token_ids=d.token_ids if want_ids else None)])
                 yield _sse(c.model_dump_json(exclude=exclude))
 
         return self._framed_stream(fanout, chunks(), usage_chunk if include_usage else None)

@@ -34,7 +34,8 @@ def test_blink_help_lists_commands():
 
 @pytest.mark.parametrize("flag", ["--model", "--max-model-len", "--kv-cache-tokens",
                                   "--max-num-seqs", "--config", "--api-key", "--port",
-                                  "--frontend-only", "--engine", "--dtype", "--transport"])
+                                  "--frontend-only", "--engine", "--dtype", "--transport",
+                                  "--heartbeat-timeout", "--engine-dead-timeout"])
 def test_serve_help_explains_flags(capsys, flag):
     with pytest.raises(SystemExit) as info:
         parse_args(["serve", "--help"])
@@ -123,6 +124,34 @@ def test_config_file_unknown_key_through_the_cli(tmp_path):
     p = run_blink("serve", "--config", str(cfg))
     assert p.returncode == 1
     assert p.stderr.strip() == f"error: {cfg}: unknown option(s): max_num_sequences"
+
+
+def test_engine_timeouts_from_flags_and_config_reach_the_frontend(tmp_path):
+    from blink.launcher import frontend_args
+
+    a = parse_args(["serve"])
+    assert (a.heartbeat_timeout, a.engine_dead_timeout) == (5.0, 60.0)
+    cfg = tmp_path / "t.yaml"
+    cfg.write_text("heartbeat-timeout: 2.5\nengine_dead_timeout: 90\n")
+    a = parse_args(["serve", "--config", str(cfg)])
+    assert (a.heartbeat_timeout, a.engine_dead_timeout) == (2.5, 90.0)
+    a = parse_args(["serve", "--config", str(cfg), "--engine-dead-timeout", "30"])
+    assert (a.heartbeat_timeout, a.engine_dead_timeout) == (2.5, 30.0)
+    # blink serve hands them to its frontend process, which parses them back
+    argv = frontend_args(a, "127.0.0.1:7000")
+    b = parse_args(argv)
+    assert b.frontend_only and (b.heartbeat_timeout, b.engine_dead_timeout) == (2.5, 30.0)
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--heartbeat-timeout", "10", "--engine-dead-timeout", "5"],
+    ["serve", "--frontend-only", "--engine", "127.0.0.1:1", "--heartbeat-timeout", "0"],
+])
+def test_bad_engine_timeouts_are_one_clear_error(capsys, argv):
+    assert main(argv) == 1  # before anything starts or connects
+    err = capsys.readouterr().err
+    assert err.startswith("error: --heartbeat-timeout / --engine-dead-timeout: ")
+    assert err.count("\n") == 1 and "Traceback" not in err
 
 
 # -- presets ------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import threading
 import time
@@ -328,8 +329,6 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": 5}]}', 400,
      "messages[0].content"),
     ("/v1/chat/completions", '{"messages": [], "temperature": "hot"}', 400, "temperature"),
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "tempreature": 1}',
-     400, "tempreature"),
     ("/v1/chat/completions", '{"messages": []}', 400, "messages"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "n": 0}', 400, "n"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "top_p": 1.5}',
@@ -370,6 +369,149 @@ def test_bad_requests(tok: Tokenizer, path: str, body: str, status: int,
     err = assert_error(r, status, param)
     assert err["type"] == "invalid_request_error"
     assert engine.submitted == {}
+
+
+def _ignored_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+            and "were present in the request but ignored" in r.getMessage()]
+
+
+def test_unknown_fields_are_ignored_with_one_warning(tok: Tokenizer,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's policy: unknown fields (typos included) are dropped and named in one warning per
+    request; known fields keep strict types."""
+    engine = make_engine(tok)
+    app = create_app(engine, tok, model_name=MODEL)
+    caplog.set_level(logging.WARNING, logger="blink.dpu")
+    r = run(request(app, "POST", "/v1/chat/completions",
+                    json={"messages": MESSAGES, "max_tokens": 3, "tempreature": 1.7,
+                          "cache_prompt": False, "stream": True,
+                          "stream_options": {"include_usage": True, "chunked": True}}))
+    assert r.status_code == 200, r.text
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 3
+    (_, params), = engine.submitted.values()
+    assert params.temperature != 1.7  # the typo did not reach the sampler
+    assert _ignored_warnings(caplog) == [
+        "The following fields were present in the request but ignored: "
+        "{'cache_prompt', 'stream_options.chunked', 'tempreature'}"]
+
+    caplog.clear()
+    r = run(request(app, "POST", "/v1/completions",
+                    json={"prompt": "Say", "max_tokens": 2, "unknown_field": [1, {"a": None}]}))
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    r = run(request(app, "POST", "/tokenize", json={"prompt": "Say", "extra_a": 1}))
+    assert r.status_code == 200 and r.json()["tokens"] == tok.encode("Say")
+    r = run(request(app, "POST", "/tokenize", json={"messages": MESSAGES, "extra_b": 1}))
+    assert r.status_code == 200 and r.json()["tokens"] == tok.encode_chat(MESSAGES)
+    r = run(request(app, "POST", "/detokenize", json={"tokens": tok.encode("Say"), "extra_c": 1}))
+    assert r.status_code == 200 and r.json() == {"prompt": "Say"}
+    assert [w.rsplit(": ", 1)[1] for w in _ignored_warnings(caplog)] == [
+        "{'unknown_field'}", "{'extra_a'}", "{'extra_b'}", "{'extra_c'}"]
+
+    caplog.clear()  # a request with only known fields logs nothing
+    r = run(request(app, "POST", "/v1/chat/completions",
+                    json={"messages": MESSAGES, "max_tokens": 1, "return_token_ids": False}))
+    assert r.status_code == 200 and _ignored_warnings(caplog) == []
+
+    # Known fields stay strict, whatever unknown fields come with them.
+    r = run(request(app, "POST", "/v1/chat/completions",
+                    json={"messages": MESSAGES, "temperature": "hot", "foo": 1}))
+    assert assert_error(r, 400, "temperature")["type"] == "invalid_request_error"
+    r = run(request(app, "POST", "/v1/chat/completions",
+                    json={"messages": MESSAGES, "return_token_ids": "yes"}))
+    assert_error(r, 400, "return_token_ids")
+
+
+# -- vLLM's return_token_ids ----------------------------------------------------------------------
+def test_return_token_ids_chat(tok: Tokenizer) -> None:
+    eos = tok.eos_token_id
+    answer_ids = tok.encode(ANSWER, add_special_tokens=False)
+    engine = FakeEngineClient(model_name=MODEL, max_model_len=256,
+                              responder=lambda p, s: answer_ids + [eos])
+    app = create_app(engine, tok, model_name=MODEL)
+    prompt_ids = tok.encode_chat(MESSAGES)
+
+    r = run(request(app, "POST", "/v1/chat/completions",
+                    json={"messages": MESSAGES, "n": 2, "return_token_ids": True}))
+    body = r.json()
+    assert body["prompt_token_ids"] == prompt_ids
+    for choice in body["choices"]:
+        assert choice["message"]["content"] == ANSWER
+        assert choice["token_ids"] == answer_ids + [eos]  # eos is generated, as in vLLM
+    ChatCompletionResponse.model_validate(body)
+
+    r = run(request(app, "POST", "/v1/chat/completions",
+                    json={"messages": MESSAGES, "stream": True, "return_token_ids": True,
+                          "stream_options": {"include_usage": True}}))
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    first, rest = events[0], events[1:-2]
+    assert first["prompt_token_ids"] == prompt_ids
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "token_ids" not in first["choices"][0]
+    assert all("prompt_token_ids" not in e for e in events[1:-1])
+    assert all(isinstance(e["choices"][0]["token_ids"], list) for e in rest)
+    assert sum((e["choices"][0]["token_ids"] for e in rest), []) == answer_ids + [eos]
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in rest) == ANSWER
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == \
+        len(answer_ids) + 1
+    for e in events[:-1]:
+        ChatCompletionChunk.model_validate(e)
+
+    # Not asked for: no such keys anywhere (plain OpenAI shapes).
+    r = run(request(app, "POST", "/v1/chat/completions", json={"messages": MESSAGES}))
+    assert "prompt_token_ids" not in r.json() and "token_ids" not in r.json()["choices"][0]
+    r = run(request(app, "POST", "/v1/chat/completions",
+                    json={"messages": MESSAGES, "stream": True}))
+    for e in sse_events(r.text)[:-1]:
+        assert "prompt_token_ids" not in e and "token_ids" not in e["choices"][0]
+
+
+def test_return_token_ids_stream_sends_held_back_tokens(tok: Tokenizer) -> None:
+    """Tokens whose text is held back (a split UTF-8 character) still get a chunk carrying
+    their ids, so the streamed token_ids add up to every generated token (vLLM does this)."""
+    from blink.dpu.tokenizer import _byte_level_decoder
+
+    char_of = {b: c for c, b in _byte_level_decoder().items()}
+    ids = [tok._tok.token_to_id(char_of[b]) for b in "😀".encode()]
+    engine = FakeEngineClient(model_name=MODEL, responder=lambda p, s: ids)
+    app = create_app(engine, tok, model_name=MODEL)
+    r = run(request(app, "POST", "/v1/completions",
+                    json={"prompt": "Say", "stream": True, "max_tokens": 10,
+                          "return_token_ids": True}))
+    chunks = [e["choices"][0] for e in sse_events(r.text)[:-1]]
+    assert [c["token_ids"] for c in chunks] == [[t] for t in ids] + [[]]
+    assert [c["text"] for c in chunks] == ["", "", "", "😀", ""]
+    assert chunks[0]["prompt_token_ids"] == tok.encode("Say")
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+
+
+def test_return_token_ids_completions(tok: Tokenizer) -> None:
+    engine = make_engine(tok)
+    app = create_app(engine, tok, model_name=MODEL)
+    texts = ["Say hello", "to the world"]
+    answer_ids = tok.encode(ANSWER, add_special_tokens=False)
+    r = run(request(app, "POST", "/v1/completions",
+                    json={"prompt": texts, "n": 2, "max_tokens": 4, "return_token_ids": True}))
+    body = CompletionResponse.model_validate(r.json())
+    assert [c.prompt_token_ids for c in body.choices] == \
+        [tok.encode(texts[0])] * 2 + [tok.encode(texts[1])] * 2
+    assert all(c.token_ids == answer_ids[:4] for c in body.choices)
+    assert "prompt_token_ids" not in r.json()  # on the choice, as vLLM does for completions
+
+    r = run(request(app, "POST", "/v1/completions",
+                    json={"prompt": texts[0], "max_tokens": 5, "stream": True,
+                          "return_token_ids": True, "stream_options": {"include_usage": True}}))
+    events = sse_events(r.text)
+    chunks = [e["choices"][0] for e in events[:-2]]
+    assert chunks[0]["prompt_token_ids"] == tok.encode(texts[0])
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert sum((c["token_ids"] for c in chunks), []) == answer_ids[:5]
+    assert events[-2]["choices"] == []
+
+    r = run(request(app, "POST", "/v1/completions", json={"prompt": texts[0], "max_tokens": 2}))
+    assert set(r.json()["choices"][0]) == {"index", "text", "logprobs", "finish_reason"}
 
 
 def test_unknown_model_is_404_with_vllm_wording(tok: Tokenizer) -> None:
@@ -456,6 +598,41 @@ def test_engine_death_mid_stream_ends_with_error_event(tok: Tokenizer) -> None:
         return await request(app, "POST", "/v1/chat/completions", json={"messages": MESSAGES})
 
     assert_error(run(go_full()), 503)
+
+
+def test_engine_stall_mid_stream_loses_nothing(tok: Tokenizer) -> None:
+    """A stalled engine (one slow step): /health is 503, the open stream pauses and then
+    completes, and a request that arrives meanwhile is taken (not refused) and completes."""
+    engine = make_engine(tok, token_delay_s=0.01)
+    app = create_app(engine, tok, model_name=MODEL)
+
+    async def go() -> tuple[httpx.Response, httpx.Response, list[int], list[int]]:
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.05, engine.stall)
+        stream = asyncio.ensure_future(request(app, "POST", "/v1/chat/completions",
+                                               json={"messages": MESSAGES, "stream": True}))
+        await asyncio.sleep(0.15)
+        assert engine.stalled and not stream.done()
+        during = [(await request(app, "GET", "/health")).status_code]
+        late = asyncio.ensure_future(request(app, "POST", "/v1/chat/completions",
+                                             json={"messages": MESSAGES}))
+        await asyncio.sleep(0.2)
+        assert not stream.done() and not late.done()
+        during.append((await request(app, "GET", "/health")).status_code)
+        engine.resume()
+        after = [(await request(app, "GET", "/health")).status_code]
+        return await stream, await late, during, after
+
+    r, late, during, after = run(go())
+    assert during == [503, 503] and after == [200]
+    assert r.status_code == 200
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    assert all(e["object"] == "chat.completion.chunk" for e in events[:-1])
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"])
+    assert text == ANSWER
+    assert late.status_code == 200
+    assert late.json()["choices"][0]["message"]["content"] == ANSWER
 
 
 def test_api_key(tok: Tokenizer) -> None:
@@ -619,6 +796,17 @@ def test_openai_client(server: tuple[str, FakeEngineClient]) -> None:
     text = "".join(c.choices[0].text for c in client.completions.create(
         model=MODEL, prompt="Say", max_tokens=200, stream=True))
     assert text == ANSWER
+    # vLLM's return_token_ids through extra_body; unknown extras are ignored, not rejected.
+    ids = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5,
+                                         extra_body={"return_token_ids": True,
+                                                     "cache_prompt": False})
+    assert ids.prompt_token_ids and ids.choices[0].token_ids and \
+        len(ids.choices[0].token_ids) == ids.usage.completion_tokens == 5
+    streamed = list(client.completions.create(
+        model=MODEL, prompt="Say", max_tokens=5, stream=True,
+        extra_body={"return_token_ids": True}))
+    assert streamed[0].choices[0].prompt_token_ids
+    assert sum(len(c.choices[0].token_ids) for c in streamed) == 5
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="nope", prompt="x")
     with pytest.raises(openai.BadRequestError, match="temperature"):

@@ -46,8 +46,11 @@ from blink.ring import (  # noqa: E402
 ARCH = "llama"
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 #: sizes of the default test engine (kv_cache_tokens is explicit: the default 1 GiB would
-#: give the tiny model ~130k blocks, which only slows every scheduler step down)
-BASE = dict(max_model_len=256, max_num_seqs=16, kv_cache_tokens=4096, max_num_batched_tokens=512)
+#: give the tiny model ~130k blocks, which only slows every scheduler step down). dtype is
+#: pinned to float32: greedy outputs are compared token for token with transformers' fp32
+#: (``auto`` would pick bf16 on a CPU with native bf16 for a non-fp32 checkpoint).
+BASE = dict(max_model_len=256, max_num_seqs=16, kv_cache_tokens=4096, max_num_batched_tokens=512,
+            dtype="float32")
 
 
 # ------------------------------------------------------------------------ shared helpers
@@ -488,3 +491,33 @@ def test_generate_timeout_is_clear(model_dir):
         llm.engine.executor.model.forward = real
         [o] = llm.generate([SEEDED[1]], SamplingParams(max_tokens=3, **GREEDY), timeout_s=30)
         assert len(o.token_ids) == 3
+
+
+def test_cpu_loop_bumps_the_heartbeat_between_layers(model_dir):
+    """The CPU loop also bumps the heartbeat after each decoder layer, so one long step still
+    shows progress: every layer of a step sees a higher heartbeat than the layer before it
+    (with only the once-per-step bump, all layers of a step would see the same value)."""
+    from blink.ring import C_HEARTBEAT
+
+    with make_llm(model_dir, max_num_seqs=4) as llm:
+        layers = llm.engine.executor.model.model.layers
+        assert len(layers) >= 2
+        control = llm.engine.ring.control
+        seen: list[tuple[int, int]] = []  # (layer index, heartbeat when the layer starts)
+        for i, layer in enumerate(layers):
+            real = layer.forward
+
+            def watched(*args, _i=i, _real=real, **kwargs):
+                seen.append((_i, int(control[C_HEARTBEAT])))
+                return _real(*args, **kwargs)
+
+            layer.forward = watched
+        [o] = llm.generate([SEEDED[0]], SamplingParams(max_tokens=3, **GREEDY), timeout_s=30)
+        assert len(o.token_ids) == 3
+        steps = [seen[k:k + len(layers)] for k in range(0, len(seen), len(layers))]
+        assert len(steps) >= 3 and all([i for i, _ in s] == list(range(len(layers))) for s in steps)
+        for s in steps:
+            beats = [hb for _, hb in s]
+            assert all(b > a for a, b in zip(beats, beats[1:])), beats
+    # only while the loop runs: the hook is removed when it stops
+    assert llm.engine.executor.model.on_layer is None

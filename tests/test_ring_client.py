@@ -452,29 +452,85 @@ def test_async_overloaded_when_no_slot_frees(setup):
     asyncio.run(main())
 
 
-def test_async_heartbeat_stall_kills_in_flight_streams(setup):
+async def wait_for(cond, timeout_s: float, what: str) -> float:
+    """Poll ``cond`` until true; the seconds it took."""
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout_s, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+    return time.monotonic() - t0
+
+
+async def health_status(client) -> int:
+    """GET /health of the real frontend app over this client (no tokenizer needed)."""
+    import httpx
+
+    from blink.dpu.app import create_app
+
+    app = create_app(client, None, model_name="fake")  # type: ignore[arg-type]
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        return (await c.get("/health")).status_code
+
+
+def test_async_stall_under_the_hard_limit_loses_no_stream(setup):
+    """One slow engine step (heartbeat stale past heartbeat_timeout_s, under the hard limit):
+    /health is 503 meanwhile, but the in-flight stream completes once the engine moves again,
+    and a request that arrives during the stall queues and completes too."""
+    setup.engine.step_sleep_s = 2e-3
     setup.engine.start()
 
     async def main():
-        client = make_async(setup, hb=0.5)
+        client = make_async(setup, hb=0.2, engine_dead_timeout_s=30.0)
+        assert await health_status(client) == 200
+        agen = client.generate("a", [1, 2], SamplingParams(max_tokens=200))
+        first = await agen.__anext__()
+        setup.engine.paused = True  # a long step: no heartbeat, no tokens
+        stall_s = await wait_for(lambda: client.stalled, 5, "the stall to be noticed")
+        assert stall_s < 2.0
+        assert not client.is_healthy() and client.is_accepting()
+        assert await health_status(client) == 503
+        # A request during the stall is taken (it waits in the ring), not refused.
+        late = asyncio.ensure_future(collect(client.generate("b", [3], SamplingParams(max_tokens=5))))
+        await asyncio.sleep(0.6)  # stay stalled for several heartbeat timeouts
+        assert not late.done()
+        assert client.stalled and await health_status(client) == 503
+        setup.engine.paused = False  # the step ends
+        rest = [o async for o in agen]
+        outs = [first, *rest]
+        assert [t for o in outs for t in o.new_token_ids] == [1, 2] * 100  # nothing lost
+        assert outs[-1].finished and outs[-1].finish_reason == "length"
+        late_out = await asyncio.wait_for(late, 5)
+        assert [t for o in late_out for t in o.new_token_ids] == [3] * 5
+        assert not client.stalled and client.is_healthy()
+        assert await health_status(client) == 200
+        await client.close()
+
+    asyncio.run(main())
+    assert setup.ring.state.tolist() == [SLOT_FREE] * 8
+
+
+def test_async_stall_past_the_hard_limit_ends_streams(setup):
+    setup.engine.start()
+
+    async def main():
+        client = make_async(setup, hb=0.2, engine_dead_timeout_s=0.8)
         agen = client.generate("a", [1], SamplingParams(max_tokens=10_000))
         await agen.__anext__()
         setup.engine.paused = True  # hung engine: heartbeat stops
         t0 = time.monotonic()
-        with pytest.raises(EngineDeadError, match="heartbeat stale"):
+        with pytest.raises(EngineDeadError, match="stopped responding.*heartbeat stale.*limit 0.8 s"):
             async for _ in agen:
                 pass
-        assert 0.4 < time.monotonic() - t0 < 3.0
-        assert not client.is_healthy()
-        with pytest.raises(EngineDeadError):
+        elapsed = time.monotonic() - t0
+        assert 0.7 < elapsed < 4.0, elapsed  # the hard limit, not the heartbeat timeout
+        assert not client.is_healthy() and not client.is_accepting()
+        assert await health_status(client) == 503
+        with pytest.raises(EngineDeadError, match="not responding"):
             await client.generate("b", [1], SamplingParams(max_tokens=1)).__anext__()
-        # A stall is not final: once the heartbeat moves again, requests are served again
-        # (a slow step on a loaded CPU must not take the server down for good).
+        # Not final: once the heartbeat moves again, requests are served again.
         setup.engine.paused = False
-        deadline = time.monotonic() + 5
-        while not client.is_healthy() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        assert client.is_healthy()
+        await wait_for(client.is_healthy, 5, "the client to recover")
+        assert client.is_accepting() and await health_status(client) == 200
         outs = [o async for o in client.generate("c", [1], SamplingParams(max_tokens=2))]
         assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == 2
         await client.close()
@@ -486,17 +542,72 @@ def test_async_engine_failed_state(setup):
     setup.engine.start()
 
     async def main():
-        client = make_async(setup, hb=5.0)
+        client = make_async(setup, hb=5.0, engine_dead_timeout_s=60.0)
         agen = client.generate("a", [1], SamplingParams(max_tokens=10_000))
         await agen.__anext__()
+        t0 = time.monotonic()
         setup.engine.fail()
-        with pytest.raises(EngineDeadError, match="failed"):
+        with pytest.raises(EngineDeadError, match="engine state is failed"):
             async for _ in agen:
                 pass
-        assert not client.is_healthy()
+        assert time.monotonic() - t0 < 1.0  # at once, not after a timeout
+        assert not client.is_healthy() and not client.is_accepting()
+        with pytest.raises(EngineDeadError, match="not available"):
+            await client.generate("b", [1], SamplingParams(max_tokens=1)).__anext__()
         await client.close()
 
     asyncio.run(main())
+
+
+def test_async_failed_state_during_a_stall_ends_streams_at_once(setup):
+    setup.engine.start()
+
+    async def main():
+        client = make_async(setup, hb=0.2, engine_dead_timeout_s=60.0)
+        agen = client.generate("a", [1], SamplingParams(max_tokens=10_000))
+        await agen.__anext__()
+        setup.engine.paused = True
+        await wait_for(lambda: client.stalled, 5, "the stall to be noticed")
+        t0 = time.monotonic()
+        setup.engine.fail()  # the engine gives up: final, whatever the timeouts
+        with pytest.raises(EngineDeadError, match="engine state is failed"):
+            async for _ in agen:
+                pass
+        assert time.monotonic() - t0 < 1.0
+        assert not client.is_healthy() and not client.is_accepting()
+        await client.close()
+
+    asyncio.run(main())
+
+
+def test_async_exited_engine_process_ends_streams_at_once(setup):
+    """The transport can tell the engine process is gone (loopback: creator pid and start
+    time): dead at once, without waiting for either heartbeat limit."""
+    setup.engine.start()
+
+    async def main():
+        client = make_async(setup, hb=5.0, engine_dead_timeout_s=10.0)
+        agen = client.generate("a", [1], SamplingParams(max_tokens=10_000))
+        await agen.__anext__()
+        assert setup.transport.peer_alive() is True  # this process created the region
+        setup.engine.paused = True
+        setup.transport.peer_alive = lambda: False  # as after the engine process exits
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match="engine process has exited"):
+            async for _ in agen:
+                pass
+        assert time.monotonic() - t0 < 2.0
+        assert not client.is_healthy() and not client.is_accepting()
+        await client.close()
+
+    asyncio.run(main())
+
+
+def test_engine_timeouts_are_checked(setup):
+    with pytest.raises(ValueError, match="at least the heartbeat timeout"):
+        make_async(setup, hb=5.0, engine_dead_timeout_s=1.0)
+    with pytest.raises(ValueError, match="positive"):
+        make_async(setup, hb=0.0)
 
 
 def test_is_healthy_follows_an_idle_heartbeat(setup):

@@ -5,7 +5,8 @@ In order (one engine for the module; the tests share it and run in file order):
 overload → 503 + Retry-After; a client that disconnects mid-stream, or during prefill of a
 non-streaming request, leaves the engine idle (no slot, no KV block); a frontend of another
 ring layout version is refused; SIGKILL of the engine mid-stream → the stream ends with an SSE
-error event promptly, /health turns 503; the next engine start leaves no segment of the killed
+error event promptly (the frontend sees the engine process is gone, without waiting out the
+heartbeat limits), /health turns 503; the next engine start leaves no segment of the killed
 one; and a SIGINT of ``blink serve`` (null model, quick to start) stops both children and
 leaves nothing behind.
 """
@@ -45,9 +46,9 @@ LONG = {"model": MODEL, "prompt": "Tell me a very long story about a dragon.",
 
 @pytest.fixture(scope="module")
 def apart():
-    # Small steps (chunked prefill of 64 tokens): the engine bumps its heartbeat once per step,
-    # and the frontend declares it dead after 5 s without one, which one long CPU prefill step
-    # on a busy machine can exceed.
+    # Small steps (chunked prefill of 64 tokens) keep the heartbeat lively on a busy machine
+    # (the frontend reports a stall on /health after 5 s without one, and gives requests up
+    # after 60 s).
     engine = EngineProcess("--max-num-seqs", "2", "--max-model-len", "512",
                            "--kv-cache-tokens", "2048", "--max-num-batched-tokens", "64",
                            name="fail-engine")

@@ -140,14 +140,20 @@ def test_engine_sigkill_ends_streams_and_leaves_no_segment(engine_process, flags
     eng = engine_process(*flags)
 
     async def main():
-        client = await RingEngineClient.connect("127.0.0.1", eng.port, heartbeat_timeout_s=0.5)
+        # Long heartbeat limits: the exited process itself is noticed (pid + start time).
+        client = await RingEngineClient.connect("127.0.0.1", eng.port, heartbeat_timeout_s=20.0,
+                                                engine_dead_timeout_s=30.0)
         agen = client.generate("long", [1, 2, 3], SamplingParams(max_tokens=100_000))
         await agen.__anext__()
+        assert client.ring.transport.peer_alive() is True
         assert eng.kill(signal.SIGKILL) == -signal.SIGKILL
-        with pytest.raises(EngineDeadError, match="heartbeat stale"):
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match="engine process has exited"):
             async for _ in agen:
                 pass
-        assert not client.is_healthy()
+        assert time.monotonic() - t0 < 3.0
+        assert client.ring.transport.peer_alive() is False
+        assert not client.is_healthy() and not client.is_accepting()
         await client.close()
 
     asyncio.run(main())
@@ -155,6 +161,37 @@ def test_engine_sigkill_ends_streams_and_leaves_no_segment(engine_process, flags
         assert segment_exists(eng.region)
     cleanup_stale_segments()  # what every new LoopbackRegion runs first
     assert not segment_exists(eng.region)
+
+
+def test_stopped_engine_process_is_stalled_not_dead(engine_process):
+    """SIGSTOP the engine process (as a CPU hog or a long step would stall it): its heartbeat
+    stops but the process exists, so the stream is kept; after SIGCONT it completes."""
+    eng = engine_process()
+
+    async def main():
+        client = await RingEngineClient.connect("127.0.0.1", eng.port, heartbeat_timeout_s=0.3,
+                                                engine_dead_timeout_s=30.0)
+        agen = client.generate("s", [5, 6], SamplingParams(max_tokens=2000))
+        outs = [await agen.__anext__()]
+        eng.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            while not client.stalled:
+                assert time.monotonic() - t0 < 10, "the stall was not noticed"
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(1.0)  # well past the heartbeat timeout
+            assert client.stalled and not client.is_healthy() and client.is_accepting()
+            assert client.ring.transport.peer_alive() is True
+        finally:
+            eng.proc.send_signal(signal.SIGCONT)
+        outs += [o async for o in agen]
+        assert [t for o in outs for t in o.new_token_ids] == [5, 6] * 1000
+        assert outs[-1].finish_reason == "length"
+        assert client.is_healthy()
+        await client.close()
+
+    asyncio.run(main())
+    assert eng.exit() == 0
 
 
 @pytest.mark.parametrize("flags", [(), ("--no-tracker",)], ids=["tracker", "no-tracker"])

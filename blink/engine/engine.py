@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from blink.config import ModelConfig
+from blink.dtypes import resolve_dtype
 from blink.engine.graphs import StepParts, run_step
 from blink.engine.sampler import Sampler
 from blink.engine.scheduler import Scheduler
@@ -49,7 +50,7 @@ class EngineConfig:
     """Everything that sizes the engine. Defaults suit CPU serving of a small model."""
 
     model: str = "smollm2-135m"
-    dtype: str = "auto"  # auto | float32 | bfloat16
+    dtype: str = "auto"  # auto | float32 | bfloat16 (auto: see blink.dtypes)
     device: str = "auto"  # auto | cpu | cuda
     max_model_len: int | None = None
     block_size: int = 16
@@ -70,10 +71,14 @@ class EngineConfig:
             raise BlinkError("--device cuda was asked for, but torch sees no CUDA GPU (use --device cpu)")
         return torch.device(self.device)
 
-    def resolved_dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]
+    def resolved_dtype(self, device: torch.device, checkpoint_dtype: str | None = None) -> torch.dtype:
+        """The compute dtype; ``auto`` follows :func:`blink.dtypes.resolve_dtype` (bf16 on
+        CUDA and on CPUs with native bf16 unless the checkpoint is float32, else float32)."""
+        return getattr(torch, self.dtype_choice(device, checkpoint_dtype)[0])
+
+    def dtype_choice(self, device: torch.device, checkpoint_dtype: str | None = None) -> tuple[str, str]:
+        """``(dtype name, why)``: :meth:`resolved_dtype` with the reason, for the start log."""
+        return resolve_dtype(self.dtype, device.type, checkpoint_dtype)
 
 
 def _kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -101,12 +106,15 @@ class Engine:
             raise BlinkError(
                 "the CPU loop runs on --device cpu; on a GPU use --loop host or --loop device"
             )
-        dtype = config.resolved_dtype(self.device)
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         null = is_null_model(config.model)  # --model null: no model work (control-plane benchmark)
         files = open_null_model() if null else open_model(config.model)
         model_config = ModelConfig.from_hf(files.hf_config, files.source)
+        dtype_name, why = config.dtype_choice(self.device, model_config.hf_dtype)
+        dtype = getattr(torch, dtype_name)
+        self.dtype, self.dtype_reason = dtype, why
+        log.info("dtype %s (%s)", dtype_name, why)
         max_len = config.max_model_len or min(model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         if config.kv_cache_tokens is not None:
             kv_tokens = config.kv_cache_tokens
@@ -191,9 +199,25 @@ class Engine:
 
     # ----------------------------------------------------------------------------- the loop
 
+    def _bump_heartbeat_per_layer(self, on: bool) -> None:
+        """CPU loop: also bump the heartbeat after every decoder layer (the scheduler bumps it
+        once per step), so a long step (a big prefill on a loaded CPU) keeps showing progress
+        and the frontend does not take a slow engine for a hung one. Progress only: no layer
+        finishing, no bump."""
+        model = getattr(self.executor, "model", None)
+        if model is None or not hasattr(model, "on_layer") or self.device.type != "cpu":
+            return  # the null model has no layers; GPU graphs run no Python per layer
+        control = self.ring.control
+
+        def bump() -> None:
+            control[C_HEARTBEAT] += 1
+
+        model.on_layer = bump if on else None
+
     def _run(self) -> None:
         set_thread_name("blink-loop")
         control = self.ring.control
+        self._bump_heartbeat_per_layer(True)
         control[C_ENGINE_STATE] = ENGINE_READY
         idle_sleep = 0.0
         drain_deadline: float | None = None
@@ -226,6 +250,8 @@ class Engine:
             self.error = exc
             control[C_ENGINE_STATE] = ENGINE_FAILED
             print("blink engine loop failed:\n" + traceback.format_exc(), file=sys.stderr, flush=True)
+        finally:
+            self._bump_heartbeat_per_layer(False)
 
     def _idle(self) -> bool:
         """Host-side check (CPU loop only) that no slot needs the engine: FREE slots and

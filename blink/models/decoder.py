@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -195,6 +195,10 @@ class DecoderForCausalLM(nn.Module):
             config.rotary_dim, max_positions, config.rope_theta, config.rope_scaling
         )
         self.register_buffer("cos_sin", cos_sin.to(device), persistent=False)
+        #: Called after each decoder layer when set (host loops only, never in a captured
+        #: graph): the CPU loop bumps the engine heartbeat here, so one long step (a big
+        #: prefill on a loaded CPU) still shows the frontend that the loop makes progress.
+        self.on_layer: Callable[[], None] | None = None
 
     def forward(
         self,
@@ -208,8 +212,11 @@ class DecoderForCausalLM(nn.Module):
         md = dataclasses.replace(md, step_cache={})
         x = F.embedding(input_ids, self.model.embed_tokens.weight)
         residual = None
+        on_layer = self.on_layer
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, residual, md, kv_cache, self.cos_sin)
+            if on_layer is not None:
+                on_layer()
         x, _ = self.ops.fused_add_rms_norm(x, residual, self.model.norm.weight, self.config.rms_norm_eps)
         return x
 

@@ -62,6 +62,11 @@ class Transport(Protocol):
         """Release the connection; idempotent."""
         ...
 
+    # Optional (not part of the protocol check): ``peer_alive() -> bool | None``, whether the
+    # engine process is still there (None: cannot tell). The loopback transport has it; the
+    # ring client then declares a crashed engine dead at once instead of waiting out the
+    # heartbeat limits.
+
 
 class Region(Protocol):
     """Engine side: the memory region the ring lives in."""

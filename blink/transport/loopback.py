@@ -314,6 +314,19 @@ class LoopbackTransport:
         self.name = region_name
         self.total_bytes = total_bytes if total_bytes is not None else size
         self._view: np.ndarray | None = np.frombuffer(self._mm, dtype=np.uint8)
+        # The creator (the engine) as named in the segment name, if this process can see it:
+        # in another pid namespace it cannot, and peer_alive() then answers None (unknown).
+        match = _NAME_RE.match(region_name)
+        pid, start = int(match.group(1)), int(match.group(2))  # type: ignore[union-attr]
+        self._creator = (pid, start) if _creator_alive(pid, start) else None
+
+    def peer_alive(self) -> bool | None:
+        """Whether the engine process that created the region still exists (pid and start
+        time, so a recycled pid does not count); None when this process cannot tell (the
+        creator was not visible at attach time, e.g. another pid namespace). A few µs."""
+        if self._creator is None:
+            return None
+        return _creator_alive(*self._creator)
 
     def _mem(self) -> np.ndarray:
         if self._view is None:
