@@ -4,16 +4,24 @@ Per request, across input lengths (default 10..2048 tokens), the time the fronte
 turning a request into token ids:
 
 - Blink: ``blink.dpu.tokenizer.Tokenizer`` (``encode`` for /v1/completions, ``encode_chat`` =
-  chat template render + encode for /v1/chat/completions);
+  chat template render + encode for /v1/chat/completions). Its exact fast path
+  (``blink.dpu.fast_encode``) is timed with its word cache warm (the same text again, as
+  ``tokenizers``' own BPE cache is for both sides) and emptied before every call ("cold"), and
+  ``Tokenizer(fast=False)`` (plain ``tokenizers.Tokenizer.encode``) shows what the wrapper alone
+  gives;
 - Hugging Face: ``transformers.AutoTokenizer`` loaded from the same tokenizer files
   (``tok(text).input_ids`` and ``apply_chat_template(..., tokenize=True)``).
+
+``--corpus multilingual`` uses mixed-script text (Latin with diacritics, Greek, Cyrillic, CJK,
+Hangul, emoji) instead of English. ``--threads 1`` pins the process to one CPU and Rust's
+thread pool to one thread.
 
 Both load the tokenizer from the same model (the GGUF by default: its tokenizer files are
 written to a temporary directory for AutoTokenizer, exactly what ``blink convert`` writes). Then
 the detokenization cost per output token at long outputs: Blink's ``IncrementalDetokenizer.step``
 against re-decoding the whole output after every token (the naive way, O(n) per token).
 
-    python -m benchmarks.tokenization --model smollm2-135m --result-json tok.json
+    python -m benchmarks.tokenization --model smollm2-135m --threads 1 --result-json tok.json
 """
 from __future__ import annotations
 
@@ -28,22 +36,39 @@ from typing import Any, Callable, Sequence
 
 from benchmarks.serve_datasets import _SENTENCES
 
+MULTILINGUAL_SENTENCES = [
+    "Grüße aus München, die Straße ist heute ruhig und schön.",
+    "Le café était délicieux, mais la crème brûlée était encore meilleure.",
+    "Привет, как дела? Сегодня хорошая погода для прогулки.",
+    "Η γρήγορη καφέ αλεπού πηδάει πάνω από τον τεμπέλη σκύλο.",
+    "今日はとても良い天気ですね。散歩に行きましょう。",
+    "我们明天一起去图书馆学习中文吧。",
+    "안녕하세요, 오늘 날씨가 정말 좋네요.",
+    "Emoji time 😀🚀 👍🏽 and flags 🇫🇷🇯🇵 — ça marche!",
+    "Ελληνικά, русский, español: ¿qué tal? ñandú, año, pingüino.",
+]
 
-def natural_text(tok: Any, n_tokens: int, offset: int = 0) -> str:
-    """English text of exactly ``n_tokens`` tokens (without special tokens)."""
+
+def natural_text(tok: Any, n_tokens: int, offset: int = 0,
+                 sentences: Sequence[str] = _SENTENCES) -> str:
+    """Text of ``n_tokens`` tokens (without special tokens; one or two fewer when the cut
+    falls inside a character), from ``sentences``."""
     parts: list[str] = []
     i = offset
     while True:
-        parts.append(_SENTENCES[i % len(_SENTENCES)])
+        parts.append(sentences[i % len(sentences)])
         i += 7
         text = " ".join(parts)
         ids = tok.encode(text, add_special_tokens=False)
         if len(ids) >= n_tokens:
-            return tok.decode(ids[:n_tokens], skip_special_tokens=False)
+            # (a cut inside a multi-byte character would leave a U+FFFD: drop it)
+            return tok.decode(ids[:n_tokens], skip_special_tokens=False).rstrip("\ufffd")
 
 
-def _time_per_call(fn: Callable[[], Any], min_time_s: float, min_reps: int) -> list[float]:
-    """Per-call times in microseconds, repeated for at least ``min_time_s`` and ``min_reps``."""
+def _time_per_call(fn: Callable[[], Any], min_time_s: float, min_reps: int,
+                   setup: Callable[[], Any] | None = None) -> list[float]:
+    """Per-call times in microseconds, repeated for at least ``min_time_s`` and ``min_reps``;
+    ``setup`` (untimed) runs before each call."""
     fn()  # warm
     times: list[float] = []
     gc_was = gc.isenabled()
@@ -51,6 +76,8 @@ def _time_per_call(fn: Callable[[], Any], min_time_s: float, min_reps: int) -> l
     try:
         t_end = time.perf_counter() + min_time_s
         while len(times) < min_reps or time.perf_counter() < t_end:
+            if setup is not None:
+                setup()
             t0 = time.perf_counter_ns()
             fn()
             times.append((time.perf_counter_ns() - t0) / 1000.0)
@@ -83,10 +110,17 @@ def load_both(model: str, hf_dir: str | None) -> tuple[Any, Any, str]:
 
 
 def bench_tokenize(blink_tok: Any, hf_tok: Any, lengths: Sequence[int], min_time_s: float,
-                   min_reps: int) -> list[dict[str, Any]]:
+                   min_reps: int, sentences: Sequence[str] = _SENTENCES) -> list[dict[str, Any]]:
+    import copy
+
+    # the same tokenizer without the fast path: plain tokenizers.Tokenizer.encode
+    plain_tok = copy.copy(blink_tok)
+    plain_tok._fast = None
+    fast = blink_tok._fast
+    clear_cache = fast._cache.clear if fast is not None else None
     rows = []
     for n in lengths:
-        text = natural_text(blink_tok, n)
+        text = natural_text(blink_tok, n, sentences=sentences)
         msgs = [{"role": "system", "content": "You are a helpful assistant."},
                 {"role": "user", "content": text}]
         # same ids on both sides (correctness first)
@@ -96,18 +130,26 @@ def bench_tokenize(blink_tok: Any, hf_tok: Any, lengths: Sequence[int], min_time
         h_chat = hf_tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
         if isinstance(h_chat, dict) or hasattr(h_chat, "input_ids"):
             h_chat = h_chat["input_ids"]
-        row: dict[str, Any] = {"tokens": n, "ids_equal": b_ids == list(h_ids),
-                               "chat_ids_equal": b_chat == list(h_chat)}
-        cases = {
-            "blink_encode": lambda: blink_tok.encode(text),
-            "hf_encode": lambda: hf_tok(text).input_ids,
-            "blink_chat": lambda: blink_tok.encode_chat(msgs),
-            "hf_chat": lambda: hf_tok.apply_chat_template(msgs, tokenize=True,
-                                                          add_generation_prompt=True),
+        row: dict[str, Any] = {
+            "tokens": n, "chars": len(text),
+            "ids_equal": b_ids == list(h_ids) == plain_tok.encode(text),
+            "chat_ids_equal": b_chat == list(h_chat) == plain_tok.encode_chat(msgs),
+            "fast_path": fast is not None and fast.encode(text) is not None}
+        cases: dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]] = {
+            "blink_encode": (lambda: blink_tok.encode(text), None),
+            "blink_encode_cold": (lambda: blink_tok.encode(text), clear_cache),
+            "blink_plain_encode": (lambda: plain_tok.encode(text), None),
+            "hf_encode": (lambda: hf_tok(text).input_ids, None),
+            "blink_chat": (lambda: blink_tok.encode_chat(msgs), None),
+            "hf_chat": (lambda: hf_tok.apply_chat_template(msgs, tokenize=True,
+                                                           add_generation_prompt=True), None),
         }
-        for name, fn in cases.items():
-            row[name] = _summ(_time_per_call(fn, min_time_s, min_reps))
-        row["speedup_encode"] = row["hf_encode"]["median_us"] / row["blink_encode"]["median_us"]
+        for name, (fn, setup) in cases.items():
+            row[name] = _summ(_time_per_call(fn, min_time_s, min_reps, setup))
+        hf_us = row["hf_encode"]["median_us"]
+        row["speedup_encode"] = hf_us / row["blink_encode"]["median_us"]
+        row["speedup_encode_cold"] = hf_us / row["blink_encode_cold"]["median_us"]
+        row["speedup_plain_encode"] = hf_us / row["blink_plain_encode"]["median_us"]
         row["speedup_chat"] = row["hf_chat"]["median_us"] / row["blink_chat"]["median_us"]
         rows.append(row)
     return rows
@@ -146,14 +188,22 @@ def bench_detokenize(blink_tok: Any, hf_tok: Any, out_lens: Sequence[int]) -> li
 
 
 def print_tables(tok_rows: list[dict[str, Any]], det_rows: list[dict[str, Any]]) -> str:
-    out = ["| input tokens | Blink encode µs | HF encode µs | speedup | Blink chat µs | HF chat µs "
-           "| speedup | same ids |",
-           "|---:|---:|---:|---:|---:|---:|---:|---|"]
+    out = ["| input tokens | Blink encode µs | cold cache µs | tokenizers only µs | HF encode µs "
+           "| speedup (cold, tokenizers only) | Blink chat µs | HF chat µs | speedup | same ids |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in tok_rows:
+        same = "yes" if r["ids_equal"] and r["chat_ids_equal"] else "NO"
+        if not r["fast_path"]:
+            same += " (no fast path)"
         out.append(f"| {r['tokens']} | {r['blink_encode']['median_us']:.1f} | "
-                   f"{r['hf_encode']['median_us']:.1f} | {r['speedup_encode']:.2f}× | "
+                   f"{r['blink_encode_cold']['median_us']:.1f} | "
+                   f"{r['blink_plain_encode']['median_us']:.1f} | "
+                   f"{r['hf_encode']['median_us']:.1f} | **{r['speedup_encode']:.2f}×** "
+                   f"({r['speedup_encode_cold']:.2f}×, {r['speedup_plain_encode']:.2f}×) | "
                    f"{r['blink_chat']['median_us']:.1f} | {r['hf_chat']['median_us']:.1f} | "
-                   f"{r['speedup_chat']:.2f}× | {'yes' if r['ids_equal'] and r['chat_ids_equal'] else 'NO'} |")
+                   f"**{r['speedup_chat']:.2f}×** | {same} |")
+    if not det_rows:
+        return "\n".join(out)
     out += ["", "| output tokens | Blink incremental µs/token | HF full re-decode µs/token | same text |",
             "|---:|---:|---:|---|"]
     for r in det_rows:
@@ -170,15 +220,34 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="directory AutoTokenizer loads (default: the model's tokenizer files "
                          "written to a temporary directory)")
     ap.add_argument("--lengths", default="10,32,128,512,1024,2048")
+    ap.add_argument("--corpus", choices=("english", "multilingual"), default="english")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="pin the process to this many CPUs and Rust's thread pool (rayon) to "
+                         "as many threads (default: no pinning)")
+    ap.add_argument("--no-detok", action="store_true", help="skip the detokenization table")
     ap.add_argument("--detok-lengths", default="128,1024,4096")
     ap.add_argument("--min-time", type=float, default=0.5, help="seconds per measured case")
     ap.add_argument("--min-reps", type=int, default=30)
     ap.add_argument("--result-json", default=None)
     args = ap.parse_args(argv)
+    pinned: list[int] | None = None
+    if args.threads:
+        import os
+
+        # before tokenizers starts its thread pool (it is imported by load_both)
+        os.environ["RAYON_NUM_THREADS"] = str(args.threads)
+        if args.threads == 1:
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        if hasattr(os, "sched_setaffinity"):
+            pinned = sorted(os.sched_getaffinity(0))[: args.threads]
+            os.sched_setaffinity(0, pinned)
     blink_tok, hf_tok, hf_dir = load_both(args.model, args.hf_dir)
     lengths = [int(x) for x in args.lengths.split(",")]
-    tok_rows = bench_tokenize(blink_tok, hf_tok, lengths, args.min_time, args.min_reps)
-    det_rows = bench_detokenize(blink_tok, hf_tok, [int(x) for x in args.detok_lengths.split(",")])
+    sentences = _SENTENCES if args.corpus == "english" else MULTILINGUAL_SENTENCES
+    tok_rows = bench_tokenize(blink_tok, hf_tok, lengths, args.min_time, args.min_reps,
+                              sentences)
+    det_rows = [] if args.no_detok else bench_detokenize(
+        blink_tok, hf_tok, [int(x) for x in args.detok_lengths.split(",")])
     table = print_tables(tok_rows, det_rows)
     print(table)
     if args.result_json:
@@ -187,6 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         Path(args.result_json).write_text(json.dumps({
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": args.model, "hf_dir": hf_dir,
+            "corpus": args.corpus, "threads": args.threads, "pinned_cpus": pinned,
             "versions": {"transformers": transformers.__version__,
                          "tokenizers": tokenizers.__version__},
             "tokenize": tok_rows, "detokenize": det_rows, "table": table}, indent=2))

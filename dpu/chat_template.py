@@ -101,9 +101,14 @@ def _environment() -> ImmutableSandboxedEnvironment:
 def compile_template(source: str) -> jinja2.Template:
     """Compile (and cache) a chat template; a syntax error becomes :class:`ChatTemplateError`."""
     try:
-        return _environment().from_string(source)
+        template = _environment().from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise ChatTemplateError(f"the chat template does not compile: {e}") from e
+    # Jinja keeps a template's globals as a ChainMap over the environment's, and every render
+    # flattens it into the new context: ~5 µs of a ~14 µs render. Our environment's globals
+    # are fixed once built, so a plain dict snapshot renders the same, faster.
+    template.globals = dict(template.globals)
+    return template
 
 
 def _iter_nodes(node: jinja2.nodes.Node) -> Iterator[jinja2.nodes.Node]:

@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence
 from tokenizers import Tokenizer as HFTokenizer
 
 from blink.dpu.chat_template import ChatTemplateError, render_chat_template
+from blink.dpu.fast_encode import FastEncoder
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
@@ -56,7 +57,8 @@ class Tokenizer:
     """Encode/decode, special tokens, and chat-template rendering for one model."""
 
     def __init__(self, tokenizer_json: str, tokenizer_config: Mapping[str, Any] | None = None,
-                 generation_config: Mapping[str, Any] | None = None) -> None:
+                 generation_config: Mapping[str, Any] | None = None, *, fast: bool = True) -> None:
+        """``fast=False`` always encodes through ``tokenizers`` (same ids, slower)."""
         self._tok = HFTokenizer.from_str(tokenizer_json)
         self.config: dict[str, Any] = dict(tokenizer_config or {})
         self.generation_config: dict[str, Any] = dict(generation_config or {})
@@ -103,25 +105,63 @@ class Tokenizer:
         add_bos = self.config.get("add_bos_token")
         self.add_bos: bool = self._post_adds_bos if add_bos is None else bool(add_bos)
 
-        decoder = json.loads(tokenizer_json).get("decoder")
+        spec = json.loads(tokenizer_json)
+        decoder = spec.get("decoder")
         kinds = _decoder_types(decoder)
         self._byte_level = "ByteLevel" in kinds
         self._byte_fallback = "ByteFallback" in kinds
         self._token_bytes_cache: dict[int, bytes] = {}
 
+        # The exact fast path for byte-level BPE (blink.dpu.fast_encode), with the ids the
+        # post-processor puts around a text when add_special_tokens is set: a constant prefix
+        # and suffix (TemplateProcessing, Roberta/Bert processors, ByteLevel's offset trimming),
+        # checked on probes; None when it is not constant (then tokenizers adds them).
+        self._fast: FastEncoder | None = FastEncoder.build(spec, self._tok) if fast else None
+        self._post_affixes: tuple[list[int], list[int]] | None = ([], [])
+        if self._fast is not None and spec.get("post_processor") is not None:
+            self._post_affixes = self._probe_post_affixes()
+
     @classmethod
-    def from_pretrained(cls, name_or_path: str) -> "Tokenizer":
+    def from_pretrained(cls, name_or_path: str, *, fast: bool = True) -> "Tokenizer":
         """Load through ``blink.loader.load_tokenizer_files`` (HF directory, GGUF, or preset)."""
         from blink.loader import load_tokenizer_files  # torch-free; imported late (optional)
 
         tokenizer_json, tokenizer_config, generation_config = load_tokenizer_files(name_or_path)
-        return cls(tokenizer_json, tokenizer_config, generation_config)
+        return cls(tokenizer_json, tokenizer_config, generation_config, fast=fast)
+
+    def _probe_post_affixes(self) -> tuple[list[int], list[int]] | None:
+        with_special = self._tok.encode("Hello world", add_special_tokens=True).ids
+        plain = self._tok.encode("Hello world", add_special_tokens=False).ids
+        for start in range(len(with_special) - len(plain) + 1):
+            if with_special[start: start + len(plain)] == plain:
+                prefix, suffix = with_special[:start], with_special[start + len(plain):]
+                break
+        else:
+            return None
+        for probe in ("", "a", " 12 x\n", "<|x|> ü 😀"):
+            if self._tok.encode(probe, add_special_tokens=True).ids != \
+                    prefix + self._tok.encode(probe, add_special_tokens=False).ids + suffix:
+                return None
+        return prefix, suffix
 
     # -- encode / decode -----------------------------------------------------------------
+    def _encode_ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        """What ``tokenizers`` returns for ``encode(text, add_special_tokens).ids``."""
+        fast = self._fast
+        if fast is not None:
+            affixes = self._post_affixes
+            if not add_special_tokens or affixes is not None:
+                ids = fast.encode(text)
+                if ids is not None:
+                    if add_special_tokens and (affixes[0] or affixes[1]):  # type: ignore[index]
+                        return affixes[0] + ids + affixes[1]  # type: ignore[index]
+                    return ids
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; with ``add_special_tokens`` the model's bos (etc.) are added,
         but a bos already written at the start of ``text`` is not doubled."""
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._encode_ids(text, add_special_tokens)
         if not add_special_tokens or self.bos_token_id is None:
             return ids
         bos = self.bos_token_id
