@@ -21,7 +21,9 @@ Optional, on the same server process: ``--rate-sweep 0.25,0.5,1,2`` adds a Poiss
 offered load with the shipped prompt set (for ``benchmarks.plot``'s latency/throughput vs load
 figures, several systems on one figure), and ``--interference`` repeats the concurrency run
 (and the sweep) with a CPU hog on every core beside the server (stress-ng, else the built-in
-hog of ``benchmarks.interference``) and adds the interference/isolation ratios.
+hog of ``benchmarks.interference``) and adds the interference/isolation ratios
+(``--interference-sweep``: the sweep under the hog too). The result JSON is rewritten after
+every peer.
 
 This file's top level imports only the standard library so that the transformers server can run
 as a plain script inside the peer's venv.
@@ -300,7 +302,8 @@ def run_peer(name: str, port: int, args: argparse.Namespace, tok: Any) -> dict[s
 
 def _run_interfered(row: dict[str, Any], name: str, base_url: str, args: argparse.Namespace,
                     tok: Any, overrides: dict[str, Any]) -> None:
-    """The concurrency run (and the sweep) again with a CPU hog on every core beside the server."""
+    """The concurrency run (and, with ``--interference-sweep``, the sweep) again with a CPU hog
+    on every core beside the server."""
     from benchmarks.interference import Hog, ratios
     from benchmarks.serve import run_benchmark
 
@@ -312,7 +315,7 @@ def _run_interfered(row: dict[str, Any], name: str, base_url: str, args: argpars
         c_args = _client_args(args, base_url, concurrency=args.concurrency, num=args.num_prompts,
                               label=name, overrides=overrides, condition="interference")
         row["concurrent_interference"] = run_benchmark(c_args, tokenizer=tok)["runs"][0]
-        if args.rate_sweep:
+        if args.rate_sweep and args.interference_sweep:
             w_args = _client_args(args, base_url, concurrency=None, num=args.sweep_prompts,
                                   label=name, overrides=overrides, condition="interference",
                                   sweep=True)
@@ -407,7 +410,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "with the shipped prompt set, e.g. 0.25,0.5,1,2")
     ap.add_argument("--sweep-prompts", type=int, default=24, help="requests per sweep rate")
     ap.add_argument("--interference", action="store_true",
-                    help="repeat the concurrency run (and the sweep) with a CPU hog on every core")
+                    help="repeat the concurrency run with a CPU hog on every core")
+    ap.add_argument("--interference-sweep", action="store_true",
+                    help="with --interference and --rate-sweep: the sweep under the hog too (slow: "
+                         "a server without batching takes many minutes per rate under a hog)")
     ap.add_argument("--hog", default="auto", choices=["auto", "stress-ng", "python"])
     ap.add_argument("--hog-settle", type=float, default=3.0,
                     help="seconds between starting the hog and the interfered run")
@@ -448,15 +454,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows.append({"peer": name, "status": "skipped: no HF dir (setup_peers.sh model)"})
             continue
         rows.append(run_peer(name, args.port_base + i, args, tok))
+        _write_result(args, rows)  # after every peer: a stopped run keeps what it measured
     table = markdown_table(rows, args)
     print("\n" + table)
     if args.result_json:
-        Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.result_json).write_text(json.dumps(
-            {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "config": vars(args), "peers": rows,
-             "table": table}, indent=2, default=str))
         print(f"wrote {args.result_json}")
     return 0
+
+
+def _write_result(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    if not args.result_json:
+        return
+    Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.result_json).write_text(json.dumps(
+        {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "config": vars(args), "peers": rows,
+         "table": markdown_table(rows, args)}, indent=2, default=str))
 
 
 if __name__ == "__main__":

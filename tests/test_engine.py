@@ -521,3 +521,37 @@ def test_cpu_loop_bumps_the_heartbeat_between_layers(model_dir):
             assert all(b > a for a, b in zip(beats, beats[1:])), beats
     # only while the loop runs: the hook is removed when it stops
     assert llm.engine.executor.model.on_layer is None
+
+
+def test_engine_builds_on_one_thread_and_the_loop_gets_the_thread_count(model_dir, monkeypatch):
+    """Construction runs with one torch thread (a second multi-thread OpenMP team in the
+    process would make the loop's workers sleep between ops), the loop thread runs steps with
+    the configured count, and the constructing thread's own setting is left as it was."""
+    import blink.loader
+
+    during_build: list[int] = []
+    real_open = blink.loader.open_model
+
+    def open_model(*args, **kwargs):
+        during_build.append(torch.get_num_threads())
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(blink.loader, "open_model", open_model)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with make_llm(model_dir, max_num_seqs=4, threads=2) as llm:
+            assert during_build == [1]
+            assert torch.get_num_threads() == 2  # the caller's setting, restored
+            in_step: list[int] = []
+            real_execute = llm.engine.executor.execute
+
+            def execute(*args, **kwargs):
+                in_step.append(torch.get_num_threads())
+                return real_execute(*args, **kwargs)
+
+            llm.engine.executor.execute = execute
+            [o] = llm.generate([SEEDED[0]], SamplingParams(max_tokens=2, **GREEDY), timeout_s=30)
+            assert len(o.token_ids) == 2 and in_step and set(in_step) == {2}
+    finally:
+        torch.set_num_threads(before)

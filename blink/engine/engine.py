@@ -97,17 +97,37 @@ class Engine:
     supported_devices: tuple[str, ...] = ("cpu",)
 
     def __init__(self, config: EngineConfig) -> None:
-        from blink.engine.null_model import NullExecutor, is_null_model, open_null_model
-        from blink.loader import open_model
-
         self.config = config
         self.device = config.resolved_device()
         if self.device.type not in self.supported_devices:
             raise BlinkError(
                 "the CPU loop runs on --device cpu; on a GPU use --loop host or --loop device"
             )
-        if config.threads is not None:
-            torch.set_num_threads(config.threads)
+        # The steps run on the loop thread, which gets the configured thread count. Everything
+        # here runs on ONE thread: libgomp shortens its workers' spin-wait to almost nothing
+        # once a process holds more OpenMP threads than cores, and a second team in this
+        # (constructing) thread would make the loop's workers sleep and be woken between every
+        # two ops. Measured on 2 cores, bf16 SmolLM2 decode: 36 -> 55 tok/s single stream,
+        # 270 -> 326 tok/s at batch 16 (docs/benchmarks.md, "Executor").
+        self.loop_threads = config.threads or torch.get_num_threads()
+        threads_before = torch.get_num_threads()
+        if self.device.type == "cpu":
+            torch.set_num_threads(1)
+        try:
+            self._build(config)
+        finally:
+            torch.set_num_threads(threads_before)
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._drain = True
+        self.drain_timeout_s = 30.0
+        self.error: BaseException | None = None
+
+    def _build(self, config: EngineConfig) -> None:
+        """Model, KV cache, ring, scheduler and sampler (``__init__``'s work)."""
+        from blink.engine.null_model import NullExecutor, is_null_model, open_null_model
+        from blink.loader import open_model
+
         null = is_null_model(config.model)  # --model null: no model work (control-plane benchmark)
         files = open_null_model() if null else open_model(config.model)
         model_config = ModelConfig.from_hf(files.hf_config, files.source)
@@ -154,11 +174,6 @@ class Engine:
         )
         self.scheduler = Scheduler(self.scheduler_config, self._ring_tensors(), self.device)
         self.sampler = Sampler(max_logprobs=max(self.ring_config.max_logprobs, 1))
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._drain = True
-        self.drain_timeout_s = 30.0
-        self.error: BaseException | None = None
 
     def _ring_tensors(self) -> dict[str, torch.Tensor]:
         """The ring's fields as tensors the scheduler can use from ``self.device``."""
@@ -216,6 +231,8 @@ class Engine:
 
     def _run(self) -> None:
         set_thread_name("blink-loop")
+        if self.device.type == "cpu":
+            torch.set_num_threads(self.loop_threads)  # this thread's OpenMP team (see __init__)
         control = self.ring.control
         self._bump_heartbeat_per_layer(True)
         control[C_ENGINE_STATE] = ENGINE_READY
