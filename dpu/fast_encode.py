@@ -27,6 +27,7 @@ fuzzes mixed text against ``tokenizers`` for each supported regex.
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 from typing import Any, Callable, Mapping
 
 try:  # \p{L}, \p{N}, \p{M}: the ``regex`` package (a transformers dependency, small, C)
@@ -117,19 +118,20 @@ def ascii_pattern(pattern: str) -> str:
     return "".join(out)
 
 
-def bytes_to_unicode() -> list[str]:
-    """GPT-2's printable spelling of each byte (index = byte value)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+@lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table used by byte-level BPE
+    vocabularies (the one copy: the frontend's tokenizer and the GGUF loader use it too)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
         + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    spelling = dict(zip(bs, cs))
-    return [chr(spelling[b]) for b in range(256)]
+    chars = printable[:]
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, (chr(c) for c in chars)))
 
 
 def _pre_tokenizer_pattern(pre: Mapping[str, Any] | None) -> str | None:
@@ -180,7 +182,7 @@ class FastEncoder:
         self._raw_split = _literal_alternation([c for c, _, norm in added if not norm])
         self._norm_split = _literal_alternation([c for c, _, norm in added if norm])
         # bytes -> GPT-2 spelling, as one str.translate over the bytes read as Latin-1
-        self._spelling = str.maketrans(dict(enumerate(bytes_to_unicode())))
+        self._spelling = str.maketrans(bytes_to_unicode())
         self._cache: dict[str, list[int]] = {}
 
     @classmethod

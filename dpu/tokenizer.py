@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 from tokenizers import Tokenizer as HFTokenizer
 
 from blink.dpu.chat_template import ChatTemplateError, render_chat_template
-from blink.dpu.fast_encode import FastEncoder
+from blink.dpu.fast_encode import FastEncoder, bytes_to_unicode
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
@@ -24,16 +24,7 @@ _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_
 @lru_cache(maxsize=1)
 def _byte_level_decoder() -> dict[str, int]:
     """GPT-2's printable-character alphabet for bytes, inverted (char -> byte)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 def _token_content(value: Any) -> str | None:

@@ -14,12 +14,12 @@ Control tokens become special added tokens, user-defined ones plain added tokens
 """
 from __future__ import annotations
 
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
+from blink.dpu.fast_encode import bytes_to_unicode
 from blink.errors import ModelLoadError, UnsupportedModelError
 
 _CONTROL = 3  # llama.cpp token types
@@ -68,22 +68,6 @@ _SPECIAL_IDS = {
     "unk_token": "tokenizer.ggml.unknown_token_id",
     "pad_token": "tokenizer.ggml.padding_token_id",
 }
-
-
-@lru_cache(maxsize=1)
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table used by byte-level BPE vocabularies."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1)
-    )
-    chars = printable[:]
-    extra = 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            chars.append(256 + extra)
-            extra += 1
-    return dict(zip(printable, (chr(c) for c in chars)))
 
 
 def build_tokenizer(get: Callable[[str, Any], Any], path: Path, architecture: str) -> tuple[str, dict[str, Any]]:
