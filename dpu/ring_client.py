@@ -816,20 +816,19 @@ class RingEngineClient:
         ``heartbeat_timeout_s`` (what ``/health`` reports)."""
         if self._dead is not None or self._stalled is not None or self._closed:
             return False
-        if not self._sample() or self._dead is not None:
-            return False
-        return (self._last_state == ENGINE_READY
-                and time.monotonic() - self._heartbeat_changed <= self.heartbeat_timeout_s)
+        return self._ready_within(self.heartbeat_timeout_s)
 
     def is_accepting(self) -> bool:
         """Whether a new request is taken: also during a stall (the request queues in the
         ring), not once the engine is dead, draining, or past ``engine_dead_timeout_s``."""
-        if self._refusal() is not None:
-            return False
+        return self._refusal() is None and self._ready_within(self.engine_dead_timeout_s)
+
+    def _ready_within(self, limit_s: float) -> bool:
+        """Sampled now: not dead, state READY, and the heartbeat moved within ``limit_s``."""
         if not self._sample() or self._dead is not None:
             return False
         return (self._last_state == ENGINE_READY
-                and time.monotonic() - self._heartbeat_changed <= self.engine_dead_timeout_s)
+                and time.monotonic() - self._heartbeat_changed <= limit_s)
 
     def _refusal(self) -> str | None:
         if self._dead is not None:

@@ -138,16 +138,12 @@ class Tokenizer:
     # -- encode / decode -----------------------------------------------------------------
     def _encode_ids(self, text: str, add_special_tokens: bool) -> list[int]:
         """What ``tokenizers`` returns for ``encode(text, add_special_tokens).ids``."""
-        fast = self._fast
-        if fast is not None:
-            affixes = self._post_affixes
-            if not add_special_tokens or affixes is not None:
-                ids = fast.encode(text)
-                if ids is not None:
-                    if add_special_tokens and (affixes[0] or affixes[1]):  # type: ignore[index]
-                        return affixes[0] + ids + affixes[1]  # type: ignore[index]
-                    return ids
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        affixes = self._post_affixes if add_special_tokens else ([], [])
+        ids = self._fast.encode(text) if self._fast is not None and affixes is not None else None
+        if ids is None:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        prefix, suffix = affixes
+        return prefix + ids + suffix if prefix or suffix else ids
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; with ``add_special_tokens`` the model's bos (etc.) are added,

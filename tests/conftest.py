@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 # Triton kernels run on CPU tensors only through the interpreter; the flag is read when
 # triton is first imported, so it must be set before any test module imports it.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -10,3 +12,16 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module (``pytest.mark.usefixtures("one_torch_thread")``): on a
+    shared 2-core machine two OpenMP threads wait on each other for milliseconds per op (see
+    docs/benchmarks.md, Executor); restored afterwards. torch is imported only when used."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

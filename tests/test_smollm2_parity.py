@@ -16,14 +16,8 @@ PROMPTS = [
 N_NEW = 32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: on a shared 2-core machine two OpenMP threads wait on each other
-    for milliseconds per op (see docs/benchmarks.md, Executor); restored afterwards."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+# one torch thread for the whole module (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
