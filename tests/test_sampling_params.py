@@ -10,6 +10,7 @@ import pytest
 from blink.engine.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
+    MAX_N,
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
     SamplingParamsError,
@@ -63,6 +64,24 @@ def test_defaults_match_vllm() -> None:
         ({"logit_bias": {5: 101.0}}, r"must be in \[-100, 100\]"),
         ({"logit_bias": {-1: 1.0}}, "logit_bias token id must be non-negative"),
         ({"logit_bias": {"abc": 1.0}}, "logit_bias keys must be token ids"),
+        # Python's int() is lenient; a token id key must be a plain decimal integer.
+        ({"logit_bias": {" 12 ": 1.0}}, "logit_bias keys must be token ids"),
+        ({"logit_bias": {"1_0": 1.0}}, "logit_bias keys must be token ids"),
+        ({"logit_bias": {"+5": 1.0}}, "logit_bias keys must be token ids"),
+        ({"logit_bias": {"007": 1.0}}, "logit_bias keys must be token ids"),
+        ({"logit_bias": {"-0": 1.0}}, "logit_bias keys must be token ids"),
+        ({"logit_bias": {"\uff11": 1.0}}, "logit_bias keys must be token ids"),  # full-width 1
+        ({"logit_bias": {"1" * 400: 1.0}}, "logit_bias keys must be token ids"),
+        ({"logit_bias": {str(i): 1.0 for i in range(10**5)}}, "logit_bias can hold at most 32"),
+        # Bounds for what a JSON body can carry: huge, and non-finite numbers.
+        ({"n": 10**7}, "n must be at most 128"),
+        ({"temperature": 1e300}, r"temperature must be in \[0, 2\]"),
+        ({"temperature": 2.01}, r"temperature must be in \[0, 2\]"),
+        ({"temperature": float("inf")}, "temperature must be finite"),
+        ({"repetition_penalty": 1e300}, r"repetition_penalty must be in \(0, 2\]"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty must be finite"),
+        ({"top_p": float("nan")}, "top_p must be finite"),
+        ({"presence_penalty": float("-inf")}, "presence_penalty must be finite"),
         ({"logit_bias": {5: "x"}}, "must be a number"),
     ],
 )
@@ -85,8 +104,12 @@ def test_boundary_values_are_accepted() -> None:
         seed=-(2**63),
         stop_token_ids=list(range(MAX_STOP_TOKEN_IDS)),
         logit_bias={i: -100.0 for i in range(MAX_LOGIT_BIAS)},
+        n=MAX_N,
+        temperature=2.0,
+        repetition_penalty=2.0,
     )
     assert p.max_tokens is None and p.min_tokens == 100
+    assert SamplingParams(logit_bias={"0": 1, "42": 3}).logit_bias == {0: 1.0, 42: 3.0}
 
 
 def test_greedy_normalises_filters_and_small_temperature_is_clamped() -> None:

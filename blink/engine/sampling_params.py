@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import secrets
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -35,11 +36,22 @@ MAX_LOGIT_BIAS = 32
 MAX_LOGPROBS = 20
 #: |logit_bias value| limit, as in the OpenAI API.
 MAX_LOGIT_BIAS_VALUE = 100.0
+#: Most choices one request may ask for (OpenAI's limit for ``n``). One HTTP request's total
+#: fan-out is also bounded by what the ring can hold at once (the frontend checks that).
+MAX_N = 128
+#: temperature range: OpenAI's documented [0, 2] (vLLM checks the same).
+MAX_TEMPERATURE = 2.0
+#: repetition_penalty upper bound. vLLM only asks for a finite positive value; a huge one
+#: divides or multiplies logits into inf/0 for nothing, and 2 already all but forbids repeats.
+MAX_REPETITION_PENALTY = 2.0
 
 _SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 _MIN_TEMP = 1e-2  # positive temperatures are raised to at least this (vLLM's _MAX_TEMP)
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _INT32_MAX = 2**31 - 1
+# A logit_bias key as OpenAI sends it: a plain decimal token id. Python's int() also takes
+# " 12 ", "1_0", "+5", "０" (full-width) and "0012"; such keys are refused, not guessed at.
+_TOKEN_ID_KEY = re.compile(r"0|-?[1-9][0-9]{0,18}")
 
 # generation_config.json key -> SamplingParams field, the keys vLLM takes defaults from.
 _GENERATION_CONFIG_KEYS = {
@@ -71,6 +83,18 @@ def _is_int(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _token_id_key(key: Any) -> int | None:
+    """A logit_bias key as a token id: an int, an integral float, or a canonical decimal
+    string (``"42"``, ``"-1"``); ``None`` for anything else."""
+    if _is_int(key):
+        return key
+    if isinstance(key, float):
+        return int(key) if key.is_integer() else None
+    if isinstance(key, str) and _TOKEN_ID_KEY.fullmatch(key):
+        return int(key)
+    return None
 
 
 @dataclass
@@ -129,14 +153,17 @@ class SamplingParams:
             raise SamplingParamsError(
                 f"logit_bias must be a mapping of token id to bias, got {type(bias).__name__}"
             )
+        if len(bias) > MAX_LOGIT_BIAS:  # before the per-key work below
+            raise SamplingParamsError(
+                f"logit_bias can hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}."
+            )
         out: dict[int, float] = {}
         for key, value in bias.items():
-            try:
-                token_id = int(key) if not isinstance(key, bool) else None
-            except (TypeError, ValueError):
-                token_id = None
-            if token_id is None or (isinstance(key, float) and not key.is_integer()):
-                raise SamplingParamsError(f"logit_bias keys must be token ids, got {key!r}")
+            token_id = _token_id_key(key)
+            if token_id is None:
+                raise SamplingParamsError(
+                    f"logit_bias keys must be token ids (decimal integers), got {key!r}"
+                )
             if not _is_number(value):
                 raise SamplingParamsError(
                     f"logit_bias value for token {token_id} must be a number, got {value!r}"
@@ -154,6 +181,8 @@ class SamplingParams:
         self._check_types()
         if self.n < 1:
             raise SamplingParamsError(f"n must be at least 1, got {self.n}.")
+        if self.n > MAX_N:
+            raise SamplingParamsError(f"n must be at most {MAX_N}, got {self.n}.")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise SamplingParamsError(
                 f"presence_penalty must be in [-2, 2], got {self.presence_penalty}."
@@ -162,12 +191,21 @@ class SamplingParams:
             raise SamplingParamsError(
                 f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}."
             )
-        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
+        if not self.repetition_penalty > 0.0:
             raise SamplingParamsError(
                 f"repetition_penalty must be greater than zero, got {self.repetition_penalty}."
             )
-        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
+        if self.repetition_penalty > MAX_REPETITION_PENALTY:
+            raise SamplingParamsError(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
+                f"got {self.repetition_penalty}."
+            )
+        if not self.temperature >= 0.0:
             raise SamplingParamsError(f"temperature must be non-negative, got {self.temperature}.")
+        if self.temperature > MAX_TEMPERATURE:
+            raise SamplingParamsError(
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}."
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}.")
         if self.top_k < -1:
