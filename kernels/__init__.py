@@ -1,8 +1,12 @@
 """Kernels for the model executor and sampler, chosen by device in one place.
 
 ``ops_for(device)`` returns the op table the model and sampler call. On CPU every entry is
-the torch reference from :mod:`blink.kernels.reference`; on CUDA the Triton kernels replace
-the entries they implement. Model code never branches on which kernel it got.
+the torch reference (:mod:`blink.kernels.reference`, and :mod:`blink.kernels.sampling_reference`
+for the sampler's filter and seeded draw); on CUDA the Triton kernels replace the entries they
+implement. Model and sampler code never branch on which kernel they got.
+
+``ops_for(device, triton=True)`` forces the Triton table whatever the device: the tests use it
+on CPU tensors under ``TRITON_INTERPRET=1``.
 """
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
-from blink.kernels import reference
+from blink.kernels import reference, sampling_reference
 
 _OP_NAMES = (
     "rms_norm",
@@ -22,26 +26,41 @@ _OP_NAMES = (
     "moe_topk_route",
     "moe_experts",
 )
+# The sampler's ops (blink.engine.sampler calls them through ``ops_for``).
+_SAMPLING_OP_NAMES = (
+    "apply_top_k_top_p_min_p",
+    "sample",
+)
 
-_cache: dict[str, SimpleNamespace] = {}
+_cache: dict[tuple[str, bool], SimpleNamespace] = {}
 
 
-def ops_for(device: torch.device | str) -> SimpleNamespace:
-    """The op table for ``device`` (cached per device type)."""
+def ops_for(device: torch.device | str, *, triton: bool | None = None) -> SimpleNamespace:
+    """The op table for ``device`` (cached per device type).
+
+    ``triton``: None (the default) = Triton kernels on CUDA, torch references elsewhere;
+    True = the Triton kernels whatever the device (an ImportError if Triton is missing;
+    on CPU tensors this needs ``TRITON_INTERPRET=1`` before the kernels are imported);
+    False = the references.
+    """
     device_type = torch.device(device).type
-    if device_type not in _cache:
+    use_triton = device_type == "cuda" if triton is None else bool(triton)
+    key = (device_type, use_triton)
+    if key not in _cache:
         table = {name: getattr(reference, name) for name in _OP_NAMES}
-        if device_type == "cuda":
-            table.update(_triton_ops())
-        _cache[device_type] = SimpleNamespace(**table)
-    return _cache[device_type]
+        table.update({name: getattr(sampling_reference, name) for name in _SAMPLING_OP_NAMES})
+        if use_triton:
+            table.update(_triton_ops(required=triton is True))
+        _cache[key] = SimpleNamespace(**table)
+    return _cache[key]
 
 
-def _triton_ops() -> dict:
+def _triton_ops(required: bool = False) -> dict:
     """Triton replacements for the reference ops, under the reference names.
 
     The sampling pair replaces :mod:`blink.kernels.sampling_reference`'s functions of the
-    same names. Without an importable Triton the reference ops stay (slower, still correct).
+    same names. Without an importable Triton the reference ops stay (slower, still correct)
+    with a warning, unless ``required`` (then the ImportError propagates).
     """
     try:
         from blink.kernels import (
@@ -52,6 +71,8 @@ def _triton_ops() -> dict:
             triton_sampling,
         )
     except ImportError as exc:  # e.g. a CUDA torch without the triton package
+        if required:
+            raise
         import warnings
 
         warnings.warn(f"Triton kernels unavailable ({exc}); using the torch reference ops")

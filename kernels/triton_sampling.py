@@ -17,6 +17,11 @@ per row streaming the row in chunks:
 * ties at the top-p cut-off keep the lowest vocabulary indices first (the reference's
   stable sort), found by the same search over indices when the cut falls inside a tie.
 
+:class:`blink.engine.sampler.Sampler` calls both through ``blink.kernels.ops_for(device)``,
+inside the captured CUDA graphs: launch grids and block sizes depend only on the shapes, the
+wrappers never read a tensor value on the host, and the per-row branches (top-k on/off,
+top-p on/off) are taken inside the kernel.
+
 Agreement with the reference is exact except when a probability mass lies within fp32
 rounding of ``top_p`` or ``exp(x - max)`` within rounding of ``min_p`` (sums are added in a
 different order), and, for sampling, when two Gumbel scores are within an ulp of ``log``.
@@ -76,6 +81,7 @@ def _uniform_kernel(seed_ptr, counter_ptr, out_ptr, vocab, BLOCK_V: tl.constexpr
 def uniform(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """float32 [B, vocab_size]: the sampler's uniform draws, bit-identical to
     :func:`sampling_reference.uniform` (exposed so the RNG can be checked on its own)."""
+    seeds, counters = seeds.long().contiguous(), counters.long().contiguous()
     out = torch.empty((seeds.shape[0], vocab_size), dtype=torch.float32, device=seeds.device)
     block = min(1024, triton.next_power_of_2(vocab_size))
     if seeds.shape[0]:
@@ -114,6 +120,9 @@ def sample(logits: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor) ->
     n_rows, vocab = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
+    # The kernel reads one int64 per row at unit stride (the hi-32 halves need 64 bits).
+    seeds = seeds.long().contiguous()
+    counters = counters.long().contiguous()
     out = torch.empty(n_rows, dtype=torch.int64, device=logits.device)
     if n_rows:
         _sample_kernel[(n_rows,)](
@@ -266,6 +275,7 @@ def apply_top_k_top_p_min_p(
     logits = logits.float()
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
+    top_k, top_p, min_p = top_k.contiguous(), top_p.contiguous(), min_p.contiguous()
     out = torch.empty((n_rows, vocab), dtype=torch.float32, device=logits.device)
     if n_rows:
         _filter_kernel[(n_rows,)](

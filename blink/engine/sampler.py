@@ -15,6 +15,12 @@ One call handles a whole batch whose rows use different parameters. Order (vLLM 
    the counter-based RNG of :mod:`blink.kernels.sampling_reference` keyed by (seed, counter).
 6. ``torch.where(temperature == 0, greedy, sampled)``: both paths are always computed.
 
+The filter and the seeded draw of step 5 are ``ops.apply_top_k_top_p_min_p`` and
+``ops.sample`` from :func:`blink.kernels.ops_for`: the torch references on CPU, the Triton
+kernels of :mod:`blink.kernels.triton_sampling` on CUDA (same rule, same RNG bits). The choice
+is made in one place, ``ops_for``; ``Sampler(ops=...)`` overrides it (tests pass the Triton table
+on CPU tensors under ``TRITON_INTERPRET=1``).
+
 Nothing here reads a tensor value on the host or branches on one, so the call works under
 ``torch.compile(fullgraph=True)`` and inside a captured CUDA graph. A row's token depends only
 on its own logits, parameters, history, seed and counter: never on the rest of the batch.
@@ -23,6 +29,7 @@ on its own logits, parameters, history, seed and counter: never on the rest of t
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from types import SimpleNamespace
 from typing import NamedTuple, Sequence
 
 import torch
@@ -36,7 +43,7 @@ from blink.engine.sampling_params import (
     draw_seed,
 )
 from blink.errors import BlinkError
-from blink.kernels import sampling_reference as ref
+from blink.kernels import ops_for
 
 
 @dataclass
@@ -277,14 +284,32 @@ class Sampler:
     """Turns a step's logits into tokens and logprobs; see the module docstring for the order.
 
     ``max_logprobs`` fixes N, the width of the top-logprobs output (0 skips the top-k).
+
+    The filter and the seeded draw come from an op table (``apply_top_k_top_p_min_p``,
+    ``sample``): ``ops`` when given, else ``ops_for(device)`` when a device is given, else
+    ``ops_for(logits.device)`` looked up at each call (so ``Sampler()`` gets the Triton kernels
+    for CUDA logits and the references for CPU logits). The lookup is a host-side dict read:
+    nothing is launched or synchronised, so it is safe while a CUDA graph is being captured.
     """
 
-    def __init__(self, max_logprobs: int = MAX_LOGPROBS) -> None:
+    def __init__(
+        self,
+        max_logprobs: int = MAX_LOGPROBS,
+        device: torch.device | str | None = None,
+        ops: SimpleNamespace | None = None,
+    ) -> None:
         if not 0 <= max_logprobs <= MAX_LOGPROBS:
             raise BlinkError(
                 f"max_logprobs must be between 0 and {MAX_LOGPROBS}, got {max_logprobs}"
             )
         self.max_logprobs = max_logprobs
+        if ops is None and device is not None:
+            ops = ops_for(device)
+        self.ops: SimpleNamespace | None = ops  # None: ops_for(logits.device) at each call
+
+    def ops_for(self, device: torch.device | str) -> SimpleNamespace:
+        """The op table a call on ``device`` tensors uses."""
+        return self.ops if self.ops is not None else ops_for(device)
 
     def __call__(
         self,
@@ -311,6 +336,7 @@ class Sampler:
         plan          optional host-side :class:`SamplerPlan` (CPU loop) to skip no-op stages
         """
         plan = plan or _FULL_PLAN
+        ops = self.ops_for(logits.device)
         logits = logits.float()
         # Raw logprobs are x - logsumexp(x): one reduction instead of a [B, V] log_softmax.
         raw_logits = logits
@@ -337,8 +363,8 @@ class Sampler:
             temperature = torch.where(is_greedy, 1.0, st.temperature).unsqueeze(-1)
             scaled = logits / temperature
             if plan.any_filter:
-                scaled = ref.apply_top_k_top_p_min_p(scaled, st.top_k, st.top_p, st.min_p)
-            sampled_tokens = ref.sample(scaled, st.seed, step_counters)
+                scaled = ops.apply_top_k_top_p_min_p(scaled, st.top_k, st.top_p, st.min_p)
+            sampled_tokens = ops.sample(scaled, st.seed, step_counters)
             tokens = torch.where(is_greedy, greedy_tokens, sampled_tokens)
 
         logprob = (raw_logits.gather(-1, tokens.unsqueeze(-1)) - log_norm).squeeze(-1)
