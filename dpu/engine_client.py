@@ -53,8 +53,11 @@ class EngineDeadError(EngineError):
     """The engine is gone (state FAILED/STOPPED, process exited) or has not moved its heartbeat
     for the hard limit: no request can make progress."""
 
-    def __init__(self, message: str = "The engine is not responding (heartbeat stale).") -> None:
+    def __init__(self, message: str = "The engine is not responding (heartbeat stale).",
+                 retry_after_s: float | None = None) -> None:
         super().__init__(message)
+        #: set while the engine is being restarted: the HTTP layer adds ``Retry-After``
+        self.retry_after_s = retry_after_s
 
 
 @dataclass

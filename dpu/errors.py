@@ -60,8 +60,11 @@ def overloaded(message: str, retry_after_s: float) -> APIError:
                     headers={"Retry-After": str(seconds)})
 
 
-def engine_unavailable(message: str) -> APIError:
-    return APIError(503, message, type="service_unavailable_error", code="engine_unavailable")
+def engine_unavailable(message: str, retry_after_s: float | None = None) -> APIError:
+    """503 ``engine_unavailable``; with ``Retry-After`` while the engine is being restarted."""
+    headers = None if retry_after_s is None else {"Retry-After": str(max(1, int(retry_after_s + 0.999)))}
+    return APIError(503, message, type="service_unavailable_error", code="engine_unavailable",
+                    headers=headers)
 
 
 def internal_error(message: str) -> APIError:

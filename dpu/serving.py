@@ -99,7 +99,7 @@ def engine_error_to_api(exc: BaseException) -> APIError:
     if isinstance(exc, EngineOverloadedError):
         return errors.overloaded(str(exc), exc.retry_after_s)
     if isinstance(exc, EngineDeadError):
-        return errors.engine_unavailable(str(exc))
+        return errors.engine_unavailable(str(exc), exc.retry_after_s)
     return errors.internal_error(str(exc) or type(exc).__name__)
 
 
@@ -245,8 +245,11 @@ class OpenAIServing:
         # is_accepting, not is_healthy: a stalled engine (one slow step) still takes requests,
         # which queue in the ring; only a dead or given-up engine refuses them.
         if not self.engine.is_accepting():
+            # an engine being restarted (ReconnectingEngineClient) says when to retry
+            retry = getattr(self.engine, "unavailable_retry_after_s", lambda: None)()
             raise errors.engine_unavailable(
-                "The engine is not available (not responding or stopped); try again later.")
+                "The engine is restarting; retry shortly." if retry is not None else
+                "The engine is not available (not responding or stopped); try again later.", retry)
 
     def _check_request(self, req: ChatCompletionRequest | CompletionRequest) -> None:
         self.check_model(req.model)
