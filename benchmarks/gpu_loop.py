@@ -1,41 +1,45 @@
 """GPU device loops on one GPU: CPU reference vs tier A (host-driven CUDA graphs) vs tier B
-(CPU-free WHILE-graph loop). One prepared script, < 8 minutes on an H200.
+(CPU-free WHILE-graph loop).
 
-What it does, in order (results table on stdout, full numbers as JSON):
+This module is both a script and the library :mod:`benchmarks.gpu_check` builds its phases
+from (random model directories, the ring client, prestaged generation, steady decode, CPU
+hog, makespan). The script, in order (results table on stdout, full numbers as JSON):
 
 1. **Correctness, fp32, small random Llama** (hidden 256, 4 layers): the same greedy
-   requests through the CPU loop on the CPU, tier A and tier B on the GPU. Reported:
-   whether the three token sequences are identical (A and B run the same captured code
-   and must agree exactly; against the CPU a difference can only come from a numerical
-   near-tie, and the first divergence's position is printed).
-2. **A 1B-class random Llama in bf16** (transformers' ``LlamaConfig``: hidden 2048, 16
-   layers, 32 q / 8 kv heads, intermediate 8192, vocab 32000; weights drawn on the GPU and
-   saved as an HF directory): greedy outputs of tier A, tier B and the CPU loop's own step
-   run eagerly on the GPU (``run_step``, no graphs) compared.
-3. **Steady decode** for ``--steady-s`` (20) seconds with ``--requests`` (64) long requests,
-   per tier: engine-host CPU seconds (process CPU time minus the benchmark client's own
-   thread), steps and tokens per second, mean step time. Tier B's should be ~0 CPU s.
+   requests through the CPU loop on the CPU, tier A and tier B on the GPU. Requests are
+   written into the ring *before* the engine starts, so every loop schedules the same
+   batches; A and B run the same captured code and must agree exactly; against the CPU
+   a difference can only come from a numerical near-tie (the first divergence is printed).
+2. **A 1B-class random Llama in bf16** (hidden 2048, 16 layers, 32 q / 8 kv heads,
+   intermediate 8192, vocab 32000; weights drawn on the GPU and written as an HF
+   directory without transformers): greedy outputs of tier A, tier B and the CPU loop's
+   own step run eagerly on the GPU (``run_step``, no graphs) compared.
+3. **Steady decode** for ``--steady-s`` seconds with ``--requests`` long requests, per
+   tier: engine host CPU seconds (process CPU time minus the benchmark client's own
+   thread, and the engine loop thread's own), steps and tokens per second, step time.
 4. **Makespan**: ``--requests`` requests of ``--prompt-len`` prompt tokens and
    ``--max-tokens`` outputs submitted at once; wall time until all finished, per tier.
 5. 3 and 4 again with a CPU hog (one busy process per core).
 
-Usage on the device machine (its image has torch, transformers, cuda-bindings, NVRTC)::
+Usage on the device machine::
 
-    pip install --no-deps --no-build-isolation -e . && python benchmarks/gpu_loop.py
+    python3 -m pip install --no-deps -e . && python3 -m benchmarks.gpu_loop
 
-Without a CUDA device the script builds its inputs (model configs, prompts, sampling
-parameters, engine configs), says "no CUDA device" and exits 0.
+(``python3 -m benchmarks.gpu_check`` runs the same measurements as separate, time-boxed
+phases with pass/fail criteria; prefer it for a first run.) Without a CUDA device the
+script builds its inputs, says "no CUDA device" and exits 0.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
+import resource
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -49,6 +53,8 @@ LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
 LLAMA_SMALL = dict(LLAMA_1B, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                    num_attention_heads=8, num_key_value_heads=2, vocab_size=1024,
                    max_position_embeddings=1024)
+# vocab == 256: every id decodes through the byte tokenizer (the HTTP end-to-end check).
+LLAMA_BYTES = dict(LLAMA_SMALL, vocab_size=256, max_position_embeddings=512, eos_token_id=None)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,28 +68,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_inputs(args: argparse.Namespace) -> dict[str, Any]:
-    """Everything the runs need that does not need a GPU."""
+def build_inputs(requests: int = 64, prompt_len: int = 128, max_tokens: int = 128) -> dict[str, Any]:
+    """Everything the runs need that does not need a GPU (seeded: the same on every call)."""
     from blink.engine.engine import EngineConfig
     from blink.engine.sampling_params import SamplingParams
 
     rng = random.Random(0)
     small_prompts = [[rng.randrange(3, LLAMA_SMALL["vocab_size"]) for _ in range(rng.randint(5, 60))]
                      for _ in range(8)]
-    prompts = [[rng.randrange(3, LLAMA_1B["vocab_size"]) for _ in range(args.prompt_len)]
-               for _ in range(args.requests)]
-    engine_kwargs = dict(max_model_len=4096, max_num_seqs=max(64, args.requests),
-                         max_num_batched_tokens=512, kv_cache_tokens=max(64, args.requests) * 4096,
+    prompts = [[rng.randrange(3, LLAMA_1B["vocab_size"]) for _ in range(prompt_len)]
+               for _ in range(requests)]
+    engine_kwargs = dict(max_model_len=4096, max_num_seqs=max(64, requests),
+                         max_num_batched_tokens=512, kv_cache_tokens=max(64, requests) * 4096,
                          block_size=16)
     return {
         "small_prompts": small_prompts,
         "prompts": prompts,
         "greedy_short": SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
-        "greedy_makespan": SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True),
-        "greedy_long": SamplingParams(max_tokens=4096 - args.prompt_len - 1, temperature=0.0, ignore_eos=True),
+        "greedy_makespan": SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        "greedy_long": SamplingParams(max_tokens=4096 - prompt_len - 1, temperature=0.0, ignore_eos=True),
         "engine_kwargs": engine_kwargs,
         "small_config": dict(engine_kwargs, max_model_len=1024, max_num_seqs=16,
-                             kv_cache_tokens=16 * 1024, max_num_batched_tokens=128),
+                             kv_cache_tokens=16 * 1024, max_num_batched_tokens=128, dtype="float32"),
         "EngineConfig": EngineConfig,
     }
 
@@ -91,7 +97,8 @@ def build_inputs(args: argparse.Namespace) -> dict[str, Any]:
 # --------------------------------------------------------------------------- model files
 
 
-def _byte_tokenizer_json() -> str:
+def byte_tokenizer_json() -> str:
+    """A byte-level BPE without merges: token id == byte value (256 tokens)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     from blink.dpu.tokenizer import _byte_level_decoder
@@ -102,23 +109,81 @@ def _byte_tokenizer_json() -> str:
     return tok.to_str()
 
 
-def make_model(root: Path, dims: dict[str, Any], dtype: torch.dtype, name: str) -> Path:
-    """A random Llama saved as an HF directory (weights drawn on the GPU: fast)."""
-    import transformers as tf
+def llama_config_json(dims: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """config.json of a Llama with ``dims`` (what transformers' LlamaConfig would save)."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+            "torch_dtype": str(dtype).removeprefix("torch."), **dims}
 
-    path = root / name
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(**dims)
-    with torch.device("cuda"):
-        model = tf.LlamaForCausalLM(cfg).to(dtype)
-    model.save_pretrained(path)
-    (path / "tokenizer.json").write_text(_byte_tokenizer_json(), encoding="utf-8")
-    del model
-    torch.cuda.empty_cache()
+
+def llama_tensor_shapes(dims: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """HF parameter names and shapes of a Llama with ``dims``."""
+    h, inter, v = dims["hidden_size"], dims["intermediate_size"], dims["vocab_size"]
+    d = dims.get("head_dim") or h // dims["num_attention_heads"]
+    q, kv = dims["num_attention_heads"] * d, dims["num_key_value_heads"] * d
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
+    for i in range(dims["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        })
+    shapes["model.norm.weight"] = (h,)
+    if not dims.get("tie_word_embeddings"):
+        shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+def write_random_llama(path: Path, dims: dict[str, Any], dtype: torch.dtype, device: str = "cpu",
+                       seed: int = 0, std: float = 0.02) -> Path:
+    """A random Llama as an HF directory (config.json, model.safetensors, a byte
+    tokenizer), written without transformers. Weights ~ N(0, std) (transformers' own
+    initialisation), norm weights 1 + N(0, 0.1) so a skipped norm shows; drawn on
+    ``device`` (a GPU draws a 1B model in well under a second). Reused when a complete
+    directory for the same dims, dtype and seed exists (a marker is written last)."""
+    from safetensors.torch import save_file
+
+    key = hashlib.sha256(json.dumps([dims, str(dtype), seed, std], sort_keys=True).encode()).hexdigest()[:16]
+    marker = path / ".complete"
+    if marker.is_file() and marker.read_text() == key:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, shape in llama_tensor_shapes(dims).items():
+        t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+        t = 1.0 + 0.1 * t if len(shape) == 1 else t * std
+        tensors[name] = t.to(dtype).cpu()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    del tensors
+    (path / "config.json").write_text(json.dumps(llama_config_json(dims, dtype), indent=1), encoding="utf-8")
+    (path / "tokenizer.json").write_text(byte_tokenizer_json(), encoding="utf-8")
+    (path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False}), encoding="utf-8")
+    marker.write_text(key)
     return path
 
 
 # ------------------------------------------------------------------------------ running
+
+
+def thread_cpu_s(native_id: int | None) -> float | None:
+    """CPU seconds (user + system) of one thread of this process, from /proc."""
+    if native_id is None:
+        return None
+    try:
+        stat = Path(f"/proc/self/task/{native_id}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def loop_thread_id(engine: Any) -> int | None:
+    """The engine loop thread's kernel id (``Engine._thread``; None if it is not running)."""
+    thread = getattr(engine, "_thread", None)
+    return getattr(thread, "native_id", None)
 
 
 class Client:
@@ -132,9 +197,42 @@ class Client:
         self.ring = RingClient(LoopbackTransport(engine.region.name, engine.region.total_bytes))
         self.rid = 0
 
-    def run(self, prompts: list[list[int]], params: Any, timeout_s: float = 300) -> tuple[list[list[int]], float]:
+    def submit(self, prompt: list[int], params: Any) -> Any:
+        """Write one request into the ring; None while no slot is free."""
         from blink.dpu.ring_client import ring_fields
 
+        self.rid += 1
+        fields = ring_fields(params, len(prompt), self.engine.max_model_len, self.ring.config)
+        return self.ring.try_submit(self.rid, prompt, **fields)
+
+    def submit_all(self, prompts: list[list[int]], params: Any) -> list[Any]:
+        """Every prompt at once (all must fit in the ring's slots)."""
+        handles = [self.submit(p, params) for p in prompts]
+        if any(h is None for h in handles):
+            raise RuntimeError(f"{len(prompts)} requests do not fit in the ring's "
+                               f"{self.ring.config.n_slots} slots")
+        return handles
+
+    def collect(self, handles: list[Any], timeout_s: float = 300) -> list[list[int]]:
+        """Tokens of ``handles`` until all finished (the engine must be running)."""
+        out: list[list[int]] = [[] for _ in handles]
+        index = {id(h): i for i, h in enumerate(handles)}
+        active = list(handles)
+        deadline = time.monotonic() + timeout_s
+        while active:
+            if not self.engine.alive:
+                raise RuntimeError(f"engine stopped: {self.engine.error!r}")
+            for h, delta in self.ring.poll_many(active).items():
+                out[index[id(h)]] += delta.token_ids
+                if delta.finished:
+                    active.remove(h)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(active)} of {len(handles)} requests did not finish in {timeout_s:g} s")
+            time.sleep(5e-4)
+        return out
+
+    def run(self, prompts: list[list[int]], params: Any, timeout_s: float = 300) -> tuple[list[list[int]], float]:
+        """Submit as slots free up (the engine running) and collect; (tokens, wall s)."""
         pending = list(reversed(range(len(prompts))))
         active: dict[Any, int] = {}
         out: list[list[int]] = [[] for _ in prompts]
@@ -143,14 +241,10 @@ class Client:
             if not self.engine.alive:
                 raise RuntimeError(f"engine stopped: {self.engine.error!r}")
             while pending:
-                i = pending[-1]
-                self.rid += 1
-                fields = ring_fields(params, len(prompts[i]), self.engine.max_model_len, self.ring.config)
-                h = self.ring.try_submit(self.rid, prompts[i], **fields)
+                h = self.submit(prompts[pending[-1]], params)
                 if h is None:
                     break
-                pending.pop()
-                active[h] = i
+                active[h] = pending.pop()
             for h, delta in self.ring.poll_many(list(active)).items():
                 out[active[h]] += delta.token_ids
                 if delta.finished:
@@ -160,28 +254,29 @@ class Client:
             time.sleep(5e-4)
         return out, time.monotonic() - t0
 
-    def steady(self, prompts: list[list[int]], params: Any, window_s: float) -> dict[str, float]:
-        """Keep ``prompts`` decoding; measure ``window_s`` of steady state."""
-        from blink.dpu.ring_client import ring_fields
+    def steady(self, prompts: list[list[int]], params: Any, window_s: float,
+               start_timeout_s: float = 120) -> dict[str, Any]:
+        """Keep ``prompts`` decoding; measure ``window_s`` of steady state: steps, tokens,
+        step time, and host CPU of the engine (process minus this client thread; and the
+        engine loop thread alone)."""
         from blink.ring import C_STAT_GENERATED_TOKENS, C_STAT_STEPS
 
-        def submit(p: list[int]) -> Any:
-            self.rid += 1
-            fields = ring_fields(params, len(p), self.engine.max_model_len, self.ring.config)
-            h = self.ring.try_submit(self.rid, p, **fields)
-            assert h is not None, "ring full"
-            return h
-
-        handles = [submit(p) for p in prompts]
+        handles = self.submit_all(prompts, params)
         started = set()
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + start_timeout_s
         while len(started) < len(handles):  # every request past its prefill
             for h, d in self.ring.poll_many(handles).items():
                 if d.token_ids:
-                    started.add(h)
-            assert time.monotonic() < deadline, "requests did not start"
+                    started.add(id(h))
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {len(started)} of {len(handles)} requests started")
+            if not self.engine.alive:
+                raise RuntimeError(f"engine stopped: {self.engine.error!r}")
             time.sleep(1e-3)
         control = self.engine.ring.control
+        tid = loop_thread_id(self.engine)
+        loop0 = thread_cpu_s(tid)
+        ru0 = resource.getrusage(resource.RUSAGE_SELF)
         cpu0, mine0, t0 = time.process_time(), time.thread_time(), time.monotonic()
         steps0, tok0 = int(control[C_STAT_STEPS]), int(control[C_STAT_GENERATED_TOKENS])
         while time.monotonic() - t0 < window_s:
@@ -190,30 +285,44 @@ class Client:
             for h, d in self.ring.poll_many(handles).items():
                 if d.finished:
                     i = handles.index(h)
-                    handles[i] = submit(prompts[i])
+                    handles[i] = self.submit(prompts[i], params)
             time.sleep(2e-3)
         t1 = time.monotonic()
         cpu = time.process_time() - cpu0 - (time.thread_time() - mine0)
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
+        loop1 = thread_cpu_s(tid)
         steps, toks = int(control[C_STAT_STEPS]) - steps0, int(control[C_STAT_GENERATED_TOKENS]) - tok0
         for h in handles:
-            self.ring.cancel(h)
+            if h is not None:
+                self.ring.cancel(h)
         end = time.monotonic() + 30
-        while any(not h.done for h in handles) and time.monotonic() < end:
-            self.ring.poll_many(handles)
+        while any(h is not None and not h.done for h in handles) and time.monotonic() < end:
+            self.ring.poll_many([h for h in handles if h is not None])
             time.sleep(1e-3)
-        return {"window_s": t1 - t0, "engine_cpu_s": cpu, "steps": steps, "tokens": toks,
-                "step_ms": 1e3 * (t1 - t0) / max(steps, 1), "tokens_per_s": toks / (t1 - t0)}
+        window = t1 - t0
+        return {"window_s": window, "engine_cpu_s": cpu,
+                "engine_cpu_pct_of_core": 100 * cpu / window,
+                "loop_thread_cpu_s": None if loop0 is None or loop1 is None else loop1 - loop0,
+                "process_cpu_s_rusage": (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime),
+                "voluntary_ctx_switches": ru1.ru_nvcsw - ru0.ru_nvcsw,
+                "steps": steps, "tokens": toks,
+                "step_ms": 1e3 * window / max(steps, 1), "tokens_per_s": toks / window}
 
     def close(self) -> None:
         self.ring.close()
 
 
 class CpuHog:
-    """One busy process per core."""
+    """``n`` (default: one per core) busy-looping processes, killed on exit."""
+
+    def __init__(self, n: int | None = None) -> None:
+        self.n = n or os.cpu_count() or 1
+        self.procs: list[subprocess.Popen] = []
 
     def __enter__(self) -> "CpuHog":
         self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                      for _ in range(os.cpu_count() or 1)]
+                      for _ in range(self.n)]
+        time.sleep(0.5)  # let them reach the run queue before anything is measured
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -223,23 +332,59 @@ class CpuHog:
             p.wait()
 
 
-def start_engine(EngineConfig: Any, model: Path, kwargs: dict[str, Any], loop: str, device: str = "cuda",
-                 eager_gpu: bool = False) -> Any:
+def make_engine(EngineConfig: Any, model: Path, kwargs: dict[str, Any], loop: str, device: str = "cuda",
+                eager_gpu: bool = False, start: bool = True) -> Any:
+    """``create_engine`` for ``loop`` (cpu | host | device); started unless ``start`` is
+    False (then requests can be written into the ring first). ``eager_gpu``: the CPU
+    loop's step run eagerly on GPU tensors (no graphs)."""
     from blink.engine.gpu_loop import create_engine
     from blink.engine.graphs import run_step
 
     cfg = EngineConfig(**{"model": str(model), "device": device, "dtype": "auto", **kwargs})
     t0 = time.monotonic()
     engine = create_engine(cfg, loop)
-    if eager_gpu:  # the CPU loop's step, run eagerly on GPU tensors (no graphs)
+    if eager_gpu:
         engine.step = lambda: run_step(engine.parts)  # type: ignore[method-assign]
-    engine.start()
-    print(f"  {loop}{' (eager step)' if eager_gpu else ''}: engine ready in {time.monotonic() - t0:.1f} s "
+    engine.build_s = time.monotonic() - t0
+    if start:
+        engine.start()
+    print(f"  {loop}{' (eager step)' if eager_gpu else ''}: engine built in {engine.build_s:.1f} s "
           f"({type(engine).__name__} {getattr(engine, 'tier', '')})", flush=True)
     return engine
 
 
+start_engine = make_engine  # the name the first version of this script used
+
+
+def generate_prestaged(EngineConfig: Any, model: Path, kwargs: dict[str, Any], loop: str,
+                       prompts: list[list[int]], params: Any, device: str = "cuda",
+                       timeout_s: float = 120, eager_gpu: bool = False) -> tuple[list[list[int]], dict[str, Any]]:
+    """Build an engine, write every request into its ring, *then* start it and collect:
+    every loop sees the same ring at its first step, so batches (and bf16 rounding) are
+    the same from run to run. Returns (tokens, info: build/run seconds, engine type)."""
+    engine = make_engine(EngineConfig, model, kwargs, loop, device, eager_gpu=eager_gpu, start=False)
+    client = Client(engine)
+    info: dict[str, Any] = {"engine": type(engine).__name__, "tier": getattr(engine, "tier", None),
+                            "build_s": round(engine.build_s, 2)}
+    try:
+        handles = client.submit_all(prompts, params)
+        t0 = time.monotonic()
+        engine.start()
+        out = client.collect(handles, timeout_s)
+        info["run_s"] = round(time.monotonic() - t0, 3)
+        if hasattr(engine, "loop_counters"):
+            info["loop_counters"] = engine.loop_counters()
+        info["exit_reason"] = getattr(engine, "exit_reason", None)
+    finally:
+        client.close()
+        engine.close()
+    return out, info
+
+
 def first_divergence(a: list[list[int]], b: list[list[int]]) -> str:
+    """Where two runs' token lists first differ ("none" if they do not)."""
+    if len(a) != len(b):
+        return f"{len(a)} vs {len(b)} requests"
     for r, (x, y) in enumerate(zip(a, b)):
         if x != y:
             i = next((k for k, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
@@ -249,7 +394,7 @@ def first_divergence(a: list[list[int]], b: list[list[int]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    inputs = build_inputs(args)
+    inputs = build_inputs(args.requests, args.prompt_len, args.max_tokens)
     print(f"inputs: {len(inputs['prompts'])} prompts of {args.prompt_len} tokens, "
           f"{len(inputs['small_prompts'])} correctness prompts; engine {inputs['engine_kwargs']}")
     if not torch.cuda.is_available():
@@ -266,42 +411,32 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="blink-gpu-loop-"))
 
     # 1. correctness, fp32, small model: CPU loop vs A vs B
-    small = make_model(root, LLAMA_SMALL, torch.float32, "llama-small")
+    small = write_random_llama(root / "llama-small", LLAMA_SMALL, torch.float32, "cuda")
     outs = {}
     for loop, device in [("cpu", "cpu")] + [(t, "cuda") for t in tiers]:
-        engine = start_engine(EngineConfig, small, dict(inputs["small_config"], dtype="float32"), loop, device)
-        client = Client(engine)
-        try:
-            outs[loop] = client.run(inputs["small_prompts"], inputs["greedy_short"])[0]
-        finally:
-            client.close()
-            engine.close()
+        outs[loop] = generate_prestaged(EngineConfig, small, inputs["small_config"], loop,
+                                        inputs["small_prompts"], inputs["greedy_short"], device)[0]
     results["small_fp32_identical"] = {t: outs[t] == outs["cpu"] for t in tiers}
     results["small_fp32_first_divergence"] = {t: first_divergence(outs["cpu"], outs[t]) for t in tiers}
     if "device" in outs:
         results["small_fp32_A_equals_B"] = outs["host"] == outs["device"]
 
     # 2-5. the 1B-class model in bf16
-    big = make_model(root, LLAMA_1B, torch.bfloat16, "llama-1b")
+    big = write_random_llama(root / "llama-1b", LLAMA_1B, torch.bfloat16, "cuda")
     kwargs = inputs["engine_kwargs"]
     prompts = inputs["prompts"]
-    eng = start_engine(EngineConfig, big, kwargs, "host", eager_gpu=True)
-    client = Client(eng)
-    try:
-        ref = client.run(prompts[:8], inputs["greedy_short"])[0]
-    finally:
-        client.close()
-        eng.close()
+    ref = generate_prestaged(EngineConfig, big, kwargs, "host", prompts[:8], inputs["greedy_short"],
+                             eager_gpu=True)[0]
     per_tier: dict[str, Any] = {}
     for loop in tiers:
-        engine = start_engine(EngineConfig, big, kwargs, loop)
-        client = Client(engine)
         r: dict[str, Any] = {}
+        got, r["generate"] = generate_prestaged(EngineConfig, big, kwargs, loop, prompts[:8], inputs["greedy_short"])
+        r["greedy_equals_eager_gpu"] = got == ref
+        r["first_divergence_vs_eager"] = first_divergence(ref, got)
+        r["greedy_tokens"] = got
+        engine = make_engine(EngineConfig, big, kwargs, loop)
+        client = Client(engine)
         try:
-            got = client.run(prompts[:8], inputs["greedy_short"])[0]
-            r["greedy_equals_eager_gpu"] = got == ref
-            r["first_divergence_vs_eager"] = first_divergence(ref, got)
-            r["greedy_tokens"] = got
             r["steady"] = client.steady(prompts, inputs["greedy_long"], args.steady_s)
             r["makespan_s"] = client.run(prompts, inputs["greedy_makespan"])[1]
             if not args.no_hog:
@@ -314,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
             client.close()
             engine.close()
         per_tier[loop] = r
-        print(f"  {loop}: {json.dumps({k: v for k, v in r.items() if k != 'greedy_tokens'})}", flush=True)
+        print(f"  {loop}: {json.dumps({k: v for k, v in r.items() if k != 'greedy_tokens'}, default=str)}", flush=True)
     results["tiers"] = per_tier
     if "device" in per_tier:
         results["1b_A_equals_B"] = per_tier["host"]["greedy_tokens"] == per_tier["device"]["greedy_tokens"]
@@ -333,10 +468,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {loop:6} {tag:10} {s['engine_cpu_s']:9.2f} {s['steps'] / s['window_s']:8.1f} "
                       f"{s['step_ms']:8.2f} {s['tokens_per_s']:8.0f} {r[mk]:10.2f}")
     out = Path(args.json or Path(os.environ.get("OUT", ".")) / "gpu_loop.json")
-    results_json = {k: v for k, v in results.items()}
-    for r in results_json.get("tiers", {}).values():
+    for r in results.get("tiers", {}).values():
         r.pop("greedy_tokens", None)
-    out.write_text(json.dumps(results_json, indent=1, default=str))
+    out.write_text(json.dumps(results, indent=1, default=str))
     print(f"wrote {out}")
     return 0
 
