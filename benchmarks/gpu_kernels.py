@@ -18,10 +18,13 @@ Usage::
     python benchmarks/gpu_kernels.py --json out.json # also save the rows
     python benchmarks/gpu_kernels.py --sweep         # + attention tile/split alternatives
     python benchmarks/gpu_kernels.py --dry-run       # small shapes, no timing
+    python benchmarks/gpu_kernels.py --quick         # one model per kernel family, short timing
 
 Without CUDA the script runs in dry-run mode: it builds every case at small sizes, runs the
 reference ops and (through the Triton interpreter, which it enables) the kernels, compares
-them, prints the table without timings, and exits 0. Budget: < 6 minutes on an H200.
+them, prints the table without timings, and exits 0. Budget: < 6 minutes on an H200
+(``--quick``, used by ``benchmarks.gpu_check``: Llama-3-8B shapes for the dense and
+attention kernels, the MoE and sampling cases, a tenth of the timing repetitions).
 """
 from __future__ import annotations
 
@@ -343,10 +346,11 @@ def sampling_cases(model: str, dims: dict, small: bool, device: torch.device) ->
     ]
 
 
-def build_cases(small: bool, device: torch.device, dtype: torch.dtype, only: str | None) -> list[Case]:
+def build_cases(small: bool, device: torch.device, dtype: torch.dtype, only: str | None,
+                quick: bool = False) -> list[Case]:
     dims = SMALL if small else MODELS
     cases: list[Case] = []
-    for model in ("llama3-8b", "qwen3-32b"):
+    for model in ("llama3-8b",) if quick else ("llama3-8b", "qwen3-32b"):
         cases += dense_cases(model, dims[model], small, device, dtype)
         cases += attention_cases(model, dims[model], small, device, dtype)
     cases += moe_cases("qwen3-30b-a3b", dims["qwen3-30b-a3b"], small, device, dtype)
@@ -367,8 +371,12 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() * 4 / (ms * 1e-3)
 
 
+# do_bench's warm-up and repetition budgets in milliseconds; --quick divides them.
+BENCH_MS = {"warmup": 5, "rep": 40}
+
+
 def bench_us(fn: Callable[[], Any]) -> float:
-    return triton.testing.do_bench(fn, warmup=5, rep=40) * 1e3
+    return triton.testing.do_bench(fn, warmup=BENCH_MS["warmup"], rep=BENCH_MS["rep"]) * 1e3
 
 
 def graph_check(fn: Callable[[], Any], eager: Any) -> str:
@@ -474,47 +482,70 @@ def print_table(rows: list[Row]) -> None:
               f"{r.graph[:6]:>6} {'ok ' if r.ok else 'BAD'} {r.detail}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Triton kernels vs torch on a GPU")
     parser.add_argument("--dry-run", action="store_true", help="small shapes, no timing")
+    parser.add_argument("--quick", action="store_true",
+                        help="Llama-3-8B dense/attention + MoE + sampling cases, short timing")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--only", help="run cases whose 'model case' contains this text")
     parser.add_argument("--no-reference", action="store_true", help="do not time the reference ops")
     parser.add_argument("--sweep", action="store_true",
                         help="also time alternative attention launch configs (adds ~2-3 min)")
     parser.add_argument("--json", help="write the rows to this file")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
+
+def run_cases(args: argparse.Namespace, on_row: Callable[[Row], None] | None = None) -> tuple[list[Row], bool]:
+    """Build and run every selected case; ``on_row`` sees each row as soon as it is done
+    (a caller with a deadline keeps what finished). Returns (rows, ran on CUDA)."""
     cuda = torch.cuda.is_available() and not args.dry_run
     device = torch.device("cuda" if cuda else "cpu")
     dtype = getattr(torch, args.dtype)
+    if getattr(args, "quick", False):
+        BENCH_MS.update(warmup=1, rep=5)
     if not cuda:
         mode = "the Triton interpreter" if triton.knobs.runtime.interpret else "no Triton execution"
         print(f"No CUDA device (or --dry-run): small shapes on CPU with {mode}; nothing is timed.")
-    started = time.perf_counter()
     torch.manual_seed(0)
-    cases = build_cases(small=not cuda, device=device, dtype=dtype, only=args.only)
+    cases = build_cases(small=not cuda, device=device, dtype=dtype, only=args.only,
+                        quick=getattr(args, "quick", False))
     bandwidth = copy_bandwidth(device) if cuda else None
     if cuda:
         props = torch.cuda.get_device_properties(device)
         print(f"{props.name}: {props.multi_processor_count} SMs, copy bandwidth "
-              f"{bandwidth / 1e12:.2f} TB/s, dtype {args.dtype}, triton {triton.__version__}")
+              f"{bandwidth / 1e12:.2f} TB/s, dtype {args.dtype}, triton {triton.__version__}", flush=True)
     rows = []
     for case in cases:
         try:
-            rows.append(run_case(case, cuda, bandwidth, args))
+            row = run_case(case, cuda, bandwidth, args)
         except Exception as exc:  # one broken case must not hide the others
-            rows.append(Row(case.group, case.name, detail=f"ERROR {type(exc).__name__}: {exc}"[:200]))
+            row = Row(case.group, case.name, detail=f"ERROR {type(exc).__name__}: {exc}"[:200])
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
         if cuda:
             torch.cuda.empty_cache()
+    return rows, cuda
+
+
+def failing(rows: list[Row]) -> list[Row]:
+    """Rows whose check failed or whose CUDA-graph replay failed or differed."""
+    return [r for r in rows if not r.ok or r.graph.startswith(("FAIL", "replay"))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    rows, cuda = run_cases(args)
     print_table(rows)
     if args.sweep and cuda:
         print("\nattention launch configs (llama3-8b):")
-        print("\n".join(attention_sweep(device, dtype)))
+        print("\n".join(attention_sweep(torch.device("cuda"), getattr(torch, args.dtype))))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump([asdict(r) for r in rows], fh, indent=1)
-    bad = [r for r in rows if not r.ok or r.graph.startswith(("FAIL", "replay"))]
+    bad = failing(rows)
     print(f"\n{len(rows)} cases, {len(bad)} failing, {time.perf_counter() - started:.0f} s"
           + ("" if cuda else " (dry run: built and checked at small sizes)"))
     if not cuda:
