@@ -69,9 +69,9 @@ def model_dir(tmp_path_factory) -> Path:
 
 def _generate(model_dir: Path, loop: str, prompts, params, **overrides):
     """Outputs and the engine's counters, with ``loop`` in cpu | host | device (simulated)."""
-    orig = llm_module.Engine
+    orig = llm_module.create_engine
     if loop != "cpu":
-        llm_module.Engine = lambda cfg: create_engine(cfg, loop, simulate=True)
+        llm_module.create_engine = lambda cfg, _loop="auto": create_engine(cfg, loop, simulate=True)
     try:
         with llm_module.LLM(str(model_dir), **{**SMALL, **overrides}) as llm:
             outs = llm.generate(prompts, params, timeout_s=120)
@@ -85,7 +85,7 @@ def _generate(model_dir: Path, loop: str, prompts, params, **overrides):
                     info["counters"] = engine.loop_counters()
             return [[c.token_ids for c in o.outputs] for o in outs], info
     finally:
-        llm_module.Engine = orig
+        llm_module.create_engine = orig
 
 
 # ------------------------------------------------------------------------------ the plan

@@ -558,7 +558,7 @@ def _lookup(sched: Scheduler, prompt: list[int]) -> tuple[int, int]:
     st.tokens[0, : len(prompt)] = torch.tensor(prompt)
     st.num_tokens[0] = len(prompt)
     rows, ok = torch.tensor([0]), torch.tensor([True])
-    n_hit, _, rejects = prefix_cache.lookup(st, sched.config, rows, ok, sched._pows, sched._stamp(0))
+    n_hit, _, rejects = prefix_cache.lookup(st, sched.config, rows, ok, sched._hash, sched._stamp(0))
     return int(n_hit[0]), int(rejects)
 
 

@@ -14,7 +14,8 @@ from blink.dpu.detokenizer import IncrementalDetokenizer
 from blink.dpu.ring_client import RingClient, RingHandle, ring_fields
 from blink.dpu.stop_strings import StopStringMatcher
 from blink.dpu.tokenizer import Tokenizer
-from blink.engine.engine import Engine, EngineConfig
+from blink.engine.engine import EngineConfig
+from blink.engine.gpu_loop import create_engine
 from blink.engine.sampling_params import SamplingParams, SamplingParamsError
 from blink.errors import BlinkError
 from blink.loader import load_tokenizer_files
@@ -84,13 +85,17 @@ class LLM:
 
     Keyword arguments are :class:`~blink.engine.engine.EngineConfig` fields (``dtype``,
     ``max_model_len``, ``max_num_seqs``, ``kv_cache_tokens``, ``enable_prefix_caching``...).
+    ``loop`` picks the device loop like ``blink serve --loop``: ``auto`` (the CPU loop on a
+    CPU; tier B, else tier A, on a GPU), ``cpu``, ``host`` (tier A) or ``device`` (tier B).
     """
 
-    def __init__(self, model: str = "smollm2-135m", **engine_kwargs: Any) -> None:
+    def __init__(self, model: str = "smollm2-135m", *, loop: str = "auto", **engine_kwargs: Any) -> None:
         tokenizer_json, tokenizer_config, generation_config = load_tokenizer_files(model)
         self.tokenizer = Tokenizer(tokenizer_json, tokenizer_config, generation_config)
         self.generation_config = generation_config
-        self.engine = Engine(EngineConfig(model=model, **engine_kwargs))
+        # The same factory as `blink serve`/`blink engine`: the CPU loop on a CPU, a GPU
+        # tier (--loop host|device|auto) on a CUDA machine.
+        self.engine = create_engine(EngineConfig(model=model, **engine_kwargs), loop)
         self.engine.start()
         self._ring = RingClient(LoopbackTransport(self.engine.region.name, self.engine.region.total_bytes))
         self.max_model_len = self.engine.max_model_len

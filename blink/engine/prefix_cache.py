@@ -19,6 +19,8 @@ every key to collide).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from blink.engine.state import EngineState, SchedulerConfig
@@ -30,8 +32,16 @@ PRIMES = (2_147_483_647, 2_147_483_629)
 BASES = (1_000_003, 998_244_353)
 
 
-def power_table(length: int, device: torch.device | str) -> torch.Tensor:
-    """int64 [2, length]: BASES[m] ** i mod PRIMES[m] (built once, on the host)."""
+class HashConstants(NamedTuple):
+    """The hash's device constants, built once on the host at startup (a captured step may
+    not build tensors from Python data)."""
+
+    pows: torch.Tensor  # int64 [2, length]: BASES[m] ** i mod PRIMES[m]
+    primes: torch.Tensor  # int64 [2, 1]: the moduli, shaped to broadcast over [2, ...]
+
+
+def hash_constants(length: int, device: torch.device | str) -> HashConstants:
+    """The powers for ``length`` token positions and the moduli, on ``device``."""
     rows = []
     for base, prime in zip(BASES, PRIMES):
         acc, row = 1, []
@@ -39,12 +49,10 @@ def power_table(length: int, device: torch.device | str) -> torch.Tensor:
             row.append(acc)
             acc = acc * base % prime
         rows.append(row)
-    return torch.tensor(rows, dtype=torch.int64, device=device)
-
-
-def primes(device: torch.device | str) -> torch.Tensor:
-    """int64 [2, 1]: the moduli, shaped to broadcast over [2, ...] hash tensors."""
-    return torch.tensor(PRIMES, dtype=torch.int64, device=device).view(2, 1)
+    return HashConstants(
+        pows=torch.tensor(rows, dtype=torch.int64, device=device),
+        primes=torch.tensor(PRIMES, dtype=torch.int64, device=device).view(2, 1),
+    )
 
 
 def table_key(h: torch.Tensor) -> torch.Tensor:
@@ -54,12 +62,12 @@ def table_key(h: torch.Tensor) -> torch.Tensor:
     return (h[0] << 31) | h[1]
 
 
-def token_terms(ids: torch.Tensor, positions: torch.Tensor, pows: torch.Tensor) -> torch.Tensor:
+def token_terms(ids: torch.Tensor, positions: torch.Tensor, hc: HashConstants) -> torch.Tensor:
     """Per-token hash terms [2, *ids.shape]: (id + 1) * base**pos mod p. The prefix hash of
     a sequence is the sum of its tokens' terms mod p. ``positions`` matches the trailing
     dimensions of ``ids``."""
-    p = primes(ids.device).view(2, *([1] * ids.dim()))
-    pw = pows[:, positions]
+    p = hc.primes.view(2, *([1] * ids.dim()))
+    pw = hc.pows[:, positions]
     pw = pw.view(2, *([1] * (ids.dim() - positions.dim())), *positions.shape)
     return (ids.long().unsqueeze(0) + 1) * pw % p
 
@@ -69,7 +77,7 @@ def lookup(
     cfg: SchedulerConfig,
     rows: torch.Tensor,
     ok: torch.Tensor,
-    pows: torch.Tensor,
+    hc: HashConstants,
     stamp: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Find and take the longest verified cached prefix of each row in ``rows`` [K] (where
@@ -82,10 +90,10 @@ def lookup(
     N, B, M, H = cfg.num_blocks, cfg.block_size, cfg.max_blocks_per_seq, cfg.hash_table_size
     K = rows.shape[0]
     dev = rows.device
-    p = primes(dev).view(2, 1, 1)
+    p = hc.primes.view(2, 1, 1)
     toks = st.tokens[rows, : M * B]  # [K, M*B]
     col = torch.arange(M * B, device=dev)
-    terms = token_terms(toks, col, pows).view(2, K, M, B).sum(-1) % p
+    terms = token_terms(toks, col, hc).view(2, K, M, B).sum(-1) % p
     h = terms.cumsum(-1) % p  # [2, K, M]: hash of the prefix ending with block j
     key = table_key(h)  # [K, M]
 
@@ -131,7 +139,7 @@ def register(
     slot_mapping: torch.Tensor,
     query_start_loc: torch.Tensor,
     valid: torch.Tensor,
-    pows: torch.Tensor,
+    hc: HashConstants,
     stamp: torch.Tensor,
 ) -> None:
     """After a step's forward: record the tokens computed into each block, advance the rows'
@@ -140,13 +148,13 @@ def register(
     All inputs are the step's flat [T] token arrays; ``valid`` masks the padding."""
     N, B, H = cfg.num_blocks, cfg.block_size, cfg.hash_table_size
     dev = input_ids.device
-    p = primes(dev)
+    p = hc.primes
 
     # Token ids go where their KV went (padding lands in the scratch block).
     st.block_tokens.view(-1).index_copy_(0, slot_mapping, input_ids.to(st.block_tokens.dtype))
 
     # Prefix hash at every token: the row's hash before the step + this step's terms so far.
-    terms = token_terms(input_ids, positions, pows) * valid  # [2, T]
+    terms = token_terms(input_ids, positions, hc) * valid  # [2, T]
     incl = terms.cumsum(1)
     start = query_start_loc.long()[rows]
     before_row = (incl - terms).gather(1, start.unsqueeze(0).expand(2, -1))
@@ -193,6 +201,8 @@ def register(
     st.block_key.index_put_((blk,), key)
     st.block_parent.index_put_((blk,), parent)
     st.block_parent_gen.index_put_((blk,), st.block_gen[parent])
-    st.block_slot[N] = -1
-    st.hash_table[H] = N
+    # The sink lanes took the writes of the losers above: restore them (slice fills, not
+    # ``t[i] = v``, which builds a tensor from Python data).
+    st.block_slot[N:].fill_(-1)
+    st.hash_table[H:].fill_(N)
     st.block_last_used.scatter_reduce_(0, blk, torch.where(win, stamp, 0), "amax")

@@ -205,7 +205,7 @@ class Scheduler:
         self._eos = torch.tensor(eos, dtype=torch.int64, device=dev)
         self._buckets = torch.tensor(config.buckets, dtype=torch.int64, device=dev)
         self._stat_words = torch.tensor(_STAT_WORDS, dtype=torch.int64, device=dev)
-        self._pows = prefix_cache.power_table(M * B, dev)
+        self._hash = prefix_cache.hash_constants(M * B, dev)
 
     # ------------------------------------------------------------------------------ step
 
@@ -245,7 +245,7 @@ class Scheduler:
             md = batch.attn
             prefix_cache.register(
                 st, cfg, batch.input_ids, md.positions, md.token_seq_idx, md.slot_mapping,
-                md.query_start_loc, self._tok < batch.num_scheduled_tokens, self._pows,
+                md.query_start_loc, self._tok < batch.num_scheduled_tokens, self._hash,
                 self._stamp(self.config.max_blocks_per_seq),
             )
         st.num_computed += batch.num_new_tokens
@@ -351,7 +351,7 @@ class Scheduler:
         _, rows = torch.topk(torch.where(st.needs_lookup, st.arrival, INT64_MAX), K, largest=False)
         ok = st.needs_lookup[rows]
         n_hit, hit_hash, rejects = prefix_cache.lookup(
-            st, cfg, rows, ok, self._pows, self._stamp(cfg.max_blocks_per_seq)
+            st, cfg, rows, ok, self._hash, self._stamp(cfg.max_blocks_per_seq)
         )
         hit_tokens = n_hit * cfg.block_size
         st.num_blocks[rows] = torch.where(ok, n_hit, st.num_blocks[rows])
