@@ -31,6 +31,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -148,11 +149,14 @@ class EngineProbe:
     """Reads the engine's step and token counters straight from the ring's control block
     (a read-only attach through the bootstrap handshake; no slot is touched)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, secret_file: Path) -> None:
+        from blink.transport.auth import load_secret_file
         from blink.transport.bootstrap import connect
 
         host, _, port = address.rpartition(":")
-        self.info, self.transport = connect(host, int(port))
+        # role monitor: authenticated like a frontend, but holds no frontend lease
+        self.info, self.transport = connect(host, int(port), secret=load_secret_file(secret_file),
+                                            role="monitor")
 
     def read(self) -> dict:
         from blink.ring import C_STAT_GENERATED_TOKENS, C_STAT_STEPS, CONTROL_WORDS
@@ -166,11 +170,12 @@ class EngineProbe:
 
 
 def start_server(port: int, max_num_seqs: int, max_model_len: int, kv_tokens: int,
-                 log_path: Path) -> tuple[subprocess.Popen, str | None]:
-    """``blink serve --model null``; returns the process and the engine's bootstrap address."""
+                 log_path: Path, secret_file: Path) -> tuple[subprocess.Popen, str | None]:
+    """``blink serve --model null``; returns the process and the engine's bootstrap address
+    (the probe authenticates with ``secret_file``, which serve creates)."""
     cmd = [sys.executable, "-m", "blink.cli", "serve", "--model", "null", "--port", str(port),
            "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
-           "--kv-cache-tokens", str(kv_tokens)]
+           "--kv-cache-tokens", str(kv_tokens), "--bootstrap-secret-file", str(secret_file)]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
@@ -215,6 +220,8 @@ def main() -> int:
     ap.add_argument("--url", default=None, help="use a running server instead of starting one")
     ap.add_argument("--engine", default=None, metavar="HOST:PORT",
                     help="with --url: the engine's bootstrap address, to read its step counters")
+    ap.add_argument("--bootstrap-secret-file", type=Path, default=None,
+                    help="with --engine: the engine's bootstrap secret file")
     ap.add_argument("--model", default="null", help="model name to send (default: null)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 256])
     ap.add_argument("--requests", type=int, default=None,
@@ -227,15 +234,18 @@ def main() -> int:
 
     top = max(args.concurrency)
     proc = None
-    url, engine_address = args.url, args.engine
+    url, engine_address, secret_file = args.url, args.engine, args.bootstrap_secret_file
     if url is None:
         port = free_port()
         kv_tokens = max(65536, 2 * top * args.max_model_len // 4)
+        secret_file = Path(tempfile.mkdtemp(prefix="blink-bench-")) / "bootstrap.secret"
         proc, engine_address = start_server(
             port, max(top, 16), args.max_model_len, kv_tokens,
-            Path(os.environ.get("TMPDIR", "/tmp")) / "blink-control-plane.log")
+            Path(os.environ.get("TMPDIR", "/tmp")) / "blink-control-plane.log", secret_file)
         url = f"http://127.0.0.1:{port}"
-    probe = EngineProbe(engine_address) if engine_address else None
+    if engine_address and secret_file is None:
+        raise SystemExit("--engine needs --bootstrap-secret-file (the engine's bootstrap secret)")
+    probe = EngineProbe(engine_address, secret_file) if engine_address else None
     rows = []
     try:
         print(f"# {platform.node()} {platform.processor() or platform.machine()}, "

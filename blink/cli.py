@@ -104,6 +104,24 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run only the frontend, connecting to a running 'blink engine' at --engine")
     serve.add_argument("--engine", default=None, metavar="HOST:PORT",
                        help="bootstrap address of the engine (with --frontend-only)")
+    serve.add_argument("--bootstrap-secret-file", type=Path, default=None, metavar="FILE",
+                       help="file holding the engine's bootstrap secret (mode 0600). With "
+                            "--frontend-only: the file 'blink engine' printed (or was given), "
+                            "needed to attach. Without: use this secret instead of a fresh "
+                            "one per start (created if missing), so that monitoring tools can "
+                            "attach too")
+    restart = serve.add_argument_group("engine restarts (blink serve)")
+    restart.add_argument("--no-engine-restart", dest="engine_restart", action="store_false",
+                         help="exit when the engine dies instead of restarting it (by default "
+                              "it is restarted on the same bootstrap port with an exponential "
+                              "back-off of 1 s doubling up to 30 s, while the frontend answers "
+                              "503 + Retry-After and reconnects by itself)")
+    restart.add_argument("--max-engine-restarts", type=int, default=5, metavar="N",
+                         help="give up (and exit non-zero) when the engine would be restarted "
+                              "more than N times within --engine-restart-window (default: "
+                              "%(default)s)")
+    restart.add_argument("--engine-restart-window", type=float, default=300.0, metavar="SECONDS",
+                         help="the window --max-engine-restarts counts in (default: %(default)g)")
 
     engine = sub.add_parser(
         "engine", help="run only the engine (the host half of a DPU deployment)",
@@ -114,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(engine)
     engine.add_argument("--listen", default="127.0.0.1:7000", metavar="HOST:PORT",
                         help="bootstrap listener address (default: %(default)s)")
+    engine.add_argument("--bootstrap-secret-file", type=Path, default=None, metavar="FILE",
+                        help="the secret a frontend must prove it knows to attach (the "
+                             "challenge-response never sends it). Read from FILE, or created "
+                             "there (mode 0600) if missing; the frontend takes the same FILE. "
+                             "Without this flag a fresh secret is written to "
+                             "$XDG_RUNTIME_DIR/blink/bootstrap-PORT.secret (else "
+                             "~/.blink/bootstrap-PORT.secret) and its path printed")
 
     convert = sub.add_parser(
         "convert", help="write a GGUF model as a Hugging Face directory",

@@ -45,10 +45,20 @@ async def _serve(args: argparse.Namespace, host: str, port: int) -> None:
     from blink.dpu.ring_client import RingEngineClient
     from blink.dpu.tokenizer import Tokenizer
 
-    engine = await RingEngineClient.connect(
-        host, port, expect_transport=args.transport,
-        heartbeat_timeout_s=args.heartbeat_timeout, engine_dead_timeout_s=args.engine_dead_timeout,
-    )
+    from blink.dpu.ring_client import ReconnectingEngineClient
+
+    secret = frontend_secret(args)
+
+    async def attach() -> RingEngineClient:
+        return await RingEngineClient.connect(
+            host, port, secret=secret, expect_transport=args.transport,
+            heartbeat_timeout_s=args.heartbeat_timeout,
+            engine_dead_timeout_s=args.engine_dead_timeout,
+        )
+
+    # The first attach must work (a wrong address or secret is a start-up error); after that
+    # a dead engine is reconnected to (blink serve restarts it on the same bootstrap port).
+    engine = ReconnectingEngineClient(await attach(), attach, where=f"{host}:{port}")
     try:
         tokenizer = Tokenizer.from_pretrained(engine.info.tokenizer)
         model_name = getattr(args, "served_model_name", None) or engine.model_name
@@ -77,6 +87,19 @@ async def _serve(args: argparse.Namespace, host: str, port: int) -> None:
         await engine.close()
 
 
+def frontend_secret(args: argparse.Namespace) -> bytes | None:
+    """The bootstrap secret: ``--bootstrap-secret-file``, else what ``blink serve`` passed in
+    ``$BLINK_BOOTSTRAP_SECRET`` (removed from the environment as it is read), else None (the
+    engine then refuses, and the error says how to pass it)."""
+    from blink.transport.auth import load_secret_file, secret_from_env
+
+    from_env = secret_from_env()
+    path = getattr(args, "bootstrap_secret_file", None)
+    if path is not None:
+        return load_secret_file(path)
+    return from_env
+
+
 def check_timeout_flags(args: argparse.Namespace) -> None:
     """``--heartbeat-timeout`` / ``--engine-dead-timeout``: one clear line if they do not fit."""
     from blink.dpu.engine_client import check_engine_timeouts
@@ -93,6 +116,9 @@ def run_frontend(args: argparse.Namespace) -> int:
         raise BlinkError("--frontend-only needs --engine HOST:PORT (the engine's bootstrap address)")
     host, port = parse_host_port(args.engine)
     check_timeout_flags(args)
+    from blink.launcher import watch_supervisor
+
+    watch_supervisor("frontend")  # die with the blink serve that started us
     try:
         asyncio.run(_serve(args, host, port))
     except KeyboardInterrupt:

@@ -1,27 +1,111 @@
 """``blink engine`` (the host half) and ``blink serve`` (engine + frontend as two processes).
 
-``blink serve`` is a small supervisor: it starts ``blink engine`` and waits for its bootstrap
-address, starts the frontend (``blink serve --frontend-only``) against it, prints the URL, and
-then watches both. SIGINT/SIGTERM stop the frontend first (it stops accepting and finishes
-its responses), then the engine (which drains what is in flight); if either child dies, the
-other is stopped too and the exit status is non-zero. The engine removes its shared-memory
-region on every exit path, and removes stale ones left by a crashed engine at start.
+``blink serve`` is a small supervisor: it generates the bootstrap secret, starts ``blink
+engine`` and waits for its bootstrap address, starts the frontend (``blink serve
+--frontend-only``) against it, prints the URL, and then watches both. SIGINT/SIGTERM stop the
+frontend first (it stops accepting and finishes its responses), then the engine (which drains
+what is in flight). If the engine dies it is restarted on the same bootstrap port (bounded
+exponential back-off, at most ``--max-engine-restarts`` in ``--engine-restart-window``; off
+with ``--no-engine-restart``) while the frontend keeps running, answers 503 + Retry-After and
+re-bootstraps to the new engine by itself. If the frontend dies, or the engine cannot be
+restarted, everything stops with a non-zero status.
+
+Both children die with the supervisor, even when it is killed outright (SIGKILL, OOM):
+``PR_SET_PDEATHSIG`` is set between fork and exec, and each child also watches its parent pid
+(:func:`watch_supervisor`), which covers the cases where the death signal is not delivered
+(it follows the forking *thread*, and is lost if the parent died before it was set).
+The engine removes its shared-memory region on every exit path, and removes stale ones left by
+a crashed engine at start.
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import ctypes
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from typing import IO
+from pathlib import Path
+from typing import IO, Callable
 
 from blink.errors import BlinkError
 
 ENGINE_READY_PREFIX = "BLINK_ENGINE_READY "
 FRONTEND_READY_PREFIX = "Blink frontend ready"
+#: environment variable that tells a child the pid of the ``blink serve`` it must die with
+SUPERVISOR_PID_ENV = "BLINK_SUPERVISOR_PID"
+#: seconds an orphaned child gets for a clean exit before it exits hard
+ORPHAN_GRACE_S = 5.0
+#: restart back-off: first delay, cap, and how long an engine must live to reset it
+RESTART_BACKOFF_S = 1.0
+RESTART_BACKOFF_MAX_S = 30.0
+RESTART_STABLE_S = 60.0
+DEFAULT_MAX_ENGINE_RESTARTS = 5
+DEFAULT_ENGINE_RESTART_WINDOW_S = 300.0
+
+
+# ------------------------------------------------------------------------- dying together
+
+_PR_SET_PDEATHSIG = 1
+_prctl: Callable[..., int] | None = None
+if sys.platform.startswith("linux"):
+    try:  # resolved here, in the parent: the preexec hook must not load libraries after fork
+        _prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # pragma: no cover
+        _prctl = None
+
+
+def set_parent_death_signal(signum: int = signal.SIGTERM) -> bool:
+    """Ask the kernel to send ``signum`` to this process when its parent dies (Linux)."""
+    if _prctl is None:
+        return False
+    return _prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(int(signum)), 0, 0, 0) == 0
+
+
+def _child_preexec() -> None:
+    """Runs in the child between fork and exec: only the prctl syscall, nothing that locks."""
+    set_parent_death_signal(signal.SIGTERM)
+
+
+def watch_supervisor(what: str, on_orphan: Callable[[], None] | None = None
+                     ) -> Callable[[], bool] | None:
+    """In a child of ``blink serve``: make sure it dies with its supervisor.
+
+    Reads (and removes) :data:`SUPERVISOR_PID_ENV`; without it (a standalone process) does
+    nothing and returns None. Otherwise sets the parent-death signal again (harmless) and
+    starts a daemon thread that, as soon as the parent pid is no longer the supervisor's,
+    calls ``on_orphan``, sends this process SIGTERM (its clean shutdown) and, if it is still
+    alive ``ORPHAN_GRACE_S`` later, removes its shared-memory regions and exits hard. Returns
+    a function telling whether the supervisor is gone.
+    """
+    value = os.environ.pop(SUPERVISOR_PID_ENV, None)
+    if not value or not value.isdigit():
+        return None
+    supervisor = int(value)
+    set_parent_death_signal(signal.SIGTERM)
+
+    def gone() -> bool:
+        return os.getppid() != supervisor
+
+    def watch() -> None:
+        while not gone():
+            time.sleep(0.2)
+        print(f"blink {what}: its blink serve supervisor (pid {supervisor}) is gone; exiting",
+              file=sys.stderr, flush=True)
+        if on_orphan is not None:
+            on_orphan()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(ORPHAN_GRACE_S)
+        from blink.transport.loopback import unlink_all_regions
+
+        unlink_all_regions()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="blink-parent-watch", daemon=True).start()
+    return gone
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -43,11 +127,32 @@ def engine_config_from_args(args: argparse.Namespace):
     )
 
 
+def engine_secret(args: argparse.Namespace) -> tuple[bytes, Path | None, bool]:
+    """(secret, file, created) for ``blink engine``: ``$BLINK_BOOTSTRAP_SECRET`` from ``blink
+    serve`` (no file), else ``--bootstrap-secret-file`` (read, or created 0600 if missing),
+    else a fresh secret that the caller writes to the default path once the port is known."""
+    from blink.transport.auth import load_or_create_secret_file, secret_from_env
+
+    from_env = secret_from_env()
+    path = getattr(args, "bootstrap_secret_file", None)
+    if path is not None:
+        secret, created = load_or_create_secret_file(path)
+        return secret, Path(path), created
+    if from_env is not None:
+        return from_env, None, False
+    from blink.transport.auth import generate_secret
+
+    return generate_secret(), None, True
+
+
 def run_engine(args: argparse.Namespace) -> int:
     """``blink engine``: load, create the ring, serve the bootstrap, run the loop until a signal."""
     from blink.frontend_main import parse_host_port
 
     host, port = parse_host_port(args.listen, "--listen")
+    standalone = SUPERVISOR_PID_ENV not in os.environ
+    secret, secret_path, secret_created = engine_secret(args)  # before the slow model load
+    supervisor_gone = watch_supervisor("engine")  # die with the blink serve that started us
     from blink.engine.gpu_loop import create_engine
     from blink.transport import BootstrapServer
 
@@ -64,9 +169,18 @@ def run_engine(args: argparse.Namespace) -> int:
         model_name = args.served_model_name or args.model
         server = BootstrapServer(
             engine.region, model_name=model_name, max_model_len=engine.max_model_len,
-            tokenizer=engine.source, host=host, port=port,
+            tokenizer=engine.source, host=host, port=port, secret=secret,
         )
         bound_host, bound_port = server.start()
+        if standalone and secret_path is None:
+            # No secret given: a fresh one, written where only this user can read it.
+            from blink.transport.auth import default_secret_path, write_secret_file
+
+            secret_path = write_secret_file(default_secret_path(bound_port), secret)
+        if secret_path is not None:
+            print(f"blink engine: bootstrap secret {'written to' if secret_created else 'read from'} "
+                  f"{secret_path} (mode 0600); start the frontend with --bootstrap-secret-file "
+                  f"{secret_path}", file=sys.stderr, flush=True)
         engine.start()
         print(f"{ENGINE_READY_PREFIX}{bound_host}:{bound_port}", flush=True)
         print(f"blink engine: model {model_name!r} ({engine.source}), "
@@ -77,7 +191,8 @@ def run_engine(args: argparse.Namespace) -> int:
         while not stop.wait(0.2):
             if not engine.alive:
                 raise BlinkError(f"the engine loop stopped: {engine.error!r}")
-        engine.stop(drain=True)
+        # An orphan has nobody to drain for (its frontend dies with the supervisor too).
+        engine.stop(drain=not (supervisor_gone is not None and supervisor_gone()))
         return 0
     finally:
         if server is not None:
@@ -103,9 +218,21 @@ def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
     return out
 
 
+class _Stopped(Exception):
+    """SIGINT/SIGTERM arrived while the supervisor was waiting for something."""
+
+
+class _NotReady(BlinkError):
+    """A child exited (or timed out) before it printed its ready line."""
+
+
 def _wait_for_line(proc: subprocess.Popen, prefix: str, what: str, timeout_s: float,
-                   forward_to: IO[str]) -> str:
-    """Read ``proc``'s stdout until a line starting with ``prefix``; forward the rest."""
+                   forward_to: IO[str], stop: threading.Event | None = None,
+                   watch: tuple[tuple[str, subprocess.Popen], ...] = ()) -> str:
+    """Read ``proc``'s stdout until a line starting with ``prefix``; forward the rest (also
+    after it, for the life of the process). Raises :class:`_Stopped` when ``stop`` is set,
+    :class:`_NotReady` if ``proc`` exits or times out first, :class:`BlinkError` if a
+    ``watch``ed process exits meanwhile."""
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout_s
     result: list[str] = []
@@ -121,12 +248,17 @@ def _wait_for_line(proc: subprocess.Popen, prefix: str, what: str, timeout_s: fl
     thread = threading.Thread(target=reader, name=f"blink-{what}-out", daemon=True)
     thread.start()
     while not result:
+        if stop is not None and stop.is_set():
+            raise _Stopped()
         if proc.poll() is not None:
             thread.join(1.0)
-            raise BlinkError(f"the {what} exited with status {proc.returncode} before it was ready "
-                             f"(its messages are above)")
+            raise _NotReady(f"the {what} exited with status {proc.returncode} before it was ready "
+                            f"(its messages are above)")
+        for name, other in watch:
+            if other.poll() is not None:
+                raise BlinkError(f"the {name} process exited unexpectedly (status {other.returncode})")
         if time.monotonic() > deadline:
-            raise BlinkError(f"the {what} was not ready after {timeout_s:.0f} s")
+            raise _NotReady(f"the {what} was not ready after {timeout_s:.0f} s")
         time.sleep(0.05)
     return result[0]
 
@@ -144,7 +276,7 @@ def _stop_child(proc: subprocess.Popen | None, timeout_s: float) -> None:
 
 def frontend_args(args: argparse.Namespace, address: str) -> list[str]:
     """The ``blink serve --frontend-only`` arguments ``blink serve`` starts its frontend with
-    (the API key goes through the environment instead)."""
+    (the API key and the bootstrap secret go through the environment instead)."""
     out = ["serve", "--frontend-only", "--engine", address, "--host", args.host,
            "--port", str(args.port), "--transport", args.transport,
            "--heartbeat-timeout", repr(args.heartbeat_timeout),
@@ -154,43 +286,172 @@ def frontend_args(args: argparse.Namespace, address: str) -> list[str]:
     return out
 
 
+def check_restart_flags(args: argparse.Namespace) -> None:
+    """``--max-engine-restarts`` / ``--engine-restart-window``: one clear line if they do not fit."""
+    if getattr(args, "max_engine_restarts", 0) < 0:
+        raise BlinkError(f"--max-engine-restarts must be >= 0, got {args.max_engine_restarts}")
+    if not getattr(args, "engine_restart_window", 1.0) > 0:
+        raise BlinkError(f"--engine-restart-window must be positive, got {args.engine_restart_window:g}")
+
+
+class RestartPolicy:
+    """When to restart a dead engine: exponential back-off from ``RESTART_BACKOFF_S`` up to
+    ``RESTART_BACKOFF_MAX_S`` (reset once an engine has lived ``RESTART_STABLE_S``), and at
+    most ``max_restarts`` restarts within any ``window_s`` seconds."""
+
+    def __init__(self, max_restarts: int, window_s: float) -> None:
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self._times: collections.deque[float] = collections.deque()
+        self._quick_deaths = 0
+
+    def next_delay(self, now: float, engine_lived_s: float) -> float | None:
+        """Seconds to wait before the next restart, or None: give up. Records the restart."""
+        if engine_lived_s >= RESTART_STABLE_S:
+            self._quick_deaths = 0
+        while self._times and now - self._times[0] > self.window_s:
+            self._times.popleft()
+        if len(self._times) >= self.max_restarts:
+            return None
+        self._times.append(now)
+        delay = min(RESTART_BACKOFF_S * 2 ** self._quick_deaths, RESTART_BACKOFF_MAX_S)
+        self._quick_deaths += 1
+        return delay
+
+    @property
+    def recent(self) -> int:
+        """Restarts counted in the current window."""
+        return len(self._times)
+
+
+def serve_secret(args: argparse.Namespace) -> bytes:
+    """``blink serve``'s bootstrap secret: from ``--bootstrap-secret-file`` (created 0600 if
+    missing; lets monitoring tools attach), else fresh for this start."""
+    from blink.transport.auth import generate_secret, load_or_create_secret_file
+
+    path = getattr(args, "bootstrap_secret_file", None)
+    if path is not None:
+        return load_or_create_secret_file(path)[0]
+    return generate_secret()
+
+
+class _Supervisor:
+    """The children of one ``blink serve`` and what to do when one of them dies."""
+
+    def __init__(self, args: argparse.Namespace, env: dict[str, str], stop: threading.Event) -> None:
+        self.args = args
+        self.env = env
+        self.stop = stop
+        self.python = [sys.executable, "-m", "blink.cli"]
+        self.engine: subprocess.Popen | None = None
+        self.frontend: subprocess.Popen | None = None
+
+    def _spawn(self, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        # start_new_session: a terminal's Ctrl-C reaches only us; we stop the children in order.
+        return subprocess.Popen([*self.python, *argv], stdout=subprocess.PIPE, text=True,
+                                env=env or self.env, start_new_session=True,
+                                preexec_fn=_child_preexec)
+
+    def _start_engine(self, port: int) -> str:
+        """Start an engine listening on 127.0.0.1:``port``; its address once ready."""
+        args = self.args
+        self.engine = self._spawn(
+            ["engine", "--listen", f"127.0.0.1:{port}", *_flags(args, _ENGINE_FLAGS),
+             *(["--no-prefix-caching"] if args.no_prefix_caching else [])])
+        watch = (("frontend", self.frontend),) if self.frontend is not None else ()
+        ready = _wait_for_line(self.engine, ENGINE_READY_PREFIX, "engine", 600, sys.stderr,
+                               self.stop, watch)
+        return ready[len(ENGINE_READY_PREFIX):]
+
+    def _sleep(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.stop.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
+                raise _Stopped()
+            if self.frontend is not None and self.frontend.poll() is not None:
+                raise BlinkError(f"the frontend process exited unexpectedly "
+                                 f"(status {self.frontend.returncode})")
+
+    def run(self) -> int:
+        args = self.args
+        address = self._start_engine(args.engine_port or 0)
+        # Restarts reuse this port: the frontend re-bootstraps to the same address.
+        port = int(address.rpartition(":")[2])
+        env = dict(self.env)
+        if args.api_key:
+            env["BLINK_API_KEY"] = args.api_key  # only the frontend needs it
+        self.frontend = self._spawn(frontend_args(args, address), env)
+        _wait_for_line(self.frontend, FRONTEND_READY_PREFIX, "frontend", 120, sys.stderr,
+                       self.stop, (("engine", self.engine),))
+        print(f"Blink is serving {args.served_model_name or args.model!r} at "
+              f"http://{args.host}:{args.port}/v1  (Ctrl-C to stop)", flush=True)
+        policy = RestartPolicy(args.max_engine_restarts, args.engine_restart_window)
+        started = time.monotonic()
+        while not self.stop.wait(0.2):
+            if self.frontend.poll() is not None:
+                raise BlinkError(f"the frontend process exited unexpectedly (status {self.frontend.returncode})")
+            assert self.engine is not None
+            if self.engine.poll() is None:
+                continue
+            status = self.engine.returncode
+            if not args.engine_restart:
+                raise BlinkError(f"the engine process exited unexpectedly (status {status}; "
+                                 f"--no-engine-restart)")
+            while True:  # restart until one is ready, within the policy
+                now = time.monotonic()
+                delay = policy.next_delay(now, now - started)
+                if delay is None:
+                    raise BlinkError(
+                        f"the engine process exited (status {status}) and was already restarted "
+                        f"{policy.recent} times within {policy.window_s:g} s "
+                        f"(--max-engine-restarts / --engine-restart-window); giving up")
+                print(f"blink serve: the engine exited (status {status}); restarting it in "
+                      f"{delay:g} s (restart {policy.recent} of at most {policy.max_restarts} "
+                      f"within {policy.window_s:g} s); the frontend answers 503 meanwhile",
+                      file=sys.stderr, flush=True)
+                self._sleep(delay)
+                try:
+                    self._start_engine(port)
+                except _NotReady as exc:
+                    print(f"blink serve: the restarted engine failed: {exc}", file=sys.stderr, flush=True)
+                    status = self.engine.returncode if self.engine.poll() is not None else "timeout"
+                    _stop_child(self.engine, 10)
+                    started = time.monotonic()
+                    continue
+                started = time.monotonic()
+                print(f"blink serve: the engine is back (pid {self.engine.pid}, 127.0.0.1:{port}); "
+                      f"the frontend reconnects to it", file=sys.stderr, flush=True)
+                break
+        return 0
+
+    def shutdown(self) -> None:
+        _stop_child(self.frontend, 15)
+        _stop_child(self.engine, 40)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """``blink serve``: engine and frontend as two processes over the loopback ring."""
     from blink.frontend_main import check_timeout_flags
+    from blink.transport.auth import SECRET_ENV
 
     check_timeout_flags(args)  # fail at once with one clear line, before starting anything
+    check_restart_flags(args)
     if args.model != "null":
         from blink.loader import resolve_model
 
         resolve_model(args.model)
-    python = [sys.executable, "-m", "blink.cli"]
     env = dict(os.environ)
+    # Private to the children: in their environment (readable only by this user), never on
+    # a command line (which ps shows to everyone).
+    env[SECRET_ENV] = serve_secret(args).decode()
+    env[SUPERVISOR_PID_ENV] = str(os.getpid())
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda s, f: stop.set())
     signal.signal(signal.SIGINT, lambda s, f: stop.set())
-    engine = frontend = None
+    supervisor = _Supervisor(args, env, stop)
     try:
-        engine_port = args.engine_port or 0
-        engine = subprocess.Popen(
-            [*python, "engine", "--listen", f"127.0.0.1:{engine_port}",
-             *_flags(args, _ENGINE_FLAGS), *(["--no-prefix-caching"] if args.no_prefix_caching else [])],
-            stdout=subprocess.PIPE, text=True, env=env, start_new_session=True,
-        )
-        ready = _wait_for_line(engine, ENGINE_READY_PREFIX, "engine", 600, sys.stderr)
-        address = ready[len(ENGINE_READY_PREFIX):]
-        frontend_cmd = [*python, *frontend_args(args, address)]
-        if args.api_key:
-            env["BLINK_API_KEY"] = args.api_key  # not on the command line, where ps shows it
-        frontend = subprocess.Popen(frontend_cmd, stdout=subprocess.PIPE, text=True, env=env,
-                                    start_new_session=True)
-        _wait_for_line(frontend, FRONTEND_READY_PREFIX, "frontend", 120, sys.stderr)
-        print(f"Blink is serving {args.served_model_name or args.model!r} at "
-              f"http://{args.host}:{args.port}/v1  (Ctrl-C to stop)", flush=True)
-        while not stop.wait(0.2):
-            for name, proc in (("engine", engine), ("frontend", frontend)):
-                if proc.poll() is not None:
-                    raise BlinkError(f"the {name} process exited unexpectedly (status {proc.returncode})")
+        return supervisor.run()
+    except _Stopped:
         return 0
     finally:
-        _stop_child(frontend, 15)
-        _stop_child(engine, 40)
+        supervisor.shutdown()

@@ -748,13 +748,17 @@ class RingEngineClient:
         self._busy_since = time.monotonic()
 
     @classmethod
-    async def connect(cls, host: str, port: int, *, expect_transport: str | None = None,
-                      connect_timeout_s: float = 10.0, **kwargs: Any) -> "RingEngineClient":
-        """Bootstrap with the engine at ``host:port``, attach the ring, return a client."""
+    async def connect(cls, host: str, port: int, *, secret: bytes | None = None,
+                      expect_transport: str | None = None, connect_timeout_s: float = 10.0,
+                      **kwargs: Any) -> "RingEngineClient":
+        """Bootstrap with the engine at ``host:port`` (authenticating with ``secret``), attach
+        the ring, return a client. The client holds the engine's one frontend lease until
+        :meth:`close`."""
         from blink.transport.bootstrap import connect
 
         info, transport = await asyncio.to_thread(
-            connect, host, port, timeout_s=connect_timeout_s, expect_transport=expect_transport
+            connect, host, port, secret=secret, timeout_s=connect_timeout_s,
+            expect_transport=expect_transport,
         )
         try:
             ring = RingClient(transport)
@@ -805,6 +809,11 @@ class RingEngineClient:
             return False
         self._check_peer(now)
         return True
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine counts as dead (final for this client), or None."""
+        return self._dead
 
     @property
     def stalled(self) -> bool:
@@ -1048,3 +1057,165 @@ class RingEngineClient:
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
         self.ring.close()
+
+
+# -- healing: re-bootstrap to a restarted engine ---------------------------------------------
+
+
+class ReconnectingEngineClient:
+    """An :class:`~blink.dpu.engine_client.EngineClient` that outlives its engine.
+
+    It delegates to one :class:`RingEngineClient` at a time. When that one declares the engine
+    dead (process gone, state FAILED/STOPPED, broken poller: its in-flight streams have already
+    ended with ``engine_unavailable``), a watcher task closes it (unmapping the old region and
+    releasing the lease) and bootstraps again with ``reconnect()`` under a bounded exponential
+    back-off, until an engine answers: ``blink serve`` restarts its engine on the same bootstrap
+    port, and a standalone ``blink engine`` restarted with the same ``--listen`` and secret file
+    is found the same way. Meanwhile ``/health`` answers 503 and new requests 503 with
+    ``Retry-After`` (:meth:`unavailable_retry_after_s`). An engine that now serves another model,
+    context length or tokenizer is not attached (this frontend's tokenizer would be wrong): it
+    keeps refusing and says so in the log.
+    """
+
+    def __init__(self, first: RingEngineClient,
+                 reconnect: "Any",  # () -> Awaitable[RingEngineClient]
+                 *, where: str = "the engine", retry_after_s: float = 2.0,
+                 min_interval_s: float = 0.2, max_interval_s: float = 2.0,
+                 watch_interval_s: float = 0.05) -> None:
+        self._client: RingEngineClient | None = first
+        self._reconnect = reconnect
+        self.where = where
+        self.info = first.info
+        self.model_name = first.model_name
+        self.max_model_len = first.max_model_len
+        self.retry_after_s = retry_after_s
+        self.min_interval_s = min_interval_s
+        self.max_interval_s = max_interval_s
+        self.watch_interval_s = watch_interval_s
+        self._down: str | None = None  # why no engine is attached right now
+        self._watcher: asyncio.Task[None] | None = None
+        self._closed = False
+        #: engines attached after the first one (diagnostics and tests)
+        self.reconnects = 0
+
+    @property
+    def client(self) -> RingEngineClient | None:
+        """The ring client of the engine attached now (None while reconnecting)."""
+        return self._client
+
+    def _live(self) -> RingEngineClient | None:
+        c = self._client
+        return c if c is not None and c.dead_reason is None and not self._closed else None
+
+    # -- EngineClient ----------------------------------------------------------------------
+
+    def is_healthy(self) -> bool:
+        c = self._live()
+        return c is not None and c.is_healthy()
+
+    def is_accepting(self) -> bool:
+        c = self._live()
+        return c is not None and c.is_accepting()
+
+    def unavailable_retry_after_s(self) -> float | None:
+        """Seconds a refused client should wait (``Retry-After``) while the engine is being
+        reconnected; None when a refusal is not about a restart."""
+        return None if self._closed or self._live() is not None else self.retry_after_s
+
+    async def generate(self, request_id: str, prompt_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[EngineOutput]:
+        c = self._live()
+        if c is None:
+            raise EngineDeadError(
+                f"the engine is restarting ({self._down or 'it went away'}); retry shortly",
+                retry_after_s=self.retry_after_s)
+        async for out in c.generate(request_id, prompt_ids, params):
+            yield out
+
+    async def abort(self, request_id: str) -> None:
+        c = self._client
+        if c is not None:
+            await c.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        c = self._live()
+        if c is None:
+            return EngineStats(running=0, waiting=0, kv_usage=0.0, prefix_cache_queries=0,
+                               prefix_cache_hits=0, preemptions=0)
+        return c.stats()
+
+    def start(self) -> None:
+        """Start the current client's poller and the watcher that reconnects."""
+        if self._client is not None:
+            self._client.start()
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.get_running_loop().create_task(
+                self._watch(), name="blink-engine-watcher")
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._watcher is not None:
+            self._watcher.cancel()
+            await asyncio.gather(self._watcher, return_exceptions=True)
+        c, self._client = self._client, None
+        if c is not None:
+            await c.close()
+
+    # -- the watcher -----------------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        while not self._closed:
+            c = self._client
+            if c is not None and c.dead_reason is None:
+                await asyncio.sleep(self.watch_interval_s)
+                continue
+            self._down = c.dead_reason if c is not None else "not attached"
+            self._client = None
+            if c is not None:
+                logger.error("the engine at %s is gone (%s); reconnecting (new requests get 503 "
+                             "+ Retry-After meanwhile)", self.where, self._down)
+                await c.close()  # unmaps the old region and gives its lease back
+            new = await self._attach_again()
+            if new is None:
+                return
+            self._client = new
+            self._down = None
+            self.reconnects += 1
+            new.start()
+            logger.warning("reconnected to the engine at %s (region %s); accepting requests again",
+                           self.where, getattr(new.ring.transport, "name", new.info and new.info.transport))
+
+    async def _attach_again(self) -> RingEngineClient | None:
+        interval = self.min_interval_s
+        last_error = ""
+        while not self._closed:
+            try:
+                new = await self._reconnect()
+            except Exception as exc:  # noqa: BLE001 - keep trying whatever a half-started engine does
+                if str(exc) != last_error:
+                    logger.warning("reconnecting to the engine at %s: %s", self.where, exc,
+                                   exc_info=not isinstance(exc, BlinkError))
+                    last_error = str(exc)
+            else:
+                mismatch = self._mismatch(new)
+                if mismatch is None:
+                    return new
+                await new.close()
+                if mismatch != last_error:
+                    logger.error("the engine at %s now serves %s; not attaching it (restart this "
+                                 "frontend to serve it)", self.where, mismatch)
+                    last_error = mismatch
+                interval = self.max_interval_s
+            await asyncio.sleep(interval)
+            interval = min(interval * 2, self.max_interval_s)
+        return None
+
+    def _mismatch(self, new: RingEngineClient) -> str | None:
+        old, info = self.info, new.info
+        if new.model_name != self.model_name:
+            return f"model {new.model_name!r} instead of {self.model_name!r}"
+        if new.max_model_len != self.max_model_len:
+            return f"max_model_len {new.max_model_len} instead of {self.max_model_len}"
+        if old is not None and info is not None and info.tokenizer != old.tokenizer:
+            return f"the tokenizer of {info.tokenizer!r} instead of {old.tokenizer!r}"
+        return None

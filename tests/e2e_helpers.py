@@ -198,12 +198,14 @@ class ServeProcess(BlinkProcess):
 
 
 class EngineProcess(BlinkProcess):
-    """``blink engine --listen 127.0.0.1:PORT ...``."""
+    """``blink engine --listen 127.0.0.1:PORT --bootstrap-secret-file F ...`` (F, a fresh
+    file in a private temp dir, is :attr:`secret_file`: hand it to the frontend)."""
 
     def __init__(self, *flags: str, port: int | None = None, name: str = "blink-engine") -> None:
         self.bootstrap_port = port or free_port()
-        super().__init__(["engine", "--listen", f"127.0.0.1:{self.bootstrap_port}", *flags],
-                         name=name)
+        self.secret_file = str(Path(tempfile.mkdtemp(prefix="blink-secret-")) / "bootstrap.secret")
+        super().__init__(["engine", "--listen", f"127.0.0.1:{self.bootstrap_port}",
+                          "--bootstrap-secret-file", self.secret_file, *flags], name=name)
         self.address = f"127.0.0.1:{self.bootstrap_port}"
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> "EngineProcess":
@@ -216,10 +218,12 @@ class FrontendProcess(BlinkProcess):
     """``blink serve --frontend-only --engine ADDR`` on a free HTTP port."""
 
     def __init__(self, engine_address: str, *flags: str, port: int | None = None,
-                 name: str = "blink-frontend", env: dict | None = None) -> None:
+                 name: str = "blink-frontend", env: dict | None = None,
+                 secret_file: str | None = None) -> None:
         self.port = port or free_port()
+        secret = ["--bootstrap-secret-file", secret_file] if secret_file else []
         super().__init__(["serve", "--frontend-only", "--engine", engine_address,
-                          "--port", str(self.port), *flags], name=name, env=env)
+                          "--port", str(self.port), *secret, *flags], name=name, env=env)
         self.base_url = f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> "FrontendProcess":

@@ -55,7 +55,8 @@ def apart():
     frontend = None
     try:
         engine.wait_ready()
-        frontend = FrontendProcess(engine.address, name="fail-frontend").wait_ready()
+        frontend = FrontendProcess(engine.address, name="fail-frontend",
+                                   secret_file=engine.secret_file).wait_ready()
         yield engine, frontend
     finally:
         if frontend is not None:
@@ -98,7 +99,7 @@ def test_frontend_of_another_layout_version_is_refused(engine, frontend):
     code = ("import sys, blink.ring; blink.ring.LAYOUT_VERSION = 99\n"
             "from blink.cli import main\n"
             f"sys.exit(main(['serve', '--frontend-only', '--engine', {engine.address!r}, "
-            "'--port', '1']))")
+            f"'--bootstrap-secret-file', {engine.secret_file!r}, '--port', '1']))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 1, p.stderr
     assert "Traceback" not in p.stderr, p.stderr

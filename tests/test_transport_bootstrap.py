@@ -12,8 +12,10 @@ import pytest
 from blink.ring import LAYOUT_VERSION, Ring, RingConfig, RingLayout
 from blink.transport import BootstrapServer, HandshakeError, LoopbackRegion, connect
 from blink.transport.base import get_thread_name, set_thread_name
+from blink.transport.auth import engine_proof, new_nonce
 from blink.transport.bootstrap import EngineInfo, encode_message, recv_message, send_message
 
+SECRET = b"0123456789abcdef-test-secret"
 CFG = RingConfig(n_slots=4, arena_tokens=64, stream_capacity=4, max_model_len=32)
 
 
@@ -31,7 +33,7 @@ def server():
 
 def test_handshake_gives_everything_the_frontend_needs(server):
     srv, ring = server
-    info, transport = connect(*srv.address, timeout_s=2.0)
+    info, transport = connect(*srv.address, secret=srv.secret, timeout_s=2.0)
     try:
         assert info.layout_version == LAYOUT_VERSION
         assert info.transport == "loopback" and transport.kind == "loopback"
@@ -53,7 +55,7 @@ def test_handshake_gives_everything_the_frontend_needs(server):
 def test_layout_version_mismatch_is_refused_on_both_sides(server):
     srv, _ = server
     with pytest.raises(HandshakeError, match="refused this frontend: ring layout version mismatch") as exc:
-        connect(*srv.address, layout_version=LAYOUT_VERSION + 1, timeout_s=2.0)
+        connect(*srv.address, secret=srv.secret, layout_version=LAYOUT_VERSION + 1, timeout_s=2.0)
     assert f"engine speaks layout version {LAYOUT_VERSION}" in str(exc.value)
     for _ in range(100):
         if srv.refusals:
@@ -70,20 +72,24 @@ def test_frontend_checks_the_engine_version_too():
     def fake_engine():
         conn, _ = lsock.accept()
         with conn:
+            hello = recv_message(conn)
+            nonce = new_nonce()
+            send_message(conn, {"type": "challenge", "nonce": nonce,
+                                "proof": engine_proof(SECRET, hello["nonce"], nonce)})
             recv_message(conn)
             info = EngineInfo(LAYOUT_VERSION + 7, "loopback", 4096, "m", 16, "t", {"region_name": "x"})
             send_message(conn, info.to_message())
 
     threading.Thread(target=fake_engine, daemon=True).start()
     with pytest.raises(HandshakeError, match=f"engine speaks layout version {LAYOUT_VERSION + 7}"):
-        connect(*lsock.getsockname(), timeout_s=2.0)
+        connect(*lsock.getsockname(), secret=SECRET, timeout_s=2.0)
     lsock.close()
 
 
 def test_wrong_transport_requested(server):
     srv, _ = server
     with pytest.raises(HandshakeError, match="serves the loopback transport.*--transport verbs"):
-        connect(*srv.address, expect_transport="verbs", timeout_s=2.0)
+        connect(*srv.address, secret=srv.secret, expect_transport="verbs", timeout_s=2.0)
 
 
 def test_no_engine_listening():
@@ -125,7 +131,7 @@ def test_garbage_and_oversized_messages_are_refused(server):
         recv_message(b)
     b.close()
     # the server survives all of that
-    info, t = connect(*srv.address, timeout_s=2.0)
+    info, t = connect(*srv.address, secret=srv.secret, timeout_s=2.0)
     t.close()
 
 
@@ -169,5 +175,5 @@ def test_stop_releases_the_port(server):
     host, port = srv.address
     srv.stop()
     with pytest.raises(HandshakeError):
-        connect(host, port, timeout_s=0.5)
+        connect(host, port, secret=srv.secret, timeout_s=0.5)
     np.testing.assert_equal(srv.refusals, [])

@@ -52,9 +52,11 @@ ENGINE_SCRIPT = textwrap.dedent("""
     region = LoopbackRegion(RingLayout(cfg).total_bytes)
     ring = Ring.create(region.buffer, cfg)
     engine = mod.FakeEngine(ring, step_sleep_s=5e-4).start()
-    host, port = BootstrapServer(region, model_name="fake", max_model_len=cfg.max_model_len,
-                                 tokenizer="fake-tok").start()
-    print(json.dumps({"port": port, "region": region.name}), flush=True)
+    server = BootstrapServer(region, model_name="fake", max_model_len=cfg.max_model_len,
+                             tokenizer="fake-tok")
+    host, port = server.start()
+    print(json.dumps({"port": port, "region": region.name, "secret": server.secret.decode()}),
+          flush=True)
     sys.stdin.read()  # serve until the parent closes our stdin
     engine.stop()
 """)
@@ -75,6 +77,7 @@ class EngineProcess:
             raise AssertionError(f"engine process failed: {self.proc.stderr.read()}")
         hello = json.loads(line)
         self.port, self.region = hello["port"], hello["region"]
+        self.secret = hello["secret"].encode()
 
     def exit(self) -> int:
         self.proc.stdin.close()
@@ -113,7 +116,8 @@ def test_generate_across_processes_and_clean_exit(engine_process):
     assert segment_exists(eng.region)
 
     async def main():
-        client = await RingEngineClient.connect("127.0.0.1", eng.port, expect_transport="loopback",
+        client = await RingEngineClient.connect("127.0.0.1", eng.port, secret=eng.secret,
+                                                expect_transport="loopback",
                                                 heartbeat_timeout_s=2.0)
         assert client.model_name == "fake" and client.info.tokenizer == "fake-tok"
         assert client.is_healthy()
@@ -141,7 +145,8 @@ def test_engine_sigkill_ends_streams_and_leaves_no_segment(engine_process, flags
 
     async def main():
         # Long heartbeat limits: the exited process itself is noticed (pid + start time).
-        client = await RingEngineClient.connect("127.0.0.1", eng.port, heartbeat_timeout_s=20.0,
+        client = await RingEngineClient.connect("127.0.0.1", eng.port, secret=eng.secret,
+                                                heartbeat_timeout_s=20.0,
                                                 engine_dead_timeout_s=30.0)
         agen = client.generate("long", [1, 2, 3], SamplingParams(max_tokens=100_000))
         await agen.__anext__()
@@ -169,7 +174,8 @@ def test_stopped_engine_process_is_stalled_not_dead(engine_process):
     eng = engine_process()
 
     async def main():
-        client = await RingEngineClient.connect("127.0.0.1", eng.port, heartbeat_timeout_s=0.3,
+        client = await RingEngineClient.connect("127.0.0.1", eng.port, secret=eng.secret,
+                                                heartbeat_timeout_s=0.3,
                                                 engine_dead_timeout_s=30.0)
         agen = client.generate("s", [5, 6], SamplingParams(max_tokens=2000))
         outs = [await agen.__anext__()]
@@ -207,7 +213,8 @@ FRONTEND_SCRIPT = textwrap.dedent("""
     import sys, time
     from blink.dpu.ring_client import RingClient
     from blink.transport import connect
-    info, transport = connect("127.0.0.1", int(sys.argv[1]))
+    from blink.transport.auth import secret_from_env
+    info, transport = connect("127.0.0.1", int(sys.argv[1]), secret=secret_from_env())
     client = RingClient(transport)
     client.submit(7, [1, 2, 3], max_tokens=1_000_000)
     print("submitted", flush=True)
@@ -231,6 +238,7 @@ def test_frontend_crash_or_exit_leaves_the_engine_region_alone(how):
         child = subprocess.Popen(
             [sys.executable, "-c", FRONTEND_SCRIPT, str(port), "hang" if how == "sigkill" else "exit"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "BLINK_BOOTSTRAP_SECRET": server.secret.decode()},
         )
         assert child.stdout.readline().strip() == "submitted", child.stderr.read()
         if how == "sigkill":
@@ -240,7 +248,7 @@ def test_frontend_crash_or_exit_leaves_the_engine_region_alone(how):
         time.sleep(0.2)  # give a (wrong) resource tracker time to act
         assert segment_exists(region.name)  # the frontend's exit did not unlink it
         # A new frontend attaches, cancels the orphaned request and drains it.
-        _, transport = connect("127.0.0.1", port)
+        _, transport = connect("127.0.0.1", port, secret=server.secret)
         client = RingClient(transport)
         assert len(client.active) == 1
         for _ in range(500):

@@ -16,6 +16,7 @@ import pytest
 from blink.ring import LAYOUT_VERSION
 from blink.transport import HandshakeError, TransportError, connect, create_region
 from blink.transport import verbs as V
+from blink.transport.auth import engine_proof, new_nonce
 from blink.transport.bootstrap import EngineInfo, recv_message, send_message
 
 try:
@@ -25,6 +26,7 @@ except TransportError as exc:  # pragma: no cover - depends on the machine
     PYVERBS_MISSING = str(exc)
 needs_pyverbs = pytest.mark.skipif(PV is None, reason="pyverbs is not installed (apt-get install python3-pyverbs)")
 
+SECRET = b"0123456789abcdef-test-secret"
 EP = dict(qp_num=0x1234, psn=0xABCDE, lid=7, gid="fe80:0000:0000:0000:0202:c9ff:fe00:0001", mtu=3)
 
 
@@ -60,7 +62,11 @@ def test_frontend_fails_cleanly_after_a_verbs_welcome():
     def fake_engine():
         conn, _ = lsock.accept()
         with conn:
-            recv_message(conn)
+            hello = recv_message(conn)
+            nonce = new_nonce()
+            send_message(conn, {"type": "challenge", "nonce": nonce,
+                                "proof": engine_proof(SECRET, hello["nonce"], nonce)})
+            recv_message(conn)  # the frontend's proof
             info = EngineInfo(LAYOUT_VERSION, "verbs", 1 << 20, "m", 64, "t",
                               {"addr": 0x7F0000000000, "rkey": 0x1F, "memory": "host-pinned", **EP})
             send_message(conn, info.to_message())
@@ -69,7 +75,7 @@ def test_frontend_fails_cleanly_after_a_verbs_welcome():
 
     threading.Thread(target=fake_engine, daemon=True).start()
     with pytest.raises(TransportError, match="--transport loopback"):
-        connect(*lsock.getsockname(), timeout_s=2.0)
+        connect(*lsock.getsockname(), secret=SECRET, timeout_s=2.0)
     assert closed.wait(2.0)
     lsock.close()
 

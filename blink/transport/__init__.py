@@ -5,17 +5,18 @@
 - :mod:`blink.transport.loopback`: POSIX shared memory, for a frontend on the same machine.
 - :mod:`blink.transport.verbs`: RDMA over an RC queue pair (pyverbs), for a frontend on a DPU.
 - :mod:`blink.transport.bootstrap`: the TCP handshake that tells the frontend where the region is.
+- :mod:`blink.transport.auth`: the bootstrap secret the handshake's challenge–response checks.
 
 Engine::
 
     region = create_region("loopback", RingLayout(cfg).total_bytes)
     ring = Ring.create(region.buffer, cfg)
     server = BootstrapServer(region, model_name=..., max_model_len=..., tokenizer=...,
-                             host=..., port=...).start()
+                             host=..., port=..., secret=secret).start()
 
 Frontend::
 
-    info, transport = connect(host, port)
+    info, transport = connect(host, port, secret=secret)
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from blink.transport.base import (
     memory_fence,
     set_thread_name,
 )
+from blink.transport.auth import SECRET_ENV, SecretError, generate_secret, load_secret_file
 from blink.transport.bootstrap import TRANSPORT_KINDS, BootstrapServer, EngineInfo, connect
 from blink.transport.loopback import LoopbackRegion, LoopbackTransport, cleanup_stale_segments
 
@@ -39,12 +41,16 @@ __all__ = [
     "LoopbackRegion",
     "LoopbackTransport",
     "Region",
+    "SECRET_ENV",
+    "SecretError",
     "TRANSPORT_KINDS",
     "Transport",
     "TransportError",
     "cleanup_stale_segments",
     "connect",
     "create_region",
+    "generate_secret",
+    "load_secret_file",
     "memory_fence",
     "set_thread_name",
 ]

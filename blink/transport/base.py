@@ -13,6 +13,7 @@ receive anything. Two roles:
 from __future__ import annotations
 
 import ctypes
+import socket
 import sys
 import threading
 from functools import partial
@@ -98,6 +99,21 @@ class Region(Protocol):
 
 
 # -- helpers ---------------------------------------------------------------------------------
+
+
+def socket_peer_open(sock: Any) -> bool:
+    """Whether the other end still holds the TCP connection ``sock`` open, without blocking
+    (whatever the socket's timeout). Used on bootstrap leases, which carry no data after the
+    handshake: readable means EOF or a reset."""
+    import select
+
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        if not readable:
+            return True
+        return sock.recv(1, socket.MSG_PEEK) != b""
+    except (OSError, ValueError):  # reset, or already closed here
+        return False
 
 
 def as_byte_array(data: Bytes) -> np.ndarray:

@@ -2,10 +2,20 @@
 
 Messages are JSON objects, each preceded by its length (4 bytes, big-endian). One exchange:
 
-    frontend -> engine   {"type": "hello", "layout_version": V, "client": ..., "pid": ...}
+    frontend -> engine   {"type": "hello", "layout_version": V, "client": ..., "pid": ...,
+                          "role": "frontend" | "monitor", "nonce": Nf}
+    engine -> frontend   {"type": "challenge", "nonce": Ne, "proof": HMAC(secret, Nf, Ne)}
+    frontend -> engine   {"type": "auth", "proof": HMAC(secret, Ne, Nf)}
     engine -> frontend   {"type": "welcome", "layout_version", "transport", "total_bytes",
                           "model", "max_model_len", "tokenizer", <transport fields>}
                       or {"type": "refused", "error": "..."}   (then the engine hangs up)
+
+Authentication comes first (:mod:`blink.transport.auth`): both sides prove they know the
+bootstrap secret with an HMAC over both fresh nonces (compared with ``hmac.compare_digest``),
+so the secret never crosses the wire and a proof cannot be replayed. Until the frontend's proof
+checks out the engine sends nothing but the challenge (a nonce and its own proof) or a refusal:
+no region name, RDMA address or rkey, model or tokenizer path. The frontend checks the
+engine's proof too, so it never writes prompts into an impostor's memory.
 
 Transport fields: loopback ``region_name``; verbs ``addr``, ``rkey``, ``memory`` and the
 engine queue pair's ``qp_num``, ``psn``, ``lid``, ``gid``, ``mtu``. Verbs then takes one more
@@ -14,8 +24,15 @@ step, because an RC queue pair needs both ends' numbers:
     frontend -> engine   {"type": "connect", "endpoint": {qp_num, psn, lid, gid, mtu}}
     engine -> frontend   {"type": "ready"}
 
-and the TCP connection stays open for as long as the frontend is connected: when it closes, the
-engine destroys the queue pair it made for that frontend. A loopback handshake ends at welcome.
+One frontend per engine: the TCP connection of the attached frontend stays open for as long as
+it is attached (both transports; over verbs the engine destroys the frontend's queue pair when
+it closes) and is its lease: while it is open another ``role: frontend`` hello is refused,
+because a second ring client would take the first one's requests for orphans and cancel them
+(and both would hand out the same slots). When the frontend process exits or dies the kernel
+closes the connection and a new frontend can attach (it adopts and drains what the old one left
+in the ring). ``role: monitor`` (read-only tools such as the control-plane benchmark's probe)
+authenticates the same way but holds no lease. The engine enables TCP keepalive on the lease,
+so a frontend whose host vanished without closing it is noticed within about a minute.
 
 A frontend of another ring layout version is refused, with the same message on both sides (the
 engine logs it and keeps it in ``BootstrapServer.refusals``; the frontend raises it).
@@ -28,11 +45,27 @@ import os
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from blink.ring import LAYOUT_VERSION
-from blink.transport.base import HandshakeError, Region, Transport, TransportError, set_thread_name
+from blink.transport.auth import (
+    check_secret,
+    engine_proof,
+    frontend_proof,
+    generate_secret,
+    new_nonce,
+    proofs_equal,
+)
+from blink.transport.base import (
+    HandshakeError,
+    Region,
+    Transport,
+    TransportError,
+    set_thread_name,
+    socket_peer_open,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +73,12 @@ DEFAULT_TIMEOUT_S = 10.0
 MAX_MESSAGE_BYTES = 1 << 20
 _HEADER = struct.Struct(">I")
 TRANSPORT_KINDS = ("loopback", "verbs")
+ROLES = ("frontend", "monitor")
+#: the one refusal an unauthenticated peer gets (the same whatever was wrong, so it learns nothing)
+AUTH_REFUSAL = ("authentication failed: this engine requires the bootstrap secret "
+                "(--bootstrap-secret-file) and the peer did not prove it knows it")
+#: how long a new frontend waits for the lease of one that just went away to be released
+LEASE_RELEASE_WAIT_S = 1.0
 
 
 # -- framing ----------------------------------------------------------------------------------
@@ -168,7 +207,11 @@ class BootstrapServer:
         port: int = 0,
         layout_version: int = LAYOUT_VERSION,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        secret: bytes | None = None,
     ) -> None:
+        """``secret``: the bootstrap secret peers must prove they know; None generates one
+        (read it back from :attr:`secret`), so a server is never open to everyone."""
+        self.secret = check_secret(secret, "BootstrapServer") if secret is not None else generate_secret()
         self.region = region
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -185,6 +228,14 @@ class BootstrapServer:
         self._stop = threading.Event()
         self._peers: set[socket.socket] = set()
         self._lock = threading.Lock()
+        #: the attached frontend's lease: (connection, "addr (pid N)") while one is attached
+        self._lease: tuple[socket.socket, str] | None = None
+
+    @property
+    def attached(self) -> str | None:
+        """Who holds the frontend lease ("addr (pid N)"), or None."""
+        lease = self._lease
+        return lease[1] if lease is not None else None
 
     @property
     def address(self) -> tuple[str, int]:
@@ -256,6 +307,45 @@ class BootstrapServer:
         except OSError:
             pass
 
+    def _authenticate(self, conn: socket.socket, peer: str, hello: dict[str, Any]) -> bool:
+        """Challenge–response: True if the peer proved it knows the secret (and the engine
+        proved it to the peer); otherwise the peer got :data:`AUTH_REFUSAL` and nothing else."""
+        frontend_nonce = hello.get("nonce")
+        if not isinstance(frontend_nonce, str) or not 16 <= len(frontend_nonce) <= 256:
+            self._refuse(conn, peer, AUTH_REFUSAL)
+            return False
+        engine_nonce = new_nonce()
+        send_message(conn, {"type": "challenge", "nonce": engine_nonce,
+                            "proof": engine_proof(self.secret, frontend_nonce, engine_nonce)})
+        answer = recv_message(conn, f"frontend {peer}")
+        expected = frontend_proof(self.secret, engine_nonce, frontend_nonce)
+        if answer["type"] != "auth" or not proofs_equal(expected, answer.get("proof")):
+            self._refuse(conn, peer, AUTH_REFUSAL)
+            return False
+        return True
+
+    def _take_lease(self, conn: socket.socket, who: str) -> str | None:
+        """Make ``conn`` the frontend lease; the holder's description if another live one holds
+        it. A holder whose connection is already closed (its frontend just died; its thread is
+        about to see the EOF) does not count."""
+        deadline = time.monotonic() + LEASE_RELEASE_WAIT_S
+        while True:
+            with self._lock:
+                if self._lease is None or time.monotonic() >= deadline:
+                    if self._lease is not None:
+                        logger.warning("bootstrap: taking over the lease of %s (closed)", self._lease[1])
+                    self._lease = (conn, who)
+                    return None
+                holder_conn, holder = self._lease
+            if socket_peer_open(holder_conn):
+                return holder
+            time.sleep(0.01)
+
+    def _release_lease(self, conn: socket.socket) -> None:
+        with self._lock:
+            if self._lease is not None and self._lease[0] is conn:
+                self._lease = None
+
     def _serve_peer(self, conn: socket.socket, peer: str) -> None:
         set_thread_name("blink-bs-peer")
         session: Any = None
@@ -267,10 +357,26 @@ class BootstrapServer:
             if hello["type"] != "hello":
                 self._refuse(conn, peer, f"expected a hello message, got {hello['type']!r}")
                 return
+            if not self._authenticate(conn, peer, hello):
+                return
             version = hello.get("layout_version")
             if version != self.layout_version:
                 self._refuse(conn, peer, version_mismatch_message(self.layout_version, version))
                 return
+            role = hello.get("role", "frontend")
+            if role not in ROLES:
+                self._refuse(conn, peer, f"unknown role {role!r} (expected one of {', '.join(ROLES)})")
+                return
+            who = f"{peer} (pid {hello.get('pid')})"
+            if role == "frontend":
+                holder = self._take_lease(conn, who)
+                if holder is not None:
+                    self._refuse(conn, peer, (
+                        f"another frontend, {holder}, is attached to this engine; an engine serves "
+                        f"one frontend at a time (stop that one first: a new frontend can attach "
+                        f"as soon as its connection closes)"))
+                    return
+                _enable_keepalive(conn)
             offer, session = self.region.session_offer(hello)
             info = EngineInfo(
                 layout_version=self.layout_version, transport=self.region.kind,
@@ -278,24 +384,24 @@ class BootstrapServer:
                 max_model_len=self.max_model_len, tokenizer=self.tokenizer, connection=offer,
             )
             send_message(conn, info.to_message())
-            if session is None:
-                with self._lock:
-                    self.accepted += 1
-                logger.info("bootstrap: frontend %s (pid %s) attached", peer, hello.get("pid"))
-                return
-            msg = recv_message(conn, f"frontend {peer}")
-            if msg["type"] != "connect":
-                self._refuse(conn, peer, f"expected a connect message, got {msg['type']!r}")
-                return
-            reply = self.region.session_complete(session, msg)
-            send_message(conn, {"type": "ready", **reply})
+            if session is not None:
+                msg = recv_message(conn, f"frontend {peer}")
+                if msg["type"] != "connect":
+                    self._refuse(conn, peer, f"expected a connect message, got {msg['type']!r}")
+                    return
+                reply = self.region.session_complete(session, msg)
+                send_message(conn, {"type": "ready", **reply})
             with self._lock:
                 self.accepted += 1
-            logger.info("bootstrap: frontend %s (pid %s) connected", peer, hello.get("pid"))
-            # The session lives as long as the connection: wait for the frontend to hang up.
+            logger.info("bootstrap: %s %s attached", role, who)
+            if role != "frontend" and session is None:
+                return
+            # The lease (and a verbs session) lives as long as the connection: wait for the
+            # frontend to hang up.
             conn.settimeout(None)
             while not self._stop.is_set() and conn.recv(4096):
                 pass
+            logger.info("bootstrap: %s %s detached", role, who)
         except (HandshakeError, TransportError) as exc:
             logger.warning("bootstrap: handshake with %s failed: %s", peer, exc)
             if isinstance(exc, TransportError) and not isinstance(exc, HandshakeError):
@@ -303,11 +409,24 @@ class BootstrapServer:
         except OSError as exc:
             logger.warning("bootstrap: connection to %s failed: %s", peer, exc)
         finally:
+            self._release_lease(conn)
             if session is not None:
                 self.region.session_close(session)
             with self._lock:
                 self._peers.discard(conn)
             conn.close()
+
+
+def _enable_keepalive(conn: socket.socket) -> None:
+    """TCP keepalive on a lease: a frontend whose machine vanished (no FIN) is noticed in
+    about a minute instead of the kernel's two hours."""
+    try:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+            if hasattr(socket, name):
+                conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    except OSError:  # pragma: no cover - not fatal
+        pass
 
 
 # -- frontend side ----------------------------------------------------------------------------
@@ -317,6 +436,8 @@ def connect(
     host: str,
     port: int,
     *,
+    secret: bytes | None = None,
+    role: str = "frontend",
     timeout_s: float = DEFAULT_TIMEOUT_S,
     layout_version: int = LAYOUT_VERSION,
     expect_transport: str | None = None,
@@ -324,9 +445,14 @@ def connect(
 ) -> tuple[EngineInfo, Transport]:
     """Handshake with the engine at ``host:port`` and open the transport it offers.
 
+    ``secret``: the bootstrap secret (without it every engine refuses, with a message that
+    says how to pass it). ``role``: "frontend" (holds the engine's one frontend lease for as
+    long as the transport is open) or "monitor" (read-only tools; no lease).
     ``expect_transport`` ("loopback"/"verbs"), when given, must match what the engine serves.
     ``transport_options`` go to the verbs transport (device, port, gid_index).
     """
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
     where = f"{host}:{port}"
     try:
         sock = socket.create_connection((host, port), timeout=timeout_s)
@@ -339,10 +465,30 @@ def connect(
         raise HandshakeError(f"cannot reach the engine at {where}: {exc}") from None
     keep_open = False
     try:
+        nonce = new_nonce()
         send_message(sock, {
             "type": "hello", "layout_version": layout_version,
-            "client": "blink-frontend", "pid": os.getpid(),
+            "client": "blink-frontend", "pid": os.getpid(), "role": role, "nonce": nonce,
         })
+        reply = recv_message(sock, f"engine {where}")
+        if reply["type"] == "refused":
+            raise HandshakeError(f"the engine at {where} refused this frontend: {reply.get('error')}")
+        if reply["type"] != "challenge":
+            raise HandshakeError(f"bootstrap: engine {where} answered {reply['type']!r}, not a "
+                                 f"challenge (an engine of an older Blink release?)")
+        if secret is None:
+            raise HandshakeError(
+                f"the engine at {where} requires the bootstrap secret: pass "
+                f"--bootstrap-secret-file FILE (the file 'blink engine' printed at start)"
+            )
+        engine_nonce = reply.get("nonce")
+        if not isinstance(engine_nonce, str) or not proofs_equal(
+                engine_proof(secret, nonce, engine_nonce), reply.get("proof")):
+            raise HandshakeError(
+                f"the endpoint at {where} could not prove it knows the bootstrap secret: it is "
+                f"not this secret's engine (a different --bootstrap-secret-file?)"
+            )
+        send_message(sock, {"type": "auth", "proof": frontend_proof(secret, engine_nonce, nonce)})
         reply = recv_message(sock, f"engine {where}")
         if reply["type"] == "refused":
             raise HandshakeError(f"the engine at {where} refused this frontend: {reply.get('error')}")
@@ -362,7 +508,10 @@ def connect(
             region_name = info.connection.get("region_name")
             if not isinstance(region_name, str):
                 raise HandshakeError("bootstrap: loopback welcome without a region_name")
-            return info, LoopbackTransport(region_name, info.total_bytes)
+            transport = LoopbackTransport(region_name, info.total_bytes,
+                                          lease=sock if role == "frontend" else None)
+            keep_open = role == "frontend"  # the connection is our lease on the engine
+            return info, transport
         if info.transport == "verbs":
             from blink.transport.verbs import VerbsTransport
 

@@ -30,13 +30,21 @@ import os
 import re
 import secrets
 import signal
+import socket
 import threading
 from multiprocessing import resource_tracker
 from typing import Any
 
 import numpy as np
 
-from blink.transport.base import Bytes, TransportError, as_byte_array, check_range, memory_fence
+from blink.transport.base import (
+    Bytes,
+    TransportError,
+    as_byte_array,
+    check_range,
+    memory_fence,
+    socket_peer_open,
+)
 
 try:  # CPython's own binding, used by multiprocessing.shared_memory on every POSIX system
     import _posixshmem
@@ -285,7 +293,12 @@ class LoopbackTransport:
 
     kind = "loopback"
 
-    def __init__(self, region_name: str, total_bytes: int | None = None) -> None:
+    def __init__(self, region_name: str, total_bytes: int | None = None, *,
+                 lease: socket.socket | None = None) -> None:
+        """``lease``: the bootstrap connection that holds this frontend's lease on the engine;
+        kept open while attached, closed by :meth:`close`; its EOF also tells that the engine
+        is gone (where the creator's pid is not visible)."""
+        self._lease = lease
         if not isinstance(region_name, str) or not _NAME_RE.match(region_name):
             raise TransportError(
                 f"loopback region name {region_name!r} is not a Blink segment name "
@@ -324,6 +337,8 @@ class LoopbackTransport:
         """Whether the engine process that created the region still exists (pid and start
         time, so a recycled pid does not count); None when this process cannot tell (the
         creator was not visible at attach time, e.g. another pid namespace). A few µs."""
+        if self._lease is not None and not socket_peer_open(self._lease):
+            return False  # the engine closed our lease: it exited, or stopped serving us
         if self._creator is None:
             return None
         return _creator_alive(*self._creator)
@@ -348,6 +363,9 @@ class LoopbackTransport:
         memory_fence()
 
     def close(self) -> None:
+        if self._lease is not None:
+            self._lease.close()  # gives up the engine's frontend lease
+            self._lease = None
         if self._view is None:
             return
         self._view = None  # drop the exported buffer before unmapping
@@ -364,3 +382,9 @@ class LoopbackTransport:
 
     def __repr__(self) -> str:
         return f"LoopbackTransport({self.name!r}, {self.total_bytes} bytes)"
+
+
+def unlink_all_regions() -> None:
+    """Unlink every segment this process created and has not unlinked yet (for a hard exit,
+    which skips atexit)."""
+    _unlink_all()
