@@ -28,7 +28,9 @@ Policy (vLLM V1's "no phases" model: a request is ``num_computed`` of ``num_toke
   (<= 0 means no limit), or ``max_model_len``. The finishing token is written to the stream.
 
 Ring writes keep the protocol's order: stream payload before ``produced``, finish reason
-before the state word. The ``state`` word is the one word both sides write, so it is only
+before the state word, with a system-scope fence between each payload and its word
+(``blink.kernels.system_fence``: consecutive kernels of a graph are ordered only for the
+GPU itself, not for a CPU or NIC reading the mapped ring over PCIe). The ``state`` word is the one word both sides write, so it is only
 ever written lane by lane with ``index_put_`` (lanes with nothing to publish go to the
 control block's scratch word), never rewritten wholesale with a masked select.
 """
@@ -60,6 +62,7 @@ from blink.engine.state import (
 )
 from blink.errors import BlinkError
 from blink.kernels.reference import AttentionMetadata
+from blink.kernels.system_fence import system_fence_for
 from blink.ring import (
     C_ARENA_TOKENS,
     C_HEARTBEAT,
@@ -206,6 +209,8 @@ class Scheduler:
         self._buckets = torch.tensor(config.buckets, dtype=torch.int64, device=dev)
         self._stat_words = torch.tensor(_STAT_WORDS, dtype=torch.int64, device=dev)
         self._hash = prefix_cache.hash_constants(M * B, dev)
+        # Between a ring payload and the word that publishes it (module docstring).
+        self._fence = system_fence_for(dev)
 
     # ------------------------------------------------------------------------------ step
 
@@ -215,8 +220,9 @@ class Scheduler:
         st.step += 1
         st.counters[K_STEPS] += 1
         ring["control"][C_HEARTBEAT] += 1
-        # Acquire: the slot state words are read once, before any payload.
+        # Acquire: the slot state words are read once, then a fence, then any payload.
         slot_state = ring["state"].clone()
+        self._fence()
         cancel = ring["cancel"] != 0
 
         self._finish(cancel & (st.status != ROW_EMPTY), FINISH_ABORT)
@@ -271,6 +277,7 @@ class Scheduler:
         self._stream_write("logprob", at, logprob.float()[k], sampled)
         self._stream_write("top_ids", at, top_i, sampled)
         self._stream_write("top_logprobs", at, top_l, sampled)
+        self._fence()
         self.ring["produced"].add_(sampled.long())
         st.counters[K_GENERATED_TOKENS] += sampled.sum()
 
@@ -342,6 +349,7 @@ class Scheduler:
         self._ring_set(opened, "finish_reason", reason)
         self._ring_set(opened, "num_prompt_tokens", plen)
         self._ring_set(opened, "num_cached_tokens", 0)
+        self._fence()
         self._publish_state(opened, torch.where(admit, SLOT_RUNNING, SLOT_FINISHED))
 
     def _lookup(self) -> None:
@@ -531,6 +539,7 @@ class Scheduler:
         st = self.state
         self._release(mask)
         self._ring_set(mask, "finish_reason", reason)
+        self._fence()
         self._publish_state(mask, SLOT_FINISHED)
         st.status.masked_fill_(mask, ROW_EMPTY)
         for counter in (st.num_prompt, st.num_tokens, st.num_computed):
