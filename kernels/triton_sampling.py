@@ -20,7 +20,9 @@ per row streaming the row in chunks:
 :class:`blink.engine.sampler.Sampler` calls both through ``blink.kernels.ops_for(device)``,
 inside the captured CUDA graphs: launch grids and block sizes depend only on the shapes, the
 wrappers never read a tensor value on the host, and the per-row branches (top-k on/off,
-top-p on/off) are taken inside the kernel.
+top-p on/off) are taken inside the kernel. Over fake tensors (``FakeTensorMode``: the capture
+audit's fake-CUDA step, shape propagation) the wrappers return outputs of the right shape,
+dtype and device without launching (a fake tensor has no memory).
 
 Agreement with the reference is exact except when a probability mass lies within fp32
 rounding of ``top_p`` or ``exp(x - max)`` within rounding of ``min_p`` (sums are added in a
@@ -31,6 +33,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses.fake_tensor import is_fake
 
 _INT32_MIN = tl.constexpr(-(2**31))
 
@@ -84,7 +87,7 @@ def uniform(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> tor
     seeds, counters = seeds.long().contiguous(), counters.long().contiguous()
     out = torch.empty((seeds.shape[0], vocab_size), dtype=torch.float32, device=seeds.device)
     block = min(1024, triton.next_power_of_2(vocab_size))
-    if seeds.shape[0]:
+    if seeds.shape[0] and not is_fake(out):
         _uniform_kernel[(seeds.shape[0], triton.cdiv(vocab_size, block))](
             seeds, counters, out, vocab_size, BLOCK_V=block
         )
@@ -124,7 +127,7 @@ def sample(logits: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor) ->
     seeds = seeds.long().contiguous()
     counters = counters.long().contiguous()
     out = torch.empty(n_rows, dtype=torch.int64, device=logits.device)
-    if n_rows:
+    if n_rows and not is_fake(logits):
         _sample_kernel[(n_rows,)](
             logits, seeds, counters, out, vocab, logits.stride(0),
             BLOCK_V=min(2048, triton.next_power_of_2(vocab)), num_warps=8,
@@ -277,7 +280,7 @@ def apply_top_k_top_p_min_p(
         logits = logits.contiguous()
     top_k, top_p, min_p = top_k.contiguous(), top_p.contiguous(), min_p.contiguous()
     out = torch.empty((n_rows, vocab), dtype=torch.float32, device=logits.device)
-    if n_rows:
+    if n_rows and not is_fake(logits):
         _filter_kernel[(n_rows,)](
             logits, out, top_k, top_p, min_p, vocab, logits.stride(0), out.stride(0),
             NP=16, BLOCK_V=min(256, triton.next_power_of_2(vocab)), num_warps=4,

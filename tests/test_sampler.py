@@ -503,3 +503,29 @@ def test_sampler_plan_skips_only_identity_stages(params: list[SamplingParams], s
     assert torch.equal(full.top_logprobs, planned.top_logprobs)
     plan = SamplerPlan.of(st)
     assert plan.any_random == any(p.temperature > 0 for p in params)
+
+
+def test_sampler_takes_its_filter_and_draw_from_the_op_table() -> None:
+    """On CPU the op table holds the references; an explicit ``ops`` is what a call uses
+    (the Triton table on CUDA: tests/test_kernels_sampling.py)."""
+    from types import SimpleNamespace
+
+    from blink.kernels import ops_for
+
+    cpu = ops_for("cpu")
+    assert cpu.apply_top_k_top_p_min_p is ref.apply_top_k_top_p_min_p and cpu.sample is ref.sample
+    assert Sampler(device="cpu").ops is cpu and Sampler().ops_for("cpu") is cpu
+    calls: list[str] = []
+
+    def spy(name):
+        def fn(*args):
+            calls.append(name)
+            return getattr(ref, name)(*args)
+        return fn
+
+    ops = SimpleNamespace(apply_top_k_top_p_min_p=spy("apply_top_k_top_p_min_p"), sample=spy("sample"))
+    logits = _flat_logits(2, 50)
+    params = [SamplingParams(temperature=0), SamplingParams(top_k=4, seed=3)]
+    out = _run(logits, params, sampler=Sampler(ops=ops))
+    assert calls == ["apply_top_k_top_p_min_p", "sample"]
+    assert torch.equal(out.tokens, _run(logits, params).tokens)
