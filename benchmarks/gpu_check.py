@@ -45,6 +45,7 @@ subset (the random models are cached in ``--work-dir``, so a rerun skips rebuild
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -54,7 +55,6 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -137,14 +137,35 @@ def write_json(path: Path, data: Any) -> None:
 def require_gpu(ctx: Context) -> None:
     import torch
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not ctx.args.simulate:
         ctx.skip(NO_GPU)
 
 
-def inputs(ctx: Context) -> dict[str, Any]:
-    from benchmarks.gpu_loop import build_inputs
+def device(ctx: Context) -> str:
+    """Where the GPU phases run: cuda, or cpu under ``--simulate``."""
+    return "cpu" if ctx.args.simulate else "cuda"
 
-    return build_inputs(ctx.args.requests, ctx.args.prompt_len, ctx.args.max_tokens)
+
+def inputs(ctx: Context) -> dict[str, Any]:
+    """Prompts, sampling parameters and engine sizes. ``--simulate`` (the CPU dry run of
+    the phases' code, for tests) shrinks the 1B-model runs to the small model's sizes."""
+    from benchmarks.gpu_loop import LLAMA_SMALL, build_inputs
+
+    inp = build_inputs(ctx.args.requests, ctx.args.prompt_len, ctx.args.max_tokens)
+    if ctx.args.simulate:
+        vocab = LLAMA_SMALL["vocab_size"]
+        inp["prompts"] = [[t % vocab for t in p] for p in inp["prompts"]]
+        inp["engine_kwargs"] = dict(inp["small_config"], max_num_seqs=max(16, ctx.args.requests),
+                                    kv_cache_tokens=max(16, ctx.args.requests) * 1024)
+        inp["greedy_long"] = dataclasses.replace(inp["greedy_long"], max_tokens=1024 - ctx.args.prompt_len - 1)
+    return inp
+
+
+def engine(ctx: Context, inp: dict[str, Any], model: Path, loop: str, start: bool = True) -> Any:
+    from benchmarks.gpu_loop import make_engine
+
+    return make_engine(inp["EngineConfig"], model, inp["engine_kwargs"], loop, device(ctx), start=start,
+                       simulate=ctx.args.simulate)
 
 
 def small_model(ctx: Context) -> Path:
@@ -152,9 +173,8 @@ def small_model(ctx: Context) -> Path:
 
     from benchmarks.gpu_loop import LLAMA_SMALL, write_random_llama
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     t0 = time.monotonic()
-    path = write_random_llama(ctx.work_dir / "llama-small-fp32", LLAMA_SMALL, torch.float32, device)
+    path = write_random_llama(ctx.work_dir / "llama-small-fp32", LLAMA_SMALL, torch.float32, device(ctx))
     ctx.value("small_model_s", round(time.monotonic() - t0, 2))
     return path
 
@@ -163,8 +183,10 @@ def big_model(ctx: Context) -> Path:
     """The 1B-class bf16 random Llama (drawn on the GPU; cached in the work dir)."""
     import torch
 
-    from benchmarks.gpu_loop import LLAMA_1B, write_random_llama
+    from benchmarks.gpu_loop import LLAMA_1B, LLAMA_SMALL, write_random_llama
 
+    if ctx.args.simulate:
+        return write_random_llama(ctx.work_dir / "llama-small-bf16", LLAMA_SMALL, torch.bfloat16, "cpu")
     t0 = time.monotonic()
     path = write_random_llama(ctx.work_dir / "llama-1b-bf16", LLAMA_1B, torch.bfloat16, "cuda")
     ctx.value("model_1b_write_s", round(time.monotonic() - t0, 2))
@@ -177,6 +199,8 @@ def tier_b_blockers(ctx: Context) -> list[str]:
     from blink.engine.gpu_loop import tier_b_problems
     from blink.engine.gpu_probe import probe_host_register
 
+    if ctx.args.simulate:
+        return []
     problems = list(tier_b_problems())
     if not problems:
         probe = probe_host_register()
@@ -260,7 +284,8 @@ def _tier_small(ctx: Context, tier: str) -> None:
         if problems:
             ctx.skip("tier B cannot start here: " + "; ".join(problems))
     tokens, info = generate_prestaged(inp["EngineConfig"], model, inp["small_config"], loop,
-                                      inp["small_prompts"], inp["greedy_short"], "cuda", timeout_s=40)
+                                      inp["small_prompts"], inp["greedy_short"], device(ctx), timeout_s=40,
+                                      simulate=ctx.args.simulate)
     ctx.value(f"tier_{tier}", info)
     ctx.value(f"tier_{tier}_tokens", tokens)
     write_json(ctx.work_dir / f"small-tier{tier}-tokens.json", {"tokens": tokens})
@@ -289,14 +314,14 @@ def phase_tier_b_small(ctx: Context) -> None:
 def phase_kernels(ctx: Context) -> None:
     """benchmarks/gpu_kernels.py --quick: Triton vs torch references, graph replay, times."""
     require_gpu(ctx)
-    from dataclasses import asdict
-
+    if ctx.args.simulate:
+        ctx.skip("--simulate: the kernels are the Triton interpreter tests' business on CPU")
     from benchmarks import gpu_kernels as gk
 
     done: list[dict[str, Any]] = []
 
     def on_row(row: Any) -> None:
-        done.append(asdict(row))
+        done.append(dataclasses.asdict(row))
         ctx.value("rows", done)
 
     rows, _ = gk.run_cases(gk.parse_args(["--quick"]), on_row)
@@ -335,7 +360,7 @@ def phase_model_1b(ctx: Context) -> None:
     model = big_model(ctx)
     prompt = inp["prompts"][0][:16]
     t0 = time.monotonic()
-    gpu = prefill_logits(model, "cuda", torch.bfloat16, prompt)
+    gpu = prefill_logits(model, device(ctx), torch.bfloat16, prompt)
     t1 = time.monotonic()
     cpu = prefill_logits(model, "cpu", torch.float32, prompt)
     t2 = time.monotonic()
@@ -347,16 +372,22 @@ def phase_model_1b(ctx: Context) -> None:
               rel <= ctx.args.logit_rtol, f"rel L2 {rel:.2e}, argmax agrees at {agree:.0%} of "
               f"{len(prompt)} positions", rel_l2=rel)
     EC, kw, prompts, params = inp["EngineConfig"], inp["engine_kwargs"], inp["prompts"][:8], inp["greedy_short"]
-    a, info_a = generate_prestaged(EC, model, kw, "host", prompts, params, timeout_s=60)
+    a, info_a = generate_prestaged(EC, model, kw, "host", prompts, params, device(ctx), timeout_s=60,
+                                   simulate=ctx.args.simulate)
     ctx.value("tier_A", info_a)
     problems = tier_b_blockers(ctx)
     if problems:
         ctx.check("tier A tokens == tier B (bf16)", None, skip="tier B cannot start: " + "; ".join(problems))
         return
-    b, info_b = generate_prestaged(EC, model, kw, "device", prompts, params, timeout_s=60)
+    b, info_b = generate_prestaged(EC, model, kw, "device", prompts, params, device(ctx), timeout_s=60,
+                                   simulate=ctx.args.simulate)
     ctx.value("tier_B", info_b)
     ctx.check(f"tier A tokens == tier B (bf16, {len(prompts)} requests, same order)", a == b,
               f"first divergence: {first_divergence(a, b)}")
+
+
+def _fmt_s(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds:.2f} s"
 
 
 def _tiers(ctx: Context) -> tuple[list[str], list[str]]:
@@ -367,7 +398,7 @@ def _tiers(ctx: Context) -> tuple[list[str], list[str]]:
 def phase_steady_decode(ctx: Context) -> None:
     """Steady decode per tier: step time, tokens/s, engine host CPU; again under a hog."""
     require_gpu(ctx)
-    from benchmarks.gpu_loop import Client, CpuHog, make_engine
+    from benchmarks.gpu_loop import Client, CpuHog
 
     inp = inputs(ctx)
     model = big_model(ctx)
@@ -375,16 +406,16 @@ def phase_steady_decode(ctx: Context) -> None:
     window, hog_n = ctx.args.steady_s, ctx.args.hog_procs or os.cpu_count() or 1
     res: dict[str, Any] = {}
     for loop in tiers:
-        engine = make_engine(inp["EngineConfig"], model, inp["engine_kwargs"], loop)
-        client = Client(engine)
+        eng = engine(ctx, inp, model, loop)
+        client = Client(eng)
         try:
             quiet = client.steady(inp["prompts"], inp["greedy_long"], window)
             with CpuHog(hog_n):
                 hog = client.steady(inp["prompts"], inp["greedy_long"], window)
         finally:
             client.close()
-            engine.close()
-        res[loop] = {"build_s": round(engine.build_s, 2), "quiet": quiet, "hog": hog,
+            eng.close()
+        res[loop] = {"build_s": round(eng.build_s, 2), "quiet": quiet, "hog": hog,
                      "retention": hog["tokens_per_s"] / max(quiet["tokens_per_s"], 1e-9)}
         ctx.value(loop, res[loop])
         print(f"  {loop}: {quiet['step_ms']:.2f} ms/step, {quiet['tokens_per_s']:.0f} tok/s, engine CPU "
@@ -403,7 +434,7 @@ def phase_steady_decode(ctx: Context) -> None:
     b = res["device"]
     pct = b["quiet"]["engine_cpu_pct_of_core"]
     ctx.check(f"tier B host CPU <= {TIER_B_MAX_CPU_PCT:g} % of one core", pct <= TIER_B_MAX_CPU_PCT,
-              f"{pct:.2f} % (loop thread {b['quiet']['loop_thread_cpu_s']} s in {window:g} s); tier A "
+              f"{pct:.2f} % (loop thread {_fmt_s(b['quiet']['loop_thread_cpu_s'])} in {window:g} s); tier A "
               f"{a['quiet']['engine_cpu_pct_of_core']:.1f} %", value=pct)
     ctx.check("tier B step time <= tier A", b["quiet"]["step_ms"] <= a["quiet"]["step_ms"],
               f"B {b['quiet']['step_ms']:.3f} ms vs A {a['quiet']['step_ms']:.3f} ms",
@@ -416,15 +447,15 @@ def phase_steady_decode(ctx: Context) -> None:
 def phase_makespan(ctx: Context) -> None:
     """64 requests at once per tier, without and with the hog; the A/B makespan ratio."""
     require_gpu(ctx)
-    from benchmarks.gpu_loop import Client, CpuHog, make_engine
+    from benchmarks.gpu_loop import Client, CpuHog
 
     inp = inputs(ctx)
     model = big_model(ctx)
     tiers, problems = _tiers(ctx)
     res: dict[str, Any] = {}
     for loop in tiers:
-        engine = make_engine(inp["EngineConfig"], model, inp["engine_kwargs"], loop)
-        client = Client(engine)
+        eng = engine(ctx, inp, model, loop)
+        client = Client(eng)
         try:
             client.run(inp["prompts"][:8], inp["greedy_short"], timeout_s=60)  # warm-up, not timed
             quiet = client.run(inp["prompts"], inp["greedy_makespan"], timeout_s=60)[1]
@@ -432,7 +463,7 @@ def phase_makespan(ctx: Context) -> None:
                 hog = client.run(inp["prompts"], inp["greedy_makespan"], timeout_s=60)[1]
         finally:
             client.close()
-            engine.close()
+            eng.close()
         res[loop] = {"makespan_s": quiet, "makespan_hog_s": hog}
         ctx.value(loop, res[loop])
     n = len(inp["prompts"])
@@ -503,6 +534,8 @@ def _shm_segments() -> set[str]:
 def phase_serve_e2e(ctx: Context) -> None:
     """``blink serve --loop device`` + the real frontend, driven by the openai client."""
     require_gpu(ctx)
+    if ctx.args.simulate:
+        ctx.skip("--simulate: blink serve has no simulated GPU loop")
     site = ensure_serve_packages(ctx)
     import torch
 
@@ -591,7 +624,7 @@ def _phase_crash(ctx: Context) -> None:
     os._exit(7)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Phase:
     name: str
     fn: Callable[[Context], None]
@@ -714,7 +747,8 @@ def worker_args(args: argparse.Namespace, phase: str, result_file: Path) -> list
             "--steady-s", repr(args.steady_s), "--requests", str(args.requests),
             "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens),
             "--hog-procs", str(args.hog_procs), "--wheels", str(args.wheels),
-            "--logit-rtol", repr(args.logit_rtol), "--serve-start-s", repr(args.serve_start_s)]
+            "--logit-rtol", repr(args.logit_rtol), "--serve-start-s", repr(args.serve_start_s)] + (
+                ["--simulate"] if args.simulate else [])
 
 
 def run_phase(args: argparse.Namespace, phase: Phase, timeout_s: float, out: Path) -> dict[str, Any]:
@@ -894,6 +928,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--logit-rtol", type=float, default=DEFAULT_LOGIT_RTOL,
                    help="model_1b: max relative L2 of GPU bf16 vs CPU fp32 logits (default: %(default)s)")
     p.add_argument("--serve-start-s", type=float, default=35.0, help="serve_e2e: time for blink serve to be ready")
+    p.add_argument("--simulate", action="store_true",
+                   help="CPU dry run of the phases' code: the GPU loops simulated on CPU tensors with the "
+                        "small model (tests; the numbers mean nothing)")
     p.add_argument("--phase", default=None, help=argparse.SUPPRESS)  # worker mode
     p.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
     return p

@@ -333,16 +333,17 @@ class CpuHog:
 
 
 def make_engine(EngineConfig: Any, model: Path, kwargs: dict[str, Any], loop: str, device: str = "cuda",
-                eager_gpu: bool = False, start: bool = True) -> Any:
+                eager_gpu: bool = False, start: bool = True, simulate: bool = False) -> Any:
     """``create_engine`` for ``loop`` (cpu | host | device); started unless ``start`` is
     False (then requests can be written into the ring first). ``eager_gpu``: the CPU
-    loop's step run eagerly on GPU tensors (no graphs)."""
+    loop's step run eagerly on GPU tensors (no graphs). ``simulate``: the GPU loops' code
+    on CPU tensors (``create_engine(simulate=True)``; dry runs of the benchmarks)."""
     from blink.engine.gpu_loop import create_engine
     from blink.engine.graphs import run_step
 
     cfg = EngineConfig(**{"model": str(model), "device": device, "dtype": "auto", **kwargs})
     t0 = time.monotonic()
-    engine = create_engine(cfg, loop)
+    engine = create_engine(cfg, loop, simulate=simulate and loop != "cpu")
     if eager_gpu:
         engine.step = lambda: run_step(engine.parts)  # type: ignore[method-assign]
     engine.build_s = time.monotonic() - t0
@@ -358,11 +359,13 @@ start_engine = make_engine  # the name the first version of this script used
 
 def generate_prestaged(EngineConfig: Any, model: Path, kwargs: dict[str, Any], loop: str,
                        prompts: list[list[int]], params: Any, device: str = "cuda",
-                       timeout_s: float = 120, eager_gpu: bool = False) -> tuple[list[list[int]], dict[str, Any]]:
+                       timeout_s: float = 120, eager_gpu: bool = False,
+                       simulate: bool = False) -> tuple[list[list[int]], dict[str, Any]]:
     """Build an engine, write every request into its ring, *then* start it and collect:
     every loop sees the same ring at its first step, so batches (and bf16 rounding) are
     the same from run to run. Returns (tokens, info: build/run seconds, engine type)."""
-    engine = make_engine(EngineConfig, model, kwargs, loop, device, eager_gpu=eager_gpu, start=False)
+    engine = make_engine(EngineConfig, model, kwargs, loop, device, eager_gpu=eager_gpu, start=False,
+                         simulate=simulate)
     client = Client(engine)
     info: dict[str, Any] = {"engine": type(engine).__name__, "tier": getattr(engine, "tier", None),
                             "build_s": round(engine.build_s, 2)}
