@@ -5,16 +5,32 @@ Chat templates come from model repositories, so they are untrusted code: they ru
 (``raise_exception``, ``strftime_now``, a non-escaping ``tojson``, ``namespace``), so any
 template that renders under transformers renders the same here.
 
+The sandbox stops attribute escapes, not runaway work, so every render also runs under a
+:class:`RenderLimits` budget: a wall-clock deadline, checked on every call (macros included)
+and at the top of every loop body (an injected tick call); and a size cap that refuses, *before* allocating,
+any string or list a ``*``, ``**``, ``%``, width-taking method or filter, namespace
+assignment or macro argument would make
+bigger than the cap, and stops the output once it passes the cap. Exceeding either raises
+:class:`TemplateLimitError` (a :class:`ChatTemplateError`), and so does anything else a template
+raises: a template error is the request's fault, never a server error.
+
 Message content may be a string or a list of ``{"type": "text", "text": ...}`` parts. Templates
 written for plain strings get the parts joined with newlines (vLLM's "string" content format);
 templates that iterate over ``message['content']`` get the list as is ("openai" format).
 """
 from __future__ import annotations
 
+import functools
 import json
+import math
+import re
+import threading
+import time
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
-from typing import Any, Iterator, Literal, Mapping, Sequence
+from typing import Any, Callable, Iterator, Literal, Mapping, Sequence
 
 import jinja2
 import jinja2.ext
@@ -29,8 +45,272 @@ ContentFormat = Literal["string", "openai"]
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
+#: Default wall-clock budget of one render. A real chat template renders in well under a
+#: millisecond; half a second leaves room for a loaded machine and huge conversations.
+DEFAULT_RENDER_TIMEOUT_S = 0.5
+#: Default cap on the rendered text and on any string or list built while rendering.
+DEFAULT_MAX_RENDER_CHARS = 1 << 22
+#: Items one ``range()`` may produce (jinja's sandbox uses the same bound).
+MAX_RANGE = 100_000
+# ints from a template may not grow past this many bits (``2 ** 10**9`` would take minutes)
+_MAX_INT_BITS = 1 << 16
+# how often (in trace events) to read the clock: cheap enough, fine-grained enough
+_TICKS_PER_CLOCK_READ = 64
+# the global _LoopTick calls in every loop body
+_TICK_NAME = "_blink_render_tick"
+
+
 class ChatTemplateError(ValueError):
     """The conversation cannot be rendered (bad messages, or the template raised)."""
+
+
+class TemplateLimitError(ChatTemplateError):
+    """A render ran past its deadline or tried to build more text than allowed."""
+
+
+@dataclass(frozen=True)
+class RenderLimits:
+    """The budget of one render: wall-clock seconds, and the most characters the output (or
+    any string or list built on the way) may have."""
+
+    timeout_s: float = DEFAULT_RENDER_TIMEOUT_S
+    max_chars: int = DEFAULT_MAX_RENDER_CHARS
+
+
+class _Budget:
+    """The running render's deadline and size cap; one per render, held per thread."""
+
+    def __init__(self, limits: RenderLimits) -> None:
+        self.limits = limits
+        self.max_chars = limits.max_chars
+        self.deadline = time.monotonic() + limits.timeout_s
+        self._ticks = 0
+
+    def tick(self) -> None:
+        self._ticks += 1
+        if self._ticks % _TICKS_PER_CLOCK_READ == 0:
+            self.check_time()
+
+    def check_time(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise TemplateLimitError(
+                f"the chat template did not finish rendering within "
+                f"{self.limits.timeout_s:g} s")
+
+    def check_size(self, n: int, what: str = "the rendered text") -> None:
+        if n > self.max_chars:
+            raise TemplateLimitError(
+                f"the chat template would build {what} of {n} characters or items; at most "
+                f"{self.max_chars} are allowed")
+
+    def check_value(self, value: Any) -> None:
+        if isinstance(value, (str, list, tuple, dict)):
+            self.check_size(len(value), "a value")
+
+    def check_int_args(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        # A width, count or padding larger than the whole output cap can only build something
+        # larger than the cap (center(10**9), batch(10**9), ljust(10**9), lipsum(10**9)...).
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, int) and not isinstance(value, bool) and \
+                    abs(value) > self.max_chars:
+                self.check_size(abs(value), "a value")
+
+    def check_format(self, fmt: str) -> None:
+        """``str.format`` / ``%`` widths are output sizes; none may exceed the cap."""
+        if "*" in fmt and "%" in fmt:  # "%*d": the width comes from the arguments
+            raise TemplateLimitError("'*' widths in % formatting are not allowed in chat templates")
+        for digits in re.findall(r"\d+", fmt):
+            if len(digits) > 18 or int(digits) > self.max_chars:
+                self.check_size(int(digits[:19]), "a formatted value")
+
+    def check_binop(self, operator: str, left: Any, right: Any) -> None:
+        sized = (str, list, tuple)
+        if operator == "*":
+            for seq, count in ((left, right), (right, left)):
+                if isinstance(seq, sized) and isinstance(count, int):
+                    self.check_size(len(seq) * max(count, 0), "a repeated value")
+            if isinstance(left, int) and isinstance(right, int):
+                self._check_bits(left.bit_length() + right.bit_length())
+        elif operator == "**":
+            if isinstance(left, int) and isinstance(right, int) and right > 0:
+                self._check_bits(right * max(abs(left), 1).bit_length())
+        elif operator == "%" and isinstance(left, str):
+            self.check_format(left)
+
+    def _check_bits(self, bits: int) -> None:
+        if bits > _MAX_INT_BITS:
+            raise TemplateLimitError(
+                f"the chat template would build an integer of about {bits} bits; at most "
+                f"{_MAX_INT_BITS} are allowed")
+
+
+_current = threading.local()
+
+
+def _budget() -> _Budget | None:
+    return getattr(_current, "budget", None)
+
+
+def _render_tick() -> str:
+    """Called at the top of every ``for`` body (see :class:`_LoopTick`); the call itself goes
+    through :meth:`_LimitedEnvironment.call`, which reads the clock."""
+    return ""
+
+
+class _LoopTick(jinja2.ext.Extension):
+    """Puts ``{{ _blink_render_tick() }}`` at the top of every ``for`` body: a loop that calls
+    nothing (nested loops over a long string) would otherwise never meet the deadline. The
+    call renders as ""; shadowing the name does not help a template, since any call is
+    checked."""
+
+    def filter_stream(self, stream: jinja2.lexer.TokenStream) -> Iterator[jinja2.lexer.Token]:
+        after_block_begin = in_for = False
+        for token in stream:
+            yield token
+            if token.type == "block_begin":
+                after_block_begin = True
+                continue
+            if after_block_begin:
+                in_for = token.type == "name" and token.value == "for"
+                after_block_begin = False
+            if token.type == "block_end" and in_for:
+                in_for = False
+                Token = jinja2.lexer.Token
+                for kind, value in (("variable_begin", "{{"), ("name", _TICK_NAME),
+                                    ("lparen", "("), ("rparen", ")"), ("variable_end", "}}")):
+                    yield Token(token.lineno, kind, value)
+
+
+class _NoBudget(Exception):
+    """A filter was called outside a render (see :func:`_limited_filter`)."""
+
+
+_SIZE_ESTIMATES: dict[str, Callable[..., int]] = {
+    # filter name -> (value, *args) -> an upper bound of the result's size, for the filters
+    # whose result can be much larger than their input
+    "join": lambda value, d="", *a, **k: (
+        sum(len(str(x)) for x in value) + len(str(d)) * len(value)
+        if isinstance(value, (list, tuple, str)) else 0),
+    "replace": lambda value, old="", new="", *a, **k: (
+        len(value) + (value.count(old) if old else len(value) + 1) * len(str(new))
+        if isinstance(value, str) and isinstance(old, str) else 0),
+    "wordwrap": lambda value, width=79, break_long_words=True, wrapstring=None, *a, **k: (
+        len(value) * (1 + len(wrapstring or "\n")) if isinstance(value, str) else 0),
+    "indent": lambda value, width=4, *a, **k: (
+        (len(value) + 1) * (1 + (width if isinstance(width, int) else len(str(width))))
+        if isinstance(value, str) else 0),
+    "center": lambda value, width=80, *a, **k: max(len(str(value)), int(width)),
+    "batch": lambda value, linecount, *a, **k: len(value) + int(linecount)
+    if isinstance(value, SequenceABC) else int(linecount),
+    "slice": lambda value, slices, *a, **k: int(slices),
+}
+
+
+def _limited_filter(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
+    """``func`` (a jinja filter) with the running render's size checks around it."""
+    skip = 1 if getattr(func, "jinja_pass_arg", None) is not None else 0
+    estimate = _SIZE_ESTIMATES.get(name)
+
+    @functools.wraps(func)  # keeps jinja_pass_arg: jinja still passes the context first
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        budget = _budget()
+        if budget is None:
+            # Not inside a render: jinja is folding a constant expression while compiling
+            # ("{{ 'a'|center(10**9) }}"). Refusing makes it compile a runtime call instead,
+            # which then runs under the render's budget.
+            raise _NoBudget(name)
+        if len(args) <= skip:
+            return func(*args, **kwargs)
+        budget.tick()
+        value, rest = args[skip], args[skip + 1:]
+        budget.check_int_args(rest, kwargs)
+        if name == "format" and isinstance(value, str):
+            budget.check_format(value)
+        if estimate is not None:
+            try:
+                size = estimate(value, *rest, **kwargs)
+            except (TypeError, ValueError):
+                size = 0  # the filter itself reports a bad call
+            budget.check_size(size, f"a '{name}' result")
+        result = func(*args, **kwargs)
+        budget.check_value(result)
+        return result
+
+    return wrapper
+
+
+class _TickingRange(SequenceABC):
+    """``range()`` for templates: at most :data:`MAX_RANGE` items, and iterating it counts
+    against the render's deadline (a ``range`` loop is the usual runaway)."""
+
+    def __init__(self, *args: int) -> None:
+        self._range = range(*args)
+        if len(self._range) > MAX_RANGE:
+            raise TemplateLimitError(
+                f"range() in a chat template may produce at most {MAX_RANGE} items, "
+                f"got {len(self._range)}")
+
+    def __len__(self) -> int:
+        return len(self._range)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._range[index]
+
+    def __iter__(self) -> Iterator[int]:
+        for i in self._range:
+            budget = _budget()
+            if budget is not None:
+                budget.tick()
+            yield i
+
+    def __repr__(self) -> str:
+        return repr(self._range)
+
+
+def _lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str:
+    if not (isinstance(n, int) and 0 <= n <= 100 and isinstance(max, int) and max <= 1000):
+        raise TemplateLimitError("lipsum() in a chat template takes n <= 100 and max <= 1000")
+    return jinja2.utils.generate_lorem_ipsum(n=n, html=html, min=min, max=max)
+
+
+class _LimitedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox plus the running render's budget on every call and size-multiplying
+    operator."""
+
+    # Not "+": like "~" it only adds sizes, and doubling needs a loop-carried namespace value
+    # or a recursive macro, both checked (namespace assignment, call arguments). Intercepting
+    # it would cost every "'<|im_start|>' + role" a Python call.
+    intercepted_binops = frozenset({"*", "**", "%"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        budget = _budget()
+        if budget is not None:
+            budget.tick()
+            budget.check_binop(operator, left, right)
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        budget = _budget()
+        if __obj is _render_tick and budget is not None:  # the loop tick: the hot path
+            budget.check_time()
+            return ""
+        if budget is not None:
+            budget.check_time()  # a call can be a recursive macro: read the clock every time
+            budget.check_int_args(args, kwargs)
+            for value in (*args, *kwargs.values()):  # a macro doubling its argument each call
+                budget.check_value(value)
+            target = getattr(__obj, "__wrapped__", __obj)  # jinja wraps str.format
+            if getattr(target, "__name__", "") in ("format", "format_map") and \
+                    isinstance(getattr(target, "__self__", None), str):
+                budget.check_format(target.__self__)
+            if getattr(target, "__name__", "") == "join" and \
+                    isinstance(getattr(target, "__self__", None), str) and args and \
+                    isinstance(args[0], (list, tuple)):
+                budget.check_size(len(target.__self__) * len(args[0]), "a joined value")
+        result = super().call(__context, __obj, *args, **kwargs)
+        if budget is not None:
+            budget.check_value(result)
+        return result
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -60,6 +340,9 @@ class _TemplateNamespace(jinja2.utils.Namespace):
 
     def __setitem__(self, name: str, value: Any) -> None:
         _TemplateNamespace._check_name(name)
+        budget = _budget()
+        if budget is not None:  # "{% set ns.s = ns.s ~ ns.s %}" in a loop doubles each time
+            budget.check_value(value)
         jinja2.utils.Namespace.__setitem__(self, name, value)
 
     @staticmethod
@@ -86,14 +369,21 @@ def _strftime_now(fmt: str) -> str:
 
 @lru_cache(maxsize=1)
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+    env = _LimitedEnvironment(
+        # No optimizer: it folds constant expressions while compiling, outside any render
+        # budget ("{{ 'a'|center(10**9) }}" would run, unbounded, inside compile_template).
+        optimized=False,
         trim_blocks=True, lstrip_blocks=True,
-        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols, _LoopTick],
     )
     env.filters["tojson"] = _tojson
+    env.filters = {name: _limited_filter(name, f) for name, f in env.filters.items()}
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["namespace"] = _TemplateNamespace
+    env.globals["range"] = _TickingRange
+    env.globals["lipsum"] = _lipsum
+    env.globals[_TICK_NAME] = _render_tick
     return env
 
 
@@ -173,11 +463,14 @@ def render_chat_template(
     documents: list[dict[str, Any]] | None = None,
     special_tokens: Mapping[str, Any] | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    limits: RenderLimits | None = None,
 ) -> str:
     """Render ``messages`` the way ``tokenizer.apply_chat_template(..., tokenize=False)`` does.
 
     ``special_tokens`` (bos_token, eos_token, ...) and ``chat_template_kwargs`` become template
-    variables; the latter may not override ``messages`` or the other named arguments.
+    variables; the latter may not override ``messages`` or the other named arguments. The
+    render runs under ``limits`` (default :class:`RenderLimits`); it blocks the calling thread,
+    so servers call it from a worker thread.
     """
     if add_generation_prompt and continue_final_message:
         raise ChatTemplateError(
@@ -205,13 +498,9 @@ def render_chat_template(
         raise ChatTemplateError(
             f"chat_template_kwargs cannot set {', '.join(clash)}; use the request fields")
     variables = {**(special_tokens or {}), **extra}
-    try:
-        rendered = template.render(messages=chat, tools=tools, documents=documents,
-                                   add_generation_prompt=add_generation_prompt, **variables)
-    except jinja2.exceptions.TemplateError as e:  # includes raise_exception() and SecurityError
-        raise ChatTemplateError(f"chat template error: {e}") from e
-    except (TypeError, ValueError, KeyError, AttributeError) as e:
-        raise ChatTemplateError(f"chat template error: {type(e).__name__}: {e}") from e
+    rendered = _render(template, limits or RenderLimits(), messages=chat, tools=tools,
+                       documents=documents, add_generation_prompt=add_generation_prompt,
+                       **variables)
     if final_text is not None:
         tag = _CONTINUE_TAG.strip()
         if tag not in rendered:
@@ -223,3 +512,33 @@ def render_chat_template(
         else:  # the template trimmed the trailing space after the tag
             rendered = rendered[:loc].rstrip()
     return rendered
+
+
+def _render(template: jinja2.Template, limits: RenderLimits, **variables: Any) -> str:
+    """``template.render(**variables)`` under ``limits``; every failure is a
+    :class:`ChatTemplateError`."""
+    budget = _Budget(limits)
+    previous_budget = _budget()
+    _current.budget = budget
+    parts: list[str] = []
+    size, max_chars = 0, limits.max_chars
+    try:
+        for chunk in template.generate(**variables):
+            size += len(chunk)
+            if size > max_chars:
+                budget.check_size(size)
+            parts.append(chunk)
+        budget.check_time()
+    except ChatTemplateError:
+        raise
+    except jinja2.exceptions.TemplateError as e:  # includes raise_exception() and SecurityError
+        raise ChatTemplateError(f"chat template error: {e}") from None
+    except RecursionError:
+        raise ChatTemplateError("chat template error: too deeply nested (recursion)") from None
+    except MemoryError:
+        raise TemplateLimitError("chat template error: out of memory while rendering") from None
+    except Exception as e:  # a template can raise anything (OverflowError, ZeroDivisionError...)
+        raise ChatTemplateError(f"chat template error: {type(e).__name__}: {e}") from None
+    finally:
+        _current.budget = previous_budget
+    return "".join(parts)
