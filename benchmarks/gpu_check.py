@@ -533,10 +533,12 @@ def _shm_segments() -> set[str]:
 
 def phase_serve_e2e(ctx: Context) -> None:
     """``blink serve --loop device`` + the real frontend, driven by the openai client."""
-    require_gpu(ctx)
     if ctx.args.simulate:
         ctx.skip("--simulate: blink serve has no simulated GPU loop")
+    # Before torch is imported: the carried wheels (typing-extensions among them) must come
+    # first on sys.path for this process too, or pydantic would meet the image's older copy.
     site = ensure_serve_packages(ctx)
+    require_gpu(ctx)
     import torch
 
     from benchmarks.gpu_loop import LLAMA_BYTES, write_random_llama
