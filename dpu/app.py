@@ -3,23 +3,31 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``POST /tokenize``, ``POST /detokenize`` (vLLM's shapes), ``GET /health`` (503 while the engine's
 heartbeat is stale) and ``GET /metrics`` (Prometheus). With ``api_key`` set, ``/v1/*``,
-``/tokenize`` and ``/detokenize`` need ``Authorization: Bearer <key>``; ``/health`` and
-``/metrics`` stay open for probes and scrapers (as in vLLM). Every error is an OpenAI-style JSON
-body (:mod:`blink.dpu.errors`).
+``/tokenize``, ``/detokenize`` and the API docs (``/docs``, ``/redoc``, ``/openapi.json``; unless
+``public_docs``) need ``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open for
+probes and scrapers (as in vLLM). Every error is an OpenAI-style JSON body
+(:mod:`blink.dpu.errors`), an unexpected exception included: it becomes a 500 that leaves the
+keep-alive connection usable. Request bodies over ``RequestLimits.max_request_body_bytes`` get
+a 413 before they are read.
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import secrets
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from blink.dpu import errors
 from blink.dpu.engine_client import EngineClient
 from blink.dpu.errors import APIError
+from blink.dpu.limits import RequestLimits
 from blink.dpu.metrics import FrontendMetrics
 from blink.dpu.protocol import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from blink.dpu.serving import OpenAIServing
@@ -28,18 +36,115 @@ from blink.dpu.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
+class InternalErrorMiddleware:
+    """Turns an exception that escaped every handler into a JSON 500, and does not re-raise.
+
+    Starlette's own last-resort handler (``ServerErrorMiddleware``, where an
+    ``exception_handler(Exception)`` lands) sends the 500 and then re-raises; uvicorn, seeing
+    an exception after a response, closes the connection, so the client's *next* request on
+    that keep-alive connection got ECONNRESET. Here the exception ends with this request.
+    If the response had already started (a stream), its body is ended cleanly instead.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = finished = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started, finished
+            if message["type"] == "http.response.start":
+                started = True
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                finished = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:  # the last resort: whatever a handler failed to handle
+            logger.exception("unhandled error while serving %s %s", scope.get("method"),
+                             scope.get("path"))
+            if not started:
+                response = errors.internal_error(
+                    f"Internal server error: {type(exc).__name__}: {exc}").response()
+                await response(scope, receive, send)
+            elif not finished:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class BodySizeLimitMiddleware:
+    """413 for request bodies over ``limit`` bytes: at once when Content-Length says so, else
+    as soon as the streamed body passes it (the handler never sees more)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                size = int(value) if value.isdigit() else None
+                if size is not None and size > self.limit:
+                    await errors.request_too_large(size, self.limit).response()(
+                        scope, receive, send)
+                    return
+        seen = 0
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise errors.request_too_large(None, self.limit)  # the app answers it
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+def app_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``create_app`` keyword arguments from ``blink serve`` flags (see blink/cli.py)."""
+    return {
+        "public_docs": bool(getattr(args, "public_docs", False)),
+        "limits": RequestLimits(
+            max_request_body_bytes=int(args.max_request_body_mb * (1 << 20)),
+            chat_template_timeout_s=args.chat_template_timeout,
+            trust_request_chat_template=bool(args.trust_request_chat_template),
+        ),
+    }
+
+
 def create_app(engine: EngineClient, tokenizer: Tokenizer, *, model_name: str | None = None,
-               api_key: str | None = None) -> FastAPI:
+               api_key: str | None = None, limits: RequestLimits | None = None,
+               public_docs: bool = False) -> FastAPI:
     """Build the app. ``model_name`` (default ``engine.model_name``) is the only name
-    requests may ask for; ``api_key`` turns on Bearer authentication."""
+    requests may ask for; ``api_key`` turns on Bearer authentication (for the API docs too,
+    unless ``public_docs``); ``limits`` bounds what one request may cost."""
     name = model_name or engine.model_name
+    limits = limits or RequestLimits()
     metrics = FrontendMetrics(engine, name)
-    serving = OpenAIServing(engine, tokenizer, metrics, name)
-    app = FastAPI(title="Blink", summary="OpenAI-compatible LLM serving (Blink frontend)")
+    serving = OpenAIServing(engine, tokenizer, metrics, name, limits)
+    docs_open = api_key is None or public_docs
+    app = FastAPI(title="Blink", summary="OpenAI-compatible LLM serving (Blink frontend)",
+                  docs_url="/docs" if docs_open else None,
+                  redoc_url="/redoc" if docs_open else None,
+                  openapi_url="/openapi.json" if docs_open else None)
     app.state.engine = engine
     app.state.tokenizer = tokenizer
     app.state.metrics = metrics
     app.state.serving = serving
+    app.state.limits = limits
+    # Added last = outermost: the body limit applies before anything reads the body, and the
+    # internal-error net catches whatever the app (or the limit) lets escape.
+    app.add_middleware(BodySizeLimitMiddleware, limit=limits.max_request_body_bytes)
+    app.add_middleware(InternalErrorMiddleware)
 
     async def require_api_key(request: Request) -> None:
         if api_key is None:
@@ -62,11 +167,19 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, *, model_name: str | 
         return APIError(exc.status_code, str(exc.detail), type=kind,
                         headers=dict(exc.headers or {})).response()
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error while serving a request")
-        return errors.internal_error(f"Internal server error: {type(exc).__name__}: {exc}"
-                                     ).response()
+    if not docs_open:
+        # The same pages FastAPI serves, behind the key (the schema lists every parameter).
+        @app.get("/openapi.json", dependencies=auth, include_in_schema=False)
+        async def openapi_schema() -> JSONResponse:
+            return JSONResponse(app.openapi())
+
+        @app.get("/docs", dependencies=auth, include_in_schema=False)
+        async def swagger_docs() -> HTMLResponse:
+            return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - docs")
+
+        @app.get("/redoc", dependencies=auth, include_in_schema=False)
+        async def redoc_docs() -> HTMLResponse:
+            return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request) -> Response:

@@ -49,8 +49,19 @@ def model_not_found(name: str) -> APIError:
 
 
 def unauthorized() -> APIError:
+    # RFC 6750: a 401 names the scheme the client should use.
     return APIError(401, "Invalid or missing API key. Send it as 'Authorization: Bearer <key>'.",
-                    type="authentication_error", code="invalid_api_key")
+                    type="authentication_error", code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"})
+
+
+def request_too_large(size: int | None, limit: int) -> APIError:
+    """413 for a body over the limit (``size`` is None when it was cut off while reading)."""
+    got = f"{size} bytes" if size is not None else f"more than {limit} bytes"
+    # Connection: close, as the rest of the body is not read.
+    return APIError(413, f"The request body is too large ({got}); this server accepts at most "
+                    f"{limit} bytes (blink serve --max-request-body-mb).",
+                    code="request_too_large", headers={"Connection": "close"})
 
 
 def overloaded(message: str, retry_after_s: float) -> APIError:

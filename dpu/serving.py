@@ -4,16 +4,23 @@ One HTTP request becomes ``len(prompts) * n`` engine requests (:class:`ChoiceRun
 concurrently by a :class:`RequestFanout`, which also watches the connection: when the client
 goes away (streaming or not) every unfinished engine request is aborted at once, instead of
 generating to ``max_tokens`` for nobody.
+
+Every request is bounded before work is done for it (:class:`blink.dpu.limits.RequestLimits`):
+``n`` and the fan-out, prompt lengths (refused unencoded when they surely exceed the context),
+request-supplied chat templates (refused unless trusted). Chat-template rendering, and encoding
+or decoding of long texts, run in a small worker pool so the event loop keeps serving others.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 import anyio
 from fastapi import Request
@@ -21,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from blink.dpu import errors
-from blink.dpu.chat_template import ChatTemplateError
+from blink.dpu.chat_template import DEFAULT_MAX_RENDER_CHARS, ChatTemplateError, RenderLimits
 from blink.dpu.engine_client import (
     EngineClient,
     EngineDeadError,
@@ -30,6 +37,7 @@ from blink.dpu.engine_client import (
 )
 from blink.dpu.errors import APIError, bad_request
 from blink.dpu.generation import ChoiceDelta, ChoiceRun
+from blink.dpu.limits import DEFAULT_MAX_FANOUT, INLINE_ENCODE_CHARS, RequestLimits
 from blink.dpu.metrics import FrontendMetrics
 from blink.dpu.protocol import (
     IGNORED_FIELDS,
@@ -57,7 +65,7 @@ from blink.dpu.protocol import (
     ignored_fields_warning,
 )
 from blink.dpu.tokenizer import Tokenizer
-from blink.engine.sampling_params import SamplingParams, SamplingParamsError
+from blink.engine.sampling_params import MAX_N, SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
 _M = TypeVar("_M", bound=BaseModel)
@@ -68,6 +76,11 @@ _MIN_LOGPROB = -9999.0
 # Status for "client closed the request" (nginx's convention; nobody reads it).
 _CLIENT_CLOSED = 499
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_INT64_SPAN = 2**64
+# vLLM's wording, so clients that recognise it keep working.
+_UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-request-chat-template "
+                       "is not set. Refused request with untrusted chat template.")
+_T = TypeVar("_T")
 
 
 class ClientDisconnected(Exception):
@@ -93,6 +106,20 @@ async def wait_for_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def engine_slot_count(engine: EngineClient) -> int | None:
+    """How many requests the engine holds at once, when its client can tell (the ring's slot
+    count); ``None`` otherwise (a test engine)."""
+    ring = getattr(engine, "ring", None)
+    n = getattr(getattr(ring, "config", None), "n_slots", None)
+    return n if isinstance(n, int) and n > 0 else None
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """A request's seed offset for its ``index``-th choice, wrapped to a signed int64 (the
+    ring's type), so a seed near the int64 limit with n > 1 still works."""
+    return (seed + index + 2**63) % _INT64_SPAN - 2**63
 
 
 def engine_error_to_api(exc: BaseException) -> APIError:
@@ -229,12 +256,28 @@ class OpenAIServing:
     """The handlers behind the routes in :mod:`blink.dpu.app`."""
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, metrics: FrontendMetrics,
-                 model_name: str) -> None:
+                 model_name: str, limits: RequestLimits | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
+        self.limits = limits or RequestLimits()
+        # Anything above what the ring holds at once could never run as one request.
+        caps = [c for c in (self.limits.max_fanout, engine_slot_count(engine)) if c]
+        self.max_fanout = min(caps) if caps else DEFAULT_MAX_FANOUT
+        #: a text longer than this is refused unencoded (None: no such bound for this tokenizer)
+        self.max_prompt_chars = tokenizer.max_prompt_chars(self.max_model_len)
+        self.render_limits = RenderLimits(
+            timeout_s=self.limits.chat_template_timeout_s,
+            max_chars=self.max_prompt_chars or DEFAULT_MAX_RENDER_CHARS)
+        # Few threads: they share the GIL with the event loop; more would only queue there.
+        self._workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="blink-tokenize")
+
+    async def _off_loop(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """Run ``fn`` in the worker pool: renders and long encodes never block the loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._workers, functools.partial(fn, *args, **kwargs))
 
     # -- shared checks ---------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -256,6 +299,59 @@ class OpenAIServing:
         problem = req.unsupported()
         if problem is not None:
             raise bad_request(f"{problem[1]}.", param=problem[0])
+        # Before anything is built per choice: n=10**7 must cost nothing.
+        if req.n > MAX_N:
+            raise bad_request(f"n must be at most {MAX_N}, got {req.n}.", param="n")
+
+    def _check_fanout(self, n_prompts: int, n: int) -> None:
+        total = n_prompts * max(n, 1)
+        if total > self.max_fanout:
+            what = f"{n_prompts} prompts x n={n}" if n_prompts > 1 else f"n={n}"
+            raise bad_request(
+                f"This request asks for {total} completions ({what}), but the server runs at "
+                f"most {self.max_fanout} at once. Please reduce n or the number of prompts.",
+                param="n" if n_prompts == 1 else "prompt")
+
+    def _check_prompt_chars(self, n_chars: int, param: str) -> None:
+        """Refuse, without encoding it, a text that surely exceeds the context."""
+        cap = self.max_prompt_chars
+        if cap is not None and n_chars > cap:
+            raise APIError(
+                400, f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, the prompt has {n_chars} characters, more than "
+                f"{self.max_model_len} tokens can hold ({cap} characters at most with this "
+                f"tokenizer). Please reduce the length of the prompt.",
+                param=param, code="context_length_exceeded")
+
+    async def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        self._check_prompt_chars(len(text), param)
+        if len(text) <= INLINE_ENCODE_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await self._off_loop(self.tokenizer.encode, text,
+                                    add_special_tokens=add_special_tokens)
+
+    def _check_chat_template(self, template: str | None) -> None:
+        if template is None:
+            return
+        if not self.limits.trust_request_chat_template:
+            raise bad_request(_UNTRUSTED_TEMPLATE, param="chat_template")
+        if len(template) > self.limits.max_chat_template_chars:
+            raise bad_request(
+                f"The chat template is too long: {len(template)} characters; at most "
+                f"{self.limits.max_chat_template_chars} are accepted.", param="chat_template")
+
+    async def _encode_chat(self, messages: Sequence[Mapping[str, Any]], *,
+                           chat_template: str | None, **kwargs: Any) -> list[int]:
+        """Render (in the worker pool, under the render limits) and encode a conversation;
+        a template failure or limit is a 400."""
+        self._check_chat_template(chat_template)
+        try:
+            return await self._off_loop(self.tokenizer.encode_chat, messages,
+                                        chat_template=chat_template,
+                                        limits=self.render_limits, **kwargs)
+        except ChatTemplateError as e:
+            raise bad_request(str(e), param="chat_template" if chat_template else "messages"
+                              ) from None
 
     def _check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.tokenizer.vocab_size
@@ -308,7 +404,7 @@ class OpenAIServing:
             for i in range(params.n):
                 # One engine request per choice; a given seed is offset per choice so the
                 # choices differ but stay reproducible.
-                seed = None if params.seed is None else params.seed + i
+                seed = None if params.seed is None else choice_seed(params.seed, i)
                 choice_params = dataclasses.replace(params, n=1, seed=seed)
                 index = p * params.n + i
                 suffix = f"{p}-{i}" if len(prompts) > 1 else str(i)
@@ -379,17 +475,15 @@ class OpenAIServing:
             raise bad_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
         if not req.messages:
             raise bad_request("messages must contain at least one message.", param="messages")
+        self._check_fanout(1, req.n)
         self.check_healthy()
-        try:
-            prompt_ids = self.tokenizer.encode_chat(
-                [m.model_dump(exclude_none=True) for m in req.messages],
-                add_special_tokens=req.add_special_tokens,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                documents=req.documents, chat_template_kwargs=req.chat_template_kwargs,
-                chat_template=req.chat_template)
-        except ChatTemplateError as e:
-            raise bad_request(str(e), param="messages") from None
+        prompt_ids = await self._encode_chat(
+            [m.model_dump(exclude_none=True) for m in req.messages],
+            add_special_tokens=req.add_special_tokens,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            documents=req.documents, chat_template_kwargs=req.chat_template_kwargs,
+            chat_template=req.chat_template)
         if not prompt_ids:
             raise bad_request("The rendered prompt is empty.", param="messages")
         requested = req.max_completion_tokens if req.max_completion_tokens is not None \
@@ -488,7 +582,8 @@ class OpenAIServing:
         return self._framed_stream(fanout, chunks(), usage_chunk if include_usage else None)
 
     # -- /v1/completions -------------------------------------------------------------------
-    def _completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+    async def _completion_prompts(self, req: CompletionRequest, max_tokens: int
+                                  ) -> list[list[int]]:
         prompt = req.prompt
         if isinstance(prompt, str):
             texts_or_ids: list[Any] = [prompt]
@@ -498,14 +593,18 @@ class OpenAIServing:
             texts_or_ids = list(prompt)
         if not texts_or_ids:
             raise bad_request("The prompt cannot be empty.", param="prompt")
+        self._check_fanout(len(texts_or_ids), req.n)  # before any prompt is encoded
         prompts: list[list[int]] = []
         for item in texts_or_ids:
             if isinstance(item, str):
                 if not item:
                     raise bad_request("The prompt cannot be empty.", param="prompt")
-                ids = self.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
+                ids = await self._encode(item, req.add_special_tokens, "prompt")
             else:
                 ids = list(item)
+                if len(ids) + max_tokens > self.max_model_len:  # before a per-id Python loop
+                    raise errors.context_length_exceeded(self.max_model_len, len(ids),
+                                                         max_tokens)
                 self._check_token_ids(ids, "prompt")
             if not ids:
                 raise bad_request("The prompt cannot be empty.", param="prompt")
@@ -517,8 +616,8 @@ class OpenAIServing:
         req = parse_request(CompletionRequest, await request.body())
         self._check_request(req)
         self.check_healthy()
-        prompts = self._completion_prompts(req)
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
+        prompts = await self._completion_prompts(req, max(max_tokens, 0))
         params = self._sampling_params(req, max_tokens, req.logprobs, {})
         for ids in prompts:
             self._check_context(len(ids), max_tokens)
@@ -623,6 +722,10 @@ class OpenAIServing:
                 yield usage_chunk()
         except EngineError as e:
             yield _sse(json.dumps(engine_error_to_api(e).body()))
+        except Exception as e:  # headers are out: report it in the stream, end it cleanly
+            logger.exception("unexpected error while streaming a response")
+            yield _sse(json.dumps(errors.internal_error(
+                f"Internal server error: {type(e).__name__}").body()))
         finally:
             await fanout.close()
         yield "data: [DONE]\n\n"
@@ -638,22 +741,29 @@ class OpenAIServing:
         if is_chat:
             chat = parse_request(TokenizeChatRequest, body)
             self.check_model(chat.model)
-            try:
-                ids = self.tokenizer.encode_chat(
-                    [m.model_dump(exclude_none=True) for m in chat.messages],
-                    add_special_tokens=chat.add_special_tokens,
-                    add_generation_prompt=chat.add_generation_prompt,
-                    continue_final_message=chat.continue_final_message, tools=chat.tools,
-                    chat_template_kwargs=chat.chat_template_kwargs,
-                    chat_template=chat.chat_template)
-            except ChatTemplateError as e:
-                raise bad_request(str(e), param="messages") from None
-            want_strs = chat.return_token_strs
+            if not chat.messages:
+                raise bad_request("messages must contain at least one message.",
+                                  param="messages")
+            ids = await self._encode_chat(
+                [m.model_dump(exclude_none=True) for m in chat.messages],
+                add_special_tokens=chat.add_special_tokens,
+                add_generation_prompt=chat.add_generation_prompt,
+                continue_final_message=chat.continue_final_message, tools=chat.tools,
+                chat_template_kwargs=chat.chat_template_kwargs,
+                chat_template=chat.chat_template)
+            want_strs, param = chat.return_token_strs, "messages"
         else:
             plain = parse_request(TokenizeCompletionRequest, body)
             self.check_model(plain.model)
-            ids = self.tokenizer.encode(plain.prompt, add_special_tokens=plain.add_special_tokens)
-            want_strs = plain.return_token_strs
+            ids = await self._encode(plain.prompt, plain.add_special_tokens, "prompt")
+            want_strs, param = plain.return_token_strs, "prompt"
+        if len(ids) > self.max_model_len:
+            # What no request could use is not returned either (it could be millions of ids).
+            raise APIError(
+                400, f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, the prompt has {len(ids)} tokens. /tokenize returns at most "
+                f"{self.max_model_len} tokens; please reduce the length of the prompt.",
+                param=param, code="context_length_exceeded")
         strs = [self.tokenizer.id_to_token(t) or "" for t in ids] if want_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids,
                                 token_strs=strs)
@@ -661,5 +771,11 @@ class OpenAIServing:
     async def detokenize(self, request: Request) -> DetokenizeResponse:
         req = parse_request(DetokenizeRequest, await request.body())
         self.check_model(req.model)
+        if len(req.tokens) > self.max_model_len:
+            raise bad_request(
+                f"/detokenize takes at most {self.max_model_len} tokens (the model's maximum "
+                f"context length), got {len(req.tokens)}.", param="tokens")
         self._check_token_ids(req.tokens, "tokens")
-        return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+        if len(req.tokens) <= INLINE_ENCODE_CHARS:
+            return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+        return DetokenizeResponse(prompt=await self._off_loop(self.tokenizer.decode, req.tokens))

@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import json
 import re
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any, Mapping, Sequence
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from blink.dpu.chat_template import ChatTemplateError, render_chat_template
+from blink.dpu.chat_template import ChatTemplateError, RenderLimits, render_chat_template
 from blink.dpu.fast_encode import FastEncoder, bytes_to_unicode
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
                        "cls_token", "mask_token")
+# Normalizers that cannot shrink a text's UTF-8 by more than _NORMALIZER_SHRINK (composition:
+# three jamo of 3 bytes each become one 3-byte syllable) — see Tokenizer.max_prompt_chars.
+_BOUNDED_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Prepend", "Lowercase"}
+_NORMALIZER_SHRINK = 3
 
 
 @lru_cache(maxsize=1)
@@ -34,6 +38,21 @@ def _token_content(value: Any) -> str | None:
     if isinstance(value, Mapping) and isinstance(value.get("content"), str):
         return value["content"]
     return None
+
+
+def _normalizer_is_bounded(normalizer: Mapping[str, Any] | None) -> bool:
+    """True if ``normalizer`` never shrinks a text by more than ``_NORMALIZER_SHRINK``."""
+    if not normalizer:
+        return True
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        return all(_normalizer_is_bounded(n) for n in normalizer.get("normalizers", []))
+    if kind == "Replace":  # sentencepiece's " " -> "▁" grows; "  " -> " " would not be safe
+        pattern = (normalizer.get("pattern") or {}).get("String")
+        content = normalizer.get("content")
+        return isinstance(pattern, str) and isinstance(content, str) and \
+            len(content.encode()) >= len(pattern.encode())
+    return kind in _BOUNDED_NORMALIZERS
 
 
 def _decoder_types(decoder: Mapping[str, Any] | None) -> list[str]:
@@ -102,6 +121,10 @@ class Tokenizer:
         self._byte_level = "ByteLevel" in kinds
         self._byte_fallback = "ByteFallback" in kinds
         self._token_bytes_cache: dict[int, bytes] = {}
+        # Every text byte lands in some token of known length (no "unknown word" token that
+        # swallows any amount of text), and normalization cannot shrink the text much.
+        self._length_bound_holds = (self._byte_level or self._byte_fallback) and \
+            _normalizer_is_bounded(spec.get("normalizer"))
 
         # The exact fast path for byte-level BPE (blink.dpu.fast_encode), with the ids the
         # post-processor puts around a text when add_special_tokens is set: a constant prefix
@@ -194,6 +217,32 @@ class Tokenizer:
         self._token_bytes_cache[token_id] = out
         return out
 
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """The most text bytes one token stands for (special tokens included)."""
+        longest = 1
+        for token_id in range(self.vocab_size):
+            try:
+                longest = max(longest, len(self.token_bytes(token_id)))
+            except ValueError:  # a hole in the vocabulary
+                continue
+        return longest
+
+    def max_prompt_chars(self, max_tokens: int) -> int | None:
+        """A text longer than this many characters surely encodes to more than ``max_tokens``
+        tokens, so it can be refused without encoding it; ``None`` when the tokenizer gives no
+        such bound (an "unknown" token may cover any length of text, or its normalizer may
+        drop text).
+
+        Each token covers at most :attr:`max_token_bytes` bytes of normalized text, a
+        character is at least one byte, and the accepted normalizers shrink text at most
+        ``_NORMALIZER_SHRINK``-fold: ``max_tokens`` tokens cover at most
+        ``max_tokens * max_token_bytes * _NORMALIZER_SHRINK`` characters.
+        """
+        if not self._length_bound_holds:
+            return None
+        return max_tokens * self.max_token_bytes * _NORMALIZER_SHRINK
+
     def token_text(self, token_id: int) -> str:
         """One token as text (U+FFFD where it holds only part of a character)."""
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
@@ -209,8 +258,10 @@ class Tokenizer:
         documents: list[dict[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         chat_template: str | None = None,
+        limits: RenderLimits | None = None,
     ) -> str:
-        """The prompt text for a conversation (``apply_chat_template(tokenize=False)``)."""
+        """The prompt text for a conversation (``apply_chat_template(tokenize=False)``),
+        rendered under ``limits`` (see :mod:`blink.dpu.chat_template`)."""
         source = chat_template or (self._tool_template if tools and self._tool_template
                                    else self.chat_template)
         if source is None:
@@ -221,7 +272,8 @@ class Tokenizer:
         return render_chat_template(
             source, messages, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, tools=tools, documents=documents,
-            special_tokens=self.special_tokens, chat_template_kwargs=chat_template_kwargs)
+            special_tokens=self.special_tokens, chat_template_kwargs=chat_template_kwargs,
+            limits=limits)
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], *,
                     add_special_tokens: bool = False, **render_kwargs: Any) -> list[int]:

@@ -1,0 +1,50 @@
+"""What one request may cost the frontend: the bounds :mod:`blink.dpu.serving` and
+:mod:`blink.dpu.app` enforce before doing the work (see "Request limits" in
+docs/architecture.md).
+
+Every bound answers a clear OpenAI-style 4xx at once, so no single request can freeze the
+event loop, exhaust memory, or ask for more than the engine could ever run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from blink.dpu.chat_template import DEFAULT_RENDER_TIMEOUT_S
+
+#: Default request-body limit (MiB): far above any prompt a context window holds (a 128k-token
+#: prompt of JSON-escaped CJK text is ~1.5 MiB), far below what hurts the frontend.
+DEFAULT_MAX_REQUEST_BODY_MB = 8.0
+#: How many engine requests (prompts x n) one HTTP request may fan out to when the engine
+#: client cannot say how many it holds at once (the ring's default slot count).
+DEFAULT_MAX_FANOUT = 256
+#: Longest request-supplied chat template (characters); real ones are under 20k.
+DEFAULT_MAX_CHAT_TEMPLATE_CHARS = 1 << 18
+#: Texts up to this many characters are encoded on the event loop (well under a
+#: millisecond); longer ones, and every chat-template render, go to a worker thread.
+INLINE_ENCODE_CHARS = 4096
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The frontend's per-request bounds (``blink serve`` flags of the same names)."""
+
+    #: request bodies above this are refused with 413 before they are read
+    max_request_body_bytes: int = int(DEFAULT_MAX_REQUEST_BODY_MB * (1 << 20))
+    #: most engine requests per HTTP request; ``None``: the engine's slot count (or 256)
+    max_fanout: int | None = None
+    #: wall-clock budget of one chat-template render
+    chat_template_timeout_s: float = DEFAULT_RENDER_TIMEOUT_S
+    #: longest chat template a request may carry (with trust_request_chat_template)
+    max_chat_template_chars: int = DEFAULT_MAX_CHAT_TEMPLATE_CHARS
+    #: accept a ``chat_template`` in requests (vLLM's --trust-request-chat-template)
+    trust_request_chat_template: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_request_body_bytes < 1:
+            raise ValueError(f"max_request_body_bytes must be positive, got "
+                             f"{self.max_request_body_bytes}")
+        if self.max_fanout is not None and self.max_fanout < 1:
+            raise ValueError(f"max_fanout must be positive, got {self.max_fanout}")
+        if not self.chat_template_timeout_s > 0:
+            raise ValueError(f"chat_template_timeout_s must be positive, got "
+                             f"{self.chat_template_timeout_s}")
