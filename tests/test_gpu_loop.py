@@ -71,7 +71,7 @@ def _generate(model_dir: Path, loop: str, prompts, params, **overrides):
     """Outputs and the engine's counters, with ``loop`` in cpu | host | device (simulated)."""
     orig = llm_module.create_engine
     if loop != "cpu":
-        llm_module.create_engine = lambda cfg, _loop="auto": create_engine(cfg, loop, simulate=True)
+        llm_module.create_engine = lambda cfg, _loop="auto", **_kw: create_engine(cfg, loop, simulate=True)
     try:
         with llm_module.LLM(str(model_dir), **{**SMALL, **overrides}) as llm:
             outs = llm.generate(prompts, params, timeout_s=120)

@@ -38,7 +38,7 @@ from blink.ring import (
     RingConfig,
     RingLayout,
 )
-from blink.transport import create_region, set_thread_name
+from blink.transport import Region, create_region, set_thread_name
 
 log = logging.getLogger("blink.engine")
 
@@ -61,7 +61,7 @@ class EngineConfig:
     max_admit_per_step: int = 16
     enable_prefix_caching: bool = True
     stream_capacity: int = 64
-    transport: str = "loopback"
+    transport: str = "loopback"  # loopback | verbs | inprocess (a frontend in this process: LLM)
     threads: int | None = None
 
     def resolved_device(self) -> torch.device:
@@ -161,7 +161,7 @@ class Engine:
             stream_capacity=config.stream_capacity,
             max_model_len=self.max_model_len,
         )
-        self.region = create_region(config.transport, RingLayout(self.ring_config).total_bytes)
+        self.region = self._create_region(RingLayout(self.ring_config).total_bytes)
         self.ring = Ring.create(self.region.buffer, self.ring_config)
         self.scheduler_config = SchedulerConfig(
             block_size=config.block_size,
@@ -174,6 +174,10 @@ class Engine:
         )
         self.scheduler = Scheduler(self.scheduler_config, self._ring_tensors(), self.device)
         self.sampler = Sampler(max_logprobs=max(self.ring_config.max_logprobs, 1))
+
+    def _create_region(self, total_bytes: int) -> Region:
+        """The memory the ring lives in (``--transport``; ``inprocess`` for ``LLM`` only)."""
+        return create_region(self.config.transport, total_bytes)
 
     def _ring_tensors(self) -> dict[str, torch.Tensor]:
         """The ring's fields as tensors the scheduler can use from ``self.device``."""

@@ -66,6 +66,8 @@ with a warning; ``--loop host`` needs only a CUDA GPU that maps host memory.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import importlib.metadata
 import logging
 import mmap
 import sys
@@ -118,7 +120,8 @@ from blink.ring import (
     SLOT_WRITTEN,
     RingLayout,
 )
-from blink.transport import set_thread_name
+from blink.transport import Region, set_thread_name
+from blink.transport.inprocess import InProcessRegion
 
 log = logging.getLogger("blink.gpu_loop")
 
@@ -141,6 +144,23 @@ def _version_tuple(text: str | None) -> tuple[int, int]:
         return int(major), int(minor)
     except ValueError:
         return (0, 0)
+
+
+def _installed_version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def ring_registration_problem(device: torch.device) -> str | None:
+    """Why the GPU cannot map a shared-memory ring (None: it can). Probed once with one real
+    page (``blink.engine.gpu_probe.probe_host_register``): some sandboxes (gVisor) refuse
+    ``cudaHostRegister`` of shared memory."""
+    from blink.engine.gpu_probe import probe_host_register  # noqa: PLC0415
+
+    probe = probe_host_register(device)
+    return None if probe.ok else probe.reason
 
 
 def tier_a_problems(device: torch.device | None = None) -> list[str]:
@@ -166,10 +186,21 @@ def tier_b_problems(device: torch.device | None = None) -> list[str]:
     if _version_tuple(torch.version.cuda) < (12, 4):
         problems.append(f"torch is built against CUDA {torch.version.cuda}; conditional graph nodes "
                         "need CUDA 12.4 or newer")
+    backend = torch.cuda.get_allocator_backend()
+    if backend != "native":
+        problems.append(f"the CUDA caching allocator backend is {backend!r}: the loop's captures route "
+                        "allocations to a private pool of the native allocator; unset "
+                        "backend:cudaMallocAsync in PYTORCH_CUDA_ALLOC_CONF")
     try:
         cu = _cuda_bindings_driver()
     except ImportError:
-        problems.append("cuda-bindings is not installed (pip install 'cuda-bindings>=12.6')")
+        problems.append("cuda-bindings is not installed (pip install 'cuda-bindings>=13')")
+        cu = None
+    bindings = _installed_version("cuda-bindings") or _installed_version("cuda-python")
+    if cu is not None and bindings is not None and _version_tuple(bindings) < (13, 0):
+        problems.append(f"cuda-bindings {bindings} is too old: the loop calls the 13.x signatures "
+                        "(cuStreamBeginCaptureToGraph, cuGraphAddNode with edge data); "
+                        "pip install 'cuda-bindings>=13'")
         cu = None
     if cu is not None:
         err, version = cu.cuDriverGetVersion()
@@ -222,13 +253,17 @@ class MappedRing:
     views: dict[str, torch.Tensor]
     registered: bool = True
 
-    def unregister(self) -> None:
+    def unregister(self) -> bool:
+        """Unregister the ring from the GPU. False when the driver refused (the ring must
+        then stay mapped: the GPU may still address it)."""
         if self.registered:
-            self.registered = False
-            self.views.clear()
             err = torch.cuda.cudart().cudaHostUnregister(self.host_ptr)
             if int(err) != 0:
-                log.warning("cudaHostUnregister failed with CUDA error %s", int(err))
+                log.warning("cudaHostUnregister failed with CUDA error %s; the ring stays mapped", int(err))
+                return False
+            self.registered = False
+            self.views.clear()
+        return True
 
 
 def _device_pointer(host_ptr: int) -> int:
@@ -260,6 +295,25 @@ def map_ring(buffer: Any, layout: RingLayout, device: torch.device) -> MappedRin
     return MappedRing(host_ptr, dptr, nbytes, ring_views(layout, base))
 
 
+class PinnedRegion(InProcessRegion):
+    """The ring in pinned host memory the engine allocates itself (``cudaHostAlloc`` through
+    torch; mapped into the GPU under unified addressing, so no ``cudaHostRegister``): the
+    fallback where registering a shared-memory segment is refused. Only a frontend in this
+    process can reach it (:mod:`blink.transport.inprocess`)."""
+
+    def __init__(self, total_bytes: int) -> None:
+        pinned = torch.zeros(total_bytes, dtype=torch.uint8, pin_memory=True)
+        super().__init__(pinned.numpy(), total_bytes, owner=pinned)
+
+
+def map_pinned_ring(region: PinnedRegion, layout: RingLayout, device: torch.device) -> MappedRing:
+    """Device views of a :class:`PinnedRegion`'s ring (already mapped: nothing to register)."""
+    host_ptr = np.frombuffer(region.buffer, dtype=np.uint8, count=layout.total_bytes).ctypes.data
+    dptr = _device_pointer(host_ptr)
+    base = torch.as_tensor(_CudaArray(dptr, layout.total_bytes, region.buffer), device=device)
+    return MappedRing(host_ptr, dptr, layout.total_bytes, ring_views(layout, base), registered=False)
+
+
 # ------------------------------------------------------------------- tier A: CUDA runner
 
 
@@ -283,8 +337,12 @@ class TorchCudaRunner:
         # graph's static outputs, which hold nothing before its first replay. The engine
         # warms every graph's code up once, consistently, before the first capture.
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-            out = fn()
+        try:
+            # torch.cuda.graph's __exit__ ends the capture and the pool routing on every path.
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                out = fn()
+        except Exception as exc:
+            raise BlinkError(f"capturing the {name} graph failed: {type(exc).__name__}: {exc}") from exc
         self.graphs[name] = graph
         self.outputs[name] = out
         return out
@@ -394,12 +452,17 @@ class CudaGraphApi:
         _check(self.cu.cuStreamBeginCaptureToGraph(
             self.cu_stream, graph, None, None, 0,
             self.cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
-        self._stream_ctx = torch.cuda.stream(self.stream)
-        self._stream_ctx.__enter__()
-        if hasattr(torch._C, "_cuda_beginAllocateCurrentStreamToPool"):
-            torch._C._cuda_beginAllocateCurrentStreamToPool(self.index, self.pool)
-        else:
-            torch._C._cuda_beginAllocateToPool(self.index, self.pool)
+        try:
+            self._stream_ctx = torch.cuda.stream(self.stream)
+            self._stream_ctx.__enter__()
+            if hasattr(torch._C, "_cuda_beginAllocateCurrentStreamToPool"):
+                torch._C._cuda_beginAllocateCurrentStreamToPool(self.index, self.pool)
+            else:
+                torch._C._cuda_beginAllocateToPool(self.index, self.pool)
+            self._routing = True
+        except BaseException:
+            self.abort_capture()
+            raise
 
     def segment(self, fn: Callable[[], Any]) -> Any:
         return fn()  # torch ops on the capturing stream are recorded into the graph
@@ -421,10 +484,27 @@ class CudaGraphApi:
             cu.CUstreamUpdateCaptureDependencies_flags.CU_STREAM_SET_CAPTURE_DEPENDENCIES))
 
     def end_capture(self) -> None:
-        torch._C._cuda_endAllocateToPool(self.index, self.pool)
-        self._stream_ctx.__exit__(None, None, None)
-        self._stream_ctx = None
+        self._end_routing()
         _check(self.cu.cuStreamEndCapture(self.cu_stream))
+
+    def abort_capture(self) -> None:
+        """After a failure inside a capture: stop routing allocations to the pool, leave the
+        capture stream and end the (invalidated) capture, ignoring its error, so that the
+        process is usable again (a later capture, eager work, or a clean exit)."""
+        self._end_routing()
+        status = self.cu.cuStreamIsCapturing(self.cu_stream)
+        capturing = status[0] == self.cu.CUresult.CUDA_SUCCESS and \
+            status[1] != self.cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+        if capturing:
+            self.cu.cuStreamEndCapture(self.cu_stream)  # error expected: the capture is invalid
+
+    def _end_routing(self) -> None:
+        if getattr(self, "_routing", False):
+            self._routing = False
+            torch._C._cuda_endAllocateToPool(self.index, self.pool)
+        if self._stream_ctx is not None:
+            ctx, self._stream_ctx = self._stream_ctx, None
+            ctx.__exit__(None, None, None)
 
     def instantiate(self, graph: Any) -> Any:
         exec_ = _check(self.cu.cuGraphInstantiate(graph, 0))
@@ -477,17 +557,26 @@ class GpuEngine(Engine):
         self.simulate = simulate
         self.options = options or LoopOptions()
         self.mapped: MappedRing | None = None
-        super().__init__(config)
-        if self.device.type != "cuda" and not simulate:
-            raise BlinkError(f"--loop {'host' if tier == 'A' else 'device'} needs a CUDA GPU "
-                             "(--device cuda); use --loop cpu")
-        if self.device.type == "cuda" and simulate:
-            raise BlinkError("simulate=True runs on CPU tensors only")
-        self.plan: GraphPlan = plan_graphs(self.scheduler_config, self.ring_config.n_slots)
-        self.parts = StepParts(self.scheduler, self.executor, self.sampler)
         self.loop: ConditionalLoop | None = None
         self.host_step: HostGraphStep | None = None
         self.exit_reason: str | None = None
+        try:
+            super().__init__(config)
+            if self.device.type != "cuda" and not simulate:
+                raise BlinkError(f"--loop {'host' if tier == 'A' else 'device'} needs a CUDA GPU "
+                                 "(--device cuda); use --loop cpu")
+            if self.device.type == "cuda" and simulate:
+                raise BlinkError("simulate=True runs on CPU tensors only")
+            self.plan: GraphPlan = plan_graphs(self.scheduler_config, self.ring_config.n_slots)
+            self.parts = StepParts(self.scheduler, self.executor, self.sampler)
+            self._build_graphs()
+        except BaseException:
+            if hasattr(self, "region"):
+                self._release_ring()  # a failed start leaves no registered ring or segment behind
+            raise
+
+    def _build_graphs(self) -> None:
+        tier, simulate = self.tier, self.simulate
         t0 = time.monotonic()
         with torch.inference_mode():
             if tier == "A":
@@ -502,10 +591,19 @@ class GpuEngine(Engine):
         log.info("tier %s graphs for buckets %s built in %.1f s", tier, self.plan.buckets, time.monotonic() - t0)
 
     # -- construction hooks
+    def _create_region(self, total_bytes: int) -> Region:
+        if self.device.type == "cuda" and self.config.transport == "inprocess":
+            return PinnedRegion(total_bytes)
+        return super()._create_region(total_bytes)
+
     def _ring_tensors(self) -> dict[str, torch.Tensor]:
         if self.device.type != "cuda":
             return super()._ring_tensors()
-        self.mapped = map_ring(self.region.buffer, RingLayout(self.ring_config), self.device)
+        layout = RingLayout(self.ring_config)
+        if isinstance(self.region, PinnedRegion):
+            self.mapped = map_pinned_ring(self.region, layout, self.device)
+        else:
+            self.mapped = map_ring(self.region.buffer, layout, self.device)
         return self.mapped.views
 
     def _loop_params(self, views: dict[str, torch.Tensor]) -> LoopParams:
@@ -574,14 +672,23 @@ class GpuEngine(Engine):
 
     def close(self) -> None:
         self.stop(drain=False)
-        if self.mapped is not None:
-            if self.tier == "B" and not self.simulate and getattr(self, "api", None) is not None \
-                    and not self.api.query():
-                # A hung device loop still reads the ring: leave the mapping to process exit.
-                log.error("the device loop is still running at close; the ring stays registered")
-            else:
-                torch.cuda.synchronize(self.device)
-                self.mapped.unregister()
+        self._release_ring()
+
+    def _release_ring(self) -> None:
+        """Unregister the mapped ring, then unmap it; never unmap a ring the GPU may still
+        touch: while a hung device loop runs (or unregistering fails) the mapping stays until
+        the process exits, and only the segment's name is removed."""
+        if self.mapped is not None and self.mapped.registered:
+            api = getattr(self, "api", None)
+            if self.tier == "B" and not self.simulate and api is not None and not api.query():
+                log.error("the device loop is still running at close; the ring stays registered "
+                          "and mapped until the process exits")
+                self.region.unlink()
+                return
+            torch.cuda.synchronize(self.device)
+            if not self.mapped.unregister():
+                self.region.unlink()
+                return
         self.region.close()
 
     def _run(self) -> None:
@@ -644,16 +751,21 @@ class GpuEngine(Engine):
 
 
 def create_engine(config: EngineConfig, loop: str = "auto", *, simulate: bool = False,
-                  options: LoopOptions | None = None) -> Engine:
-    """The engine for ``--loop cpu|host|device|auto``.
+                  options: LoopOptions | None = None, in_process_frontend: bool = False) -> Engine:
+    """The engine for ``--loop cpu|host|device|auto`` (``blink serve``, ``blink engine`` and
+    ``LLM`` all come here).
 
     ``auto``: the CPU loop on a CPU device; on a GPU tier B, or tier A (with a warning
     naming what tier B lacks). ``device`` refuses to start where tier B cannot run.
+    On a GPU whose driver refuses to register the shared-memory ring (gVisor), a frontend
+    in another process cannot reach the engine: with ``in_process_frontend`` (``LLM``) the
+    ring moves to pinned memory of the engine's own (``transport="inprocess"``, logged);
+    otherwise the engine refuses to start, saying so.
     ``simulate`` (tests): the GPU loops' code on CPU tensors."""
     if loop not in ("auto", "cpu", "host", "device"):
         raise BlinkError(f"unknown --loop {loop!r}")
     if loop == "cpu" and config.device == "auto":
-        config = EngineConfig(**{**config.__dict__, "device": "cpu"})
+        config = dataclasses.replace(config, device="cpu")
     device = torch.device("cpu") if simulate else config.resolved_device()
     if loop == "cpu" or (loop == "auto" and device.type == "cpu" and not simulate):
         return Engine(config)
@@ -661,12 +773,25 @@ def create_engine(config: EngineConfig, loop: str = "auto", *, simulate: bool = 
         raise BlinkError(f"--loop {loop} runs CUDA graphs and needs a CUDA GPU (--device cuda); "
                          f"torch sees none here: use --loop cpu")
     if simulate:
-        config = EngineConfig(**{**config.__dict__, "device": "cpu"})
+        config = dataclasses.replace(config, device="cpu")
         return GpuEngine(config, "A" if loop == "host" else "B", simulate=True, options=options)
+    tier_a = tier_a_problems(device)
+    if tier_a:
+        raise BlinkError(f"--loop {loop} cannot start: " + "; ".join(tier_a))
+    if config.transport == "loopback":
+        refused = ring_registration_problem(device)
+        if refused is not None and in_process_frontend:
+            log.warning("the GPU cannot map a shared-memory ring (%s): the ring is pinned memory "
+                        "of the engine's own, read by this process's frontend (transport inprocess)",
+                        refused)
+            config = dataclasses.replace(config, transport="inprocess")
+        elif refused is not None:
+            raise BlinkError(
+                f"--loop {loop}: the GPU cannot map the shared-memory ring here ({refused}), so a "
+                "frontend in another process cannot reach the engine's memory. Run the frontend in "
+                "the engine's process (blink.LLM falls back to a pinned in-process ring by itself) "
+                "or serve from the CPU with --loop cpu --device cpu.")
     if loop == "host":
-        problems = tier_a_problems(device)
-        if problems:
-            raise BlinkError("--loop host (tier A) cannot start: " + "; ".join(problems))
         return GpuEngine(config, "A", options=options)
     problems = tier_b_problems(device)
     if problems:

@@ -36,8 +36,9 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Protocol
+from typing import Any, Callable, Iterator, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -45,6 +46,7 @@ import torch
 from blink.engine.sampler import Sampler, SamplerPlan, SamplingTensors
 from blink.engine.scheduler import Scheduler, StepBatch
 from blink.engine.state import SchedulerConfig
+from blink.errors import BlinkError
 from blink.kernels.reference import AttentionMetadata
 
 # ------------------------------------------------------------------------ the step function
@@ -539,6 +541,7 @@ class GraphApi(Protocol):
     def capture_dependencies(self) -> list[Any]: ...
     def set_capture_dependencies(self, nodes: list[Any]) -> None: ...
     def end_capture(self) -> None: ...
+    def abort_capture(self) -> None: ...
     def instantiate(self, graph: Any) -> Any: ...
     def pointer(self, tensor: torch.Tensor) -> int: ...
 
@@ -580,7 +583,53 @@ def build_conditional_loop(
     h_buckets = [api.conditional_handle(step_graph, 0) for _ in plan.buckets]
 
     # The step: [schedule] -> dispatch -> IF(bucket b) for every b.
-    api.begin_capture(step_graph)
+    with _capturing(api, step_graph, "the schedule"):
+        step = _capture_step(api, parts, plan, base, loop_state, host_ctl, step_graph,
+                             h_loop, h_step, h_buckets)
+    batch, params, bucket_graphs = step.batch, step.params, step.bucket_graphs
+
+    # Bucket bodies, largest first: [forward + sampler + update] -> publish fence.
+    rows = dict(zip(plan.buckets, plan.rows))
+    for name in plan.capture_order[1:]:
+        tokens = int(name.split(":")[1])
+        with _capturing(api, bucket_graphs[tokens], f"bucket {tokens}"):
+            api.segment(lambda t=tokens: model_phase(parts, batch, tokens=t, rows=rows[t], compact=False))
+            api.launch("blink_publish_fence", 1, 32, None)
+
+    # The gate, ahead of the step in the WHILE body.
+    gate = api.add_kernel(body, [], "blink_gate", 1, GATE_THREADS, params)
+    api.add_dependency(body, gate, step_node)
+    exec_ = api.instantiate(root)
+    return ConditionalLoop(exec=exec_, graph=root, params=params, batch=batch, loop_state=loop_state,
+                           host_ctl=host_ctl, plan=plan,
+                           handles={"loop": h_loop, "step": h_step, "buckets": h_buckets})
+
+
+@contextmanager
+def _capturing(api: GraphApi, graph: Any, what: str) -> Iterator[None]:
+    """A capture into ``graph`` that is ended on every path: a failure inside it aborts the
+    capture (and the allocator's routing to the private pool) before the error propagates,
+    so the process is never left capturing."""
+    api.begin_capture(graph)
+    try:
+        yield
+    except BaseException as exc:
+        api.abort_capture()
+        raise BlinkError(f"capturing {what} into tier B's graph failed: {type(exc).__name__}: {exc}") from exc
+    api.end_capture()
+
+
+@dataclass
+class _StepCapture:
+    batch: StepBatch
+    params: LoopParams
+    bucket_graphs: dict[int, Any]
+
+
+def _capture_step(api: GraphApi, parts: StepParts, plan: GraphPlan, base: LoopParams,
+                  loop_state: torch.Tensor, host_ctl: torch.Tensor, step_graph: Any,
+                  h_loop: int, h_step: int, h_buckets: list[int]) -> _StepCapture:
+    """The step graph's captured part: schedule, dispatch, one IF node per bucket."""
     batch: StepBatch = api.segment(parts.scheduler.schedule)
     params = LoopParams.from_buffer_copy(base)
     params.num_scheduled_tokens = api.pointer(batch.num_scheduled_tokens)
@@ -599,24 +648,7 @@ def build_conditional_loop(
         bucket_nodes.append(node)
         bucket_graphs[tokens] = g
     api.set_capture_dependencies(bucket_nodes)
-    api.end_capture()
-
-    # Bucket bodies, largest first: [forward + sampler + update] -> publish fence.
-    rows = dict(zip(plan.buckets, plan.rows))
-    for name in plan.capture_order[1:]:
-        tokens = int(name.split(":")[1])
-        api.begin_capture(bucket_graphs[tokens])
-        api.segment(lambda t=tokens: model_phase(parts, batch, tokens=t, rows=rows[t], compact=False))
-        api.launch("blink_publish_fence", 1, 32, None)
-        api.end_capture()
-
-    # The gate, ahead of the step in the WHILE body.
-    gate = api.add_kernel(body, [], "blink_gate", 1, GATE_THREADS, params)
-    api.add_dependency(body, gate, step_node)
-    exec_ = api.instantiate(root)
-    return ConditionalLoop(exec=exec_, graph=root, params=params, batch=batch, loop_state=loop_state,
-                           host_ctl=host_ctl, plan=plan,
-                           handles={"loop": h_loop, "step": h_step, "buckets": h_buckets})
+    return _StepCapture(batch, params, bucket_graphs)
 
 
 # ------------------------------------------------------ device loop: host graph interpreter
@@ -657,6 +689,7 @@ class EagerGraphApi:
         self._capture: _Graph | None = None
         self._capture_deps: list[_Node] = []
         self.kernel_runs: dict[str, int] = {}
+        self.aborted_captures = 0
 
     # -- building
     def create_graph(self) -> _Graph:
@@ -714,6 +747,10 @@ class EagerGraphApi:
 
     def end_capture(self) -> None:
         self._capture = None
+
+    def abort_capture(self) -> None:
+        self._capture = None
+        self.aborted_captures += 1
 
     def instantiate(self, graph: _Graph) -> _Graph:
         return graph

@@ -19,7 +19,7 @@ from blink.engine.gpu_loop import create_engine
 from blink.engine.sampling_params import SamplingParams, SamplingParamsError
 from blink.errors import BlinkError
 from blink.loader import load_tokenizer_files
-from blink.transport import LoopbackTransport
+from blink.transport import InProcessTransport, LoopbackTransport
 
 
 @dataclass
@@ -95,9 +95,13 @@ class LLM:
         self.generation_config = generation_config
         # The same factory as `blink serve`/`blink engine`: the CPU loop on a CPU, a GPU
         # tier (--loop host|device|auto) on a CUDA machine.
-        self.engine = create_engine(EngineConfig(model=model, **engine_kwargs), loop)
+        self.engine = create_engine(EngineConfig(model=model, **engine_kwargs), loop,
+                                    in_process_frontend=True)
         self.engine.start()
-        self._ring = RingClient(LoopbackTransport(self.engine.region.name, self.engine.region.total_bytes))
+        region = self.engine.region
+        transport = (InProcessTransport(region) if region.kind == "inprocess"
+                     else LoopbackTransport(region.name, region.total_bytes))
+        self._ring = RingClient(transport)
         self.max_model_len = self.engine.max_model_len
 
     # ------------------------------------------------------------------------------ public

@@ -3,6 +3,7 @@
 - :mod:`blink.transport.base`: the :class:`Transport` (frontend) and :class:`Region` (engine)
   interfaces, errors, ``memory_fence`` and ``set_thread_name``.
 - :mod:`blink.transport.loopback`: POSIX shared memory, for a frontend on the same machine.
+- :mod:`blink.transport.inprocess`: the engine's own memory, for a frontend in its process.
 - :mod:`blink.transport.verbs`: RDMA over an RC queue pair (pyverbs), for a frontend on a DPU.
 - :mod:`blink.transport.bootstrap`: the TCP handshake that tells the frontend where the region is.
 - :mod:`blink.transport.auth`: the bootstrap secret the handshake's challenge–response checks.
@@ -32,12 +33,15 @@ from blink.transport.base import (
 )
 from blink.transport.auth import SECRET_ENV, SecretError, generate_secret, load_secret_file
 from blink.transport.bootstrap import TRANSPORT_KINDS, BootstrapServer, EngineInfo, connect
+from blink.transport.inprocess import InProcessRegion, InProcessTransport
 from blink.transport.loopback import LoopbackRegion, LoopbackTransport, cleanup_stale_segments
 
 __all__ = [
     "BootstrapServer",
     "EngineInfo",
     "HandshakeError",
+    "InProcessRegion",
+    "InProcessTransport",
     "LoopbackRegion",
     "LoopbackTransport",
     "Region",
@@ -69,4 +73,6 @@ def create_region(kind: str, total_bytes: int, **options: Any) -> Region:
         from blink.transport.verbs import VerbsRegion
 
         return VerbsRegion(total_bytes, **options)
+    if kind == "inprocess":  # the engine's own memory, for a frontend in its process (LLM)
+        return InProcessRegion(bytearray(total_bytes), total_bytes)
     raise TransportError(f"unknown transport {kind!r}; choose one of {', '.join(TRANSPORT_KINDS)}")
