@@ -61,7 +61,8 @@ def _add_frontend_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: %(default)s)")
     g.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
     g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 endpoints (/health stays open)")
+                   help="require 'Authorization: Bearer KEY' on /v1 endpoints, /tokenize, "
+                        "/detokenize and the API docs (/health and /metrics stay open)")
     from blink.dpu.engine_client import DEFAULT_ENGINE_DEAD_TIMEOUT_S, DEFAULT_HEARTBEAT_TIMEOUT_S
 
     g.add_argument("--heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT_S,
@@ -76,6 +77,46 @@ def _add_frontend_args(p: argparse.ArgumentParser) -> None:
                         "ones are refused until the heartbeat moves again; must be >= "
                         "--heartbeat-timeout (default: %(default)g). A FAILED/stopped engine or "
                         "an exited engine process ends requests at once")
+    _add_request_limit_args(g)
+
+
+def _add_request_limit_args(g: argparse._ArgumentGroup) -> None:
+    """The frontend's per-request bounds (blink.dpu.limits); kept torch-free like the rest."""
+    from blink.dpu.chat_template import DEFAULT_RENDER_TIMEOUT_S
+    from blink.dpu.limits import DEFAULT_MAX_REQUEST_BODY_MB
+
+    g.add_argument("--max-request-body-mb", type=float, default=DEFAULT_MAX_REQUEST_BODY_MB,
+                   metavar="MIB",
+                   help="largest request body accepted, in MiB; bigger ones get 413 before "
+                        "they are read (default: %(default)g)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a 'chat_template' in chat and /tokenize requests (as vLLM's "
+                        "flag of the same name); without it such requests are refused with "
+                        "400. Every template, the model's included, renders in a sandbox "
+                        "under --chat-template-timeout and a size cap")
+    g.add_argument("--chat-template-timeout", type=float, default=DEFAULT_RENDER_TIMEOUT_S,
+                   metavar="SECONDS",
+                   help="wall-clock limit of one chat-template render; a render past it is "
+                        "stopped and the request gets 400 (default: %(default)g)")
+    g.add_argument("--public-docs", action="store_true",
+                   help="serve /docs, /redoc and /openapi.json without the --api-key (by "
+                        "default they need it when --api-key is set)")
+
+
+#: the request-limit flags ``blink serve`` hands on to its frontend process
+FRONTEND_LIMIT_FLAGS = ("max_request_body_mb", "chat_template_timeout")
+FRONTEND_LIMIT_SWITCHES = ("trust_request_chat_template", "public_docs")
+
+
+def frontend_limit_args(args: argparse.Namespace) -> list[str]:
+    """The request-limit flags of ``args`` as ``blink serve --frontend-only`` arguments."""
+    out: list[str] = []
+    for name in FRONTEND_LIMIT_FLAGS:
+        out += [f"--{name.replace('_', '-')}", repr(getattr(args, name))]
+    for name in FRONTEND_LIMIT_SWITCHES:
+        if getattr(args, name):
+            out.append(f"--{name.replace('_', '-')}")
+    return out
 
 
 def _add_config_arg(p: argparse.ArgumentParser) -> None:
