@@ -41,7 +41,7 @@ async def _serve(args: argparse.Namespace, host: str, port: int) -> None:
     import uvicorn
 
     _Server = _server_class()
-    from blink.dpu.app import create_app
+    from blink.dpu.app import app_options, create_app
     from blink.dpu.ring_client import RingEngineClient
     from blink.dpu.tokenizer import Tokenizer
 
@@ -63,7 +63,8 @@ async def _serve(args: argparse.Namespace, host: str, port: int) -> None:
         tokenizer = Tokenizer.from_pretrained(engine.info.tokenizer)
         model_name = getattr(args, "served_model_name", None) or engine.model_name
         api_key = args.api_key or os.environ.get("BLINK_API_KEY") or None
-        app = create_app(engine, tokenizer, model_name=model_name, api_key=api_key)
+        app = create_app(engine, tokenizer, model_name=model_name, api_key=api_key,
+                         **app_options(args))  # request limits, docs (blink.dpu.limits)
         config = uvicorn.Config(
             app, host=args.host, port=args.port, log_level="warning", access_log=False,
             timeout_graceful_shutdown=10,

@@ -283,7 +283,9 @@ def frontend_args(args: argparse.Namespace, address: str) -> list[str]:
            "--engine-dead-timeout", repr(args.engine_dead_timeout)]
     if args.served_model_name:
         out += ["--served-model-name", args.served_model_name]
-    return out
+    from blink.cli import frontend_limit_args  # the frontend's request limits (blink.dpu.limits)
+
+    return out + frontend_limit_args(args)
 
 
 def check_restart_flags(args: argparse.Namespace) -> None:

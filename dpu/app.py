@@ -32,6 +32,7 @@ from blink.dpu.metrics import FrontendMetrics
 from blink.dpu.protocol import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from blink.dpu.serving import OpenAIServing
 from blink.dpu.tokenizer import Tokenizer
+from blink.errors import BlinkError
 
 logger = logging.getLogger(__name__)
 
@@ -110,11 +111,17 @@ class BodySizeLimitMiddleware:
 
 
 def app_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``create_app`` keyword arguments from ``blink serve`` flags (see blink/cli.py)."""
+    """``create_app`` keyword arguments from ``blink serve`` flags (see blink/cli.py); a bad
+    value is a :class:`BlinkError` naming the flag."""
+    if not args.max_request_body_mb > 0:
+        raise BlinkError(f"--max-request-body-mb must be positive, got {args.max_request_body_mb:g}")
+    if not args.chat_template_timeout > 0:
+        raise BlinkError(
+            f"--chat-template-timeout must be positive, got {args.chat_template_timeout:g}")
     return {
-        "public_docs": bool(getattr(args, "public_docs", False)),
+        "public_docs": bool(args.public_docs),
         "limits": RequestLimits(
-            max_request_body_bytes=int(args.max_request_body_mb * (1 << 20)),
+            max_request_body_bytes=max(1, int(args.max_request_body_mb * (1 << 20))),
             chat_template_timeout_s=args.chat_template_timeout,
             trust_request_chat_template=bool(args.trust_request_chat_template),
         ),
