@@ -1,4 +1,4 @@
-"""The GPU device loops, tested on CPU (no GPU exists here).
+"""The GPU device loops, tested on CPU and, where a GPU is present, on CUDA.
 
 - Graph plan: which buckets get graphs, capture order, shared pool, rows per bucket, the
   host mirror of the device bucket index; bucket metadata are views (static buffers).
@@ -15,6 +15,9 @@
   and timed out), the frontend's C_SHUTDOWN, back-off after an empty step.
 - Engine lifecycle for tier B: shutdown word, stop with and without drain.
 - Tier selection and the refusals on a machine without a GPU.
+- On a machine with a CUDA GPU, the same checks on the real tiers (tokens equal the CPU
+  loop's, tier B idles and stops); they skip elsewhere, and tier B's skip names what is
+  missing.
 """
 from __future__ import annotations
 
@@ -56,10 +59,11 @@ from blink.ring import (  # noqa: E402
     RingLayout,
 )
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only checks of the GPU loops")
-
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-SMALL = dict(BASE, max_num_batched_tokens=64)  # buckets 8, 16, 32, 64: prefill is chunked
+#: buckets 8, 16, 32, 64: prefill is chunked. device="cpu": the reference is the CPU loop and
+#: the simulated tiers run on CPU tensors, on a GPU machine too (the CUDA tests are below).
+SMALL = dict(BASE, max_num_batched_tokens=64, device="cpu")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +111,7 @@ def test_plan_covers_every_bucket_schedule_first_then_largest_first():
 
 
 def test_bucket_metadata_are_views_of_the_static_batch(model_dir):
-    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", **SMALL))
+    engine = Engine(EngineConfig(model=str(model_dir), **SMALL))
     try:
         batch = engine.scheduler.schedule()
         md = graphs.bucket_metadata(batch, 16)
@@ -325,8 +329,9 @@ def test_tier_b_stop_now_and_drain(model_dir):
 # --------------------------------------------------------------- selection and refusals
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without a GPU answers")
 def test_tier_selection_and_refusals_without_a_gpu(model_dir):
-    cfg = EngineConfig(model=str(model_dir), **SMALL)
+    cfg = EngineConfig(model=str(model_dir), **{**SMALL, "device": "auto"})
     engine = create_engine(cfg, "auto")
     try:
         assert type(engine) is Engine  # auto on a CPU machine: the CPU loop
@@ -340,7 +345,7 @@ def test_tier_selection_and_refusals_without_a_gpu(model_dir):
     assert tier_a_problems() and "no CUDA GPU" in tier_a_problems()[0]
     assert tier_b_problems() == tier_a_problems()
     with pytest.raises(BlinkError, match="CPU loop runs on --device cpu"):
-        Engine(EngineConfig(model=str(model_dir), device="meta", **SMALL))
+        Engine(EngineConfig(model=str(model_dir), **{**SMALL, "device": "meta"}))
 
 
 def test_device_ring_views_match_the_cpu_layout():
@@ -356,3 +361,63 @@ def test_device_ring_views_match_the_cpu_layout():
         assert views[name].data_ptr() == cpu[name].data_ptr()
     assert np.array_equal(views["stop_ids"].numpy(), ring.stop_ids)
     assert ctypes.sizeof(graphs.LoopParams) == graphs.LOOP_PARAMS_BYTES
+
+
+# ------------------------------------------------------------------ on a real GPU, if any
+
+
+def _generate_cuda(model_dir: Path, loop: str, prompts, params):
+    """Outputs of the real ``--loop host|device`` on CUDA (fp32, the same tiny model)."""
+    with llm_module.LLM(str(model_dir), loop=loop, **{**SMALL, "device": "cuda"}) as llm:
+        outs = llm.generate(prompts, params, timeout_s=300)
+        engine = llm.engine
+        assert isinstance(engine, GpuEngine) and engine.tier == ("A" if loop == "host" else "B")
+        assert not engine.simulate
+        return [[c.token_ids for c in o.outputs] for o in outs], engine.loop_counters()
+
+
+def _skip_unless_tier_b() -> None:
+    problems = tier_b_problems(torch.device("cuda", 0))
+    if problems:
+        pytest.skip("tier B cannot start on this GPU: " + "; ".join(problems))
+
+
+@needs_cuda
+@pytest.mark.parametrize("loop", ["host", "device"])
+def test_cuda_tiers_match_the_cpu_loop_greedy(model_dir, loop):
+    if loop == "device":
+        _skip_unless_tier_b()
+    prompts = random_prompts(6, 3, 90, seed=3)
+    params = SamplingParams(max_tokens=10, **GREEDY)
+    want, _ = _generate(model_dir, "cpu", prompts, params)
+    got, counters = _generate_cuda(model_dir, loop, prompts, params)
+    assert got == want
+    if loop == "device":
+        assert counters["steps"] >= 10
+
+
+@needs_cuda
+@pytest.mark.parametrize("loop", ["host", "device"])
+def test_cuda_tiers_match_the_cpu_loop_seeded_sampling(model_dir, loop):
+    if loop == "device":
+        _skip_unless_tier_b()
+    prompts = random_prompts(4, 3, 20, seed=4)
+    params = SamplingParams(max_tokens=8, temperature=0.9, top_k=20, top_p=0.9, seed=7,
+                            repetition_penalty=1.1, ignore_eos=True)
+    want, _ = _generate(model_dir, "cpu", prompts, params)
+    assert _generate_cuda(model_dir, loop, prompts, params)[0] == want
+
+
+@needs_cuda
+def test_cuda_tier_b_idles_and_stops(model_dir):
+    _skip_unless_tier_b()
+    engine = create_engine(EngineConfig(model=str(model_dir), **{**SMALL, "device": "cuda"}), "device")
+    try:
+        engine.start()
+        beat = engine.ring.control[C_HEARTBEAT]
+        wait_for(lambda: engine.ring.control[C_HEARTBEAT] > beat + 2, what="the gate's heartbeat")
+        engine.stop(drain=True)
+        assert not engine.alive and engine.exit_reason == "drained"
+        assert engine.ring.engine_state == ENGINE_STOPPED
+    finally:
+        engine.close()
