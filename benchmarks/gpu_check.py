@@ -654,8 +654,8 @@ PHASES: tuple[Phase, ...] = (
     Phase("tier_a_small", phase_tier_a_small, 60),
     Phase("tier_b_small", phase_tier_b_small, 55),
     Phase("kernels", phase_kernels, 70),
-    Phase("model_1b", phase_model_1b, 90),
-    Phase("steady_decode", phase_steady_decode, 105),
+    Phase("model_1b", phase_model_1b, 100),
+    Phase("steady_decode", phase_steady_decode, 95),
     Phase("makespan", phase_makespan, 60),
     Phase("serve_e2e", phase_serve_e2e, 50),
 )
@@ -872,7 +872,26 @@ def fold_phase_files(out: Path, results: list[dict[str, Any]], max_files: int) -
     return removed
 
 
+def preflight() -> str | None:
+    """Why the phases cannot import Blink here, or None. ``blink.kernels`` and ``blink.dpu``
+    live in kernels/ and dpu/ and exist only through the install's package mapping."""
+    missing = [m for m in ("blink.kernels", "blink.dpu", "blink.engine") if importlib.util.find_spec(m) is None]
+    if missing:
+        return (f"{', '.join(missing)} not importable: install the checkout first with "
+                "`python3 -m pip install -q --no-deps --no-build-isolation -e .` (no index is needed)")
+    import blink
+
+    where = Path(blink.__file__).resolve().parent
+    if where != REPO / "blink":
+        print(f"warning: blink is imported from {where}, not from this checkout ({REPO})", flush=True)
+    return None
+
+
 def orchestrate(args: argparse.Namespace) -> int:
+    problem = preflight()
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     phases = select_phases(args.phases)
     timeouts = parse_timeouts(args.timeout)
     out = Path(args.out)

@@ -369,11 +369,23 @@ def probe_conditional_graph(device: Any = None) -> ProbeResult:
             except TypeError:  # cuda-bindings 12
                 added = cu.cuGraphAddNode(graph, None, 0, p)
             _cu_check(cu, added, "cuGraphAddNode(WHILE)")
+            # One memset in the body, so the driver is not handed an empty body graph.
+            word = torch.zeros(1, dtype=torch.int32, device=dev)
+            body_graph = p.conditional.phGraph_out[0]
+            mp = cu.CUDA_MEMSET_NODE_PARAMS()
+            mp.dst, mp.value, mp.elementSize, mp.width, mp.height, mp.pitch = word.data_ptr(), 1, 4, 1, 1, 0
+            try:
+                _cu_check(cu, cu.cuGraphAddMemsetNode(body_graph, None, 0, mp, ctx), "cuGraphAddMemsetNode")
+                details["body"] = "one memset"
+            except Exception as exc:  # noqa: BLE001 - an empty body is still a valid probe
+                details["body"] = f"empty (memset node not added: {exc})"
             exec_ = _cu_check(cu, cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
             stream = torch.cuda.Stream(dev)
             cu_stream = cu.CUstream(stream.cuda_stream)
             _cu_check(cu, cu.cuGraphLaunch(exec_, cu_stream), "cuGraphLaunch")
             _cu_check(cu, cu.cuStreamSynchronize(cu_stream), "cuStreamSynchronize")
+            if details.get("body") == "one memset" and int(word.item()) != 0:
+                return ProbeResult(name, False, "the WHILE body ran although its handle defaults to 0", details)
         finally:
             if exec_ is not None:
                 cu.cuGraphExecDestroy(exec_)
