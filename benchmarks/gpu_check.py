@@ -168,6 +168,18 @@ def engine(ctx: Context, inp: dict[str, Any], model: Path, loop: str, start: boo
                        simulate=ctx.args.simulate)
 
 
+def release() -> None:
+    """Free a closed engine's GPU memory now (weights, KV cache, graph pools), not at the
+    garbage collector's leisure, before the next engine of the phase is built."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def small_model(ctx: Context) -> Path:
     import torch
 
@@ -366,6 +378,7 @@ def phase_model_1b(ctx: Context) -> None:
     t2 = time.monotonic()
     rel = float((gpu - cpu).norm() / cpu.norm())
     agree = float((gpu.argmax(-1) == cpu.argmax(-1)).float().mean())
+    release()
     ctx.value("logits", {"rel_l2": rel, "max_abs": float((gpu - cpu).abs().max()), "argmax_agree": agree,
                          "positions": len(prompt), "gpu_s": round(t1 - t0, 2), "cpu_s": round(t2 - t1, 2)})
     ctx.check(f"GPU bf16 prefill logits vs CPU fp32 (rel L2 <= {ctx.args.logit_rtol:g})",
@@ -375,6 +388,7 @@ def phase_model_1b(ctx: Context) -> None:
     a, info_a = generate_prestaged(EC, model, kw, "host", prompts, params, device(ctx), timeout_s=60,
                                    simulate=ctx.args.simulate)
     ctx.value("tier_A", info_a)
+    release()
     problems = tier_b_blockers(ctx)
     if problems:
         ctx.check("tier A tokens == tier B (bf16)", None, skip="tier B cannot start: " + "; ".join(problems))
@@ -417,6 +431,8 @@ def phase_steady_decode(ctx: Context) -> None:
             eng.close()
         res[loop] = {"build_s": round(eng.build_s, 2), "quiet": quiet, "hog": hog,
                      "retention": hog["tokens_per_s"] / max(quiet["tokens_per_s"], 1e-9)}
+        del eng, client
+        release()
         ctx.value(loop, res[loop])
         print(f"  {loop}: {quiet['step_ms']:.2f} ms/step, {quiet['tokens_per_s']:.0f} tok/s, engine CPU "
               f"{quiet['engine_cpu_pct_of_core']:.1f} % of a core; hog ({hog_n} procs): "
@@ -465,6 +481,8 @@ def phase_makespan(ctx: Context) -> None:
             client.close()
             eng.close()
         res[loop] = {"makespan_s": quiet, "makespan_hog_s": hog}
+        del eng, client
+        release()
         ctx.value(loop, res[loop])
     n = len(inp["prompts"])
     shape = f"{n} x {ctx.args.prompt_len} prompt x {ctx.args.max_tokens} output tokens"
@@ -501,6 +519,11 @@ def ensure_serve_packages(ctx: Context) -> Path | None:
         ctx.skip(f"{', '.join(missing)} not importable and no wheels in {ctx.args.wheels}: run "
                  "`bash benchmarks/gpu_wheels.sh` where PyPI is reachable and carry .gpu-wheels")
     site = ctx.work_dir / "site"
+    stamp = "\n".join(w.name for w in wheels)
+    if (site / ".installed").is_file() and (site / ".installed").read_text() == stamp:
+        sys.path.insert(0, str(site))  # installed by an earlier run on this machine
+        if not _missing(SERVE_MODULES):
+            return site
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
                            "--no-compile", "--no-cache-dir", "--upgrade", "--target", str(site),
@@ -509,6 +532,7 @@ def ensure_serve_packages(ctx: Context) -> Path | None:
                                 "wheels": [w.name for w in wheels], "stderr": proc.stderr[-2000:]})
     if proc.returncode != 0:
         raise RuntimeError(f"pip install of the carried wheels failed: {proc.stderr[-500:]}")
+    (site / ".installed").write_text(stamp)
     sys.path.insert(0, str(site))
     still = _missing(SERVE_MODULES)
     if still:
@@ -769,7 +793,8 @@ def run_phase(args: argparse.Namespace, phase: Phase, timeout_s: float, out: Pat
     completed with the status the orchestrator saw (TIMEOUT, CRASH) and the output's tail."""
     result_file = Path(args.work_dir) / "results" / f"{phase.name}.json"
     result_file.unlink(missing_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # TQDM_DISABLE: no weight-loading progress bars in the streamed output.
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TQDM_DISABLE="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     cmd = [sys.executable, "-m", "benchmarks.gpu_check", *worker_args(args, phase.name, result_file)]
     print(f"== {phase.name} (timeout {timeout_s:.0f} s): {phase.doc}", flush=True)

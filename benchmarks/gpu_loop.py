@@ -282,10 +282,10 @@ class Client:
         while time.monotonic() - t0 < window_s:
             # Consume, so the streams never fill; a request that reached its max_tokens
             # is replaced, so the batch stays full for the whole window.
-            for h, d in self.ring.poll_many(handles).items():
+            for h, d in self.ring.poll_many([h for h in handles if h is not None]).items():
                 if d.finished:
                     i = handles.index(h)
-                    handles[i] = self.submit(prompts[i], params)
+                    handles[i] = self.submit(prompts[i], params)  # None: no slot yet, left out
             time.sleep(2e-3)
         t1 = time.monotonic()
         cpu = time.process_time() - cpu0 - (time.thread_time() - mine0)
