@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "one per start (created if missing), so that monitoring tools can "
                             "attach too")
     restart = serve.add_argument_group("engine restarts (blink serve)")
-    restart.add_argument("--no-engine-restart", dest="engine_restart", action="store_false",
+    restart.add_argument("--no-engine-restart", action="store_true",
                          help="exit when the engine dies instead of restarting it (by default "
                               "it is restarted on the same bootstrap port with an exponential "
                               "back-off of 1 s doubling up to 30 s, while the frontend answers "

@@ -396,7 +396,7 @@ class _Supervisor:
             if self.engine.poll() is None:
                 continue
             status = self.engine.returncode
-            if not args.engine_restart:
+            if args.no_engine_restart:
                 raise BlinkError(f"the engine process exited unexpectedly (status {status}; "
                                  f"--no-engine-restart)")
             while True:  # restart until one is ready, within the policy
