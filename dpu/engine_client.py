@@ -117,6 +117,10 @@ class EngineClient(Protocol):
         and runs when the engine moves again. False once the engine is dead."""
         ...
 
+    # Optional (not part of the protocol check): ``unavailable_retry_after_s() -> float | None``,
+    # the seconds a refused client should wait while the engine is being restarted (the HTTP
+    # layer then adds ``Retry-After`` to its 503); ``ReconnectingEngineClient`` has it.
+
     def generate(self, request_id: str, prompt_ids: list[int],
                  params: SamplingParams) -> AsyncIterator[EngineOutput]:
         """Submit one request (``params.n == 1``) and yield its output deltas until finished.

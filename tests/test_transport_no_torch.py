@@ -17,6 +17,7 @@ SCRIPT = textwrap.dedent("""
     import blink.transport, blink.transport.loopback, blink.transport.bootstrap
     import blink.transport.verbs
     import blink.dpu.ring_client
+    import blink.transport.auth, blink.frontend_main, blink.launcher  # the frontend process
     from blink.transport import LoopbackRegion
     with LoopbackRegion(4096):
         pass
