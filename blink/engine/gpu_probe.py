@@ -434,7 +434,7 @@ def sandbox() -> dict[str, Any]:
     their kernel release."""
     release = platform.release()
     proc_version = _read("/proc/version") or ""
-    dmesg = _run(["dmesg"], timeout=5) or ""
+    dmesg = _run(["dmesg"], timeout=3) or ""
     evidence = []
     if "gvisor" in dmesg.lower():
         evidence.append("dmesg mentions gVisor")
@@ -496,7 +496,7 @@ def environment() -> dict[str, Any]:
             pool_capture_hooks=hasattr(torch._C, "_cuda_beginAllocateCurrentStreamToPool")
             or hasattr(torch._C, "_cuda_beginAllocateToPool"),
             nvidia_smi=_run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm,"
-                             "clocks.max.sm,power.limit", "--format=csv,noheader"]),
+                             "clocks.max.sm,power.limit", "--format=csv,noheader"], timeout=5),
             kernel_driver=(_read("/proc/driver/nvidia/version") or "").splitlines()[:1],
         )
         try:
