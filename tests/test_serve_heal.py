@@ -119,7 +119,7 @@ def test_load_disconnects_engine_kill_and_restart():
         # 2. the engine dies with streams in flight
         started = [threading.Event() for _ in range(6)]
         with cf.ThreadPoolExecutor(6) as pool:
-            inflight = [pool.submit(_stream, url, 900, None, ev) for ev in started]
+            inflight = [pool.submit(_stream, url, 1000, None, ev) for ev in started]
             for ev in started:
                 assert ev.wait(60), "a stream did not start"
             server.engine_pid = None
@@ -149,7 +149,11 @@ def test_load_disconnects_engine_kill_and_restart():
 
         # 5. load again, then quiescence: nothing running or waiting, no KV block used ...
         outcomes = _random_load(url, 12, seed=2)
-        assert all(o in ("finished", "disconnected") for o in outcomes), outcomes
+        # (a slot an abandoned stream still drains may, on a loaded machine, make one wait
+        # out its bounded submit: a clear 503 engine_overloaded, allowed here)
+        assert all(o in ("finished", "disconnected", "refused:engine_overloaded")
+                   for o in outcomes), outcomes
+        assert outcomes.count("finished") + outcomes.count("disconnected") >= 10, outcomes
         wait_engine_idle(url, 30, "after the load on the restarted engine", server.tail)
         # ... and every ring slot free: all of them can be held at once
         with cf.ThreadPoolExecutor(SLOTS) as pool:
