@@ -886,9 +886,10 @@ def fold_phase_files(out: Path, results: list[dict[str, Any]], max_files: int) -
     files of passed/skipped phases first (summary.json holds every phase's full result)."""
     if max_files <= 0:
         return []
-    files = sorted(p for p in out.iterdir() if p.is_file())
+    files = [p for p in out.iterdir() if p.is_file()]
     removed: list[str] = []
-    order = sorted(results, key=lambda r: (r["status"] not in (PASS, SKIP, NOT_RUN), r["phase"]))
+    # Passed, skipped and not-run phases first, each group in run order (sorted is stable).
+    order = sorted(results, key=lambda r: r["status"] not in (PASS, SKIP, NOT_RUN))
     for r in order:
         if len(files) - len(removed) <= max_files:
             break
@@ -933,6 +934,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     except (OSError, subprocess.SubprocessError):
         summary["git"] = None
     results: list[dict[str, Any]] = []
+    folded: list[str] = []
     for phase in phases:
         limit = timeouts.get(phase.name, phase.timeout_s * args.timeout_scale)
         left = args.budget_s - (time.monotonic() - started) - 3  # 3 s for the summary
@@ -946,10 +948,12 @@ def orchestrate(args: argparse.Namespace) -> int:
         summary["phases"][phase.name] = result
         summary["elapsed_s"] = round(time.monotonic() - started, 1)
         write_json(out / "summary.json", summary)
+        # Folded as the run goes, not at its end: a run the tool itself kills still leaves
+        # no more files than the tool returns, summary.json among them.
+        folded += fold_phase_files(out, results, args.max_files)
     code = exit_code(results)
     summary.update(exit_code=code, table=[{k: r.get(k) for k in ("phase", "status", "wall_s", "reason")}
                                           for r in results])
-    folded = fold_phase_files(out, results, args.max_files)
     if folded:
         summary["folded_into_summary"] = folded
     write_json(out / "summary.json", summary)
