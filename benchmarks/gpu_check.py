@@ -413,6 +413,18 @@ def _fmt_s(seconds: float | None) -> str:
     return "n/a" if seconds is None else f"{seconds:.2f} s"
 
 
+def _per_tier(ctx: Context, loop: str, measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``measure()`` for one tier; an exception becomes ``{"error": ...}`` (so tier A's numbers
+    survive a tier B failure), and the engine's GPU memory is freed before the next tier."""
+    try:
+        return measure()
+    except Exception as exc:  # noqa: BLE001 - reported as the tier's result
+        traceback.print_exc()
+        return {"error": f"{type(exc).__name__}: {exc}"[:1000]}
+    finally:
+        release()
+
+
 def _tiers(ctx: Context) -> tuple[list[str], list[str]]:
     problems = tier_b_blockers(ctx)
     return (["host"] if problems else ["host", "device"]), problems
@@ -429,23 +441,25 @@ def phase_steady_decode(ctx: Context) -> None:
     window, hog_n = ctx.args.steady_s, ctx.args.hog_procs or os.cpu_count() or 1
     res: dict[str, Any] = {}
     for loop in tiers:
-        eng = engine(ctx, inp, model, loop)
-        client = Client(eng)
-        try:
-            quiet = client.steady(inp["prompts"], inp["greedy_long"], window)
-            with CpuHog(hog_n):
-                hog = client.steady(inp["prompts"], inp["greedy_long"], window)
-        finally:
-            client.close()
-            eng.close()
-        res[loop] = {"build_s": round(eng.build_s, 2), "quiet": quiet, "hog": hog,
-                     "retention": hog["tokens_per_s"] / max(quiet["tokens_per_s"], 1e-9)}
-        del eng, client
-        release()
-        ctx.value(loop, res[loop])
-        print(f"  {loop}: {quiet['step_ms']:.2f} ms/step, {quiet['tokens_per_s']:.0f} tok/s, engine CPU "
-              f"{quiet['engine_cpu_pct_of_core']:.1f} % of a core; hog ({hog_n} procs): "
-              f"{hog['step_ms']:.2f} ms/step, {hog['tokens_per_s']:.0f} tok/s", flush=True)
+        def measure(loop: str = loop) -> dict[str, Any]:
+            eng = engine(ctx, inp, model, loop)
+            client = Client(eng)
+            try:
+                quiet = client.steady(inp["prompts"], inp["greedy_long"], window)
+                with CpuHog(hog_n):
+                    hog = client.steady(inp["prompts"], inp["greedy_long"], window)
+            finally:
+                client.close()
+                eng.close()
+            print(f"  {loop}: {quiet['step_ms']:.2f} ms/step, {quiet['tokens_per_s']:.0f} tok/s, engine CPU "
+                  f"{quiet['engine_cpu_pct_of_core']:.1f} % of a core; hog ({hog_n} procs): "
+                  f"{hog['step_ms']:.2f} ms/step, {hog['tokens_per_s']:.0f} tok/s", flush=True)
+            return {"build_s": round(eng.build_s, 2), "quiet": quiet, "hog": hog,
+                    "retention": hog["tokens_per_s"] / max(quiet["tokens_per_s"], 1e-9)}
+
+        res[loop] = ctx.value(loop, _per_tier(ctx, loop, measure))
+    if "error" in res["host"]:
+        raise RuntimeError(f"tier A failed: {res['host']['error']}")
     a = res["host"]
     ctx.check("tier A under the hog (the baseline's loss)", None,
               f"keeps {a['retention']:.1%} of its tokens/s; engine CPU {a['quiet']['engine_cpu_pct_of_core']:.0f} % "
@@ -457,6 +471,11 @@ def phase_steady_decode(ctx: Context) -> None:
             ctx.check(name, None, skip=why)
         return
     b = res["device"]
+    if "error" in b:
+        for name in ("tier B host CPU <= 2 % of one core", "tier B step time <= tier A",
+                     "tier B keeps >= 99 % tokens/s under the hog"):
+            ctx.check(name, False, f"tier B failed: {b['error']}")
+        return
     pct = b["quiet"]["engine_cpu_pct_of_core"]
     ctx.check(f"tier B host CPU <= {TIER_B_MAX_CPU_PCT:g} % of one core", pct <= TIER_B_MAX_CPU_PCT,
               f"{pct:.2f} % (loop thread {_fmt_s(b['quiet']['loop_thread_cpu_s'])} in {window:g} s); tier A "
@@ -479,20 +498,23 @@ def phase_makespan(ctx: Context) -> None:
     tiers, problems = _tiers(ctx)
     res: dict[str, Any] = {}
     for loop in tiers:
-        eng = engine(ctx, inp, model, loop)
-        client = Client(eng)
-        try:
-            client.run(inp["prompts"][:8], inp["greedy_short"], timeout_s=60)  # warm-up, not timed
-            quiet = client.run(inp["prompts"], inp["greedy_makespan"], timeout_s=60)[1]
-            with CpuHog(ctx.args.hog_procs or None):
-                hog = client.run(inp["prompts"], inp["greedy_makespan"], timeout_s=60)[1]
-        finally:
-            client.close()
-            eng.close()
-        res[loop] = {"makespan_s": quiet, "makespan_hog_s": hog}
-        del eng, client
-        release()
-        ctx.value(loop, res[loop])
+        def measure(loop: str = loop) -> dict[str, Any]:
+            eng = engine(ctx, inp, model, loop)
+            client = Client(eng)
+            try:
+                client.run(inp["prompts"][:8], inp["greedy_short"], timeout_s=60)  # warm-up, not timed
+                quiet = client.run(inp["prompts"], inp["greedy_makespan"], timeout_s=60)[1]
+                with CpuHog(ctx.args.hog_procs or None):
+                    hog = client.run(inp["prompts"], inp["greedy_makespan"], timeout_s=60)[1]
+            finally:
+                client.close()
+                eng.close()
+            return {"makespan_s": quiet, "makespan_hog_s": hog}
+
+        res[loop] = ctx.value(loop, _per_tier(ctx, loop, measure))
+    for loop, r in res.items():
+        if "error" in r:
+            raise RuntimeError(f"{loop} failed: {r['error']}")
     n = len(inp["prompts"])
     shape = f"{n} x {ctx.args.prompt_len} prompt x {ctx.args.max_tokens} output tokens"
     if "device" not in res:
