@@ -128,9 +128,17 @@ def test_fold_keeps_the_device_tools_file_limit(tmp_path):
     assert len(removed) == 3
 
 
+def test_gpu_wheels_script_parses():
+    proc = subprocess.run(["bash", "-n", str(REPO / "benchmarks" / "gpu_wheels.sh")], capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert "/.gpu-wheels/" in (REPO / ".gitignore").read_text().splitlines()
+
+
 def test_probes_answer_no_gpu_without_raising():
     from blink.engine import gpu_probe
 
+    assert gpu_probe.host_register_problem() == gpu_probe.NO_GPU
     for result in gpu_probe.all_probes():
         assert not result.ok and result.reason == gpu_probe.NO_GPU
         assert json.dumps(result.to_dict())

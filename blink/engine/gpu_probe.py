@@ -2,7 +2,8 @@
 the machine. Importable without a GPU; every probe returns a :class:`ProbeResult` and
 never raises.
 
-- :func:`probe_host_register` — what tier B's mapped ring needs: one POSIX shared-memory
+- :func:`probe_host_register` (and :func:`host_register_problem`, its cached verdict for
+  start-up checks) — what tier B's mapped ring needs: one POSIX shared-memory
   page, created the way the loopback transport creates its region, registered with
   ``cudaHostRegister(Mapped | Portable)`` through torch's own CUDA runtime (the call
   :func:`blink.engine.gpu_loop.map_ring` makes), viewed from torch through
@@ -249,6 +250,22 @@ def probe_host_register(device: Any = None) -> ProbeResult:
             region.close()
 
     return _guarded(name, body)
+
+
+_REGISTER_VERDICTS: dict[int, str | None] = {}
+
+
+def host_register_problem(device: Any = None) -> str | None:
+    """Why tier B's ring cannot be mapped into ``device`` (the registration probe's reason),
+    or None when it can; probed once per device and process (a start-up check can call it
+    for every engine)."""
+    dev = _cuda_device(device)
+    if dev is None:
+        return NO_GPU
+    if dev.index not in _REGISTER_VERDICTS:
+        result = probe_host_register(dev)
+        _REGISTER_VERDICTS[dev.index] = None if result.ok else result.reason
+    return _REGISTER_VERDICTS[dev.index]
 
 
 # ------------------------------------------------------------------------- gate kernel
