@@ -214,15 +214,15 @@ def tier_b_blockers(ctx: Context) -> list[str]:
     """What keeps tier B from starting, with the registration probe's reason (gVisor
     refuses cudaHostRegister of shared memory) when tier_b_problems does not name it."""
     from blink.engine.gpu_loop import tier_b_problems
-    from blink.engine.gpu_probe import probe_host_register
+    from blink.engine.gpu_probe import host_register_problem
 
     if ctx.args.simulate:
         return []
     problems = list(tier_b_problems())
     if not problems:
-        probe = probe_host_register()
-        if not probe.ok:
-            problems.append(probe.reason)
+        refused = host_register_problem()
+        if refused:
+            problems.append(refused)
     ctx.value("tier_b_problems", problems)
     return problems
 
