@@ -354,8 +354,6 @@ def make_engine(EngineConfig: Any, model: Path, kwargs: dict[str, Any], loop: st
     return engine
 
 
-start_engine = make_engine  # the name the first version of this script used
-
 
 def generate_prestaged(EngineConfig: Any, model: Path, kwargs: dict[str, Any], loop: str,
                        prompts: list[list[int]], params: Any, device: str = "cuda",

@@ -28,12 +28,17 @@ EXPECTED_ORDER = ["environment", "probe", "tier_a_small", "tier_b_small", "kerne
                   "steady_decode", "makespan", "serve_e2e"]
 
 
-def _run(*args: str, out: Path, work: Path, timeout: float = 60) -> subprocess.CompletedProcess:
+def _run(*args: str, out: Path | None, work: Path, timeout: float = 60,
+         env_out: Path | None = None) -> subprocess.CompletedProcess:
+    """gpu_check with ``--out out``, or with ``OUT=env_out`` in the environment (the device
+    tool's way: results then go to $OUT/gpu_check)."""
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--out", str(out),
-                           "--work-dir", str(work), *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    if env_out is not None:
+        env["OUT"] = str(env_out)
+    where = ["--out", str(out)] if out is not None else []
+    return subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", *where, "--work-dir", str(work), *args],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def test_list_prints_the_phases_in_order_and_their_timeouts_fit_the_budget():
@@ -64,8 +69,8 @@ def test_help_explains_phases_and_exit_codes():
 
 
 def test_environment_and_probe_without_gpu_write_json_and_skip(tmp_path):
-    out = tmp_path / "out"
-    proc = _run("--phases", "probe,environment", out=out, work=tmp_path / "work")
+    out = tmp_path / "OUT" / "gpu_check"  # the default folder under $OUT
+    proc = _run("--phases", "probe,environment", out=None, env_out=tmp_path / "OUT", work=tmp_path / "work")
     assert proc.returncode == gpu_check.EXIT_SKIPPED, proc.stdout + proc.stderr
     env = json.loads((out / "environment.json").read_text())
     probe = json.loads((out / "probe.json").read_text())
