@@ -154,13 +154,12 @@ def _installed_version(dist: str) -> str | None:
 
 
 def ring_registration_problem(device: torch.device) -> str | None:
-    """Why the GPU cannot map a shared-memory ring (None: it can). Probed once with one real
-    page (``blink.engine.gpu_probe.probe_host_register``): some sandboxes (gVisor) refuse
-    ``cudaHostRegister`` of shared memory."""
-    from blink.engine.gpu_probe import probe_host_register  # noqa: PLC0415
+    """Why the GPU cannot map a shared-memory ring (None: it can). Probed once per device
+    with one real page (``blink.engine.gpu_probe.host_register_problem``): some sandboxes
+    (gVisor) refuse ``cudaHostRegister`` of shared memory."""
+    from blink.engine.gpu_probe import host_register_problem  # noqa: PLC0415
 
-    probe = probe_host_register(device)
-    return None if probe.ok else probe.reason
+    return host_register_problem(device)
 
 
 def tier_a_problems(device: torch.device | None = None) -> list[str]:
