@@ -1103,6 +1103,13 @@ class ReconnectingEngineClient:
         """The ring client of the engine attached now (None while reconnecting)."""
         return self._client
 
+    @property
+    def ring(self) -> RingClient | None:
+        """The attached engine's :class:`RingClient` (its ``config`` says how many slots the
+        ring has); None while reconnecting."""
+        c = self._client
+        return c.ring if c is not None else None
+
     def _live(self) -> RingEngineClient | None:
         c = self._client
         return c if c is not None and c.dead_reason is None and not self._closed else None

@@ -56,6 +56,7 @@ def test_reconnects_to_a_restarted_engine_on_the_same_port():
 
         client = ReconnectingEngineClient(await attach(), attach, where="test", min_interval_s=0.02)
         client.start()
+        assert client.ring.config.n_slots == CFG.n_slots  # what the HTTP layer sizes fan-out by
         out = await _collect(client.generate("a", [1, 2], SamplingParams(max_tokens=4)))
         assert [t for o in out for t in o.new_token_ids] == [1, 2, 1, 2]
         old = client.client
