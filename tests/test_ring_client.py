@@ -467,7 +467,11 @@ async def health_status(client) -> int:
 
     from blink.dpu.app import create_app
 
-    app = create_app(client, None, model_name="fake")  # type: ignore[arg-type]
+    class NoTokenizer:  # /health never tokenizes; the app only asks for its prompt bound
+        def max_prompt_chars(self, max_model_len: int) -> None:
+            return None
+
+    app = create_app(client, NoTokenizer(), model_name="fake")  # type: ignore[arg-type]
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
         return (await c.get("/health")).status_code
 
