@@ -285,6 +285,9 @@ def map_ring(buffer: Any, layout: RingLayout, device: torch.device) -> MappedRin
     size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE  # the mapping covers whole pages
     err = torch.cuda.cudart().cudaHostRegister(host_ptr, size, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED)
     if int(err) != 0:
+        from blink.engine.gpu_probe import clear_cuda_last_error  # noqa: PLC0415
+
+        clear_cuda_last_error()  # else torch's next launch check reports this error as its own
         raise BlinkError(f"cudaHostRegister of the ring ({size} bytes) failed with CUDA error "
                          f"{int(err)}: the ring cannot be mapped into the GPU")
     dptr = _device_pointer(host_ptr)

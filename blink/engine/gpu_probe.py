@@ -255,6 +255,13 @@ def probe_host_register(device: Any = None) -> ProbeResult:
 _REGISTER_VERDICTS: dict[int, str | None] = {}
 
 
+def clear_cuda_last_error() -> None:
+    """Clear the CUDA runtime's last error in torch's own runtime library after a refused
+    runtime call (e.g. ``cudaHostRegister``), so torch's next kernel-launch check does not
+    report it as its own. A no-op where that library is not found."""
+    _Cudart().clear_last_error()
+
+
 def host_register_problem(device: Any = None) -> str | None:
     """Why tier B's ring cannot be mapped into ``device`` (the registration probe's reason),
     or None when it can; probed once per device and process (a start-up check can call it
