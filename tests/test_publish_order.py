@@ -114,3 +114,30 @@ def test_payloads_are_fenced_before_their_publishing_word(tmp_path, monkeypatch,
     else:
         assert "FENCE" in events
         _check(events)
+
+
+_FENCE_PTX = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from blink.kernels.triton_fence import fence_kernel
+src = ASTSource(fence_kernel, {"word_ptr": "*i32"}, {}, {})
+print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1}).asm["ptx"])
+"""
+
+
+def test_the_cuda_fence_kernel_compiles_to_a_system_scope_fence():
+    triton = pytest.importorskip("triton")
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this Triton build has no CUDA backend")
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-c", _FENCE_PTX], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    body = proc.stdout[proc.stdout.index(".entry fence_kernel"):]
+    fence, store = body.index("fence.sc.sys;"), body.index("st.global")
+    assert fence < store  # the fence is issued, and before the kernel's only store
