@@ -79,6 +79,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from blink.engine.capture_audit import CaptureAudit
 from blink.engine.engine import Engine, EngineConfig
 from blink.engine.graphs import (
     EXIT_DRAIN_TIMEOUT,
@@ -624,14 +625,22 @@ class GpuEngine(Engine):
         return p
 
     def _warmup(self) -> None:
-        """Run the step once per bucket, eagerly, on the empty ring (Triton JIT, cuBLAS)."""
+        """Run the step once per bucket, eagerly, on the empty ring (Triton JIT, cuBLAS),
+        under the capture audit: on the GPU it also sees copies between host and device, and
+        an op a graph cannot hold is reported by name here rather than as a failed capture."""
         if not bool((self.ring.state == SLOT_FREE).all()):
             raise BlinkError("the GPU loop is built before any request is accepted")
-        batch = self.scheduler.schedule()
-        for tokens, rows in zip(self.plan.buckets, self.plan.rows):
-            model_phase(self.parts, batch, tokens=tokens, rows=rows, compact=False)
+        audit = CaptureAudit()
+        with audit:
+            batch = self.scheduler.schedule()
+            for tokens, rows in zip(self.plan.buckets, self.plan.rows):
+                model_phase(self.parts, batch, tokens=tokens, rows=rows, compact=False)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        try:
+            audit.check("the step the GPU graphs capture")
+        except AssertionError as exc:
+            raise BlinkError(str(exc)) from None
 
     def _build_tier_b(self) -> None:
         with torch.inference_mode(False):  # host-written words: normal tensors
