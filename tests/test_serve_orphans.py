@@ -29,7 +29,10 @@ FLAGS = ("--model", "null", "--max-model-len", "256", "--max-num-seqs", "4",
 
 
 def _port_free(port: int) -> bool:
+    """Whether a new server could listen on ``port`` (SO_REUSEADDR, as uvicorn and the
+    bootstrap server bind: connections left in TIME_WAIT do not count, a listener does)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
