@@ -137,3 +137,23 @@ def test_restart_policy_backs_off_and_gives_up():
     q = RestartPolicy(max_restarts=100, window_s=1e9)
     assert max(q.next_delay(float(i), 0.0) for i in range(20)) == RESTART_BACKOFF_MAX_S
     assert RestartPolicy(0, 10.0).next_delay(0.0, 0.0) is None  # max 0: never restart
+
+
+def test_flags_are_explained_and_take_config_file_keys(tmp_path):
+    from blink.cli import build_parser, parse_args
+
+    sub = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    serve_help = " ".join(sub["serve"].format_help().split())
+    engine_help = " ".join(sub["engine"].format_help().split())
+    for flag in ("--no-engine-restart", "--max-engine-restarts", "--engine-restart-window",
+                 "--bootstrap-secret-file"):
+        assert flag in serve_help
+    assert "back-off" in serve_help and "Retry-After" in serve_help
+    assert "--bootstrap-secret-file" in engine_help and "0600" in engine_help
+    args = parse_args(["serve"])
+    assert (args.no_engine_restart, args.max_engine_restarts, args.engine_restart_window) == (False, 5, 300.0)
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("no_engine_restart: true\nmax-engine-restarts: 2\nbootstrap_secret_file: /x/s\n")
+    args = parse_args(["serve", "--config", str(cfg)])
+    assert args.no_engine_restart is True and args.max_engine_restarts == 2
+    assert str(args.bootstrap_secret_file) == "/x/s"
