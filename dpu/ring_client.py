@@ -1172,6 +1172,16 @@ class ReconnectingEngineClient:
 
     async def _watch(self) -> None:
         while not self._closed:
+            try:
+                await self._watch_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the watcher must outlive any one failure
+                logger.exception("engine watcher failed; retrying")
+                await asyncio.sleep(self.max_interval_s)
+
+    async def _watch_once(self) -> None:
+        while not self._closed:
             c = self._client
             if c is not None and c.dead_reason is None:
                 await asyncio.sleep(self.watch_interval_s)
@@ -1181,7 +1191,10 @@ class ReconnectingEngineClient:
             if c is not None:
                 logger.error("the engine at %s is gone (%s); reconnecting (new requests get 503 "
                              "+ Retry-After meanwhile)", self.where, self._down)
-                await c.close()  # unmaps the old region and gives its lease back
+                try:
+                    await c.close()  # unmaps the old region and gives its lease back
+                except Exception:  # noqa: BLE001 - a dead engine's client may fail to close cleanly
+                    logger.warning("closing the dead engine's client failed", exc_info=True)
             new = await self._attach_again()
             if new is None:
                 return
