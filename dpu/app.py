@@ -104,10 +104,22 @@ class BodySizeLimitMiddleware:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.limit:
+                    await self._drain(receive, message)
                     raise errors.request_too_large(None, self.limit)  # the app answers it
             return message
 
         await self.app(scope, limited_receive, send)
+
+    async def _drain(self, receive: Receive, message: Message) -> None:
+        """Read and drop the rest of a too-large streamed body (up to 4x the limit), so the
+        client reads the 413: closing a socket with unread input resets the connection,
+        and the reset can destroy the answer before the client reads it."""
+        dropped = 0
+        while message.get("more_body") and dropped <= 4 * self.limit:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            dropped += len(message.get("body", b""))
 
 
 def app_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,0 +1,91 @@
+"""Shared pieces for frontend tests: a tiny tokenizer trained on the spot, a fake engine, and
+the app served by uvicorn on a loopback port (in a thread, or as a subprocess with
+``python tests/dpu_helpers.py PORT [create_app options as JSON]``)."""
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import sys
+import threading
+import time
+from typing import Any, Iterator
+
+import uvicorn
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from blink.dpu.app import create_app
+from blink.dpu.fake_engine import FakeEngineClient
+from blink.dpu.tokenizer import Tokenizer
+
+MODEL = "tiny-test"
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
+          "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+ANSWER = "Hello world 😀 this is a test. Grüße!"
+MESSAGES = [{"role": "user", "content": "Say hello"}]
+
+
+def tiny_tokenizer() -> Tokenizer:
+    """A tiny byte-level BPE trained on the spot (milliseconds) with ChatML specials."""
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    hf.train_from_iterator([ANSWER, "Say hello to the world, user and assistant"] * 5, trainer)
+    return Tokenizer(hf.to_str(), {"eos_token": "<|im_end|>", "chat_template": CHATML}, {})
+
+
+def make_engine(tok: Tokenizer, answer: str = ANSWER, **kw: Any) -> FakeEngineClient:
+    ids = tok.encode(answer, add_special_tokens=False)
+    kw.setdefault("max_model_len", 256)
+    return FakeEngineClient(model_name=MODEL, responder=lambda p, s: ids,
+                            vocab_size=tok.vocab_size, **kw)
+
+
+def free_socket() -> socket.socket:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: Any) -> Iterator[str]:
+    """Run ``app`` under uvicorn on a free loopback port; yields the base URL."""
+    sock = free_socket()
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not srv.started:
+        if time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=5)
+        sock.close()
+
+
+def _main(argv: list[str]) -> None:
+    """Serve the fake-engine app on ``argv[0]`` (a port); ``argv[1]``: JSON create_app kwargs
+    (``"limits"`` as a dict of RequestLimits fields)."""
+    port = int(argv[0])
+    options = json.loads(argv[1]) if len(argv) > 1 else {}
+    if "limits" in options:
+        from blink.dpu.limits import RequestLimits
+
+        options["limits"] = RequestLimits(**options["limits"])
+    tok = tiny_tokenizer()
+    app = create_app(make_engine(tok), tok, model_name=MODEL, **options)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
