@@ -58,6 +58,8 @@ def test_defaults_match_vllm() -> None:
         ({"seed": 2**63}, "seed must fit in a signed 64-bit integer"),
         ({"seed": "7"}, "seed must be an int or None"),
         ({"stop": ["ok", ""]}, "stop cannot contain an empty string"),
+        ({"stop": [str(i) for i in range(65)]}, "stop can hold at most 64 strings"),
+        ({"stop": "x" * 1025}, "stop strings can be at most 1024 characters"),
         ({"stop_token_ids": list(range(17))}, "stop_token_ids can hold at most 16"),
         ({"stop_token_ids": [-3]}, "stop_token_ids must be non-negative"),
         ({"logit_bias": {i: 1.0 for i in range(33)}}, "logit_bias can hold at most 32"),

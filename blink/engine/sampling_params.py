@@ -36,6 +36,10 @@ MAX_LOGIT_BIAS = 32
 MAX_LOGPROBS = 20
 #: |logit_bias value| limit, as in the OpenAI API.
 MAX_LOGIT_BIAS_VALUE = 100.0
+#: stop strings: how many, and how long each may be. The frontend matches every one of them
+#: against each new piece of text, on the event loop that serves every request.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
 #: Most choices one request may ask for (OpenAI's limit for ``n``). One HTTP request's total
 #: fan-out is also bounded by what the ring can hold at once (the frontend checks that).
 MAX_N = 128
@@ -237,6 +241,15 @@ class SamplingParams:
             raise SamplingParamsError(f"seed must fit in a signed 64-bit integer, got {self.seed}.")
         if any(not s for s in self.stop):
             raise SamplingParamsError("stop cannot contain an empty string.")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise SamplingParamsError(
+                f"stop can hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}."
+            )
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise SamplingParamsError(
+                f"stop strings can be at most {MAX_STOP_STRING_CHARS} characters long, got "
+                f"{max(len(s) for s in self.stop)}."
+            )
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise SamplingParamsError(
                 f"stop_token_ids can hold at most {MAX_STOP_TOKEN_IDS} ids, "
