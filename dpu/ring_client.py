@@ -29,7 +29,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterable, Mapping, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -1078,7 +1078,7 @@ class ReconnectingEngineClient:
     """
 
     def __init__(self, first: RingEngineClient,
-                 reconnect: "Any",  # () -> Awaitable[RingEngineClient]
+                 reconnect: Callable[[], Awaitable[RingEngineClient]],
                  *, where: str = "the engine", retry_after_s: float = 2.0,
                  min_interval_s: float = 0.2, max_interval_s: float = 2.0,
                  watch_interval_s: float = 0.05) -> None:
