@@ -213,7 +213,7 @@ def big_model(ctx: Context) -> Path:
 def tier_b_blockers(ctx: Context) -> list[str]:
     """What keeps tier B from starting, with the registration probe's reason (gVisor
     refuses cudaHostRegister of shared memory) when tier_b_problems does not name it."""
-    from blink.engine.gpu_loop import tier_b_problems
+    from blink.engine.gpu.checks import tier_b_problems
     from blink.engine.gpu_probe import host_register_problem
 
     if ctx.args.simulate:
@@ -258,7 +258,7 @@ def phase_environment(ctx: Context) -> None:
     from blink.engine.gpu_probe import environment
 
     env = ctx.value("environment", environment())
-    from blink.engine.gpu_loop import tier_a_problems, tier_b_problems
+    from blink.engine.gpu.checks import tier_a_problems, tier_b_problems
 
     a, b = tier_a_problems(), tier_b_problems()
     ctx.value("tier_a_problems", a)

@@ -338,8 +338,8 @@ def make_engine(EngineConfig: Any, model: Path, kwargs: dict[str, Any], loop: st
     False (then requests can be written into the ring first). ``eager_gpu``: the CPU
     loop's step run eagerly on GPU tensors (no graphs). ``simulate``: the GPU loops' code
     on CPU tensors (``create_engine(simulate=True)``; dry runs of the benchmarks)."""
-    from blink.engine.gpu_loop import create_engine
-    from blink.engine.graphs import run_step
+    from blink.engine.factory import create_engine
+    from blink.engine.step import run_step
 
     cfg = EngineConfig(**{"model": str(model), "device": device, "dtype": "auto", **kwargs})
     t0 = time.monotonic()
@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure (inputs built; run this on a GPU machine)")
         return 0
-    from blink.engine.gpu_loop import tier_b_problems
+    from blink.engine.gpu.checks import tier_b_problems
 
     problems = tier_b_problems()
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__} (CUDA {torch.version.cuda}); "

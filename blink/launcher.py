@@ -153,7 +153,7 @@ def run_engine(args: argparse.Namespace) -> int:
     standalone = SUPERVISOR_PID_ENV not in os.environ
     secret, secret_path, secret_created = engine_secret(args)  # before the slow model load
     supervisor_gone = watch_supervisor("engine")  # die with the blink serve that started us
-    from blink.engine.gpu_loop import create_engine
+    from blink.engine.factory import create_engine
     from blink.transport import BootstrapServer
 
     stop = threading.Event()

@@ -12,7 +12,10 @@ the same code).
 
 On CPU the loop runs the same scheduler in an engine thread; torch's stores on x86 are
 ordered (TSO) but not on Arm, so the CPU fence is a real hardware fence
-(:func:`blink.transport.base.memory_fence`: ``mfence`` / ``dmb ish``).
+(:func:`blink.transport.base.memory_fence`: ``mfence`` / ``dmb ish``), wrapped as the custom
+op ``blink::host_fence`` that declares it writes the ring region: a compiled step
+(``torch.compile(fullgraph=True)``) keeps it in the graph, ordered after every earlier write
+of the ring and before every later one.
 """
 from __future__ import annotations
 
@@ -25,14 +28,27 @@ from blink.transport.base import memory_fence
 Fence = Callable[[], None]
 
 
-def system_fence_for(device: torch.device | str) -> Fence:
-    """The fence for a scheduler whose tensors live on ``device``."""
+@torch.library.custom_op("blink::host_fence", mutates_args=("ordered",))
+def host_fence(ordered: torch.Tensor) -> None:
+    """A hardware memory fence; ``ordered`` (the ring region) is declared written so that
+    a compiler keeps the ring's writes on their side of it."""
+    memory_fence()
+
+
+@host_fence.register_fake
+def _(ordered: torch.Tensor) -> None:
+    return None
+
+
+def system_fence_for(device: torch.device | str, ordered: torch.Tensor) -> Fence:
+    """The fence for a scheduler whose tensors live on ``device``; ``ordered`` is the ring
+    region whose writes it orders."""
     device = torch.device(device)
     if device.type == "cuda":
         return CudaSystemFence(device)
     if device.type == "meta":  # shape-only runs (the capture audit) have nothing to order
         return lambda: None
-    return memory_fence
+    return lambda: host_fence(ordered)
 
 
 class CudaSystemFence:

@@ -23,11 +23,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
 from test_engine import BASE, random_prompts, tiny_model_dir  # noqa: E402
 
-from blink.engine import graphs  # noqa: E402
+from blink.engine import step  # noqa: E402
 from blink.engine import llm as llm_module  # noqa: E402
 from blink.engine.capture_audit import CaptureAudit, audit, on_meta  # noqa: E402
 from blink.engine.engine import Engine, EngineConfig  # noqa: E402
-from blink.engine.gpu_loop import create_engine  # noqa: E402
+from blink.engine.factory import create_engine  # noqa: E402
+from blink.engine.gpu import host_sim  # noqa: E402
+from blink.engine.gpu.plan import plan_graphs  # noqa: E402
 from blink.engine.sampling_params import SamplingParams  # noqa: E402
 from blink.engine.scheduler import Scheduler  # noqa: E402
 from blink.ring import C_STAT_PREEMPTIONS, C_STAT_PREFIX_HITS  # noqa: E402
@@ -114,11 +116,11 @@ def _run_audited(model_dir: Path, loop: str, monkeypatch) -> tuple[CaptureAudit,
     """The workload through LLM with tier ``loop`` simulated, every captured function
     (tier A: runner captures and replays; tier B: the graph's torch segments) audited."""
     mode = CaptureAudit()
-    orig_capture = graphs.EagerRunner.capture
-    orig_segment = graphs.EagerGraphApi.segment
-    monkeypatch.setattr(graphs.EagerRunner, "capture",
+    orig_capture = host_sim.EagerRunner.capture
+    orig_segment = host_sim.EagerGraphApi.segment
+    monkeypatch.setattr(host_sim.EagerRunner, "capture",
                         lambda self, name, fn: orig_capture(self, name, audit(fn, mode)))
-    monkeypatch.setattr(graphs.EagerGraphApi, "segment",
+    monkeypatch.setattr(host_sim.EagerGraphApi, "segment",
                         lambda self, fn: orig_segment(self, audit(fn, mode)))
     monkeypatch.setattr(llm_module, "create_engine",
                         lambda cfg, loop_=None, **_kw: create_engine(cfg, loop, simulate=True))
@@ -169,15 +171,15 @@ def test_a_planted_python_tensor_in_schedule_fails_the_audit(model_dir, monkeypa
 def _on_meta_step(engine: Engine) -> CaptureAudit:
     """schedule() + the model phase of every bucket, as the graphs run them, with every
     engine tensor on a meta device."""
-    plan = graphs.plan_graphs(engine.scheduler_config, engine.ring_config.n_slots)
-    parts = graphs.StepParts(engine.scheduler, engine.executor, engine.sampler)
+    plan = plan_graphs(engine.scheduler_config, engine.ring_config.n_slots)
+    parts = step.StepParts(engine.scheduler, engine.executor, engine.sampler)
     mode = CaptureAudit()
     with torch.inference_mode(), on_meta(engine.scheduler, engine.executor, engine.sampler):
         with mode:
             batch = engine.scheduler.schedule()
             assert batch.input_ids.device.type == "meta"
             for tokens, rows in zip(plan.buckets, plan.rows):
-                graphs.model_phase(parts, batch, tokens=tokens, rows=rows, compact=False)
+                step.model_phase(parts, batch, tokens=tokens, rows=rows, compact=False)
     return mode
 
 

@@ -33,15 +33,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
 from test_engine import BASE, random_prompts, tiny_model_dir, wait_for  # noqa: E402
 
-from blink.engine import graphs  # noqa: E402
 from blink.engine import llm as llm_module  # noqa: E402
+from blink.engine import step  # noqa: E402
 from blink.engine.engine import Engine, EngineConfig  # noqa: E402
-from blink.engine.gpu_loop import (  # noqa: E402
-    GpuEngine,
-    create_engine,
-    tier_a_problems,
-    tier_b_problems,
-)
+from blink.engine.factory import create_engine  # noqa: E402
+from blink.engine.gpu import abi, host_sim, tier_b  # noqa: E402
+from blink.engine.gpu.plan import plan_graphs  # noqa: E402
+from blink.engine.gpu.base import GpuEngine  # noqa: E402
+from blink.engine.gpu.checks import tier_a_problems, tier_b_problems  # noqa: E402
 from blink.engine.sampling_params import SamplingParams  # noqa: E402
 from blink.engine.state import SchedulerConfig, ring_tensors, ring_views  # noqa: E402
 from blink.errors import BlinkError  # noqa: E402
@@ -97,12 +96,11 @@ def _generate(model_dir: Path, loop: str, prompts, params, **overrides):
 
 def test_plan_covers_every_bucket_schedule_first_then_largest_first():
     cfg = SchedulerConfig(num_blocks=64, max_model_len=256, max_num_batched_tokens=512)
-    plan = graphs.plan_graphs(cfg, num_slots=16)
+    plan = plan_graphs(cfg, num_slots=16)
     assert plan.buckets == cfg.buckets == (8, 16, 32, 64, 128, 256, 512)
     assert plan.rows == (8, 16, 16, 16, 16, 16, 16)  # min(tokens, slots)
     assert plan.capture_order == ("schedule", "bucket:512", "bucket:256", "bucket:128",
                                   "bucket:64", "bucket:32", "bucket:16", "bucket:8")
-    assert plan.shared_pool
     buckets = torch.tensor(cfg.buckets)
     for n in (0, 1, 7, 8, 9, 100, 511, 512):
         assert plan.bucket_index(n) == int(torch.bucketize(torch.tensor(n), buckets))
@@ -114,7 +112,7 @@ def test_bucket_metadata_are_views_of_the_static_batch(model_dir):
     engine = Engine(EngineConfig(model=str(model_dir), **SMALL))
     try:
         batch = engine.scheduler.schedule()
-        md = graphs.bucket_metadata(batch, 16)
+        md = step.bucket_metadata(batch, 16)
         assert md.slot_mapping.shape[0] == md.positions.shape[0] == md.token_seq_idx.shape[0] == 16
         for a, b in ((md.slot_mapping, batch.attn.slot_mapping), (md.positions, batch.attn.positions),
                      (md.seq_lens, batch.attn.seq_lens), (md.block_tables, batch.attn.block_tables)):
@@ -125,7 +123,7 @@ def test_bucket_metadata_are_views_of_the_static_batch(model_dir):
 
 
 def test_eager_runner_has_graph_output_semantics():
-    runner = graphs.EagerRunner()
+    runner = host_sim.EagerRunner()
     counter = torch.zeros(())
 
     def fn():
@@ -148,7 +146,7 @@ def test_tier_a_and_tier_b_match_the_cpu_loop_greedy(model_dir):
     want, _ = _generate(model_dir, "cpu", prompts, params)
     got_a, info_a = _generate(model_dir, "host", prompts, params)
     got_b, info_b = _generate(model_dir, "device", prompts, params)
-    assert info_a["type"] == info_b["type"] == "GpuEngine"
+    assert (info_a["type"], info_b["type"]) == ("TierAEngine", "TierBEngine")
     assert got_a == want
     assert got_b == want
     # Several buckets ran: decode (8/16) and chunked prefill (64).
@@ -219,28 +217,22 @@ class _GateRig:
                                                    max_model_len=256)).total_bytes)
         self.ring = Ring.create(self.buf, RingConfig(n_slots=n_slots, arena_tokens=4096, max_model_len=256))
         self.views = ring_tensors(self.ring)
-        self.ls = torch.zeros(graphs.LS_WORDS, dtype=torch.int64)
-        self.hc = torch.zeros(graphs.HC_WORDS, dtype=torch.int64)
+        self.ls = torch.zeros(abi.LS_WORDS, dtype=torch.int64)
+        self.hc = torch.zeros(abi.HC_WORDS, dtype=torch.int64)
         self.n_tokens = torch.zeros((), dtype=torch.int64)
         self.bucket = torch.zeros((), dtype=torch.int64)
-        o = graphs.LoopOptions(**{"poll_budget_ns": 2_000_000, "max_polls": 64, **opts})
-        p = graphs.LoopParams()
-        p.control, p.slot_state = self.views["control"].data_ptr(), self.views["state"].data_ptr()
-        p.slot_cancel, p.host_ctl = self.views["cancel"].data_ptr(), self.hc.data_ptr()
-        p.loop_state = self.ls.data_ptr()
+        drain_ns = opts.pop("drain_timeout_ns", 30 * 10**9)
+        o = abi.LoopOptions(**{"poll_budget_ns": 2_000_000, "max_polls": 64, **opts})
+        p = tier_b.loop_params(self.views, n_slots, o, drain_ns / 1e9)
+        p.host_ctl, p.loop_state = self.hc.data_ptr(), self.ls.data_ptr()
         p.num_scheduled_tokens, p.bucket_index = self.n_tokens.data_ptr(), self.bucket.data_ptr()
-        p.poll_budget_ns, p.heartbeat_period_ns = o.poll_budget_ns, o.heartbeat_period_ns
-        p.empty_backoff_ns, p.drain_timeout_ns = o.empty_backoff_ns, o.drain_timeout_ns
-        p.n_slots, p.n_buckets, p.max_polls, p.max_sleep_ns = n_slots, 4, o.max_polls, o.max_sleep_ns
-        p.c_engine_state, p.c_heartbeat, p.c_shutdown = C_ENGINE_STATE, C_HEARTBEAT, C_SHUTDOWN
-        p.engine_draining, p.engine_stopped, p.engine_failed = ENGINE_DRAINING, ENGINE_STOPPED, 4
-        p.slot_free, p.slot_written = SLOT_FREE, SLOT_WRITTEN
+        p.n_buckets, p.engine_failed = 4, 4
         self.p = p
 
     def poll(self):
         t0 = time.monotonic()
-        d, reason = graphs.gate_poll_model(self.p)
-        graphs.gate_record_model(self.p, d, reason)
+        d, reason = host_sim.gate_poll_model(self.p)
+        host_sim.gate_record_model(self.p, d, reason)
         return d, reason, time.monotonic() - t0
 
 
@@ -248,50 +240,50 @@ def test_gate_idle_is_bounded_and_keeps_the_heartbeat():
     rig = _GateRig(poll_budget_ns=3_000_000, max_polls=10_000, heartbeat_period_ns=0)
     hb = rig.ring.heartbeat
     d, reason, took = rig.poll()
-    assert d == graphs.GATE_IDLE and reason == graphs.EXIT_RUNNING
+    assert d == abi.GATE_IDLE and reason == abi.EXIT_RUNNING
     assert took < 1.0  # bounded by the poll budget (3 ms), with scheduling slack
     assert rig.ring.heartbeat > hb
     rig2 = _GateRig(poll_budget_ns=10**12, max_polls=5)
-    assert rig2.poll()[0] == graphs.GATE_IDLE  # the iteration cap bounds it too
-    assert int(rig2.ls[graphs.LS_IDLE_CALLS]) == 1 and int(rig2.ls[graphs.LS_GATE_CALLS]) == 1
+    assert rig2.poll()[0] == abi.GATE_IDLE  # the iteration cap bounds it too
+    assert int(rig2.ls[abi.LS_IDLE_CALLS]) == 1 and int(rig2.ls[abi.LS_GATE_CALLS]) == 1
 
 
 def test_gate_steps_on_a_written_slot_and_backs_off_after_an_empty_step():
     rig = _GateRig(empty_backoff_ns=10**12)
     rig.ring.state[3] = SLOT_WRITTEN
-    assert rig.poll()[0] == graphs.GATE_STEP
+    assert rig.poll()[0] == abi.GATE_STEP
     rig.ring.state[3] = SLOT_RUNNING  # admitted; the schedule found nothing to run
     rig.n_tokens.fill_(0)
-    assert graphs.dispatch_record_model(rig.p) == -1 and int(rig.ls[graphs.LS_LAST_STEP_EMPTY]) == 1
-    assert rig.poll()[0] == graphs.GATE_IDLE  # busy but backing off: no hot spin
+    assert host_sim.dispatch_record_model(rig.p) == -1 and int(rig.ls[abi.LS_LAST_STEP_EMPTY]) == 1
+    assert rig.poll()[0] == abi.GATE_IDLE  # busy but backing off: no hot spin
     rig.ring.cancel[3] = 1  # new information (a cancel) ends the back-off
-    assert rig.poll()[0] == graphs.GATE_STEP
+    assert rig.poll()[0] == abi.GATE_STEP
     rig.n_tokens.fill_(9)
     rig.bucket.fill_(1)
-    assert graphs.dispatch_record_model(rig.p) == 1 and int(rig.ls[graphs.LS_STEPS]) == 1
+    assert host_sim.dispatch_record_model(rig.p) == 1 and int(rig.ls[abi.LS_STEPS]) == 1
 
 
 def test_gate_stop_and_drain():
     rig = _GateRig(drain_timeout_ns=10**12)
-    rig.hc[graphs.HC_STOP] = graphs.STOP_NOW
-    assert rig.poll()[:2] == (graphs.GATE_STOP, graphs.EXIT_STOPPED)
+    rig.hc[abi.HC_STOP] = abi.STOP_NOW
+    assert rig.poll()[:2] == (abi.GATE_STOP, abi.EXIT_STOPPED)
     assert rig.ring.engine_state == ENGINE_STOPPED
 
     rig = _GateRig(drain_timeout_ns=10**12)
     rig.ring.state[0] = SLOT_RUNNING
     rig.ring.control[C_SHUTDOWN] = 1  # the frontend asks for shutdown: drain
-    assert rig.poll()[0] == graphs.GATE_STEP
+    assert rig.poll()[0] == abi.GATE_STEP
     assert rig.ring.engine_state == ENGINE_DRAINING
     rig.ring.state[0] = SLOT_FREE
-    assert rig.poll()[:2] == (graphs.GATE_STOP, graphs.EXIT_DRAINED)
-    assert int(rig.ls[graphs.LS_EXIT]) == graphs.EXIT_DRAINED
+    assert rig.poll()[:2] == (abi.GATE_STOP, abi.EXIT_DRAINED)
+    assert int(rig.ls[abi.LS_EXIT]) == abi.EXIT_DRAINED
 
     rig = _GateRig(drain_timeout_ns=1)
     rig.ring.state[0] = SLOT_RUNNING
-    rig.hc[graphs.HC_STOP] = graphs.STOP_DRAIN
+    rig.hc[abi.HC_STOP] = abi.STOP_DRAIN
     rig.poll()  # drain starts
     time.sleep(0.001)
-    assert rig.poll()[:2] == (graphs.GATE_STOP, graphs.EXIT_DRAIN_TIMEOUT)
+    assert rig.poll()[:2] == (abi.GATE_STOP, abi.EXIT_DRAIN_TIMEOUT)
 
 
 # ------------------------------------------------------------------ tier B: lifecycle
@@ -299,7 +291,7 @@ def test_gate_stop_and_drain():
 
 def test_tier_b_idles_then_stops_on_the_shutdown_word(model_dir):
     engine = create_engine(EngineConfig(model=str(model_dir), **SMALL), "device",
-                           simulate=True, options=graphs.LoopOptions(poll_budget_ns=1_000_000))
+                           simulate=True, options=abi.LoopOptions(poll_budget_ns=1_000_000))
     try:
         engine.start()
         hb = engine.ring.heartbeat
@@ -360,7 +352,7 @@ def test_device_ring_views_match_the_cpu_layout():
         assert views[name].shape == cpu[name].shape and views[name].dtype == cpu[name].dtype
         assert views[name].data_ptr() == cpu[name].data_ptr()
     assert np.array_equal(views["stop_ids"].numpy(), ring.stop_ids)
-    assert ctypes.sizeof(graphs.LoopParams) == graphs.LOOP_PARAMS_BYTES
+    assert ctypes.sizeof(abi.LoopParams) == abi.LOOP_PARAMS_BYTES
 
 
 # ------------------------------------------------------------------ on a real GPU, if any

@@ -19,7 +19,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
 from test_engine import BASE, random_prompts, tiny_model_dir  # noqa: E402
 
-from blink.engine import gpu_loop, graphs  # noqa: E402
+from blink.engine import factory  # noqa: E402
+from blink.engine.gpu import checks, host_sim, tier_b  # noqa: E402
 from blink.engine import llm as llm_module  # noqa: E402
 from blink.engine.engine import EngineConfig  # noqa: E402
 from blink.engine.sampling_params import SamplingParams  # noqa: E402
@@ -40,8 +41,8 @@ def _segments() -> set[str]:
 
 
 def test_a_failing_capture_is_ended_and_named(model_dir, monkeypatch):
-    apis: list[graphs.EagerGraphApi] = []
-    orig_init = graphs.EagerGraphApi.__init__
+    apis: list[host_sim.EagerGraphApi] = []
+    orig_init = host_sim.EagerGraphApi.__init__
 
     def init(self):
         orig_init(self)
@@ -50,12 +51,12 @@ def test_a_failing_capture_is_ended_and_named(model_dir, monkeypatch):
     def broken_model_phase(parts, batch, *, tokens, rows, compact, plan=None):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(graphs.EagerGraphApi, "__init__", init)
-    monkeypatch.setattr(graphs, "model_phase", broken_model_phase)
+    monkeypatch.setattr(host_sim.EagerGraphApi, "__init__", init)
+    monkeypatch.setattr(tier_b, "model_phase", broken_model_phase)
     before = _segments()
     cfg = EngineConfig(model=str(model_dir), device="cpu", **SMALL)
     with pytest.raises(BlinkError, match=r"capturing bucket \d+ into tier B's graph failed: RuntimeError"):
-        gpu_loop.create_engine(cfg, "device", simulate=True)
+        factory.create_engine(cfg, "device", simulate=True)
     api = apis[-1]
     assert api.aborted_captures == 1 and api._capture is None  # the capture was ended
     assert _segments() <= before  # the failed engine left no shared-memory ring behind
@@ -63,20 +64,20 @@ def test_a_failing_capture_is_ended_and_named(model_dir, monkeypatch):
 
 def _tier_b_with(monkeypatch, *, backend: str, bindings: str | None) -> list[str]:
     """tier_b_problems with the GPU facts stubbed (no GPU here)."""
-    monkeypatch.setattr(gpu_loop, "tier_a_problems", lambda device=None: [])
+    monkeypatch.setattr(checks, "tier_a_problems", lambda device=None: [])
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: backend)
-    monkeypatch.setattr(gpu_loop, "_installed_version", lambda dist: bindings if dist == "cuda-bindings" else None)
+    monkeypatch.setattr(checks, "_installed_version", lambda dist: bindings if dist == "cuda-bindings" else None)
 
     def no_driver():
         raise ImportError("stubbed")
 
     if bindings is None:
-        monkeypatch.setattr(gpu_loop, "_cuda_bindings_driver", no_driver)
+        monkeypatch.setattr(checks, "_cuda_bindings_driver", no_driver)
     else:  # an importable module whose driver queries are not reached (the version refuses)
-        monkeypatch.setattr(gpu_loop, "_cuda_bindings_driver", lambda: object())
-    return gpu_loop.tier_b_problems(torch.device("cuda", 0))
+        monkeypatch.setattr(checks, "_cuda_bindings_driver", lambda: object())
+    return checks.tier_b_problems(torch.device("cuda", 0))
 
 
 def test_tier_b_refuses_the_cuda_malloc_async_backend(monkeypatch):
@@ -94,11 +95,12 @@ def _start_decision(monkeypatch, refused: str | None, in_process: bool):
     """create_engine's choice on a GPU whose ring registration is ``refused`` (stubbed)."""
     made = []
     monkeypatch.setattr(EngineConfig, "resolved_device", lambda self: torch.device("cuda", 0))
-    monkeypatch.setattr(gpu_loop, "tier_a_problems", lambda device=None: [])
-    monkeypatch.setattr(gpu_loop, "tier_b_problems", lambda device=None: [])
-    monkeypatch.setattr(gpu_loop, "ring_registration_problem", lambda device: refused)
-    monkeypatch.setattr(gpu_loop, "GpuEngine", lambda cfg, tier, **kw: made.append((cfg, tier)) or "engine")
-    gpu_loop.create_engine(EngineConfig(model="m", device="cuda"), "device", in_process_frontend=in_process)
+    monkeypatch.setattr(factory, "tier_a_problems", lambda device=None: [])
+    monkeypatch.setattr(factory, "tier_b_problems", lambda device=None: [])
+    monkeypatch.setattr(factory, "ring_registration_problem", lambda device: refused)
+    monkeypatch.setattr(factory, "TierAEngine", lambda cfg, **kw: made.append((cfg, "A")) or "engine")
+    monkeypatch.setattr(factory, "TierBEngine", lambda cfg, **kw: made.append((cfg, "B")) or "engine")
+    factory.create_engine(EngineConfig(model="m", device="cuda"), "device", in_process_frontend=in_process)
     return made
 
 
@@ -142,7 +144,7 @@ def test_llm_over_the_in_process_ring_gives_the_loopback_tokens(model_dir, monke
             return [o.token_ids for o in llm.generate(prompts, GREEDY, timeout_s=120)]
 
     if loop == "device":
-        real = gpu_loop.create_engine
+        real = factory.create_engine
         monkeypatch.setattr(llm_module, "create_engine",
                             lambda cfg, _loop="auto", **kw: real(cfg, "device", simulate=True))
     assert run("inprocess") == run("loopback")

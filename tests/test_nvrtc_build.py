@@ -6,7 +6,7 @@
   (ld.acquire.sys, st.release.sys, fence.sc.sys, fence.acq_rel.sys), the %globaltimer reads
   that bound every spin, and the conditional-handle / device-launch calls.
 - The pure decision functions (kernels/device_loop_logic.cuh) are compiled for the host
-  and compared with their Python mirrors in blink.engine.graphs on random inputs.
+  and compared with their Python mirrors in blink.engine.gpu.abi on random inputs.
 - The parameter block and every shared constant have the same layout/value on both sides.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from blink.engine import graphs
+from blink.engine.gpu import abi
 from blink.kernels import nvrtc_build as nb
 
 KDIR = Path(nb.__file__).resolve().parent
@@ -94,7 +94,7 @@ def _defines() -> dict[str, int]:
 
 def test_constants_match_python():
     d = _defines()
-    g = graphs
+    g = abi
     pairs = {
         "BLINK_STOP_NONE": g.STOP_NONE, "BLINK_STOP_DRAIN": g.STOP_DRAIN, "BLINK_STOP_NOW": g.STOP_NOW,
         "BLINK_GATE_WAIT": g.GATE_WAIT, "BLINK_GATE_STEP": g.GATE_STEP, "BLINK_GATE_IDLE": g.GATE_IDLE,
@@ -126,15 +126,15 @@ def test_loop_params_layout_matches_the_c_struct():
         m = re.match(r"(.+?)\s*(\w+)(\[\w+\])?;", line)
         ctype, names = m.group(1).strip(), m.group(2)
         c_fields.append((names, ctype, m.group(3)))
-    py = graphs.LoopParams._fields_
+    py = abi.LoopParams._fields_
     assert [n for n, _, _ in c_fields] == [n for n, _ in py]
     for (name, ctype, array), (_, pytype) in zip(c_fields, py):
-        size = _C_SIZES[ctype] * (graphs.MAX_BUCKETS if array else 1)
+        size = _C_SIZES[ctype] * (abi.MAX_BUCKETS if array else 1)
         assert ctypes.sizeof(pytype) == size, name
-    assert ctypes.sizeof(graphs.LoopParams) == graphs.LOOP_PARAMS_BYTES
+    assert ctypes.sizeof(abi.LoopParams) == abi.LOOP_PARAMS_BYTES
     # The C side static_asserts the same total (compiled in the tests above).
     expr = re.search(r"#define BLINK_LOOP_PARAMS_BYTES \((.*)\)", text).group(1)
-    assert eval(expr.replace("BLINK_MAX_BUCKETS", str(graphs.MAX_BUCKETS))) == graphs.LOOP_PARAMS_BYTES
+    assert eval(expr.replace("BLINK_MAX_BUCKETS", str(abi.MAX_BUCKETS))) == abi.LOOP_PARAMS_BYTES
 
 
 # ----------------------------------------------------- decisions: C (host build) vs Python
@@ -171,7 +171,7 @@ def test_gate_decision_matches_python_mirror(logic_lib):
     rng = random.Random(0)
     seen = set()
     for _ in range(4000):
-        gi = graphs.GateInput(
+        gi = abi.GateInput(
             now_ns=rng.randrange(0, 10_000), start_ns=rng.randrange(0, 10_000),
             last_empty_ns=rng.randrange(0, 10_000), drain_start_ns=rng.choice([0, rng.randrange(1, 10_000)]),
             poll_budget_ns=rng.randrange(0, 5_000), empty_backoff_ns=rng.randrange(0, 5_000),
@@ -182,7 +182,7 @@ def test_gate_decision_matches_python_mirror(logic_lib):
         c_in = _CGateInput(**{n: getattr(gi, n) for n, _ in _CGateInput._fields_})
         reason = ctypes.c_int(-1)
         got = logic_lib.decide(ctypes.byref(c_in), ctypes.byref(reason))
-        assert (got, reason.value) == graphs.gate_decide(gi), gi
+        assert (got, reason.value) == abi.gate_decide(gi), gi
         seen.add((got, reason.value))
     assert len(seen) >= 6  # every decision and exit reason was exercised
 
@@ -192,7 +192,7 @@ def test_dispatch_and_backoff_match_python_mirror(logic_lib):
     logic_lib.sleep_ns.restype = ctypes.c_uint
     for n in (-1, 0, 1, 700):
         for b in (-1, 0, 3, 7, 8, 40):
-            assert logic_lib.dispatch(n, b, 8) == graphs.dispatch_bucket(n, b, 8)
+            assert logic_lib.dispatch(n, b, 8) == abi.dispatch_bucket(n, b, 8)
     for polls in range(0, 40):
         for cap in (1, 256, 300, 20_000, 1 << 31):
-            assert logic_lib.sleep_ns(polls, cap) == graphs.poll_sleep_ns(polls, cap)
+            assert logic_lib.sleep_ns(polls, cap) == abi.poll_sleep_ns(polls, cap)

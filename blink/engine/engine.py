@@ -18,7 +18,7 @@ import torch
 
 from blink.config import ModelConfig
 from blink.dtypes import resolve_dtype
-from blink.engine.graphs import StepParts, run_step
+from blink.engine.step import StepParts, run_step
 from blink.engine.sampler import Sampler
 from blink.engine.scheduler import Scheduler
 from blink.engine.state import SchedulerConfig, ring_tensors
@@ -63,6 +63,8 @@ class EngineConfig:
     stream_capacity: int = 64
     transport: str = "loopback"  # loopback | verbs | inprocess (a frontend in this process: LLM)
     threads: int | None = None
+    #: how long a stop with drain waits for requests in flight (every loop kind uses this one)
+    drain_timeout_s: float = 30.0
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -91,7 +93,8 @@ class Engine:
 
     ``start()`` returns once the loop runs (engine state READY). ``stop(drain=True)`` lets
     running requests finish (bounded by ``drain_timeout_s``) before the loop exits.
-    The GPU loops subclass it (:class:`blink.engine.gpu_loop.GpuEngine`).
+    The GPU loops subclass it (:mod:`blink.engine.gpu`); :func:`blink.engine.factory.create_engine`
+    builds the right one.
     """
 
     supported_devices: tuple[str, ...] = ("cpu",)
@@ -120,7 +123,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._drain = True
-        self.drain_timeout_s = 30.0
+        self.drain_timeout_s = config.drain_timeout_s
         self.error: BaseException | None = None
 
     def _build(self, config: EngineConfig) -> None:
@@ -245,8 +248,11 @@ class Engine:
         try:
             with torch.inference_mode():
                 while True:
+                    # The loop is the heartbeat's one writer (plus the per-layer bumps of a
+                    # long CPU step, see _bump_heartbeat_per_layer).
+                    control[C_HEARTBEAT] += 1
                     if self._stop.is_set() or control[C_SHUTDOWN]:
-                        if not self._drain or self._quiescent():
+                        if not self._drain or self._idle():
                             break
                         if drain_deadline is None:
                             control[C_ENGINE_STATE] = ENGINE_DRAINING
@@ -255,8 +261,7 @@ class Engine:
                             log.warning("drain timed out with requests still in flight")
                             break
                     if self._idle():
-                        # Nothing to do: keep the heartbeat moving and back off (no busy spin).
-                        control[C_HEARTBEAT] += 1
+                        # Nothing to do: back off (no busy spin).
                         idle_sleep = min(max(idle_sleep * 2, 5e-5), 5e-3)
                         time.sleep(idle_sleep)
                         continue
@@ -279,9 +284,6 @@ class Engine:
         FINISHED slots waiting for the frontend to read them need no step."""
         state = self.ring.state
         return not bool(((state == SLOT_WRITTEN) | (state == SLOT_RUNNING)).any())
-
-    def _quiescent(self) -> bool:
-        return self._idle()
 
     def step(self) -> bool:
         """One engine step. Returns False when nothing was scheduled."""

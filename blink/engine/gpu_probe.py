@@ -6,7 +6,7 @@ never raises.
   start-up checks) — what tier B's mapped ring needs: one POSIX shared-memory
   page, created the way the loopback transport creates its region, registered with
   ``cudaHostRegister(Mapped | Portable)`` through torch's own CUDA runtime (the call
-  :func:`blink.engine.gpu_loop.map_ring` makes), viewed from torch through
+  :func:`blink.engine.gpu.mapped_ring.map_ring` makes), viewed from torch through
   ``__cuda_array_interface__``, written by a GPU kernel and read by the host, written by
   the host and read by a GPU kernel, then unregistered and unlinked. Sandboxes such as
   gVisor may refuse the registration; the result's ``reason`` then says so, and tier B

@@ -15,7 +15,7 @@ from blink.dpu.ring_client import RingClient, RingHandle, ring_fields
 from blink.dpu.stop_strings import StopStringMatcher
 from blink.dpu.tokenizer import Tokenizer
 from blink.engine.engine import EngineConfig
-from blink.engine.gpu_loop import create_engine
+from blink.engine.factory import create_engine
 from blink.engine.sampling_params import SamplingParams, SamplingParamsError
 from blink.errors import BlinkError
 from blink.loader import load_tokenizer_files

@@ -65,7 +65,6 @@ from blink.kernels.reference import AttentionMetadata
 from blink.kernels.system_fence import system_fence_for
 from blink.ring import (
     C_ARENA_TOKENS,
-    C_HEARTBEAT,
     C_MAX_LOGIT_BIAS,
     C_MAX_LOGPROBS,
     C_MAX_MODEL_LEN,
@@ -210,7 +209,7 @@ class Scheduler:
         self._stat_words = torch.tensor(_STAT_WORDS, dtype=torch.int64, device=dev)
         self._hash = prefix_cache.hash_constants(M * B, dev)
         # Between a ring payload and the word that publishes it (module docstring).
-        self._fence = system_fence_for(dev)
+        self._fence = system_fence_for(dev, region)
 
     # ------------------------------------------------------------------------------ step
 
@@ -219,7 +218,6 @@ class Scheduler:
         st, ring = self.state, self.ring
         st.step += 1
         st.counters[K_STEPS] += 1
-        ring["control"][C_HEARTBEAT] += 1
         # Acquire: the slot state words are read once, then a fence, then any payload.
         slot_state = ring["state"].clone()
         self._fence()

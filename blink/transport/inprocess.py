@@ -3,7 +3,7 @@
 
 This is the fallback for hosts where the GPU cannot register a shared-memory segment
 (``cudaHostRegister`` is refused, e.g. under gVisor): the engine then allocates the ring as
-pinned, GPU-mapped host memory itself (:class:`blink.engine.gpu_loop.PinnedRegion`), which
+pinned, GPU-mapped host memory itself (:class:`blink.engine.gpu.mapped_ring.PinnedRegion`), which
 no other process can map. The device loop still runs with no host call per step; only the
 frontend has to live in the engine's process. ``blink serve`` (a frontend in its own
 process) cannot use it and refuses to start instead.

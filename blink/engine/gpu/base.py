@@ -1,0 +1,124 @@
+"""What both GPU tiers share: the ring mapped into the GPU, the graph plan, a warm-up under
+the capture audit, and a release that never unmaps a ring the GPU may still touch.
+
+Tier A (:mod:`blink.engine.gpu.tier_a`) and tier B (:mod:`blink.engine.gpu.tier_b`) are
+subclasses; each owns its loop. ``simulate=True`` runs a tier's own code on CPU tensors
+(tests): graphs become :mod:`blink.engine.gpu.host_sim`'s eager stand-ins.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from blink.engine.capture_audit import CaptureAudit
+from blink.engine.engine import Engine, EngineConfig
+from blink.engine.gpu.abi import LoopOptions
+from blink.engine.gpu.mapped_ring import MappedRing, PinnedRegion, map_pinned_ring, map_ring
+from blink.engine.gpu.plan import GraphPlan, plan_graphs
+from blink.engine.step import StepParts, model_phase
+from blink.errors import BlinkError
+from blink.ring import SLOT_FREE, RingLayout
+from blink.transport import Region
+
+log = logging.getLogger("blink.gpu")
+
+
+class GpuEngine(Engine):
+    """An engine whose loop runs CUDA graphs (or, with ``simulate``, their host stand-ins)."""
+
+    supported_devices = ("cuda", "cpu")
+    tier = "?"  # "A" | "B", set by the subclass
+    loop_flag = "?"  # its --loop value, for messages
+    #: the ring's device mapping, set by ``_ring_tensors`` while ``Engine.__init__`` builds
+    mapped: MappedRing | None = None
+
+    def __init__(self, config: EngineConfig, *, simulate: bool = False,
+                 options: LoopOptions | None = None) -> None:
+        self.simulate = simulate
+        self.options = options or LoopOptions()
+        self.exit_reason: str | None = None
+        try:
+            super().__init__(config)
+            if self.device.type != "cuda" and not simulate:
+                raise BlinkError(f"--loop {self.loop_flag} needs a CUDA GPU (--device cuda); use --loop cpu")
+            if self.device.type == "cuda" and simulate:
+                raise BlinkError("simulate=True runs on CPU tensors only")
+            self.plan: GraphPlan = plan_graphs(self.scheduler_config, self.ring_config.n_slots)
+            self.parts = StepParts(self.scheduler, self.executor, self.sampler)
+            t0 = time.monotonic()
+            with torch.inference_mode():
+                self._build_graphs()
+            log.info("tier %s graphs for buckets %s built in %.1f s", self.tier, self.plan.buckets,
+                     time.monotonic() - t0)
+        except BaseException:
+            if hasattr(self, "region"):
+                self._release_ring()  # a failed start leaves no registered ring or segment behind
+            raise
+
+    def _build_graphs(self) -> None:
+        raise NotImplementedError
+
+    # -- construction hooks (called by Engine.__init__)
+    def _create_region(self, total_bytes: int) -> Region:
+        if self.device.type == "cuda" and self.config.transport == "inprocess":
+            return PinnedRegion(total_bytes)
+        return super()._create_region(total_bytes)
+
+    def _ring_tensors(self) -> dict[str, torch.Tensor]:
+        if self.device.type != "cuda":
+            return super()._ring_tensors()
+        layout = RingLayout(self.ring_config)
+        if isinstance(self.region, PinnedRegion):
+            self.mapped = map_pinned_ring(self.region, layout, self.device)
+        else:
+            self.mapped = map_ring(self.region.buffer, layout, self.device)
+        return self.mapped.views
+
+    def _warmup(self) -> None:
+        """Run the step once per bucket, eagerly, on the empty ring (Triton JIT, cuBLAS),
+        under the capture audit: on the GPU it also sees copies between host and device, and
+        an op a graph cannot hold is reported by name here rather than as a failed capture."""
+        if not bool((self.ring.state == SLOT_FREE).all()):
+            raise BlinkError("the GPU loop is built before any request is accepted")
+        audit = CaptureAudit()
+        with audit:
+            batch = self.scheduler.schedule()
+            for tokens, rows in zip(self.plan.buckets, self.plan.rows):
+                model_phase(self.parts, batch, tokens=tokens, rows=rows, compact=False)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        try:
+            audit.check("the step the GPU graphs capture")
+        except AssertionError as exc:
+            raise BlinkError(str(exc)) from None
+
+    # -- lifecycle
+    def close(self) -> None:
+        self.stop(drain=False)
+        self._release_ring()
+
+    def _device_may_touch_ring(self) -> bool:
+        """Whether a loop launched on the device may still read or write the ring."""
+        return False
+
+    def _release_ring(self) -> None:
+        """Unregister the mapped ring, then unmap it; never unmap a ring the GPU may still
+        touch: while a hung device loop runs (or unregistering fails) the mapping stays until
+        the process exits, and only the segment's name is removed."""
+        if self.mapped is not None and self.mapped.registered:
+            if self._device_may_touch_ring():
+                log.error("the device loop is still running at close; the ring stays registered "
+                          "and mapped until the process exits")
+                self.region.unlink()
+                return
+            torch.cuda.synchronize(self.device)
+            if not self.mapped.unregister():
+                self.region.unlink()
+                return
+        self.region.close()
+
+    def loop_counters(self) -> dict[str, int]:
+        """What the device loop counted (tier B); empty for a host-driven loop."""
+        return {}

@@ -1,0 +1,111 @@
+"""One engine step: schedule → forward → sample → update. Every loop runs this.
+
+``run_step`` is the CPU loop's step (``Engine.step``): ``scheduler.schedule()`` then
+:func:`model_phase` (forward → sampler → ``scheduler.update``). The GPU tiers capture exactly
+these two calls into CUDA graphs: ``schedule()`` as the schedule graph, and ``model_phase``
+with capture-friendly options (``compact=False``: the bucket's fixed token count, all rows,
+no host-side sampler plan) as one graph per bucket. Being on the host, the CPU loop instead
+reads the step's token count and compacts the metadata (``compact=True``), which only
+removes padding: the tokens are the same.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from blink.engine.sampler import Sampler, SamplerPlan, SamplingTensors
+from blink.engine.scheduler import Scheduler, StepBatch
+from blink.kernels.reference import AttentionMetadata
+
+class StepParts(NamedTuple):
+    scheduler: Scheduler
+    executor: Any  # ModelExecutor-like: execute(input_ids, md, logits_indices) -> logits
+    sampler: Sampler
+
+
+def slice_sampling(st: SamplingTensors, n: int) -> SamplingTensors:
+    return SamplingTensors(**{name: getattr(st, name)[:n] for name in st.__dataclass_fields__})
+
+
+def compact_rows(batch: StepBatch, n: int) -> AttentionMetadata:
+    """Host loops only: the step's metadata cut down to its ``n`` real tokens and the rows
+    that have tokens this step, so the reference attention neither pads nor gathers idle
+    rows. (A captured graph keeps the fixed shapes instead: :func:`bucket_metadata`.)"""
+    md = batch.attn
+    active = torch.nonzero(batch.num_new_tokens > 0).squeeze(1)
+    remap = torch.zeros(batch.num_new_tokens.shape[0], dtype=torch.int64, device=active.device)
+    remap[active] = torch.arange(active.shape[0], device=active.device)
+    seq_lens = md.seq_lens[active]
+    return AttentionMetadata(
+        slot_mapping=md.slot_mapping[:n],
+        positions=md.positions[:n],
+        token_seq_idx=remap[md.token_seq_idx[:n]],
+        query_start_loc=torch.cat([md.query_start_loc[active], md.query_start_loc[-1:]]),
+        seq_lens=seq_lens,
+        block_tables=md.block_tables[active],
+        max_context=int(seq_lens.max()),
+        max_query_len=int(batch.num_new_tokens.max()),
+    )
+
+
+def bucket_metadata(batch: StepBatch, tokens: int) -> AttentionMetadata:
+    """Fixed-shape metadata of a ``tokens``-token bucket: views of the step's tensors, every
+    row kept (idle rows have ``seq_lens`` 0), padding tokens in the scratch block. No host
+    read: this is what a captured graph runs."""
+    md = batch.attn
+    return AttentionMetadata(
+        slot_mapping=md.slot_mapping[:tokens],
+        positions=md.positions[:tokens],
+        token_seq_idx=md.token_seq_idx[:tokens],
+        query_start_loc=md.query_start_loc,
+        seq_lens=md.seq_lens,
+        block_tables=md.block_tables,
+    )
+
+
+def model_phase(
+    parts: StepParts,
+    batch: StepBatch,
+    *,
+    tokens: int,
+    rows: int,
+    compact: bool,
+    plan: SamplerPlan | None = None,
+) -> None:
+    """Forward → sample → update for a scheduled ``batch``: the second half of every step.
+
+    ``tokens``: token positions to run (the real count on the host, the bucket size in a
+    graph); ``rows``: sampler rows (>= the step's sample rows); ``compact``: host-side
+    metadata compaction (CPU loop) or fixed bucket shapes (graphs); ``plan``: the CPU
+    loop's host-side sampler plan, None (every stage) in graphs."""
+    scheduler, executor, sampler = parts
+    md = compact_rows(batch, tokens) if compact else bucket_metadata(batch, tokens)
+    logits = executor.execute(batch.input_ids[:tokens], md, batch.logits_indices[:rows])
+    history = scheduler.token_history(batch)[:rows]
+    sampling = slice_sampling(batch.sampling, rows)
+    out = sampler(
+        logits,
+        sampling,
+        history,
+        batch.prompt_lens[:rows],
+        batch.total_lens[:rows],
+        batch.total_lens[:rows],
+        batch.suppress_ids[:rows],
+        plan=plan,
+    )
+    scheduler.update(batch, out.tokens, out.logprob, out.top_ids, out.top_logprobs)
+
+
+def run_step(parts: StepParts) -> bool:
+    """One CPU-loop step (``Engine.step``). Returns False when nothing was scheduled."""
+    batch = parts.scheduler.schedule()
+    n = int(batch.num_scheduled_tokens)  # CPU loop: a plain memory read, not a device sync
+    if n == 0:  # admissions/cancels may have happened, but there is nothing to compute
+        return False
+    # At least one (padding) sample row: a step of prefill chunks only samples nothing,
+    # and update() indexes the sampler outputs (an empty tensor cannot be indexed).
+    ns = max(int(batch.num_sample_rows), 1)
+    plan = SamplerPlan.of(slice_sampling(batch.sampling, ns))  # skip stages no row uses
+    model_phase(parts, batch, tokens=n, rows=ns, compact=True, plan=plan)
+    return True
