@@ -68,6 +68,17 @@ class TemplateLimitError(ChatTemplateError):
     """A render ran past its deadline or tried to build more text than allowed."""
 
 
+class RenderedTooLongError(TemplateLimitError):
+    """The rendered text itself passed ``RenderLimits.max_chars`` (a conversation too long for
+    the context, when the cap is the prompt-length bound)."""
+
+    def __init__(self, size: int, max_chars: int) -> None:
+        super().__init__(f"the rendered prompt has more than {max_chars} characters "
+                         f"({size} so far)")
+        self.size = size
+        self.max_chars = max_chars
+
+
 @dataclass(frozen=True)
 class RenderLimits:
     """The budget of one render: wall-clock seconds, and the most characters the output (or
@@ -526,7 +537,7 @@ def _render(template: jinja2.Template, limits: RenderLimits, **variables: Any) -
         for chunk in template.generate(**variables):
             size += len(chunk)
             if size > max_chars:
-                budget.check_size(size)
+                raise RenderedTooLongError(size, max_chars)
             parts.append(chunk)
         budget.check_time()
     except ChatTemplateError:

@@ -28,7 +28,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from blink.dpu import errors
-from blink.dpu.chat_template import DEFAULT_MAX_RENDER_CHARS, ChatTemplateError, RenderLimits
+from blink.dpu.chat_template import (
+    DEFAULT_MAX_RENDER_CHARS,
+    ChatTemplateError,
+    RenderedTooLongError,
+    RenderLimits,
+)
 from blink.dpu.engine_client import (
     EngineClient,
     EngineDeadError,
@@ -106,6 +111,13 @@ async def wait_for_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+@functools.lru_cache(maxsize=1)
+def _worker_pool() -> ThreadPoolExecutor:
+    """The process's pool for chat-template renders and long encodes/decodes. Few threads:
+    they share the GIL with the event loop, and more would only queue there."""
+    return ThreadPoolExecutor(max_workers=4, thread_name_prefix="blink-tokenize")
 
 
 def engine_slot_count(engine: EngineClient) -> int | None:
@@ -271,13 +283,11 @@ class OpenAIServing:
         self.render_limits = RenderLimits(
             timeout_s=self.limits.chat_template_timeout_s,
             max_chars=self.max_prompt_chars or DEFAULT_MAX_RENDER_CHARS)
-        # Few threads: they share the GIL with the event loop; more would only queue there.
-        self._workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="blink-tokenize")
 
     async def _off_loop(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         """Run ``fn`` in the worker pool: renders and long encodes never block the loop."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._workers, functools.partial(fn, *args, **kwargs))
+        return await loop.run_in_executor(_worker_pool(), functools.partial(fn, *args, **kwargs))
 
     # -- shared checks ---------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -349,6 +359,14 @@ class OpenAIServing:
             return await self._off_loop(self.tokenizer.encode_chat, messages,
                                         chat_template=chat_template,
                                         limits=self.render_limits, **kwargs)
+        except RenderedTooLongError as e:
+            if self.max_prompt_chars is None:  # the cap is only a memory bound then
+                raise bad_request(f"chat template error: {e}", param="messages") from None
+            raise APIError(
+                400, f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, the rendered conversation has more than {e.max_chars} characters, "
+                f"more than {self.max_model_len} tokens can hold. Please reduce the length of "
+                f"the messages.", param="messages", code="context_length_exceeded") from None
         except ChatTemplateError as e:
             raise bad_request(str(e), param="chat_template" if chat_template else "messages"
                               ) from None

@@ -185,7 +185,7 @@ def test_render_limits_directly() -> None:
     assert render_chat_template("{{ 'x' * 1000 }}", MESSAGES, limits=limits) == "x" * 1000
     with pytest.raises(ChatTemplateError, match="at most 1000"):
         render_chat_template("{{ 'x' * 1001 }}", MESSAGES, limits=limits)
-    with pytest.raises(ChatTemplateError, match="at most 1000"):  # the output as a whole
+    with pytest.raises(ChatTemplateError, match="more than 1000"):  # the output as a whole
         render_chat_template("{% for i in range(11) %}{{ 'x' * 100 }}{% endfor %}", MESSAGES,
                              limits=limits)
     start = time.monotonic()
@@ -225,6 +225,14 @@ def test_tokenize_caps(tok: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
     assert f"has {len(real_encode('😀' * 300))} tokens" in err["message"]
     ok = post(app, "/tokenize", {"prompt": "Say hello " * 10})
     assert ok.status_code == 200 and ok.json()["count"] <= 256
+    # A conversation too long for the context: the render stops at the same bound.
+    calls.clear()
+    long_chat = {"messages": [{"role": "user", "content": "a" * (cap // 2)}] * 3}
+    for path in ("/tokenize", "/v1/chat/completions"):
+        err = error_of(post(app, path, long_chat), 400, "messages")
+        assert err["code"] == "context_length_exceeded", err
+        assert "rendered conversation has more than" in err["message"]
+    assert calls == []
     err = error_of(post(app, "/detokenize", {"tokens": [1] * 257}), 400, "tokens")
     assert "at most 256 tokens" in err["message"]
     # Token-id prompts over the context are refused before any per-id work.
