@@ -24,6 +24,7 @@ import functools
 import json
 import math
 import re
+import string
 import threading
 import time
 from collections.abc import Sequence as SequenceABC
@@ -56,6 +57,8 @@ MAX_RANGE = 100_000
 _MAX_INT_BITS = 1 << 16
 # how often (in trace events) to read the clock: cheap enough, fine-grained enough
 _TICKS_PER_CLOCK_READ = 64
+# a %-format conversion's width and precision ("%-08.3f", "%*d", "%(name)5s")
+_PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?[a-zA-Z%]")
 # the global _LoopTick calls in every loop body
 _TICK_NAME = "_blink_render_tick"
 
@@ -126,13 +129,30 @@ class _Budget:
                     abs(value) > self.max_chars:
                 self.check_size(abs(value), "a value")
 
-    def check_format(self, fmt: str) -> None:
-        """``str.format`` / ``%`` widths are output sizes; none may exceed the cap."""
-        if "*" in fmt and "%" in fmt:  # "%*d": the width comes from the arguments
-            raise TemplateLimitError("'*' widths in % formatting are not allowed in chat templates")
-        for digits in re.findall(r"\d+", fmt):
-            if len(digits) > 18 or int(digits) > self.max_chars:
-                self.check_size(int(digits[:19]), "a formatted value")
+    def check_percent_format(self, fmt: str, args: Any) -> None:
+        """``fmt % args``: widths and precisions are output sizes; none may exceed the cap
+        (``*`` takes them from ``args``, whose ints are checked too)."""
+        for width, precision in _PERCENT_SPEC.findall(fmt):
+            for digits in (width, precision):
+                if digits and digits != "*":
+                    self._check_width(digits)
+        values = args if isinstance(args, tuple) else (args,)
+        self.check_int_args(values, {})
+
+    def check_str_format(self, fmt: str) -> None:
+        """``fmt.format(...)``: the widths in its replacement fields are output sizes (nested
+        ``{:{}}`` widths come from the arguments, checked by the call hook)."""
+        try:
+            fields = list(string.Formatter().parse(fmt))
+        except ValueError:
+            return  # str.format reports the malformed string itself
+        for _, _, spec, _ in fields:
+            for digits in re.findall(r"\d+", spec or ""):
+                self._check_width(digits)
+
+    def _check_width(self, digits: str) -> None:
+        if len(digits) > 18 or int(digits) > self.max_chars:
+            self.check_size(int(digits[:19]), "a formatted value")
 
     def check_binop(self, operator: str, left: Any, right: Any) -> None:
         sized = (str, list, tuple)
@@ -146,7 +166,7 @@ class _Budget:
             if isinstance(left, int) and isinstance(right, int) and right > 0:
                 self._check_bits(right * max(abs(left), 1).bit_length())
         elif operator == "%" and isinstance(left, str):
-            self.check_format(left)
+            self.check_percent_format(left, right)
 
     def _check_bits(self, bits: int) -> None:
         if bits > _MAX_INT_BITS:
@@ -235,8 +255,8 @@ def _limited_filter(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
         budget.tick()
         value, rest = args[skip], args[skip + 1:]
         budget.check_int_args(rest, kwargs)
-        if name == "format" and isinstance(value, str):
-            budget.check_format(value)
+        if name == "format" and isinstance(value, str):  # jinja's format filter is "%"
+            budget.check_percent_format(value, rest)
         if estimate is not None:
             try:
                 size = estimate(value, *rest, **kwargs)
@@ -313,7 +333,7 @@ class _LimitedEnvironment(ImmutableSandboxedEnvironment):
             target = getattr(__obj, "__wrapped__", __obj)  # jinja wraps str.format
             if getattr(target, "__name__", "") in ("format", "format_map") and \
                     isinstance(getattr(target, "__self__", None), str):
-                budget.check_format(target.__self__)
+                budget.check_str_format(target.__self__)
             if getattr(target, "__name__", "") == "join" and \
                     isinstance(getattr(target, "__self__", None), str) and args and \
                     isinstance(args[0], (list, tuple)):
@@ -405,6 +425,11 @@ def compile_template(source: str) -> jinja2.Template:
         template = _environment().from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise ChatTemplateError(f"the chat template does not compile: {e}") from e
+    except (RecursionError, SyntaxError, MemoryError, ValueError) as e:
+        # Deep nesting ("((((...", a hundred nested blocks) overflows jinja's parser or
+        # Python's compiler: the template's fault, not the server's.
+        raise ChatTemplateError(f"the chat template does not compile: {type(e).__name__}: "
+                                f"{e}") from None
     # Jinja keeps a template's globals as a ChainMap over the environment's, and every render
     # flattens it into the new context: ~5 µs of a ~14 µs render. Our environment's globals
     # are fixed once built, so a plain dict snapshot renders the same, faster.
@@ -432,7 +457,10 @@ def _is_content_ref(node: jinja2.nodes.Node) -> bool:
 @lru_cache(maxsize=16)
 def detect_content_format(source: str) -> ContentFormat:
     """"openai" if the template loops over a message's content (it understands parts)."""
-    tree = _environment().parse(source)
+    try:
+        tree = _environment().parse(source)
+    except (jinja2.exceptions.TemplateSyntaxError, RecursionError, MemoryError) as e:
+        raise ChatTemplateError(f"the chat template does not compile: {e}") from None
     for node in _iter_nodes(tree):
         if isinstance(node, jinja2.nodes.For) and _is_content_ref(node.iter):
             return "openai"

@@ -17,8 +17,9 @@ DEFAULT_MAX_REQUEST_BODY_MB = 8.0
 #: How many engine requests (prompts x n) one HTTP request may fan out to when the engine
 #: client cannot say how many it holds at once (the ring's default slot count).
 DEFAULT_MAX_FANOUT = 256
-#: Longest request-supplied chat template (characters); real ones are under 20k.
-DEFAULT_MAX_CHAT_TEMPLATE_CHARS = 1 << 18
+#: Longest request-supplied chat template (characters). Real ones are under 20k; compiling is
+#: not under the render deadline and takes up to ~0.5 s for 64k characters of nested code.
+DEFAULT_MAX_CHAT_TEMPLATE_CHARS = 1 << 16
 #: Texts up to this many characters are encoded on the event loop (well under a
 #: millisecond); longer ones, and every chat-template render, go to a worker thread.
 INLINE_ENCODE_CHARS = 4096
