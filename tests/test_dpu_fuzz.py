@@ -52,6 +52,8 @@ templates = st.one_of(
         "{{ messages[0].content }}", "{% for m in messages %}{{ m['content'] }}{% endfor %}",
         "{{ raise_exception('no') }}", "{{ ''.__class__.__mro__ }}", "{% macro f() %}{{ f() }}"
         "{% endmacro %}{{ f() }}", "{{", "{% for %}", "{{ x.y.z }}", "{{ none + 1 }}",
+        "{{" + "(" * 200 + "1" + ")" * 200 + "}}", "{% for a in b %}" * 150,
+        "{{ '%*d' % (100000000, 1) }}", "{{ '{:>999999999}'.format(1) }}",
     ]),
     st.text(alphabet="{}%#()[]|~*+-/ abcxyz0129'\".,=_", max_size=40))
 messages = st.one_of(
