@@ -7,4 +7,12 @@ Imports no torch/triton/cupy. Main entry points:
 - :class:`blink.dpu.engine_client.EngineClient` (the interface to the engine)
 - :class:`blink.dpu.tokenizer.Tokenizer`
 - :class:`blink.dpu.fake_engine.FakeEngineClient` (a scripted engine for tests)
+
+This folder installs as ``blink.dpu``; imported from a checkout's root as a top-level ``dpu``
+(an unrelated PyPI package's name) the import is handed on (:mod:`blink._shadowing`).
 """
+if __name__ != "blink.dpu":
+    from blink._shadowing import hand_on as _hand_on
+
+    _hand_on(__name__, globals())
+    del _hand_on

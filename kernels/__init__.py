@@ -1,91 +1,17 @@
-"""Kernels for the model executor and sampler, chosen by device in one place.
+"""Kernels for the model executor and sampler: torch references, the Triton kernels that
+replace them on CUDA, and the device loop's CUDA C. ``ops_for(device)`` (:mod:`.ops`) picks
+in one place.
 
-``ops_for(device)`` returns the op table the model and sampler call. On CPU every entry is
-the torch reference (:mod:`blink.kernels.reference`, and :mod:`blink.kernels.sampling_reference`
-for the sampler's filter and seeded draw); on CUDA the Triton kernels replace the entries they
-implement. Model and sampler code never branch on which kernel they got.
-
-``ops_for(device, triton=True)`` forces the Triton table whatever the device: the tests use it
-on CPU tensors under ``TRITON_INTERPRET=1``.
+This folder installs as ``blink.kernels``. From a checkout's root it would also be importable
+as a top-level ``kernels``, the name of Hugging Face's package (which transformers imports
+when it is installed): under that name the import is handed on (:mod:`blink._shadowing`).
 """
-from __future__ import annotations
+if __name__ == "blink.kernels":
+    from blink.kernels.ops import _OP_NAMES, _SAMPLING_OP_NAMES, _triton_ops, ops_for
 
-from types import SimpleNamespace
+    __all__ = ["ops_for"]
+else:
+    from blink._shadowing import hand_on as _hand_on
 
-import torch
-
-from blink.kernels import reference, sampling_reference
-
-_OP_NAMES = (
-    "rms_norm",
-    "fused_add_rms_norm",
-    "apply_rope",
-    "silu_and_mul",
-    "write_kv_cache",
-    "paged_attention",
-    "moe_topk_route",
-    "moe_experts",
-)
-# The sampler's ops (blink.engine.sampler calls them through ``ops_for``).
-_SAMPLING_OP_NAMES = (
-    "apply_top_k_top_p_min_p",
-    "sample",
-)
-
-_cache: dict[tuple[str, bool], SimpleNamespace] = {}
-
-
-def ops_for(device: torch.device | str, *, triton: bool | None = None) -> SimpleNamespace:
-    """The op table for ``device`` (cached per device type).
-
-    ``triton``: None (the default) = Triton kernels on CUDA, torch references elsewhere;
-    True = the Triton kernels whatever the device (an ImportError if Triton is missing;
-    on CPU tensors this needs ``TRITON_INTERPRET=1`` before the kernels are imported);
-    False = the references.
-    """
-    device_type = torch.device(device).type
-    use_triton = device_type == "cuda" if triton is None else bool(triton)
-    key = (device_type, use_triton)
-    if key not in _cache:
-        table = {name: getattr(reference, name) for name in _OP_NAMES}
-        table.update({name: getattr(sampling_reference, name) for name in _SAMPLING_OP_NAMES})
-        if use_triton:
-            table.update(_triton_ops(required=triton is True))
-        _cache[key] = SimpleNamespace(**table)
-    return _cache[key]
-
-
-def _triton_ops(required: bool = False) -> dict:
-    """Triton replacements for the reference ops, under the reference names.
-
-    The sampling pair replaces :mod:`blink.kernels.sampling_reference`'s functions of the
-    same names. Without an importable Triton the reference ops stay (slower, still correct)
-    with a warning, unless ``required`` (then the ImportError propagates).
-    """
-    try:
-        from blink.kernels import (
-            triton_activation,
-            triton_attention,
-            triton_moe,
-            triton_norm_rope,
-            triton_sampling,
-        )
-    except ImportError as exc:  # e.g. a CUDA torch without the triton package
-        if required:
-            raise
-        import warnings
-
-        warnings.warn(f"Triton kernels unavailable ({exc}); using the torch reference ops")
-        return {}
-    return {
-        "rms_norm": triton_norm_rope.rms_norm,
-        "fused_add_rms_norm": triton_norm_rope.fused_add_rms_norm,
-        "apply_rope": triton_norm_rope.apply_rope,
-        "silu_and_mul": triton_activation.silu_and_mul,
-        "write_kv_cache": triton_attention.write_kv_cache,
-        "paged_attention": triton_attention.paged_attention,
-        "moe_topk_route": triton_moe.moe_topk_route,
-        "moe_experts": triton_moe.moe_experts,
-        "apply_top_k_top_p_min_p": triton_sampling.apply_top_k_top_p_min_p,
-        "sample": triton_sampling.sample,
-    }
+    _hand_on(__name__, globals())
+    del _hand_on
