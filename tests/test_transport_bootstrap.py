@@ -13,7 +13,8 @@ from blink.ring import LAYOUT_VERSION, Ring, RingConfig, RingLayout
 from blink.transport import BootstrapServer, HandshakeError, LoopbackRegion, connect
 from blink.transport.base import get_thread_name, set_thread_name
 from blink.transport.auth import engine_proof, new_nonce
-from blink.transport.bootstrap import EngineInfo, encode_message, recv_message, send_message
+from blink.transport.bootstrap import EngineInfo
+from blink.transport.framing import encode_message, recv_message, send_message
 
 SECRET = b"0123456789abcdef-test-secret"
 CFG = RingConfig(n_slots=4, arena_tokens=64, stream_capacity=4, max_model_len=32)

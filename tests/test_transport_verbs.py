@@ -17,7 +17,8 @@ from blink.ring import LAYOUT_VERSION
 from blink.transport import HandshakeError, TransportError, connect, create_region
 from blink.transport import verbs as V
 from blink.transport.auth import engine_proof, new_nonce
-from blink.transport.bootstrap import EngineInfo, recv_message, send_message
+from blink.transport.bootstrap import EngineInfo
+from blink.transport.framing import recv_message, send_message
 
 try:
     PV = V.load_pyverbs()

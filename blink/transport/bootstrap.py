@@ -39,17 +39,16 @@ engine logs it and keeps it in ``BootstrapServer.refusals``; the frontend raises
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from blink.ring import LAYOUT_VERSION
+from blink.transport.framing import encode_message, recv_message, send_message
 from blink.transport.auth import (
     check_secret,
     engine_proof,
@@ -70,8 +69,6 @@ from blink.transport.base import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 10.0
-MAX_MESSAGE_BYTES = 1 << 20
-_HEADER = struct.Struct(">I")
 TRANSPORT_KINDS = ("loopback", "verbs")
 ROLES = ("frontend", "monitor")
 #: the one refusal an unauthenticated peer gets (the same whatever was wrong, so it learns nothing)
@@ -79,53 +76,6 @@ AUTH_REFUSAL = ("authentication failed: this engine requires the bootstrap secre
                 "(--bootstrap-secret-file) and the peer did not prove it knows it")
 #: how long a new frontend waits for the lease of one that just went away to be released
 LEASE_RELEASE_WAIT_S = 1.0
-
-
-# -- framing ----------------------------------------------------------------------------------
-
-
-def encode_message(obj: dict[str, Any]) -> bytes:
-    """Length-prefixed compact JSON."""
-    body = json.dumps(obj, separators=(",", ":")).encode()
-    if len(body) > MAX_MESSAGE_BYTES:
-        raise HandshakeError(f"bootstrap message of {len(body)} bytes exceeds {MAX_MESSAGE_BYTES}")
-    return _HEADER.pack(len(body)) + body
-
-
-def send_message(sock: socket.socket, obj: dict[str, Any]) -> None:
-    sock.sendall(encode_message(obj))
-
-
-def _recv_exact(sock: socket.socket, n: int, peer: str) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        try:
-            chunk = sock.recv(n - got)
-        except socket.timeout:
-            raise HandshakeError(f"bootstrap: {peer} did not answer in time") from None
-        if not chunk:
-            raise HandshakeError(f"bootstrap: {peer} closed the connection mid-handshake")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
-
-
-def recv_message(sock: socket.socket, peer: str = "peer") -> dict[str, Any]:
-    """One message; :class:`HandshakeError` on EOF, timeout, oversize or non-JSON."""
-    (length,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size, peer))
-    if length > MAX_MESSAGE_BYTES:
-        raise HandshakeError(
-            f"bootstrap: {peer} sent a {length}-byte message (limit {MAX_MESSAGE_BYTES}): "
-            f"not a Blink bootstrap endpoint?"
-        )
-    body = _recv_exact(sock, length, peer)
-    try:
-        obj = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise HandshakeError(f"bootstrap: {peer} sent malformed JSON: {exc}") from None
-    if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
-        raise HandshakeError(f"bootstrap: {peer} sent a message without a type: {obj!r:.200}")
-    return obj
 
 
 # -- what the engine tells the frontend -------------------------------------------------------

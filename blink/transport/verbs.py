@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from blink.transport.base import Bytes, HandshakeError, TransportError, as_byte_array, check_range
+from blink.transport.framing import recv_message, send_message
 
 if TYPE_CHECKING:
     from blink.transport.bootstrap import EngineInfo
@@ -378,8 +379,6 @@ class VerbsTransport:
     def __init__(self, sock: socket.socket, info: "EngineInfo", *, device: str | None = None,
                  port: int = 1, gid_index: int = 0, depth: int = DEFAULT_DEPTH,
                  staging_bytes: int = DEFAULT_STAGING_BYTES, timeout_s: float = 10.0) -> None:
-        from blink.transport.bootstrap import recv_message, send_message
-
         pv = load_pyverbs()
         self.pv, self.depth = pv, depth
         self.remote = RemoteRegion.from_connection(info.connection, info.total_bytes)
