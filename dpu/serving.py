@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 import anyio
 from fastapi import Request
@@ -42,7 +42,14 @@ from blink.dpu.engine_client import (
 )
 from blink.dpu.errors import APIError, bad_request
 from blink.dpu.generation import ChoiceDelta, ChoiceRun
-from blink.dpu.limits import DEFAULT_MAX_FANOUT, INLINE_ENCODE_CHARS, RequestLimits
+from blink.dpu.limits import (
+    DEFAULT_MAX_FANOUT,
+    INLINE_ENCODE_CHARS,
+    INLINE_PARSE_BYTES,
+    MAX_JSON_ITEMS,
+    RequestLimits,
+    json_item_count,
+)
 from blink.dpu.metrics import FrontendMetrics
 from blink.dpu.protocol import (
     IGNORED_FIELDS,
@@ -53,6 +60,7 @@ from blink.dpu.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
+    ChatMessage,
     ChatTokenLogprob,
     CompletionChoice,
     CompletionLogprobs,
@@ -103,6 +111,16 @@ def parse_request(model: type[_M], body: bytes) -> _M:
     if ignored:
         logger.warning("%s", ignored_fields_warning(ignored))
     return req
+
+
+def _tokenize_request(body: bytes) -> TokenizeChatRequest | TokenizeCompletionRequest:
+    """/tokenize takes either shape; "messages" tells them apart (as in vLLM)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        data = None  # parse_request reports the JSON error
+    is_chat = isinstance(data, dict) and "messages" in data
+    return parse_request(TokenizeChatRequest if is_chat else TokenizeCompletionRequest, body)
 
 
 async def wait_for_disconnect(request: Request) -> None:
@@ -278,11 +296,25 @@ class OpenAIServing:
         # Anything above what the ring holds at once could never run as one request.
         caps = [c for c in (self.limits.max_fanout, engine_slot_count(engine)) if c]
         self.max_fanout = min(caps) if caps else DEFAULT_MAX_FANOUT
+        #: JSON values a body may hold: a token-id prompt as long as the context, and more
+        self.max_json_items = MAX_JSON_ITEMS + 2 * self.max_model_len
         #: a text longer than this is refused unencoded (None: no such bound for this tokenizer)
         self.max_prompt_chars = tokenizer.max_prompt_chars(self.max_model_len)
         self.render_limits = RenderLimits(
             timeout_s=self.limits.chat_template_timeout_s,
             max_chars=self.max_prompt_chars or DEFAULT_MAX_RENDER_CHARS)
+
+    async def _parse(self, model: Callable[[bytes], _M] | type[_M], body: bytes) -> _M:
+        """:func:`parse_request` (or ``model(body)`` for a parsing function), in the worker
+        pool for big bodies: 8 MiB of small JSON objects take a second to validate."""
+        parse = functools.partial(parse_request, model) if isinstance(model, type) else model
+        if len(body) <= INLINE_PARSE_BYTES:  # too small to hold MAX_JSON_ITEMS
+            return parse(body)
+        items = json_item_count(body, self.max_json_items)
+        if items > self.max_json_items:
+            raise bad_request(f"The request body holds more than {self.max_json_items} JSON "
+                              f"values (array items, object members), the most accepted.")
+        return await self._off_loop(parse, body)
 
     async def _off_loop(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         """Run ``fn`` in the worker pool: renders and long encodes never block the loop."""
@@ -350,15 +382,19 @@ class OpenAIServing:
                 f"The chat template is too long: {len(template)} characters; at most "
                 f"{self.limits.max_chat_template_chars} are accepted.", param="chat_template")
 
-    async def _encode_chat(self, messages: Sequence[Mapping[str, Any]], *,
+    async def _encode_chat(self, messages: Sequence[ChatMessage], *,
                            chat_template: str | None, **kwargs: Any) -> list[int]:
         """Render (in the worker pool, under the render limits) and encode a conversation;
         a template failure or limit is a 400."""
         self._check_chat_template(chat_template)
+
+        def work() -> list[int]:
+            dicts = [m.model_dump(exclude_none=True) for m in messages]
+            return self.tokenizer.encode_chat(dicts, chat_template=chat_template,
+                                              limits=self.render_limits, **kwargs)
+
         try:
-            return await self._off_loop(self.tokenizer.encode_chat, messages,
-                                        chat_template=chat_template,
-                                        limits=self.render_limits, **kwargs)
+            return await self._off_loop(work)
         except RenderedTooLongError as e:
             if self.max_prompt_chars is None:  # the cap is only a memory bound then
                 raise bad_request(f"chat template error: {e}", param="messages") from None
@@ -487,7 +523,7 @@ class OpenAIServing:
     # -- /v1/chat/completions --------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
         arrival = time.monotonic()
-        req = parse_request(ChatCompletionRequest, await request.body())
+        req = await self._parse(ChatCompletionRequest, await request.body())
         self._check_request(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
@@ -496,7 +532,7 @@ class OpenAIServing:
         self._check_fanout(1, req.n)
         self.check_healthy()
         prompt_ids = await self._encode_chat(
-            [m.model_dump(exclude_none=True) for m in req.messages],
+            req.messages,
             add_special_tokens=req.add_special_tokens,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
@@ -631,7 +667,7 @@ class OpenAIServing:
 
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
-        req = parse_request(CompletionRequest, await request.body())
+        req = await self._parse(CompletionRequest, await request.body())
         self._check_request(req)
         self.check_healthy()
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
@@ -751,19 +787,15 @@ class OpenAIServing:
     # -- /tokenize, /detokenize --------------------------------------------------------------
     async def tokenize(self, request: Request) -> TokenizeResponse:
         body = await request.body()
-        try:
-            data = json.loads(body)
-        except ValueError:
-            data = None  # parse_request below reports the JSON error
-        is_chat = isinstance(data, dict) and "messages" in data
-        if is_chat:
-            chat = parse_request(TokenizeChatRequest, body)
+        parsed = await self._parse(_tokenize_request, body)
+        if isinstance(parsed, TokenizeChatRequest):
+            chat = parsed
             self.check_model(chat.model)
             if not chat.messages:
                 raise bad_request("messages must contain at least one message.",
                                   param="messages")
             ids = await self._encode_chat(
-                [m.model_dump(exclude_none=True) for m in chat.messages],
+                chat.messages,
                 add_special_tokens=chat.add_special_tokens,
                 add_generation_prompt=chat.add_generation_prompt,
                 continue_final_message=chat.continue_final_message, tools=chat.tools,
@@ -771,7 +803,7 @@ class OpenAIServing:
                 chat_template=chat.chat_template)
             want_strs, param = chat.return_token_strs, "messages"
         else:
-            plain = parse_request(TokenizeCompletionRequest, body)
+            plain = parsed
             self.check_model(plain.model)
             ids = await self._encode(plain.prompt, plain.add_special_tokens, "prompt")
             want_strs, param = plain.return_token_strs, "prompt"
@@ -787,7 +819,7 @@ class OpenAIServing:
                                 token_strs=strs)
 
     async def detokenize(self, request: Request) -> DetokenizeResponse:
-        req = parse_request(DetokenizeRequest, await request.body())
+        req = await self._parse(DetokenizeRequest, await request.body())
         self.check_model(req.model)
         if len(req.tokens) > self.max_model_len:
             raise bad_request(

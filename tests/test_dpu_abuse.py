@@ -60,6 +60,15 @@ HOSTILE: list[tuple[str, str, bytes, int]] = [
     ("7 MB /tokenize", "/tokenize", json.dumps({"prompt": "ab " * 2_400_000}).encode(), 400),
     ("temperature 1e300", "/v1/completions",
      json.dumps({"prompt": "hi", "max_tokens": 1, "temperature": 1e300}).encode(), 400),
+    # Bodies whose JSON alone is costly to build (the GIL is held throughout).
+    ("1M prompt lists", "/v1/completions", json.dumps({"prompt": [[1]] * 1_000_000}).encode(),
+     400),
+    ("600k logit_bias entries", "/v1/completions",
+     json.dumps({"prompt": "hi", "logit_bias": {str(i): 1 for i in range(600_000)}}).encode(),
+     400),
+    ("2M token ids", "/detokenize", json.dumps({"tokens": [1] * 2_000_000}).encode(), 400),
+    ("400k messages", "/v1/chat/completions",
+     json.dumps({"messages": [{"role": "user"}] * 400_000}).encode(), 400),
 ]
 
 
