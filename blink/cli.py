@@ -103,22 +103,6 @@ def _add_request_limit_args(g: argparse._ArgumentGroup) -> None:
                         "default they need it when --api-key is set)")
 
 
-#: the request-limit flags ``blink serve`` hands on to its frontend process
-FRONTEND_LIMIT_FLAGS = ("max_request_body_mb", "chat_template_timeout")
-FRONTEND_LIMIT_SWITCHES = ("trust_request_chat_template", "public_docs")
-
-
-def frontend_limit_args(args: argparse.Namespace) -> list[str]:
-    """The request-limit flags of ``args`` as ``blink serve --frontend-only`` arguments."""
-    out: list[str] = []
-    for name in FRONTEND_LIMIT_FLAGS:
-        out += [f"--{name.replace('_', '-')}", repr(getattr(args, name))]
-    for name in FRONTEND_LIMIT_SWITCHES:
-        if getattr(args, name):
-            out.append(f"--{name.replace('_', '-')}")
-    return out
-
-
 def _add_config_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, default=None,
                    help="YAML or TOML file with any of these flags (command-line flags win)")

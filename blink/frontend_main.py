@@ -10,17 +10,10 @@ import asyncio
 import contextlib
 import os
 import signal
-import sys
 
+from blink.cli_args import check_timeout_flags, parse_host_port
 from blink.errors import BlinkError
-
-
-def parse_host_port(value: str, what: str = "--engine") -> tuple[str, int]:
-    """``HOST:PORT`` → (host, port), with a clear error for anything else."""
-    host, sep, port = (value or "").rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise BlinkError(f"{what} must be HOST:PORT (for example 127.0.0.1:7000), got {value!r}")
-    return host, int(port)
+from blink.supervision import watch_supervisor
 
 
 def _server_class():
@@ -101,33 +94,15 @@ def frontend_secret(args: argparse.Namespace) -> bytes | None:
     return from_env
 
 
-def check_timeout_flags(args: argparse.Namespace) -> None:
-    """``--heartbeat-timeout`` / ``--engine-dead-timeout``: one clear line if they do not fit."""
-    from blink.dpu.engine_client import check_engine_timeouts
-
-    try:
-        check_engine_timeouts(args.heartbeat_timeout, args.engine_dead_timeout)
-    except ValueError as exc:
-        raise BlinkError(f"--heartbeat-timeout / --engine-dead-timeout: {exc}") from None
-
-
 def run_frontend(args: argparse.Namespace) -> int:
     """Entry point of ``blink serve --frontend-only --engine HOST:PORT``."""
     if not args.engine:
         raise BlinkError("--frontend-only needs --engine HOST:PORT (the engine's bootstrap address)")
     host, port = parse_host_port(args.engine)
     check_timeout_flags(args)
-    from blink.launcher import watch_supervisor
-
     watch_supervisor("frontend")  # die with the blink serve that started us
     try:
         asyncio.run(_serve(args, host, port))
     except KeyboardInterrupt:
         pass
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover - used via the blink CLI
-    from blink.cli import main
-
-    sys.exit(main(["serve", "--frontend-only", *sys.argv[1:]]))

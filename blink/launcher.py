@@ -12,7 +12,7 @@ restarted, everything stops with a non-zero status.
 
 Both children die with the supervisor, even when it is killed outright (SIGKILL, OOM):
 ``PR_SET_PDEATHSIG`` is set between fork and exec, and each child also watches its parent pid
-(:func:`watch_supervisor`), which covers the cases where the death signal is not delivered
+(:func:`blink.supervision.watch_supervisor`), which covers the cases where the death signal is not delivered
 (it follows the forking *thread*, and is lost if the parent died before it was set).
 The engine removes its shared-memory region on every exit path, and removes stale ones left by
 a crashed engine at start.
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
 import os
 import signal
 import subprocess
@@ -29,83 +28,20 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO
 
+from blink.cli_args import check_timeout_flags, frontend_limit_args, parse_host_port
 from blink.errors import BlinkError
+from blink.supervision import SUPERVISOR_PID_ENV, child_preexec, watch_supervisor
 
 ENGINE_READY_PREFIX = "BLINK_ENGINE_READY "
 FRONTEND_READY_PREFIX = "Blink frontend ready"
-#: environment variable that tells a child the pid of the ``blink serve`` it must die with
-SUPERVISOR_PID_ENV = "BLINK_SUPERVISOR_PID"
-#: seconds an orphaned child gets for a clean exit before it exits hard
-ORPHAN_GRACE_S = 5.0
 #: restart back-off: first delay, cap, and how long an engine must live to reset it
 RESTART_BACKOFF_S = 1.0
 RESTART_BACKOFF_MAX_S = 30.0
 RESTART_STABLE_S = 60.0
 DEFAULT_MAX_ENGINE_RESTARTS = 5
 DEFAULT_ENGINE_RESTART_WINDOW_S = 300.0
-
-
-# ------------------------------------------------------------------------- dying together
-
-_PR_SET_PDEATHSIG = 1
-_prctl: Callable[..., int] | None = None
-if sys.platform.startswith("linux"):
-    try:  # resolved here, in the parent: the preexec hook must not load libraries after fork
-        _prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):  # pragma: no cover
-        _prctl = None
-
-
-def set_parent_death_signal(signum: int = signal.SIGTERM) -> bool:
-    """Ask the kernel to send ``signum`` to this process when its parent dies (Linux)."""
-    if _prctl is None:
-        return False
-    return _prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(int(signum)), 0, 0, 0) == 0
-
-
-def _child_preexec() -> None:
-    """Runs in the child between fork and exec: only the prctl syscall, nothing that locks."""
-    set_parent_death_signal(signal.SIGTERM)
-
-
-def watch_supervisor(what: str, on_orphan: Callable[[], None] | None = None
-                     ) -> Callable[[], bool] | None:
-    """In a child of ``blink serve``: make sure it dies with its supervisor.
-
-    Reads (and removes) :data:`SUPERVISOR_PID_ENV`; without it (a standalone process) does
-    nothing and returns None. Otherwise sets the parent-death signal again (harmless) and
-    starts a daemon thread that, as soon as the parent pid is no longer the supervisor's,
-    calls ``on_orphan``, sends this process SIGTERM (its clean shutdown) and, if it is still
-    alive ``ORPHAN_GRACE_S`` later, removes its shared-memory regions and exits hard. Returns
-    a function telling whether the supervisor is gone.
-    """
-    value = os.environ.pop(SUPERVISOR_PID_ENV, None)
-    if not value or not value.isdigit():
-        return None
-    supervisor = int(value)
-    set_parent_death_signal(signal.SIGTERM)
-
-    def gone() -> bool:
-        return os.getppid() != supervisor
-
-    def watch() -> None:
-        while not gone():
-            time.sleep(0.2)
-        print(f"blink {what}: its blink serve supervisor (pid {supervisor}) is gone; exiting",
-              file=sys.stderr, flush=True)
-        if on_orphan is not None:
-            on_orphan()
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(ORPHAN_GRACE_S)
-        from blink.transport.loopback import unlink_all_regions
-
-        unlink_all_regions()
-        os._exit(1)
-
-    threading.Thread(target=watch, name="blink-parent-watch", daemon=True).start()
-    return gone
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -147,7 +83,6 @@ def engine_secret(args: argparse.Namespace) -> tuple[bytes, Path | None, bool]:
 
 def run_engine(args: argparse.Namespace) -> int:
     """``blink engine``: load, create the ring, serve the bootstrap, run the loop until a signal."""
-    from blink.frontend_main import parse_host_port
 
     host, port = parse_host_port(args.listen, "--listen")
     standalone = SUPERVISOR_PID_ENV not in os.environ
@@ -283,7 +218,6 @@ def frontend_args(args: argparse.Namespace, address: str) -> list[str]:
            "--engine-dead-timeout", repr(args.engine_dead_timeout)]
     if args.served_model_name:
         out += ["--served-model-name", args.served_model_name]
-    from blink.cli import frontend_limit_args  # the frontend's request limits (blink.dpu.limits)
 
     return out + frontend_limit_args(args)
 
@@ -352,7 +286,7 @@ class _Supervisor:
         # start_new_session: a terminal's Ctrl-C reaches only us; we stop the children in order.
         return subprocess.Popen([*self.python, *argv], stdout=subprocess.PIPE, text=True,
                                 env=env or self.env, start_new_session=True,
-                                preexec_fn=_child_preexec)
+                                preexec_fn=child_preexec)
 
     def _start_engine(self, port: int) -> str:
         """Start an engine listening on 127.0.0.1:``port``; its address once ready."""
@@ -433,7 +367,6 @@ class _Supervisor:
 
 def run_serve(args: argparse.Namespace) -> int:
     """``blink serve``: engine and frontend as two processes over the loopback ring."""
-    from blink.frontend_main import check_timeout_flags
     from blink.transport.auth import SECRET_ENV
 
     check_timeout_flags(args)  # fail at once with one clear line, before starting anything

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from blink.ring import LAYOUT_VERSION
-from blink.transport.framing import encode_message, recv_message, send_message
+from blink.transport.framing import recv_message, send_message
 from blink.transport.auth import (
     check_secret,
     engine_proof,
