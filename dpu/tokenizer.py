@@ -17,6 +17,8 @@ from blink.dpu.chat_template import ChatTemplateError, RenderLimits, render_chat
 from blink.dpu.fast_encode import FastEncoder, bytes_to_unicode
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+# Texts longer than this go through tokenizers' encode_batch (see Tokenizer._encode_ids).
+_GIL_FREE_ENCODE_CHARS = 4096
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
                        "cls_token", "mask_token")
 # Normalizers that cannot shrink a text's UTF-8 by more than _NORMALIZER_SHRINK (composition:
@@ -164,6 +166,11 @@ class Tokenizer:
         affixes = self._post_affixes if add_special_tokens else ([], [])
         ids = self._fast.encode(text) if self._fast is not None and affixes is not None else None
         if ids is None:
+            if len(text) > _GIL_FREE_ENCODE_CHARS:
+                # Same ids; encode_batch releases the GIL while it works, encode holds it
+                # (1.5M characters froze every other thread of the frontend for a second).
+                return self._tok.encode_batch([text], add_special_tokens=add_special_tokens
+                                              )[0].ids
             return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         prefix, suffix = affixes
         return prefix + ids + suffix if prefix or suffix else ids

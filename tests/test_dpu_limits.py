@@ -246,6 +246,13 @@ def test_tokenize_caps(tok: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
     assert err["code"] == "context_length_exceeded"
 
 
+def test_long_texts_take_the_gil_free_encode(tok: Tokenizer) -> None:
+    slow = Tokenizer(tok._tok.to_str(), tok.config, {}, fast=False)  # no fast path
+    text = "Say hello to the world 😀, Grüße! " * 400
+    assert len(text) > 4096
+    assert slow.encode(text) == tok._tok.encode(text).ids == tok.encode(text)
+
+
 def test_request_body_limit(tok: Tokenizer) -> None:
     app = create_app(make_engine(tok), tok, model_name=MODEL,
                      limits=RequestLimits(max_request_body_bytes=1000))
