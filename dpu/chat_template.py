@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import re
 import string
 import threading
