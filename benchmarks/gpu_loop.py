@@ -101,9 +101,9 @@ def byte_tokenizer_json() -> str:
     """A byte-level BPE without merges: token id == byte value (256 tokens)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from blink.dpu.tokenizer import _byte_level_decoder
+    from blink.shared.byte_level import unicode_to_bytes
 
-    tok = Tokenizer(models.BPE(vocab=dict(_byte_level_decoder()), merges=[]))
+    tok = Tokenizer(models.BPE(vocab=unicode_to_bytes(), merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     return tok.to_str()

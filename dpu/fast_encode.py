@@ -27,8 +27,9 @@ fuzzes mixed text against ``tokenizers`` for each supported regex.
 from __future__ import annotations
 
 import re
-from functools import lru_cache
 from typing import Any, Callable, Mapping
+
+from blink.shared.byte_level import bytes_to_unicode
 
 try:  # \p{L}, \p{N}, \p{M}: the ``regex`` package (a transformers dependency, small, C)
     import regex as _regex
@@ -116,22 +117,6 @@ def ascii_pattern(pattern: str) -> str:
         out.append(ch)
         i += 1
     return "".join(out)
-
-
-@lru_cache(maxsize=1)
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table used by byte-level BPE
-    vocabularies (the one copy: the frontend's tokenizer and the GGUF loader use it too)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
-    chars = printable[:]
-    extra = 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            chars.append(256 + extra)
-            extra += 1
-    return dict(zip(printable, (chr(c) for c in chars)))
 
 
 def _pre_tokenizer_pattern(pre: Mapping[str, Any] | None) -> str | None:

@@ -14,7 +14,8 @@ from typing import Any, Mapping, Sequence
 from tokenizers import Tokenizer as HFTokenizer
 
 from blink.dpu.chat_template import ChatTemplateError, RenderLimits, render_chat_template
-from blink.dpu.fast_encode import FastEncoder, bytes_to_unicode
+from blink.dpu.fast_encode import FastEncoder
+from blink.shared.byte_level import unicode_to_bytes
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 # Texts longer than this go through tokenizers' encode_batch (see Tokenizer._encode_ids).
@@ -28,11 +29,6 @@ _NORMALIZER_SHRINK = 3
 
 
 @lru_cache(maxsize=1)
-def _byte_level_decoder() -> dict[str, int]:
-    """GPT-2's printable-character alphabet for bytes, inverted (char -> byte)."""
-    return {char: byte for byte, char in bytes_to_unicode().items()}
-
-
 def _token_content(value: Any) -> str | None:
     """tokenizer_config stores special tokens as a string or as an AddedToken dict."""
     if isinstance(value, str):
@@ -214,7 +210,7 @@ class Tokenizer:
             if piece is None:
                 raise ValueError(f"token id {token_id} is outside the vocabulary "
                                  f"({self.vocab_size} tokens)")
-            table = _byte_level_decoder()
+            table = unicode_to_bytes()
             if self._byte_level and all(c in table for c in piece):
                 out = bytes(table[c] for c in piece)
             elif self._byte_fallback and (m := _BYTE_TOKEN.fullmatch(piece)):

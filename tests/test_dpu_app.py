@@ -158,9 +158,9 @@ def test_chat_streaming_format(tok: Tokenizer) -> None:
 
 def test_stream_with_characters_split_over_byte_tokens(tok: Tokenizer) -> None:
     """Every UTF-8 byte of the answer as its own token: no U+FFFD ever reaches the client."""
-    from blink.dpu.tokenizer import _byte_level_decoder
+    from blink.shared.byte_level import unicode_to_bytes
 
-    char_of = {b: c for c, b in _byte_level_decoder().items()}
+    char_of = {b: c for c, b in unicode_to_bytes().items()}
     text = "日本語 😀👍🏽 Grüße"
     ids = [tok._tok.token_to_id(char_of[b]) for b in text.encode()]
     engine = FakeEngineClient(model_name=MODEL, responder=lambda p, s: ids)
@@ -471,9 +471,9 @@ def test_return_token_ids_chat(tok: Tokenizer) -> None:
 def test_return_token_ids_stream_sends_held_back_tokens(tok: Tokenizer) -> None:
     """Tokens whose text is held back (a split UTF-8 character) still get a chunk carrying
     their ids, so the streamed token_ids add up to every generated token (vLLM does this)."""
-    from blink.dpu.tokenizer import _byte_level_decoder
+    from blink.shared.byte_level import unicode_to_bytes
 
-    char_of = {b: c for c, b in _byte_level_decoder().items()}
+    char_of = {b: c for c, b in unicode_to_bytes().items()}
     ids = [tok._tok.token_to_id(char_of[b]) for b in "😀".encode()]
     engine = FakeEngineClient(model_name=MODEL, responder=lambda p, s: ids)
     app = create_app(engine, tok, model_name=MODEL)

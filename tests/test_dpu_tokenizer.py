@@ -233,9 +233,9 @@ def test_multibyte_split_over_byte_tokens_never_emits_replacement_char(
     ids = tok.encode(MULTILINGUAL, add_special_tokens=False)
     if which == "smol":
         # Force the worst case: every UTF-8 byte as its own byte-level token.
-        from blink.dpu.tokenizer import _byte_level_decoder
+        from blink.shared.byte_level import unicode_to_bytes
 
-        char_of = {b: c for c, b in _byte_level_decoder().items()}
+        char_of = {b: c for c, b in unicode_to_bytes().items()}
         ids = [tok._tok.token_to_id(char_of[b]) for b in MULTILINGUAL.encode()]
     else:
         assert any(tok.id_to_token(t).startswith("<0x") for t in ids)  # really byte-fallback

@@ -60,10 +60,10 @@ def byte_tokenizer_json() -> str:
     """A byte-level BPE with no merges: token id == byte value (VOCAB == 256)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from blink.dpu.tokenizer import _byte_level_decoder
+    from blink.shared.byte_level import unicode_to_bytes
 
     assert VOCAB == 256
-    vocab = dict(_byte_level_decoder())  # printable char -> byte
+    vocab = dict(unicode_to_bytes())  # printable char -> byte
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()

@@ -22,9 +22,9 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import pre_tokenizers
 
 from blink.dpu import fast_encode
-from blink.dpu.fast_encode import (GPT2_PATTERN, SPLIT_PATTERNS, UNICODE_SAFE_RANGES,
-                                   FastEncoder, ascii_pattern, bytes_to_unicode)
+from blink.dpu.fast_encode import GPT2_PATTERN, SPLIT_PATTERNS, UNICODE_SAFE_RANGES, FastEncoder, ascii_pattern
 from blink.dpu.tokenizer import Tokenizer
+from blink.shared.byte_level import bytes_to_unicode
 
 regex = pytest.importorskip("regex")
 

@@ -27,7 +27,7 @@ from gguf import GGUFValueType
 
 from blink.config import ModelConfig
 from blink.loader import DEFAULT_MODEL, open_model, resolve_model
-from blink.loader.gguf_tokenizer import bytes_to_unicode
+from blink.shared.byte_level import bytes_to_unicode
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
 from helpers_models import make_tiny_model  # noqa: E402

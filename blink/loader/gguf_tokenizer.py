@@ -19,8 +19,8 @@ from typing import Any, Callable
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-from blink.dpu.fast_encode import bytes_to_unicode
 from blink.errors import ModelLoadError, UnsupportedModelError
+from blink.shared.byte_level import bytes_to_unicode
 
 _CONTROL = 3  # llama.cpp token types
 _USER_DEFINED = 4
