@@ -1,6 +1,6 @@
 """The frontend's tokenizer: a ``tokenizers.Tokenizer`` plus what the model repo says about it.
 
-Built from the three things ``blink.loader.load_tokenizer_files`` returns (tokenizer.json text,
+Built from the three things ``blink.loader.tokenizer_files.load_tokenizer_files`` returns (tokenizer.json text,
 tokenizer_config.json and generation_config.json as dicts), so a GGUF file and an HF directory
 behave the same. Torch-free.
 """
@@ -135,8 +135,8 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, fast: bool = True) -> "Tokenizer":
-        """Load through ``blink.loader.load_tokenizer_files`` (HF directory, GGUF, or preset)."""
-        from blink.loader import load_tokenizer_files  # torch-free; imported late (optional)
+        """Load through ``blink.loader.tokenizer_files.load_tokenizer_files`` (HF directory, GGUF, or preset)."""
+        from blink.loader.tokenizer_files import load_tokenizer_files  # torch-free; imported late (optional)
 
         tokenizer_json, tokenizer_config, generation_config = load_tokenizer_files(name_or_path)
         return cls(tokenizer_json, tokenizer_config, generation_config, fast=fast)

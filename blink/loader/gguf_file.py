@@ -6,14 +6,13 @@ projections are permuted for llama.cpp's rope layout. This module maps all of th
 original Hugging Face checkpoint held, following transformers' GGUF integration
 (``transformers/modeling_gguf_pytorch_utils.py`` and ``transformers/integrations/ggml.py``).
 
-Nothing here imports torch at module level: the frontend reads tokenizer files through this module
-on a machine without torch.
+Nothing here imports torch: the frontend reads tokenizer files through this module on a machine
+without torch. The tensors, dequantized to torch, are :class:`blink.loader.gguf_weights.GGUFWeights`.
 """
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,7 +23,6 @@ from blink.errors import ModelLoadError, UnsupportedModelError
 
 if TYPE_CHECKING:
     import gguf
-    import torch
 
 # general.architecture -> (HF model_type, HF architectures entry)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -358,50 +356,6 @@ class GGUFFile:
         """HF parameter names, in file order."""
         return [entry.hf_name for entry in self._entries]
 
-    def iter_tensors(self, dtype: "torch.dtype", progress: bool = True) -> Iterator[tuple[str, "torch.Tensor"]]:
-        """Dequantized HF-named tensors in ``dtype``, one at a time."""
-        import torch
-        from tqdm import tqdm
-
-        # The stacked expert tensor of one layer is unpacked once and sliced per expert.
-        stacked_index, stacked = -1, None
-        bar = tqdm(total=len(self._entries), desc="Loading weights", unit="tensor", disable=not progress)
-        try:
-            for entry in self._entries:
-                if entry.expert >= 0:
-                    if stacked_index != entry.tensor_index:
-                        stacked = self._dequantize(entry.tensor_index).to(dtype)
-                        stacked_index = entry.tensor_index
-                    tensor = stacked[entry.expert].clone()
-                else:
-                    stacked_index, stacked = -1, None
-                    tensor = self._dequantize(entry.tensor_index)
-                    if entry.permute_heads:
-                        tensor = _reverse_rope_permute(tensor, entry.permute_heads)
-                    tensor = tensor.to(dtype).contiguous()
-                bar.update(1)
-                yield entry.hf_name, tensor
-        finally:
-            bar.close()
-
-    def _dequantize(self, index: int) -> "torch.Tensor":
-        """Tensor ``index`` as float32 in torch dimension order, in memory it owns."""
-        import gguf
-        import torch
-
-        tensor = self.reader.tensors[index]
-        try:
-            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        except (ValueError, IndexError) as exc:
-            raise ModelLoadError(self.path, f"cannot dequantize tensor {tensor.name}: {exc}") from None
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        # F32 data comes back as a view of the read-only file mapping; the caller may write to it.
-        if not values.flags.writeable:
-            values = values.copy()
-        values = values.astype(np.float32, copy=False)
-        return torch.from_numpy(values.reshape(shape))
-
-
 def _open_reader(path: Path) -> "gguf.GGUFReader":
     import gguf
 
@@ -426,13 +380,6 @@ def _f32(value: float) -> float:
 def _float_list(tensor: Any) -> list[float]:
     """A small F32/F16 tensor's values as Python floats."""
     return [_f32(x) for x in np.asarray(tensor.data, dtype=np.float32).reshape(-1)]
-
-
-def _reverse_rope_permute(weight: "torch.Tensor", n_heads: int) -> "torch.Tensor":
-    """Undo llama.cpp's ``permute`` of Q/K rows (interleaved rope pairs -> HF's half split)."""
-    half = weight.shape[0] // n_heads // 2
-    rest = weight.shape[1:]
-    return weight.reshape(n_heads, half, 2, *rest).transpose(1, 2).reshape(weight.shape)
 
 
 def _llama3_rope_factors(
