@@ -114,8 +114,8 @@ def cpu_by_role(before, after, loop_id: int) -> dict[str, float]:
 
 
 def bench_blink(args, requests) -> dict:
-    from blink.engine.llm import LLM
-    from blink.engine.sampling_params import SamplingParams
+    from blink.llm import LLM
+    from blink.shared.sampling_params import SamplingParams
     from blink.ring import C_STAT_STEPS
 
     t0 = time.perf_counter()

@@ -71,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_inputs(requests: int = 64, prompt_len: int = 128, max_tokens: int = 128) -> dict[str, Any]:
     """Everything the runs need that does not need a GPU (seeded: the same on every call)."""
     from blink.engine.engine import EngineConfig
-    from blink.engine.sampling_params import SamplingParams
+    from blink.shared.sampling_params import SamplingParams
 
     rng = random.Random(0)
     small_prompts = [[rng.randrange(3, LLAMA_SMALL["vocab_size"]) for _ in range(rng.randint(5, 60))]
@@ -190,7 +190,7 @@ class Client:
     """The frontend's ring client over the engine's loopback region, token ids in/out."""
 
     def __init__(self, engine: Any) -> None:
-        from blink.dpu.ring_client import RingClient
+        from blink.dpu.ring_protocol import RingClient
         from blink.transport import LoopbackTransport
 
         self.engine = engine
@@ -199,7 +199,7 @@ class Client:
 
     def submit(self, prompt: list[int], params: Any) -> Any:
         """Write one request into the ring; None while no slot is free."""
-        from blink.dpu.ring_client import ring_fields
+        from blink.dpu.ring_packing import ring_fields
 
         self.rid += 1
         fields = ring_fields(params, len(prompt), self.engine.max_model_len, self.ring.config)

@@ -10,8 +10,8 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "LLM": ("blink.engine.llm", "LLM"),
-    "SamplingParams": ("blink.engine.sampling_params", "SamplingParams"),
+    "LLM": ("blink.llm", "LLM"),
+    "SamplingParams": ("blink.shared.sampling_params", "SamplingParams"),
 }
 
 

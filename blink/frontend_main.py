@@ -35,10 +35,8 @@ async def _serve(args: argparse.Namespace, host: str, port: int) -> None:
 
     _Server = _server_class()
     from blink.dpu.app import app_options, create_app
-    from blink.dpu.ring_client import RingEngineClient
+    from blink.dpu.ring_engine_client import ReconnectingEngineClient, RingEngineClient
     from blink.dpu.tokenizer import Tokenizer
-
-    from blink.dpu.ring_client import ReconnectingEngineClient
 
     secret = frontend_secret(args)
 

@@ -6,7 +6,8 @@ Imports no torch/triton/cupy. Main entry points:
 - :func:`blink.dpu.app.create_app` (the FastAPI app over an engine client)
 - :class:`blink.dpu.engine_client.EngineClient` (the interface to the engine)
 - :class:`blink.dpu.tokenizer.Tokenizer`
-- :class:`blink.dpu.fake_engine.FakeEngineClient` (a scripted engine for tests)
+- :class:`blink.dpu.ring_engine_client.ReconnectingEngineClient` (what the frontend process
+  serves with: the ring client of one engine at a time, :mod:`blink.dpu.ring_engine_client`)
 
 This folder installs as ``blink.dpu``; imported from a checkout's root as a top-level ``dpu``
 (an unrelated PyPI package's name) the import is handed on (:mod:`blink._shadowing`).

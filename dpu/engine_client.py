@@ -1,16 +1,16 @@
 """The frontend's view of the engine: one small async interface, whatever carries the bytes.
 
 The HTTP layer (:mod:`blink.dpu.app`) talks only to an :class:`EngineClient`. The production
-implementation writes requests into the ring and polls the output streams (the transport
-engineer's ``ring_client``); :class:`blink.dpu.fake_engine.FakeEngineClient` stands in for it
-in tests. Nothing here imports torch.
+implementation writes requests into the ring and polls the output streams
+(:mod:`blink.dpu.ring_engine_client`); ``tests/fake_engine_client.py`` stands in for it in
+tests. Nothing here imports torch.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import AsyncIterator, Literal, Protocol, TypedDict, runtime_checkable
 
-from blink.engine.sampling_params import SamplingParams
+from blink.shared.sampling_params import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -71,8 +71,8 @@ class EngineOutput:
     delta, so a consumer can read them from whichever it sees first.
 
     ``queue_time_s`` (optional): seconds the request waited between being written to the ring
-    and being admitted by the scheduler, when the engine reports it; it is set on the first
-    delta only and feeds ``blink:request_queue_time_seconds``.
+    and being admitted by the scheduler (the ring client sees its slot leave WRITTEN); it is
+    set on the first delta only and feeds ``blink:request_queue_time_seconds``.
     """
 
     new_token_ids: list[int]

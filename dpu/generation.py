@@ -13,12 +13,11 @@ from typing import AsyncIterator
 
 import anyio
 
-from blink.dpu.detokenizer import IncrementalDetokenizer
 from blink.dpu.engine_client import EngineClient, EngineError, EngineOutput
 from blink.dpu.metrics import FrontendMetrics
-from blink.dpu.stop_strings import StopStringMatcher
+from blink.dpu.output_processor import ChoiceText
 from blink.dpu.tokenizer import Tokenizer
-from blink.engine.sampling_params import SamplingParams
+from blink.shared.sampling_params import SamplingParams
 
 
 class EngineRequestError(EngineError):
@@ -53,16 +52,20 @@ class ChoiceRun:
         self.params = params
         self.include_stop_str_in_output = include_stop_str_in_output
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
-        self._matcher = StopStringMatcher(params.stop, include_stop_str_in_output)
-        self._stop_token_ids = frozenset(params.stop_token_ids)
+        self._text = ChoiceText(tokenizer, prompt_ids, params, include_stop_str_in_output)
         self._stream: AsyncIterator[EngineOutput] | None = None
         self._first: EngineOutput | None = None
         self._last_token_time: float | None = None
-        self.completion_tokens = 0
         self.num_cached_tokens = 0
-        self.finish_reason: str | None = None
         self.engine_finished = False  # the engine side is done (no abort needed)
+
+    @property
+    def completion_tokens(self) -> int:
+        return self._text.completion_tokens
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._text.finish_reason
 
     @property
     def finished(self) -> bool:
@@ -144,26 +147,8 @@ class ChoiceRun:
             self.engine_finished = True
             raise EngineRequestError(f"the engine failed request {self.request_id}")
 
-        pieces: list[str] = []
-        kept = 0
-        last = len(out.new_token_ids) - 1
-        for i, token_id in enumerate(out.new_token_ids):
-            kept += 1
-            self.completion_tokens += 1
-            if (out.finished and i == last and out.finish_reason == "stop"
-                    and token_id in self._stop_token_ids and not self.include_stop_str_in_output):
-                continue  # the stop token (eos) ends the text; it is counted, not shown
-            active = self.completion_tokens > self.params.min_tokens  # vLLM's rule
-            pieces.append(self._matcher.feed(self._detok.step(token_id), active))
-            if self._matcher.matched is not None:
-                self.finish_reason = "stop"
-                break
-        if self.finish_reason is None and out.finished:
-            tail = self._matcher.feed(self._detok.flush())
-            pieces.append(tail)
-            if self._matcher.matched is None:
-                pieces.append(self._matcher.flush())
-            self.finish_reason = "stop" if self._matcher.matched else (out.finish_reason or "stop")
+        delta = self._text.feed(out.new_token_ids, out.finished, out.finish_reason)
+        kept = delta.kept
         if out.finished:
             self.engine_finished = True
 
@@ -173,7 +158,7 @@ class ChoiceRun:
             self.metrics.e2e.observe(now - self.arrival_time)
             self.metrics.request_finished(self.finish_reason or "stop")
         return ChoiceDelta(
-            index=self.index, text="".join(pieces), token_ids=out.new_token_ids[:kept],
+            index=self.index, text=delta.text, token_ids=out.new_token_ids[:kept],
             logprobs=out.logprobs[:kept] if out.logprobs is not None else None,
             top_logprobs=out.top_logprobs[:kept] if out.top_logprobs is not None else None,
             finish_reason=self.finish_reason,

@@ -10,7 +10,7 @@ but ignored: ..."). vLLM's sampling extras (``top_k``, ``min_p``, ``repetition_p
 implemented. Parameters OpenAI defines but this server does not implement (tools, response
 formats, echo, ...) are declared as fields so that a request that sets them gets a clear
 "not supported" error instead of being silently ignored.
-Numeric ranges are checked by :class:`blink.engine.sampling_params.SamplingParams`.
+Numeric ranges are checked by :class:`blink.shared.sampling_params.SamplingParams`.
 """
 from __future__ import annotations
 

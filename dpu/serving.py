@@ -78,7 +78,7 @@ from blink.dpu.protocol import (
     ignored_fields_warning,
 )
 from blink.dpu.tokenizer import Tokenizer
-from blink.engine.sampling_params import MAX_N, SamplingParams, SamplingParamsError
+from blink.shared.sampling_params import MAX_N, SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
 _M = TypeVar("_M", bound=BaseModel)

@@ -15,8 +15,9 @@ import uvicorn
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from fake_engine_client import FakeEngineClient  # tests/ is on sys.path (importer or script)
+
 from blink.dpu.app import create_app
-from blink.dpu.fake_engine import FakeEngineClient
 from blink.dpu.tokenizer import Tokenizer
 
 MODEL = "tiny-test"

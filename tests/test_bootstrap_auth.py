@@ -20,8 +20,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
 from test_ring_fake_engine import FakeEngine  # noqa: E402
 
-from blink.dpu.ring_client import RingClient, RingEngineClient, RingProtocolError  # noqa: E402
-from blink.engine.sampling_params import SamplingParams  # noqa: E402
+from blink.dpu.ring_engine_client import RingEngineClient  # noqa: E402
+from blink.dpu.ring_protocol import RingClient, RingProtocolError  # noqa: E402
+from blink.shared.sampling_params import SamplingParams  # noqa: E402
 from blink.ring import SLOT_FREE, Ring, RingConfig, RingLayout  # noqa: E402
 from blink.transport import BootstrapServer, HandshakeError, LoopbackRegion, connect  # noqa: E402
 from blink.transport import auth  # noqa: E402

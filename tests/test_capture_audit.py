@@ -24,13 +24,13 @@ sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds n
 from test_engine import BASE, random_prompts, tiny_model_dir  # noqa: E402
 
 from blink.engine import step  # noqa: E402
-from blink.engine import llm as llm_module  # noqa: E402
+from blink import llm as llm_module  # noqa: E402
 from blink.engine.capture_audit import CaptureAudit, audit, on_meta  # noqa: E402
 from blink.engine.engine import Engine, EngineConfig  # noqa: E402
 from blink.engine.factory import create_engine  # noqa: E402
 from blink.engine.gpu import host_sim  # noqa: E402
 from blink.engine.gpu.plan import plan_graphs  # noqa: E402
-from blink.engine.sampling_params import SamplingParams  # noqa: E402
+from blink.shared.sampling_params import SamplingParams  # noqa: E402
 from blink.engine.scheduler import Scheduler  # noqa: E402
 from blink.ring import C_STAT_PREEMPTIONS, C_STAT_PREFIX_HITS  # noqa: E402
 

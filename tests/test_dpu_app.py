@@ -6,8 +6,10 @@ import asyncio
 import json
 import logging
 import socket
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
@@ -17,9 +19,11 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from blink.dpu.app import create_app
-from blink.dpu.fake_engine import FakeEngineClient
 from blink.dpu.protocol import ChatCompletionChunk, ChatCompletionResponse, CompletionResponse
 from blink.dpu.tokenizer import Tokenizer
+
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
+from fake_engine_client import FakeEngineClient  # noqa: E402
 
 MODEL = "tiny-test"
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "

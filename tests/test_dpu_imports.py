@@ -4,6 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 _SCRIPT = textwrap.dedent('''
     import importlib, pkgutil, sys
@@ -28,7 +29,8 @@ _SCRIPT = textwrap.dedent('''
     import asyncio, httpx
     from tokenizers import Tokenizer as HF, models, pre_tokenizers, decoders, trainers
     from blink.dpu.app import create_app
-    from blink.dpu.fake_engine import FakeEngineClient
+    sys.path.insert(0, TESTS)
+    from fake_engine_client import FakeEngineClient  # the test double lives in tests/
     from blink.dpu.tokenizer import Tokenizer
 
     hf = HF(models.BPE()); hf.pre_tokenizer = pre_tokenizers.ByteLevel(); hf.decoder = decoders.ByteLevel()
@@ -53,7 +55,8 @@ _SCRIPT = textwrap.dedent('''
 
 
 def test_dpu_imports_and_serves_without_torch() -> None:
-    result = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True,
+    script = f"TESTS = {str(Path(__file__).parent)!r}\n" + _SCRIPT
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     count = int(result.stdout.split()[-1])

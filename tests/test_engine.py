@@ -28,9 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
 from helpers_models import VOCAB, build_hf_model, make_tiny_model  # noqa: E402
 
-from blink.dpu.ring_client import ring_fields  # noqa: E402
-from blink.engine.llm import LLM  # noqa: E402
-from blink.engine.sampling_params import SamplingParams  # noqa: E402
+from blink.dpu.ring_packing import ring_fields  # noqa: E402
+from blink.llm import LLM  # noqa: E402
+from blink.shared.sampling_params import SamplingParams  # noqa: E402
 from blink.errors import BlinkError  # noqa: E402
 from blink.ring import (  # noqa: E402
     C_STAT_KV_BLOCKS_USED,

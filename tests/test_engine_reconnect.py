@@ -15,8 +15,9 @@ sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds n
 from test_ring_fake_engine import FakeEngine  # noqa: E402
 
 from blink.dpu.engine_client import EngineDeadError  # noqa: E402
-from blink.dpu.ring_client import ReconnectingEngineClient, RingEngineClient  # noqa: E402
-from blink.engine.sampling_params import SamplingParams  # noqa: E402
+from blink.dpu.engine_health import EngineHealth  # noqa: E402
+from blink.dpu.ring_engine_client import ReconnectingEngineClient, RingEngineClient  # noqa: E402
+from blink.shared.sampling_params import SamplingParams  # noqa: E402
 from blink.launcher import RESTART_BACKOFF_MAX_S, RESTART_STABLE_S, RestartPolicy  # noqa: E402
 from blink.ring import ENGINE_FAILED, Ring, RingConfig, RingLayout  # noqa: E402
 from blink.transport import BootstrapServer, LoopbackRegion  # noqa: E402
@@ -71,6 +72,7 @@ def test_reconnects_to_a_restarted_engine_on_the_same_port():
             await asyncio.sleep(0.01)
         # down: refused, with a retry hint; nothing mapped of the old region any more
         assert not client.is_accepting() and not client.is_healthy()
+        assert client.health is EngineHealth.RESTARTING
         assert client.unavailable_retry_after_s() == client.retry_after_s
         with pytest.raises(EngineDeadError, match="restarting") as exc:
             await _collect(client.generate("b", [1], SamplingParams(max_tokens=1)))
@@ -88,10 +90,12 @@ def test_reconnects_to_a_restarted_engine_on_the_same_port():
                 assert time.monotonic() - t0 < 10, "did not reconnect"
                 await asyncio.sleep(0.01)
             assert client.reconnects == 1 and client.unavailable_retry_after_s() is None
+            assert client.health is EngineHealth.HEALTHY
             assert second.server.attached is not None
             out = await _collect(client.generate("c", [5, 6], SamplingParams(max_tokens=4)))
             assert [t for o in out for t in o.new_token_ids] == [5, 6, 5, 6]
             await client.close()
+            assert client.health is EngineHealth.CLOSED and client.unavailable_retry_after_s() is None
             assert second.server.attached is None or _wait_detached(second.server)
         finally:
             second.die()

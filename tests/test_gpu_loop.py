@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
 from test_engine import BASE, random_prompts, tiny_model_dir, wait_for  # noqa: E402
 
-from blink.engine import llm as llm_module  # noqa: E402
+from blink import llm as llm_module  # noqa: E402
 from blink.engine import step  # noqa: E402
 from blink.engine.engine import Engine, EngineConfig  # noqa: E402
 from blink.engine.factory import create_engine  # noqa: E402
@@ -41,7 +41,7 @@ from blink.engine.gpu import abi, host_sim, tier_b  # noqa: E402
 from blink.engine.gpu.plan import plan_graphs  # noqa: E402
 from blink.engine.gpu.base import GpuEngine  # noqa: E402
 from blink.engine.gpu.checks import tier_a_problems, tier_b_problems  # noqa: E402
-from blink.engine.sampling_params import SamplingParams  # noqa: E402
+from blink.shared.sampling_params import SamplingParams  # noqa: E402
 from blink.engine.state import SchedulerConfig, ring_tensors, ring_views  # noqa: E402
 from blink.errors import BlinkError  # noqa: E402
 from blink.ring import (  # noqa: E402

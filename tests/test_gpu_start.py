@@ -21,9 +21,9 @@ from test_engine import BASE, random_prompts, tiny_model_dir  # noqa: E402
 
 from blink.engine import factory  # noqa: E402
 from blink.engine.gpu import checks, host_sim, tier_b  # noqa: E402
-from blink.engine import llm as llm_module  # noqa: E402
+from blink import llm as llm_module  # noqa: E402
 from blink.engine.engine import EngineConfig  # noqa: E402
-from blink.engine.sampling_params import SamplingParams  # noqa: E402
+from blink.shared.sampling_params import SamplingParams  # noqa: E402
 from blink.errors import BlinkError  # noqa: E402
 from blink.transport import InProcessRegion, InProcessTransport, TransportError, create_region  # noqa: E402
 

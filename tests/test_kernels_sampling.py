@@ -112,7 +112,7 @@ def test_sample_matches_reference_tokens():
 from types import SimpleNamespace  # noqa: E402
 
 from blink.engine.sampler import Sampler, SamplerPlan, SamplingTensors  # noqa: E402
-from blink.engine.sampling_params import SamplingParams  # noqa: E402
+from blink.shared.sampling_params import SamplingParams  # noqa: E402
 from blink.kernels import ops_for  # noqa: E402
 
 REF_OPS = ops_for("cpu")

@@ -26,8 +26,8 @@ from test_engine import (  # noqa: E402
     tiny_model_dir,
 )
 
-from blink.engine.llm import LLM  # noqa: E402
-from blink.engine.sampling_params import SamplingParams, SamplingParamsError  # noqa: E402
+from blink.llm import LLM  # noqa: E402
+from blink.shared.sampling_params import SamplingParams, SamplingParamsError  # noqa: E402
 
 PROMPTS = random_prompts(6, 4, 40, seed=21)
 

@@ -22,8 +22,8 @@ from test_engine import BASE, random_prompts, tiny_model_dir  # noqa: E402
 
 from blink.engine import scheduler as scheduler_module  # noqa: E402
 from blink.engine.engine import Engine  # noqa: E402
-from blink.engine.llm import LLM  # noqa: E402
-from blink.engine.sampling_params import SamplingParams  # noqa: E402
+from blink.llm import LLM  # noqa: E402
+from blink.shared.sampling_params import SamplingParams  # noqa: E402
 
 #: publishing word -> the payload fields it publishes
 PUBLISHES = {

@@ -16,17 +16,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blink.dpu.engine_client import EngineClient, EngineDeadError, EngineOverloadedError
-from blink.dpu.ring_client import (
-    ArenaAllocator,
-    RingClient,
-    RingEngineClient,
-    RingFullError,
-    RingRequestError,
-    ring_fields,
-)
-from blink.engine.sampling_params import SamplingParams
+from blink.dpu.engine_health import EngineHealth
+from blink.dpu.ring_engine_client import RingEngineClient
+from blink.dpu.ring_packing import RingRequestError, ring_fields
+from blink.dpu.ring_protocol import ArenaAllocator, RingClient, RingFullError
+from blink.shared.sampling_params import SamplingParams
 from blink.ring import (
+    C_ENGINE_STATE,
+    ENGINE_DRAINING,
     ENGINE_FAILED,
+    ENGINE_READY,
+    ENGINE_STARTING,
     SLOT_FINISHED,
     SLOT_FREE,
     SLOT_RUNNING,
@@ -398,7 +398,20 @@ def test_async_generate_many_concurrent_requests(setup):
             lp = [x for o in out for x in o.logprobs]
             assert lp == pytest.approx([token_logprob(t) for t in [i + 1, i + 2] * 6])
             assert all(len(row) == 1 for o in out for row in o.top_logprobs)
-        assert client.stats()["running"] >= 0
+        # The scheduler's running count, exactly: none once an engine step has seen them all
+        # finish, two while two requests run (the engine is stepped by hand from here on).
+        setup.engine.paused = True
+        await asyncio.sleep(0.02)  # a step in progress ends
+        setup.engine.step()
+        assert client.stats()["running"] == 0
+        two = [asyncio.ensure_future(collect(client.generate(f"s{i}", [7], SamplingParams(max_tokens=3))))
+               for i in range(2)]
+        await wait_for(lambda: (setup.ring.state == SLOT_WRITTEN).sum() == 2, 5, "two requests written")
+        setup.engine.step()  # admits both, one token each
+        assert client.stats()["running"] == 2
+        setup.engine.paused = False
+        for out in await asyncio.gather(*two):
+            assert [t for o in out for t in o.new_token_ids] == [7, 7, 7]
         await client.close()
 
     asyncio.run(main())
@@ -624,6 +637,69 @@ def test_is_healthy_follows_an_idle_heartbeat(setup):
         assert client.is_healthy()  # idle staleness is not terminal
         setup.ring.control[10] = ENGINE_FAILED
         assert not client.is_healthy()
+        await client.close()
+
+    asyncio.run(main())
+
+
+def test_health_follows_the_engine_state_word(setup):
+    """STARTING and DRAINING (heartbeat moving) are neither healthy nor accepting; generate
+    refuses with the same state /health reads; READY again is HEALTHY."""
+    async def main():
+        client = make_async(setup, hb=1.0)
+        assert client.health is EngineHealth.HEALTHY
+        for word, state in ((ENGINE_DRAINING, EngineHealth.DRAINING),
+                            (ENGINE_STARTING, EngineHealth.STARTING)):
+            setup.ring.control[C_ENGINE_STATE] = word
+            setup.engine.step()
+            assert client.health is state and not client.is_healthy() and not client.is_accepting()
+            assert await health_status(client) == 503
+            with pytest.raises(EngineDeadError, match=f"not ready: the engine is {state.value}"):
+                await client.generate("x", [1], SamplingParams(max_tokens=1)).__anext__()
+        setup.ring.control[C_ENGINE_STATE] = ENGINE_READY
+        setup.engine.step()
+        assert client.health is EngineHealth.HEALTHY and client.is_accepting()
+        await client.close()
+        assert client.health is EngineHealth.CLOSED and not client.is_healthy()
+        with pytest.raises(EngineDeadError, match="closed"):
+            await client.generate("y", [1], SamplingParams(max_tokens=1)).__anext__()
+
+    asyncio.run(main())
+
+
+def test_an_idle_heartbeat_past_the_hard_limit_refuses_until_it_moves(setup):
+    async def main():
+        client = make_async(setup, hb=0.2, engine_dead_timeout_s=0.6)
+        time.sleep(0.3)  # no engine steps: the heartbeat does not move
+        assert client.health is EngineHealth.STALLED and client.is_accepting()
+        time.sleep(0.4)
+        assert client.health is EngineHealth.UNRESPONSIVE and not client.is_accepting()
+        with pytest.raises(EngineDeadError, match="not responding.*with no request in flight"):
+            await client.generate("a", [1], SamplingParams(max_tokens=1)).__anext__()
+        setup.engine.step()
+        assert client.health is EngineHealth.HEALTHY
+        await client.close()
+
+    asyncio.run(main())
+
+
+def test_queue_time_is_measured_until_the_engine_admits(setup):
+    """blink:request_queue_time_seconds from the real client: written → the slot leaves
+    WRITTEN (admitted), reported on the first delta only."""
+    setup.engine.admit = False  # a busy engine: the request waits in the ring
+    setup.engine.start()
+
+    async def main():
+        client = make_async(setup)
+        task = asyncio.ensure_future(collect(client.generate("q", [1, 2], SamplingParams(max_tokens=4))))
+        await wait_for(lambda: (setup.ring.state == SLOT_WRITTEN).sum() == 1, 5, "the request written")
+        await asyncio.sleep(0.3)
+        setup.engine.admit = True
+        out = await asyncio.wait_for(task, 5)
+        assert 0.3 <= out[0].queue_time_s < 2.0
+        assert all(o.queue_time_s is None for o in out[1:])
+        fast = await collect(client.generate("f", [3], SamplingParams(max_tokens=2)))
+        assert 0 <= fast[0].queue_time_s < 0.3
         await client.close()
 
     asyncio.run(main())

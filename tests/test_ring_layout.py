@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from blink.dpu.ring_client import RingClient, attach_layout
+from blink.dpu.ring_protocol import RingClient, attach_layout
 from blink.ring import (
     ALIGN,
     C_MAGIC,

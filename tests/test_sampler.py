@@ -16,7 +16,7 @@ from blink.engine.sampler import (
     apply_penalties,
     token_counts,
 )
-from blink.engine.sampling_params import SamplingParams
+from blink.shared.sampling_params import SamplingParams
 from blink.errors import BlinkError
 from blink.kernels import sampling_reference as ref
 

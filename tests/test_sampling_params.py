@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from blink.engine.sampling_params import (
+from blink.shared.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_N,
@@ -171,7 +171,7 @@ def test_draw_seed_is_random_int64() -> None:
 
 def test_module_is_torch_free() -> None:
     code = (
-        "import sys; import blink.engine.sampling_params as m; m.SamplingParams(seed=1); "
+        "import sys; import blink.shared.sampling_params as m; m.SamplingParams(seed=1); "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -491,6 +491,9 @@ def test_metrics_count_requests(server, client):
     assert after["blink:request_success_total"] >= before.get("blink:request_success_total", 0) + 1
     assert after["blink:generation_tokens_total"] >= before["blink:generation_tokens_total"] + 3
     assert after["blink:num_requests_running"] == 0
+    # the real ring client measures queue time (written → admitted), not only the test double
+    assert (after["blink:request_queue_time_seconds_count"]
+            >= before.get("blink:request_queue_time_seconds_count", 0) + 1)
 
 
 # -- shutdown (last: it stops the module's server) ------------------------------------------------

@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 
 from blink.dpu.engine_client import EngineDeadError
-from blink.dpu.ring_client import RingClient, RingEngineClient
-from blink.engine.sampling_params import SamplingParams
+from blink.dpu.ring_engine_client import RingEngineClient
+from blink.dpu.ring_protocol import RingClient
+from blink.shared.sampling_params import SamplingParams
 from blink.ring import SLOT_FREE, Ring, RingConfig, RingLayout
 from blink.transport import BootstrapServer, LoopbackRegion, TransportError, connect
 from blink.transport.loopback import (
@@ -211,7 +212,7 @@ def test_engine_sigterm_unlinks_through_the_signal_handler(engine_process, flags
 
 FRONTEND_SCRIPT = textwrap.dedent("""
     import sys, time
-    from blink.dpu.ring_client import RingClient
+    from blink.dpu.ring_protocol import RingClient
     from blink.transport import connect
     from blink.transport.auth import secret_from_env
     info, transport = connect("127.0.0.1", int(sys.argv[1]), secret=secret_from_env())

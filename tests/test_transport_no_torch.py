@@ -16,7 +16,8 @@ SCRIPT = textwrap.dedent("""
     sys.meta_path.insert(0, Block())
     import blink.transport, blink.transport.loopback, blink.transport.bootstrap
     import blink.transport.verbs
-    import blink.dpu.ring_client
+    import blink.dpu.ring_protocol, blink.dpu.ring_packing, blink.dpu.engine_health
+    import blink.dpu.ring_engine_client
     import blink.transport.auth, blink.frontend_main, blink.launcher  # the frontend process
     from blink.transport import LoopbackRegion
     with LoopbackRegion(4096):

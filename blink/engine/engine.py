@@ -3,7 +3,7 @@
 On CPU the device loop is an engine thread (``blink-loop``) that repeats
 ``schedule → forward → sample → update`` over CPU tensors. Everything a request needs comes
 from the ring and everything the engine produces goes back into it: the offline
-:class:`~blink.engine.llm.LLM` and the HTTP frontend are both just ring clients.
+:class:`~blink.llm.LLM` and the HTTP frontend are both just ring clients.
 """
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
-from blink.engine.sampling_params import (
+from blink.shared.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     SamplingParams,

@@ -1,4 +1,5 @@
-"""A deterministic in-process :class:`EngineClient` for tests and frontend development.
+"""A deterministic in-process :class:`EngineClient` for the frontend's tests (a test double:
+it lives with the tests, not in the product; tests import it as ``fake_engine_client``).
 
 It produces a scripted token stream per request (by default it echoes the prompt), honours
 ``max_tokens``, ``min_tokens`` and ``stop_token_ids`` like the real engine, and can be made
@@ -18,7 +19,7 @@ from blink.dpu.engine_client import (
     EngineOverloadedError,
     EngineStats,
 )
-from blink.engine.sampling_params import SamplingParams
+from blink.shared.sampling_params import SamplingParams
 
 #: Given (prompt ids, params), the tokens the fake engine will "generate", in order. When the
 #: script runs out before ``max_tokens`` the request finishes with "stop" (as if EOS).

@@ -10,13 +10,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from blink.dpu.detokenizer import IncrementalDetokenizer
-from blink.dpu.ring_client import RingClient, RingHandle, ring_fields
-from blink.dpu.stop_strings import StopStringMatcher
+from blink.dpu.ring_packing import ring_fields
+from blink.dpu.ring_protocol import RingClient, RingHandle
+from blink.dpu.output_processor import ChoiceText
 from blink.dpu.tokenizer import Tokenizer
 from blink.engine.engine import EngineConfig
 from blink.engine.factory import create_engine
-from blink.engine.sampling_params import SamplingParams, SamplingParamsError
+from blink.shared.sampling_params import SamplingParams, SamplingParamsError
 from blink.errors import BlinkError
 from blink.loader import load_tokenizer_files
 from blink.transport import InProcessTransport, LoopbackTransport
@@ -69,15 +69,16 @@ class _Choice:
     prompt_ids: list[int]
     params: SamplingParams
     fields: dict[str, Any]
-    detok: IncrementalDetokenizer
-    matcher: StopStringMatcher
+    output: ChoiceText
     handle: RingHandle | None = None
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None
     num_cached: int = 0
-    stopped_by_string: bool = False
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.output.finish_reason
 
 
 class LLM:
@@ -190,8 +191,7 @@ class LLM:
             fields["max_tokens"] = max(1, self.max_model_len - len(ids))
         return _Choice(
             request=r, index=index, prompt_ids=ids, params=params, fields=fields,
-            detok=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
-            matcher=StopStringMatcher(params.stop),
+            output=ChoiceText(self.tokenizer, ids, one),
             logprobs=[] if params.logprobs is not None else None,
         )
 
@@ -253,25 +253,20 @@ class LLM:
             time.sleep(1e-3)
 
     def _consume(self, choice: _Choice, delta: Any) -> None:
+        """The frontend's rules (:class:`~blink.dpu.output_processor.ChoiceText`) on a delta."""
         choice.num_cached = delta.num_cached_tokens
-        if not choice.stopped_by_string:
-            for i, token in enumerate(delta.token_ids):
-                choice.token_ids.append(token)
-                if choice.logprobs is not None:
-                    entry = {token: float(delta.logprobs[i])}
-                    if delta.top_ids is not None:
-                        for tid, lp in zip(delta.top_ids[i], delta.top_logprobs[i]):
-                            if tid >= 0:
-                                entry.setdefault(int(tid), float(lp))
-                    choice.logprobs.append(entry)
-                text = choice.detok.step(token)
-                past_min = len(choice.token_ids) > choice.params.min_tokens
-                choice.text += choice.matcher.feed(text, active=past_min)
-                if choice.matcher.matched is not None:
-                    choice.stopped_by_string = True
-                    choice.finish_reason = "stop"
-                    self._ring.cancel(choice.handle)
-                    break
-        if delta.finished and not choice.stopped_by_string:
-            choice.text += choice.matcher.feed(choice.detok.flush()) + choice.matcher.flush()
-            choice.finish_reason = delta.finish_reason
+        if choice.output.finish_reason is not None:
+            return
+        out = choice.output.feed(list(delta.token_ids), delta.finished, delta.finish_reason)
+        choice.text += out.text
+        for i, token in enumerate(delta.token_ids[: out.kept]):
+            choice.token_ids.append(token)
+            if choice.logprobs is not None:
+                entry = {token: float(delta.logprobs[i])}
+                if delta.top_ids is not None:
+                    for tid, lp in zip(delta.top_ids[i], delta.top_logprobs[i]):
+                        if tid >= 0:
+                            entry.setdefault(int(tid), float(lp))
+                choice.logprobs.append(entry)
+        if choice.output.stopped_by_string and not delta.finished:
+            self._ring.cancel(choice.handle)  # the engine would go on generating for nobody

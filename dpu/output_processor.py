@@ -1,0 +1,77 @@
+"""One choice's tokens turned into text: the serving rules, in one place.
+
+Both the HTTP frontend (:class:`blink.dpu.generation.ChoiceRun`) and the offline
+:class:`blink.llm.LLM` feed every token of a choice through a :class:`ChoiceText`:
+
+- incremental detokenization (constant work per token; never a split UTF-8 character);
+- stop strings matched across token boundaries, only once ``min_tokens`` outputs exist
+  (vLLM's rule); a match ends the choice with finish reason ``stop``, and the tokens after it
+  are dropped;
+- the stop token that ends a choice (EOS or a ``stop_token_ids`` id) is counted but its text
+  is not shown, unless ``include_stop_str_in_output``;
+- at the end, the detokenizer's and the matcher's held-back text is released.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from blink.dpu.detokenizer import IncrementalDetokenizer
+from blink.dpu.stop_strings import StopStringMatcher
+from blink.dpu.tokenizer import Tokenizer
+from blink.shared.sampling_params import SamplingParams
+
+
+@dataclass
+class TextDelta:
+    """What one batch of engine tokens adds: the text, and how many of the tokens count
+    (tokens past a matched stop string are dropped)."""
+
+    text: str
+    kept: int
+
+
+class ChoiceText:
+    """The text of one choice, fed token batch by token batch (see the module docstring)."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams,
+                 include_stop_str_in_output: bool = False) -> None:
+        self.params = params
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        self._matcher = StopStringMatcher(params.stop, include_stop_str_in_output)
+        # The caller's params carry EOS among the stop ids unless ignore_eos (what the engine
+        # stops on, so what can end the choice).
+        self._stop_token_ids = frozenset(params.stop_token_ids)
+        self.completion_tokens = 0
+        #: "stop" once a stop string matched (the engine request must then be aborted), or the
+        #: engine's reason once it finished; None while the choice runs
+        self.finish_reason: str | None = None
+        self.stopped_by_string = False
+
+    def feed(self, token_ids: list[int], finished: bool, finish_reason: str | None) -> TextDelta:
+        """Add the engine's next tokens; ``finished``/``finish_reason`` as the engine reports
+        them with these tokens."""
+        if self.finish_reason is not None:
+            return TextDelta("", 0)
+        pieces: list[str] = []
+        kept = 0
+        last = len(token_ids) - 1
+        for i, token_id in enumerate(token_ids):
+            kept += 1
+            self.completion_tokens += 1
+            if (finished and i == last and finish_reason == "stop"
+                    and token_id in self._stop_token_ids and not self.include_stop_str_in_output):
+                continue  # the stop token (eos) ends the text; it is counted, not shown
+            active = self.completion_tokens > self.params.min_tokens  # vLLM's rule
+            pieces.append(self._matcher.feed(self._detok.step(token_id), active))
+            if self._matcher.matched is not None:
+                self.finish_reason = "stop"
+                self.stopped_by_string = True
+                break
+        if self.finish_reason is None and finished:
+            pieces.append(self._matcher.feed(self._detok.flush()))
+            if self._matcher.matched is None:
+                pieces.append(self._matcher.flush())
+            self.finish_reason = "stop" if self._matcher.matched else (finish_reason or "stop")
+            self.stopped_by_string = self._matcher.matched is not None
+        return TextDelta("".join(pieces), kept)

@@ -1,0 +1,610 @@
+"""The frontend's asyncio engine client over the ring: :class:`RingEngineClient` (one ring,
+one engine) and :class:`ReconnectingEngineClient` (outlives its engine: re-bootstraps to a
+restarted one).
+
+numpy only (runs on the DPU image). The synchronous protocol is
+:class:`blink.dpu.ring_protocol.RingClient`; the engine's health is one
+:class:`blink.dpu.engine_health.EngineHealth` state, moved by
+:func:`blink.dpu.engine_health.next_health` and read by ``/health`` (:meth:`is_healthy`),
+request admission (:meth:`is_accepting`, :meth:`generate`) and the streams' error paths.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from blink.dpu.engine_client import (
+    DEFAULT_ENGINE_DEAD_TIMEOUT_S,
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    EngineDeadError,
+    EngineOutput,
+    EngineOverloadedError,
+    EngineStats,
+    check_engine_timeouts,
+)
+from blink.dpu.engine_health import EngineHealth, HeartbeatWatch, Observation, Transition
+from blink.dpu.ring_packing import RingRequestError, ring_fields
+from blink.dpu.ring_protocol import RingClient, RingHandle, StreamDelta
+from blink.shared.sampling_params import SamplingParams
+from blink.errors import BlinkError
+from blink.ring import (
+    C_STAT_KV_BLOCKS_TOTAL,
+    C_STAT_KV_BLOCKS_USED,
+    C_STAT_PREEMPTIONS,
+    C_STAT_PREFIX_HITS,
+    C_STAT_PREFIX_QUERIES,
+    C_STAT_RUNNING,
+    C_STAT_WAITING,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Stream:
+    """A request whose consumer is reading: its ring handle and the queue its deltas go to."""
+
+    request_id: str
+    handle: RingHandle
+    params: SamplingParams
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue_time_reported: bool = False
+
+
+class RingEngineClient:
+    """:class:`~blink.dpu.engine_client.EngineClient` over a :class:`RingClient`.
+
+    One poller task polls every in-flight request each tick, sleeping ``poll_min_interval_s``
+    after a tick that found output and backing off to ``poll_max_interval_s`` otherwise. It also
+    watches the engine and keeps its :attr:`health` (see :mod:`blink.dpu.engine_health`), which
+    tells a slow engine from a dead one:
+
+    - **DEAD** (final): engine state FAILED/STOPPED, the engine process gone (the transport can
+      tell: loopback checks the segment creator's pid and start time), or a broken poller.
+      Every stream ends at once with :class:`EngineDeadError`; new requests are refused.
+    - **STALLED**: the heartbeat has not moved for ``heartbeat_timeout_s`` (one long step on a
+      loaded CPU). :meth:`is_healthy` is False (``/health`` answers 503), but nothing is lost:
+      in-flight streams keep waiting, and new requests are still accepted
+      (:meth:`is_accepting`) and queue in the ring, bounded by its slots and prompt arena (a
+      full ring answers 503 + Retry-After after ``submit_timeout_s``, as always). When the
+      heartbeat moves again all of them proceed.
+    - **UNRESPONSIVE**: the heartbeat has not moved for ``engine_dead_timeout_s`` (the hard
+      limit): every in-flight stream ends with :class:`EngineDeadError` and its slot is
+      cancelled, and new requests are refused. Not final either: once the heartbeat moves
+      again, requests are served again.
+    - **STARTING** / **DRAINING**: the engine's state word says so; not healthy, not accepting.
+
+    Requests in flight are one map, request id → :class:`_Stream`, holding every request whose
+    consumer still reads; a request whose consumer left, or that was given up, is only the
+    ring client's to drain (:attr:`RingClient.active` holds every slot not yet given back).
+    """
+
+    #: how often (at most) to ask the transport whether the engine process is alive, while
+    #: the heartbeat is not moving
+    peer_check_interval_s = 0.25
+
+    def __init__(
+        self,
+        ring: RingClient,
+        *,
+        model_name: str,
+        max_model_len: int | None = None,
+        heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+        engine_dead_timeout_s: float = DEFAULT_ENGINE_DEAD_TIMEOUT_S,
+        submit_timeout_s: float = 2.0,
+        retry_after_s: float = 1.0,
+        poll_min_interval_s: float = 2e-4,
+        poll_max_interval_s: float = 5e-3,
+        idle_interval_s: float = 0.1,
+    ) -> None:
+        check_engine_timeouts(heartbeat_timeout_s, engine_dead_timeout_s)
+        self.ring = ring
+        self.model_name = model_name
+        self.max_model_len = max_model_len or ring.config.max_model_len
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.engine_dead_timeout_s = engine_dead_timeout_s
+        self.submit_timeout_s = submit_timeout_s
+        self.retry_after_s = retry_after_s
+        self.poll_min_interval_s = poll_min_interval_s
+        self.poll_max_interval_s = poll_max_interval_s
+        self.idle_interval_s = idle_interval_s
+        self.info: Any = None  # the bootstrap EngineInfo, when made by connect()
+        self._inflight: dict[str, _Stream] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._wake: asyncio.Event | None = None
+        self._peer_checked = 0.0
+        status = ring.engine_status()
+        now = time.monotonic()
+        self._watch = HeartbeatWatch(heartbeat_timeout_s, engine_dead_timeout_s,
+                                     engine_state=status.state, heartbeat=status.heartbeat, now=now)
+        self._update(now, in_flight=len(ring.active), check_peer=False)
+
+    @classmethod
+    async def connect(cls, host: str, port: int, *, secret: bytes | None = None,
+                      expect_transport: str | None = None, connect_timeout_s: float = 10.0,
+                      **kwargs: Any) -> "RingEngineClient":
+        """Bootstrap with the engine at ``host:port`` (authenticating with ``secret``), attach
+        the ring, return a client. The client holds the engine's one frontend lease until
+        :meth:`close`."""
+        from blink.transport.bootstrap import connect
+
+        info, transport = await asyncio.to_thread(
+            connect, host, port, secret=secret, timeout_s=connect_timeout_s,
+            expect_transport=expect_transport,
+        )
+        try:
+            ring = RingClient(transport)
+        except BaseException:
+            transport.close()
+            raise
+        try:
+            client = cls(ring, model_name=info.model_name, max_model_len=info.max_model_len, **kwargs)
+        except BaseException:
+            ring.close()
+            raise
+        client.info = info
+        return client
+
+    # -- health --------------------------------------------------------------------------
+
+    @property
+    def health(self) -> EngineHealth:
+        """The engine's health now. Without a running poller the control block is read here;
+        with one, the clock runs on the poller's last read."""
+        if not self._watch.state.final:
+            now = time.monotonic()
+            if self._task is not None and not self._task.done():
+                self._update(now, in_flight=len(self.ring.active), check_peer=False)
+            else:
+                try:
+                    status = self.ring.engine_status()
+                except BlinkError as exc:
+                    self._set(Observation.GONE, f"the ring cannot be read: {exc}")
+                else:
+                    self._watch.saw(status.state, status.heartbeat, now)
+                    self._update(now, in_flight=len(self.ring.active), check_peer=True)
+        return self._watch.state
+
+    @property
+    def health_reason(self) -> str | None:
+        """Why the engine is in its state (stale heartbeat, dead...), or None."""
+        return self._watch.reason
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine counts as dead (final for this client), or None."""
+        return self._watch.reason if self._watch.state is EngineHealth.DEAD else None
+
+    @property
+    def stalled(self) -> bool:
+        """The heartbeat is stale (not yet past the hard limit)."""
+        return self.health is EngineHealth.STALLED
+
+    def is_healthy(self) -> bool:
+        """HEALTHY: state READY and the heartbeat moved within ``heartbeat_timeout_s`` (what
+        ``/health`` reports)."""
+        return self.health.healthy
+
+    def is_accepting(self) -> bool:
+        """Whether a new request is taken: also during a stall (the request queues in the
+        ring), not once the engine is dead, starting, draining, or past
+        ``engine_dead_timeout_s``."""
+        return self.health.accepting
+
+    def _peer_gone(self, now: float) -> str | None:
+        """While the heartbeat is not moving, ask the transport (at most every
+        ``peer_check_interval_s``) whether the engine process still exists."""
+        peer_alive = getattr(self.ring.transport, "peer_alive", None)  # None: cannot tell
+        if peer_alive is None:
+            return None
+        if (self._watch.still_for(now) < self.peer_check_interval_s
+                or now - self._peer_checked < self.peer_check_interval_s):
+            return None
+        self._peer_checked = now
+        return "the engine process has exited" if peer_alive() is False else None
+
+    def _update(self, now: float, *, in_flight: int, check_peer: bool) -> None:
+        """Judge the last read of the control block at ``now``; act on a change of state."""
+        gone = self._peer_gone(now) if check_peer else None
+        self._transitioned(self._watch.observe(now, in_flight, gone=gone))
+
+    def _set(self, obs: Observation, reason: str) -> None:
+        """An event that is not a read of the control block (broken poller, close)."""
+        self._transitioned(self._watch.apply(obs, reason, time.monotonic()))
+
+    def _transitioned(self, t: Transition | None) -> None:
+        """What a change of health does to the streams (and the log)."""
+        if t is None:
+            return
+        if t.new is EngineHealth.DEAD:
+            logger.error("engine declared dead: %s", t.reason)
+            self._end_streams(f"the engine died mid-request: {t.reason}", cancel=False)
+        elif t.new is EngineHealth.UNRESPONSIVE:
+            logger.error("engine not responding, ending %d requests: %s", len(self._inflight), t.reason)
+            # keep polling so the cancelled slots drain if the engine comes back
+            self._end_streams(f"the engine stopped responding mid-request: {t.reason}", cancel=True)
+        elif t.new is EngineHealth.STALLED:
+            logger.warning("engine stalled: %s; requests keep waiting up to %g s",
+                           t.reason, self.engine_dead_timeout_s)
+        elif t.old in (EngineHealth.STALLED, EngineHealth.UNRESPONSIVE) and not t.new.final:
+            logger.warning("engine heartbeat resumed after %.1f s; %s", t.lasted_s,
+                           "accepting requests again" if t.old is EngineHealth.UNRESPONSIVE
+                           else "requests continue")
+        elif t.new in (EngineHealth.STARTING, EngineHealth.DRAINING):
+            logger.info("engine is %s", t.new.value)
+
+    def _end_streams(self, message: str, *, cancel: bool) -> None:
+        streams = list(self._inflight.values())
+        self._inflight.clear()
+        for stream in streams:
+            stream.queue.put_nowait(EngineDeadError(message))
+            if cancel:
+                self.ring.cancel(stream.handle)
+
+    def _refusal(self, state: EngineHealth) -> str:
+        reason = self._watch.reason
+        if state is EngineHealth.DEAD:
+            return f"the engine is not available: {reason}"
+        if state is EngineHealth.CLOSED:
+            return "the engine client is closed"
+        if state is EngineHealth.UNRESPONSIVE:
+            return f"the engine is not responding: {reason}"
+        return f"the engine is not ready: {reason or state.value}"
+
+    def _check_accepting(self) -> None:
+        state = self.health
+        if not state.accepting:
+            raise EngineDeadError(self._refusal(state))
+
+    # -- the poller ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the poller task (done by the first generate; call it to watch an idle engine)."""
+        if self._task is None or self._task.done():
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="blink-ring-poller")
+
+    async def _run(self) -> None:
+        interval = self.poll_min_interval_s
+        while not self._watch.state.final:
+            try:
+                progressed = self._tick()
+            except Exception as exc:  # noqa: BLE001 - a broken poller must not hang the streams
+                logger.exception("ring poller failed")
+                self._set(Observation.GONE, f"the ring poller failed: {exc}")
+                return
+            if progressed:
+                interval = self.poll_min_interval_s
+            elif self.ring.active:
+                interval = min(interval * 2, self.poll_max_interval_s)
+            else:
+                interval = self.idle_interval_s
+            assert self._wake is not None
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=interval)
+            except asyncio.TimeoutError:
+                pass
+
+    def _tick(self) -> bool:
+        """One poll of everything; True if any request made progress."""
+        now = time.monotonic()
+        status = self.ring.engine_status()
+        self._watch.saw(status.state, status.heartbeat, now)
+        active = self.ring.active
+        self._update(now, in_flight=len(active), check_peer=True)
+        if self._watch.state.final or not active:
+            return False
+        deltas = self.ring.poll_many(active)
+        for stream in list(self._inflight.values()):
+            handle = stream.handle
+            if handle.error is not None:  # the engine broke the protocol for this request
+                del self._inflight[stream.request_id]
+                stream.queue.put_nowait(handle.error)
+                continue
+            delta = deltas.get(handle)
+            if delta is None:
+                continue
+            stream.queue.put_nowait(self._to_output(delta, stream))
+            if handle.done:
+                del self._inflight[stream.request_id]
+        return bool(deltas)
+
+    @staticmethod
+    def _to_output(delta: StreamDelta, stream: _Stream) -> EngineOutput:
+        logprobs = top = None
+        if stream.params.logprobs is not None:
+            logprobs = delta.logprobs
+            if delta.top_ids is None:
+                top = [[] for _ in delta.token_ids]
+            else:
+                top = [
+                    [(int(i), float(lp)) for i, lp in zip(ids, lps)]
+                    for ids, lps in zip(delta.top_ids, delta.top_logprobs)
+                ]
+        queue_time_s = None
+        if not stream.queue_time_reported:  # the first delta: the engine has admitted it
+            queue_time_s = stream.handle.queue_time_s
+            stream.queue_time_reported = queue_time_s is not None
+        return EngineOutput(
+            new_token_ids=delta.token_ids, logprobs=logprobs, top_logprobs=top,
+            finished=delta.finished, finish_reason=delta.finish_reason,  # type: ignore[arg-type]
+            num_prompt_tokens=delta.num_prompt_tokens, num_cached_tokens=delta.num_cached_tokens,
+            queue_time_s=queue_time_s,
+        )
+
+    # -- EngineClient ----------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[EngineOutput]:
+        self._check_accepting()
+        if request_id in self._inflight:
+            raise RingRequestError(f"request id {request_id!r} is already running")
+        fields = ring_fields(params, len(prompt_ids), self.max_model_len, self.ring.config)
+        self.start()
+        ring_id = self.ring.new_request_id()
+        deadline = time.monotonic() + self.submit_timeout_s
+        while True:
+            handle = self.ring.try_submit(ring_id, prompt_ids, **fields)
+            if handle is not None:
+                break
+            if time.monotonic() >= deadline:
+                raise EngineOverloadedError(
+                    self.ring.full_message(len(prompt_ids), self.submit_timeout_s),
+                    retry_after_s=self.retry_after_s,
+                )
+            await asyncio.sleep(0.002)  # the poller frees slots meanwhile
+            self._check_accepting()
+        stream = _Stream(request_id, handle, params)
+        if len(self.ring.active) == 1:
+            self._watch.became_busy(time.monotonic())
+        self._inflight[request_id] = stream
+        assert self._wake is not None
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                # The consumer left early: cancel, and let the poller drain the slot silently.
+                if self._inflight.get(request_id) is stream:
+                    del self._inflight[request_id]
+                if not self._watch.state.final:
+                    self.ring.cancel(handle)
+
+    async def abort(self, request_id: str) -> None:
+        stream = self._inflight.get(request_id)
+        if stream is None or self._watch.state.final:
+            return
+        self.ring.cancel(stream.handle)
+        if self._wake is not None:
+            self._wake.set()
+
+    def stats(self) -> EngineStats:
+        c = self.ring.engine_status().control
+        total = int(c[C_STAT_KV_BLOCKS_TOTAL])
+        return EngineStats(
+            running=int(c[C_STAT_RUNNING]),
+            waiting=int(c[C_STAT_WAITING]),
+            kv_usage=(int(c[C_STAT_KV_BLOCKS_USED]) / total) if total > 0 else 0.0,
+            prefix_cache_queries=int(c[C_STAT_PREFIX_QUERIES]),
+            prefix_cache_hits=int(c[C_STAT_PREFIX_HITS]),
+            preemptions=int(c[C_STAT_PREEMPTIONS]),
+        )
+
+    async def close(self) -> None:
+        """Stop polling, cancel what is in flight, and close the transport."""
+        if self._watch.state is EngineHealth.CLOSED:
+            return
+        streams = list(self._inflight.values())
+        self._inflight.clear()
+        for stream in streams:
+            self.ring.cancel(stream.handle)
+            stream.queue.put_nowait(EngineDeadError("the engine client was closed"))
+        self._set(Observation.CLOSED, "the engine client was closed")
+        if self._wake is not None:
+            self._wake.set()
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+        self.ring.close()
+
+
+# -- healing: re-bootstrap to a restarted engine ---------------------------------------------
+
+
+class ReconnectingEngineClient:
+    """An :class:`~blink.dpu.engine_client.EngineClient` that outlives its engine.
+
+    It delegates to one :class:`RingEngineClient` at a time. When that one declares the engine
+    dead (process gone, state FAILED/STOPPED, broken poller: its in-flight streams have already
+    ended with ``engine_unavailable``), a watcher task closes it (unmapping the old region and
+    releasing the lease) and bootstraps again with ``reconnect()`` under a bounded exponential
+    back-off, until an engine answers: ``blink serve`` restarts its engine on the same bootstrap
+    port, and a standalone ``blink engine`` restarted with the same ``--listen`` and secret file
+    is found the same way. Meanwhile ``/health`` answers 503 and new requests 503 with
+    ``Retry-After`` (:meth:`unavailable_retry_after_s`). An engine that now serves another model,
+    context length or tokenizer is not attached (this frontend's tokenizer would be wrong): it
+    keeps refusing and says so in the log.
+    """
+
+    def __init__(self, first: RingEngineClient,
+                 reconnect: Callable[[], Awaitable[RingEngineClient]],
+                 *, where: str = "the engine", retry_after_s: float = 2.0,
+                 min_interval_s: float = 0.2, max_interval_s: float = 2.0,
+                 watch_interval_s: float = 0.05) -> None:
+        self._client: RingEngineClient | None = first
+        self._reconnect = reconnect
+        self.where = where
+        self.info = first.info
+        self.model_name = first.model_name
+        self.max_model_len = first.max_model_len
+        self.retry_after_s = retry_after_s
+        self.min_interval_s = min_interval_s
+        self.max_interval_s = max_interval_s
+        self.watch_interval_s = watch_interval_s
+        self._down: str | None = None  # why no engine is attached right now
+        self._watcher: asyncio.Task[None] | None = None
+        self._closed = False
+        #: engines attached after the first one (diagnostics and tests)
+        self.reconnects = 0
+
+    @property
+    def client(self) -> RingEngineClient | None:
+        """The ring client of the engine attached now (None while reconnecting)."""
+        return self._client
+
+    @property
+    def ring(self) -> RingClient | None:
+        """The attached engine's :class:`RingClient` (its ``config`` says how many slots the
+        ring has); None while reconnecting."""
+        c = self._client
+        return c.ring if c is not None else None
+
+    def _live(self) -> RingEngineClient | None:
+        c = self._client
+        return c if c is not None and not self._closed and not c.health.final else None
+
+    @property
+    def health(self) -> EngineHealth:
+        """The attached engine's health; RESTARTING while none is (the last one is dead and
+        no new engine has answered yet); CLOSED once closed."""
+        if self._closed:
+            return EngineHealth.CLOSED
+        state = self._client.health if self._client is not None else EngineHealth.RESTARTING
+        return EngineHealth.RESTARTING if state.final else state
+
+    # -- EngineClient ----------------------------------------------------------------------
+
+    def is_healthy(self) -> bool:
+        return self.health.healthy
+
+    def is_accepting(self) -> bool:
+        return self.health.accepting
+
+    def unavailable_retry_after_s(self) -> float | None:
+        """Seconds a refused client should wait (``Retry-After``) while the engine is being
+        reconnected; None when a refusal is not about a restart."""
+        return self.retry_after_s if self.health is EngineHealth.RESTARTING else None
+
+    async def generate(self, request_id: str, prompt_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[EngineOutput]:
+        c = self._live()
+        if c is None:
+            raise EngineDeadError(
+                f"the engine is restarting ({self._down or 'it went away'}); retry shortly",
+                retry_after_s=self.retry_after_s)
+        async for out in c.generate(request_id, prompt_ids, params):
+            yield out
+
+    async def abort(self, request_id: str) -> None:
+        c = self._client
+        if c is not None:
+            await c.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        c = self._live()
+        if c is None:
+            return EngineStats(running=0, waiting=0, kv_usage=0.0, prefix_cache_queries=0,
+                               prefix_cache_hits=0, preemptions=0)
+        return c.stats()
+
+    def start(self) -> None:
+        """Start the current client's poller and the watcher that reconnects."""
+        if self._client is not None:
+            self._client.start()
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.get_running_loop().create_task(
+                self._watch(), name="blink-engine-watcher")
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._watcher is not None:
+            self._watcher.cancel()
+            await asyncio.gather(self._watcher, return_exceptions=True)
+        c, self._client = self._client, None
+        if c is not None:
+            await c.close()
+
+    # -- the watcher -----------------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        while not self._closed:
+            try:
+                await self._watch_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the watcher must outlive any one failure
+                logger.exception("engine watcher failed; retrying")
+                await asyncio.sleep(self.max_interval_s)
+
+    async def _watch_once(self) -> None:
+        while not self._closed:
+            c = self._client
+            if c is not None and not c.health.final:
+                await asyncio.sleep(self.watch_interval_s)
+                continue
+            self._down = (c.health_reason or c.health.value) if c is not None else "not attached"
+            self._client = None
+            if c is not None:
+                logger.error("the engine at %s is gone (%s); reconnecting (new requests get 503 "
+                             "+ Retry-After meanwhile)", self.where, self._down)
+                try:
+                    await c.close()  # unmaps the old region and gives its lease back
+                except Exception:  # noqa: BLE001 - a dead engine's client may fail to close cleanly
+                    logger.warning("closing the dead engine's client failed", exc_info=True)
+            new = await self._attach_again()
+            if new is None:
+                return
+            self._client = new
+            self._down = None
+            self.reconnects += 1
+            new.start()
+            logger.warning("reconnected to the engine at %s (region %s); accepting requests again",
+                           self.where, getattr(new.ring.transport, "name", new.info and new.info.transport))
+
+    async def _attach_again(self) -> RingEngineClient | None:
+        interval = self.min_interval_s
+        last_error = ""
+        while not self._closed:
+            try:
+                new = await self._reconnect()
+            except Exception as exc:  # noqa: BLE001 - keep trying whatever a half-started engine does
+                if str(exc) != last_error:
+                    logger.warning("reconnecting to the engine at %s: %s", self.where, exc,
+                                   exc_info=not isinstance(exc, BlinkError))
+                    last_error = str(exc)
+            else:
+                mismatch = self._mismatch(new)
+                if mismatch is None:
+                    return new
+                await new.close()
+                if mismatch != last_error:
+                    logger.error("the engine at %s now serves %s; not attaching it (restart this "
+                                 "frontend to serve it)", self.where, mismatch)
+                    last_error = mismatch
+                interval = self.max_interval_s
+            await asyncio.sleep(interval)
+            interval = min(interval * 2, self.max_interval_s)
+        return None
+
+    def _mismatch(self, new: RingEngineClient) -> str | None:
+        old, info = self.info, new.info
+        if new.model_name != self.model_name:
+            return f"model {new.model_name!r} instead of {self.model_name!r}"
+        if new.max_model_len != self.max_model_len:
+            return f"max_model_len {new.max_model_len} instead of {self.max_model_len}"
+        if old is not None and info is not None and info.tokenizer != old.tokenizer:
+            return f"the tokenizer of {info.tokenizer!r} instead of {old.tokenizer!r}"
+        return None

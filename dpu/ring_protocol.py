@@ -1,0 +1,553 @@
+"""The frontend side of the ring protocol (:mod:`blink.ring`), synchronous, over a one-sided
+transport.
+
+numpy only: this runs on the DPU image (no torch). Both the HTTP frontend (through
+:class:`blink.dpu.ring_engine_client.RingEngineClient`) and the offline
+:class:`blink.llm.LLM` use it. :class:`RingClient`: slot and prompt-arena allocation,
+``submit`` (payload, fence, then the state word), ``poll_many``/``poll`` (produced counter,
+then tokens; bumps ``consumed``; frees the slot once FINISHED and fully read), ``cancel``,
+engine status, and adopting what a previous frontend left in the ring. What goes into a slot's
+sampling fields is :mod:`blink.dpu.ring_packing`'s.
+
+Conventions of the fields this module writes itself (the engine side reads them the same way):
+
+- ``prompt_offset``: index in [0, arena_tokens); the prompt continues at index 0 after the end.
+- ``request_id``: a ring-local int64 assigned here (the API's string ids stay in the frontend).
+- ``seq``: bumped each time the slot is reused; the engine's ``stream_seq`` must echo it.
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from blink.dpu.ring_packing import INT32_MAX, RingRequestError, slot_field_values
+from blink.errors import BlinkError
+from blink.ring import (
+    C_ENGINE_STATE,
+    C_HEARTBEAT,
+    C_MAGIC,
+    C_TOTAL_BYTES,
+    CONTROL_WORDS,
+    FINISH_REASON_NAMES,
+    MAGIC,
+    SLOT_FINISHED,
+    SLOT_FREE,
+    SLOT_RUNNING,
+    SLOT_WRITTEN,
+    RingLayout,
+    RingLayoutError,
+    read_header,
+)
+from blink.transport.base import Transport
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ArenaAllocator", "ArenaRange", "EngineStatus", "RingClient", "RingFullError", "RingHandle",
+    "RingProtocolError", "StreamDelta", "attach_layout",
+]
+
+
+class RingFullError(BlinkError):
+    """No free request slot or prompt-arena space within the bounded wait."""
+
+
+class RingProtocolError(BlinkError):
+    """The engine side broke the ring protocol (stream for another request, counters that go
+    backwards...). The affected request fails; others go on."""
+
+
+# -- prompt arena -------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class ArenaRange:
+    """``length`` tokens from monotonic position ``start`` (arena index ``start % capacity``)."""
+
+    start: int
+    length: int
+    released: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    def segments(self, capacity: int) -> list[tuple[int, int]]:
+        """(arena index, count) pieces: one, or two when the range wraps past the end."""
+        off = self.start % capacity
+        first = min(self.length, capacity - off)
+        pieces = [(off, first)]
+        if first < self.length:
+            pieces.append((0, self.length - first))
+        return pieces
+
+
+class ArenaAllocator:
+    """Circular allocator over the prompt arena.
+
+    Allocations are taken in order at the head and may be released in any order; the tail moves
+    past a range only once it and everything before it are released (a FIFO arena, matching the
+    engine's FCFS admission: a prompt waiting for admission holds back only newer space).
+    """
+
+    def __init__(self, capacity: int, start: int = 0) -> None:
+        if capacity <= 0:
+            raise ValueError(f"arena capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        self._head = start  # monotonic: next position to hand out
+        self._tail = start  # monotonic: everything before it is free
+        self._live: deque[ArenaRange] = deque()
+
+    @property
+    def used(self) -> int:
+        """Tokens between tail and head: live ranges plus released ones stuck behind them."""
+        return self._head - self._tail
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.used
+
+    @property
+    def live(self) -> list[ArenaRange]:
+        return [r for r in self._live if not r.released]
+
+    def allocate(self, n: int) -> ArenaRange | None:
+        """A range of ``n`` tokens, or None while the arena has no room for it."""
+        if n <= 0 or n > self.capacity:
+            raise ValueError(f"cannot allocate {n} tokens from an arena of {self.capacity}")
+        if n > self.free:
+            return None
+        r = ArenaRange(self._head, n)
+        self._head += n
+        self._live.append(r)
+        return r
+
+    def release(self, r: ArenaRange) -> None:
+        """Give ``r`` back (idempotent)."""
+        r.released = True
+        while self._live and self._live[0].released:
+            self._tail = self._live.popleft().end
+
+
+# -- handles and deltas ---------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class RingHandle:
+    """One submitted request: its slot, the slot's sequence number, and read progress."""
+
+    slot: int
+    seq: int
+    request_id: int
+    n_logprobs: int
+    arena: ArenaRange | None
+    submitted_at: float = field(default_factory=time.monotonic)  # when the state became WRITTEN
+    consumed: int = 0  # tokens read so far (mirrors the stream's consumed counter)
+    claimed: bool = False  # the engine took the prompt (state RUNNING or later)
+    claimed_at: float | None = None  # when this client first saw the slot past WRITTEN
+    done: bool = False  # finished, fully read, slot given back
+    cancelled: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: BaseException | None = None  # protocol failure; the slot is leaked on purpose
+
+    @property
+    def queue_time_s(self) -> float | None:
+        """Seconds from the request being written (state WRITTEN) to the engine admitting it
+        (the slot left WRITTEN), as this client saw it: None until then. The resolution is the
+        poll interval of whoever polls the handle."""
+        return None if self.claimed_at is None else self.claimed_at - self.submitted_at
+
+    def __repr__(self) -> str:
+        return f"RingHandle(slot={self.slot}, seq={self.seq}, request_id={self.request_id})"
+
+
+@dataclass
+class StreamDelta:
+    """What one poll of one request found: new tokens and, when finished, the finish reason."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_ids: np.ndarray | None  # int32 [len(token_ids), n_logprobs], or None if n_logprobs == 0
+    top_logprobs: np.ndarray | None  # float32, same shape
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """The control block as last read."""
+
+    state: int
+    heartbeat: int
+    control: np.ndarray
+
+
+# -- the synchronous client -------------------------------------------------------------------
+
+
+def attach_layout(transport: Transport) -> RingLayout:
+    """Read and validate the ring header through ``transport``."""
+    header = transport.read(0, CONTROL_WORDS * 8)
+    control = header.view("<i8")
+    buf = header
+    total = int(control[C_TOTAL_BYTES])
+    if int(control[C_MAGIC]) == MAGIC and header.size < total <= transport.total_bytes:
+        # read_header checks the region size against the buffer it gets: hand it a zero-filled
+        # buffer of the announced size (untouched pages of np.zeros cost no memory).
+        buf = np.zeros(total, dtype=np.uint8)
+        buf[: header.size] = header
+    elif int(control[C_MAGIC]) == MAGIC and total > transport.total_bytes:
+        raise RingLayoutError(
+            f"ring size mismatch: header says {total} bytes, the transport region has "
+            f"{transport.total_bytes}"
+        )
+    return RingLayout(read_header(buf))
+
+
+class RingClient:
+    """Frontend side of the ring over ``transport``; thread-safe (one lock)."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self.layout = attach_layout(transport)
+        self.config = self.layout.config
+        self._spec = self.layout.fields
+        self._lock = threading.RLock()
+        n = self.config.n_slots
+        self._active: dict[int, RingHandle] = {}  # slot -> handle not yet done
+        seqs = self._read_field("seq", 0, n)
+        self._seq = [int(s) for s in seqs]
+        self._next_arrival = int(self._read_field("arrival", 0, n).max(initial=0)) + 1
+        self._next_request_id = int(self._read_field("request_id", 0, n).max(initial=0)) + 1
+        self.arena = ArenaAllocator(self.config.arena_tokens)
+        self._free: list[int] = []
+        self._adopt_slots()
+
+    # -- low-level field access ----------------------------------------------------------
+
+    def _offset(self, name: str, slot: int) -> int:
+        return self._spec[name].element_offset(slot)
+
+    def _read_field(self, name: str, lo: int, hi: int) -> np.ndarray:
+        """Rows [lo, hi) of a per-slot field."""
+        spec = self._spec[name]
+        row = spec.nbytes // spec.shape[0]
+        raw = self.transport.read(spec.offset + lo * row, (hi - lo) * row)
+        return raw.view(spec.dtype).reshape((hi - lo, *spec.shape[1:]))
+
+    def _write_field(self, name: str, slot: int, value: Any) -> None:
+        spec = self._spec[name]
+        arr = np.asarray(value, dtype=spec.dtype)
+        if arr.shape != spec.shape[1:]:
+            raise ValueError(f"ring field {name} takes shape {spec.shape[1:]}, got {arr.shape}")
+        self.transport.write(self._offset(name, slot), arr)
+
+    def _read_ring(self, name: str, slot: int, start: int, count: int) -> np.ndarray:
+        """``count`` entries from the slot's circular stream field ``name`` at ``start``."""
+        spec = self._spec[name]
+        cap = self.config.stream_capacity
+        inner = spec.shape[2:]
+        entry = spec.dtype.itemsize * int(np.prod(inner, dtype=np.int64))
+        base = spec.element_offset(slot)
+        off = start % cap
+        first = min(count, cap - off)
+        parts = [self.transport.read(base + off * entry, first * entry)]
+        if first < count:
+            parts.append(self.transport.read(base, (count - first) * entry))
+        raw = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return raw.view(spec.dtype).reshape((count, *inner))
+
+    # -- attach: adopt what a previous frontend left in the ring ----------------------------
+
+    def _adopt_slots(self) -> None:
+        n = self.config.n_slots
+        states = self._read_field("state", 0, n)
+        written: list[tuple[int, int, int, int]] = []  # (arrival, slot, offset, length)
+        for slot in range(n):
+            st = int(states[slot])
+            if st == SLOT_FREE:
+                self._free.append(slot)
+            elif st == SLOT_FINISHED:
+                self._write_field("state", slot, SLOT_FREE)  # nobody will read it any more
+                self._free.append(slot)
+            elif st in (SLOT_WRITTEN, SLOT_RUNNING):
+                # An orphan of a previous frontend: cancel it and drain it to FREE.
+                handle = RingHandle(slot, self._seq[slot], -1, 0, None, cancelled=True)
+                handle.consumed = int(self._read_field("consumed", slot, slot + 1)[0])
+                self._write_field("cancel", slot, 1)
+                self._active[slot] = handle
+                if st == SLOT_WRITTEN:
+                    written.append((
+                        int(self._read_field("arrival", slot, slot + 1)[0]), slot,
+                        int(self._read_field("prompt_offset", slot, slot + 1)[0]),
+                        int(self._read_field("prompt_len", slot, slot + 1)[0]),
+                    ))
+            else:
+                raise RingProtocolError(f"slot {slot} has an unknown state word {st}")
+        heapq.heapify(self._free)
+        if written:
+            # Their prompts are still in the arena, waiting to be copied: start our allocator
+            # after them and hold one range over all of them until the engine claims them.
+            cap = self.config.arena_tokens
+            written.sort()
+            start = pos = written[0][2] % cap
+            end = start
+            for _, _, off, length in written:
+                pos += (off - pos) % cap
+                end = max(end, pos + length)
+            span = min(end - start, cap)
+            self.arena = ArenaAllocator(cap, start=start)
+            hold = self.arena.allocate(span)
+            for _, slot, _, _ in written:
+                self._active[slot].arena = hold
+        if self._active:
+            logger.warning("ring: cancelling %d requests left by a previous frontend", len(self._active))
+
+    # -- submission ----------------------------------------------------------------------
+
+    def new_request_id(self) -> int:
+        with self._lock:
+            rid = self._next_request_id
+            self._next_request_id += 1
+            return rid
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def active(self) -> list[RingHandle]:
+        """Handles not yet done, including cancelled ones still draining."""
+        with self._lock:
+            return list(self._active.values())
+
+    def _check_prompt(self, prompt_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        prompt = np.asarray(prompt_ids)
+        if prompt.ndim != 1 or prompt.size == 0:
+            raise RingRequestError("the prompt must be a non-empty list of token ids")
+        if not np.issubdtype(prompt.dtype, np.integer):
+            raise RingRequestError(f"prompt token ids must be integers, got {prompt.dtype}")
+        if prompt.min() < 0 or prompt.max() > INT32_MAX:
+            raise RingRequestError("prompt token ids must be in [0, 2**31)")
+        limit = min(self.config.max_model_len, self.config.arena_tokens)
+        if prompt.size > limit:
+            raise RingRequestError(
+                f"the prompt has {prompt.size} tokens; this engine takes at most {limit}"
+            )
+        return prompt.astype("<i4")
+
+    def try_submit(self, request_id: int, prompt_ids: Sequence[int] | np.ndarray,
+                   **fields: Any) -> RingHandle | None:
+        """Write one request into a free slot; None while no slot or arena space is free.
+
+        ``fields`` are :func:`~blink.dpu.ring_packing.slot_field_values`' keywords (what
+        :func:`~blink.dpu.ring_packing.ring_fields` returns). Order: prompt tokens and every
+        slot field (payload), fence, then state=WRITTEN, so the engine never sees the state
+        word before the payload.
+        """
+        prompt = self._check_prompt(prompt_ids)
+        cfg = self.config
+        values = slot_field_values(cfg, **fields)
+        with self._lock:
+            if not self._free:
+                return None
+            rng = self.arena.allocate(prompt.size)
+            if rng is None:
+                self._refresh_claims()  # claimed prompts give their arena space back
+                rng = self.arena.allocate(prompt.size)
+                if rng is None:
+                    return None
+            slot = heapq.heappop(self._free)
+            seq = self._seq[slot] + 1
+            self._seq[slot] = seq
+            arrival = self._next_arrival
+            self._next_arrival += 1
+            t = self.transport
+            # payload ---------------------------------------------------------------
+            arena = self._spec["arena"]
+            pos = 0
+            for off, count in rng.segments(cfg.arena_tokens):
+                t.write(arena.element_offset(off), prompt[pos : pos + count])
+                pos += count
+            w = self._write_field
+            w("seq", slot, seq)
+            w("cancel", slot, 0)
+            w("request_id", slot, request_id)
+            w("arrival", slot, arrival)
+            w("prompt_offset", slot, rng.start % cfg.arena_tokens)
+            w("prompt_len", slot, prompt.size)
+            for name, value in values.items():
+                w(name, slot, value)
+            w("consumed", slot, 0)
+            # publish ---------------------------------------------------------------
+            t.fence()
+            w("state", slot, SLOT_WRITTEN)
+            handle = RingHandle(slot, seq, request_id, int(values["n_logprobs"]), rng)
+            self._active[slot] = handle
+            return handle
+
+    def submit(self, request_id: int, prompt_ids: Sequence[int] | np.ndarray, *,
+               timeout_s: float = 5.0, **fields: Any) -> RingHandle:
+        """:meth:`try_submit`, waiting up to ``timeout_s`` for room, then :class:`RingFullError`.
+
+        Slots come back only through polling: wait here only while another thread polls.
+        """
+        deadline = time.monotonic() + timeout_s
+        delay = 1e-4
+        while True:
+            handle = self.try_submit(request_id, prompt_ids, **fields)
+            if handle is not None:
+                return handle
+            if time.monotonic() >= deadline:
+                raise RingFullError(self.full_message(len(prompt_ids), timeout_s))
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
+    def full_message(self, prompt_len: int, waited_s: float) -> str:
+        what = "request slots" if not self._free else f"prompt-arena space for {prompt_len} tokens"
+        return (
+            f"the engine's ring has no free {what} after {waited_s:g} s "
+            f"({self.config.n_slots} slots, {self.config.arena_tokens} arena tokens)"
+        )
+
+    # -- polling -------------------------------------------------------------------------
+
+    def _refresh_claims(self) -> None:
+        """Release the arena ranges of prompts the engine has claimed (state past WRITTEN)."""
+        pending = [h for h in self._active.values() if not h.claimed and h.arena is not None]
+        if not pending:
+            return
+        lo, hi = min(h.slot for h in pending), max(h.slot for h in pending) + 1
+        states = self._read_field("state", lo, hi)
+        for h in pending:
+            if int(states[h.slot - lo]) not in (SLOT_WRITTEN, SLOT_FREE):
+                self._claim(h)
+
+    def _claim(self, h: RingHandle) -> None:
+        h.claimed = True
+        h.claimed_at = time.monotonic()
+        if h.arena is not None and all(
+            o.claimed for o in self._active.values() if o.arena is h.arena
+        ):
+            self.arena.release(h.arena)
+
+    def poll(self, handle: RingHandle) -> StreamDelta | None:
+        """New output of one request, or None if nothing new."""
+        return self.poll_many([handle]).get(handle)
+
+    def poll_many(self, handles: Iterable[RingHandle] | None = None) -> dict[RingHandle, StreamDelta]:
+        """Poll ``handles`` (default: all active); return the ones with news.
+
+        Reads the state words first, then the produced counters, then the tokens: a state of
+        FINISHED read first means the produced counter read after it is final.
+        Handles whose stream breaks the protocol get ``handle.error`` set and a
+        :class:`RingProtocolError` is not raised (the caller checks ``error``).
+        """
+        with self._lock:
+            todo = [h for h in (self._active.values() if handles is None else handles) if not h.done and h.error is None]
+            if not todo:
+                return {}
+            lo, hi = min(h.slot for h in todo), max(h.slot for h in todo) + 1
+            states = self._read_field("state", lo, hi)
+            self.transport.fence()  # acquire: nothing below is read before the state words
+            produced = self._read_field("produced", lo, hi)
+            self.transport.fence()
+            out: dict[RingHandle, StreamDelta] = {}
+            for h in todo:
+                try:
+                    delta = self._poll_one(h, int(states[h.slot - lo]), int(produced[h.slot - lo]))
+                except RingProtocolError as exc:
+                    logger.error("ring: %s", exc)
+                    h.error = exc
+                    self._active.pop(h.slot, None)  # leak the slot: its state is unknown
+                    if h.arena is not None:  # but not the arena: it would block every prompt
+                        self.arena.release(h.arena)
+                    continue
+                if delta is not None:
+                    out[h] = delta
+            return out
+
+    def _poll_one(self, h: RingHandle, state: int, produced: int) -> StreamDelta | None:
+        slot = h.slot
+        if state == SLOT_WRITTEN:
+            return None
+        if state not in (SLOT_RUNNING, SLOT_FINISHED):
+            raise RingProtocolError(f"slot {slot} went to state {state} while request {h.request_id} was in flight")
+        first_news = not h.claimed
+        if not h.claimed:
+            stream_seq = int(self._read_field("stream_seq", slot, slot + 1)[0])
+            if stream_seq != h.seq:
+                raise RingProtocolError(
+                    f"slot {slot}: the engine's stream serves sequence {stream_seq}, "
+                    f"the request was written as {h.seq}"
+                )
+            self._claim(h)
+        cap = self.config.stream_capacity
+        n = produced - h.consumed
+        if n < 0 or n > cap:
+            raise RingProtocolError(
+                f"slot {slot}: produced={produced} with consumed={h.consumed} and a stream of {cap}"
+            )
+        finished = state == SLOT_FINISHED
+        if n == 0 and not finished:
+            return None
+        if first_news or h.consumed == 0 or finished:
+            h.num_prompt_tokens = int(self._read_field("num_prompt_tokens", slot, slot + 1)[0])
+            h.num_cached_tokens = int(self._read_field("num_cached_tokens", slot, slot + 1)[0])
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        top_ids = top_lps = None
+        if n > 0:
+            tokens = self._read_ring("tokens", slot, h.consumed, n).tolist()
+            logprobs = self._read_ring("logprob", slot, h.consumed, n).tolist()
+            if h.n_logprobs > 0:
+                top_ids = self._read_ring("top_ids", slot, h.consumed, n)[:, : h.n_logprobs]
+                top_lps = self._read_ring("top_logprobs", slot, h.consumed, n)[:, : h.n_logprobs]
+            h.consumed = produced
+            self._write_field("consumed", slot, produced)  # lets the engine reuse those entries
+        reason = None
+        if finished:
+            code = int(self._read_field("finish_reason", slot, slot + 1)[0])
+            reason = FINISH_REASON_NAMES[code] if 0 < code < len(FINISH_REASON_NAMES) else None
+            if reason is None:
+                raise RingProtocolError(f"slot {slot} finished with an invalid finish reason {code}")
+            # Everything is read: the slot is ours again.
+            self.transport.fence()
+            self._write_field("state", slot, SLOT_FREE)
+            h.done = True
+            h.finish_reason = reason
+            self._active.pop(slot, None)
+            heapq.heappush(self._free, slot)
+        return StreamDelta(tokens, logprobs, top_ids, top_lps, reason, h.num_prompt_tokens, h.num_cached_tokens)
+
+    def cancel(self, handle: RingHandle) -> None:
+        """Ask the engine to finish the request (FINISH_ABORT within one step). Idempotent;
+        keep polling the handle until done, so its slot comes back."""
+        with self._lock:
+            if handle.done or handle.error is not None or handle.cancelled:
+                return
+            handle.cancelled = True
+            self._write_field("cancel", handle.slot, 1)
+
+    # -- engine status -------------------------------------------------------------------
+
+    def engine_status(self) -> EngineStatus:
+        control = self.transport.read(0, CONTROL_WORDS * 8).view("<i8")
+        return EngineStatus(int(control[C_ENGINE_STATE]), int(control[C_HEARTBEAT]), control)
+
+    def close(self) -> None:
+        self.transport.close()
