@@ -20,9 +20,6 @@ from blink.models import DecoderForCausalLM, build_model
 
 # Default KV-cache size when the caller gives no num_blocks: four full-length sequences,
 # but at most this many bytes (K and V, all layers).
-_DEFAULT_KV_BYTES = 512 << 20
-
-
 class ModelFilesLike(Protocol):
     """What the executor needs from :func:`blink.loader.open_model`'s result."""
 
@@ -40,7 +37,8 @@ class ModelExecutor:
     default: on CPU it prefills ~2x faster than fp32 and decodes at least as fast; fp32
     gives exact parity with transformers' fp32). The cache has ``num_blocks`` usable blocks
     of ``block_size`` tokens per layer plus one scratch block (index ``scratch_block``)
-    that padding tokens write to; by default four full-length sequences, at most 512 MiB.
+    that padding tokens write to (the engine sizes it: ``--kv-cache-memory`` /
+    ``--kv-cache-tokens``, in one place, ``blink.engine.engine.Engine``).
     ``max_model_len`` defaults to the model's ``max_position_embeddings`` (capped at its
     sliding window, since windowed attention is not implemented: within the window it is
     plain causal attention). ``num_threads`` sets torch's intra-op threads only when given.
@@ -52,7 +50,8 @@ class ModelExecutor:
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
         block_size: int = 16,
-        num_blocks: int | None = None,
+        *,
+        num_blocks: int,
         max_model_len: int | None = None,
         num_threads: int | None = None,
     ) -> None:
@@ -83,10 +82,6 @@ class ModelExecutor:
             self.model.use_input_major_weights()
 
         cfg = self.config
-        block_bytes = 2 * cfg.num_hidden_layers * block_size * cfg.kv_size * dtype.itemsize
-        if num_blocks is None:
-            full = -(-self.max_model_len // block_size)
-            num_blocks = max(full, min(4 * full, _DEFAULT_KV_BYTES // block_bytes))
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks

@@ -29,7 +29,7 @@ Protocol (payload first, then the state word; readers read the state word first)
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -272,6 +272,19 @@ class Ring:
         return int(self.control[C_HEARTBEAT])
 
 
+def config_of_control(control: Any) -> RingConfig:
+    """The sizes a control block records (int64 words, any indexable: numpy or a host tensor)."""
+    return RingConfig(
+        n_slots=int(control[C_N_SLOTS]),
+        arena_tokens=int(control[C_ARENA_TOKENS]),
+        stream_capacity=int(control[C_STREAM_CAPACITY]),
+        max_logprobs=int(control[C_MAX_LOGPROBS]),
+        max_stop_ids=int(control[C_MAX_STOP_IDS]),
+        max_logit_bias=int(control[C_MAX_LOGIT_BIAS]),
+        max_model_len=int(control[C_MAX_MODEL_LEN]),
+    )
+
+
 def read_header(buffer) -> RingConfig:
     """Validate the control block of ``buffer`` and return the config it describes."""
     raw = np.frombuffer(buffer, dtype=np.uint8)
@@ -285,15 +298,7 @@ def read_header(buffer) -> RingConfig:
         raise RingLayoutError(
             f"ring layout version mismatch: engine has version {version}, this side speaks version {LAYOUT_VERSION}"
         )
-    cfg = RingConfig(
-        n_slots=int(control[C_N_SLOTS]),
-        arena_tokens=int(control[C_ARENA_TOKENS]),
-        stream_capacity=int(control[C_STREAM_CAPACITY]),
-        max_logprobs=int(control[C_MAX_LOGPROBS]),
-        max_stop_ids=int(control[C_MAX_STOP_IDS]),
-        max_logit_bias=int(control[C_MAX_LOGIT_BIAS]),
-        max_model_len=int(control[C_MAX_MODEL_LEN]),
-    )
+    cfg = config_of_control(control)
     expected = RingLayout(cfg).total_bytes
     if int(control[C_TOTAL_BYTES]) != expected or raw.size < expected:
         raise RingLayoutError(

@@ -64,12 +64,6 @@ from blink.errors import BlinkError
 from blink.kernels.reference import AttentionMetadata
 from blink.kernels.system_fence import system_fence_for
 from blink.ring import (
-    C_ARENA_TOKENS,
-    C_MAX_LOGIT_BIAS,
-    C_MAX_LOGPROBS,
-    C_MAX_MODEL_LEN,
-    C_MAX_STOP_IDS,
-    C_N_SLOTS,
     C_STAT_GENERATED_TOKENS,
     C_STAT_KV_BLOCKS_TOTAL,
     C_STAT_KV_BLOCKS_USED,
@@ -80,7 +74,6 @@ from blink.ring import (
     C_STAT_RUNNING,
     C_STAT_STEPS,
     C_STAT_WAITING,
-    C_STREAM_CAPACITY,
     FINISH_ABORT,
     FINISH_ERROR,
     FINISH_LENGTH,
@@ -89,8 +82,8 @@ from blink.ring import (
     SLOT_FINISHED,
     SLOT_RUNNING,
     SLOT_WRITTEN,
-    RingConfig,
     RingLayout,
+    config_of_control,
 )
 
 _STAT_WORDS = (
@@ -120,7 +113,6 @@ class StepBatch:
     total_lens           int64 [S]  tokens so far per sample row; also the RNG counter
     suppress_ids         int32 [S, max_stop_ids + n_eos]  ids banned while the row has
                                     fewer than min_tokens outputs (-1 padded)
-    preempted            bool  [S]  rows preempted this step
     """
 
     input_ids: torch.Tensor
@@ -136,25 +128,10 @@ class StepBatch:
     prompt_lens: torch.Tensor
     total_lens: torch.Tensor
     suppress_ids: torch.Tensor
-    preempted: torch.Tensor
 
 
 def _ceil_div(x: torch.Tensor, d: int) -> torch.Tensor:
     return (x + d - 1) // d
-
-
-def _ring_config(control: torch.Tensor) -> RingConfig:
-    """The ring's sizes, read once from its control block (host read at startup only)."""
-    c = control.cpu()
-    return RingConfig(
-        n_slots=int(c[C_N_SLOTS]),
-        arena_tokens=int(c[C_ARENA_TOKENS]),
-        stream_capacity=int(c[C_STREAM_CAPACITY]),
-        max_logprobs=int(c[C_MAX_LOGPROBS]),
-        max_stop_ids=int(c[C_MAX_STOP_IDS]),
-        max_logit_bias=int(c[C_MAX_LOGIT_BIAS]),
-        max_model_len=int(c[C_MAX_MODEL_LEN]),
-    )
 
 
 class Scheduler:
@@ -175,7 +152,8 @@ class Scheduler:
         self.config = config
         self.device = torch.device(device)
         self.ring = ring_tensors
-        self.ring_config = ring_cfg = _ring_config(ring_tensors["control"])
+        # the sizes, read once from the control block (a host read at startup only)
+        self.ring_config = ring_cfg = config_of_control(ring_tensors["control"].cpu())
         if config.max_model_len > ring_cfg.max_model_len:
             raise BlinkError(
                 f"scheduler max_model_len ({config.max_model_len}) exceeds the ring's "
@@ -227,8 +205,8 @@ class Scheduler:
         self._admit(slot_state, cancel)
         if self.config.enable_prefix_caching:
             self._lookup()
-        num_new, preempted = self._allocate()
-        batch = self._build_batch(num_new, preempted)
+        num_new = self._allocate()
+        batch = self._build_batch(num_new)
         self._write_stats()
         return batch
 
@@ -373,9 +351,8 @@ class Scheduler:
         cached = self.ring["num_cached_tokens"]
         cached[rows] = torch.where(first_time, hit_tokens, cached[rows].long()).to(cached.dtype)
 
-    def _allocate(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token budget, block allocation and preemption. Returns (tokens per row this step,
-        rows preempted)."""
+    def _allocate(self) -> torch.Tensor:
+        """Token budget, block allocation and preemption. Returns the tokens per row this step."""
         st, cfg = self.state, self.config
         S, N, B = self.num_slots, cfg.num_blocks, cfg.block_size
         active = st.status != ROW_EMPTY
@@ -445,9 +422,9 @@ class Scheduler:
         st.block_last_used.scatter_reduce_(0, lanes, torch.where(fresh, stamp, 0).flatten(), "amax")
         st.num_blocks += need
         st.status.masked_fill_(num_new > 0, ROW_RUNNING)
-        return num_new, preempt
+        return num_new
 
-    def _build_batch(self, num_new: torch.Tensor, preempted: torch.Tensor) -> StepBatch:
+    def _build_batch(self, num_new: torch.Tensor) -> StepBatch:
         """Flatten the scheduled tokens (rows in index order) and gather the sampler inputs."""
         st, cfg = self.state, self.config
         S, N, B = self.num_slots, cfg.num_blocks, cfg.block_size
@@ -507,7 +484,6 @@ class Scheduler:
             prompt_lens=prompt_lens,
             total_lens=total_lens,
             suppress_ids=suppress_ids,
-            preempted=preempted,
         )
 
     # ---------------------------------------------------------------------------- helpers
