@@ -178,7 +178,10 @@ def test_runaway_templates_are_400_quickly(tok: Tokenizer, template: str) -> Non
         start = time.monotonic()
         err = error_of(post(app, path, {"messages": MESSAGES, "chat_template": template}),
                        400, "chat_template")
-        assert time.monotonic() - start < 1.5, template  # the deadline is 0.3 s
+        # The render deadline is 0.3 s; compiling a deeply nested template is outside it (about
+        # 1-2 s on a loaded 2-core machine). 5 s still fails the unbounded render this guards
+        # against (41.7 s before the limits), without failing on a busy machine.
+        assert time.monotonic() - start < 5.0, template
         assert err["message"].startswith(("chat template error", "the chat template",
                                           "range()", "lipsum()")), err["message"]
         assert "Traceback" not in err["message"]
