@@ -227,8 +227,11 @@ class RingEngineClient:
             # keep polling so the cancelled slots drain if the engine comes back
             self._end_streams(f"the engine stopped responding mid-request: {t.reason}", cancel=True)
         elif t.new is EngineHealth.STALLED:
-            logger.warning("engine stalled: %s; requests keep waiting up to %g s",
-                           t.reason, self.engine_dead_timeout_s)
+            if self.ring.active:
+                logger.warning("engine stalled: %s; requests keep waiting up to %g s",
+                               t.reason, self.engine_dead_timeout_s)
+            else:
+                logger.warning("engine stalled while idle: %s; /health answers 503", t.reason)
         elif t.old in (EngineHealth.STALLED, EngineHealth.UNRESPONSIVE) and not t.new.final:
             logger.warning("engine heartbeat resumed after %.1f s; %s", t.lasted_s,
                            "accepting requests again" if t.old is EngineHealth.UNRESPONSIVE
