@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Any, Iterator
 
+import httpx
 import uvicorn
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -72,6 +73,13 @@ def serve_in_thread(app: Any) -> Iterator[str]:
         srv.should_exit = True
         thread.join(timeout=5)
         sock.close()
+
+
+async def asgi_request(app: Any, method: str, path: str, **kw: Any) -> httpx.Response:
+    """One request to ``app`` in process (no socket)."""
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        return await client.request(method, path, **kw)
 
 
 def _main(argv: list[str]) -> None:

@@ -15,8 +15,6 @@ from typing import Any, Iterator
 import httpx
 import pytest
 import uvicorn
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from blink.dpu.app import create_app
 from blink.dpu.protocol import ChatCompletionChunk, ChatCompletionResponse, CompletionResponse
@@ -25,42 +23,19 @@ from blink.dpu.tokenizer import Tokenizer
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
 from fake_engine_client import FakeEngineClient  # noqa: E402
 
-MODEL = "tiny-test"
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
-          "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-ANSWER = "Hello world 😀 this is a test. Grüße!"
-MESSAGES = [{"role": "user", "content": "Say hello"}]
+from dpu_helpers import asgi_request, ANSWER, MESSAGES, MODEL, make_engine, tiny_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    """A tiny byte-level BPE trained on the spot (milliseconds) with ChatML specials."""
-    hf = HFTokenizer(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    hf.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    hf.train_from_iterator([ANSWER, "Say hello to the world, user and assistant"] * 5, trainer)
-    return Tokenizer(hf.to_str(), {"eos_token": "<|im_end|>", "chat_template": CHATML}, {})
-
-
-def make_engine(tok: Tokenizer, answer: str = ANSWER, **kw: Any) -> FakeEngineClient:
-    ids = tok.encode(answer, add_special_tokens=False)
-    kw.setdefault("max_model_len", 256)
-    return FakeEngineClient(model_name=MODEL, responder=lambda p, s: ids,
-                            vocab_size=tok.vocab_size, **kw)
+    return tiny_tokenizer()
 
 
 def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-async def request(app: Any, method: str, path: str, **kw: Any) -> httpx.Response:
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-        return await client.request(method, path, **kw)
+request = asgi_request
 
 
 def sse_events(body: str) -> list[Any]:

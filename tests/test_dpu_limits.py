@@ -26,7 +26,7 @@ from blink.dpu.tokenizer import Tokenizer
 from blink.errors import BlinkError
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
-from dpu_helpers import MESSAGES, MODEL, make_engine, serve_in_thread, tiny_tokenizer  # noqa: E402
+from dpu_helpers import asgi_request, MESSAGES, MODEL, make_engine, serve_in_thread, tiny_tokenizer  # noqa: E402
 
 TRUSTED = RequestLimits(trust_request_chat_template=True, chat_template_timeout_s=0.3)
 RUNAWAY_TEMPLATES = [
@@ -63,10 +63,7 @@ def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-async def request(app: Any, method: str, path: str, **kw: Any) -> httpx.Response:
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-        return await client.request(method, path, **kw)
+request = asgi_request
 
 
 def post(app: Any, path: str, body: Any, **kw: Any) -> httpx.Response:
