@@ -203,7 +203,7 @@ class Client:
 
         self.rid += 1
         fields = ring_fields(params, len(prompt), self.engine.max_model_len, self.ring.config)
-        return self.ring.try_submit(self.rid, prompt, **fields)
+        return self.ring.try_submit(self.rid, prompt, fields)
 
     def submit_all(self, prompts: list[list[int]], params: Any) -> list[Any]:
         """Every prompt at once (all must fit in the ring's slots)."""

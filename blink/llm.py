@@ -6,6 +6,7 @@ so it exercises exactly the serving path (never a side door into the model).
 """
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -68,7 +69,7 @@ class _Choice:
     index: int
     prompt_ids: list[int]
     params: SamplingParams
-    fields: dict[str, Any]
+    fields: Any  # the packed request record (ring_packing.ring_fields)
     output: ChoiceText
     handle: RingHandle | None = None
     text: str = ""
@@ -185,7 +186,10 @@ class LLM:
         if not params.ignore_eos:  # the engine stops on stop ids; eos is one unless ignored
             stop_ids += [t for t in self.tokenizer.eos_token_ids if t not in stop_ids]
         seed = None if params.seed is None else params.seed + index
-        one = SamplingParams(**{**params.__dict__, "n": 1, "seed": seed, "stop_token_ids": stop_ids})
+        # A copy, not SamplingParams(...): params is validated already; what changes here (the
+        # seed, the stop ids with EOS) is checked against the ring's limits by the packing.
+        one = copy.copy(params)
+        one.n, one.seed, one.stop_token_ids = 1, seed, stop_ids
         fields = ring_fields(one, len(ids), self.max_model_len, self._ring.config)
         if len(ids) + fields["max_tokens"] > self.max_model_len and params.max_tokens is not None:
             fields["max_tokens"] = max(1, self.max_model_len - len(ids))
@@ -215,7 +219,7 @@ class LLM:
             while pending:
                 choice = pending[-1]
                 request_id += 1
-                handle = self._ring.try_submit(request_id, choice.prompt_ids, **choice.fields)
+                handle = self._ring.try_submit(request_id, choice.prompt_ids, choice.fields)
                 if handle is None:
                     break  # slots or arena full: poll and retry
                 pending.pop()

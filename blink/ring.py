@@ -3,18 +3,24 @@
 numpy only (the frontend runs without torch). The engine wraps the same arrays as torch
 tensors (``torch.from_numpy``) and the device loop reads and writes them directly.
 
-Memory is one region, laid out as struct-of-arrays (every field a contiguous array of
-``n_slots`` entries, 64-byte aligned) so the device reads it coalesced, torch can view it
-without copies, and a one-sided writer can address any field by (offset, length):
+Memory is one region, mostly struct-of-arrays (a field is a contiguous array of ``n_slots``
+entries, 64-byte aligned) so the device reads it coalesced, torch can view it without copies,
+and a one-sided writer can address any field by (offset, length). What the frontend writes
+for a new request is one record per slot instead (``request``: a numpy structured dtype, see
+:func:`request_record_dtype`), so the whole payload is one write; its fields are strided
+views on both sides:
 
-    control block  int64[CONTROL_WORDS]     magic, version, sizes, engine state, heartbeat, stats
-    request slots  one array per field      state word, seq, request id, prompt location, sampling
-    prompt arena   int32[arena_tokens]      circular token buffer shared by all prompts
-    output streams one array per field      token ring, produced/consumed counters, finish, logprobs
+    control block   int64[CONTROL_WORDS]    magic, version, sizes, engine state, heartbeat, stats
+    slot words      one array per field     state word, cancel (polled by the device loop)
+    request records record[n_slots]         seq, request id, arrival, prompt location, consumed,
+                                            then the sampling fields (blink.shared.sampling_fields)
+    prompt arena    int32[arena_tokens]     circular token buffer shared by all prompts
+    output streams  one array per field     token ring, produced counter, finish, logprobs
 
 Protocol (payload first, then the state word; readers read the state word first):
-    frontend: slot FREE      -> writes payload (prompt in the arena, sampling fields, seq+1,
-                                cancel=0, consumed=0) -> writes state=WRITTEN
+    frontend: slot FREE      -> writes the prompt into the arena and the slot's request record
+                                (seq+1, consumed=0, sampling fields) -> fence -> state=WRITTEN;
+                                cancel is 0 already (a FREE slot always has cancel 0)
     engine:   state WRITTEN  -> copies the prompt out of the arena, resets the stream
                                 (stream_seq=seq, produced=0, finish=NONE) -> state=RUNNING;
                                 from then on the frontend may reuse that arena range
@@ -22,7 +28,7 @@ Protocol (payload first, then the state word; readers read the state word first)
                                 produced += 1; never when produced - consumed == capacity
     engine:   finished       -> writes finish_reason, then state=FINISHED
     frontend: reads tokens up to produced, bumps consumed; after FINISHED and everything
-                                read -> state=FREE
+                                read -> (cancel=0 if it was set) -> fence -> state=FREE
     frontend: cancel=1 at any time after WRITTEN; the engine finishes the request with
                                 FINISH_ABORT within one step.
 """
@@ -34,9 +40,10 @@ from typing import Any, Iterator
 import numpy as np
 
 from blink.errors import BlinkError
+from blink.shared.sampling_fields import SAMPLING_FIELDS, numpy_fields
 
 MAGIC = int.from_bytes(b"BLINKRNG", "little")
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: the request record (one contiguous payload per slot)
 ALIGN = 64
 
 # Control block word indices (all int64).
@@ -110,32 +117,46 @@ class RingConfig:
 
 
 def _slot_fields(cfg: RingConfig) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
-    """Request-slot fields: (name, dtype, per-slot shape)."""
-    i32, i64, f32 = np.dtype("<i4"), np.dtype("<i8"), np.dtype("<f4")
+    """Request-slot arrays of their own (one array per field over the slots): the words the
+    device loop polls (read contiguously by tier B's gate kernel)."""
+    i32 = np.dtype("<i4")
     return [
         ("state", i32, ()),
-        ("cancel", i32, ()),
+        ("cancel", i32, ()),  # 0 whenever the slot is FREE (the frontend clears it on freeing)
+    ]
+
+
+#: The slot's request record: everything the frontend writes for a new request, in one
+#: contiguous record per slot so that one transport write carries the whole payload.
+REQUEST = "request"
+
+
+def _request_header_fields() -> list[tuple[str, np.dtype, tuple[int, ...]]]:
+    """The request record's fields before the sampling fields."""
+    i32, i64 = np.dtype("<i4"), np.dtype("<i8")
+    return [
         ("seq", i64, ()),
         ("request_id", i64, ()),
         ("arrival", i64, ()),  # global ticket: FCFS order of admission
         ("prompt_offset", i64, ()),  # in arena tokens; the prompt wraps around the arena end
+        ("consumed", i64, ()),  # stream entries the frontend has read (it alone writes this)
         ("prompt_len", i32, ()),
-        ("max_tokens", i32, ()),
-        ("min_tokens", i32, ()),
-        ("ignore_eos", i32, ()),
-        ("n_logprobs", i32, ()),
-        ("top_k", i32, ()),
-        ("temperature", f32, ()),
-        ("top_p", f32, ()),
-        ("min_p", f32, ()),
-        ("repetition_penalty", f32, ()),
-        ("presence_penalty", f32, ()),
-        ("frequency_penalty", f32, ()),
-        ("seed", i64, ()),
-        ("stop_ids", i32, (cfg.max_stop_ids,)),  # -1 padded
-        ("logit_bias_ids", i32, (cfg.max_logit_bias,)),  # -1 padded
-        ("logit_bias_values", f32, (cfg.max_logit_bias,)),
     ]
+
+
+def request_record_dtype(cfg: RingConfig) -> np.dtype:
+    """The numpy structured dtype of one slot's request record: the header fields, then the
+    sampling fields of :data:`blink.shared.sampling_fields.SAMPLING_FIELDS` (the one table),
+    each aligned to its item size, the record size a multiple of 8."""
+    names, formats, offsets, offset = [], [], [], 0
+    for name, dtype, shape in _request_header_fields() + numpy_fields(cfg):
+        offset = -(-offset // dtype.itemsize) * dtype.itemsize
+        names.append(name)
+        formats.append((dtype, shape) if shape else dtype)
+        offsets.append(offset)
+        offset += dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+    itemsize = -(-offset // 8) * 8
+    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": itemsize})
 
 
 def _stream_fields(cfg: RingConfig) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
@@ -144,8 +165,7 @@ def _stream_fields(cfg: RingConfig) -> list[tuple[str, np.dtype, tuple[int, ...]
     cap, n = cfg.stream_capacity, max(cfg.max_logprobs, 1)
     return [
         ("stream_seq", i64, ()),  # the slot seq this stream currently serves
-        ("produced", i64, ()),  # written by the engine
-        ("consumed", i64, ()),  # written by the frontend
+        ("produced", i64, ()),  # written by the engine (``consumed`` is in the request record)
         ("finish_reason", i32, ()),
         ("num_prompt_tokens", i32, ()),
         ("num_cached_tokens", i32, ()),  # prompt tokens served from the prefix cache
@@ -161,20 +181,35 @@ class FieldSpec:
     name: str
     dtype: np.dtype
     shape: tuple[int, ...]  # full shape, leading n_slots (or arena/control size)
-    offset: int  # byte offset in the region
+    offset: int  # byte offset in the region (of entry 0)
+    #: bytes from one slot's entry to the next: the row size for a region of its own, the
+    #: record size for a field of the request record (None: the row size)
+    stride: int | None = None
+    #: the record this field lives in (:data:`REQUEST`), None for a region of its own
+    record: str | None = None
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one entry of the leading dimension."""
+        return int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+
+    @property
+    def row_stride(self) -> int:
+        return self.row_nbytes if self.stride is None else self.stride
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * self.dtype.itemsize
+        """Bytes the field spans, from entry 0 to the end of the last entry."""
+        return (self.shape[0] - 1) * self.row_stride + self.row_nbytes
 
     def element_offset(self, index: tuple[int, ...] | int) -> int:
         """Byte offset of one element (or one row, given a shorter index) in the region."""
         index = (index,) if isinstance(index, int) else index
-        strides = _c_strides(self.shape, self.dtype.itemsize)
+        strides = (self.row_stride, *c_strides(self.shape[1:], self.dtype.itemsize))
         return self.offset + sum(i * s for i, s in zip(index, strides))
 
 
-def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+def c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     strides, acc = [], itemsize
     for dim in reversed(shape):
         strides.append(acc)
@@ -187,22 +222,37 @@ def _align(n: int) -> int:
 
 
 class RingLayout:
-    """Byte offsets of every field for a given :class:`RingConfig`."""
+    """Byte offsets of every field for a given :class:`RingConfig`.
+
+    ``regions``: the region's top-level parts in address order, each 64-byte aligned (control,
+    the slot arrays, the request records, the arena, the stream arrays). ``fields``: every
+    named field, the request record's sub-fields included (strided: ``stride`` is the record
+    size). Iterating a layout gives ``fields``.
+    """
 
     def __init__(self, cfg: RingConfig) -> None:
         self.config = cfg
         self.fields: dict[str, FieldSpec] = {}
+        self.regions: dict[str, FieldSpec] = {}
         offset = 0
 
-        def add(name: str, dtype: np.dtype, shape: tuple[int, ...]) -> None:
+        def add(name: str, dtype: np.dtype, shape: tuple[int, ...]) -> FieldSpec:
             nonlocal offset
             spec = FieldSpec(name, np.dtype(dtype), shape, offset)
-            self.fields[name] = spec
+            self.fields[name] = self.regions[name] = spec
             offset = _align(offset + spec.nbytes)
+            return spec
 
         add("control", np.dtype("<i8"), (CONTROL_WORDS,))
         for name, dtype, shape in _slot_fields(cfg):
             add(name, dtype, (cfg.n_slots, *shape))
+        self.request_dtype = record = request_record_dtype(cfg)
+        base = add(REQUEST, record, (cfg.n_slots,))
+        for name in record.names:
+            sub, sub_offset = record.fields[name][:2]
+            dtype, shape = (sub.base, sub.shape) if sub.subdtype else (sub, ())
+            self.fields[name] = FieldSpec(name, dtype, (cfg.n_slots, *shape),
+                                          base.offset + sub_offset, record.itemsize, REQUEST)
         add("arena", np.dtype("<i4"), (cfg.arena_tokens,))
         for name, dtype, shape in _stream_fields(cfg):
             add(name, dtype, (cfg.n_slots, *shape))
@@ -215,7 +265,9 @@ class RingLayout:
 class Ring:
     """Named numpy views of the ring fields over a writable buffer (shared memory, pinned
     host memory, a registered RDMA region...). Attribute access gives the array:
-    ``ring.state[slot]``, ``ring.tokens[slot, i]``, ``ring.control[C_HEARTBEAT]``."""
+    ``ring.state[slot]``, ``ring.tokens[slot, i]``, ``ring.control[C_HEARTBEAT]``; the
+    request record's sub-fields are strided views (``ring.seed[slot]``), ``ring.request`` the
+    records themselves."""
 
     def __init__(self, buffer, layout: RingLayout) -> None:
         raw = np.frombuffer(buffer, dtype=np.uint8)
@@ -228,7 +280,10 @@ class Ring:
         self.config = layout.config
         self.arrays: dict[str, np.ndarray] = {}
         for spec in layout:
-            view = raw[spec.offset : spec.offset + spec.nbytes].view(spec.dtype).reshape(spec.shape)
+            if spec.record is not None:
+                view = self.arrays[spec.record][spec.name]
+            else:
+                view = raw[spec.offset : spec.offset + spec.nbytes].view(spec.dtype).reshape(spec.shape)
             self.arrays[spec.name] = view
             setattr(self, spec.name, view)
 
@@ -251,8 +306,9 @@ class Ring:
         c[C_MAX_LOGIT_BIAS] = cfg.max_logit_bias
         c[C_MAX_MODEL_LEN] = cfg.max_model_len
         c[C_ENGINE_STATE] = ENGINE_STARTING
-        ring.stop_ids[:] = -1
-        ring.logit_bias_ids[:] = -1
+        for f in SAMPLING_FIELDS:  # neutral values (-1 padding for id vectors)
+            if f.pad != 0:
+                ring.arrays[f.name][...] = f.pad
         c[C_MAGIC] = MAGIC  # last: a reader that sees the magic sees a complete header
         return ring
 

@@ -351,7 +351,7 @@ class RingEngineClient:
         ring_id = self.ring.new_request_id()
         deadline = time.monotonic() + self.submit_timeout_s
         while True:
-            handle = self.ring.try_submit(ring_id, prompt_ids, **fields)
+            handle = self.ring.try_submit(ring_id, prompt_ids, fields)
             if handle is not None:
                 break
             if time.monotonic() >= deadline:

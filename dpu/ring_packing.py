@@ -1,33 +1,40 @@
-"""Request parameters → the ring slot's fields: what the frontend writes, in one place.
+"""Request parameters → the slot's packed request record: what the frontend writes, in one place.
 
-numpy only (runs on the DPU image). Two steps, both here so that the table of sampling fields
-can be changed in one module (:mod:`blink.dpu.ring_protocol` only writes what
-:func:`slot_field_values` returns, in its order):
+numpy only (runs on the DPU image). The record's sampling fields are the one table's
+(:data:`blink.shared.sampling_fields.SAMPLING_FIELDS`, which also states the ring
+conventions); its dtype is :func:`blink.ring.request_record_dtype`. Two entry points:
 
-- :func:`ring_fields`: :class:`SamplingParams` → the keyword fields
-  :meth:`~blink.dpu.ring_protocol.RingClient.try_submit` takes (the conventions below).
-- :func:`slot_field_values`: those keyword fields → the value of every per-request sampling
-  field of the slot (ring field name → value), validated against the ring's sizes.
+- :func:`pack_sampling`: keyword values under the table's names (``logit_bias`` may come as
+  one mapping instead of ``logit_bias_ids`` / ``logit_bias_values``) → a 0-d record with every
+  sampling field set, checked against the ring's sizes (the only place those checks run).
+- :func:`ring_fields`: a validated :class:`SamplingParams` → the same record (it converts:
+  ``max_tokens`` made concrete, ``top_k`` -1 → 0, a seed drawn, ``logprobs`` None → 0).
 
-Ring field conventions the frontend writes (the engine side reads them the same way):
-
-- ``top_k``: 0 means off (SamplingParams' -1 is written as 0; the sampler treats <= 0 as off).
-- ``n_logprobs``: how many top alternatives to return, 0 = none; the chosen token's logprob is
-  always written by the engine and the frontend returns it only if the request asked.
-- ``seed``: always set; a request without one gets a random 63-bit seed here.
-- ``max_tokens``: always concrete (``max_model_len - prompt_len`` when the request gave none).
-- ``stop_ids`` / ``logit_bias_ids``: -1 padded; more than the ring holds is refused.
+:meth:`~blink.dpu.ring_protocol.RingClient.try_submit` fills in the record's header (seq,
+request id, arrival, prompt location, consumed = 0) and writes the whole record at once.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from functools import lru_cache
+from typing import Any, Mapping
 
 import numpy as np
 
+from blink.ring import RingConfig, request_record_dtype
+from blink.shared.sampling_fields import FIELDS_BY_NAME, SAMPLING_FIELDS
 from blink.shared.sampling_params import SamplingParams, SamplingParamsError, draw_seed
-from blink.ring import RingConfig
 
 INT32_MAX = 2**31 - 1
+
+#: Values of the fields a caller of :func:`pack_sampling` leaves out (``max_tokens`` has none).
+_DEFAULTS: dict[str, Any] = {
+    "min_tokens": 0, "ignore_eos": 0, "logprobs": 0, "top_k": 0, "temperature": 1.0,
+    "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+    "frequency_penalty": 0.0, "seed": 0, "stop_token_ids": (), "logit_bias_ids": (),
+    "logit_bias_values": (),
+}
+#: What a vector field's capacity counts, for the error message.
+_UNITS = {"stop_token_ids": "ids", "logit_bias_ids": "entries", "logit_bias_values": "entries"}
 
 
 class RingRequestError(SamplingParamsError):
@@ -35,9 +42,78 @@ class RingRequestError(SamplingParamsError):
     logit-bias entries than the ring holds...). A client error, not an engine failure."""
 
 
+@lru_cache(maxsize=8)
+def record_dtype(cfg: RingConfig) -> np.dtype:
+    return request_record_dtype(cfg)
+
+
+def _fits(name: str, dtype: np.dtype, values: np.ndarray) -> None:
+    if dtype.kind == "i" and values.size:
+        info = np.iinfo(dtype)
+        lo, hi = int(values.min()), int(values.max())
+        if lo < info.min or hi > info.max:
+            bad = lo if lo < info.min else hi
+            raise RingRequestError(
+                f"{name} must fit in a signed {info.bits}-bit integer, got {bad}"
+            )
+
+
+def pack_sampling(cfg: RingConfig, *, logit_bias: Mapping[int, float] | None = None,
+                  **values: Any) -> np.ndarray:
+    """A 0-d request record (dtype :func:`record_dtype`) with every sampling field set from
+    ``values`` (table names; ``max_tokens`` is required, the rest default to "off").
+
+    Raises :class:`RingRequestError` when a value does not fit the ring (capacity, bound,
+    integer width): before anything is written.
+    """
+    unknown = sorted(set(values) - FIELDS_BY_NAME.keys())
+    if unknown:
+        raise TypeError(f"unknown ring sampling field(s): {', '.join(unknown)}")
+    if "max_tokens" not in values:
+        raise TypeError("pack_sampling() needs max_tokens")
+    source = {"logit_bias_ids": "logit_bias_ids", "logit_bias_values": "logit_bias_values"}
+    if logit_bias is not None:
+        bias = dict(logit_bias)
+        values["logit_bias_ids"], values["logit_bias_values"] = list(bias), list(bias.values())
+        source = {"logit_bias_ids": "logit_bias", "logit_bias_values": "logit_bias"}
+    if values["max_tokens"] < 1:
+        raise RingRequestError(f"max_tokens must be at least 1, got {values['max_tokens']}")
+    values["top_k"] = max(int(values.get("top_k", 0)), 0)  # 0 = off
+    values["ignore_eos"] = int(bool(values.get("ignore_eos", 0)))
+
+    record = np.zeros((), dtype=record_dtype(cfg))
+    for f in SAMPLING_FIELDS:
+        dtype = np.dtype(f.dtype)
+        value = values.get(f.name, _DEFAULTS.get(f.name))
+        if f.width is not None:
+            cap = getattr(cfg, f.width)
+            given = np.asarray(list(value), dtype=np.float64 if dtype.kind == "f" else object)
+            if given.size > cap:
+                name = source.get(f.name, f.name)
+                raise RingRequestError(
+                    f"{name} can hold at most {cap} {_UNITS[f.name]} in this engine, "
+                    f"got {given.size}"
+                )
+            _fits(f.name, dtype, given)
+            entries = np.full(cap, f.pad, dtype=dtype)
+            entries[: given.size] = given
+            record[f.name] = entries
+            continue
+        if f.bound is not None:
+            bound = getattr(cfg, f.bound)
+            if value < 0:
+                raise RingRequestError(f"{f.name} must be non-negative, got {value}")
+            if value > bound:
+                raise RingRequestError(f"{f.name} can be at most {bound} in this engine, got {value}")
+        _fits(f.name, dtype, np.asarray([value], dtype=object))
+        record[f.name] = value
+    return record
+
+
 def ring_fields(params: SamplingParams, prompt_len: int, max_model_len: int,
-                cfg: RingConfig) -> dict[str, Any]:
-    """The slot fields for ``params`` (see the module docstring for the conventions)."""
+                cfg: RingConfig) -> np.ndarray:
+    """The packed request record for ``params`` (validated by SamplingParams already; the
+    ring's own limits are checked here, once)."""
     if params.n != 1:
         raise RingRequestError(f"the engine takes one sequence per request, got n={params.n}")
     if prompt_len >= max_model_len and params.max_tokens is None:
@@ -46,27 +122,13 @@ def ring_fields(params: SamplingParams, prompt_len: int, max_model_len: int,
             f"max_model_len={max_model_len}"
         )
     max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - prompt_len
-    if len(params.stop_token_ids) > cfg.max_stop_ids:
-        raise RingRequestError(
-            f"stop_token_ids can hold at most {cfg.max_stop_ids} ids in this engine, "
-            f"got {len(params.stop_token_ids)}"
-        )
-    if len(params.logit_bias) > cfg.max_logit_bias:
-        raise RingRequestError(
-            f"logit_bias can hold at most {cfg.max_logit_bias} entries in this engine, "
-            f"got {len(params.logit_bias)}"
-        )
-    n_logprobs = params.logprobs or 0
-    if n_logprobs > cfg.max_logprobs:
-        raise RingRequestError(
-            f"logprobs can be at most {cfg.max_logprobs} in this engine, got {n_logprobs}"
-        )
-    return dict(
+    return pack_sampling(
+        cfg,
         max_tokens=min(max_tokens, INT32_MAX),
         min_tokens=params.min_tokens,
         ignore_eos=params.ignore_eos,
-        n_logprobs=n_logprobs,
-        top_k=params.top_k if params.top_k > 0 else 0,
+        logprobs=params.logprobs or 0,
+        top_k=params.top_k,
         temperature=params.temperature,
         top_p=params.top_p,
         min_p=params.min_p,
@@ -74,62 +136,6 @@ def ring_fields(params: SamplingParams, prompt_len: int, max_model_len: int,
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
         seed=params.seed if params.seed is not None else draw_seed(),
-        stop_ids=list(params.stop_token_ids),
-        logit_bias=dict(params.logit_bias),
+        stop_token_ids=params.stop_token_ids,
+        logit_bias=params.logit_bias,
     )
-
-
-def slot_field_values(
-    cfg: RingConfig,
-    *,
-    max_tokens: int,
-    min_tokens: int = 0,
-    ignore_eos: bool = False,
-    n_logprobs: int = 0,
-    top_k: int = 0,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    min_p: float = 0.0,
-    repetition_penalty: float = 1.0,
-    presence_penalty: float = 0.0,
-    frequency_penalty: float = 0.0,
-    seed: int = 0,
-    stop_ids: Sequence[int] = (),
-    logit_bias: Mapping[int, float] | None = None,
-) -> dict[str, Any]:
-    """Ring field name → value for every sampling field of a request slot, in write order.
-
-    Raises :class:`RingRequestError` before anything is written when a value does not fit.
-    """
-    stop = np.full(cfg.max_stop_ids, -1, dtype="<i4")
-    bias_ids = np.full(cfg.max_logit_bias, -1, dtype="<i4")
-    bias_vals = np.zeros(cfg.max_logit_bias, dtype="<f4")
-    if len(stop_ids) > cfg.max_stop_ids:
-        raise RingRequestError(f"at most {cfg.max_stop_ids} stop token ids fit in the ring, got {len(stop_ids)}")
-    logit_bias = dict(logit_bias or {})
-    if len(logit_bias) > cfg.max_logit_bias:
-        raise RingRequestError(f"at most {cfg.max_logit_bias} logit_bias entries fit in the ring, got {len(logit_bias)}")
-    if not 0 <= n_logprobs <= cfg.max_logprobs:
-        raise RingRequestError(f"n_logprobs must be in [0, {cfg.max_logprobs}], got {n_logprobs}")
-    if max_tokens < 1:
-        raise RingRequestError(f"max_tokens must be at least 1, got {max_tokens}")
-    stop[: len(stop_ids)] = list(stop_ids)
-    bias_ids[: len(logit_bias)] = list(logit_bias.keys())
-    bias_vals[: len(logit_bias)] = list(logit_bias.values())
-    return {
-        "max_tokens": max_tokens,
-        "min_tokens": min_tokens,
-        "ignore_eos": int(bool(ignore_eos)),
-        "n_logprobs": n_logprobs,
-        "top_k": top_k if top_k > 0 else 0,
-        "temperature": temperature,
-        "top_p": top_p,
-        "min_p": min_p,
-        "repetition_penalty": repetition_penalty,
-        "presence_penalty": presence_penalty,
-        "frequency_penalty": frequency_penalty,
-        "seed": seed,
-        "stop_ids": stop,
-        "logit_bias_ids": bias_ids,
-        "logit_bias_values": bias_vals,
-    }

@@ -27,7 +27,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from blink.dpu.ring_packing import INT32_MAX, RingRequestError, slot_field_values
+from blink.dpu.ring_packing import INT32_MAX, RingRequestError, pack_sampling
 from blink.errors import BlinkError
 from blink.ring import (
     C_ENGINE_STATE,
@@ -41,6 +41,7 @@ from blink.ring import (
     SLOT_FREE,
     SLOT_RUNNING,
     SLOT_WRITTEN,
+    REQUEST,
     RingLayout,
     RingLayoutError,
     read_header,
@@ -243,9 +244,11 @@ class RingClient:
         return self._spec[name].element_offset(slot)
 
     def _read_field(self, name: str, lo: int, hi: int) -> np.ndarray:
-        """Rows [lo, hi) of a per-slot field."""
+        """Rows [lo, hi) of a per-slot field (of a request record's field: the records read)."""
         spec = self._spec[name]
-        row = spec.nbytes // spec.shape[0]
+        if spec.record is not None:
+            return self._read_field(spec.record, lo, hi)[name]
+        row = spec.row_nbytes
         raw = self.transport.read(spec.offset + lo * row, (hi - lo) * row)
         return raw.view(spec.dtype).reshape((hi - lo, *spec.shape[1:]))
 
@@ -282,6 +285,8 @@ class RingClient:
             if st == SLOT_FREE:
                 self._free.append(slot)
             elif st == SLOT_FINISHED:
+                self._write_field("cancel", slot, 0)  # FREE slots have cancel 0 (submit relies on it)
+                self.transport.fence()
                 self._write_field("state", slot, SLOT_FREE)  # nobody will read it any more
                 self._free.append(slot)
             elif st in (SLOT_WRITTEN, SLOT_RUNNING):
@@ -351,17 +356,24 @@ class RingClient:
         return prompt.astype("<i4")
 
     def try_submit(self, request_id: int, prompt_ids: Sequence[int] | np.ndarray,
-                   **fields: Any) -> RingHandle | None:
+                   sampling: np.ndarray | None = None, **fields: Any) -> RingHandle | None:
         """Write one request into a free slot; None while no slot or arena space is free.
 
-        ``fields`` are :func:`~blink.dpu.ring_packing.slot_field_values`' keywords (what
-        :func:`~blink.dpu.ring_packing.ring_fields` returns). Order: prompt tokens and every
-        slot field (payload), fence, then state=WRITTEN, so the engine never sees the state
-        word before the payload.
+        ``sampling``: the packed record :func:`~blink.dpu.ring_packing.ring_fields` returns;
+        else ``fields`` are :func:`~blink.dpu.ring_packing.pack_sampling`'s keywords. Order:
+        the prompt tokens, the slot's whole request record (one write), fence, then
+        state=WRITTEN, so the engine never sees the state word before the payload. ``cancel``
+        is not written: it is 0 whenever a slot is FREE (cleared when a cancelled slot is
+        freed).
         """
         prompt = self._check_prompt(prompt_ids)
         cfg = self.config
-        values = slot_field_values(cfg, **fields)
+        if sampling is None:
+            sampling = pack_sampling(cfg, **fields)
+        elif fields:
+            raise TypeError("try_submit takes a packed record or keyword fields, not both")
+        elif sampling.dtype != self.layout.request_dtype:
+            raise TypeError("try_submit: the record was packed for another ring layout")
         with self._lock:
             if not self._free:
                 return None
@@ -383,33 +395,34 @@ class RingClient:
             for off, count in rng.segments(cfg.arena_tokens):
                 t.write(arena.element_offset(off), prompt[pos : pos + count])
                 pos += count
-            w = self._write_field
-            w("seq", slot, seq)
-            w("cancel", slot, 0)
-            w("request_id", slot, request_id)
-            w("arrival", slot, arrival)
-            w("prompt_offset", slot, rng.start % cfg.arena_tokens)
-            w("prompt_len", slot, prompt.size)
-            for name, value in values.items():
-                w(name, slot, value)
-            w("consumed", slot, 0)
+            record = sampling.reshape(1).copy()  # the caller's record stays as it was
+            record["seq"] = seq
+            record["request_id"] = request_id
+            record["arrival"] = arrival
+            record["prompt_offset"] = rng.start % cfg.arena_tokens
+            record["prompt_len"] = prompt.size
+            record["consumed"] = 0
+            t.write(self._offset(REQUEST, slot), record.view(np.uint8))
             # publish ---------------------------------------------------------------
             t.fence()
-            w("state", slot, SLOT_WRITTEN)
-            handle = RingHandle(slot, seq, request_id, int(values["n_logprobs"]), rng)
+            self._write_field("state", slot, SLOT_WRITTEN)
+            handle = RingHandle(slot, seq, request_id, int(record["logprobs"][0]), rng)
             self._active[slot] = handle
             return handle
 
-    def submit(self, request_id: int, prompt_ids: Sequence[int] | np.ndarray, *,
-               timeout_s: float = 5.0, **fields: Any) -> RingHandle:
+    def submit(self, request_id: int, prompt_ids: Sequence[int] | np.ndarray,
+               sampling: np.ndarray | None = None, *, timeout_s: float = 5.0,
+               **fields: Any) -> RingHandle:
         """:meth:`try_submit`, waiting up to ``timeout_s`` for room, then :class:`RingFullError`.
 
         Slots come back only through polling: wait here only while another thread polls.
         """
+        if sampling is None:  # packed (and checked) once, not once per retry
+            sampling, fields = pack_sampling(self.config, **fields), {}
         deadline = time.monotonic() + timeout_s
         delay = 1e-4
         while True:
-            handle = self.try_submit(request_id, prompt_ids, **fields)
+            handle = self.try_submit(request_id, prompt_ids, sampling, **fields)
             if handle is not None:
                 return handle
             if time.monotonic() >= deadline:
@@ -526,6 +539,8 @@ class RingClient:
             if reason is None:
                 raise RingProtocolError(f"slot {slot} finished with an invalid finish reason {code}")
             # Everything is read: the slot is ours again.
+            if h.cancelled:  # FREE slots have cancel 0: submit does not write it
+                self._write_field("cancel", slot, 0)
             self.transport.fence()
             self._write_field("state", slot, SLOT_FREE)
             h.done = True

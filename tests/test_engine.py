@@ -325,7 +325,7 @@ def test_cancel_within_one_step_frees_slot_and_blocks(model_dir):
         prompt = SEEDED[2]
         fields = ring_fields(SamplingParams(max_tokens=200, **GREEDY), len(prompt),
                              llm.max_model_len, ring.config)
-        handle = ring.try_submit(ring.new_request_id(), prompt, **fields)
+        handle = ring.try_submit(ring.new_request_id(), prompt, fields)
         assert handle is not None
         got: list[int] = []
 
@@ -350,7 +350,7 @@ def test_cancel_within_one_step_frees_slot_and_blocks(model_dir):
         assert stats(llm, C_STAT_RUNNING) == 0 and stats(llm, C_STAT_WAITING) == 0
 
         # cancelled right after being written (before admission, or at it): aborted too
-        handle = ring.try_submit(ring.new_request_id(), prompt, **fields)
+        handle = ring.try_submit(ring.new_request_id(), prompt, fields)
         ring.cancel(handle)
         permits.release()
         wait_for(lambda: (ring.poll(handle), handle.done)[1], what="the request cancelled at once")
@@ -377,7 +377,7 @@ def test_tiny_streams_with_slow_reader_lose_nothing(model_dir, ref):
         for p in prompts:
             fields = ring_fields(SamplingParams(max_tokens=30, **GREEDY), len(p),
                                  llm.max_model_len, ring.config)
-            handles.append(ring.try_submit(ring.new_request_id(), p, **fields))
+            handles.append(ring.try_submit(ring.new_request_id(), p, fields))
         got: dict[int, list[int]] = {i: [] for i in range(3)}
         full_reads = 0
         deadline = time.monotonic() + 60

@@ -351,7 +351,7 @@ def test_device_ring_views_match_the_cpu_layout():
     for name in cpu:
         assert views[name].shape == cpu[name].shape and views[name].dtype == cpu[name].dtype
         assert views[name].data_ptr() == cpu[name].data_ptr()
-    assert np.array_equal(views["stop_ids"].numpy(), ring.stop_ids)
+    assert np.array_equal(views["stop_token_ids"].numpy(), ring.stop_token_ids)
     assert ctypes.sizeof(abi.LoopParams) == abi.LOOP_PARAMS_BYTES
 
 

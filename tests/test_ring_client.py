@@ -151,7 +151,7 @@ def test_ring_fields_conventions():
     cfg = RingConfig(n_slots=4, arena_tokens=256, max_model_len=128, max_stop_ids=2, max_logit_bias=2,
                      max_logprobs=3)
     f = ring_fields(SamplingParams(max_tokens=None, top_k=-1), 10, 128, cfg)
-    assert f["max_tokens"] == 118 and f["top_k"] == 0 and f["n_logprobs"] == 0
+    assert f["max_tokens"] == 118 and f["top_k"] == 0 and f["logprobs"] == 0
     assert 0 <= f["seed"] < 2**63
     assert ring_fields(SamplingParams(seed=7, top_k=5, logprobs=2), 10, 128, cfg)["seed"] == 7
     assert ring_fields(SamplingParams(top_k=5), 10, 128, cfg)["top_k"] == 5
@@ -172,16 +172,16 @@ def test_ring_fields_conventions():
 
 def test_submit_poll_roundtrip_with_all_fields(setup):
     c, e = setup.client, setup.engine
-    h = c.submit(42, [3, 4, 5], max_tokens=5, min_tokens=1, top_k=7, seed=99, n_logprobs=2,
-                 temperature=0.5, stop_ids=[100], logit_bias={11: -2.0})
+    h = c.submit(42, [3, 4, 5], max_tokens=5, min_tokens=1, top_k=7, seed=99, logprobs=2,
+                 temperature=0.5, stop_token_ids=[100], logit_bias={11: -2.0})
     assert setup.ring.state[h.slot] == SLOT_WRITTEN
     tokens, logprobs, reasons = drain(c, h, e)
     assert tokens == [3, 4, 5, 3, 4] and reasons == ["length"]
     assert logprobs == pytest.approx([token_logprob(t) for t in tokens])
     got = e.claimed[-1]
     assert got["request_id"] == 42 and got["prompt"] == [3, 4, 5] and got["seq"] == h.seq
-    assert (got["max_tokens"], got["min_tokens"], got["top_k"], got["seed"], got["n_logprobs"]) == (5, 1, 7, 99, 2)
-    assert got["temperature"] == 0.5 and got["stop_ids"] == [100] and got["logit_bias"] == {11: -2.0}
+    assert (got["max_tokens"], got["min_tokens"], got["top_k"], got["seed"], got["logprobs"]) == (5, 1, 7, 99, 2)
+    assert got["temperature"] == 0.5 and got["stop_token_ids"] == [100] and got["logit_bias"] == {11: -2.0}
     assert setup.ring.state[h.slot] == SLOT_FREE and h.done
     assert c.free_slots == 8 and c.arena.used == 0
 
@@ -189,7 +189,7 @@ def test_submit_poll_roundtrip_with_all_fields(setup):
 def test_top_logprobs_and_prompt_counts(setup):
     c, e = setup.client, setup.engine
     e.cached_tokens = 2
-    h = c.submit(1, [10, 20, 30], max_tokens=3, n_logprobs=3)
+    h = c.submit(1, [10, 20, 30], max_tokens=3, logprobs=3)
     seen = []
     for _ in range(50):
         e.step()
@@ -207,7 +207,7 @@ def test_top_logprobs_and_prompt_counts(setup):
 
 def test_stop_token_and_seq_increments_on_reuse(setup):
     c, e = setup.client, setup.engine
-    h1 = c.submit(1, [1, 2, 3], max_tokens=10, stop_ids=[3])
+    h1 = c.submit(1, [1, 2, 3], max_tokens=10, stop_token_ids=[3])
     assert drain(c, h1, e)[0:3:2] == ([1, 2, 3], ["stop"])
     h2 = c.submit(2, [1, 2, 3], max_tokens=2)
     assert h2.slot == h1.slot and h2.seq == h1.seq + 1  # lowest free slot reused, no ABA
@@ -232,6 +232,13 @@ def test_cancel_finishes_with_abort_and_frees_the_slot(setup):
     c.cancel(h)  # idempotent
     _, _, reasons = drain(c, h, e)
     assert reasons == ["abort"] and c.free_slots == 8
+    # Submit does not write cancel: freeing a cancelled slot cleared it, so the slot's next
+    # request runs normally.
+    assert setup.ring.cancel[h.slot] == 0
+    h2 = c.submit(2, [1], max_tokens=2)
+    assert h2.slot == h.slot
+    _, _, reasons = drain(c, h2, e)
+    assert reasons == ["length"]
 
 
 def test_cancel_before_admission(setup):
@@ -314,8 +321,8 @@ def test_bad_prompts_are_refused(setup):
         c.try_submit(1, [1] * 129, max_tokens=1)
     with pytest.raises(RingRequestError, match=r"\[0, 2\*\*31\)"):
         c.try_submit(1, [-1], max_tokens=1)
-    with pytest.raises(RingRequestError, match="at most 4 stop"):
-        c.try_submit(1, [1], max_tokens=1, stop_ids=[1, 2, 3, 4, 5])
+    with pytest.raises(RingRequestError, match="stop_token_ids can hold at most 4 ids"):
+        c.try_submit(1, [1], max_tokens=1, stop_token_ids=[1, 2, 3, 4, 5])
     assert c.free_slots == 8 and c.arena.used == 0  # nothing was half-written
 
 

@@ -116,9 +116,9 @@ class FakeEngine:
         self.claimed.append(dict(
             slot=slot, seq=int(r.seq[slot]), request_id=int(r.request_id[slot]), prompt=prompt,
             max_tokens=int(r.max_tokens[slot]), min_tokens=int(r.min_tokens[slot]),
-            top_k=int(r.top_k[slot]), seed=int(r.seed[slot]), n_logprobs=int(r.n_logprobs[slot]),
+            top_k=int(r.top_k[slot]), seed=int(r.seed[slot]), logprobs=int(r.logprobs[slot]),
             temperature=float(r.temperature[slot]), arrival=int(r.arrival[slot]),
-            stop_ids=[int(t) for t in r.stop_ids[slot] if t >= 0],
+            stop_token_ids=[int(t) for t in r.stop_token_ids[slot] if t >= 0],
             logit_bias={int(t): float(v) for t, v in zip(r.logit_bias_ids[slot], r.logit_bias_values[slot]) if t >= 0},
         ))
         r.stream_seq[slot] = r.seq[slot]
@@ -150,14 +150,14 @@ class FakeEngine:
             pos = produced % cap
             r.tokens[slot, pos] = token
             r.logprob[slot, pos] = token_logprob(token)
-            k = int(r.n_logprobs[slot])
+            k = int(r.logprobs[slot])
             if k:
                 r.top_ids[slot, pos, :k] = token + np.arange(k)
                 r.top_logprobs[slot, pos, :k] = token_logprob(token) - np.arange(k)
             memory_fence()  # tokens before the counter that publishes them
             r.produced[slot] = produced + 1
             self.generated[slot] = i + 1
-            stops = set(int(t) for t in r.stop_ids[slot] if t >= 0)
+            stops = set(int(t) for t in r.stop_token_ids[slot] if t >= 0)
             if token in stops and i + 1 > int(r.min_tokens[slot]):
                 self._finish(slot, FINISH_STOP)
                 return
@@ -187,7 +187,7 @@ def test_fake_engine_claims_generates_and_finishes() -> None:
     ring.prompt_offset[slot], ring.prompt_len[slot] = 0, 3
     ring.max_tokens[slot] = 4
     ring.seq[slot] = 1
-    ring.stop_ids[slot] = -1
+    ring.stop_token_ids[slot] = -1
     ring.state[slot] = SLOT_WRITTEN
     for _ in range(10):
         engine.step()
@@ -203,7 +203,7 @@ def test_fake_engine_respects_backpressure_and_cancel() -> None:
     engine = FakeEngine(ring)
     ring.arena[:1] = [9]
     ring.prompt_len[0], ring.max_tokens[0], ring.seq[0] = 1, 50, 1
-    ring.stop_ids[0] = -1
+    ring.stop_token_ids[0] = -1
     ring.state[0] = SLOT_WRITTEN
     for _ in range(10):
         engine.step()

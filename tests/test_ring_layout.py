@@ -93,12 +93,24 @@ class ReorderingTransport(MemoryTransport):
 
 def test_fields_are_aligned_disjoint_and_inside_the_region():
     layout = RingLayout(RingConfig(**SMALL))
-    spans = sorted((f.offset, f.offset + f.nbytes, f.name) for f in layout)
+    spans = sorted((f.offset, f.offset + f.nbytes, f.name) for f in layout.regions.values())
     assert spans[0][2] == "control" and spans[0][0] == 0
     for (_, a1, _), (b0, _, _) in zip(spans, spans[1:]):
         assert a1 <= b0
-    assert all(f.offset % ALIGN == 0 for f in layout)
+    assert all(f.offset % ALIGN == 0 for f in layout.regions.values())
     assert spans[-1][1] <= layout.total_bytes and layout.total_bytes % ALIGN == 0
+    # The request record's fields: aligned to their item size, disjoint, inside the record.
+    record = layout.regions["request"]
+    assert record.row_stride % 8 == 0
+    subs = sorted((f.offset - record.offset, f.offset - record.offset + f.row_nbytes, f.name)
+                  for f in layout if f.record == "request")
+    assert subs and subs[0][0] == 0 and subs[-1][1] <= record.row_stride
+    for (_, a1, _), (b0, _, _) in zip(subs, subs[1:]):
+        assert a1 <= b0
+    for f in layout:
+        if f.record is not None:
+            assert f.offset % f.dtype.itemsize == 0 and f.row_stride == record.row_stride
+    assert set(layout.fields) == set(layout.regions) | {s[2] for s in subs}
 
 
 def test_element_offsets_match_the_numpy_views():
@@ -124,7 +136,7 @@ def test_attach_reads_the_same_config_and_memory():
 
 def test_create_leaves_padding_sentinels_and_magic_last():
     ring = make_ring(**SMALL)
-    assert (ring.stop_ids == -1).all() and (ring.logit_bias_ids == -1).all()
+    assert (ring.stop_token_ids == -1).all() and (ring.logit_bias_ids == -1).all()
     assert ring.control[C_VERSION] == LAYOUT_VERSION
     assert ring.control[C_TOTAL_BYTES] == ring.layout.total_bytes
 
@@ -180,10 +192,10 @@ def test_request_never_visible_before_its_payload_under_reordering(seed):
             off, n = int(ring.prompt_offset[slot]), int(ring.prompt_len[slot])
             prompt = ring.arena[(off + np.arange(n)) % ring.config.arena_tokens].tolist()
             seen.append((int(slot), int(ring.seq[slot]), int(ring.request_id[slot]), prompt,
-                         int(ring.max_tokens[slot]), ring.stop_ids[slot].tolist()))
+                         int(ring.max_tokens[slot]), ring.stop_token_ids[slot].tolist()))
 
     client = RingClient(ReorderingTransport(ring.buffer, engine_looks, seed))
-    handles = [client.try_submit(10 + i, [i + 1] * (i + 2), max_tokens=3 + i, stop_ids=[i])
+    handles = [client.try_submit(10 + i, [i + 1] * (i + 2), max_tokens=3 + i, stop_token_ids=[i])
                for i in range(4)]
     client.transport.fence()
     assert seen, "the engine never saw the requests"
@@ -199,7 +211,12 @@ def test_poll_reads_state_then_counter_then_tokens_and_frees_last():
 
     class Recording(MemoryTransport):
         def field(self, offset):
-            return next(f.name for f in ring.layout if f.offset <= offset < f.offset + f.nbytes)
+            for f in ring.layout:  # a request-record field first, then the region
+                if (f.record is not None and f.offset <= offset < f.offset + f.nbytes
+                        and (offset - f.offset) % f.row_stride < f.row_nbytes):
+                    return f.name
+            return next(f.name for f in ring.layout.regions.values()
+                        if f.offset <= offset < f.offset + f.nbytes)
 
         def read(self, offset, nbytes):
             log.append(("read", self.field(offset)))

@@ -430,11 +430,11 @@ def test_sampling_tensors_layout() -> None:
         [SamplingParams(temperature=0.5, top_k=4, logit_bias={3: 2.0}, logprobs=2, seed=1)]
     )
     assert st.temperature.dtype == torch.float32 and st.top_k.dtype == torch.int32
-    assert st.seed.dtype == torch.int64 and st.bias_ids.shape == (1, 32)
-    assert st.bias_ids[0, :2].tolist() == [3, -1] and st.bias_values[0, 0].item() == 2.0
-    assert st.n_logprobs.tolist() == [2]
+    assert st.seed.dtype == torch.int64 and st.logit_bias_ids.shape == (1, 32)
+    assert st.logit_bias_ids[0, :2].tolist() == [3, -1] and st.logit_bias_values[0, 0].item() == 2.0
+    assert st.logprobs.tolist() == [2]
     empty = SamplingTensors.empty(3)
-    assert (empty.temperature == 0).all() and (empty.bias_ids == -1).all()
+    assert (empty.temperature == 0).all() and (empty.logit_bias_ids == -1).all()
 
 
 # ----------------------------------------------------------------------------- compile

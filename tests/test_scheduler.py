@@ -153,13 +153,13 @@ class Frontend:
         ring.max_tokens[slot] = req.max_tokens
         ring.min_tokens[slot] = req.min_tokens
         ring.ignore_eos[slot] = int(req.ignore_eos)
-        ring.n_logprobs[slot] = req.n_logprobs
+        ring.logprobs[slot] = req.n_logprobs
         ring.top_k[slot] = 0
         ring.temperature[slot] = 0.0
         ring.top_p[slot] = 1.0
         ring.seed[slot] = 1234 + slot
-        ring.stop_ids[slot] = -1
-        ring.stop_ids[slot, : len(req.stop_ids)] = req.stop_ids
+        ring.stop_token_ids[slot] = -1
+        ring.stop_token_ids[slot, : len(req.stop_ids)] = req.stop_ids
         ring.logit_bias_ids[slot] = -1
         ring.cancel[slot] = 0
         ring.consumed[slot] = 0

@@ -44,63 +44,56 @@ from blink.shared.sampling_params import (
 )
 from blink.errors import BlinkError
 from blink.kernels import ops_for
+from blink.shared.sampling_fields import SAMPLER_FIELDS
+
+_TORCH_DTYPES = {"<i4": torch.int32, "<i8": torch.int64, "<f4": torch.float32}
 
 
 @dataclass
 class SamplingTensors:
     """Per-row sampling parameters as fixed-shape tensors on the sampling device.
 
-    B rows, K = logit-bias capacity (``MAX_LOGIT_BIAS`` by default).
+    B rows, K = logit-bias capacity (``MAX_LOGIT_BIAS`` by default). The attributes are the
+    ``sampler`` fields of :data:`blink.shared.sampling_fields.SAMPLING_FIELDS` (same names,
+    order and dtypes; ``tests/test_sampling_fields.py`` checks it).
 
-    temperature        f32 [B]   0 = greedy
+    logprobs           i32 [B]   how many top alternatives the row wants (0 = none)
     top_k              i32 [B]   <= 0 = off
+    temperature        f32 [B]   0 = greedy
     top_p              f32 [B]   1 = off
     min_p              f32 [B]   0 = off
     repetition_penalty f32 [B]   1 = off
     presence_penalty   f32 [B]   0 = off
     frequency_penalty  f32 [B]   0 = off
     seed               i64 [B]   always set: unseeded requests get :func:`draw_seed` at admission
-    bias_ids           i32 [B,K] token ids, -1 = padding
-    bias_values        f32 [B,K] added to the logits of ``bias_ids``
-    n_logprobs         i32 [B]   how many top alternatives the row wants (0 = none)
+    logit_bias_ids     i32 [B,K] token ids, -1 = padding
+    logit_bias_values  f32 [B,K] added to the logits of ``logit_bias_ids``
     """
 
-    temperature: torch.Tensor
+    logprobs: torch.Tensor
     top_k: torch.Tensor
+    temperature: torch.Tensor
     top_p: torch.Tensor
     min_p: torch.Tensor
     repetition_penalty: torch.Tensor
     presence_penalty: torch.Tensor
     frequency_penalty: torch.Tensor
     seed: torch.Tensor
-    bias_ids: torch.Tensor
-    bias_values: torch.Tensor
-    n_logprobs: torch.Tensor
+    logit_bias_ids: torch.Tensor
+    logit_bias_values: torch.Tensor
 
     @classmethod
     def empty(
         cls, batch: int, device: torch.device | str = "cpu", max_logit_bias: int = MAX_LOGIT_BIAS
     ) -> "SamplingTensors":
-        """``batch`` rows of neutral parameters (greedy, no filtering, no penalty, no bias)."""
-
-        def full(
-            value: float | int, dtype: torch.dtype, shape: tuple[int, ...] = (batch,)
-        ) -> torch.Tensor:
-            return torch.full(shape, value, dtype=dtype, device=device)
-
-        return cls(
-            temperature=full(0.0, torch.float32),
-            top_k=full(0, torch.int32),
-            top_p=full(1.0, torch.float32),
-            min_p=full(0.0, torch.float32),
-            repetition_penalty=full(1.0, torch.float32),
-            presence_penalty=full(0.0, torch.float32),
-            frequency_penalty=full(0.0, torch.float32),
-            seed=full(0, torch.int64),
-            bias_ids=full(-1, torch.int32, (batch, max_logit_bias)),
-            bias_values=full(0.0, torch.float32, (batch, max_logit_bias)),
-            n_logprobs=full(0, torch.int32),
-        )
+        """``batch`` rows of neutral parameters (greedy, no filtering, no penalty, no bias):
+        every field's ``pad`` value from the table."""
+        sizes = SimpleNamespace(max_logit_bias=max_logit_bias)
+        return cls(**{
+            f.name: torch.full((batch, *f.shape(sizes)), f.pad, dtype=_TORCH_DTYPES[f.dtype],
+                               device=device)
+            for f in SAMPLER_FIELDS
+        })
 
     @classmethod
     def from_params(
@@ -122,7 +115,7 @@ class SamplingTensors:
 
     def set_row(self, row: int, params: SamplingParams, seed: int | None = None) -> None:
         """Write one request's parameters into row ``row`` (a host-side write, at admission)."""
-        max_bias = self.bias_ids.shape[1]
+        max_bias = self.logit_bias_ids.shape[1]
         if len(params.logit_bias) > max_bias:
             raise SamplingParamsError(
                 f"logit_bias has {len(params.logit_bias)} entries; this sampler holds {max_bias}"
@@ -139,9 +132,9 @@ class SamplingTensors:
         self.seed[row] = seed
         ids = list(params.logit_bias) + [-1] * (max_bias - len(params.logit_bias))
         values = list(params.logit_bias.values()) + [0.0] * (max_bias - len(params.logit_bias))
-        self.bias_ids[row] = torch.tensor(ids, dtype=torch.int32)
-        self.bias_values[row] = torch.tensor(values, dtype=torch.float32)
-        self.n_logprobs[row] = params.logprobs or 0
+        self.logit_bias_ids[row] = torch.tensor(ids, dtype=torch.int32)
+        self.logit_bias_values[row] = torch.tensor(values, dtype=torch.float32)
+        self.logprobs[row] = params.logprobs or 0
 
     def to(self, device: torch.device | str) -> "SamplingTensors":
         """A copy with every tensor on ``device``."""
@@ -159,8 +152,8 @@ class SamplerOutput(NamedTuple):
 
     tokens        i64 [B]    the chosen tokens
     logprob       f32 [B]    raw logprob of the chosen token (log-softmax of the model logits)
-    top_ids       i64 [B,N]  the row's top raw-logprob tokens, best first; -1 past n_logprobs
-    top_logprobs  f32 [B,N]  their raw logprobs; -inf past n_logprobs
+    top_ids       i64 [B,N]  the row's top raw-logprob tokens, best first; -1 past the row's logprobs count
+    top_logprobs  f32 [B,N]  their raw logprobs; -inf past it
     """
 
     tokens: torch.Tensor
@@ -273,7 +266,7 @@ class SamplerPlan:
             any_penalty=bool(
                 ((st.repetition_penalty != 1) | (st.presence_penalty != 0) | (st.frequency_penalty != 0)).any()
             ),
-            any_top_logprobs=bool((st.n_logprobs > 0).any()),
+            any_top_logprobs=bool((st.logprobs > 0).any()),
         )
 
 
@@ -342,7 +335,7 @@ class Sampler:
         raw_logits = logits
         log_norm = torch.logsumexp(raw_logits, dim=-1, keepdim=True)
 
-        logits = apply_logit_bias(logits, st.bias_ids, st.bias_values)
+        logits = apply_logit_bias(logits, st.logit_bias_ids, st.logit_bias_values)
         if suppress_ids is not None:  # a host-side choice of call signature, not a tensor value
             logits = apply_suppress(logits, suppress_ids)
         if plan.any_penalty:
@@ -375,7 +368,7 @@ class Sampler:
         top_logprobs = F.pad(top_logprobs, (0, self.max_logprobs - k), value=float("-inf"))
         top_ids = F.pad(top_ids, (0, self.max_logprobs - k), value=-1)
         # Rows asking for fewer than N alternatives get -1 / -inf past their count.
-        wanted = torch.arange(self.max_logprobs, device=logits.device) < st.n_logprobs.unsqueeze(-1)
+        wanted = torch.arange(self.max_logprobs, device=logits.device) < st.logprobs.unsqueeze(-1)
         top_ids = torch.where(wanted, top_ids, -1)
         top_logprobs = torch.where(wanted, top_logprobs, float("-inf"))
         return SamplerOutput(tokens, logprob, top_ids, top_logprobs)

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from blink.engine import prefix_cache
 from blink.engine.sampler import SamplingTensors
+from blink.shared.sampling_fields import SAMPLER_FIELDS
 from blink.engine.state import (
     C_ENGINE_SCRATCH,
     INT64_MAX,
@@ -258,7 +259,7 @@ class Scheduler:
         st.counters[K_GENERATED_TOKENS] += sampled.sum()
 
         sp = st.sampling
-        stop_token = (sp["stop_ids"] == tok.unsqueeze(1)).any(1) | (
+        stop_token = (sp["stop_token_ids"] == tok.unsqueeze(1)).any(1) | (
             (self._eos == tok.unsqueeze(1)).any(1) & (sp["ignore_eos"] == 0)
         )
         stop = sampled & stop_token & (n_out_before >= sp["min_tokens"])
@@ -449,16 +450,10 @@ class Scheduler:
         logits_indices = torch.where(sample_rows >= 0, query_start_loc[r + 1] - 1, 0)
 
         sp = {name: tensor[r] for name, tensor in st.sampling.items()}
-        sampling = SamplingTensors(
-            temperature=sp["temperature"], top_k=sp["top_k"], top_p=sp["top_p"],
-            min_p=sp["min_p"], repetition_penalty=sp["repetition_penalty"],
-            presence_penalty=sp["presence_penalty"], frequency_penalty=sp["frequency_penalty"],
-            seed=sp["seed"], bias_ids=sp["logit_bias_ids"], bias_values=sp["logit_bias_values"],
-            n_logprobs=sp["n_logprobs"],
-        )
+        sampling = SamplingTensors(**{f.name: sp[f.name] for f in SAMPLER_FIELDS})
         prompt_lens, total_lens = st.num_prompt[r], st.num_tokens[r]
         eos = torch.where(sp["ignore_eos"].unsqueeze(1) != 0, -1, self._eos.unsqueeze(0))
-        suppress = torch.cat([sp["stop_ids"].long(), eos], 1)
+        suppress = torch.cat([sp["stop_token_ids"].long(), eos], 1)
         too_early = (total_lens - prompt_lens) < sp["min_tokens"]
         suppress_ids = torch.where(too_early.unsqueeze(1), suppress, -1).to(torch.int32)
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from blink.errors import BlinkError
-from blink.ring import C_ENGINE_SCRATCH, Ring, RingConfig, RingLayout
+from blink.ring import C_ENGINE_SCRATCH, REQUEST, Ring, RingConfig, RingLayout, c_strides
+from blink.shared.sampling_fields import SAMPLING_FIELDS as TABLE
 
 # Row status.
 ROW_EMPTY, ROW_WAITING, ROW_RUNNING = 0, 1, 2
@@ -118,23 +119,12 @@ class SchedulerConfig:
         return bucket_for(num_tokens, self.buckets)
 
 
-# Sampling fields copied from the ring slot at admission: (ring name, state dtype).
-SAMPLING_FIELDS: tuple[tuple[str, torch.dtype], ...] = (
-    ("temperature", torch.float32),
-    ("top_k", torch.int32),
-    ("top_p", torch.float32),
-    ("min_p", torch.float32),
-    ("repetition_penalty", torch.float32),
-    ("presence_penalty", torch.float32),
-    ("frequency_penalty", torch.float32),
-    ("seed", torch.int64),
-    ("n_logprobs", torch.int32),
-    ("max_tokens", torch.int32),
-    ("min_tokens", torch.int32),
-    ("ignore_eos", torch.int32),
-    ("stop_ids", torch.int32),
-    ("logit_bias_ids", torch.int32),
-    ("logit_bias_values", torch.float32),
+_TORCH_DTYPES = {"<i4": torch.int32, "<i8": torch.int64, "<f4": torch.float32}
+
+# Sampling fields copied from the ring slot at admission: (name, state dtype), derived from
+# the one table (blink.shared.sampling_fields); ring field and state tensor share the name.
+SAMPLING_FIELDS: tuple[tuple[str, torch.dtype], ...] = tuple(
+    (f.name, _TORCH_DTYPES[f.dtype]) for f in TABLE
 )
 
 
@@ -194,10 +184,8 @@ class EngineState:
         def full(shape, value, dtype):
             return torch.full(shape, value, dtype=dtype, device=device)
 
-        per_slot = {"stop_ids": (ring_cfg.max_stop_ids,), "logit_bias_ids": (ring_cfg.max_logit_bias,),
-                    "logit_bias_values": (ring_cfg.max_logit_bias,)}
-        sampling = {name: full((S, *per_slot.get(name, ())), -1 if name.endswith("_ids") else 0, dtype)
-                    for name, dtype in SAMPLING_FIELDS}
+        sampling = {f.name: full((S, *f.shape(ring_cfg)), f.pad, _TORCH_DTYPES[f.dtype])
+                    for f in TABLE}
         return cls(
             status=full((S,), ROW_EMPTY, torch.int32),
             arrival=full((S,), 0, torch.int64),
@@ -235,12 +223,21 @@ def ring_tensors(ring: Ring) -> dict[str, torch.Tensor]:
 
 def ring_views(layout: RingLayout, base: torch.Tensor) -> dict[str, torch.Tensor]:
     """Torch views of every ring field over ``base`` (the region as uint8, on any device),
-    plus ``"region"`` itself."""
+    plus ``"region"`` itself. A field of the request record is a strided view (its slot
+    stride is the record size); the record itself is a uint8 ``[n_slots, record size]`` view."""
     views = {"region": base}
     for spec in layout:
+        if spec.name == REQUEST:
+            views[spec.name] = base[spec.offset : spec.offset + spec.nbytes].view(spec.shape[0], -1)
+            continue
         dtype = _TORCH_DTYPES[spec.dtype.str]
-        views[spec.name] = base[spec.offset : spec.offset + spec.nbytes].view(dtype).view(spec.shape)
+        flat = base[spec.offset : spec.offset + spec.nbytes].view(dtype)
+        if spec.record is None:
+            views[spec.name] = flat.view(spec.shape)
+            continue
+        item = spec.dtype.itemsize
+        if spec.offset % item or spec.row_stride % item:
+            raise BlinkError(f"ring field {spec.name} is not aligned to its item size {item}")
+        strides = (spec.row_stride // item, *(s // item for s in c_strides(spec.shape[1:], item)))
+        views[spec.name] = flat.as_strided(spec.shape, strides, flat.storage_offset())
     return views
-
-
-_TORCH_DTYPES = {"<i4": torch.int32, "<i8": torch.int64, "<f4": torch.float32}

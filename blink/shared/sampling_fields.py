@@ -1,0 +1,87 @@
+"""The one table of a request's per-slot sampling fields.
+
+Torch-free (the frontend imports it). Every sampling field a request carries from the
+frontend to the sampler is declared here once, under one name used end to end: the ring
+field (a sub-field of the slot's request record, :mod:`blink.ring`), the engine's per-row
+tensor (``EngineState.sampling``), the batch's :class:`~blink.engine.sampler.SamplingTensors`
+attribute (``sampler=True``) and the frontend's packed write (:mod:`blink.dpu.ring_packing`).
+The names are :class:`~blink.shared.sampling_params.SamplingParams`' where a field comes
+straight from one (``logit_bias`` is split into ``logit_bias_ids`` / ``logit_bias_values``).
+
+Derived from this table: the ring's request record (:func:`blink.ring.request_record_dtype`),
+``blink.engine.state.SAMPLING_FIELDS`` and the state's shapes, the scheduler's admission copy
+and batch, ``SamplingTensors.empty`` and the frontend's packing. Adding a knob means one row
+here plus the code that uses it (``tests/test_sampling_fields.py`` fails if a side forgets).
+
+Ring conventions (what the frontend writes, the engine reads):
+
+- ``top_k``: 0 means off (SamplingParams' -1 is written as 0; the sampler treats <= 0 as off).
+- ``logprobs``: how many top alternatives to return, 0 = none; the chosen token's logprob is
+  always written by the engine and the frontend returns it only if the request asked.
+- ``seed``: always set; a request without one gets a random 63-bit seed in the packing.
+- ``max_tokens``: always concrete (``max_model_len - prompt_len`` when the request gave none).
+- vectors (``stop_token_ids``, ``logit_bias_*``): ``pad`` in unused entries.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingField:
+    """One sampling field of a request slot.
+
+    name:    ring field = engine tensor = SamplingTensors attribute
+    dtype:   little-endian numpy dtype string of one entry (``<i4``, ``<i8``, ``<f4``)
+    width:   None for one value per slot, else the :class:`~blink.ring.RingConfig` attribute
+             giving the vector's length (its capacity, checked once by the packing)
+    bound:   None, or the RingConfig attribute a scalar may not exceed (checked by the packing)
+    pad:     the neutral value: unused vector entries, empty engine rows, padding batch rows
+    sampler: whether :class:`~blink.engine.sampler.SamplingTensors` carries it
+    """
+
+    name: str
+    dtype: str
+    width: str | None = None
+    bound: str | None = None
+    pad: float | int = 0
+    sampler: bool = True
+    doc: str = ""
+
+    def shape(self, cfg: Any) -> tuple[int, ...]:
+        """Per-slot shape for a ring config (anything with the ``width`` attribute)."""
+        return () if self.width is None else (int(getattr(cfg, self.width)),)
+
+
+SAMPLING_FIELDS: tuple[SamplingField, ...] = (
+    SamplingField("max_tokens", "<i4", sampler=False, doc="outputs at most (always concrete)"),
+    SamplingField("min_tokens", "<i4", sampler=False, doc="no EOS/stop id before this many outputs"),
+    SamplingField("ignore_eos", "<i4", sampler=False, doc="1: EOS does not finish the request"),
+    SamplingField("logprobs", "<i4", bound="max_logprobs", doc="top alternatives wanted, 0 = none"),
+    SamplingField("top_k", "<i4", doc="<= 0 = off"),
+    SamplingField("temperature", "<f4", doc="0 = greedy"),
+    SamplingField("top_p", "<f4", pad=1.0, doc="1 = off"),
+    SamplingField("min_p", "<f4", doc="0 = off"),
+    SamplingField("repetition_penalty", "<f4", pad=1.0, doc="1 = off"),
+    SamplingField("presence_penalty", "<f4", doc="0 = off"),
+    SamplingField("frequency_penalty", "<f4", doc="0 = off"),
+    SamplingField("seed", "<i8", doc="always set"),
+    SamplingField("stop_token_ids", "<i4", width="max_stop_ids", pad=-1, sampler=False,
+                  doc="ids that finish the request (EOS included unless ignore_eos)"),
+    SamplingField("logit_bias_ids", "<i4", width="max_logit_bias", pad=-1,
+                  doc="token ids whose logits get a bias"),
+    SamplingField("logit_bias_values", "<f4", width="max_logit_bias", pad=0.0,
+                  doc="the bias added to logit_bias_ids' logits"),
+)
+
+FIELDS_BY_NAME: dict[str, SamplingField] = {f.name: f for f in SAMPLING_FIELDS}
+#: The fields the sampler takes (SamplingTensors' attributes, in table order).
+SAMPLER_FIELDS: tuple[SamplingField, ...] = tuple(f for f in SAMPLING_FIELDS if f.sampler)
+
+
+def numpy_fields(cfg: Any) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
+    """(name, numpy dtype, per-slot shape) of every sampling field, in table order."""
+    return [(f.name, np.dtype(f.dtype), f.shape(cfg)) for f in SAMPLING_FIELDS]
