@@ -167,10 +167,16 @@ def inputs(ctx: Context) -> dict[str, Any]:
 
 
 def engine(ctx: Context, inp: dict[str, Any], model: Path, loop: str, start: bool = True) -> Any:
+    """The engine for ``loop``; what the capture audit flagged in its warm-up is recorded
+    (``capture_audit_<loop>``), so a capture that fails afterwards has its likely cause."""
     from benchmarks.gpu_loop import make_engine
 
-    return make_engine(inp["EngineConfig"], model, inp["engine_kwargs"], loop, device(ctx), start=start,
-                       simulate=ctx.args.simulate)
+    eng = make_engine(inp["EngineConfig"], model, inp["engine_kwargs"], loop, device(ctx), start=start,
+                      simulate=ctx.args.simulate)
+    flagged = getattr(eng, "audit_violations", None)
+    if flagged is not None:
+        ctx.value(f"capture_audit_{loop}", [str(v) for v in flagged[:40]])
+    return eng
 
 
 def release() -> None:

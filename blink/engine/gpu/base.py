@@ -78,8 +78,10 @@ class GpuEngine(Engine):
 
     def _warmup(self) -> None:
         """Run the step once per bucket, eagerly, on the empty ring (Triton JIT, cuBLAS),
-        under the capture audit: on the GPU it also sees copies between host and device, and
-        an op a graph cannot hold is reported by name here rather than as a failed capture."""
+        under the capture audit: on the GPU it also sees copies between host and device. What
+        it flags is logged by name before the first capture, so a capture that then fails
+        says why; the capture itself stays the judge (the audit could flag an op a graph
+        happens to tolerate, and a first GPU run should not be refused on a guess)."""
         if not bool((self.ring.state == SLOT_FREE).all()):
             raise BlinkError("the GPU loop is built before any request is accepted")
         audit = CaptureAudit()
@@ -89,10 +91,10 @@ class GpuEngine(Engine):
                 model_phase(self.parts, batch, tokens=tokens, rows=rows, compact=False)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        try:
-            audit.check("the step the GPU graphs capture")
-        except AssertionError as exc:
-            raise BlinkError(str(exc)) from None
+        self.audit_violations = audit.violations
+        if audit.violations:
+            log.error("%d op(s) in the step the GPU graphs capture look capture-unsafe:\n%s",
+                      len(audit.violations), "\n".join(f"  {v}" for v in audit.violations[:40]))
 
     # -- lifecycle
     def close(self) -> None:
