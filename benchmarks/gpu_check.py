@@ -771,24 +771,11 @@ def run_worker(args: argparse.Namespace) -> int:
 
 
 def descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (from /proc): ``blink serve`` starts its children
-    in new sessions, so killing the phase's process group alone would miss them."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rfind(")") + 2:].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
+    """Every live descendant of ``pid``: ``blink serve`` starts its children in new sessions,
+    so killing the phase's process group alone would miss them."""
+    from blink.supervision import child_processes
+
+    return child_processes(pid, recursive=True)
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from pathlib import Path
 import signal
 import sys
 import threading
@@ -77,3 +78,28 @@ def watch_supervisor(what: str, on_orphan: Callable[[], None] | None = None
 
     threading.Thread(target=watch, name="blink-parent-watch", daemon=True).start()
     return gone
+
+
+def child_processes(pid: int, *, recursive: bool = False) -> list[int]:
+    """The live children of ``pid`` (every descendant with ``recursive``), read from /proc
+    (Linux; no psutil). Zombies and dead processes are left out. For whoever checks on a
+    supervisor from outside: the tests, ``benchmarks/gpu_check.py``."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        state, ppid = stat[stat.rfind(")") + 2:].split()[:2]  # the name may hold spaces and ')'
+        if state not in ("Z", "X"):
+            children.setdefault(int(ppid), []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            if recursive:
+                todo.append(child)
+    return out
+

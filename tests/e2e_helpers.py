@@ -20,6 +20,8 @@ from typing import Callable, Sequence
 
 import httpx
 
+from blink.supervision import child_processes
+
 BLINK = [sys.executable, "-m", "blink.cli"]
 SHM_DIR = Path("/dev/shm")
 SERVE_READY = "Blink is serving"
@@ -49,19 +51,8 @@ def wait_until(predicate: Callable[[], object], timeout_s: float, interval_s: fl
 
 
 def child_pids(pid: int) -> list[int]:
-    """Direct children of ``pid`` (from /proc, no psutil)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
-            out.append(int(entry))
-    return out
+    """Direct live children of ``pid``."""
+    return child_processes(pid)
 
 
 def pid_alive(pid: int) -> bool:
