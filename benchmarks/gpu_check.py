@@ -50,6 +50,7 @@ subset (the random models are cached in ``--work-dir``, so a rerun skips rebuild
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -61,7 +62,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 NO_GPU = "no CUDA GPU"  # the same words as blink.engine.gpu_probe.NO_GPU
@@ -177,6 +178,20 @@ def engine(ctx: Context, inp: dict[str, Any], model: Path, loop: str, start: boo
     if flagged is not None:
         ctx.value(f"capture_audit_{loop}", [str(v) for v in flagged[:40]])
     return eng
+
+
+@contextlib.contextmanager
+def _tier_client(ctx: Context, inp: dict[str, Any], model: Path, loop: str) -> Iterator[tuple[Any, Any]]:
+    """A started engine for ``loop`` and a ring client on it, both closed at the end."""
+    from benchmarks.gpu_loop import Client
+
+    eng = engine(ctx, inp, model, loop)
+    client = Client(eng)
+    try:
+        yield eng, client
+    finally:
+        client.close()
+        eng.close()
 
 
 def release() -> None:
@@ -439,7 +454,7 @@ def _tiers(ctx: Context) -> tuple[list[str], list[str]]:
 def phase_steady_decode(ctx: Context) -> None:
     """Steady decode per tier: step time, tokens/s, engine host CPU; again under a hog."""
     require_gpu(ctx)
-    from benchmarks.gpu_loop import Client, CpuHog
+    from benchmarks.gpu_loop import CpuHog
 
     inp = inputs(ctx)
     model = big_model(ctx)
@@ -448,15 +463,10 @@ def phase_steady_decode(ctx: Context) -> None:
     res: dict[str, Any] = {}
     for loop in tiers:
         def measure(loop: str = loop) -> dict[str, Any]:
-            eng = engine(ctx, inp, model, loop)
-            client = Client(eng)
-            try:
+            with _tier_client(ctx, inp, model, loop) as (eng, client):
                 quiet = client.steady(inp["prompts"], inp["greedy_long"], window)
                 with CpuHog(hog_n):
                     hog = client.steady(inp["prompts"], inp["greedy_long"], window)
-            finally:
-                client.close()
-                eng.close()
             print(f"  {loop}: {quiet['step_ms']:.2f} ms/step, {quiet['tokens_per_s']:.0f} tok/s, engine CPU "
                   f"{quiet['engine_cpu_pct_of_core']:.1f} % of a core; hog ({hog_n} procs): "
                   f"{hog['step_ms']:.2f} ms/step, {hog['tokens_per_s']:.0f} tok/s", flush=True)
@@ -497,7 +507,7 @@ def phase_steady_decode(ctx: Context) -> None:
 def phase_makespan(ctx: Context) -> None:
     """64 requests at once per tier, without and with the hog; the A/B makespan ratio."""
     require_gpu(ctx)
-    from benchmarks.gpu_loop import Client, CpuHog
+    from benchmarks.gpu_loop import CpuHog
 
     inp = inputs(ctx)
     model = big_model(ctx)
@@ -505,16 +515,11 @@ def phase_makespan(ctx: Context) -> None:
     res: dict[str, Any] = {}
     for loop in tiers:
         def measure(loop: str = loop) -> dict[str, Any]:
-            eng = engine(ctx, inp, model, loop)
-            client = Client(eng)
-            try:
+            with _tier_client(ctx, inp, model, loop) as (_, client):
                 client.run(inp["prompts"][:8], inp["greedy_short"], timeout_s=60)  # warm-up, not timed
                 quiet = client.run(inp["prompts"], inp["greedy_makespan"], timeout_s=60)[1]
-                with CpuHog(ctx.args.hog_procs or None):
+                with CpuHog(ctx.args.hog_procs or os.cpu_count() or 1):
                     hog = client.run(inp["prompts"], inp["greedy_makespan"], timeout_s=60)[1]
-            finally:
-                client.close()
-                eng.close()
             return {"makespan_s": quiet, "makespan_hog_s": hog}
 
         res[loop] = ctx.value(loop, _per_tier(ctx, loop, measure))
