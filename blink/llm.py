@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from blink.dpu.ring_packing import ring_fields
 from blink.dpu.ring_protocol import RingClient, RingHandle
+from blink.dpu.engine_client import EngineOutput
 from blink.dpu.output_processor import ChoiceText
 from blink.dpu.tokenizer import Tokenizer
 from blink.engine.engine import EngineConfig
@@ -256,7 +257,7 @@ class LLM:
             todo = [h for h in todo if not h.done and h.error is None]
             time.sleep(1e-3)
 
-    def _consume(self, choice: _Choice, delta: Any) -> None:
+    def _consume(self, choice: _Choice, delta: EngineOutput) -> None:
         """The frontend's rules (:class:`~blink.dpu.output_processor.ChoiceText`) on a delta."""
         choice.num_cached = delta.num_cached_tokens
         if choice.output.finish_reason is not None:
@@ -267,10 +268,9 @@ class LLM:
             choice.token_ids.append(token)
             if choice.logprobs is not None:
                 entry = {token: float(delta.logprobs[i])}
-                if delta.top_ids is not None:
-                    for tid, lp in zip(delta.top_ids[i], delta.top_logprobs[i]):
-                        if tid >= 0:
-                            entry.setdefault(int(tid), float(lp))
+                for tid, lp in delta.top_logprobs[i]:
+                    if tid >= 0:
+                        entry.setdefault(int(tid), float(lp))
                 choice.logprobs.append(entry)
         if choice.output.stopped_by_string and not delta.finished:
             self._ring.cancel(choice.handle)  # the engine would go on generating for nobody

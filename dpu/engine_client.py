@@ -64,7 +64,7 @@ class EngineDeadError(EngineError):
 class EngineOutput:
     """One delta of a request's output stream: the tokens produced since the previous delta.
 
-    ``logprobs[i]`` is the logprob of ``new_token_ids[i]``; ``top_logprobs[i]`` lists the
+    ``logprobs[i]`` is the logprob of ``token_ids[i]``; ``top_logprobs[i]`` lists the
     ``SamplingParams.logprobs`` most likely (token id, logprob) pairs at that position. Both are
     ``None`` unless the request asked for logprobs. ``num_prompt_tokens`` and
     ``num_cached_tokens`` (prompt tokens served from the prefix cache) are repeated on every
@@ -75,7 +75,7 @@ class EngineOutput:
     set on the first delta only and feeds ``blink:request_queue_time_seconds``.
     """
 
-    new_token_ids: list[int]
+    token_ids: list[int]
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finished: bool = False

@@ -141,13 +141,13 @@ class ChoiceRun:
         self.num_cached_tokens = out.num_cached_tokens
         if out.queue_time_s is not None:
             self.metrics.queue_time.observe(out.queue_time_s)
-        if out.new_token_ids:
-            self._observe_timing(len(out.new_token_ids), now)
+        if out.token_ids:
+            self._observe_timing(len(out.token_ids), now)
         if out.finished and out.finish_reason == "error":
             self.engine_finished = True
             raise EngineRequestError(f"the engine failed request {self.request_id}")
 
-        delta = self._text.feed(out.new_token_ids, out.finished, out.finish_reason)
+        delta = self._text.feed(out.token_ids, out.finished, out.finish_reason)
         kept = delta.kept
         if out.finished:
             self.engine_finished = True
@@ -158,7 +158,7 @@ class ChoiceRun:
             self.metrics.e2e.observe(now - self.arrival_time)
             self.metrics.request_finished(self.finish_reason or "stop")
         return ChoiceDelta(
-            index=self.index, text=delta.text, token_ids=out.new_token_ids[:kept],
+            index=self.index, text=delta.text, token_ids=out.token_ids[:kept],
             logprobs=out.logprobs[:kept] if out.logprobs is not None else None,
             top_logprobs=out.top_logprobs[:kept] if out.top_logprobs is not None else None,
             finish_reason=self.finish_reason,

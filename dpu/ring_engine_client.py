@@ -11,6 +11,7 @@ request admission (:meth:`is_accepting`, :meth:`generate`) and the streams' erro
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from blink.dpu.engine_client import (
 )
 from blink.dpu.engine_health import EngineHealth, HeartbeatWatch, Observation, Transition
 from blink.dpu.ring_packing import RingRequestError, ring_fields
-from blink.dpu.ring_protocol import RingClient, RingHandle, StreamDelta
+from blink.dpu.ring_protocol import RingClient, RingHandle
 from blink.shared.sampling_params import SamplingParams
 from blink.errors import BlinkError
 from blink.ring import (
@@ -317,27 +318,16 @@ class RingEngineClient:
         return bool(deltas)
 
     @staticmethod
-    def _to_output(delta: StreamDelta, stream: _Stream) -> EngineOutput:
-        logprobs = top = None
-        if stream.params.logprobs is not None:
-            logprobs = delta.logprobs
-            if delta.top_ids is None:
-                top = [[] for _ in delta.token_ids]
-            else:
-                top = [
-                    [(int(i), float(lp)) for i, lp in zip(ids, lps)]
-                    for ids, lps in zip(delta.top_ids, delta.top_logprobs)
-                ]
+    def _to_output(delta: EngineOutput, stream: _Stream) -> EngineOutput:
+        """The protocol's delta as this request asked for it: logprobs only when asked (the
+        engine always computes the chosen token's); the queue time on the first delta."""
         queue_time_s = None
         if not stream.queue_time_reported:  # the first delta: the engine has admitted it
             queue_time_s = stream.handle.queue_time_s
             stream.queue_time_reported = queue_time_s is not None
-        return EngineOutput(
-            new_token_ids=delta.token_ids, logprobs=logprobs, top_logprobs=top,
-            finished=delta.finished, finish_reason=delta.finish_reason,  # type: ignore[arg-type]
-            num_prompt_tokens=delta.num_prompt_tokens, num_cached_tokens=delta.num_cached_tokens,
-            queue_time_s=queue_time_s,
-        )
+        if stream.params.logprobs is None:
+            return dataclasses.replace(delta, logprobs=None, top_logprobs=None, queue_time_s=queue_time_s)
+        return dataclasses.replace(delta, queue_time_s=queue_time_s)
 
     # -- EngineClient ----------------------------------------------------------------------
 

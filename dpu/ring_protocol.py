@@ -27,6 +27,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from blink.dpu.engine_client import EngineOutput
 from blink.dpu.ring_packing import INT32_MAX, RingRequestError, pack_sampling
 from blink.errors import BlinkError
 from blink.ring import (
@@ -52,7 +53,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "ArenaAllocator", "ArenaRange", "EngineStatus", "RingClient", "RingFullError", "RingHandle",
-    "RingProtocolError", "StreamDelta", "attach_layout",
+    "RingProtocolError", "attach_layout",
 ]
 
 
@@ -169,23 +170,6 @@ class RingHandle:
 
     def __repr__(self) -> str:
         return f"RingHandle(slot={self.slot}, seq={self.seq}, request_id={self.request_id})"
-
-
-@dataclass
-class StreamDelta:
-    """What one poll of one request found: new tokens and, when finished, the finish reason."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    top_ids: np.ndarray | None  # int32 [len(token_ids), n_logprobs], or None if n_logprobs == 0
-    top_logprobs: np.ndarray | None  # float32, same shape
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass(frozen=True)
@@ -458,11 +442,11 @@ class RingClient:
         ):
             self.arena.release(h.arena)
 
-    def poll(self, handle: RingHandle) -> StreamDelta | None:
+    def poll(self, handle: RingHandle) -> EngineOutput | None:
         """New output of one request, or None if nothing new."""
         return self.poll_many([handle]).get(handle)
 
-    def poll_many(self, handles: Iterable[RingHandle] | None = None) -> dict[RingHandle, StreamDelta]:
+    def poll_many(self, handles: Iterable[RingHandle] | None = None) -> dict[RingHandle, EngineOutput]:
         """Poll ``handles`` (default: all active); return the ones with news.
 
         Reads the state words first, then the produced counters, then the tokens: a state of
@@ -479,7 +463,7 @@ class RingClient:
             self.transport.fence()  # acquire: nothing below is read before the state words
             produced = self._read_field("produced", lo, hi)
             self.transport.fence()
-            out: dict[RingHandle, StreamDelta] = {}
+            out: dict[RingHandle, EngineOutput] = {}
             for h in todo:
                 try:
                     delta = self._poll_one(h, int(states[h.slot - lo]), int(produced[h.slot - lo]))
@@ -494,7 +478,7 @@ class RingClient:
                     out[h] = delta
             return out
 
-    def _poll_one(self, h: RingHandle, state: int, produced: int) -> StreamDelta | None:
+    def _poll_one(self, h: RingHandle, state: int, produced: int) -> EngineOutput | None:
         slot = h.slot
         if state == SLOT_WRITTEN:
             return None
@@ -523,13 +507,16 @@ class RingClient:
             h.num_cached_tokens = int(self._read_field("num_cached_tokens", slot, slot + 1)[0])
         tokens: list[int] = []
         logprobs: list[float] = []
-        top_ids = top_lps = None
+        top: list[list[tuple[int, float]]] = []
         if n > 0:
             tokens = self._read_ring("tokens", slot, h.consumed, n).tolist()
             logprobs = self._read_ring("logprob", slot, h.consumed, n).tolist()
             if h.n_logprobs > 0:
-                top_ids = self._read_ring("top_ids", slot, h.consumed, n)[:, : h.n_logprobs]
-                top_lps = self._read_ring("top_logprobs", slot, h.consumed, n)[:, : h.n_logprobs]
+                ids = self._read_ring("top_ids", slot, h.consumed, n)[:, : h.n_logprobs].tolist()
+                lps = self._read_ring("top_logprobs", slot, h.consumed, n)[:, : h.n_logprobs].tolist()
+                top = [list(zip(i, lp)) for i, lp in zip(ids, lps)]
+            else:
+                top = [[] for _ in tokens]
             h.consumed = produced
             self._write_field("consumed", slot, produced)  # lets the engine reuse those entries
         reason = None
@@ -547,7 +534,11 @@ class RingClient:
             h.finish_reason = reason
             self._active.pop(slot, None)
             heapq.heappush(self._free, slot)
-        return StreamDelta(tokens, logprobs, top_ids, top_lps, reason, h.num_prompt_tokens, h.num_cached_tokens)
+        return EngineOutput(
+            token_ids=tokens, logprobs=logprobs, top_logprobs=top, finished=reason is not None,
+            finish_reason=reason,  # type: ignore[arg-type]
+            num_prompt_tokens=h.num_prompt_tokens, num_cached_tokens=h.num_cached_tokens,
+        )
 
     def cancel(self, handle: RingHandle) -> None:
         """Ask the engine to finish the request (FINISH_ABORT within one step). Idempotent;

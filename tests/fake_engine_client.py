@@ -167,7 +167,7 @@ class FakeEngineClient:
             ]
             top = [row[: params.logprobs] for row in top]
         return EngineOutput(
-            new_token_ids=tokens, logprobs=logprobs, top_logprobs=top, finished=finished,
+            token_ids=tokens, logprobs=logprobs, top_logprobs=top, finished=finished,
             finish_reason=reason,  # type: ignore[arg-type]
             num_prompt_tokens=n_prompt, num_cached_tokens=cached,
             queue_time_s=self.queue_time_s if first else None,

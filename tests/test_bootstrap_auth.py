@@ -163,7 +163,7 @@ def test_a_second_frontend_cannot_disturb_the_first(engine):
         outs = await asyncio.gather(*jobs)
         for i, out in enumerate(outs):
             assert not any(isinstance(o, RingProtocolError) for o in out)
-            assert [t for o in out for t in o.new_token_ids] == [i + 1, 50 + i] * 150
+            assert [t for o in out for t in o.token_ids] == [i + 1, 50 + i] * 150
             assert out[-1].finish_reason == "length"
         assert first.is_healthy()
         await first.close()
@@ -171,7 +171,7 @@ def test_a_second_frontend_cannot_disturb_the_first(engine):
         # The first is gone: a new frontend attaches and is served.
         second = await RingEngineClient.connect(*server.address, secret=SECRET)
         out = await _collect(second.generate("again", [7, 8], SamplingParams(max_tokens=4)))
-        assert [t for o in out for t in o.new_token_ids] == [7, 8, 7, 8]
+        assert [t for o in out for t in o.token_ids] == [7, 8, 7, 8]
         await second.close()
 
     asyncio.run(main())

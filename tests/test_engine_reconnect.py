@@ -59,7 +59,7 @@ def test_reconnects_to_a_restarted_engine_on_the_same_port():
         client.start()
         assert client.ring.config.n_slots == CFG.n_slots  # what the HTTP layer sizes fan-out by
         out = await _collect(client.generate("a", [1, 2], SamplingParams(max_tokens=4)))
-        assert [t for o in out for t in o.new_token_ids] == [1, 2, 1, 2]
+        assert [t for o in out for t in o.token_ids] == [1, 2, 1, 2]
         old = client.client
         agen = client.generate("inflight", [3], SamplingParams(max_tokens=100_000))
         await agen.__anext__()
@@ -93,7 +93,7 @@ def test_reconnects_to_a_restarted_engine_on_the_same_port():
             assert client.health is EngineHealth.HEALTHY
             assert second.server.attached is not None
             out = await _collect(client.generate("c", [5, 6], SamplingParams(max_tokens=4)))
-            assert [t for o in out for t in o.new_token_ids] == [5, 6, 5, 6]
+            assert [t for o in out for t in o.token_ids] == [5, 6, 5, 6]
             await client.close()
             assert client.health is EngineHealth.CLOSED and client.unavailable_retry_after_s() is None
             assert second.server.attached is None or _wait_detached(second.server)

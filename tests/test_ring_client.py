@@ -200,8 +200,8 @@ def test_top_logprobs_and_prompt_counts(setup):
             break
     first = next(d for d in seen if d.token_ids)
     assert first.num_prompt_tokens == 3 and first.num_cached_tokens == 2
-    assert first.top_ids.shape == (len(first.token_ids), 3)
-    assert first.top_ids[0].tolist() == [10, 11, 12]
+    assert [len(top) for top in first.top_logprobs] == [3] * len(first.token_ids)
+    assert [tid for tid, _ in first.top_logprobs[0]] == [10, 11, 12]
     assert seen[-1].finish_reason == "length"
 
 
@@ -398,7 +398,7 @@ def test_async_generate_many_concurrent_requests(setup):
             collect(client.generate(f"r{i}", [i + 1, i + 2], params)) for i in range(20)
         ))  # 20 requests through 8 slots: the overflow waits for slots
         for i, out in enumerate(outs):
-            assert [t for o in out for t in o.new_token_ids] == [i + 1, i + 2] * 6
+            assert [t for o in out for t in o.token_ids] == [i + 1, i + 2] * 6
             assert out[-1].finished and out[-1].finish_reason == "length"
             assert all(not o.finished for o in out[:-1])
             assert out[0].num_prompt_tokens == 2
@@ -418,7 +418,7 @@ def test_async_generate_many_concurrent_requests(setup):
         assert client.stats()["running"] == 2
         setup.engine.paused = False
         for out in await asyncio.gather(*two):
-            assert [t for o in out for t in o.new_token_ids] == [7, 7, 7]
+            assert [t for o in out for t in o.token_ids] == [7, 7, 7]
         await client.close()
 
     asyncio.run(main())
@@ -521,10 +521,10 @@ def test_async_stall_under_the_hard_limit_loses_no_stream(setup):
         setup.engine.paused = False  # the step ends
         rest = [o async for o in agen]
         outs = [first, *rest]
-        assert [t for o in outs for t in o.new_token_ids] == [1, 2] * 100  # nothing lost
+        assert [t for o in outs for t in o.token_ids] == [1, 2] * 100  # nothing lost
         assert outs[-1].finished and outs[-1].finish_reason == "length"
         late_out = await asyncio.wait_for(late, 5)
-        assert [t for o in late_out for t in o.new_token_ids] == [3] * 5
+        assert [t for o in late_out for t in o.token_ids] == [3] * 5
         assert not client.stalled and client.is_healthy()
         assert await health_status(client) == 200
         await client.close()
@@ -556,7 +556,7 @@ def test_async_stall_past_the_hard_limit_ends_streams(setup):
         await wait_for(client.is_healthy, 5, "the client to recover")
         assert client.is_accepting() and await health_status(client) == 200
         outs = [o async for o in client.generate("c", [1], SamplingParams(max_tokens=2))]
-        assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == 2
+        assert outs[-1].finished and sum(len(o.token_ids) for o in outs) == 2
         await client.close()
 
     asyncio.run(main())

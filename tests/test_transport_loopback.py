@@ -127,7 +127,7 @@ def test_generate_across_processes_and_clean_exit(engine_process):
             for i in range(12)
         ))
         for i, out in enumerate(outs):
-            assert [t for o in out for t in o.new_token_ids] == [i + 1, 100 + i] * 10
+            assert [t for o in out for t in o.token_ids] == [i + 1, 100 + i] * 10
             assert out[-1].finish_reason == "length"
         await client.close()
 
@@ -192,7 +192,7 @@ def test_stopped_engine_process_is_stalled_not_dead(engine_process):
         finally:
             eng.proc.send_signal(signal.SIGCONT)
         outs += [o async for o in agen]
-        assert [t for o in outs for t in o.new_token_ids] == [5, 6] * 1000
+        assert [t for o in outs for t in o.token_ids] == [5, 6] * 1000
         assert outs[-1].finish_reason == "length"
         assert client.is_healthy()
         await client.close()
