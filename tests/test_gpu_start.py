@@ -74,9 +74,9 @@ def _tier_b_with(monkeypatch, *, backend: str, bindings: str | None) -> list[str
         raise ImportError("stubbed")
 
     if bindings is None:
-        monkeypatch.setattr(checks, "_cuda_bindings_driver", no_driver)
+        monkeypatch.setattr(checks, "cuda_bindings_driver", no_driver)
     else:  # an importable module whose driver queries are not reached (the version refuses)
-        monkeypatch.setattr(checks, "_cuda_bindings_driver", lambda: object())
+        monkeypatch.setattr(checks, "cuda_bindings_driver", lambda: object())
     return checks.tier_b_problems(torch.device("cuda", 0))
 
 

@@ -25,8 +25,6 @@ never raises.
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import importlib
 import importlib.metadata
 import json
@@ -40,8 +38,9 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
+from blink.engine.gpu.cudart import TorchCudart, cuda_bindings_driver
+
 NO_GPU = "no CUDA GPU"
-_HOST_REGISTER_PORTABLE, _HOST_REGISTER_MAPPED = 1, 2  # cudaHostRegisterPortable | Mapped
 _GATE_KERNELS = ("blink_gate", "blink_dispatch", "blink_publish_fence")
 
 
@@ -90,62 +89,6 @@ def _guarded(name: str, body: Callable[[dict[str, Any]], ProbeResult]) -> ProbeR
     return result
 
 
-class _Cudart:
-    """The CUDA runtime library torch itself loaded (found in /proc/self/maps), through
-    ctypes: its ``cudaGetLastError`` clears the error a refused registration leaves behind
-    (else torch's next kernel-launch check would report it), and it names error codes.
-    A separate runtime (cuda-bindings' own) would not see torch's last error."""
-
-    def __init__(self) -> None:
-        self.path = self._find()
-        self.lib = ctypes.CDLL(self.path) if self.path else None
-        if self.lib is not None:
-            self.lib.cudaGetErrorName.restype = ctypes.c_char_p
-            self.lib.cudaGetErrorString.restype = ctypes.c_char_p
-
-    @staticmethod
-    def _find() -> str | None:
-        try:
-            with open("/proc/self/maps", encoding="utf-8", errors="replace") as fh:
-                for line in fh:
-                    path = line.rstrip("\n").split(" ")[-1]
-                    if "libcudart.so" in os.path.basename(path):
-                        return path
-        except OSError:
-            pass
-        return ctypes.util.find_library("cudart")
-
-    def name(self, code: int) -> str:
-        if self.lib is None:
-            return f"cudaError {code}"
-        name = self.lib.cudaGetErrorName(int(code)) or b"?"
-        text = self.lib.cudaGetErrorString(int(code)) or b""
-        return f"{name.decode()} ({code}): {text.decode()}"
-
-    def clear_last_error(self) -> int:
-        return int(self.lib.cudaGetLastError()) if self.lib is not None else -1
-
-    def device_pointer(self, host_ptr: int) -> int:
-        """cudaHostGetDevicePointer through torch's runtime (raises on an error code)."""
-        if self.lib is None:
-            raise RuntimeError("torch's CUDA runtime library was not found")
-        out = ctypes.c_void_p()
-        err = int(self.lib.cudaHostGetDevicePointer(ctypes.byref(out), ctypes.c_void_p(host_ptr), 0))
-        if err != 0:
-            self.clear_last_error()
-            raise RuntimeError(f"cudaHostGetDevicePointer failed: {self.name(err)}")
-        return int(out.value or 0)
-
-
-class _CudaArray:
-    """``__cuda_array_interface__`` over a raw device address (what map_ring does)."""
-
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "strides": None, "version": 2,
-        }
-
-
 # ----------------------------------------------------------------------- host register
 
 
@@ -161,9 +104,10 @@ def probe_host_register(device: Any = None) -> ProbeResult:
         import numpy as np
         import torch
 
+        from blink.engine.gpu.mapped_ring import HOST_REGISTER_FLAGS, CudaArray
         from blink.transport.loopback import LoopbackRegion
 
-        cudart = _Cudart()
+        cudart = TorchCudart()
         details["cudart"] = cudart.path
         torch.cuda.init()
         size = mmap.PAGESIZE
@@ -178,7 +122,7 @@ def probe_host_register(device: Any = None) -> ProbeResult:
         try:
             with torch.cuda.device(dev):
                 err = int(torch.cuda.cudart().cudaHostRegister(
-                    host_ptr, size, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED))
+                    host_ptr, size, HOST_REGISTER_FLAGS))
                 details["register_error"] = err
                 if err != 0:
                     cudart.clear_last_error()
@@ -198,7 +142,7 @@ def probe_host_register(device: Any = None) -> ProbeResult:
                         raise
                     dptr = int(dptr)
                 details["same_address"] = dptr == host_ptr  # unified addressing: expected True
-                base = views["base"] = torch.as_tensor(_CudaArray(dptr, size), device=dev)
+                base = views["base"] = torch.as_tensor(CudaArray(dptr, size, host), device=dev)
                 if base.data_ptr() != dptr or base.device != dev:
                     return ProbeResult(name, False, "torch copied the mapped page instead of viewing it "
                                        "through __cuda_array_interface__", details)
@@ -255,13 +199,6 @@ def probe_host_register(device: Any = None) -> ProbeResult:
 _REGISTER_VERDICTS: dict[int, str | None] = {}
 
 
-def clear_cuda_last_error() -> None:
-    """Clear the CUDA runtime's last error in torch's own runtime library after a refused
-    runtime call (e.g. ``cudaHostRegister``), so torch's next kernel-launch check does not
-    report it as its own. A no-op where that library is not found."""
-    _Cudart().clear_last_error()
-
-
 def host_register_problem(device: Any = None) -> str | None:
     """Why tier B's ring cannot be mapped into ``device`` (the registration probe's reason),
     or None when it can; probed once per device and process (a start-up check can call it
@@ -276,12 +213,6 @@ def host_register_problem(device: Any = None) -> str | None:
 
 
 # ------------------------------------------------------------------------- gate kernel
-
-
-def _driver() -> Any:
-    from cuda.bindings import driver  # noqa: PLC0415
-
-    return driver
 
 
 def _cu_check(cu: Any, result: Any, what: str) -> Any:
@@ -331,7 +262,7 @@ def probe_gate_kernel(device: Any = None) -> ProbeResult:
                        cubin_bytes=len(compiled.cubin), registers=compiled.registers(),
                        spill_bytes=compiled.spills(), missing_ptx=check_ptx(compiled))
         try:
-            cu = _driver()
+            cu = cuda_bindings_driver()
         except ImportError:
             return ProbeResult(name, False, "compiled, but cuda-bindings is not installed: cannot load "
                                "the module (pip install 'cuda-bindings>=12.6')", details)
@@ -370,7 +301,7 @@ def probe_conditional_graph(device: Any = None) -> ProbeResult:
         if dev is None:
             return ProbeResult(name, False, NO_GPU, details)
         try:
-            cu = _driver()
+            cu = cuda_bindings_driver()
         except ImportError:
             return ProbeResult(name, False, "cuda-bindings is not installed", details)
         import torch
@@ -524,7 +455,7 @@ def environment() -> dict[str, Any]:
             kernel_driver=(_read("/proc/driver/nvidia/version") or "").splitlines()[:1],
         )
         try:
-            cu = _driver()
+            cu = cuda_bindings_driver()
         except ImportError:
             info["driver_cuda"] = "cuda-bindings not installed"
             return info

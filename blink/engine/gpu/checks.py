@@ -12,15 +12,10 @@ shared-memory ring is probed with one real page (:func:`ring_registration_proble
 from __future__ import annotations
 
 import importlib.metadata
-from typing import Any
 
 import torch
 
-
-def _cuda_bindings_driver() -> Any:
-    from cuda.bindings import driver  # noqa: PLC0415
-
-    return driver
+from blink.engine.gpu.cudart import cuda_bindings_driver
 
 
 _MIN_DRIVER_CONDITIONAL = 12040  # CUDA 12.4: IF/WHILE conditional nodes, memcpy/memset in bodies
@@ -79,7 +74,7 @@ def tier_b_problems(device: torch.device | None = None) -> list[str]:
                         "allocations to a private pool of the native allocator; unset "
                         "backend:cudaMallocAsync in PYTORCH_CUDA_ALLOC_CONF")
     try:
-        cu = _cuda_bindings_driver()
+        cu = cuda_bindings_driver()
     except ImportError:
         problems.append("cuda-bindings is not installed (pip install 'cuda-bindings>=13')")
         cu = None

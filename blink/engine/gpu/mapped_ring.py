@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from blink.engine.gpu.cudart import clear_cuda_last_error
 from blink.engine.state import ring_views
 from blink.errors import BlinkError
 from blink.ring import RingLayout
@@ -25,10 +26,11 @@ from blink.transport.inprocess import InProcessRegion
 
 log = logging.getLogger("blink.gpu")
 
-_HOST_REGISTER_PORTABLE, _HOST_REGISTER_MAPPED = 1, 2
+#: cudaHostRegisterPortable | cudaHostRegisterMapped
+HOST_REGISTER_FLAGS = 1 | 2
 
 
-class _CudaArray:
+class CudaArray:
     """``__cuda_array_interface__`` over a raw device address (keeps ``owner`` alive)."""
 
     def __init__(self, ptr: int, nbytes: int, owner: Any) -> None:
@@ -61,7 +63,7 @@ class MappedRing:
         return True
 
 
-def _device_pointer(host_ptr: int) -> int:
+def device_pointer(host_ptr: int) -> int:
     """Device address of registered/pinned host memory (cudaHostGetDevicePointer; the
     same address under unified addressing when cuda-bindings is missing)."""
     try:
@@ -79,15 +81,13 @@ def map_ring(buffer: Any, layout: RingLayout, device: torch.device) -> MappedRin
     nbytes = layout.total_bytes
     host_ptr = np.frombuffer(buffer, dtype=np.uint8, count=nbytes).ctypes.data
     size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE  # the mapping covers whole pages
-    err = torch.cuda.cudart().cudaHostRegister(host_ptr, size, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED)
+    err = torch.cuda.cudart().cudaHostRegister(host_ptr, size, HOST_REGISTER_FLAGS)
     if int(err) != 0:
-        from blink.engine.gpu_probe import clear_cuda_last_error  # noqa: PLC0415
-
         clear_cuda_last_error()  # else torch's next launch check reports this error as its own
         raise BlinkError(f"cudaHostRegister of the ring ({size} bytes) failed with CUDA error "
                          f"{int(err)}: the ring cannot be mapped into the GPU")
-    dptr = _device_pointer(host_ptr)
-    base = torch.as_tensor(_CudaArray(dptr, nbytes, buffer), device=device)
+    dptr = device_pointer(host_ptr)
+    base = torch.as_tensor(CudaArray(dptr, nbytes, buffer), device=device)
     if base.data_ptr() != dptr:
         raise BlinkError("torch copied the mapped ring instead of viewing it")
     return MappedRing(host_ptr, dptr, nbytes, ring_views(layout, base))
@@ -107,6 +107,6 @@ class PinnedRegion(InProcessRegion):
 def map_pinned_ring(region: PinnedRegion, layout: RingLayout, device: torch.device) -> MappedRing:
     """Device views of a :class:`PinnedRegion`'s ring (already mapped: nothing to register)."""
     host_ptr = np.frombuffer(region.buffer, dtype=np.uint8, count=layout.total_bytes).ctypes.data
-    dptr = _device_pointer(host_ptr)
-    base = torch.as_tensor(_CudaArray(dptr, layout.total_bytes, region.buffer), device=device)
+    dptr = device_pointer(host_ptr)
+    base = torch.as_tensor(CudaArray(dptr, layout.total_bytes, region.buffer), device=device)
     return MappedRing(host_ptr, dptr, layout.total_bytes, ring_views(layout, base), registered=False)

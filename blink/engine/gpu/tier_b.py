@@ -71,9 +71,9 @@ from blink.engine.gpu.abi import (
     LoopParams,
 )
 from blink.engine.gpu.base import GpuEngine
-from blink.engine.gpu.checks import _cuda_bindings_driver
+from blink.engine.gpu.cudart import cuda_bindings_driver
 from blink.engine.gpu.host_sim import EagerGraphApi
-from blink.engine.gpu.mapped_ring import _device_pointer
+from blink.engine.gpu.mapped_ring import device_pointer
 from blink.engine.gpu.plan import GraphPlan
 from blink.engine.scheduler import StepBatch
 from blink.engine.step import StepParts, model_phase
@@ -253,7 +253,7 @@ def loop_params(views: dict[str, torch.Tensor], n_slots: int, options: LoopOptio
 
 def _check(result: Any) -> Any:
     """cuda-bindings call result -> its value(s); raises on a CUDA error."""
-    cu = _cuda_bindings_driver()
+    cu = cuda_bindings_driver()
     err, *rest = result if isinstance(result, tuple) else (result,)
     if err != cu.CUresult.CUDA_SUCCESS:
         _, name = cu.cuGetErrorName(err)
@@ -273,7 +273,7 @@ class CudaGraphApi:
     KERNELS = ("blink_gate", "blink_dispatch", "blink_publish_fence")
 
     def __init__(self, device: torch.device, cubin: bytes) -> None:
-        cu = self.cu = _cuda_bindings_driver()
+        cu = self.cu = cuda_bindings_driver()
         self.device = device
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         torch.cuda.set_device(self.index)
@@ -404,7 +404,7 @@ class CudaGraphApi:
         if tensor.device.type == "cpu":
             if not tensor.is_pinned():
                 raise BlinkError("a host tensor the device loop reads must be pinned")
-            return _device_pointer(tensor.data_ptr())
+            return device_pointer(tensor.data_ptr())
         return tensor.data_ptr()
 
     # -- running
