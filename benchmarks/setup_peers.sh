@@ -53,10 +53,11 @@ install_llamacpp() {
     note "$name: building llama-cpp-python[server] (native compile, 9-25 min on 2 cores); log: $log"
     {
         make_venv "$name" &&
-        # Plain CPU build; GGML_NATIVE picks the host's AVX2/AVX-512. No BLAS: llama.cpp's own
+        # Plain CPU build for a fixed instruction set (AVX2+FMA+F16C, on every x86-64 machine
+        # seen here): a GGML_NATIVE build tuned for the build machine can crash on the next. No BLAS: llama.cpp's own
         # kernels are faster for a 135M model than OpenBLAS's small GEMMs. LLAVA_BUILD=OFF skips
         # the multimodal (mtmd) library, a large part of the compile that a text server never uses.
-        CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
+        CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
             timeout "$TIMEOUT" "$PEERS_DIR/$name/bin/pip" install --no-cache-dir \
             'llama-cpp-python[server]' &&
         "$PEERS_DIR/$name/bin/python" -c "import llama_cpp.server, llama_cpp; print('llama_cpp', llama_cpp.__version__)"
