@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from blink.errors import BlinkError
+from blink.shared.structured_outputs import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,9 @@ class SamplingParams:
     logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
+    #: A constraint the output must satisfy (JSON schema, regex, choice, any JSON object),
+    #: enforced on the device by a token automaton; None = unconstrained.
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         # Normalise the loose forms a JSON request carries before checking ranges.
@@ -273,6 +277,14 @@ class SamplingParams:
                     f"logit_bias value for token {token_id} must be in "
                     f"[-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}], got {value}."
                 )
+
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                raise SamplingParamsError(
+                    "structured_outputs must be a StructuredOutputs, got "
+                    f"{type(self.structured_outputs).__name__}."
+                )
+            self.structured_outputs.validate()
 
     def _check_types(self) -> None:
         for name in ("n", "min_tokens", "top_k"):
