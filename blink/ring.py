@@ -15,6 +15,8 @@ views on both sides:
     request records record[n_slots]         seq, request id, arrival, prompt location, consumed,
                                             then the sampling fields (blink.shared.sampling_fields)
     prompt arena    int32[arena_tokens]     circular token buffer shared by all prompts
+    grammar region  int32[grammar_words]    compiled structured-output automata (entries
+                                            below), written by the frontend, read by the sampler
     output streams  one array per field     token ring, produced counter, finish, logprobs
 
 Protocol (payload first, then the state word; readers read the state word first):
@@ -43,7 +45,7 @@ from blink.errors import BlinkError
 from blink.shared.sampling_fields import SAMPLING_FIELDS, numpy_fields
 
 MAGIC = int.from_bytes(b"BLINKRNG", "little")
-LAYOUT_VERSION = 2  # 2: the request record (one contiguous payload per slot)
+LAYOUT_VERSION = 3  # 2: the request record (one contiguous payload per slot); 3: grammar region
 ALIGN = 64
 
 # Control block word indices (all int64).
@@ -71,7 +73,8 @@ ALIGN = 64
     C_STAT_STEPS,
     C_STAT_PROMPT_TOKENS,
     C_STAT_GENERATED_TOKENS,
-) = range(23)
+    C_GRAMMAR_WORDS,
+) = range(24)
 CONTROL_WORDS = 32
 #: Reserved for the engine: a write sink for its fixed-shape scatters into the slot state
 #: words (lanes with nothing to publish write here). The frontend never reads or writes it.
@@ -89,6 +92,41 @@ FINISH_NONE, FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR = range(5)
 FINISH_REASON_NAMES = (None, "stop", "length", "abort", "error")
 
 
+# -- grammar entries (structured outputs) -------------------------------------------------
+# One compiled automaton in the grammar region: GRAMMAR_HEADER_WORDS int32 header words, then
+# its arrays, all int32 and addressed in words from the entry's first word (the offset a
+# request record's ``grammar_entry`` holds). The frontend writes an entry before the request
+# records that use it (their state word publishes both); it never rewrites an entry a live
+# request uses. Arrays, for S states over a vocabulary of ``vocab_bits`` token ids:
+#   mask      [S, words_per_state]  bit t of state s: token t is allowed (EOS bits only in
+#                                   accepting states); words_per_state = ceil(vocab_bits / 32)
+#   row_start [S + 1]               CSR offsets into the two transition arrays
+#   trans_token [num_transitions]   per state, sorted ascending (EOS has no transition)
+#   trans_next  [num_transitions]   the state after that token
+GRAMMAR_MAGIC = 0x424C4B47  # "GKLB"
+GRAMMAR_FORMAT_VERSION = 1
+(
+    G_MAGIC,
+    G_VERSION,
+    G_NUM_STATES,
+    G_INITIAL_STATE,
+    G_VOCAB_BITS,
+    G_WORDS_PER_STATE,
+    G_NUM_TRANSITIONS,
+    G_EOS,  # the token a dead state (no transition matched) is forced to
+    G_MASK,  # word offsets of the arrays from the entry start
+    G_ROW_START,
+    G_TRANS_TOKEN,
+    G_TRANS_NEXT,
+    G_TOTAL_WORDS,
+) = range(13)
+GRAMMAR_HEADER_WORDS = 16
+#: Entries start on this many words (64 bytes), like every other ring part.
+GRAMMAR_ALIGN_WORDS = 16
+#: Default size of the grammar region (``RingConfig.grammar_words``): 32 MiB.
+DEFAULT_GRAMMAR_WORDS = 8 << 20
+
+
 class RingLayoutError(BlinkError):
     """The ring memory does not hold the layout this side expects."""
 
@@ -104,10 +142,14 @@ class RingConfig:
     max_stop_ids: int = 16
     max_logit_bias: int = 32
     max_model_len: int = 8192
+    #: int32 words of the grammar region (structured-output automata); 0 = none (requests
+    #: with a constraint are then refused)
+    grammar_words: int = DEFAULT_GRAMMAR_WORDS
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
-            if not isinstance(value, int) or value < (0 if name.startswith("max_") else 1):
+            low = 0 if name.startswith("max_") or name == "grammar_words" else 1
+            if not isinstance(value, int) or value < low:
                 raise RingLayoutError(f"ring config: {name} must be a positive integer, got {value!r}")
         if self.arena_tokens < self.max_model_len:
             raise RingLayoutError(
@@ -254,6 +296,7 @@ class RingLayout:
             self.fields[name] = FieldSpec(name, dtype, (cfg.n_slots, *shape),
                                           base.offset + sub_offset, record.itemsize, REQUEST)
         add("arena", np.dtype("<i4"), (cfg.arena_tokens,))
+        add("grammar_region", np.dtype("<i4"), (max(cfg.grammar_words, 1),))
         for name, dtype, shape in _stream_fields(cfg):
             add(name, dtype, (cfg.n_slots, *shape))
         self.total_bytes = offset
@@ -305,6 +348,7 @@ class Ring:
         c[C_MAX_STOP_IDS] = cfg.max_stop_ids
         c[C_MAX_LOGIT_BIAS] = cfg.max_logit_bias
         c[C_MAX_MODEL_LEN] = cfg.max_model_len
+        c[C_GRAMMAR_WORDS] = cfg.grammar_words
         c[C_ENGINE_STATE] = ENGINE_STARTING
         for f in SAMPLING_FIELDS:  # neutral values (-1 padding for id vectors)
             if f.pad != 0:
@@ -338,6 +382,7 @@ def config_of_control(control: Any) -> RingConfig:
         max_stop_ids=int(control[C_MAX_STOP_IDS]),
         max_logit_bias=int(control[C_MAX_LOGIT_BIAS]),
         max_model_len=int(control[C_MAX_MODEL_LEN]),
+        grammar_words=int(control[C_GRAMMAR_WORDS]),
     )
 
 

@@ -21,6 +21,8 @@ Ring conventions (what the frontend writes, the engine reads):
 - ``seed``: always set; a request without one gets a random 63-bit seed in the packing.
 - ``max_tokens``: always concrete (``max_model_len - prompt_len`` when the request gave none).
 - vectors (``stop_token_ids``, ``logit_bias_*``): ``pad`` in unused entries.
+- ``grammar_entry``: -1, or where the frontend wrote the request's structured-output automaton
+  (written before the record, so the slot's state word publishes both).
 """
 from __future__ import annotations
 
@@ -75,6 +77,9 @@ SAMPLING_FIELDS: tuple[SamplingField, ...] = (
                   doc="token ids whose logits get a bias"),
     SamplingField("logit_bias_values", "<f4", width="max_logit_bias", pad=0.0,
                   doc="the bias added to logit_bias_ids' logits"),
+    SamplingField("grammar_entry", "<i4", pad=-1, sampler=False,
+                  doc="word offset of the request's compiled automaton in the ring's grammar "
+                      "region (blink.ring G_*), -1 = unconstrained"),
 )
 
 FIELDS_BY_NAME: dict[str, SamplingField] = {f.name: f for f in SAMPLING_FIELDS}
