@@ -1,0 +1,33 @@
+"""Tool-call parsers: the model's text → OpenAI ``tool_calls``, whole or streamed.
+
+``--tool-call-parser NAME`` picks one of :data:`TOOL_PARSERS` for ``tool_choice="auto"``;
+forced choices (``required``, a named function) are constrained to JSON by the grammar and
+read by :mod:`blink.dpu.tool_parsers.forced` whatever the flag is. Every parser is
+incremental (:mod:`blink.dpu.tool_parsers.base`), and :class:`ToolCallStream` turns its
+state into message fields or stream deltas.
+"""
+from __future__ import annotations
+
+from blink.dpu.tool_parsers.base import ParsedToolCall, ToolCallParser
+from blink.dpu.tool_parsers.forced import (
+    NamedToolParser,
+    RequiredToolParser,
+    named_schema,
+    required_schema,
+)
+from blink.dpu.tool_parsers.hermes import HermesToolParser
+from blink.dpu.tool_parsers.llama3_json import Llama3JsonToolParser
+from blink.dpu.tool_parsers.mistral import MistralToolParser
+from blink.dpu.tool_parsers.stream import ToolCallDelta, ToolCallStream, make_tool_call_id
+
+#: ``--tool-call-parser`` name → parser class
+TOOL_PARSERS: dict[str, type[ToolCallParser]] = {
+    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)
+}
+
+__all__ = [
+    "TOOL_PARSERS", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser",
+    "NamedToolParser", "ParsedToolCall", "RequiredToolParser", "ToolCallDelta",
+    "ToolCallParser", "ToolCallStream", "make_tool_call_id", "named_schema",
+    "required_schema",
+]

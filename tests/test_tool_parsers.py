@@ -1,0 +1,160 @@
+"""The tool-call parsers (blink.dpu.tool_parsers): whole-text results for each format, and
+streamed results that equal them however the text is chunked (at every boundary, one
+character at a time, inside the tags), with OpenAI-shaped deltas."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from blink.dpu.tool_parsers import (
+    TOOL_PARSERS,
+    HermesToolParser,
+    Llama3JsonToolParser,
+    MistralToolParser,
+    NamedToolParser,
+    RequiredToolParser,
+    ToolCallParser,
+    ToolCallStream,
+    required_schema,
+)
+
+WEATHER = {"city": "Paris", "days": [1, 2], "opts": {"unit": "c", "note": "a \"}\" and ]"}}
+W = json.dumps(WEATHER)
+
+# (parser factory, output text, expected content, expected [(name, arguments dict)])
+CASES: list[tuple[Any, str, str, list[tuple[str, Any]]]] = [
+    (HermesToolParser, "plain answer, no call", "plain answer, no call", []),
+    (HermesToolParser, f'<tool_call>\n{{"name": "get_weather", "arguments": {W}}}\n</tool_call>',
+     "", [("get_weather", WEATHER)]),
+    (HermesToolParser,
+     f'Let me check.\n<tool_call>\n{{"name": "a", "arguments": {W}}}\n</tool_call>\n'
+     f'<tool_call>\n{{"arguments": {{}}, "name": "b"}}\n</tool_call>',
+     "Let me check.\n", [("a", WEATHER), ("b", {})]),
+    (HermesToolParser, '<tool_call>{"name": "f"}</tool_call>', "", [("f", {})]),
+    (HermesToolParser, '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>', "",
+     [("f", {"x": 1})]),
+    (HermesToolParser, '<tool_call>{"name": "f", "arguments": {"x": 1}}', "", [("f", {"x": 1})]),
+    (HermesToolParser, "a <tool_call> not json </tool_call> b",
+     "a <tool_call> not json </tool_call> b", []),
+    (HermesToolParser, 'x <tool_call>{"arguments": {}}</tool_call>',
+     'x <tool_call>{"arguments": {}}</tool_call>', []),
+    (HermesToolParser, "ends with a partial tag <tool_c", "ends with a partial tag <tool_c", []),
+    (Llama3JsonToolParser, f'<|python_tag|>{{"name": "get_weather", "parameters": {W}}}', "",
+     [("get_weather", WEATHER)]),
+    (Llama3JsonToolParser, ' {"name": "f", "parameters": {"x": 1}}; {"name": "g", '
+     '"parameters": {}}', "", [("f", {"x": 1}), ("g", {})]),
+    (Llama3JsonToolParser, "The answer is 4.", "The answer is 4.", []),
+    (Llama3JsonToolParser, '{"answer": 4}', '{"answer": 4}', []),
+    (MistralToolParser, f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {W}}}]', "",
+     [("get_weather", WEATHER)]),
+    (MistralToolParser, 'Sure [TOOL_CALLS] [{"name": "f", "arguments": {"x": 1}}, '
+     '{"name": "g", "arguments": {}}]', "Sure ", [("f", {"x": 1}), ("g", {})]),
+    (MistralToolParser, f'[TOOL_CALLS]get_weather[ARGS]{W}[TOOL_CALLS]g[ARGS]{{}}', "",
+     [("get_weather", WEATHER), ("g", {})]),
+    (MistralToolParser, "no [TOOL_ calls here", "no [TOOL_ calls here", []),
+    (RequiredToolParser, f'[{{"name": "get_weather", "parameters": {W}}}, '
+     '{"name": "g", "parameters": {}}]', "", [("get_weather", WEATHER), ("g", {})]),
+    (RequiredToolParser, "not an array", "not an array", []),
+    (lambda: NamedToolParser("get_weather"), f"  {W}\n", "", [("get_weather", WEATHER)]),
+]
+
+
+def _check(parser: ToolCallParser, content: str, calls: list[tuple[str, Any]]) -> None:
+    assert parser.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == calls
+
+
+@pytest.mark.parametrize("make,text,content,calls", CASES)
+def test_whole_text(make: Any, text: str, content: str, calls: list) -> None:
+    parser = make()
+    parser.feed(text)
+    parser.finish()
+    _check(parser, content, calls)
+
+
+def _stream(make: Any, pieces: list[str]) -> tuple[str, list[dict[str, Any]]]:
+    """Stream ``pieces``; rebuild content and calls from the deltas alone, checking their
+    OpenAI shape (name and id first, then argument fragments, indices in order)."""
+    stream = ToolCallStream(make())
+    content, calls = "", []
+    for i, piece in enumerate(pieces + [""]):
+        delta = stream.step(piece, final=i == len(pieces))
+        content += delta.content
+        for tc in delta.tool_calls:
+            if tc["index"] == len(calls):
+                assert tc["type"] == "function" and tc["id"] and tc["function"]["name"]
+                calls.append({"id": tc["id"], "name": tc["function"]["name"],
+                              "arguments": tc["function"]["arguments"]})
+            else:
+                assert set(tc) == {"index", "function"} and set(tc["function"]) == {"arguments"}
+                assert tc["function"]["arguments"]
+                calls[tc["index"]]["arguments"] += tc["function"]["arguments"]
+    assert [c["id"] for c in calls] == [m["id"] for m in stream.message_tool_calls()]
+    return content, calls
+
+
+@pytest.mark.parametrize("make,text,content,calls", CASES)
+def test_streamed_at_every_boundary(make: Any, text: str, content: str, calls: list) -> None:
+    whole = make()
+    whole.feed(text)
+    whole.finish()
+    expected_args = [c.arguments for c in whole.calls]
+    chunkings = [list(text)] + [[text[:i], text[i:]] for i in range(len(text) + 1)]
+    chunkings += [[text[i:i + 3] for i in range(0, len(text), 3)]]
+    for pieces in chunkings:
+        got_content, got_calls = _stream(make, pieces)
+        assert got_content == content, pieces
+        assert [(c["name"], json.loads(c["arguments"])) for c in got_calls] == calls, pieces
+        assert [c["arguments"] for c in got_calls] == expected_args  # the very same strings
+
+
+def test_content_streams_before_the_call_and_tags_are_held() -> None:
+    stream = ToolCallStream(HermesToolParser())
+    assert stream.step("Checking").content == "Checking"
+    assert stream.step(" now <tool").content == " now "  # "<tool" may start a tag
+    d = stream.step('_call>{"name": "f", "argu')
+    assert d.content == "" and d.tool_calls[0]["function"] == {"name": "f", "arguments": ""}
+    d = stream.step('ments": {"x": 1')
+    assert d.tool_calls == [{"index": 0, "function": {"arguments": '{"x": 1'}}]
+    d = stream.step("}}</tool_call>", final=True)
+    assert d.tool_calls == [{"index": 0, "function": {"arguments": "}"}}]
+    assert stream.message_tool_calls()[0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
+
+
+def test_parallel_tool_calls_false_keeps_the_first() -> None:
+    stream = ToolCallStream(RequiredToolParser(), max_calls=1)
+    d = stream.step('[{"name": "f", "parameters": {}}, {"name": "g", "parameters": {}}]', True)
+    assert [tc["function"]["name"] for tc in d.tool_calls] == ["f"]
+    assert len(stream.message_tool_calls()) == 1
+
+
+def test_mistral_ids_are_nine_alphanumerics() -> None:
+    stream = ToolCallStream(MistralToolParser())
+    stream.step('[TOOL_CALLS][{"name": "f", "arguments": {}}]', final=True)
+    (call,) = stream.message_tool_calls()
+    assert len(call["id"]) == 9 and call["id"].isalnum()
+    hermes = ToolCallStream(HermesToolParser())
+    hermes.step('<tool_call>{"name": "f", "arguments": {}}</tool_call>', final=True)
+    assert hermes.message_tool_calls()[0]["id"].startswith("chatcmpl-tool-")
+
+
+def test_registry_names() -> None:
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral"}
+
+
+def test_required_schema_matches_vllms_shape() -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "#/$defs/X"}}, "required": ["x"],
+        "$defs": {"X": {"type": "integer"}}}}},
+        {"type": "function", "function": {"name": "g"}}]
+    schema = required_schema(tools)
+    assert schema["minItems"] == 1 and "X" in schema["$defs"]
+    jsonschema.validate([{"name": "f", "parameters": {"x": 1}}, {"name": "g", "parameters": {}}],
+                        schema)
+    for bad in ([], [{"name": "h", "parameters": {}}], [{"name": "f", "parameters": {"x": "1"}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    assert "$defs" in tools[0]["function"]["parameters"]  # the request's tools are not changed
