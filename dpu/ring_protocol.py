@@ -29,6 +29,8 @@ import numpy as np
 
 from blink.dpu.engine_client import EngineOutput
 from blink.dpu.ring_packing import INT32_MAX, RingRequestError, pack_sampling
+from blink.dpu.structured.compiler import CompiledGrammar
+from blink.dpu.structured.region import GrammarRegion
 from blink.errors import BlinkError
 from blink.ring import (
     C_ENGINE_STATE,
@@ -160,6 +162,7 @@ class RingHandle:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: BaseException | None = None  # protocol failure; the slot is leaked on purpose
+    grammar: int = -1  # word offset of the grammar entry it holds (-1: unconstrained)
 
     @property
     def queue_time_s(self) -> float | None:
@@ -219,6 +222,9 @@ class RingClient:
         self._next_arrival = int(self._read_field("arrival", 0, n).max(initial=0)) + 1
         self._next_request_id = int(self._read_field("request_id", 0, n).max(initial=0)) + 1
         self.arena = ArenaAllocator(self.config.arena_tokens)
+        self.grammars = GrammarRegion(transport, self._spec["grammar_region"],
+                                      self.config.grammar_words)
+        self._grammar_full = False  # the last try_submit found no room in the grammar region
         self._free: list[int] = []
         self._adopt_slots()
 
@@ -277,6 +283,9 @@ class RingClient:
                 # An orphan of a previous frontend: cancel it and drain it to FREE.
                 handle = RingHandle(slot, self._seq[slot], -1, 0, None, cancelled=True)
                 handle.consumed = int(self._read_field("consumed", slot, slot + 1)[0])
+                entry = int(self._read_field("grammar_entry", slot, slot + 1)[0])
+                if entry >= 0 and self.grammars.adopt(entry):  # kept until the slot drains
+                    handle.grammar = entry
                 self._write_field("cancel", slot, 1)
                 self._active[slot] = handle
                 if st == SLOT_WRITTEN:
@@ -340,8 +349,14 @@ class RingClient:
         return prompt.astype("<i4")
 
     def try_submit(self, request_id: int, prompt_ids: Sequence[int] | np.ndarray,
-                   sampling: np.ndarray | None = None, **fields: Any) -> RingHandle | None:
-        """Write one request into a free slot; None while no slot or arena space is free.
+                   sampling: np.ndarray | None = None, *, grammar: CompiledGrammar | None = None,
+                   **fields: Any) -> RingHandle | None:
+        """Write one request into a free slot; None while no slot, arena space or (with a
+        ``grammar``) grammar-region space is free.
+
+        ``grammar``: the request's compiled structured-output constraint; its entry is
+        uploaded into the grammar region unless resident already (content-hashed) and held
+        until the slot is FREE again.
 
         ``sampling``: the packed record :func:`~blink.dpu.ring_packing.ring_fields` returns;
         else ``fields`` are :func:`~blink.dpu.ring_packing.pack_sampling`'s keywords. Order:
@@ -358,14 +373,25 @@ class RingClient:
             raise TypeError("try_submit takes a packed record or keyword fields, not both")
         elif sampling.dtype != self.layout.request_dtype:
             raise TypeError("try_submit: the record was packed for another ring layout")
+        if grammar is not None:
+            self.grammars.check_fits(grammar)  # never fits: a client error, not a wait
         with self._lock:
             if not self._free:
                 return None
+            entry = -1
+            if grammar is not None:
+                acquired = self.grammars.acquire(grammar)  # written before the record
+                self._grammar_full = acquired is None
+                if acquired is None:
+                    return None
+                entry = acquired
             rng = self.arena.allocate(prompt.size)
             if rng is None:
                 self._refresh_claims()  # claimed prompts give their arena space back
                 rng = self.arena.allocate(prompt.size)
                 if rng is None:
+                    if entry >= 0:
+                        self.grammars.release(entry)
                     return None
             slot = heapq.heappop(self._free)
             seq = self._seq[slot] + 1
@@ -386,17 +412,19 @@ class RingClient:
             record["prompt_offset"] = rng.start % cfg.arena_tokens
             record["prompt_len"] = prompt.size
             record["consumed"] = 0
+            record["grammar_entry"] = entry
             t.write(self._offset(REQUEST, slot), record.view(np.uint8))
             # publish ---------------------------------------------------------------
             t.fence()
             self._write_field("state", slot, SLOT_WRITTEN)
-            handle = RingHandle(slot, seq, request_id, int(record["logprobs"][0]), rng)
+            handle = RingHandle(slot, seq, request_id, int(record["logprobs"][0]), rng,
+                                grammar=entry)
             self._active[slot] = handle
             return handle
 
     def submit(self, request_id: int, prompt_ids: Sequence[int] | np.ndarray,
                sampling: np.ndarray | None = None, *, timeout_s: float = 5.0,
-               **fields: Any) -> RingHandle:
+               grammar: CompiledGrammar | None = None, **fields: Any) -> RingHandle:
         """:meth:`try_submit`, waiting up to ``timeout_s`` for room, then :class:`RingFullError`.
 
         Slots come back only through polling: wait here only while another thread polls.
@@ -406,7 +434,7 @@ class RingClient:
         deadline = time.monotonic() + timeout_s
         delay = 1e-4
         while True:
-            handle = self.try_submit(request_id, prompt_ids, sampling, **fields)
+            handle = self.try_submit(request_id, prompt_ids, sampling, grammar=grammar, **fields)
             if handle is not None:
                 return handle
             if time.monotonic() >= deadline:
@@ -415,6 +443,11 @@ class RingClient:
             delay = min(delay * 2, 0.01)
 
     def full_message(self, prompt_len: int, waited_s: float) -> str:
+        if self._free and self._grammar_full:
+            return (
+                f"the engine's grammar region has no room for this constraint after {waited_s:g} s "
+                f"(every resident automaton is in use; {self.config.grammar_words * 4 / 2**20:.1f} MiB)"
+            )
         what = "request slots" if not self._free else f"prompt-arena space for {prompt_len} tokens"
         return (
             f"the engine's ring has no free {what} after {waited_s:g} s "
@@ -473,6 +506,7 @@ class RingClient:
                     self._active.pop(h.slot, None)  # leak the slot: its state is unknown
                     if h.arena is not None:  # but not the arena: it would block every prompt
                         self.arena.release(h.arena)
+                    # The grammar entry stays held: the engine may still read it for the slot.
                     continue
                 if delta is not None:
                     out[h] = delta
@@ -532,6 +566,8 @@ class RingClient:
             self._write_field("state", slot, SLOT_FREE)
             h.done = True
             h.finish_reason = reason
+            if h.grammar >= 0:  # the engine no longer reads it for this slot
+                self.grammars.release(h.grammar)
             self._active.pop(slot, None)
             heapq.heappush(self._free, slot)
         return EngineOutput(
