@@ -15,6 +15,7 @@ from blink.dpu.ring_packing import ring_fields
 from blink.dpu.ring_protocol import RingClient, RingHandle
 from blink.dpu.engine_client import EngineOutput
 from blink.dpu.output_processor import ChoiceText
+from blink.dpu.structured.compiler import CompiledGrammar, GrammarCompiler
 from blink.dpu.tokenizer import Tokenizer
 from blink.engine.engine import EngineConfig
 from blink.engine.factory import create_engine
@@ -77,6 +78,7 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     num_cached: int = 0
+    grammar: CompiledGrammar | None = None  # the structured-output automaton, if any
 
     @property
     def finish_reason(self) -> str | None:
@@ -106,6 +108,8 @@ class LLM:
                      else LoopbackTransport(region.name, region.total_bytes))
         self._ring = RingClient(transport)
         self.max_model_len = self.engine.max_model_len
+        #: compiles structured-output constraints for this tokenizer (cached by content)
+        self.grammar_compiler = GrammarCompiler(self.tokenizer)
 
     # ------------------------------------------------------------------------------ public
 
@@ -192,12 +196,16 @@ class LLM:
         one = copy.copy(params)
         one.n, one.seed, one.stop_token_ids = 1, seed, stop_ids
         fields = ring_fields(one, len(ids), self.max_model_len, self._ring.config)
+        grammar = None
+        if params.structured_outputs is not None:  # compiled once per constraint (cached)
+            grammar = self.grammar_compiler.compile(params.structured_outputs)
+            self._ring.grammars.check_fits(grammar)
         if len(ids) + fields["max_tokens"] > self.max_model_len and params.max_tokens is not None:
             fields["max_tokens"] = max(1, self.max_model_len - len(ids))
         return _Choice(
             request=r, index=index, prompt_ids=ids, params=params, fields=fields,
             output=ChoiceText(self.tokenizer, ids, one),
-            logprobs=[] if params.logprobs is not None else None,
+            logprobs=[] if params.logprobs is not None else None, grammar=grammar,
         )
 
     def _run(self, choices: list[_Choice], timeout_s: float | None) -> None:
@@ -220,7 +228,8 @@ class LLM:
             while pending:
                 choice = pending[-1]
                 request_id += 1
-                handle = self._ring.try_submit(request_id, choice.prompt_ids, choice.fields)
+                handle = self._ring.try_submit(request_id, choice.prompt_ids, choice.fields,
+                                               grammar=choice.grammar)
                 if handle is None:
                     break  # slots or arena full: poll and retry
                 pending.pop()

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
-from blink.kernels import reference, sampling_reference
+from blink.kernels import grammar_reference, reference, sampling_reference
 
 _OP_NAMES = (
     "rms_norm",
@@ -31,6 +31,8 @@ _SAMPLING_OP_NAMES = (
     "apply_top_k_top_p_min_p",
     "sample",
 )
+# The structured-output mask (blink.engine.grammar / the sampler call it through ``ops_for``).
+_GRAMMAR_OP_NAMES = ("apply_grammar_mask",)
 
 _cache: dict[tuple[str, bool], SimpleNamespace] = {}
 
@@ -49,6 +51,7 @@ def ops_for(device: torch.device | str, *, triton: bool | None = None) -> Simple
     if key not in _cache:
         table = {name: getattr(reference, name) for name in _OP_NAMES}
         table.update({name: getattr(sampling_reference, name) for name in _SAMPLING_OP_NAMES})
+        table.update({name: getattr(grammar_reference, name) for name in _GRAMMAR_OP_NAMES})
         if use_triton:
             table.update(_triton_ops(required=triton is True))
         _cache[key] = SimpleNamespace(**table)
@@ -66,6 +69,7 @@ def _triton_ops(required: bool = False) -> dict:
         from blink.kernels import (
             triton_activation,
             triton_attention,
+            triton_grammar,
             triton_moe,
             triton_norm_rope,
             triton_sampling,
@@ -88,4 +92,5 @@ def _triton_ops(required: bool = False) -> dict:
         "moe_experts": triton_moe.moe_experts,
         "apply_top_k_top_p_min_p": triton_sampling.apply_top_k_top_p_min_p,
         "sample": triton_sampling.sample,
+        "apply_grammar_mask": triton_grammar.apply_grammar_mask,
     }

@@ -148,6 +148,7 @@ def realistic_launches(arch: int = 90) -> list[Launch]:
         reference,
         triton_activation,
         triton_attention,
+        triton_grammar,
         triton_moe,
         triton_norm_rope,
         triton_sampling,
@@ -218,6 +219,8 @@ def realistic_launches(arch: int = 90) -> list[Launch]:
             triton_sampling.apply_top_k_top_p_min_p(logits, *rows)
             triton_sampling.sample(logits, t(256, dtype=torch.int64), t(256, dtype=torch.int64))
             triton_sampling.uniform(t(256, dtype=torch.int64), t(256, dtype=torch.int64), vocab)
+            triton_grammar.apply_grammar_mask(logits, t(8 << 20, dtype=torch.int32),
+                                              t(256, dtype=torch.int32), t(256, dtype=torch.int32))
     return launches
 
 

@@ -2,6 +2,8 @@
 
 One call handles a whole batch whose rows use different parameters. Order (vLLM v1's):
 
+0. structured outputs: tokens a constrained row's automaton state forbids are set to -inf
+   (``ops.apply_grammar_mask``, :mod:`blink.engine.grammar`); everything below sees that.
 1. raw logprobs: ``log_softmax(logits)`` of the model's logits, before anything below touches
    them (vLLM's default ``logprobs_mode="raw_logprobs"``). The chosen token's logprob and the
    top-N alternatives are read from these.
@@ -44,6 +46,7 @@ from blink.shared.sampling_params import (
 )
 from blink.errors import BlinkError
 from blink.kernels import ops_for
+from blink.engine.grammar import GrammarBatch
 from blink.shared.sampling_fields import SAMPLER_FIELDS
 
 _TORCH_DTYPES = {"<i4": torch.int32, "<i8": torch.int64, "<f4": torch.float32}
@@ -255,6 +258,7 @@ class SamplerPlan:
     any_filter: bool = True
     any_penalty: bool = True
     any_top_logprobs: bool = True
+    any_grammar: bool = True  # any row constrained by a structured-output automaton
 
     @classmethod
     def of(cls, st: SamplingTensors) -> "SamplerPlan":
@@ -314,6 +318,7 @@ class Sampler:
         step_counters: torch.Tensor,
         suppress_ids: torch.Tensor | None = None,
         plan: SamplerPlan | None = None,
+        grammar: GrammarBatch | None = None,
     ) -> SamplerOutput:
         """Sample one token per row.
 
@@ -327,10 +332,15 @@ class Sampler:
                                   n > 1 request need distinct seeds.
         suppress_ids  i32 [B, S]  optional ids to forbid this step (-1 = padding)
         plan          optional host-side :class:`SamplerPlan` (CPU loop) to skip no-op stages
+        grammar       optional structured-output automata of the rows
+                      (:class:`blink.engine.grammar.GrammarBatch`): tokens a row's state
+                      forbids are masked before anything else, raw logprobs included
         """
         plan = plan or _FULL_PLAN
         ops = self.ops_for(logits.device)
         logits = logits.float()
+        if grammar is not None and plan.any_grammar:  # a call-signature choice, not a value
+            logits = ops.apply_grammar_mask(logits, grammar.words, grammar.entry, grammar.state)
         # Raw logprobs are x - logsumexp(x): one reduction instead of a [B, V] log_softmax.
         raw_logits = logits
         log_norm = torch.logsumexp(raw_logits, dim=-1, keepdim=True)

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from blink.engine import prefix_cache
+from blink.engine.grammar import GrammarRows
 from blink.engine.sampler import SamplingTensors
 from blink.shared.sampling_fields import SAMPLER_FIELDS
 from blink.engine.state import (
@@ -164,6 +165,8 @@ class Scheduler:
         self.stream_capacity = ring_cfg.stream_capacity
         self.num_top = max(ring_cfg.max_logprobs, 1)
         self.state = EngineState.allocate(config, ring_cfg, self.device)
+        # Structured outputs: per-row automaton states over the ring's grammar region.
+        self.grammar = GrammarRows(ring_tensors["grammar_region"], S, self.device)
 
         # The slot state words, addressed through one int32 view of the whole region so that
         # lanes with nothing to publish can write a scratch word instead (see _publish_state).
@@ -246,6 +249,7 @@ class Scheduler:
         sink = st.tokens.shape[1] - 1
         st.tokens.scatter_(1, torch.where(sampled, st.num_tokens, sink).unsqueeze(1),
                            tok.to(st.tokens.dtype).unsqueeze(1))
+        self.grammar.advance(sampled, st.sampling["grammar_entry"], tok)
         st.num_tokens += sampled.long()
 
         # Stream: payload first, then the produced counter.
@@ -308,6 +312,7 @@ class Scheduler:
             dst = st.sampling[name]
             mask = admit.view(S, *([1] * (dst.dim() - 1)))
             dst.copy_(torch.where(mask, ring[name].to(dtype), dst))
+        self.grammar.admit(admit, st.sampling["grammar_entry"])
         st.arrival.copy_(torch.where(admit, ring["arrival"], st.arrival))
         st.num_prompt.copy_(torch.where(admit, plen, st.num_prompt))
         st.num_tokens.copy_(torch.where(admit, plen, st.num_tokens))

@@ -10,6 +10,7 @@ removes padding: the tokens are the same.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import torch
@@ -84,6 +85,7 @@ def model_phase(
     logits = executor.execute(batch.input_ids[:tokens], md, batch.logits_indices[:rows])
     history = scheduler.token_history(batch)[:rows]
     sampling = slice_sampling(batch.sampling, rows)
+    grammar = scheduler.grammar.batch(scheduler.state.sampling["grammar_entry"], batch.sample_rows)
     out = sampler(
         logits,
         sampling,
@@ -93,6 +95,7 @@ def model_phase(
         batch.total_lens[:rows],
         batch.suppress_ids[:rows],
         plan=plan,
+        grammar=grammar.rows(rows),
     )
     scheduler.update(batch, out.tokens, out.logprob, out.top_ids, out.top_logprobs)
 
@@ -107,5 +110,7 @@ def run_step(parts: StepParts) -> bool:
     # and update() indexes the sampler outputs (an empty tensor cannot be indexed).
     ns = max(int(batch.num_sample_rows), 1)
     plan = SamplerPlan.of(slice_sampling(batch.sampling, ns))  # skip stages no row uses
+    entry = parts.scheduler.state.sampling["grammar_entry"][batch.sample_rows[:ns].clamp(min=0)]
+    plan = dataclasses.replace(plan, any_grammar=bool((entry >= 0).any()))
     model_phase(parts, batch, tokens=n, rows=ns, compact=True, plan=plan)
     return True

@@ -285,6 +285,18 @@ class SamplingParams:
                     f"{type(self.structured_outputs).__name__}."
                 )
             self.structured_outputs.validate()
+            # The automaton decides where the output may end: EOS is allowed exactly in its
+            # accepting states, so these two could only break the constraint.
+            if self.ignore_eos:
+                raise SamplingParamsError(
+                    "ignore_eos cannot be combined with structured_outputs (the constraint "
+                    "ends the output in an accepting state)."
+                )
+            if self.min_tokens:
+                raise SamplingParamsError(
+                    "min_tokens cannot be combined with structured_outputs (the constraint "
+                    "decides where the output may end)."
+                )
 
     def _check_types(self) -> None:
         for name in ("n", "min_tokens", "top_k"):

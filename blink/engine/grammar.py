@@ -1,0 +1,63 @@
+"""Structured outputs on the device: each row's automaton state, as fixed-shape tensor code.
+
+The frontend compiles a request's constraint into an entry of the ring's grammar region and
+points the request record's ``grammar_entry`` at it (:mod:`blink.dpu.structured`). Here:
+
+- :meth:`GrammarRows.admit` (in the scheduler's admission copy): a newly admitted row starts
+  in its entry's initial state.
+- :meth:`GrammarRows.batch` (in the model phase): the sample rows' (entry, state) for the
+  sampler, which masks the logits with ``ops.apply_grammar_mask`` before anything else
+  (so the raw logprobs are those of the masked distribution, as in vLLM).
+- :meth:`GrammarRows.advance` (in ``Scheduler.update``, next to where the sampled token is
+  written): the sampled rows' states step on their token.
+
+A preempted row keeps its state (its tokens are kept, only KV is recomputed). No host read,
+no data-dependent shape: capture-safe. Unconstrained rows (``grammar_entry`` -1) are left
+alone by every op; the CPU loop skips the mask entirely when no sample row is constrained.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from blink.kernels.grammar_reference import advance_grammar
+from blink.ring import G_INITIAL_STATE
+
+
+class GrammarBatch(NamedTuple):
+    """What the sampler needs to mask B sample rows: the grammar region's words and each
+    row's entry offset (-1 = unconstrained) and automaton state."""
+
+    words: torch.Tensor
+    entry: torch.Tensor
+    state: torch.Tensor
+
+    def rows(self, n: int) -> "GrammarBatch":
+        return GrammarBatch(self.words, self.entry[:n], self.state[:n])
+
+
+class GrammarRows:
+    """Per-row automaton state over the ring's grammar region (``words``, int32)."""
+
+    def __init__(self, words: torch.Tensor, num_rows: int, device: torch.device | str) -> None:
+        self.words = words
+        self.state = torch.full((num_rows,), -1, dtype=torch.int32, device=device)
+
+    def admit(self, admitted: torch.Tensor, entry: torch.Tensor) -> None:
+        """Rows in ``admitted`` (bool [S]) start in their entry's initial state."""
+        base = entry.long().clamp(min=0)
+        initial = self.words[(base + G_INITIAL_STATE).clamp(max=self.words.shape[0] - 1)]
+        start = torch.where(entry >= 0, initial, -1).to(self.state.dtype)
+        self.state.copy_(torch.where(admitted, start, self.state))
+
+    def advance(self, sampled: torch.Tensor, entry: torch.Tensor, token: torch.Tensor) -> None:
+        """Rows in ``sampled`` (bool [S]) that are constrained step on ``token`` [S]."""
+        nxt = advance_grammar(self.words, entry, self.state, token).to(self.state.dtype)
+        self.state.copy_(torch.where(sampled & (entry >= 0), nxt, self.state))
+
+    def batch(self, entry: torch.Tensor, sample_rows: torch.Tensor) -> GrammarBatch:
+        """The sample rows' (entry, state); padding rows (-1) read row 0, whose result the
+        scheduler discards."""
+        r = sample_rows.clamp(min=0)
+        return GrammarBatch(self.words, entry[r], self.state[r])
