@@ -16,6 +16,7 @@ import anyio
 from blink.dpu.engine_client import EngineClient, EngineError, EngineOutput
 from blink.dpu.metrics import FrontendMetrics
 from blink.dpu.output_processor import ChoiceText
+from blink.dpu.structured.compiler import CompiledGrammar
 from blink.dpu.tokenizer import Tokenizer
 from blink.shared.sampling_params import SamplingParams
 
@@ -42,14 +43,15 @@ class ChoiceRun:
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, metrics: FrontendMetrics, *,
                  request_id: str, index: int, prompt_ids: list[int], params: SamplingParams,
-                 include_stop_str_in_output: bool = False, arrival_time: float | None = None
-                 ) -> None:
+                 include_stop_str_in_output: bool = False, arrival_time: float | None = None,
+                 grammar: CompiledGrammar | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
         self.request_id = request_id
         self.index = index
         self.prompt_ids = prompt_ids
         self.params = params
+        self.grammar = grammar  # the compiled structured-output constraint, if any
         self.include_stop_str_in_output = include_stop_str_in_output
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self._text = ChoiceText(tokenizer, prompt_ids, params, include_stop_str_in_output)
@@ -77,7 +79,11 @@ class ChoiceRun:
         Raises :class:`EngineOverloadedError` / :class:`EngineDeadError` from the engine, so a
         streaming response can still answer 503 before its headers are sent.
         """
-        self._stream = self.engine.generate(self.request_id, self.prompt_ids, self.params)
+        if self.grammar is not None:
+            self._stream = self.engine.generate(self.request_id, self.prompt_ids, self.params,
+                                                grammar=self.grammar)
+        else:
+            self._stream = self.engine.generate(self.request_id, self.prompt_ids, self.params)
         try:
             self._first = await self._stream.__anext__()
         except StopAsyncIteration:

@@ -152,6 +152,14 @@ class _SamplingFields(_Request):
     echo: bool = False
     best_of: int | None = None
     use_beam_search: bool = False
+    # structured outputs (blink.dpu.structured.request turns these into one constraint)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # refused (no EBNF grammars)
+    guided_whitespace_pattern: str | None = None  # refused
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, reason) for the first set parameter this server cannot honour."""
@@ -182,7 +190,6 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
@@ -198,8 +205,6 @@ class ChatCompletionRequest(_SamplingFields):
             return "tool_choice", "tool calling is not supported"
         if self.function_call not in (None, "none"):
             return "function_call", "tool calling is not supported"
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            return "response_format", "only response_format {'type': 'text'} is supported"
         if self.modalities is not None and self.modalities != ["text"]:
             return "modalities", "only the 'text' modality is supported"
         if self.audio is not None:

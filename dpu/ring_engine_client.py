@@ -28,6 +28,7 @@ from blink.dpu.engine_client import (
 )
 from blink.dpu.engine_health import EngineHealth, HeartbeatWatch, Observation, Transition
 from blink.dpu.ring_packing import RingRequestError, ring_fields
+from blink.dpu.structured.compiler import CompiledGrammar
 from blink.dpu.ring_protocol import RingClient, RingHandle
 from blink.shared.sampling_params import SamplingParams
 from blink.errors import BlinkError
@@ -331,17 +332,25 @@ class RingEngineClient:
 
     # -- EngineClient ----------------------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[EngineOutput]:
+    def check_grammar(self, grammar: CompiledGrammar) -> None:
+        """A 400 (:class:`GrammarLimitError`) when the automaton can never fit the ring."""
+        self.ring.grammars.check_fits(grammar)
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       grammar: CompiledGrammar | None = None) -> AsyncIterator[EngineOutput]:
+        """:meth:`EngineClient.generate`; ``grammar``: the compiled form of
+        ``params.structured_outputs`` (required when that is set: never run unconstrained)."""
         self._check_accepting()
         if request_id in self._inflight:
             raise RingRequestError(f"request id {request_id!r} is already running")
+        if (params.structured_outputs is None) != (grammar is None):
+            raise RingRequestError("structured_outputs and its compiled grammar go together")
         fields = ring_fields(params, len(prompt_ids), self.max_model_len, self.ring.config)
         self.start()
         ring_id = self.ring.new_request_id()
         deadline = time.monotonic() + self.submit_timeout_s
         while True:
-            handle = self.ring.try_submit(ring_id, prompt_ids, fields)
+            handle = self.ring.try_submit(ring_id, prompt_ids, fields, grammar=grammar)
             if handle is not None:
                 break
             if time.monotonic() >= deadline:
@@ -491,14 +500,19 @@ class ReconnectingEngineClient:
         reconnected; None when a refusal is not about a restart."""
         return self.retry_after_s if self.health is EngineHealth.RESTARTING else None
 
-    async def generate(self, request_id: str, prompt_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[EngineOutput]:
+    def check_grammar(self, grammar: CompiledGrammar) -> None:
+        c = self._live()
+        if c is not None:
+            c.check_grammar(grammar)
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       grammar: CompiledGrammar | None = None) -> AsyncIterator[EngineOutput]:
         c = self._live()
         if c is None:
             raise EngineDeadError(
                 f"the engine is restarting ({self._down or 'it went away'}); retry shortly",
                 retry_after_s=self.retry_after_s)
-        async for out in c.generate(request_id, prompt_ids, params):
+        async for out in c.generate(request_id, prompt_ids, params, grammar):
             yield out
 
     async def abort(self, request_id: str) -> None:

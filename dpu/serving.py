@@ -79,6 +79,9 @@ from blink.dpu.protocol import (
 )
 from blink.dpu.tokenizer import Tokenizer
 from blink.shared.sampling_params import MAX_N, SamplingParams, SamplingParamsError
+from blink.shared.structured_outputs import StructuredOutputsError
+from blink.dpu.structured.compiler import CompiledGrammar, GrammarCompiler
+from blink.dpu.structured.request import StructuredRequestError, structured_outputs_of
 
 logger = logging.getLogger(__name__)
 _M = TypeVar("_M", bound=BaseModel)
@@ -288,6 +291,8 @@ class OpenAIServing:
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, metrics: FrontendMetrics,
                  model_name: str, limits: RequestLimits | None = None) -> None:
         self.engine = engine
+        #: structured outputs: constraints compiled for this tokenizer (cached by content)
+        self.grammars = GrammarCompiler(tokenizer)
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.model_name = model_name
@@ -431,11 +436,29 @@ class OpenAIServing:
                 seed=req.seed, stop=req.stop, stop_token_ids=stop_ids,
                 ignore_eos=req.ignore_eos, logprobs=logprobs, logit_bias=req.logit_bias,
                 skip_special_tokens=req.skip_special_tokens,
+                structured_outputs=structured_outputs_of(req),
             )
             params.check_vocab(self.tokenizer.vocab_size)
+        except StructuredRequestError as e:
+            raise bad_request(str(e), param=e.param) from None
         except SamplingParamsError as e:
             raise bad_request(str(e), param=_sampling_param_name(e, renames)) from None
         return params
+
+    async def _compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
+        """The request's structured-output automaton (compiled off the event loop, cached),
+        or None; a constraint that cannot be compiled, or never fits the ring, is a 400."""
+        so = params.structured_outputs
+        if so is None:
+            return None
+        try:
+            grammar = await self._off_loop(self.grammars.compile, so)
+            check = getattr(self.engine, "check_grammar", None)
+            if check is not None:
+                check(grammar)
+        except StructuredOutputsError as e:
+            raise bad_request(str(e), param=getattr(e, "param", None)) from None
+        return grammar
 
     def _check_context(self, prompt_len: int, max_tokens: int | None) -> None:
         if max_tokens is None:
@@ -452,7 +475,8 @@ class OpenAIServing:
         return min(room, cap) if isinstance(cap, int) and cap > 0 else room
 
     def _make_runs(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                   include_stop: bool, arrival: float) -> list[ChoiceRun]:
+                   include_stop: bool, arrival: float,
+                   grammar: CompiledGrammar | None = None) -> list[ChoiceRun]:
         runs = []
         for p, prompt_ids in enumerate(prompts):
             for i in range(params.n):
@@ -465,7 +489,7 @@ class OpenAIServing:
                 runs.append(ChoiceRun(
                     self.engine, self.tokenizer, self.metrics,
                     request_id=f"{request_id}-{suffix}", index=index, prompt_ids=prompt_ids,
-                    params=choice_params, include_stop_str_in_output=include_stop,
+                    params=choice_params, include_stop_str_in_output=include_stop, grammar=grammar,
                     arrival_time=arrival))
         return runs
 
@@ -554,8 +578,9 @@ class OpenAIServing:
         self._check_context(len(prompt_ids), requested)
 
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        grammar = await self._compile_grammar(params)
         runs = self._make_runs(request_id, [prompt_ids], params,
-                               req.include_stop_str_in_output, arrival)
+                               req.include_stop_str_in_output, arrival, grammar)
         fanout = await self._start(request, runs)
         if fanout is None:
             return Response(status_code=_CLIENT_CLOSED)
@@ -677,8 +702,9 @@ class OpenAIServing:
             self._check_context(len(ids), max_tokens)
 
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        grammar = await self._compile_grammar(params)
         runs = self._make_runs(request_id, prompts, params, req.include_stop_str_in_output,
-                               arrival)
+                               arrival, grammar)
         fanout = await self._start(request, runs)
         if fanout is None:
             return Response(status_code=_CLIENT_CLOSED)

@@ -11,7 +11,7 @@ the ring client during a slow engine step) or "dead" (new and in-flight requests
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from blink.dpu.engine_client import (
     EngineDeadError,
@@ -68,6 +68,7 @@ class FakeEngineClient:
         self.stalled = False  # heartbeat stale while set: unhealthy, streams wait
         #: request id -> (prompt ids, params), in submission order
         self.submitted: dict[str, tuple[list[int], SamplingParams]] = {}
+        self.grammars: dict[str, Any] = {}  # request id -> the compiled grammar it came with
         self.aborted: list[str] = []
         self.finished: dict[str, str] = {}  # request id -> finish reason
         self.running: set[str] = set()
@@ -98,8 +99,10 @@ class FakeEngineClient:
     def is_accepting(self) -> bool:
         return not self.dead
 
-    async def generate(self, request_id: str, prompt_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[EngineOutput]:
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       grammar: Any = None) -> AsyncIterator[EngineOutput]:
+        # A compiled structured-output grammar is recorded, not enforced (a test double).
+        self.grammars[request_id] = grammar
         if self.dead:
             raise EngineDeadError()
         if self.full:
