@@ -46,6 +46,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="request slots in the ring = requests in flight at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="token budget of one engine step (chunked prefill beyond it)")
+    g.add_argument("--grammar-region-mb", type=float, default=32.0, metavar="MIB",
+                   help="ring memory for compiled structured-output automata (response_format, "
+                        "guided_json, forced tool calls), shared by all requests and cached by "
+                        "content; a constraint that never fits gets 400, one that must wait "
+                        "for room 503. 0 turns structured outputs off (default: %(default)g)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     g.add_argument("--loop", default="auto", choices=["auto", "cpu", "host", "device"],
                    help="device loop: cpu (engine thread on CPU tensors), host (tier A: host "

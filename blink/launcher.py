@@ -57,6 +57,7 @@ def engine_config_from_args(args: argparse.Namespace):
         kv_cache_memory_gib=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        grammar_region_mb=args.grammar_region_mb,
         enable_prefix_caching=not args.no_prefix_caching,
         transport=args.transport,
         threads=args.threads,
@@ -140,7 +141,7 @@ def run_engine(args: argparse.Namespace) -> int:
 _ENGINE_FLAGS = (
     "model", "served_model_name", "dtype", "device", "max_model_len", "block_size",
     "kv_cache_tokens", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "loop",
-    "threads", "transport",
+    "threads", "transport", "grammar_region_mb",
 )
 
 

@@ -25,6 +25,7 @@ from blink.engine.state import SchedulerConfig, ring_tensors
 from blink.errors import BlinkError
 from blink.executor import ModelExecutor
 from blink.ring import (
+    DEFAULT_GRAMMAR_WORDS,
     C_ENGINE_STATE,
     C_HEARTBEAT,
     C_SHUTDOWN,
@@ -61,6 +62,8 @@ class EngineConfig:
     max_admit_per_step: int = 16
     enable_prefix_caching: bool = True
     stream_capacity: int = 64
+    #: MiB of ring memory for compiled structured-output automata (0: structured outputs off)
+    grammar_region_mb: float = DEFAULT_GRAMMAR_WORDS * 4 / 2**20
     transport: str = "loopback"  # loopback | verbs | inprocess (a frontend in this process: LLM)
     threads: int | None = None
     #: how long a stop with drain waits for requests in flight (every loop kind uses this one)
@@ -81,6 +84,13 @@ class EngineConfig:
     def dtype_choice(self, device: torch.device, checkpoint_dtype: str | None = None) -> tuple[str, str]:
         """``(dtype name, why)``: :meth:`resolved_dtype` with the reason, for the start log."""
         return resolve_dtype(self.dtype, device.type, checkpoint_dtype)
+
+
+def grammar_words(region_mb: float) -> int:
+    """int32 words of a ``region_mb`` MiB grammar region (a whole number of 64-byte lines)."""
+    if not region_mb >= 0:
+        raise BlinkError(f"--grammar-region-mb must be non-negative, got {region_mb:g}")
+    return int(region_mb * 2**20) // 64 * 16
 
 
 def _kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -163,6 +173,7 @@ class Engine:
             arena_tokens=max(4 * self.max_model_len, 1 << 18),
             stream_capacity=config.stream_capacity,
             max_model_len=self.max_model_len,
+            grammar_words=grammar_words(config.grammar_region_mb),
         )
         self.region = self._create_region(RingLayout(self.ring_config).total_bytes)
         self.ring = Ring.create(self.region.buffer, self.ring_config)
