@@ -103,9 +103,27 @@ def _add_request_limit_args(g: argparse._ArgumentGroup) -> None:
                    metavar="SECONDS",
                    help="wall-clock limit of one chat-template render; a render past it is "
                         "stopped and the request gets 400 (default: %(default)g)")
+    _add_tool_calling_args(g)
     g.add_argument("--public-docs", action="store_true",
                    help="serve /docs, /redoc and /openapi.json without the --api-key (by "
                         "default they need it when --api-key is set)")
+
+
+def _add_tool_calling_args(g: argparse._ArgumentGroup) -> None:
+    """vLLM's tool-calling flags (blink.dpu.tool_calling), with vLLM's names."""
+    from blink.dpu.tool_parsers import TOOL_PARSERS
+
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let the model decide when to call tools (tool_choice 'auto', the "
+                        "default when a request has tools); needs --tool-call-parser. "
+                        "'required' and named functions work without it: the grammar "
+                        "enforces them")
+    formats = "; ".join(f"{name}: {cls.families}" for name, cls in TOOL_PARSERS.items())
+    g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                   help=f"the format the model writes tool calls in ({formats})")
+    g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="do not render a request's tools into the prompt when its "
+                        "tool_choice is 'none' (by default they are, as in vLLM)")
 
 
 def _add_config_arg(p: argparse.ArgumentParser) -> None:

@@ -27,7 +27,10 @@ def check_timeout_flags(args: argparse.Namespace) -> None:
 
 #: the request-limit flags ``blink serve`` hands on to its frontend process
 FRONTEND_LIMIT_FLAGS = ("max_request_body_mb", "chat_template_timeout")
-FRONTEND_LIMIT_SWITCHES = ("trust_request_chat_template", "public_docs")
+FRONTEND_LIMIT_SWITCHES = ("trust_request_chat_template", "public_docs",
+                           "enable_auto_tool_choice", "exclude_tools_when_tool_choice_none")
+#: flags handed on only when set
+FRONTEND_OPTIONAL_FLAGS = ("tool_call_parser",)
 
 
 def frontend_limit_args(args: argparse.Namespace) -> list[str]:
@@ -36,6 +39,9 @@ def frontend_limit_args(args: argparse.Namespace) -> list[str]:
     for name in FRONTEND_LIMIT_FLAGS:
         out += [f"--{name.replace('_', '-')}", repr(getattr(args, name))]
     for name in FRONTEND_LIMIT_SWITCHES:
-        if getattr(args, name):
+        if getattr(args, name, False):
             out.append(f"--{name.replace('_', '-')}")
+    for name in FRONTEND_OPTIONAL_FLAGS:
+        if getattr(args, name, None) is not None:
+            out += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     return out

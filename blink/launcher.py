@@ -372,6 +372,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     check_timeout_flags(args)  # fail at once with one clear line, before starting anything
     check_restart_flags(args)
+    from blink.dpu.app import app_options
+
+    app_options(args)  # the frontend's flags (limits, tool calling) too
     if args.model != "null":
         from blink.loader import resolve_model
 

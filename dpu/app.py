@@ -32,6 +32,7 @@ from blink.dpu.metrics import FrontendMetrics
 from blink.dpu.protocol import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from blink.dpu.serving import OpenAIServing
 from blink.dpu.tokenizer import Tokenizer
+from blink.dpu.tool_calling import ToolCallingConfig
 from blink.errors import BlinkError
 
 logger = logging.getLogger(__name__)
@@ -130,8 +131,17 @@ def app_options(args: argparse.Namespace) -> dict[str, Any]:
     if not args.chat_template_timeout > 0:
         raise BlinkError(
             f"--chat-template-timeout must be positive, got {args.chat_template_timeout:g}")
+    try:
+        tool_calling = ToolCallingConfig(
+            enable_auto_tool_choice=bool(getattr(args, "enable_auto_tool_choice", False)),
+            tool_call_parser=getattr(args, "tool_call_parser", None),
+            exclude_tools_when_tool_choice_none=bool(
+                getattr(args, "exclude_tools_when_tool_choice_none", False)))
+    except ValueError as e:
+        raise BlinkError(str(e)) from None
     return {
         "public_docs": bool(args.public_docs),
+        "tool_calling": tool_calling,
         "limits": RequestLimits(
             max_request_body_bytes=max(1, int(args.max_request_body_mb * (1 << 20))),
             chat_template_timeout_s=args.chat_template_timeout,
@@ -142,14 +152,16 @@ def app_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def create_app(engine: EngineClient, tokenizer: Tokenizer, *, model_name: str | None = None,
                api_key: str | None = None, limits: RequestLimits | None = None,
-               public_docs: bool = False) -> FastAPI:
+               public_docs: bool = False,
+               tool_calling: ToolCallingConfig | None = None) -> FastAPI:
     """Build the app. ``model_name`` (default ``engine.model_name``) is the only name
     requests may ask for; ``api_key`` turns on Bearer authentication (for the API docs too,
-    unless ``public_docs``); ``limits`` bounds what one request may cost."""
+    unless ``public_docs``); ``limits`` bounds what one request may cost; ``tool_calling``
+    holds the tool-calling flags (``--enable-auto-tool-choice``, ``--tool-call-parser``)."""
     name = model_name or engine.model_name
     limits = limits or RequestLimits()
     metrics = FrontendMetrics(engine, name)
-    serving = OpenAIServing(engine, tokenizer, metrics, name, limits)
+    serving = OpenAIServing(engine, tokenizer, metrics, name, limits, tool_calling)
     docs_open = api_key is None or public_docs
     app = FastAPI(title="Blink", summary="OpenAI-compatible LLM serving (Blink frontend)",
                   docs_url="/docs" if docs_open else None,

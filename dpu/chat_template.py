@@ -466,13 +466,57 @@ def detect_content_format(source: str) -> ContentFormat:
     return "string"
 
 
+@lru_cache(maxsize=16)
+def template_uses_tools(source: str) -> bool:
+    """Whether the template reads a ``tools`` variable (else a model fed by it never sees the
+    tools a request offers)."""
+    try:
+        tree = _environment().parse(source)
+    except (jinja2.exceptions.TemplateSyntaxError, RecursionError, MemoryError) as e:
+        raise ChatTemplateError(f"the chat template does not compile: {e}") from None
+    return any(isinstance(node, jinja2.nodes.Name) and node.name == "tools"
+               for node in _iter_nodes(tree))
+
+
+def _template_tool_calls(i: int, tool_calls: Any) -> list[Any]:
+    """An assistant message's ``tool_calls`` for the template: each call's ``arguments`` JSON
+    string parsed to a dict, as vLLM passes them (transformers' convention: Llama 3.x's and
+    Mistral's templates write ``arguments | tojson``; Qwen's take either form)."""
+    if not isinstance(tool_calls, list):
+        raise ChatTemplateError(f"messages[{i}].tool_calls must be a list of tool calls")
+    out = []
+    for j, call in enumerate(tool_calls):
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise ChatTemplateError(f"messages[{i}].tool_calls[{j}] must be an object with a "
+                                    f"'function' holding a 'name' and 'arguments'")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError as e:
+                raise ChatTemplateError(
+                    f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON: "
+                    f"{e}") from None
+        elif arguments is None:
+            arguments = {}
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
+
+
 def normalize_messages(messages: Sequence[Mapping[str, Any]],
                        content_format: ContentFormat) -> list[dict[str, Any]]:
     """Plain dicts for the template: None-valued keys dropped (as transformers does, templates
-    render a literal "None" otherwise) and content parts flattened for "string" templates."""
+    render a literal "None" otherwise) and content parts flattened for "string" templates.
+    A null ``content`` (an assistant turn that only calls tools) becomes "" (or no parts), as
+    vLLM renders it; tool calls' arguments are parsed (:func:`_template_tool_calls`)."""
     out: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         msg = {k: v for k, v in message.items() if v is not None}
+        if "content" not in msg:
+            msg["content"] = "" if content_format == "string" else []
+        if "tool_calls" in msg:
+            msg["tool_calls"] = _template_tool_calls(i, msg["tool_calls"])
         content = msg.get("content")
         if isinstance(content, list):
             texts: list[str] = []

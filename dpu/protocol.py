@@ -7,9 +7,10 @@ ignored, as vLLM does (clients written for vLLM or other servers send extras suc
 logs one warning per request naming them ("The following fields were present in the request
 but ignored: ..."). vLLM's sampling extras (``top_k``, ``min_p``, ``repetition_penalty``,
 ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ...) and ``return_token_ids`` are
-implemented. Parameters OpenAI defines but this server does not implement (tools, response
-formats, echo, ...) are declared as fields so that a request that sets them gets a clear
-"not supported" error instead of being silently ignored.
+implemented, and so are ``tools`` / ``tool_choice`` (:mod:`blink.dpu.tool_calling`).
+Parameters OpenAI defines but this server does not implement (``functions``, echo, ...) are
+declared as fields so that a request that sets them gets a clear "not supported" error
+instead of being silently ignored.
 Numeric ranges are checked by :class:`blink.shared.sampling_params.SamplingParams`.
 """
 from __future__ import annotations
@@ -184,10 +185,11 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
-    # tool calling / structured output are not implemented
+    # tool calling (blink.dpu.tool_calling checks tools and tool_choice)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI's deprecated form of tools: refused (see unsupported())
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
     modalities: list[str] | None = None
@@ -199,12 +201,11 @@ class ChatCompletionRequest(_SamplingFields):
         base = super().unsupported()
         if base:
             return base
-        if self.tools or self.functions:
-            return ("tools" if self.tools else "functions"), "tool calling is not supported"
-        if self.tool_choice not in (None, "none"):
-            return "tool_choice", "tool calling is not supported"
+        if self.functions:
+            return "functions", "'functions' is deprecated and not supported; use 'tools'"
         if self.function_call not in (None, "none"):
-            return "function_call", "tool calling is not supported"
+            return "function_call", ("'function_call' is deprecated and not supported; use "
+                                     "'tool_choice'")
         if self.modalities is not None and self.modalities != ["text"]:
             return "modalities", "only the 'text' modality is supported"
         if self.audio is not None:
@@ -274,9 +275,28 @@ class ChatChoiceLogprobs(_Response):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None  # left out of the JSON when there are none
+
+    @model_serializer(mode="wrap")
+    def _drop_no_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatCompletionChoice(_TokenIdsResponse):
@@ -297,11 +317,37 @@ class ChatCompletionResponse(_TokenIdsResponse):
     prompt_token_ids: list[int] | None = None  # vLLM, with return_token_ids
 
 
+class DeltaFunctionCall(_Response):
+    """``name`` only in a call's first delta; then ``arguments`` fragments."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(_Response):
+    """One tool call's part of a stream delta: ``index`` always; ``id`` and ``type`` in the
+    call's first delta only (as OpenAI streams them)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class DeltaMessage(_Response):
     """A streamed message delta; unset fields are left out (``{}`` for the final chunk)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

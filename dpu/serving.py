@@ -33,6 +33,7 @@ from blink.dpu.chat_template import (
     ChatTemplateError,
     RenderedTooLongError,
     RenderLimits,
+    template_uses_tools,
 )
 from blink.dpu.engine_client import (
     EngineClient,
@@ -67,17 +68,21 @@ from blink.dpu.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DeltaToolCall,
     DetokenizeRequest,
     DetokenizeResponse,
     PromptTokensDetails,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
+    ToolCall,
     TopLogprob,
     UsageInfo,
     ignored_fields_warning,
 )
 from blink.dpu.tokenizer import Tokenizer
+from blink.dpu.tool_calling import ToolCallingConfig, ToolPlan, plan_tools
+from blink.dpu.tool_parsers import ToolCallStream
 from blink.shared.sampling_params import MAX_N, SamplingParams, SamplingParamsError
 from blink.shared.structured_outputs import StructuredOutputsError
 from blink.dpu.structured.compiler import CompiledGrammar, GrammarCompiler
@@ -289,10 +294,12 @@ class OpenAIServing:
     """The handlers behind the routes in :mod:`blink.dpu.app`."""
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, metrics: FrontendMetrics,
-                 model_name: str, limits: RequestLimits | None = None) -> None:
+                 model_name: str, limits: RequestLimits | None = None,
+                 tool_calling: ToolCallingConfig | None = None) -> None:
         self.engine = engine
         #: structured outputs: constraints compiled for this tokenizer (cached by content)
         self.grammars = GrammarCompiler(tokenizer)
+        self.tool_calling = tool_calling or ToolCallingConfig()
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.model_name = model_name
@@ -554,12 +561,14 @@ class OpenAIServing:
         if not req.messages:
             raise bad_request("messages must contain at least one message.", param="messages")
         self._check_fanout(1, req.n)
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_calling)
         self.check_healthy()
+        self._check_template_sees_tools(plan, req.chat_template)
         prompt_ids = await self._encode_chat(
             req.messages,
             add_special_tokens=req.add_special_tokens,
             add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message,
+            continue_final_message=req.continue_final_message, tools=plan.template_tools,
             documents=req.documents, chat_template_kwargs=req.chat_template_kwargs,
             chat_template=req.chat_template)
         if not prompt_ids:
@@ -575,6 +584,7 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._sampling_params(req, max_tokens, logprobs,
                                        {"logprobs": "top_logprobs", "max_tokens": max_param})
+        params = self._with_tool_plan(params, plan)
         self._check_context(len(prompt_ids), requested)
 
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -585,12 +595,57 @@ class OpenAIServing:
         if fanout is None:
             return Response(status_code=_CLIENT_CLOSED)
         if req.stream:
-            return _SSEResponse(self._chat_stream(req, request_id, fanout, [prompt_ids]),
+            return _SSEResponse(self._chat_stream(req, request_id, fanout, [prompt_ids], plan),
                                 fanout.close)
-        return await self._chat_full(req, request_id, fanout, [prompt_ids])
+        return await self._chat_full(req, request_id, fanout, [prompt_ids], plan)
+
+    # -- tool calling (blink.dpu.tool_calling) ----------------------------------------------
+    def _check_template_sees_tools(self, plan: ToolPlan, chat_template: str | None) -> None:
+        """``auto`` relies on the model seeing the tools: refuse it when the chat template
+        never renders them (forced choices are enforced by the grammar either way)."""
+        if plan.choice != "auto":
+            return
+        source = self.tokenizer.template_source(tools=True, chat_template=chat_template)
+        try:
+            sees = source is None or template_uses_tools(source)
+        except ChatTemplateError:
+            return  # rendering reports the template's own error
+        if not sees:
+            raise bad_request(
+                "The chat template does not render tools, so the model cannot see them and "
+                "tool_choice \"auto\" would never call one. Use tool_choice \"required\" or a "
+                "named function (enforced by the grammar), or a chat template that renders "
+                "'tools'.", param="tool_choice")
+
+    @staticmethod
+    def _with_tool_plan(params: SamplingParams, plan: ToolPlan) -> SamplingParams:
+        """The grammar of a forced tool choice; special tokens kept for parsers that read
+        them (vLLM does both)."""
+        if plan.structured_outputs is not None:
+            if params.structured_outputs is not None:
+                raise bad_request("You can only either use constraints for structured outputs "
+                                  "or tools, not both.", param="tool_choice")
+            params = dataclasses.replace(params, structured_outputs=plan.structured_outputs)
+        if plan.needs_special_tokens and params.skip_special_tokens:
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        return params
+
+    @staticmethod
+    def _tool_delta(stream: ToolCallStream | None, plan: ToolPlan, text: str,
+                    finish_reason: str | None) -> tuple[DeltaMessage, str | None]:
+        """One stream delta's message part and finish reason, through the choice's parser."""
+        if stream is None:
+            return (DeltaMessage(content=text) if text else DeltaMessage()), finish_reason
+        step = stream.step(text, final=finish_reason is not None)
+        calls = [DeltaToolCall.model_validate(c) for c in step.tool_calls]
+        delta = DeltaMessage(content=step.content or None, tool_calls=calls or None)
+        if finish_reason is not None:
+            finish_reason = plan.finish_reason(finish_reason, bool(stream.calls))
+        return delta, finish_reason
 
     async def _chat_full(self, req: ChatCompletionRequest, request_id: str,
-                         fanout: RequestFanout, prompts: list[list[int]]) -> Response:
+                         fanout: RequestFanout, prompts: list[list[int]],
+                         plan: ToolPlan) -> Response:
         n = len(fanout.runs)
         texts: list[list[str]] = [[] for _ in range(n)]
         logprobs: list[list[ChatTokenLogprob]] = [[] for _ in range(n)]
@@ -608,8 +663,20 @@ class OpenAIServing:
         if fanout.disconnected:
             return Response(status_code=_CLIENT_CLOSED)
         want_ids = req.return_token_ids
+        messages = []
+        for i in range(n):
+            text, stream = "".join(texts[i]), plan.new_stream()
+            if stream is None:
+                messages.append(AssistantMessage(content=text))
+                continue
+            stream.step(text, final=True)
+            calls = stream.message_tool_calls()
+            messages.append(AssistantMessage(
+                content=stream.parser.content or (None if calls else ""),
+                tool_calls=[ToolCall.model_validate(c) for c in calls] or None))
+            finish[i] = plan.finish_reason(finish[i], bool(calls))
         choices = [ChatCompletionChoice(
-            index=i, message=AssistantMessage(content="".join(texts[i])),
+            index=i, message=messages[i],
             logprobs=ChatChoiceLogprobs(content=logprobs[i]) if req.logprobs else None,
             finish_reason=finish[i], token_ids=token_ids[i] if want_ids else None)
             for i in range(n)]
@@ -619,7 +686,8 @@ class OpenAIServing:
         return JSONResponse(body.model_dump(mode="json"))
 
     def _chat_stream(self, req: ChatCompletionRequest, request_id: str,
-                     fanout: RequestFanout, prompts: list[list[int]]) -> AsyncIterator[str]:
+                     fanout: RequestFanout, prompts: list[list[int]],
+                     plan: ToolPlan) -> AsyncIterator[str]:
         created = int(time.time())
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
@@ -646,16 +714,19 @@ class OpenAIServing:
                 yield chunk(ChatCompletionStreamChoice(
                     index=run.index, delta=DeltaMessage(role="assistant", content="")),
                     prompt_token_ids=run.prompt_ids if want_ids else None)
+            tool_streams = {run.index: plan.new_stream() for run in fanout.runs}
             async for d in fanout.events():
                 lp = ChatChoiceLogprobs(content=self._chat_logprobs(d)) \
                     if req.logprobs and d.token_ids else None
-                if not (d.text or d.finish_reason or lp or (want_ids and d.token_ids)):
+                delta, finish_reason = self._tool_delta(tool_streams[d.index], plan, d.text,
+                                                        d.finish_reason)
+                if not (delta.content or delta.tool_calls or finish_reason or lp
+                        or (want_ids and d.token_ids)):
                     # Tokens whose text is still held back: nothing to send yet (unless the
                     # client wants every token id, as vLLM sends them).
                     continue
                 yield chunk(ChatCompletionStreamChoice(
-                    index=d.index, delta=DeltaMessage(content=d.text) if d.text else DeltaMessage(),
-                    logprobs=lp, finish_reason=d.finish_reason,
+                    index=d.index, delta=delta, logprobs=lp, finish_reason=finish_reason,
                     token_ids=d.token_ids if want_ids else None))
 
         return self._framed_stream(fanout, chunks(), usage_chunk if include_usage else None)

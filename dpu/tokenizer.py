@@ -251,6 +251,12 @@ class Tokenizer:
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
     # -- chat ----------------------------------------------------------------------------
+    def template_source(self, tools: bool, chat_template: str | None = None) -> str | None:
+        """The template a conversation renders with: the request's, else the model's
+        ``tool_use`` template when tools are offered and it has one, else its default."""
+        return chat_template or (self._tool_template if tools and self._tool_template
+                                 else self.chat_template)
+
     def render_chat(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -265,8 +271,7 @@ class Tokenizer:
     ) -> str:
         """The prompt text for a conversation (``apply_chat_template(tokenize=False)``),
         rendered under ``limits`` (see :mod:`blink.dpu.chat_template`)."""
-        source = chat_template or (self._tool_template if tools and self._tool_template
-                                   else self.chat_template)
+        source = self.template_source(bool(tools), chat_template)
         if source is None:
             raise ChatTemplateError(
                 "this model has no chat template; use /v1/completions with a plain prompt")

@@ -322,7 +322,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}',
      400, "top_logprobs"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "tools": [{}]}',
-     400, "tools"),
+     400, "tools[0].function"),
     ("/v1/chat/completions",
      '{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400, "messages"),
     ("/v1/chat/completions",

@@ -1,0 +1,328 @@
+"""Tool calling through the frontend (blink.dpu.tool_calling, the parsers, the templates):
+request validation with vLLM's rules and messages, the real chat templates of Qwen2.5, Qwen3
+and Llama 3.2 (from their tokenizer_config.json) rendering tools and tool-call histories, and
+end to end through the official openai client (and LangChain when installed) against the app
+over a scripted fake engine: auto (hermes, llama3_json), required, named, streaming and not,
+and a full round trip (call -> tool result -> answer)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from blink.dpu.app import app_options, create_app
+from blink.dpu.chat_template import ChatTemplateError, render_chat_template
+from blink.dpu.tokenizer import Tokenizer
+from blink.dpu.tool_calling import AUTO_NEEDS_FLAGS, ToolCallingConfig
+from blink.dpu.tool_parsers import required_schema
+
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
+from fake_engine_client import FakeEngineClient  # noqa: E402
+
+from dpu_helpers import MODEL, asgi_request, serve_in_thread, tiny_tokenizer  # noqa: E402
+
+TEMPLATES = json.loads((Path(__file__).parent / "fixtures" / "tool_chat_templates.json")
+                       .read_text())
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {}}}}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+HERMES_CALL = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
+               '{"city": "Paris"}}\n</tool_call>')
+AUTO = ToolCallingConfig(enable_auto_tool_choice=True, tool_call_parser="hermes")
+
+
+@pytest.fixture(scope="module")
+def qwen_tok() -> Tokenizer:
+    tok = tiny_tokenizer()
+    tok.chat_template = TEMPLATES["qwen2.5"]
+    return tok
+
+
+class ScriptedEngine(FakeEngineClient):
+    """Answers by what the prompt holds: the final answer once a tool result is in it."""
+
+    def __init__(self, tok: Tokenizer, first: str, after_tool: str = "It is sunny.") -> None:
+        ids = {k: tok.encode(v, add_special_tokens=False)
+               for k, v in (("first", first), ("after", after_tool))}
+        self.prompts: list[str] = []
+
+        def respond(prompt: list[int], params: Any) -> list[int]:
+            text = tok.decode(prompt, skip_special_tokens=False)
+            self.prompts.append(text)
+            return ids["after"] if "<tool_response>" in text else ids["first"]
+
+        super().__init__(model_name=MODEL, responder=respond, vocab_size=tok.vocab_size,
+                         max_model_len=4096)
+
+
+def post(app: Any, body: dict[str, Any]) -> httpx.Response:
+    return asyncio.run(asgi_request(app, "POST", "/v1/chat/completions", json=body))
+
+
+def error_of(r: httpx.Response, param: str | None = None) -> str:
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err["message"]
+
+
+# -- request validation --------------------------------------------------------------------
+def test_auto_needs_the_server_flags(qwen_tok: Tokenizer) -> None:
+    app = create_app(ScriptedEngine(qwen_tok, "hi"), qwen_tok, model_name=MODEL)
+    for extra in ({}, {"tool_choice": "auto"}):  # tools without tool_choice means auto
+        r = post(app, {"messages": ASK, "tools": [WEATHER_TOOL], **extra})
+        assert error_of(r, "tool_choice") == AUTO_NEEDS_FLAGS
+    with pytest.raises(ValueError, match="requires --tool-call-parser"):
+        ToolCallingConfig(enable_auto_tool_choice=True)
+
+
+@pytest.mark.parametrize("body,param,needle", [
+    ({"tool_choice": "required"}, "tool_choice", "`tools` must be set"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": "sometimes"}, "tool_choice", "Invalid value"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+     "tool_choice", "does not match any of the specified `tools`"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function"}}, "tool_choice",
+     "Correct usage"),
+    ({"tools": [{"type": "code_interpreter"}]}, "tools[0].type", "only 'function'"),
+    ({"tools": [{"type": "function", "function": {"description": "x"}}]},
+     "tools[0].function.name", "non-empty string"),
+    ({"tools": [WEATHER_TOOL, WEATHER_TOOL]}, "tools[1].function.name", "given twice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integr"}}}}}]},
+     "tools[0].function.parameters", "properties/x/type"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "string"}}}]}, "tools[0].function.parameters", "type 'object'"),
+    ({"functions": [{"name": "f"}]}, "functions", "use 'tools'"),
+])
+def test_bad_tool_requests_are_400s(qwen_tok: Tokenizer, body: dict, param: str,
+                                    needle: str) -> None:
+    engine = ScriptedEngine(qwen_tok, "hi")
+    app = create_app(engine, qwen_tok, model_name=MODEL, tool_calling=AUTO)
+    assert needle in error_of(post(app, {"messages": ASK, **body}), param)
+    assert engine.submitted == {}
+
+
+def test_required_with_no_tools_is_none(qwen_tok: Tokenizer) -> None:
+    app = create_app(ScriptedEngine(qwen_tok, "hi"), qwen_tok, model_name=MODEL)
+    r = post(app, {"messages": ASK, "tools": [], "tool_choice": "required"})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "hi"
+
+
+def test_auto_with_a_template_that_ignores_tools_is_refused() -> None:
+    tok = tiny_tokenizer()  # plain ChatML: never renders tools
+    app = create_app(ScriptedEngine(tok, "hi"), tok, model_name=MODEL, tool_calling=AUTO)
+    assert "does not render tools" in error_of(
+        post(app, {"messages": ASK, "tools": [WEATHER_TOOL]}), "tool_choice")
+    # forced choices are enforced by the grammar, so they are accepted
+    r = post(app, {"messages": ASK, "tools": [WEATHER_TOOL], "tool_choice": "required"})
+    assert r.status_code == 200, r.text
+
+
+def test_cli_flags_reach_the_app() -> None:
+    from blink.cli import build_parser
+    from blink.cli_args import frontend_limit_args
+
+    args = build_parser().parse_args(["serve", "--model", "null", "--enable-auto-tool-choice",
+                                      "--tool-call-parser", "llama3_json"])
+    assert app_options(args)["tool_calling"] == ToolCallingConfig(True, "llama3_json")
+    passed = frontend_limit_args(args)
+    assert "--enable-auto-tool-choice" in passed
+    assert passed[passed.index("--tool-call-parser") + 1] == "llama3_json"
+
+
+# -- chat templates ------------------------------------------------------------------------
+HISTORY = ASK + [
+    {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "sunny"}'},
+]
+
+
+@pytest.mark.parametrize("name,call_text", [
+    ("qwen2.5", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                '</tool_call>'),
+    ("qwen3", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+              '</tool_call>'),
+    ("llama3.2", '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
+])
+def test_real_templates_render_tools_and_tool_histories(name: str, call_text: str) -> None:
+    text = render_chat_template(TEMPLATES[name], HISTORY, tools=[WEATHER_TOOL],
+                                special_tokens={"bos_token": "<s>", "eos_token": "</s>"})
+    assert '"name": "get_weather"' in text and "Current weather of a city" in text  # the tool
+    assert call_text in text  # the call, arguments as a JSON object (not a quoted string)
+    # the tool result (Llama's template writes a string result through tojson, quoted)
+    assert '{"sky": "sunny"}' in text or '"{\\"sky\\": \\"sunny\\"}"' in text
+    assert "None" not in text
+
+
+def test_bad_arguments_in_history_name_the_field() -> None:
+    bad = [dict(HISTORY[1], tool_calls=[{"id": "c", "type": "function", "function": {
+        "name": "get_weather", "arguments": "{not json"}}])]
+    with pytest.raises(ChatTemplateError, match=r"messages\[0\].tool_calls\[0\].function"):
+        render_chat_template(TEMPLATES["qwen2.5"], bad)
+
+
+# -- end to end: the openai client ---------------------------------------------------------
+def _client(url: str) -> Any:
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+
+
+def test_auto_hermes_whole_and_streamed(qwen_tok: Tokenizer) -> None:
+    engine = ScriptedEngine(qwen_tok, HERMES_CALL)
+    app = create_app(engine, qwen_tok, model_name=MODEL, tool_calling=AUTO)
+    with serve_in_thread(app) as url:
+        client = _client(url)
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER_TOOL])
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content == "Let me check.\n"
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) == {"city": "Paris"}
+        assert "<tools>" in engine.prompts[-1] and "Current weather" in engine.prompts[-1]
+        params = list(engine.submitted.values())[-1][1]
+        assert params.structured_outputs is None and params.skip_special_tokens is False
+
+        chunks = list(client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[WEATHER_TOOL], stream=True))
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for tc in c.delta.tool_calls or []:
+                if tc.index not in calls:
+                    assert tc.id and tc.type == "function" and tc.function.name == "get_weather"
+                    calls[tc.index] = tc.function.arguments or ""
+                else:
+                    assert tc.id is None and tc.function.name is None
+                    calls[tc.index] += tc.function.arguments
+            finish = c.finish_reason or finish
+    assert content == "Let me check.\n" and finish == "tool_calls"
+    assert {i: json.loads(a) for i, a in calls.items()} == {0: {"city": "Paris"}}
+    # the arguments came in fragments (one token each), after the name
+    assert sum(1 for ch in chunks for c in ch.choices for _ in (c.delta.tool_calls or [])) > 3
+
+
+def test_round_trip_call_result_answer(qwen_tok: Tokenizer) -> None:
+    engine = ScriptedEngine(qwen_tok, HERMES_CALL, after_tool="It is sunny in Paris.")
+    app = create_app(engine, qwen_tok, model_name=MODEL, tool_calling=AUTO)
+    with serve_in_thread(app) as url:
+        client = _client(url)
+        messages: list[Any] = list(ASK)
+        first = client.chat.completions.create(model=MODEL, messages=messages,
+                                               tools=[WEATHER_TOOL])
+        call = first.choices[0].message.tool_calls[0]
+        messages.append(first.choices[0].message.model_dump(exclude_none=True))
+        messages.append({"role": "tool", "tool_call_id": call.id,
+                         "content": json.dumps({"sky": "sunny"})})
+        final = client.chat.completions.create(model=MODEL, messages=messages,
+                                               tools=[WEATHER_TOOL])
+    assert final.choices[0].finish_reason == "stop"
+    assert final.choices[0].message.content == "It is sunny in Paris."
+    assert not final.choices[0].message.tool_calls
+    prompt = engine.prompts[-1]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
+    assert '<tool_response>\n{"sky": "sunny"}\n</tool_response>' in prompt
+
+
+def test_required_and_named_are_constrained_and_parsed_without_a_parser(
+        qwen_tok: Tokenizer) -> None:
+    tools = [WEATHER_TOOL, TIME_TOOL]
+    engine = ScriptedEngine(qwen_tok, '[{"name": "get_weather", "parameters": {"city": '
+                                      '"Paris"}}, {"name": "get_time", "parameters": {}}]')
+    app = create_app(engine, qwen_tok, model_name=MODEL)  # no tool flags at all
+    with serve_in_thread(app) as url:
+        client = _client(url)
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools,
+                                           tool_choice="required")
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+        assert [c.function.name for c in r.choices[0].message.tool_calls] == \
+            ["get_weather", "get_time"]
+        params = list(engine.submitted.values())[-1][1]
+        assert params.structured_outputs.json == required_schema(tools)
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools,
+                                           tool_choice="required", parallel_tool_calls=False)
+        assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather"]
+
+        engine.responder = lambda p, s: qwen_tok.encode(' {"city": "Paris"}',
+                                                        add_special_tokens=False)
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools,
+                                           tool_choice=named)
+        assert r.choices[0].finish_reason == "stop"  # as OpenAI: a forced call ends by "stop"
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name == "get_weather" and call.function.arguments == \
+            '{"city": "Paris"}'
+        params = list(engine.submitted.values())[-1][1]
+        assert params.structured_outputs.json == WEATHER_TOOL["function"]["parameters"]
+        chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=tools,
+                                                     tool_choice=named, stream=True))
+    deltas = [tc for ch in chunks for c in ch.choices for tc in (c.delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather" and deltas[0].id
+    assert "".join(d.function.arguments or "" for d in deltas) == '{"city": "Paris"}'
+
+
+def test_tool_choice_none_renders_but_does_not_parse(qwen_tok: Tokenizer) -> None:
+    engine = ScriptedEngine(qwen_tok, HERMES_CALL)
+    app = create_app(engine, qwen_tok, model_name=MODEL, tool_calling=AUTO)
+    r = post(app, {"messages": ASK, "tools": [WEATHER_TOOL], "tool_choice": "none"})
+    message = r.json()["choices"][0]["message"]
+    assert message["content"] == HERMES_CALL and "tool_calls" not in message
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+    assert "<tools>" in engine.prompts[-1]  # vLLM's default: still rendered
+    app = create_app(engine, qwen_tok, model_name=MODEL, tool_calling=ToolCallingConfig(
+        exclude_tools_when_tool_choice_none=True))
+    post(app, {"messages": ASK, "tools": [WEATHER_TOOL], "tool_choice": "none"})
+    assert "<tools>" not in engine.prompts[-1]
+
+
+def test_llama3_json_parser() -> None:
+    tok = tiny_tokenizer()
+    tok.chat_template = TEMPLATES["llama3.2"]
+    engine = ScriptedEngine(tok, '{"name": "get_weather", "parameters": {"city": "Paris"}}')
+    app = create_app(engine, tok, model_name=MODEL, tool_calling=ToolCallingConfig(
+        enable_auto_tool_choice=True, tool_call_parser="llama3_json"))
+    body = post(app, {"messages": ASK, "tools": [WEATHER_TOOL], "n": 2}).json()
+    for choice in body["choices"]:
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        assert choice["message"]["tool_calls"][0]["function"] == {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
+def test_langchain_bind_tools(qwen_tok: Tokenizer) -> None:
+    langchain_openai = pytest.importorskip("langchain_openai")
+    engine = ScriptedEngine(qwen_tok, HERMES_CALL, after_tool="Sunny.")
+    app = create_app(engine, qwen_tok, model_name=MODEL, tool_calling=AUTO)
+
+    def get_weather(city: str) -> str:
+        """Current weather of a city."""
+        return "sunny"
+
+    with serve_in_thread(app) as url:
+        llm = langchain_openai.ChatOpenAI(model=MODEL, base_url=f"{url}/v1", api_key="x",
+                                          max_retries=0)
+        msg = llm.bind_tools([get_weather]).invoke("Weather in Paris?")
+        assert msg.tool_calls[0]["name"] == "get_weather"
+        assert msg.tool_calls[0]["args"] == {"city": "Paris"}
+        streamed = None
+        for part in llm.bind_tools([get_weather]).stream("Weather in Paris?"):
+            streamed = part if streamed is None else streamed + part
+        assert streamed.tool_calls[0]["args"] == {"city": "Paris"}
+        # with_structured_output(method="function_calling") forces the tool: a named choice
+        engine.responder = lambda p, s: qwen_tok.encode('{"city": "Paris"}',
+                                                        add_special_tokens=False)
+        out = llm.with_structured_output(get_weather, method="function_calling").invoke("x")
+        assert out == {"city": "Paris"}
