@@ -81,7 +81,7 @@ from blink.dpu.protocol import (
     ignored_fields_warning,
 )
 from blink.dpu.tokenizer import Tokenizer
-from blink.dpu.tool_calling import ToolCallingConfig, ToolPlan, plan_tools
+from blink.dpu.tool_calling import ToolCallingConfig, ToolPlan, plan_tools, validate_tools
 from blink.dpu.tool_parsers import ToolCallStream
 from blink.shared.sampling_params import MAX_N, SamplingParams, SamplingParamsError
 from blink.shared.structured_outputs import StructuredOutputsError
@@ -895,7 +895,8 @@ class OpenAIServing:
                 chat.messages,
                 add_special_tokens=chat.add_special_tokens,
                 add_generation_prompt=chat.add_generation_prompt,
-                continue_final_message=chat.continue_final_message, tools=chat.tools,
+                continue_final_message=chat.continue_final_message,
+                tools=validate_tools(chat.tools) if chat.tools else None,
                 chat_template_kwargs=chat.chat_template_kwargs,
                 chat_template=chat.chat_template)
             want_strs, param = chat.return_token_strs, "messages"

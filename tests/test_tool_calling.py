@@ -326,3 +326,44 @@ def test_langchain_bind_tools(qwen_tok: Tokenizer) -> None:
                                                         add_special_tokens=False)
         out = llm.with_structured_output(get_weather, method="function_calling").invoke("x")
         assert out == {"city": "Paris"}
+
+
+def test_openai_parse_with_pydantic_function_tool(qwen_tok: Tokenizer) -> None:
+    openai = pytest.importorskip("openai")
+    pydantic = pytest.importorskip("pydantic")
+
+    class GetWeather(pydantic.BaseModel):
+        """Current weather of a city."""
+
+        city: str
+
+    engine = ScriptedEngine(qwen_tok, '<tool_call>\n{"name": "GetWeather", "arguments": '
+                                      '{"city": "Paris"}}\n</tool_call>')
+    app = create_app(engine, qwen_tok, model_name=MODEL, tool_calling=AUTO)
+    with serve_in_thread(app) as url:
+        client = _client(url)
+        tool = openai.pydantic_function_tool(GetWeather)  # a strict function tool
+        r = client.chat.completions.parse(model=MODEL, messages=ASK, tools=[tool])
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.parsed_arguments == GetWeather(city="Paris")
+        # the same tool forced by name: the grammar gets the tool's schema (the fake engine
+        # does not enforce it, so it is scripted to answer with the arguments)
+        engine.responder = lambda p, s: qwen_tok.encode('{"city": "Paris"}',
+                                                        add_special_tokens=False)
+        r = client.chat.completions.parse(model=MODEL, messages=ASK, tools=[tool],
+                                          tool_choice={"type": "function",
+                                                       "function": {"name": "GetWeather"}})
+        assert r.choices[0].message.tool_calls[0].function.parsed_arguments == \
+            GetWeather(city="Paris")
+    params = list(engine.submitted.values())[-1][1]
+    assert params.structured_outputs.json == tool["function"]["parameters"]
+
+
+def test_tokenize_renders_validated_tools(qwen_tok: Tokenizer) -> None:
+    app = create_app(ScriptedEngine(qwen_tok, "hi"), qwen_tok, model_name=MODEL)
+    r = asyncio.run(asgi_request(app, "POST", "/tokenize", json={
+        "messages": ASK, "tools": [WEATHER_TOOL], "return_token_strs": True}))
+    assert r.status_code == 200 and "get_weather" in qwen_tok.decode(r.json()["tokens"])
+    r = asyncio.run(asgi_request(app, "POST", "/tokenize", json={
+        "messages": ASK, "tools": [{"type": "function", "function": {"name": ""}}]}))
+    assert error_of(r, "tools[0].function.name")
