@@ -1,9 +1,9 @@
 """Triton structured-output mask: the twin of
 :func:`blink.kernels.grammar_reference.apply_grammar_mask` (same signature, same result).
 
-One program per (row, block of ``BLOCK_V`` tokens). An unconstrained row (entry -1) loads
-its entry word and nothing else: every other load and the store are masked off, so those
-rows cost no memory traffic beyond one word per block. A constrained row loads its header
+One program per (row, block of ``BLOCK_V`` tokens). An unconstrained row (entry -1) reads a
+few header words and its logits block and writes them back unchanged; its mask-word loads
+are masked off. A constrained row loads its header
 words, one packed mask word per 32 tokens and writes -inf where the bit is clear. Out of
 place (a fresh output), like the reference. Launch shapes depend only on the tensor shapes,
 so the call is capture-safe; over fake tensors it returns the output without launching.
@@ -30,19 +30,23 @@ def _grammar_mask_kernel(logits_ptr, out_ptr, words_ptr, entry_ptr, state_ptr, v
     entry = tl.load(entry_ptr + row).to(tl.int64)
     on = entry >= 0
     base = tl.minimum(tl.maximum(entry, 0), n_words - 1)
-    wps = tl.maximum(tl.load(words_ptr + tl.minimum(base + G_WPS, n_words - 1), mask=on, other=1), 1)
-    vocab_bits = tl.load(words_ptr + tl.minimum(base + G_BITS, n_words - 1), mask=on, other=0)
-    mask_off = tl.load(words_ptr + tl.minimum(base + G_MASK_OFF, n_words - 1), mask=on, other=0)
-    eos = tl.load(words_ptr + tl.minimum(base + G_EOS_OFF, n_words - 1), mask=on, other=-1)
+    # Header words (clamped into the region, so always a valid address).
+    wps = tl.maximum(tl.load(words_ptr + tl.minimum(base + G_WPS, n_words - 1)), 1).to(tl.int64)
+    vocab_bits = tl.load(words_ptr + tl.minimum(base + G_BITS, n_words - 1))
+    mask_off = tl.load(words_ptr + tl.minimum(base + G_MASK_OFF, n_words - 1)).to(tl.int64)
+    eos = tl.load(words_ptr + tl.minimum(base + G_EOS_OFF, n_words - 1))
     state = tl.load(state_ptr + row).to(tl.int64)
     dead = state < 0
     row_word = base + mask_off + tl.maximum(state, 0) * wps
     word_idx = row_word + tl.minimum(cols // 32, wps - 1)
     word_idx = tl.minimum(tl.maximum(word_idx, 0), n_words - 1)
-    packed = tl.load(words_ptr + word_idx, mask=on & in_vocab & ~dead, other=0)
+    # Per-column copies of the row's flags: the interpreter takes only vector load masks.
+    zeros = tl.zeros([BLOCK_V], dtype=tl.int64)
+    load_mask = in_vocab & ((zeros + entry) >= 0) & ((zeros + state) >= 0)
+    packed = tl.load(words_ptr + word_idx, mask=load_mask, other=0)
     bit = ((packed >> (cols % 32).to(tl.int32)) & 1) != 0
     allowed = tl.where(dead, cols == eos, bit & (cols < vocab_bits))
-    y = tl.where(on & ~allowed, float("-inf"), x)
+    y = tl.where(on & (allowed == 0), float("-inf"), x)
     tl.store(out_ptr + row * stride_o + cols, y, mask=in_vocab)
 
 
