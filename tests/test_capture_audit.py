@@ -14,6 +14,8 @@
 """
 from __future__ import annotations
 
+import re
+
 import sys
 from pathlib import Path
 
@@ -31,6 +33,7 @@ from blink.engine.factory import create_engine  # noqa: E402
 from blink.engine.gpu import host_sim  # noqa: E402
 from blink.engine.gpu.plan import plan_graphs  # noqa: E402
 from blink.shared.sampling_params import SamplingParams  # noqa: E402
+from blink.shared.structured_outputs import StructuredOutputs  # noqa: E402
 from blink.engine.scheduler import Scheduler  # noqa: E402
 from blink.ring import C_STAT_PREEMPTIONS, C_STAT_PREFIX_HITS  # noqa: E402
 
@@ -40,7 +43,8 @@ SMALL = dict(BASE, max_num_batched_tokens=64, kv_cache_tokens=512, max_num_seqs=
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    return tiny_model_dir(tmp_path_factory.mktemp("capture_audit_models"))
+    # An EOS (id 0) so that structured outputs can end; the other rows ignore it.
+    return tiny_model_dir(tmp_path_factory.mktemp("capture_audit_models"), eos_token_id=0)
 
 
 # ------------------------------------------------------------------------ the audit itself
@@ -96,7 +100,8 @@ def test_safe_lookalikes_are_not_flagged():
 def _workload() -> tuple[list[list[int]], list[SamplingParams]]:
     """Prompts sharing a 3-block prefix (prefix hits once the first ones are registered),
     long enough together to overflow the 32-block cache (preemption), with every sampler
-    stage on: penalties, seeds, top-k/p, min-p, logit bias, min_tokens, logprobs."""
+    stage on: penalties, seeds, top-k/p, min-p, logit bias, min_tokens, logprobs, and
+    structured outputs (grammar mask and advance: a regex row and a choice row)."""
     shared = random_prompts(1, 48, 48, seed=7)[0]
     prompts = [shared + tail for tail in random_prompts(12, 8, 40, seed=3)]
     kinds = [
@@ -109,6 +114,10 @@ def _workload() -> tuple[list[list[int]], list[SamplingParams]]:
     ]
     params = [SamplingParams(max_tokens=40, ignore_eos=True, **kinds[i % len(kinds)])
               for i in range(len(prompts))]
+    params[1] = SamplingParams(max_tokens=40, temperature=0.8, seed=3,
+                               structured_outputs=StructuredOutputs(regex="[a-z ]{5,60}"))
+    params[6] = SamplingParams(max_tokens=40, temperature=0.0,
+                               structured_outputs=StructuredOutputs(choice=("alpha", "beta")))
     return prompts, params
 
 
@@ -133,6 +142,8 @@ def _run_audited(model_dir: Path, loop: str, monkeypatch) -> tuple[CaptureAudit,
         counters = {"preemptions": int(control[C_STAT_PREEMPTIONS]),
                     "prefix_hits": int(control[C_STAT_PREFIX_HITS])}
     assert all(len(o.outputs[0].token_ids) >= 2 for o in outs)
+    assert re.fullmatch("[a-z ]{5,60}", outs[1].outputs[0].text.removesuffix("\x00"))
+    assert outs[6].outputs[0].text.removesuffix("\x00") in ("alpha", "beta")
     assert any(o.outputs[0].logprobs for o in outs)
     return mode, counters
 
@@ -144,7 +155,8 @@ def test_captured_step_holds_only_capturable_ops(model_dir, loop, monkeypatch):
     assert counters["prefix_hits"] > 0, "the workload must exercise prefix-cache hits"
     seen = set(mode.ops)
     for op in ("aten.topk.default", "aten.scatter_reduce_.two", "aten.index_put_.default",
-               "aten.cumsum.default", "aten.bucketize.Tensor"):
+               "aten.cumsum.default", "aten.bucketize.Tensor",
+               "aten.__rshift__.Tensor"):  # the grammar mask's bit unpacking
         assert op in seen, f"the audit did not see {op}: it did not run the whole step"
     mode.check(f"tier {'A' if loop == 'host' else 'B'}'s captured step")
 
