@@ -158,3 +158,55 @@ def test_required_schema_matches_vllms_shape() -> None:
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
     assert "$defs" in tools[0]["function"]["parameters"]  # the request's tools are not changed
+
+
+# -- property: any calls, any content, any chunking ----------------------------------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_TRICKY = st.text(alphabet=st.sampled_from(list('ab "\\}]{[,:<>/\n') + ["é", "😀"]),
+                  max_size=12)
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**6, 10**6) | _TRICKY,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_TRICKY, inner, max_size=3),
+    max_leaves=8)
+_ARGS = st.dictionaries(_TRICKY, _JSON, max_size=4)
+_NAME = st.from_regex(r"[a-z_][a-z0-9_]{0,10}", fullmatch=True)
+_CALLS = st.lists(st.tuples(_NAME, _ARGS), min_size=1, max_size=3)
+
+
+def _render(fmt: str, calls: list[tuple[str, dict]], spaced: bool) -> str:
+    sep = ", " if spaced else ","
+    dump = (lambda v: json.dumps(v, ensure_ascii=False)) if spaced else \
+        (lambda v: json.dumps(v, ensure_ascii=False, separators=(",", ":")))
+    if fmt == "hermes":
+        return "".join(f'<tool_call>\n{{"name": {dump(n)}, "arguments": {dump(a)}}}\n'
+                       f"</tool_call>\n" for n, a in calls)
+    if fmt == "llama3_json":
+        return "<|python_tag|>" + "; ".join(f'{{"name": {dump(n)}, "parameters": {dump(a)}}}'
+                                           for n, a in calls)
+    if fmt == "mistral":
+        return "[TOOL_CALLS][" + sep.join(f'{{"name": {dump(n)}, "arguments": {dump(a)}}}'
+                                         for n, a in calls) + "]"
+    return "[" + sep.join(f'{{"name": {dump(n)}, "parameters": {dump(a)}}}'
+                          for n, a in calls) + "]"
+
+
+_FACTORIES = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser,
+              "mistral": MistralToolParser, "required": RequiredToolParser}
+
+
+@settings(max_examples=150, deadline=None)
+@given(fmt=st.sampled_from(sorted(_FACTORIES)), calls=_CALLS, spaced=st.booleans(),
+       prefix=_TRICKY, cuts=st.lists(st.integers(0, 10_000), max_size=12))
+def test_any_calls_any_chunking(fmt: str, calls: list, spaced: bool, prefix: str,
+                                cuts: list[int]) -> None:
+    text = _render(fmt, calls, spaced)
+    # content before the calls, where the format allows it (and without marker text)
+    lead = prefix.replace("<", "").replace("[", "") if fmt in ("hermes", "mistral") else ""
+    text = lead + text
+    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    content, got = _stream(_FACTORIES[fmt], pieces)
+    assert content == lead
+    assert [(c["name"], json.loads(c["arguments"])) for c in got] == calls
