@@ -561,7 +561,11 @@ class OpenAIServing:
         if not req.messages:
             raise bad_request("messages must contain at least one message.", param="messages")
         self._check_fanout(1, req.n)
-        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_calling)
+        # Checking tool schemas takes milliseconds each the first time (then cached): off the loop.
+        plan = await self._off_loop(plan_tools, req.tools, req.tool_choice,
+                                    req.parallel_tool_calls, self.tool_calling) if req.tools \
+            else plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
+                            self.tool_calling)
         self.check_healthy()
         self._check_template_sees_tools(plan, req.chat_template)
         prompt_ids = await self._encode_chat(
@@ -896,7 +900,7 @@ class OpenAIServing:
                 add_special_tokens=chat.add_special_tokens,
                 add_generation_prompt=chat.add_generation_prompt,
                 continue_final_message=chat.continue_final_message,
-                tools=validate_tools(chat.tools) if chat.tools else None,
+                tools=await self._off_loop(validate_tools, chat.tools) if chat.tools else None,
                 chat_template_kwargs=chat.chat_template_kwargs,
                 chat_template=chat.chat_template)
             want_strs, param = chat.return_token_strs, "messages"
