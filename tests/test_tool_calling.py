@@ -367,3 +367,15 @@ def test_tokenize_renders_validated_tools(qwen_tok: Tokenizer) -> None:
     r = asyncio.run(asgi_request(app, "POST", "/tokenize", json={
         "messages": ASK, "tools": [{"type": "function", "function": {"name": ""}}]}))
     assert error_of(r, "tools[0].function.name")
+
+
+def test_null_content_for_templates_that_read_content_parts() -> None:
+    # a template that iterates over content parts (vLLM's "openai" content format) gets
+    # no parts for a null content, and the tool calls with parsed arguments
+    template = ("{% for m in messages %}[{{ m.role }}]{% for p in m.content %}{{ p.text }}"
+                "{% endfor %}{% for c in m.tool_calls or [] %}"
+                "{{ c.function.name }}{{ c.function.arguments | tojson }}{% endfor %}"
+                "{% endfor %}")
+    user = {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]}
+    text = render_chat_template(template, [user, HISTORY[1]], add_generation_prompt=False)
+    assert text == '[user]Weather in Paris?[assistant]get_weather{"city": "Paris"}'
