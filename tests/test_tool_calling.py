@@ -326,6 +326,11 @@ def test_langchain_bind_tools(qwen_tok: Tokenizer) -> None:
                                                         add_special_tokens=False)
         out = llm.with_structured_output(get_weather, method="function_calling").invoke("x")
         assert out == {"city": "Paris"}
+        # the default method sends response_format json_schema (structured outputs)
+        out = llm.with_structured_output(get_weather).invoke("x")
+        assert out == {"city": "Paris"}
+        params = list(engine.submitted.values())[-1][1]
+        assert params.structured_outputs is not None and params.structured_outputs.json
 
 
 def test_openai_parse_with_pydantic_function_tool(qwen_tok: Tokenizer) -> None:
