@@ -124,6 +124,7 @@ class CallObjectScanner:
         self.arguments = ""
         self.has_arguments = False
         self._key = ""
+        self._after_comma = False  # a key must follow ("}" right after "," is an error)
         self._raw = ""  # the string being read (key, name or string-valued arguments)
         self._string_escape = False
         self._value: JsonValueSkipper | None = None
@@ -182,7 +183,7 @@ class CallObjectScanner:
                 elif state == "key":
                     if c == '"':
                         self._raw, self.state = "", "key_string"
-                    elif c == "}" and not self._key:
+                    elif c == "}" and not self._after_comma:
                         self.state = "done"
                     else:
                         self.state = "error"
@@ -200,8 +201,7 @@ class CallObjectScanner:
                         pos += 1  # the opening quote
                 elif state == "after":
                     if c == ",":
-                        self.state = "key"
-                        self._key = "?"  # a key must follow (no "}" right after ",")
+                        self.state, self._after_comma = "key", True
                     elif c == "}":
                         self.state = "done"
                     else:
