@@ -49,9 +49,13 @@ def apply_grammar_mask(logits: torch.Tensor, words: torch.Tensor, entry: torch.T
     row_word = base + _read(words, base + G_MASK) + state.long().clamp(min=0) * wps  # [B]
     n_words = -(-vocab // 32)
     w = torch.arange(n_words, device=logits.device)
-    packed = _read(words, row_word.unsqueeze(1) + torch.minimum(w.unsqueeze(0), wps.unsqueeze(1) - 1))
-    shifts = torch.arange(32, device=logits.device)
-    bits = ((packed.unsqueeze(-1) >> shifts) & 1).reshape(batch, n_words * 32)[:, :vocab] != 0
+    index = row_word.unsqueeze(1) + torch.minimum(w.unsqueeze(0), wps.unsqueeze(1) - 1)
+    packed = words[index.clamp(0, words.shape[0] - 1)].contiguous()  # int32 [B, n_words]
+    # Unpack bytewise through a 256 x 8 table: bit j of byte k of word w is token
+    # 32 w + 8 k + j (little-endian words, as numpy wrote them and every device reads them).
+    codes = torch.arange(256, device=logits.device)
+    table = ((codes.unsqueeze(1) >> torch.arange(8, device=logits.device)) & 1) != 0
+    bits = table[packed.view(torch.uint8).long()].reshape(batch, n_words * 32)[:, :vocab]
     col = torch.arange(vocab, device=logits.device).unsqueeze(0)
     eos = _read(words, base + G_EOS).unsqueeze(1)
     allowed = torch.where(dead.unsqueeze(1), col == eos, bits & (col < vocab_bits.unsqueeze(1)))
