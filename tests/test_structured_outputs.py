@@ -112,10 +112,25 @@ def test_json_object_regex_depth():
     (SO(json={"type": "number", "minimum": 0.5}), "number bounds"),
     (SO(json={"type": "integer", "minimum": 5, "maximum": 1}), "no value"),
     (SO(regex="a(?=b)"), "cannot be compiled"),
+    (SO(json={"allOf": [{"type": "integer"}, {"minimum": 1}]}), "allOf"),
 ])
 def test_refusals_name_the_problem(compiler, so, problem):
     with pytest.raises(StructuredOutputsError, match=problem):
         compiler.compile(so)
+
+
+def test_pydantic_style_schema_walks_valid(compiler):
+    """allOf around a $ref (pydantic), type lists, additionalProperties schemas, $defs."""
+    schema = {"type": "object", "$defs": {"Level": {"type": "integer", "minimum": 1, "maximum": 3}},
+              "properties": {"level": {"allOf": [{"$ref": "#/$defs/Level"}], "description": "d"},
+                             "note": {"type": ["string", "null"], "maxLength": 5},
+                             "extra": {"type": "object", "additionalProperties": {"type": "boolean"}}},
+              "required": ["level", "note", "extra"]}
+    g = compiler.compile(SO(json=schema))
+    done = [d for d in (walk(g.words, seed) for seed in range(10)) if d is not None]
+    assert done
+    for d in done:
+        jsonschema.validate(json.loads(d.decode()), schema)
 
 
 def test_limits_and_cache(tokenizer):

@@ -167,7 +167,7 @@ class _Walker:
         if not isinstance(node, dict):
             raise StructuredOutputsError(f"json schema: {where} must be an object or a boolean.")
         for key in node:
-            if key not in _ANNOTATIONS | _HONOURED | _BOUNDS:
+            if key not in _ANNOTATIONS | _HONOURED | _BOUNDS | {"allOf"}:
                 raise StructuredOutputsError(
                     f"json schema: {where}.{key} is not supported (the output could not be "
                     "guaranteed to satisfy it)."
@@ -180,6 +180,18 @@ class _Walker:
             )
         if "pattern" in node and not isinstance(node["pattern"], str):
             raise StructuredOutputsError(f"json schema: {where}.pattern must be a string.")
+        if "allOf" in node:  # pydantic's wrapper of a $ref with a description: one schema only
+            parts = node["allOf"]
+            if not isinstance(parts, list) or len(parts) != 1:
+                raise StructuredOutputsError(
+                    f"json schema: {where}.allOf is supported with exactly one schema."
+                )
+            rest = {k: v for k, v in node.items() if k != "allOf" and k not in _ANNOTATIONS}
+            if rest:
+                raise StructuredOutputsError(
+                    f"json schema: {where}.allOf cannot be combined with {', '.join(sorted(rest))}."
+                )
+            return self.walk(parts[0], f"{where}.allOf[0]")
         out = dict(node)
         if _BOUNDS & node.keys():
             kind = node.get("type")
