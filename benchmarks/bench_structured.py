@@ -80,7 +80,8 @@ def bench_compile(tokenizer: Tokenizer) -> dict:
         cold = time.perf_counter() - t
         cached = _best(lambda: compiler.compile(so), 50)
         out[name] = {"cold_s": round(cold, 4), "cached_s": cached, "states": g.num_states,
-                     "transitions": g.num_transitions, "ring_mib": round(g.nbytes / 2**20, 3)}
+                     "transitions": g.num_transitions, "stored": g.stored_transitions,
+                     "ring_mib": round(g.nbytes / 2**20, 3)}
     return out
 
 

@@ -100,11 +100,16 @@ FINISH_REASON_NAMES = (None, "stop", "length", "abort", "error")
 # request uses. Arrays, for S states over a vocabulary of ``vocab_bits`` token ids:
 #   mask      [S, words_per_state]  bit t of state s: token t is allowed (EOS bits only in
 #                                   accepting states); words_per_state = ceil(vocab_bits / 32)
-#   row_start [S + 1]               CSR offsets into the two transition arrays
-#   trans_token [num_transitions]   per state, sorted ascending (EOS has no transition)
+#   default_next [S]                the state most of a state's allowed tokens lead to
+#   row_start [S + 1]               CSR offsets into the two exception arrays
+#   trans_token [num_transitions]   per state, sorted ascending: the allowed tokens whose
+#                                   next state is not default_next (EOS has no transition)
 #   trans_next  [num_transitions]   the state after that token
+# So the state after an allowed token t is trans_next[i] if t is in the state's row, else
+# default_next: a string's body (tens of thousands of tokens, one next state) costs no
+# transitions, only its mask bits.
 GRAMMAR_MAGIC = 0x424C4B47  # "GKLB"
-GRAMMAR_FORMAT_VERSION = 1
+GRAMMAR_FORMAT_VERSION = 2  # 2: default_next + exception rows
 (
     G_MAGIC,
     G_VERSION,
@@ -119,7 +124,8 @@ GRAMMAR_FORMAT_VERSION = 1
     G_TRANS_TOKEN,
     G_TRANS_NEXT,
     G_TOTAL_WORDS,
-) = range(13)
+    G_DEFAULT_NEXT,
+) = range(14)
 GRAMMAR_HEADER_WORDS = 16
 #: Entries start on this many words (64 bytes), like every other ring part.
 GRAMMAR_ALIGN_WORDS = 16

@@ -8,8 +8,9 @@ The automata live in the ring's grammar region, one int32 tensor ``words`` (entr
 - :func:`apply_grammar_mask`: logits of tokens the row's state does not allow become -inf;
   unconstrained rows are left as they are. A dead row may only emit the entry's EOS token.
 - :func:`advance_grammar`: the state after a token: a binary search of the token in the
-  state's CSR row (``ADVANCE_STEPS`` fixed iterations, enough for rows of up to 2**20
-  entries), -1 when the token has no transition (EOS, which finishes the row anyway).
+  state's CSR row of exceptions (``ADVANCE_STEPS`` fixed iterations, enough for rows of up
+  to 2**20 entries), else the state's default next state if its mask allows the token, else
+  -1 (EOS, which finishes the row anyway).
 
 Branch-free and fixed-shape: every index is clamped into the region, so a row whose entry was
 since replaced (a padding row of the batch reading a finished row's stale offset) reads valid
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from blink.ring import (
-    G_EOS, G_MASK, G_ROW_START, G_TRANS_NEXT, G_TRANS_TOKEN, G_VOCAB_BITS, G_WORDS_PER_STATE,
+    G_DEFAULT_NEXT, G_EOS, G_MASK, G_ROW_START, G_TRANS_NEXT, G_TRANS_TOKEN, G_VOCAB_BITS, G_WORDS_PER_STATE,
 )
 
 #: Binary-search iterations of :func:`advance_grammar`: rows of up to 2**20 - 1 transitions.
@@ -80,6 +81,13 @@ def advance_grammar(words: torch.Tensor, entry: torch.Tensor, state: torch.Tenso
         below = _read(words, tok_base + mid) < t
         lo = torch.where(active & below, mid + 1, lo)
         hi = torch.where(active & ~below, mid, hi)
-    found = (lo < end) & (_read(words, tok_base + lo) == t) & (state >= 0) & (entry >= 0)
+    found = (lo < end) & (_read(words, tok_base + lo) == t)
     nxt = _read(words, base + _read(words, base + G_TRANS_NEXT) + lo)
-    return torch.where(found, nxt, -1)
+    # Not an exception: the default next state, if the token is allowed at all.
+    wps = _read(words, base + G_WORDS_PER_STATE).clamp(min=1)
+    in_vocab = (t >= 0) & (t < _read(words, base + G_VOCAB_BITS))
+    word = _read(words, base + _read(words, base + G_MASK) + s * wps + t.clamp(min=0) // 32)
+    allowed = in_vocab & (((word >> (t.clamp(min=0) % 32)) & 1) != 0)
+    default = _read(words, base + _read(words, base + G_DEFAULT_NEXT) + s)
+    live = (state >= 0) & (entry >= 0)
+    return torch.where(live & found, nxt, torch.where(live & allowed, default, -1))

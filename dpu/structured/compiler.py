@@ -25,7 +25,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from blink.ring import (
-    G_EOS, G_INITIAL_STATE, G_MAGIC, G_MASK, G_NUM_STATES, G_NUM_TRANSITIONS, G_ROW_START,
+    G_DEFAULT_NEXT, G_EOS, G_INITIAL_STATE, G_MAGIC, G_MASK, G_NUM_STATES, G_NUM_TRANSITIONS, G_ROW_START,
     G_TOTAL_WORDS, G_TRANS_NEXT, G_TRANS_TOKEN, G_VERSION, G_VOCAB_BITS, G_WORDS_PER_STATE,
     GRAMMAR_ALIGN_WORDS, GRAMMAR_FORMAT_VERSION, GRAMMAR_HEADER_WORDS, GRAMMAR_MAGIC,
 )
@@ -71,6 +71,7 @@ class CompiledGrammar:
     num_transitions: int
     compile_s: float
     regex: str
+    stored_transitions: int = 0  # the exceptions to the default next states actually stored
 
     @property
     def nbytes(self) -> int:
@@ -88,12 +89,25 @@ def pack_entry(num_states: int, initial: int, vocab_bits: int, eos_ids: Sequence
     (src -> dst on token), ``accepting`` a bool [num_states]."""
     order = np.lexsort((token, src))
     src, token, dst = src[order], token[order], dst[order]
+    # Each state's most common next state is its default; only the other transitions are
+    # stored (the mask says which tokens are allowed at all).
+    default_next = np.zeros(num_states, dtype=np.int64)
+    if src.size:
+        pairs, counts = np.unique(src * num_states + dst, return_counts=True)
+        pair_src = pairs // num_states
+        best = np.lexsort((-counts, pair_src))  # per src, the highest count first
+        first = np.ones(best.size, dtype=bool)
+        first[1:] = pair_src[best][1:] != pair_src[best][:-1]
+        default_next[pair_src[best][first]] = (pairs % num_states)[best][first]
+    exception = dst != default_next[src]
+    ex_src, ex_token, ex_dst = src[exception], token[exception], dst[exception]
     wps = -(-vocab_bits // 32)
     mask_off = GRAMMAR_HEADER_WORDS
-    row_off = _align(mask_off + num_states * wps)
+    def_off = _align(mask_off + num_states * wps)
+    row_off = _align(def_off + num_states)
     tok_off = _align(row_off + num_states + 1)
-    nxt_off = _align(tok_off + token.size)
-    total = _align(nxt_off + dst.size)
+    nxt_off = _align(tok_off + ex_token.size)
+    total = _align(nxt_off + ex_dst.size)
     words = np.zeros(total, dtype="<i4")
     header = words[:GRAMMAR_HEADER_WORDS]
     header[G_MAGIC] = GRAMMAR_MAGIC
@@ -102,7 +116,8 @@ def pack_entry(num_states: int, initial: int, vocab_bits: int, eos_ids: Sequence
     header[G_INITIAL_STATE] = initial
     header[G_VOCAB_BITS] = vocab_bits
     header[G_WORDS_PER_STATE] = wps
-    header[G_NUM_TRANSITIONS] = token.size
+    header[G_NUM_TRANSITIONS] = ex_token.size
+    header[G_DEFAULT_NEXT] = def_off
     header[G_EOS] = eos_ids[0]
     header[G_MASK], header[G_ROW_START] = mask_off, row_off
     header[G_TRANS_TOKEN], header[G_TRANS_NEXT] = tok_off, nxt_off
@@ -114,10 +129,11 @@ def pack_entry(num_states: int, initial: int, vocab_bits: int, eos_ids: Sequence
     for eos in eos_ids:  # EOS where the output may end, and wherever nothing else is left
         mask[accepting | stuck, eos // 32] |= np.uint32(1 << (eos % 32))
     words[mask_off: mask_off + mask.size] = mask.reshape(-1).view("<i4")
+    words[def_off: def_off + num_states] = default_next
     words[row_off: row_off + num_states + 1] = np.concatenate(
-        [[0], np.cumsum(np.bincount(src, minlength=num_states))])
-    words[tok_off: tok_off + token.size] = token
-    words[nxt_off: nxt_off + dst.size] = dst
+        [[0], np.cumsum(np.bincount(ex_src, minlength=num_states))])
+    words[tok_off: tok_off + ex_token.size] = ex_token
+    words[nxt_off: nxt_off + ex_dst.size] = ex_dst
     return words
 
 
@@ -231,4 +247,5 @@ class GrammarCompiler:
                 f"{so.kind} took {elapsed:.1f} s to compile, more than the limit of "
                 f"{limits.max_compile_s:g} s; simplify the constraint."
             )
-        return CompiledGrammar(key, words, len(ids), len(tok), elapsed, regex)
+        return CompiledGrammar(key, words, len(ids), len(tok), elapsed, regex,
+                               int(words[G_NUM_TRANSITIONS]))
