@@ -33,9 +33,6 @@ class GrammarBatch(NamedTuple):
     entry: torch.Tensor
     state: torch.Tensor
 
-    def rows(self, n: int) -> "GrammarBatch":
-        return GrammarBatch(self.words, self.entry[:n], self.state[:n])
-
 
 class GrammarRows:
     """Per-row automaton state over the ring's grammar region (``words``, int32)."""
@@ -51,13 +48,18 @@ class GrammarRows:
         start = torch.where(entry >= 0, initial, -1).to(self.state.dtype)
         self.state.copy_(torch.where(admitted, start, self.state))
 
-    def advance(self, sampled: torch.Tensor, entry: torch.Tensor, token: torch.Tensor) -> None:
-        """Rows in ``sampled`` (bool [S]) that are constrained step on ``token`` [S]."""
-        nxt = advance_grammar(self.words, entry, self.state, token).to(self.state.dtype)
-        self.state.copy_(torch.where(sampled & (entry >= 0), nxt, self.state))
+    def advance(self, rows: torch.Tensor, live: torch.Tensor, entry: torch.Tensor,
+                token: torch.Tensor) -> None:
+        """Lane i: row ``rows[i]`` sampled ``token[i]`` if ``live[i]``; constrained ones step.
+        ``entry``: every row's grammar entry [S]. Duplicate lanes (the scheduler's padding
+        repeats the last live lane) write the same value."""
+        entry = entry[rows]
+        state = self.state[rows]
+        nxt = advance_grammar(self.words, entry, state, token).to(self.state.dtype)
+        self.state.index_put_((rows,), torch.where(live & (entry >= 0), nxt, state))
 
     def batch(self, entry: torch.Tensor, sample_rows: torch.Tensor) -> GrammarBatch:
         """The sample rows' (entry, state); padding rows (-1) read row 0, whose result the
-        scheduler discards."""
+        scheduler discards. ``entry``: every row's grammar entry [S]."""
         r = sample_rows.clamp(min=0)
         return GrammarBatch(self.words, entry[r], self.state[r])
