@@ -55,13 +55,15 @@ class ChoiceText:
             return TextDelta("", 0)
         pieces: list[str] = []
         kept = 0
-        last = len(token_ids) - 1
-        for i, token_id in enumerate(token_ids):
+        for token_id in token_ids:
             kept += 1
             self.completion_tokens += 1
-            if (finished and i == last and finish_reason == "stop"
-                    and token_id in self._stop_token_ids and not self.include_stop_str_in_output):
-                continue  # the stop token (eos) ends the text; it is counted, not shown
+            if (token_id in self._stop_token_ids and not self.include_stop_str_in_output
+                    and self.completion_tokens > self.params.min_tokens):
+                # The stop token (eos) ends the text; it is counted, not shown. The engine
+                # stops on it, so it is the last token even when the finish is read only in
+                # the next delta (the ring's poller can see the token before the state).
+                continue
             active = self.completion_tokens > self.params.min_tokens  # vLLM's rule
             pieces.append(self._matcher.feed(self._detok.step(token_id), active))
             if self._matcher.matched is not None:

@@ -115,3 +115,26 @@ def test_feed_after_match_and_empty_stop_are_errors() -> None:
         m.feed("more")
     with pytest.raises(ValueError):
         StopStringMatcher([""])
+
+
+def test_stop_token_is_hidden_when_the_finish_comes_in_the_next_delta() -> None:
+    # The ring's poller may read the stop token before the slot's FINISHED state: the token
+    # arrives with finished=False and the finish in an empty delta after it.
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from dpu_helpers import tiny_tokenizer
+
+    from blink.dpu.output_processor import ChoiceText
+    from blink.shared.sampling_params import SamplingParams
+
+    tok = tiny_tokenizer()
+    answer = tok.encode("Hello world", add_special_tokens=False)
+    eos = tok.eos_token_ids[0]
+    for include in (False, True):
+        params = SamplingParams(stop_token_ids=[eos], skip_special_tokens=False)
+        text = ChoiceText(tok, [1], params, include_stop_str_in_output=include)
+        parts = [text.feed(answer + [eos], False, None).text, text.feed([], True, "stop").text]
+        assert "".join(parts) == "Hello world" + ("<|im_end|>" if include else "")
+        assert text.completion_tokens == len(answer) + 1 and text.finish_reason == "stop"
