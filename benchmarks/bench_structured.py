@@ -123,7 +123,8 @@ def bench_engine(model: str, steps: int, repeats: int) -> dict:
         for batch in (1, 16):
             free = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
             fixed = SamplingParams(temperature=0.0, max_tokens=steps, structured_outputs=constrained)
-            llm.generate(prompts[:batch], fixed)  # warm-up (and compile once)
+            llm.generate(prompts[:batch], fixed)  # warm-up (and compile once), both kinds
+            llm.generate(prompts[:batch], free)
             times = {"unconstrained": [], "constrained": []}
             for _ in range(repeats):  # interleaved, so drift hits both alike
                 for name, params in (("unconstrained", free), ("constrained", fixed)):
