@@ -32,6 +32,10 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+class ConfigFileError(BlinkError):
+    """A --config file cannot be read or names an unknown option."""
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", default=DEFAULT_MODEL,

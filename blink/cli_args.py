@@ -115,23 +115,6 @@ def check_vllm_flags(args: argparse.Namespace, *, device_known: str | None = Non
     return notes
 
 
-def json_list_flag(args: argparse.Namespace, name: str) -> list[str] | None:
-    """A flag holding a JSON list of strings (vLLM's CORS flags); None when not given."""
-    import json
-
-    raw = getattr(args, name, None)
-    if raw is None:
-        return None
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        value = None
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise BlinkError(f"--{name.replace('_', '-')} must be a JSON list of strings, for "
-                         f"example '[\"*\"]' or '[\"https://app.example\"]'; got {raw!r}")
-    return value
-
-
 def check_port_free(host: str, port: int) -> None:
     """Bind ``host:port`` once and let go: a port in use is an error before the model loads
     (minutes, for a big one), not after."""
@@ -151,6 +134,8 @@ def check_port_free(host: str, port: int) -> None:
 def check_frontend_flags(args: argparse.Namespace) -> None:
     """The HTTP flags that can be wrong on their own: one clear line before anything starts
     (the frontend checks them again where it runs alone)."""
+    from blink.dpu.app import json_list_flag
+
     for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
         json_list_flag(args, name)
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):

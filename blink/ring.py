@@ -43,7 +43,7 @@ from blink.errors import BlinkError
 from blink.shared.sampling_fields import SAMPLING_FIELDS, numpy_fields
 
 MAGIC = int.from_bytes(b"BLINKRNG", "little")
-LAYOUT_VERSION = 2  # 2: the request record (one contiguous payload per slot)
+LAYOUT_VERSION = 3  # 2: the request record (one contiguous payload per slot); 3: admitted_step
 ALIGN = 64
 
 # Control block word indices (all int64).
@@ -169,6 +169,7 @@ def _stream_fields(cfg: RingConfig) -> list[tuple[str, np.dtype, tuple[int, ...]
         ("finish_reason", i32, ()),
         ("num_prompt_tokens", i32, ()),
         ("num_cached_tokens", i32, ()),  # prompt tokens served from the prefix cache
+        ("admitted_step", i64, ()),  # the engine's step count when it admitted the request
         ("tokens", i32, (cap,)),
         ("logprob", f32, (cap,)),
         ("top_ids", i32, (cap, n)),

@@ -17,6 +17,7 @@ a 413 before they are read.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import re
 import secrets
@@ -192,11 +193,24 @@ class BodySizeLimitMiddleware:
             dropped += len(message.get("body", b""))
 
 
+def json_list_flag(args: argparse.Namespace, name: str) -> list[str] | None:
+    """A flag holding a JSON list of strings (vLLM's CORS flags); None when not given."""
+    raw = getattr(args, name, None)
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise BlinkError(f"--{name.replace('_', '-')} must be a JSON list of strings, for "
+                         f"example '[\"*\"]' or '[\"https://app.example\"]'; got {raw!r}")
+    return value
+
+
 def app_options(args: argparse.Namespace) -> dict[str, Any]:
     """``create_app`` keyword arguments from ``blink serve`` flags (see blink/cli.py); a bad
     value is a :class:`BlinkError` naming the flag."""
-    from blink.cli_args import json_list_flag
-
     origins = json_list_flag(args, "allowed_origins")
     cors = None if origins is None else CorsOptions(
         allow_origins=origins, allow_methods=json_list_flag(args, "allowed_methods") or [],
@@ -347,6 +361,7 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, *, model_name: str | 
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
+        metrics.before_scrape()
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

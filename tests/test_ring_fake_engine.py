@@ -21,6 +21,7 @@ from blink.ring import (
     C_ENGINE_STATE,
     C_HEARTBEAT,
     C_STAT_RUNNING,
+    C_STAT_STEPS,
     ENGINE_FAILED,
     ENGINE_READY,
     ENGINE_STOPPED,
@@ -96,6 +97,7 @@ class FakeEngine:
     def step(self) -> None:
         r = self.ring
         r.control[C_HEARTBEAT] += 1
+        r.control[C_STAT_STEPS] += 1  # as the scheduler: a step's number, then its admissions
         states = r.state.copy()  # acquire: state words first
         memory_fence()
         if self.admit:
@@ -126,6 +128,7 @@ class FakeEngine:
         r.finish_reason[slot] = FINISH_NONE
         r.num_prompt_tokens[slot] = n
         r.num_cached_tokens[slot] = min(self.cached_tokens, n)
+        r.admitted_step[slot] = r.control[C_STAT_STEPS]
         memory_fence()
         r.state[slot] = SLOT_RUNNING
 
