@@ -55,7 +55,7 @@ def step(ring: Ring, sched: Scheduler, outputs: tuple[torch.Tensor, ...]) -> tup
     c0, t0 = time.process_time(), time.perf_counter()
     batch = sched.schedule()
     t1 = time.perf_counter()
-    sched.update(batch, *outputs)
+    sched.update(batch, *outputs, num_tokens=max(int(batch.num_scheduled_tokens), 1))
     t2, c1 = time.perf_counter(), time.process_time()
     ring.consumed[:] = ring.produced  # the frontend drains every stream
     return t1 - t0, t2 - t1, c1 - c0, int(batch.num_scheduled_tokens)

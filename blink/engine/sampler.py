@@ -308,7 +308,7 @@ class Sampler:
         self,
         logits: torch.Tensor,
         st: SamplingTensors,
-        token_ids: torch.Tensor,
+        token_ids: torch.Tensor | None,
         prompt_lens: torch.Tensor,
         total_lens: torch.Tensor,
         step_counters: torch.Tensor,
@@ -319,7 +319,8 @@ class Sampler:
 
         logits        f32 [B, V]  the model's last-position logits (other float dtypes upcast)
         st            per-row parameters, B rows
-        token_ids     i32 [B, L]  prompt then output tokens so far, any padding past total_len
+        token_ids     i32 [B, L]  prompt then output tokens so far, any padding past total_len;
+                                  may be None when the plan says no row has a penalty
         prompt_lens   i32/i64 [B]
         total_lens    i32/i64 [B] prompt + output tokens so far
         step_counters i64 [B]     RNG counter per row; must differ between a row's draws (the
@@ -339,6 +340,8 @@ class Sampler:
         if suppress_ids is not None:  # a host-side choice of call signature, not a tensor value
             logits = apply_suppress(logits, suppress_ids)
         if plan.any_penalty:
+            if token_ids is None:
+                raise ValueError("a batch with penalties needs its token history (token_ids)")
             logits = apply_penalties(
                 logits,
                 token_ids,
