@@ -223,7 +223,7 @@ def test_scheduler_stamps_the_admission_step():
         for slot in written:
             assert ring.state[slot] == SLOT_RUNNING
             stamps[slot] = (int(ring.admitted_step[slot]), int(ring.control[C_STAT_STEPS]))
-        sched.update(batch, *model(batch))
+        sched.update(batch, *model(sched, batch))
         fe.poll()
     assert sorted(stamps.values()) == [(1, 1), (4, 4)]
 
