@@ -22,7 +22,8 @@ Protocol (payload first, then the state word; readers read the state word first)
                                 (seq+1, consumed=0, sampling fields) -> fence -> state=WRITTEN;
                                 cancel is 0 already (a FREE slot always has cancel 0)
     engine:   state WRITTEN  -> copies the prompt out of the arena, resets the stream
-                                (stream_seq=seq, produced=0, finish=NONE) -> state=RUNNING;
+                                (stream_seq=seq, produced=0, finish=NONE, admitted_step=
+                                its step count, the frontend's queue-time clock) -> state=RUNNING;
                                 from then on the frontend may reuse that arena range
     engine:   each new token -> writes tokens[produced % capacity] (+ logprobs), then
                                 produced += 1; never when produced - consumed == capacity
