@@ -148,21 +148,15 @@ def test_port_in_use_is_reported_before_the_model_loads(capsys):
 
 
 def test_log_lines_have_time_level_and_request_id(capsys):
-    root = logging.getLogger()
-    saved = (list(root.handlers), root.level)
-    try:
-        configure_logging("info")
-        root.handlers[0].setFormatter(logging.Formatter(
-            "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
-        token = request_id.set("abc123")
-        logging.getLogger("blink.test").info("hello")
-        request_id.reset(token)
-        logging.getLogger("blink.test").warning("outside")
-        configure_logging("info")  # the real format
-        logging.getLogger("blink.test").info("plain")
-    finally:
-        root.handlers[:] = saved[0]
-        root.setLevel(saved[1])
+    configure_logging("info")
+    logging.getLogger().handlers[0].setFormatter(logging.Formatter(
+        "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
+    token = request_id.set("abc123")
+    logging.getLogger("blink.test").info("hello")
+    request_id.reset(token)
+    logging.getLogger("blink.test").warning("outside")
+    configure_logging("info")  # the real format
+    logging.getLogger("blink.test").info("plain")
     lines = capsys.readouterr().err.splitlines()
     assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ INFO blink.test \[abc123\] hello", lines[0])
     assert "WARNING blink.test [-] outside" in lines[1]
