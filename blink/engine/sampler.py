@@ -255,12 +255,17 @@ class SamplerPlan:
     any_filter: bool = True
     any_penalty: bool = True
     any_top_logprobs: bool = True
+    any_logit_bias: bool = True
+    any_suppress: bool = True
 
     @classmethod
-    def of(cls, st: SamplingTensors) -> "SamplerPlan":
+    def of(cls, st: SamplingTensors, suppress_ids: torch.Tensor | None = None) -> "SamplerPlan":
         """Read the batch's parameters (a host read: CPU tensors only)."""
         random = st.temperature > 0
         return cls(
+            any_logit_bias=bool((st.logit_bias_ids >= 0).any()),
+            # Without the batch's suppress ids the plan cannot know: keep the stage.
+            any_suppress=suppress_ids is None or bool((suppress_ids >= 0).any()),
             any_random=bool(random.any()),
             any_filter=bool((random & ((st.top_k > 0) | (st.top_p < 1) | (st.min_p > 0))).any()),
             any_penalty=bool(
@@ -336,8 +341,9 @@ class Sampler:
         raw_logits = logits
         log_norm = torch.logsumexp(raw_logits, dim=-1, keepdim=True)
 
-        logits = apply_logit_bias(logits, st.logit_bias_ids, st.logit_bias_values)
-        if suppress_ids is not None:  # a host-side choice of call signature, not a tensor value
+        if plan.any_logit_bias:
+            logits = apply_logit_bias(logits, st.logit_bias_ids, st.logit_bias_values)
+        if suppress_ids is not None and plan.any_suppress:  # a host-side choice, not a tensor value
             logits = apply_suppress(logits, suppress_ids)
         if plan.any_penalty:
             if token_ids is None:
@@ -366,7 +372,11 @@ class Sampler:
         logprob = (raw_logits.gather(-1, tokens.unsqueeze(-1)) - log_norm).squeeze(-1)
         # A vocabulary smaller than N (tiny test models) leaves the tail as padding.
         k = min(self.max_logprobs, raw_logits.shape[-1]) if plan.any_top_logprobs else 0
-        top_values, top_ids = torch.topk(raw_logits, k, dim=-1)
+        if k:
+            top_values, top_ids = torch.topk(raw_logits, k, dim=-1)
+        else:  # no row asks for alternatives: skip the vocabulary-wide top-k
+            top_values = logits.new_empty(logits.shape[0], 0)
+            top_ids = torch.empty(logits.shape[0], 0, dtype=torch.int64, device=logits.device)
         top_logprobs = top_values - log_norm
         top_logprobs = F.pad(top_logprobs, (0, self.max_logprobs - k), value=float("-inf"))
         top_ids = F.pad(top_ids, (0, self.max_logprobs - k), value=-1)

@@ -250,7 +250,10 @@ class Scheduler:
             self._lookup()
         num_new = self._allocate()
         batch = self._build_batch(num_new)
-        self._write_stats()
+        # Every step ends with fresh stats: update() writes them after a forward; a step
+        # that schedules nothing (no update) writes them here.
+        if self._when(batch.num_scheduled_tokens == 0):
+            self._write_stats()
         return batch
 
     def update(

@@ -107,6 +107,6 @@ def run_step(parts: StepParts) -> bool:
     # and update() indexes the sampler outputs (an empty tensor cannot be indexed).
     ns = max(int(batch.num_sample_rows), 1)
     inputs = parts.scheduler.sampler_inputs(batch, ns)
-    plan = SamplerPlan.of(inputs.sampling)  # skip stages no row uses
+    plan = SamplerPlan.of(inputs.sampling, inputs.suppress_ids)  # skip stages no row uses
     model_phase(parts, batch, tokens=n, rows=ns, compact=True, plan=plan, inputs=inputs)
     return True
