@@ -346,12 +346,14 @@ class RingEngineClient:
         return out
 
     def _admitted_at(self, handle: RingHandle) -> float | None:
-        """When the engine admitted ``handle``: its ``admitted_step`` on the step clock, never
-        before the submission nor after this client saw the slot leave WRITTEN (the bounds
-        the clock's interpolation must respect); the latter when the clock has no answer."""
+        """When the engine admitted ``handle``: the start of its ``admitted_step`` (the end of
+        the step before) on the step clock, never before the submission nor after this client
+        saw the slot leave WRITTEN (the bounds the clock's interpolation must respect); the
+        latter when the clock has no answer."""
         if handle.claimed_at is None:
             return None
-        at = None if handle.admitted_step is None else self.step_clock.time_of(handle.admitted_step)
+        step = handle.admitted_step
+        at = None if step is None or step < 1 else self.step_clock.time_of(step - 1)
         if at is None:
             return handle.claimed_at
         return min(max(at, handle.submitted_at), handle.claimed_at)

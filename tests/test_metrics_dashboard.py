@@ -27,7 +27,7 @@ from blink.dpu.metrics import build_1_2_5_buckets
 from blink.dpu.ring_engine_client import RingEngineClient
 from blink.dpu.ring_protocol import RingHandle
 from blink.dpu.step_clock import StepClock
-from blink.ring import C_STAT_STEPS, SLOT_RUNNING, SLOT_WRITTEN
+from blink.ring import C_STAT_STEPS, SLOT_WRITTEN
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "grafana" / "blink-dashboard.json"
@@ -188,14 +188,14 @@ def test_step_clock_interpolates_between_readings():
 
 
 def test_admission_time_is_the_engines_step_not_the_poll():
-    """The poller saw the slot admitted only at t=20, but the engine stamped step 5, which
-    its step clock places at t=14: the queue time is 4 s, not 10 s; bounded by the submission
-    and the observation."""
+    """The poller saw the slot admitted only at t=20, but the engine stamped step 6, which
+    began when the count reached 5, which its step clock places at t=14: the queue time is
+    4 s, not 10 s; bounded by the submission and the observation."""
     clock = StepClock()
     clock.saw(0, 9.0)
     clock.saw(10, 19.0)
     client = SimpleNamespace(step_clock=clock)
-    handle = RingHandle(0, 1, 1, 0, None, submitted_at=10.0, claimed_at=20.0, admitted_step=5)
+    handle = RingHandle(0, 1, 1, 0, None, submitted_at=10.0, claimed_at=20.0, admitted_step=6)
     assert RingEngineClient._admitted_at(client, handle) == pytest.approx(14.0)
     handle.admitted_step = 1  # before the submission by the clock: clamped to it
     assert RingEngineClient._admitted_at(client, handle) == 10.0
@@ -204,8 +204,8 @@ def test_admission_time_is_the_engines_step_not_the_poll():
 
 
 def test_scheduler_stamps_the_admission_step():
-    """Scheduler._admit writes the step count into the slot's admitted_step, which is what the
-    control block publishes as C_STAT_STEPS for that step."""
+    """Scheduler._admit writes the step's number into the slot's admitted_step; the control
+    block publishes that number as C_STAT_STEPS when the step ends (the frontend's clock)."""
     from blink.engine.scheduler import Scheduler
     from blink.engine.state import ring_tensors
 
@@ -220,12 +220,13 @@ def test_scheduler_stamps_the_admission_step():
             fe.submit(reqs[1])
         written = [int(s) for s in (ring.state == SLOT_WRITTEN).nonzero()[0]]
         batch = sched.schedule()
-        for slot in written:
-            assert ring.state[slot] == SLOT_RUNNING
-            stamps[slot] = (int(ring.admitted_step[slot]), int(ring.control[C_STAT_STEPS]))
         sched.update(batch, *model(sched, batch))
+        assert int(ring.control[C_STAT_STEPS]) == step  # published by the step's end
+        for slot in written:
+            assert ring.state[slot] != SLOT_WRITTEN
+            stamps[slot] = int(ring.admitted_step[slot])
         fe.poll()
-    assert sorted(stamps.values()) == [(1, 1), (4, 4)]
+    assert sorted(stamps.values()) == [1, 4]
 
 
 def test_queue_time_of_a_waiting_request_through_the_ring():

@@ -68,6 +68,7 @@ class FakeEngine:
         self.backpressure_waits = 0
         self.generated: dict[int, int] = {}  # slot -> tokens generated for its current request
         self._prompts: dict[int, list[int]] = {}
+        self.steps = 0  # steps begun (published as C_STAT_STEPS when each ends)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         ring.control[C_ENGINE_STATE] = ENGINE_READY
@@ -97,7 +98,7 @@ class FakeEngine:
     def step(self) -> None:
         r = self.ring
         r.control[C_HEARTBEAT] += 1
-        r.control[C_STAT_STEPS] += 1  # as the scheduler: a step's number, then its admissions
+        self.steps += 1  # as the scheduler: count the step, stamp admissions, publish at the end
         states = r.state.copy()  # acquire: state words first
         memory_fence()
         if self.admit:
@@ -107,6 +108,7 @@ class FakeEngine:
         for slot in running:
             self._advance(int(slot))
         r.control[C_STAT_RUNNING] = len(running)
+        r.control[C_STAT_STEPS] = self.steps
 
     def _claim(self, slot: int) -> None:
         r = self.ring
@@ -128,7 +130,7 @@ class FakeEngine:
         r.finish_reason[slot] = FINISH_NONE
         r.num_prompt_tokens[slot] = n
         r.num_cached_tokens[slot] = min(self.cached_tokens, n)
-        r.admitted_step[slot] = r.control[C_STAT_STEPS]
+        r.admitted_step[slot] = self.steps
         memory_fence()
         r.state[slot] = SLOT_RUNNING
 
