@@ -486,6 +486,7 @@ class OpenAIServing:
                    grammar: CompiledGrammar | None = None) -> list[ChoiceRun]:
         runs = []
         for p, prompt_ids in enumerate(prompts):
+            self.metrics.params_n.observe(params.n)
             for i in range(params.n):
                 # One engine request per choice; a given seed is offset per choice so the
                 # choices differ but stay reproducible.

@@ -64,6 +64,8 @@ class EngineConfig:
     stream_capacity: int = 64
     #: MiB of ring memory for compiled structured-output automata (0: structured outputs off)
     grammar_region_mb: float = DEFAULT_GRAMMAR_WORDS * 4 / 2**20
+    #: most logprobs a request may ask for (vLLM's --max-logprobs): the ring's logprob columns
+    max_logprobs: int = 20
     transport: str = "loopback"  # loopback | verbs | inprocess (a frontend in this process: LLM)
     threads: int | None = None
     #: how long a stop with drain waits for requests in flight (every loop kind uses this one)
@@ -172,6 +174,7 @@ class Engine:
             n_slots=config.max_num_seqs,
             arena_tokens=max(4 * self.max_model_len, 1 << 18),
             stream_capacity=config.stream_capacity,
+            max_logprobs=config.max_logprobs,
             max_model_len=self.max_model_len,
             grammar_words=grammar_words(config.grammar_region_mb),
         )

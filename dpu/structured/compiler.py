@@ -143,16 +143,18 @@ class GrammarCompiler:
     def __init__(self, tokenizer: TokenSource, limits: GrammarLimits | None = None) -> None:
         self.tokenizer = tokenizer
         self.limits = limits or GrammarLimits()
-        self.eos_ids = [int(e) for e in tokenizer.eos_token_ids]
         self._lock = threading.Lock()
         self._vocab = None
         self._vocab_id: str | None = None
+        self.eos_ids: list[int] = []  # read with the vocabulary, on the first compile
         self._cache: OrderedDict[str, CompiledGrammar | StructuredOutputsError] = OrderedDict()
 
     def _vocabulary(self):
         """outlines-core's Vocabulary of the tokenizer (built once, ~1-2 s for 50k tokens)."""
         if self._vocab is None:
             from outlines_core import Vocabulary
+
+            self.eos_ids = [int(e) for e in getattr(self.tokenizer, "eos_token_ids", None) or []]
 
             if not self.eos_ids:
                 raise StructuredOutputsError(
