@@ -97,8 +97,10 @@ def model_phase(
     scheduler.update(batch, out.tokens, out.logprob, out.top_ids, out.top_logprobs)
 
 
-def run_step(parts: StepParts) -> bool:
-    """One CPU-loop step (``Engine.step``). Returns False when nothing was scheduled."""
+def run_step(parts: StepParts, compiled=None) -> bool:
+    """One CPU-loop step (``Engine.step``). Returns False when nothing was scheduled.
+    ``compiled``: the loop's :class:`~blink.engine.compiled.CompiledModelPhase`, which runs
+    the model phase with compiled pieces padded to its buckets (None: eager)."""
     batch = parts.scheduler.schedule()
     n = int(batch.num_scheduled_tokens)  # CPU loop: a plain memory read, not a device sync
     if n == 0:  # admissions/cancels may have happened, but there is nothing to compute
@@ -107,5 +109,8 @@ def run_step(parts: StepParts) -> bool:
     # and update() indexes the sampler outputs (an empty tensor cannot be indexed).
     ns = max(int(batch.num_sample_rows), 1)
     plan = SamplerPlan.of(slice_sampling(batch.sampling, ns))  # skip stages no row uses
-    model_phase(parts, batch, tokens=n, rows=ns, compact=True, plan=plan)
+    if compiled is not None:
+        compiled.run(parts, batch, tokens=n, rows=ns, plan=plan)
+    else:
+        model_phase(parts, batch, tokens=n, rows=ns, compact=True, plan=plan)
     return True
