@@ -60,6 +60,9 @@ def engine_config_from_args(args: argparse.Namespace):
         enable_prefix_caching=not args.no_prefix_caching,
         transport=args.transport,
         threads=args.threads,
+        # None (flag absent): EngineConfig's default ($BLINK_ENFORCE_EAGER, else compiled)
+        **({"enforce_eager": True} if args.enforce_eager else {}),
+        compile_cache_dir=args.compile_cache_dir,
     )
 
 
@@ -140,7 +143,7 @@ def run_engine(args: argparse.Namespace) -> int:
 _ENGINE_FLAGS = (
     "model", "served_model_name", "dtype", "device", "max_model_len", "block_size",
     "kv_cache_tokens", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "loop",
-    "threads", "transport",
+    "threads", "transport", "compile_cache_dir",
 )
 
 
@@ -293,7 +296,8 @@ class _Supervisor:
         args = self.args
         self.engine = self._spawn(
             ["engine", "--listen", f"127.0.0.1:{port}", *_flags(args, _ENGINE_FLAGS),
-             *(["--no-prefix-caching"] if args.no_prefix_caching else [])])
+             *(["--no-prefix-caching"] if args.no_prefix_caching else []),
+             *(["--enforce-eager"] if args.enforce_eager else [])])
         watch = (("frontend", self.frontend),) if self.frontend is not None else ()
         ready = _wait_for_line(self.engine, ENGINE_READY_PREFIX, "engine", 600, sys.stderr,
                                self.stop, watch)

@@ -179,8 +179,10 @@ class CompiledFn:
                 raise
             self.refused += 1
             if self.refused == 1:
-                print(f"blink: warning: {self.name} would recompile in steady state "
-                      f"({_one_line(exc)}); running such calls eager", file=sys.stderr, flush=True)
+                reasons = [line.strip() for line in str(exc).splitlines() if line.strip().startswith("- ")]
+                why = " | ".join(r[2:] for r in reasons) if reasons else _one_line(exc)
+                print(f"blink: warning: {self.name} would recompile in steady state ({why[:500]}); "
+                      "running such calls eager", file=sys.stderr, flush=True)
         return self.fallback(*args, **kwargs)
 
 
@@ -199,7 +201,8 @@ def compile_fn(fn: Callable[..., Any], name: str, **options: Any) -> CompiledFn:
 def token_buckets(scheduler_buckets: tuple[int, ...]) -> tuple[int, ...]:
     """The CPU loop's token buckets: 1, 2 and 4 below the scheduler's (a decode of a few
     rows should not pay for 8 tokens), then the scheduler's own."""
-    return tuple(sorted({1, 2, 4, *(b for b in scheduler_buckets)}))
+    budget = scheduler_buckets[-1]
+    return tuple(sorted({*(b for b in (1, 2, 4) if b < budget), *scheduler_buckets}))
 
 
 def row_buckets(max_rows: int) -> tuple[int, ...]:

@@ -312,7 +312,9 @@ class Engine:
             self.sampler,
             scheduler_buckets=self.scheduler_config.buckets,
             max_rows=min(self.config.max_num_seqs, self.config.max_num_batched_tokens),
-            suppress_width=self.ring_config.max_stop_ids + len(self.scheduler_config.eos_token_ids),
+            # StepBatch.suppress_ids: stop ids + EOS ids (the scheduler pads no EOS to one -1);
+            # tests/test_compiled.py fails (a refused recompile) if this drifts from it.
+            suppress_width=self.ring_config.max_stop_ids + max(1, len(self.scheduler_config.eos_token_ids)),
             max_logit_bias=self.ring_config.max_logit_bias,
         )
         with torch.inference_mode():
