@@ -33,21 +33,24 @@ TileKernel = Callable[..., torch.Tensor]
 
 def tile_attention(
     q: torch.Tensor,
-    k_flat: torch.Tensor,
-    v_flat: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     slots: torch.Tensor,
     limit: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """Causal attention of query tiles over their contexts, straight from the cache.
 
-    q [N, Qt, H, D]; k_flat/v_flat [cache slots, KVH, D] (the cache viewed flat);
-    slots [N, L] int64 cache slot of each tile's context position; limit [N, Qt] the last
-    context position each query slot may see. Returns [N, Qt, H, D] in q's dtype. fp32
-    math, like the reference."""
+    q [N, Qt, H, D]; k_cache/v_cache [blocks, block_size, KVH, D] (the caches themselves,
+    not views: dynamo guards an input's dispatcher state, which a view made in inference
+    mode does not keep); slots [N, L] int64 cache slot of each tile's context position;
+    limit [N, Qt] the last context position each query slot may see. Returns
+    [N, Qt, H, D] in q's dtype. fp32 math, like the reference."""
     N, Qt, H, D = q.shape
-    KVH = k_flat.shape[1]
+    KVH = k_cache.shape[2]
     L = slots.shape[1]
+    k_flat = k_cache.view(-1, KVH, D)
+    v_flat = v_cache.view(-1, KVH, D)
     k = k_flat[slots].view(N, 1, L, KVH, 1, D).float()
     v = v_flat[slots].view(N, L, KVH, 1, D).float()
     scores = (q.view(N, Qt, 1, KVH, H // KVH, D).float() * k).sum(-1) * scale  # [N, Qt, L, KVH, G]
@@ -100,13 +103,11 @@ def paged_attention(
     q_grid = q_grid[:-1].view(NT, Qt, H, D)
     out = q.new_zeros(NT * Qt + 1, H, D)
     out_view = out[:-1].view(NT, Qt, H, D)
-    k_flat = k_cache.view(-1, KVH, D)
-    v_flat = v_cache.view(-1, KVH, D)
     chunk = max(1, _SCORE_BUDGET_BYTES // (Qt * L * H * 4))
     with shape_config():
         for start in range(0, NT, chunk):  # chunks sized by shapes only
             end = min(NT, start + chunk)
             out_view[start:end] = kernel(
-                q_grid[start:end], k_flat, v_flat, slots[start:end], plan.limit[start:end], scale
+                q_grid[start:end], k_cache, v_cache, slots[start:end], plan.limit[start:end], scale
             )
     return out.index_select(0, plan.cell)

@@ -152,6 +152,9 @@ class CompiledFn:
         try:
             with self.context(), warming():
                 self.compiled(*args, **kwargs)
+                # Once more: dynamo guards the dispatcher state of the inputs, which can differ
+                # between the compiling call and later ones; a second entry covers those.
+                self.compiled(*args, **kwargs)
             return True
         except Exception as exc:  # any compiler failure: eager continues, nothing lost
             self.failed = _one_line(exc)
