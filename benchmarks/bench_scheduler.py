@@ -1,45 +1,86 @@
-"""Scheduler step time (schedule + update) against the number of slots, on CPU.
+"""Control-plane step time on CPU: schedule + sample + update, per part, and ops per step,
+against the number of slots.
 
-Every slot holds a request in steady-state decode (all prompts prefilled, streams drained by
-a frontend stand-in between steps), so each step schedules one token per slot and publishes
-one token per slot: the scheduler's own cost, with no model. Run:
+No model: the step's logits are the null model's (one fixed token wins, as
+``blink serve --model null``), so what is timed is the scheduler and the sampler alone, at
+the engine's default sizes (max_model_len 8192, block 16, budget 512). Two loads:
 
-    python benchmarks/bench_scheduler.py [--threads 2] [--steps 20] [--slots 64 256 1024 4096]
+- ``one``: one request in steady-state decode, every other slot empty. The cost of an
+  almost idle engine: it should not depend on the slot count (the target is <= 1 ms per
+  step at 256 slots, flat from 64 to 4096). The KV pool is fixed (``--num-blocks``), as the
+  engine's is (sized by memory, not by slots).
+- ``all``: every slot decoding one token per step (all prompts prefilled, streams drained
+  between steps): the work grows with the rows, as it should. The pool holds them all.
+
+Per part: the scheduler's stages (inclusive wall time, median over the timed steps; a stage
+skipped by its host guard costs nothing), the sampler, and aten ops per step (counted with a
+dispatch mode: each is a kernel launch inside a GPU graph, a dispatcher call on CPU). Run:
+
+    python -m benchmarks.bench_scheduler [--slots 64 256 1024 4096] [--load one all]
+        [--threads 1] [--steps 30] [--no-prefix-caching] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import functools
+import json
 import time
+from typing import Any, Callable
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from blink.engine import prefix_cache
+from blink.engine.sampler import Sampler, SamplerPlan
 from blink.engine.scheduler import Scheduler
 from blink.engine.state import SchedulerConfig, ring_tensors
 from blink.ring import SLOT_WRITTEN, Ring, RingConfig, RingLayout
 
 PROMPT_LEN = 128
-MAX_MODEL_LEN = 1024
+MAX_MODEL_LEN = 8192
 BLOCK_SIZE = 16
+BUDGET = 512  # EngineConfig.max_num_batched_tokens
+#: the timing clock: this thread's CPU time by default (a shared machine's other load
+#: inflates wall time but hardly a thread's CPU time); ``--clock wall`` for wall time.
+CLOCK: Callable[[], float] = time.thread_time
+VOCAB = 49152  # SmolLM2's, as the null model's logits
+NULL_TOKEN = 260
+STAGES = ("_finish", "_release_finished", "_admit", "_lookup", "_allocate", "_preempt",
+          "_assign_blocks", "_build_batch", "_write_stats", "_stream_write")
 
 
-def build(slots: int, prefix_caching: bool) -> tuple[Ring, Scheduler]:
-    ring_cfg = RingConfig(n_slots=slots, arena_tokens=slots * PROMPT_LEN, stream_capacity=64,
-                          max_model_len=MAX_MODEL_LEN)
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops dispatched inside the block, by the phase the step is in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "schedule"
+        self.counts: dict[str, int] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[self.phase] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def build(slots: int, active: int, num_blocks: int, prefix_caching: bool) -> tuple[Ring, Scheduler]:
+    ring_cfg = RingConfig(n_slots=slots, arena_tokens=max(slots * PROMPT_LEN, 4 * MAX_MODEL_LEN),
+                          stream_capacity=64, max_model_len=MAX_MODEL_LEN)
     ring = Ring.create(bytearray(RingLayout(ring_cfg).total_bytes), ring_cfg)
     cfg = SchedulerConfig(
         block_size=BLOCK_SIZE,
-        num_blocks=slots * (MAX_MODEL_LEN // BLOCK_SIZE // 2),
+        num_blocks=num_blocks,
         max_model_len=MAX_MODEL_LEN,
-        max_num_batched_tokens=max(2048, 2 * slots),  # room to prefill beside the decodes
-        max_admit_per_step=max(16, slots // 64),  # admission keeps up with the slot count
+        max_num_batched_tokens=max(BUDGET, 2 * active),  # room to prefill beside the decodes
+        max_admit_per_step=max(16, active // 64),  # admission keeps up with the rows
         enable_prefix_caching=prefix_caching,
         eos_token_ids=(0,),
     )
     sched = Scheduler(cfg, ring_tensors(ring))
     rng = np.random.default_rng(0)
-    ring.arena[: slots * PROMPT_LEN] = rng.integers(1, 32000, slots * PROMPT_LEN)
-    for s in range(slots):  # the frontend's writes: payload, then the state word
+    ring.arena[: active * PROMPT_LEN] = rng.integers(1, 32000, active * PROMPT_LEN)
+    for s in range(active):  # the frontend's writes: payload, then the state word
         ring.seq[s] = 1
         ring.arrival[s] = s
         ring.prompt_offset[s] = s * PROMPT_LEN
@@ -50,63 +91,142 @@ def build(slots: int, prefix_caching: bool) -> tuple[Ring, Scheduler]:
     return ring, sched
 
 
-def step(ring: Ring, sched: Scheduler, outputs: tuple[torch.Tensor, ...]) -> tuple[float, float, float, int]:
-    """One step: (schedule wall s, update wall s, process CPU s, tokens)."""
-    c0, t0 = time.process_time(), time.perf_counter()
-    batch = sched.schedule()
-    t1 = time.perf_counter()
-    sched.update(batch, *outputs)
-    t2, c1 = time.perf_counter(), time.process_time()
-    ring.consumed[:] = ring.produced  # the frontend drains every stream
-    return t1 - t0, t2 - t1, c1 - c0, int(batch.num_scheduled_tokens)
+class Step:
+    """One CPU-loop step without the forward: schedule, null logits, sample, update."""
+
+    def __init__(self, ring: Ring, sched: Scheduler) -> None:
+        self.ring, self.sched = ring, sched
+        self.sampler = Sampler(max_logprobs=sched.num_top)
+        self.times: dict[str, float] = collections.defaultdict(float)
+        self.counter: OpCounter | None = None
+
+    def _phase(self, name: str) -> None:
+        if self.counter is not None:
+            self.counter.phase = name
+
+    def __call__(self) -> int:
+        sched, times = self.sched, self.times
+        self._phase("schedule")
+        t0 = CLOCK()
+        batch = sched.schedule()
+        t1 = CLOCK()
+        n = int(batch.num_scheduled_tokens)
+        self._phase("sample")
+        if n:
+            rows = max(int(batch.num_sample_rows), 1)
+            inputs = sched.sampler_inputs(batch, rows)
+            plan = SamplerPlan.of(inputs.sampling, inputs.suppress_ids)
+            logits = torch.zeros(rows, VOCAB)
+            logits[:, NULL_TOKEN] = 30.0
+            out = self.sampler(logits, inputs.sampling, None, inputs.prompt_lens, inputs.total_lens,
+                               inputs.total_lens, inputs.suppress_ids, plan=plan)
+            t2 = CLOCK()
+            self._phase("update")
+            sched.update(batch, out.tokens, out.logprob, out.top_ids, out.top_logprobs, num_tokens=n)
+        else:
+            t2 = t1
+        t3 = CLOCK()
+        self.ring.consumed[:] = self.ring.produced  # the frontend drains every stream
+        times["schedule"] += t1 - t0
+        times["sample"] += t2 - t1
+        times["update"] += t3 - t2
+        return n
 
 
-def measure(slots: int, steps: int, prefix_caching: bool) -> dict[str, float]:
-    ring, sched = build(slots, prefix_caching)
-    n_top = sched.num_top
-    outputs = (
-        torch.full((slots,), 7, dtype=torch.int64),
-        torch.zeros(slots),
-        torch.zeros(slots, n_top, dtype=torch.int64),
-        torch.zeros(slots, n_top),
-    )
-    for _ in range(10 * slots):  # admission and prefill, untimed
-        *_, n = step(ring, sched, outputs)
-        if n == slots and int((sched.state.num_computed > 0).sum()) == slots:
-            break  # every slot decodes one token per step
+def timed(acc: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t = CLOCK()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            acc[name] += CLOCK() - t
+    return wrapper
+
+
+def measure(slots: int, load: str, steps: int, num_blocks: int | None, prefix_caching: bool) -> dict[str, Any]:
+    active = 1 if load == "one" else slots
+    blocks = num_blocks if load == "one" else active * (PROMPT_LEN + 2 * steps + 64) // BLOCK_SIZE
+    blocks = max(blocks, MAX_MODEL_LEN // BLOCK_SIZE)
+    ring, sched = build(slots, active, blocks, prefix_caching)
+    step = Step(ring, sched)
+    for _ in range(10 * active + 10):  # admission and prefill, untimed
+        n = step()
+        if n == active and int((sched.state.num_computed > 0).sum()) == active:
+            break
     else:
         raise RuntimeError(f"{slots} slots never reached steady-state decode")
-    for _ in range(3):  # warm-up
-        step(ring, sched, outputs)
-    times = np.array([step(ring, sched, outputs) for _ in range(steps)])
+    for _ in range(2 * BLOCK_SIZE):  # warm-up: every path of a decode step, block boundary too
+        step()
+    parts: dict[str, float] = collections.defaultdict(float)
+    for name in STAGES:  # instance attributes shadow the methods: per-part wall time
+        setattr(sched, name, timed(parts, name, getattr(sched, name)))
+    register = prefix_cache.register
+    prefix_cache.register = timed(parts, "register", register)
+    try:
+        step.times.clear()
+        per_step = []
+        for _ in range(steps):
+            before = dict(step.times)
+            step()
+            per_step.append(sum(step.times.values()) - sum(before.values()))
+        step.counter = counter = OpCounter()
+        with counter:
+            step()
+        step.counter = None
+    finally:
+        prefix_cache.register = register
+        for name in STAGES:
+            delattr(sched, name)
+    ms = {k: 1e3 * v / steps for k, v in step.times.items()}
     return {
-        "schedule_ms": 1e3 * float(np.median(times[:, 0])),
-        "update_ms": 1e3 * float(np.median(times[:, 1])),
-        "cpu_ms": 1e3 * float(np.median(times[:, 2])),
-        "tokens_per_step": float(times[:, 3].mean()),
+        "slots": slots, "load": load, "active": active, "num_blocks": blocks,
+        "step_ms_median": 1e3 * float(np.median(per_step)),
+        **{f"{k}_ms": v for k, v in ms.items()},
+        "parts_ms": {k: 1e3 * v / steps for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
+        "ops_per_step": dict(counter.counts),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per configuration")
     parser.add_argument("--slots", type=int, nargs="+", default=[64, 256, 1024, 4096])
+    parser.add_argument("--load", nargs="+", choices=["one", "all"], default=["one", "all"])
+    parser.add_argument("--num-blocks", type=int, default=8192,
+                        help="KV pool of the 'one' load (default 8192 blocks = 128k tokens)")
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
+                        help="thread CPU time (default) or wall time")
+    parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
+    global CLOCK
+    CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
-    print(f"CPU, {args.threads} threads, steady-state decode, block {BLOCK_SIZE}, "
-          f"max_model_len {MAX_MODEL_LEN}, budget max(2048, 2*slots), admit max(16, slots/64), "
-          f"median of {args.steps} steps")
-    print("(wall: elapsed time; cpu: process CPU time, all threads; a loaded machine inflates wall)")
-    print(f"{'slots':>6} {'prefix$':>7} {'schedule ms':>12} {'update ms':>10} {'step ms':>8} "
-          f"{'cpu ms':>7} {'tok/step':>9}")
-    for slots in args.slots:
-        for prefix_caching in (False, True):
-            r = measure(slots, args.steps, prefix_caching)
-            total = r["schedule_ms"] + r["update_ms"]
-            print(f"{slots:>6} {'on' if prefix_caching else 'off':>7} {r['schedule_ms']:>12.2f} "
-                  f"{r['update_ms']:>10.2f} {total:>8.2f} {r['cpu_ms']:>7.2f} {r['tokens_per_step']:>9.0f}",
-                  flush=True)
+    print(f"CPU, {args.threads} thread(s), max_model_len {MAX_MODEL_LEN}, block {BLOCK_SIZE}, "
+          f"budget max({BUDGET}, 2*rows), prefix caching {'off' if args.no_prefix_caching else 'on'}, "
+          f"null-model logits over {VOCAB} tokens; {args.clock} time, mean of {args.steps} steps "
+          f"(median total too)")
+    print(f"{'load':>4} {'slots':>6} {'schedule':>9} {'sample':>7} {'update':>7} {'step ms':>8} "
+          f"{'median':>7} {'ops s+u':>7} {'ops smp':>7}  parts (ms, inclusive)")
+    results = []
+    with torch.inference_mode():
+        measure(args.slots[0], "one", 5, args.num_blocks, True)  # the process's first-call costs
+        for load in args.load:
+            for slots in args.slots:
+                r = measure(slots, load, args.steps, args.num_blocks, not args.no_prefix_caching)
+                results.append(r)
+                total = r["schedule_ms"] + r["sample_ms"] + r["update_ms"]
+                parts = " ".join(f"{k.strip('_')}={v:.2f}" for k, v in r["parts_ms"].items() if v >= 0.005)
+                ops = r["ops_per_step"]
+                print(f"{load:>4} {slots:>6} {r['schedule_ms']:>9.2f} {r['sample_ms']:>7.2f} "
+                      f"{r['update_ms']:>7.2f} {total:>8.2f} {r['step_ms_median']:>7.2f} "
+                      f"{ops.get('schedule', 0) + ops.get('update', 0):>7} {ops.get('sample', 0):>7}  "
+                      f"{parts}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -173,6 +173,7 @@ def _on_meta_step(engine: Engine) -> CaptureAudit:
     engine tensor on a meta device."""
     plan = plan_graphs(engine.scheduler_config, engine.ring_config.n_slots)
     parts = step.StepParts(engine.scheduler, engine.executor, engine.sampler)
+    engine.scheduler.host_guards = False  # as the graphs run it: every stage
     mode = CaptureAudit()
     with torch.inference_mode(), on_meta(engine.scheduler, engine.executor, engine.sampler):
         with mode:

@@ -24,6 +24,7 @@ from blink.engine.state import (
     K_PREFIX_HITS,
     K_PREFIX_REJECTS,
     ROW_EMPTY,
+    ROW_RELEASING,
     SchedulerConfig,
     bucket_for,
     default_buckets,
@@ -234,8 +235,9 @@ class FakeModel:
         self.kv_val = torch.full((n,), -1, dtype=torch.int64)
         self.weights = torch.tensor(_WEIGHTS[: cfg.max_blocks_per_seq * cfg.block_size])
 
-    def __call__(self, batch: StepBatch) -> tuple[torch.Tensor, ...]:
+    def __call__(self, sched: Scheduler, batch: StepBatch) -> tuple[torch.Tensor, ...]:
         cfg, md, B = self.cfg, batch.attn, self.cfg.block_size
+        inputs = sched.sampler_inputs(batch, sched.num_slots)
         n = int(batch.num_scheduled_tokens)
         bucket = cfg.bucket_for(max(1, n))  # host side, as the device loop does
         self.kv_val[md.slot_mapping[n:bucket]] = -5  # padding writes garbage (scratch block)
@@ -265,8 +267,8 @@ class FakeModel:
         corrupt = (inside & ~consistent).any(1)
         last = val.gather(1, (n_ctx - 1).clamp(min=0)).squeeze(1)
         tok = torch.where(corrupt, VOCAB + 1, last % VOCAB)  # VOCAB + 1: no reference makes it
-        for _ in range(batch.suppress_ids.shape[1] + 1):
-            banned = (batch.suppress_ids.long() == tok.unsqueeze(1)).any(1)
+        for _ in range(inputs.suppress_ids.shape[1] + 1):
+            banned = (inputs.suppress_ids.long() == tok.unsqueeze(1)).any(1)
             tok = torch.where(banned, (tok + 1) % VOCAB, tok)
         pos = md.seq_lens[rows].long()  # position of the new token
         logprob = -((tok * 31 + pos) % 97).float() / 10.0
@@ -312,8 +314,10 @@ def check_blocks(sched: Scheduler, after_update: bool = False) -> None:
     shared = (table < N) & (s.block_ref[table.clamp(max=N)] > 1)
     full_computed = cols < (s.num_computed // B).unsqueeze(1)
     assert not bool((shared & ~full_computed).any()), "a block still being written is shared"
-    if after_update:
-        assert torch.equal(s.num_blocks, (s.num_computed + B - 1) // B)
+    if after_update:  # rows releasing their blocks (finished) may hold fewer already
+        live = s.status != ROW_RELEASING
+        assert torch.equal(s.num_blocks[live], ((s.num_computed + B - 1) // B)[live])
+        assert bool((s.num_blocks[~live] <= ((s.num_computed + B - 1) // B)[~live]).all())
 
 
 def check_batch(sched: Scheduler, batch: StepBatch, before: dict[str, torch.Tensor]) -> None:
@@ -352,7 +356,6 @@ def check_batch(sched: Scheduler, batch: StepBatch, before: dict[str, torch.Tens
         li = int(batch.logits_indices[k])
         assert li == int(qsl[row + 1]) - 1
         assert int(md.positions[li]) == int(s.num_tokens[row]) - 1
-        assert int(batch.sample_pos[row]) == k
 
 
 @dataclass
@@ -375,13 +378,15 @@ def run(
     checks: bool = True,
     model=None,
     compile_steps: bool = False,
+    host_guards: bool = True,
 ) -> Outcome:
     """Drive requests through ring + scheduler + fake model until everything finished."""
     ring = make_ring(n_slots, cfg.max_model_len, stream_capacity, arena_tokens)
-    sched = Scheduler(cfg, ring_tensors(ring))
+    sched = Scheduler(cfg, ring_tensors(ring), host_guards=host_guards)
     model = model or FakeModel(cfg, n_slots)
     schedule, update = sched.schedule, sched.update
     if compile_steps:  # proof of no host sync / data-dependent Python control flow
+        sched.host_guards = False  # as in a captured graph: every stage runs
         schedule = torch.compile(schedule, fullgraph=True, backend="eager")
         update = torch.compile(update, fullgraph=True, backend="eager")
     fe = Frontend(ring, rate, stall_every)
@@ -404,23 +409,42 @@ def run(
             check_fcfs(sched, before, ring)
             check_blocks(sched)
             check_batch(sched, batch, before)
-        update(batch, *model(batch))
+        update(batch, *model(sched, batch))
         if checks:
             check_blocks(sched, after_update=True)
         fe.poll()
+        step += 1
+    # Finished rows drop their blocks in the next step(s): step until the engine is empty.
+    while not bool((sched.state.status == ROW_EMPTY).all()):
+        assert step < max_steps + 10, "finished rows never released their blocks"
+        batch = schedule()
+        assert int(batch.num_scheduled_tokens) == 0
         step += 1
     return Outcome(step, reqs, sched, ring)
 
 
 def check_fcfs(sched: Scheduler, before: dict[str, torch.Tensor], ring: Ring) -> None:
-    """Admission takes the oldest WRITTEN slots first, up to max_admit_per_step."""
+    """Admission takes the oldest WRITTEN slots first: up to max_admit_per_step, as many as
+    fit the copy window, stopping at the first that does not fit. A slot whose row is still
+    releasing its previous request's blocks is not eligible yet (it waits for the row)."""
+    cfg = sched.config
     waiting = ((before["state"] == SLOT_WRITTEN) & (before["cancel"] == 0)).nonzero().flatten().tolist()
     waiting.sort(key=lambda s: int(before["arrival"][s]))
     taken = [s for s in waiting if ring.state[s] != SLOT_WRITTEN]
-    k = min(len(waiting), sched.config.max_admit_per_step)
-    assert taken == waiting[:k], f"admission not FCFS: took {taken} of {waiting}"
-    for s in range(len(before["state"])):  # cancelled WRITTEN slots finish at once
-        if before["state"][s] == SLOT_WRITTEN and before["cancel"][s]:
+    eligible = [s for s in waiting if s in taken or sched.state.status[s] == ROW_EMPTY]
+    k = min(len(eligible), cfg.max_admit_per_step)
+    assert taken == eligible[: len(taken)], f"admission not FCFS: took {taken} of {eligible}"
+
+    def tokens(s: int) -> int:
+        n = int(ring.prompt_len[s])
+        return n if 1 <= n < cfg.max_model_len else 0
+
+    if len(taken) < k:  # it stopped early: the next one did not fit the window
+        used = sum(tokens(s) for s in taken)
+        assert used + tokens(eligible[len(taken)]) > cfg.admit_window_tokens, (
+            f"admission stopped early: took {taken} of {eligible}")
+    for s in range(len(before["state"])):  # cancelled WRITTEN slots finish once their row is free
+        if before["state"][s] == SLOT_WRITTEN and before["cancel"][s] and sched.state.status[s] == ROW_EMPTY:
             assert ring.state[s] == SLOT_FINISHED and ring.finish_reason[s] == FINISH_ABORT
 
 
@@ -522,7 +546,7 @@ def test_identical_prompts_share_blocks():
             assert int(ring.num_cached_tokens[reqs[1].slot]) == 16  # 4 full blocks, last token recomputed
             shared = sched.state.block_table[reqs[1].slot, :4]
             assert bool((sched.state.block_ref[shared.long()] == 2).all())
-        sched.update(batch, *model(batch))
+        sched.update(batch, *model(sched, batch))
         fe.poll()
     for r in reqs:
         assert (r.out, r.finish) == reference(r, 32)
@@ -548,7 +572,7 @@ def _cached_prompt_scheduler(prompt: list[int]) -> Scheduler:
     fe.submit(req)
     while req.finish is None:
         batch = sched.schedule()
-        sched.update(batch, *model(batch))
+        sched.update(batch, *model(sched, batch))
         fe.poll()
     return sched
 
@@ -559,7 +583,9 @@ def _lookup(sched: Scheduler, prompt: list[int]) -> tuple[int, int]:
     st.tokens[0, : len(prompt)] = torch.tensor(prompt)
     st.num_tokens[0] = len(prompt)
     rows, ok = torch.tensor([0]), torch.tensor([True])
-    n_hit, _, rejects = prefix_cache.lookup(st, sched.config, rows, ok, sched._hash, sched._stamp(0))
+    eligible = torch.tensor([(len(prompt) - 1) // sched.config.block_size])
+    n_hit, _, rejects = prefix_cache.lookup(st, sched.config, rows, ok, eligible, sched._lookup_cols,
+                                            sched._hash, sched._stamp)
     return int(n_hit[0]), int(rejects)
 
 
@@ -624,14 +650,15 @@ class ScriptModel:
         self.honor_suppress = honor_suppress
         self.suppressed: list[list[int]] = []
 
-    def __call__(self, batch: StepBatch) -> tuple[torch.Tensor, ...]:
-        n_out = (batch.total_lens - batch.prompt_lens).clamp(0, len(self.script) - 1)
+    def __call__(self, sched: Scheduler, batch: StepBatch) -> tuple[torch.Tensor, ...]:
+        inputs = sched.sampler_inputs(batch, sched.num_slots)
+        n_out = (inputs.total_lens - inputs.prompt_lens).clamp(0, len(self.script) - 1)
         tok = torch.tensor(self.script)[n_out]
-        banned = (batch.suppress_ids.long() == tok.unsqueeze(1)).any(1)
+        banned = (inputs.suppress_ids.long() == tok.unsqueeze(1)).any(1)
         for k in range(int(batch.num_sample_rows)):
-            self.suppressed.append(sorted(x for x in batch.suppress_ids[k].tolist() if x >= 0))
+            self.suppressed.append(sorted(x for x in inputs.suppress_ids[k].tolist() if x >= 0))
         tok = torch.where(banned & self.honor_suppress, 9, tok)
-        pos = batch.total_lens
+        pos = inputs.total_lens
         logprob = -((tok * 31 + pos) % 97).float() / 10.0
         return tok, logprob, tok.unsqueeze(1) + torch.arange(N_TOP), logprob.unsqueeze(1) - torch.arange(N_TOP)
 
@@ -691,7 +718,7 @@ def test_cancel_is_honoured_within_one_step():
     fe.submit(running)
     for _ in range(3):
         batch = sched.schedule()
-        sched.update(batch, *model(batch))
+        sched.update(batch, *model(sched, batch))
         fe.poll()
     fe.submit(waiting)
     fe.cancel(waiting)
@@ -720,6 +747,12 @@ def scenarios(draw):
         max_admit_per_step=draw(st.integers(1, 3)),
         enable_prefix_caching=draw(st.booleans()),
         eos_token_ids=(EOS,),
+        # The per-step windows: their defaults, or their smallest legal sizes (one
+        # max-length sequence), where prompts queue for the copy, rows for the lookup and
+        # finished rows for their blocks' release.
+        admit_window_tokens=draw(st.sampled_from([None, max_model_len])),
+        lookup_window_blocks=draw(st.sampled_from([None, blocks_per_seq])),
+        release_window_blocks=draw(st.sampled_from([None, blocks_per_seq])),
     )
     shared = draw(st.lists(st.integers(1, VOCAB - 1), min_size=max_model_len, max_size=max_model_len))
     token = st.integers(0, VOCAB - 1)
@@ -748,6 +781,7 @@ def scenarios(draw):
         rate=draw(st.integers(1, 3)),
         stall_every=draw(st.sampled_from([0, 2, 3])),
         arena_tokens=max_model_len + draw(st.integers(1, 2 * max_model_len)),
+        host_guards=draw(st.booleans()),  # skipped stages change nothing
     )
     return cfg, reqs, env, draw(st.sampled_from(["real", "real", "constant", "mod3"]))
 
@@ -788,3 +822,90 @@ def test_config_rejects_a_pool_smaller_than_one_sequence():
         _cfg(num_blocks=7)  # 32 tokens need 8 blocks of 4
     with pytest.raises(BlinkError, match="buckets"):
         _cfg(buckets=(4, 8))  # must end at the budget
+
+
+# ----------------------------------------------------------------------------- per-step windows
+
+
+def test_release_window_spreads_block_release_over_steps():
+    """Three rows of 7 blocks finish in one step; with a release window of 8 blocks the next
+    schedule() releases 8 (deepest first), the rest the step after. A request written into a
+    slot whose row is still releasing waits; every request still gets its reference tokens."""
+    cfg = _cfg(max_admit_per_step=3, num_blocks=32, max_num_batched_tokens=96, admit_window_tokens=96, lookup_window_blocks=24,
+               release_window_blocks=8)
+    ring = make_ring(3, 32, 8)
+    sched = Scheduler(cfg, ring_tensors(ring))
+    model, fe = FakeModel(cfg, 3), Frontend(ring)
+    reqs = [Req(prompt=[i + 1] * 27, max_tokens=1, ignore_eos=True) for i in range(3)]
+    for r in reqs:
+        fe.submit(r)
+    batch = sched.schedule()
+    assert int(batch.num_sample_rows) == 3  # all three prefilled and sampled in one step
+    sched.update(batch, *model(sched, batch))
+    st = sched.state
+    assert (st.status == ROW_RELEASING).all() and int(st.num_blocks.sum()) == 21
+    fe.poll()
+    late = Req(prompt=[5, 6, 7], max_tokens=2, ignore_eos=True)
+    fe.submit(late)  # reuses one of the freed slots
+    sched.schedule()  # releases 8 blocks, then admits `late` into the emptied row: 1 block
+    assert st.num_blocks.tolist() == [1, 6, 7] and st.status.tolist() == [2, 3, 3]
+    assert int(st.block_ref.sum()) == 21 - 8 + 1
+    check_blocks(sched)
+    for _ in range(6):
+        batch = sched.schedule()
+        sched.update(batch, *model(sched, batch))
+        fe.poll()
+    for r in reqs + [late]:
+        assert (r.out, r.finish) == reference(r, 32)
+
+
+def test_admission_window_bounds_copied_tokens():
+    """Prompts of 20 tokens and a 32-token copy window: one admission per step, FCFS."""
+    ring = make_ring(3, 32, 8)
+    sched = Scheduler(_cfg(max_admit_per_step=3, max_num_batched_tokens=64), ring_tensors(ring))
+    fe = Frontend(ring)
+    reqs = [Req(prompt=[i + 2] * 20, max_tokens=1) for i in range(3)]
+    for r in reqs:
+        fe.submit(r)
+    admitted = []
+    for _ in range(3):
+        sched.schedule()
+        admitted.append(int((sched.state.status != ROW_EMPTY).sum()))
+    assert admitted == [1, 2, 3]
+
+
+@pytest.mark.parametrize("name", ["admit_window_tokens", "lookup_window_blocks", "release_window_blocks"])
+def test_windows_below_one_sequence_are_refused(name):
+    small = {"admit_window_tokens": 31, "lookup_window_blocks": 7, "release_window_blocks": 7}[name]
+    with pytest.raises(BlinkError, match=name):
+        _cfg(**{name: small})
+
+
+def test_host_guards_skip_idle_stages():
+    """A steady decode step with host guards runs no admission, lookup, release or finish:
+    fewer ops than the same step with every stage run (as a captured graph does)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = {}
+    for guards in (True, False):
+        ring = make_ring(2, 32, 8)
+        sched = Scheduler(_cfg(), ring_tensors(ring), host_guards=guards)
+        model, fe = FakeModel(sched.config, 2), Frontend(ring)
+        fe.submit(Req(prompt=[1, 2, 3], max_tokens=20, ignore_eos=True))
+        for _ in range(3):
+            batch = sched.schedule()
+            sched.update(batch, *model(sched, batch))
+            fe.poll()
+        with Count() as c:
+            batch = sched.schedule()
+        counts[guards] = c.n
+    assert counts[True] < counts[False] * 0.8, counts

@@ -46,10 +46,9 @@ CACHE_DIR_ENV = "BLINK_COMPILE_CACHE_DIR"
 
 # The sampler plans compiled at start: greedy, and temperature sampling without filters,
 # penalties or top logprobs (the API's defaults). Others run eager (the same code).
-WARM_PLANS = (
-    SamplerPlan(any_random=False, any_filter=False, any_penalty=False, any_top_logprobs=False),
-    SamplerPlan(any_random=True, any_filter=False, any_penalty=False, any_top_logprobs=False),
-)
+_DEFAULTS = dict(any_filter=False, any_penalty=False, any_top_logprobs=False,
+                 any_logit_bias=False, any_suppress=False)
+WARM_PLANS = (SamplerPlan(any_random=False, **_DEFAULTS), SamplerPlan(any_random=True, **_DEFAULTS))
 
 Progress = Callable[[str], None]
 
@@ -331,10 +330,10 @@ class CompiledModelPhase:
 
         return attention_step(md, num_tokens, self.attend)
 
-    def run(self, parts, batch, *, tokens: int, rows: int, plan: SamplerPlan) -> None:
+    def run(self, parts, batch, *, tokens: int, rows: int) -> None:
         """Forward → sample → update for ``batch`` with ``tokens`` real tokens and ``rows``
         sample rows, padded to their buckets (the same tokens as ``step.model_phase``)."""
-        from blink.engine.step import compact_rows, slice_sampling
+        from blink.engine.step import compact_rows
 
         scheduler = parts.scheduler
         T = bucket_for(tokens, self.token_buckets)
@@ -350,20 +349,25 @@ class CompiledModelPhase:
                 if on_layer is not None:
                     on_layer()
         index = batch.logits_indices[:R]
-        sampling = slice_sampling(batch.sampling, R)
-        history = (scheduler.token_history(batch)[:R] if plan.any_penalty
-                   else batch.prompt_lens[:R].unsqueeze(1).int())  # unused without penalties
-        args = (x.index_select(0, index), residual.index_select(0, index), sampling, history,
-                batch.prompt_lens[:R], batch.total_lens[:R], batch.suppress_ids[:R])
+        inputs = scheduler.sampler_inputs(batch, R)  # padding rows: row 0's values, ignored
+        plan = SamplerPlan.of(_first_rows(inputs.sampling, rows), inputs.suppress_ids[:rows])
+        history = scheduler.token_history(batch, R) if plan.any_penalty else None
+        args = (x.index_select(0, index), residual.index_select(0, index), inputs.sampling,
+                history, inputs.prompt_lens, inputs.total_lens, inputs.suppress_ids)
         head = self.head if (R, plan) in self.warm_plans else _head_and_sample
         with self._onednn(R):
             out = head(model, self.sampler, plan, *args)
-        scheduler.update(batch, out.tokens, out.logprob, out.top_ids, out.top_logprobs)
+        scheduler.update(batch, out.tokens, out.logprob, out.top_ids, out.top_logprobs,
+                         num_tokens=tokens)
 
     @property
     def refused(self) -> int:
         """Steady-state calls that would have recompiled (ran eager instead); 0 when healthy."""
         return self.layer.refused + self.head.refused + self.attention_kernel.refused
+
+
+def _first_rows(st: SamplingTensors, n: int) -> SamplingTensors:
+    return SamplingTensors(**{name: getattr(st, name)[:n] for name in st.__dataclass_fields__})
 
 
 def _refuse_eager_tiles(*args: Any) -> torch.Tensor:
@@ -410,5 +414,5 @@ def _dummy_head_args(ex, rows: int, suppress_width: int, max_logit_bias: int):
     st = SamplingTensors.empty(rows, max_logit_bias=max_logit_bias)
     st.seed.fill_(1)
     lens = torch.ones(rows, dtype=torch.long)
-    return (x, torch.zeros_like(x), st, lens.int().unsqueeze(1), lens, lens + 1,
+    return (x, torch.zeros_like(x), st, None, lens, lens + 1,
             torch.full((rows, suppress_width), -1, dtype=torch.int32))

@@ -325,7 +325,9 @@ class Engine:
         """Host-side check (CPU loop only) that no slot needs the engine: FREE slots and
         FINISHED slots waiting for the frontend to read them need no step."""
         state = self.ring.state
-        return not bool(((state == SLOT_WRITTEN) | (state == SLOT_RUNNING)).any())
+        if bool(((state == SLOT_WRITTEN) | (state == SLOT_RUNNING)).any()):
+            return False
+        return not self.scheduler.has_pending_release()  # finished rows' blocks still held
 
     def step(self) -> bool:
         """One engine step. Returns False when nothing was scheduled."""

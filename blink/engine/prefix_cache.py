@@ -19,7 +19,7 @@ every key to collide).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -77,12 +77,18 @@ def lookup(
     cfg: SchedulerConfig,
     rows: torch.Tensor,
     ok: torch.Tensor,
+    eligible: torch.Tensor,
+    lanes: torch.Tensor,
     hc: HashConstants,
-    stamp: torch.Tensor,
+    stamp: Callable[[torch.Tensor], torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Find and take the longest verified cached prefix of each row in ``rows`` [K] (where
-    ``ok``). Hits are capped so at least the row's last token is still computed (its logits
-    are needed). Writes the hit blocks into the block table and takes a reference on each.
+    ``ok``), among its first ``eligible`` [K] full blocks (the caller caps them so at least
+    the row's last token is still computed: its logits are needed, and so that they fit the
+    window). Writes the hit blocks into the block table and takes a reference on each.
+
+    The work is one flat window: ``lanes`` [W] = ``arange(W)``, lane w is block j of row k
+    in row order, ``sum(eligible) <= W``. ``stamp(j)``: the LRU stamp of block index j.
 
     Returns (hit blocks per row [K], prefix hash at the end of the hit [K, 2], number of
     hash matches rejected by verification).
@@ -90,43 +96,58 @@ def lookup(
     N, B, M, H = cfg.num_blocks, cfg.block_size, cfg.max_blocks_per_seq, cfg.hash_table_size
     K = rows.shape[0]
     dev = rows.device
-    p = hc.primes.view(2, 1, 1)
-    toks = st.tokens[rows, : M * B]  # [K, M*B]
-    col = torch.arange(M * B, device=dev)
-    terms = token_terms(toks, col, hc).view(2, K, M, B).sum(-1) % p
-    h = terms.cumsum(-1) % p  # [2, K, M]: hash of the prefix ending with block j
-    key = table_key(h)  # [K, M]
+    p = hc.primes  # [2, 1]
+    take = torch.where(ok, eligible, 0)
+    ends = take.cumsum(0)
+    starts = ends - take
+    k = torch.searchsorted(ends, lanes, right=True).clamp(max=K - 1)  # [W]
+    j = lanes - starts[k]  # block index within its row
+    valid = lanes < ends[-1]
+    row = rows[k]
+    cols = (j * B).unsqueeze(1) + torch.arange(B, device=dev)  # [W, B] token columns
+    toks = st.tokens[row.unsqueeze(1), cols.clamp(max=M * B - 1)]  # [W, B]
+    terms = token_terms(toks, cols.clamp(max=M * B - 1), hc).sum(-1) % p  # [2, W]
+    terms = terms * valid
+    # Prefix hash at the end of each block: a cumulative sum restarted at each row (the
+    # rows looked up hold no computed tokens, so their hash starts at 0).
+    incl = terms.cumsum(1)
+    before = (incl - terms).gather(1, starts[k].unsqueeze(0).expand(2, -1))
+    h = (incl - before) % p  # [2, W]
+    key = table_key(h)  # [W]
 
     probe = (key % H).unsqueeze(-1) + torch.arange(cfg.prefix_probes, device=dev)
-    probe = probe % H  # [K, M, P]
+    probe = probe % H  # [W, P]
     cand = st.hash_table[probe]
     live = (st.block_slot[cand] == probe) & (st.block_key[cand] == key.unsqueeze(-1))
     first = live.int().argmax(-1, keepdim=True)  # first live match in the window
-    blk = torch.where(live.any(-1), cand.gather(-1, first).squeeze(-1), N)  # [K, M]
+    blk = torch.where(live.any(-1) & valid, cand.gather(-1, first).squeeze(-1), N)  # [W]
 
     # Verification: tokens equal, and the chain of parents is exactly the blocks hit so far.
-    same_tokens = (st.block_tokens[blk] == toks.view(K, M, B)).all(-1)
-    parent = torch.cat([torch.full((K, 1), N, dtype=blk.dtype, device=dev), blk[:, :-1]], 1)
+    same_tokens = (st.block_tokens[blk] == toks).all(-1)
+    previous = torch.cat([torch.full((1,), N, dtype=blk.dtype, device=dev), blk[:-1]])
+    parent = torch.where(j > 0, previous, N)
     same_parent = (st.block_parent[blk] == parent) & (
         (parent == N) | (st.block_parent_gen[blk] == st.block_gen[parent])
     )
-    j = torch.arange(M, device=dev)
-    eligible = ok.unsqueeze(1) & (j < ((st.num_tokens[rows] - 1) // B).unsqueeze(1))
-    found = (blk < N) & eligible
+    found = blk < N
     verified = found & same_tokens & same_parent
-    n_hit = verified.long().cumprod(1).sum(1)  # leading verified blocks
-    rejects = (found & ~verified & (j == n_hit.unsqueeze(1))).sum()  # at the first miss
+    # Leading verified blocks per row: the first lane of the row that is not verified.
+    miss = valid & ~verified
+    n_hit = take.clone()
+    n_hit.scatter_reduce_(0, torch.where(miss, k, K - 1), torch.where(miss, j, take[K - 1]), "amin")
+    at_hit_end = valid & (j == n_hit[k])
+    rejects = (found & ~verified & at_hit_end).sum()  # at the first miss
 
-    hit = j < n_hit.unsqueeze(1)  # [K, M]
+    hit = valid & (j < n_hit[k])
     hit_blk = torch.where(hit, blk, N)
-    table = st.block_table[rows].long()
-    st.block_table[rows] = torch.where(hit, blk, table).to(st.block_table.dtype)
-    flat = hit_blk.flatten()
-    st.block_ref.index_add_(0, flat, hit.flatten().to(st.block_ref.dtype))
-    st.block_last_used.scatter_reduce_(0, flat, torch.where(hit, stamp, 0).flatten(), "amax")
+    table = st.block_table_flat
+    at = torch.where(hit, row * M + j, table.shape[0] - 1)  # misses to the table's sink
+    table.index_put_((at,), hit_blk.to(table.dtype))
+    st.block_ref.index_add_(0, hit_blk, hit.to(st.block_ref.dtype))
+    st.block_last_used.scatter_reduce_(0, hit_blk, torch.where(hit, stamp(j), 0), "amax")
 
-    end = (n_hit - 1).clamp(min=0).view(1, K, 1).expand(2, K, 1)
-    hit_hash = torch.where(n_hit > 0, h.gather(2, end).squeeze(2), 0).T  # [K, 2]
+    last = (starts + n_hit - 1).clamp(min=0)  # lane of each row's last hit block
+    hit_hash = torch.where(n_hit.unsqueeze(1) > 0, h[:, last].T, 0)  # [K, 2]
     return n_hit, hit_hash, rejects
 
 
@@ -141,11 +162,14 @@ def register(
     valid: torch.Tensor,
     hc: HashConstants,
     stamp: torch.Tensor,
+    when: Callable[[torch.Tensor], bool] = lambda needed: True,
 ) -> None:
     """After a step's forward: record the tokens computed into each block, advance the rows'
     prefix hashes, and insert every block this step filled into the table.
 
-    All inputs are the step's flat [T] token arrays; ``valid`` masks the padding."""
+    All inputs are the step's flat token arrays (a prefix of [T] covering the step's tokens
+    is enough); ``valid`` masks the padding. ``when``: the scheduler's stage guard, asked
+    whether any block was filled before the table insert runs."""
     N, B, H = cfg.num_blocks, cfg.block_size, cfg.hash_table_size
     dev = input_ids.device
     p = hc.primes
@@ -163,6 +187,8 @@ def register(
     st.row_hash.remainder_(p.T)
 
     fills = valid & ((positions + 1) % B == 0)  # this token completes its block
+    if not when(fills.any()):
+        return
     j = positions // B
     key = table_key(prefix)
     parent = torch.where(j > 0, st.block_table[rows, (j - 1).clamp(min=0)].long(), N)
@@ -187,9 +213,11 @@ def register(
     # Several inserts into one slot this step: the oldest request wins (it is the one ahead
     # in FCFS order, so its chain keeps winning); the others stay uncached.
     prio = torch.where(fills, -(st.arrival[rows] * (cfg.max_blocks_per_seq + 1) + j), INT64_MIN)
-    best = torch.full((H + 1,), INT64_MIN, dtype=torch.int64, device=dev)
-    best.scatter_reduce_(0, torch.where(fills, target, H), prio, "amax")
+    best = st.insert_best  # all INT64_MIN between steps: reset below, lane by lane
+    lanes = torch.where(fills, target, H)
+    best.scatter_reduce_(0, lanes, prio, "amax")
     win = fills & (best[target] == prio)
+    best.index_put_((lanes,), torch.full_like(lanes, INT64_MIN))
     target = torch.where(win, target, H)  # slot H is the sink
     blk = torch.where(win, slot_mapping // B, N)
 

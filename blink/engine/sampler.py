@@ -255,12 +255,16 @@ class SamplerPlan:
     any_filter: bool = True
     any_penalty: bool = True
     any_top_logprobs: bool = True
+    any_logit_bias: bool = True
+    any_suppress: bool = True
 
     @classmethod
-    def of(cls, st: SamplingTensors) -> "SamplerPlan":
+    def of(cls, st: SamplingTensors, suppress_ids: torch.Tensor | None = None) -> "SamplerPlan":
         """Read the batch's parameters (a host read: CPU tensors only)."""
         random = st.temperature > 0
         return cls(
+            any_logit_bias=bool((st.logit_bias_ids >= 0).any()),
+            any_suppress=suppress_ids is not None and bool((suppress_ids >= 0).any()),
             any_random=bool(random.any()),
             any_filter=bool((random & ((st.top_k > 0) | (st.top_p < 1) | (st.min_p > 0))).any()),
             any_penalty=bool(
@@ -308,7 +312,7 @@ class Sampler:
         self,
         logits: torch.Tensor,
         st: SamplingTensors,
-        token_ids: torch.Tensor,
+        token_ids: torch.Tensor | None,
         prompt_lens: torch.Tensor,
         total_lens: torch.Tensor,
         step_counters: torch.Tensor,
@@ -319,7 +323,8 @@ class Sampler:
 
         logits        f32 [B, V]  the model's last-position logits (other float dtypes upcast)
         st            per-row parameters, B rows
-        token_ids     i32 [B, L]  prompt then output tokens so far, any padding past total_len
+        token_ids     i32 [B, L]  prompt then output tokens so far, any padding past total_len;
+                                  may be None when the plan says no row has a penalty
         prompt_lens   i32/i64 [B]
         total_lens    i32/i64 [B] prompt + output tokens so far
         step_counters i64 [B]     RNG counter per row; must differ between a row's draws (the
@@ -335,10 +340,13 @@ class Sampler:
         raw_logits = logits
         log_norm = torch.logsumexp(raw_logits, dim=-1, keepdim=True)
 
-        logits = apply_logit_bias(logits, st.logit_bias_ids, st.logit_bias_values)
-        if suppress_ids is not None:  # a host-side choice of call signature, not a tensor value
+        if plan.any_logit_bias:
+            logits = apply_logit_bias(logits, st.logit_bias_ids, st.logit_bias_values)
+        if suppress_ids is not None and plan.any_suppress:  # a host-side choice, not a tensor value
             logits = apply_suppress(logits, suppress_ids)
         if plan.any_penalty:
+            if token_ids is None:
+                raise ValueError("a batch with penalties needs its token history (token_ids)")
             logits = apply_penalties(
                 logits,
                 token_ids,
@@ -363,7 +371,11 @@ class Sampler:
         logprob = (raw_logits.gather(-1, tokens.unsqueeze(-1)) - log_norm).squeeze(-1)
         # A vocabulary smaller than N (tiny test models) leaves the tail as padding.
         k = min(self.max_logprobs, raw_logits.shape[-1]) if plan.any_top_logprobs else 0
-        top_values, top_ids = torch.topk(raw_logits, k, dim=-1)
+        if k:
+            top_values, top_ids = torch.topk(raw_logits, k, dim=-1)
+        else:  # no row asks for alternatives: skip the vocabulary-wide top-k
+            top_values = logits.new_empty(logits.shape[0], 0)
+            top_ids = torch.empty(logits.shape[0], 0, dtype=torch.int64, device=logits.device)
         top_logprobs = top_values - log_norm
         top_logprobs = F.pad(top_logprobs, (0, self.max_logprobs - k), value=float("-inf"))
         top_ids = F.pad(top_ids, (0, self.max_logprobs - k), value=-1)

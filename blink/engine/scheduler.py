@@ -9,12 +9,15 @@ and inside a captured CUDA graph. The only Python branches are on the static con
 Policy (vLLM V1's "no phases" model: a request is ``num_computed`` of ``num_tokens``):
 
 - Cancellation: a slot whose ``cancel`` word is set finishes with FINISH_ABORT this step.
-- Admission: up to ``max_admit_per_step`` WRITTEN slots, lowest arrival ticket first. The
-  prompt is copied out of the circular arena, the sampling fields out of the slot, the stream
+- Admission: up to ``max_admit_per_step`` WRITTEN slots, lowest arrival ticket first, as
+  long as their prompts fit the step's copy window (``admit_window_tokens``, at least one
+  max-length prompt, so the oldest always fits). The prompt is copied out of the circular
+  arena by one flat gather over the window, the sampling fields out of the slot, the stream
   is reset, then the slot state becomes RUNNING. Empty prompts and prompts that leave no
   room for one output token finish with FINISH_ERROR instead.
 - Prefix cache: newly admitted (and preempted) rows take the longest verified cached prefix
-  of full blocks, never their last token (its logits are needed).
+  of full blocks, never their last token (its logits are needed). Rows are looked up oldest
+  first, as many as fit one flat window of ``lookup_window_blocks`` blocks per step.
 - Budget: rows in FCFS order each ask for all their uncomputed tokens; a cumulative sum over
   the token budget gives each its share, the last one a partial chunk (chunked prefill mixed
   with decode). Rows whose output stream is full are skipped (backpressure, nothing lost).
@@ -26,6 +29,19 @@ Policy (vLLM V1's "no phases" model: a request is ``num_computed`` of ``num_toke
 - Finish (in ``update``): stop/EOS (EOS unless ``ignore_eos``, both only once ``min_tokens``
   outputs exist; the sampler gets them as ``suppress_ids`` before that), ``max_tokens``
   (<= 0 means no limit), or ``max_model_len``. The finishing token is written to the stream.
+  A finished row publishes FINISHED at once and becomes RELEASING; the next ``schedule()``
+  drops its block references in a flat window of ``release_window_blocks`` blocks (rows past
+  the window wait a step), and only then can its slot's next request be admitted.
+
+Work per step is proportional to what is pending, not to slots x max_model_len: every window
+above is a fixed-shape flat gather/scatter over tokens or blocks (the shapes stay fixed, so a
+GPU graph keeps one shape), and the few O(slots x blocks-per-sequence) passes (preemption's
+"what would preempting free" scan) run only when a stage needs them. Each stage has a
+predicate that says whether it can change anything this step (``StagePredicates``); with
+``host_guards`` (the CPU loop, where reading a tensor is a plain memory read) a stage whose
+predicate is false is skipped. Skipping is exact: a stage with nothing to do is an identity.
+Captured graphs run every stage (``host_guards=False``); a device loop can gate the same
+predicates with conditional graph nodes instead (docs/architecture.md, "Stage guards").
 
 Ring writes keep the protocol's order: stream payload before ``produced``, finish reason
 before the state word, with a system-scope fence between each payload and its word
@@ -37,6 +53,7 @@ control block's scratch word), never rewritten wholesale with a masked select.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +64,7 @@ from blink.shared.sampling_fields import SAMPLER_FIELDS
 from blink.engine.state import (
     C_ENGINE_SCRATCH,
     INT64_MAX,
+    ROW_RELEASING,
     K_GENERATED_TOKENS,
     K_PREEMPTIONS,
     K_PREFIX_HITS,
@@ -107,13 +125,10 @@ class StepBatch:
     num_new_tokens       int64 [S]  tokens each row computes this step
     sample_rows          int64 [S]  rows that produce a token, compacted first, -1 padded
     num_sample_rows      int64 0-d  (<= num_scheduled_tokens, so a bucket's rows suffice)
-    sample_pos           int64 [S]  row -> its index in ``sample_rows``, -1 when none
     logits_indices       int64 [S]  flat index of each sample row's last token; 0 padded
-    sampling             SamplingTensors of the sample rows (padding: row 0's values)
-    prompt_lens          int64 [S]  per sample row
-    total_lens           int64 [S]  tokens so far per sample row; also the RNG counter
-    suppress_ids         int32 [S, max_stop_ids + n_eos]  ids banned while the row has
-                                    fewer than min_tokens outputs (-1 padded)
+
+    The sampler's per-row inputs are gathered for the rows a bucket samples only
+    (:meth:`Scheduler.sampler_inputs`), not for all S.
     """
 
     input_ids: torch.Tensor
@@ -123,8 +138,19 @@ class StepBatch:
     num_new_tokens: torch.Tensor
     sample_rows: torch.Tensor
     num_sample_rows: torch.Tensor
-    sample_pos: torch.Tensor
     logits_indices: torch.Tensor
+
+
+class SamplerInputs(NamedTuple):
+    """The sampler's inputs for the first R sample rows of a batch (padding lanes: row 0's).
+
+    sampling      SamplingTensors [R]
+    prompt_lens   int64 [R]
+    total_lens    int64 [R]  tokens so far per sample row; also the RNG counter
+    suppress_ids  int32 [R, max_stop_ids + n_eos]  ids banned while the row has fewer than
+                  min_tokens outputs (-1 padded)
+    """
+
     sampling: SamplingTensors
     prompt_lens: torch.Tensor
     total_lens: torch.Tensor
@@ -142,6 +168,8 @@ class Scheduler:
     ``ring_tensors``: torch views of the ring fields by name plus ``"region"`` (the whole
     ring as uint8, aliasing the fields); :func:`blink.engine.state.ring_tensors` builds it on
     CPU. ``device``: where the engine state lives (the ring views must be usable from it).
+    ``host_guards``: skip stages that have nothing to do (default: on CPU; see the module
+    docstring).
     """
 
     def __init__(
@@ -149,9 +177,13 @@ class Scheduler:
         config: SchedulerConfig,
         ring_tensors: dict[str, torch.Tensor],
         device: torch.device | str = "cpu",
+        host_guards: bool | None = None,
     ) -> None:
         self.config = config
         self.device = torch.device(device)
+        #: skip stages with nothing to do by reading their predicate on the host (module
+        #: docstring); default: on CPU. Captured graphs need False (every stage runs).
+        self.host_guards = self.device.type == "cpu" if host_guards is None else host_guards
         self.ring = ring_tensors
         # the sizes, read once from the control block (a host read at startup only)
         self.ring_config = ring_cfg = config_of_control(ring_tensors["control"].cpu())
@@ -181,7 +213,12 @@ class Scheduler:
         self._rows = torch.arange(S, device=dev)
         self._cols = torch.arange(M, device=dev)
         self._tok = torch.arange(config.max_num_batched_tokens, device=dev)
-        self._prompt_cols = torch.arange(config.max_model_len, device=dev)
+        # The flat windows' lane indices (module docstring).
+        self._admit_cols = torch.arange(config.admit_window_tokens, device=dev)
+        self._lookup_cols = torch.arange(config.lookup_window_blocks, device=dev)
+        self._alloc_cols = torch.arange(config.alloc_window_blocks(S), device=dev)
+        self._release_cols = torch.arange(config.release_window(S), device=dev)
+        self._table_sink = S * M  # block_table_flat's write sink
         eos = list(config.eos_token_ids) or [-1]
         self._eos = torch.tensor(eos, dtype=torch.int64, device=dev)
         self._buckets = torch.tensor(config.buckets, dtype=torch.int64, device=dev)
@@ -193,8 +230,8 @@ class Scheduler:
     # ------------------------------------------------------------------------------ step
 
     def schedule(self) -> StepBatch:
-        """Cancel, admit, look up prefixes, budget/allocate/preempt, build the batch."""
-        st, ring = self.state, self.ring
+        """Cancel, release, admit, look up prefixes, budget/allocate/preempt, build the batch."""
+        st, ring, cfg = self.state, self.ring, self.config
         st.step += 1
         st.counters[K_STEPS] += 1
         # Acquire: the slot state words are read once, then a fence, then any payload.
@@ -202,13 +239,21 @@ class Scheduler:
         self._fence()
         cancel = ring["cancel"] != 0
 
-        self._finish(cancel & (st.status != ROW_EMPTY), FINISH_ABORT)
-        self._admit(slot_state, cancel)
-        if self.config.enable_prefix_caching:
+        cancelled = cancel & self._active()
+        if self._when(cancelled.any()):
+            self._finish(cancelled, FINISH_ABORT)
+        if self._when((st.status == ROW_RELEASING).any()):
+            self._release_finished()
+        if self._when(((slot_state == SLOT_WRITTEN) & (st.status == ROW_EMPTY)).any()):
+            self._admit(slot_state, cancel)
+        if cfg.enable_prefix_caching and self._when(st.needs_lookup.any()):
             self._lookup()
         num_new = self._allocate()
         batch = self._build_batch(num_new)
-        self._write_stats()
+        # Every step ends with fresh stats: update() writes them after a forward; a step
+        # that schedules nothing (no update) writes them here.
+        if self._when(batch.num_scheduled_tokens == 0):
+            self._write_stats()
         return batch
 
     def update(
@@ -218,91 +263,152 @@ class Scheduler:
         logprob: torch.Tensor,
         top_ids: torch.Tensor,
         top_logprobs: torch.Tensor,
+        num_tokens: int | None = None,
     ) -> None:
         """Account the step's forward pass and publish the sampled tokens.
 
         ``tokens`` [>=num_sample_rows], ``logprob`` likewise, ``top_ids``/``top_logprobs``
-        [.., N]: the sampler's outputs, aligned with ``batch.sample_rows``."""
+        [.., N]: the sampler's outputs, aligned with ``batch.sample_rows``. ``num_tokens``:
+        flat positions that can hold the step's tokens (its bucket, or the real count on the
+        host; None: all T), so the per-token work is the bucket's, not the budget's."""
         st, cfg = self.state, self.config
         if cfg.enable_prefix_caching:
-            md = batch.attn
+            md, n = batch.attn, num_tokens
             prefix_cache.register(
-                st, cfg, batch.input_ids, md.positions, md.token_seq_idx, md.slot_mapping,
-                md.query_start_loc, self._tok < batch.num_scheduled_tokens, self._hash,
-                self._stamp(self.config.max_blocks_per_seq),
+                st, cfg, batch.input_ids[:n], md.positions[:n], md.token_seq_idx[:n],
+                md.slot_mapping[:n], md.query_start_loc, (self._tok < batch.num_scheduled_tokens)[:n],
+                self._hash, self._stamp(self.config.max_blocks_per_seq), self._when,
             )
         st.num_computed += batch.num_new_tokens
 
-        # Sampled values, moved from batch order to row order.
-        sampled = batch.sample_pos >= 0
-        k = batch.sample_pos.clamp(0, tokens.shape[0] - 1)
-        tok = tokens.long()[k]
+        # Lane i carries the sampler's output for sample row batch.sample_rows[i]. Padding
+        # lanes repeat the last live lane (row, value and all), so every duplicate write
+        # below writes the same value: no sink needed, and the work is R lanes, not S rows.
+        R = tokens.shape[0]
+        rows = batch.sample_rows[:R]
+        n_live = (rows >= 0).sum()
+        lane = torch.minimum(self._rows[:R], (n_live - 1).clamp(min=0))
+        live = rows[lane] >= 0  # all False only when no row samples
+        r = rows[lane].clamp(min=0)
+        tok = tokens.long()[lane]
         width = top_ids.shape[1]
-        top_i = F.pad(top_ids.long()[:, : self.num_top], (0, max(0, self.num_top - width)), value=-1)[k]
+        top_i = F.pad(top_ids.long()[:, : self.num_top], (0, max(0, self.num_top - width)), value=-1)[lane]
         top_l = F.pad(top_logprobs.float()[:, : self.num_top], (0, max(0, self.num_top - width)),
-                      value=float("-inf"))[k]
+                      value=float("-inf"))[lane]
 
-        n_out_before = st.num_tokens - st.num_prompt
+        num_tokens = st.num_tokens[r]
+        n_out_before = num_tokens - st.num_prompt[r]
         sink = st.tokens.shape[1] - 1
-        st.tokens.scatter_(1, torch.where(sampled, st.num_tokens, sink).unsqueeze(1),
-                           tok.to(st.tokens.dtype).unsqueeze(1))
-        st.num_tokens += sampled.long()
+        st.tokens.index_put_((r, torch.where(live, num_tokens, sink)), tok.to(st.tokens.dtype))
+        num_tokens = num_tokens + live.long()
+        st.num_tokens.index_put_((r,), num_tokens)
 
         # Stream: payload first, then the produced counter.
-        at = (self.ring["produced"] % self.stream_capacity).unsqueeze(1)  # [S, 1]
-        self._stream_write("tokens", at, tok, sampled)
-        self._stream_write("logprob", at, logprob.float()[k], sampled)
-        self._stream_write("top_ids", at, top_i, sampled)
-        self._stream_write("top_logprobs", at, top_l, sampled)
+        produced = self.ring["produced"]
+        at = produced[r] % self.stream_capacity
+        self._stream_write("tokens", r, at, tok, live)
+        self._stream_write("logprob", r, at, logprob.float()[lane], live)
+        self._stream_write("top_ids", r, at, top_i, live)
+        self._stream_write("top_logprobs", r, at, top_l, live)
         self._fence()
-        self.ring["produced"].add_(sampled.long())
-        st.counters[K_GENERATED_TOKENS] += sampled.sum()
+        produced.index_put_((r,), produced[r] + live.long())
+        st.counters[K_GENERATED_TOKENS] += n_live
 
         sp = st.sampling
-        stop_token = (sp["stop_token_ids"] == tok.unsqueeze(1)).any(1) | (
-            (self._eos == tok.unsqueeze(1)).any(1) & (sp["ignore_eos"] == 0)
+        stop_token = (sp["stop_token_ids"][r] == tok.unsqueeze(1)).any(1) | (
+            (self._eos == tok.unsqueeze(1)).any(1) & (sp["ignore_eos"][r] == 0)
         )
-        stop = sampled & stop_token & (n_out_before >= sp["min_tokens"])
-        max_tokens = sp["max_tokens"].long()
-        length = sampled & (
-            ((max_tokens > 0) & (n_out_before + 1 >= max_tokens))
-            | (st.num_tokens >= cfg.max_model_len)
+        stop = live & stop_token & (n_out_before >= sp["min_tokens"][r])
+        max_tokens = sp["max_tokens"][r].long()
+        length = live & (
+            ((max_tokens > 0) & (n_out_before + 1 >= max_tokens)) | (num_tokens >= cfg.max_model_len)
         )
-        self._finish(stop | length, torch.where(stop, FINISH_STOP, FINISH_LENGTH))
+        done_lane = stop | length
+        if self._when(done_lane.any()):
+            done = torch.zeros_like(self._rows, dtype=torch.bool).index_put_((r,), done_lane)
+            reason = torch.full_like(self._rows, FINISH_LENGTH).index_put_(
+                (r,), torch.where(stop, FINISH_STOP, FINISH_LENGTH))
+            self._finish(done, reason)
         self._write_stats()
 
-    def token_history(self, batch: StepBatch) -> torch.Tensor:
-        """int32 [S, max_model_len]: prompt + output tokens of each sample row (for the
-        sampler's penalties; valid up to ``batch.total_lens``)."""
-        rows = batch.sample_rows.clamp(min=0)
-        return self.state.tokens[rows, : self.config.max_model_len]
+    def sampler_inputs(self, batch: StepBatch, rows: int) -> SamplerInputs:
+        """The sampler's inputs for the batch's first ``rows`` sample rows (a bucket's rows
+        in a graph, the real count on the host)."""
+        st = self.state
+        r = batch.sample_rows[:rows].clamp(min=0)
+        sp = st.sampling
+        sampling = SamplingTensors(**{f.name: sp[f.name][r] for f in SAMPLER_FIELDS})
+        prompt_lens, total_lens = st.num_prompt[r], st.num_tokens[r]
+        eos = torch.where(sp["ignore_eos"][r].unsqueeze(1) != 0, -1, self._eos.unsqueeze(0))
+        suppress = torch.cat([sp["stop_token_ids"][r].long(), eos], 1)
+        too_early = (total_lens - prompt_lens) < sp["min_tokens"][r]
+        suppress_ids = torch.where(too_early.unsqueeze(1), suppress, -1).to(torch.int32)
+        return SamplerInputs(sampling, prompt_lens, total_lens, suppress_ids)
+
+    def token_history(self, batch: StepBatch, rows: int | None = None) -> torch.Tensor:
+        """int32 [rows, max_model_len]: prompt + output tokens of the first ``rows`` sample
+        rows (all S when None), for the sampler's penalties; valid up to ``batch.total_lens``.
+        Only a batch with a penalty needs it (the CPU loop skips it otherwise)."""
+        r = batch.sample_rows if rows is None else batch.sample_rows[:rows]
+        return self.state.tokens[r.clamp(min=0), : self.config.max_model_len]
+
+    def has_pending_release(self) -> bool:
+        """Host check (CPU loop only): finished rows whose blocks are still being released,
+        so an otherwise idle loop keeps stepping until the KV pool is whole again."""
+        return bool((self.state.status == ROW_RELEASING).any())
 
     # ---------------------------------------------------------------------- schedule parts
 
+    def _when(self, needed: torch.Tensor) -> bool:
+        """Stage guard: with ``host_guards`` (CPU loop) whether the stage can change anything
+        this step, read on the host; in captured graphs every stage runs (always True)."""
+        return bool(needed) if self.host_guards else True
+
+    def _active(self) -> torch.Tensor:
+        """Rows holding a live request (WAITING or RUNNING)."""
+        status = self.state.status
+        return (status == ROW_WAITING) | (status == ROW_RUNNING)
+
     def _admit(self, slot_state: torch.Tensor, cancel: torch.Tensor) -> None:
-        """Take up to ``max_admit_per_step`` WRITTEN slots into their rows, FCFS; abort
-        cancelled WRITTEN slots and reject invalid prompts."""
+        """Take up to ``max_admit_per_step`` WRITTEN slots into their rows, FCFS, as long as
+        their prompts fit the copy window; abort cancelled WRITTEN slots and reject invalid
+        prompts."""
         st, ring, cfg = self.state, self.ring, self.config
-        S, L = self.num_slots, cfg.max_model_len
+        S, L, Wt = self.num_slots, cfg.max_model_len, cfg.admit_window_tokens
         written = (slot_state == SLOT_WRITTEN) & (st.status == ROW_EMPTY)
         aborted = written & cancel
         candidate = written & ~cancel
         K = min(cfg.max_admit_per_step, S)
+        # Ascending arrival: the FCFS order of the candidates.
         _, idx = torch.topk(torch.where(candidate, ring["arrival"], INT64_MAX), K, largest=False)
-        picked = torch.zeros_like(candidate)
-        picked[idx] = candidate[idx]
+        plen_k = ring["prompt_len"][idx].long()
+        ok_k = candidate[idx]
+        valid_k = ok_k & (plen_k >= 1) & (plen_k < L)
+        # The oldest prompts whose tokens fit the window (a prefix: the sum only grows).
+        take_k = torch.where(valid_k, plen_k, 0)
+        ends_k = take_k.cumsum(0)
+        picked_k = ok_k & (ends_k <= Wt)
+        picked = torch.zeros_like(candidate).index_put_((idx,), picked_k)
         plen = ring["prompt_len"].long()
         admit = picked & (plen >= 1) & (plen < L)
         rejected = picked & ~admit
 
-        # The prompt, out of the circular arena (it may wrap around the end). Columns past
-        # the prompt get arena garbage: nothing reads a row beyond num_tokens.
+        # The prompts, out of the circular arena (a prompt may wrap around its end), in one
+        # flat window: token t belongs to the k-th picked candidate.
+        take_k = torch.where(picked_k, take_k, 0)
+        ends_k = take_k.cumsum(0)
+        t = self._admit_cols
+        k = torch.searchsorted(ends_k, t, right=True).clamp(max=K - 1)
+        col = t - (ends_k - take_k)[k]
+        valid = t < ends_k[-1]
         arena = ring["arena"]
         A = arena.shape[0]
-        src = (ring["prompt_offset"][idx] % A).unsqueeze(1) + self._prompt_cols
+        row = idx[k]
+        src = ring["prompt_offset"][row] % A + col
         src = torch.where(src >= A, src - A, src)  # L <= A: one wrap at most
-        keep = st.tokens[idx, :L]
-        st.tokens[idx, :L] = torch.where(admit[idx].unsqueeze(1), arena[src].to(keep.dtype), keep)
+        sink = st.tokens.shape[1] - 1
+        st.tokens.index_put_((torch.where(valid, row, 0), torch.where(valid, col, sink)),
+                             arena[src].to(st.tokens.dtype))
 
         for name, dtype in SAMPLING_FIELDS:
             dst = st.sampling[name]
@@ -330,13 +436,17 @@ class Scheduler:
         self._publish_state(opened, torch.where(admit, SLOT_RUNNING, SLOT_FINISHED))
 
     def _lookup(self) -> None:
-        """Prefix-cache lookup for up to ``max_admit_per_step`` rows waiting for one."""
+        """Prefix-cache lookup for the oldest rows waiting for one, up to
+        ``max_admit_per_step`` rows and ``lookup_window_blocks`` blocks."""
         st, cfg = self.state, self.config
         K = min(cfg.max_admit_per_step, self.num_slots)
         _, rows = torch.topk(torch.where(st.needs_lookup, st.arrival, INT64_MAX), K, largest=False)
-        ok = st.needs_lookup[rows]
+        waiting = st.needs_lookup[rows]
+        # Blocks a row may hit: all its full blocks but never its last token.
+        eligible = torch.where(waiting, (st.num_tokens[rows] - 1) // cfg.block_size, 0)
+        ok = waiting & (eligible.cumsum(0) <= cfg.lookup_window_blocks)  # oldest first, a prefix
         n_hit, hit_hash, rejects = prefix_cache.lookup(
-            st, cfg, rows, ok, self._hash, self._stamp(cfg.max_blocks_per_seq)
+            st, cfg, rows, ok, eligible, self._lookup_cols, self._hash, self._stamp,
         )
         hit_tokens = n_hit * cfg.block_size
         st.num_blocks[rows] = torch.where(ok, n_hit, st.num_blocks[rows])
@@ -355,30 +465,61 @@ class Scheduler:
     def _allocate(self) -> torch.Tensor:
         """Token budget, block allocation and preemption. Returns the tokens per row this step."""
         st, cfg = self.state, self.config
-        S, N, B = self.num_slots, cfg.num_blocks, cfg.block_size
-        active = st.status != ROW_EMPTY
+        N, B = cfg.num_blocks, cfg.block_size
+        active = self._active()
         room = (self.ring["produced"] - self.ring["consumed"]) < self.stream_capacity
         schedulable = active & ~st.needs_lookup & room
         want = torch.where(schedulable, st.num_tokens - st.num_computed, 0)
 
         # Position p in FCFS order (0 = oldest request); idle rows sort last.
         order = torch.argsort(torch.where(active, st.arrival, INT64_MAX), stable=True)
-        rank = torch.empty_like(order).scatter_(0, order, self._rows)
-        w, nc, held = want[order], st.num_computed[order], st.num_blocks[order]
+        # Releasing rows count as holding nothing here: they get no blocks, are never
+        # preempted, and their blocks come back through _release_finished alone.
+        nc = torch.where(active, st.num_computed, 0)[order]
+        held = torch.where(active, st.num_blocks, 0)[order]
+        w = want[order]
 
         # Token budget: each position gets what is left after the older ones.
         grant = torch.minimum((cfg.max_num_batched_tokens - (w.cumsum(0) - w)).clamp(min=0), w)
         need = (_ceil_div(nc + grant, B) - held).clamp(min=0)
+        free_now = (st.block_ref[:N] == 0).sum()
+        if self._when(need.sum() > free_now):  # the blocks do not fit: cut, then preempt
+            grant, need = self._preempt(order, grant, need, nc, held, free_now)
+        rank = torch.empty_like(order).scatter_(0, order, self._rows)
+        num_new, need = grant[rank], need[rank]
+        if self._when(need.sum() > 0):
+            self._assign_blocks(need)
+        st.status.masked_fill_(num_new > 0, ROW_RUNNING)
+        return num_new
+
+    def _preempt(
+        self,
+        order: torch.Tensor,
+        grant: torch.Tensor,
+        need: torch.Tensor,
+        nc: torch.Tensor,
+        held: torch.Tensor,
+        free_now: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's blocks do not fit the free pool: serve the longest FCFS prefix that
+        fits if everything newer were preempted, and preempt the shortest newest-first
+        suffix that covers the deficit. Arguments and results are in FCFS order. The one
+        pass over the whole block table; it runs only when the pool is short."""
+        st, cfg = self.state, self.config
+        S, N, B = self.num_slots, cfg.num_blocks, cfg.block_size
+        rank = torch.empty_like(order).scatter_(0, order, self._rows)
 
         # freed[k]: blocks referenced only by positions >= k (what preempting them frees).
         table = st.block_table.long()
-        owner_pos = rank.unsqueeze(1).expand_as(table)
+        # A releasing row's blocks are freed by no preemption: position 0, which only
+        # freed[0] counts, and no decision reads freed[0].
+        owner = torch.where(st.status == ROW_RELEASING, 0, rank)
+        owner_pos = owner.unsqueeze(1).expand_as(table)
         first_user = torch.full((N + 1,), S, dtype=torch.int64, device=table.device)
         first_user.scatter_reduce_(0, table.flatten(), owner_pos.flatten(), "amin")
         per_pos = torch.zeros(S + 1, dtype=torch.int64, device=table.device)
         per_pos.scatter_add_(0, first_user[:N], torch.ones_like(first_user[:N]))
         freed = F.pad(per_pos[:S].flip(0).cumsum(0).flip(0), (0, 1))  # [S+1], freed[S] = 0
-        free_now = (st.block_ref[:N] == 0).sum()
 
         # Serve the longest prefix of positions whose new blocks fit if everything newer
         # were preempted; the position at the cut gets a chunk of what is left, if any.
@@ -395,35 +536,41 @@ class Scheduler:
         deficit = need.sum() - free_now
         first_preempted = (freed[1:] >= deficit).sum()
         preempt = ((p >= first_preempted) & (held > 0))[rank]
-        num_new, need = grant[rank], need[rank]
 
-        self._release(preempt)
+        self._release_rows(preempt)
         st.status.masked_fill_(preempt, ROW_WAITING)
         st.num_computed.masked_fill_(preempt, 0)
         st.row_hash.masked_fill_(preempt.unsqueeze(1), 0)
         if cfg.enable_prefix_caching:
             st.needs_lookup |= preempt
         st.counters[K_PREEMPTIONS] += preempt.sum()
+        return grant, need
 
-        # New blocks: free ones, never-cached first, then cached ones least recently used.
+    def _assign_blocks(self, need: torch.Tensor) -> None:
+        """Give each row ``need`` [S] new blocks at the end of its table: free ones,
+        never-cached first, then cached ones least recently used. One flat window of
+        ``alloc_window_blocks`` lanes (lane j: the j-th new block of the step)."""
+        st, cfg = self.state, self.config
+        N, M = cfg.num_blocks, cfg.max_blocks_per_seq
         free = st.block_ref[:N] == 0
         cached = st.block_slot[:N] >= 0
         order_key = torch.where(free, torch.where(cached, st.block_last_used[:N], -1), INT64_MAX)
-        free_list = torch.argsort(order_key, stable=True)
-        offset = self._cols.unsqueeze(0) - st.num_blocks.unsqueeze(1)  # [S, M]
-        fresh = (offset >= 0) & (offset < need.unsqueeze(1))
-        start = (need.cumsum(0) - need).unsqueeze(1)
-        blocks = free_list[(start + offset).clamp(0, N - 1)]
-        st.block_table.copy_(torch.where(fresh, blocks, st.block_table.long()))
-        lanes = torch.where(fresh, blocks, N).flatten()
-        st.block_ref.index_add_(0, lanes, fresh.flatten().to(st.block_ref.dtype))
-        st.block_slot.index_put_((lanes,), torch.full_like(lanes, -1))  # evict from the cache
-        st.block_gen.index_add_(0, lanes, fresh.flatten().long())  # new content: children stale
-        stamp = self._stamp(cfg.max_blocks_per_seq)
-        st.block_last_used.scatter_reduce_(0, lanes, torch.where(fresh, stamp, 0).flatten(), "amax")
+        J = self._alloc_cols.shape[0]
+        _, free_list = torch.topk(order_key, J, largest=False)  # ascending: the LRU order
+
+        ends = need.cumsum(0)
+        j = self._alloc_cols
+        row = torch.searchsorted(ends, j, right=True).clamp(max=self.num_slots - 1)
+        col = st.num_blocks[row] + j - (ends - need)[row]
+        valid = j < ends[-1]
+        blocks = torch.where(valid, free_list, N)
+        st.block_table_flat.index_put_((torch.where(valid, row * M + col, self._table_sink),),
+                                       blocks.to(st.block_table_flat.dtype))
+        st.block_ref.index_add_(0, blocks, valid.to(st.block_ref.dtype))
+        st.block_slot.index_put_((blocks,), torch.full_like(blocks, -1))  # evict from the cache
+        st.block_gen.index_add_(0, blocks, valid.long())  # new content: children stale
+        st.block_last_used.scatter_reduce_(0, blocks, torch.where(valid, self._stamp(col), 0), "amax")
         st.num_blocks += need
-        st.status.masked_fill_(num_new > 0, ROW_RUNNING)
-        return num_new
 
     def _build_batch(self, num_new: torch.Tensor) -> StepBatch:
         """Flatten the scheduled tokens (rows in index order) and gather the sampler inputs."""
@@ -449,14 +596,6 @@ class Scheduler:
         r = sample_rows.clamp(min=0)
         logits_indices = torch.where(sample_rows >= 0, query_start_loc[r + 1] - 1, 0)
 
-        sp = {name: tensor[r] for name, tensor in st.sampling.items()}
-        sampling = SamplingTensors(**{f.name: sp[f.name] for f in SAMPLER_FIELDS})
-        prompt_lens, total_lens = st.num_prompt[r], st.num_tokens[r]
-        eos = torch.where(sp["ignore_eos"].unsqueeze(1) != 0, -1, self._eos.unsqueeze(0))
-        suppress = torch.cat([sp["stop_token_ids"].long(), eos], 1)
-        too_early = (total_lens - prompt_lens) < sp["min_tokens"]
-        suppress_ids = torch.where(too_early.unsqueeze(1), suppress, -1).to(torch.int32)
-
         attn = AttentionMetadata(
             slot_mapping=slot_mapping,
             positions=pos,
@@ -473,12 +612,7 @@ class Scheduler:
             num_new_tokens=num_new,
             sample_rows=sample_rows,
             num_sample_rows=sampled.sum(),
-            sample_pos=torch.where(sampled, dest, -1),
             logits_indices=logits_indices,
-            sampling=sampling,
-            prompt_lens=prompt_lens,
-            total_lens=total_lens,
-            suppress_ids=suppress_ids,
         )
 
     # ---------------------------------------------------------------------------- helpers
@@ -490,8 +624,9 @@ class Scheduler:
         M = self.config.max_blocks_per_seq
         return self.state.step * (M + 1) + (M - j)
 
-    def _release(self, mask: torch.Tensor) -> None:
-        """Drop the block references of rows in ``mask``; freed blocks stay cached."""
+    def _release_rows(self, mask: torch.Tensor) -> None:
+        """Drop every block reference of the rows in ``mask`` at once (preemption: the blocks
+        are reused this step); freed blocks stay cached. A pass over the whole table."""
         st, N = self.state, self.config.num_blocks
         table = st.block_table.long()
         drop = mask.unsqueeze(1) & (table < N)
@@ -502,17 +637,40 @@ class Scheduler:
         st.block_table.masked_fill_(mask.unsqueeze(1), N)
         st.num_blocks.masked_fill_(mask, 0)
 
+    def _release_finished(self) -> None:
+        """Drop the block references of RELEASING rows, deepest block first, in one flat
+        window of ``release_window_blocks`` lanes; rows left with no block become EMPTY.
+        Freed blocks stay cached."""
+        st, cfg = self.state, self.config
+        N, M = cfg.num_blocks, cfg.max_blocks_per_seq
+        releasing = st.status == ROW_RELEASING
+        count = torch.where(releasing, st.num_blocks, 0)
+        ends = count.cumsum(0)
+        w = self._release_cols
+        row = torch.searchsorted(ends, w, right=True).clamp(max=self.num_slots - 1)
+        col = (st.num_blocks[row] - 1 - (w - (ends - count)[row])).clamp(min=0)
+        valid = w < ends[-1]
+        at = torch.where(valid, row * M + col, self._table_sink)
+        blocks = torch.where(valid, st.block_table_flat[at].long(), N)
+        st.block_ref.index_add_(0, blocks, -valid.to(st.block_ref.dtype))
+        st.block_last_used.scatter_reduce_(0, blocks, torch.where(valid, self._stamp(col), 0), "amax")
+        st.block_table_flat.index_put_((at,), torch.full_like(at, N, dtype=st.block_table_flat.dtype))
+        released = (ends.clamp(max=w.shape[0]) - (ends - count)).clamp(min=0)
+        st.num_blocks -= released
+        emptied = releasing & (st.num_blocks == 0)
+        st.status.masked_fill_(emptied, ROW_EMPTY)
+        for counter in (st.num_prompt, st.num_tokens, st.num_computed):
+            counter.masked_fill_(emptied, 0)
+
     def _finish(self, mask: torch.Tensor, reason: torch.Tensor | int) -> None:
-        """Finish the rows in ``mask``: free their blocks, publish the reason, then the
-        FINISHED state word, and empty the rows."""
+        """Finish the rows in ``mask``: publish the reason, then the FINISHED state word; the
+        rows become RELEASING (their blocks are dropped by the next ``schedule()``, which
+        then empties them)."""
         st = self.state
-        self._release(mask)
         self._ring_set(mask, "finish_reason", reason)
         self._fence()
         self._publish_state(mask, SLOT_FINISHED)
-        st.status.masked_fill_(mask, ROW_EMPTY)
-        for counter in (st.num_prompt, st.num_tokens, st.num_computed):
-            counter.masked_fill_(mask, 0)
+        st.status.masked_fill_(mask, ROW_RELEASING)
         st.needs_lookup &= ~mask
 
     def _ring_set(self, mask: torch.Tensor, name: str, value: torch.Tensor | int) -> None:
@@ -529,18 +687,21 @@ class Scheduler:
         values = torch.where(mask, value, 0).to(torch.int32)
         self._words.index_put_((lanes,), values)
 
-    def _stream_write(self, name: str, at: torch.Tensor, value: torch.Tensor, mask: torch.Tensor) -> None:
-        """Write ``value`` [S, ...] at stream position ``at`` [S, 1] of ``mask`` rows."""
+    def _stream_write(self, name: str, rows: torch.Tensor, at: torch.Tensor, value: torch.Tensor,
+                      live: torch.Tensor) -> None:
+        """Write ``value`` [R, ...] at stream position ``at`` [R] of ``rows`` [R] where
+        ``live``; other lanes write back what is there (the field is the engine's own)."""
         field = self.ring[name]
-        index = at.view(-1, 1, *([1] * (field.dim() - 2))).expand(-1, 1, *field.shape[2:])
-        old = field.gather(1, index)
+        old = field[rows, at]
         new = value.to(field.dtype).view_as(old)
-        field.scatter_(1, index, torch.where(mask.view(-1, *([1] * (field.dim() - 1))), new, old))
+        keep = live.view(-1, *([1] * (old.dim() - 1)))
+        field.index_put_((rows, at), torch.where(keep, new, old))
 
     def _write_stats(self) -> None:
         """Mirror the gauges and counters into the ring control block."""
         st, cfg = self.state, self.config
-        unadmitted = ((self.ring["state"] == SLOT_WRITTEN) & (st.status == ROW_EMPTY)).sum()
+        unadmitted = ((self.ring["state"] == SLOT_WRITTEN)
+                      & ((st.status == ROW_EMPTY) | (st.status == ROW_RELEASING))).sum()
         c = st.counters
         values = torch.stack([
             (st.status == ROW_RUNNING).sum(),

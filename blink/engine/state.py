@@ -6,7 +6,9 @@ and inside a captured CUDA graph.
 
 Rows: engine row ``i`` serves ring slot ``i`` (S = the ring's ``n_slots``), so admission needs
 no row allocator. A row is EMPTY (no request), WAITING (admitted or preempted, holds no
-computed KV beyond prefix-cache hits) or RUNNING (scheduled at least once since then). A
+computed KV beyond prefix-cache hits), RUNNING (scheduled at least once since then) or
+RELEASING (finished and published; its block references are being dropped, a bounded
+number of blocks per step, and its slot's next request waits until the row is EMPTY). A
 request is just "``num_computed`` of ``num_tokens`` tokens have KV in the cache" (vLLM V1's
 idea): prefill, chunked prefill, decode and recompute after preemption are the same thing.
 
@@ -27,7 +29,7 @@ from blink.ring import C_ENGINE_SCRATCH, REQUEST, Ring, RingConfig, RingLayout, 
 from blink.shared.sampling_fields import SAMPLING_FIELDS as TABLE
 
 # Row status.
-ROW_EMPTY, ROW_WAITING, ROW_RUNNING = 0, 1, 2
+ROW_EMPTY, ROW_WAITING, ROW_RUNNING, ROW_RELEASING = 0, 1, 2, 3
 
 
 # Cumulative counters in ``EngineState.counters`` (mirrored into the ring control block).
@@ -69,6 +71,13 @@ class SchedulerConfig:
 
     max_num_batched_tokens: the per-step token budget; also T, the flat batch size.
     max_admit_per_step: ring slots admitted (and prefix-cache lookups done) per step.
+    admit_window_tokens: prompt tokens copied out of the arena per step (one flat gather);
+        default and minimum ``max_model_len``, so the oldest prompt always fits.
+    lookup_window_blocks: blocks hashed and probed by the prefix-cache lookup per step;
+        default and minimum ``max_blocks_per_seq`` (one max-length prompt).
+    release_window_blocks: block references dropped per step for finished rows; default
+        the most blocks one step can allocate (``alloc_window_blocks``), minimum
+        ``max_blocks_per_seq``.
     eos_token_ids: ids that end a request (unless ``ignore_eos``).
     buckets: token counts graphs are captured for (default: :func:`default_buckets`).
     prefix_probes: probe window of the open-addressing prefix-cache table.
@@ -83,6 +92,9 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...] = ()
     buckets: tuple[int, ...] | None = None
     prefix_probes: int = 8
+    admit_window_tokens: int | None = None
+    lookup_window_blocks: int | None = None
+    release_window_blocks: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
@@ -104,11 +116,40 @@ class SchedulerConfig:
                 f"({self.max_num_batched_tokens}), got {buckets}"
             )
         object.__setattr__(self, "buckets", buckets)
+        windows = {
+            "admit_window_tokens": self.max_model_len,
+            "lookup_window_blocks": self.max_blocks_per_seq,
+            "release_window_blocks": self.max_blocks_per_seq,
+        }
+        for name, minimum in windows.items():
+            value = getattr(self, name)
+            if value is None:
+                value = minimum if name != "release_window_blocks" else None
+            elif not isinstance(value, int) or value < minimum:
+                raise BlinkError(
+                    f"scheduler config: {name} must be an integer >= {minimum} (one max-length "
+                    f"sequence), got {value!r}"
+                )
+            object.__setattr__(self, name, value)
 
     @property
     def max_blocks_per_seq(self) -> int:
         """M: block-table width."""
         return -(-self.max_model_len // self.block_size)
+
+    def alloc_window_blocks(self, num_slots: int) -> int:
+        """J: the most new blocks one step can allocate. A row granted g tokens needs at most
+        ceil(g / B) new blocks (its held blocks cover its computed tokens exactly), so the
+        sum is at most ceil(T / B) plus one per row with tokens (at most min(S, T))."""
+        T, B = self.max_num_batched_tokens, self.block_size
+        return min(self.num_blocks, -(-T // B) + min(num_slots, T))
+
+    def release_window(self, num_slots: int) -> int:
+        """Blocks released per step: the configured window, else as many as a step can
+        allocate (so releases keep up with allocation), at least one max-length sequence."""
+        if self.release_window_blocks is not None:
+            return self.release_window_blocks
+        return max(self.max_blocks_per_seq, self.alloc_window_blocks(num_slots))
 
     @property
     def hash_table_size(self) -> int:
@@ -138,7 +179,8 @@ class EngineState:
       num_computed, num_blocks (int64), needs_lookup (bool: prefix lookup pending),
       row_hash [S, 2] (int64 polynomial hash of tokens[:num_computed], two moduli),
       tokens [S, W] int32 (prompt + generated; column W-1 is a write sink),
-      block_table [S, M] int32 (``num_blocks`` = no block), sampling fields (SAMPLING_FIELDS).
+      block_table [S, M] int32 (``num_blocks`` = no block), a view of block_table_flat
+      [S*M + 1] whose last entry is a write sink for flat scatters, sampling fields.
     Blocks [N+1] (entry N = scratch / write sink):
       block_ref (int32 references from block tables), block_last_used (int64 LRU stamp),
       block_key (int64 chained-prefix key), block_slot (int64 prefix-table slot holding it,
@@ -148,6 +190,7 @@ class EngineState:
       parent never validates a stale child), block_tokens [N+1, B] int32 (the tokens, to
       verify hits).
     Prefix table [H+1] int64: block id per slot, N = empty; slot H is a write sink.
+    insert_best [H+1] int64: the table insert's per-slot scratch (all INT64_MIN between steps).
     counters [NUM_COUNTERS] int64 (K_*), step (0-d int64).
     """
 
@@ -161,6 +204,7 @@ class EngineState:
     row_hash: torch.Tensor
     tokens: torch.Tensor
     block_table: torch.Tensor
+    block_table_flat: torch.Tensor
     sampling: dict[str, torch.Tensor]
     block_ref: torch.Tensor
     block_last_used: torch.Tensor
@@ -171,6 +215,7 @@ class EngineState:
     block_parent_gen: torch.Tensor
     block_tokens: torch.Tensor
     hash_table: torch.Tensor
+    insert_best: torch.Tensor
     counters: torch.Tensor
     step: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
 
@@ -186,6 +231,7 @@ class EngineState:
 
         sampling = {f.name: full((S, *f.shape(ring_cfg)), f.pad, _TORCH_DTYPES[f.dtype])
                     for f in TABLE}
+        block_table_flat = full((S * M + 1,), N, torch.int32)
         return cls(
             status=full((S,), ROW_EMPTY, torch.int32),
             arrival=full((S,), 0, torch.int64),
@@ -196,7 +242,8 @@ class EngineState:
             needs_lookup=full((S,), False, torch.bool),
             row_hash=full((S, 2), 0, torch.int64),
             tokens=full((S, M * B + 1), 0, torch.int32),
-            block_table=full((S, M), N, torch.int32),
+            block_table=block_table_flat[: S * M].view(S, M),
+            block_table_flat=block_table_flat,
             sampling=sampling,
             block_ref=full((N + 1,), 0, torch.int32),
             block_last_used=full((N + 1,), 0, torch.int64),
@@ -207,6 +254,7 @@ class EngineState:
             block_parent_gen=full((N + 1,), 0, torch.int64),
             block_tokens=full((N + 1, B), -1, torch.int32),
             hash_table=full((H + 1,), N, torch.int64),
+            insert_best=full((H + 1,), -(2**63), torch.int64),
             counters=full((NUM_COUNTERS,), 0, torch.int64),
             step=full((), 0, torch.int64),
         )

@@ -14,18 +14,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from blink.engine.sampler import Sampler, SamplerPlan, SamplingTensors
-from blink.engine.scheduler import Scheduler, StepBatch
+from blink.engine.sampler import Sampler, SamplerPlan
+from blink.engine.scheduler import SamplerInputs, Scheduler, StepBatch
 from blink.kernels.reference import AttentionMetadata
 
 class StepParts(NamedTuple):
     scheduler: Scheduler
     executor: Any  # ModelExecutor-like: execute(input_ids, md, logits_indices) -> logits
     sampler: Sampler
-
-
-def slice_sampling(st: SamplingTensors, n: int) -> SamplingTensors:
-    return SamplingTensors(**{name: getattr(st, name)[:n] for name in st.__dataclass_fields__})
 
 
 def compact_rows(batch: StepBatch, n: int) -> AttentionMetadata:
@@ -72,29 +68,33 @@ def model_phase(
     rows: int,
     compact: bool,
     plan: SamplerPlan | None = None,
+    inputs: SamplerInputs | None = None,
 ) -> None:
     """Forward → sample → update for a scheduled ``batch``: the second half of every step.
 
     ``tokens``: token positions to run (the real count on the host, the bucket size in a
     graph); ``rows``: sampler rows (>= the step's sample rows); ``compact``: host-side
     metadata compaction (CPU loop) or fixed bucket shapes (graphs); ``plan``: the CPU
-    loop's host-side sampler plan, None (every stage) in graphs."""
+    loop's host-side sampler plan, None (every stage) in graphs; ``inputs``: the sampler
+    inputs of the ``rows`` rows when the caller already gathered them (the CPU loop)."""
     scheduler, executor, sampler = parts
     md = compact_rows(batch, tokens) if compact else bucket_metadata(batch, tokens)
     logits = executor.execute(batch.input_ids[:tokens], md, batch.logits_indices[:rows])
-    history = scheduler.token_history(batch)[:rows]
-    sampling = slice_sampling(batch.sampling, rows)
+    # The [rows, max_model_len] history only when a row has a penalty (graphs: always).
+    history = scheduler.token_history(batch, rows) if plan is None or plan.any_penalty else None
+    if inputs is None:
+        inputs = scheduler.sampler_inputs(batch, rows)
     out = sampler(
         logits,
-        sampling,
+        inputs.sampling,
         history,
-        batch.prompt_lens[:rows],
-        batch.total_lens[:rows],
-        batch.total_lens[:rows],
-        batch.suppress_ids[:rows],
+        inputs.prompt_lens,
+        inputs.total_lens,
+        inputs.total_lens,
+        inputs.suppress_ids,
         plan=plan,
     )
-    scheduler.update(batch, out.tokens, out.logprob, out.top_ids, out.top_logprobs)
+    scheduler.update(batch, out.tokens, out.logprob, out.top_ids, out.top_logprobs, num_tokens=tokens)
 
 
 def run_step(parts: StepParts, compiled=None) -> bool:
@@ -108,9 +108,10 @@ def run_step(parts: StepParts, compiled=None) -> bool:
     # At least one (padding) sample row: a step of prefill chunks only samples nothing,
     # and update() indexes the sampler outputs (an empty tensor cannot be indexed).
     ns = max(int(batch.num_sample_rows), 1)
-    plan = SamplerPlan.of(slice_sampling(batch.sampling, ns))  # skip stages no row uses
-    if compiled is not None:
-        compiled.run(parts, batch, tokens=n, rows=ns, plan=plan)
-    else:
-        model_phase(parts, batch, tokens=n, rows=ns, compact=True, plan=plan)
+    if compiled is not None:  # pads tokens and rows to its buckets, gathers its own inputs
+        compiled.run(parts, batch, tokens=n, rows=ns)
+        return True
+    inputs = parts.scheduler.sampler_inputs(batch, ns)
+    plan = SamplerPlan.of(inputs.sampling, inputs.suppress_ids)  # skip stages no row uses
+    model_phase(parts, batch, tokens=n, rows=ns, compact=True, plan=plan, inputs=inputs)
     return True

@@ -45,6 +45,8 @@ class GpuEngine(Engine):
                 raise BlinkError(f"--loop {self.loop_flag} needs a CUDA GPU (--device cuda); use --loop cpu")
             if self.device.type == "cuda" and simulate:
                 raise BlinkError("simulate=True runs on CPU tensors only")
+            # Captured graphs run every scheduler stage (no host reads between kernels).
+            self.scheduler.host_guards = False
             self.plan: GraphPlan = plan_graphs(self.scheduler_config, self.ring_config.n_slots)
             self.parts = StepParts(self.scheduler, self.executor, self.sampler)
             t0 = time.monotonic()
