@@ -43,6 +43,8 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--compile-cache-dir", default=None)
+    p.add_argument("--compiled-only", action="store_true",
+                   help="skip the eager engines (thread-layout comparisons of the compiled step)")
     args = p.parse_args()
 
     from blink.llm import LLM
@@ -50,7 +52,7 @@ def main() -> None:
     rows = []
     for dtype in args.dtype:
         results = {}
-        for eager in (True, False):
+        for eager in ((False,) if args.compiled_only else (True, False)):
             t0 = time.perf_counter()
             llm = LLM(args.model, dtype=dtype, enforce_eager=eager, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=1024,
@@ -68,6 +70,11 @@ def main() -> None:
                   + (f" (compile {compiled.warm_seconds:.1f} s, refused recompiles {refused})"
                      if compiled is not None else ""), flush=True)
         for batch in args.batch:
+            if args.compiled_only:
+                wc, sc, _ = results[False, batch]
+                print(f"{dtype} batch {batch}: compiled {1e3 * wc / sc:.1f} ms/step, "
+                      f"{batch * args.tokens / wc:.1f} tok/s")
+                continue
             (we, se, oe), (wc, sc, oc) = results[True, batch], results[False, batch]
             same = sum(a == b for a, b in zip(oe, oc))
             rows.append((dtype, batch, 1e3 * we / se, 1e3 * wc / sc, we / se / (wc / sc),
