@@ -17,7 +17,8 @@ skipped by its host guard costs nothing), the sampler, and aten ops per step (co
 dispatch mode: each is a kernel launch inside a GPU graph, a dispatcher call on CPU). Run:
 
     python -m benchmarks.bench_scheduler [--slots 64 256 1024 4096] [--load one all]
-        [--threads 1] [--steps 30] [--no-prefix-caching] [--json out.json]
+        [--threads 1] [--steps 30] [--no-prefix-caching] [--compile _build_batch,...]
+        [--json out.json]
 """
 from __future__ import annotations
 
@@ -144,7 +145,8 @@ def timed(acc: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable[
     return wrapper
 
 
-def measure(slots: int, load: str, steps: int, num_blocks: int | None, prefix_caching: bool) -> dict[str, Any]:
+def measure(slots: int, load: str, steps: int, num_blocks: int | None, prefix_caching: bool,
+            compiled: tuple[str, ...] = ()) -> dict[str, Any]:
     active = 1 if load == "one" else slots
     blocks = num_blocks if load == "one" else active * (PROMPT_LEN + 2 * steps + 64) // BLOCK_SIZE
     blocks = max(blocks, MAX_MODEL_LEN // BLOCK_SIZE)
@@ -156,11 +158,14 @@ def measure(slots: int, load: str, steps: int, num_blocks: int | None, prefix_ca
             break
     else:
         raise RuntimeError(f"{slots} slots never reached steady-state decode")
+    for name in compiled:  # inductor, static shapes; compiled during the warm-up below
+        setattr(sched, name, torch.compile(getattr(sched, name), dynamic=False))
     for _ in range(2 * BLOCK_SIZE):  # warm-up: every path of a decode step, block boundary too
         step()
     parts: dict[str, float] = collections.defaultdict(float)
     for name in STAGES:  # instance attributes shadow the methods: per-part wall time
-        setattr(sched, name, timed(parts, name, getattr(sched, name)))
+        if name not in compiled:
+            setattr(sched, name, timed(parts, name, getattr(sched, name)))
     register = prefix_cache.register
     prefix_cache.register = timed(parts, "register", register)
     try:
@@ -177,7 +182,8 @@ def measure(slots: int, load: str, steps: int, num_blocks: int | None, prefix_ca
     finally:
         prefix_cache.register = register
         for name in STAGES:
-            delattr(sched, name)
+            if name not in compiled:
+                delattr(sched, name)
     ms = {k: 1e3 * v / steps for k, v in step.times.items()}
     return {
         "slots": slots, "load": load, "active": active, "num_blocks": blocks,
@@ -197,6 +203,9 @@ def main() -> None:
     parser.add_argument("--num-blocks", type=int, default=8192,
                         help="KV pool of the 'one' load (default 8192 blocks = 128k tokens)")
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--compile", default="",
+                        help="comma-separated scheduler methods to torch.compile (inductor), e.g. "
+                             "_build_batch,_write_stats,sampler_inputs (to compare with eager)")
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                         help="thread CPU time (default) or wall time")
     parser.add_argument("--json", help="also write the results here")
@@ -215,7 +224,8 @@ def main() -> None:
         measure(args.slots[0], "one", 5, args.num_blocks, True)  # the process's first-call costs
         for load in args.load:
             for slots in args.slots:
-                r = measure(slots, load, args.steps, args.num_blocks, not args.no_prefix_caching)
+                r = measure(slots, load, args.steps, args.num_blocks, not args.no_prefix_caching,
+                            tuple(n for n in args.compile.split(",") if n))
                 results.append(r)
                 total = r["schedule_ms"] + r["sample_ms"] + r["update_ms"]
                 parts = " ".join(f"{k.strip('_')}={v:.2f}" for k, v in r["parts_ms"].items() if v >= 0.005)

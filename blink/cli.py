@@ -13,8 +13,23 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from blink.errors import BlinkError
+from blink.version import blink_version
 
 DEFAULT_MODEL = "smollm2-135m"
+#: where a vLLM user finds the mapping of ``vllm serve`` flags (named in error messages)
+VLLM_MIGRATION_DOC = "docs/vllm-migration.md"
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to a flag's help unless the help already says its default or
+    the default is nothing worth showing (None, False: an off switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) \
+                or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 class ConfigFileError(BlinkError):
@@ -46,7 +61,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="request slots in the ring = requests in flight at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="token budget of one engine step (chunked prefill beyond it)")
-    g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    g.add_argument("--no-prefix-caching", action="store_true",
+                   help="disable the prefix cache (the same as --no-enable-prefix-caching)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="vLLM's switch for the prefix cache (on unless turned off)")
+    g.add_argument("--max-logprobs", type=int, default=20, metavar="N",
+                   help="most logprobs / top_logprobs a request may ask for (vLLM's flag; sizes "
+                        "the ring's logprob columns)")
     g.add_argument("--loop", default="auto", choices=["auto", "cpu", "host", "device"],
                    help="device loop: cpu (engine thread on CPU tensors), host (tier A: host "
                         "launches CUDA graphs), device (tier B: no host call per step)")
@@ -61,12 +83,75 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "$BLINK_COMPILE_CACHE_DIR, else ~/.cache/blink/inductor)")
     g.add_argument("--transport", default="loopback", choices=["loopback", "verbs"],
                    help="how the frontend reaches the ring: loopback (shared memory) or verbs (RDMA)")
+    _add_vllm_engine_args(p)
+
+
+def _add_vllm_engine_args(p: argparse.ArgumentParser) -> None:
+    """``vllm serve`` flags Blink has no feature for: refused or noted (blink/cli_args.py)."""
+    g = p.add_argument_group(
+        "vLLM flags without a Blink feature",
+        f"accepted so that a 'vllm serve' line runs; a value Blink cannot honour is refused "
+        f"(see {VLLM_MIGRATION_DOC})")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="only 1: Blink runs a model on one device (larger values are refused)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N",
+                   help="only 1 (larger values are refused)")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                   help="only 1: run one 'blink serve' per device behind a load balancer "
+                        "(deploy/README.md)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                   help="not used: Blink sizes the KV cache with --kv-cache-memory (GiB) or "
+                        "--kv-cache-tokens. With --device cpu it is noted and has no effect; "
+                        "on a GPU it is refused, so that a copied value never silently means "
+                        "something else")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="no effect (noted at start): Blink never runs code shipped with a "
+                        "checkpoint; its model classes are built in")
 
 
 def _add_frontend_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("HTTP frontend")
-    g.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: %(default)s)")
-    g.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="HTTP bind address (default: %(default)s, this machine only; --host "
+                        "0.0.0.0 serves other machines too, as the container images do)")
+    g.add_argument("--port", type=int, default=8000,
+                   help="HTTP port, checked free before the model loads (default: %(default)s)")
+    g.add_argument("--root-path", default=None, metavar="PATH",
+                   help="ASGI root_path, when a proxy serves the API under a path prefix")
+    g.add_argument("--ssl-keyfile", default=None, metavar="FILE",
+                   help="serve HTTPS with this private key (with --ssl-certfile)")
+    g.add_argument("--ssl-certfile", default=None, metavar="FILE",
+                   help="serve HTTPS with this certificate (with --ssl-keyfile)")
+    g.add_argument("--ssl-ca-certs", default=None, metavar="FILE",
+                   help="CA certificates to verify client certificates with")
+    g.add_argument("--allowed-origins", default=None, metavar="JSON",
+                   help="CORS: origins allowed to call the API from a browser, as a JSON list, "
+                        "e.g. '[\"*\"]' (vLLM's default). Blink's default is no CORS headers: "
+                        "a web page could otherwise use a server on localhost")
+    g.add_argument("--allowed-methods", default='["*"]', metavar="JSON",
+                   help="CORS: allowed methods, a JSON list (with --allowed-origins)")
+    g.add_argument("--allowed-headers", default='["*"]', metavar="JSON",
+                   help="CORS: allowed request headers, a JSON list (with --allowed-origins)")
+    g.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: allow credentials (with --allowed-origins)")
+    g.add_argument("--tokenizer", default=None, metavar="NAME_OR_PATH",
+                   help="tokenizer to use instead of the model's (an HF directory, a "
+                        "tokenizer.json, or a .gguf); the model's by default")
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="chat template to use instead of the model's: a file, or the jinja "
+                        "text itself")
+    g.add_argument("--seed", type=int, default=None,
+                   help="seed of the random seeds given to requests without one, so that a "
+                        "run's sampling repeats (default: fresh random seeds)")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="level of the HTTP server's (uvicorn's) log")
+    g.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="level of Blink's own log")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="no access log line per request (on by default: method, path, "
+                        "status, duration, x-request-id)")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 endpoints, /tokenize, "
                         "/detokenize and the API docs (/health and /metrics stay open)")
@@ -119,14 +204,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="blink",
         description="Blink: LLM serving whose steady-state inference path needs no host CPU.",
+        formatter_class=HelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"blink {blink_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     serve = sub.add_parser(
         "serve", help="serve a model with an OpenAI-compatible API (engine + frontend)",
         description="Start the engine and the HTTP frontend as two processes talking over the "
-                    "ring transport, and print the URL when ready. Ctrl-C drains and exits.",
+                    "ring transport, and print the URL when ready. Ctrl-C drains and exits. "
+                    f"Takes 'vllm serve' command lines ({VLLM_MIGRATION_DOC}).",
+        formatter_class=HelpFormatter,
     )
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="the model, as vllm serve takes it: the same as --model")
     _add_config_arg(serve)
     _add_engine_args(serve)
     _add_frontend_args(serve)
@@ -159,9 +250,13 @@ def build_parser() -> argparse.ArgumentParser:
         "engine", help="run only the engine (the host half of a DPU deployment)",
         description="Load the model, create the ring, run the device loop and wait for a frontend "
                     "to connect through the bootstrap listener.",
+        formatter_class=HelpFormatter,
     )
     _add_config_arg(engine)
     _add_engine_args(engine)
+    engine.add_argument("--log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug"],
+                        help="level of the engine's log")
     engine.add_argument("--listen", default="127.0.0.1:7000", metavar="HOST:PORT",
                         help="bootstrap listener address (default: %(default)s)")
     engine.add_argument("--bootstrap-secret-file", type=Path, default=None, metavar="FILE",
@@ -173,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "~/.blink/bootstrap-PORT.secret) and its path printed")
 
     convert = sub.add_parser(
-        "convert", help="write a GGUF model as a Hugging Face directory",
+        "convert", help="write a GGUF model as a Hugging Face directory", formatter_class=HelpFormatter,
         description="Dequantise a GGUF file into an HF-format directory (safetensors, config, "
                     "tokenizer files) that transformers and vLLM can load.",
     )
@@ -205,15 +300,46 @@ def _load_config_file(path: Path) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in data.items()}
 
 
+def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
+    if command is None:
+        return parser
+    return parser._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
+
+
+def _strict_parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parse_args``, but an unknown flag is reported with the usage of the command it was
+    given to (``blink serve``'s, not the top level's), naming the migration table."""
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        sub = _subparser(parser, args.command)
+        hint = (f" (flags of 'vllm serve' that Blink takes are listed in {VLLM_MIGRATION_DOC}; "
+                f"'blink {args.command} --help' lists all)") if args.command else ""
+        sub.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+    return args
+
+
+def _model_from_positional(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``blink serve MODEL`` (vLLM's form) is ``--model MODEL``; both at once must agree."""
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return
+    if args.model not in (DEFAULT_MODEL, tag):
+        _subparser(parser, args.command).error(
+            f"the model is given twice, as MODEL ({tag!r}) and as --model ({args.model!r}); "
+            f"give one")
+    args.model = tag
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse ``argv``, filling unset flags from ``--config`` when given."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _strict_parse(parser, argv)
     config_path = getattr(args, "config", None)
     if config_path is None:
+        _model_from_positional(parser, args)
         return args
     values = _load_config_file(config_path)
-    sub = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
+    sub = _subparser(parser, args.command)
     known = {a.dest: a for a in sub._actions}
     unknown = sorted(set(values) - set(known) - {"config"})
     if unknown:
@@ -233,7 +359,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                 f"{config_path}: {dest} must be one of {', '.join(map(str, action.choices))}, got {value!r}"
             )
         sub.set_defaults(**{dest: value})
-    return parser.parse_args(argv)
+    args = _strict_parse(parser, argv)
+    _model_from_positional(parser, args)
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from blink.errors import BlinkError
 
@@ -39,3 +40,109 @@ def frontend_limit_args(args: argparse.Namespace) -> list[str]:
         if getattr(args, name):
             out.append(f"--{name.replace('_', '-')}")
     return out
+
+
+# -- vLLM's flags -----------------------------------------------------------------------------
+
+#: frontend flags ``blink serve`` hands on to its frontend process as they are
+FRONTEND_PASSED_FLAGS = ("root_path", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs",
+                         "allowed_origins", "allowed_methods", "allowed_headers", "tokenizer",
+                         "chat_template", "seed", "uvicorn_log_level", "log_level")
+FRONTEND_PASSED_SWITCHES = ("allow_credentials", "disable_log_requests")
+
+
+def frontend_passed_args(args: argparse.Namespace) -> list[str]:
+    """The HTTP/tokenizer flags of ``args`` as ``blink serve --frontend-only`` arguments."""
+    out: list[str] = []
+    for name in FRONTEND_PASSED_FLAGS:
+        value = getattr(args, name, None)
+        if value is not None:
+            out += [f"--{name.replace('_', '-')}", str(value)]
+    for name in FRONTEND_PASSED_SWITCHES:
+        if getattr(args, name, False):
+            out.append(f"--{name.replace('_', '-')}")
+    return out
+
+
+def prefix_caching_enabled(args: argparse.Namespace) -> bool:
+    """``--no-prefix-caching`` and vLLM's ``--[no-]enable-prefix-caching``: on unless turned
+    off; contradicting each other is an error."""
+    vllm_switch = getattr(args, "enable_prefix_caching", None)
+    if vllm_switch and args.no_prefix_caching:
+        raise BlinkError("--enable-prefix-caching and --no-prefix-caching contradict each other")
+    return not args.no_prefix_caching and vllm_switch is not False
+
+
+def check_vllm_flags(args: argparse.Namespace, *, device_known: str | None = None) -> list[str]:
+    """Refuse the ``vllm serve`` flags Blink cannot honour (a :class:`BlinkError` naming the
+    flag and what to do instead); return notes for those that have no effect here, for the
+    start log. ``device_known``: the resolved device, where the caller knows it."""
+    for flag in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        value = getattr(args, flag, 1)
+        if value != 1:
+            what = flag.removesuffix("_size").replace("_", " ")
+            hint = (" For more throughput run one 'blink serve' per device behind a load "
+                    "balancer (deploy/README.md)." if flag == "data_parallel_size" else "")
+            raise BlinkError(f"--{flag.replace('_', '-')} {value}: Blink has no {what} yet; "
+                             f"a model runs on one device (only 1 is accepted).{hint}")
+    from blink.shared.sampling_params import MAX_LOGPROBS
+
+    if not 0 <= getattr(args, "max_logprobs", 0) <= MAX_LOGPROBS:
+        raise BlinkError(f"--max-logprobs must be between 0 and {MAX_LOGPROBS} (what the "
+                         f"sampler computes), got {args.max_logprobs}")
+    prefix_caching_enabled(args)
+    notes: list[str] = []
+    utilization = getattr(args, "gpu_memory_utilization", None)
+    if utilization is not None:
+        if not 0 < utilization <= 1:
+            raise BlinkError(f"--gpu-memory-utilization must be in (0, 1], got {utilization:g}")
+        device = device_known or getattr(args, "device", "auto")
+        if device == "auto":
+            import torch  # only where the flag was given: the frontend never gets here
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device != "cpu":
+            raise BlinkError(
+                f"--gpu-memory-utilization {utilization:g}: Blink does not size the KV cache "
+                f"as a fraction of GPU memory; give its size instead with --kv-cache-memory "
+                f"GIB (default 1) or --kv-cache-tokens N")
+        notes.append(f"--gpu-memory-utilization {utilization:g} has no effect on the CPU; the "
+                     f"KV cache is sized by --kv-cache-memory ({args.kv_cache_memory:g} GiB) or "
+                     f"--kv-cache-tokens")
+    if getattr(args, "trust_remote_code", False):
+        notes.append("--trust-remote-code has no effect: Blink never runs code shipped with a "
+                     "checkpoint (its model classes are built in)")
+    return notes
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind ``host:port`` once and let go: a port in use is an error before the model loads
+    (minutes, for a big one), not after."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # What uvicorn sets too: a port in TIME_WAIT from a previous run is not "in use".
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise BlinkError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (is "
+                             f"another server using the port? pick another with --port)") from None
+
+
+def check_frontend_flags(args: argparse.Namespace) -> None:
+    """The HTTP flags that can be wrong on their own: one clear line before anything starts
+    (the frontend checks them again where it runs alone)."""
+    from blink.dpu.app import json_list_flag
+
+    for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        json_list_flag(args, name)
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise BlinkError("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both)")
+    for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        path = getattr(args, name)
+        if path and not Path(path).is_file():
+            raise BlinkError(f"--{name.replace('_', '-')} {path}: no such file")
+    if args.root_path and not args.root_path.startswith("/"):
+        raise BlinkError(f"--root-path must start with '/', got {args.root_path!r}")

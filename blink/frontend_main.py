@@ -11,8 +11,14 @@ import contextlib
 import os
 import signal
 
-from blink.cli_args import check_timeout_flags, parse_host_port
+from blink.cli_args import (
+    check_frontend_flags,
+    check_port_free,
+    check_timeout_flags,
+    parse_host_port,
+)
 from blink.errors import BlinkError
+from blink.logs import configure_logging
 from blink.supervision import watch_supervisor
 
 
@@ -36,7 +42,8 @@ async def _serve(args: argparse.Namespace, host: str, port: int) -> None:
     _Server = _server_class()
     from blink.dpu.app import app_options, create_app
     from blink.dpu.ring_engine_client import ReconnectingEngineClient, RingEngineClient
-    from blink.dpu.tokenizer import Tokenizer
+    from blink.dpu.tokenizer import Tokenizer, read_chat_template
+    from blink.shared.sampling_params import seed_unseeded_requests
 
     secret = frontend_secret(args)
 
@@ -51,14 +58,21 @@ async def _serve(args: argparse.Namespace, host: str, port: int) -> None:
     # a dead engine is reconnected to (blink serve restarts it on the same bootstrap port).
     engine = ReconnectingEngineClient(await attach(), attach, where=f"{host}:{port}")
     try:
-        tokenizer = Tokenizer.from_pretrained(engine.info.tokenizer)
+        tokenizer = Tokenizer.from_pretrained(args.tokenizer or engine.info.tokenizer)
+        if args.chat_template is not None:
+            tokenizer.use_chat_template(read_chat_template(args.chat_template))
+        seed_unseeded_requests(args.seed)
         model_name = getattr(args, "served_model_name", None) or engine.model_name
         api_key = args.api_key or os.environ.get("BLINK_API_KEY") or None
         app = create_app(engine, tokenizer, model_name=model_name, api_key=api_key,
                          **app_options(args))  # request limits, docs (blink.dpu.limits)
+        # log_config=None: uvicorn's loggers go to Blink's handler (blink.logs); the access
+        # log is Blink's own (blink.access, with the request id), uvicorn's stays off.
         config = uvicorn.Config(
-            app, host=args.host, port=args.port, log_level="warning", access_log=False,
-            timeout_graceful_shutdown=10,
+            app, host=args.host, port=args.port, log_config=None,
+            log_level=args.uvicorn_log_level, access_log=False, timeout_graceful_shutdown=10,
+            root_path=args.root_path or "", ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
         )
         server = _Server(config)
         loop = asyncio.get_running_loop()
@@ -69,8 +83,10 @@ async def _serve(args: argparse.Namespace, host: str, port: int) -> None:
         while not server.started and not serve_task.done():
             await asyncio.sleep(0.05)
         if server.started:
-            print(f"Blink frontend ready: http://{args.host}:{args.port}/v1 "
-                  f"(model {model_name!r}, engine {host}:{port})", flush=True)
+            scheme = "https" if args.ssl_certfile else "http"
+            print(f"Blink frontend ready: {scheme}://{args.host}:{args.port}"
+                  f"{args.root_path or ''}/v1 (model {model_name!r}, engine {host}:{port})",
+                  flush=True)
         await serve_task
         if not server.started:
             raise BlinkError(f"the HTTP server could not start on {args.host}:{args.port} "
@@ -96,8 +112,11 @@ def run_frontend(args: argparse.Namespace) -> int:
     """Entry point of ``blink serve --frontend-only --engine HOST:PORT``."""
     if not args.engine:
         raise BlinkError("--frontend-only needs --engine HOST:PORT (the engine's bootstrap address)")
+    configure_logging(args.log_level, uvicorn_level=args.uvicorn_log_level)
     host, port = parse_host_port(args.engine)
     check_timeout_flags(args)
+    check_frontend_flags(args)
+    check_port_free(args.host, args.port)  # before the engine handshake and tokenizer load
     watch_supervisor("frontend")  # die with the blink serve that started us
     try:
         asyncio.run(_serve(args, host, port))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import logging
 import os
 import signal
 import subprocess
@@ -30,8 +31,18 @@ import time
 from pathlib import Path
 from typing import IO
 
-from blink.cli_args import check_timeout_flags, frontend_limit_args, parse_host_port
+from blink.cli_args import (
+    check_frontend_flags,
+    check_port_free,
+    check_timeout_flags,
+    check_vllm_flags,
+    frontend_limit_args,
+    frontend_passed_args,
+    parse_host_port,
+    prefix_caching_enabled,
+)
 from blink.errors import BlinkError
+from blink.logs import configure_logging
 from blink.supervision import SUPERVISOR_PID_ENV, child_preexec, watch_supervisor
 
 ENGINE_READY_PREFIX = "BLINK_ENGINE_READY "
@@ -42,6 +53,8 @@ RESTART_BACKOFF_MAX_S = 30.0
 RESTART_STABLE_S = 60.0
 DEFAULT_MAX_ENGINE_RESTARTS = 5
 DEFAULT_ENGINE_RESTART_WINDOW_S = 300.0
+logger = logging.getLogger("blink.serve")
+engine_logger = logging.getLogger("blink.engine")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -57,7 +70,8 @@ def engine_config_from_args(args: argparse.Namespace):
         kv_cache_memory_gib=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
+        enable_prefix_caching=prefix_caching_enabled(args),
+        max_logprobs=args.max_logprobs,
         transport=args.transport,
         threads=args.threads,
         # None (flag absent): EngineConfig's default ($BLINK_ENFORCE_EAGER, else compiled)
@@ -87,8 +101,11 @@ def engine_secret(args: argparse.Namespace) -> tuple[bytes, Path | None, bool]:
 def run_engine(args: argparse.Namespace) -> int:
     """``blink engine``: load, create the ring, serve the bootstrap, run the loop until a signal."""
 
+    configure_logging(getattr(args, "log_level", "info"))
     host, port = parse_host_port(args.listen, "--listen")
     standalone = SUPERVISOR_PID_ENV not in os.environ
+    for note in check_vllm_flags(args):  # blink serve checked them already; blink engine not
+        engine_logger.warning("%s", note)
     secret, secret_path, secret_created = engine_secret(args)  # before the slow model load
     supervisor_gone = watch_supervisor("engine")  # die with the blink serve that started us
     from blink.engine.factory import create_engine
@@ -116,16 +133,17 @@ def run_engine(args: argparse.Namespace) -> int:
 
             secret_path = write_secret_file(default_secret_path(bound_port), secret)
         if secret_path is not None:
-            print(f"blink engine: bootstrap secret {'written to' if secret_created else 'read from'} "
-                  f"{secret_path} (mode 0600); start the frontend with --bootstrap-secret-file "
-                  f"{secret_path}", file=sys.stderr, flush=True)
+            engine_logger.info(
+                "bootstrap secret %s %s (mode 0600); start the frontend with "
+                "--bootstrap-secret-file %s", "written to" if secret_created else "read from",
+                secret_path, secret_path)
         engine.start()
         print(f"{ENGINE_READY_PREFIX}{bound_host}:{bound_port}", flush=True)
-        print(f"blink engine: model {model_name!r} ({engine.source}), "
-              f"dtype {str(engine.dtype).removeprefix('torch.')} ({engine.dtype_reason}), max_model_len "
-              f"{engine.max_model_len}, {engine.scheduler_config.num_blocks} KV blocks of "
-              f"{engine.scheduler_config.block_size}, bootstrap at {bound_host}:{bound_port}",
-              file=sys.stderr, flush=True)
+        engine_logger.info(
+            "model %r (%s), dtype %s (%s), max_model_len %d, %d KV blocks of %d, bootstrap at "
+            "%s:%d", model_name, engine.source, str(engine.dtype).removeprefix("torch."),
+            engine.dtype_reason, engine.max_model_len, engine.scheduler_config.num_blocks,
+            engine.scheduler_config.block_size, bound_host, bound_port)
         while not stop.wait(0.2):
             if not engine.alive:
                 raise BlinkError(f"the engine loop stopped: {engine.error!r}")
@@ -143,7 +161,7 @@ def run_engine(args: argparse.Namespace) -> int:
 _ENGINE_FLAGS = (
     "model", "served_model_name", "dtype", "device", "max_model_len", "block_size",
     "kv_cache_tokens", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "loop",
-    "threads", "transport", "compile_cache_dir",
+    "threads", "transport", "max_logprobs", "log_level", "compile_cache_dir",
 )
 
 
@@ -221,8 +239,7 @@ def frontend_args(args: argparse.Namespace, address: str) -> list[str]:
            "--engine-dead-timeout", repr(args.engine_dead_timeout)]
     if args.served_model_name:
         out += ["--served-model-name", args.served_model_name]
-
-    return out + frontend_limit_args(args)
+    return out + frontend_limit_args(args) + frontend_passed_args(args)
 
 
 def check_restart_flags(args: argparse.Namespace) -> None:
@@ -296,10 +313,11 @@ class _Supervisor:
         args = self.args
         self.engine = self._spawn(
             ["engine", "--listen", f"127.0.0.1:{port}", *_flags(args, _ENGINE_FLAGS),
-             *(["--no-prefix-caching"] if args.no_prefix_caching else []),
+             *([] if prefix_caching_enabled(args) else ["--no-prefix-caching"]),
              *(["--enforce-eager"] if args.enforce_eager else [])])
         watch = (("frontend", self.frontend),) if self.frontend is not None else ()
-        ready = _wait_for_line(self.engine, ENGINE_READY_PREFIX, "engine", 600, sys.stderr,
+        # A first start compiles every bucket (blink.engine.compiled): >10 min on 2 busy cores.
+        ready = _wait_for_line(self.engine, ENGINE_READY_PREFIX, "engine", 1800, sys.stderr,
                                self.stop, watch)
         return ready[len(ENGINE_READY_PREFIX):]
 
@@ -323,8 +341,10 @@ class _Supervisor:
         self.frontend = self._spawn(frontend_args(args, address), env)
         _wait_for_line(self.frontend, FRONTEND_READY_PREFIX, "frontend", 120, sys.stderr,
                        self.stop, (("engine", self.engine),))
+        scheme = "https" if args.ssl_certfile else "http"
         print(f"Blink is serving {args.served_model_name or args.model!r} at "
-              f"http://{args.host}:{args.port}/v1  (Ctrl-C to stop)", flush=True)
+              f"{scheme}://{args.host}:{args.port}{args.root_path or ''}/v1  (Ctrl-C to stop)",
+              flush=True)
         policy = RestartPolicy(args.max_engine_restarts, args.engine_restart_window)
         started = time.monotonic()
         while not self.stop.wait(0.2):
@@ -345,22 +365,22 @@ class _Supervisor:
                         f"the engine process exited (status {status}) and was already restarted "
                         f"{policy.recent} times within {policy.window_s:g} s "
                         f"(--max-engine-restarts / --engine-restart-window); giving up")
-                print(f"blink serve: the engine exited (status {status}); restarting it in "
-                      f"{delay:g} s (restart {policy.recent} of at most {policy.max_restarts} "
-                      f"within {policy.window_s:g} s); the frontend answers 503 meanwhile",
-                      file=sys.stderr, flush=True)
+                logger.warning(
+                    "the engine exited (status %s); restarting it in %g s (restart %d of at "
+                    "most %d within %g s); the frontend answers 503 meanwhile", status, delay,
+                    policy.recent, policy.max_restarts, policy.window_s)
                 self._sleep(delay)
                 try:
                     self._start_engine(port)
                 except _NotReady as exc:
-                    print(f"blink serve: the restarted engine failed: {exc}", file=sys.stderr, flush=True)
+                    logger.error("the restarted engine failed: %s", exc)
                     status = self.engine.returncode if self.engine.poll() is not None else "timeout"
                     _stop_child(self.engine, 10)
                     started = time.monotonic()
                     continue
                 started = time.monotonic()
-                print(f"blink serve: the engine is back (pid {self.engine.pid}, 127.0.0.1:{port}); "
-                      f"the frontend reconnects to it", file=sys.stderr, flush=True)
+                logger.info("the engine is back (pid %d, 127.0.0.1:%d); the frontend "
+                            "reconnects to it", self.engine.pid, port)
                 break
         return 0
 
@@ -373,8 +393,14 @@ def run_serve(args: argparse.Namespace) -> int:
     """``blink serve``: engine and frontend as two processes over the loopback ring."""
     from blink.transport.auth import SECRET_ENV
 
+    configure_logging(args.log_level)
     check_timeout_flags(args)  # fail at once with one clear line, before starting anything
     check_restart_flags(args)
+    check_frontend_flags(args)
+    notes = check_vllm_flags(args)
+    check_port_free(args.host, args.port)  # before the model load, which can take minutes
+    for note in notes:
+        logger.warning("%s", note)
     if args.model != "null":
         from blink.loader import resolve_model
 

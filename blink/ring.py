@@ -22,7 +22,8 @@ Protocol (payload first, then the state word; readers read the state word first)
                                 (seq+1, consumed=0, sampling fields) -> fence -> state=WRITTEN;
                                 cancel is 0 already (a FREE slot always has cancel 0)
     engine:   state WRITTEN  -> copies the prompt out of the arena, resets the stream
-                                (stream_seq=seq, produced=0, finish=NONE) -> state=RUNNING;
+                                (stream_seq=seq, produced=0, finish=NONE, admitted_step=
+                                its step count, the frontend's queue-time clock) -> state=RUNNING;
                                 from then on the frontend may reuse that arena range
     engine:   each new token -> writes tokens[produced % capacity] (+ logprobs), then
                                 produced += 1; never when produced - consumed == capacity
@@ -43,7 +44,7 @@ from blink.errors import BlinkError
 from blink.shared.sampling_fields import SAMPLING_FIELDS, numpy_fields
 
 MAGIC = int.from_bytes(b"BLINKRNG", "little")
-LAYOUT_VERSION = 2  # 2: the request record (one contiguous payload per slot)
+LAYOUT_VERSION = 3  # 2: the request record (one contiguous payload per slot); 3: admitted_step
 ALIGN = 64
 
 # Control block word indices (all int64).
@@ -169,6 +170,7 @@ def _stream_fields(cfg: RingConfig) -> list[tuple[str, np.dtype, tuple[int, ...]
         ("finish_reason", i32, ()),
         ("num_prompt_tokens", i32, ()),
         ("num_cached_tokens", i32, ()),  # prompt tokens served from the prefix cache
+        ("admitted_step", i64, ()),  # the engine's step count when it admitted the request
         ("tokens", i32, (cap,)),
         ("logprob", f32, (cap,)),
         ("top_ids", i32, (cap, n)),

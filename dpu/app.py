@@ -1,8 +1,12 @@
 """The frontend's HTTP app: OpenAI-compatible endpoints over an :class:`EngineClient`.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``POST /tokenize``, ``POST /detokenize`` (vLLM's shapes), ``GET /health`` (503 while the engine's
-heartbeat is stale) and ``GET /metrics`` (Prometheus). With ``api_key`` set, ``/v1/*``,
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``
+(stateless, :mod:`blink.dpu.responses`), ``GET /v1/models``, ``GET /v1/models/{id}``,
+``POST /tokenize``, ``POST /detokenize`` (vLLM's shapes), ``GET /version``, ``GET /health`` (503
+while the engine's heartbeat is stale) and ``GET /metrics`` (Prometheus); any other path is a
+JSON 404 that lists these. Every response carries ``x-request-id`` (the client's, or a new one),
+and one access-log line per request names it (``blink.access``; off with
+``--disable-log-requests``). With ``api_key`` set, ``/v1/*``,
 ``/tokenize``, ``/detokenize`` and the API docs (``/docs``, ``/redoc``, ``/openapi.json``; unless
 ``public_docs``) need ``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open for
 probes and scrapers (as in vLLM). Every error is an OpenAI-style JSON body
@@ -13,12 +17,19 @@ a 413 before they are read.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import re
 import secrets
+import time
+import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.routing import APIRoute
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -30,11 +41,71 @@ from blink.dpu.errors import APIError
 from blink.dpu.limits import RequestLimits
 from blink.dpu.metrics import FrontendMetrics
 from blink.dpu.protocol import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
+from blink.dpu.responses import ResponsesServing
 from blink.dpu.serving import OpenAIServing
 from blink.dpu.tokenizer import Tokenizer
 from blink.errors import BlinkError
+from blink.logs import request_id as current_request_id
+from blink.version import blink_version
 
 logger = logging.getLogger(__name__)
+access_logger = logging.getLogger("blink.access")
+#: a client's x-request-id is echoed if it is this tame (else a new one is made): no header
+#: or log injection through it
+_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
+
+
+class RequestIdMiddleware:
+    """``x-request-id`` on every response (the client's when it is tame, else a new uuid4),
+    :data:`blink.logs.request_id` set while the request is served (so log lines carry it),
+    and one access-log line per request when ``log_requests``: client, method, path, status,
+    duration (to the end of the body: a stream's whole length) and the id."""
+
+    def __init__(self, app: ASGIApp, log_requests: bool = True) -> None:
+        self.app = app
+        self.log_requests = log_requests
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = next((v for k, v in scope.get("headers", ()) if k == b"x-request-id"), b"")
+        text = given.decode("latin-1")
+        rid = text if _REQUEST_ID_RE.fullmatch(text) else uuid.uuid4().hex
+        token = current_request_id.set(rid)
+        start = time.perf_counter()
+        status = 500  # what the client gets if nothing is sent (the error net answers 500)
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  (b"x-request-id", rid.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            if self.log_requests:
+                client = scope.get("client")
+                where = f"{client[0]}:{client[1]}" if client else "-"
+                query = scope.get("query_string", b"").decode("latin-1")
+                path = scope.get("path", "") + (f"?{query}" if query else "")
+                access_logger.info('%s "%s %s HTTP/%s" %d %.1fms request_id=%s', where,
+                                   scope.get("method"), path, scope.get("http_version", "1.1"),
+                                   status, (time.perf_counter() - start) * 1e3, rid)
+            current_request_id.reset(token)
+
+
+@dataclass(frozen=True)
+class CorsOptions:
+    """vLLM's CORS flags (``--allowed-origins`` etc.); no CORS headers at all without them."""
+
+    allow_origins: list[str]
+    allow_methods: list[str]
+    allow_headers: list[str]
+    allow_credentials: bool = False
 
 
 class InternalErrorMiddleware:
@@ -122,15 +193,37 @@ class BodySizeLimitMiddleware:
             dropped += len(message.get("body", b""))
 
 
+def json_list_flag(args: argparse.Namespace, name: str) -> list[str] | None:
+    """A flag holding a JSON list of strings (vLLM's CORS flags); None when not given."""
+    raw = getattr(args, name, None)
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise BlinkError(f"--{name.replace('_', '-')} must be a JSON list of strings, for "
+                         f"example '[\"*\"]' or '[\"https://app.example\"]'; got {raw!r}")
+    return value
+
+
 def app_options(args: argparse.Namespace) -> dict[str, Any]:
     """``create_app`` keyword arguments from ``blink serve`` flags (see blink/cli.py); a bad
     value is a :class:`BlinkError` naming the flag."""
+    origins = json_list_flag(args, "allowed_origins")
+    cors = None if origins is None else CorsOptions(
+        allow_origins=origins, allow_methods=json_list_flag(args, "allowed_methods") or [],
+        allow_headers=json_list_flag(args, "allowed_headers") or [],
+        allow_credentials=bool(args.allow_credentials))
     if not args.max_request_body_mb > 0:
         raise BlinkError(f"--max-request-body-mb must be positive, got {args.max_request_body_mb:g}")
     if not args.chat_template_timeout > 0:
         raise BlinkError(
             f"--chat-template-timeout must be positive, got {args.chat_template_timeout:g}")
     return {
+        "cors": cors,
+        "log_requests": not args.disable_log_requests,
         "public_docs": bool(args.public_docs),
         "limits": RequestLimits(
             max_request_body_bytes=max(1, int(args.max_request_body_mb * (1 << 20))),
@@ -142,14 +235,17 @@ def app_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def create_app(engine: EngineClient, tokenizer: Tokenizer, *, model_name: str | None = None,
                api_key: str | None = None, limits: RequestLimits | None = None,
-               public_docs: bool = False) -> FastAPI:
+               public_docs: bool = False, cors: CorsOptions | None = None,
+               log_requests: bool = True) -> FastAPI:
     """Build the app. ``model_name`` (default ``engine.model_name``) is the only name
     requests may ask for; ``api_key`` turns on Bearer authentication (for the API docs too,
-    unless ``public_docs``); ``limits`` bounds what one request may cost."""
+    unless ``public_docs``); ``limits`` bounds what one request may cost; ``cors`` adds CORS
+    headers; ``log_requests`` writes the access log."""
     name = model_name or engine.model_name
     limits = limits or RequestLimits()
     metrics = FrontendMetrics(engine, name)
     serving = OpenAIServing(engine, tokenizer, metrics, name, limits)
+    responses = ResponsesServing(serving)
     docs_open = api_key is None or public_docs
     app = FastAPI(title="Blink", summary="OpenAI-compatible LLM serving (Blink frontend)",
                   docs_url="/docs" if docs_open else None,
@@ -163,7 +259,14 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, *, model_name: str | 
     # Added last = outermost: the body limit applies before anything reads the body, and the
     # internal-error net catches whatever the app (or the limit) lets escape.
     app.add_middleware(BodySizeLimitMiddleware, limit=limits.max_request_body_bytes)
+    if cors is not None:  # outside the body limit: a preflight is answered before it
+        app.add_middleware(CORSMiddleware, allow_origins=cors.allow_origins,
+                           allow_methods=cors.allow_methods, allow_headers=cors.allow_headers,
+                           allow_credentials=cors.allow_credentials,
+                           expose_headers=["x-request-id"])
     app.add_middleware(InternalErrorMiddleware)
+    # Outermost: the id is on every answer, the 500s of the error net included.
+    app.add_middleware(RequestIdMiddleware, log_requests=log_requests)
 
     async def require_api_key(request: Request) -> None:
         if api_key is None:
@@ -180,8 +283,20 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, *, model_name: str | 
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
 
+    def endpoints() -> list[str]:
+        out = []
+        for route in app.routes:
+            if isinstance(route, APIRoute) or route.path in ("/docs", "/redoc", "/openapi.json"):
+                methods = sorted(getattr(route, "methods", None) or {"GET"} - {"HEAD"})
+                out += [f"{m} {route.path.replace(':path}', '}')}" for m in methods if m != "HEAD"]
+        return out
+
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404 and exc.detail == "Not Found":  # no route, not a handler's 404
+            return APIError(
+                404, f"{request.method} {request.url.path} is not an endpoint of this server. "
+                f"It serves: {', '.join(endpoints())}.", type="not_found_error").response()
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return APIError(exc.status_code, str(exc.detail), type=kind,
                         headers=dict(exc.headers or {})).response()
@@ -208,10 +323,26 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, *, model_name: str | 
     async def completions(request: Request) -> Response:
         return await serving.completions(request)
 
+    @app.post("/v1/responses", dependencies=auth)
+    async def create_response(request: Request) -> Response:
+        return await responses.create(request)
+
+    def model_card() -> ModelCard:
+        return ModelCard(id=name, root=name, max_model_len=engine.max_model_len)
+
     @app.get("/v1/models", dependencies=auth)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, root=name,
-                                         max_model_len=engine.max_model_len)])
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model_id:path}", dependencies=auth)
+    async def model(model_id: str) -> ModelCard:
+        if model_id != name:
+            raise errors.model_not_found(model_id)
+        return model_card()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": blink_version()}
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(request: Request) -> TokenizeResponse:
@@ -230,6 +361,7 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, *, model_name: str | 
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
+        metrics.before_scrape()
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -8,7 +8,7 @@ tests. Nothing here imports torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import AsyncIterator, Literal, Protocol, TypedDict, runtime_checkable
+from typing import AsyncIterator, Literal, NotRequired, Protocol, TypedDict, runtime_checkable
 
 from blink.shared.sampling_params import SamplingParams
 
@@ -71,8 +71,11 @@ class EngineOutput:
     delta, so a consumer can read them from whichever it sees first.
 
     ``queue_time_s`` (optional): seconds the request waited between being written to the ring
-    and being admitted by the scheduler (the ring client sees its slot leave WRITTEN); it is
-    set on the first delta only and feeds ``blink:request_queue_time_seconds``.
+    and being admitted by the scheduler. The ring client measures it from the engine: the
+    request's ``admitted_step`` stamp, placed in time by the engine's step clock
+    (:mod:`blink.dpu.step_clock`). ``admitted_at`` is that admission in ``time.monotonic()``
+    terms. Both are set on the first delta only and feed ``blink:request_queue_time_seconds``
+    and the prefill / decode / inference-time histograms.
     """
 
     token_ids: list[int]
@@ -83,6 +86,7 @@ class EngineOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     queue_time_s: float | None = None
+    admitted_at: float | None = None
 
 
 class EngineStats(TypedDict):
@@ -98,6 +102,15 @@ class EngineStats(TypedDict):
     prefix_cache_queries: int
     prefix_cache_hits: int
     preemptions: int
+    # Blink's own series (``blink:engine_*``, ``blink:ring_*``), where the client can tell:
+    steps: NotRequired[int]  # engine steps since start
+    step_tokens: NotRequired[int]  # prompt + generated tokens the steps processed
+    kv_blocks_total: NotRequired[int]
+    heartbeat_age_s: NotRequired[float]  # seconds since the heartbeat was last seen moving
+    slots_used: NotRequired[int]  # ring request slots holding a request
+    slots_total: NotRequired[int]
+    arena_used: NotRequired[int]  # prompt-arena tokens in use
+    arena_total: NotRequired[int]
 
 
 @runtime_checkable

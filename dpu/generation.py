@@ -56,6 +56,8 @@ class ChoiceRun:
         self._stream: AsyncIterator[EngineOutput] | None = None
         self._first: EngineOutput | None = None
         self._last_token_time: float | None = None
+        self._first_token_time: float | None = None
+        self._admitted_at: float | None = None  # the engine's admission, in monotonic time
         self.num_cached_tokens = 0
         self.engine_finished = False  # the engine side is done (no abort needed)
 
@@ -129,18 +131,45 @@ class ChoiceRun:
     def _observe_timing(self, n_tokens: int, now: float) -> None:
         if self._last_token_time is None:
             self.metrics.ttft.observe(now - self.arrival_time)
+            self._first_token_time = now
         else:
             # Tokens read together (the frontend polls the ring) share the wait equally.
             gap = (now - self._last_token_time) / n_tokens
             for _ in range(n_tokens):
                 self.metrics.itl.observe(gap)
+                self.metrics.tpot.observe(gap)
         self._last_token_time = now
+
+    def _observe_finished(self, now: float) -> None:
+        """The per-request series (vLLM's): token counts, parameters and phase times."""
+        m = self.metrics
+        generated = self.completion_tokens
+        m.prompt_tokens.inc(len(self.prompt_ids))
+        m.prompt_tokens_cached.inc(self.num_cached_tokens)
+        m.e2e.observe(now - self.arrival_time)
+        m.request_prompt_tokens.observe(len(self.prompt_ids))
+        m.request_generation_tokens.observe(generated)
+        m.request_max_generation_tokens.observe(generated)
+        if self.params.max_tokens is not None:
+            m.params_max_tokens.observe(self.params.max_tokens)
+        first = self._first_token_time
+        if self._admitted_at is not None:
+            m.inference_time.observe(now - self._admitted_at)
+            if first is not None:
+                m.prefill_time.observe(max(0.0, first - self._admitted_at))
+        if first is not None:
+            m.decode_time.observe(now - first)
+            if generated > 1:
+                m.request_tpot.observe((now - first) / (generated - 1))
+        self.metrics.request_finished(self.finish_reason or "stop")
 
     def _process(self, out: EngineOutput) -> ChoiceDelta:
         now = time.monotonic()
         self.num_cached_tokens = out.num_cached_tokens
         if out.queue_time_s is not None:
             self.metrics.queue_time.observe(out.queue_time_s)
+        if out.admitted_at is not None:
+            self._admitted_at = out.admitted_at
         if out.token_ids:
             self._observe_timing(len(out.token_ids), now)
         if out.finished and out.finish_reason == "error":
@@ -154,9 +183,7 @@ class ChoiceRun:
 
         self.metrics.generation_tokens.inc(kept)
         if self.finished:
-            self.metrics.prompt_tokens.inc(len(self.prompt_ids))
-            self.metrics.e2e.observe(now - self.arrival_time)
-            self.metrics.request_finished(self.finish_reason or "stop")
+            self._observe_finished(now)
         return ChoiceDelta(
             index=self.index, text=delta.text, token_ids=out.token_ids[:kept],
             logprobs=out.logprobs[:kept] if out.logprobs is not None else None,

@@ -1,9 +1,21 @@
-"""Prometheus metrics, named like vLLM's (``vllm:`` becomes ``blink:``).
+"""Prometheus metrics, named like vLLM's (``vllm:`` becomes ``blink:``), with vLLM's buckets
+(``vllm/v1/metrics/loggers.py``), plus Blink's own series.
 
-Latency histograms and token counters are observed by the frontend as it streams; scheduler
-state (running/waiting requests, KV-cache usage, prefix-cache and preemption counters) is read
-from :meth:`EngineClient.stats` at scrape time by a custom collector. Each app has its own
-``CollectorRegistry`` so that several apps (tests) can live in one process.
+- Per request, observed by the frontend as it streams (:class:`blink.dpu.generation.ChoiceRun`):
+  TTFT, inter-token latency (also exported as vLLM's older ``time_per_output_token_seconds``),
+  e2e latency, the per-request token counts and parameters, and the phases of a request —
+  queue (written to the ring → admitted by the engine; the admission is the engine's own step
+  stamp, :mod:`blink.dpu.step_clock`), prefill (admitted → first token), decode (first → last
+  token), inference (admitted → last token). Each of a request's ``n`` choices runs as its own
+  engine request and is counted as one.
+- Scheduler state, read from :meth:`EngineClient.stats` at scrape time by a collector: running
+  / waiting requests, KV-cache usage, prefix-cache and preemption counters, and Blink's own
+  ``blink:engine_*`` / ``blink:ring_*`` series (steps, heartbeat age, ring slot and prompt-arena
+  occupancy) where the client can tell.
+- ``blink:iteration_tokens_total`` (tokens per engine step): from the (steps, tokens) the ring
+  client saw between two polls; when a poll spans several steps each gets their average.
+
+Each app has its own ``CollectorRegistry`` so that several apps (tests) can live in one process.
 """
 from __future__ import annotations
 
@@ -22,6 +34,22 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                     50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+#: most per-step observations one scrape adds (a poll spanning many steps repeats its average)
+_MAX_STEP_OBSERVATIONS = 100_000
+
+
+def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to ``max_value``."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(out)
+            out.append(mantissa * scale)
+        scale *= 10
 
 
 class _EngineStatsCollector(Collector):
@@ -49,6 +77,10 @@ class _EngineStatsCollector(Collector):
                           "Number of requests waiting to be processed.", s["waiting"])
         yield self._gauge("blink:kv_cache_usage_perc",
                           "KV-cache usage. 1 means 100 percent usage.", s["kv_usage"])
+        # vLLM's older name, still used by its Grafana dashboard.
+        yield self._gauge("blink:gpu_cache_usage_perc",
+                          "KV-cache usage. 1 means 100 percent usage. Same as "
+                          "blink:kv_cache_usage_perc (vLLM's deprecated name).", s["kv_usage"])
         yield self._counter("blink:prefix_cache_queries",
                             "Prefix cache queries, in terms of number of queried tokens.",
                             s["prefix_cache_queries"])
@@ -57,6 +89,33 @@ class _EngineStatsCollector(Collector):
                             s["prefix_cache_hits"])
         yield self._counter("blink:num_preemptions",
                             "Cumulative number of preemptions from the engine.", s["preemptions"])
+        if "steps" in s:
+            yield self._counter("blink:engine_steps",
+                                "Engine steps since the engine started (rate() = steps/s).",
+                                s["steps"])
+        if "step_tokens" in s:
+            yield self._counter("blink:engine_step_tokens",
+                                "Tokens the engine steps processed (admitted prompt tokens + "
+                                "generated tokens); per step: rate(this) / rate(engine_steps).",
+                                s["step_tokens"])
+        if "heartbeat_age_s" in s:
+            yield self._gauge("blink:engine_heartbeat_age_seconds",
+                              "Seconds since the engine's heartbeat was last seen moving.",
+                              s["heartbeat_age_s"])
+        for key, name, doc in (
+                ("slots_used", "blink:ring_slots_used", "Ring request slots holding a request."),
+                ("slots_total", "blink:ring_slots_total", "Ring request slots (--max-num-seqs)."),
+                ("arena_used", "blink:ring_arena_tokens_used", "Prompt-arena tokens in use."),
+                ("arena_total", "blink:ring_arena_tokens_total", "Prompt-arena size in tokens."),
+        ):
+            if key in s:
+                yield self._gauge(name, doc, s[key])  # type: ignore[literal-required]
+        if "kv_blocks_total" in s:
+            info = GaugeMetricFamily("blink:cache_config_info",
+                                     "Information of the engine's KV cache (always 1).",
+                                     labels=["model_name", "num_gpu_blocks"])
+            info.add_metric([*self._labels, str(s["kv_blocks_total"])], 1)
+            yield info
 
 
 class FrontendMetrics:
@@ -65,25 +124,64 @@ class FrontendMetrics:
     def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
+        self._engine = engine
         labels = ["model_name"]
         r = self.registry
-        self.ttft = Histogram("blink:time_to_first_token_seconds",
-                              "Histogram of time to first token in seconds.", labels,
-                              buckets=_TTFT_BUCKETS, registry=r).labels(model_name)
-        self.itl = Histogram("blink:inter_token_latency_seconds",
-                             "Histogram of inter-token latency in seconds.", labels,
-                             buckets=_ITL_BUCKETS, registry=r).labels(model_name)
-        self.e2e = Histogram("blink:e2e_request_latency_seconds",
-                             "Histogram of end to end request latency in seconds.", labels,
-                             buckets=_REQUEST_BUCKETS, registry=r).labels(model_name)
-        self.queue_time = Histogram("blink:request_queue_time_seconds",
-                                    "Histogram of time spent waiting in the engine queue.",
-                                    labels, buckets=_REQUEST_BUCKETS, registry=r).labels(model_name)
-        self.prompt_tokens = Counter("blink:prompt_tokens", "Number of prefill tokens processed.",
-                                     labels, registry=r).labels(model_name)
-        self.generation_tokens = Counter("blink:generation_tokens",
-                                         "Number of generation tokens processed.", labels,
-                                         registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r).labels(model_name)
+
+        token_buckets = build_1_2_5_buckets(engine.max_model_len)
+        self.ttft = histogram("blink:time_to_first_token_seconds",
+                              "Histogram of time to first token in seconds.", _TTFT_BUCKETS)
+        self.itl = histogram("blink:inter_token_latency_seconds",
+                             "Histogram of inter-token latency in seconds.", _ITL_BUCKETS)
+        self.tpot = histogram("blink:time_per_output_token_seconds",
+                              "Histogram of time per output token in seconds (the inter-token "
+                              "latency, under vLLM's older name).", _ITL_BUCKETS)
+        self.request_tpot = histogram(
+            "blink:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request (decode time / "
+            "(generated tokens - 1)).", _ITL_BUCKETS)
+        self.e2e = histogram("blink:e2e_request_latency_seconds",
+                             "Histogram of end to end request latency in seconds.",
+                             _REQUEST_BUCKETS)
+        self.queue_time = histogram("blink:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.",
+                                    _REQUEST_BUCKETS)
+        self.inference_time = histogram("blink:request_inference_time_seconds",
+                                        "Histogram of time spent in RUNNING phase for request.",
+                                        _REQUEST_BUCKETS)
+        self.prefill_time = histogram("blink:request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.",
+                                      _REQUEST_BUCKETS)
+        self.decode_time = histogram("blink:request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.",
+                                     _REQUEST_BUCKETS)
+        self.request_prompt_tokens = histogram("blink:request_prompt_tokens",
+                                               "Number of prefill tokens processed.", token_buckets)
+        self.request_generation_tokens = histogram("blink:request_generation_tokens",
+                                                   "Number of generation tokens processed.",
+                                                   token_buckets)
+        self.request_max_generation_tokens = histogram(
+            "blink:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.", token_buckets)
+        self.params_n = histogram("blink:request_params_n",
+                                  "Histogram of the n request parameter.", _N_BUCKETS)
+        self.params_max_tokens = histogram("blink:request_params_max_tokens",
+                                           "Histogram of the max_tokens request parameter.",
+                                           token_buckets)
+        self.iteration_tokens = histogram("blink:iteration_tokens_total",
+                                          "Histogram of number of tokens per engine_step.",
+                                          _ITERATION_TOKEN_BUCKETS)
+        self.prompt_tokens = counter("blink:prompt_tokens", "Number of prefill tokens processed.")
+        self.prompt_tokens_cached = counter("blink:prompt_tokens_cached",
+                                            "Number of cached prompt tokens (prefix-cache hits).")
+        self.generation_tokens = counter("blink:generation_tokens",
+                                         "Number of generation tokens processed.")
         self._success = Counter("blink:request_success",
                                 "Count of successfully processed requests.",
                                 labels + ["finished_reason"], registry=r)
@@ -91,3 +189,15 @@ class FrontendMetrics:
 
     def request_finished(self, finish_reason: str) -> None:
         self._success.labels(self.model_name, finish_reason).inc()
+
+    def before_scrape(self) -> None:
+        """Fold what the engine client saw since the last scrape into the step histogram."""
+        samples = getattr(self._engine, "step_token_samples", None)
+        if samples is None:
+            return
+        budget = _MAX_STEP_OBSERVATIONS
+        for steps, tokens in samples():
+            per_step = tokens / steps
+            for _ in range(min(steps, budget)):
+                self.iteration_tokens.observe(per_step)
+            budget -= min(steps, budget)

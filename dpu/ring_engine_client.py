@@ -29,15 +29,20 @@ from blink.dpu.engine_client import (
 from blink.dpu.engine_health import EngineHealth, HeartbeatWatch, Observation, Transition
 from blink.dpu.ring_packing import RingRequestError, ring_fields
 from blink.dpu.ring_protocol import RingClient, RingHandle
+from blink.dpu.step_clock import StepClock
 from blink.shared.sampling_params import SamplingParams
 from blink.errors import BlinkError
 from blink.ring import (
+    C_HEARTBEAT,
     C_STAT_KV_BLOCKS_TOTAL,
     C_STAT_KV_BLOCKS_USED,
     C_STAT_PREEMPTIONS,
     C_STAT_PREFIX_HITS,
     C_STAT_PREFIX_QUERIES,
     C_STAT_RUNNING,
+    C_STAT_STEPS,
+    C_STAT_PROMPT_TOKENS,
+    C_STAT_GENERATED_TOKENS,
     C_STAT_WAITING,
 )
 
@@ -117,6 +122,10 @@ class RingEngineClient:
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._peer_checked = 0.0
+        #: the engine's step count in time, for the queue time (blink.dpu.step_clock)
+        self.step_clock = StepClock()
+        self._last_step_count: tuple[int, int] | None = None
+        self._step_samples: list[tuple[int, int]] = []
         status = ring.engine_status()
         now = time.monotonic()
         self._watch = HeartbeatWatch(heartbeat_timeout_s, engine_dead_timeout_s,
@@ -298,6 +307,8 @@ class RingEngineClient:
         now = time.monotonic()
         status = self.ring.engine_status()
         self._watch.saw(status.state, status.heartbeat, now)
+        self.step_clock.saw(int(status.control[C_STAT_STEPS]), now)
+        self._note_step_tokens(status.control)
         active = self.ring.active
         self._update(now, in_flight=len(active), check_peer=True)
         if self._watch.state.final or not active:
@@ -317,17 +328,50 @@ class RingEngineClient:
                 del self._inflight[stream.request_id]
         return bool(deltas)
 
-    @staticmethod
-    def _to_output(delta: EngineOutput, stream: _Stream) -> EngineOutput:
+    def _note_step_tokens(self, control: Any) -> None:
+        """(steps, tokens) the engine ran since the last tick, for ``iteration_tokens_total``."""
+        steps = int(control[C_STAT_STEPS])
+        tokens = int(control[C_STAT_PROMPT_TOKENS]) + int(control[C_STAT_GENERATED_TOKENS])
+        last = self._last_step_count
+        self._last_step_count = (steps, tokens)
+        if last is not None and steps > last[0] and tokens >= last[1]:
+            if len(self._step_samples) < 100_000:  # unscraped: keep memory bounded
+                self._step_samples.append((steps - last[0], tokens - last[1]))
+
+    def step_token_samples(self) -> list[tuple[int, int]]:
+        """(steps, tokens) pairs since the last call: the engine ran ``steps`` steps that
+        processed ``tokens`` tokens (admitted prompt tokens + generated ones) between two
+        polls. ``/metrics`` turns them into ``blink:iteration_tokens_total``."""
+        out, self._step_samples = self._step_samples, []
+        return out
+
+    def _admitted_at(self, handle: RingHandle) -> float | None:
+        """When the engine admitted ``handle``: the start of its ``admitted_step`` (the end of
+        the step before) on the step clock, never before the submission nor after this client
+        saw the slot leave WRITTEN (the bounds the clock's interpolation must respect); the
+        latter when the clock has no answer."""
+        if handle.claimed_at is None:
+            return None
+        step = handle.admitted_step
+        at = None if step is None or step < 1 else self.step_clock.time_of(step - 1)
+        if at is None:
+            return handle.claimed_at
+        return min(max(at, handle.submitted_at), handle.claimed_at)
+
+    def _to_output(self, delta: EngineOutput, stream: _Stream) -> EngineOutput:
         """The protocol's delta as this request asked for it: logprobs only when asked (the
-        engine always computes the chosen token's); the queue time on the first delta."""
-        queue_time_s = None
+        engine always computes the chosen token's); the admission time and queue time on the
+        first delta."""
+        extra: dict[str, Any] = {}
         if not stream.queue_time_reported:  # the first delta: the engine has admitted it
-            queue_time_s = stream.handle.queue_time_s
-            stream.queue_time_reported = queue_time_s is not None
+            admitted_at = self._admitted_at(stream.handle)
+            if admitted_at is not None:
+                stream.queue_time_reported = True
+                extra = {"admitted_at": admitted_at,
+                         "queue_time_s": admitted_at - stream.handle.submitted_at}
         if stream.params.logprobs is None:
-            return dataclasses.replace(delta, logprobs=None, top_logprobs=None, queue_time_s=queue_time_s)
-        return dataclasses.replace(delta, queue_time_s=queue_time_s)
+            return dataclasses.replace(delta, logprobs=None, top_logprobs=None, **extra)
+        return dataclasses.replace(delta, **extra)
 
     # -- EngineClient ----------------------------------------------------------------------
 
@@ -395,7 +439,21 @@ class RingEngineClient:
             prefix_cache_queries=int(c[C_STAT_PREFIX_QUERIES]),
             prefix_cache_hits=int(c[C_STAT_PREFIX_HITS]),
             preemptions=int(c[C_STAT_PREEMPTIONS]),
+            steps=int(c[C_STAT_STEPS]),
+            step_tokens=int(c[C_STAT_PROMPT_TOKENS]) + int(c[C_STAT_GENERATED_TOKENS]),
+            kv_blocks_total=total,
+            heartbeat_age_s=self._heartbeat_age(int(c[C_HEARTBEAT])),
+            slots_used=len(self.ring.active),
+            slots_total=self.ring.config.n_slots,
+            arena_used=self.ring.arena.used,
+            arena_total=self.ring.arena.capacity,
         )
+
+    def _heartbeat_age(self, heartbeat: int) -> float:
+        """Seconds since the heartbeat last moved, as of ``heartbeat`` (read just now)."""
+        if heartbeat != self._watch.heartbeat:
+            return 0.0
+        return max(0.0, time.monotonic() - self._watch.heartbeat_changed)
 
     async def close(self) -> None:
         """Stop polling, cancel what is in flight, and close the transport."""
@@ -512,6 +570,10 @@ class ReconnectingEngineClient:
             return EngineStats(running=0, waiting=0, kv_usage=0.0, prefix_cache_queries=0,
                                prefix_cache_hits=0, preemptions=0)
         return c.stats()
+
+    def step_token_samples(self) -> list[tuple[int, int]]:
+        c = self._live()
+        return [] if c is None else c.step_token_samples()
 
     def start(self) -> None:
         """Start the current client's poller and the watcher that reconnects."""

@@ -154,6 +154,7 @@ class RingHandle:
     consumed: int = 0  # tokens read so far (mirrors the stream's consumed counter)
     claimed: bool = False  # the engine took the prompt (state RUNNING or later)
     claimed_at: float | None = None  # when this client first saw the slot past WRITTEN
+    admitted_step: int | None = None  # the engine's step count at admission (engine-written)
     done: bool = False  # finished, fully read, slot given back
     cancelled: bool = False
     finish_reason: str | None = None
@@ -492,6 +493,7 @@ class RingClient:
                     f"slot {slot}: the engine's stream serves sequence {stream_seq}, "
                     f"the request was written as {h.seq}"
                 )
+            h.admitted_step = int(self._read_field("admitted_step", slot, slot + 1)[0])
             self._claim(h)
         cap = self.config.stream_capacity
         n = produced - h.consumed

@@ -455,6 +455,7 @@ class OpenAIServing:
                    include_stop: bool, arrival: float) -> list[ChoiceRun]:
         runs = []
         for p, prompt_ids in enumerate(prompts):
+            self.metrics.params_n.observe(params.n)
             for i in range(params.n):
                 # One engine request per choice; a given seed is offset per choice so the
                 # choices differ but stay reproducible.

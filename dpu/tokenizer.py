@@ -16,6 +16,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from blink.dpu.chat_template import ChatTemplateError, RenderLimits, render_chat_template
 from blink.dpu.fast_encode import FastEncoder
 from blink.shared.byte_level import unicode_to_bytes
+from blink.errors import BlinkError
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 # Texts longer than this go through tokenizers' encode_batch (see Tokenizer._encode_ids).
@@ -140,6 +141,12 @@ class Tokenizer:
 
         tokenizer_json, tokenizer_config, generation_config = load_tokenizer_files(name_or_path)
         return cls(tokenizer_json, tokenizer_config, generation_config, fast=fast)
+
+    def use_chat_template(self, template: str) -> None:
+        """Render every conversation with ``template`` instead of the model's (``--chat-template``);
+        the model's tool-use template goes too, as in vLLM."""
+        self.chat_template = template
+        self._tool_template = None
 
     def _probe_post_affixes(self) -> tuple[list[int], list[int]] | None:
         with_special = self._tok.encode("Hello world", add_special_tokens=True).ids
@@ -285,3 +292,18 @@ class Tokenizer:
         and :meth:`encode` never doubles a bos the text already starts with."""
         return self.encode(self.render_chat(messages, **render_kwargs),
                            add_special_tokens=add_special_tokens)
+
+
+def read_chat_template(value: str) -> str:
+    """``--chat-template``: a file's text, or the jinja text itself (vLLM's rule: what cannot be
+    opened is taken as a template only if it looks like one: it holds ``{``, ``}`` or a newline)."""
+    from pathlib import Path
+
+    path = Path(value)
+    try:
+        return path.read_text()
+    except OSError as exc:
+        if any(c in value for c in "{}\n"):
+            return value
+        raise BlinkError(f"--chat-template {value!r}: looks like a file name but cannot be "
+                         f"read ({exc.strerror or exc})") from None

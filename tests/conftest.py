@@ -28,3 +28,17 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(autouse=True)
+def _restore_root_logging():
+    """``blink.cli.main`` configures the process's logging (blink.logs) onto the stderr of the
+    test that called it; put the root logger back afterwards, so that a later test's log line
+    (from a thread, say) does not hit that test's closed capture stream."""
+    import logging
+
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    yield
+    root.handlers[:] = saved[0]
+    root.setLevel(saved[1])

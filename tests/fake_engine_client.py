@@ -11,6 +11,7 @@ the ring client during a slow engine step) or "dead" (new and in-flight requests
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import AsyncIterator, Callable, Sequence
 
 from blink.dpu.engine_client import (
@@ -114,6 +115,8 @@ class FakeEngineClient:
         self._prefix_queries += len(prompt_ids)
         self._prefix_hits += cached
         script = list(self.responder(list(prompt_ids), params))
+        # As the ring client: admitted queue_time_s after the submission (now), on its clock.
+        admitted_at = None if self.queue_time_s is None else time.monotonic() + self.queue_time_s
         max_tokens = params.max_tokens or (self.max_model_len - len(prompt_ids))
         stop_ids = set(params.stop_token_ids)
         try:
@@ -127,7 +130,8 @@ class FakeEngineClient:
                     raise EngineDeadError()
                 if request_id in self.aborted:
                     self.finished[request_id] = "abort"
-                    yield self._output([], params, True, "abort", len(prompt_ids), cached, first)
+                    yield self._output([], params, True, "abort", len(prompt_ids), cached, first,
+                                       admitted_at)
                     return
                 tokens: list[int] = []
                 reason: str | None = None
@@ -147,7 +151,7 @@ class FakeEngineClient:
                 if reason is not None:
                     self.finished[request_id] = reason
                 yield self._output(tokens, params, reason is not None, reason,
-                                   len(prompt_ids), cached, first)
+                                   len(prompt_ids), cached, first, admitted_at)
                 first = False
                 if reason is not None:
                     return
@@ -155,7 +159,8 @@ class FakeEngineClient:
             self.running.discard(request_id)
 
     def _output(self, tokens: list[int], params: SamplingParams, finished: bool,
-                reason: str | None, n_prompt: int, cached: int, first: bool) -> EngineOutput:
+                reason: str | None, n_prompt: int, cached: int, first: bool,
+                admitted_at: float | None = None) -> EngineOutput:
         logprobs = top = None
         if params.logprobs is not None:
             # Deterministic, plausible-looking values: a distinct negative number per token.
@@ -171,6 +176,7 @@ class FakeEngineClient:
             finish_reason=reason,  # type: ignore[arg-type]
             num_prompt_tokens=n_prompt, num_cached_tokens=cached,
             queue_time_s=self.queue_time_s if first else None,
+            admitted_at=admitted_at if first else None,
         )
 
     async def abort(self, request_id: str) -> None:

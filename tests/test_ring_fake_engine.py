@@ -21,6 +21,7 @@ from blink.ring import (
     C_ENGINE_STATE,
     C_HEARTBEAT,
     C_STAT_RUNNING,
+    C_STAT_STEPS,
     ENGINE_FAILED,
     ENGINE_READY,
     ENGINE_STOPPED,
@@ -67,6 +68,7 @@ class FakeEngine:
         self.backpressure_waits = 0
         self.generated: dict[int, int] = {}  # slot -> tokens generated for its current request
         self._prompts: dict[int, list[int]] = {}
+        self.steps = 0  # steps begun (published as C_STAT_STEPS when each ends)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         ring.control[C_ENGINE_STATE] = ENGINE_READY
@@ -96,6 +98,7 @@ class FakeEngine:
     def step(self) -> None:
         r = self.ring
         r.control[C_HEARTBEAT] += 1
+        self.steps += 1  # as the scheduler: count the step, stamp admissions, publish at the end
         states = r.state.copy()  # acquire: state words first
         memory_fence()
         if self.admit:
@@ -105,6 +108,7 @@ class FakeEngine:
         for slot in running:
             self._advance(int(slot))
         r.control[C_STAT_RUNNING] = len(running)
+        r.control[C_STAT_STEPS] = self.steps
 
     def _claim(self, slot: int) -> None:
         r = self.ring
@@ -126,6 +130,7 @@ class FakeEngine:
         r.finish_reason[slot] = FINISH_NONE
         r.num_prompt_tokens[slot] = n
         r.num_cached_tokens[slot] = min(self.cached_tokens, n)
+        r.admitted_step[slot] = self.steps
         memory_fence()
         r.state[slot] = SLOT_RUNNING
 

@@ -67,6 +67,8 @@ class EngineConfig:
     max_admit_per_step: int = 16
     enable_prefix_caching: bool = True
     stream_capacity: int = 64
+    #: most logprobs a request may ask for (vLLM's --max-logprobs): the ring's logprob columns
+    max_logprobs: int = 20
     transport: str = "loopback"  # loopback | verbs | inprocess (a frontend in this process: LLM)
     threads: int | None = None
     #: how long a stop with drain waits for requests in flight (every loop kind uses this one)
@@ -175,6 +177,7 @@ class Engine:
             n_slots=config.max_num_seqs,
             arena_tokens=max(4 * self.max_model_len, 1 << 18),
             stream_capacity=config.stream_capacity,
+            max_logprobs=config.max_logprobs,
             max_model_len=self.max_model_len,
         )
         self.region = self._create_region(RingLayout(self.ring_config).total_bytes)

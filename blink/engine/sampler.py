@@ -264,7 +264,8 @@ class SamplerPlan:
         random = st.temperature > 0
         return cls(
             any_logit_bias=bool((st.logit_bias_ids >= 0).any()),
-            any_suppress=suppress_ids is not None and bool((suppress_ids >= 0).any()),
+            # Without the batch's suppress ids the plan cannot know: keep the stage.
+            any_suppress=suppress_ids is None or bool((suppress_ids >= 0).any()),
             any_random=bool(random.any()),
             any_filter=bool((random & ((st.top_k > 0) | (st.top_p < 1) | (st.min_p > 0))).any()),
             any_penalty=bool(

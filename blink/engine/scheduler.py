@@ -432,6 +432,7 @@ class Scheduler:
         self._ring_set(opened, "finish_reason", reason)
         self._ring_set(opened, "num_prompt_tokens", plen)
         self._ring_set(opened, "num_cached_tokens", 0)
+        self._ring_set(opened, "admitted_step", st.counters[K_STEPS])  # queue time (frontend)
         self._fence()
         self._publish_state(opened, torch.where(admit, SLOT_RUNNING, SLOT_FINISHED))
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import re
 import secrets
 from dataclasses import dataclass, field, fields
@@ -72,13 +73,24 @@ class SamplingParamsError(BlinkError):
     """A sampling parameter is out of range or of the wrong type."""
 
 
+_seed_source: random.Random = secrets.SystemRandom()
+
+
+def seed_unseeded_requests(seed: int | None) -> None:
+    """Where :func:`draw_seed` draws from: a ``random.Random(seed)`` stream (vLLM's
+    ``--seed``: a run's sampling repeats when the same requests come in the same order), or
+    fresh system randomness (``None``, the default)."""
+    global _seed_source
+    _seed_source = secrets.SystemRandom() if seed is None else random.Random(seed)
+
+
 def draw_seed() -> int:
-    """A fresh random seed for a request that gave none (a non-negative int64).
+    """A random seed for a request that gave none (a non-negative int64).
 
     Drawn once when the request is admitted, so the request's tokens still depend only on its
     own seed and never on which other requests share its batch.
     """
-    return secrets.randbits(63)
+    return _seed_source.getrandbits(63)
 
 
 def _is_int(value: Any) -> bool:
