@@ -79,6 +79,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "launches CUDA graphs), device (tier B: no host call per step)")
     g.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads for the CPU loop (default: all cores)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CPU loop: run every step eager instead of torch.compile'd per token "
+                        "bucket (compiling takes a while at the first start; later starts load "
+                        "the compiled code from --compile-cache-dir). Also BLINK_ENFORCE_EAGER=1")
+    g.add_argument("--compile-cache-dir", default=None, metavar="DIR",
+                   help="where compiled steps are cached between starts (default: "
+                        "$BLINK_COMPILE_CACHE_DIR, else ~/.cache/blink/inductor)")
     g.add_argument("--transport", default="loopback", choices=["loopback", "verbs"],
                    help="how the frontend reaches the ring: loopback (shared memory) or verbs (RDMA)")
     _add_vllm_engine_args(p)

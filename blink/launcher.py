@@ -75,6 +75,9 @@ def engine_config_from_args(args: argparse.Namespace):
         max_logprobs=args.max_logprobs,
         transport=args.transport,
         threads=args.threads,
+        # None (flag absent): EngineConfig's default ($BLINK_ENFORCE_EAGER, else compiled)
+        **({"enforce_eager": True} if args.enforce_eager else {}),
+        compile_cache_dir=args.compile_cache_dir,
     )
 
 
@@ -160,6 +163,7 @@ _ENGINE_FLAGS = (
     "model", "served_model_name", "dtype", "device", "max_model_len", "block_size",
     "kv_cache_tokens", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "loop",
     "threads", "transport", "grammar_region_mb", "max_logprobs", "log_level",
+    "compile_cache_dir",
 )
 
 
@@ -311,9 +315,11 @@ class _Supervisor:
         args = self.args
         self.engine = self._spawn(
             ["engine", "--listen", f"127.0.0.1:{port}", *_flags(args, _ENGINE_FLAGS),
-             *([] if prefix_caching_enabled(args) else ["--no-prefix-caching"])])
+             *([] if prefix_caching_enabled(args) else ["--no-prefix-caching"]),
+             *(["--enforce-eager"] if args.enforce_eager else [])])
         watch = (("frontend", self.frontend),) if self.frontend is not None else ()
-        ready = _wait_for_line(self.engine, ENGINE_READY_PREFIX, "engine", 600, sys.stderr,
+        # A first start compiles every bucket (blink.engine.compiled): >10 min on 2 busy cores.
+        ready = _wait_for_line(self.engine, ENGINE_READY_PREFIX, "engine", 1800, sys.stderr,
                                self.stop, watch)
         return ready[len(ENGINE_READY_PREFIX):]
 

@@ -5,6 +5,8 @@ the torch reference (:mod:`blink.kernels.reference`, and :mod:`blink.kernels.sam
 for the sampler's filter and seeded draw); on CUDA the Triton kernels replace the entries they
 implement. Model and sampler code never branch on which kernel they got.
 
+``compiled_cpu_ops()`` is the CPU table a compiled step uses (attention as opaque custom ops).
+
 ``ops_for(device, triton=True)`` forces the Triton table whatever the device: the tests use it
 on CPU tensors under ``TRITON_INTERPRET=1``.
 """
@@ -54,6 +56,21 @@ def ops_for(device: torch.device | str, *, triton: bool | None = None) -> Simple
         table.update({name: getattr(grammar_reference, name) for name in _GRAMMAR_OP_NAMES})
         if use_triton:
             table.update(_triton_ops(required=triton is True))
+        _cache[key] = SimpleNamespace(**table)
+    return _cache[key]
+
+
+def compiled_cpu_ops() -> SimpleNamespace:
+    """The CPU table for a compiled step (``blink.engine.compiled``): the references, except
+    that the KV-cache write and the paged attention are opaque custom ops
+    (:mod:`blink.kernels.cpu_step_ops`), which keep the graph free of value-dependent shapes."""
+    key = ("cpu-compiled", False)
+    if key not in _cache:
+        from blink.kernels import cpu_step_ops
+
+        table = vars(ops_for("cpu")).copy()
+        table["write_kv_cache"] = cpu_step_ops.write_kv_cache
+        table["paged_attention"] = cpu_step_ops.paged_attention
         _cache[key] = SimpleNamespace(**table)
     return _cache[key]
 

@@ -12,6 +12,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Engines run eager unless a test is about compilation (blink.engine.compiled): compiling
+# every engine's buckets would take minutes. Child processes (blink serve) inherit it.
+os.environ.setdefault("BLINK_ENFORCE_EAGER", "1")
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from blink.kernels import reference as ref
+from attention_cases import MIXED, make_batch  # noqa: E402
 
 triton_attention = pytest.importorskip("blink.kernels.triton_attention")
 from blink.kernels.triton_common import interpreting  # noqa: E402
@@ -30,64 +31,6 @@ if DEVICE == "cpu" and not interpreting():
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
-def make_batch(
-    rows: list[tuple[int, int]],
-    *,
-    n_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    dtype: torch.dtype,
-    pad_tokens: int = 0,
-    extra_table_cols: int = 1,
-    seed: int = 0,
-):
-    """A step over ``rows`` = [(cached_len, new_len)] with a random cache and block layout.
-
-    Rows with (0, 0) are unused (seq_lens 0). Physical blocks are shuffled so a wrong block
-    lookup cannot pass by accident; the last block is the scratch block padding writes to.
-    Returns (caches, new K/V, metadata, number of live tokens).
-    """
-    g = torch.Generator().manual_seed(seed)
-    n_rows = len(rows)
-    blocks_per_row = [-(-(c + n) // block_size) for c, n in rows]
-    max_blocks = max(blocks_per_row) + extra_table_cols
-    n_blocks = sum(blocks_per_row) + 1  # + scratch
-    perm = torch.randperm(n_blocks - 1, generator=g)
-    tables = torch.zeros(n_rows, max_blocks, dtype=torch.int32)
-    used = 0
-    for r, nb in enumerate(blocks_per_row):
-        tables[r, :nb] = perm[used:used + nb].to(torch.int32)
-        used += nb
-    k_cache = torch.randn(n_blocks, block_size, n_kv_heads, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(n_blocks, block_size, n_kv_heads, head_dim, generator=g).to(dtype)
-
-    slots, positions, seq_idx, starts = [], [], [], [0]
-    for r, (cached, new) in enumerate(rows):
-        for p in range(cached, cached + new):
-            positions.append(p)
-            seq_idx.append(r)
-            slots.append(int(tables[r, p // block_size]) * block_size + p % block_size)
-        starts.append(starts[-1] + new)
-    n_live = len(slots)
-    pad_row = next((r for r, (c, n) in enumerate(rows) if c + n == 0), 0)
-    for i in range(pad_tokens):
-        positions.append(0)
-        seq_idx.append(pad_row)
-        slots.append((n_blocks - 1) * block_size + i % block_size)
-    md = ref.AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        positions=torch.tensor(positions, dtype=torch.int64),
-        token_seq_idx=torch.tensor(seq_idx, dtype=torch.int64),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor([c + n for c, n in rows], dtype=torch.int32),
-        block_tables=tables,
-    )
-    T = len(slots)
-    k_new = torch.randn(T, n_kv_heads, head_dim, generator=g).to(dtype)
-    v_new = torch.randn(T, n_kv_heads, head_dim, generator=g).to(dtype)
-    return k_cache, v_cache, k_new, v_new, md, n_live
-
-
 def to_device(*ts):
     out = []
     for t in ts:
@@ -97,11 +40,6 @@ def to_device(*ts):
         else:
             out.append(t.to(DEVICE))
     return out
-
-
-# A mixed step: decode rows, a fresh prefill, an extend over a cached prefix (prefix cache /
-# chunked prefill), an unused row, and bucket padding.
-MIXED = [(37, 1), (0, 9), (0, 0), (20, 5), (5, 1)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -12,12 +12,18 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from blink.config import ModelConfig
 from blink.dtypes import resolve_dtype
+from blink.engine.compiled import (
+    CompiledModelPhase,
+    compile_cache_dir,
+    configure_compile_cache,
+    enforce_eager_default,
+)
 from blink.engine.step import StepParts, run_step
 from blink.engine.sampler import Sampler
 from blink.engine.scheduler import Scheduler
@@ -70,6 +76,11 @@ class EngineConfig:
     threads: int | None = None
     #: how long a stop with drain waits for requests in flight (every loop kind uses this one)
     drain_timeout_s: float = 30.0
+    #: CPU loop: run eager instead of torch.compile'd steps (default: $BLINK_ENFORCE_EAGER,
+    #: else False; the test suite sets it). See blink.engine.compiled.
+    enforce_eager: bool = field(default_factory=enforce_eager_default)
+    #: where compiled code is cached (None: $BLINK_COMPILE_CACHE_DIR, else ~/.cache/blink/inductor)
+    compile_cache_dir: str | None = None
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -132,6 +143,8 @@ class Engine:
             self._build(config)
         finally:
             torch.set_num_threads(threads_before)
+        #: the CPU loop's compiled forward/sample (built on the loop thread; None = eager)
+        self.compiled: CompiledModelPhase | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._drain = True
@@ -255,6 +268,13 @@ class Engine:
         if self.device.type == "cpu":
             torch.set_num_threads(self.loop_threads)  # this thread's OpenMP team (see __init__)
         control = self.ring.control
+        try:
+            self._compile()
+        except BaseException as exc:
+            self.error = exc
+            control[C_ENGINE_STATE] = ENGINE_FAILED
+            print("blink engine start failed:\n" + traceback.format_exc(), file=sys.stderr, flush=True)
+            return
         self._bump_heartbeat_per_layer(True)
         control[C_ENGINE_STATE] = ENGINE_READY
         idle_sleep = 0.0
@@ -293,6 +313,28 @@ class Engine:
         finally:
             self._bump_heartbeat_per_layer(False)
 
+    def _compile(self) -> None:
+        """CPU loop, before READY: compile the step per bucket (unless ``enforce_eager``), on
+        this thread, with the loop's thread count (inductor generates the CPU kernels for it).
+        Compiler failures fall back to eager inside; only a bad cache directory raises."""
+        model = getattr(self.executor, "model", None)
+        if self.config.enforce_eager or self.device.type != "cpu" or model is None:
+            return  # GPU tiers capture graphs instead; the null model has nothing to compile
+        configure_compile_cache(compile_cache_dir(self.config.compile_cache_dir))
+        compiled = CompiledModelPhase(
+            self.executor,
+            self.sampler,
+            scheduler_buckets=self.scheduler_config.buckets,
+            max_rows=min(self.config.max_num_seqs, self.config.max_num_batched_tokens),
+            # StepBatch.suppress_ids: stop ids + EOS ids (the scheduler pads no EOS to one -1);
+            # tests/test_compiled.py fails (a refused recompile) if this drifts from it.
+            suppress_width=self.ring_config.max_stop_ids + max(1, len(self.scheduler_config.eos_token_ids)),
+            max_logit_bias=self.ring_config.max_logit_bias,
+        )
+        with torch.inference_mode():
+            compiled.warm()
+        self.compiled = compiled
+
     def _idle(self) -> bool:
         """Host-side check (CPU loop only) that no slot needs the engine: FREE slots and
         FINISHED slots waiting for the frontend to read them need no step."""
@@ -303,4 +345,4 @@ class Engine:
 
     def step(self) -> bool:
         """One engine step. Returns False when nothing was scheduled."""
-        return run_step(StepParts(self.scheduler, self.executor, self.sampler))
+        return run_step(StepParts(self.scheduler, self.executor, self.sampler), self.compiled)

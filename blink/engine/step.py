@@ -100,8 +100,10 @@ def model_phase(
     scheduler.update(batch, out.tokens, out.logprob, out.top_ids, out.top_logprobs, num_tokens=tokens)
 
 
-def run_step(parts: StepParts) -> bool:
-    """One CPU-loop step (``Engine.step``). Returns False when nothing was scheduled."""
+def run_step(parts: StepParts, compiled=None) -> bool:
+    """One CPU-loop step (``Engine.step``). Returns False when nothing was scheduled.
+    ``compiled``: the loop's :class:`~blink.engine.compiled.CompiledModelPhase`, which runs
+    the model phase with compiled pieces padded to its buckets (None: eager)."""
     batch = parts.scheduler.schedule()
     n = int(batch.num_scheduled_tokens)  # CPU loop: a plain memory read, not a device sync
     if n == 0:  # admissions/cancels may have happened, but there is nothing to compute
@@ -109,6 +111,9 @@ def run_step(parts: StepParts) -> bool:
     # At least one (padding) sample row: a step of prefill chunks only samples nothing,
     # and update() indexes the sampler outputs (an empty tensor cannot be indexed).
     ns = max(int(batch.num_sample_rows), 1)
+    if compiled is not None:  # pads tokens and rows to its buckets, gathers its own inputs
+        compiled.run(parts, batch, tokens=n, rows=ns)
+        return True
     inputs = parts.scheduler.sampler_inputs(batch, ns)
     plan = SamplerPlan.of(inputs.sampling, inputs.suppress_ids)  # skip stages no row uses
     entry = parts.scheduler.state.sampling["grammar_entry"][batch.sample_rows[:ns].clamp(min=0)]

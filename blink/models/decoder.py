@@ -225,6 +225,13 @@ class DecoderForCausalLM(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight)
 
+    def use_ops(self, ops) -> None:
+        """Switch every module to another op table (the compiled CPU step's,
+        :func:`blink.kernels.ops.compiled_cpu_ops`); the signatures are the same."""
+        for module in self.modules():
+            if hasattr(module, "ops"):
+                module.ops = ops
+
     def use_input_major_weights(self) -> None:
         """Store every projection weight (and a tied embedding) input-major in memory,
         keeping its [out, in] shape: on CPU, fp32 matrix-vector products read [in, out]

@@ -1,0 +1,125 @@
+"""Compiled CPU steps (blink.engine.compiled): the tokens equal transformers' greedy ones,
+nothing compiles again in steady state, compiler failures and would-be recompiles fall back
+to eager with one warning, and the flags reach the engine config.
+
+Only this file (and tests/test_cpu_paged_attention.py) compiles; every other test runs eager
+(``BLINK_ENFORCE_EAGER=1`` from conftest). Compiled code is cached under pytest's cache
+directory, so only a first run on a machine pays the full compile.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
+from test_engine import GREEDY, Reference, assert_greedy, random_prompts, tiny_model_dir  # noqa: E402
+
+from blink.engine import compiled  # noqa: E402
+from blink.llm import LLM  # noqa: E402
+from blink.shared.sampling_params import SamplingParams  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cache_dir(request) -> Path:
+    return Path(request.config.cache.mkdir("blink-inductor"))
+
+
+@pytest.fixture(scope="module")
+def compiled_llm(tmp_path_factory, cache_dir):
+    """A compiled engine with few buckets: tokens (1, 2, 4), sample rows (1, 2)."""
+    path = tiny_model_dir(tmp_path_factory.mktemp("compiled_models"))
+    with LLM(str(path), dtype="float32", max_model_len=128, max_num_seqs=2, kv_cache_tokens=1024,
+             max_num_batched_tokens=4, enforce_eager=False, compile_cache_dir=str(cache_dir)) as llm:
+        yield llm
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def test_compiled_greedy_matches_transformers_without_recompiles(compiled_llm):
+    phase = compiled_llm.engine.compiled
+    assert phase is not None, "enforce_eager=False must compile on CPU"
+    assert phase.token_buckets == (1, 2, 4) and phase.row_buckets == (1, 2)
+    assert phase.layer.failed is None and phase.head.failed is None
+    assert phase.attention_kernel.failed is None
+    graphs = _graphs()
+    ref = Reference()
+    # Prompts longer than the budget: chunked prefill in 4-token steps, then decode; two
+    # at once so steps mix a prefill chunk with a decode row, and rows pad to buckets.
+    prompts = random_prompts(4, 3, 11, seed=5)
+    outs = compiled_llm.generate(prompts, SamplingParams(max_tokens=8, **GREEDY), timeout_s=120)
+    for p, o in zip(prompts, outs):
+        assert_greedy(ref, p, o.token_ids, ref.greedy(p, 8))
+    # Seeded temperature sampling takes the other compiled sampler plan.
+    compiled_llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=1.0, seed=3),
+                          timeout_s=60)
+    assert phase.refused == 0, "a steady-state call would have recompiled"
+    assert _graphs() == graphs, "steady state compiled a new graph"
+
+
+def test_compile_failure_falls_back_to_eager_with_one_warning(capsys):
+    def branchy(x: torch.Tensor) -> torch.Tensor:
+        if x.sum().item() > 0:  # a host read: fullgraph compilation refuses it
+            return x + 1
+        return x - 1
+
+    fn = compiled.compile_fn(branchy, "the test function", backend="eager")
+    x = torch.ones(3)
+    assert fn.warm(x) is False
+    assert torch.equal(fn(x), x + 1) and torch.equal(fn(-x), -x - 1)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(lines) == 1 and "compiling the test function failed" in lines[0]
+    assert "running it eager" in lines[0]
+
+
+def test_steady_state_recompile_is_refused_and_runs_eager(capsys):
+    fn = compiled.compile_fn(lambda x: x * 2, "the doubler", backend="eager")
+    assert fn.warm(torch.ones(2)) is True
+    graphs = _graphs()
+    assert torch.equal(fn(torch.ones(2)), torch.full((2,), 2.0))
+    assert fn.refused == 0
+    assert torch.equal(fn(torch.ones(3)), torch.full((3,), 2.0))  # new shape: eager
+    assert torch.equal(fn(torch.ones(5)), torch.full((5,), 2.0))
+    assert fn.refused == 2 and _graphs() == graphs
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "would recompile" in line]
+    assert len(warnings) == 1
+
+
+def test_buckets():
+    assert compiled.token_buckets((8, 16, 32)) == (1, 2, 4, 8, 16, 32)
+    assert compiled.token_buckets((2,)) == (1, 2)
+    assert compiled.row_buckets(256) == (1, 4, 16, 64, 256)
+    assert compiled.row_buckets(20) == (1, 4, 16, 20)
+    assert compiled.row_buckets(1) == (1,)
+
+
+def test_cache_dir_and_eager_defaults(monkeypatch, tmp_path):
+    monkeypatch.delenv(compiled.CACHE_DIR_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert compiled.compile_cache_dir() == tmp_path / "blink" / "inductor"
+    monkeypatch.setenv(compiled.CACHE_DIR_ENV, str(tmp_path / "env"))
+    assert compiled.compile_cache_dir() == tmp_path / "env"
+    assert compiled.compile_cache_dir(tmp_path / "flag") == tmp_path / "flag"
+    from blink.engine.engine import EngineConfig
+
+    monkeypatch.setenv(compiled.ENFORCE_EAGER_ENV, "0")
+    assert EngineConfig().enforce_eager is False  # blink serve's default: compiled on CPU
+    monkeypatch.setenv(compiled.ENFORCE_EAGER_ENV, "1")
+    assert EngineConfig().enforce_eager is True
+
+
+def test_cli_flags_reach_the_engine_config(monkeypatch):
+    from blink.cli import build_parser
+    from blink.launcher import engine_config_from_args
+
+    monkeypatch.setenv(compiled.ENFORCE_EAGER_ENV, "0")
+    args = build_parser().parse_args(["engine", "--enforce-eager", "--compile-cache-dir", "/tmp/c"])
+    config = engine_config_from_args(args)
+    assert config.enforce_eager is True and config.compile_cache_dir == "/tmp/c"
+    assert engine_config_from_args(build_parser().parse_args(["engine"])).enforce_eager is False
