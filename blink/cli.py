@@ -79,10 +79,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "launches CUDA graphs), device (tier B: no host call per step)")
     g.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads for the CPU loop (default: all cores)")
-    g.add_argument("--enforce-eager", action="store_true",
-                   help="CPU loop: run every step eager instead of torch.compile'd per token "
-                        "bucket (compiling takes a while at the first start; later starts load "
-                        "the compiled code from --compile-cache-dir). Also BLINK_ENFORCE_EAGER=1")
+    eager = g.add_mutually_exclusive_group()
+    eager.add_argument("--enforce-eager", action="store_true",
+                       help="CPU loop: run every step eager (the default on CPU: measured faster "
+                            "than the compiled steps on the CPUs tried, see docs/benchmarks.md, "
+                            "'Compiled CPU steps'); kept for vLLM command lines")
+    eager.add_argument("--compile", action="store_true",
+                       help="CPU loop: torch.compile the step per token bucket before serving "
+                            "(minutes at the first start, ~20 s from --compile-cache-dir after); "
+                            "also BLINK_ENFORCE_EAGER=0")
     g.add_argument("--compile-cache-dir", default=None, metavar="DIR",
                    help="where compiled steps are cached between starts (default: "
                         "$BLINK_COMPILE_CACHE_DIR, else ~/.cache/blink/inductor)")

@@ -75,8 +75,9 @@ def engine_config_from_args(args: argparse.Namespace):
         max_logprobs=args.max_logprobs,
         transport=args.transport,
         threads=args.threads,
-        # None (flag absent): EngineConfig's default ($BLINK_ENFORCE_EAGER, else compiled)
-        **({"enforce_eager": True} if args.enforce_eager else {}),
+        # Neither flag: EngineConfig's default ($BLINK_ENFORCE_EAGER, else eager)
+        **({"enforce_eager": True} if args.enforce_eager else
+           {"enforce_eager": False} if args.compile else {}),
         compile_cache_dir=args.compile_cache_dir,
     )
 
@@ -316,7 +317,8 @@ class _Supervisor:
         self.engine = self._spawn(
             ["engine", "--listen", f"127.0.0.1:{port}", *_flags(args, _ENGINE_FLAGS),
              *([] if prefix_caching_enabled(args) else ["--no-prefix-caching"]),
-             *(["--enforce-eager"] if args.enforce_eager else [])])
+             *(["--enforce-eager"] if args.enforce_eager else []),
+             *(["--compile"] if args.compile else [])])
         watch = (("frontend", self.frontend),) if self.frontend is not None else ()
         # A first start compiles every bucket (blink.engine.compiled): >10 min on 2 busy cores.
         ready = _wait_for_line(self.engine, ENGINE_READY_PREFIX, "engine", 1800, sys.stderr,

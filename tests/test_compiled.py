@@ -108,8 +108,10 @@ def test_cache_dir_and_eager_defaults(monkeypatch, tmp_path):
     assert compiled.compile_cache_dir(tmp_path / "flag") == tmp_path / "flag"
     from blink.engine.engine import EngineConfig
 
+    monkeypatch.delenv(compiled.ENFORCE_EAGER_ENV, raising=False)
+    assert EngineConfig().enforce_eager is True  # blink serve's default on CPU: eager (measured)
     monkeypatch.setenv(compiled.ENFORCE_EAGER_ENV, "0")
-    assert EngineConfig().enforce_eager is False  # blink serve's default: compiled on CPU
+    assert EngineConfig().enforce_eager is False
     monkeypatch.setenv(compiled.ENFORCE_EAGER_ENV, "1")
     assert EngineConfig().enforce_eager is True
 
@@ -123,3 +125,9 @@ def test_cli_flags_reach_the_engine_config(monkeypatch):
     config = engine_config_from_args(args)
     assert config.enforce_eager is True and config.compile_cache_dir == "/tmp/c"
     assert engine_config_from_args(build_parser().parse_args(["engine"])).enforce_eager is False
+    assert engine_config_from_args(build_parser().parse_args(["engine", "--compile"])).enforce_eager is False
+    monkeypatch.delenv(compiled.ENFORCE_EAGER_ENV)
+    assert engine_config_from_args(build_parser().parse_args(["engine"])).enforce_eager is True
+    assert engine_config_from_args(build_parser().parse_args(["engine", "--compile"])).enforce_eager is False
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["engine", "--compile", "--enforce-eager"])
