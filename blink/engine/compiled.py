@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from blink.engine.sampler import Sampler, SamplerPlan, SamplingTensors
-from blink.engine.state import bucket_for
+from blink.engine.state import bucket_for, geometric_buckets
 from blink.errors import BlinkError
 
 #: environment: "1" = run eager (the default of ``EngineConfig.enforce_eager``)
@@ -213,12 +213,7 @@ def row_buckets(max_rows: int) -> tuple[int, ...]:
     """Sample-row buckets: powers of four up to ``max_rows``, and ``max_rows``. Coarser than
     the token buckets: a padding row costs only its LM-head row and sampler work, and every
     bucket is two graphs (two sampler plans) to compile at start."""
-    out, b = [], 1
-    while b < max_rows:
-        out.append(b)
-        b *= 4
-    out.append(max_rows)
-    return tuple(out)
+    return geometric_buckets(1, 4, max_rows)
 
 
 # ------------------------------------------------------------------ the compiled functions

@@ -47,14 +47,19 @@ NUM_COUNTERS = 7
 INT64_MAX = 2**63 - 1
 
 
+def geometric_buckets(first: int, factor: int, last: int) -> tuple[int, ...]:
+    """``first, first*factor, ...`` below ``last``, then ``last`` itself."""
+    buckets, b = [], first
+    while b < last:
+        buckets.append(b)
+        b *= factor
+    buckets.append(last)
+    return tuple(buckets)
+
+
 def default_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
     """Powers of two from 8 up to the token budget, plus the budget itself."""
-    buckets, b = [], 8
-    while b < max_num_batched_tokens:
-        buckets.append(b)
-        b *= 2
-    buckets.append(max_num_batched_tokens)
-    return tuple(buckets)
+    return geometric_buckets(8, 2, max_num_batched_tokens)
 
 
 def bucket_for(num_tokens: int, buckets: tuple[int, ...]) -> int:
