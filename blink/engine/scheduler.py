@@ -37,11 +37,10 @@ Work per step is proportional to what is pending, not to slots x max_model_len: 
 above is a fixed-shape flat gather/scatter over tokens or blocks (the shapes stay fixed, so a
 GPU graph keeps one shape), and the few O(slots x blocks-per-sequence) passes (preemption's
 "what would preempting free" scan) run only when a stage needs them. Each stage has a
-predicate that says whether it can change anything this step (``StagePredicates``); with
-``host_guards`` (the CPU loop, where reading a tensor is a plain memory read) a stage whose
+predicate that says whether it can change anything this step; with ``host_guards`` (the CPU loop, where reading a tensor is a plain memory read) a stage whose
 predicate is false is skipped. Skipping is exact: a stage with nothing to do is an identity.
 Captured graphs run every stage (``host_guards=False``); a device loop can gate the same
-predicates with conditional graph nodes instead (docs/architecture.md, "Stage guards").
+predicates with conditional graph nodes instead (docs/architecture.md, "Work per step").
 
 Ring writes keep the protocol's order: stream payload before ``produced``, finish reason
 before the state word, with a system-scope fence between each payload and its word
@@ -299,13 +298,13 @@ class Scheduler:
         top_l = F.pad(top_logprobs.float()[:, : self.num_top], (0, max(0, self.num_top - width)),
                       value=float("-inf"))[lane]
 
-        num_tokens = st.num_tokens[r]
-        n_out_before = num_tokens - st.num_prompt[r]
+        row_tokens = st.num_tokens[r]
+        n_out_before = row_tokens - st.num_prompt[r]
         sink = st.tokens.shape[1] - 1
-        st.tokens.index_put_((r, torch.where(live, num_tokens, sink)), tok.to(st.tokens.dtype))
+        st.tokens.index_put_((r, torch.where(live, row_tokens, sink)), tok.to(st.tokens.dtype))
         self.grammar.advance(r, live, st.sampling["grammar_entry"], tok)
-        num_tokens = num_tokens + live.long()
-        st.num_tokens.index_put_((r,), num_tokens)
+        row_tokens = row_tokens + live.long()
+        st.num_tokens.index_put_((r,), row_tokens)
 
         # Stream: payload first, then the produced counter.
         produced = self.ring["produced"]
@@ -325,7 +324,7 @@ class Scheduler:
         stop = live & stop_token & (n_out_before >= sp["min_tokens"][r])
         max_tokens = sp["max_tokens"][r].long()
         length = live & (
-            ((max_tokens > 0) & (n_out_before + 1 >= max_tokens)) | (num_tokens >= cfg.max_model_len)
+            ((max_tokens > 0) & (n_out_before + 1 >= max_tokens)) | (row_tokens >= cfg.max_model_len)
         )
         done_lane = stop | length
         if self._when(done_lane.any()):
@@ -489,9 +488,9 @@ class Scheduler:
         grant = torch.minimum((cfg.max_num_batched_tokens - (w.cumsum(0) - w)).clamp(min=0), w)
         need = (_ceil_div(nc + grant, B) - held).clamp(min=0)
         free_now = (st.block_ref[:N] == 0).sum()
+        rank = torch.empty_like(order).scatter_(0, order, self._rows)  # row -> its position
         if self._when(need.sum() > free_now):  # the blocks do not fit: cut, then preempt
-            grant, need = self._preempt(order, grant, need, nc, held, free_now)
-        rank = torch.empty_like(order).scatter_(0, order, self._rows)
+            grant, need = self._preempt(rank, grant, need, nc, held, free_now)
         num_new, need = grant[rank], need[rank]
         if self._when(need.sum() > 0):
             self._assign_blocks(need)
@@ -500,7 +499,7 @@ class Scheduler:
 
     def _preempt(
         self,
-        order: torch.Tensor,
+        rank: torch.Tensor,
         grant: torch.Tensor,
         need: torch.Tensor,
         nc: torch.Tensor,
@@ -509,11 +508,11 @@ class Scheduler:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's blocks do not fit the free pool: serve the longest FCFS prefix that
         fits if everything newer were preempted, and preempt the shortest newest-first
-        suffix that covers the deficit. Arguments and results are in FCFS order. The one
-        pass over the whole block table; it runs only when the pool is short."""
+        suffix that covers the deficit. ``rank``: each row's FCFS position; the other
+        arguments and the results are in FCFS order. The one pass over the whole block
+        table; it runs only when the pool is short."""
         st, cfg = self.state, self.config
         S, N, B = self.num_slots, cfg.num_blocks, cfg.block_size
-        rank = torch.empty_like(order).scatter_(0, order, self._rows)
 
         # freed[k]: blocks referenced only by positions >= k (what preempting them frees).
         table = st.block_table.long()
