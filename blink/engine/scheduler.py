@@ -392,9 +392,9 @@ class Scheduler:
         ends_k = take_k.cumsum(0)
         picked_k = ok_k & (ends_k <= Wt)
         picked = torch.zeros_like(candidate).index_put_((idx,), picked_k)
-        plen = ring["prompt_len"].long()
-        admit = picked & (plen >= 1) & (plen < L)
+        admit = torch.zeros_like(candidate).index_put_((idx,), picked_k & valid_k)
         rejected = picked & ~admit
+        plen = ring["prompt_len"].long()
 
         # The prompts, out of the circular arena (a prompt may wrap around its end), in one
         # flat window: token t belongs to the k-th picked candidate.
