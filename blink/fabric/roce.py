@@ -79,7 +79,12 @@ def set_flow_label(connect_attr: Any, sport: int) -> SportControl:
     if ah is None or not getattr(ah, "is_global", 0):
         return _unavailable(sport, "the route has no global route header (InfiniBand LID routing: "
                                    "no UDP, no source port)")
-    ah.flow_label = flow_label_for_sport(sport)
+    label = flow_label_for_sport(sport)
+    # pyverbs hands out a copy of ah_attr: set the label on it and assign it back, then check
+    ah.flow_label = label
+    connect_attr.ah_attr = ah
+    if connect_attr.ah_attr.flow_label != label:
+        return _unavailable(sport, "the flow label did not stick on the connect attributes")
     return SportControl("flow-label", sport)
 
 
