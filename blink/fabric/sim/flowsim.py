@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -102,7 +102,7 @@ def max_min_rates(flows: list[Flow], capacity: dict[Link, float]) -> None:
 class FlowSimulator:
     def __init__(self, truth: EcmpFabric, policy: str, specs: list[FlowSpec], *, belief: EcmpFabric | None = None,
                  control_latency_s: float = 10e-6, plb_interval_s: float = 1e-3, plb_rounds: int = 3,
-                 seed: int = 1) -> None:
+                 seed: int = 1, ecmp_sport: Callable[[FlowSpec], int] | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.truth, self.topology, self.policy = truth, truth.topology, policy
@@ -110,6 +110,8 @@ class FlowSimulator:
         self.control_latency_s = control_latency_s
         self.plb_interval_s, self.plb_rounds = plb_interval_s, plb_rounds
         self.rng = np.random.default_rng(seed)
+        # the source port a queue pair gets without ARK (default: uniformly random)
+        self.ecmp_sport = ecmp_sport or (lambda spec: self._random_sport())
         self.now = 0.0
         self.active: list[Flow] = []
         self.done: list[Flow] = []
@@ -184,7 +186,7 @@ class FlowSimulator:
     def _on_arrival(self, spec: FlowSpec) -> None:
         flow = Flow(spec, float(spec.nbytes))
         if self.policy in ("ecmp", "plb"):
-            self._start(flow, self._random_sport())
+            self._start(flow, self.ecmp_sport(spec))
         elif self.policy == "oracle":
             self._start(flow, self._oracle_sport(spec))
         else:
