@@ -131,3 +131,11 @@ def test_cli_refuses_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         main(["--loads", "1.5", "--flows", "10"])
     assert "load must be in (0, 1)" in capsys.readouterr().err
+
+
+def test_cli_repeat_prints_the_spread_over_seeds(capsys):
+    assert main(["--flows", "40", "--loads", "0.5", "--leaves", "4", "--spines", "2", "--hosts-per-leaf", "2",
+                 "--repeat", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "mean ± sd over 2 workload seeds" in out
+    assert re.search(r"\| 50% \| ark \| [+-]\d+\.\d% ± \d+\.\d \|", out)

@@ -180,7 +180,8 @@ class _Connection:
                 self.bus._inbox.put(lambda m=message: self.bus._on_message(m))
         except (HandshakeError, OSError, ValueError) as exc:
             if not self.closed.is_set() and not self.bus._closing.is_set():
-                logger.warning("ARK bus %s: lost peer %s (%s)", self.bus.sender_id, self.peer, exc)
+                logger.warning("ARK bus %s: peer %s left (its connection closed or broke: %s); its claims are dropped",
+                               self.bus.sender_id, self.peer, exc)
         self.shutdown()
         self.bus._connection_lost(self)
 

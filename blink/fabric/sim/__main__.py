@@ -6,7 +6,9 @@ import sys
 import time
 
 from blink.fabric.ecmp import HASH_ALGORITHMS, SELECTORS, EcmpHash
-from blink.fabric.sim.compare import Scenario, format_table, run_load
+from dataclasses import replace
+
+from blink.fabric.sim.compare import Scenario, format_spread, format_table, run_load
 from blink.fabric.sim.workload import MODEL_KV
 from blink.fabric.topology import LeafSpine
 
@@ -39,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plb-interval-ms", type=float, default=1.0, help="PLB's check period (default: %(default)s)")
     p.add_argument("--plb-rounds", type=int, default=3, help="congested checks before PLB re-paths (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run workload seeds seed..seed+N-1 and also print each policy's change against "
+                        "ECMP as mean ± sd over them (default: %(default)s)")
     args = p.parse_args(argv)
     try:
         loads = [float(x) for x in args.loads.split(",")]
@@ -49,15 +54,24 @@ def main(argv: list[str] | None = None) -> int:
             args.seed, args.wrong_seed)
     except ValueError as exc:
         p.error(str(exc))
-    rows = {}
+    if args.repeat < 1:
+        p.error(f"--repeat must be at least 1, got {args.repeat}")
+    per_seed = []
     t0 = time.perf_counter()
-    for load in loads:
-        try:
-            rows[load] = run_load(scenario, load)
-        except ValueError as exc:
-            p.error(str(exc))
-    print(format_table(rows))
-    print(f"\n({args.flows} transfers per load, {args.leaves} leaves x {args.spines} spines x "
+    for k in range(args.repeat):
+        rows = {}
+        for load in loads:
+            try:
+                rows[load] = run_load(replace(scenario, seed=args.seed + k), load)
+            except ValueError as exc:
+                p.error(str(exc))
+        per_seed.append(rows)
+    print(format_table(per_seed[0]))
+    if args.repeat > 1:
+        print()
+        print(format_spread(per_seed))
+    seeds = f"{args.seed}..{args.seed + args.repeat - 1}" if args.repeat > 1 else f"{args.seed}"
+    print(f"\n(workload seed {seeds}: {args.flows} transfers per load, {args.leaves} leaves x {args.spines} spines x "
           f"{args.hosts_per_leaf} hosts, {args.model}, {args.hash}/{args.selector}; "
           f"{time.perf_counter() - t0:.1f} s)", file=sys.stderr)
     return 0

@@ -62,3 +62,27 @@ def format_table(rows: dict[float, list[Summary]]) -> str:
                 f"{rel(s.p95_fct, base.p95_fct)} | {rel(s.p99_fct, base.p99_fct)} | "
                 f"{rel(s.mean_ttft, base.mean_ttft)} | {s.repaths} |")
     return "\n".join(lines)
+
+
+def format_spread(per_seed: list[dict[float, list[Summary]]]) -> str:
+    """Markdown: each policy's change against ECMP, mean ± standard deviation over workload
+    seeds (one ECMP baseline per seed), so one lucky draw does not make the table."""
+    import statistics
+
+    lines = [f"Change against ECMP, mean ± sd over {len(per_seed)} workload seeds:", "",
+             "| load | policy | mean FCT vs ECMP | P95 vs ECMP | P99 vs ECMP | TTFT vs ECMP |",
+             "|---|---|---|---|---|---|"]
+    for load in per_seed[0]:
+        policies = [s.policy for s in per_seed[0][load] if s.policy != "ecmp"]
+        for policy in policies:
+            cells = []
+            for attr in ("mean_fct", "p95_fct", "p99_fct", "mean_ttft"):
+                changes = []
+                for rows in per_seed:
+                    base = next(s for s in rows[load] if s.policy == "ecmp")
+                    mine = next(s for s in rows[load] if s.policy == policy)
+                    changes.append((getattr(mine, attr) - getattr(base, attr)) / getattr(base, attr) * 100)
+                sd = statistics.stdev(changes) if len(changes) > 1 else 0.0
+                cells.append(f"{statistics.mean(changes):+.1f}% ± {sd:.1f}")
+            lines.append(f"| {load:.0%} | {policy} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
