@@ -346,3 +346,21 @@ def test_a_held_claim_beats_a_pending_one_with_a_lower_stamp():
     lease, out = joiner.poll(new_id)
     assert lease is None and any(isinstance(o.message, Release) for o in out)  # lost, re-claimed
     assert joiner.claims[new_id].spine != held.spine
+
+
+def test_a_silent_peer_is_dropped_after_the_ack_timeout(caplog):
+    # a member that joined the bus but never answers (hung process): the claim goes ahead
+    fabric = _fabric(2, leaves=2, hosts=2)
+    hub = InProcessHub()
+    agent = ArkAgent(hub.join("h0"), fabric, ack_timeout_s=0.2)
+    silent = hub.join("h1")
+    silent.start(lambda m: None, lambda p, j: None)  # receives, never acks
+    try:
+        agent.wait_peers(["h1"])
+        with caplog.at_level("WARNING", logger="blink.fabric.ark"):
+            lease = agent.choose_path(Transfer("t", 0, 2))
+        assert lease.spine in (0, 1) and "no ack from h1 within 0.2 s" in caplog.text
+        assert "h1" not in agent._protocol.peers
+    finally:
+        agent.close()
+        silent.close()

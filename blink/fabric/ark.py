@@ -337,6 +337,11 @@ class ArkProtocol:
             pending.waiting.discard(message.sender)
         return []
 
+    def waiting_on(self, lease_id: str) -> set[str]:
+        """The peers whose ack this pending claim still waits for."""
+        pending = self._pending.get(lease_id)
+        return set(pending.waiting) if pending is not None else set()
+
     def held_leases(self) -> list[PathLease]:
         return list(self._held.values())
 
@@ -399,10 +404,10 @@ class ArkAgent:
                     continue
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    pending = self._protocol._pending[lease_id]
+                    silent = self._protocol.waiting_on(lease_id)
                     logger.warning("ARK %s: no ack from %s within %.1f s for %s; dropping them from the peer set",
-                                   self.sender_id, ", ".join(sorted(pending.waiting)), self.ack_timeout_s, lease_id)
-                    for peer in list(pending.waiting):
+                                   self.sender_id, ", ".join(sorted(silent)), self.ack_timeout_s, lease_id)
+                    for peer in silent:
                         self._protocol.remove_peer(peer)
                     continue
                 self._cond.wait(left)
