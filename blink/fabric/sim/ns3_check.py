@@ -62,10 +62,12 @@ def load_ns3():
     return ns
 
 
-def ns3_fcts(spines: tuple[int, ...], nbytes: int, gbps: float, *, step_s: float = 2e-4,
-             limit_s: float = 5.0) -> tuple[float, ...]:
-    """Completion times (from the common start) of TCP bulk transfers on the given spines."""
+def ns3_fcts(spines: tuple[int, ...], nbytes: int, gbps: float, *, resolution: float = 0.005,
+             limit_s: float = 60.0) -> tuple[float, ...]:
+    """Completion times (from the common start) of TCP bulk transfers on the given spines,
+    sampled every ``resolution`` of one transfer's time alone on a link."""
     ns = load_ns3()
+    step_s = resolution * nbytes * 8 / (gbps * 1e9)
     n = len(spines)
     hosts, sw = ns.NodeContainer(), ns.NodeContainer()
     hosts.Create(2 * n)  # 0..n-1 under leaf 0, n..2n-1 under leaf 1
