@@ -8,6 +8,7 @@ directory, so only a first run on a machine pays the full compile.
 """
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from test_engine import GREEDY, Reference, assert_greedy, random_prompts, tiny_m
 from blink.engine import compiled  # noqa: E402
 from blink.llm import LLM  # noqa: E402
 from blink.shared.sampling_params import SamplingParams  # noqa: E402
+from blink.shared.structured_outputs import StructuredOutputs  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +32,8 @@ def cache_dir(request) -> Path:
 @pytest.fixture(scope="module")
 def compiled_llm(tmp_path_factory, cache_dir):
     """A compiled engine with few buckets: tokens (1, 2, 4), sample rows (1, 2)."""
-    path = tiny_model_dir(tmp_path_factory.mktemp("compiled_models"))
+    # EOS 0 (the byte tokenizer's NUL): structured outputs need one; GREEDY ignores it.
+    path = tiny_model_dir(tmp_path_factory.mktemp("compiled_models"), eos_token_id=0)
     with LLM(str(path), dtype="float32", max_model_len=128, max_num_seqs=2, kv_cache_tokens=1024,
              max_num_batched_tokens=4, enforce_eager=False, compile_cache_dir=str(cache_dir)) as llm:
         yield llm
@@ -61,6 +64,20 @@ def test_compiled_greedy_matches_transformers_without_recompiles(compiled_llm):
                           timeout_s=60)
     assert phase.refused == 0, "a steady-state call would have recompiled"
     assert _graphs() == graphs, "steady state compiled a new graph"
+
+
+def test_compiled_steps_enforce_structured_outputs(compiled_llm):
+    """A constrained row in a compiled step is masked (the head runs eager for that step),
+    next to an unconstrained row that the mask leaves alone."""
+    rx = r"[a-d]{2,6}!"
+    outs = compiled_llm.generate([[5, 6], [9, 4]], [
+        SamplingParams(temperature=1.0, seed=2, max_tokens=20,
+                       structured_outputs=StructuredOutputs(regex=rx)),
+        SamplingParams(max_tokens=6, **GREEDY)], timeout_s=120)
+    text = outs[0].outputs[0].text.removesuffix("\x00")
+    assert outs[0].outputs[0].finish_reason == "stop" and re.fullmatch(rx, text), text
+    free = compiled_llm.generate([[9, 4]], SamplingParams(max_tokens=6, **GREEDY), timeout_s=60)
+    assert free[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
 
 
 def test_compile_failure_falls_back_to_eager_with_one_warning(capsys):

@@ -199,6 +199,44 @@ def test_hypothesis_schemas_walk_to_valid_json(compiler, schema, seed):
     # Not a guarantee for every schema (long strings), but most walks end.
 
 
+def _allowed_by_spec(grammar_words: np.ndarray, state: int, vocab: int) -> set[int]:
+    """The tokens a state allows, read bit by bit from the entry's mask (the format's spec)."""
+    from blink.ring import G_EOS, G_MASK, G_VOCAB_BITS, G_WORDS_PER_STATE
+
+    if state < 0:
+        return {int(grammar_words[G_EOS])}
+    wps, bits = int(grammar_words[G_WORDS_PER_STATE]), int(grammar_words[G_VOCAB_BITS])
+    row = grammar_words[int(grammar_words[G_MASK]) + state * wps:][:wps].view(np.uint32)
+    return {t for t in range(min(vocab, bits)) if (int(row[t // 32]) >> (t % 32)) & 1}
+
+
+@pytest.mark.parametrize("vocab", [256, 300, 250])  # the vocabulary, wider (padded), narrower
+def test_mask_matches_the_bitmask_spec_and_host_rows(compiler, vocab):
+    """The reference mask keeps exactly the allowed logits (bit for bit, NaN and -inf
+    included), and masking only the host-found constrained rows gives the same logits."""
+    from blink.engine.grammar import GrammarBatch
+
+    g = compiler.compile(SO(json={"type": "object", "properties": {"n": {"type": "integer"}}}))
+    words = torch.from_numpy(g.words.astype(np.int32))
+    states = [int(g.words[G_INITIAL_STATE]), 1, -1, 2, g.num_states - 1]
+    entry = torch.tensor([0, -1, 0, 0, -1, 0], dtype=torch.int32)
+    state = torch.tensor(states + [3], dtype=torch.int32)
+    logits = torch.randn(6, vocab)
+    logits[0, 5], logits[3, 7] = float("nan"), float("-inf")
+    got = apply_grammar_mask(logits, words, entry, state)
+    for row in range(6):
+        if entry[row] < 0:
+            assert torch.equal(got[row], logits[row])
+            continue
+        allowed = _allowed_by_spec(g.words, int(state[row]), vocab)
+        keep = torch.tensor([t in allowed for t in range(vocab)])
+        assert torch.equal(got[row, keep].view(torch.int32), logits[row, keep].view(torch.int32))
+        assert bool((got[row, ~keep] == float("-inf")).all()), row
+    rows = (entry >= 0).nonzero().flatten()
+    host = GrammarBatch(words, entry, state, rows).apply(apply_grammar_mask, logits)
+    assert torch.equal(host.view(torch.int32), got.view(torch.int32))
+
+
 def test_triton_mask_matches_reference(compiler):
     triton_grammar = pytest.importorskip("blink.kernels.triton_grammar")
     from blink.kernels.triton_common import interpreting

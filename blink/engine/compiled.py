@@ -225,13 +225,14 @@ def _decoder_layer(layer, x, residual, md, kv_cache, cos_sin):
 
 
 def _head_and_sample(model, sampler: Sampler, plan: SamplerPlan, x, residual, sampling,
-                     history, prompt_lens, total_lens, suppress_ids):
-    """Final norm, LM head and sampler for the sample rows: compiled per row bucket and plan."""
+                     history, prompt_lens, total_lens, suppress_ids, grammar=None):
+    """Final norm, LM head and sampler for the sample rows: compiled per row bucket and plan
+    (without ``grammar``; a step with a constrained row runs it eager)."""
     hidden, _ = model.ops.fused_add_rms_norm(x, residual, model.model.norm.weight,
                                              model.config.rms_norm_eps)
     logits = model.compute_logits(hidden).float()
     return sampler(logits, sampling, history, prompt_lens, total_lens, total_lens,
-                   suppress_ids, plan=plan)
+                   suppress_ids, plan=plan, grammar=grammar)
 
 
 class CompiledModelPhase:
@@ -351,9 +352,16 @@ class CompiledModelPhase:
         history = scheduler.token_history(batch, R) if plan.any_penalty else None
         args = (x.index_select(0, index), residual.index_select(0, index), inputs.sampling,
                 history, inputs.prompt_lens, inputs.total_lens, inputs.suppress_ids)
-        head = self.head if (R, plan) in self.warm_plans else _head_and_sample
+        # Structured outputs: the mask depends on per-step host-found rows, so a step with a
+        # constrained row runs the head eager (the compiled heads take no grammar).
+        grammar = scheduler.grammar.batch(scheduler.state.sampling["grammar_entry"],
+                                          batch.sample_rows[:R], host_rows=True)
         with self._onednn(R):
-            out = head(model, self.sampler, plan, *args)
+            if grammar.any_constrained:
+                out = _head_and_sample(model, self.sampler, plan, *args, grammar=grammar)
+            else:
+                head = self.head if (R, plan) in self.warm_plans else _head_and_sample
+                out = head(model, self.sampler, plan, *args)
         scheduler.update(batch, out.tokens, out.logprob, out.top_ids, out.top_logprobs,
                          num_tokens=tokens)
 

@@ -10,7 +10,6 @@ removes padding: the tokens are the same.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, NamedTuple
 
 import torch
@@ -85,7 +84,8 @@ def model_phase(
     history = scheduler.token_history(batch, rows) if plan is None or plan.any_penalty else None
     if inputs is None:
         inputs = scheduler.sampler_inputs(batch, rows)
-    grammar = scheduler.grammar.batch(scheduler.state.sampling["grammar_entry"], batch.sample_rows[:rows])
+    grammar = scheduler.grammar.batch(scheduler.state.sampling["grammar_entry"], batch.sample_rows[:rows],
+                                      host_rows=compact)
     out = sampler(
         logits,
         inputs.sampling,
@@ -116,7 +116,5 @@ def run_step(parts: StepParts, compiled=None) -> bool:
         return True
     inputs = parts.scheduler.sampler_inputs(batch, ns)
     plan = SamplerPlan.of(inputs.sampling, inputs.suppress_ids)  # skip stages no row uses
-    entry = parts.scheduler.state.sampling["grammar_entry"][batch.sample_rows[:ns].clamp(min=0)]
-    plan = dataclasses.replace(plan, any_grammar=bool((entry >= 0).any()))
     model_phase(parts, batch, tokens=n, rows=ns, compact=True, plan=plan, inputs=inputs)
     return True
