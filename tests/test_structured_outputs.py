@@ -199,6 +199,34 @@ def test_hypothesis_schemas_walk_to_valid_json(compiler, schema, seed):
     # Not a guarantee for every schema (long strings), but most walks end.
 
 
+def test_generic_tool_schema_walks_parse(compiler):
+    """The generic tool-call format's grammar (templates without tools): every walk is one of
+    its two answers, valid against the schema, and the generic parser reads it."""
+    from blink.dpu.tool_parsers import GenericToolParser, generic_schema
+
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+        "required": ["city"]}}}
+    schema = generic_schema([tool], single_call=True)
+    g = compiler.compile(SO(json=schema))
+    kinds = set()
+    for seed in range(12):
+        out = walk(g.words, seed, max_steps=400)
+        if out is None:
+            continue
+        value = json.loads(out)
+        jsonschema.validate(value, schema)
+        parser = GenericToolParser.parse(out.decode())
+        if "tool_calls" in value:
+            kinds.add("call")
+            assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == \
+                [(c["name"], c["arguments"]) for c in value["tool_calls"]]
+        else:
+            kinds.add("response")
+            assert parser.content == value["response"] and not parser.calls
+    assert kinds, "no walk ended"
+
+
 def _allowed_by_spec(grammar_words: np.ndarray, state: int, vocab: int) -> set[int]:
     """The tokens a state allows, read bit by bit from the entry's mask (the format's spec)."""
     from blink.ring import G_EOS, G_MASK, G_VOCAB_BITS, G_WORDS_PER_STATE
