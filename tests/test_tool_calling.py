@@ -246,6 +246,26 @@ def test_real_templates_render_tools_and_tool_histories(name: str, call_text: st
     assert "None" not in text
 
 
+def test_mistral_template_renders_tools_and_tool_histories() -> None:
+    """Mistral Nemo's template: tools in [AVAILABLE_TOOLS] before the last user turn, the call
+    in [TOOL_CALLS] with its 9-character id, the result in [TOOL_RESULTS]."""
+    history = [dict(m) for m in HISTORY]
+    history[1] = dict(history[1], tool_calls=[dict(history[1]["tool_calls"][0], id="a1B2c3D4e")])
+    history[2] = dict(history[2], tool_call_id="a1B2c3D4e")
+    text = render_chat_template(TEMPLATES["mistral-nemo"], history + [
+        {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "Thanks!"}],
+        tools=[WEATHER_TOOL], special_tokens={"bos_token": "<s>", "eos_token": "</s>"})
+    assert text.startswith("<s>[INST]Weather in Paris?[/INST][TOOL_CALLS][")
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "a1B2c3D4e"}]</s>' in text
+    assert '[TOOL_RESULTS]{"content": {"sky": "sunny"}, "call_id": "a1B2c3D4e"}[/TOOL_RESULTS]' \
+        in text
+    assert text.endswith('"description": "Current weather of a city", "parameters": '
+                         + json.dumps(WEATHER_TOOL["function"]["parameters"])
+                         + "}}][/AVAILABLE_TOOLS][INST]Thanks![/INST]")
+    with pytest.raises(ChatTemplateError, match="length 9"):  # the template's own check
+        render_chat_template(TEMPLATES["mistral-nemo"], HISTORY, tools=[WEATHER_TOOL])
+
+
 def test_bad_arguments_in_history_name_the_field() -> None:
     bad = [dict(HISTORY[1], tool_calls=[{"id": "c", "type": "function", "function": {
         "name": "get_weather", "arguments": "{not json"}}])]
@@ -367,6 +387,34 @@ def test_tool_choice_none_renders_but_does_not_parse(qwen_tok: Tokenizer) -> Non
         exclude_tools_when_tool_choice_none=True))
     post(app, {"messages": ASK, "tools": [WEATHER_TOOL], "tool_choice": "none"})
     assert "<tools>" not in engine.prompts[-1]
+
+
+def test_mistral_round_trip_with_its_template() -> None:
+    """--tool-call-parser mistral over Mistral Nemo's real template, with the openai client:
+    the call's id is 9 alphanumerics, so the template accepts it when it is sent back."""
+    tok = tiny_tokenizer()
+    tok.chat_template = TEMPLATES["mistral-nemo"]
+    engine = ScriptedEngine(tok, '[TOOL_CALLS][{"name": "get_weather", "arguments": '
+                                 '{"city": "Paris"}}]', after_tool="It is sunny.",
+                            after_marker="[TOOL_RESULTS]")
+    app = create_app(engine, tok, model_name=MODEL, tool_calling=ToolCallingConfig(
+        enable_auto_tool_choice=True, tool_call_parser="mistral"))
+    with serve_in_thread(app) as url:
+        client = _client(url)
+        messages: list[Any] = list(ASK)
+        first = client.chat.completions.create(model=MODEL, messages=messages,
+                                               tools=[WEATHER_TOOL])
+        assert first.choices[0].finish_reason == "tool_calls"
+        (call,) = first.choices[0].message.tool_calls
+        assert len(call.id) == 9 and call.id.isalnum() and call.function.name == "get_weather"
+        assert "[AVAILABLE_TOOLS]" in engine.prompts[-1]
+        messages.append(first.choices[0].message.model_dump(exclude_none=True))
+        messages.append({"role": "tool", "tool_call_id": call.id,
+                         "content": json.dumps({"sky": "sunny"})})
+        final = client.chat.completions.create(model=MODEL, messages=messages,
+                                               tools=[WEATHER_TOOL])
+    assert final.choices[0].message.content == "It is sunny."
+    assert f'"call_id": "{call.id}"}}[/TOOL_RESULTS]' in engine.prompts[-1]
 
 
 def test_llama3_json_parser() -> None:
