@@ -46,8 +46,8 @@ from blink.errors import BlinkError
 from blink.shared.sampling_fields import SAMPLING_FIELDS, numpy_fields
 
 MAGIC = int.from_bytes(b"BLINKRNG", "little")
-LAYOUT_VERSION = 5  # 2: the request record (one contiguous payload per slot); 3: grammar region
-# (issue 15) or admitted_step (main); 4: both; 5: grammar entries hash their exceptions (format 3)
+LAYOUT_VERSION = 4  # 2: the request record (one contiguous payload per slot); 3: grammar region
+# (issue 15) or admitted_step (main); 4: both
 ALIGN = 64
 
 # Control block word indices (all int64).
@@ -103,18 +103,15 @@ FINISH_REASON_NAMES = (None, "stop", "length", "abort", "error")
 #   mask      [S, words_per_state]  bit t of state s: token t is allowed (EOS bits only in
 #                                   accepting states); words_per_state = ceil(vocab_bits / 32)
 #   default_next [S]                the state most of a state's allowed tokens lead to
-#   hash_state, hash_token, hash_next [2**hash_bits]
-#                                   an open-addressing table of the exceptions: the allowed
-#                                   (state, token) pairs whose next state is not default_next
-#                                   (EOS has none); empty slots have token -1. A pair sits in
-#                                   one of the GRAMMAR_PROBES slots from grammar_hash(state,
-#                                   token) on (wrapping); the packer grows the table until
-#                                   every pair does.
-# So the state after an allowed token t is a table lookup: hash_next of the slot holding
-# (s, t), else default_next: a string's body (tens of thousands of tokens, one next state)
-# costs no exceptions, only its mask bits.
+#   row_start [S + 1]               CSR offsets into the two exception arrays
+#   trans_token [num_transitions]   per state, sorted ascending: the allowed tokens whose
+#                                   next state is not default_next (EOS has no transition)
+#   trans_next  [num_transitions]   the state after that token
+# So the state after an allowed token t is trans_next[i] if t is in the state's row, else
+# default_next: a string's body (tens of thousands of tokens, one next state) costs no
+# transitions, only its mask bits.
 GRAMMAR_MAGIC = 0x424C4B47  # "GKLB"
-GRAMMAR_FORMAT_VERSION = 3  # 2: default_next + exception rows (CSR); 3: exceptions hashed
+GRAMMAR_FORMAT_VERSION = 2  # 2: default_next + exception rows
 (
     G_MAGIC,
     G_VERSION,
@@ -122,28 +119,15 @@ GRAMMAR_FORMAT_VERSION = 3  # 2: default_next + exception rows (CSR); 3: excepti
     G_INITIAL_STATE,
     G_VOCAB_BITS,
     G_WORDS_PER_STATE,
-    G_NUM_TRANSITIONS,  # the exceptions stored
+    G_NUM_TRANSITIONS,
     G_EOS,  # the token a dead state (no transition matched) is forced to
     G_MASK,  # word offsets of the arrays from the entry start
-    G_HASH_STATE,
-    G_HASH_TOKEN,
-    G_HASH_NEXT,
+    G_ROW_START,
+    G_TRANS_TOKEN,
+    G_TRANS_NEXT,
     G_TOTAL_WORDS,
     G_DEFAULT_NEXT,
-    G_HASH_BITS,  # log2 of the exception table's slots
-) = range(15)
-#: Slots probed per lookup in an entry's exception table (one gather of this many words).
-GRAMMAR_PROBES = 8
-
-
-def grammar_hash(state, token, hash_bits):
-    """The first slot of ``(state, token)`` in a table of ``2**hash_bits`` slots: Fibonacci
-    hashing of the pair, its top ``hash_bits`` of 32 bits. Works on ints, numpy int64
-    arrays and torch int64 tensors alike (the packer and the device must agree)."""
-    mixed = (state * 0x9E3779B1 + token * 0x85EBCA77) & 0xFFFFFFFF
-    return mixed >> (32 - hash_bits)
-
-
+) = range(14)
 GRAMMAR_HEADER_WORDS = 16
 #: Entries start on this many words (64 bytes), like every other ring part.
 GRAMMAR_ALIGN_WORDS = 16

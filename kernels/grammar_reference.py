@@ -7,10 +7,10 @@ The automata live in the ring's grammar region, one int32 tensor ``words`` (entr
 
 - :func:`apply_grammar_mask`: logits of tokens the row's state does not allow become -inf;
   unconstrained rows are left as they are. A dead row may only emit the entry's EOS token.
-- :func:`advance_grammar`: the state after a token: a table lookup (one gather of the
-  ``GRAMMAR_PROBES`` slots of the entry's exception table where the (state, token) pair can
-  sit), else the state's default next state if its mask allows the token, else -1 (EOS,
-  which finishes the row anyway).
+- :func:`advance_grammar`: the state after a token: a binary search of the token in the
+  state's CSR row of exceptions (``ADVANCE_STEPS`` fixed iterations, enough for rows of up
+  to 2**20 entries), else the state's default next state if its mask allows the token, else
+  -1 (EOS, which finishes the row anyway).
 
 Branch-free and fixed-shape: every index is clamped into the region, so a row whose entry was
 since replaced (a padding row of the batch reading a finished row's stale offset) reads valid
@@ -22,13 +22,14 @@ from __future__ import annotations
 import torch
 
 from blink.ring import (
-    G_DEFAULT_NEXT, G_EOS, G_HASH_BITS, G_HASH_NEXT, G_HASH_STATE, G_HASH_TOKEN, G_MASK, G_VOCAB_BITS,
-    G_WORDS_PER_STATE, GRAMMAR_PROBES, grammar_hash,
+    G_DEFAULT_NEXT, G_EOS, G_MASK, G_ROW_START, G_TRANS_NEXT, G_TRANS_TOKEN, G_VOCAB_BITS, G_WORDS_PER_STATE,
 )
 
 #: The bits of float32 -inf, as an int32.
 _NEG_INF_BITS = int(torch.tensor(float("-inf")).view(torch.int32))
 
+#: Binary-search iterations of :func:`advance_grammar`: rows of up to 2**20 - 1 transitions.
+ADVANCE_STEPS = 20
 
 
 def _read(words: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -97,16 +98,19 @@ def advance_grammar(words: torch.Tensor, entry: torch.Tensor, state: torch.Tenso
     (callers keep their own value for those)."""
     base = entry.long().clamp(min=0)
     s = state.long().clamp(min=0)
+    row = base + _read(words, base + G_ROW_START) + s
+    lo, hi = _read(words, row), _read(words, row + 1)
+    end = hi
+    tok_base = base + _read(words, base + G_TRANS_TOKEN)
     t = token.long()
-    bits = _read(words, base + G_HASH_BITS).clamp(1, 31)
-    probes = torch.arange(GRAMMAR_PROBES, device=words.device)
-    slots = (grammar_hash(s, t, bits).unsqueeze(1) + probes) & ((1 << bits) - 1).unsqueeze(1)
-    held_state = _read(words, (base + _read(words, base + G_HASH_STATE)).unsqueeze(1) + slots)
-    held_token = _read(words, (base + _read(words, base + G_HASH_TOKEN)).unsqueeze(1) + slots)
-    match = (held_state == s.unsqueeze(1)) & (held_token == t.unsqueeze(1))
-    found = match.any(dim=1)
-    slot = slots.gather(1, match.to(torch.int8).argmax(dim=1, keepdim=True)).squeeze(1)
-    nxt = _read(words, base + _read(words, base + G_HASH_NEXT) + slot)
+    for _ in range(ADVANCE_STEPS):  # lower bound of t in [lo, hi)
+        mid = (lo + hi) // 2
+        active = lo < hi
+        below = _read(words, tok_base + mid) < t
+        lo = torch.where(active & below, mid + 1, lo)
+        hi = torch.where(active & ~below, mid, hi)
+    found = (lo < end) & (_read(words, tok_base + lo) == t)
+    nxt = _read(words, base + _read(words, base + G_TRANS_NEXT) + lo)
     # Not an exception: the default next state, if the token is allowed at all.
     wps = _read(words, base + G_WORDS_PER_STATE).clamp(min=1)
     in_vocab = (t >= 0) & (t < _read(words, base + G_VOCAB_BITS))

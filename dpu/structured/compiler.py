@@ -3,9 +3,8 @@
 outlines-core builds the automaton (``Index``: a DFA over tokens, from the constraint's regex
 and the vocabulary's token bytes); this module renumbers its states densely and packs it in
 the ring's entry format (:mod:`blink.ring`, ``G_*``): a per-state allowed-token bitmask (what
-the device sampler masks with: one word gather per 32 tokens), each state's default next
-state and a hash table of the transitions that go elsewhere (what ``update()`` advances
-with: one gather of ``GRAMMAR_PROBES`` slots). EOS ids
+the device sampler masks with: one word gather per 32 tokens) and CSR transitions (what
+``update()`` advances with: a binary search of the sampled token in its state's row). EOS ids
 are allowed exactly in accepting states; a state with no way on (none, with outlines-core)
 would allow only EOS.
 
@@ -26,10 +25,9 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from blink.ring import (
-    G_DEFAULT_NEXT, G_EOS, G_HASH_BITS, G_HASH_NEXT, G_HASH_STATE, G_HASH_TOKEN, G_INITIAL_STATE,
-    G_MAGIC, G_MASK, G_NUM_STATES, G_NUM_TRANSITIONS, G_TOTAL_WORDS, G_VERSION, G_VOCAB_BITS,
-    G_WORDS_PER_STATE, GRAMMAR_ALIGN_WORDS, GRAMMAR_FORMAT_VERSION, GRAMMAR_HEADER_WORDS,
-    GRAMMAR_MAGIC, GRAMMAR_PROBES, grammar_hash,
+    G_DEFAULT_NEXT, G_EOS, G_INITIAL_STATE, G_MAGIC, G_MASK, G_NUM_STATES, G_NUM_TRANSITIONS, G_ROW_START,
+    G_TOTAL_WORDS, G_TRANS_NEXT, G_TRANS_TOKEN, G_VERSION, G_VOCAB_BITS, G_WORDS_PER_STATE,
+    GRAMMAR_ALIGN_WORDS, GRAMMAR_FORMAT_VERSION, GRAMMAR_HEADER_WORDS, GRAMMAR_MAGIC,
 )
 from blink.shared.structured_outputs import StructuredOutputs, StructuredOutputsError
 from blink.dpu.structured.regex import constraint_regex
@@ -103,15 +101,13 @@ def pack_entry(num_states: int, initial: int, vocab_bits: int, eos_ids: Sequence
         default_next[pair_src[best][first]] = (pairs % num_states)[best][first]
     exception = dst != default_next[src]
     ex_src, ex_token, ex_dst = src[exception], token[exception], dst[exception]
-    bits, slots = _hash_slots(ex_src, ex_token)
-    table = 1 << bits
     wps = -(-vocab_bits // 32)
     mask_off = GRAMMAR_HEADER_WORDS
     def_off = _align(mask_off + num_states * wps)
-    state_off = _align(def_off + num_states)
-    token_off = _align(state_off + table)
-    next_off = _align(token_off + table)
-    total = _align(next_off + table)
+    row_off = _align(def_off + num_states)
+    tok_off = _align(row_off + num_states + 1)
+    nxt_off = _align(tok_off + ex_token.size)
+    total = _align(nxt_off + ex_dst.size)
     words = np.zeros(total, dtype="<i4")
     header = words[:GRAMMAR_HEADER_WORDS]
     header[G_MAGIC] = GRAMMAR_MAGIC
@@ -123,9 +119,8 @@ def pack_entry(num_states: int, initial: int, vocab_bits: int, eos_ids: Sequence
     header[G_NUM_TRANSITIONS] = ex_token.size
     header[G_DEFAULT_NEXT] = def_off
     header[G_EOS] = eos_ids[0]
-    header[G_MASK] = mask_off
-    header[G_HASH_STATE], header[G_HASH_TOKEN], header[G_HASH_NEXT] = state_off, token_off, next_off
-    header[G_HASH_BITS] = bits
+    header[G_MASK], header[G_ROW_START] = mask_off, row_off
+    header[G_TRANS_TOKEN], header[G_TRANS_NEXT] = tok_off, nxt_off
     header[G_TOTAL_WORDS] = total
     # The mask, as uint32 bits (viewed as int32 in the ring): bit t % 32 of word t // 32.
     mask = np.zeros((num_states, wps), dtype=np.uint32)
@@ -135,31 +130,11 @@ def pack_entry(num_states: int, initial: int, vocab_bits: int, eos_ids: Sequence
         mask[accepting | stuck, eos // 32] |= np.uint32(1 << (eos % 32))
     words[mask_off: mask_off + mask.size] = mask.reshape(-1).view("<i4")
     words[def_off: def_off + num_states] = default_next
-    words[token_off: token_off + table] = -1  # empty slots
-    words[state_off + slots] = ex_src
-    words[token_off + slots] = ex_token
-    words[next_off + slots] = ex_dst
+    words[row_off: row_off + num_states + 1] = np.concatenate(
+        [[0], np.cumsum(np.bincount(ex_src, minlength=num_states))])
+    words[tok_off: tok_off + ex_token.size] = ex_token
+    words[nxt_off: nxt_off + ex_dst.size] = ex_dst
     return words
-
-
-def _hash_slots(state: np.ndarray, token: np.ndarray) -> tuple[int, np.ndarray]:
-    """(hash_bits, each pair's slot) of an exception table where every (state, token) pair
-    sits within ``GRAMMAR_PROBES`` slots of its hash: linear probing, at most half full,
-    doubled until every pair fits without wrapping past the end."""
-    n = state.size
-    bits = max(4, int(np.ceil(np.log2(max(2 * n, 1)))))
-    while True:
-        home = grammar_hash(state, token, bits)
-        order = np.argsort(home, kind="stable")
-        # Inserted in order of their home slot, the i-th pair lands on the first free slot
-        # at or after its home: max(home_i, slot_{i-1} + 1), a running maximum.
-        rank = np.arange(n)
-        placed = np.maximum.accumulate(home[order] - rank) + rank if n else rank
-        if n == 0 or (placed[-1] < (1 << bits) and int((placed - home[order]).max()) < GRAMMAR_PROBES):
-            slots = np.empty(n, dtype=np.int64)
-            slots[order] = placed
-            return bits, slots
-        bits += 1
 
 
 class GrammarCompiler:
