@@ -28,7 +28,7 @@ from test_engine import byte_tokenizer_json, make_llm, tiny_model_dir  # noqa: E
 from test_ring_layout import MemoryTransport  # noqa: E402
 
 from blink.dpu.ring_protocol import RingClient  # noqa: E402
-from blink.dpu.structured.compiler import GrammarCompiler, GrammarLimitError, GrammarLimits  # noqa: E402
+from blink.dpu.structured.compiler import GrammarCompiler, GrammarLimitError, GrammarLimits, pack_entry  # noqa: E402
 from blink.dpu.structured.regex import int_range_regex, json_object_regex  # noqa: E402
 from blink.dpu.tokenizer import Tokenizer  # noqa: E402
 from blink.kernels.grammar_reference import advance_grammar, apply_grammar_mask  # noqa: E402
@@ -225,6 +225,35 @@ def test_generic_tool_schema_walks_parse(compiler):
             kinds.add("response")
             assert parser.content == value["response"] and not parser.calls
     assert kinds, "no walk ended"
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_advance_is_the_packed_transition_table(seed):
+    """A random dense automaton with many exceptions to the default next states: the device
+    advance gives every transition's next state, and -1 for forbidden tokens, dead rows and
+    unconstrained rows."""
+    from blink.ring import G_NUM_TRANSITIONS
+
+    rng = np.random.default_rng(seed)
+    states, vocab = 40, 3000
+    pairs = rng.choice(states * vocab, size=8000, replace=False)
+    src, tok = pairs // vocab, pairs % vocab
+    tok = np.where(tok == EOS, 1, tok)  # EOS has no transition
+    src, tok = np.unique(np.stack([src, tok]), axis=1)
+    dst = rng.integers(0, 3, size=src.size) * (src % 7)  # a few next states per state
+    words = pack_entry(states, 0, vocab, [EOS], np.zeros(states, dtype=bool), src, tok, dst)
+    assert words[G_NUM_TRANSITIONS] > 1000
+    w = torch.from_numpy(words)
+    got = advance_grammar(w, torch.zeros(src.size, dtype=torch.int32), torch.from_numpy(src).int(),
+                          torch.from_numpy(tok))
+    assert torch.equal(got, torch.from_numpy(dst))
+    allowed = set(zip(src.tolist(), tok.tolist()))
+    probe = [(s, t) for s, t in zip(rng.integers(0, states, 500), rng.integers(0, vocab, 500))
+             if (s, t) not in allowed]
+    ps, pt = (torch.tensor(x) for x in zip(*probe))
+    assert bool((advance_grammar(w, torch.zeros(len(probe), dtype=torch.int32), ps, pt) == -1).all())
+    assert advance_grammar(w, torch.tensor([0, -1]), torch.tensor([-1, 3]),
+                           torch.tensor([5, 5])).tolist() == [-1, -1]
 
 
 def _allowed_by_spec(grammar_words: np.ndarray, state: int, vocab: int) -> set[int]:
