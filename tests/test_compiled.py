@@ -32,8 +32,7 @@ def cache_dir(request) -> Path:
 @pytest.fixture(scope="module")
 def compiled_llm(tmp_path_factory, cache_dir):
     """A compiled engine with few buckets: tokens (1, 2, 4), sample rows (1, 2)."""
-    # EOS 0 (the byte tokenizer's NUL): structured outputs need one; GREEDY ignores it.
-    path = tiny_model_dir(tmp_path_factory.mktemp("compiled_models"), eos_token_id=0)
+    path = tiny_model_dir(tmp_path_factory.mktemp("compiled_models"), eos_token_id=0)  # structured outputs need one
     with LLM(str(path), dtype="float32", max_model_len=128, max_num_seqs=2, kv_cache_tokens=1024,
              max_num_batched_tokens=4, enforce_eager=False, compile_cache_dir=str(cache_dir)) as llm:
         yield llm
@@ -66,9 +65,24 @@ def test_compiled_greedy_matches_transformers_without_recompiles(compiled_llm):
     assert _graphs() == graphs, "steady state compiled a new graph"
 
 
-def test_compiled_steps_enforce_structured_outputs(compiled_llm):
-    """A constrained row in a compiled step is masked (the head runs eager for that step),
-    next to an unconstrained row that the mask leaves alone."""
+def test_compiled_loop_enforces_structured_outputs(compiled_llm):
+    """A constrained row's automaton masks the logits in the compiled loop too (the warm
+    heads take no grammar: a constrained batch runs the head eager with its automata)."""
+    rx = "[a-d]{6}"  # the byte tokenizer: one token per character; no EOS needed
+    outs = compiled_llm.generate(
+        [[5, 6, 7], [9]],
+        [SamplingParams(max_tokens=6, temperature=0.0, structured_outputs=StructuredOutputs(regex=rx)),
+         SamplingParams(max_tokens=6, temperature=1.0, seed=2,
+                        structured_outputs=StructuredOutputs(regex=rx))],
+        timeout_s=120)
+    for out in outs:
+        assert re.fullmatch(rx, out.outputs[0].text), out.outputs[0].text
+    assert compiled_llm.engine.compiled.refused == 0
+
+
+def test_compiled_steps_mask_only_the_constrained_rows(compiled_llm):
+    """A constrained row next to an unconstrained one in compiled steps: the constrained row
+    is masked (only its logits, the rows found on the host), the other left alone."""
     rx = r"[a-d]{2,6}!"
     outs = compiled_llm.generate([[5, 6], [9, 4]], [
         SamplingParams(temperature=1.0, seed=2, max_tokens=20,

@@ -84,8 +84,9 @@ def model_phase(
     history = scheduler.token_history(batch, rows) if plan is None or plan.any_penalty else None
     if inputs is None:
         inputs = scheduler.sampler_inputs(batch, rows)
+    # CPU loop: the constrained rows found on the host, so only their logits are masked.
     grammar = scheduler.grammar.batch(scheduler.state.sampling["grammar_entry"], batch.sample_rows[:rows],
-                                      host_rows=compact)
+                                      host_rows=compact and plan is not None and plan.any_grammar)
     out = sampler(
         logits,
         inputs.sampling,
@@ -115,6 +116,6 @@ def run_step(parts: StepParts, compiled=None) -> bool:
         compiled.run(parts, batch, tokens=n, rows=ns)
         return True
     inputs = parts.scheduler.sampler_inputs(batch, ns)
-    plan = SamplerPlan.of(inputs.sampling, inputs.suppress_ids)  # skip stages no row uses
+    plan = SamplerPlan.from_features(inputs.features, inputs.suppress_ids)  # skip unused stages
     model_phase(parts, batch, tokens=n, rows=ns, compact=True, plan=plan, inputs=inputs)
     return True
