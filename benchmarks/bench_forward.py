@@ -1,7 +1,8 @@
 """The CPU forward, before vs now, in one run: SmolLM2-135M through ``ModelExecutor.execute``.
 
 Two executors over the same weights: ``before`` is the forward as it was (plain weights,
-every projection through ``F.linear``: ``pack_weights=False``) and ``now`` the default one.
+every projection through ``F.linear``: ``pack_weights=False``; every op the torch reference,
+the paged attention included) and ``now`` the default one.
 For each dtype and shape the two are timed alternately, ``--rounds`` rounds of ``--steps``
 calls each, so a load spike on this shared machine hits both; the table gives the median
 per-call wall time and process CPU time of each, and their ratio.
@@ -43,10 +44,15 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args()
 
+    from types import SimpleNamespace
+
     import torch
 
     from blink.executor import ModelExecutor
+    from blink.kernels import ops_for, reference
     from blink.loader import open_model
+
+    reference_ops = SimpleNamespace(**{**vars(ops_for("cpu")), "paged_attention": reference.paged_attention})
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -64,6 +70,7 @@ def main() -> None:
         execs = {name: ModelExecutor(files, dtype=dtype, num_blocks=need, max_model_len=1024,
                                      pack_weights=pack)
                  for name, pack in (("before", False), ("now", True))}
+        execs["before"].model.use_ops(reference_ops)
         for label, batch, new, cached in shapes:
             call_args = {}
             for name, ex in execs.items():
