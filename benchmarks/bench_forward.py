@@ -62,12 +62,13 @@ def main() -> None:
         rows, tokens = (int(v) for v in spec.lower().split("x"))
         shapes.append((f"prefill {rows}x{tokens}", rows, tokens, 0))
     need = max(b * -(-(c + n) // 16) for _, b, n, c in shapes)
+    longest = max(c + n for _, _, n, c in shapes)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"{args.rounds} rounds x {args.steps} calls, alternating", flush=True)
     rows_out = []
     for dtype_name in args.dtype:
         dtype = getattr(torch, dtype_name)
-        execs = {name: ModelExecutor(files, dtype=dtype, num_blocks=need, max_model_len=1024,
+        execs = {name: ModelExecutor(files, dtype=dtype, num_blocks=need, max_model_len=longest,
                                      pack_weights=pack)
                  for name, pack in (("before", False), ("now", True))}
         execs["before"].model.use_ops(reference_ops)
