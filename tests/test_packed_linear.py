@@ -107,3 +107,14 @@ def test_bf16_decode_row_gives_the_same_bits_alone_and_in_a_batch():
     for row in range(3):
         ids, md, last = ex.build_metadata([step[row]])
         assert torch.equal(ex.execute(ids, md, last)[0], batched[row]), f"row {row}"
+
+
+@needs_packing
+def test_a_compiled_step_refuses_packed_weights(tiny_root):
+    from blink.engine.compiled import CompiledModelPhase
+
+    ex = ModelExecutor(model_files(make_tiny_model("llama", tiny_root)), dtype=torch.bfloat16,
+                       block_size=4, num_blocks=8)
+    with pytest.raises(ValueError, match="pack_weights=False"):
+        CompiledModelPhase(ex, None, scheduler_buckets=(1,), max_rows=1, suppress_width=1,
+                           max_logit_bias=1)
