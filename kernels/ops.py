@@ -2,8 +2,9 @@
 
 ``ops_for(device)`` returns the op table the model and sampler call. On CPU every entry is
 the torch reference (:mod:`blink.kernels.reference`, and :mod:`blink.kernels.sampling_reference`
-for the sampler's filter and seeded draw); on CUDA the Triton kernels replace the entries they
-implement. Model and sampler code never branch on which kernel they got.
+for the sampler's filter and seeded draw), except the paged attention, which runs in the
+cache's dtype (:mod:`blink.kernels.cpu_attention`); on CUDA the Triton kernels replace the
+entries they implement. Model and sampler code never branch on which kernel they got.
 
 ``compiled_cpu_ops()`` is the CPU table a compiled step uses (attention as opaque custom ops).
 
@@ -56,6 +57,10 @@ def ops_for(device: torch.device | str, *, triton: bool | None = None) -> Simple
         table.update({name: getattr(grammar_reference, name) for name in _GRAMMAR_OP_NAMES})
         if use_triton:
             table.update(_triton_ops(required=triton is True))
+        elif device_type == "cpu":
+            from blink.kernels import cpu_attention
+
+            table["paged_attention"] = cpu_attention.paged_attention
         _cache[key] = SimpleNamespace(**table)
     return _cache[key]
 

@@ -250,6 +250,9 @@ class CompiledModelPhase:
         from blink.kernels import cpu_paged_attention
         from blink.kernels.ops import compiled_cpu_ops
 
+        if getattr(executor, "packed_weights", False):
+            raise ValueError("a compiled step traces plain weights: build the executor with "
+                             "pack_weights=False")
         self.executor = executor
         self.model = executor.model
         self.sampler = sampler

@@ -175,9 +175,11 @@ class Engine:
                 f"of max_model_len {max_len}: raise --kv-cache-memory/--kv-cache-tokens or lower "
                 f"--max-model-len"
             )
+        # A compiled step (CPU, not enforce_eager: see _compile) traces plain weights.
+        packing = {} if null else {"pack_weights": config.enforce_eager or self.device.type != "cpu"}
         self.executor = (NullExecutor if null else ModelExecutor)(
             files, dtype=dtype, device=self.device, block_size=config.block_size,
-            num_blocks=num_blocks, max_model_len=max_len,
+            num_blocks=num_blocks, max_model_len=max_len, **packing,
         )
         self.model_config = model_config
         self.max_model_len = self.executor.max_model_len

@@ -28,6 +28,7 @@ from blink.config import ModelConfig
 from blink.errors import ModelLoadError
 from blink.kernels import ops_for
 from blink.kernels.reference import AttentionMetadata, rope_cos_sin_cache
+from blink.models import packed_linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -39,14 +40,23 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """``y = x @ weight.T (+ bias)``; weight [out, in] as in HF checkpoints."""
+    """``y = x @ weight.T (+ bias)``; weight [out, in] as in HF checkpoints, or the same
+    weight packed for oneDNN (:meth:`pack`, bf16 on CPU)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
+        self.packed = False
+
+    def pack(self) -> None:
+        """Replace the weight by its oneDNN-packed form (the plain one is freed)."""
+        self.weight = nn.Parameter(packed_linear.pack(self.weight), requires_grad=False)
+        self.packed = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return packed_linear.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -199,6 +209,8 @@ class DecoderForCausalLM(nn.Module):
         #: graph): the CPU loop bumps the engine heartbeat here, so one long step (a big
         #: prefill on a loaded CPU) still shows the frontend that the loop makes progress.
         self.on_layer: Callable[[], None] | None = None
+        #: the tied embedding packed for oneDNN as the head's weight (:meth:`use_packed_weights`)
+        self.packed_head: torch.Tensor | None = None
 
     def forward(
         self,
@@ -222,8 +234,11 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab] in the model dtype."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        if self.packed_head is not None:
+            return packed_linear.linear(hidden, self.packed_head, None)
+        return F.linear(hidden, self.model.embed_tokens.weight)
 
     def use_ops(self, ops) -> None:
         """Switch every module to another op table (the compiled CPU step's,
@@ -231,6 +246,17 @@ class DecoderForCausalLM(nn.Module):
         for module in self.modules():
             if hasattr(module, "ops"):
                 module.ops = ops
+
+    def use_packed_weights(self) -> None:
+        """Pack every projection weight (and the head) for oneDNN's bf16 kernels on CPU,
+        one tensor at a time (:mod:`blink.models.packed_linear`). A tied embedding stays
+        plain for the lookup, and the head gets a packed copy of it (vocab x hidden more
+        bytes). Eager only: a compiled step traces the plain weights."""
+        for module in self.modules():
+            if isinstance(module, Linear) and not module.packed:
+                module.pack()
+        if self.lm_head is None and self.packed_head is None:
+            self.packed_head = packed_linear.pack(self.model.embed_tokens.weight)
 
     def use_input_major_weights(self) -> None:
         """Store every projection weight (and a tied embedding) input-major in memory,

@@ -1,0 +1,104 @@
+"""The CPU forward, before vs now, in one run: SmolLM2-135M through ``ModelExecutor.execute``.
+
+Two executors over the same weights: ``before`` is the forward as it was (plain weights,
+every projection through ``F.linear``: ``pack_weights=False``; every op the torch reference,
+the paged attention included) and ``now`` the default one.
+For each dtype and shape the two are timed alternately, ``--rounds`` rounds of ``--steps``
+calls each, so a load spike on this shared machine hits both; the table gives the median
+per-call wall time and process CPU time of each, and their ratio.
+
+Shapes: ``decode B`` = B rows of one new token each over ``--context`` cached tokens (the
+logits of every row); ``prefill BxP`` = B rows of P new tokens (the logits of each row's last).
+
+    python -m benchmarks.bench_forward --dtype bfloat16 float32 --decode 1 16 --prefill 16x128
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def _seqs(batch: int, new: int, cached: int, block_size: int) -> list[tuple[list[int], int, list[int]]]:
+    per_row = -(-(cached + new) // block_size)
+    return [([100 + 7 * i + j for j in range(new)], cached, list(range(i * per_row, (i + 1) * per_row)))
+            for i in range(batch)]
+
+
+def _time(ex, args_, steps: int) -> tuple[float, float]:
+    w0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        ex.execute(*args_)
+    return (time.perf_counter() - w0) / steps, (time.process_time() - c0) / steps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
+    p.add_argument("--decode", type=int, nargs="*", default=[1, 16], help="decode batch sizes")
+    p.add_argument("--prefill", nargs="*", default=["16x128"], help="prefill shapes, ROWSxTOKENS")
+    p.add_argument("--context", type=int, default=128, help="cached tokens per decode row")
+    p.add_argument("--steps", type=int, default=5, help="calls per timed round")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = p.parse_args()
+
+    from types import SimpleNamespace
+
+    import torch
+
+    from blink.executor import ModelExecutor
+    from blink.kernels import ops_for, reference
+    from blink.loader import open_model
+
+    reference_ops = SimpleNamespace(**{**vars(ops_for("cpu")), "paged_attention": reference.paged_attention})
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    files = open_model(args.model)
+    shapes = [(f"decode {b}", b, 1, args.context) for b in args.decode]
+    for spec in args.prefill:
+        rows, tokens = (int(v) for v in spec.lower().split("x"))
+        shapes.append((f"prefill {rows}x{tokens}", rows, tokens, 0))
+    need = max(b * -(-(c + n) // 16) for _, b, n, c in shapes)
+    longest = max(c + n for _, _, n, c in shapes)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"{args.rounds} rounds x {args.steps} calls, alternating", flush=True)
+    rows_out = []
+    for dtype_name in args.dtype:
+        dtype = getattr(torch, dtype_name)
+        execs = {name: ModelExecutor(files, dtype=dtype, num_blocks=need, max_model_len=longest,
+                                     pack_weights=pack)
+                 for name, pack in (("before", False), ("now", True))}
+        execs["before"].model.use_ops(reference_ops)
+        for label, batch, new, cached in shapes:
+            call_args = {}
+            for name, ex in execs.items():
+                ids, md, last = ex.build_metadata(_seqs(batch, new, cached, ex.block_size))
+                call_args[name] = (ids, md, last)
+                _time(ex, call_args[name], 2)  # warm-up
+            walls = {name: [] for name in execs}
+            cpus = {name: [] for name in execs}
+            for _ in range(args.rounds):
+                for name, ex in execs.items():
+                    wall, cpu = _time(ex, call_args[name], args.steps)
+                    walls[name].append(wall)
+                    cpus[name].append(cpu)
+            w = {n: 1e3 * statistics.median(v) for n, v in walls.items()}
+            c = {n: 1e3 * statistics.median(v) for n, v in cpus.items()}
+            rows_out.append((dtype_name, label, w["before"], w["now"], w["before"] / w["now"],
+                             c["before"], c["now"], c["before"] / c["now"]))
+            print(f"{dtype_name} {label}: before {w['before']:.1f} ms, now {w['now']:.1f} ms "
+                  f"({w['before'] / w['now']:.2f}x)", flush=True)
+        del execs
+    print("\n| dtype | shape | before ms | now ms | speed-up (wall) | before CPU ms | now CPU ms "
+          "| speed-up (CPU) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows_out:
+        print(f"| {r[0]} | {r[1]} | {r[2]:.1f} | {r[3]:.1f} | {r[4]:.2f}x | {r[5]:.1f} | {r[6]:.1f} "
+              f"| {r[7]:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
