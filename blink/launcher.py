@@ -46,6 +46,8 @@ from blink.logs import configure_logging
 from blink.supervision import SUPERVISOR_PID_ENV, child_preexec, watch_supervisor
 
 ENGINE_READY_PREFIX = "BLINK_ENGINE_READY "
+#: tests only: seconds a prefill engine waits between a prompt's KV and its ready word
+KV_READY_DELAY_ENV = "BLINK_TEST_KV_READY_DELAY_S"
 FRONTEND_READY_PREFIX = "Blink frontend ready"
 #: restart back-off: first delay, cap, and how long an engine must live to reset it
 RESTART_BACKOFF_S = 1.0
@@ -79,6 +81,8 @@ def engine_config_from_args(args: argparse.Namespace):
         **({"enforce_eager": True} if args.enforce_eager else
            {"enforce_eager": False} if args.compile else {}),
         compile_cache_dir=args.compile_cache_dir,
+        role=getattr(args, "role", "both"),
+        kv_peers=tuple(getattr(args, "kv_peer", None) or ()),
     )
 
 
@@ -127,7 +131,14 @@ def run_engine(args: argparse.Namespace) -> int:
         server = BootstrapServer(
             engine.region, model_name=model_name, max_model_len=engine.max_model_len,
             tokenizer=engine.source, host=host, port=port, secret=secret,
+            kv_region=engine.kv_region,
+            kv_layout=engine.kv_layout.to_dict() if engine.kv_layout is not None else None,
+            extra={"engine_role": engine.config.role, "kv_peers": list(engine.config.kv_peers)},
         )
+        engine.attach_kv_peers(secret)
+        if engine.kv_sender is not None and os.environ.get(KV_READY_DELAY_ENV):
+            # tests only: widen the window between the KV blocks and the ready word
+            engine.kv_sender.delay_before_ready_s = float(os.environ[KV_READY_DELAY_ENV])
         bound_host, bound_port = server.start()
         if standalone and secret_path is None:
             # No secret given: a fresh one, written where only this user can read it.
@@ -142,8 +153,8 @@ def run_engine(args: argparse.Namespace) -> int:
         engine.start()
         print(f"{ENGINE_READY_PREFIX}{bound_host}:{bound_port}", flush=True)
         engine_logger.info(
-            "model %r (%s), dtype %s (%s), max_model_len %d, %d KV blocks of %d, bootstrap at "
-            "%s:%d", model_name, engine.source, str(engine.dtype).removeprefix("torch."),
+            "role %s, model %r (%s), dtype %s (%s), max_model_len %d, %d KV blocks of %d, "
+            "bootstrap at %s:%d", engine.config.role, model_name, engine.source, str(engine.dtype).removeprefix("torch."),
             engine.dtype_reason, engine.max_model_len, engine.scheduler_config.num_blocks,
             engine.scheduler_config.block_size, bound_host, bound_port)
         while not stop.wait(0.2):

@@ -87,6 +87,9 @@ class EngineOutput:
     num_cached_tokens: int = 0
     queue_time_s: float | None = None
     admitted_at: float | None = None
+    #: a KV reservation's first delta (decode role, docs/disaggregation.md): (slot, seq,
+    #: reserved block ids); None otherwise
+    kv_reservation: tuple[int, int, list[int]] | None = None
 
 
 class EngineStats(TypedDict):

@@ -3,7 +3,7 @@
 Messages are JSON objects, each preceded by its length (4 bytes, big-endian). One exchange:
 
     frontend -> engine   {"type": "hello", "layout_version": V, "client": ..., "pid": ...,
-                          "role": "frontend" | "monitor", "nonce": Nf}
+                          "role": "frontend" | "monitor" | "kv_writer", "nonce": Nf}
     engine -> frontend   {"type": "challenge", "nonce": Ne, "proof": HMAC(secret, Nf, Ne)}
     frontend -> engine   {"type": "auth", "proof": HMAC(secret, Ne, Nf)}
     engine -> frontend   {"type": "welcome", "layout_version", "transport", "total_bytes",
@@ -31,7 +31,12 @@ because a second ring client would take the first one's requests for orphans and
 (and both would hand out the same slots). When the frontend process exits or dies the kernel
 closes the connection and a new frontend can attach (it adopts and drains what the old one left
 in the ring). ``role: monitor`` (read-only tools such as the control-plane benchmark's probe)
-authenticates the same way but holds no lease. The engine enables TCP keepalive on the lease,
+authenticates the same way but holds no lease. ``role: kv_writer`` is a prefill engine
+(docs/disaggregation.md): no lease either, and its welcome also carries ``kv_region`` (how to
+reach this decode engine's KV-cache region: the same transport fields as the ring's),
+``kv_total_bytes`` and ``kv_layout``; an engine without a KV region (not ``--role decode``)
+refuses it. Every welcome carries ``engine_role`` (and a prefill engine's ``kv_peers``). The
+engine enables TCP keepalive on the lease,
 so a frontend whose host vanished without closing it is noticed within about a minute.
 
 A frontend of another ring layout version is refused, with the same message on both sides (the
@@ -70,7 +75,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 10.0
 TRANSPORT_KINDS = ("loopback", "verbs")
-ROLES = ("frontend", "monitor")
+ROLES = ("frontend", "monitor", "kv_writer")
 #: the one refusal an unauthenticated peer gets (the same whatever was wrong, so it learns nothing)
 AUTH_REFUSAL = ("authentication failed: this engine requires the bootstrap secret "
                 "(--bootstrap-secret-file) and the peer did not prove it knows it")
@@ -158,9 +163,17 @@ class BootstrapServer:
         layout_version: int = LAYOUT_VERSION,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         secret: bytes | None = None,
+        kv_region: Region | None = None,
+        kv_layout: dict[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> None:
         """``secret``: the bootstrap secret peers must prove they know; None generates one
-        (read it back from :attr:`secret`), so a server is never open to everyone."""
+        (read it back from :attr:`secret`), so a server is never open to everyone.
+        ``kv_region``/``kv_layout``: a decode engine's KV-cache region, offered to ``kv_writer``
+        peers (prefill engines). ``extra``: fields every welcome carries (``engine_role``...)."""
+        self.kv_region = kv_region
+        self.kv_layout = kv_layout or {}
+        self.extra = dict(extra or {})
         self.secret = check_secret(secret, "BootstrapServer") if secret is not None else generate_secret()
         self.region = region
         self.model_name = model_name
@@ -327,7 +340,22 @@ class BootstrapServer:
                         f"as soon as its connection closes)"))
                     return
                 _enable_keepalive(conn)
+            if role == "kv_writer" and self.kv_region is None:
+                self._refuse(conn, peer, "this engine has no KV region to write into (it was not "
+                                         "started with --role decode)")
+                return
             offer, session = self.region.session_offer(hello)
+            offer = {**self.extra, **offer}
+            if role == "kv_writer":
+                assert self.kv_region is not None
+                kv_offer, kv_session = self.kv_region.session_offer(hello)
+                if kv_session is not None:  # verbs: would need a second queue pair
+                    self.kv_region.session_close(kv_session)
+                    self._refuse(conn, peer, "KV writes over verbs need a second queue pair per "
+                                             "prefill engine, which this release does not set up")
+                    return
+                offer.update(kv_region=kv_offer, kv_total_bytes=self.kv_region.total_bytes,
+                             kv_layout=self.kv_layout)
             info = EngineInfo(
                 layout_version=self.layout_version, transport=self.region.kind,
                 total_bytes=self.region.total_bytes, model_name=self.model_name,
@@ -397,7 +425,8 @@ def connect(
 
     ``secret``: the bootstrap secret (without it every engine refuses, with a message that
     says how to pass it). ``role``: "frontend" (holds the engine's one frontend lease for as
-    long as the transport is open) or "monitor" (read-only tools; no lease).
+    long as the transport is open), "monitor" (read-only tools; no lease) or "kv_writer" (a
+    prefill engine: no lease; the welcome also names the KV region).
     ``expect_transport`` ("loopback"/"verbs"), when given, must match what the engine serves.
     ``transport_options`` go to the verbs transport (device, port, gid_index).
     """
