@@ -162,3 +162,23 @@ def test_cancelled_reservation_waits_for_its_kv_unless_forced(engines):
 def test_block_runs_coalesce_consecutive_blocks():
     assert block_runs([4, 5, 6, 9], [10, 11, 3, 4]) == [(4, 10, 2), (6, 3, 1), (9, 4, 1)]
     assert block_runs([], []) == []
+
+
+def test_bootstrap_offers_the_kv_region_only_to_prefill_roles_of_a_decode_engine(engines):
+    from blink.transport import HandshakeError, connect
+
+    decode = engines["decode"]
+    server = BootstrapServer(decode.region, model_name="m", max_model_len=decode.max_model_len,
+                             tokenizer="t", secret=SECRET, kv_region=decode.kv_region,
+                             kv_layout=decode.kv_layout.to_dict())
+    plain = BootstrapServer(engines["both"].region, model_name="m", max_model_len=256,
+                            tokenizer="t", secret=SECRET)
+    with server, plain:
+        info, kv = connect(*server.address, secret=SECRET, role="kv_region", timeout_s=5)
+        assert kv.total_bytes == decode.kv_layout.total_bytes
+        assert KVLayout.from_dict(info.connection["kv_layout"]) == decode.kv_layout
+        kv.close()
+        with pytest.raises(HandshakeError, match="no KV region"):
+            connect(*plain.address, secret=SECRET, role="kv_region", timeout_s=5)
+        with pytest.raises(HandshakeError, match="no KV region"):
+            connect(*plain.address, secret=SECRET, role="kv_writer", timeout_s=5)

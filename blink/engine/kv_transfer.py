@@ -219,33 +219,37 @@ class KVSender:
                     self.peers[peer].close()
 
     def _connect(self, peer: _Peer) -> None:
+        """Two bootstraps with the decode engine, both one-sided and lease-free: ``kv_writer``
+        (its ring, for the ready words) and ``kv_region`` (its KV region); whatever transport
+        it serves (loopback here, verbs RDMA WRITE on a queue pair of its own in production)."""
         from blink.transport.bootstrap import connect
-        from blink.transport.loopback import LoopbackTransport
 
         if time.monotonic() < peer.next_try:
             raise TransportError(f"decode peer {peer.address} failed recently; not retried yet")
         peer.next_try = time.monotonic() + self.retry_interval_s
         host, _, port = peer.address.rpartition(":")
         info, ring = connect(host, int(port), secret=self.secret, role="kv_writer", timeout_s=5.0)
+        kv = None
         try:
             layout = KVLayout.from_dict(info.connection.get("kv_layout"))
             if layout != self.layout:
                 raise HandshakeError(f"decode peer {peer.address} has KV layout {layout}, this "
                                      f"prefill engine {self.layout}: start both with the same "
                                      f"model, dtype, block size and KV cache size")
-            kv_name = (info.connection.get("kv_region") or {}).get("region_name")
-            if info.transport != "loopback" or not isinstance(kv_name, str):
-                raise HandshakeError(f"decode peer {peer.address}: KV writes need the loopback "
-                                     f"transport in this release")
-            peer.kv = LoopbackTransport(kv_name, int(info.connection["kv_total_bytes"]))
+            _, kv = connect(host, int(port), secret=self.secret, role="kv_region", timeout_s=5.0)
+            if kv.total_bytes < layout.total_bytes:
+                raise HandshakeError(f"decode peer {peer.address}: KV region of {kv.total_bytes} "
+                                     f"bytes, the layout needs {layout.total_bytes}")
             header = ring.read(0, CONTROL_WORDS * 8)
             full = np.zeros(int(header.view("<i8")[C_TOTAL_BYTES]), dtype=np.uint8)  # lazy pages
             full[: header.size] = header
             peer.ring_layout = RingLayout(read_header(full))
-            peer.ring, peer.layout = ring, layout
-            log.info("KV peer %s attached (region %s)", peer.address, kv_name)
+            peer.ring, peer.kv, peer.layout = ring, kv, layout
+            log.info("KV peer %s attached (%s transport)", peer.address, info.transport)
         except BaseException:
             ring.close()
+            if kv is not None:
+                kv.close()
             raise
 
     def _peer(self, index: int) -> _Peer:
