@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -191,6 +191,12 @@ class KVSender:
         self.failures = 0
         #: test hook: seconds to wait between the KV blocks and the ready word
         self.delay_before_ready_s = 0.0
+        #: ARK path selection hook point (issue 18 parts 4-5, ``blink.fabric``, not on this
+        #: branch yet): ``path_selector(peer_address, nbytes)`` before each transfer, returning
+        #: a lease whose ``release()`` runs once the transfer is over (success or not). Over
+        #: verbs the selector is where the transfer's queue pair gets its RoCE source port.
+        #: None: the transport's default path.
+        self.path_selector: Callable[[str, int], Any] | None = None
 
     def pending(self) -> torch.Tensor:
         st = self.scheduler.state
@@ -274,8 +280,14 @@ class KVSender:
         dst = st.kv_dest_blocks[row, :n].tolist()
         if any(not 0 <= d < self.layout.num_blocks for d in dst) or int(st.num_computed[row]) < prompt:
             raise BlinkError(f"slot {row}: bad KV destination {dst} (or prompt not computed)")
-        moved = write_blocks(peer.kv, self.layout, self.executor.kv_caches, src, dst)
-        peer.kv.fence()
+        lease = self.path_selector(peer.address, self.layout.bytes_for(prompt)) \
+            if self.path_selector is not None else None
+        try:
+            moved = write_blocks(peer.kv, self.layout, self.executor.kv_caches, src, dst)
+            peer.kv.fence()
+        finally:
+            if lease is not None:
+                lease.release()
         if self.delay_before_ready_s:
             time.sleep(self.delay_before_ready_s)
         slot, seq = route[KV_ROUTE_SLOT], route[KV_ROUTE_SEQ]
