@@ -53,6 +53,8 @@ from blink.transport import TransportError
 from blink.transport.base import HandshakeError, Transport
 
 log = logging.getLogger("blink.engine.kv")
+#: above this many runs of consecutive blocks a transfer uses the transport's scatter call
+SCATTER_MIN_RUNS = 8
 
 
 @dataclass(frozen=True)
@@ -139,11 +141,20 @@ def write_blocks(transport: Transport, layout: KVLayout, caches: Sequence[tuple[
     blocks ``dst_blocks`` of the remote KV region, layer by layer. Returns the bytes written."""
     runs = block_runs(src_blocks, dst_blocks)
     nb = layout.block_nbytes
+    # Fragmented pools (many short runs): one gather + scatter call per layer and K/V where
+    # the transport has one, instead of one write per run.
+    scatter = getattr(transport, "write_rows", None) if len(runs) > SCATTER_MIN_RUNS else None
+    src_idx = np.asarray(src_blocks, dtype=np.int64)
     moved = 0
     for layer, pair in enumerate(caches):
         for kv, cache in enumerate(pair):
             # one flat byte view per cache (numpy slicing costs far less than torch's)
             flat = cache.view(torch.uint8).numpy().reshape(-1)
+            if scatter is not None:
+                base = layout.offset(layer, kv, 0) // nb
+                scatter(nb, base + np.asarray(dst_blocks, dtype=np.int64), flat.reshape(-1, nb)[src_idx])
+                moved += len(src_idx) * nb
+                continue
             for s, d, n in runs:
                 transport.write(layout.offset(layer, kv, d), flat[s * nb : (s + n) * nb])
                 moved += n * nb
