@@ -277,6 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "prompt's prefill to the prefill engine, which writes its KV into "
                             "the decode engine's memory, and falls back to either engine alone "
                             "when the other is lost (docs/disaggregation.md). CPU loop only")
+    serve.add_argument("--prefill-engines", type=int, default=1, metavar="N",
+                       help="with --disaggregated: how many prefill engines to start")
+    serve.add_argument("--decode-engines", type=int, default=1, metavar="N",
+                       help="with --disaggregated: how many decode engines to start (every "
+                            "prefill engine may write into every decode engine)")
     serve.add_argument("--bootstrap-secret-file", type=Path, default=None, metavar="FILE",
                        help="file holding the engine's bootstrap secret (mode 0600). With "
                             "--frontend-only: the file 'blink engine' printed (or was given), "

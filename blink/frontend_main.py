@@ -130,6 +130,9 @@ def run_frontend(args: argparse.Namespace) -> int:
     """Entry point of ``blink serve --frontend-only --engine HOST:PORT``."""
     if not args.engine:
         raise BlinkError("--frontend-only needs --engine HOST:PORT (the engine's bootstrap address)")
+    if getattr(args, "disaggregated", False):
+        raise BlinkError("--disaggregated starts engines, --frontend-only none: give the frontend "
+                         "one --engine HOST:PORT per running engine instead")
     configure_logging(args.log_level, uvicorn_level=args.uvicorn_log_level)
     engines = [args.engine] if isinstance(args.engine, str) else list(args.engine)
     addresses = [parse_host_port(e) for e in engines]

@@ -259,6 +259,20 @@ def frontend_args(args: argparse.Namespace, addresses: list[str] | str) -> list[
     return out + frontend_limit_args(args) + frontend_passed_args(args)
 
 
+def check_disaggregation_flags(args: argparse.Namespace) -> None:
+    """``--disaggregated`` and its engine counts: one clear line if they do not fit."""
+    if not getattr(args, "disaggregated", False):
+        for name in ("prefill_engines", "decode_engines"):
+            if getattr(args, name, 1) != 1:
+                raise BlinkError(f"--{name.replace('_', '-')} is for --disaggregated")
+        return
+    for name in ("prefill_engines", "decode_engines"):
+        if getattr(args, name) < 1:
+            raise BlinkError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if getattr(args, "loop", "auto") not in ("auto", "cpu"):
+        raise BlinkError("--disaggregated runs on the CPU loop only in this release (--loop cpu)")
+
+
 def check_restart_flags(args: argparse.Namespace) -> None:
     """``--max-engine-restarts`` / ``--engine-restart-window``: one clear line if they do not fit."""
     if getattr(args, "max_engine_restarts", 0) < 0:
@@ -385,13 +399,19 @@ class _Supervisor:
     def run(self) -> int:
         args = self.args
         if getattr(args, "disaggregated", False):
-            decode = _EngineChild("decode", args.engine_port or 0, [], self._policy())
-            self.engines.append(decode)
-            self._start_engine(decode)
-            prefill = _EngineChild("prefill", 0, ["--kv-peer", decode.address], self._policy())
-            self.engines.append(prefill)
-            self._start_engine(prefill)
-            addresses = [prefill.address, decode.address]
+            decodes = []
+            for i in range(args.decode_engines):  # first: the prefill engines name them
+                decode = _EngineChild("decode", (args.engine_port or 0) if i == 0 else 0, [],
+                                      self._policy())
+                self.engines.append(decode)
+                self._start_engine(decode)
+                decodes.append(decode)
+            peers = [flag for d in decodes for flag in ("--kv-peer", d.address)]
+            for _ in range(args.prefill_engines):
+                prefill = _EngineChild("prefill", 0, peers, self._policy())
+                self.engines.append(prefill)
+                self._start_engine(prefill)
+            addresses = [c.address for c in self.engines]
         else:
             only = _EngineChild("both", args.engine_port or 0, [], self._policy())
             self.engines.append(only)
@@ -463,6 +483,7 @@ def run_serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     check_timeout_flags(args)  # fail at once with one clear line, before starting anything
     check_restart_flags(args)
+    check_disaggregation_flags(args)
     check_frontend_flags(args)
     notes = check_vllm_flags(args)
     check_port_free(args.host, args.port)  # before the model load, which can take minutes

@@ -114,6 +114,8 @@ class EngineStats(TypedDict):
     slots_total: NotRequired[int]
     arena_used: NotRequired[int]  # prompt-arena tokens in use
     arena_total: NotRequired[int]
+    kv_transfer_bytes: NotRequired[int]  # prefill engines: KV bytes written into decode engines
+    kv_transfers: NotRequired[int]  # prefill engines: requests whose KV was sent
 
 
 @runtime_checkable

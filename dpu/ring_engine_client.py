@@ -45,6 +45,8 @@ from blink.ring import (
     C_STAT_PROMPT_TOKENS,
     C_STAT_GENERATED_TOKENS,
     C_STAT_WAITING,
+    C_STAT_KV_BYTES_SENT,
+    C_STAT_KV_TRANSFERS,
 )
 
 logger = logging.getLogger(__name__)
@@ -460,6 +462,8 @@ class RingEngineClient:
             slots_total=self.ring.config.n_slots,
             arena_used=self.ring.arena.used,
             arena_total=self.ring.arena.capacity,
+            **({"kv_transfer_bytes": int(c[C_STAT_KV_BYTES_SENT]),
+                "kv_transfers": int(c[C_STAT_KV_TRANSFERS])} if self.ring.config.max_kv_blocks else {}),
         )
 
     def _heartbeat_age(self, heartbeat: int) -> float:

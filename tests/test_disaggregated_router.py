@@ -112,3 +112,20 @@ def test_a_first_token_that_ends_the_request_cancels_the_reservation_normally():
     p, d = FakeEngine("prefill", ["127.0.0.1:2"]), FakeEngine("decode")
     assert _run(_router(p, d), max_tokens=1) == [4]
     assert ("r#decode", False) in d.aborts
+
+
+def test_serve_flags_for_disaggregation_are_checked():
+    from blink.cli import parse_args
+    from blink.errors import BlinkError
+    from blink.launcher import check_disaggregation_flags, frontend_args
+
+    check_disaggregation_flags(parse_args(["serve", "--disaggregated", "--decode-engines", "2"]))
+    with pytest.raises(BlinkError, match="--prefill-engines is for --disaggregated"):
+        check_disaggregation_flags(parse_args(["serve", "--prefill-engines", "2"]))
+    with pytest.raises(BlinkError, match="at least 1"):
+        check_disaggregation_flags(parse_args(["serve", "--disaggregated", "--decode-engines", "0"]))
+    with pytest.raises(BlinkError, match="CPU loop"):
+        check_disaggregation_flags(parse_args(["serve", "--disaggregated", "--loop", "host"]))
+    argv = frontend_args(parse_args(["serve"]), ["127.0.0.1:1", "127.0.0.1:2"])
+    assert parse_args(argv).engine == ["127.0.0.1:1", "127.0.0.1:2"]
+    assert parse_args(["engine", "--role", "prefill", "--kv-peer", "h:1", "--kv-peer", "h:2"]).kv_peer == ["h:1", "h:2"]

@@ -26,7 +26,7 @@ import openai
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from e2e_helpers import ServeProcess, child_pids, cmdline, wait_until  # noqa: E402
+from e2e_helpers import ServeProcess, child_pids, cmdline, read_metrics, wait_until  # noqa: E402
 from test_engine import tiny_model_dir  # noqa: E402
 
 from blink.ring import (  # noqa: E402
@@ -128,6 +128,8 @@ def test_disaggregated_equals_colocated_and_moves_the_prompts_kv(servers):
     expected = sum(per_token * BLOCK * -(-n // BLOCK) for n in tokens)
     assert after[C_STAT_KV_TRANSFERS] - before[C_STAT_KV_TRANSFERS] == len(PROMPTS)
     assert after[C_STAT_KV_BYTES_SENT] - before[C_STAT_KV_BYTES_SENT] == expected
+    # prometheus client counters get a _total suffix
+    assert read_metrics(servers["disagg"].base_url)["blink:kv_transfer_bytes_total"] == after[C_STAT_KV_BYTES_SENT]
 
 
 def test_decode_engine_killed_mid_transfer_resumes_on_the_prefill_engine(servers):
