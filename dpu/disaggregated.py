@@ -28,6 +28,7 @@ cancelled normally, which the decode engine honours once the KV has landed.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from dataclasses import dataclass, field
@@ -119,6 +120,10 @@ class DisaggregatedEngineClient:
         self.info = getattr(first, "info", None)
         #: requests that resumed or restarted on another engine (diagnostics and tests)
         self.retries = 0
+        #: background tasks freeing cancelled reservations (_settle)
+        self._settling: set[asyncio.Task[None]] = set()
+        #: how long a cancelled reservation may wait for a KV that may be on its way
+        self.settle_timeout_s = 30.0
 
     # -- EngineClient ----------------------------------------------------------------------
 
@@ -252,6 +257,9 @@ class DisaggregatedEngineClient:
         decode_id, prefill_id = request_id + "#decode", request_id + "#prefill"
         decode_leg = decode.client.generate(decode_id, prompt_ids, params, grammar,
                                             kv=KvRoute(KV_RESERVE))
+        prefill_leg: AsyncIterator[EngineOutput] | None = None
+        settle = False  # a cancelled reservation whose KV is (or may be) on its way
+        prefill_done = False  # the prefill leg ended (finished, or its engine lost)
         try:
             try:
                 reserved = await decode_leg.__anext__()
@@ -265,14 +273,17 @@ class DisaggregatedEngineClient:
             route = KvRoute(KV_SEND, peer=peer, slot=slot, seq=seq, blocks=tuple(blocks))
             head = dataclasses.replace(params, max_tokens=1)
             last: EngineOutput | None = None
+            prefill_leg = prefill.client.generate(prefill_id, prompt_ids, head, grammar, kv=route)
             try:
-                async for out in prefill.client.generate(prefill_id, prompt_ids, head, grammar, kv=route):
+                async for out in prefill_leg:
                     last = out
                     if not out.finished:
                         yield out
             except EngineDeadError as exc:
+                prefill_done = True
                 await decode.client.abort(decode_id, force=True)  # nobody will write its KV
                 raise _LegLost(prefill, exc) from exc
+            prefill_done = True
             assert last is not None and last.finished
             done = (last.finish_reason != "length" or params.max_tokens == 1
                     or len(prompt_ids) + 1 >= self.max_model_len)
@@ -280,6 +291,7 @@ class DisaggregatedEngineClient:
                 await decode.client.abort(decode_id, force=True)  # the KV is not coming
             elif done:
                 await decode.client.abort(decode_id)  # freed once its KV has landed
+                settle = True
             if done:
                 yield last
                 return
@@ -289,5 +301,47 @@ class DisaggregatedEngineClient:
                     yield dataclasses.replace(out, queue_time_s=None, admitted_at=None)
             except EngineDeadError as exc:
                 raise _LegLost(decode, exc) from exc
+        finally:
+            if prefill_leg is None:
+                # No prefill was asked for: a reservation (if the decode engine made one
+                # already) would wait for a KV that never comes.
+                await decode.client.abort(decode_id, force=True)
+                await decode_leg.aclose()
+            elif not prefill_done or settle:
+                if not prefill_done:  # the consumer left mid-prefill
+                    await prefill.client.abort(prefill_id)
+                    await decode.client.abort(decode_id)
+                self._settle_later(decode, decode_id, decode_leg)
+            else:
+                await decode_leg.aclose()
+
+    def _settle_later(self, decode: EngineInstance, decode_id: str, decode_leg: Any) -> None:
+        task = asyncio.get_running_loop().create_task(self._settle(decode, decode_id, decode_leg))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _settle(self, decode: EngineInstance, decode_id: str, decode_leg: Any) -> None:
+        """A cancelled reservation whose KV may still be written (its prefill was past its
+        prompt, or may have been): drain its decode leg, which ends once the KV has landed
+        (the row then aborts); if it has not ended after ``settle_timeout_s``, no KV is
+        coming (the prefill was cancelled in time, or its transfer failed): force-cancel."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settle_timeout_s
+        forced = False
+        try:
+            while True:
+                step = asyncio.ensure_future(decode_leg.__anext__())
+                done, _ = await asyncio.wait(
+                    {step}, timeout=None if forced else max(0.0, deadline - loop.time()))
+                if not done:  # the stream is still the client's: the force reaches it
+                    await decode.client.abort(decode_id, force=True)
+                    forced = True
+                    await asyncio.wait({step})
+                try:
+                    step.result()
+                except (StopAsyncIteration, EngineDeadError):
+                    return
+        except Exception:  # noqa: BLE001 - a background task must not die silently
+            logger.exception("freeing the KV reservation of %s failed", decode_id)
         finally:
             await decode_leg.aclose()

@@ -129,3 +129,61 @@ def test_serve_flags_for_disaggregation_are_checked():
     argv = frontend_args(parse_args(["serve"]), ["127.0.0.1:1", "127.0.0.1:2"])
     assert parse_args(argv).engine == ["127.0.0.1:1", "127.0.0.1:2"]
     assert parse_args(["engine", "--role", "prefill", "--kv-peer", "h:1", "--kv-peer", "h:2"]).kv_peer == ["h:1", "h:2"]
+
+
+class StuckDecode(FakeEngine):
+    """A decode engine whose reservation never sees its KV: its leg ends only when the
+    reservation is force-cancelled (like the real one, which aborts it then)."""
+
+    def __init__(self, reserve_delay: float = 0.0):
+        super().__init__("decode")
+        self.forced = None
+        self.reserve_delay = reserve_delay
+
+    async def generate(self, request_id, prompt, params, grammar=None, kv=None):
+        self.calls.append((request_id, list(prompt), params.max_tokens, kv))
+        self.forced = asyncio.Event()
+        await asyncio.sleep(self.reserve_delay)
+        yield EngineOutput(token_ids=[], kv_reservation=(3, 7, [11]))
+        await self.forced.wait()
+        yield EngineOutput(token_ids=[], finished=True, finish_reason="abort")
+
+    async def abort(self, request_id, force=False):
+        self.aborts.append((request_id, force))
+        if force and self.forced is not None:
+            self.forced.set()
+
+
+def test_a_cancelled_reservation_whose_kv_never_lands_is_forced_after_the_settle_timeout():
+    p, d = FakeEngine("prefill", ["127.0.0.1:2"]), StuckDecode()
+    router = _router(p, d)
+    router.settle_timeout_s = 0.2
+
+    async def go():
+        out = []
+        async for delta in router.generate("r", [1, 2, 3], SamplingParams(max_tokens=1)):
+            out += delta.token_ids
+        assert d.aborts == [("r#decode", False)]  # plain first: the KV may be on its way
+        await asyncio.wait_for(asyncio.gather(*router._settling), 5)
+        return out
+
+    assert asyncio.run(go()) == [4]
+    assert d.aborts == [("r#decode", False), ("r#decode", True)]
+
+
+def test_a_consumer_leaving_before_the_prefill_is_asked_for_frees_the_reservation_at_once():
+    p, d = FakeEngine("prefill", ["127.0.0.1:2"]), StuckDecode(reserve_delay=10)
+    router = _router(p, d)
+
+    async def go():
+        gen = router.generate("r", [1, 2, 3], SamplingParams(max_tokens=4))
+        task = asyncio.ensure_future(gen.__anext__())
+        while not d.calls:
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.01)
+        task.cancel()  # the client went away while the reservation was on its way
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(go())
+    assert ("r#decode", True) in d.aborts and not p.calls
