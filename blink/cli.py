@@ -269,8 +269,22 @@ def build_parser() -> argparse.ArgumentParser:
                        help="TCP port of the engine's bootstrap listener (default: any free port)")
     serve.add_argument("--frontend-only", action="store_true",
                        help="run only the frontend, connecting to a running 'blink engine' at --engine")
-    serve.add_argument("--engine", default=None, metavar="HOST:PORT",
-                       help="bootstrap address of the engine (with --frontend-only)")
+    serve.add_argument("--engine", default=None, metavar="HOST:PORT", action="append",
+                       help="bootstrap address of the engine (with --frontend-only). Repeat it "
+                            "for several engines: the frontend then routes each request by load "
+                            "and by the engines' roles (--role prefill/decode: disaggregated, "
+                            "docs/disaggregation.md); a config file takes a list")
+    serve.add_argument("--disaggregated", action="store_true",
+                       help="start one decode engine (--role decode) and one prefill engine "
+                            "(--role prefill) instead of one engine; the frontend sends each "
+                            "prompt's prefill to the prefill engine, which writes its KV into "
+                            "the decode engine's memory, and falls back to either engine alone "
+                            "when the other is lost (docs/disaggregation.md). CPU loop only")
+    serve.add_argument("--prefill-engines", type=int, default=1, metavar="N",
+                       help="with --disaggregated: how many prefill engines to start")
+    serve.add_argument("--decode-engines", type=int, default=1, metavar="N",
+                       help="with --disaggregated: how many decode engines to start (every "
+                            "prefill engine may write into every decode engine)")
     serve.add_argument("--bootstrap-secret-file", type=Path, default=None, metavar="FILE",
                        help="file holding the engine's bootstrap secret (mode 0600). With "
                             "--frontend-only: the file 'blink engine' printed (or was given), "
@@ -303,6 +317,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="level of the engine's log")
     engine.add_argument("--listen", default="127.0.0.1:7000", metavar="HOST:PORT",
                         help="bootstrap listener address (default: %(default)s)")
+    engine.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
+                        help="disaggregated serving (docs/disaggregation.md): 'decode' keeps its "
+                             "KV cache in a transport region and reserves blocks for prompts a "
+                             "prefill engine computes; 'prefill' writes each such prompt's KV "
+                             "into a decode engine (--kv-peer). Both still serve whole requests "
+                             "(the frontend's fallback). CPU loop only")
+    engine.add_argument("--kv-peer", action="append", default=None, metavar="HOST:PORT",
+                        help="--role prefill: a decode engine's bootstrap address (repeat for "
+                             "several); it must share this engine's model, dtype, block size, "
+                             "KV cache size and bootstrap secret")
     engine.add_argument("--bootstrap-secret-file", type=Path, default=None, metavar="FILE",
                         help="the secret a frontend must prove it knows to attach (the "
                              "challenge-response never sends it). Read from FILE, or created "

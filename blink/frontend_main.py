@@ -36,7 +36,7 @@ def _server_class():
     return Server
 
 
-async def _serve(args: argparse.Namespace, host: str, port: int) -> None:
+async def _serve(args: argparse.Namespace, addresses: list[tuple[str, int]]) -> None:
     import uvicorn
 
     _Server = _server_class()
@@ -47,16 +47,34 @@ async def _serve(args: argparse.Namespace, host: str, port: int) -> None:
 
     secret = frontend_secret(args)
 
-    async def attach() -> RingEngineClient:
-        return await RingEngineClient.connect(
-            host, port, secret=secret, expect_transport=args.transport,
-            heartbeat_timeout_s=args.heartbeat_timeout,
-            engine_dead_timeout_s=args.engine_dead_timeout,
-        )
+    async def connect_one(host: str, port: int):
+        async def attach() -> RingEngineClient:
+            return await RingEngineClient.connect(
+                host, port, secret=secret, expect_transport=args.transport,
+                heartbeat_timeout_s=args.heartbeat_timeout,
+                engine_dead_timeout_s=args.engine_dead_timeout,
+            )
 
-    # The first attach must work (a wrong address or secret is a start-up error); after that
-    # a dead engine is reconnected to (blink serve restarts it on the same bootstrap port).
-    engine = ReconnectingEngineClient(await attach(), attach, where=f"{host}:{port}")
+        # The first attach must work (a wrong address or secret is a start-up error); after
+        # that a dead engine is reconnected to (blink serve restarts it on the same port).
+        return ReconnectingEngineClient(await attach(), attach, where=f"{host}:{port}")
+
+    clients = []
+    try:
+        for host, port in addresses:
+            clients.append(await connect_one(host, port))
+    except BaseException:
+        for c in clients:
+            await c.close()
+        raise
+    if len(clients) == 1 and (clients[0].info.connection.get("engine_role", "both") == "both"):
+        engine = clients[0]
+    else:  # several engines, or a prefill/decode one: the router (docs/disaggregation.md)
+        from blink.dpu.disaggregated import DisaggregatedEngineClient, EngineInstance
+
+        engine = DisaggregatedEngineClient(
+            [EngineInstance(f"{h}:{p}", c) for (h, p), c in zip(addresses, clients)])
+    engines_text = ", ".join(f"{h}:{p}" for h, p in addresses)
     try:
         tokenizer = Tokenizer.from_pretrained(args.tokenizer or engine.info.tokenizer)
         if args.chat_template is not None:
@@ -85,7 +103,7 @@ async def _serve(args: argparse.Namespace, host: str, port: int) -> None:
         if server.started:
             scheme = "https" if args.ssl_certfile else "http"
             print(f"Blink frontend ready: {scheme}://{args.host}:{args.port}"
-                  f"{args.root_path or ''}/v1 (model {model_name!r}, engine {host}:{port})",
+                  f"{args.root_path or ''}/v1 (model {model_name!r}, engine {engines_text})",
                   flush=True)
         await serve_task
         if not server.started:
@@ -112,14 +130,18 @@ def run_frontend(args: argparse.Namespace) -> int:
     """Entry point of ``blink serve --frontend-only --engine HOST:PORT``."""
     if not args.engine:
         raise BlinkError("--frontend-only needs --engine HOST:PORT (the engine's bootstrap address)")
+    if getattr(args, "disaggregated", False):
+        raise BlinkError("--disaggregated starts engines, --frontend-only none: give the frontend "
+                         "one --engine HOST:PORT per running engine instead")
     configure_logging(args.log_level, uvicorn_level=args.uvicorn_log_level)
-    host, port = parse_host_port(args.engine)
+    engines = [args.engine] if isinstance(args.engine, str) else list(args.engine)
+    addresses = [parse_host_port(e) for e in engines]
     check_timeout_flags(args)
     check_frontend_flags(args)
     check_port_free(args.host, args.port)  # before the engine handshake and tokenizer load
     watch_supervisor("frontend")  # die with the blink serve that started us
     try:
-        asyncio.run(_serve(args, host, port))
+        asyncio.run(_serve(args, addresses))
     except KeyboardInterrupt:
         pass
     return 0

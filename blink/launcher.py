@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import logging
 import os
 import signal
@@ -46,6 +47,8 @@ from blink.logs import configure_logging
 from blink.supervision import SUPERVISOR_PID_ENV, child_preexec, watch_supervisor
 
 ENGINE_READY_PREFIX = "BLINK_ENGINE_READY "
+#: tests only: seconds a prefill engine waits between a prompt's KV and its ready word
+KV_READY_DELAY_ENV = "BLINK_TEST_KV_READY_DELAY_S"
 FRONTEND_READY_PREFIX = "Blink frontend ready"
 #: restart back-off: first delay, cap, and how long an engine must live to reset it
 RESTART_BACKOFF_S = 1.0
@@ -79,6 +82,8 @@ def engine_config_from_args(args: argparse.Namespace):
         **({"enforce_eager": True} if args.enforce_eager else
            {"enforce_eager": False} if args.compile else {}),
         compile_cache_dir=args.compile_cache_dir,
+        role=getattr(args, "role", "both"),
+        kv_peers=tuple(getattr(args, "kv_peer", None) or ()),
     )
 
 
@@ -127,7 +132,14 @@ def run_engine(args: argparse.Namespace) -> int:
         server = BootstrapServer(
             engine.region, model_name=model_name, max_model_len=engine.max_model_len,
             tokenizer=engine.source, host=host, port=port, secret=secret,
+            kv_region=engine.kv_region,
+            kv_layout=engine.kv_layout.to_dict() if engine.kv_layout is not None else None,
+            extra={"engine_role": engine.config.role, "kv_peers": list(engine.config.kv_peers)},
         )
+        engine.attach_kv_peers(secret)
+        if engine.kv_sender is not None and os.environ.get(KV_READY_DELAY_ENV):
+            # tests only: widen the window between the KV blocks and the ready word
+            engine.kv_sender.delay_before_ready_s = float(os.environ[KV_READY_DELAY_ENV])
         bound_host, bound_port = server.start()
         if standalone and secret_path is None:
             # No secret given: a fresh one, written where only this user can read it.
@@ -142,8 +154,8 @@ def run_engine(args: argparse.Namespace) -> int:
         engine.start()
         print(f"{ENGINE_READY_PREFIX}{bound_host}:{bound_port}", flush=True)
         engine_logger.info(
-            "model %r (%s), dtype %s (%s), max_model_len %d, %d KV blocks of %d, bootstrap at "
-            "%s:%d", model_name, engine.source, str(engine.dtype).removeprefix("torch."),
+            "role %s, model %r (%s), dtype %s (%s), max_model_len %d, %d KV blocks of %d, "
+            "bootstrap at %s:%d", engine.config.role, model_name, engine.source, str(engine.dtype).removeprefix("torch."),
             engine.dtype_reason, engine.max_model_len, engine.scheduler_config.num_blocks,
             engine.scheduler_config.block_size, bound_host, bound_port)
         while not stop.wait(0.2):
@@ -233,16 +245,32 @@ def _stop_child(proc: subprocess.Popen | None, timeout_s: float) -> None:
         proc.wait()
 
 
-def frontend_args(args: argparse.Namespace, address: str) -> list[str]:
+def frontend_args(args: argparse.Namespace, addresses: list[str] | str) -> list[str]:
     """The ``blink serve --frontend-only`` arguments ``blink serve`` starts its frontend with
     (the API key and the bootstrap secret go through the environment instead)."""
-    out = ["serve", "--frontend-only", "--engine", address, "--host", args.host,
+    engines = [addresses] if isinstance(addresses, str) else addresses
+    out = ["serve", "--frontend-only", *(a for e in engines for a in ("--engine", e)),
+           "--host", args.host,
            "--port", str(args.port), "--transport", args.transport,
            "--heartbeat-timeout", repr(args.heartbeat_timeout),
            "--engine-dead-timeout", repr(args.engine_dead_timeout)]
     if args.served_model_name:
         out += ["--served-model-name", args.served_model_name]
     return out + frontend_limit_args(args) + frontend_passed_args(args)
+
+
+def check_disaggregation_flags(args: argparse.Namespace) -> None:
+    """``--disaggregated`` and its engine counts: one clear line if they do not fit."""
+    if not getattr(args, "disaggregated", False):
+        for name in ("prefill_engines", "decode_engines"):
+            if getattr(args, name, 1) != 1:
+                raise BlinkError(f"--{name.replace('_', '-')} is for --disaggregated")
+        return
+    for name in ("prefill_engines", "decode_engines"):
+        if getattr(args, name) < 1:
+            raise BlinkError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if getattr(args, "loop", "auto") not in ("auto", "cpu"):
+        raise BlinkError("--disaggregated runs on the CPU loop only in this release (--loop cpu)")
 
 
 def check_restart_flags(args: argparse.Namespace) -> None:
@@ -294,16 +322,43 @@ def serve_secret(args: argparse.Namespace) -> bytes:
     return generate_secret()
 
 
+@dataclasses.dataclass(eq=False)
+class _EngineChild:
+    """One ``blink engine`` child: its role, bootstrap port (fixed after the first start, so
+    restarts keep the address the frontend and prefill engines know) and restart policy."""
+
+    role: str
+    port: int
+    extra: list[str]
+    policy: RestartPolicy
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return "engine" if self.role == "both" else f"{self.role} engine"
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
 class _Supervisor:
-    """The children of one ``blink serve`` and what to do when one of them dies."""
+    """The children of one ``blink serve`` and what to do when one of them dies: one engine, or
+    with ``--disaggregated`` a decode and a prefill engine (docs/disaggregation.md)."""
 
     def __init__(self, args: argparse.Namespace, env: dict[str, str], stop: threading.Event) -> None:
         self.args = args
         self.env = env
         self.stop = stop
         self.python = [sys.executable, "-m", "blink.cli"]
-        self.engine: subprocess.Popen | None = None
+        self.engines: list[_EngineChild] = []
         self.frontend: subprocess.Popen | None = None
+
+    @property
+    def engine(self) -> subprocess.Popen | None:
+        """The first engine's process (the only one without --disaggregated)."""
+        return self.engines[0].proc if self.engines else None
 
     def _spawn(self, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         # start_new_session: a terminal's Ctrl-C reaches only us; we stop the children in order.
@@ -311,19 +366,23 @@ class _Supervisor:
                                 env=env or self.env, start_new_session=True,
                                 preexec_fn=child_preexec)
 
-    def _start_engine(self, port: int) -> str:
-        """Start an engine listening on 127.0.0.1:``port``; its address once ready."""
+    def _start_engine(self, child: _EngineChild) -> str:
+        """Start ``child`` listening on 127.0.0.1:``child.port``; its address once ready."""
         args = self.args
-        self.engine = self._spawn(
-            ["engine", "--listen", f"127.0.0.1:{port}", *_flags(args, _ENGINE_FLAGS),
+        child.proc = self._spawn(
+            ["engine", "--listen", f"127.0.0.1:{child.port}", "--role", child.role, *child.extra,
+             *_flags(args, _ENGINE_FLAGS),
              *([] if prefix_caching_enabled(args) else ["--no-prefix-caching"]),
              *(["--enforce-eager"] if args.enforce_eager else []),
              *(["--compile"] if args.compile else [])])
         watch = (("frontend", self.frontend),) if self.frontend is not None else ()
         # A first start compiles every bucket (blink.engine.compiled): >10 min on 2 busy cores.
-        ready = _wait_for_line(self.engine, ENGINE_READY_PREFIX, "engine", 1800, sys.stderr,
+        ready = _wait_for_line(child.proc, ENGINE_READY_PREFIX, child.name, 1800, sys.stderr,
                                self.stop, watch)
-        return ready[len(ENGINE_READY_PREFIX):]
+        address = ready[len(ENGINE_READY_PREFIX):]
+        child.port = int(address.rpartition(":")[2])  # restarts reuse it
+        child.started = time.monotonic()
+        return address
 
     def _sleep(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -334,63 +393,87 @@ class _Supervisor:
                 raise BlinkError(f"the frontend process exited unexpectedly "
                                  f"(status {self.frontend.returncode})")
 
+    def _policy(self) -> RestartPolicy:
+        return RestartPolicy(self.args.max_engine_restarts, self.args.engine_restart_window)
+
     def run(self) -> int:
         args = self.args
-        address = self._start_engine(args.engine_port or 0)
-        # Restarts reuse this port: the frontend re-bootstraps to the same address.
-        port = int(address.rpartition(":")[2])
+        if getattr(args, "disaggregated", False):
+            decodes = []
+            for i in range(args.decode_engines):  # first: the prefill engines name them
+                decode = _EngineChild("decode", (args.engine_port or 0) if i == 0 else 0, [],
+                                      self._policy())
+                self.engines.append(decode)
+                self._start_engine(decode)
+                decodes.append(decode)
+            peers = [flag for d in decodes for flag in ("--kv-peer", d.address)]
+            for _ in range(args.prefill_engines):
+                prefill = _EngineChild("prefill", 0, peers, self._policy())
+                self.engines.append(prefill)
+                self._start_engine(prefill)
+            addresses = [c.address for c in self.engines]
+        else:
+            only = _EngineChild("both", args.engine_port or 0, [], self._policy())
+            self.engines.append(only)
+            addresses = [self._start_engine(only)]
         env = dict(self.env)
         if args.api_key:
             env["BLINK_API_KEY"] = args.api_key  # only the frontend needs it
-        self.frontend = self._spawn(frontend_args(args, address), env)
+        self.frontend = self._spawn(frontend_args(args, addresses), env)
         _wait_for_line(self.frontend, FRONTEND_READY_PREFIX, "frontend", 120, sys.stderr,
-                       self.stop, (("engine", self.engine),))
+                       self.stop, tuple((c.name, c.proc) for c in self.engines))
         scheme = "https" if args.ssl_certfile else "http"
         print(f"Blink is serving {args.served_model_name or args.model!r} at "
               f"{scheme}://{args.host}:{args.port}{args.root_path or ''}/v1  (Ctrl-C to stop)",
               flush=True)
-        policy = RestartPolicy(args.max_engine_restarts, args.engine_restart_window)
-        started = time.monotonic()
         while not self.stop.wait(0.2):
             if self.frontend.poll() is not None:
                 raise BlinkError(f"the frontend process exited unexpectedly (status {self.frontend.returncode})")
-            assert self.engine is not None
-            if self.engine.poll() is None:
-                continue
-            status = self.engine.returncode
-            if args.no_engine_restart:
-                raise BlinkError(f"the engine process exited unexpectedly (status {status}; "
-                                 f"--no-engine-restart)")
-            while True:  # restart until one is ready, within the policy
-                now = time.monotonic()
-                delay = policy.next_delay(now, now - started)
-                if delay is None:
-                    raise BlinkError(
-                        f"the engine process exited (status {status}) and was already restarted "
-                        f"{policy.recent} times within {policy.window_s:g} s "
-                        f"(--max-engine-restarts / --engine-restart-window); giving up")
-                logger.warning(
-                    "the engine exited (status %s); restarting it in %g s (restart %d of at "
-                    "most %d within %g s); the frontend answers 503 meanwhile", status, delay,
-                    policy.recent, policy.max_restarts, policy.window_s)
-                self._sleep(delay)
-                try:
-                    self._start_engine(port)
-                except _NotReady as exc:
-                    logger.error("the restarted engine failed: %s", exc)
-                    status = self.engine.returncode if self.engine.poll() is not None else "timeout"
-                    _stop_child(self.engine, 10)
-                    started = time.monotonic()
-                    continue
-                started = time.monotonic()
-                logger.info("the engine is back (pid %d, 127.0.0.1:%d); the frontend "
-                            "reconnects to it", self.engine.pid, port)
-                break
+            for child in self.engines:
+                assert child.proc is not None
+                if child.proc.poll() is not None:
+                    self._restart(child)
         return 0
+
+    def _restart(self, child: _EngineChild) -> None:
+        """``child`` died: restart it on its port, within its policy, or give up (raise)."""
+        args, policy = self.args, child.policy
+        assert child.proc is not None
+        status = child.proc.returncode
+        if args.no_engine_restart:
+            raise BlinkError(f"the {child.name} process exited unexpectedly (status {status}; "
+                             f"--no-engine-restart)")
+        while True:  # restart until one is ready, within the policy
+            now = time.monotonic()
+            delay = policy.next_delay(now, now - child.started)
+            if delay is None:
+                raise BlinkError(
+                    f"the {child.name} process exited (status {status}) and was already restarted "
+                    f"{policy.recent} times within {policy.window_s:g} s "
+                    f"(--max-engine-restarts / --engine-restart-window); giving up")
+            logger.warning(
+                "the %s exited (status %s); restarting it in %g s (restart %d of at "
+                "most %d within %g s); %s", child.name, status, delay, policy.recent,
+                policy.max_restarts, policy.window_s,
+                "the frontend answers 503 meanwhile" if len(self.engines) == 1 else
+                "the frontend serves from the other engine meanwhile")
+            self._sleep(delay)
+            try:
+                self._start_engine(child)
+            except _NotReady as exc:
+                logger.error("the restarted %s failed: %s", child.name, exc)
+                status = child.proc.returncode if child.proc.poll() is not None else "timeout"
+                _stop_child(child.proc, 10)
+                child.started = time.monotonic()
+                continue
+            logger.info("the %s is back (pid %d, %s); the frontend reconnects to it",
+                        child.name, child.proc.pid, child.address)
+            return
 
     def shutdown(self) -> None:
         _stop_child(self.frontend, 15)
-        _stop_child(self.engine, 40)
+        for child in reversed(self.engines):  # prefill first: it writes into the decode engine
+            _stop_child(child.proc, 40)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -400,6 +483,7 @@ def run_serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     check_timeout_flags(args)  # fail at once with one clear line, before starting anything
     check_restart_flags(args)
+    check_disaggregation_flags(args)
     check_frontend_flags(args)
     notes = check_vllm_flags(args)
     check_port_free(args.host, args.port)  # before the model load, which can take minutes

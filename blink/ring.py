@@ -34,6 +34,24 @@ Protocol (payload first, then the state word; readers read the state word first)
                                 read -> (cancel=0 if it was set) -> fence -> state=FREE
     frontend: cancel=1 at any time after WRITTEN; the engine finishes the request with
                                 FINISH_ABORT within one step.
+
+Disaggregated prefill/decode (docs/disaggregation.md; ``max_kv_blocks`` > 0 enables it):
+    frontend -> decode ring:  a request with kv_mode=KV_RESERVE (prompt and sampling as usual)
+    decode:   state WRITTEN  -> copies the prompt, allocates ceil(prompt_len / block_size)
+                                blocks, publishes their ids in kv_reserved (-1 padded), resets
+                                the stream -> state=RUNNING; the row waits for the KV
+    frontend -> prefill ring: the same request with max_tokens=1 and kv_mode=KV_SEND,
+                                kv_peer (the decode engine in the prefill engine's peer list),
+                                kv_slot / kv_seq (the decode slot and its seq), kv_blocks (the
+                                reserved ids)
+    prefill:  after the prompt's step -> writes the prompt's KV blocks into the reserved blocks
+                                of the decode engine's KV region (one-sided writes), then
+                                kv_first_token[kv_slot] (the token it sampled) -> fence ->
+                                kv_ready_seq[kv_slot] = kv_seq, both in the decode ring
+    decode:   kv_ready_seq == stream_seq of a waiting row -> the row starts with
+                                computed = prompt_len, tokens = prompt + first token (tensor code)
+    Cancelling a row that waits for its KV takes effect once the KV is there (its blocks are
+    still being written), unless cancel == CANCEL_FORCE (the writer is known to be gone).
 """
 from __future__ import annotations
 
@@ -46,8 +64,8 @@ from blink.errors import BlinkError
 from blink.shared.sampling_fields import SAMPLING_FIELDS, numpy_fields
 
 MAGIC = int.from_bytes(b"BLINKRNG", "little")
-LAYOUT_VERSION = 4  # 2: the request record (one contiguous payload per slot); 3: grammar region
-# (issue 15) or admitted_step (main); 4: both
+LAYOUT_VERSION = 5  # 2: the request record (one contiguous payload per slot); 3: grammar region
+# (issue 15) or admitted_step (main); 4: both; 5: disaggregated prefill/decode (kv_* fields)
 ALIGN = 64
 
 # Control block word indices (all int64).
@@ -76,7 +94,10 @@ ALIGN = 64
     C_STAT_PROMPT_TOKENS,
     C_STAT_GENERATED_TOKENS,
     C_GRAMMAR_WORDS,
-) = range(24)
+    C_MAX_KV_BLOCKS,  # width of the kv block-id fields (0: no disaggregation)
+    C_STAT_KV_BYTES_SENT,  # prefill role: KV bytes written into decode engines
+    C_STAT_KV_TRANSFERS,  # prefill role: requests whose KV was sent
+) = range(27)
 CONTROL_WORDS = 32
 #: Reserved for the engine: a write sink for its fixed-shape scatters into the slot state
 #: words (lanes with nothing to publish write here). The frontend never reads or writes it.
@@ -92,6 +113,11 @@ SLOT_FREE, SLOT_WRITTEN, SLOT_RUNNING, SLOT_FINISHED = range(4)
 # Finish reasons (stream field finish_reason).
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR = range(5)
 FINISH_REASON_NAMES = (None, "stop", "length", "abort", "error")
+
+# Request record field kv_mode.
+KV_NONE, KV_RESERVE, KV_SEND = range(3)
+# Cancel word values: CANCEL_FORCE also frees a row still waiting for its KV at once.
+CANCEL_NONE, CANCEL_REQUEST, CANCEL_FORCE = range(3)
 
 
 # -- grammar entries (structured outputs) -------------------------------------------------
@@ -153,6 +179,9 @@ class RingConfig:
     #: int32 words of the grammar region (structured-output automata); 0 = none (requests
     #: with a constraint are then refused)
     grammar_words: int = DEFAULT_GRAMMAR_WORDS
+    #: width of the kv block-id fields: the most KV blocks one prompt can have
+    #: (ceil(max_model_len / block_size)); 0 = this engine takes no part in disaggregation
+    max_kv_blocks: int = 0
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -173,6 +202,9 @@ def _slot_fields(cfg: RingConfig) -> list[tuple[str, np.dtype, tuple[int, ...]]]
     return [
         ("state", i32, ()),
         ("cancel", i32, ()),  # 0 whenever the slot is FREE (the frontend clears it on freeing)
+        # written by a prefill engine into a decode engine's ring (kv_ready_seq last)
+        ("kv_first_token", i32, ()),
+        ("kv_ready_seq", np.dtype("<i8"), ()),
     ]
 
 
@@ -181,9 +213,10 @@ def _slot_fields(cfg: RingConfig) -> list[tuple[str, np.dtype, tuple[int, ...]]]
 REQUEST = "request"
 
 
-def _request_header_fields() -> list[tuple[str, np.dtype, tuple[int, ...]]]:
+def _request_header_fields(cfg: RingConfig) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
     """The request record's fields before the sampling fields."""
     i32, i64 = np.dtype("<i4"), np.dtype("<i8")
+    kv_width = max(cfg.max_kv_blocks, 1)
     return [
         ("seq", i64, ()),
         ("request_id", i64, ()),
@@ -191,6 +224,11 @@ def _request_header_fields() -> list[tuple[str, np.dtype, tuple[int, ...]]]:
         ("prompt_offset", i64, ()),  # in arena tokens; the prompt wraps around the arena end
         ("consumed", i64, ()),  # stream entries the frontend has read (it alone writes this)
         ("prompt_len", i32, ()),
+        ("kv_mode", i32, ()),  # KV_NONE / KV_RESERVE (decode) / KV_SEND (prefill)
+        ("kv_peer", i32, ()),  # KV_SEND: index of the decode engine in the prefill's peers
+        ("kv_slot", i32, ()),  # KV_SEND: the decode engine's slot holding the reservation
+        ("kv_seq", i64, ()),  # KV_SEND: that slot's seq
+        ("kv_blocks", i32, (kv_width,)),  # KV_SEND: the reserved block ids (-1 padded)
     ]
 
 
@@ -199,7 +237,7 @@ def request_record_dtype(cfg: RingConfig) -> np.dtype:
     sampling fields of :data:`blink.shared.sampling_fields.SAMPLING_FIELDS` (the one table),
     each aligned to its item size, the record size a multiple of 8."""
     names, formats, offsets, offset = [], [], [], 0
-    for name, dtype, shape in _request_header_fields() + numpy_fields(cfg):
+    for name, dtype, shape in _request_header_fields(cfg) + numpy_fields(cfg):
         offset = -(-offset // dtype.itemsize) * dtype.itemsize
         names.append(name)
         formats.append((dtype, shape) if shape else dtype)
@@ -220,6 +258,7 @@ def _stream_fields(cfg: RingConfig) -> list[tuple[str, np.dtype, tuple[int, ...]
         ("num_prompt_tokens", i32, ()),
         ("num_cached_tokens", i32, ()),  # prompt tokens served from the prefix cache
         ("admitted_step", i64, ()),  # the engine's step count when it admitted the request
+        ("kv_reserved", i32, (max(cfg.max_kv_blocks, 1),)),  # KV_RESERVE: the block ids (-1 pad)
         ("tokens", i32, (cap,)),
         ("logprob", f32, (cap,)),
         ("top_ids", i32, (cap, n)),
@@ -358,10 +397,14 @@ class Ring:
         c[C_MAX_LOGIT_BIAS] = cfg.max_logit_bias
         c[C_MAX_MODEL_LEN] = cfg.max_model_len
         c[C_GRAMMAR_WORDS] = cfg.grammar_words
+        c[C_MAX_KV_BLOCKS] = cfg.max_kv_blocks
         c[C_ENGINE_STATE] = ENGINE_STARTING
         for f in SAMPLING_FIELDS:  # neutral values (-1 padding for id vectors)
             if f.pad != 0:
                 ring.arrays[f.name][...] = f.pad
+        ring.kv_blocks[...] = -1
+        ring.kv_reserved[...] = -1
+        ring.kv_ready_seq[...] = -1
         c[C_MAGIC] = MAGIC  # last: a reader that sees the magic sees a complete header
         return ring
 
@@ -392,6 +435,7 @@ def config_of_control(control: Any) -> RingConfig:
         max_logit_bias=int(control[C_MAX_LOGIT_BIAS]),
         max_model_len=int(control[C_MAX_MODEL_LEN]),
         grammar_words=int(control[C_GRAMMAR_WORDS]),
+        max_kv_blocks=int(control[C_MAX_KV_BLOCKS]),
     )
 
 

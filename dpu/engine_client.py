@@ -87,6 +87,9 @@ class EngineOutput:
     num_cached_tokens: int = 0
     queue_time_s: float | None = None
     admitted_at: float | None = None
+    #: a KV reservation's first delta (decode role, docs/disaggregation.md): (slot, seq,
+    #: reserved block ids); None otherwise
+    kv_reservation: tuple[int, int, list[int]] | None = None
 
 
 class EngineStats(TypedDict):
@@ -111,6 +114,8 @@ class EngineStats(TypedDict):
     slots_total: NotRequired[int]
     arena_used: NotRequired[int]  # prompt-arena tokens in use
     arena_total: NotRequired[int]
+    kv_transfer_bytes: NotRequired[int]  # prefill engines: KV bytes written into decode engines
+    kv_transfers: NotRequired[int]  # prefill engines: requests whose KV was sent
 
 
 @runtime_checkable

@@ -98,6 +98,13 @@ class _EngineStatsCollector(Collector):
                                 "Tokens the engine steps processed (admitted prompt tokens + "
                                 "generated tokens); per step: rate(this) / rate(engine_steps).",
                                 s["step_tokens"])
+        if "kv_transfer_bytes" in s:  # prefill engines (docs/disaggregation.md)
+            yield self._counter("blink:kv_transfer_bytes",
+                                "KV-cache bytes prefill engines wrote into decode engines.",
+                                s["kv_transfer_bytes"])
+            yield self._counter("blink:kv_transfers",
+                                "Requests whose prompt KV a prefill engine sent to a decode engine.",
+                                s.get("kv_transfers", 0))
         if "heartbeat_age_s" in s:
             yield self._gauge("blink:engine_heartbeat_age_seconds",
                               "Seconds since the engine's heartbeat was last seen moving.",

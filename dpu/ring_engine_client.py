@@ -29,7 +29,7 @@ from blink.dpu.engine_client import (
 from blink.dpu.engine_health import EngineHealth, HeartbeatWatch, Observation, Transition
 from blink.dpu.ring_packing import RingRequestError, ring_fields
 from blink.dpu.structured.compiler import CompiledGrammar
-from blink.dpu.ring_protocol import RingClient, RingHandle
+from blink.dpu.ring_protocol import KvRoute, RingClient, RingHandle
 from blink.dpu.step_clock import StepClock
 from blink.shared.sampling_params import SamplingParams
 from blink.errors import BlinkError
@@ -45,6 +45,8 @@ from blink.ring import (
     C_STAT_PROMPT_TOKENS,
     C_STAT_GENERATED_TOKENS,
     C_STAT_WAITING,
+    C_STAT_KV_BYTES_SENT,
+    C_STAT_KV_TRANSFERS,
 )
 
 logger = logging.getLogger(__name__)
@@ -381,9 +383,11 @@ class RingEngineClient:
         self.ring.grammars.check_fits(grammar)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       grammar: CompiledGrammar | None = None) -> AsyncIterator[EngineOutput]:
+                       grammar: CompiledGrammar | None = None,
+                       kv: KvRoute | None = None) -> AsyncIterator[EngineOutput]:
         """:meth:`EngineClient.generate`; ``grammar``: the compiled form of
-        ``params.structured_outputs`` (required when that is set: never run unconstrained)."""
+        ``params.structured_outputs`` (required when that is set: never run unconstrained);
+        ``kv``: the request's part in a disaggregated prefill/decode (blink.dpu.disaggregated)."""
         self._check_accepting()
         if request_id in self._inflight:
             raise RingRequestError(f"request id {request_id!r} is already running")
@@ -394,7 +398,7 @@ class RingEngineClient:
         ring_id = self.ring.new_request_id()
         deadline = time.monotonic() + self.submit_timeout_s
         while True:
-            handle = self.ring.try_submit(ring_id, prompt_ids, fields, grammar=grammar)
+            handle = self.ring.try_submit(ring_id, prompt_ids, fields, grammar=grammar, kv=kv)
             if handle is not None:
                 break
             if time.monotonic() >= deadline:
@@ -430,11 +434,13 @@ class RingEngineClient:
                 if not self._watch.state.final:
                     self.ring.cancel(handle)
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, force: bool = False) -> None:
+        """Cancel a request; ``force``: also a KV reservation whose KV has not landed (the
+        prefill engine writing it is gone)."""
         stream = self._inflight.get(request_id)
         if stream is None or self._watch.state.final:
             return
-        self.ring.cancel(stream.handle)
+        self.ring.cancel(stream.handle, force=force)
         if self._wake is not None:
             self._wake.set()
 
@@ -456,6 +462,8 @@ class RingEngineClient:
             slots_total=self.ring.config.n_slots,
             arena_used=self.ring.arena.used,
             arena_total=self.ring.arena.capacity,
+            **({"kv_transfer_bytes": int(c[C_STAT_KV_BYTES_SENT]),
+                "kv_transfers": int(c[C_STAT_KV_TRANSFERS])} if self.ring.config.max_kv_blocks else {}),
         )
 
     def _heartbeat_age(self, heartbeat: int) -> float:
@@ -564,19 +572,20 @@ class ReconnectingEngineClient:
             c.check_grammar(grammar)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       grammar: CompiledGrammar | None = None) -> AsyncIterator[EngineOutput]:
+                       grammar: CompiledGrammar | None = None,
+                       kv: KvRoute | None = None) -> AsyncIterator[EngineOutput]:
         c = self._live()
         if c is None:
             raise EngineDeadError(
                 f"the engine is restarting ({self._down or 'it went away'}); retry shortly",
                 retry_after_s=self.retry_after_s)
-        async for out in c.generate(request_id, prompt_ids, params, grammar):
+        async for out in c.generate(request_id, prompt_ids, params, grammar, kv=kv):
             yield out
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, force: bool = False) -> None:
         c = self._client
         if c is not None:
-            await c.abort(request_id)
+            await c.abort(request_id, force=force)
 
     def stats(self) -> EngineStats:
         c = self._live()

@@ -33,6 +33,11 @@ from blink.dpu.structured.compiler import CompiledGrammar
 from blink.dpu.structured.region import GrammarRegion
 from blink.errors import BlinkError
 from blink.ring import (
+    CANCEL_FORCE,
+    CANCEL_REQUEST,
+    KV_NONE,
+    KV_RESERVE,
+    KV_SEND,
     C_ENGINE_STATE,
     C_HEARTBEAT,
     C_MAGIC,
@@ -54,8 +59,8 @@ from blink.transport.base import Transport
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "ArenaAllocator", "ArenaRange", "EngineStatus", "RingClient", "RingFullError", "RingHandle",
-    "RingProtocolError", "attach_layout",
+    "ArenaAllocator", "ArenaRange", "EngineStatus", "KvRoute", "RingClient", "RingFullError",
+    "RingHandle", "RingProtocolError", "attach_layout",
 ]
 
 
@@ -143,6 +148,22 @@ class ArenaAllocator:
 # -- handles and deltas ---------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class KvRoute:
+    """A request's part in a disaggregated prefill/decode (docs/disaggregation.md).
+
+    ``KV_RESERVE`` (to a decode engine): reserve blocks for the prompt and wait for its KV.
+    ``KV_SEND`` (to a prefill engine): after the prompt, write its KV into ``blocks`` of decode
+    engine ``peer`` (its index in the prefill engine's ``kv_peers``) and publish it ready in
+    that engine's slot ``slot`` of sequence ``seq``."""
+
+    mode: int
+    peer: int = -1
+    slot: int = -1
+    seq: int = -1
+    blocks: tuple[int, ...] = ()
+
+
 @dataclass(eq=False)
 class RingHandle:
     """One submitted request: its slot, the slot's sequence number, and read progress."""
@@ -164,6 +185,7 @@ class RingHandle:
     num_cached_tokens: int = 0
     error: BaseException | None = None  # protocol failure; the slot is leaked on purpose
     grammar: int = -1  # word offset of the grammar entry it holds (-1: unconstrained)
+    kv_mode: int = KV_NONE  # KV_RESERVE: the first delta carries the reserved blocks
 
     @property
     def queue_time_s(self) -> float | None:
@@ -287,7 +309,10 @@ class RingClient:
                 entry = int(self._read_field("grammar_entry", slot, slot + 1)[0])
                 if entry >= 0 and self.grammars.adopt(entry):  # kept until the slot drains
                     handle.grammar = entry
-                self._write_field("cancel", slot, 1)
+                # A KV reservation's prefill request was the old frontend's too: nobody may
+                # ever send its KV, so it is freed at once (force).
+                reserved = int(self._read_field("kv_mode", slot, slot + 1)[0]) == KV_RESERVE
+                self._write_field("cancel", slot, CANCEL_FORCE if reserved else CANCEL_REQUEST)
                 self._active[slot] = handle
                 if st == SLOT_WRITTEN:
                     written.append((
@@ -351,9 +376,12 @@ class RingClient:
 
     def try_submit(self, request_id: int, prompt_ids: Sequence[int] | np.ndarray,
                    sampling: np.ndarray | None = None, *, grammar: CompiledGrammar | None = None,
-                   **fields: Any) -> RingHandle | None:
+                   kv: KvRoute | None = None, **fields: Any) -> RingHandle | None:
         """Write one request into a free slot; None while no slot, arena space or (with a
         ``grammar``) grammar-region space is free.
+
+        ``kv``: the request's part in a disaggregated prefill/decode (:class:`KvRoute`); the
+        ring must have kv fields (an engine with ``--role prefill|decode``).
 
         ``grammar``: the request's compiled structured-output constraint; its entry is
         uploaded into the grammar region unless resident already (content-hashed) and held
@@ -376,6 +404,12 @@ class RingClient:
             raise TypeError("try_submit: the record was packed for another ring layout")
         if grammar is not None:
             self.grammars.check_fits(grammar)  # never fits: a client error, not a wait
+        if kv is not None:
+            width = cfg.max_kv_blocks
+            if width == 0:
+                raise RingRequestError("this engine takes no part in disaggregation (--role both)")
+            if kv.mode not in (KV_RESERVE, KV_SEND) or len(kv.blocks) > width:
+                raise RingRequestError(f"bad KV route {kv}")
         with self._lock:
             if not self._free:
                 return None
@@ -414,12 +448,20 @@ class RingClient:
             record["prompt_len"] = prompt.size
             record["consumed"] = 0
             record["grammar_entry"] = entry
+            if kv is not None:
+                record["kv_mode"], record["kv_peer"] = kv.mode, kv.peer
+                record["kv_slot"], record["kv_seq"] = kv.slot, kv.seq
+                blocks = np.full(max(cfg.max_kv_blocks, 1), -1, dtype="<i4")
+                blocks[: len(kv.blocks)] = kv.blocks
+                record["kv_blocks"] = blocks
+            else:
+                record["kv_mode"] = KV_NONE
             t.write(self._offset(REQUEST, slot), record.view(np.uint8))
             # publish ---------------------------------------------------------------
             t.fence()
             self._write_field("state", slot, SLOT_WRITTEN)
             handle = RingHandle(slot, seq, request_id, int(record["logprobs"][0]), rng,
-                                grammar=entry)
+                                grammar=entry, kv_mode=KV_NONE if kv is None else kv.mode)
             self._active[slot] = handle
             return handle
 
@@ -536,7 +578,11 @@ class RingClient:
                 f"slot {slot}: produced={produced} with consumed={h.consumed} and a stream of {cap}"
             )
         finished = state == SLOT_FINISHED
-        if n == 0 and not finished:
+        reservation = None
+        if first_news and h.kv_mode == KV_RESERVE:  # the blocks were published before RUNNING
+            blocks = self._read_field("kv_reserved", slot, slot + 1)[0]
+            reservation = (slot, h.seq, [int(b) for b in blocks if b >= 0])
+        if n == 0 and not finished and reservation is None:
             return None
         if first_news or h.consumed == 0 or finished:
             h.num_prompt_tokens = int(self._read_field("num_prompt_tokens", slot, slot + 1)[0])
@@ -576,16 +622,19 @@ class RingClient:
             token_ids=tokens, logprobs=logprobs, top_logprobs=top, finished=reason is not None,
             finish_reason=reason,  # type: ignore[arg-type]
             num_prompt_tokens=h.num_prompt_tokens, num_cached_tokens=h.num_cached_tokens,
+            kv_reservation=reservation,
         )
 
-    def cancel(self, handle: RingHandle) -> None:
+    def cancel(self, handle: RingHandle, force: bool = False) -> None:
         """Ask the engine to finish the request (FINISH_ABORT within one step). Idempotent;
-        keep polling the handle until done, so its slot comes back."""
+        keep polling the handle until done, so its slot comes back. A KV reservation is freed
+        only once its KV is there, unless ``force`` (the prefill engine writing it is known to
+        be gone or to have given up)."""
         with self._lock:
-            if handle.done or handle.error is not None or handle.cancelled:
+            if handle.done or handle.error is not None or (handle.cancelled and not force):
                 return
             handle.cancelled = True
-            self._write_field("cancel", handle.slot, 1)
+            self._write_field("cancel", handle.slot, CANCEL_FORCE if force else CANCEL_REQUEST)
 
     # -- engine status -------------------------------------------------------------------
 

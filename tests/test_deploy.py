@@ -183,7 +183,7 @@ def test_container_command_lines_parse_with_todays_cli(rendered):
         engine = [a for a in parsed if a.command == "engine"]
         frontend = [a for a in serving if a.frontend_only]
         assert len(engine) == 1 and len(frontend) == 1
-        assert frontend[0].engine == engine[0].listen
+        assert frontend[0].engine == [engine[0].listen]  # --engine is repeatable
         assert frontend[0].bootstrap_secret_file == engine[0].bootstrap_secret_file
         assert dep["spec"]["template"]["spec"]["shareProcessNamespace"] is True
 

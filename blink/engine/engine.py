@@ -24,6 +24,7 @@ from blink.engine.compiled import (
     configure_compile_cache,
     enforce_eager_default,
 )
+from blink.engine.kv_transfer import KVLayout, KVSender, share_kv_cache
 from blink.engine.step import StepParts, run_step
 from blink.engine.sampler import Sampler
 from blink.engine.scheduler import Scheduler
@@ -50,6 +51,8 @@ from blink.transport import Region, create_region, set_thread_name
 log = logging.getLogger("blink.engine")
 
 DEFAULT_MAX_MODEL_LEN = 8192
+#: engine roles (docs/disaggregation.md)
+ROLES = ("both", "prefill", "decode")
 
 
 @dataclass
@@ -81,6 +84,12 @@ class EngineConfig:
     enforce_eager: bool = field(default_factory=enforce_eager_default)
     #: where compiled code is cached (None: $BLINK_COMPILE_CACHE_DIR, else ~/.cache/blink/inductor)
     compile_cache_dir: str | None = None
+    #: disaggregation (docs/disaggregation.md): "both" (prefill and decode, the default),
+    #: "prefill" (also sends a request's prompt KV to a decode engine) or "decode" (also
+    #: reserves blocks for prompts whose KV a prefill engine writes into its KV region)
+    role: str = "both"
+    #: prefill role: the decode engines' bootstrap addresses (HOST:PORT), indexed by kv_peer
+    kv_peers: tuple[str, ...] = ()
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -150,12 +159,21 @@ class Engine:
         self._drain = True
         self.drain_timeout_s = config.drain_timeout_s
         self.error: BaseException | None = None
+        #: prefill role: sends finished prompts' KV (attach_kv_peers); None otherwise
+        self.kv_sender = None
 
     def _build(self, config: EngineConfig) -> None:
         """Model, KV cache, ring, scheduler and sampler (``__init__``'s work)."""
         from blink.engine.null_model import NullExecutor, is_null_model, open_null_model
         from blink.loader import open_model
 
+        if config.role not in ROLES:
+            raise BlinkError(f"--role must be one of {', '.join(ROLES)}, got {config.role!r}")
+        if config.role == "prefill" and not config.kv_peers:
+            raise BlinkError("--role prefill needs --kv-peer HOST:PORT (a decode engine's "
+                             "bootstrap address; repeat the flag for more)")
+        if config.role != "prefill" and config.kv_peers:
+            raise BlinkError("--kv-peer is for --role prefill")
         null = is_null_model(config.model)  # --model null: no model work (control-plane benchmark)
         files = open_null_model() if null else open_model(config.model)
         model_config = ModelConfig.from_hf(files.hf_config, files.source)
@@ -184,6 +202,16 @@ class Engine:
         self.model_config = model_config
         self.max_model_len = self.executor.max_model_len
         self.source = str(files.source)
+        self.kv_region: Region | None = None
+        self.kv_layout: KVLayout | None = None
+        max_kv_blocks = 0
+        if config.role != "both":
+            max_kv_blocks = -(-self.max_model_len // config.block_size)
+            self.kv_layout = KVLayout.of_executor(self.executor, dtype)
+        if config.role == "decode":
+            # The KV cache lives in a transport region a prefill engine writes into.
+            self.kv_region = create_region(config.transport, self.kv_layout.total_bytes)
+            self._kv_view = share_kv_cache(self.executor, self.kv_layout, self.kv_region.buffer)
 
         self.ring_config = RingConfig(
             n_slots=config.max_num_seqs,
@@ -192,6 +220,7 @@ class Engine:
             max_logprobs=config.max_logprobs,
             max_model_len=self.max_model_len,
             grammar_words=grammar_words(config.grammar_region_mb),
+            max_kv_blocks=max_kv_blocks,
         )
         self.region = self._create_region(RingLayout(self.ring_config).total_bytes)
         self.ring = Ring.create(self.region.buffer, self.ring_config)
@@ -201,7 +230,8 @@ class Engine:
             max_model_len=self.max_model_len,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_admit_per_step=config.max_admit_per_step,
-            enable_prefix_caching=config.enable_prefix_caching,
+            # decode role: rows whose KV arrived have no prefix hash chain to extend
+            enable_prefix_caching=config.enable_prefix_caching and config.role != "decode",
             eos_token_ids=list(model_config.eos_token_ids),
         )
         self.scheduler = Scheduler(self.scheduler_config, self._ring_tensors(), self.device)
@@ -235,7 +265,21 @@ class Engine:
 
     def close(self) -> None:
         self.stop(drain=False)
+        if self.kv_sender is not None:
+            self.kv_sender.close()
         self.region.close()
+        if self.kv_region is not None:
+            self._kv_view = None
+            self.executor.kv_caches = []
+            self.kv_region.close()
+
+    def attach_kv_peers(self, secret: bytes | None) -> None:
+        """Prefill role: the sender that writes finished prompts' KV into the decode engines
+        (``kv_peers``), authenticating with ``secret``; they are reached on first use."""
+        if self.config.role != "prefill":
+            return
+        self.kv_sender = KVSender(self.scheduler, self.executor, self.dtype, self.ring.control,
+                                  self.config.kv_peers, secret)
 
     def __enter__(self) -> "Engine":
         self.start()
@@ -347,4 +391,7 @@ class Engine:
 
     def step(self) -> bool:
         """One engine step. Returns False when nothing was scheduled."""
-        return run_step(StepParts(self.scheduler, self.executor, self.sampler), self.compiled)
+        ran = run_step(StepParts(self.scheduler, self.executor, self.sampler), self.compiled)
+        if self.kv_sender is not None:  # prefill role: before the finished rows' blocks go
+            self.kv_sender.after_step()
+        return ran

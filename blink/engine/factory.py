@@ -35,6 +35,9 @@ def create_engine(config: EngineConfig, loop: str = "auto", *, simulate: bool = 
     device = torch.device("cpu") if simulate else config.resolved_device()
     if loop == "cpu" or (loop == "auto" and device.type == "cpu" and not simulate):
         return Engine(config)
+    if config.role != "both":  # the KV sender runs between steps: host code of the CPU loop
+        raise BlinkError(f"--role {config.role} runs on the CPU loop only in this release "
+                         f"(--loop cpu); the GPU tiers serve --role both")
     if device.type != "cuda" and not simulate:
         raise BlinkError(f"--loop {loop} runs CUDA graphs and needs a CUDA GPU (--device cuda); "
                          f"torch sees none here: use --loop cpu")

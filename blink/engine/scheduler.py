@@ -72,6 +72,7 @@ from blink.engine.state import (
     K_PREFIX_REJECTS,
     K_PROMPT_TOKENS,
     K_STEPS,
+    ROW_AWAITING_KV,
     ROW_EMPTY,
     ROW_RUNNING,
     ROW_WAITING,
@@ -83,6 +84,8 @@ from blink.errors import BlinkError
 from blink.kernels.reference import AttentionMetadata
 from blink.kernels.system_fence import system_fence_for
 from blink.ring import (
+    CANCEL_FORCE,
+    KV_RESERVE,
     C_STAT_GENERATED_TOKENS,
     C_STAT_KV_BLOCKS_TOTAL,
     C_STAT_KV_BLOCKS_USED,
@@ -222,6 +225,12 @@ class Scheduler:
         self._lookup_cols = torch.arange(config.lookup_window_blocks, device=dev)
         self._alloc_cols = torch.arange(config.alloc_window_blocks(S), device=dev)
         self._release_cols = torch.arange(config.release_window(S), device=dev)
+        # Disaggregation (docs/disaggregation.md): the ring has kv fields of width M.
+        self.kv_enabled = ring_cfg.max_kv_blocks > 0
+        if self.kv_enabled and ring_cfg.max_kv_blocks != M:
+            raise BlinkError(f"ring max_kv_blocks ({ring_cfg.max_kv_blocks}) must be the "
+                             f"scheduler's blocks per sequence ({M})")
+        self._reserve_cols = torch.arange(M, device=dev)  # a reservation's block window
         self._table_sink = S * M  # block_table_flat's write sink
         eos = list(config.eos_token_ids) or [-1]
         self._eos = torch.tensor(eos, dtype=torch.int64, device=dev)
@@ -244,12 +253,16 @@ class Scheduler:
         cancel = ring["cancel"] != 0
 
         cancelled = cancel & self._active()
+        if self.kv_enabled:  # a row waiting for its KV is freed only by a forced cancel
+            cancelled |= (ring["cancel"] == CANCEL_FORCE) & (st.status == ROW_AWAITING_KV)
         if self._when(cancelled.any()):
             self._finish(cancelled, FINISH_ABORT)
         if self._when((st.status == ROW_RELEASING).any()):
             self._release_finished()
         if self._when(((slot_state == SLOT_WRITTEN) & (st.status == ROW_EMPTY)).any()):
             self._admit(slot_state, cancel)
+        if self.kv_enabled and self._when(self._kv_ready().any()):
+            self._admit_kv_ready(cancel)
         if cfg.enable_prefix_caching and self._when(st.needs_lookup.any()):
             self._lookup()
         num_new = self._allocate()
@@ -393,6 +406,14 @@ class Scheduler:
         plen_k = ring["prompt_len"][idx].long()
         ok_k = candidate[idx]
         valid_k = ok_k & (plen_k >= 1) & (plen_k < L)
+        if self.kv_enabled:
+            # A reservation takes its blocks now: the oldest ones that fit the free pool (and
+            # the reservation window) are picked, the others stay WRITTEN until blocks free up.
+            reserve_k = ring["kv_mode"][idx] == KV_RESERVE
+            blocks_k = torch.where(reserve_k & valid_k, _ceil_div(plen_k, cfg.block_size), 0)
+            free_now = (st.block_ref[: cfg.num_blocks] == 0).sum()
+            room = torch.clamp(free_now, max=self._reserve_cols.shape[0])
+            ok_k = ok_k & (~reserve_k | (blocks_k.cumsum(0) <= room))
         # The oldest prompts whose tokens fit the window (a prefix: the sum only grows).
         take_k = torch.where(valid_k, plen_k, 0)
         ends_k = take_k.cumsum(0)
@@ -434,6 +455,8 @@ class Scheduler:
         if cfg.enable_prefix_caching:
             st.needs_lookup |= admit
         st.counters[K_PROMPT_TOKENS] += (plen * admit).sum()
+        if self.kv_enabled:
+            self._admit_kv_fields(admit, plen)
 
         # Every slot leaving WRITTEN: stream reset and finish reason, then the state word.
         opened = admit | aborted | rejected
@@ -446,6 +469,47 @@ class Scheduler:
         self._ring_set(opened, "admitted_step", st.counters[K_STEPS])  # queue time (frontend)
         self._fence()
         self._publish_state(opened, torch.where(admit, SLOT_RUNNING, SLOT_FINISHED))
+
+    def _admit_kv_fields(self, admit: torch.Tensor, plen: torch.Tensor) -> None:
+        """Admission's disaggregation part: KV_RESERVE rows get their prompt's blocks now and
+        publish the ids (before the state word that follows); every admitted row's KV route
+        (KV_SEND: where its prompt's KV goes) is copied out of its request record."""
+        st, ring, B = self.state, self.ring, self.config.block_size
+        mode = ring["kv_mode"].long()
+        reserve = admit & (mode == KV_RESERVE)
+        need = torch.where(reserve, _ceil_div(plen, B), 0)
+        if self._when(need.sum() > 0):
+            self._assign_blocks(need, self._reserve_cols)
+        st.status.masked_fill_(reserve, ROW_AWAITING_KV)
+        st.needs_lookup &= ~reserve
+        ids = torch.where(self._cols.unsqueeze(0) < need.unsqueeze(1), st.block_table, -1)
+        self._ring_set(reserve.unsqueeze(1), "kv_reserved", ids)
+        route = torch.stack([mode, ring["kv_peer"].long(), ring["kv_slot"].long(),
+                             ring["kv_seq"]], 1)
+        st.kv_route.copy_(torch.where(admit.unsqueeze(1), route, st.kv_route))
+        st.kv_dest_blocks.copy_(torch.where(admit.unsqueeze(1), ring["kv_blocks"], st.kv_dest_blocks))
+
+    def _kv_ready(self) -> torch.Tensor:
+        """Rows waiting for their KV whose prefill engine has published it (its seq)."""
+        return (self.state.status == ROW_AWAITING_KV) & (self.ring["kv_ready_seq"] == self.ring["stream_seq"])
+
+    def _admit_kv_ready(self, cancel: torch.Tensor) -> None:
+        """KV ready: the row starts with computed = prompt_len and the prefill engine's first
+        token appended (its grammar state advanced by it), so its next step decodes. A row
+        cancelled while it waited finishes with ABORT now."""
+        st = self.state
+        ready = self._kv_ready()
+        go = ready & ~cancel
+        first = self.ring["kv_first_token"]
+        sink = st.tokens.shape[1] - 1
+        col = torch.where(go, st.num_prompt, sink)
+        st.tokens.index_put_((self._rows, col), torch.where(go, first, st.tokens[self._rows, col]))
+        self.grammar.advance(self._rows, go, st.sampling["grammar_entry"], first.long())
+        st.num_tokens.copy_(torch.where(go, st.num_prompt + 1, st.num_tokens))
+        st.num_computed.copy_(torch.where(go, st.num_prompt, st.num_computed))
+        st.status.masked_fill_(go, ROW_WAITING)
+        if self._when((ready & cancel).any()):
+            self._finish(ready & cancel, FINISH_ABORT)
 
     def _lookup(self) -> None:
         """Prefix-cache lookup for the oldest rows waiting for one, up to
@@ -525,7 +589,8 @@ class Scheduler:
         table = st.block_table.long()
         # A releasing row's blocks are freed by no preemption: position 0, which only
         # freed[0] counts, and no decision reads freed[0].
-        owner = torch.where(st.status == ROW_RELEASING, 0, rank)
+        # Rows waiting for their KV likewise (their blocks are being written remotely).
+        owner = torch.where((st.status == ROW_RELEASING) | (st.status == ROW_AWAITING_KV), 0, rank)
         owner_pos = owner.unsqueeze(1).expand_as(table)
         first_user = torch.full((N + 1,), S, dtype=torch.int64, device=table.device)
         first_user.scatter_reduce_(0, table.flatten(), owner_pos.flatten(), "amin")
@@ -558,20 +623,21 @@ class Scheduler:
         st.counters[K_PREEMPTIONS] += preempt.sum()
         return grant, need
 
-    def _assign_blocks(self, need: torch.Tensor) -> None:
+    def _assign_blocks(self, need: torch.Tensor, lanes: torch.Tensor | None = None) -> None:
         """Give each row ``need`` [S] new blocks at the end of its table: free ones,
         never-cached first, then cached ones least recently used. One flat window of
-        ``alloc_window_blocks`` lanes (lane j: the j-th new block of the step)."""
+        ``alloc_window_blocks`` lanes (lane j: the j-th new block of the step), or ``lanes``
+        (a KV reservation's window)."""
         st, cfg = self.state, self.config
         N, M = cfg.num_blocks, cfg.max_blocks_per_seq
         free = st.block_ref[:N] == 0
         cached = st.block_slot[:N] >= 0
         order_key = torch.where(free, torch.where(cached, st.block_last_used[:N], -1), INT64_MAX)
-        J = self._alloc_cols.shape[0]
+        j = self._alloc_cols if lanes is None else lanes
+        J = j.shape[0]
         _, free_list = torch.topk(order_key, J, largest=False)  # ascending: the LRU order
 
         ends = need.cumsum(0)
-        j = self._alloc_cols
         row = torch.searchsorted(ends, j, right=True).clamp(max=self.num_slots - 1)
         col = st.num_blocks[row] + j - (ends - need)[row]
         valid = j < ends[-1]

@@ -28,8 +28,12 @@ from blink.errors import BlinkError
 from blink.ring import C_ENGINE_SCRATCH, REQUEST, Ring, RingConfig, RingLayout, c_strides
 from blink.shared.sampling_fields import SAMPLING_FIELDS as TABLE
 
-# Row status.
-ROW_EMPTY, ROW_WAITING, ROW_RUNNING, ROW_RELEASING = 0, 1, 2, 3
+# Row status. AWAITING_KV (decode role): blocks reserved for a prompt whose KV a prefill
+# engine is writing; not scheduled, never preempted, until the ring says the KV is there.
+ROW_EMPTY, ROW_WAITING, ROW_RUNNING, ROW_RELEASING, ROW_AWAITING_KV = 0, 1, 2, 3, 4
+
+# EngineState.kv_route columns (prefill role: where a request's KV goes once computed).
+KV_ROUTE_MODE, KV_ROUTE_PEER, KV_ROUTE_SLOT, KV_ROUTE_SEQ = range(4)
 
 
 # Cumulative counters in ``EngineState.counters`` (mirrored into the ring control block).
@@ -199,6 +203,10 @@ class EngineState:
     Prefix table [H+1] int64: block id per slot, N = empty; slot H is a write sink.
     insert_best [H+1] int64: the table insert's per-slot scratch (all INT64_MIN between steps).
     counters [NUM_COUNTERS] int64 (K_*), step (0-d int64).
+    Disaggregation (ring ``max_kv_blocks`` > 0, else width 1): kv_route [S, 4] int64 (mode,
+    peer, slot, seq: KV_ROUTE_*) and kv_dest_blocks [S, max(max_kv_blocks, 1)] int32, copied
+    from the request record at admission, so the KV sender never reads a slot the frontend may
+    already be reusing.
     """
 
     status: torch.Tensor
@@ -225,6 +233,8 @@ class EngineState:
     hash_table: torch.Tensor
     insert_best: torch.Tensor
     counters: torch.Tensor
+    kv_route: torch.Tensor
+    kv_dest_blocks: torch.Tensor
     step: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
 
     @classmethod
@@ -265,6 +275,8 @@ class EngineState:
             hash_table=full((H + 1,), N, torch.int64),
             insert_best=full((H + 1,), -(2**63), torch.int64),
             counters=full((NUM_COUNTERS,), 0, torch.int64),
+            kv_route=full((S, 4), 0, torch.int64),
+            kv_dest_blocks=full((S, max(ring_cfg.max_kv_blocks, 1)), -1, torch.int32),
             step=full((), 0, torch.int64),
         )
 

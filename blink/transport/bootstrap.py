@@ -3,7 +3,8 @@
 Messages are JSON objects, each preceded by its length (4 bytes, big-endian). One exchange:
 
     frontend -> engine   {"type": "hello", "layout_version": V, "client": ..., "pid": ...,
-                          "role": "frontend" | "monitor", "nonce": Nf}
+                          "role": "frontend" | "monitor" | "kv_writer" | "kv_region",
+                          "nonce": Nf}
     engine -> frontend   {"type": "challenge", "nonce": Ne, "proof": HMAC(secret, Nf, Ne)}
     frontend -> engine   {"type": "auth", "proof": HMAC(secret, Ne, Nf)}
     engine -> frontend   {"type": "welcome", "layout_version", "transport", "total_bytes",
@@ -31,7 +32,13 @@ because a second ring client would take the first one's requests for orphans and
 (and both would hand out the same slots). When the frontend process exits or dies the kernel
 closes the connection and a new frontend can attach (it adopts and drains what the old one left
 in the ring). ``role: monitor`` (read-only tools such as the control-plane benchmark's probe)
-authenticates the same way but holds no lease. The engine enables TCP keepalive on the lease,
+authenticates the same way but holds no lease. A prefill engine (docs/disaggregation.md)
+connects twice, holding no lease: ``role: kv_writer`` reaches the ring (to publish "KV ready")
+and its welcome carries ``kv_layout``; ``role: kv_region`` reaches the decode engine's KV-cache
+region instead of the ring, with the same transport fields and steps (loopback: a segment
+name; verbs: address, rkey and a queue pair of its own). An engine without a KV region (not
+``--role decode``) refuses both. Every welcome carries ``engine_role`` (and a prefill engine's ``kv_peers``). The
+engine enables TCP keepalive on the lease,
 so a frontend whose host vanished without closing it is noticed within about a minute.
 
 A frontend of another ring layout version is refused, with the same message on both sides (the
@@ -70,7 +77,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 10.0
 TRANSPORT_KINDS = ("loopback", "verbs")
-ROLES = ("frontend", "monitor")
+ROLES = ("frontend", "monitor", "kv_writer", "kv_region")
 #: the one refusal an unauthenticated peer gets (the same whatever was wrong, so it learns nothing)
 AUTH_REFUSAL = ("authentication failed: this engine requires the bootstrap secret "
                 "(--bootstrap-secret-file) and the peer did not prove it knows it")
@@ -158,9 +165,17 @@ class BootstrapServer:
         layout_version: int = LAYOUT_VERSION,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         secret: bytes | None = None,
+        kv_region: Region | None = None,
+        kv_layout: dict[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> None:
         """``secret``: the bootstrap secret peers must prove they know; None generates one
-        (read it back from :attr:`secret`), so a server is never open to everyone."""
+        (read it back from :attr:`secret`), so a server is never open to everyone.
+        ``kv_region``/``kv_layout``: a decode engine's KV-cache region, offered to ``kv_writer``
+        peers (prefill engines). ``extra``: fields every welcome carries (``engine_role``...)."""
+        self.kv_region = kv_region
+        self.kv_layout = kv_layout or {}
+        self.extra = dict(extra or {})
         self.secret = check_secret(secret, "BootstrapServer") if secret is not None else generate_secret()
         self.region = region
         self.model_name = model_name
@@ -299,6 +314,7 @@ class BootstrapServer:
     def _serve_peer(self, conn: socket.socket, peer: str) -> None:
         set_thread_name("blink-bs-peer")
         session: Any = None
+        role = "frontend"
         with self._lock:
             self._peers.add(conn)
         try:
@@ -327,10 +343,19 @@ class BootstrapServer:
                         f"as soon as its connection closes)"))
                     return
                 _enable_keepalive(conn)
-            offer, session = self.region.session_offer(hello)
+            if role in ("kv_writer", "kv_region") and self.kv_region is None:
+                self._refuse(conn, peer, "this engine has no KV region to write into (it was not "
+                                         "started with --role decode)")
+                return
+            region = self.kv_region if role == "kv_region" else self.region
+            assert region is not None
+            offer, session = region.session_offer(hello)
+            offer = {**self.extra, **offer}
+            if role in ("kv_writer", "kv_region"):
+                offer["kv_layout"] = self.kv_layout
             info = EngineInfo(
-                layout_version=self.layout_version, transport=self.region.kind,
-                total_bytes=self.region.total_bytes, model_name=self.model_name,
+                layout_version=self.layout_version, transport=region.kind,
+                total_bytes=region.total_bytes, model_name=self.model_name,
                 max_model_len=self.max_model_len, tokenizer=self.tokenizer, connection=offer,
             )
             send_message(conn, info.to_message())
@@ -339,7 +364,7 @@ class BootstrapServer:
                 if msg["type"] != "connect":
                     self._refuse(conn, peer, f"expected a connect message, got {msg['type']!r}")
                     return
-                reply = self.region.session_complete(session, msg)
+                reply = region.session_complete(session, msg)
                 send_message(conn, {"type": "ready", **reply})
             with self._lock:
                 self.accepted += 1
@@ -361,7 +386,7 @@ class BootstrapServer:
         finally:
             self._release_lease(conn)
             if session is not None:
-                self.region.session_close(session)
+                (self.kv_region if role == "kv_region" else self.region).session_close(session)
             with self._lock:
                 self._peers.discard(conn)
             conn.close()
@@ -397,7 +422,9 @@ def connect(
 
     ``secret``: the bootstrap secret (without it every engine refuses, with a message that
     says how to pass it). ``role``: "frontend" (holds the engine's one frontend lease for as
-    long as the transport is open) or "monitor" (read-only tools; no lease).
+    long as the transport is open), "monitor" (read-only tools; no lease), or a prefill
+    engine's "kv_writer" (the ring, no lease) and "kv_region" (the decode engine's KV region
+    instead of its ring, no lease).
     ``expect_transport`` ("loopback"/"verbs"), when given, must match what the engine serves.
     ``transport_options`` go to the verbs transport (device, port, gid_index).
     """

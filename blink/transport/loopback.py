@@ -353,6 +353,18 @@ class LoopbackTransport:
         check_range(offset, src.size, self.total_bytes, "write")
         self._mem()[offset : offset + src.size] = src
 
+    def write_rows(self, row_nbytes: int, rows: np.ndarray, data: np.ndarray) -> None:
+        """Scatter: put ``data[i]`` (``row_nbytes`` bytes) at byte ``rows[i] * row_nbytes``, for
+        every i, in one call (a list of RDMA WRITEs posted with one doorbell, in verbs terms).
+        Optional: callers fall back to :meth:`write` per row where a transport lacks it."""
+        src = np.ascontiguousarray(data).view(np.uint8).reshape(len(rows), row_nbytes)
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.size and (rows.min() < 0 or (rows.max() + 1) * row_nbytes > self.total_bytes):
+            raise TransportError(f"transport scatter of rows {rows.min()}..{rows.max()} of "
+                                 f"{row_nbytes} bytes leaves the {self.total_bytes}-byte region")
+        count = self.total_bytes // row_nbytes
+        self._mem()[: count * row_nbytes].reshape(count, row_nbytes)[rows] = src
+
     def read(self, offset: int, nbytes: int) -> np.ndarray:
         check_range(offset, nbytes, self.total_bytes, "read")
         return self._mem()[offset : offset + nbytes].copy()

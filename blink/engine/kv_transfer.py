@@ -1,0 +1,319 @@
+"""Disaggregated prefill/decode: the KV-cache region a decode engine exposes, and the sender a
+prefill engine runs after each step (docs/disaggregation.md).
+
+The KV region is one contiguous array ``[layers, 2 (K, V), num_blocks + 1, block_size,
+kv_heads, head_dim]`` of the engine dtype (:class:`KVLayout`). A decode engine allocates its
+KV cache inside a transport region (loopback: a shared-memory segment; verbs: a registered
+memory region) and the executor's per-layer caches are views of it, so a prefill engine can
+write a block straight into the place the decode engine's attention reads it from: no copy on
+the decode side, no host work there at all (its scheduler admits the row when the ring's
+``kv_ready_seq`` says so, :meth:`blink.engine.scheduler.Scheduler._admit_kv_ready`).
+
+The prefill side (:class:`KVSender`) is host code of the CPU loop, run between two steps: a row
+whose prompt has been computed (it finished with its one token) and whose request carries
+``kv_mode = KV_SEND`` gets its prompt's blocks written into the decode engine's reserved
+blocks — per layer, K then V, one transport write per run of consecutive source and
+destination blocks — then the first token and the ``kv_ready_seq`` word, in that order, with
+a fence between. The blocks move whole: ``ceil(prompt_len / block_size)`` blocks, i.e.
+``2 * layers * kv_heads * head_dim * dtype_bytes * block_size * ceil(prompt_len / block_size)``
+bytes. Layer-by-layer streaming (sending layer l while layer l+1 computes) is not done: the
+whole prompt's KV goes after its forward pass.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from blink.errors import BlinkError
+from blink.ring import (
+    CONTROL_WORDS,
+    C_TOTAL_BYTES,
+    C_STAT_KV_BYTES_SENT,
+    C_STAT_KV_TRANSFERS,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    KV_NONE,
+    KV_SEND,
+    RingLayout,
+    read_header,
+)
+from blink.engine.state import (
+    KV_ROUTE_MODE,
+    KV_ROUTE_PEER,
+    KV_ROUTE_SEQ,
+    KV_ROUTE_SLOT,
+    ROW_RELEASING,
+)
+from blink.transport import TransportError
+from blink.transport.base import HandshakeError, Transport
+
+log = logging.getLogger("blink.engine.kv")
+#: above this many runs of consecutive blocks a transfer uses the transport's scatter call
+SCATTER_MIN_RUNS = 8
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The byte layout of a KV region; both engines must have the same one."""
+
+    num_layers: int
+    num_blocks: int  # usable blocks; the region holds num_blocks + 1 (the scratch block)
+    block_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: str  # torch dtype name without "torch."
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block of one layer's K (or V)."""
+        return self.block_size * self.kv_heads * self.head_dim * self.element_size
+
+    @property
+    def total_bytes(self) -> int:
+        return max(self.num_layers * 2 * (self.num_blocks + 1) * self.block_nbytes, 1)
+
+    def offset(self, layer: int, kv: int, block: int) -> int:
+        """Byte offset of block ``block`` of layer ``layer``'s K (kv=0) or V (kv=1)."""
+        return ((layer * 2 + kv) * (self.num_blocks + 1) + block) * self.block_nbytes
+
+    def bytes_for(self, num_tokens: int) -> int:
+        """Bytes a transfer of ``num_tokens`` prompt tokens moves (whole blocks)."""
+        blocks = -(-num_tokens // self.block_size)
+        return 2 * self.num_layers * blocks * self.block_nbytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "KVLayout":
+        try:
+            return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+        except (KeyError, TypeError) as exc:
+            raise HandshakeError(f"the decode engine's kv_layout is malformed: {data!r}") from exc
+
+    @classmethod
+    def of_executor(cls, executor: Any, dtype: torch.dtype) -> "KVLayout":
+        caches = executor.kv_caches
+        if not caches:  # the null model: no KV at all
+            return cls(0, executor.num_blocks, executor.block_size, 1, 1, str(dtype).removeprefix("torch."))
+        blocks, block_size, heads, dim = caches[0][0].shape
+        return cls(len(caches), blocks - 1, block_size, heads, dim, str(caches[0][0].dtype).removeprefix("torch."))
+
+
+def share_kv_cache(executor: Any, layout: KVLayout, buffer: Any) -> torch.Tensor:
+    """Decode role: make the executor's KV caches views of ``buffer`` (the KV region), laid
+    out as ``layout``. Returns the whole region as one tensor."""
+    shape = (layout.num_layers, 2, layout.num_blocks + 1, layout.block_size, layout.kv_heads,
+             layout.head_dim)
+    count = layout.num_layers * 2 * (layout.num_blocks + 1) * layout.block_nbytes
+    if count == 0:
+        return torch.empty(0)
+    raw = torch.frombuffer(buffer, dtype=torch.uint8, count=count)
+    region = raw.view(getattr(torch, layout.dtype)).view(shape)
+    executor.kv_caches = [(region[layer, 0], region[layer, 1]) for layer in range(layout.num_layers)]
+    return region
+
+
+def block_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(src start, dst start, count) runs where both sides' block ids go up by one: each run is
+    one transport write per layer and K/V instead of one per block."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+def write_blocks(transport: Transport, layout: KVLayout, caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> int:
+    """Write the blocks ``src_blocks`` of ``caches`` (the prefill engine's per-layer K/V) into
+    blocks ``dst_blocks`` of the remote KV region, layer by layer. Returns the bytes written."""
+    runs = block_runs(src_blocks, dst_blocks)
+    nb = layout.block_nbytes
+    # Fragmented pools (many short runs): one gather + scatter call per layer and K/V where
+    # the transport has one, instead of one write per run.
+    scatter = getattr(transport, "write_rows", None) if len(runs) > SCATTER_MIN_RUNS else None
+    src_idx = np.asarray(src_blocks, dtype=np.int64)
+    moved = 0
+    for layer, pair in enumerate(caches):
+        for kv, cache in enumerate(pair):
+            # one flat byte view per cache (numpy slicing costs far less than torch's)
+            flat = cache.view(torch.uint8).numpy().reshape(-1)
+            if scatter is not None:
+                base = layout.offset(layer, kv, 0) // nb
+                scatter(nb, base + np.asarray(dst_blocks, dtype=np.int64), flat.reshape(-1, nb)[src_idx])
+                moved += len(src_idx) * nb
+                continue
+            for s, d, n in runs:
+                transport.write(layout.offset(layer, kv, d), flat[s * nb : (s + n) * nb])
+                moved += n * nb
+    return moved
+
+
+class _Peer:
+    """One decode engine as a prefill engine reaches it: its ring (the kv_* slot words) and its
+    KV region, both by one-sided writes."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.ring: Transport | None = None
+        self.kv: Transport | None = None
+        self.layout: KVLayout | None = None
+        self.ring_layout: RingLayout | None = None
+        self.next_try = 0.0
+
+    def close(self) -> None:
+        for t in (self.ring, self.kv):
+            if t is not None:
+                t.close()
+        self.ring = self.kv = None
+
+
+class KVSender:
+    """Prefill role: after each step, send the KV of rows whose prompt is done (module
+    docstring). ``peers``: the decode engines' bootstrap addresses (``--kv-peer``), indexed as
+    the requests' ``kv_peer``; connected on first use and again after a failure (a restarted
+    decode engine has a new region)."""
+
+    #: seconds between two attempts to reach a peer that failed
+    retry_interval_s = 0.5
+
+    def __init__(self, scheduler: Any, executor: Any, dtype: torch.dtype, control: np.ndarray,
+                 peers: Sequence[str], secret: bytes | None) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.layout = KVLayout.of_executor(executor, dtype)
+        self.control = control
+        self.secret = secret
+        self.peers = [_Peer(a) for a in peers]
+        self.bytes_sent = 0
+        self.transfers = 0
+        self.failures = 0
+        #: test hook: seconds to wait between the KV blocks and the ready word
+        self.delay_before_ready_s = 0.0
+        #: ARK path selection hook point (issue 18 parts 4-5, ``blink.fabric``, not on this
+        #: branch yet): ``path_selector(peer_address, nbytes)`` before each transfer, returning
+        #: a lease whose ``release()`` runs once the transfer is over (success or not). Over
+        #: verbs the selector is where the transfer's queue pair gets its RoCE source port.
+        #: None: the transport's default path.
+        self.path_selector: Callable[[str, int], Any] | None = None
+
+    def pending(self) -> torch.Tensor:
+        st = self.scheduler.state
+        return (st.kv_route[:, KV_ROUTE_MODE] == KV_SEND) & (st.status == ROW_RELEASING)
+
+    def after_step(self) -> None:
+        """Send every finished KV_SEND row's KV (host code, between two steps)."""
+        pending = self.pending()
+        if not bool(pending.any()):
+            return
+        st = self.scheduler.state
+        finish = self.scheduler.ring["finish_reason"]
+        for row in torch.nonzero(pending).flatten().tolist():
+            route = st.kv_route[row].tolist()
+            st.kv_route[row, KV_ROUTE_MODE] = KV_NONE  # once, whatever happens below
+            if int(finish[row]) not in (FINISH_STOP, FINISH_LENGTH):
+                continue  # aborted or refused: the frontend frees the reservation itself
+            try:
+                self._send(row, route)
+            except (TransportError, OSError, BlinkError) as exc:
+                self.failures += 1
+                peer = route[KV_ROUTE_PEER]
+                log.warning("KV transfer of slot %d to decode peer %s failed: %s", row,
+                            self.peers[peer].address if 0 <= peer < len(self.peers) else peer, exc)
+                if 0 <= peer < len(self.peers):
+                    self.peers[peer].close()
+
+    def _connect(self, peer: _Peer) -> None:
+        """Two bootstraps with the decode engine, both one-sided and lease-free: ``kv_writer``
+        (its ring, for the ready words) and ``kv_region`` (its KV region); whatever transport
+        it serves (loopback here, verbs RDMA WRITE on a queue pair of its own in production)."""
+        from blink.transport.bootstrap import connect
+
+        if time.monotonic() < peer.next_try:
+            raise TransportError(f"decode peer {peer.address} failed recently; not retried yet")
+        peer.next_try = time.monotonic() + self.retry_interval_s
+        host, _, port = peer.address.rpartition(":")
+        info, ring = connect(host, int(port), secret=self.secret, role="kv_writer", timeout_s=5.0)
+        kv = None
+        try:
+            layout = KVLayout.from_dict(info.connection.get("kv_layout"))
+            if layout != self.layout:
+                raise HandshakeError(f"decode peer {peer.address} has KV layout {layout}, this "
+                                     f"prefill engine {self.layout}: start both with the same "
+                                     f"model, dtype, block size and KV cache size")
+            _, kv = connect(host, int(port), secret=self.secret, role="kv_region", timeout_s=5.0)
+            if kv.total_bytes < layout.total_bytes:
+                raise HandshakeError(f"decode peer {peer.address}: KV region of {kv.total_bytes} "
+                                     f"bytes, the layout needs {layout.total_bytes}")
+            header = ring.read(0, CONTROL_WORDS * 8)
+            full = np.zeros(int(header.view("<i8")[C_TOTAL_BYTES]), dtype=np.uint8)  # lazy pages
+            full[: header.size] = header
+            peer.ring_layout = RingLayout(read_header(full))
+            peer.ring, peer.kv, peer.layout = ring, kv, layout
+            log.info("KV peer %s attached (%s transport)", peer.address, info.transport)
+        except BaseException:
+            ring.close()
+            if kv is not None:
+                kv.close()
+            raise
+
+    def _peer(self, index: int) -> _Peer:
+        if not 0 <= index < len(self.peers):
+            raise BlinkError(f"request names KV peer {index}; this engine has {len(self.peers)} "
+                             f"(--kv-peer)")
+        peer = self.peers[index]
+        alive = getattr(peer.ring, "peer_alive", None)
+        if peer.ring is not None and alive is not None and alive() is False:
+            peer.close()  # the decode engine went away: its successor has a new region
+        if peer.ring is None:
+            self._connect(peer)
+        return peer
+
+    def _send(self, row: int, route: list[int]) -> None:
+        st = self.scheduler.state
+        peer = self._peer(route[KV_ROUTE_PEER])
+        assert peer.ring is not None and peer.kv is not None and peer.ring_layout is not None
+        prompt = int(st.num_prompt[row])
+        n = -(-prompt // self.layout.block_size)
+        src = st.block_table[row, :n].tolist()
+        dst = st.kv_dest_blocks[row, :n].tolist()
+        if any(not 0 <= d < self.layout.num_blocks for d in dst) or int(st.num_computed[row]) < prompt:
+            raise BlinkError(f"slot {row}: bad KV destination {dst} (or prompt not computed)")
+        lease = self.path_selector(peer.address, self.layout.bytes_for(prompt)) \
+            if self.path_selector is not None else None
+        try:
+            moved = write_blocks(peer.kv, self.layout, self.executor.kv_caches, src, dst)
+            peer.kv.fence()
+        finally:
+            if lease is not None:
+                lease.release()
+        if self.delay_before_ready_s:
+            time.sleep(self.delay_before_ready_s)
+        slot, seq = route[KV_ROUTE_SLOT], route[KV_ROUTE_SEQ]
+        fields = peer.ring_layout.fields
+        if not 0 <= slot < peer.ring_layout.config.n_slots:
+            raise BlinkError(f"slot {row}: bad decode slot {slot}")
+        first = np.asarray(int(st.tokens[row, prompt]), dtype="<i4")
+        peer.ring.write(fields["kv_first_token"].element_offset(slot), first)
+        peer.ring.fence()  # the token before the word that publishes it
+        peer.ring.write(fields["kv_ready_seq"].element_offset(slot), np.asarray(seq, dtype="<i8"))
+        self.bytes_sent += moved
+        self.transfers += 1
+        self.control[C_STAT_KV_BYTES_SENT] = self.bytes_sent
+        self.control[C_STAT_KV_TRANSFERS] = self.transfers
+
+    def close(self) -> None:
+        for peer in self.peers:
+            peer.close()
