@@ -23,9 +23,11 @@ import argparse
 import collections
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -44,6 +46,8 @@ from blink.cli_args import (
 from blink.errors import BlinkError
 from blink.logs import configure_logging
 from blink.supervision import SUPERVISOR_PID_ENV, child_preexec, watch_supervisor
+from blink.threads.roles import set_thread_name
+from blink.threads.runtime import SNAPSHOT_ENV, start_thread_policy
 
 ENGINE_READY_PREFIX = "BLINK_ENGINE_READY "
 FRONTEND_READY_PREFIX = "Blink frontend ready"
@@ -110,6 +114,10 @@ def run_engine(args: argparse.Namespace) -> int:
         engine_logger.warning("%s", note)
     secret, secret_path, secret_created = engine_secret(args)  # before the slow model load
     supervisor_gone = watch_supervisor("engine")  # die with the blink serve that started us
+    # Before the engine starts its threads: each gets its policy as it is named.
+    set_thread_name("blink-engine")
+    threads = start_thread_policy("engine", getattr(args, "thread_policy", None),
+                                  snapshot_path=os.environ.get(SNAPSHOT_ENV))
     from blink.engine.factory import create_engine
     from blink.transport import BootstrapServer
 
@@ -156,6 +164,7 @@ def run_engine(args: argparse.Namespace) -> int:
         if server is not None:
             server.stop()
         engine.close()
+        threads.stop()
 
 
 # ------------------------------------------------------------------------------ supervisor
@@ -164,7 +173,7 @@ _ENGINE_FLAGS = (
     "model", "served_model_name", "dtype", "device", "max_model_len", "block_size",
     "kv_cache_tokens", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "loop",
     "threads", "transport", "grammar_region_mb", "max_logprobs", "log_level",
-    "compile_cache_dir",
+    "compile_cache_dir", "thread_policy",
 )
 
 
@@ -197,6 +206,7 @@ def _wait_for_line(proc: subprocess.Popen, prefix: str, what: str, timeout_s: fl
     result: list[str] = []
 
     def reader() -> None:
+        set_thread_name("blink-eng-log" if what == "engine" else "blink-fe-log")
         for line in proc.stdout:  # type: ignore[union-attr]
             if not result and line.startswith(prefix):
                 result.append(line.strip())
@@ -204,7 +214,7 @@ def _wait_for_line(proc: subprocess.Popen, prefix: str, what: str, timeout_s: fl
                 forward_to.write(line)
                 forward_to.flush()
 
-    thread = threading.Thread(target=reader, name=f"blink-{what}-out", daemon=True)
+    thread = threading.Thread(target=reader, name=f"blink-{what}-log", daemon=True)
     thread.start()
     while not result:
         if stop is not None and stop.is_set():
@@ -242,6 +252,8 @@ def frontend_args(args: argparse.Namespace, address: str) -> list[str]:
            "--engine-dead-timeout", repr(args.engine_dead_timeout)]
     if args.served_model_name:
         out += ["--served-model-name", args.served_model_name]
+    if getattr(args, "thread_policy", None) is not None:
+        out += ["--thread-policy", str(args.thread_policy)]
     return out + frontend_limit_args(args) + frontend_passed_args(args)
 
 
@@ -412,7 +424,13 @@ def run_serve(args: argparse.Namespace) -> int:
         from blink.loader import resolve_model
 
         resolve_model(args.model)
+    set_thread_name("blink-serve")
+    # A bad policy file fails here, before anything starts; the supervisor's own threads get
+    # it too. The engine publishes its threads' snapshot in a file the frontend's /metrics reads.
+    threads = start_thread_policy("supervisor", getattr(args, "thread_policy", None))
+    snapshot_dir = tempfile.mkdtemp(prefix="blink-threads-")
     env = dict(os.environ)
+    env[SNAPSHOT_ENV] = os.path.join(snapshot_dir, "engine.json")
     # Private to the children: in their environment (readable only by this user), never on
     # a command line (which ps shows to everyone).
     env[SECRET_ENV] = serve_secret(args).decode()
@@ -427,3 +445,5 @@ def run_serve(args: argparse.Namespace) -> int:
         return 0
     finally:
         supervisor.shutdown()
+        threads.stop()
+        shutil.rmtree(snapshot_dir, ignore_errors=True)
