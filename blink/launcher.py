@@ -431,6 +431,9 @@ def run_serve(args: argparse.Namespace) -> int:
     snapshot_dir = tempfile.mkdtemp(prefix="blink-threads-")
     env = dict(os.environ)
     env[SNAPSHOT_ENV] = os.path.join(snapshot_dir, "engine.json")
+    # numpy's OpenBLAS starts an idle worker per extra core at import; neither child does
+    # BLAS through numpy (torch has its own), so that unnamed thread is left out.
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
     # Private to the children: in their environment (readable only by this user), never on
     # a command line (which ps shows to everyone).
     env[SECRET_ENV] = serve_secret(args).decode()

@@ -192,17 +192,24 @@ def resolve_policy_path(value: str | os.PathLike | None) -> Path | None:
     return path
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, line: int, message: str) -> None:
+        super().__init__(message)
+        self.line = line
+
+
 class _Loader(yaml.SafeLoader):
     """Keeps the line of every mapping (1-based) under the key ``__line__``."""
 
 
 def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> dict[str, Any]:
     mapping = yaml.SafeLoader.construct_mapping(loader, node)
-    keys = [loader.construct_object(k) for k, _ in node.value]
-    lines = {loader.construct_object(k): k.start_mark.line + 1 for k, _ in node.value}
-    dupes = {k for k in keys if keys.count(k) > 1}
-    if dupes:
-        raise ThreadPolicyError(f"line {node.start_mark.line + 1}: key {sorted(dupes)[0]!r} given twice")
+    lines: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        if key in lines:  # YAML allows it (the last wins): here it is a mistake
+            raise _DuplicateKey(key_node.start_mark.line + 1, f"key {key!r} given twice")
+        lines[key] = key_node.start_mark.line + 1
     mapping["__line__"] = node.start_mark.line + 1
     mapping["__lines__"] = lines
     return mapping
@@ -223,8 +230,8 @@ def load_policy(path: str | os.PathLike, *, check_cpus: bool = True,
         raise ThreadPolicyError(f"thread policy {path}: cannot read it ({exc.strerror})") from None
     try:
         doc = yaml.load(text, Loader=_Loader)
-    except ThreadPolicyError as exc:
-        raise ThreadPolicyError(f"{path}:{exc}") from None
+    except _DuplicateKey as exc:
+        raise ThreadPolicyError(f"{path}:{exc.line}: {exc}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""

@@ -62,7 +62,7 @@ class ThreadPolicyRuntime:
         """Probe, apply to every current thread, log, start the watcher."""
         if self.policy is not None:
             self.capabilities = probe(self.calls)
-            log.info("thread policy %s (%s): this host allows %s", self.policy.source,
+            log.info("thread policy %s (%s): this host allows (privileged forms) %s", self.policy.source,
                      self.process, self.capabilities.summary())
         else:
             log.info("thread policy off (%s): threads keep the default scheduling", self.process)

@@ -193,9 +193,10 @@ class Capabilities:
 
 def probe(calls: Syscalls | None = None) -> Capabilities:
     """Try each kind of setting once on a helper thread that exits right after (so nothing
-    sticks to a real thread): a CPU set (the current one), a higher priority (nice -1), a
-    real-time class (FIFO 1), an EEVDF slice (sched_setattr sched_runtime, read back), an
-    I/O class (best-effort 0, the kernel's default)."""
+    sticks to a real thread), in its privileged form: a CPU set (the current one), a higher
+    priority (nice -1), a real-time class (FIFO 1), an EEVDF slice (sched_setattr
+    sched_runtime, read back), the real-time I/O class. The unprivileged forms (a higher
+    nice, BATCH/IDLE, best-effort or idle I/O) need no capability: see :func:`predict`."""
     calls = calls or Syscalls()
     status: dict[str, str] = {}
     detail: dict[str, str] = {}
@@ -231,9 +232,23 @@ def probe(calls: Syscalls | None = None) -> Capabilities:
             return None if calls.get_slice(tid) == 1_000_000 else UNSUPPORTED
 
         attempt("slice", eevdf_slice)
-        attempt("ioprio", lambda: calls.ioprio_set(tid, "be", 0))
+        attempt("ioprio", lambda: calls.ioprio_set(tid, "rt", 4))  # the privileged class
 
     helper = threading.Thread(target=run, name="blink-probe", daemon=True)
     helper.start()
     helper.join()
     return Capabilities(status, detail, calls.rt_runtime_us())
+
+
+def predict(caps: Capabilities, setting: str, value: str) -> str:
+    """What applying ``setting=value`` (as :meth:`Rule.settings` writes it) will report,
+    from the probe: lowering a priority needs no privilege, raising one does."""
+    if caps.status.get(setting) == UNSUPPORTED:
+        return UNSUPPORTED
+    if setting == "nice" and int(value) >= 0:
+        return APPLIED
+    if setting == "class" and value.split(":")[0] not in REALTIME_CLASSES:
+        return APPLIED
+    if setting == "ioprio" and not value.startswith("rt"):
+        return APPLIED
+    return caps.status.get(setting, UNSUPPORTED)
