@@ -47,7 +47,7 @@ from blink.errors import BlinkError
 from blink.logs import configure_logging
 from blink.supervision import SUPERVISOR_PID_ENV, child_preexec, watch_supervisor
 from blink.threads.roles import set_thread_name
-from blink.threads.runtime import SNAPSHOT_ENV, start_thread_policy
+from blink.threads.runtime import SNAPSHOT_ENV, load_thread_policy, start_thread_policy
 
 ENGINE_READY_PREFIX = "BLINK_ENGINE_READY "
 FRONTEND_READY_PREFIX = "Blink frontend ready"
@@ -114,10 +114,8 @@ def run_engine(args: argparse.Namespace) -> int:
         engine_logger.warning("%s", note)
     secret, secret_path, secret_created = engine_secret(args)  # before the slow model load
     supervisor_gone = watch_supervisor("engine")  # die with the blink serve that started us
-    # Before the engine starts its threads: each gets its policy as it is named.
+    thread_policy = load_thread_policy(getattr(args, "thread_policy", None))  # a bad file: now
     set_thread_name("blink-engine")
-    threads = start_thread_policy("engine", getattr(args, "thread_policy", None),
-                                  snapshot_path=os.environ.get(SNAPSHOT_ENV))
     from blink.engine.factory import create_engine
     from blink.transport import BootstrapServer
 
@@ -129,6 +127,9 @@ def run_engine(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     engine = create_engine(engine_config_from_args(args), loop=args.loop)
+    # Before the engine starts its threads: each gets its policy as it is named.
+    threads = start_thread_policy("engine", thread_policy,
+                                  snapshot_path=os.environ.get(SNAPSHOT_ENV))
     server = None
     try:
         model_name = args.served_model_name or args.model
@@ -427,7 +428,7 @@ def run_serve(args: argparse.Namespace) -> int:
     set_thread_name("blink-serve")
     # A bad policy file fails here, before anything starts; the supervisor's own threads get
     # it too. The engine publishes its threads' snapshot in a file the frontend's /metrics reads.
-    threads = start_thread_policy("supervisor", getattr(args, "thread_policy", None))
+    threads = start_thread_policy("supervisor", load_thread_policy(getattr(args, "thread_policy", None)))
     snapshot_dir = tempfile.mkdtemp(prefix="blink-threads-")
     env = dict(os.environ)
     env[SNAPSHOT_ENV] = os.path.join(snapshot_dir, "engine.json")

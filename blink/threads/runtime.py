@@ -172,16 +172,21 @@ def read_snapshot(path: str | os.PathLike) -> dict[str, Any] | None:
 _current: ThreadPolicyRuntime | None = None
 
 
-def start_thread_policy(process: str, policy_arg: str | None, *,
-                        snapshot_path: str | os.PathLike | None = None) -> ThreadPolicyRuntime:
-    """Load ``--thread-policy`` (``off``, ``default``, a preset name or a file; a bad file
-    raises :class:`~blink.threads.policy.ThreadPolicyError` naming the line) and start this
-    process's runtime."""
-    global _current
+def load_thread_policy(policy_arg: str | None) -> ThreadPolicy | None:
+    """``--thread-policy`` (``off``, ``default``/None, a preset name or a file) -> the
+    validated policy, or None for ``off``. A bad file raises
+    :class:`~blink.threads.policy.ThreadPolicyError` naming the line: call it first thing."""
     from blink.threads.policy import load_policy, resolve_policy_path
 
     path = resolve_policy_path(policy_arg)
-    policy = load_policy(path) if path is not None else None
+    return load_policy(path) if path is not None else None
+
+
+def start_thread_policy(process: str, policy: ThreadPolicy | None, *,
+                        snapshot_path: str | os.PathLike | None = None) -> ThreadPolicyRuntime:
+    """Start this process's runtime (one per process) for a policy from
+    :func:`load_thread_policy`."""
+    global _current
     runtime = ThreadPolicyRuntime(process, policy, snapshot_path=snapshot_path)
     _current = runtime.start()
     return runtime
