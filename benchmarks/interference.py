@@ -244,6 +244,34 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return mean, var ** 0.5
 
 
+def _autogroup_nice(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def level_autogroups(pids: list[int], nice: int, only_default: bool = True) -> None:
+    """Put these processes' autogroups (their sessions' scheduling groups) at ``nice``: with
+    autogroup on, a session's weight against other sessions comes from its autogroup's nice,
+    not from its threads' nice (which the harness's ``nice -n 15`` sets). ``only_default``:
+    leave an autogroup a thread policy already moved off 0."""
+    for pid in pids:
+        current = _autogroup_nice(pid)
+        if current is None or (only_default and current != 0):
+            continue
+        try:
+            Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+        except OSError:
+            pass
+
+
+def _tree(root: int) -> list[int]:
+    from blink.supervision import child_processes
+
+    return [root, *child_processes(root, recursive=True)]
+
+
 def _blink_processes(root: int) -> dict[str, int]:
     """The engine and frontend processes under a launched ``blink serve`` (by main-thread
     name), for thread telemetry; empty for other servers."""
@@ -288,6 +316,8 @@ def shifted_policy(policy: str, shift: int, out_dir: str) -> str:
     for rule in doc.get("threads", []):
         if "nice" in rule:
             rule["nice"] = max(-20, min(19, int(rule["nice"]) + shift))
+    for proc, nice in (doc.get("autogroup") or {}).items():
+        doc["autogroup"][proc] = max(-20, min(19, int(nice) + shift))
     out = Path(out_dir) / f"{path.stem}-nice{shift:+d}.yaml"
     out.write_text(f"# {path} with every nice {shift:+d} (benchmarks.interference --nice-base)\n"
                    + yaml.safe_dump(doc, sort_keys=False))
@@ -342,6 +372,8 @@ def run_ab(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
             with server:
                 assert server.proc is not None
                 procs = _blink_processes(server.proc.pid)
+                if args.nice_base:
+                    level_autogroups(_tree(server.proc.pid), args.nice_base)
                 for rep in range(args.repeats):
                     for cond in conditions:
                         hog = None if cond == "quiet" else Hog(
@@ -351,6 +383,10 @@ def run_ab(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
                                "hog": hog.describe() if hog else None}
                         if hog is not None:
                             hog.start()
+                            if args.nice_base:  # the hog's session as low as the servers'
+                                time.sleep(0.2)
+                                level_autogroups([q for p in hog._procs for q in _tree(p.pid)],
+                                                 args.nice_base, only_default=False)
                         try:
                             if hog is not None:
                                 time.sleep(args.settle)
@@ -470,7 +506,10 @@ def build_parser() -> argparse.ArgumentParser:
     ab.add_argument("--nice-base", type=int, default=0,
                     help="the nice this harness runs at (e.g. 15 under 'nice -n 15'; the hog "
                          "and the servers inherit it): every Blink arm's thread policy gets "
-                         "its nice values shifted by it, so the gap to the hog is the policy's")
+                         "its nice values (threads and autogroups) shifted by it, and the "
+                         "hog's and the servers' autogroups are put at it, so the gap between "
+                         "Blink and the hog is the policy's while everything stays below the "
+                         "other users of the machine")
     add_serve_args(ap)
     return ap
 

@@ -454,3 +454,29 @@ def test_the_gthulhu_export_refuses_regex_go_cannot_read(tmp_path):
     pol = _policy(tmp_path, "threads:\n  - match: '^blink-(?!loop)http$'\n    nice: -1\n")
     with pytest.raises(ThreadPolicyError, match="RE2"):
         gthulhu.export(pol, node_names=["n"])
+
+
+def test_the_docs_list_every_role():
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "threads.md").read_text()
+    for r in ROLES:
+        assert f"| `{r.name}{'N' if r.numbered else ''}` | {r.process} |" in doc, r.name
+
+
+def test_the_autogroup_setting_is_validated_and_reported(tmp_path):
+    from blink.threads.policy import apply_autogroup
+
+    pol = _policy(tmp_path, "autogroup:\n  engine: -7\nthreads:\n  - match: '^blink-loop$'\n    nice: 1\n")
+    assert pol.autogroup == {"engine": -7}
+    for bad, msg in (("autogroup:\n  gpu: 1\n", "unknown process 'gpu'"),
+                     ("autogroup:\n  engine: -40\n", r"must be a nice value in \[-20, 19\]")):
+        with pytest.raises(ThreadPolicyError, match=msg):
+            _policy(tmp_path, bad + "threads:\n  - match: '^blink-loop$'\n    nice: 1\n")
+    seen = []
+    calls = Recorder()
+    calls.autogroup_enabled = lambda: 1
+    calls.set_autogroup = seen.append
+    assert apply_autogroup(-7, calls).status == APPLIED and seen == [-7]
+    calls.set_autogroup = eperm
+    assert apply_autogroup(-7, calls).status == DENIED
+    calls.autogroup_enabled = lambda: 0
+    assert apply_autogroup(-7, calls).status == UNSUPPORTED

@@ -9,7 +9,7 @@ import sys
 from blink.errors import BlinkError
 from blink.threads.policy import load_policy, resolve_policy_path
 from blink.threads.roles import ROLES
-from blink.threads.syscalls import predict, probe
+from blink.threads.syscalls import Syscalls, predict, probe
 from blink.threads.telemetry import blink_process_pids, process_roles, report_table
 
 
@@ -55,6 +55,10 @@ def run_thread_policy_command(args: argparse.Namespace, out=sys.stdout) -> int:
         roles = ", ".join(r.name + ("N" if r.numbered else "") for r in rule.roles())
         sets = ", ".join(f"{s}={v} ({predict(caps, s, v)})" for s, v in rule.settings())
         print(f"  line {rule.line}: {rule.match} -> roles {roles}: {sets}", file=out)
+    if policy.autogroup:
+        enabled = Syscalls().autogroup_enabled()
+        print(f"  autogroup nice {policy.autogroup} (kernel.sched_autogroup_enabled = {enabled}"
+              f"{': no effect' if enabled != 1 else ''})", file=out)
     untouched = [r.name + ("N" if r.numbered else "") for r in ROLES
                  if policy.rule_for(r.name + ("0" if r.numbered else "")) is None]
     if untouched:

@@ -89,5 +89,7 @@ def export_yaml(policy: ThreadPolicy, **kwargs: Any) -> str:
             "# (blink thread-policy --export gthulhu; docs/threads.md)"]
     head += [f"# left out (no Gthulhu equivalent): {r.match} "
              f"{', '.join(f'{s}={v}' for s, v in r.settings())}" for r in skipped]
+    if policy.autogroup:  # sched_ext schedules threads itself: the fair class's groups go
+        head.append(f"# left out: autogroup {policy.autogroup} (a fair-class setting)")
     docs = yaml.safe_dump_all(export(policy, **kwargs), sort_keys=False)
     return "\n".join(head) + "\n" + docs

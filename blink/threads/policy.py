@@ -48,7 +48,9 @@ from blink.threads.syscalls import (
 OFF = "off"
 DEFAULT = "default"
 _RULE_KEYS = ("match", "cpus", "nice", "class", "priority", "slice_us", "ioprio")
-_TOP_KEYS = ("description", "threads")
+_TOP_KEYS = ("description", "autogroup", "threads")
+#: processes whose autogroup a policy may set
+AUTOGROUP_PROCESSES = ("supervisor", "engine", "frontend")
 SLICE_US_RANGE = (100, 100_000)  # the kernel clamps sched_runtime of fair tasks to 0.1..100 ms
 
 
@@ -100,6 +102,8 @@ class ThreadPolicy:
     source: str
     rules: tuple[Rule, ...]
     description: str = ""
+    #: process -> nice of its autogroup (the session's scheduling group; see apply_autogroup)
+    autogroup: dict[str, int] = field(default_factory=dict)
 
     def rule_for(self, comm: str) -> Rule | None:
         for rule in self.rules:
@@ -259,7 +263,27 @@ def policy_from_document(doc: Any, source: str, *, check_cpus: bool = True,
     cpus_ok = usable_cpus() if check_cpus else None
     rules = tuple(_rule(e, source, cpus_ok, rt_runtime_us) for e in entries)
     description = doc.get("description") or ""
-    return ThreadPolicy(source=source, rules=rules, description=str(description).strip())
+    autogroup: dict[str, int] = {}
+    raw = doc.get("autogroup")
+    if raw is not None:
+        line = lines.get("autogroup", 1)
+        if not isinstance(raw, dict):
+            raise ThreadPolicyError(f"{source}:{line}: 'autogroup' maps a process "
+                                    f"({', '.join(AUTOGROUP_PROCESSES)}) to a nice value")
+        sub_lines = raw.get("__lines__", {})
+        for proc, nice in raw.items():
+            if str(proc).startswith("__"):
+                continue
+            where = f"{source}:{sub_lines.get(proc, line)}"
+            if proc not in AUTOGROUP_PROCESSES:
+                raise ThreadPolicyError(f"{where}: autogroup: unknown process {proc!r} "
+                                        f"(expected: {', '.join(AUTOGROUP_PROCESSES)})")
+            if isinstance(nice, bool) or not isinstance(nice, int) or not -20 <= nice <= 19:
+                raise ThreadPolicyError(f"{where}: autogroup {proc} must be a nice value in "
+                                        f"[-20, 19], got {nice!r}")
+            autogroup[proc] = nice
+    return ThreadPolicy(source=source, rules=rules, description=str(description).strip(),
+                        autogroup=autogroup)
 
 
 def _rule(entry: Any, source: str, cpus_ok: frozenset[int] | None,
@@ -355,6 +379,26 @@ def _rule(entry: Any, source: str, cpus_ok: frozenset[int] | None,
 
 
 # -- applying --------------------------------------------------------------------------------
+
+def apply_autogroup(nice: int, calls: Syscalls) -> SettingResult:
+    """Set this process's autogroup nice. With ``kernel.sched_autogroup_enabled = 1`` (most
+    desktop and many server kernels) and the process in the root CPU cgroup, the fair
+    scheduler first shares a CPU between *sessions* (autogroups), then between the threads
+    of one: a thread's nice only ranks it against threads of its own session, so against a
+    hog started elsewhere only the autogroup's nice counts. ``blink serve`` starts each
+    child in its own session, so this is the weight of that one process. ``unsupported``
+    where autogroup is off (then thread nice values compete directly)."""
+    pid = os.getpid()
+    if calls.autogroup_enabled() != 1:
+        return SettingResult(pid, "autogroup", "autogroup", str(nice), UNSUPPORTED,
+                             "kernel.sched_autogroup_enabled is not 1")
+    try:
+        calls.set_autogroup(nice)
+    except OSError as exc:
+        return SettingResult(pid, "autogroup", "autogroup", str(nice), status_of(exc),
+                             exc.strerror or str(exc))
+    return SettingResult(pid, "autogroup", "autogroup", str(nice), APPLIED)
+
 
 def apply_rule(rule: Rule, tid: int, comm: str, calls: Syscalls,
                caps: Capabilities | None = None) -> list[SettingResult]:

@@ -58,8 +58,9 @@ ROLES: tuple[Role, ...] = (
          "signals, liveness check every 0.2 s"),
     Role("blink-loop", "engine", "the CPU loop: schedule -> forward -> sample -> update; also "
          "OpenMP's master thread of every parallel op", busy_polls=True),
-    Role("blink-omp-", "engine", "OpenMP compute workers of the CPU loop (torch intra-op "
-         "threads, one fewer than --threads)", busy_polls=True, numbered=True),
+    Role("blink-omp-", "engine", "OpenMP compute workers of the CPU loop (torch's intra-op "
+         "team beside the loop thread, named when the loop starts)", busy_polls=True,
+         numbered=True),
     Role("blink-hostloop", "engine", "tier A (--loop host): replays the step graphs, reads the "
          "mailbox each step", busy_polls=True),
     Role("blink-gpumon", "engine", "tier B (--loop device): launched the device loop once, "
@@ -68,7 +69,7 @@ ROLES: tuple[Role, ...] = (
     Role("blink-bs-peer", "engine", "one attached frontend's bootstrap connection (its lease)"),
     Role("blink-pwatch", "engine, frontend", "watches the supervisor's pid; the child exits "
          "with it"),
-    Role("blink-threads", "engine, frontend", "applies the thread policy to new threads, "
+    Role("blink-threads", "supervisor, engine, frontend", "applies the thread policy to new threads, "
          "samples thread telemetry (every 0.5 s)"),
     Role("blink-http", "frontend", "the frontend's event loop: uvicorn HTTP, request "
          "validation, short encodes, the ring poller task, incremental detokenize, stop strings"),

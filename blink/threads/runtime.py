@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from blink.threads.policy import SettingResult, ThreadPolicy, apply_rule
+from blink.threads.policy import SettingResult, ThreadPolicy, apply_autogroup, apply_rule
 from blink.threads.roles import on_thread_named, role_label, set_thread_name, task_ids, task_name
 from blink.threads.syscalls import Capabilities, Syscalls, probe
 from blink.threads.telemetry import StepWaitMeter, by_role, read_tasks
@@ -53,6 +53,7 @@ class ThreadPolicyRuntime:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._remove_hook = None
+        self._autogroup: SettingResult | None = None
         #: the engine loop's per-step run-queue wait (set by the engine; None elsewhere)
         self.step_wait: StepWaitMeter | None = None
 
@@ -66,6 +67,12 @@ class ThreadPolicyRuntime:
                      self.process, self.capabilities.summary())
         else:
             log.info("thread policy off (%s): threads keep the default scheduling", self.process)
+        if self.policy is not None and self.process in self.policy.autogroup:
+            self._autogroup = apply_autogroup(self.policy.autogroup[self.process], self.calls)
+            r = self._autogroup
+            log.log(logging.INFO if r.status == "applied" else logging.WARNING,
+                    "thread policy: %s autogroup nice=%s %s%s", self.process, r.value, r.status,
+                    f" ({r.detail})" if r.detail else "")
         self.scan()
         self._remove_hook = on_thread_named(lambda tid, name: self.apply(tid, name))
         self._thread = threading.Thread(target=self._watch, name="blink-threads", daemon=True)
@@ -126,7 +133,8 @@ class ThreadPolicyRuntime:
 
     def results(self) -> list[SettingResult]:
         with self._lock:
-            return [r for _, results in self._applied.values() for r in results]
+            out = [r for _, results in self._applied.values() for r in results]
+        return out + ([self._autogroup] if self._autogroup is not None else [])
 
     # -- reports -------------------------------------------------------------------------
 

@@ -157,9 +157,26 @@ class Syscalls:
     get_slice: Callable[[int], int] = field(default=_sched_getattr_runtime)
     ioprio_set: Callable[[int, str, int], None] = field(default=_ioprio_set)
     ioprio_get: Callable[[int], int] = field(default=_ioprio_get)
+    set_autogroup: Callable[[int], None] = field(default=lambda nice: _write_autogroup(nice))
+    #: /proc/sys/kernel/sched_autogroup_enabled (None: no autogroup support)
+    autogroup_enabled: Callable[[], int | None] = field(default=lambda: _read_int(
+        "/proc/sys/kernel/sched_autogroup_enabled"))
     #: /proc/sys/kernel/sched_rt_runtime_us (-1: real-time threads may take a core forever)
     rt_runtime_us: Callable[[], int | None] = field(default=lambda: _read_int(
         "/proc/sys/kernel/sched_rt_runtime_us"))
+
+
+def _write_autogroup(nice: int) -> None:
+    """Set the nice of this process's autogroup (its session's scheduling group)."""
+    fd = os.open("/proc/self/autogroup", os.O_WRONLY)
+    try:
+        os.write(fd, str(nice).encode())
+    finally:
+        os.close(fd)
+    with open("/proc/self/autogroup") as f:  # e.g. "/autogroup-12 nice -10"
+        now = int(f.read().split()[-1])
+    if now != nice:
+        raise OSError(errno.EPERM, f"the autogroup's nice stayed {now}")
 
 
 def _read_int(path: str) -> int | None:
