@@ -251,19 +251,39 @@ def _autogroup_nice(pid: int) -> int | None:
         return None
 
 
-def level_autogroups(pids: list[int], nice: int, only_default: bool = True) -> None:
+def _autogroup_id(pid: int) -> str | None:
+    """``/autogroup-N`` of a process (processes of one session share it)."""
+    try:
+        return Path(f"/proc/{pid}/autogroup").read_text().split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def level_autogroups(pids: list[int], nice: int) -> None:
     """Put these processes' autogroups (their sessions' scheduling groups) at ``nice``: with
     autogroup on, a session's weight against other sessions comes from its autogroup's nice,
-    not from its threads' nice (which the harness's ``nice -n 15`` sets). ``only_default``:
-    leave an autogroup a thread policy already moved off 0."""
+    not from its threads' nice (which the harness's ``nice -n 15`` sets)."""
     for pid in pids:
-        current = _autogroup_nice(pid)
-        if current is None or (only_default and current != 0):
+        if _autogroup_nice(pid) is None:
             continue
         try:
             Path(f"/proc/{pid}/autogroup").write_text(str(nice))
         except OSError:
             pass
+
+
+def _policy_autogroup(command: str) -> set[str]:
+    """The processes whose autogroup the ``--thread-policy`` file in ``command`` sets."""
+    import yaml
+
+    argv = shlex.split(command)
+    if "--thread-policy" not in argv:
+        return set()
+    path = argv[argv.index("--thread-policy") + 1]
+    try:
+        return set((yaml.safe_load(Path(path).read_text()) or {}).get("autogroup") or {})
+    except OSError:
+        return set()
 
 
 def _tree(root: int) -> list[int]:
@@ -372,8 +392,11 @@ def run_ab(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
             with server:
                 assert server.proc is not None
                 procs = _blink_processes(server.proc.pid)
-                if args.nice_base:
-                    level_autogroups(_tree(server.proc.pid), args.nice_base)
+                if args.nice_base:  # but not the sessions the arm's policy sets itself
+                    mine = {_autogroup_id(pid) for proc, pid in procs.items()
+                            if proc in _policy_autogroup(command)}
+                    level_autogroups([p for p in _tree(server.proc.pid)
+                                      if _autogroup_id(p) not in mine], args.nice_base)
                 for rep in range(args.repeats):
                     for cond in conditions:
                         hog = None if cond == "quiet" else Hog(
@@ -386,7 +409,7 @@ def run_ab(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
                             if args.nice_base:  # the hog's session as low as the servers'
                                 time.sleep(0.2)
                                 level_autogroups([q for p in hog._procs for q in _tree(p.pid)],
-                                                 args.nice_base, only_default=False)
+                                                 args.nice_base)
                         try:
                             if hog is not None:
                                 time.sleep(args.settle)
@@ -556,6 +579,9 @@ def run_interference(args: argparse.Namespace, log: Any = print) -> dict[str, An
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Started in the background (cmd &), a shell leaves SIGINT ignored: Ctrl-C / kill -INT
+    # must still stop the hog and the servers through their context managers.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.arm:
         result = run_ab(args)
         print(f"\n### A/B, {args.repeats} repeats, concurrency {args.max_concurrency}, "
