@@ -26,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -370,8 +371,6 @@ def run_ab(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
             raise SystemExit(f"--arm {spec!r}: expected NAME=COMMAND")
         command = command.strip()
         if args.nice_base:
-            import tempfile
-
             command = _shift_policies(command, args.nice_base, tempfile.mkdtemp(prefix="blink-ab-"))
         arms.append((name.strip(), command))
     conditions = [c.strip() for c in args.conditions.split(",") if c.strip()]
@@ -386,8 +385,9 @@ def run_ab(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
         base_url = base_url_from_command(command) or args.base_url
         arm: dict[str, Any] = {"name": name, "command": command, "runs": []}
         log(f"== arm {name}: {command}")
+        # cwd outside the checkout: its kernels/ folder would shadow a peer's `kernels` import
         server = LaunchedServer(command, base_url, f"{args.launch_log}.{name}",
-                                ready_timeout_s=args.ready_timeout)
+                                ready_timeout_s=args.ready_timeout, cwd=tempfile.gettempdir())
         try:
             with server:
                 assert server.proc is not None

@@ -480,3 +480,29 @@ def test_the_autogroup_setting_is_validated_and_reported(tmp_path):
     assert apply_autogroup(-7, calls).status == DENIED
     calls.autogroup_enabled = lambda: 0
     assert apply_autogroup(-7, calls).status == UNSUPPORTED
+
+
+@linux
+def test_the_thread_policy_command_checks_reports_and_exports():
+    import io
+
+    from blink.cli import parse_args
+    from blink.threads.command import run_thread_policy_command
+
+    out = io.StringIO()
+    assert run_thread_policy_command(parse_args(["thread-policy", "default"]), out) == 0
+    text = out.getvalue()
+    assert "default.yaml: valid." in text and "this host allows (privileged forms)" in text
+    assert re.search(r"line \d+: \^blink-\(loop\|omp-\[0-9\]\+\|hostloop\)\$ -> roles blink-loop, "
+                     r"blink-omp-N, blink-hostloop: nice=-10 \((applied|denied)\)", text), text
+
+    out = io.StringIO()
+    args = parse_args(["thread-policy", "--report", "--pid", str(os.getpid())])
+    assert run_thread_policy_command(args, out) == 0
+    assert "| role | threads | CPU s | run-queue wait s |" in out.getvalue()
+
+    out = io.StringIO()
+    args = parse_args(["thread-policy", "pinned", "--export", "gthulhu", "--node", "n1"])
+    assert run_thread_policy_command(args, out) == 0
+    kinds = {d["kind"] for d in yaml.safe_load_all(out.getvalue())}
+    assert kinds == {"NodeSchedulingPolicy"}
