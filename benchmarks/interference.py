@@ -432,8 +432,12 @@ def run_ab(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
         except (RuntimeError, TimeoutError) as exc:
             arm["error"] = f"{exc}\n{server.tail()}"
             log(f"arm {name} failed: {exc}\n{server.tail()}")
+        except KeyboardInterrupt:  # keep what was measured: summarize and report it
+            arm["error"] = result["interrupted"] = "interrupted"
         arm["summary"] = summarize_arm(arm["runs"], conditions)
         result["arms"].append(arm)
+        if result.get("interrupted"):
+            break
     return result
 
 
