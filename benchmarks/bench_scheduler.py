@@ -116,7 +116,7 @@ class Step:
         if n:
             rows = max(int(batch.num_sample_rows), 1)
             inputs = sched.sampler_inputs(batch, rows)
-            plan = SamplerPlan.of(inputs.sampling, inputs.suppress_ids)
+            plan = SamplerPlan.from_features(inputs.features, inputs.suppress_ids)
             logits = torch.zeros(rows, VOCAB)
             logits[:, NULL_TOKEN] = 30.0
             out = self.sampler(logits, inputs.sampling, None, inputs.prompt_lens, inputs.total_lens,

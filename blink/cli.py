@@ -162,6 +162,19 @@ def _add_frontend_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-log-requests", action="store_true",
                    help="no access log line per request (on by default: method, path, "
                         "status, duration, x-request-id)")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="vLLM's name for --disable-log-requests: no access log")
+    g.add_argument("--disable-access-log-for-endpoints", default=None, metavar="PATHS",
+                   help="comma-separated paths the access log skips, e.g. /health,/metrics")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="log each engine request as it is submitted: id, prompt length, the "
+                        "sampling parameters that differ from the defaults (INFO), and the "
+                        "prompt's token ids (DEBUG)")
+    g.add_argument("--enable-log-outputs", action="store_true",
+                   help="with --enable-log-requests: also log each request's end (tokens "
+                        "produced, finish reason; output token ids at DEBUG)")
+    g.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                   help="token ids kept in the DEBUG request/output lines (default: all)")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 endpoints, /tokenize, "
                         "/detokenize and the API docs (/health and /metrics stay open)")

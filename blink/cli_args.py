@@ -53,8 +53,11 @@ def frontend_limit_args(args: argparse.Namespace) -> list[str]:
 #: frontend flags ``blink serve`` hands on to its frontend process as they are
 FRONTEND_PASSED_FLAGS = ("root_path", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs",
                          "allowed_origins", "allowed_methods", "allowed_headers", "tokenizer",
-                         "chat_template", "seed", "uvicorn_log_level", "log_level")
-FRONTEND_PASSED_SWITCHES = ("allow_credentials", "disable_log_requests")
+                         "chat_template", "seed", "uvicorn_log_level", "log_level",
+                         "disable_access_log_for_endpoints", "max_log_len")
+FRONTEND_PASSED_SWITCHES = ("allow_credentials", "disable_log_requests",
+                            "disable_uvicorn_access_log", "enable_log_requests",
+                            "enable_log_outputs")
 
 
 def frontend_passed_args(args: argparse.Namespace) -> list[str]:

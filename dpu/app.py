@@ -41,6 +41,7 @@ from blink.dpu.errors import APIError
 from blink.dpu.limits import RequestLimits
 from blink.dpu.metrics import FrontendMetrics
 from blink.dpu.protocol import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
+from blink.dpu.request_log import LoggedEngineClient, RequestLogConfig
 from blink.dpu.responses import ResponsesServing
 from blink.dpu.serving import OpenAIServing
 from blink.dpu.tokenizer import Tokenizer
@@ -62,9 +63,11 @@ class RequestIdMiddleware:
     and one access-log line per request when ``log_requests``: client, method, path, status,
     duration (to the end of the body: a stream's whole length) and the id."""
 
-    def __init__(self, app: ASGIApp, log_requests: bool = True) -> None:
+    def __init__(self, app: ASGIApp, log_requests: bool = True,
+                 skip_paths: frozenset[str] = frozenset()) -> None:
         self.app = app
         self.log_requests = log_requests
+        self.skip_paths = skip_paths  # --disable-access-log-for-endpoints
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -88,7 +91,7 @@ class RequestIdMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            if self.log_requests:
+            if self.log_requests and scope.get("path", "") not in self.skip_paths:
                 client = scope.get("client")
                 where = f"{client[0]}:{client[1]}" if client else "-"
                 query = scope.get("query_string", b"").decode("latin-1")
@@ -230,9 +233,21 @@ def app_options(args: argparse.Namespace) -> dict[str, Any]:
                 getattr(args, "exclude_tools_when_tool_choice_none", False)))
     except ValueError as e:
         raise BlinkError(str(e)) from None
+    try:
+        request_log = RequestLogConfig(
+            enabled=bool(getattr(args, "enable_log_requests", False)),
+            log_outputs=bool(getattr(args, "enable_log_outputs", False)),
+            max_log_len=getattr(args, "max_log_len", None))
+    except ValueError as e:
+        raise BlinkError(str(e)) from None
     return {
         "cors": cors,
-        "log_requests": not args.disable_log_requests,
+        "log_requests": not (args.disable_log_requests
+                             or getattr(args, "disable_uvicorn_access_log", False)),
+        "access_log_skip": frozenset(
+            p.strip() for p in (getattr(args, "disable_access_log_for_endpoints", None) or "").split(",")
+            if p.strip()),
+        "request_log": request_log,
         "public_docs": bool(args.public_docs),
         "tool_calling": tool_calling,
         "limits": RequestLimits(
@@ -247,16 +262,21 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, *, model_name: str | 
                api_key: str | None = None, limits: RequestLimits | None = None,
                public_docs: bool = False, cors: CorsOptions | None = None,
                log_requests: bool = True,
-               tool_calling: ToolCallingConfig | None = None) -> FastAPI:
+               tool_calling: ToolCallingConfig | None = None,
+               access_log_skip: frozenset[str] = frozenset(),
+               request_log: RequestLogConfig | None = None) -> FastAPI:
     """Build the app. ``model_name`` (default ``engine.model_name``) is the only name
     requests may ask for; ``api_key`` turns on Bearer authentication (for the API docs too,
     unless ``public_docs``); ``limits`` bounds what one request may cost; ``cors`` adds CORS
     headers; ``log_requests`` writes the access log; ``tool_calling`` holds the tool-calling
-    flags (``--enable-auto-tool-choice``, ``--tool-call-parser``)."""
+    flags (``--enable-auto-tool-choice``, ``--tool-call-parser``); ``access_log_skip``: paths
+    the access log leaves out; ``request_log``: per-request input/output logging
+    (``--enable-log-requests``, :mod:`blink.dpu.request_log`)."""
     name = model_name or engine.model_name
     limits = limits or RequestLimits()
     metrics = FrontendMetrics(engine, name)
-    serving = OpenAIServing(engine, tokenizer, metrics, name, limits, tool_calling)
+    logged = LoggedEngineClient(engine, request_log) if request_log and request_log.enabled else engine
+    serving = OpenAIServing(logged, tokenizer, metrics, name, limits, tool_calling)
     responses = ResponsesServing(serving)
     docs_open = api_key is None or public_docs
     app = FastAPI(title="Blink", summary="OpenAI-compatible LLM serving (Blink frontend)",
@@ -278,7 +298,7 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, *, model_name: str | 
                            expose_headers=["x-request-id"])
     app.add_middleware(InternalErrorMiddleware)
     # Outermost: the id is on every answer, the 500s of the error net included.
-    app.add_middleware(RequestIdMiddleware, log_requests=log_requests)
+    app.add_middleware(RequestIdMiddleware, log_requests=log_requests, skip_paths=access_log_skip)
 
     async def require_api_key(request: Request) -> None:
         if api_key is None:

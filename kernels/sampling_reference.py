@@ -147,6 +147,32 @@ def apply_top_k_top_p_min_p(
     return torch.empty_like(logits).scatter(-1, idx, s2)
 
 
+#: Chunk width of :func:`argmax_rows`' two-level search.
+ARGMAX_CHUNK = 64
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """int64 [B]: ``torch.argmax(x, dim=-1)`` of a [B, V] float tensor, the same index
+    (the first maximum; a NaN counts as the maximum, as in torch).
+
+    Why not torch.argmax: on CPU its reduction is scalar code (~90 us per 49152-entry row
+    here, ~1.5 ms at 16 rows), while ``amax`` is vectorised (~6 us). So: the max of each
+    ``ARGMAX_CHUNK``-wide chunk (vectorised), the first chunk holding the row's max (a short
+    argmax), and the first max inside that chunk. A vocabulary that is not a multiple of the
+    chunk is padded with -inf (the pad never wins: a real entry is >= -inf and comes first).
+    """
+    B, V = x.shape
+    C = ARGMAX_CHUNK
+    if V < 2 * C:
+        return torch.argmax(x, dim=-1)
+    if V % C:
+        x = torch.nn.functional.pad(x, (0, C - V % C), value=float("-inf"))
+    chunks = x.view(B, -1, C)
+    best_chunk = chunks.amax(-1).argmax(-1)  # amax propagates NaN, argmax picks it first
+    inside = chunks.gather(1, best_chunk.view(B, 1, 1).expand(B, 1, C)).squeeze(1).argmax(-1)
+    return best_chunk * C + inside
+
+
 def sample(logits: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     """Draw one token per row from ``softmax(logits)`` with the counter-based RNG.
 
@@ -155,4 +181,4 @@ def sample(logits: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor) ->
     token being generated). Returns int64 [B]. Gumbel-max: ``argmax(logits + gumbel_noise)``.
     """
     noise = gumbel_noise(seeds, counters, logits.shape[-1])
-    return torch.argmax(logits.float() + noise, dim=-1)
+    return argmax_rows(logits.float() + noise)

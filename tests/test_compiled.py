@@ -30,7 +30,7 @@ def cache_dir(request) -> Path:
 @pytest.fixture(scope="module")
 def compiled_llm(tmp_path_factory, cache_dir):
     """A compiled engine with few buckets: tokens (1, 2, 4), sample rows (1, 2)."""
-    path = tiny_model_dir(tmp_path_factory.mktemp("compiled_models"))
+    path = tiny_model_dir(tmp_path_factory.mktemp("compiled_models"), eos_token_id=0)  # structured outputs need one
     with LLM(str(path), dtype="float32", max_model_len=128, max_num_seqs=2, kv_cache_tokens=1024,
              max_num_batched_tokens=4, enforce_eager=False, compile_cache_dir=str(cache_dir)) as llm:
         yield llm
@@ -61,6 +61,25 @@ def test_compiled_greedy_matches_transformers_without_recompiles(compiled_llm):
                           timeout_s=60)
     assert phase.refused == 0, "a steady-state call would have recompiled"
     assert _graphs() == graphs, "steady state compiled a new graph"
+
+
+def test_compiled_loop_enforces_structured_outputs(compiled_llm):
+    """A constrained row's automaton masks the logits in the compiled loop too (the warm
+    heads take no grammar: a constrained batch runs the head eager with its automata)."""
+    import re
+
+    from blink.shared.structured_outputs import StructuredOutputs
+
+    rx = "[a-d]{6}"  # the byte tokenizer: one token per character; no EOS needed
+    outs = compiled_llm.generate(
+        [[5, 6, 7], [9]],
+        [SamplingParams(max_tokens=6, temperature=0.0, structured_outputs=StructuredOutputs(regex=rx)),
+         SamplingParams(max_tokens=6, temperature=1.0, seed=2,
+                        structured_outputs=StructuredOutputs(regex=rx))],
+        timeout_s=120)
+    for out in outs:
+        assert re.fullmatch(rx, out.outputs[0].text), out.outputs[0].text
+    assert compiled_llm.engine.compiled.refused == 0
 
 
 def test_compile_failure_falls_back_to_eager_with_one_warning(capsys):

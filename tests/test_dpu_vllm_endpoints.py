@@ -226,6 +226,53 @@ def test_access_log_names_the_request_and_can_be_turned_off(tok, caplog):
     assert not [r for r in caplog.records if r.name == "blink.access"]
 
 
+def test_access_log_skips_endpoints_and_vllm_flags_map(tok, caplog):
+    """--disable-access-log-for-endpoints leaves those paths out; --disable-uvicorn-access-log
+    (vLLM's name) turns the access log off like --disable-log-requests."""
+    from blink.cli import parse_args
+    from blink.dpu.app import app_options
+
+    opts = app_options(parse_args(["serve", "--disable-access-log-for-endpoints", "/health, /metrics"]))
+    assert opts["log_requests"] and opts["access_log_skip"] == {"/health", "/metrics"}
+    assert not app_options(parse_args(["serve", "--disable-uvicorn-access-log"]))["log_requests"]
+    app = create_app(make_engine(tok), tok, model_name=MODEL, access_log_skip=opts["access_log_skip"])
+    with caplog.at_level(logging.INFO, logger="blink.access"):
+        call(app, "GET", "/health")
+        call(app, "GET", "/v1/models")
+    lines = [r.getMessage() for r in caplog.records if r.name == "blink.access"]
+    assert len(lines) == 1 and "/v1/models" in lines[0]
+
+
+def test_enable_log_requests_logs_inputs_and_outputs(tok, caplog):
+    from blink.cli import parse_args
+    from blink.dpu.app import app_options
+    from blink.errors import BlinkError
+
+    with pytest.raises(BlinkError, match="requires --enable-log-requests"):
+        app_options(parse_args(["serve", "--enable-log-outputs"]))
+    opts = app_options(parse_args(["serve", "--enable-log-requests", "--enable-log-outputs",
+                                   "--max-log-len", "2"]))
+    app = create_app(make_engine(tok), tok, model_name=MODEL, request_log=opts["request_log"])
+    with caplog.at_level(logging.DEBUG, logger="blink.requests"):
+        r = call(app, "POST", "/v1/completions",
+                 json={"prompt": "Say something", "max_tokens": 2, "temperature": 0.5, "n": 2},
+                 headers={"x-request-id": "req-7"})
+    assert r.status_code == 200
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "blink.requests"]
+    received = [m for m in lines if m.startswith("Received request")]
+    finished = [m for m in lines if m.startswith("Finished request")]
+    assert len(received) == 2 and len(finished) == 2  # n=2: one engine request per choice
+    assert all("temperature=0.5" in m and "prompt tokens" in m for m in received)
+    assert all("finish_reason" in m for m in finished)
+    ids = [m for m in lines if "prompt_token_ids" in m]
+    assert ids and all(m.count(",") <= 1 for m in ids)  # --max-log-len 2: at most two ids
+    caplog.clear()
+    plain = create_app(make_engine(tok), tok, model_name=MODEL)  # the default: no request log
+    with caplog.at_level(logging.DEBUG, logger="blink.requests"):
+        call(plain, "POST", "/v1/completions", json={"prompt": "Say", "max_tokens": 2})
+    assert not [rec for rec in caplog.records if rec.name == "blink.requests"]
+
+
 def test_cors_only_when_asked(tok):
     plain = create_app(make_engine(tok), tok, model_name=MODEL)
     headers = {"origin": "https://app.example", "access-control-request-method": "POST"}

@@ -116,6 +116,29 @@ def test_rng_is_uniform_and_open_interval() -> None:
     assert bits.unique().numel() == 100_000
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st_.integers(1, 4),
+    vocab=st_.sampled_from([1, 5, 127, 128, 129, 1000, 4096, 4099]),
+    seed=st_.integers(0, 2**31 - 1),
+    ties=st_.booleans(),
+    special=st_.sampled_from(["none", "nan", "all_neg_inf", "some_neg_inf"]),
+)
+def test_argmax_rows_is_torch_argmax(rows: int, vocab: int, seed: int, ties: bool, special: str) -> None:
+    """The chunked argmax returns torch.argmax's index: the first maximum, NaN first."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=g)
+    if ties:  # coarse values: many equal maxima, in different chunks
+        x = (x * 2).round()
+    if special == "nan":
+        x[0, torch.randint(vocab, (1,), generator=g)] = float("nan")
+    elif special == "all_neg_inf":
+        x[-1] = NEG_INF
+    elif special == "some_neg_inf":
+        x[:, ::3] = NEG_INF
+    assert torch.equal(ref.argmax_rows(x), torch.argmax(x, dim=-1))
+
+
 def test_mul32_never_overflows() -> None:
     a = torch.tensor([0xFFFFFFFF, 0x12345678, 1, 0])
     got = ref.mul32(a, 0xC2B2AE35)
@@ -503,6 +526,17 @@ def test_sampler_plan_skips_only_identity_stages(params: list[SamplingParams], s
     assert torch.equal(full.top_logprobs, planned.top_logprobs)
     plan = SamplerPlan.of(st)
     assert plan.any_random == any(p.temperature > 0 for p in params)
+    # Each flag is exactly "some row uses the stage" (a flag set too often only costs time,
+    # so the identity check above cannot see it; this one can).
+    rand = [p.temperature > 0 for p in params]
+    assert plan.any_filter == any(r and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0)
+                                  for r, p in zip(rand, params))
+    assert plan.any_penalty == any(p.repetition_penalty != 1 or p.presence_penalty != 0
+                                   or p.frequency_penalty != 0 for p in params)
+    assert plan.any_top_logprobs == any((p.logprobs or 0) > 0 for p in params)
+    assert plan.any_logit_bias == any(bool(p.logit_bias) for p in params)
+    entry = torch.tensor([-1] * (b - 1) + [seed % 2 - 1], dtype=torch.int32)  # last row maybe
+    assert SamplerPlan.of(st, grammar_entry=entry).any_grammar == (seed % 2 == 1)
 
 
 def test_sampler_takes_its_filter_and_draw_from_the_op_table() -> None:

@@ -45,9 +45,10 @@ ENFORCE_EAGER_ENV = "BLINK_ENFORCE_EAGER"
 CACHE_DIR_ENV = "BLINK_COMPILE_CACHE_DIR"
 
 # The sampler plans compiled at start: greedy, and temperature sampling without filters,
-# penalties or top logprobs (the API's defaults). Others run eager (the same code).
+# penalties, top logprobs or structured outputs (the API's defaults). Others run eager (the
+# same code; a constrained batch passes its automata, which the compiled head does not take).
 _DEFAULTS = dict(any_filter=False, any_penalty=False, any_top_logprobs=False,
-                 any_logit_bias=False, any_suppress=False)
+                 any_logit_bias=False, any_suppress=False, any_grammar=False)
 WARM_PLANS = (SamplerPlan(any_random=False, **_DEFAULTS), SamplerPlan(any_random=True, **_DEFAULTS))
 
 Progress = Callable[[str], None]
@@ -225,13 +226,15 @@ def _decoder_layer(layer, x, residual, md, kv_cache, cos_sin):
 
 
 def _head_and_sample(model, sampler: Sampler, plan: SamplerPlan, x, residual, sampling,
-                     history, prompt_lens, total_lens, suppress_ids):
-    """Final norm, LM head and sampler for the sample rows: compiled per row bucket and plan."""
+                     history, prompt_lens, total_lens, suppress_ids, grammar=None):
+    """Final norm, LM head and sampler for the sample rows: compiled per row bucket and
+    plan (the warm plans have no grammar); a constrained batch runs it eager with its
+    automata (``grammar``, :class:`blink.engine.grammar.GrammarBatch`)."""
     hidden, _ = model.ops.fused_add_rms_norm(x, residual, model.model.norm.weight,
                                              model.config.rms_norm_eps)
     logits = model.compute_logits(hidden).float()
     return sampler(logits, sampling, history, prompt_lens, total_lens, total_lens,
-                   suppress_ids, plan=plan)
+                   suppress_ids, plan=plan, grammar=grammar)
 
 
 class CompiledModelPhase:
@@ -347,13 +350,17 @@ class CompiledModelPhase:
                     on_layer()
         index = batch.logits_indices[:R]
         inputs = scheduler.sampler_inputs(batch, R)  # padding rows: row 0's values, ignored
-        plan = SamplerPlan.of(_first_rows(inputs.sampling, rows), inputs.suppress_ids[:rows])
+        plan = SamplerPlan.from_features(inputs.features[:rows], inputs.suppress_ids[:rows])
         history = scheduler.token_history(batch, R) if plan.any_penalty else None
         args = (x.index_select(0, index), residual.index_select(0, index), inputs.sampling,
                 history, inputs.prompt_lens, inputs.total_lens, inputs.suppress_ids)
-        head = self.head if (R, plan) in self.warm_plans else _head_and_sample
         with self._onednn(R):
-            out = head(model, self.sampler, plan, *args)
+            if (R, plan) in self.warm_plans:
+                out = self.head(model, self.sampler, plan, *args)
+            else:
+                grammar = scheduler.grammar.batch(scheduler.state.sampling["grammar_entry"],
+                                                  batch.sample_rows[:R]) if plan.any_grammar else None
+                out = _head_and_sample(model, self.sampler, plan, *args, grammar=grammar)
         scheduler.update(batch, out.tokens, out.logprob, out.top_ids, out.top_logprobs,
                          num_tokens=tokens)
 
@@ -361,10 +368,6 @@ class CompiledModelPhase:
     def refused(self) -> int:
         """Steady-state calls that would have recompiled (ran eager instead); 0 when healthy."""
         return self.layer.refused + self.head.refused + self.attention_kernel.refused
-
-
-def _first_rows(st: SamplingTensors, n: int) -> SamplingTensors:
-    return SamplingTensors(**{name: getattr(st, name)[:n] for name in st.__dataclass_fields__})
 
 
 def _refuse_eager_tiles(*args: Any) -> torch.Tensor:

@@ -46,6 +46,7 @@ from blink.shared.sampling_params import (
 )
 from blink.errors import BlinkError
 from blink.kernels import ops_for
+from blink.kernels.sampling_reference import argmax_rows
 from blink.engine.grammar import GrammarBatch
 from blink.shared.sampling_fields import SAMPLER_FIELDS
 
@@ -263,20 +264,56 @@ class SamplerPlan:
     any_grammar: bool = True  # any row constrained by a structured-output automaton
 
     @classmethod
-    def of(cls, st: SamplingTensors, suppress_ids: torch.Tensor | None = None) -> "SamplerPlan":
-        """Read the batch's parameters (a host read: CPU tensors only)."""
-        random = st.temperature > 0
-        return cls(
-            any_logit_bias=bool((st.logit_bias_ids >= 0).any()),
-            # Without the batch's suppress ids the plan cannot know: keep the stage.
-            any_suppress=suppress_ids is None or bool((suppress_ids >= 0).any()),
-            any_random=bool(random.any()),
-            any_filter=bool((random & ((st.top_k > 0) | (st.top_p < 1) | (st.min_p > 0))).any()),
-            any_penalty=bool(
-                ((st.repetition_penalty != 1) | (st.presence_penalty != 0) | (st.frequency_penalty != 0)).any()
-            ),
-            any_top_logprobs=bool((st.logprobs > 0).any()),
-        )
+    def of(cls, st: SamplingTensors, suppress_ids: torch.Tensor | None = None,
+           grammar_entry: torch.Tensor | None = None) -> "SamplerPlan":
+        """Read the batch's parameters (a host read: CPU tensors only). Without the rows'
+        ``grammar_entry`` the plan keeps the grammar stage."""
+        fields = {f.name: getattr(st, f.name) for f in SAMPLER_FIELDS}
+        fields["grammar_entry"] = (grammar_entry if grammar_entry is not None
+                                   else torch.zeros_like(st.top_k))
+        return cls.from_features(row_features(fields), suppress_ids)
+
+    @classmethod
+    def from_features(cls, features: torch.Tensor,
+                      suppress_ids: torch.Tensor | None = None) -> "SamplerPlan":
+        """The plan of a batch whose rows have ``features`` (:func:`row_features`, which the
+        scheduler keeps per row from admission): four ops and one host read, instead of a
+        dozen reductions over the parameters at every step. ``suppress_ids`` changes per step
+        (min_tokens), so it is read here; None keeps that stage."""
+        bits = _feature_bits(features.device)
+        used = ((features.unsqueeze(-1) & bits) != 0).any(0).tolist()
+        flags = dict(zip(_FEATURES, used))
+        flags["any_suppress"] = suppress_ids is None or bool((suppress_ids >= 0).any())
+        return cls(**flags)
+
+
+#: The plan flags a row's feature word carries, bit i = _FEATURES[i] (any_suppress is per step).
+_FEATURES = ("any_random", "any_filter", "any_penalty", "any_top_logprobs", "any_logit_bias",
+             "any_grammar")
+_BITS: dict[torch.device, torch.Tensor] = {}
+
+
+def _feature_bits(device: torch.device) -> torch.Tensor:
+    if device not in _BITS:
+        _BITS[device] = torch.tensor([1 << i for i in range(len(_FEATURES))], dtype=torch.int32,
+                                     device=device)
+    return _BITS[device]
+
+
+def row_features(fields) -> torch.Tensor:
+    """int32 feature word per row (bit i: the row needs ``SamplerPlan``'s ``_FEATURES[i]``
+    stage), from the rows' sampling fields by name (``EngineState.sampling`` or a batch's):
+    tensor code, so admission computes it on the device with no host read."""
+    random = fields["temperature"] > 0
+    filtered = random & ((fields["top_k"] > 0) | (fields["top_p"] < 1) | (fields["min_p"] > 0))
+    penalty = ((fields["repetition_penalty"] != 1) | (fields["presence_penalty"] != 0)
+               | (fields["frequency_penalty"] != 0))
+    used = (random, filtered, penalty, fields["logprobs"] > 0,
+            (fields["logit_bias_ids"] >= 0).any(-1), fields["grammar_entry"] >= 0)
+    word = torch.zeros_like(random, dtype=torch.int32)
+    for i, flag in enumerate(used):
+        word = word | (flag.to(torch.int32) << i)
+    return word
 
 
 _FULL_PLAN = SamplerPlan()
@@ -368,7 +405,7 @@ class Sampler:
                 st.frequency_penalty,
             )
 
-        greedy_tokens = torch.argmax(logits, dim=-1)
+        greedy_tokens = argmax_rows(logits)
         tokens = greedy_tokens
         if plan.any_random:
             is_greedy = st.temperature <= 0

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 
 from blink.engine import prefix_cache
 from blink.engine.grammar import GrammarRows
-from blink.engine.sampler import SamplingTensors
+from blink.engine.sampler import SamplingTensors, row_features
 from blink.shared.sampling_fields import SAMPLER_FIELDS
 from blink.engine.state import (
     C_ENGINE_SCRATCH,
@@ -149,12 +149,14 @@ class SamplerInputs(NamedTuple):
     total_lens    int64 [R]  tokens so far per sample row; also the RNG counter
     suppress_ids  int32 [R, max_stop_ids + n_eos]  ids banned while the row has fewer than
                   min_tokens outputs (-1 padded)
+    features      int32 [R]  the rows' sampler feature words (``SamplerPlan.from_features``)
     """
 
     sampling: SamplingTensors
     prompt_lens: torch.Tensor
     total_lens: torch.Tensor
     suppress_ids: torch.Tensor
+    features: torch.Tensor
 
 
 def _ceil_div(x: torch.Tensor, d: int) -> torch.Tensor:
@@ -302,7 +304,11 @@ class Scheduler:
         n_out_before = row_tokens - st.num_prompt[r]
         sink = st.tokens.shape[1] - 1
         st.tokens.index_put_((r, torch.where(live, row_tokens, sink)), tok.to(st.tokens.dtype))
-        self.grammar.advance(r, live, st.sampling["grammar_entry"], tok)
+        # Constrained rows step their automaton; a batch without one skips the binary search
+        # (~150 ops) on the host; in graphs it runs and leaves unconstrained rows unchanged.
+        entry = st.sampling["grammar_entry"]
+        if self._when((live & (entry[r] >= 0)).any()):
+            self.grammar.advance(r, live, entry, tok)
         row_tokens = row_tokens + live.long()
         st.num_tokens.index_put_((r,), row_tokens)
 
@@ -346,7 +352,7 @@ class Scheduler:
         suppress = torch.cat([sp["stop_token_ids"][r].long(), eos], 1)
         too_early = (total_lens - prompt_lens) < sp["min_tokens"][r]
         suppress_ids = torch.where(too_early.unsqueeze(1), suppress, -1).to(torch.int32)
-        return SamplerInputs(sampling, prompt_lens, total_lens, suppress_ids)
+        return SamplerInputs(sampling, prompt_lens, total_lens, suppress_ids, st.sampler_features[r])
 
     def token_history(self, batch: StepBatch, rows: int | None = None) -> torch.Tensor:
         """int32 [rows, max_model_len]: prompt + output tokens of the first ``rows`` sample
@@ -417,6 +423,7 @@ class Scheduler:
             dst = st.sampling[name]
             mask = admit.view(S, *([1] * (dst.dim() - 1)))
             dst.copy_(torch.where(mask, ring[name].to(dtype), dst))
+        st.sampler_features.copy_(torch.where(admit, row_features(st.sampling), st.sampler_features))
         self.grammar.admit(admit, st.sampling["grammar_entry"])
         st.arrival.copy_(torch.where(admit, ring["arrival"], st.arrival))
         st.num_prompt.copy_(torch.where(admit, plen, st.num_prompt))

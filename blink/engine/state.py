@@ -185,7 +185,9 @@ class EngineState:
       row_hash [S, 2] (int64 polynomial hash of tokens[:num_computed], two moduli),
       tokens [S, W] int32 (prompt + generated; column W-1 is a write sink),
       block_table [S, M] int32 (``num_blocks`` = no block), a view of block_table_flat
-      [S*M + 1] whose last entry is a write sink for flat scatters, sampling fields.
+      [S*M + 1] whose last entry is a write sink for flat scatters, sampling fields,
+      sampler_features (int32 feature word per row: the sampler stages it needs, written at
+      admission, :func:`blink.engine.sampler.row_features`).
     Blocks [N+1] (entry N = scratch / write sink):
       block_ref (int32 references from block tables), block_last_used (int64 LRU stamp),
       block_key (int64 chained-prefix key), block_slot (int64 prefix-table slot holding it,
@@ -211,6 +213,7 @@ class EngineState:
     block_table: torch.Tensor
     block_table_flat: torch.Tensor
     sampling: dict[str, torch.Tensor]
+    sampler_features: torch.Tensor
     block_ref: torch.Tensor
     block_last_used: torch.Tensor
     block_key: torch.Tensor
@@ -250,6 +253,7 @@ class EngineState:
             block_table=block_table_flat[: S * M].view(S, M),
             block_table_flat=block_table_flat,
             sampling=sampling,
+            sampler_features=full((S,), 0, torch.int32),
             block_ref=full((N + 1,), 0, torch.int32),
             block_last_used=full((N + 1,), 0, torch.int64),
             block_key=full((N + 1,), -1, torch.int64),

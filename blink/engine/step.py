@@ -10,7 +10,6 @@ removes padding: the tokens are the same.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, NamedTuple
 
 import torch
@@ -115,8 +114,6 @@ def run_step(parts: StepParts, compiled=None) -> bool:
         compiled.run(parts, batch, tokens=n, rows=ns)
         return True
     inputs = parts.scheduler.sampler_inputs(batch, ns)
-    plan = SamplerPlan.of(inputs.sampling, inputs.suppress_ids)  # skip stages no row uses
-    entry = parts.scheduler.state.sampling["grammar_entry"][batch.sample_rows[:ns].clamp(min=0)]
-    plan = dataclasses.replace(plan, any_grammar=bool((entry >= 0).any()))
+    plan = SamplerPlan.from_features(inputs.features, inputs.suppress_ids)  # skip unused stages
     model_phase(parts, batch, tokens=n, rows=ns, compact=True, plan=plan, inputs=inputs)
     return True
