@@ -58,6 +58,8 @@ def test_serve_reports_every_thread_setting_in_metrics(tmp_path):
         names = {task_name(t, server.engine_pid) for t in task_ids(server.engine_pid)}
         assert {"blink-engine", "blink-loop", "blink-bootstrap", "blink-threads"} <= names, names
         assert any(n and re.fullmatch(r"blink-omp-\d+", n) for n in names), names
+        environ = Path(f"/proc/{server.engine_pid}/environ").read_bytes().split(b"\0")
+        assert b"OMP_WAIT_POLICY=PASSIVE" in environ  # idle OpenMP workers sleep by default
         fe_names = {task_name(t, server.frontend_pid) for t in task_ids(server.frontend_pid)}
         assert "blink-http" in fe_names, fe_names
         # the engine's snapshot (rewritten every second) reaches the frontend's /metrics
