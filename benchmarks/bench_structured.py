@@ -2,16 +2,21 @@
 constraint, and the cost of constrained rows in an engine step.
 
     python -m benchmarks.bench_structured [--model smollm2-135m] [--steps 48] [--repeats 2]
+        [--threads 1]
 
 1. compile: a typical tool schema (get_weather-like, 4 fields, enum, bounded integer),
    a nested schema, ``json_object``, a regex and a choice, with the model's real vocabulary:
    cold (first compile, after the vocabulary is built once) and cached (same constraint again).
 2. ops: the grammar mask (torch reference) and advance alone at batch 1 and 16, against the
-   sampler's own time on the same logits (the part of a step they add to).
+   sampler's own time on the same logits (the part of a step they add to); and batch 16
+   with one constrained row, masked the CPU loop's way (only the rows the host found
+   constrained, ``GrammarBatch.rows``).
 3. engine: ``LLM.generate`` of B requests x ``--steps`` tokens, all unconstrained vs all
    constrained (a regex long enough that every request ends by length), same prompts,
    greedy: wall time per step, and the ratio.
-Numbers on a shared machine are noisy; ratios within one run are the ones to read.
+Numbers on a shared machine are noisy; ratios within one run are the ones to read. Torch
+runs ``--threads`` threads (1 by default, as the engine's per-op cost is measured in the
+other benchmarks: on a shared CPU a 2-thread OpenMP team waits for a busy core at every op).
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import torch
 
 from blink.dpu.structured.compiler import GrammarCompiler, GrammarLimits
 from blink.dpu.tokenizer import Tokenizer
+from blink.engine.grammar import GrammarBatch
 from blink.engine.sampler import Sampler, SamplingTensors
 from blink.kernels.grammar_reference import advance_grammar, apply_grammar_mask
 from blink.ring import G_INITIAL_STATE
@@ -106,6 +112,12 @@ def bench_ops(tokenizer: Tokenizer) -> dict:
         t_adv = _best(lambda: advance_grammar(words, entry, state, tok))
         out[f"batch {batch}"] = {"sampler_ms": t_sampler * 1e3, "mask_ms": t_mask * 1e3,
                                  "advance_ms": t_adv * 1e3}
+        if batch > 1:  # one constrained row among unconstrained ones, as the CPU loop masks
+            mixed_entry = torch.full((batch,), -1, dtype=torch.int32)
+            mixed_entry[0] = 0
+            g_batch = GrammarBatch(words, mixed_entry, state, (mixed_entry >= 0).nonzero().flatten())
+            out[f"batch {batch}"]["mask_one_row_ms"] = _best(
+                lambda: g_batch.apply(apply_grammar_mask, logits)) * 1e3
     return out
 
 
@@ -145,7 +157,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--skip-engine", action="store_true")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = p.parse_args()
+    torch.set_num_threads(args.threads)
     tokenizer = Tokenizer.from_pretrained(args.model)
     result = {"compile": bench_compile(tokenizer), "ops": bench_ops(tokenizer)}
     print(json.dumps(result, indent=1), flush=True)

@@ -230,7 +230,10 @@ def _add_tool_calling_args(g: argparse._ArgumentGroup) -> None:
                         "enforces them")
     formats = "; ".join(f"{name}: {cls.families}" for name, cls in TOOL_PARSERS.items())
     g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
-                   help=f"the format the model writes tool calls in ({formats})")
+                   help=f"the format the model writes tool calls in ({formats}). With a "
+                        "chat template that never renders tools, 'auto' uses 'generic' "
+                        "whatever this names: the tools go into the system prompt and the "
+                        "answer is constrained to JSON")
     g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help="do not render a request's tools into the prompt when its "
                         "tool_choice is 'none' (by default they are, as in vLLM)")

@@ -83,6 +83,7 @@ from blink.dpu.protocol import (
 )
 from blink.dpu.tokenizer import Tokenizer
 from blink.dpu.tool_calling import ToolCallingConfig, ToolPlan, plan_tools, validate_tools
+from blink.dpu.tool_parsers import generic_messages
 from blink.dpu.tool_parsers import ToolCallStream
 from blink.shared.sampling_params import MAX_N, SamplingParams, SamplingParamsError
 from blink.threads.roles import set_thread_name
@@ -399,13 +400,18 @@ class OpenAIServing:
                 f"{self.limits.max_chat_template_chars} are accepted.", param="chat_template")
 
     async def _encode_chat(self, messages: Sequence[ChatMessage], *,
-                           chat_template: str | None, **kwargs: Any) -> list[int]:
+                           chat_template: str | None,
+                           generic_tools: list[dict[str, Any]] | None = None,
+                           **kwargs: Any) -> list[int]:
         """Render (in the worker pool, under the render limits) and encode a conversation;
-        a template failure or limit is a 400."""
+        a template failure or limit is a 400. ``generic_tools``: tools to write into the
+        system prompt (the generic tool-call format) instead of the template's ``tools``."""
         self._check_chat_template(chat_template)
 
         def work() -> list[int]:
             dicts = [m.model_dump(exclude_none=True) for m in messages]
+            if generic_tools is not None:
+                dicts = generic_messages(dicts, generic_tools)
             return self.tokenizer.encode_chat(dicts, chat_template=chat_template,
                                               limits=self.render_limits, **kwargs)
 
@@ -572,9 +578,9 @@ class OpenAIServing:
             else plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
                             self.tool_calling)
         self.check_healthy()
-        self._check_template_sees_tools(plan, req.chat_template)
+        plan = self._fit_tools_to_template(plan, req.chat_template)
         prompt_ids = await self._encode_chat(
-            req.messages,
+            req.messages, generic_tools=plan.system_tools,
             add_special_tokens=req.add_special_tokens,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message, tools=plan.template_tools,
@@ -609,22 +615,18 @@ class OpenAIServing:
         return await self._chat_full(req, request_id, fanout, [prompt_ids], plan)
 
     # -- tool calling (blink.dpu.tool_calling) ----------------------------------------------
-    def _check_template_sees_tools(self, plan: ToolPlan, chat_template: str | None) -> None:
-        """``auto`` relies on the model seeing the tools: refuse it when the chat template
-        never renders them (forced choices are enforced by the grammar either way)."""
-        if plan.choice != "auto":
-            return
+    def _fit_tools_to_template(self, plan: ToolPlan, chat_template: str | None) -> ToolPlan:
+        """``auto`` relies on the model seeing the tools: when the chat template never
+        renders them, Blink writes them into the system prompt itself (the generic format,
+        :mod:`blink.dpu.tool_parsers.generic`; forced choices are enforced by the grammar)."""
+        if plan.choice != "auto" or plan.system_tools is not None:
+            return plan
         source = self.tokenizer.template_source(tools=True, chat_template=chat_template)
         try:
             sees = source is None or template_uses_tools(source)
         except ChatTemplateError:
-            return  # rendering reports the template's own error
-        if not sees:
-            raise bad_request(
-                "The chat template does not render tools, so the model cannot see them and "
-                "tool_choice \"auto\" would never call one. Use tool_choice \"required\" or a "
-                "named function (enforced by the grammar), or a chat template that renders "
-                "'tools'.", param="tool_choice")
+            return plan  # rendering reports the template's own error
+        return plan if sees else plan.as_generic()
 
     @staticmethod
     def _with_tool_plan(params: SamplingParams, plan: ToolPlan) -> SamplingParams:

@@ -22,7 +22,9 @@ Rules (vLLM's, whose wording clients already recognise):
 Tools are validated: only ``function`` tools, names unique and non-empty, ``parameters`` a
 JSON schema (checked against its meta-schema) of type object; each problem is a 400 naming
 the field. A model whose chat template never mentions ``tools`` cannot see them, so
-``"auto"`` with such a template is refused instead of silently calling nothing.
+``"auto"`` with such a template uses the generic format (llama.cpp's): the tools go into the
+system prompt and the answer is constrained to JSON (:mod:`blink.dpu.tool_parsers.generic`);
+``--tool-call-parser generic`` picks that format for every template.
 """
 from __future__ import annotations
 
@@ -34,10 +36,12 @@ from typing import Any, Literal
 from blink.dpu.errors import bad_request
 from blink.dpu.tool_parsers import (
     TOOL_PARSERS,
+    GenericToolParser,
     NamedToolParser,
     RequiredToolParser,
     ToolCallParser,
     ToolCallStream,
+    generic_schema,
     named_schema,
     required_schema,
 )
@@ -90,6 +94,14 @@ class ToolPlan:
     parser_class: type[ToolCallParser] | None = None
     #: ``parallel_tool_calls: false``
     single_call: bool = False
+    #: the generic format: the tools Blink writes into the system prompt itself (None: the
+    #: template gets them, or none are shown)
+    system_tools: list[dict[str, Any]] | None = None
+
+    def as_generic(self) -> "ToolPlan":
+        """This ``auto`` plan in the generic format (a template that never renders tools)."""
+        assert self.choice == "auto" and self.template_tools is not None
+        return _generic_plan(self.template_tools, self.single_call)
 
     @property
     def parses_calls(self) -> bool:
@@ -150,6 +162,8 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any,
     if tool_choice == "auto":
         if not config.enable_auto_tool_choice or config.tool_call_parser is None:
             raise bad_request(AUTO_NEEDS_FLAGS, param="tool_choice")
+        if TOOL_PARSERS[config.tool_call_parser] is GenericToolParser:
+            return _generic_plan(validated, single)
         return ToolPlan(choice="auto", template_tools=validated, single_call=single,
                         parser_class=TOOL_PARSERS[config.tool_call_parser])
     if tool_choice == "required":
@@ -162,6 +176,14 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any,
                           "specified `tools`", param="tool_choice")
     return ToolPlan(choice="named", template_tools=validated, function_name=name,
                     structured_outputs=_constraint(named_schema(tool)))
+
+
+def _generic_plan(tools: list[dict[str, Any]], single: bool) -> ToolPlan:
+    """``auto`` in the generic format: the tools in the system prompt (not the template's
+    ``tools``), the answer constrained to ``{"tool_calls": [...]}`` or ``{"response": ...}``."""
+    return ToolPlan(choice="auto", system_tools=tools, single_call=single,
+                    parser_class=GenericToolParser,
+                    structured_outputs=_constraint(generic_schema(tools, single)))
 
 
 def _named_function(choice: dict[str, Any]) -> str:

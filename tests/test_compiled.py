@@ -8,6 +8,7 @@ directory, so only a first run on a machine pays the full compile.
 """
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from test_engine import GREEDY, Reference, assert_greedy, random_prompts, tiny_m
 from blink.engine import compiled  # noqa: E402
 from blink.llm import LLM  # noqa: E402
 from blink.shared.sampling_params import SamplingParams  # noqa: E402
+from blink.shared.structured_outputs import StructuredOutputs  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +68,6 @@ def test_compiled_greedy_matches_transformers_without_recompiles(compiled_llm):
 def test_compiled_loop_enforces_structured_outputs(compiled_llm):
     """A constrained row's automaton masks the logits in the compiled loop too (the warm
     heads take no grammar: a constrained batch runs the head eager with its automata)."""
-    import re
-
-    from blink.shared.structured_outputs import StructuredOutputs
-
     rx = "[a-d]{6}"  # the byte tokenizer: one token per character; no EOS needed
     outs = compiled_llm.generate(
         [[5, 6, 7], [9]],
@@ -80,6 +78,20 @@ def test_compiled_loop_enforces_structured_outputs(compiled_llm):
     for out in outs:
         assert re.fullmatch(rx, out.outputs[0].text), out.outputs[0].text
     assert compiled_llm.engine.compiled.refused == 0
+
+
+def test_compiled_steps_mask_only_the_constrained_rows(compiled_llm):
+    """A constrained row next to an unconstrained one in compiled steps: the constrained row
+    is masked (only its logits, the rows found on the host), the other left alone."""
+    rx = r"[a-d]{2,6}!"
+    outs = compiled_llm.generate([[5, 6], [9, 4]], [
+        SamplingParams(temperature=1.0, seed=2, max_tokens=20,
+                       structured_outputs=StructuredOutputs(regex=rx)),
+        SamplingParams(max_tokens=6, **GREEDY)], timeout_s=120)
+    text = outs[0].outputs[0].text.removesuffix("\x00")
+    assert outs[0].outputs[0].finish_reason == "stop" and re.fullmatch(rx, text), text
+    free = compiled_llm.generate([[9, 4]], SamplingParams(max_tokens=6, **GREEDY), timeout_s=60)
+    assert free[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
 
 
 def test_compile_failure_falls_back_to_eager_with_one_warning(capsys):

@@ -28,7 +28,7 @@ from test_engine import byte_tokenizer_json, make_llm, tiny_model_dir  # noqa: E
 from test_ring_layout import MemoryTransport  # noqa: E402
 
 from blink.dpu.ring_protocol import RingClient  # noqa: E402
-from blink.dpu.structured.compiler import GrammarCompiler, GrammarLimitError, GrammarLimits  # noqa: E402
+from blink.dpu.structured.compiler import GrammarCompiler, GrammarLimitError, GrammarLimits, pack_entry  # noqa: E402
 from blink.dpu.structured.regex import int_range_regex, json_object_regex  # noqa: E402
 from blink.dpu.tokenizer import Tokenizer  # noqa: E402
 from blink.kernels.grammar_reference import advance_grammar, apply_grammar_mask  # noqa: E402
@@ -197,6 +197,101 @@ def test_hypothesis_schemas_walk_to_valid_json(compiler, schema, seed):
             finished += 1
             jsonschema.validate(json.loads(out.decode()), schema)
     # Not a guarantee for every schema (long strings), but most walks end.
+
+
+def test_generic_tool_schema_walks_parse(compiler):
+    """The generic tool-call format's grammar (templates without tools): every walk is one of
+    its two answers, valid against the schema, and the generic parser reads it."""
+    from blink.dpu.tool_parsers import GenericToolParser, generic_schema
+
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+        "required": ["city"]}}}
+    schema = generic_schema([tool], single_call=True)
+    g = compiler.compile(SO(json=schema))
+    kinds = set()
+    for seed in range(12):
+        out = walk(g.words, seed, max_steps=400)
+        if out is None:
+            continue
+        value = json.loads(out)
+        jsonschema.validate(value, schema)
+        parser = GenericToolParser.parse(out.decode())
+        if "tool_calls" in value:
+            kinds.add("call")
+            assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == \
+                [(c["name"], c["arguments"]) for c in value["tool_calls"]]
+        else:
+            kinds.add("response")
+            assert parser.content == value["response"] and not parser.calls
+    assert kinds, "no walk ended"
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_advance_is_the_packed_transition_table(seed):
+    """A random dense automaton with many exceptions to the default next states: the device
+    advance gives every transition's next state, and -1 for forbidden tokens, dead rows and
+    unconstrained rows."""
+    from blink.ring import G_NUM_TRANSITIONS
+
+    rng = np.random.default_rng(seed)
+    states, vocab = 40, 3000
+    pairs = rng.choice(states * vocab, size=8000, replace=False)
+    src, tok = pairs // vocab, pairs % vocab
+    tok = np.where(tok == EOS, 1, tok)  # EOS has no transition
+    src, tok = np.unique(np.stack([src, tok]), axis=1)
+    dst = rng.integers(0, 3, size=src.size) * (src % 7)  # a few next states per state
+    words = pack_entry(states, 0, vocab, [EOS], np.zeros(states, dtype=bool), src, tok, dst)
+    assert words[G_NUM_TRANSITIONS] > 1000
+    w = torch.from_numpy(words)
+    got = advance_grammar(w, torch.zeros(src.size, dtype=torch.int32), torch.from_numpy(src).int(),
+                          torch.from_numpy(tok))
+    assert torch.equal(got, torch.from_numpy(dst))
+    allowed = set(zip(src.tolist(), tok.tolist()))
+    probe = [(s, t) for s, t in zip(rng.integers(0, states, 500), rng.integers(0, vocab, 500))
+             if (s, t) not in allowed]
+    ps, pt = (torch.tensor(x) for x in zip(*probe))
+    assert bool((advance_grammar(w, torch.zeros(len(probe), dtype=torch.int32), ps, pt) == -1).all())
+    assert advance_grammar(w, torch.tensor([0, -1]), torch.tensor([-1, 3]),
+                           torch.tensor([5, 5])).tolist() == [-1, -1]
+
+
+def _allowed_by_spec(grammar_words: np.ndarray, state: int, vocab: int) -> set[int]:
+    """The tokens a state allows, read bit by bit from the entry's mask (the format's spec)."""
+    from blink.ring import G_EOS, G_MASK, G_VOCAB_BITS, G_WORDS_PER_STATE
+
+    if state < 0:
+        return {int(grammar_words[G_EOS])}
+    wps, bits = int(grammar_words[G_WORDS_PER_STATE]), int(grammar_words[G_VOCAB_BITS])
+    row = grammar_words[int(grammar_words[G_MASK]) + state * wps:][:wps].view(np.uint32)
+    return {t for t in range(min(vocab, bits)) if (int(row[t // 32]) >> (t % 32)) & 1}
+
+
+@pytest.mark.parametrize("vocab", [256, 300, 250])  # the vocabulary, wider (padded), narrower
+def test_mask_matches_the_bitmask_spec_and_host_rows(compiler, vocab):
+    """The reference mask keeps exactly the allowed logits (bit for bit, NaN and -inf
+    included), and masking only the host-found constrained rows gives the same logits."""
+    from blink.engine.grammar import GrammarBatch
+
+    g = compiler.compile(SO(json={"type": "object", "properties": {"n": {"type": "integer"}}}))
+    words = torch.from_numpy(g.words.astype(np.int32))
+    states = [int(g.words[G_INITIAL_STATE]), 1, -1, 2, g.num_states - 1]
+    entry = torch.tensor([0, -1, 0, 0, -1, 0], dtype=torch.int32)
+    state = torch.tensor(states + [3], dtype=torch.int32)
+    logits = torch.randn(6, vocab)
+    logits[0, 5], logits[3, 7] = float("nan"), float("-inf")
+    got = apply_grammar_mask(logits, words, entry, state)
+    for row in range(6):
+        if entry[row] < 0:
+            assert torch.equal(got[row], logits[row])
+            continue
+        allowed = _allowed_by_spec(g.words, int(state[row]), vocab)
+        keep = torch.tensor([t in allowed for t in range(vocab)])
+        assert torch.equal(got[row, keep].view(torch.int32), logits[row, keep].view(torch.int32))
+        assert bool((got[row, ~keep] == float("-inf")).all()), row
+    rows = (entry >= 0).nonzero().flatten()
+    host = GrammarBatch(words, entry, state, rows).apply(apply_grammar_mask, logits)
+    assert torch.equal(host.view(torch.int32), got.view(torch.int32))
 
 
 def test_triton_mask_matches_reference(compiler):

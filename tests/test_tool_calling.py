@@ -1,9 +1,10 @@
 """Tool calling through the frontend (blink.dpu.tool_calling, the parsers, the templates):
-request validation with vLLM's rules and messages, the real chat templates of Qwen2.5, Qwen3
-and Llama 3.2 (from their tokenizer_config.json) rendering tools and tool-call histories, and
-end to end through the official openai client (and LangChain when installed) against the app
-over a scripted fake engine: auto (hermes, llama3_json), required, named, streaming and not,
-and a full round trip (call -> tool result -> answer)."""
+request validation with vLLM's rules and messages, the real chat templates of Qwen2.5, Qwen3,
+Llama 3.2 and Mistral Nemo (from their tokenizer_config.json; tests/fixtures/README.md)
+rendering tools and tool-call histories, and end to end through the official openai client
+(and LangChain when installed) against the app over a scripted fake engine: auto (hermes,
+llama3_json, mistral, and the generic format for templates without tools), required, named,
+streaming and not, and full round trips (call -> tool result -> answer)."""
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +20,7 @@ from blink.dpu.app import app_options, create_app
 from blink.dpu.chat_template import ChatTemplateError, render_chat_template
 from blink.dpu.tokenizer import Tokenizer
 from blink.dpu.tool_calling import AUTO_NEEDS_FLAGS, ToolCallingConfig
-from blink.dpu.tool_parsers import required_schema
+from blink.dpu.tool_parsers import generic_schema, required_schema
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
 from fake_engine_client import FakeEngineClient  # noqa: E402
@@ -50,7 +51,8 @@ def qwen_tok() -> Tokenizer:
 class ScriptedEngine(FakeEngineClient):
     """Answers by what the prompt holds: the final answer once a tool result is in it."""
 
-    def __init__(self, tok: Tokenizer, first: str, after_tool: str = "It is sunny.") -> None:
+    def __init__(self, tok: Tokenizer, first: str, after_tool: str = "It is sunny.",
+                 after_marker: str = "<tool_response>") -> None:
         ids = {k: tok.encode(v, add_special_tokens=False)
                for k, v in (("first", first), ("after", after_tool))}
         self.prompts: list[str] = []
@@ -58,7 +60,7 @@ class ScriptedEngine(FakeEngineClient):
         def respond(prompt: list[int], params: Any) -> list[int]:
             text = tok.decode(prompt, skip_special_tokens=False)
             self.prompts.append(text)
-            return ids["after"] if "<tool_response>" in text else ids["first"]
+            return ids["after"] if after_marker in text else ids["first"]
 
         super().__init__(model_name=MODEL, responder=respond, vocab_size=tok.vocab_size,
                          max_model_len=4096)
@@ -118,14 +120,92 @@ def test_required_with_no_tools_is_none(qwen_tok: Tokenizer) -> None:
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "hi"
 
 
-def test_auto_with_a_template_that_ignores_tools_is_refused() -> None:
+def test_forced_choices_with_a_template_that_ignores_tools() -> None:
     tok = tiny_tokenizer()  # plain ChatML: never renders tools
-    app = create_app(ScriptedEngine(tok, "hi"), tok, model_name=MODEL, tool_calling=AUTO)
-    assert "does not render tools" in error_of(
-        post(app, {"messages": ASK, "tools": [WEATHER_TOOL]}), "tool_choice")
-    # forced choices are enforced by the grammar, so they are accepted
+    engine = ScriptedEngine(tok, '[{"name": "get_weather", "parameters": {"city": "Paris"}}]')
+    app = create_app(engine, tok, model_name=MODEL, tool_calling=AUTO)
+    # forced choices are enforced by the grammar, so they are accepted as they are
     r = post(app, {"messages": ASK, "tools": [WEATHER_TOOL], "tool_choice": "required"})
     assert r.status_code == 200, r.text
+    assert list(engine.submitted.values())[-1][1].structured_outputs.json == \
+        required_schema([WEATHER_TOOL])
+
+
+GENERIC_CALL = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}'
+
+
+@pytest.mark.parametrize("parser", ["hermes", "generic"])
+def test_auto_with_a_template_without_tools_uses_the_generic_format(parser: str) -> None:
+    """A template that never renders tools (SmolLM2's ChatML): the tools go into the system
+    prompt, the answer is constrained to the generic JSON and parsed from it, through the
+    official openai client: a call (whole and streamed), then the tool result, then the
+    answer, whatever --tool-call-parser names."""
+    tok = tiny_tokenizer()
+    engine = ScriptedEngine(tok, GENERIC_CALL, after_tool='{"response": "It is \\"sunny\\"."}',
+                            after_marker='"tool_response"')
+    config = ToolCallingConfig(enable_auto_tool_choice=True, tool_call_parser=parser)
+    app = create_app(engine, tok, model_name=MODEL, tool_calling=config)
+    system = [{"role": "system", "content": "You are terse."}]
+    with serve_in_thread(app) as url:
+        client = _client(url)
+        first = client.chat.completions.create(model=MODEL, messages=system + ASK,
+                                               tools=[WEATHER_TOOL, TIME_TOOL])
+        choice = first.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) == {"city": "Paris"}
+        prompt = engine.prompts[-1]
+        assert prompt.startswith("<|im_start|>system\nYou are terse.\n\nRespond in JSON format")
+        assert '"name": "get_weather"' in prompt and "Current weather of a city" in prompt
+        params = list(engine.submitted.values())[-1][1]
+        assert params.structured_outputs.json == generic_schema([WEATHER_TOOL, TIME_TOOL])
+
+        chunks = list(client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[WEATHER_TOOL], stream=True,
+            parallel_tool_calls=False))
+        deltas = [tc for ch in chunks for c in ch.choices for tc in (c.delta.tool_calls or [])]
+        assert deltas[0].function.name == "get_weather" and deltas[0].id
+        assert json.loads("".join(d.function.arguments or "" for d in deltas)) == {"city": "Paris"}
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        schema = list(engine.submitted.values())[-1][1].structured_outputs.json
+        assert schema == generic_schema([WEATHER_TOOL], single_call=True)
+        assert engine.prompts[-1].startswith("<|im_start|>system\nRespond in JSON format")
+
+        messages: list[Any] = system + ASK
+        messages.append(choice.message.model_dump(exclude_none=True))
+        messages.append({"role": "tool", "tool_call_id": call.id,
+                         "content": json.dumps({"sky": "sunny"})})
+        final = client.chat.completions.create(model=MODEL, messages=messages,
+                                               tools=[WEATHER_TOOL])
+        streamed = "".join(c.delta.content or "" for ch in client.chat.completions.create(
+            model=MODEL, messages=messages, tools=[WEATHER_TOOL], stream=True)
+            for c in ch.choices)
+    assert final.choices[0].finish_reason == "stop" and not final.choices[0].message.tool_calls
+    assert final.choices[0].message.content == 'It is "sunny".' == streamed
+    prompt = engine.prompts[-1]
+    assert f"<|im_start|>assistant\n{GENERIC_CALL}<|im_end|>" in prompt
+    assert '<|im_start|>user\n{"tool_response": {"tool_call_id": "' + call.id in prompt
+
+
+def test_generic_parser_streams_agree_with_whole() -> None:
+    from blink.dpu.tool_parsers import GenericToolParser
+
+    cases = {
+        GENERIC_CALL[:-2] + ', {"name": "get_time", "arguments": {}}]}':
+            ("", [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]),
+        ' { "response" : "a\\"b \\u00e9 \\ud83d\\ude00 c\\\\d\\n"} ': ('a"b \u00e9 \U0001F600 c\\d\n', []),
+        "plain text": ("plain text", []),
+        '{"other": 1}': ('{"other": 1}', []),
+    }
+    for text, (content, calls) in cases.items():
+        for size in (1, 2, 3, 7, len(text)):
+            parser = GenericToolParser()
+            for i in range(0, len(text), size):
+                parser.feed(text[i:i + size])
+            parser.finish()
+            assert parser.content == content, (text, size)
+            assert [(c.name, c.arguments) for c in parser.calls] == calls, (text, size)
 
 
 def test_cli_flags_reach_the_app() -> None:
@@ -164,6 +244,26 @@ def test_real_templates_render_tools_and_tool_histories(name: str, call_text: st
     # the tool result (Llama's template writes a string result through tojson, quoted)
     assert '{"sky": "sunny"}' in text or '"{\\"sky\\": \\"sunny\\"}"' in text
     assert "None" not in text
+
+
+def test_mistral_template_renders_tools_and_tool_histories() -> None:
+    """Mistral Nemo's template: tools in [AVAILABLE_TOOLS] before the last user turn, the call
+    in [TOOL_CALLS] with its 9-character id, the result in [TOOL_RESULTS]."""
+    history = [dict(m) for m in HISTORY]
+    history[1] = dict(history[1], tool_calls=[dict(history[1]["tool_calls"][0], id="a1B2c3D4e")])
+    history[2] = dict(history[2], tool_call_id="a1B2c3D4e")
+    text = render_chat_template(TEMPLATES["mistral-nemo"], history + [
+        {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "Thanks!"}],
+        tools=[WEATHER_TOOL], special_tokens={"bos_token": "<s>", "eos_token": "</s>"})
+    assert text.startswith("<s>[INST]Weather in Paris?[/INST][TOOL_CALLS][")
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "a1B2c3D4e"}]</s>' in text
+    assert '[TOOL_RESULTS]{"content": {"sky": "sunny"}, "call_id": "a1B2c3D4e"}[/TOOL_RESULTS]' \
+        in text
+    assert text.endswith('"description": "Current weather of a city", "parameters": '
+                         + json.dumps(WEATHER_TOOL["function"]["parameters"])
+                         + "}}][/AVAILABLE_TOOLS][INST]Thanks![/INST]")
+    with pytest.raises(ChatTemplateError, match="length 9"):  # the template's own check
+        render_chat_template(TEMPLATES["mistral-nemo"], HISTORY, tools=[WEATHER_TOOL])
 
 
 def test_bad_arguments_in_history_name_the_field() -> None:
@@ -287,6 +387,34 @@ def test_tool_choice_none_renders_but_does_not_parse(qwen_tok: Tokenizer) -> Non
         exclude_tools_when_tool_choice_none=True))
     post(app, {"messages": ASK, "tools": [WEATHER_TOOL], "tool_choice": "none"})
     assert "<tools>" not in engine.prompts[-1]
+
+
+def test_mistral_round_trip_with_its_template() -> None:
+    """--tool-call-parser mistral over Mistral Nemo's real template, with the openai client:
+    the call's id is 9 alphanumerics, so the template accepts it when it is sent back."""
+    tok = tiny_tokenizer()
+    tok.chat_template = TEMPLATES["mistral-nemo"]
+    engine = ScriptedEngine(tok, '[TOOL_CALLS][{"name": "get_weather", "arguments": '
+                                 '{"city": "Paris"}}]', after_tool="It is sunny.",
+                            after_marker="[TOOL_RESULTS]")
+    app = create_app(engine, tok, model_name=MODEL, tool_calling=ToolCallingConfig(
+        enable_auto_tool_choice=True, tool_call_parser="mistral"))
+    with serve_in_thread(app) as url:
+        client = _client(url)
+        messages: list[Any] = list(ASK)
+        first = client.chat.completions.create(model=MODEL, messages=messages,
+                                               tools=[WEATHER_TOOL])
+        assert first.choices[0].finish_reason == "tool_calls"
+        (call,) = first.choices[0].message.tool_calls
+        assert len(call.id) == 9 and call.id.isalnum() and call.function.name == "get_weather"
+        assert "[AVAILABLE_TOOLS]" in engine.prompts[-1]
+        messages.append(first.choices[0].message.model_dump(exclude_none=True))
+        messages.append({"role": "tool", "tool_call_id": call.id,
+                         "content": json.dumps({"sky": "sunny"})})
+        final = client.chat.completions.create(model=MODEL, messages=messages,
+                                               tools=[WEATHER_TOOL])
+    assert final.choices[0].message.content == "It is sunny."
+    assert f'"call_id": "{call.id}"}}[/TOOL_RESULTS]' in engine.prompts[-1]
 
 
 def test_llama3_json_parser() -> None:

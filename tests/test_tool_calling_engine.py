@@ -1,7 +1,8 @@
 """Forced tool choices against a real engine (the tiny random model, byte tokenizer): the
 grammar makes even a random model answer ``required`` with calls of the offered tools whose
 arguments validate against their schemas, and a named choice with valid arguments; through
-the HTTP app and the ring, greedy and sampled, streaming and not."""
+the HTTP app and the ring, greedy and sampled, streaming and not; and the openai SDK's
+``.parse(response_format=PydanticModel)`` answered with an instance of the model."""
 from __future__ import annotations
 
 import asyncio
@@ -105,3 +106,43 @@ def test_named_is_enforced_streaming_too(llm: Any) -> None:
     # same seed, same tokens: the streamed fragments add up to the whole answer's arguments
     assert "".join(d["function"].get("arguments", "") for d in deltas) == \
         choice["message"]["tool_calls"][0]["function"]["arguments"]
+
+
+def test_openai_parse_with_a_pydantic_response_format(llm: Any) -> None:
+    """``client.chat.completions.parse(response_format=Model)`` (strict json_schema from
+    pydantic): the grammar makes even the random model's answer parse into the model."""
+    openai = pytest.importorskip("openai")
+    pydantic = pytest.importorskip("pydantic")
+
+    class Forecast(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=10)
+        days: int = pydantic.Field(ge=1, le=7)
+        sunny: bool
+
+    async def main() -> list[Any]:
+        region = llm.engine.region
+        transport = (InProcessTransport(region) if region.kind == "inprocess"
+                     else LoopbackTransport(region.name, region.total_bytes))
+        client = RingEngineClient(RingClient(transport), model_name="tiny",
+                                  max_model_len=llm.max_model_len,
+                                  poll_min_interval_s=1e-4, poll_max_interval_s=1e-3)
+        client.start()
+        app = create_app(client, llm.tokenizer, model_name="tiny")
+        try:
+            http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                                     timeout=120)
+            sdk = openai.AsyncOpenAI(base_url="http://t/v1", api_key="x", http_client=http,
+                                     max_retries=0)
+            return [await sdk.chat.completions.parse(
+                model="tiny", messages=ASK, response_format=Forecast, max_tokens=120, **kw)
+                for kw in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 4, "n": 2})]
+        finally:
+            await client.close()
+
+    parsed = 0
+    for completion in asyncio.run(main()):
+        for choice in completion.choices:
+            if choice.finish_reason == "stop":
+                parsed += 1
+                assert isinstance(choice.message.parsed, Forecast), choice.message.content
+    assert parsed >= 1

@@ -141,7 +141,7 @@ def test_mistral_ids_are_nine_alphanumerics() -> None:
 
 
 def test_registry_names() -> None:
-    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral"}
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "generic"}
 
 
 def test_required_schema_matches_vllms_shape() -> None:

@@ -358,8 +358,10 @@ class CompiledModelPhase:
             if (R, plan) in self.warm_plans:
                 out = self.head(model, self.sampler, plan, *args)
             else:
+                # host_rows: only the constrained rows' logits are masked
                 grammar = scheduler.grammar.batch(scheduler.state.sampling["grammar_entry"],
-                                                  batch.sample_rows[:R]) if plan.any_grammar else None
+                                                  batch.sample_rows[:R], host_rows=True) \
+                    if plan.any_grammar else None
                 out = _head_and_sample(model, self.sampler, plan, *args, grammar=grammar)
         scheduler.update(batch, out.tokens, out.logprob, out.top_ids, out.top_logprobs,
                          num_tokens=tokens)

@@ -27,11 +27,29 @@ from blink.ring import G_INITIAL_STATE
 
 class GrammarBatch(NamedTuple):
     """What the sampler needs to mask B sample rows: the grammar region's words and each
-    row's entry offset (-1 = unconstrained) and automaton state."""
+    row's entry offset (-1 = unconstrained) and automaton state.
+
+    ``rows``: the indices (into the B rows) of the constrained ones, read on the host by the
+    CPU loop so the mask touches only those rows' logits; None = pass every row to the mask
+    op, which leaves unconstrained rows as they are (graphs: no host read)."""
 
     words: torch.Tensor
     entry: torch.Tensor
     state: torch.Tensor
+    rows: torch.Tensor | None = None
+
+    @property
+    def any_constrained(self) -> bool:
+        """Host-side: whether any row is constrained (only meaningful with ``rows``)."""
+        return self.rows is None or self.rows.numel() > 0
+
+    def apply(self, apply_mask, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` masked with ``apply_mask`` (an ``ops.apply_grammar_mask``): every row,
+        or only ``rows`` when the host found some rows unconstrained."""
+        if self.rows is None:
+            return apply_mask(logits, self.words, self.entry, self.state)
+        masked = apply_mask(logits[self.rows], self.words, self.entry[self.rows], self.state[self.rows])
+        return logits.index_copy(0, self.rows, masked)
 
 
 class GrammarRows:
@@ -58,8 +76,16 @@ class GrammarRows:
         nxt = advance_grammar(self.words, entry, state, token).to(self.state.dtype)
         self.state.index_put_((rows,), torch.where(live & (entry >= 0), nxt, state))
 
-    def batch(self, entry: torch.Tensor, sample_rows: torch.Tensor) -> GrammarBatch:
+    def batch(self, entry: torch.Tensor, sample_rows: torch.Tensor,
+              host_rows: bool = False) -> GrammarBatch:
         """The sample rows' (entry, state); padding rows (-1) read row 0, whose result the
-        scheduler discards. ``entry``: every row's grammar entry [S]."""
+        scheduler discards. ``entry``: every row's grammar entry [S]. ``host_rows`` (CPU
+        loop only: a host read): also find which rows are constrained, so the sampler masks
+        only those (``rows`` stays None when all of them are)."""
         r = sample_rows.clamp(min=0)
-        return GrammarBatch(self.words, entry[r], self.state[r])
+        g = GrammarBatch(self.words, entry[r], self.state[r])
+        if host_rows:
+            on = (g.entry >= 0) & (sample_rows >= 0)  # padding rows need no mask
+            if not bool(on.all()):
+                g = g._replace(rows=on.nonzero().flatten())
+        return g

@@ -382,8 +382,8 @@ class Sampler:
         plan = plan or _FULL_PLAN
         ops = self.ops_for(logits.device)
         logits = logits.float()
-        if grammar is not None and plan.any_grammar:  # a call-signature choice, not a value
-            logits = ops.apply_grammar_mask(logits, grammar.words, grammar.entry, grammar.state)
+        if grammar is not None and plan.any_grammar and grammar.any_constrained:  # host-side
+            logits = grammar.apply(ops.apply_grammar_mask, logits)
         # Raw logprobs are x - logsumexp(x): one reduction instead of a [B, V] log_softmax.
         raw_logits = logits
         log_norm = torch.logsumexp(raw_logits, dim=-1, keepdim=True)

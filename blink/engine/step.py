@@ -84,7 +84,9 @@ def model_phase(
     history = scheduler.token_history(batch, rows) if plan is None or plan.any_penalty else None
     if inputs is None:
         inputs = scheduler.sampler_inputs(batch, rows)
-    grammar = scheduler.grammar.batch(scheduler.state.sampling["grammar_entry"], batch.sample_rows[:rows])
+    # CPU loop: the constrained rows found on the host, so only their logits are masked.
+    grammar = scheduler.grammar.batch(scheduler.state.sampling["grammar_entry"], batch.sample_rows[:rows],
+                                      host_rows=compact and plan is not None and plan.any_grammar)
     out = sampler(
         logits,
         inputs.sampling,

@@ -1,6 +1,8 @@
 """Tool-call parsers: the model's text → OpenAI ``tool_calls``, whole or streamed.
 
-``--tool-call-parser NAME`` picks one of :data:`TOOL_PARSERS` for ``tool_choice="auto"``;
+``--tool-call-parser NAME`` picks one of :data:`TOOL_PARSERS` for ``tool_choice="auto"``
+(``generic``, :mod:`~blink.dpu.tool_parsers.generic`, is also what ``auto`` uses with a chat
+template that never renders tools, whatever the flag names);
 forced choices (``required``, a named function) are constrained to JSON by the grammar and
 read by :mod:`blink.dpu.tool_parsers.forced` whatever the flag is. Every parser is
 incremental (:mod:`blink.dpu.tool_parsers.base`), and :class:`ToolCallStream` turns its
@@ -15,6 +17,11 @@ from blink.dpu.tool_parsers.forced import (
     named_schema,
     required_schema,
 )
+from blink.dpu.tool_parsers.generic import (
+    GenericToolParser,
+    generic_messages,
+    generic_schema,
+)
 from blink.dpu.tool_parsers.hermes import HermesToolParser
 from blink.dpu.tool_parsers.llama3_json import Llama3JsonToolParser
 from blink.dpu.tool_parsers.mistral import MistralToolParser
@@ -22,12 +29,13 @@ from blink.dpu.tool_parsers.stream import ToolCallDelta, ToolCallStream, make_to
 
 #: ``--tool-call-parser`` name → parser class
 TOOL_PARSERS: dict[str, type[ToolCallParser]] = {
-    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)
+    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
+                        GenericToolParser)
 }
 
 __all__ = [
-    "TOOL_PARSERS", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser",
+    "TOOL_PARSERS", "GenericToolParser", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser",
     "NamedToolParser", "ParsedToolCall", "RequiredToolParser", "ToolCallDelta",
-    "ToolCallParser", "ToolCallStream", "make_tool_call_id", "named_schema",
-    "required_schema",
+    "ToolCallParser", "ToolCallStream", "generic_messages", "generic_schema",
+    "make_tool_call_id", "named_schema", "required_schema",
 ]

@@ -12,12 +12,12 @@ from typing import Any
 from blink.dpu.tool_parsers.base import ParsedToolCall, ToolCallParser, skip_ws
 
 
-def required_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """The JSON schema of a ``required`` answer: a non-empty array of calls, each naming one
-    of ``tools`` with arguments valid against that tool's parameter schema (as vLLM builds
-    it). Parameter schemas' ``$defs`` are hoisted to the top, where their ``$ref`` point."""
+def hoist_defs(tools: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Per tool, ``{"name": <a schema allowing only its name>, "parameters": <its parameter
+    schema>}``, and the parameter schemas' ``$defs`` hoisted into one dict (their ``$ref``
+    point at the document's top, where the caller puts them)."""
     defs: dict[str, Any] = {}
-    alternatives = []
+    out = []
     for tool in tools:
         function = tool["function"]
         params = dict(function.get("parameters") or {"type": "object", "properties": {}})
@@ -26,11 +26,17 @@ def required_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
                 raise ValueError(f"tools define '$defs.{name}' differently; "
                                  "one schema per name is supported")
             defs[name] = schema
-        alternatives.append({
-            "properties": {"name": {"type": "string", "enum": [function["name"]]},
-                           "parameters": params},
-            "required": ["name", "parameters"],
-        })
+        out.append({"name": {"type": "string", "enum": [function["name"]]}, "parameters": params})
+    return out, defs
+
+
+def required_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON schema of a ``required`` answer: a non-empty array of calls, each naming one
+    of ``tools`` with arguments valid against that tool's parameter schema (as vLLM builds
+    it). Parameter schemas' ``$defs`` are hoisted to the top, where their ``$ref`` point."""
+    named, defs = hoist_defs(tools)
+    alternatives = [{"properties": {"name": a["name"], "parameters": a["parameters"]},
+                     "required": ["name", "parameters"]} for a in named]
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
                               "items": {"type": "object", "anyOf": alternatives}}
     if defs:
