@@ -239,6 +239,44 @@ def _add_tool_calling_args(g: argparse._ArgumentGroup) -> None:
                         "tool_choice is 'none' (by default they are, as in vLLM)")
 
 
+def _add_thread_policy_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--thread-policy", default=None, metavar="FILE",
+                   help="scheduling policy of Blink's host threads (YAML: per thread role its "
+                        "CPUs, nice, class, EEVDF slice, I/O priority; docs/threads.md). A file, "
+                        "a preset name from configs/threads/, or 'off'. Each setting is "
+                        "reported applied / denied / unsupported in the log and in /metrics "
+                        "(default: configs/threads/default.yaml)")
+
+
+def _add_thread_policy_command(sub: Any) -> None:
+    tp = sub.add_parser(
+        "thread-policy", formatter_class=HelpFormatter,
+        help="check a thread policy, report live thread telemetry, export it for Gthulhu",
+        description="Without --report/--export: validate the policy file and show what this "
+                    "host allows (the capability probe) and which roles each rule reaches. "
+                    "--report: per-role run-queue wait, context switches and CPU time of the "
+                    "running Blink processes, with Gthulhu's interactive classification. "
+                    "--export gthulhu: the policy as Gthulhu scheduling-strategy objects.")
+    tp.add_argument("policy", nargs="?", default="default", metavar="FILE",
+                    help="the policy file or preset name (default: %(default)s)")
+    tp.add_argument("--report", action="store_true",
+                    help="report the threads of the running blink processes (or --pid)")
+    tp.add_argument("--pid", type=int, action="append", default=None,
+                    help="with --report: this process instead of every blink process")
+    tp.add_argument("--export", choices=["gthulhu"], default=None,
+                    help="write the policy as Gthulhu objects (YAML) to stdout")
+    tp.add_argument("--gthulhu-kind", choices=["node", "pod"], default="node",
+                    help="node: NodeSchedulingPolicy (matches threads on the named nodes); "
+                         "pod: SchedulingStrategy (matches threads of pods with the labels)")
+    tp.add_argument("--node", action="append", default=None, metavar="NAME",
+                    help="node name(s) for --gthulhu-kind node")
+    tp.add_argument("--namespace", default="default",
+                    help="Kubernetes namespace of the exported objects")
+    tp.add_argument("--label", action="append", default=None, metavar="KEY=VALUE",
+                    help="pod label selector(s) for --gthulhu-kind pod "
+                         "(default: app.kubernetes.io/name=blink)")
+
+
 def _add_config_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, default=None,
                    help="YAML or TOML file with any of these flags (command-line flags win)")
@@ -265,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_arg(serve)
     _add_engine_args(serve)
     _add_frontend_args(serve)
+    _add_thread_policy_arg(serve)
     serve.add_argument("--engine-port", type=int, default=0,
                        help="TCP port of the engine's bootstrap listener (default: any free port)")
     serve.add_argument("--frontend-only", action="store_true",
@@ -312,6 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_arg(engine)
     _add_engine_args(engine)
+    _add_thread_policy_arg(engine)
     engine.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"],
                         help="level of the engine's log")
@@ -334,6 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "Without this flag a fresh secret is written to "
                              "$XDG_RUNTIME_DIR/blink/bootstrap-PORT.secret (else "
                              "~/.blink/bootstrap-PORT.secret) and its path printed")
+
+    _add_thread_policy_command(sub)
 
     convert = sub.add_parser(
         "convert", help="write a GGUF model as a Hugging Face directory", formatter_class=HelpFormatter,
@@ -446,6 +488,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             out = convert_gguf_to_hf(args.gguf, args.outdir, dtype=getattr(torch, args.dtype))
             print(f"wrote {out}")
             return 0
+        if args.command == "thread-policy":
+            from blink.threads.command import run_thread_policy_command
+
+            return run_thread_policy_command(args)
         if args.command == "engine":
             from blink.launcher import run_engine
 

@@ -20,6 +20,8 @@ from blink.cli_args import (
 from blink.errors import BlinkError
 from blink.logs import configure_logging
 from blink.supervision import watch_supervisor
+from blink.threads.roles import set_thread_name
+from blink.threads.runtime import load_thread_policy, start_thread_policy
 
 
 def _server_class():
@@ -139,9 +141,14 @@ def run_frontend(args: argparse.Namespace) -> int:
     check_timeout_flags(args)
     check_frontend_flags(args)
     check_port_free(args.host, args.port)  # before the engine handshake and tokenizer load
+    thread_policy = load_thread_policy(getattr(args, "thread_policy", None))
     watch_supervisor("frontend")  # die with the blink serve that started us
+    set_thread_name("blink-http")  # the event loop runs on this thread (asyncio.run below)
+    threads = start_thread_policy("frontend", thread_policy)
     try:
         asyncio.run(_serve(args, addresses))
     except KeyboardInterrupt:
         pass
+    finally:
+        threads.stop()
     return 0

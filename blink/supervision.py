@@ -16,6 +16,8 @@ import threading
 import time
 from typing import Callable
 
+from blink.threads.roles import set_thread_name
+
 #: environment variable that tells a child the pid of the ``blink serve`` it must die with
 SUPERVISOR_PID_ENV = "BLINK_SUPERVISOR_PID"
 #: seconds an orphaned child gets for a clean exit before it exits hard
@@ -63,6 +65,7 @@ def watch_supervisor(what: str, on_orphan: Callable[[], None] | None = None
         return os.getppid() != supervisor
 
     def watch() -> None:
+        set_thread_name("blink-pwatch")
         while not gone():
             time.sleep(0.2)
         print(f"blink {what}: its blink serve supervisor (pid {supervisor}) is gone; exiting",
@@ -76,7 +79,7 @@ def watch_supervisor(what: str, on_orphan: Callable[[], None] | None = None
         unlink_all_regions()
         os._exit(1)
 
-    threading.Thread(target=watch, name="blink-parent-watch", daemon=True).start()
+    threading.Thread(target=watch, name="blink-pwatch", daemon=True).start()
     return gone
 
 

@@ -12,6 +12,9 @@
   / waiting requests, KV-cache usage, prefix-cache and preemption counters, and Blink's own
   ``blink:engine_*`` / ``blink:ring_*`` series (steps, heartbeat age, ring slot and prompt-arena
   occupancy) where the client can tell.
+- Host threads (:mod:`blink.threads.metrics`): the thread policy's per-setting status and
+  per-role run-queue wait, context switches and CPU time, of the frontend and (under ``blink
+  serve``) of the engine, and the engine loop's per-step run-queue wait.
 - ``blink:iteration_tokens_total`` (tokens per engine step): from the (steps, tokens) the ring
   client saw between two polls; when a poll spans several steps each gets their average.
 
@@ -26,6 +29,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from blink.dpu.engine_client import EngineClient
+from blink.threads.metrics import ThreadsCollector
+from blink.threads.runtime import snapshot_sources
 
 # vLLM's buckets for the same metrics.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -193,6 +198,8 @@ class FrontendMetrics:
                                 "Count of successfully processed requests.",
                                 labels + ["finished_reason"], registry=r)
         r.register(_EngineStatsCollector(engine, model_name))
+        # Host threads of this process and of the engine (blink.threads.metrics)
+        r.register(ThreadsCollector(snapshot_sources()))
 
     def request_finished(self, finish_reason: str) -> None:
         self._success.labels(self.model_name, finish_reason).inc()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import time
@@ -85,6 +86,7 @@ from blink.dpu.tool_calling import ToolCallingConfig, ToolPlan, plan_tools, vali
 from blink.dpu.tool_parsers import generic_messages
 from blink.dpu.tool_parsers import ToolCallStream
 from blink.shared.sampling_params import MAX_N, SamplingParams, SamplingParamsError
+from blink.threads.roles import set_thread_name
 from blink.shared.structured_outputs import StructuredOutputsError
 from blink.dpu.structured.compiler import CompiledGrammar, GrammarCompiler
 from blink.dpu.structured.request import StructuredRequestError, structured_outputs_of
@@ -144,7 +146,9 @@ async def wait_for_disconnect(request: Request) -> None:
 def _worker_pool() -> ThreadPoolExecutor:
     """The process's pool for chat-template renders and long encodes/decodes. Few threads:
     they share the GIL with the event loop, and more would only queue there."""
-    return ThreadPoolExecutor(max_workers=4, thread_name_prefix="blink-tokenize")
+    numbers = itertools.count()
+    return ThreadPoolExecutor(max_workers=4, thread_name_prefix="blink-tok",
+                              initializer=lambda: set_thread_name(f"blink-tok-{next(numbers)}"))
 
 
 def engine_slot_count(engine: EngineClient) -> int | None:

@@ -278,3 +278,39 @@ def test_peers_sweep_and_interference_rows(tmp_path):
     series = load_series([str(tmp_path / "peers.json")])
     assert [(s["label"], s["condition"], len(s["runs"])) for s in series] == [
         ("blink", "isolated", 2), ("blink", "interference", 1)]
+
+
+# -- the interference A/B (benchmarks.interference --arm) ------------------------------------
+
+def test_ab_summary_pairs_each_interfered_run_with_its_own_quiet_run():
+    from benchmarks.interference import ab_table, summarize_arm
+
+    def run(rep, cond, tput, ttft):
+        return {"repeat": rep, "condition": cond, "load_before": 1.0, "load_after": 2.0,
+                "metrics": {"output_throughput": tput, "ttft_ms.p99": ttft, "tpot_ms.p99": 10.0}}
+
+    runs = [run(0, "quiet", 100.0, 50.0), run(0, "hog-all", 50.0, 100.0),
+            run(1, "quiet", 200.0, 50.0), run(1, "hog-all", 150.0, 50.0)]
+    summary = summarize_arm(runs, ["quiet", "hog-all"])
+    hog = summary["hog-all"]
+    assert hog["n"] == 2
+    assert hog["output_throughput"]["ratio_min_max"] == [0.5, 0.75]  # per repeat, not pooled
+    mean, std = hog["output_throughput"]["ratio_mean_std"]
+    assert mean == pytest.approx(0.625) and std == pytest.approx(0.1767767)
+    assert hog["ttft_ms.p99"]["ratio_min_max"] == [1.0, 2.0]
+    table = ab_table({"arms": [{"name": "policy", "summary": summary}]})
+    assert "| policy | hog-all | 2 | 1.0-2.0 | 100 ± 71 | 0.62 ± 0.18 [0.50, 0.75] |" in table
+
+
+def test_ab_shifts_a_blink_arms_policy_by_the_harness_nice(tmp_path):
+    import yaml
+
+    from benchmarks.interference import _shift_policies
+
+    cmd = _shift_policies("blink serve --port 9", 15, str(tmp_path))
+    path = cmd.split("--thread-policy ")[1]
+    doc = yaml.safe_load(open(path))
+    nices = [r.get("nice") for r in doc["threads"]]
+    assert nices == [5, 5, None, 19]  # -10 -> 5, 10 -> 25 clamped to 19
+    assert _shift_policies("blink serve --thread-policy off", 15, str(tmp_path)).endswith("off")
+    assert _shift_policies("vllm serve --port 9", 15, str(tmp_path)) == "vllm serve --port 9"

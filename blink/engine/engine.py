@@ -46,7 +46,10 @@ from blink.ring import (
     RingConfig,
     RingLayout,
 )
-from blink.transport import Region, create_region, set_thread_name
+from blink.threads.roles import name_new_threads, set_thread_name, task_ids
+from blink.threads.runtime import current_runtime
+from blink.threads.telemetry import StepWaitMeter
+from blink.transport import Region, create_region
 
 log = logging.getLogger("blink.engine")
 
@@ -130,6 +133,8 @@ class Engine:
     """
 
     supported_devices: tuple[str, ...] = ("cpu",)
+    #: the loop thread's OS name (its role in blink.threads.roles; tier A and B have their own)
+    loop_thread_name = "blink-loop"
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -250,7 +255,7 @@ class Engine:
     def start(self) -> None:
         if self._thread is not None:
             return
-        self._thread = threading.Thread(target=self._run, name="blink-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=self.loop_thread_name, daemon=True)
         self._thread.start()
         while self.ring.engine_state not in (ENGINE_READY, ENGINE_FAILED):
             time.sleep(0.001)
@@ -309,10 +314,25 @@ class Engine:
 
         model.on_layer = bump if on else None
 
+    def _start_openmp_team(self) -> None:
+        """CPU loop: set this thread's OpenMP team size and create the team now (one parallel
+        op), so its workers can be named ``blink-omp-N`` (and get their thread policy) before
+        the first request instead of appearing unnamed as ``blink-loop`` at the first step."""
+        before = task_ids()
+        torch.set_num_threads(self.loop_threads)  # this thread's OpenMP team (see __init__)
+        if self.loop_threads > 1:
+            torch.ones(1 << 20).add_(1)  # big enough for at::parallel_for to use the team
+        name_new_threads(before, "blink-omp-", self.loop_thread_name)
+
     def _run(self) -> None:
-        set_thread_name("blink-loop")
+        set_thread_name(self.loop_thread_name)
         if self.device.type == "cpu":
-            torch.set_num_threads(self.loop_threads)  # this thread's OpenMP team (see __init__)
+            self._start_openmp_team()
+        # The loop thread's run-queue wait per step (blink:engine_step_runqueue_wait_seconds)
+        step_wait = StepWaitMeter()
+        runtime = current_runtime()
+        if runtime is not None:
+            runtime.step_wait = step_wait
         control = self.ring.control
         try:
             self._compile()
@@ -345,7 +365,10 @@ class Engine:
                         idle_sleep = min(max(idle_sleep * 2, 5e-5), 5e-3)
                         time.sleep(idle_sleep)
                         continue
-                    if self.step():
+                    step_wait.begin()
+                    progressed = self.step()
+                    step_wait.end()
+                    if progressed:
                         idle_sleep = 0.0
                     else:
                         # Rows exist but none can run (full output streams): back off too.

@@ -22,6 +22,8 @@ from typing import Any, Protocol, Union, runtime_checkable
 import numpy as np
 
 from blink.errors import BlinkError
+# thread naming lives in blink.threads.roles; re-exported here (transport threads use it)
+from blink.threads.roles import get_thread_name, set_thread_name  # noqa: F401
 
 #: What ``Transport.write`` accepts.
 Bytes = Union[bytes, bytearray, memoryview, np.ndarray]
@@ -166,35 +168,3 @@ def memory_fence() -> None:
     """Full hardware memory fence: loads and stores before it complete before those after it."""
     _fence()
 
-
-_PR_SET_NAME = 15
-_libc: Any = None
-
-
-def set_thread_name(name: str) -> bool:
-    """Name the calling OS thread (shown by ``top -H``, ``ps -L``, py-spy) and its Python
-    ``threading`` name. Linux keeps 15 bytes. Returns False where prctl is unavailable."""
-    global _libc
-    threading.current_thread().name = name
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
-        return _libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def get_thread_name() -> str:
-    """The calling OS thread's kernel name (Linux), for tests and diagnostics."""
-    if not sys.platform.startswith("linux"):
-        return threading.current_thread().name
-    import os
-
-    tid = threading.get_native_id()
-    try:
-        with open(f"/proc/{os.getpid()}/task/{tid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return threading.current_thread().name

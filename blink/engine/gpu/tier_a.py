@@ -116,6 +116,7 @@ class TierAEngine(GpuEngine):
     """The engine with tier A's loop: ``Engine._run`` on the host, each step two replays."""
 
     tier, loop_flag = "A", "host"
+    loop_thread_name = "blink-hostloop"
 
     def _build_graphs(self) -> None:
         self.stream: torch.cuda.Stream | None = None

@@ -89,7 +89,7 @@ from blink.ring import (
     SLOT_FREE,
     SLOT_WRITTEN,
 )
-from blink.transport import set_thread_name
+from blink.threads.roles import set_thread_name
 
 log = logging.getLogger("blink.gpu")
 
@@ -429,6 +429,7 @@ class TierBEngine(GpuEngine):
     """The engine with tier B's loop: one graph launch, then the host only watches it."""
 
     tier, loop_flag = "B", "device"
+    loop_thread_name = "blink-gpumon"
     loop: ConditionalLoop
 
     def _build_graphs(self) -> None:
@@ -466,7 +467,7 @@ class TierBEngine(GpuEngine):
         return not self.simulate and hasattr(self, "api") and not self.api.query()
 
     def _run(self) -> None:
-        set_thread_name("blink-loop")
+        set_thread_name(self.loop_thread_name)
         control = self.ring.control
         try:
             self.loop.host_ctl[HC_STOP] = STOP_NONE
