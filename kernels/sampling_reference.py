@@ -167,7 +167,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         return torch.argmax(x, dim=-1)
     if V % C:
         x = torch.nn.functional.pad(x, (0, C - V % C), value=float("-inf"))
-    chunks = x.view(B, -1, C)
+    chunks = x.reshape(B, -1, C)  # a view for row-contiguous logits (a copy otherwise)
     best_chunk = chunks.amax(-1).argmax(-1)  # amax propagates NaN, argmax picks it first
     inside = chunks.gather(1, best_chunk.view(B, 1, 1).expand(B, 1, C)).squeeze(1).argmax(-1)
     return best_chunk * C + inside
