@@ -84,9 +84,11 @@ def model_phase(
     history = scheduler.token_history(batch, rows) if plan is None or plan.any_penalty else None
     if inputs is None:
         inputs = scheduler.sampler_inputs(batch, rows)
-    # CPU loop: the constrained rows found on the host, so only their logits are masked.
-    grammar = scheduler.grammar.batch(scheduler.state.sampling["grammar_entry"], batch.sample_rows[:rows],
-                                      host_rows=compact and plan is not None and plan.any_grammar)
+    # CPU loop: no automata to gather when the plan has no constrained row; otherwise the
+    # constrained rows found on the host, so only their logits are masked.
+    grammar = None if plan is not None and not plan.any_grammar else scheduler.grammar.batch(
+        scheduler.state.sampling["grammar_entry"], batch.sample_rows[:rows],
+        host_rows=compact and plan is not None)
     out = sampler(
         logits,
         inputs.sampling,
