@@ -324,6 +324,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--decode-engines", type=int, default=1, metavar="N",
                        help="with --disaggregated: how many decode engines to start (every "
                             "prefill engine may write into every decode engine)")
+    serve.add_argument("--fabric", type=Path, default=None, metavar="FILE",
+                       help="with --disaggregated: ARK path selection for the KV transfers "
+                            "(docs/disaggregation.md, 'Path selection'): the fabric file (the "
+                            "leaf-spine topology, the switches' ECMP hash and seed, every "
+                            "prefill engine's leaf and ARK bus address, every decode engine's "
+                            "leaf). Prefill engine i is the file's i-th sender. Off by default")
     serve.add_argument("--bootstrap-secret-file", type=Path, default=None, metavar="FILE",
                        help="file holding the engine's bootstrap secret (mode 0600). With "
                             "--frontend-only: the file 'blink engine' printed (or was given), "
@@ -367,6 +373,21 @@ def build_parser() -> argparse.ArgumentParser:
                         help="--role prefill: a decode engine's bootstrap address (repeat for "
                              "several); it must share this engine's model, dtype, block size, "
                              "KV cache size and bootstrap secret")
+    engine.add_argument("--fabric", default=None, metavar="FILE",
+                        help="--role prefill: reserve a network path for every KV transfer with "
+                             "ARK (docs/disaggregation.md, 'Path selection'). FILE (YAML or "
+                             "TOML) gives the leaf-spine topology, the switches' ECMP hash "
+                             "(crc32 or murmur3), seed and selector, every prefill engine's leaf, "
+                             "host and ARK bus address (senders:), and each --kv-peer's leaf "
+                             "(decode:, in --kv-peer order). Before a transfer the engine claims "
+                             "a spine no concurrent transfer from its leaf holds and the UDP "
+                             "source port that hashes there, and releases it when the transfer "
+                             "ends. Over verbs the port goes onto the queue pair; over loopback "
+                             "it is reserved but applied nowhere (no wire). Off by default: the "
+                             "transport's default path")
+    engine.add_argument("--fabric-sender", default=None, metavar="ID",
+                        help="with --fabric: which of the file's senders this engine is "
+                             "(needed when it names more than one)")
     engine.add_argument("--bootstrap-secret-file", type=Path, default=None, metavar="FILE",
                         help="the secret a frontend must prove it knows to attach (the "
                              "challenge-response never sends it). Read from FILE, or created "

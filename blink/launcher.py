@@ -90,6 +90,8 @@ def engine_config_from_args(args: argparse.Namespace):
         compile_cache_dir=args.compile_cache_dir,
         role=getattr(args, "role", "both"),
         kv_peers=tuple(getattr(args, "kv_peer", None) or ()),
+        fabric=getattr(args, "fabric", None),
+        fabric_sender=getattr(args, "fabric_sender", None),
     )
 
 
@@ -285,12 +287,33 @@ def check_disaggregation_flags(args: argparse.Namespace) -> None:
         for name in ("prefill_engines", "decode_engines"):
             if getattr(args, name, 1) != 1:
                 raise BlinkError(f"--{name.replace('_', '-')} is for --disaggregated")
+        fabric_senders(args)  # --fabric without --disaggregated: refused there
         return
     for name in ("prefill_engines", "decode_engines"):
         if getattr(args, name) < 1:
             raise BlinkError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if getattr(args, "loop", "auto") not in ("auto", "cpu"):
         raise BlinkError("--disaggregated runs on the CPU loop only in this release (--loop cpu)")
+    fabric_senders(args)  # a bad fabric file: now, before any engine starts
+
+
+def fabric_senders(args: argparse.Namespace) -> list[str]:
+    """``blink serve --disaggregated --fabric FILE``: the sender id of each prefill engine, in
+    start order (the file's first ``--prefill-engines`` senders); [] without ``--fabric``."""
+    path = getattr(args, "fabric", None)
+    if path is None:
+        return []
+    if not getattr(args, "disaggregated", False):
+        raise BlinkError("--fabric is for --disaggregated (or blink engine --role prefill)")
+    from blink.fabric.kv_paths import FabricConfig
+
+    config = FabricConfig.load(path)
+    if len(config.senders) < args.prefill_engines or len(config.decode) != args.decode_engines:
+        raise BlinkError(f"fabric file {path}: {len(config.senders)} senders and {len(config.decode)} "
+                         f"decode placements; --disaggregated starts {args.prefill_engines} prefill "
+                         f"and {args.decode_engines} decode engines (one sender per prefill engine, "
+                         f"exactly one placement per decode engine)")
+    return list(config.senders)[: args.prefill_engines]
 
 
 def check_restart_flags(args: argparse.Namespace) -> None:
@@ -432,8 +455,11 @@ class _Supervisor:
                 self._start_engine(decode)
                 decodes.append(decode)
             peers = [flag for d in decodes for flag in ("--kv-peer", d.address)]
-            for _ in range(args.prefill_engines):
-                prefill = _EngineChild("prefill", 0, peers, self._policy())
+            senders = fabric_senders(args)
+            for i in range(args.prefill_engines):
+                ark = ["--fabric", str(Path(args.fabric).resolve()), "--fabric-sender", senders[i]] \
+                    if senders else []
+                prefill = _EngineChild("prefill", 0, peers + ark, self._policy())
                 self.engines.append(prefill)
                 self._start_engine(prefill)
             addresses = [c.address for c in self.engines]

@@ -4,6 +4,8 @@ prefill engine and the frontend as separate processes, driven with the official 
 - greedy fp32 outputs equal a colocated ``blink serve``'s;
 - the bytes the prefill engine wrote into the decode engine equal the prompts' KV, rounded up
   to whole blocks: 2 * layers * kv_heads * head_dim * 4 (fp32) * block_size * ceil(tokens / block_size);
+- with ARK path selection on (``--fabric``: every KV transfer reserves a spine first; over
+  loopback the port is reserved, not applied, and the log says so), all of the above holds;
 - SIGKILL of the decode engine while a request's KV is in flight (the prefill engine holds the
   ready word back for a while, BLINK_TEST_KV_READY_DELAY_S) resumes the request on the prefill
   engine with the same tokens; nothing is left held in the prefill engine (slots, KV blocks),
@@ -15,6 +17,7 @@ import json
 import os
 import re
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -90,10 +93,18 @@ def _complete(client: openai.OpenAI, prompt: str) -> tuple[str, int]:
 def servers(tmp_path_factory):
     model = tiny_model_dir(tmp_path_factory.mktemp("disagg-e2e"))
     secret_file = str(Path(tempfile.mkdtemp(prefix="blink-secret-")) / "bootstrap.secret")
+    fabric = Path(tempfile.mkdtemp(prefix="blink-fabric-")) / "fabric.yaml"
+    with socket.socket() as s:  # the prefill engine's ARK bus address
+        s.bind(("127.0.0.1", 0))
+        bus_port = s.getsockname()[1]
+    fabric.write_text("topology: {leaves: 2, spines: 4, hosts_per_leaf: 2}\n"
+                      "hash: {algorithm: crc32, seed: 3}\n"
+                      f"senders: {{prefill-0: {{bus: '127.0.0.1:{bus_port}', leaf: 0}}}}\n"
+                      "decode: [{leaf: 1}]\n")
     os.environ["BLINK_TEST_KV_READY_DELAY_S"] = "1.0"  # read by the prefill engine only
     try:
         disagg = ServeProcess(*_flags(model), "--served-model-name", "m", "--disaggregated",
-                              "--bootstrap-secret-file", secret_file, name="disagg-serve")
+                              "--fabric", str(fabric), "--bootstrap-secret-file", secret_file, name="disagg-serve")
     finally:
         del os.environ["BLINK_TEST_KV_READY_DELAY_S"]
     colocated = ServeProcess(*_flags(model), "--served-model-name", "m", name="colocated-serve")
@@ -128,6 +139,9 @@ def test_disaggregated_equals_colocated_and_moves_the_prompts_kv(servers):
     expected = sum(per_token * BLOCK * -(-n // BLOCK) for n in tokens)
     assert after[C_STAT_KV_TRANSFERS] - before[C_STAT_KV_TRANSFERS] == len(PROMPTS)
     assert after[C_STAT_KV_BYTES_SENT] - before[C_STAT_KV_BYTES_SENT] == expected
+    # ARK was on and said that over loopback the reserved port is applied nowhere
+    log = servers["disagg"].log()
+    assert "ARK path selection on" in log and "chosen and reserved" in log, servers["disagg"].tail()
     # prometheus client counters get a _total suffix
     assert read_metrics(servers["disagg"].base_url)["blink:kv_transfer_bytes_total"] == after[C_STAT_KV_BYTES_SENT]
 

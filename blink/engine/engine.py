@@ -93,6 +93,10 @@ class EngineConfig:
     role: str = "both"
     #: prefill role: the decode engines' bootstrap addresses (HOST:PORT), indexed by kv_peer
     kv_peers: tuple[str, ...] = ()
+    #: prefill role: the fabric file (ARK path selection for the KV transfers,
+    #: blink.fabric.kv_paths) and which of its senders this engine is; None: ARK off
+    fabric: str | None = None
+    fabric_sender: str | None = None
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -179,6 +183,10 @@ class Engine:
                              "bootstrap address; repeat the flag for more)")
         if config.role != "prefill" and config.kv_peers:
             raise BlinkError("--kv-peer is for --role prefill")
+        if config.role != "prefill" and (config.fabric or config.fabric_sender):
+            raise BlinkError("--fabric / --fabric-sender are for --role prefill (the KV senders)")
+        if config.fabric_sender and not config.fabric:
+            raise BlinkError("--fabric-sender needs --fabric FILE")
         null = is_null_model(config.model)  # --model null: no model work (control-plane benchmark)
         files = open_null_model() if null else open_model(config.model)
         model_config = ModelConfig.from_hf(files.hf_config, files.source)
@@ -285,6 +293,14 @@ class Engine:
             return
         self.kv_sender = KVSender(self.scheduler, self.executor, self.dtype, self.ring.control,
                                   self.config.kv_peers, secret)
+        if self.config.fabric is None:
+            log.info("ARK path selection off (no --fabric): KV transfers take the transport's "
+                     "default path")
+            return
+        from blink.fabric.kv_paths import ArkPathSelector, FabricConfig
+
+        self.kv_sender.path_selector = ArkPathSelector(
+            FabricConfig.load(self.config.fabric), self.config.fabric_sender, self.config.kv_peers)
 
     def __enter__(self) -> "Engine":
         self.start()

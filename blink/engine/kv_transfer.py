@@ -202,12 +202,12 @@ class KVSender:
         self.failures = 0
         #: test hook: seconds to wait between the KV blocks and the ready word
         self.delay_before_ready_s = 0.0
-        #: ARK path selection hook point (issue 18 parts 4-5, ``blink.fabric``, not on this
-        #: branch yet): ``path_selector(peer_address, nbytes)`` before each transfer, returning
-        #: a lease whose ``release()`` runs once the transfer is over (success or not). Over
-        #: verbs the selector is where the transfer's queue pair gets its RoCE source port.
-        #: None: the transport's default path.
-        self.path_selector: Callable[[str, int], Any] | None = None
+        #: ARK path selection (``--fabric``, :class:`blink.fabric.kv_paths.ArkPathSelector`):
+        #: ``path_selector(peer_index, kv_transport, nbytes)`` before a transfer's first write,
+        #: returning a lease (or None: no reservation) whose ``release()`` runs once the
+        #: transfer is over, written or failed. Over verbs the selector puts the chosen RoCE
+        #: source port on the transport's queue pair. None: the transport's default path.
+        self.path_selector: Callable[[int, Transport, int], Any] | None = None
 
     def pending(self) -> torch.Tensor:
         st = self.scheduler.state
@@ -291,9 +291,10 @@ class KVSender:
         dst = st.kv_dest_blocks[row, :n].tolist()
         if any(not 0 <= d < self.layout.num_blocks for d in dst) or int(st.num_computed[row]) < prompt:
             raise BlinkError(f"slot {row}: bad KV destination {dst} (or prompt not computed)")
-        lease = self.path_selector(peer.address, self.layout.bytes_for(prompt)) \
-            if self.path_selector is not None else None
-        try:
+        lease = None
+        if self.path_selector is not None:
+            lease = self.path_selector(route[KV_ROUTE_PEER], peer.kv, self.layout.bytes_for(prompt))
+        try:  # the reservation ends with the blocks' writes, whatever becomes of them
             moved = write_blocks(peer.kv, self.layout, self.executor.kv_caches, src, dst)
             peer.kv.fence()
         finally:
@@ -317,3 +318,6 @@ class KVSender:
     def close(self) -> None:
         for peer in self.peers:
             peer.close()
+        close_selector = getattr(self.path_selector, "close", None)
+        if close_selector is not None:
+            close_selector()

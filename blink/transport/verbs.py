@@ -393,6 +393,8 @@ class VerbsTransport:
         self.ctx = self.pd = self.mr = self.qp = None
         try:
             self.ctx = open_device(device)
+            #: the RDMA device's name (ARK: mlx5 devices take a UDP source port past RTR)
+            self.device_name = device or list_devices()[0]
             self.pd = pv.pd.PD(self.ctx)
             self.mr = pv.mr.MR(self.pd, 2 * staging_bytes, int(pv.enums.IBV_ACCESS_LOCAL_WRITE))
             self._staging = host_view(int(self.mr.buf), 2 * staging_bytes)

@@ -1,0 +1,207 @@
+"""ARK wired into the KV transfers (blink/fabric/kv_paths.py, docs/disaggregation.md "Path
+selection"): the fabric file, two prefill senders on one machine reserving distinct spines
+over a real TCP bus, and the KV sender taking a lease before its writes and giving it back
+whatever happens to them (written, failed, peer unreachable)."""
+from __future__ import annotations
+
+import argparse
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from blink.engine.kv_transfer import KVSender
+from blink.engine.state import KV_ROUTE_MODE, KV_ROUTE_PEER, KV_ROUTE_SEQ, KV_ROUTE_SLOT, ROW_RELEASING
+from blink.fabric.bus import InProcessHub
+from blink.fabric.ecmp import EcmpFabric
+from blink.fabric.kv_paths import ArkPathSelector, FabricConfig, FabricConfigError
+from blink.ring import FINISH_LENGTH, KV_SEND, RingConfig, RingLayout
+from blink.transport import TransportError
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fabric(ports=(7600, 7601), seed: int = 7) -> dict:
+    return {"topology": {"leaves": 2, "spines": 4, "hosts_per_leaf": 4},
+            "hash": {"algorithm": "crc32", "seed": seed},
+            "senders": {f"prefill-{i}": {"bus": f"127.0.0.1:{p}", "leaf": 0, "host": i}
+                        for i, p in enumerate(ports)},
+            "decode": [{"leaf": 1, "host": 0}]}
+
+
+def _wait(pred, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_fabric_file_is_read_and_bad_fields_are_named(tmp_path):
+    path = tmp_path / "fabric.yaml"
+    path.write_text("topology: {leaves: 2, spines: 4, hosts_per_leaf: 4}\n"
+                    "hash: {algorithm: murmur3, seed: 9, selector: fold16}\n"
+                    "senders: {p0: {bus: '127.0.0.1:7600', leaf: 0}}\n"
+                    "decode: [{leaf: 1, host: 2}]\n")
+    config = FabricConfig.load(path)
+    assert config.topology.num_spines == 4 and config.hashes[0].seed == 9
+    assert config.hashes[0].selector == "fold16"
+    assert config.sender_id(None) == "p0" and config.host_index(config.decode[0]) == 6
+    bad = _fabric()
+    bad["hash"]["algorithm"] = "md5"
+    with pytest.raises(FabricConfigError, match=r"hash\.algorithm: .*must be one of"):
+        FabricConfig.from_dict(bad)
+    bad = _fabric()
+    bad["senders"]["prefill-1"]["leaf"] = 5
+    with pytest.raises(FabricConfigError, match=r"senders\.prefill-1: leaf 5 host 1 is not in the topology"):
+        FabricConfig.from_dict(bad)
+    bad = _fabric()
+    bad["senders"]["prefill-0"]["bus"] = "nowhere"
+    with pytest.raises(FabricConfigError, match=r"senders\.prefill-0\.bus.*HOST:PORT"):
+        FabricConfig.from_dict(bad)
+    with pytest.raises(FabricConfigError, match="--fabric-sender"):
+        FabricConfig.from_dict(_fabric()).sender_id(None)
+    with pytest.raises(FabricConfigError, match="one placement per --kv-peer"):
+        ArkPathSelector(FabricConfig.from_dict(_fabric()), "prefill-0", ["a:1", "b:2"],
+                        bus=InProcessHub().join("prefill-0"))
+
+
+def test_serve_refuses_a_fabric_that_does_not_fit_its_engines(tmp_path):
+    from blink.errors import BlinkError
+    from blink.launcher import check_disaggregation_flags, fabric_senders
+
+    import yaml
+
+    path = tmp_path / "fabric.yaml"
+    path.write_text(yaml.safe_dump(_fabric()))
+    args = argparse.Namespace(disaggregated=True, prefill_engines=2, decode_engines=1, loop="cpu",
+                              fabric=path)
+    assert fabric_senders(args) == ["prefill-0", "prefill-1"]
+    args.prefill_engines = 3
+    with pytest.raises(BlinkError, match="one sender per prefill engine"):
+        check_disaggregation_flags(args)
+    with pytest.raises(BlinkError, match="--fabric is for --disaggregated"):
+        check_disaggregation_flags(argparse.Namespace(disaggregated=False, prefill_engines=1,
+                                                      decode_engines=1, fabric=path))
+
+
+class _Wire:
+    kind = "loopback"
+
+
+def test_two_prefill_senders_on_a_tcp_bus_reserve_distinct_spines():
+    config = FabricConfig.from_dict(_fabric((_free_port(), _free_port())))
+    a = ArkPathSelector(config, "prefill-0", ["127.0.0.1:9"])
+    b = ArkPathSelector(config, "prefill-1", ["127.0.0.1:9"])
+    truth = EcmpFabric(config.topology, config.hashes)  # the switches hash as the file says
+    try:
+        a.agent.wait_peers(["prefill-1"])
+        b.agent.wait_peers(["prefill-0"])
+        for _ in range(6):  # both claim at once, several rounds: never the same spine
+            leases: dict[str, object] = {}
+            start = threading.Barrier(2)
+
+            def claim(name, selector):
+                start.wait()
+                leases[name] = selector(0, _Wire(), 1 << 20)
+
+            threads = [threading.Thread(target=claim, args=(n, s)) for n, s in (("a", a), ("b", b))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(10)
+            la, lb = leases["a"], leases["b"]
+            assert la.spine != lb.spine and not la.shared and not lb.shared
+            for lease, src in ((la, a.src_host), (lb, b.src_host)):
+                assert truth.spine_for(src, a.dst_hosts[0], lease.udp_sport) == lease.spine
+            la.release()
+            lb.release()
+            _wait(lambda: not a.agent.known_claims() and not b.agent.known_claims())
+    finally:
+        a.close()
+        b.close()
+
+
+class _FakeKV:
+    """The decode engine's KV region as the sender sees it; ``fail`` makes writes fail."""
+
+    kind = "loopback"
+
+    def __init__(self, fail: bool, during_write=None) -> None:
+        self.fail, self.during_write, self.writes = fail, during_write, 0
+
+    def write(self, offset, data) -> None:
+        if self.during_write is not None:
+            self.during_write()
+        if self.fail:
+            raise TransportError("the peer went away mid-transfer")
+        self.writes += 1
+
+    def fence(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _FakeRing(_FakeKV):
+    def peer_alive(self) -> bool:
+        return True
+
+
+def _sender(kv: _FakeKV, address: str = "127.0.0.1:9") -> KVSender:
+    """A KVSender over one finished KV_SEND row (4 prompt tokens, blocks of 2), its peer
+    already attached to fake transports."""
+    caches = [(torch.zeros(5, 2, 1, 4), torch.zeros(5, 2, 1, 4))]
+    executor = SimpleNamespace(kv_caches=caches, num_blocks=4, block_size=2)
+    route = torch.zeros(1, 4, dtype=torch.long)
+    route[0, KV_ROUTE_MODE], route[0, KV_ROUTE_PEER], route[0, KV_ROUTE_SLOT], route[0, KV_ROUTE_SEQ] = KV_SEND, 0, 0, 1
+    state = SimpleNamespace(kv_route=route, status=torch.tensor([ROW_RELEASING]),
+                            num_prompt=torch.tensor([4]), num_computed=torch.tensor([4]),
+                            block_table=torch.tensor([[1, 2]]), kv_dest_blocks=torch.tensor([[0, 3]]),
+                            tokens=torch.tensor([[5, 6, 7, 8, 9]]))
+    scheduler = SimpleNamespace(state=state, ring={"finish_reason": torch.tensor([FINISH_LENGTH])})
+    sender = KVSender(scheduler, executor, torch.float32, np.zeros(64, dtype=np.int64), [address], None)
+    peer = sender.peers[0]
+    peer.ring, peer.kv, peer.layout = _FakeRing(False), kv, sender.layout
+    peer.ring_layout = RingLayout(RingConfig(n_slots=2, arena_tokens=64, max_model_len=64, grammar_words=0, max_kv_blocks=2))
+    return sender
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_kv_sender_holds_a_lease_only_while_it_writes(fail):
+    hub = InProcessHub()
+    config = FabricConfig.from_dict(_fabric())
+    other = ArkPathSelector(config, "prefill-1", ["127.0.0.1:9"], bus=hub.join("prefill-1"))
+    mine = ArkPathSelector(config, "prefill-0", ["127.0.0.1:9"], bus=hub.join("prefill-0"))
+    seen: list[int] = []
+    kv = _FakeKV(fail, during_write=lambda: seen.append(
+        sum(c.held for c in other.agent.known_claims() if c.sender == "prefill-0")))
+    sender = _sender(kv)
+    sender.path_selector = mine
+    try:
+        mine.agent.wait_peers(["prefill-1"])
+        sender.after_step()
+        # every write ran under this sender's held claim, as the other sender saw it
+        assert seen and all(n == 1 for n in seen)
+        assert (sender.failures, sender.transfers) == ((1, 0) if fail else (0, 1))
+        _wait(lambda: not mine.agent.known_claims() and not other.agent.known_claims())
+    finally:
+        sender.close()  # closes the selector (its bus) too
+        other.close()
+
+
+def test_kv_sender_takes_no_lease_when_the_peer_cannot_be_reached():
+    calls: list[int] = []
+    sender = _sender(_FakeKV(False), address=f"127.0.0.1:{_free_port()}")
+    sender.peers[0].close()  # not attached: the sender must connect, and nobody listens
+    sender.path_selector = lambda peer, transport, nbytes: calls.append(peer)
+    sender.after_step()
+    assert sender.failures == 1 and not calls
