@@ -184,24 +184,39 @@ def test_bootstrap_offers_the_kv_region_only_to_prefill_roles_of_a_decode_engine
             connect(*plain.address, secret=SECRET, role="kv_writer", timeout_s=5)
 
 
+class _WritesOnly:
+    """A transport with ``write`` and nothing else (verbs today): one write per piece."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.writes = inner, 0
+
+    def write(self, offset, data) -> None:
+        self.writes += 1
+        self.inner.write(offset, data)
+
+
+@pytest.mark.parametrize("copy_list", [True, False], ids=["write_segments", "write"])
 @pytest.mark.parametrize("shuffled", [False, True])
-def test_write_blocks_puts_every_block_where_the_decode_engine_reads_it(shuffled):
+def test_write_blocks_puts_every_block_where_the_decode_engine_reads_it(shuffled, copy_list):
     import random
 
     import torch
 
-    from blink.engine.kv_transfer import SCATTER_MIN_RUNS, write_blocks
+    from blink.engine.kv_transfer import write_blocks
     from blink.transport import LoopbackRegion
 
     layout = KVLayout(2, 40, 4, 2, 8, "float32")
     caches = [(torch.randn(41, 4, 2, 8), torch.randn(41, 4, 2, 8)) for _ in range(2)]
-    n = 2 * SCATTER_MIN_RUNS
+    n = 16
     rng = random.Random(1)
     src = rng.sample(range(40), n) if shuffled else list(range(5, 5 + n))
     dst = rng.sample(range(40), n) if shuffled else list(range(20, 20 + n))
     with LoopbackRegion(layout.total_bytes) as region:
         transport = LoopbackTransport(region.name, layout.total_bytes)
-        assert write_blocks(transport, layout, caches, src, dst) == 2 * 2 * n * layout.block_nbytes
+        target = transport if copy_list else _WritesOnly(transport)
+        assert write_blocks(target, layout, caches, src, dst) == 2 * 2 * n * layout.block_nbytes
+        if not copy_list:  # one write per layer, K/V and run of consecutive blocks
+            assert target.writes == 2 * 2 * len(block_runs(src, dst))
         remote = torch.frombuffer(region.buffer, dtype=torch.float32).view(2, 2, 41, 4, 2, 8)
         for layer in range(2):
             for kv in range(2):

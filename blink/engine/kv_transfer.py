@@ -12,15 +12,16 @@ the decode side, no host work there at all (its scheduler admits the row when th
 The prefill side (:class:`KVSender`) is host code of the CPU loop, run between two steps: a row
 whose prompt has been computed (it finished with its one token) and whose request carries
 ``kv_mode = KV_SEND`` gets its prompt's blocks written into the decode engine's reserved
-blocks — per layer, K then V, one transport write per run of consecutive source and
-destination blocks — then the first token and the ``kv_ready_seq`` word, in that order, with
-a fence between. The blocks move whole: ``ceil(prompt_len / block_size)`` blocks, i.e.
+blocks — per layer, K then V, one piece per run of consecutive source and destination
+blocks, all pieces in one copy-list call where the transport has one — then the first token
+and the ``kv_ready_seq`` word, in that order, with a fence between. The blocks move whole: ``ceil(prompt_len / block_size)`` blocks, i.e.
 ``2 * layers * kv_heads * head_dim * dtype_bytes * block_size * ceil(prompt_len / block_size)``
 bytes. Layer-by-layer streaming (sending layer l while layer l+1 computes) is not done: the
 whole prompt's KV goes after its forward pass.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import asdict, dataclass
@@ -49,12 +50,15 @@ from blink.engine.state import (
     KV_ROUTE_SLOT,
     ROW_RELEASING,
 )
-from blink.transport import TransportError
+from blink.transport import TransportError, host_copy
 from blink.transport.base import HandshakeError, Transport
 
 log = logging.getLogger("blink.engine.kv")
-#: above this many runs of consecutive blocks a transfer uses the transport's scatter call
-SCATTER_MIN_RUNS = 8
+
+
+@functools.lru_cache(maxsize=None)
+def _element_size(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,7 @@ class KVLayout:
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return _element_size(self.dtype)
 
     @property
     def block_nbytes(self) -> int:
@@ -135,30 +139,53 @@ def block_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, i
     return runs
 
 
-def write_blocks(transport: Transport, layout: KVLayout, caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                 src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> int:
-    """Write the blocks ``src_blocks`` of ``caches`` (the prefill engine's per-layer K/V) into
-    blocks ``dst_blocks`` of the remote KV region, layer by layer. Returns the bytes written."""
-    runs = block_runs(src_blocks, dst_blocks)
+def transfer_segments(layout: KVLayout, runs: Sequence[tuple[int, int, int]],
+                      layers: Sequence[int]) -> np.ndarray:
+    """The copy list of a transfer: one row ``(cache index, source byte offset, region byte
+    offset, length)`` per layer of ``layers``, K then V, and run of consecutive blocks, where
+    cache index ``2 * i + kv`` is the i-th layer's K (kv=0) or V (kv=1) cache."""
     nb = layout.block_nbytes
-    # Fragmented pools (many short runs): one gather + scatter call per layer and K/V where
-    # the transport has one, instead of one write per run.
-    scatter = getattr(transport, "write_rows", None) if len(runs) > SCATTER_MIN_RUNS else None
-    src_idx = np.asarray(src_blocks, dtype=np.int64)
-    moved = 0
-    for layer, pair in enumerate(caches):
-        for kv, cache in enumerate(pair):
-            # one flat byte view per cache (numpy slicing costs far less than torch's)
-            flat = cache.view(torch.uint8).numpy().reshape(-1)
-            if scatter is not None:
-                base = layout.offset(layer, kv, 0) // nb
-                scatter(nb, base + np.asarray(dst_blocks, dtype=np.int64), flat.reshape(-1, nb)[src_idx])
-                moved += len(src_idx) * nb
-                continue
-            for s, d, n in runs:
-                transport.write(layout.offset(layer, kv, d), flat[s * nb : (s + n) * nb])
-                moved += n * nb
-    return moved
+    r = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
+    # region offset of block 0 of each (layer, kv): layout.offset, for every cache at once
+    starts = ((np.asarray(layers, dtype=np.int64)[:, None] * 2 + np.arange(2)) * (layout.num_blocks + 1) * nb)
+    seg = np.empty((len(starts), 2, len(r), 4), dtype=np.int64)
+    seg[..., 0] = np.arange(2 * len(starts)).reshape(-1, 2, 1)
+    seg[..., 1] = r[:, 0] * nb
+    seg[..., 2] = starts[:, :, None] + r[:, 1] * nb
+    seg[..., 3] = r[:, 2] * nb
+    return seg.reshape(-1, 4)
+
+
+def cache_sources(caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[np.ndarray]:
+    """A flat byte view of every cache, layer-major, K then V (cache index ``2 * layer + kv``).
+    Views, not copies: made once, they stay valid as long as the caches."""
+    return [cache.view(torch.uint8).numpy().reshape(-1) for pair in caches for cache in pair]
+
+
+def write_blocks(transport: Transport, layout: KVLayout, caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 src_blocks: Sequence[int], dst_blocks: Sequence[int],
+                 layers: Sequence[int] | None = None, sources: list[np.ndarray] | None = None) -> int:
+    """Write the blocks ``src_blocks`` of ``caches`` (the prefill engine's per-layer K/V) into
+    blocks ``dst_blocks`` of the remote KV region, for ``layers`` (default: all). Returns the
+    bytes written.
+
+    One piece per layer, K/V and run of consecutive blocks. Where the transport takes a copy
+    list (loopback's ``write_segments``) the whole transfer is one call that moves each byte
+    once, over the engine's torch thread count (a fragmented pool's thousands of 6 KiB pieces
+    cost no Python each); otherwise (verbs) one ``write`` per piece. ``sources``: the caches'
+    :func:`cache_sources`, if the caller keeps them."""
+    layers = range(len(caches)) if layers is None else layers
+    runs = block_runs(src_blocks, dst_blocks)
+    segments = transfer_segments(layout, runs, layers)
+    every = sources if sources is not None else cache_sources(caches)
+    # numpy byte views (slicing them costs far less than torch's), in segment index order
+    sources = [every[2 * layer + kv] for layer in layers for kv in (0, 1)]
+    write_segments = getattr(transport, "write_segments", None)
+    if write_segments is not None:
+        return write_segments(sources, segments, torch.get_num_threads())
+    for index, src_off, dst_off, length in segments.tolist():
+        transport.write(dst_off, sources[index][src_off : src_off + length])
+    return int(segments[:, 3].sum())
 
 
 class _Peer:
@@ -197,6 +224,8 @@ class KVSender:
         self.control = control
         self.secret = secret
         self.peers = [_Peer(a) for a in peers]
+        self._sources: list[np.ndarray] | None = None  # cache_sources, made at first use
+        host_copy.load()  # the loopback copy loop is built (once per machine) now, not mid-transfer
         self.bytes_sent = 0
         self.transfers = 0
         self.failures = 0
@@ -295,7 +324,10 @@ class KVSender:
         if self.path_selector is not None:
             lease = self.path_selector(route[KV_ROUTE_PEER], peer.kv, self.layout.bytes_for(prompt))
         try:  # the reservation ends with the blocks' writes, whatever becomes of them
-            moved = write_blocks(peer.kv, self.layout, self.executor.kv_caches, src, dst)
+            if self._sources is None:
+                self._sources = cache_sources(self.executor.kv_caches)
+            moved = write_blocks(peer.kv, self.layout, self.executor.kv_caches, src, dst,
+                                 sources=self._sources)
             peer.kv.fence()
         finally:
             if lease is not None:

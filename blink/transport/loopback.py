@@ -33,7 +33,7 @@ import signal
 import socket
 import threading
 from multiprocessing import resource_tracker
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -45,6 +45,7 @@ from blink.transport.base import (
     memory_fence,
     socket_peer_open,
 )
+from blink.transport.host_copy import copy_segments
 
 try:  # CPython's own binding, used by multiprocessing.shared_memory on every POSIX system
     import _posixshmem
@@ -353,17 +354,14 @@ class LoopbackTransport:
         check_range(offset, src.size, self.total_bytes, "write")
         self._mem()[offset : offset + src.size] = src
 
-    def write_rows(self, row_nbytes: int, rows: np.ndarray, data: np.ndarray) -> None:
-        """Scatter: put ``data[i]`` (``row_nbytes`` bytes) at byte ``rows[i] * row_nbytes``, for
-        every i, in one call (a list of RDMA WRITEs posted with one doorbell, in verbs terms).
-        Optional: callers fall back to :meth:`write` per row where a transport lacks it."""
-        src = np.ascontiguousarray(data).view(np.uint8).reshape(len(rows), row_nbytes)
-        rows = np.asarray(rows, dtype=np.int64)
-        if rows.size and (rows.min() < 0 or (rows.max() + 1) * row_nbytes > self.total_bytes):
-            raise TransportError(f"transport scatter of rows {rows.min()}..{rows.max()} of "
-                                 f"{row_nbytes} bytes leaves the {self.total_bytes}-byte region")
-        count = self.total_bytes // row_nbytes
-        self._mem()[: count * row_nbytes].reshape(count, row_nbytes)[rows] = src
+    def write_segments(self, sources: Sequence[np.ndarray], segments: np.ndarray, threads: int = 1) -> int:
+        """Gather-scatter: for each row ``(source index, source offset, region offset, length)``
+        of ``segments``, put those bytes of ``sources[index]`` (flat uint8 arrays) at that
+        offset of the region, each byte moved once, in one call (a list of RDMA WRITEs posted
+        with one doorbell, in verbs terms; :mod:`blink.transport.host_copy`). Returns the bytes
+        written. Optional: callers fall back to :meth:`write` per piece where a transport
+        lacks it."""
+        return copy_segments(self._mem(), sources, segments, threads)
 
     def read(self, offset: int, nbytes: int) -> np.ndarray:
         check_range(offset, nbytes, self.total_bytes, "read")

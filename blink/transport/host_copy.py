@@ -1,0 +1,139 @@
+"""Segment copies for the loopback transport: many (source, offset, length) pieces into one
+region in one call, each byte moved once (``host_copy.c``, compiled at first use).
+
+What it is for: a KV transfer from a fragmented block pool is one 6 KiB piece per block,
+layer and K/V (thousands per prompt). A Python loop pays more per piece than the copy costs,
+and numpy's gather-then-scatter moves every byte twice; either way the transfer ran at about
+half a memcpy (docs/benchmarks.md, "KV transfer"). The C loop is a list of ``memcpy`` calls,
+split by bytes over the caller's thread count, the loopback counterpart of an RDMA WRITE list.
+
+It is built with the system C compiler (``$CC``, else ``cc``) into
+``$XDG_CACHE_HOME/blink`` (else ``~/.cache/blink``), keyed by the source's hash, once per
+machine; loading takes milliseconds. Without a compiler (a slim container image) the same
+copies run as a Python loop (:func:`copy_segments_python`, also the tests' reference), said
+once in the log. numpy and ctypes only: the frontend imports the transport without torch.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from blink.transport.base import TransportError
+
+log = logging.getLogger("blink.transport")
+
+_SOURCE = Path(__file__).with_name("host_copy.c")
+#: set to "python" to use the Python loop even where the C one builds (tests, diagnosis)
+IMPL_ENV = "BLINK_HOST_COPY"
+_lock = threading.Lock()
+_loaded: tuple[ctypes._CFuncPtr | None, str] | None = None  # (function, how it was got)
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "blink"
+
+
+def _build() -> ctypes._CFuncPtr:
+    source = _SOURCE.read_bytes()
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise TransportError("no C compiler ($CC, cc, gcc)")
+    key = hashlib.sha256(source + compiler.encode() + platform.machine().encode()).hexdigest()[:16]
+    target = _cache_dir() / f"host_copy-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            done = subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-pthread", "-o", tmp,
+                                   str(_SOURCE)], capture_output=True, text=True, timeout=120)
+            if done.returncode != 0:
+                raise TransportError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+            os.replace(tmp, target)  # atomic: a concurrent builder's file is as good as ours
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise TransportError(f"{compiler} could not run: {exc}") from exc
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    fn = ctypes.CDLL(str(target)).blink_copy_segments
+    fn.restype = ctypes.c_int64
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    return fn
+
+
+def load() -> str:
+    """Build or load the C copy loop once per process; returns ``"c"`` or ``"python"``."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            if os.environ.get(IMPL_ENV) == "python":
+                _loaded = (None, "python")
+            else:
+                try:
+                    _loaded = (_build(), "c")
+                except (TransportError, OSError, AttributeError) as exc:
+                    log.warning("loopback segment copies: the C loop (%s) is not available (%s); "
+                                "a Python loop does them instead, slower for fragmented KV "
+                                "transfers", _SOURCE.name, exc)
+                    _loaded = (None, "python")
+        return _loaded[1]
+
+
+def check_segments(dst: np.ndarray, sources: Sequence[np.ndarray], segments: np.ndarray) -> np.ndarray:
+    """``segments`` ([n, 4] ints: source index, source byte offset, destination byte offset,
+    length) checked against ``sources`` (flat uint8 arrays) and ``dst``; returns the [n, 3]
+    int64 table the C loop takes (source address, destination offset, length)."""
+    seg = np.asarray(segments, dtype=np.int64).reshape(-1, 4)
+    table = np.empty((len(seg), 3), dtype=np.int64)
+    if not len(seg):
+        return table
+    for s in sources:
+        if s.dtype != np.uint8 or s.ndim != 1 or not s.flags.c_contiguous:
+            raise TransportError("segment copy: every source must be a flat contiguous uint8 array")
+    index, src_off, dst_off, length = seg.T
+    # (address, size) of each source; __array_interface__ is much cheaper than .ctypes
+    info = np.array([(s.__array_interface__["data"][0], s.nbytes) for s in sources],
+                    dtype=np.int64).reshape(-1, 2)
+    if int(index.min()) < 0 or int(index.max()) >= len(sources) or int(seg[:, 1:].min()) < 0 \
+            or (src_off + length > info[index, 1]).any() or int((dst_off + length).max()) > dst.nbytes:
+        raise TransportError(f"segment copy: a segment lies outside its source or the "
+                             f"{dst.nbytes}-byte region")
+    table[:, 0] = info[index, 0] + src_off
+    table[:, 1], table[:, 2] = dst_off, length
+    return table
+
+
+def copy_segments_python(dst: np.ndarray, sources: Sequence[np.ndarray], segments: np.ndarray) -> int:
+    """The reference: one slice assignment per segment."""
+    moved = 0
+    for index, src_off, dst_off, length in np.asarray(segments, dtype=np.int64).reshape(-1, 4).tolist():
+        dst[dst_off : dst_off + length] = sources[index][src_off : src_off + length]
+        moved += length
+    return moved
+
+
+def copy_segments(dst: np.ndarray, sources: Sequence[np.ndarray], segments: np.ndarray,
+                  threads: int = 1) -> int:
+    """Copy every segment (:func:`check_segments`) into ``dst`` (a writable flat uint8 array);
+    returns the bytes copied. ``threads``: how many threads the C loop may split the bytes
+    over."""
+    table = check_segments(dst, sources, segments)
+    load()
+    fn = _loaded[0] if _loaded is not None else None
+    if fn is None:
+        return copy_segments_python(dst, sources, segments)
+    if not dst.flags.writeable or not dst.flags.c_contiguous or dst.dtype != np.uint8:
+        raise TransportError("segment copy: the destination must be a writable flat uint8 array")
+    return int(fn(dst.ctypes.data, table.ctypes.data, len(table), max(1, int(threads))))
