@@ -14,10 +14,12 @@ whose prompt has been computed (it finished with its one token) and whose reques
 ``kv_mode = KV_SEND`` gets its prompt's blocks written into the decode engine's reserved
 blocks — per layer, K then V, one piece per run of consecutive source and destination
 blocks, all pieces in one copy-list call where the transport has one — then the first token
-and the ``kv_ready_seq`` word, in that order, with a fence between. The blocks move whole: ``ceil(prompt_len / block_size)`` blocks, i.e.
-``2 * layers * kv_heads * head_dim * dtype_bytes * block_size * ceil(prompt_len / block_size)``
-bytes. Layer-by-layer streaming (sending layer l while layer l+1 computes) is not done: the
-whole prompt's KV goes after its forward pass.
+and the ``kv_ready_seq`` word, in that order, with a fence between. The blocks move whole:
+``ceil(prompt_len / block_size)`` blocks, i.e. ``2 * layers * kv_heads * head_dim *
+dtype_bytes * block_size * ceil(prompt_len / block_size)`` bytes. With ARK on (``--fabric``)
+each transfer's writes run under a path lease (``path_selector``), released when they end.
+Layer-by-layer streaming (sending layer l while layer l+1 computes) is not done: the whole
+prompt's KV goes after its forward pass (docs/disaggregation.md says why and what it takes).
 """
 from __future__ import annotations
 

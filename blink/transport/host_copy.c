@@ -25,6 +25,17 @@ static void *copy_part(void *arg) {
         if (pos <= p->lo) continue;
         int64_t from = start < p->lo ? p->lo - start : 0;
         int64_t to = pos > p->hi ? p->hi - start : len;
+        if (i + 1 < p->n) {
+            /* The next piece starts at an unrelated address, where the hardware prefetcher
+             * has nothing to go on: ask for its first lines now (measured ~8% faster for
+             * 6 KiB pieces, docs/benchmarks.md "KV transfer"). */
+            const char *next_src = (const char *)(intptr_t)p->seg[i + 1].src;
+            const char *next_dst = p->dst + p->seg[i + 1].dst_offset;
+            for (int line = 0; line < 512; line += 64) {
+                __builtin_prefetch(next_src + line, 0, 3);
+                __builtin_prefetch(next_dst + line, 1, 3);
+            }
+        }
         memcpy(p->dst + p->seg[i].dst_offset + from,
                (const char *)(intptr_t)p->seg[i].src + from, (size_t)(to - from));
     }
