@@ -8,6 +8,7 @@ import argparse
 import socket
 import threading
 import time
+import zlib
 from types import SimpleNamespace
 
 import numpy as np
@@ -104,7 +105,10 @@ def test_two_prefill_senders_on_a_tcp_bus_reserve_distinct_spines():
     try:
         a.agent.wait_peers(["prefill-1"])
         b.agent.wait_peers(["prefill-0"])
-        for _ in range(6):  # both claim at once, several rounds: never the same spine
+        for round_ in range(6):  # both claim at once, several rounds: never the same spine
+            # a real contest: uncoordinated, both would take the same spine first (the planner
+            # breaks ties by the transfer id's CRC, and these ids collide mod 4 every round)
+            assert len({zlib.crc32(f"prefill-{i}/kv{round_}".encode()) % 4 for i in (0, 1)}) == 1
             leases: dict[str, object] = {}
             start = threading.Barrier(2)
 
@@ -119,6 +123,8 @@ def test_two_prefill_senders_on_a_tcp_bus_reserve_distinct_spines():
                 t.join(10)
             la, lb = leases["a"], leases["b"]
             assert la.spine != lb.spine and not la.shared and not lb.shared
+            for selector in (a, b):  # each learnt the other's claim over the bus
+                assert {c.sender for c in selector.agent.known_claims()} == {"prefill-0", "prefill-1"}
             for lease, src in ((la, a.src_host), (lb, b.src_host)):
                 assert truth.spine_for(src, a.dst_hosts[0], lease.udp_sport) == lease.spine
             la.release()
@@ -182,14 +188,18 @@ def test_kv_sender_holds_a_lease_only_while_it_writes(fail):
     other = ArkPathSelector(config, "prefill-1", ["127.0.0.1:9"], bus=hub.join("prefill-1"))
     mine = ArkPathSelector(config, "prefill-0", ["127.0.0.1:9"], bus=hub.join("prefill-0"))
     seen: list[int] = []
+    # What the other sender knows of this one's claims at each write. choose_path returns
+    # once every peer acked the claim, i.e. recorded it (pending or already marked held: the
+    # "held" re-broadcast may still be on its way), and a recorded claim is what the other
+    # sender's planner avoids.
     kv = _FakeKV(fail, during_write=lambda: seen.append(
-        sum(c.held for c in other.agent.known_claims() if c.sender == "prefill-0")))
+        sum(c.sender == "prefill-0" for c in other.agent.known_claims())))
     sender = _sender(kv)
     sender.path_selector = mine
     try:
         mine.agent.wait_peers(["prefill-1"])
         sender.after_step()
-        # every write ran under this sender's held claim, as the other sender saw it
+        # every write ran under this sender's claim, as the other sender saw it
         assert seen and all(n == 1 for n in seen)
         assert (sender.failures, sender.transfers) == ((1, 0) if fail else (0, 1))
         _wait(lambda: not mine.agent.known_claims() and not other.agent.known_claims())

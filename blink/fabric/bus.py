@@ -12,6 +12,9 @@ reports peers joining and leaving. Two implementations:
   writer thread per connection; a dropped connection is a peer leaving, and the dialer keeps
   redialling so a restarted peer rejoins. Bind to localhost or a private control network:
   the frames carry no secret.
+
+Every bus thread carries the OS name ``blink-ark`` (its role for the thread policy,
+docs/threads.md).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from typing import Callable
 
 from blink.fabric.ark import Message, message_from_dict, message_to_dict
 from blink.transport.base import HandshakeError
+from blink.threads.roles import set_thread_name
 from blink.transport.framing import recv_message, send_message
 
 logger = logging.getLogger(__name__)
@@ -70,6 +74,7 @@ class _Inbox:
         self._queue.put(job)
 
     def _run(self) -> None:
+        set_thread_name("blink-ark")
         while (job := self._queue.get()) is not None:
             try:
                 job()
@@ -165,6 +170,7 @@ class _Connection:
         threading.Thread(target=self._read_loop, name=f"ark-rx-{bus.sender_id}-{peer}", daemon=True).start()
 
     def _write_loop(self) -> None:
+        set_thread_name("blink-ark")
         while (wire := self.outbox.get()) is not None:
             try:
                 send_message(self.sock, wire)
@@ -173,6 +179,7 @@ class _Connection:
         self.shutdown()
 
     def _read_loop(self) -> None:
+        set_thread_name("blink-ark")
         try:
             while True:
                 wire = recv_message(self.sock, f"ARK peer {self.peer}")
@@ -240,6 +247,7 @@ class TcpBus(MessageBus):
                                  daemon=True).start()
 
     def _accept_loop(self) -> None:
+        set_thread_name("blink-ark")
         while not self._closing.is_set():
             try:
                 sock, _ = self._listener.accept()
@@ -259,6 +267,7 @@ class TcpBus(MessageBus):
             self._add(peer, sock)
 
     def _dial_loop(self, peer: str) -> None:
+        set_thread_name("blink-ark")
         while not self._closing.is_set():
             with self._lock:
                 up = peer in self._connections

@@ -67,6 +67,8 @@ ROLES: tuple[Role, ...] = (
          "checks it every 100 ms"),
     Role("blink-bootstrap", "engine", "the bootstrap listener (accepts frontends)"),
     Role("blink-bs-peer", "engine", "one attached frontend's bootstrap connection (its lease)"),
+    Role("blink-ark", "engine", "a prefill engine's ARK bus (--fabric): accepts and dials the "
+         "other prefill engines, sends and reads path claims, runs the protocol"),
     Role("blink-pwatch", "engine, frontend", "watches the supervisor's pid; the child exits "
          "with it"),
     Role("blink-threads", "supervisor, engine, frontend", "applies the thread policy to new threads, "
