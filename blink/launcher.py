@@ -127,6 +127,10 @@ def run_engine(args: argparse.Namespace) -> int:
     for note in check_vllm_flags(args):  # blink serve checked them already; blink engine not
         engine_logger.warning("%s", note)
     secret, secret_path, secret_created = engine_secret(args)  # before the slow model load
+    if getattr(args, "fabric", None) is not None:  # a bad fabric file: now, not after the load
+        from blink.fabric.kv_paths import FabricConfig
+
+        FabricConfig.load(args.fabric).sender_id(getattr(args, "fabric_sender", None))
     supervisor_gone = watch_supervisor("engine")  # die with the blink serve that started us
     thread_policy = load_thread_policy(getattr(args, "thread_policy", None))  # a bad file: now
     set_thread_name("blink-engine")

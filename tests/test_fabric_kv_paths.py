@@ -215,3 +215,29 @@ def test_kv_sender_takes_no_lease_when_the_peer_cannot_be_reached():
     sender.path_selector = lambda peer, transport, nbytes: calls.append(peer)
     sender.after_step()
     assert sender.failures == 1 and not calls
+
+
+def test_over_verbs_the_port_goes_onto_the_queue_pair_where_the_device_allows(monkeypatch, caplog):
+    import blink.fabric.roce as roce
+
+    applied: list[tuple] = []
+    monkeypatch.setattr(roce, "apply_udp_sport", lambda qp, dev, port: applied.append((qp, dev, port))
+                        or roce.SportControl("mlx5dv", port))
+    hub = InProcessHub()
+    selector = ArkPathSelector(FabricConfig.from_dict(_fabric()), "prefill-0", ["127.0.0.1:9"],
+                               bus=hub.join("prefill-0"))
+    qp = object()
+    try:
+        mlx5 = SimpleNamespace(kind="verbs", device_name="mlx5_0", qp=SimpleNamespace(qp=qp))
+        lease = selector(0, mlx5, 1 << 20)
+        assert applied == [(qp, "mlx5_0", lease.udp_sport)]
+        lease.release()
+        rxe = SimpleNamespace(kind="verbs", device_name="rxe0", qp=SimpleNamespace(qp=qp))
+        with caplog.at_level("WARNING", logger="blink.fabric"):
+            for _ in range(2):
+                selector(0, rxe, 1 << 20).release()
+        assert len(applied) == 1  # no call that cannot work, and one warning, not one per transfer
+        said = [r for r in caplog.records if "no per-queue-pair UDP source port" in r.message]
+        assert len(said) == 1 and "rxe0" in said[0].message
+    finally:
+        selector.close()

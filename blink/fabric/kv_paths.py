@@ -242,17 +242,25 @@ class ArkPathSelector:
 
     def _apply(self, peer_index: int, transport: Any, lease: PathLease) -> None:
         kind = getattr(transport, "kind", "?")
-        if kind == "verbs":
+        device = getattr(transport, "device_name", "") or ""
+        peer = self.kv_peers[peer_index]
+        if kind == "verbs" and device.startswith("mlx5"):
             from blink.fabric.roce import apply_udp_sport
 
-            qp = getattr(getattr(transport, "qp", None), "qp", None)
-            control = apply_udp_sport(qp, getattr(transport, "device_name", "") or "", lease.udp_sport)
+            # the kv_region queue pair is connected: mlx5dv can still change its port
+            control = apply_udp_sport(transport.qp.qp, device, lease.udp_sport)
             logger.debug("ARK: %s on spine %s, UDP source port %d (%s)", lease.lease_id,
                          lease.spine, lease.udp_sport, control.method)
             return
-        peer = self.kv_peers[peer_index]
-        if peer not in self._said_unapplied:
-            self._said_unapplied.add(peer)
+        if peer in self._said_unapplied:
+            return
+        self._said_unapplied.add(peer)
+        if kind == "verbs":
+            logger.warning("ARK: RDMA device %r has no per-queue-pair UDP source port call (only "
+                           "mlx5dv has one; the flow label is fixed when the queue pair connects), "
+                           "so KV transfers to %s take the NIC's default path: their ports are "
+                           "reserved (other senders avoid them) but not applied", device, peer)
+        else:
             logger.info("ARK: KV transfers to %s go over the %s transport, which has no wire: their "
                         "source ports are chosen and reserved (spine %s, port %d for the first) but "
                         "not applied", peer, kind, lease.spine, lease.udp_sport)
