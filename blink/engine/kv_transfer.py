@@ -226,7 +226,8 @@ class KVSender:
         self.control = control
         self.secret = secret
         self.peers = [_Peer(a) for a in peers]
-        self._sources: list[np.ndarray] | None = None  # cache_sources, made at first use
+        #: (the executor's cache list, its cache_sources), made at first use
+        self._sources: tuple[Any, list[np.ndarray]] | None = None
         host_copy.load()  # the loopback copy loop is built (once per machine) now, not mid-transfer
         self.bytes_sent = 0
         self.transfers = 0
@@ -326,10 +327,10 @@ class KVSender:
         if self.path_selector is not None:
             lease = self.path_selector(route[KV_ROUTE_PEER], peer.kv, self.layout.bytes_for(prompt))
         try:  # the reservation ends with the blocks' writes, whatever becomes of them
-            if self._sources is None:
-                self._sources = cache_sources(self.executor.kv_caches)
-            moved = write_blocks(peer.kv, self.layout, self.executor.kv_caches, src, dst,
-                                 sources=self._sources)
+            caches = self.executor.kv_caches
+            if self._sources is None or self._sources[0] is not caches:  # made once per cache list
+                self._sources = (caches, cache_sources(caches))
+            moved = write_blocks(peer.kv, self.layout, caches, src, dst, sources=self._sources[1])
             peer.kv.fence()
         finally:
             if lease is not None:

@@ -11,8 +11,11 @@ keep them apart (ARK, issue 18 parts 4 and 5).
   localhost).
 - :mod:`~blink.fabric.roce`: putting the chosen source port on a RoCEv2 queue pair (flow
   label or mlx5dv), and saying clearly when that is not possible.
+- :mod:`~blink.fabric.kv_paths`: ARK on the real KV transfers: the ``--fabric`` file and the
+  prefill engine's path selector (one lease per transfer).
 - :mod:`~blink.fabric.sim`: a flow-level (max-min fair) simulator comparing ECMP, ARK, a
   PLB-like re-path and an oracle under Poisson P/D traffic.
 
-Pure Python (numpy in the simulator): nothing here imports torch.
+Pure Python (numpy in the simulator, pydantic for the fabric file): nothing here imports
+torch.
 """
