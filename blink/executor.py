@@ -16,7 +16,7 @@ import torch
 from blink.config import ModelConfig
 from blink.errors import ModelLoadError, UnsupportedModelError
 from blink.kernels.reference import AttentionMetadata
-from blink.models import DecoderForCausalLM, build_model, packed_linear
+from blink.models import DecoderForCausalLM, build_model, int4_linear, packed_linear
 
 # Default KV-cache size when the caller gives no num_blocks: four full-length sequences,
 # but at most this many bytes (K and V, all layers).
@@ -45,6 +45,10 @@ class ModelExecutor:
     ``pack_weights``: on a CPU with native bf16, store the bf16 projection weights packed
     for oneDNN (:mod:`blink.models.packed_linear`; ~2x faster linears at decode sizes);
     False keeps them plain, which a compiled step needs (it traces the weights).
+    ``int4_decode``: with packed bf16 weights and a checkpoint that stores projections as
+    4-bit Q4_0/Q4_1 codes (a GGUF file), steps of at most ``int4_linear.MAX_ROWS`` tokens
+    run those projections on the codes (:mod:`blink.models.int4_linear`; ~4x less memory
+    traffic); ``int4_projections`` says how many got an int4 copy.
     """
 
     def __init__(
@@ -58,6 +62,7 @@ class ModelExecutor:
         max_model_len: int | None = None,
         num_threads: int | None = None,
         pack_weights: bool = True,
+        int4_decode: bool = True,
     ) -> None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -81,6 +86,12 @@ class ModelExecutor:
         self.model.load_weights(model.iter_tensors(dtype), self.source)
         #: whether the projections run oneDNN on packed bf16 weights
         self.packed_weights = pack_weights and packed_linear.packing_available(dtype, self.device)
+        #: (projections with an int4 copy for small steps, projections in all)
+        self.int4_projections = (0, 0)
+        iter_q4 = getattr(model, "iter_q4_codes", None)
+        if self.packed_weights and int4_decode and iter_q4 is not None \
+                and int4_linear.available(dtype, self.device):
+            self.int4_projections = self.model.use_int4_weights(iter_q4())
         if self.packed_weights:
             self.model.use_packed_weights()
         # Plain bf16 weights, one-token steps: torch's own matrix-vector kernel reads them

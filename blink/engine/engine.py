@@ -31,6 +31,7 @@ from blink.engine.scheduler import Scheduler
 from blink.engine.state import SchedulerConfig, ring_tensors
 from blink.errors import BlinkError
 from blink.executor import ModelExecutor
+from blink.models import int4_linear
 from blink.ring import (
     DEFAULT_GRAMMAR_WORDS,
     C_ENGINE_STATE,
@@ -87,6 +88,9 @@ class EngineConfig:
     enforce_eager: bool = field(default_factory=enforce_eager_default)
     #: where compiled code is cached (None: $BLINK_COMPILE_CACHE_DIR, else ~/.cache/blink/inductor)
     compile_cache_dir: str | None = None
+    #: CPU bf16, eager: steps of few tokens run a GGUF file's Q4_0/Q4_1 projections on its
+    #: own 4-bit codes (blink.models.int4_linear); False: always the bf16 copy
+    int4_decode: bool = True
     #: disaggregation (docs/disaggregation.md): "both" (prefill and decode, the default),
     #: "prefill" (also sends a request's prompt KV to a decode engine) or "decode" (also
     #: reserves blocks for prompts whose KV a prefill engine writes into its KV region)
@@ -207,11 +211,16 @@ class Engine:
                 f"--max-model-len"
             )
         # A compiled step (CPU, not enforce_eager: see _compile) traces plain weights.
-        packing = {} if null else {"pack_weights": config.enforce_eager or self.device.type != "cpu"}
+        packing = {} if null else {"pack_weights": config.enforce_eager or self.device.type != "cpu",
+                                   "int4_decode": config.int4_decode}
         self.executor = (NullExecutor if null else ModelExecutor)(
             files, dtype=dtype, device=self.device, block_size=config.block_size,
             num_blocks=num_blocks, max_model_len=max_len, **packing,
         )
+        given, total = getattr(self.executor, "int4_projections", (0, 0))
+        if given:
+            log.info("steps of at most %d tokens run %d of %d projections on the checkpoint's "
+                     "4-bit codes (--int4-decode off: always bf16)", int4_linear.MAX_ROWS, given, total)
         self.model_config = model_config
         self.max_model_len = self.executor.max_model_len
         self.source = str(files.source)

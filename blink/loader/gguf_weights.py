@@ -3,12 +3,47 @@ metadata, config and tokenizer the torch-free frontend reads too)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from blink.errors import ModelLoadError
 from blink.loader.gguf_file import GGUFFile
+
+
+#: values per block of ggml's 4-bit formats (Q4_0, Q4_1)
+Q4_GROUP = 32
+
+
+@dataclass
+class Q4Codes:
+    """A 2-D tensor stored as 4-bit codes with a scale and zero per group of ``Q4_GROUP``
+    input channels: ``w[n, k] = (codes[n, k] - 8) * scale[n, g] + zero[n, g]`` with
+    ``g = k // Q4_GROUP`` (Q4_1: ``d * q + m``, so scale = d, zero = m + 8d; Q4_0:
+    ``d * (q - 8)``, so zero = 0). The exact values ``iter_tensors`` dequantizes."""
+
+    codes: torch.Tensor  # uint8 [N, K], 0..15
+    scale: torch.Tensor  # float32 [N, K // Q4_GROUP]
+    zero: torch.Tensor  # float32 [N, K // Q4_GROUP]
+
+
+def unpack_q4(data: np.ndarray, qtype_name: str, rows: int, cols: int) -> Q4Codes:
+    """Q4_0 / Q4_1 blocks (``data``: uint8 [rows, blocks * block_bytes]) -> :class:`Q4Codes`.
+
+    ggml's block layout: fp16 ``d`` (Q4_1: then fp16 ``m``), then 16 bytes whose low nibbles
+    are the block's values 0-15 and high nibbles its values 16-31."""
+    header = 2 if qtype_name == "Q4_0" else 4
+    blocks = data.reshape(rows, cols // Q4_GROUP, header + Q4_GROUP // 2)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    packed = blocks[..., header:]
+    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, cols)
+    if qtype_name == "Q4_0":
+        zero = np.zeros_like(d)
+    else:
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        zero = m + 8 * d
+    return Q4Codes(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(d), torch.from_numpy(zero))
 
 
 class GGUFWeights(GGUFFile):
@@ -38,6 +73,20 @@ class GGUFWeights(GGUFFile):
                 yield entry.hf_name, tensor
         finally:
             bar.close()
+
+    def iter_q4_codes(self) -> Iterator[tuple[str, Q4Codes]]:
+        """``(hf_name, codes)`` for every 2-D tensor the file stores as Q4_0 or Q4_1 (experts
+        excluded), in the same row order as ``iter_tensors`` gives it, one at a time."""
+        for entry in self._entries:
+            tensor = self.reader.tensors[entry.tensor_index]
+            if entry.expert >= 0 or tensor.tensor_type.name not in ("Q4_0", "Q4_1") or len(tensor.shape) != 2:
+                continue
+            cols, rows = (int(d) for d in tensor.shape.tolist())  # ggml order: [in, out]
+            q4 = unpack_q4(np.asarray(tensor.data), tensor.tensor_type.name, rows, cols)
+            if entry.permute_heads:
+                q4 = Q4Codes(*(_reverse_rope_permute(t, entry.permute_heads) for t in (q4.codes, q4.scale, q4.zero)))
+                q4 = Q4Codes(*(t.contiguous() for t in (q4.codes, q4.scale, q4.zero)))
+            yield entry.hf_name, q4
 
     def _dequantize(self, index: int) -> torch.Tensor:
         """Tensor ``index`` as float32 in torch dimension order, in memory it owns."""

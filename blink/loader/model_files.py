@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol
 
-from blink.loader.gguf_weights import GGUFWeights
+from blink.loader.gguf_weights import GGUFWeights, Q4Codes
 from blink.loader.gguf_tokenizer import build_tokenizer
 from blink.loader.hf_dir import SafetensorsWeights, read_config, read_generation_config, read_tokenizer_files
 from blink.loader.resolve import resolve_model
@@ -65,6 +65,12 @@ class ModelFiles:
         tensor being produced is held, never a second copy of the model.
         """
         return self._weights.iter_tensors(dtype, progress=progress)
+
+    def iter_q4_codes(self) -> Iterator[tuple[str, "Q4Codes"]]:
+        """``(hf_name, codes)`` of the tensors stored as 4-bit Q4_0/Q4_1 codes (a GGUF file's;
+        a Hugging Face directory has none): the same values ``iter_tensors`` dequantizes."""
+        if isinstance(self._weights, GGUFWeights):
+            yield from self._weights.iter_q4_codes()
 
 
 def open_model(name_or_path: str | Path) -> ModelFiles:

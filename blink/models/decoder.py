@@ -19,6 +19,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,7 @@ from blink.config import ModelConfig
 from blink.errors import ModelLoadError
 from blink.kernels import ops_for
 from blink.kernels.reference import AttentionMetadata, rope_cos_sin_cache
-from blink.models import packed_linear
+from blink.models import int4_linear, packed_linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -41,13 +42,16 @@ def _param(*shape: int) -> nn.Parameter:
 
 class Linear(nn.Module):
     """``y = x @ weight.T (+ bias)``; weight [out, in] as in HF checkpoints, or the same
-    weight packed for oneDNN (:meth:`pack`, bf16 on CPU)."""
+    weight packed for oneDNN (:meth:`pack`, bf16 on CPU). ``int4``, when set, is the
+    checkpoint's own 4-bit copy of the weight, used for inputs of at most
+    :data:`~blink.models.int4_linear.MAX_ROWS` rows (:mod:`blink.models.int4_linear`)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
         self.packed = False
+        self.int4: int4_linear.Int4Weight | None = None
 
     def pack(self) -> None:
         """Replace the weight by its oneDNN-packed form (the plain one is freed)."""
@@ -55,6 +59,8 @@ class Linear(nn.Module):
         self.packed = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int4 is not None and x.shape[0] <= int4_linear.MAX_ROWS:
+            return int4_linear.linear(x, self.int4, self.bias)
         if self.packed:
             return packed_linear.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -211,6 +217,9 @@ class DecoderForCausalLM(nn.Module):
         self.on_layer: Callable[[], None] | None = None
         #: the tied embedding packed for oneDNN as the head's weight (:meth:`use_packed_weights`)
         self.packed_head: torch.Tensor | None = None
+        #: the tied embedding's own 4-bit copy as the head's weight for few rows
+        #: (:meth:`use_int4_weights`)
+        self.int4_head: int4_linear.Int4Weight | None = None
 
     def forward(
         self,
@@ -236,6 +245,8 @@ class DecoderForCausalLM(nn.Module):
         """hidden [N, hidden_size] -> logits [N, vocab] in the model dtype."""
         if self.lm_head is not None:
             return self.lm_head(hidden)
+        if self.int4_head is not None and hidden.shape[0] <= int4_linear.MAX_ROWS:
+            return int4_linear.linear(hidden, self.int4_head, None)
         if self.packed_head is not None:
             return packed_linear.linear(hidden, self.packed_head, None)
         return F.linear(hidden, self.model.embed_tokens.weight)
@@ -257,6 +268,52 @@ class DecoderForCausalLM(nn.Module):
                 module.pack()
         if self.lm_head is None and self.packed_head is None:
             self.packed_head = packed_linear.pack(self.model.embed_tokens.weight)
+
+    def use_int4_weights(self, q4_tensors: Iterable[tuple[str, Any]]) -> tuple[int, int]:
+        """Give each projection whose every row the checkpoint stores as 4-bit codes
+        (``q4_tensors``: ``(hf_name, codes)`` with ``codes.codes / .scale / .zero`` as
+        :class:`blink.loader.gguf_weights.Q4Codes`) an int4 copy for steps of few tokens
+        (:mod:`blink.models.int4_linear`). A fused projection gets one only if all its parts
+        are 4-bit (a Q4_K_M file, say, keeps some in other formats: those stay bf16). Call it
+        before :meth:`use_packed_weights` (it locates rows in the plain weights). Returns
+        (projections given an int4 copy, projections in all)."""
+        params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
+        # module name -> [codes, scale, zero, rows filled], in the fused weight's row order
+        parts: dict[str, list] = {}
+        for name, q4 in q4_tensors:
+            target = self._destination(name, params, self.config.source or None)
+            if target is None:
+                continue
+            pname, dst = target
+            module_name, _, leaf = pname.rpartition(".")
+            module = modules.get(module_name)
+            is_head = pname == "model.embed_tokens.weight" and self.lm_head is None
+            if leaf != "weight" or (not is_head and (not isinstance(module, Linear) or module.packed)):
+                continue
+            if dst.dim() != 2 or tuple(q4.codes.shape) != tuple(dst.shape) or dst.shape[1] % int4_linear.GROUP:
+                continue
+            full = params[pname]
+            first_row = (dst.data_ptr() - full.data_ptr()) // (full.stride(0) * full.element_size())
+            n, k = full.shape
+            buf = parts.setdefault(pname, [torch.zeros(n, k, dtype=torch.uint8),
+                                           torch.zeros(n, k // int4_linear.GROUP),
+                                           torch.zeros(n, k // int4_linear.GROUP), 0])
+            rows = slice(first_row, first_row + dst.shape[0])
+            buf[0][rows], buf[1][rows], buf[2][rows] = q4.codes, q4.scale, q4.zero
+            buf[3] += dst.shape[0]
+        given = 0
+        for pname, (codes, scale, zero, filled) in parts.items():
+            if filled != codes.shape[0]:
+                continue  # some rows are in another format
+            weight = int4_linear.pack(codes, scale, zero)
+            if pname == "model.embed_tokens.weight":
+                self.int4_head = weight
+            else:
+                modules[pname.rpartition(".")[0]].int4 = weight
+            given += 1
+        total = sum(isinstance(m, Linear) for m in self.modules()) + (self.lm_head is None)
+        return given, total
 
     def use_input_major_weights(self) -> None:
         """Store every projection weight (and a tied embedding) input-major in memory,

@@ -1,0 +1,134 @@
+"""The int4 path for small steps (blink.models.int4_linear): a GGUF file's Q4_0/Q4_1 codes
+unpacked exactly, the int4 kernel against its reference, and the model using the codes
+only where every row of a projection has them and only for steps of few tokens."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from blink.executor import ModelExecutor
+from blink.loader import open_model
+from blink.loader.gguf_weights import unpack_q4
+from blink.models import int4_linear
+
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
+from helpers_models import make_tiny_model  # noqa: E402
+from test_loader_gguf import export_to_gguf  # noqa: E402
+
+needs_kernel = pytest.mark.skipif(not int4_linear.available(torch.bfloat16, torch.device("cpu")),
+                                  reason="torch's int4 CPU kernel does not run here")
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_unpacked_codes_are_the_values_gguf_dequantizes(qtype):
+    rng = np.random.default_rng(1)
+    weight = rng.standard_normal((24, 96)).astype(np.float32) * rng.uniform(0.1, 3, (24, 1)).astype(np.float32)
+    data = gguf.quants.quantize(weight, qtype)
+    want = gguf.quants.dequantize(data, qtype).reshape(24, 96)
+    q4 = unpack_q4(data, qtype.name, 24, 96)
+    assert q4.codes.dtype == torch.uint8 and int(q4.codes.max()) <= 15
+    got = int4_linear.dequantize(q4.codes, q4.scale, q4.zero).numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_kernel_matches_its_reference(rows):
+    torch.manual_seed(0)
+    n, k = 96, 128
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scale, zero = torch.rand(n, k // 32) * 0.02, torch.randn(n, k // 32) * 0.05
+    bias = torch.randn(n).bfloat16()
+    x = torch.randn(rows, k).bfloat16()
+    weight = int4_linear.pack(codes, scale, zero)
+    got = int4_linear.linear(x, weight, bias).float()
+    want = int4_linear.reference_linear(x, codes, scale, zero, bias).float()
+    assert got.shape == (rows, n)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    # a wrong code would move an output by ~scale * |x| >> the tolerance: the test can fail
+    wrong = codes.clone()
+    wrong[0] ^= 1
+    assert (int4_linear.reference_linear(x, wrong, scale, zero, bias).float() - got).abs().max() > 5e-2
+
+
+def test_pack_refuses_a_shape_without_whole_groups():
+    with pytest.raises(ValueError, match="groups of 32"):
+        int4_linear.pack(torch.zeros(4, 48, dtype=torch.uint8), torch.ones(4, 1), torch.zeros(4, 1))
+
+
+def _decode_logits(ex: ModelExecutor, rows: int) -> torch.Tensor:
+    """Prefill ``rows`` prompts, then one decode token each; the decode logits."""
+    prompts = [([3 + 5 * r + j for j in range(6)], 0, [r]) for r in range(rows)]
+    ex.execute(*ex.build_metadata(prompts))
+    return ex.execute(*ex.build_metadata([([7 + r], 6, [r]) for r in range(rows)]))
+
+
+@pytest.fixture(scope="module")
+def q4_gguf(tmp_path_factory):
+    root = tmp_path_factory.mktemp("int4")
+    return export_to_gguf(make_tiny_model("llama", root), root / "llama-q4_1.gguf", Q.Q4_1)
+
+
+@needs_kernel
+def test_executor_runs_small_steps_on_the_codes_and_large_ones_on_bf16(q4_gguf):
+    files = open_model(q4_gguf)
+    fp32 = ModelExecutor(files, dtype=torch.float32, num_blocks=32, max_model_len=64)
+    kw = dict(dtype=torch.bfloat16, num_blocks=32, max_model_len=64)
+    with_int4 = ModelExecutor(files, int4_decode=True, **kw)
+    plain = ModelExecutor(files, int4_decode=False, **kw)
+    if not with_int4.packed_weights:
+        pytest.skip("no native oneDNN bf16 on this CPU (the int4 path rides on the packed one)")
+    layers = fp32.config.num_hidden_layers
+    assert not fp32.config.tie_word_embeddings  # the head is a projection of its own
+    # every projection and the head are Q4_1 in this export
+    assert with_int4.int4_projections == (4 * layers + 1, 4 * layers + 1)
+    assert plain.int4_projections == (0, 0)
+
+    small = int4_linear.MAX_ROWS
+    ref, a, b = (_decode_logits(ex, small) for ex in (fp32, with_int4, plain))
+    assert not torch.equal(a, b)  # the int4 path ran
+    # ...and is as close to the fp32 logits (on the same dequantized values) as bf16 is
+    err_int4, err_bf16 = (a - ref).abs().max().item(), (b - ref).abs().max().item()
+    assert err_int4 < max(3 * err_bf16, 0.05), (err_int4, err_bf16)
+
+    big = small + 1  # more tokens than MAX_ROWS: the bf16 copy, bit for bit
+    for ex in (with_int4, plain):
+        ex.kv_caches = [(k.zero_(), v.zero_()) for k, v in ex.kv_caches]
+    assert torch.equal(_decode_logits(with_int4, big), _decode_logits(plain, big))
+
+
+@needs_kernel
+def test_a_fused_projection_with_one_part_in_another_format_stays_bf16(q4_gguf):
+    """As in a Q4_K_M-style mix, where some parts of a fused projection are not Q4_0/Q4_1."""
+    files = open_model(q4_gguf)
+    ex = ModelExecutor(files, dtype=torch.bfloat16, num_blocks=32, max_model_len=64, pack_weights=False)
+    without_v0 = ((name, q4) for name, q4 in files.iter_q4_codes()
+                  if name != "model.layers.0.self_attn.v_proj.weight")
+    given, total = ex.model.use_int4_weights(without_v0)
+    layers = ex.model.model.layers
+    assert layers[0].self_attn.qkv_proj.int4 is None  # q and k alone are not the whole weight
+    assert layers[0].mlp.gate_up_proj.int4 is not None and layers[1].self_attn.qkv_proj.int4 is not None
+    assert (given, total) == (4 * len(layers), 4 * len(layers) + 1)  # the head is Q4_1 too
+
+
+@needs_kernel
+def test_a_tied_head_stored_as_q4_gets_its_int4_copy(tmp_path):
+    files = open_model(make_tiny_model("qwen2", tmp_path))  # tied embeddings
+    ex = ModelExecutor(files, dtype=torch.bfloat16, num_blocks=32, max_model_len=64, pack_weights=False)
+    model = ex.model
+    assert model.lm_head is None
+    embed = model.model.embed_tokens.weight.float()
+    data = gguf.quants.quantize(embed.numpy(), Q.Q4_0)
+    q4 = unpack_q4(data, "Q4_0", *embed.shape)
+    assert model.use_int4_weights([("model.embed_tokens.weight", q4)]) == (1, 4 * len(model.model.layers) + 1)
+    hidden = torch.randn(2, embed.shape[1]).bfloat16()
+    want = int4_linear.reference_linear(hidden, q4.codes, q4.scale, q4.zero, None).float()
+    torch.testing.assert_close(model.compute_logits(hidden).float(), want, rtol=2e-2, atol=2e-2)
+    many = torch.randn(int4_linear.MAX_ROWS + 1, embed.shape[1]).bfloat16()
+    assert torch.equal(model.compute_logits(many), torch.nn.functional.linear(many, model.model.embed_tokens.weight))
