@@ -74,6 +74,13 @@ def test_fabric_file_is_read_and_bad_fields_are_named(tmp_path):
                         bus=InProcessHub().join("prefill-0"))
 
 
+def test_the_example_fabric_file_is_valid():
+    from pathlib import Path
+
+    config = FabricConfig.load(Path(__file__).resolve().parents[1] / "configs" / "fabric" / "example.yaml")
+    assert sorted(config.senders) == ["prefill-0", "prefill-1"] and len(config.decode) == 1
+
+
 def test_serve_refuses_a_fabric_that_does_not_fit_its_engines(tmp_path):
     from blink.errors import BlinkError
     from blink.launcher import check_disaggregation_flags, fabric_senders
