@@ -1,12 +1,15 @@
 """KV transfer over the loopback transport vs a plain memcpy of the same bytes, in one run.
 
-What a prefill engine does per request (blink.engine.kv_transfer.write_blocks): for every
+What a prefill engine does per request (blink.engine.kv_transfer.BlockWrite): for every
 layer, K then V, write the prompt's blocks into the reserved blocks of the decode engine's KV
 region (a shared-memory segment attached as a LoopbackTransport, as the bootstrap hands it
 to a kv_writer). The baseline is ``torch.Tensor.copy_`` of one contiguous tensor of the same
 byte count into another (the best a memcpy does), and numpy's ``copyto`` as a second one.
 
-    python -m benchmarks.bench_kv_transfer [--tokens 2048] [--layout consecutive|shuffled]
+    python -m benchmarks.bench_kv_transfer [--tokens 2048] [--layout consecutive|shuffled] [--per-layer]
+
+``--per-layer``: one write per layer, as the prefill engine's layer-by-layer streaming makes
+them during the forward (the same bytes and copy list; what 30 calls cost over one).
 
 Dimensions default to SmolLM2-135M's (30 layers, 3 KV heads, head_dim 64, bf16). The machine
 is shared: compare the ratio, printed from medians of interleaved repetitions.
@@ -21,7 +24,7 @@ import time
 import numpy as np
 import torch
 
-from blink.engine.kv_transfer import KVLayout, cache_sources, write_blocks
+from blink.engine.kv_transfer import BlockWrite, KVLayout, cache_sources, write_blocks
 from blink.transport.loopback import LoopbackRegion, LoopbackTransport
 
 
@@ -37,6 +40,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layout", default="consecutive", choices=["consecutive", "shuffled"],
                    help="block ids on both sides: consecutive (a fresh pool) or shuffled (a "
                         "fragmented one: one write per block)")
+    p.add_argument("--per-layer", action="store_true",
+                   help="one write per layer (layer-by-layer streaming) instead of one "
+                        "for the whole transfer")
     p.add_argument("--repeats", type=int, default=15)
     args = p.parse_args(argv)
 
@@ -62,10 +68,17 @@ def main(argv: list[str] | None = None) -> None:
     write_blocks(transport, layout, caches, src, dst, sources=sources)
     plain_dst.copy_(plain_src)
 
+    def transfer() -> int:
+        # as the prefill engine's sender: the copy list laid out and checked once per transfer
+        blocks = BlockWrite(transport, layout, sources, src, dst)
+        if not args.per_layer:
+            return blocks.write()
+        return sum(blocks.write(range(layer, layer + 1)) for layer in range(args.layers))
+
     t_kv, t_copy, t_np = [], [], []
     for _ in range(args.repeats):  # interleaved, so a noisy neighbour hits all three alike
         t = time.perf_counter()
-        moved = write_blocks(transport, layout, caches, src, dst, sources=sources)
+        moved = transfer()
         transport.fence()
         t_kv.append(time.perf_counter() - t)
         t = time.perf_counter()
@@ -86,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
 
     kv, cp, npc = gbps(t_kv), gbps(t_copy), gbps(t_np)
     print(f"KV of {args.tokens} tokens ({args.layers} layers x {args.kv_heads} KV heads x "
-          f"{args.head_dim} x {args.dtype}, blocks of {args.block_size}, {args.layout}): "
+          f"{args.head_dim} x {args.dtype}, blocks of {args.block_size}, {args.layout}"
+          f"{', per layer' if args.per_layer else ''}): "
           f"{nbytes / 2**20:.1f} MiB, {len(src)} blocks per layer and K/V")
     print(f"  loopback KV transfer  {kv:6.2f} GB/s")
     print(f"  torch copy_           {cp:6.2f} GB/s   ratio {kv / cp:.2f}")

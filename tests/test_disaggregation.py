@@ -225,3 +225,33 @@ def test_write_blocks_puts_every_block_where_the_decode_engine_reads_it(shuffled
         assert not remote[:, :, untouched].any()
         transport.close()
         del remote
+
+
+def test_the_prefill_engine_streams_each_layer_during_the_forward(engines, monkeypatch):
+    import blink.engine.kv_transfer as kvt
+
+    sender = engines["prefill"].kv_sender
+    real, seen = kvt.BlockWrite.write, []
+
+    def spy(self, layers=None):
+        st = sender.scheduler.state  # what update() has counted so far, per streamed row
+        seen.append((None if layers is None else list(layers),
+                     [int(st.num_computed[t.row]) for t in sender._streams]))
+        return real(self, layers)
+
+    monkeypatch.setattr(kvt.BlockWrite, "write", spy)
+    prompt, streamed = PROMPTS[2], sender.streamed
+    assert _disaggregated(engines, prompt, 6) == _colocated(engines, prompt, 6)
+    layers = engines["decode"].kv_layout.num_layers
+    assert [w for w, _ in seen] == [[layer] for layer in range(layers)]  # one call per layer
+    # every layer went before the step's update counted the prompt as computed: mid-forward
+    assert all(c < len(prompt) for _, computed in seen for c in computed) and seen[0][1]
+    assert sender.streamed == streamed + 1
+    sender.stream_layers = False  # the same request, sent whole after its step: same tokens
+    try:
+        seen.clear()
+        assert _disaggregated(engines, prompt, 6) == _colocated(engines, prompt, 6)
+        assert seen == [(None, [])]
+    finally:
+        sender.stream_layers = True
+    _assert_nothing_held(engines)

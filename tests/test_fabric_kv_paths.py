@@ -1,7 +1,8 @@
 """ARK wired into the KV transfers (blink/fabric/kv_paths.py, docs/disaggregation.md "Path
 selection"): the fabric file, two prefill senders on one machine reserving distinct spines
 over a real TCP bus, and the KV sender taking a lease before its writes and giving it back
-whatever happens to them (written, failed, peer unreachable)."""
+whatever happens to them (written, failed, peer unreachable); the sender's layer-by-layer
+streaming (each layer's pieces right after that layer's forward, one lease for them all)."""
 from __future__ import annotations
 
 import argparse
@@ -147,15 +148,17 @@ class _FakeKV:
 
     kind = "loopback"
 
-    def __init__(self, fail: bool, during_write=None) -> None:
-        self.fail, self.during_write, self.writes = fail, during_write, 0
+    def __init__(self, fail: bool, during_write=None, fail_after: int = 0) -> None:
+        self.fail, self.during_write, self.writes, self.fail_after = fail, during_write, 0, fail_after
+        self.offsets: list[int] = []
 
     def write(self, offset, data) -> None:
         if self.during_write is not None:
             self.during_write()
-        if self.fail:
+        if self.fail and self.writes >= self.fail_after:
             raise TransportError("the peer went away mid-transfer")
         self.writes += 1
+        self.offsets.append(offset)
 
     def fence(self) -> None:
         pass
@@ -169,21 +172,23 @@ class _FakeRing(_FakeKV):
         return True
 
 
-def _sender(kv: _FakeKV, address: str = "127.0.0.1:9") -> KVSender:
+def _sender(kv: _FakeKV, address: str = "127.0.0.1:9", layers: int = 1) -> KVSender:
     """A KVSender over one finished KV_SEND row (4 prompt tokens, blocks of 2), its peer
-    already attached to fake transports."""
-    caches = [(torch.zeros(5, 2, 1, 4), torch.zeros(5, 2, 1, 4))]
-    executor = SimpleNamespace(kv_caches=caches, num_blocks=4, block_size=2)
+    already attached to fake transports; the executor's model has the per-layer callback."""
+    caches = [(torch.zeros(5, 2, 1, 4), torch.zeros(5, 2, 1, 4)) for _ in range(layers)]
+    executor = SimpleNamespace(kv_caches=caches, num_blocks=4, block_size=2,
+                               model=SimpleNamespace(on_layer=None))
     route = torch.zeros(1, 4, dtype=torch.long)
     route[0, KV_ROUTE_MODE], route[0, KV_ROUTE_PEER], route[0, KV_ROUTE_SLOT], route[0, KV_ROUTE_SEQ] = KV_SEND, 0, 0, 1
     state = SimpleNamespace(kv_route=route, status=torch.tensor([ROW_RELEASING]),
                             num_prompt=torch.tensor([4]), num_computed=torch.tensor([4]),
                             block_table=torch.tensor([[1, 2]]), kv_dest_blocks=torch.tensor([[0, 3]]),
-                            tokens=torch.tensor([[5, 6, 7, 8, 9]]))
+                            tokens=torch.tensor([[5, 6, 7, 8, 9]]),
+                            sampling={"max_tokens": torch.tensor([1])})
     scheduler = SimpleNamespace(state=state, ring={"finish_reason": torch.tensor([FINISH_LENGTH])})
     sender = KVSender(scheduler, executor, torch.float32, np.zeros(64, dtype=np.int64), [address], None)
     peer = sender.peers[0]
-    peer.ring, peer.kv, peer.layout = _FakeRing(False), kv, sender.layout
+    peer.ring, peer.kv, peer.layout = _FakeRing(False, None), kv, sender.layout
     peer.ring_layout = RingLayout(RingConfig(n_slots=2, arena_tokens=64, max_model_len=64, grammar_words=0, max_kv_blocks=2))
     return sender
 
@@ -248,3 +253,74 @@ def test_over_verbs_the_port_goes_onto_the_queue_pair_where_the_device_allows(mo
         assert len(said) == 1 and "rxe0" in said[0].message
     finally:
         selector.close()
+
+
+def _stream_step(sender: KVSender, layers: int, heartbeat: list[int]) -> list[int]:
+    """One prefill step as the CPU loop runs it, the row's last 3 prompt tokens in it:
+    schedule -> before_forward -> the forward's layers (each calling on_layer) -> update ->
+    after_step. Returns the writes seen after each layer."""
+    st, model, kv = sender.scheduler.state, sender.executor.model, sender.peers[0].kv
+    model.on_layer = lambda: heartbeat.append(1)  # the engine's own per-layer callback
+    st.status[0], st.num_computed[0] = 2, 1  # RUNNING, one prompt token from an earlier chunk
+    sender.before_forward(SimpleNamespace(num_new_tokens=torch.tensor([3])))
+    writes = []
+    for _ in range(layers):
+        model.on_layer()
+        writes.append(kv.writes)
+    st.status[0], st.num_computed[0] = ROW_RELEASING, 4  # update(): the token, the finish
+    sender.after_step()
+    return writes
+
+
+def test_kv_streams_layer_by_layer_during_the_forward_under_one_lease():
+    hub = InProcessHub()
+    config = FabricConfig.from_dict(_fabric())
+    other = ArkPathSelector(config, "prefill-1", ["127.0.0.1:9"], bus=hub.join("prefill-1"))
+    mine = ArkPathSelector(config, "prefill-0", ["127.0.0.1:9"], bus=hub.join("prefill-0"))
+    kv = _FakeKV(False)
+    sender = _sender(kv, layers=3)
+    sender.path_selector = mine
+    heartbeat: list[int] = []
+    try:
+        mine.agent.wait_peers(["prefill-1"])
+        writes = _stream_step(sender, 3, heartbeat)
+        # four pieces (K and V of blocks 1 -> 0 and 2 -> 3) after each layer, not all at the end
+        assert writes == [4, 8, 12] and len(heartbeat) == 3
+        assert sender.executor.model.on_layer is not None and sender._hooked is None  # restored
+        layout = sender.layout
+        assert kv.offsets == [layout.offset(layer, k, b) for layer in range(3) for k in (0, 1) for b in (0, 3)]
+        assert (sender.transfers, sender.streamed, sender.failures) == (1, 1, 0)
+        assert sender.bytes_sent == layout.bytes_for(4)
+        assert sender.peers[0].ring.writes == 2  # the first token, then the ready word
+        _wait(lambda: not mine.agent.known_claims() and not other.agent.known_claims())
+    finally:
+        sender.close()
+        other.close()
+
+
+def test_a_stream_that_fails_mid_forward_releases_its_lease_and_publishes_nothing():
+    hub = InProcessHub()
+    config = FabricConfig.from_dict(_fabric())
+    other = ArkPathSelector(config, "prefill-1", ["127.0.0.1:9"], bus=hub.join("prefill-1"))
+    mine = ArkPathSelector(config, "prefill-0", ["127.0.0.1:9"], bus=hub.join("prefill-0"))
+    sender = _sender(_FakeKV(True, fail_after=4), layers=3)  # layer 0 lands, layer 1 fails
+    sender.path_selector = mine
+    ring = sender.peers[0].ring
+    try:
+        mine.agent.wait_peers(["prefill-1"])
+        writes = _stream_step(sender, 3, [])
+        assert writes == [4, 4, 4]  # nothing after the failure
+        assert (sender.transfers, sender.failures) == (0, 1) and ring.writes == 0
+        assert sender.peers[0].kv is None  # closed: reconnected at its next use
+        _wait(lambda: not mine.agent.known_claims() and not other.agent.known_claims())
+    finally:
+        sender.close()
+        other.close()
+
+
+def test_without_streaming_the_kv_goes_whole_after_the_step():
+    kv = _FakeKV(False)
+    sender = _sender(kv, layers=3)
+    sender.stream_layers = False
+    assert _stream_step(sender, 3, []) == [0, 0, 0]  # nothing during the forward
+    assert kv.writes == 12 and (sender.transfers, sender.streamed) == (1, 0)

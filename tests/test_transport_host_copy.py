@@ -56,3 +56,20 @@ def test_without_the_c_loop_the_python_one_does_the_copies():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env={**__import__("os").environ, "BLINK_HOST_COPY": "python"})
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_a_prepared_copy_list_writes_row_ranges_and_dies_with_its_transport():
+    from blink.transport import LoopbackRegion, LoopbackTransport
+
+    rng = np.random.default_rng(2)
+    sources, segments, want = _case(rng, 40, 256)
+    host_copy.copy_segments_python(want, sources, segments)
+    with LoopbackRegion(want.nbytes) as region:
+        transport = LoopbackTransport(region.name, want.nbytes)
+        prepared = transport.prepare_segments(sources, segments)
+        moved = sum(transport.write_prepared(prepared, a, a + 7, threads=2) for a in range(0, 40, 7))
+        got = np.frombuffer(region.buffer, dtype=np.uint8)[: want.nbytes].copy()
+        assert moved == int(segments[:, 3].sum()) and np.array_equal(got, want)
+        transport.close()
+        with pytest.raises(TransportError, match="closed"):
+            transport.write_prepared(prepared, 0, 1)

@@ -439,7 +439,9 @@ class Engine:
 
     def step(self) -> bool:
         """One engine step. Returns False when nothing was scheduled."""
-        ran = run_step(StepParts(self.scheduler, self.executor, self.sampler), self.compiled)
-        if self.kv_sender is not None:  # prefill role: before the finished rows' blocks go
-            self.kv_sender.after_step()
+        sender = self.kv_sender  # prefill role: KV streamed during the forward, ready after
+        ran = run_step(StepParts(self.scheduler, self.executor, self.sampler), self.compiled,
+                       on_scheduled=sender.before_forward if sender is not None else None)
+        if sender is not None:  # before the finished rows' blocks go
+            sender.after_step()
         return ran

@@ -164,30 +164,65 @@ def cache_sources(caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[n
     return [cache.view(torch.uint8).numpy().reshape(-1) for pair in caches for cache in pair]
 
 
-def write_blocks(transport: Transport, layout: KVLayout, caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                 src_blocks: Sequence[int], dst_blocks: Sequence[int],
-                 layers: Sequence[int] | None = None, sources: list[np.ndarray] | None = None) -> int:
-    """Write the blocks ``src_blocks`` of ``caches`` (the prefill engine's per-layer K/V) into
-    blocks ``dst_blocks`` of the remote KV region, for ``layers`` (default: all). Returns the
-    bytes written.
+class BlockWrite:
+    """One transfer's pieces, laid out (and, where the transport can, checked) once; written
+    whole or one layer at a time (layer-by-layer streaming), one transport call each.
 
-    One piece per layer, K/V and run of consecutive blocks. Where the transport takes a copy
-    list (loopback's ``write_segments``) the whole transfer is one call that moves each byte
-    once, over the engine's torch thread count (a fragmented pool's thousands of 6 KiB pieces
-    cost no Python each); otherwise (verbs) one ``write`` per piece. ``sources``: the caches'
-    :func:`cache_sources`, if the caller keeps them."""
-    layers = range(len(caches)) if layers is None else layers
-    runs = block_runs(src_blocks, dst_blocks)
-    segments = transfer_segments(layout, runs, layers)
-    every = sources if sources is not None else cache_sources(caches)
-    # numpy byte views (slicing them costs far less than torch's), in segment index order
-    sources = [every[2 * layer + kv] for layer in layers for kv in (0, 1)]
-    write_segments = getattr(transport, "write_segments", None)
-    if write_segments is not None:
-        return write_segments(sources, segments, torch.get_num_threads())
-    for index, src_off, dst_off, length in segments.tolist():
-        transport.write(dst_off, sources[index][src_off : src_off + length])
-    return int(segments[:, 3].sum())
+    One piece per layer, K/V and run of consecutive blocks (:func:`transfer_segments`, layer
+    major). Where the transport takes a copy list (loopback's ``prepare_segments`` /
+    ``write_prepared``) a write is one call that moves each byte once, over the engine's torch
+    thread count: a fragmented pool's thousands of 6 KiB pieces cost no Python each.
+    Otherwise (verbs) one ``write`` per piece. ``sources``: the caches' :func:`cache_sources`.
+    """
+
+    def __init__(self, transport: Transport, layout: KVLayout, sources: list[np.ndarray],
+                 src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> None:
+        self.transport, self.layout, self.sources = transport, layout, sources
+        runs = block_runs(src_blocks, dst_blocks)
+        self.per_layer = 2 * len(runs)  # rows of the copy list per layer
+        self.segments = transfer_segments(layout, runs, range(layout.num_layers))
+        prepare = getattr(transport, "prepare_segments", None)
+        self.prepared = prepare(sources, self.segments) if prepare is not None else None
+
+    def write(self, layers: range | None = None) -> int:
+        """Write the pieces of ``layers`` (default: all); returns the bytes written."""
+        layers = range(self.layout.num_layers) if layers is None else layers
+        start, stop = layers.start * self.per_layer, layers.stop * self.per_layer
+        if self.prepared is not None:
+            return self.transport.write_prepared(self.prepared, start, stop, torch.get_num_threads())
+        rows = self.segments[start:stop]
+        for index, src_off, dst_off, length in rows.tolist():
+            self.transport.write(dst_off, self.sources[index][src_off : src_off + length])
+        return int(rows[:, 3].sum())
+
+
+def write_blocks(transport: Transport, layout: KVLayout, caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 src_blocks: Sequence[int], dst_blocks: Sequence[int], layers: range | None = None,
+                 sources: list[np.ndarray] | None = None) -> int:
+    """Write the blocks ``src_blocks`` of ``caches`` (the prefill engine's per-layer K/V) into
+    blocks ``dst_blocks`` of the remote KV region, for ``layers`` (default: all); returns the
+    bytes written (:class:`BlockWrite`). ``sources``: the caches' :func:`cache_sources`, if
+    the caller keeps them."""
+    sources = cache_sources(caches) if sources is None else sources
+    return BlockWrite(transport, layout, sources, src_blocks, dst_blocks).write(layers)
+
+
+@dataclass
+class _Transfer:
+    """One row's KV on its way to a decode engine: where, which blocks, its path lease, and
+    how far it got."""
+
+    row: int
+    route: list[int]
+    peer: "_Peer"
+    src: list[int]
+    dst: list[int]
+    blocks: BlockWrite
+    lease: Any  # the path_selector's lease, None once released (or without ARK)
+    layers_sent: int = 0
+    moved: int = 0
+    streamed: bool = False  # sent layer by layer during the forward (KVSender.before_forward)
+    failed: bool = False
 
 
 class _Peer:
@@ -232,6 +267,13 @@ class KVSender:
         self.bytes_sent = 0
         self.transfers = 0
         self.failures = 0
+        #: transfers sent layer by layer during their prompt's last forward
+        self.streamed = 0
+        #: layer-by-layer streaming (before_forward); False: every transfer after its step
+        self.stream_layers = True
+        self._streams: list[_Transfer] = []  # this step's streamed transfers
+        self._hooked: tuple[Any, Any] | None = None  # (model, its own on_layer) while hooked
+        self._next_layer = 0
         #: test hook: seconds to wait between the KV blocks and the ready word
         self.delay_before_ready_s = 0.0
         #: ARK path selection (``--fabric``, :class:`blink.fabric.kv_paths.ArkPathSelector`):
@@ -245,27 +287,115 @@ class KVSender:
         st = self.scheduler.state
         return (st.kv_route[:, KV_ROUTE_MODE] == KV_SEND) & (st.status == ROW_RELEASING)
 
+    # -- layer-by-layer streaming (docs/disaggregation.md, "The handshake") -----------------
+
+    def before_forward(self, batch: Any) -> None:
+        """After ``schedule()``, before the forward (``run_step``'s ``on_scheduled``): open a
+        transfer for every KV_SEND row whose prompt this step completes and that finishes with
+        this step's token (``max_tokens == 1``, what the router sends), and hook the model's
+        per-layer callback so each layer's blocks go as soon as the forward has computed them.
+        Other KV_SEND rows are sent whole after their last step (:meth:`after_step`)."""
+        model = getattr(self.executor, "model", None)
+        if not self.stream_layers or not hasattr(model, "on_layer"):
+            return
+        st = self.scheduler.state
+        new = batch.num_new_tokens
+        completes = ((st.kv_route[:, KV_ROUTE_MODE] == KV_SEND) & (new > 0)
+                     & (st.num_computed + new == st.num_prompt) & (st.sampling["max_tokens"] == 1))
+        if not bool(completes.any()):
+            return
+        for row in torch.nonzero(completes).flatten().tolist():
+            route = st.kv_route[row].tolist()
+            st.kv_route[row, KV_ROUTE_MODE] = KV_NONE  # once, whatever happens below
+            t = self._guarded(row, route, lambda: self._open(row, route, int(st.num_computed[row] + new[row])))
+            if t is not None:
+                t.streamed = True
+                self._streams.append(t)
+        if self._streams:
+            previous = model.on_layer
+            self._hooked = (model, previous)
+            self._next_layer = 0
+
+            def on_layer() -> None:
+                if previous is not None:
+                    previous()
+                self._layer_done()
+
+            model.on_layer = on_layer
+
+    def _layer_done(self) -> None:
+        """One more layer's K/V is in the cache for every row of the step: send it."""
+        layer = self._next_layer
+        self._next_layer += 1
+        for t in self._streams:
+            if t.failed or layer >= self.layout.num_layers:
+                continue
+            try:
+                t.moved += t.blocks.write(range(layer, layer + 1))
+                t.layers_sent += 1
+            except (TransportError, OSError, BlinkError) as exc:
+                self._fail(t, exc)
+
     def after_step(self) -> None:
-        """Send every finished KV_SEND row's KV (host code, between two steps)."""
+        """Host code, between two steps: finish the step's streamed transfers (fence, release
+        the path, publish "KV ready"), then send every other finished KV_SEND row's KV whole."""
+        if self._hooked is not None:
+            model, previous = self._hooked
+            model.on_layer, self._hooked = previous, None
+        streams, self._streams = self._streams, []
+        finish = self.scheduler.ring["finish_reason"]
+        for t in streams:
+            if t.failed:
+                continue
+            if int(finish[t.row]) not in (FINISH_STOP, FINISH_LENGTH):
+                # refused in the step: the frontend frees the reservation itself, and only
+                # after it saw the finish, i.e. after every write above had landed
+                self._release(t)
+                continue
+            self._guarded(t.row, t.route, lambda: self._complete(t, write_all=False), t)
         pending = self.pending()
         if not bool(pending.any()):
             return
         st = self.scheduler.state
-        finish = self.scheduler.ring["finish_reason"]
         for row in torch.nonzero(pending).flatten().tolist():
             route = st.kv_route[row].tolist()
             st.kv_route[row, KV_ROUTE_MODE] = KV_NONE  # once, whatever happens below
             if int(finish[row]) not in (FINISH_STOP, FINISH_LENGTH):
                 continue  # aborted or refused: the frontend frees the reservation itself
-            try:
-                self._send(row, route)
-            except (TransportError, OSError, BlinkError) as exc:
-                self.failures += 1
-                peer = route[KV_ROUTE_PEER]
-                log.warning("KV transfer of slot %d to decode peer %s failed: %s", row,
-                            self.peers[peer].address if 0 <= peer < len(self.peers) else peer, exc)
-                if 0 <= peer < len(self.peers):
-                    self.peers[peer].close()
+            t = self._guarded(row, route, lambda: self._open(row, route, int(st.num_computed[row])))
+            if t is not None:
+                self._guarded(row, route, lambda: self._complete(t, write_all=True), t)
+
+    def _guarded(self, row: int, route: list[int], work: Callable[[], Any],
+                 transfer: "_Transfer | None" = None) -> Any:
+        """``work()``, or None after a logged failure: the transfer's path released, its peer
+        closed (a restarted decode engine has a new region), nothing published."""
+        try:
+            return work()
+        except (TransportError, OSError, BlinkError) as exc:
+            if transfer is not None:
+                self._fail(transfer, exc)
+                return None
+            self.failures += 1
+            peer = route[KV_ROUTE_PEER]
+            log.warning("KV transfer of slot %d to decode peer %s failed: %s", row,
+                        self.peers[peer].address if 0 <= peer < len(self.peers) else peer, exc)
+            if 0 <= peer < len(self.peers):
+                self.peers[peer].close()
+            return None
+
+    def _fail(self, t: "_Transfer", exc: BaseException) -> None:
+        t.failed = True
+        self.failures += 1
+        log.warning("KV transfer of slot %d to decode peer %s failed: %s", t.row, t.peer.address, exc)
+        self._release(t)
+        t.peer.close()
+
+    @staticmethod
+    def _release(t: "_Transfer") -> None:
+        lease, t.lease = t.lease, None
+        if lease is not None:
+            lease.release()
 
     def _connect(self, peer: _Peer) -> None:
         """Two bootstraps with the decode engine, both one-sided and lease-free: ``kv_writer``
@@ -313,7 +443,15 @@ class KVSender:
             self._connect(peer)
         return peer
 
-    def _send(self, row: int, route: list[int]) -> None:
+    def _cache_sources(self) -> list[np.ndarray]:
+        caches = self.executor.kv_caches
+        if self._sources is None or self._sources[0] is not caches:  # made once per cache list
+            self._sources = (caches, cache_sources(caches))
+        return self._sources[1]
+
+    def _open(self, row: int, route: list[int], computed: int) -> "_Transfer":
+        """Reach the peer, check the destination, reserve the path (``path_selector``).
+        ``computed``: the row's prompt tokens in the cache once the writes run."""
         st = self.scheduler.state
         peer = self._peer(route[KV_ROUTE_PEER])
         assert peer.ring is not None and peer.kv is not None and peer.ring_layout is not None
@@ -321,32 +459,50 @@ class KVSender:
         n = -(-prompt // self.layout.block_size)
         src = st.block_table[row, :n].tolist()
         dst = st.kv_dest_blocks[row, :n].tolist()
-        if any(not 0 <= d < self.layout.num_blocks for d in dst) or int(st.num_computed[row]) < prompt:
+        if any(not 0 <= d < self.layout.num_blocks for d in dst) or computed < prompt:
             raise BlinkError(f"slot {row}: bad KV destination {dst} (or prompt not computed)")
+        if not 0 <= route[KV_ROUTE_SLOT] < peer.ring_layout.config.n_slots:
+            raise BlinkError(f"slot {row}: bad decode slot {route[KV_ROUTE_SLOT]}")
         lease = None
-        if self.path_selector is not None:
+        if self.path_selector is not None:  # the lease ends with the writes (_release)
             lease = self.path_selector(route[KV_ROUTE_PEER], peer.kv, self.layout.bytes_for(prompt))
-        try:  # the reservation ends with the blocks' writes, whatever becomes of them
-            caches = self.executor.kv_caches
-            if self._sources is None or self._sources[0] is not caches:  # made once per cache list
-                self._sources = (caches, cache_sources(caches))
-            moved = write_blocks(peer.kv, self.layout, caches, src, dst, sources=self._sources[1])
-            peer.kv.fence()
-        finally:
+        try:
+            blocks = BlockWrite(peer.kv, self.layout, self._cache_sources(), src, dst)
+        except BaseException:
             if lease is not None:
                 lease.release()
+            raise
+        return _Transfer(row, route, peer, src, dst, blocks, lease)
+
+    def _complete(self, t: "_Transfer", write_all: bool) -> None:
+        """The rest of the writes (all of them, unstreamed), the fence, the path released;
+        then "KV ready"."""
+        try:
+            if write_all:
+                t.moved = t.blocks.write()
+                t.layers_sent = self.layout.num_layers
+            if t.layers_sent != self.layout.num_layers:
+                raise BlinkError(f"slot {t.row}: {t.layers_sent} of {self.layout.num_layers} "
+                                 f"layers' KV sent (the forward ran fewer layers than the model has?)")
+            t.peer.kv.fence()
+        finally:
+            self._release(t)
+        self._publish(t)
+
+    def _publish(self, t: "_Transfer") -> None:
+        """The first token, fence, the ready word: the decode engine admits the row."""
+        st, peer = self.scheduler.state, t.peer
         if self.delay_before_ready_s:
             time.sleep(self.delay_before_ready_s)
-        slot, seq = route[KV_ROUTE_SLOT], route[KV_ROUTE_SEQ]
+        slot, seq = t.route[KV_ROUTE_SLOT], t.route[KV_ROUTE_SEQ]
         fields = peer.ring_layout.fields
-        if not 0 <= slot < peer.ring_layout.config.n_slots:
-            raise BlinkError(f"slot {row}: bad decode slot {slot}")
-        first = np.asarray(int(st.tokens[row, prompt]), dtype="<i4")
+        first = np.asarray(int(st.tokens[t.row, int(st.num_prompt[t.row])]), dtype="<i4")
         peer.ring.write(fields["kv_first_token"].element_offset(slot), first)
         peer.ring.fence()  # the token before the word that publishes it
         peer.ring.write(fields["kv_ready_seq"].element_offset(slot), np.asarray(seq, dtype="<i8"))
-        self.bytes_sent += moved
+        self.bytes_sent += t.moved
         self.transfers += 1
+        self.streamed += t.streamed
         self.control[C_STAT_KV_BYTES_SENT] = self.bytes_sent
         self.control[C_STAT_KV_TRANSFERS] = self.transfers
 

@@ -103,14 +103,18 @@ def model_phase(
     scheduler.update(batch, out.tokens, out.logprob, out.top_ids, out.top_logprobs, num_tokens=tokens)
 
 
-def run_step(parts: StepParts, compiled=None) -> bool:
+def run_step(parts: StepParts, compiled=None, on_scheduled=None) -> bool:
     """One CPU-loop step (``Engine.step``). Returns False when nothing was scheduled.
     ``compiled``: the loop's :class:`~blink.engine.compiled.CompiledModelPhase`, which runs
-    the model phase with compiled pieces padded to its buckets (None: eager)."""
+    the model phase with compiled pieces padded to its buckets (None: eager).
+    ``on_scheduled(batch)``: host code between the schedule and the forward (the prefill
+    role's KV sender opens the step's layer-by-layer transfers there)."""
     batch = parts.scheduler.schedule()
     n = int(batch.num_scheduled_tokens)  # CPU loop: a plain memory read, not a device sync
     if n == 0:  # admissions/cancels may have happened, but there is nothing to compute
         return False
+    if on_scheduled is not None:
+        on_scheduled(batch)
     # At least one (padding) sample row: a step of prefill chunks only samples nothing,
     # and update() indexes the sampler outputs (an empty tensor cannot be indexed).
     ns = max(int(batch.num_sample_rows), 1)

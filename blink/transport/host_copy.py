@@ -124,16 +124,39 @@ def copy_segments_python(dst: np.ndarray, sources: Sequence[np.ndarray], segment
     return moved
 
 
+class CopyList:
+    """A copy list into ``dst`` checked once (:func:`check_segments`): then written whole or
+    a range of its rows at a time (:meth:`copy`) for one C call each, no numpy work. Holds
+    its sources, so their memory lives as long as it does; the caller keeps ``dst`` mapped."""
+
+    def __init__(self, dst: np.ndarray, sources: Sequence[np.ndarray], segments: np.ndarray) -> None:
+        if not dst.flags.writeable or not dst.flags.c_contiguous or dst.dtype != np.uint8 or dst.ndim != 1:
+            raise TransportError("segment copy: the destination must be a writable flat uint8 array")
+        self.dst, self.sources = dst, list(sources)
+        self.segments = np.array(segments, dtype=np.int64).reshape(-1, 4)
+        self.table = check_segments(dst, self.sources, self.segments)
+        self._dst_address = dst.__array_interface__["data"][0]
+
+    def __len__(self) -> int:
+        return len(self.segments)
+
+    def copy(self, start: int = 0, stop: int | None = None, threads: int = 1) -> int:
+        """Copy rows ``start:stop``; returns the bytes copied. ``threads``: how many threads
+        the C loop may split the bytes over."""
+        stop = len(self) if stop is None else min(stop, len(self))
+        if stop <= start:
+            return 0
+        load()
+        fn = _loaded[0] if _loaded is not None else None
+        if fn is None:
+            return copy_segments_python(self.dst, self.sources, self.segments[start:stop])
+        rows = self.table.__array_interface__["data"][0] + start * self.table.strides[0]
+        return int(fn(self._dst_address, rows, stop - start, max(1, int(threads))))
+
+
 def copy_segments(dst: np.ndarray, sources: Sequence[np.ndarray], segments: np.ndarray,
                   threads: int = 1) -> int:
     """Copy every segment (:func:`check_segments`) into ``dst`` (a writable flat uint8 array);
     returns the bytes copied. ``threads``: how many threads the C loop may split the bytes
     over."""
-    table = check_segments(dst, sources, segments)
-    load()
-    fn = _loaded[0] if _loaded is not None else None
-    if fn is None:
-        return copy_segments_python(dst, sources, segments)
-    if not dst.flags.writeable or not dst.flags.c_contiguous or dst.dtype != np.uint8:
-        raise TransportError("segment copy: the destination must be a writable flat uint8 array")
-    return int(fn(dst.ctypes.data, table.ctypes.data, len(table), max(1, int(threads))))
+    return CopyList(dst, sources, segments).copy(threads=threads)

@@ -45,7 +45,7 @@ from blink.transport.base import (
     memory_fence,
     socket_peer_open,
 )
-from blink.transport.host_copy import copy_segments
+from blink.transport.host_copy import CopyList, copy_segments
 
 try:  # CPython's own binding, used by multiprocessing.shared_memory on every POSIX system
     import _posixshmem
@@ -362,6 +362,20 @@ class LoopbackTransport:
         written. Optional: callers fall back to :meth:`write` per piece where a transport
         lacks it."""
         return copy_segments(self._mem(), sources, segments, threads)
+
+    def prepare_segments(self, sources: Sequence[np.ndarray], segments: np.ndarray) -> CopyList:
+        """The checks and address table of :meth:`write_segments`, done once: the result is
+        written with :meth:`write_prepared`, whole or a row range at a time (a transfer sent
+        layer by layer)."""
+        return CopyList(self._mem(), sources, segments)
+
+    def write_prepared(self, copy_list: CopyList, start: int = 0, stop: int | None = None,
+                       threads: int = 1) -> int:
+        """Rows ``start:stop`` of a :meth:`prepare_segments` list; refused once this
+        transport is closed (the list points into its mapping)."""
+        if copy_list.dst is not self._mem():
+            raise TransportError(f"a copy list prepared for another mapping than {self.name}'s")
+        return copy_list.copy(start, stop, threads)
 
     def read(self, offset: int, nbytes: int) -> np.ndarray:
         check_range(offset, nbytes, self.total_bytes, "read")
