@@ -324,3 +324,11 @@ def test_without_streaming_the_kv_goes_whole_after_the_step():
     sender.stream_layers = False
     assert _stream_step(sender, 3, []) == [0, 0, 0]  # nothing during the forward
     assert kv.writes == 12 and (sender.transfers, sender.streamed) == (1, 0)
+
+
+def test_layers_the_forward_did_not_announce_go_after_the_step():
+    kv = _FakeKV(False)
+    sender = _sender(kv, layers=3)
+    assert _stream_step(sender, 1, []) == [4]  # a forward that called on_layer once only
+    assert kv.writes == 12 and (sender.transfers, sender.failures) == (1, 0)
+    assert kv.offsets[4:] == [sender.layout.offset(layer, k, b) for layer in (1, 2) for k in (0, 1) for b in (0, 3)]

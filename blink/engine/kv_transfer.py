@@ -352,7 +352,7 @@ class KVSender:
                 # after it saw the finish, i.e. after every write above had landed
                 self._release(t)
                 continue
-            self._guarded(t.row, t.route, lambda: self._complete(t, write_all=False), t)
+            self._guarded(t.row, t.route, lambda: self._complete(t), t)
         pending = self.pending()
         if not bool(pending.any()):
             return
@@ -364,7 +364,7 @@ class KVSender:
                 continue  # aborted or refused: the frontend frees the reservation itself
             t = self._guarded(row, route, lambda: self._open(row, route, int(st.num_computed[row])))
             if t is not None:
-                self._guarded(row, route, lambda: self._complete(t, write_all=True), t)
+                self._guarded(row, route, lambda: self._complete(t), t)
 
     def _guarded(self, row: int, route: list[int], work: Callable[[], Any],
                  transfer: "_Transfer | None" = None) -> Any:
@@ -474,16 +474,14 @@ class KVSender:
             raise
         return _Transfer(row, route, peer, src, dst, blocks, lease)
 
-    def _complete(self, t: "_Transfer", write_all: bool) -> None:
-        """The rest of the writes (all of them, unstreamed), the fence, the path released;
-        then "KV ready"."""
+    def _complete(self, t: "_Transfer") -> None:
+        """The layers not sent yet (all of them when not streamed), the fence, the path
+        released; then "KV ready"."""
         try:
-            if write_all:
-                t.moved = t.blocks.write()
-                t.layers_sent = self.layout.num_layers
-            if t.layers_sent != self.layout.num_layers:
-                raise BlinkError(f"slot {t.row}: {t.layers_sent} of {self.layout.num_layers} "
-                                 f"layers' KV sent (the forward ran fewer layers than the model has?)")
+            layers = self.layout.num_layers
+            if t.layers_sent < layers:
+                t.moved += t.blocks.write(range(t.layers_sent, layers))
+                t.layers_sent = layers
             t.peer.kv.fence()
         finally:
             self._release(t)
