@@ -158,10 +158,10 @@ def transfer_segments(layout: KVLayout, runs: Sequence[tuple[int, int, int]],
     return seg.reshape(-1, 4)
 
 
-def cache_sources(caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[np.ndarray]:
-    """A flat byte view of every cache, layer-major, K then V (cache index ``2 * layer + kv``).
-    Views, not copies: made once, they stay valid as long as the caches."""
-    return [cache.view(torch.uint8).numpy().reshape(-1) for pair in caches for cache in pair]
+def cache_sources(caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> host_copy.Sources:
+    """A flat byte view of every cache, layer-major, K then V (cache index ``2 * layer + kv``),
+    with their addresses. Views, not copies: made once, they stay valid as long as the caches."""
+    return host_copy.Sources([cache.view(torch.uint8).numpy().reshape(-1) for pair in caches for cache in pair])
 
 
 class BlockWrite:
@@ -175,7 +175,7 @@ class BlockWrite:
     Otherwise (verbs) one ``write`` per piece. ``sources``: the caches' :func:`cache_sources`.
     """
 
-    def __init__(self, transport: Transport, layout: KVLayout, sources: list[np.ndarray],
+    def __init__(self, transport: Transport, layout: KVLayout, sources: host_copy.Sources,
                  src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> None:
         self.transport, self.layout, self.sources = transport, layout, sources
         runs = block_runs(src_blocks, dst_blocks)
@@ -198,7 +198,7 @@ class BlockWrite:
 
 def write_blocks(transport: Transport, layout: KVLayout, caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
                  src_blocks: Sequence[int], dst_blocks: Sequence[int], layers: range | None = None,
-                 sources: list[np.ndarray] | None = None) -> int:
+                 sources: host_copy.Sources | None = None) -> int:
     """Write the blocks ``src_blocks`` of ``caches`` (the prefill engine's per-layer K/V) into
     blocks ``dst_blocks`` of the remote KV region, for ``layers`` (default: all); returns the
     bytes written (:class:`BlockWrite`). ``sources``: the caches' :func:`cache_sources`, if
@@ -262,7 +262,7 @@ class KVSender:
         self.secret = secret
         self.peers = [_Peer(a) for a in peers]
         #: (the executor's cache list, its cache_sources), made at first use
-        self._sources: tuple[Any, list[np.ndarray]] | None = None
+        self._sources: tuple[Any, host_copy.Sources] | None = None
         host_copy.load()  # the loopback copy loop is built (once per machine) now, not mid-transfer
         self.bytes_sent = 0
         self.transfers = 0
@@ -443,7 +443,7 @@ class KVSender:
             self._connect(peer)
         return peer
 
-    def _cache_sources(self) -> list[np.ndarray]:
+    def _cache_sources(self) -> host_copy.Sources:
         caches = self.executor.kv_caches
         if self._sources is None or self._sources[0] is not caches:  # made once per cache list
             self._sources = (caches, cache_sources(caches))

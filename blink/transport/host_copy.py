@@ -91,31 +91,49 @@ def load() -> str:
         return _loaded[1]
 
 
-def check_segments(dst: np.ndarray, sources: Sequence[np.ndarray], segments: np.ndarray) -> np.ndarray:
+class Sources:
+    """Flat contiguous uint8 arrays a copy list reads from, with their addresses and sizes
+    taken once: a caller that copies from the same arrays many times (a prefill engine's KV
+    caches) keeps one and skips that per copy."""
+
+    def __init__(self, arrays: Sequence[np.ndarray]) -> None:
+        self.arrays = list(arrays)
+        for a in self.arrays:
+            if a.dtype != np.uint8 or a.ndim != 1 or not a.flags.c_contiguous:
+                raise TransportError("segment copy: every source must be a flat contiguous uint8 array")
+        # (address, size) of each; __array_interface__ is much cheaper than .ctypes
+        self.info = np.array([(a.__array_interface__["data"][0], a.nbytes) for a in self.arrays],
+                             dtype=np.int64).reshape(-1, 2)
+
+    def __len__(self) -> int:
+        return len(self.arrays)
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self.arrays[index]
+
+
+def check_segments(dst: np.ndarray, sources: "Sequence[np.ndarray] | Sources",
+                   segments: np.ndarray) -> np.ndarray:
     """``segments`` ([n, 4] ints: source index, source byte offset, destination byte offset,
     length) checked against ``sources`` (flat uint8 arrays) and ``dst``; returns the [n, 3]
     int64 table the C loop takes (source address, destination offset, length)."""
+    src = sources if isinstance(sources, Sources) else Sources(sources)
     seg = np.asarray(segments, dtype=np.int64).reshape(-1, 4)
     table = np.empty((len(seg), 3), dtype=np.int64)
     if not len(seg):
         return table
-    for s in sources:
-        if s.dtype != np.uint8 or s.ndim != 1 or not s.flags.c_contiguous:
-            raise TransportError("segment copy: every source must be a flat contiguous uint8 array")
     index, src_off, dst_off, length = seg.T
-    # (address, size) of each source; __array_interface__ is much cheaper than .ctypes
-    info = np.array([(s.__array_interface__["data"][0], s.nbytes) for s in sources],
-                    dtype=np.int64).reshape(-1, 2)
-    if int(index.min()) < 0 or int(index.max()) >= len(sources) or int(seg[:, 1:].min()) < 0 \
-            or (src_off + length > info[index, 1]).any() or int((dst_off + length).max()) > dst.nbytes:
+    if int(seg.min()) < 0 or int(index.max()) >= len(src) \
+            or (src_off + length > src.info[index, 1]).any() or int((dst_off + length).max()) > dst.nbytes:
         raise TransportError(f"segment copy: a segment lies outside its source or the "
                              f"{dst.nbytes}-byte region")
-    table[:, 0] = info[index, 0] + src_off
+    np.add(src.info[index, 0], src_off, out=table[:, 0])
     table[:, 1], table[:, 2] = dst_off, length
     return table
 
 
-def copy_segments_python(dst: np.ndarray, sources: Sequence[np.ndarray], segments: np.ndarray) -> int:
+def copy_segments_python(dst: np.ndarray, sources: "Sequence[np.ndarray] | Sources",
+                         segments: np.ndarray) -> int:
     """The reference: one slice assignment per segment."""
     moved = 0
     for index, src_off, dst_off, length in np.asarray(segments, dtype=np.int64).reshape(-1, 4).tolist():
@@ -129,10 +147,11 @@ class CopyList:
     a range of its rows at a time (:meth:`copy`) for one C call each, no numpy work. Holds
     its sources, so their memory lives as long as it does; the caller keeps ``dst`` mapped."""
 
-    def __init__(self, dst: np.ndarray, sources: Sequence[np.ndarray], segments: np.ndarray) -> None:
+    def __init__(self, dst: np.ndarray, sources: "Sequence[np.ndarray] | Sources", segments: np.ndarray) -> None:
         if not dst.flags.writeable or not dst.flags.c_contiguous or dst.dtype != np.uint8 or dst.ndim != 1:
             raise TransportError("segment copy: the destination must be a writable flat uint8 array")
-        self.dst, self.sources = dst, list(sources)
+        self.dst = dst
+        self.sources = sources if isinstance(sources, Sources) else Sources(sources)
         self.segments = np.array(segments, dtype=np.int64).reshape(-1, 4)
         self.table = check_segments(dst, self.sources, self.segments)
         self._dst_address = dst.__array_interface__["data"][0]
@@ -154,7 +173,7 @@ class CopyList:
         return int(fn(self._dst_address, rows, stop - start, max(1, int(threads))))
 
 
-def copy_segments(dst: np.ndarray, sources: Sequence[np.ndarray], segments: np.ndarray,
+def copy_segments(dst: np.ndarray, sources: "Sequence[np.ndarray] | Sources", segments: np.ndarray,
                   threads: int = 1) -> int:
     """Copy every segment (:func:`check_segments`) into ``dst`` (a writable flat uint8 array);
     returns the bytes copied. ``threads``: how many threads the C loop may split the bytes

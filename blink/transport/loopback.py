@@ -45,7 +45,7 @@ from blink.transport.base import (
     memory_fence,
     socket_peer_open,
 )
-from blink.transport.host_copy import CopyList, copy_segments
+from blink.transport.host_copy import CopyList, Sources, copy_segments
 
 try:  # CPython's own binding, used by multiprocessing.shared_memory on every POSIX system
     import _posixshmem
@@ -354,7 +354,8 @@ class LoopbackTransport:
         check_range(offset, src.size, self.total_bytes, "write")
         self._mem()[offset : offset + src.size] = src
 
-    def write_segments(self, sources: Sequence[np.ndarray], segments: np.ndarray, threads: int = 1) -> int:
+    def write_segments(self, sources: Sequence[np.ndarray] | Sources, segments: np.ndarray,
+                       threads: int = 1) -> int:
         """Gather-scatter: for each row ``(source index, source offset, region offset, length)``
         of ``segments``, put those bytes of ``sources[index]`` (flat uint8 arrays) at that
         offset of the region, each byte moved once, in one call (a list of RDMA WRITEs posted
@@ -363,7 +364,7 @@ class LoopbackTransport:
         lacks it."""
         return copy_segments(self._mem(), sources, segments, threads)
 
-    def prepare_segments(self, sources: Sequence[np.ndarray], segments: np.ndarray) -> CopyList:
+    def prepare_segments(self, sources: Sequence[np.ndarray] | Sources, segments: np.ndarray) -> CopyList:
         """The checks and address table of :meth:`write_segments`, done once: the result is
         written with :meth:`write_prepared`, whole or a row range at a time (a transfer sent
         layer by layer)."""
