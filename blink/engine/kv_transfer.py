@@ -9,17 +9,17 @@ write a block straight into the place the decode engine's attention reads it fro
 the decode side, no host work there at all (its scheduler admits the row when the ring's
 ``kv_ready_seq`` says so, :meth:`blink.engine.scheduler.Scheduler._admit_kv_ready`).
 
-The prefill side (:class:`KVSender`) is host code of the CPU loop, run between two steps: a row
-whose prompt has been computed (it finished with its one token) and whose request carries
-``kv_mode = KV_SEND`` gets its prompt's blocks written into the decode engine's reserved
-blocks — per layer, K then V, one piece per run of consecutive source and destination
-blocks, all pieces in one copy-list call where the transport has one — then the first token
-and the ``kv_ready_seq`` word, in that order, with a fence between. The blocks move whole:
-``ceil(prompt_len / block_size)`` blocks, i.e. ``2 * layers * kv_heads * head_dim *
-dtype_bytes * block_size * ceil(prompt_len / block_size)`` bytes. With ARK on (``--fabric``)
-each transfer's writes run under a path lease (``path_selector``), released when they end.
-Layer-by-layer streaming (sending layer l while layer l+1 computes) is not done: the whole
-prompt's KV goes after its forward pass (docs/disaggregation.md says why and what it takes).
+The prefill side (:class:`KVSender`) is host code of the CPU loop: a row whose request
+carries ``kv_mode = KV_SEND`` gets its prompt's blocks written into the decode engine's
+reserved blocks — per layer, K then V, one piece per run of consecutive source and
+destination blocks, a layer's pieces in one copy-list call where the transport has one —
+then the first token and the ``kv_ready_seq`` word, in that order, with a fence between.
+Layer by layer during the forward of the step that completes the prompt, when that step also
+finishes the request (``max_tokens == 1``, :meth:`KVSender.before_forward`); otherwise whole,
+after its last step. The blocks move whole: ``ceil(prompt_len / block_size)`` blocks, i.e.
+``2 * layers * kv_heads * head_dim * dtype_bytes * block_size * ceil(prompt_len /
+block_size)`` bytes. With ARK on (``--fabric``) each transfer's writes run under a path lease
+(``path_selector``), released when they end.
 """
 from __future__ import annotations
 
@@ -245,8 +245,8 @@ class _Peer:
 
 
 class KVSender:
-    """Prefill role: after each step, send the KV of rows whose prompt is done (module
-    docstring). ``peers``: the decode engines' bootstrap addresses (``--kv-peer``), indexed as
+    """Prefill role: send the KV of rows whose prompt is done, layer by layer during the
+    forward or whole after the step (module docstring). ``peers``: the decode engines' bootstrap addresses (``--kv-peer``), indexed as
     the requests' ``kv_peer``; connected on first use and again after a failure (a restarted
     decode engine has a new region)."""
 
