@@ -78,7 +78,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="device loop: cpu (engine thread on CPU tensors), host (tier A: host "
                         "launches CUDA graphs), device (tier B: no host call per step)")
     g.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads for the CPU loop (default: all cores)")
+                   help="torch intra-op threads for the CPU loop (default: blink serve: the "
+                        "available cores minus one for the frontend, split between the "
+                        "engines; blink engine: all cores)")
     eager = g.add_mutually_exclusive_group()
     eager.add_argument("--enforce-eager", action="store_true",
                        help="CPU loop: run every step eager (the default on CPU: measured faster "
