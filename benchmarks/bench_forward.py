@@ -1,8 +1,10 @@
 """The CPU forward, before vs now, in one run: SmolLM2-135M through ``ModelExecutor.execute``.
 
-Two executors over the same weights: ``before`` is the forward as it was (plain weights,
-every projection through ``F.linear``: ``pack_weights=False``; every op the torch reference,
-the paged attention included) and ``now`` the default one.
+Two executors over the same weights: ``before`` is the forward as it was (``--before
+reference``, the default: plain weights, every projection through ``F.linear``:
+``pack_weights=False``; every op the torch reference, the paged attention included; or
+``--before no-int4``: today's forward with ``int4_decode=False``, which isolates the int4
+path for small steps, blink.models.int4_linear) and ``now`` the default one.
 For each dtype and shape the two are timed alternately, ``--rounds`` rounds of ``--steps``
 calls each, so a load spike on this shared machine hits both; the table gives the median
 per-call wall time and process CPU time of each, and their ratio.
@@ -11,6 +13,7 @@ Shapes: ``decode B`` = B rows of one new token each over ``--context`` cached to
 logits of every row); ``prefill BxP`` = B rows of P new tokens (the logits of each row's last).
 
     python -m benchmarks.bench_forward --dtype bfloat16 float32 --decode 1 16 --prefill 16x128
+    python -m benchmarks.bench_forward --before no-int4 --dtype bfloat16 --decode 1 4 8 16 --prefill
 """
 from __future__ import annotations
 
@@ -42,6 +45,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="calls per timed round")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--before", choices=["reference", "no-int4"], default="reference",
+                   help="the baseline: the reference forward, or today's without the int4 path")
     args = p.parse_args()
 
     from types import SimpleNamespace
@@ -68,10 +73,11 @@ def main() -> None:
     rows_out = []
     for dtype_name in args.dtype:
         dtype = getattr(torch, dtype_name)
-        execs = {name: ModelExecutor(files, dtype=dtype, num_blocks=need, max_model_len=longest,
-                                     pack_weights=pack)
-                 for name, pack in (("before", False), ("now", True))}
-        execs["before"].model.use_ops(reference_ops)
+        before = ({"pack_weights": False} if args.before == "reference" else {"int4_decode": False})
+        execs = {name: ModelExecutor(files, dtype=dtype, num_blocks=need, max_model_len=longest, **kw)
+                 for name, kw in (("before", before), ("now", {}))}
+        if args.before == "reference":
+            execs["before"].model.use_ops(reference_ops)
         for label, batch, new, cached in shapes:
             call_args = {}
             for name, ex in execs.items():

@@ -78,7 +78,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="device loop: cpu (engine thread on CPU tensors), host (tier A: host "
                         "launches CUDA graphs), device (tier B: no host call per step)")
     g.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads for the CPU loop (default: all cores)")
+                   help="torch intra-op threads for the CPU loop (default: blink serve: the "
+                        "available cores minus one for the frontend, split between the "
+                        "engines; blink engine: all cores)")
     eager = g.add_mutually_exclusive_group()
     eager.add_argument("--enforce-eager", action="store_true",
                        help="CPU loop: run every step eager (the default on CPU: measured faster "
@@ -90,7 +92,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                             "also BLINK_ENFORCE_EAGER=0")
     g.add_argument("--int4-decode", default="auto", choices=["auto", "off"],
                    help="CPU, bf16: when the model is a GGUF file with Q4_0/Q4_1 tensors, steps "
-                        "of at most 8 tokens (decode of a few streams) compute those projections "
+                        "of at most 6 tokens (decode of a few streams) compute those projections "
                         "from the file's own 4-bit codes (~4x less memory traffic than the bf16 "
                         "copy, ~2x faster single-stream decode; larger steps use the bf16 copy); "
                         "off: always the bf16 copy, so a row's logits never depend on its "

@@ -178,9 +178,10 @@ def run_engine(args: argparse.Namespace) -> int:
         print(f"{ENGINE_READY_PREFIX}{bound_host}:{bound_port}", flush=True)
         engine_logger.info(
             "role %s, model %r (%s), dtype %s (%s), max_model_len %d, %d KV blocks of %d, "
-            "bootstrap at %s:%d", engine.config.role, model_name, engine.source, str(engine.dtype).removeprefix("torch."),
-            engine.dtype_reason, engine.max_model_len, engine.scheduler_config.num_blocks,
-            engine.scheduler_config.block_size, bound_host, bound_port)
+            "%s compute thread(s), bootstrap at %s:%d", engine.config.role, model_name, engine.source,
+            str(engine.dtype).removeprefix("torch."), engine.dtype_reason, engine.max_model_len,
+            engine.scheduler_config.num_blocks, engine.scheduler_config.block_size,
+            getattr(engine, "loop_threads", "?"), bound_host, bound_port)
         while not stop.wait(0.2):
             if not engine.alive:
                 raise BlinkError(f"the engine loop stopped: {engine.error!r}")
@@ -202,6 +203,17 @@ _ENGINE_FLAGS = (
     "threads", "transport", "grammar_region_mb", "max_logprobs", "log_level",
     "compile_cache_dir", "thread_policy", "int4_decode",
 )
+
+
+def serve_engine_threads(engines: int = 1) -> int:
+    """``blink serve``'s default ``--threads`` per engine: the cores this process may use
+    minus one, which the frontend (and, on a test box, the client) needs, shared by the
+    engines. Measured on a 2-core host, one engine, passive OpenMP waits, two runs each:
+    1 compute thread gave 1.25x the output tok/s of 2 at 16 streams and 1.34x single-stream
+    (docs/benchmarks.md, "Thread layout"). ``blink engine`` alone (its frontend elsewhere, as
+    on a DPU) and the offline ``LLM`` keep torch's default, every core."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, (cores - 1) // max(1, engines))
 
 
 def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
@@ -425,6 +437,7 @@ class _Supervisor:
         child.proc = self._spawn(
             ["engine", "--listen", f"127.0.0.1:{child.port}", "--role", child.role, *child.extra,
              *_flags(args, _ENGINE_FLAGS),
+             *([] if args.threads is not None else ["--threads", str(serve_engine_threads(len(self.engines)))]),
              *([] if prefix_caching_enabled(args) else ["--no-prefix-caching"]),
              *(["--enforce-eager"] if args.enforce_eager else []),
              *(["--compile"] if args.compile else [])], env)

@@ -25,3 +25,34 @@ def test_bench_forward_prints_before_and_now(tmp_path, monkeypatch, capsys):
     rows = [line for line in out.splitlines() if line.startswith(("| bfloat16", "| float32"))]
     assert len(rows) == 6, out
     assert all(line.count("x |") == 2 for line in rows), out
+
+
+def test_bench_forward_isolates_the_int4_path_on_a_q4_gguf(tmp_path, monkeypatch, capsys):
+    from gguf import GGMLQuantizationType as Q
+
+    from benchmarks import bench_forward
+    from test_loader_gguf import export_to_gguf
+
+    model = export_to_gguf(make_tiny_model("llama", tmp_path), tmp_path / "q4_1.gguf", Q.Q4_1)
+    monkeypatch.setattr(sys, "argv", [
+        "bench_forward", "--model", str(model), "--before", "no-int4", "--dtype", "bfloat16",
+        "--decode", "1", "--prefill", "--context", "8", "--steps", "1", "--rounds", "1",
+    ])
+    bench_forward.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| bfloat16 | decode 1")]
+    assert len(rows) == 1 and rows[0].count("x |") == 2
+
+
+def test_bench_int4_prints_its_table(monkeypatch, capsys):
+    import torch
+
+    from benchmarks import bench_int4
+    from blink.models import int4_linear, packed_linear
+
+    cpu = torch.device("cpu")
+    if not (packed_linear.packing_available(torch.bfloat16, cpu) and int4_linear.available(torch.bfloat16, cpu)):
+        pytest.skip("no native oneDNN bf16 or no int4 CPU kernel here")
+    monkeypatch.setattr(sys, "argv", ["bench_int4", "--rows", "1", "2", "--layers", "1", "--rounds", "1"])
+    bench_int4.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+    assert len(rows) == 2 and all(line.endswith("x |") for line in rows)

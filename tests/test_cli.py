@@ -226,3 +226,13 @@ def test_parser_is_importable_without_torch():
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
     assert build_parser().prog == "blink"
+
+
+def test_blink_serve_leaves_one_core_to_the_frontend(monkeypatch):
+    import os
+
+    from blink import launcher
+
+    for cores, engines, want in ((2, 1, 1), (1, 1, 1), (8, 1, 7), (8, 2, 3), (3, 4, 1)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+        assert launcher.serve_engine_threads(engines) == want, (cores, engines)

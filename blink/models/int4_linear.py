@@ -5,11 +5,11 @@ with it, so on CPU it is bound by memory bandwidth: SmolLM2-135M's bf16 projecti
 ~270 MB per step (~54 ms on one core here, ~5 GB/s). When the checkpoint is a GGUF file
 with Q4_0/Q4_1 tensors, those tensors' 4-bit codes and per-group scales are kept beside the
 bf16 copy, packed for torch's int4 weight-only GEMM (``torch._weight_int4pack_mm_for_cpu``,
-the kernel gpt-fast and torchao use on CPU), which reads ~4x fewer bytes: measured 3.7x
-faster for one row over all of SmolLM2's projections and still 1.2x at 8 rows, but 0.65x at
-16 (its cost grows with the rows, the bf16 one does not: docs/benchmarks.md, "CPU forward").
-So steps of at most :data:`MAX_ROWS` tokens take the int4 path and larger ones the packed
-bf16 one. Nothing is quantized here: the codes are the file's, and the int4 kernel's
+the kernel gpt-fast and torchao use on CPU), which reads ~4x fewer bytes: over all of
+SmolLM2's projections 3.7x faster for one row, but 0.65x at 16 (its cost grows with the
+rows, the bf16 one's does not); the whole decode step 1.7x faster at 1 row, 1.1x at 6,
+1.0x at 8 (docs/benchmarks.md, "CPU forward"). So steps of at most :data:`MAX_ROWS` tokens
+take the int4 path and larger ones the packed bf16 one. Nothing is quantized here: the codes are the file's, and the int4 kernel's
 ``(q - 8) * scale + zero`` is Q4_1's ``d * q + m`` with ``zero = m + 8d`` (scales rounded
 to bf16, the kernel's format). A row's logits therefore depend on whether its step had
 more than MAX_ROWS tokens (as in any engine whose kernels change with the batch).
@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 
 #: Steps with at most this many tokens (rows of the flattened batch) use the int4 weights.
-#: The crossover measured on two x86 CPUs here (Xeon with AMX): int4 1.2x faster at 8 rows,
-#: 0.65x at 16.
-MAX_ROWS = 8
+#: Measured on SmolLM2-135M, one thread, Xeon with AMX: the decode step 1.6x faster at 4
+#: rows, 1.1x at 6, 1.0x at 8.
+MAX_ROWS = 6
 
 #: Input channels per scale/zero pair: ggml's Q4_0/Q4_1 block.
 GROUP = 32
