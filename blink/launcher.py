@@ -131,6 +131,9 @@ def run_engine(args: argparse.Namespace) -> int:
     if getattr(args, "fabric", None) is not None:  # a bad fabric file: now, not after the load
         from blink.fabric.kv_paths import FabricConfig
 
+        if getattr(args, "role", "both") != "prefill":
+            raise BlinkError("--fabric / --fabric-sender are for --role prefill (the KV senders)")
+
         FabricConfig.load(args.fabric).sender_id(getattr(args, "fabric_sender", None))
     supervisor_gone = watch_supervisor("engine")  # die with the blink serve that started us
     thread_policy = load_thread_policy(getattr(args, "thread_policy", None))  # a bad file: now
