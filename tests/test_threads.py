@@ -3,7 +3,6 @@ injected), the probe, /proc telemetry, the Prometheus series, the Gthulhu export
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import re
 import sys
@@ -44,6 +43,7 @@ from blink.threads.telemetry import (
     RoleStats,
     StepWaitMeter,
     by_role,
+    delta,
     parse_schedstat,
     parse_status_switches,
     read_tasks,
@@ -344,6 +344,15 @@ def test_proc_parsers():
 
 @linux
 def test_telemetry_of_real_threads_tells_a_sleeper_from_a_spinner():
+    import subprocess
+
+    # The spinner is a process of its own: a thread here would wait for the GIL (a voluntary
+    # switch each time) whenever this busy test process's other threads hold it.
+    spin = subprocess.Popen([sys.executable, "-c",
+                             "from blink.threads.roles import set_thread_name\n"
+                             "set_thread_name('blink-loop')\n"
+                             "import sys; sys.stdout.write('up\\n'); sys.stdout.flush()\n"
+                             "while True: pass\n"], stdout=subprocess.PIPE, text=True)
     stop = threading.Event()
 
     def sleeper():
@@ -351,28 +360,26 @@ def test_telemetry_of_real_threads_tells_a_sleeper_from_a_spinner():
         while not stop.wait(0.002):
             pass
 
-    data = b"x" * (32 << 20)
-
-    def spinner():  # CPU work outside the GIL (hashlib releases it), so it never waits for it
-        set_thread_name("blink-loop")
-        while not stop.is_set():
-            hashlib.sha256(data).digest()
-
-    threads = [threading.Thread(target=sleeper), threading.Thread(target=spinner)]
-    for t in threads:
-        t.start()
-    time.sleep(0.6)
-    # only this test's two threads: earlier tests in the same process may leave other
-    # threads with these names behind (idle engine loops), which would blur the sums
-    ours = {t.native_id for t in threads}
-    roles = {r.role: r for r in by_role([t for t in read_tasks() if t.tid in ours])}
-    stop.set()
-    for t in threads:
-        t.join()
-    sleep_role, spin_role = roles["blink-bs-peer"], roles["blink-loop"]
+    thread = threading.Thread(target=sleeper)
+    try:
+        assert spin.stdout.readline() == "up\n"
+        spin_before = by_role(read_tasks(spin.pid))  # its start-up's switches do not count
+        thread.start()
+        time.sleep(0.6)
+        # only this test's threads: earlier tests in this process may leave threads with these
+        # names behind (idle OpenMP workers of an engine), which would blur the sums
+        sleep_role = by_role([t for t in read_tasks() if t.tid == thread.native_id])[0]
+        spin_role = delta(by_role(read_tasks(spin.pid)), spin_before)[0]
+    finally:
+        stop.set()
+        spin.kill()
+        spin.wait()
+        if thread.is_alive():
+            thread.join()
+    assert (sleep_role.role, spin_role.role) == ("blink-bs-peer", "blink-loop")
+    assert sleep_role.threads == spin_role.threads == 1
     assert sleep_role.runs > 20 and sleep_role.voluntary > 20
     assert sleep_role.interactive and sleep_role.voluntary_per_run >= INTERACTIVE_RATIO
-    assert sleep_role.threads == spin_role.threads == 1
     assert spin_role.cpu_ns > 0.1e9
     assert not spin_role.interactive  # it never gives the CPU up by itself
 
