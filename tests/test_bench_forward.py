@@ -56,3 +56,20 @@ def test_bench_int4_prints_its_table(monkeypatch, capsys):
     bench_int4.main()
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
     assert len(rows) == 2 and all(line.endswith("x |") for line in rows)
+
+
+def test_bench_step_parts_prints_every_part(tmp_path, monkeypatch, capsys):
+    from benchmarks import bench_step_parts
+    from test_loader_gguf import export_to_gguf
+
+    # a GGUF export: the tiny HF directory has no tokenizer, the GGUF file carries one
+    model = export_to_gguf(make_tiny_model("llama", tmp_path), tmp_path / "tiny.gguf")
+    monkeypatch.setattr(sys, "argv", ["bench_step_parts", "--model", str(model), "--threads", "1",
+                                      "--batch", "2", "--tokens", "3", "--max-model-len", "64"])
+    bench_step_parts.main()
+    out = capsys.readouterr().out
+    cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in out.splitlines()
+             if line.startswith("| ") and not line.startswith(("| part", "|---"))]
+    rows = {name: float(ms) for name, ms in cells}
+    assert set(rows) == set(bench_step_parts.PARTS), out
+    assert rows["forward"] > 0 and rows["step"] >= rows["forward"], out

@@ -1,0 +1,89 @@
+"""Where a CPU-loop step's time goes, in-process: one greedy ``LLM.generate`` run with the
+loop's parts timed (wall time per step, mean over the run's steps).
+
+Parts: ``schedule`` (Scheduler.schedule), ``sampler_inputs``, ``forward``
+(ModelExecutor.execute), ``sample`` (Sampler), ``update`` (Scheduler.update), and ``step``
+(the whole ``run_step``, so ``step`` minus the parts is the step's own glue). The parts are
+timed by wrapping those methods for this process only; a warm-up request runs first.
+
+    python -m benchmarks.bench_step_parts --threads 1 --batch 1 --tokens 64
+    python -m benchmarks.bench_step_parts --threads 1 --batch 16 --tokens 64
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+from collections.abc import Callable
+from typing import Any
+
+PARTS = ("step", "schedule", "sampler_inputs", "forward", "sample", "update")
+
+
+def _timed(owner: Any, name: str, label: str, totals: dict[str, float], counts: collections.Counter
+           ) -> Callable[[], None]:
+    """Wrap ``owner.name`` to add its wall time to ``totals[label]``; returns the undo."""
+    inner: Callable[..., Any] = getattr(owner, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            totals[label] += time.perf_counter() - t0
+            counts[label] += 1
+
+    setattr(owner, name, wrapper)
+    return lambda: setattr(owner, name, inner)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--threads", type=int, default=None, help="engine compute threads (default: all cores)")
+    p.add_argument("--batch", type=int, default=1, help="prompts generated together")
+    p.add_argument("--tokens", type=int, default=64, help="tokens generated per prompt")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    args = p.parse_args()
+
+    import blink.engine.engine as engine_module
+    from blink.engine.sampler import Sampler
+    from blink.engine.scheduler import Scheduler
+    from blink.executor import ModelExecutor
+    from blink.llm import LLM
+    from blink.shared.sampling_params import SamplingParams
+
+    totals: dict[str, float] = collections.defaultdict(float)
+    counts: collections.Counter = collections.Counter()
+    undo = [_timed(owner, name, label, totals, counts) for owner, name, label in (
+        (engine_module, "run_step", "step"),  # the loop calls it by this name
+        (Scheduler, "schedule", "schedule"), (Scheduler, "sampler_inputs", "sampler_inputs"),
+        (Scheduler, "update", "update"), (ModelExecutor, "execute", "forward"),
+        (Sampler, "__call__", "sample"))]
+    llm = None
+    try:
+        llm = LLM(args.model, threads=args.threads, max_num_seqs=max(16, args.batch),
+                  max_model_len=args.max_model_len)
+        params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
+        llm.generate(["A warm-up prompt."], SamplingParams(max_tokens=4, temperature=0))
+        totals.clear()
+        counts.clear()
+        prompts = [f"Request {i}: the sea and the wind." for i in range(args.batch)]
+        t0 = time.perf_counter()
+        llm.generate(prompts, params)
+        wall = time.perf_counter() - t0
+    finally:
+        if llm is not None:
+            llm.close()
+        for restore in undo:
+            restore()
+    steps = max(1, counts["step"])
+    print(f"{args.model}: batch {args.batch}, {args.tokens} tokens each, {counts['step']} steps, "
+          f"{wall / steps * 1e3:.2f} ms wall per step")
+    print("| part | ms per step |\n|---|---:|")
+    for part in PARTS:
+        print(f"| {part} | {totals[part] / steps * 1e3:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
