@@ -347,6 +347,35 @@ class ToolCallParser:
             return self._fail_call()
         return "more"
 
+    def _step_call_list(self, mode: str, final: bool, arg_keys: tuple[str, ...]) -> str | None:
+        """One step through a JSON array of call objects whose ``[`` is consumed, in ``mode``
+        "item" (a call object comes next) or "next" (a ``,`` or the ``]``). Returns the next
+        mode: "item", "next", "end" (the ``]`` consumed), "content" (the rest is not calls),
+        or None: wait for more text."""
+        text = self._text
+        if mode == "item":
+            if self._scanner is None:  # between items (not inside a call's strings)
+                self._pos = skip_ws(text, self._pos)
+            if self._pos >= len(text) and not final:
+                return None
+            result = self._scan_call(final, arg_keys)
+            if result == "more":
+                return None
+            return "next" if result == "done" else "content"
+        pos = skip_ws(text, self._pos)
+        if pos >= len(text):
+            if final:
+                self._pos = pos
+            return None
+        if text[pos] == ",":
+            self._call_start = self._pos = pos + 1
+            return "item"
+        if text[pos] == "]":
+            self._pos = pos + 1
+            return "end"
+        self._pos = pos
+        return "content"
+
     def _fail_call(self) -> str:
         """The text since ``_call_start`` was not a call: it is content after all."""
         self._scanner, self._call = None, None

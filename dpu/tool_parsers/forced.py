@@ -73,29 +73,13 @@ class RequiredToolParser(ToolCallParser):
                     continue
                 self._call_start = self._pos
                 self._pos, self._mode = pos + 1, "item"
-            elif self._mode == "item":
-                if self._scanner is None:  # between items (not inside a call's strings)
-                    self._pos = skip_ws(text, self._pos)
-                if self._pos >= len(text) and not final:
+            elif self._mode in ("item", "next"):
+                mode = self._step_call_list(self._mode, final, ("parameters", "arguments"))
+                if mode is None:
                     return
-                result = self._scan_call(final, ("parameters", "arguments"))
-                if result == "more":
-                    return
-                self._mode = "next" if result == "done" else "content"
-            elif self._mode == "next":
-                pos = skip_ws(text, self._pos)
-                if pos >= len(text):
-                    if final:
-                        self._pos = pos
-                    return
-                if text[pos] == ",":
-                    self._call_start = pos + 1
-                    self._pos, self._mode = pos + 1, "item"
-                elif text[pos] == "]":
-                    self._pos = skip_ws(text, pos + 1)
-                    self._mode = "content"
-                else:
-                    self._pos, self._mode = pos, "content"
+                if mode == "end":  # what follows the array is content
+                    self._pos, mode = skip_ws(text, self._pos), "content"
+                self._mode = mode
             else:
                 self._emit_content(len(text))
                 return

@@ -133,28 +133,11 @@ class GenericToolParser(ToolCallParser):
                     self._call_start = self._pos
                 else:
                     self._mode = "content"
-            elif mode == "item":
-                if self._scanner is None:
-                    self._pos = skip_ws(text, self._pos)
-                if self._pos >= len(text) and not final:
+            elif mode in ("item", "next"):
+                mode = self._step_call_list(mode, final, ("arguments",))
+                if mode is None:
                     return
-                result = self._scan_call(final, ("arguments",))
-                if result == "more":
-                    return
-                self._mode = "next" if result == "done" else "content"
-            elif mode == "next":
-                pos = skip_ws(text, self._pos)
-                if pos >= len(text):
-                    if final:
-                        self._pos = pos
-                    return
-                if text[pos] == ",":
-                    self._call_start = pos + 1
-                    self._pos, self._mode = pos + 1, "item"
-                elif text[pos] == "]":
-                    self._pos, self._mode = pos + 1, "close"
-                else:
-                    self._pos, self._mode = pos, "content"
+                self._mode = "close" if mode == "end" else mode
             elif mode == "close":  # the object's closing brace, then nothing but blanks
                 pos = skip_ws(text, self._pos)
                 if pos < len(text) and text[pos] == "}":
