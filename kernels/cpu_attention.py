@@ -13,10 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from blink.kernels.reference import AttentionMetadata, _additive_mask, _attention_plan
-
-# Bytes of gathered K/V (plus mask) per chunk of query tiles, as in the reference.
-_GATHER_BUDGET_BYTES = 64 << 20
+# the gather budget (bytes of K/V plus mask per chunk of query tiles) is the reference's
+from blink.kernels.reference import _GATHER_BUDGET_BYTES, AttentionMetadata, _additive_mask, _attention_plan
 
 
 def paged_attention(
