@@ -440,7 +440,7 @@ class _Supervisor:
         child.proc = self._spawn(
             ["engine", "--listen", f"127.0.0.1:{child.port}", "--role", child.role, *child.extra,
              *_flags(args, _ENGINE_FLAGS),
-             *([] if args.threads is not None else ["--threads", str(serve_engine_threads(len(self.engines)))]),
+             *([] if args.threads is not None else ["--threads", str(serve_engine_threads(self._engine_count()))]),
              *([] if prefix_caching_enabled(args) else ["--no-prefix-caching"]),
              *(["--enforce-eager"] if args.enforce_eager else []),
              *(["--compile"] if args.compile else [])], env)
@@ -461,6 +461,13 @@ class _Supervisor:
             if self.frontend is not None and self.frontend.poll() is not None:
                 raise BlinkError(f"the frontend process exited unexpectedly "
                                  f"(status {self.frontend.returncode})")
+
+    def _engine_count(self) -> int:
+        """How many engines this supervisor runs (all of them, also while the first start)."""
+        args = self.args
+        if getattr(args, "disaggregated", False):
+            return args.decode_engines + args.prefill_engines
+        return 1
 
     def _policy(self) -> RestartPolicy:
         return RestartPolicy(self.args.max_engine_restarts, self.args.engine_restart_window)

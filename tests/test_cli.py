@@ -236,3 +236,28 @@ def test_blink_serve_leaves_one_core_to_the_frontend(monkeypatch):
     for cores, engines, want in ((2, 1, 1), (1, 1, 1), (8, 1, 7), (8, 2, 3), (3, 4, 1)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
         assert launcher.serve_engine_threads(engines) == want, (cores, engines)
+
+
+def test_disaggregated_engines_share_the_compute_cores_from_the_first_start(monkeypatch):
+    import os
+    import threading
+
+    from blink import launcher
+
+    class Spawned(Exception):
+        pass
+
+    spawned: list[list[str]] = []
+
+    def spawn(self, argv, env=None):
+        spawned.append(list(argv))
+        raise Spawned
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(5)))
+    monkeypatch.setattr(launcher._Supervisor, "_spawn", spawn)
+    args = parse_args(["serve", "--model", "null", "--disaggregated"])
+    supervisor = launcher._Supervisor(args, dict(os.environ), threading.Event())
+    with pytest.raises(Spawned):
+        supervisor.run()  # the first engine's start (the decode engine) is all we look at
+    argv = spawned[0]
+    assert argv[argv.index("--threads") + 1] == "2"  # (5 cores - 1) // 2 engines
