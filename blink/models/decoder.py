@@ -279,7 +279,7 @@ class DecoderForCausalLM(nn.Module):
         (projections given an int4 copy, projections in all)."""
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
-        # module name -> [codes, scale, zero, rows filled], in the fused weight's row order
+        # parameter name -> [codes, scale, zero, rows filled], rows in the fused weight's order
         parts: dict[str, list] = {}
         for name, q4 in q4_tensors:
             target = self._destination(name, params, self.config.source or None)

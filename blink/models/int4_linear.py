@@ -42,9 +42,9 @@ class Int4Weight:
     packed: torch.Tensor  # uint8 [N, K // 2]
     scale_zero: torch.Tensor  # bf16 [K // GROUP, N, 2]
 
-    @property
-    def nbytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size() + self.scale_zero.numel() * 2
+
+#: whether the kernel ran correctly here (tried once, by :func:`available`)
+_AVAILABLE: bool | None = None
 
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -66,8 +66,6 @@ def available(dtype: torch.dtype, device: torch.device) -> bool:
             _AVAILABLE = False
     return _AVAILABLE
 
-
-_AVAILABLE: bool | None = None
 
 
 def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Int4Weight:
