@@ -6,8 +6,10 @@ the HTTP app and the ring, greedy and sampled, streaming and not; and the openai
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -50,23 +52,29 @@ def llm(tmp_path_factory: Any) -> Any:
         yield engine
 
 
+@contextlib.asynccontextmanager
+async def _frontend(llm: Any) -> AsyncIterator[Any]:
+    """The frontend app over a ring client of our own (closing it closes its transport)."""
+    region = llm.engine.region
+    transport = (InProcessTransport(region) if region.kind == "inprocess"
+                 else LoopbackTransport(region.name, region.total_bytes))
+    client = RingEngineClient(RingClient(transport), model_name="tiny",
+                              max_model_len=llm.max_model_len,
+                              poll_min_interval_s=1e-4, poll_max_interval_s=1e-3)
+    client.start()
+    try:
+        yield create_app(client, llm.tokenizer, model_name="tiny")
+    finally:
+        await client.close()
+
+
 def _chat(llm: Any, bodies: list[dict[str, Any]]) -> list[httpx.Response]:
     async def main() -> list[httpx.Response]:
-        region = llm.engine.region  # a ring client of our own (closing it closes its transport)
-        transport = (InProcessTransport(region) if region.kind == "inprocess"
-                     else LoopbackTransport(region.name, region.total_bytes))
-        client = RingEngineClient(RingClient(transport), model_name="tiny",
-                                  max_model_len=llm.max_model_len,
-                                  poll_min_interval_s=1e-4, poll_max_interval_s=1e-3)
-        client.start()
-        app = create_app(client, llm.tokenizer, model_name="tiny")
-        try:
+        async with _frontend(llm) as app:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                          base_url="http://t", timeout=120) as http:
                 return [await http.post("/v1/chat/completions", json={
                     "messages": ASK, "tools": TOOLS, "max_tokens": 200, **b}) for b in bodies]
-        finally:
-            await client.close()
 
     return asyncio.run(main())
 
@@ -120,15 +128,7 @@ def test_openai_parse_with_a_pydantic_response_format(llm: Any) -> None:
         sunny: bool
 
     async def main() -> list[Any]:
-        region = llm.engine.region
-        transport = (InProcessTransport(region) if region.kind == "inprocess"
-                     else LoopbackTransport(region.name, region.total_bytes))
-        client = RingEngineClient(RingClient(transport), model_name="tiny",
-                                  max_model_len=llm.max_model_len,
-                                  poll_min_interval_s=1e-4, poll_max_interval_s=1e-3)
-        client.start()
-        app = create_app(client, llm.tokenizer, model_name="tiny")
-        try:
+        async with _frontend(llm) as app:
             http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
                                      timeout=120)
             sdk = openai.AsyncOpenAI(base_url="http://t/v1", api_key="x", http_client=http,
@@ -136,8 +136,6 @@ def test_openai_parse_with_a_pydantic_response_format(llm: Any) -> None:
             return [await sdk.chat.completions.parse(
                 model="tiny", messages=ASK, response_format=Forecast, max_tokens=120, **kw)
                 for kw in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 4, "n": 2})]
-        finally:
-            await client.close()
 
     parsed = 0
     for completion in asyncio.run(main()):
