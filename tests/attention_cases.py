@@ -67,3 +67,13 @@ def make_batch(
 # A mixed step: decode rows, a fresh prefill, an extend over a cached prefix (prefix cache /
 # chunked prefill), an unused row, and bucket padding.
 MIXED = [(37, 1), (0, 9), (0, 0), (20, 5), (5, 1)]
+
+# (rows, heads, kv heads, head dim, block size, dtype) that the CPU attention kernels are
+# checked on against the reference
+CPU_CASES = [
+    (MIXED, 4, 2, 16, 4, torch.float32),          # GQA 2, tiny blocks
+    (MIXED, 4, 4, 16, 16, torch.float32),         # MHA
+    (MIXED, 8, 2, 64, 16, torch.bfloat16),        # GQA 4, Llama-like head
+    ([(40, 1), (3, 1), (0, 0), (70, 1)], 9, 3, 64, 16, torch.bfloat16),  # SmolLM2 decode
+    ([(0, 33)], 4, 1, 32, 8, torch.float32),      # MQA, one prefill
+]

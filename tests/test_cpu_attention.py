@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
-from attention_cases import MIXED, make_batch  # noqa: E402
+from attention_cases import CPU_CASES, make_batch  # noqa: E402
 
 from blink.kernels import cpu_attention, ops_for  # noqa: E402
 from blink.kernels import reference as ref  # noqa: E402
@@ -21,11 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 CASES = [
-    (MIXED, 4, 2, 16, 4, torch.float32),          # GQA 2, tiny blocks
-    (MIXED, 4, 4, 16, 16, torch.float32),         # MHA
-    (MIXED, 8, 2, 64, 16, torch.bfloat16),        # GQA 4, Llama-like head
-    ([(40, 1), (3, 1), (0, 0), (70, 1)], 9, 3, 64, 16, torch.bfloat16),  # SmolLM2 decode
-    ([(0, 33)], 4, 1, 32, 8, torch.float32),      # MQA, one prefill
+    *CPU_CASES,
     ([(0, 33), (12, 20)], 4, 1, 32, 8, torch.bfloat16),  # prefill + extend, bf16
 ]
 

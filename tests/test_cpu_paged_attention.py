@@ -11,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
-from attention_cases import MIXED, make_batch  # noqa: E402
+from attention_cases import CPU_CASES, make_batch  # noqa: E402
 
 from blink.engine.compiled import compile_fn, configure_compile_cache, warming  # noqa: E402
 from blink.kernels import cpu_paged_attention as cpa  # noqa: E402
@@ -42,16 +42,7 @@ def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-CASES = [
-    (MIXED, 4, 2, 16, 4, torch.float32),          # GQA 2, tiny blocks
-    (MIXED, 4, 4, 16, 16, torch.float32),         # MHA
-    (MIXED, 8, 2, 64, 16, torch.bfloat16),        # GQA 4, Llama-like head
-    ([(40, 1), (3, 1), (0, 0), (70, 1)], 9, 3, 64, 16, torch.bfloat16),  # SmolLM2 decode
-    ([(0, 33)], 4, 1, 32, 8, torch.float32),      # MQA, one prefill
-]
-
-
-@pytest.mark.parametrize("rows,n_heads,n_kv_heads,head_dim,block_size,dtype", CASES)
+@pytest.mark.parametrize("rows,n_heads,n_kv_heads,head_dim,block_size,dtype", CPU_CASES)
 def test_matches_reference(kernel, rows, n_heads, n_kv_heads, head_dim, block_size, dtype):
     k_cache, v_cache, k_new, v_new, md, n_live = make_batch(
         rows, n_kv_heads=n_kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype,
