@@ -4,7 +4,9 @@ Two executors over the same weights: ``before`` is the forward as it was (``--be
 reference``, the default: plain weights, every projection through ``F.linear``:
 ``pack_weights=False``; every op the torch reference, the paged attention included; or
 ``--before no-int4``: today's forward with ``int4_decode=False``, which isolates the int4
-path for small steps, blink.models.int4_linear) and ``now`` the default one.
+path for small steps, blink.models.int4_linear; or ``--before sdpa-attention``: today's
+forward with the paged attention always on the torch path, which isolates the C attention
+kernel, blink.kernels.cpu_attention) and ``now`` the default one.
 For each dtype and shape the two are timed alternately, ``--rounds`` rounds of ``--steps``
 calls each, so a load spike on this shared machine hits both; the table gives the median
 per-call wall time and process CPU time of each, and their ratio.
@@ -14,6 +16,7 @@ logits of every row); ``prefill BxP`` = B rows of P new tokens (the logits of ea
 
     python -m benchmarks.bench_forward --dtype bfloat16 float32 --decode 1 16 --prefill 16x128
     python -m benchmarks.bench_forward --before no-int4 --dtype bfloat16 --decode 1 4 8 16 --prefill
+    python -m benchmarks.bench_forward --before sdpa-attention --dtype bfloat16 --decode 1 16 --context 256
 """
 from __future__ import annotations
 
@@ -45,8 +48,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="calls per timed round")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--before", choices=["reference", "no-int4"], default="reference",
-                   help="the baseline: the reference forward, or today's without the int4 path")
+    p.add_argument("--before", choices=["reference", "no-int4", "sdpa-attention"], default="reference",
+                   help="the baseline: the reference forward, or today's without the int4 path or without the C attention kernel")
     args = p.parse_args()
 
     from types import SimpleNamespace
@@ -54,10 +57,11 @@ def main() -> None:
     import torch
 
     from blink.executor import ModelExecutor
-    from blink.kernels import ops_for, reference
+    from blink.kernels import cpu_attention, ops_for, reference
     from blink.loader import open_model
 
     reference_ops = SimpleNamespace(**{**vars(ops_for("cpu")), "paged_attention": reference.paged_attention})
+    sdpa_ops = SimpleNamespace(**{**vars(ops_for("cpu")), "paged_attention": cpu_attention.sdpa_paged_attention})
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -73,11 +77,14 @@ def main() -> None:
     rows_out = []
     for dtype_name in args.dtype:
         dtype = getattr(torch, dtype_name)
-        before = ({"pack_weights": False} if args.before == "reference" else {"int4_decode": False})
+        before = {"reference": {"pack_weights": False}, "no-int4": {"int4_decode": False},
+                  "sdpa-attention": {}}[args.before]
         execs = {name: ModelExecutor(files, dtype=dtype, num_blocks=need, max_model_len=longest, **kw)
                  for name, kw in (("before", before), ("now", {}))}
         if args.before == "reference":
             execs["before"].model.use_ops(reference_ops)
+        elif args.before == "sdpa-attention":
+            execs["before"].model.use_ops(sdpa_ops)
         for label, batch, new, cached in shapes:
             call_args = {}
             for name, ex in execs.items():

@@ -1,20 +1,144 @@
-"""Paged attention for the eager CPU forward: the reference's plan, in the cache's dtype.
+"""Paged attention for the eager CPU forward (the CPU op table's entry).
 
-:func:`blink.kernels.reference.paged_attention` gathers each query tile's context and
-converts it to fp32 (a strided copy of ``2 * tiles * L * KVH * D`` elements per layer) before
-SDPA. For a bf16 cache that conversion was the largest single cost of a 16-row decode step
-(~40% of the step's aten time on SmolLM2-135M). Here the gathered K/V stay in the cache's
-dtype and go straight to SDPA, whose CPU flash kernel accumulates in fp32 for bf16 inputs
-anyway; the mask is made once per step in that dtype. For an fp32 cache this is the
-reference's own arithmetic. Tested against the reference in ``tests/test_cpu_attention.py``.
+Two implementations with the reference's contract (:func:`blink.kernels.reference.paged_attention`):
+
+- **the C kernel** (``cpu_attention.c``, built once per machine at first use by
+  :func:`blink.shared.native_build.build_library`): one online-softmax pass per (token, KV
+  head) over the sequence's blocks, reading K/V where they lie in the cache, in its dtype,
+  accumulating in fp32. It serves the steps where a cost estimate says it is faster
+  (:func:`prefer_native`): decode and mixed steps, where the torch path's gathers and
+  per-op costs were ~25% of a 16-row SmolLM2 step.
+- **the torch path** (:func:`sdpa_paged_attention`): the reference's tiling, but the gathered
+  K/V stay in the cache's dtype and go straight to SDPA, whose CPU flash kernel accumulates
+  in fp32 for bf16 anyway; the mask is made once per step in that dtype. Long prefills run
+  here (SDPA's blocked GEMMs beat a per-token loop there), as does everything when the C
+  kernel cannot be built (no compiler: said once in the log) or ``$BLINK_CPU_ATTENTION`` is
+  ``torch``.
+
+Both are tested against the reference in ``tests/test_cpu_attention.py``.
 """
 from __future__ import annotations
 
+import ctypes
+import logging
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from blink.shared.native_build import NativeBuildError, build_library
+
 # the gather budget (bytes of K/V plus mask per chunk of query tiles) is the reference's
 from blink.kernels.reference import _GATHER_BUDGET_BYTES, AttentionMetadata, _additive_mask, _attention_plan
+
+
+log = logging.getLogger("blink.kernels")
+
+_SOURCE = Path(__file__).with_name("cpu_attention.c")
+#: "torch" runs every step on the torch path (tests, diagnosis); anything else: automatic
+IMPL_ENV = "BLINK_CPU_ATTENTION"
+# Cost model of the two paths per layer, ns per unit, fitted on SmolLM2's shapes (9 heads,
+# 3 KV heads, D 64, bf16; docs/benchmarks.md "CPU attention kernel"): the C kernel costs per
+# (token, visible key); SDPA per (tile, key) for the gather plus per (tile, query slot, key)
+# for the blocked product, plus a fixed cost per call. Only their ratio matters.
+_NATIVE_NS_PER_VISIT = 70.0
+_SDPA_NS_PER_TILE_KEY = 190.0
+_SDPA_NS_PER_CELL = 11.0
+_SDPA_NS_PER_CALL = 50_000.0
+# the C kernel's stack limits (cpu_attention.c); larger shapes take the torch path
+_MAX_GROUP, _MAX_HEAD_DIM, _MAX_BLOCK = 16, 256, 128
+_DTYPES = (torch.float32, torch.bfloat16)
+# Reassociating the sums lets the compiler vectorise the softmax's reductions (1.9x on the
+# kernel); the kernel has no NaN, signed zero or errno to keep. Not -ffast-math: the
+# masked keys' -inf must stay -inf.
+_MATH_FLAGS = ("-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
+
+_lock = threading.Lock()
+_native: list = []  # [function or None], set once per process
+
+
+def native_kernel() -> "ctypes._CFuncPtr | None":
+    """The C kernel, built or loaded once per process; None where it cannot be built (said
+    once in the log) or ``$BLINK_CPU_ATTENTION=torch``."""
+    if _native:
+        return _native[0]
+    with _lock:
+        if not _native:
+            fn = None
+            if os.environ.get(IMPL_ENV, "").strip().lower() != "torch":
+                try:
+                    fn = build_library(_SOURCE, flags=("-O3", "-march=native", *_MATH_FLAGS),
+                                       fallback_flags=("-O3", *_MATH_FLAGS)).blink_paged_attention
+                    fn.restype = ctypes.c_int
+                    fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3
+                                   + [ctypes.c_int] * 2 + [ctypes.c_int64] * 7
+                                   + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+                                   + [ctypes.c_int64, ctypes.c_int])
+                except (NativeBuildError, AttributeError) as exc:
+                    log.warning("CPU paged attention: the C kernel (%s) is not available (%s); "
+                                "the torch path (SDPA over gathered blocks) serves every step, "
+                                "slower for decode", _SOURCE.name, exc)
+            _native.append(fn)
+    return _native[0]
+
+
+def _native_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  md: AttentionMetadata) -> bool:
+    T, H, D = q.shape
+    block_size, KVH = k_cache.shape[1], k_cache.shape[2]
+    longest = md.max_context if md.max_context is not None else md.block_tables.shape[1] * block_size
+    return (q.device.type == "cpu" and q.dtype in _DTYPES and k_cache.dtype in _DTYPES
+            and v_cache.dtype == k_cache.dtype and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and H % KVH == 0 and H // KVH <= _MAX_GROUP
+            and D % 16 == 0 and D <= _MAX_HEAD_DIM and block_size <= _MAX_BLOCK
+            and prefer_native(md, T, block_size))
+
+
+def prefer_native(md: AttentionMetadata, T: int, block_size: int) -> bool:
+    """Whether the C kernel's estimated cost is below the torch path's for this step (once per
+    step, memoised in ``md.step_cache``). A host-side decision: this is the CPU loop, whose
+    metadata lives in host memory; the GPU tiers run their own kernels.
+
+    The C kernel does one pass per token over its visible keys, so it wins when most tokens
+    are decodes; SDPA's blocked products win for prefills, whose tokens share one context.
+    The estimate replays the torch path's tiling (:func:`_attention_plan`'s ``Qt``)."""
+    cache = md.step_cache
+    if cache is not None and "cpu_attention_prefer_native" in cache:
+        return cache["cpu_attention_prefer_native"]
+    starts = md.query_start_loc.numpy().astype(np.int64)
+    n_new = starts[1:] - starts[:-1]
+    context = md.seq_lens.numpy().astype(np.int64)
+    live = (context > 0) & (n_new > 0)
+    n_new, context = n_new[live], context[live]
+    visits = float((n_new * (context - n_new) + n_new * (n_new + 1) // 2).sum())
+    B = md.block_tables.shape[0]
+    longest = int(context.max()) if len(context) else 0
+    Q = T if md.max_query_len is None else max(1, min(T, md.max_query_len))
+    Qt = max(1, min(Q, -(-T // B)))
+    tiles = float((-(-n_new // Qt)).sum())
+    L = -(-longest // block_size) * block_size
+    native = visits * _NATIVE_NS_PER_VISIT
+    sdpa = tiles * L * (_SDPA_NS_PER_TILE_KEY + Qt * _SDPA_NS_PER_CELL) + _SDPA_NS_PER_CALL
+    choice = native <= sdpa
+    if cache is not None:
+        cache["cpu_attention_prefer_native"] = choice
+    return choice
+
+
+def _native_metadata(md: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+    """The metadata in the dtypes and layout the C kernel reads, once per step."""
+    cache = md.step_cache
+    if cache is not None and "cpu_attention_native" in cache:
+        return cache["cpu_attention_native"]
+    fields = (md.token_seq_idx.to(torch.int64).contiguous(), md.positions.to(torch.int64).contiguous(),
+              md.query_start_loc.to(torch.int32).contiguous(), md.seq_lens.to(torch.int32).contiguous(),
+              md.block_tables.to(torch.int32).contiguous())
+    if cache is not None:
+        cache["cpu_attention_native"] = fields
+    return fields
 
 
 def paged_attention(
@@ -26,7 +150,39 @@ def paged_attention(
 ) -> torch.Tensor:
     """Same contract as :func:`blink.kernels.reference.paged_attention` (q [T, H, D],
     caches [blocks, block_size, KVH, D] already holding this step's K/V; returns [T, H, D]
-    in q's dtype, zeros for tokens of unused rows)."""
+    in q's dtype, zeros for tokens of unused rows): the C kernel where it applies, else
+    :func:`sdpa_paged_attention`."""
+    kernel = native_kernel()
+    if kernel is None or not _native_takes(q, k_cache, v_cache, md):
+        return sdpa_paged_attention(q, k_cache, v_cache, md, scale)
+    T, H, D = q.shape
+    num_blocks, block_size, KVH = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+    token_row, positions, query_start, seq_lens, tables = _native_metadata(md)
+    longest = md.max_context if md.max_context is not None else tables.shape[1] * block_size
+    if q.stride(2) != 1:  # rows may be strided (q is a view of the fused QKV), a head may not
+        q = q.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype)
+    status = kernel(q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                    int(q.dtype == torch.bfloat16), int(k_cache.dtype == torch.bfloat16),
+                    T, H, KVH, D, block_size, num_blocks, seq_lens.shape[0],
+                    token_row.data_ptr(), positions.data_ptr(), query_start.data_ptr(),
+                    seq_lens.data_ptr(), tables.data_ptr(), tables.stride(0), tables.shape[1],
+                    scale, T * longest, torch.get_num_threads())
+    if status != 0:
+        raise ValueError("paged attention: a block table names a block outside the KV cache"
+                         if status == -1 else "paged attention: shapes the C kernel does not take")
+    return out
+
+
+def sdpa_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """The torch path: the reference's tiles and SDPA, in the cache's dtype (same contract
+    as :func:`paged_attention`)."""
     T, H, D = q.shape
     block_size, KVH = k_cache.shape[1], k_cache.shape[2]
     dtype = k_cache.dtype

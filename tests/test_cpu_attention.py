@@ -1,7 +1,8 @@
 """The eager CPU paged attention (blink.kernels.cpu_attention, the CPU table's entry) against
-the reference: decode, prefill, extend over a cached prefix, an unused row and padding in
-one step; GQA/MQA/MHA; fp32 (the same arithmetic: tight) and bf16; chunked tiles; the
-per-step mask memo."""
+the reference, both of its paths (the C kernel and the SDPA one): decode, prefill, extend
+over a cached prefix, an unused row and padding in one step; GQA/MQA/MHA; fp32 and bf16;
+strided queries; the C kernel's threads; chunked tiles; the per-step memos; which path a
+step takes; a bad block id; the fallback without a compiler."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
-from attention_cases import CPU_CASES, make_batch  # noqa: E402
+from attention_cases import CPU_CASES, MIXED, make_batch  # noqa: E402
 
 from blink.kernels import cpu_attention, ops_for  # noqa: E402
 from blink.kernels import reference as ref  # noqa: E402
@@ -26,13 +27,30 @@ CASES = [
 ]
 
 
+def native_only(q, k_cache, v_cache, md, scale):
+    """The C kernel whatever the cost estimate says."""
+    md = dataclasses.replace(md, step_cache={"cpu_attention_prefer_native": True})
+    assert cpu_attention._native_takes(q, k_cache, v_cache, md)
+    return cpu_attention.paged_attention(q, k_cache, v_cache, md, scale)
+
+
+IMPLS = {"native": native_only, "sdpa": cpu_attention.sdpa_paged_attention}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native_kernel_builds():
+    """This machine has a C compiler (CI's too): the C kernel must build, not fall back."""
+    assert cpu_attention.native_kernel() is not None
+
+
 def test_the_cpu_table_uses_it():
     assert ops_for("cpu").paged_attention is cpu_attention.paged_attention
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("step_cache", [False, True])
 @pytest.mark.parametrize("rows,n_heads,n_kv_heads,head_dim,block_size,dtype", CASES)
-def test_matches_reference(rows, n_heads, n_kv_heads, head_dim, block_size, dtype, step_cache):
+def test_matches_reference(rows, n_heads, n_kv_heads, head_dim, block_size, dtype, step_cache, impl):
     k_cache, v_cache, k_new, v_new, md, n_live = make_batch(
         rows, n_kv_heads=n_kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype,
         pad_tokens=3,
@@ -46,11 +64,11 @@ def test_matches_reference(rows, n_heads, n_kv_heads, head_dim, block_size, dtyp
     for layer in range(2):  # the second call reuses the memoised plan and mask
         q = torch.randn(T, n_heads, head_dim, generator=gen).to(dtype)
         expected = ref.paged_attention(q, k_cache, v_cache, md, scale)
-        out = cpu_attention.paged_attention(q, k_cache, v_cache, md, scale)
+        out = IMPLS[impl](q, k_cache, v_cache, md, scale)
         assert out.dtype == dtype and out.shape == q.shape
         torch.testing.assert_close(out[:n_live].float(), expected[:n_live].float(), **TOL[dtype])
         assert torch.count_nonzero(out[n_live:]) == 0  # padding tokens: exact zeros
-    if step_cache:
+    if step_cache and impl == "sdpa":
         assert md.step_cache["cpu_attention_mask"].dtype == dtype
 
 
@@ -67,5 +85,91 @@ def test_chunks_of_tiles_and_masks_made_per_chunk(dtype, monkeypatch):
     expected = ref.paged_attention(q, k_cache, v_cache, md, 0.25)
     monkeypatch.setattr(cpu_attention, "_GATHER_BUDGET_BYTES", 4096)
     monkeypatch.setattr(ref, "_WHOLE_MASK_ELEMENTS", 8)
-    chunked = cpu_attention.paged_attention(q, k_cache, v_cache, md, 0.25)
+    chunked = cpu_attention.sdpa_paged_attention(q, k_cache, v_cache, md, 0.25)
     torch.testing.assert_close(chunked[:n_live].float(), expected[:n_live].float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_strided_queries_threads_and_a_long_context(dtype):
+    """q as the model passes it (a view of the fused QKV projection, rows strided), blocks
+    of 32 keys (two 16-key score chunks each), contexts of thousands of keys, and the work
+    split over threads (the kernel starts threads above 2 x 64K token-key visits; this step
+    has 46 x 3001): the same as the reference."""
+    rows = [(3000, 1), (0, 0), (700, 1), (0, 40), (300, 2)]
+    k_cache, v_cache, k_new, v_new, md, n_live = make_batch(
+        rows, n_kv_heads=2, head_dim=64, block_size=32, dtype=dtype, pad_tokens=2)
+    ref.write_kv_cache(k_new, v_new, k_cache, v_cache, md.slot_mapping)
+    T = md.slot_mapping.shape[0]
+    qkv = torch.randn(T, (8 + 2 * 2) * 64, generator=torch.Generator().manual_seed(3)).to(dtype)
+    q = qkv[:, : 8 * 64].view(T, 8, 64)
+    assert not q.is_contiguous()
+    expected = ref.paged_attention(q.contiguous(), k_cache, v_cache, md, 0.125)
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = native_only(q, k_cache, v_cache, md, 0.125)
+            torch.testing.assert_close(out[:n_live].float(), expected[:n_live].float(), **TOL[dtype])
+            assert torch.count_nonzero(out[n_live:]) == 0
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_native_rejects_a_block_outside_the_cache():
+    k_cache, v_cache, k_new, v_new, md, _ = make_batch([(20, 1)], n_kv_heads=1, head_dim=16,
+                                                        block_size=4, dtype=torch.float32)
+    md.block_tables[0, 2] = k_cache.shape[0] + 5
+    q = torch.randn(1, 2, 16)
+    with pytest.raises(ValueError, match="outside the KV cache"):
+        native_only(q, k_cache, v_cache, md, 0.25)
+
+
+def test_shapes_the_kernel_does_not_take_go_to_sdpa():
+    """A head size that is not a multiple of 16, or 17 query heads per KV head: the torch
+    path serves them (same contract), no error."""
+    for n_heads, n_kv, head_dim in ((2, 1, 24), (17, 1, 16)):
+        k_cache, v_cache, k_new, v_new, md, n_live = make_batch(
+            [(9, 1), (0, 4)], n_kv_heads=n_kv, head_dim=head_dim, block_size=4, dtype=torch.float32)
+        q = torch.randn(md.slot_mapping.shape[0], n_heads, head_dim)
+        assert not cpu_attention._native_takes(q, k_cache, v_cache, md)
+        torch.testing.assert_close(cpu_attention.paged_attention(q, k_cache, v_cache, md, 0.25),
+                                   ref.paged_attention(q, k_cache, v_cache, md, 0.25), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows,native", [
+    ([(128, 1)] * 16, True),               # decode
+    ([(2047, 1)] * 16, True),              # decode over long contexts
+    ([(128, 1)] * 15 + [(0, 128)], True),  # a prompt among decodes
+    ([(0, 128)], False),                   # a lone prefill: SDPA's blocked product
+    ([(0, 128)] * 2, False),
+    ([(100, 1), (0, 512)], False),         # one decode beside a long prompt
+    ([(300, 1)] * 8 + [(1536, 512)], False),  # a long chunk over a long prefix
+])
+def test_which_path_a_step_takes(rows, native):
+    """The cost estimate picks the path that was faster for these steps on SmolLM2's shapes
+    (docs/benchmarks.md, "CPU attention kernel"), and is made once per step."""
+    k_cache, v_cache, _, _, md, _ = make_batch(rows, n_kv_heads=3, head_dim=64, block_size=16,
+                                               dtype=torch.bfloat16)
+    md = dataclasses.replace(md, max_context=max(c + n for c, n in rows),
+                             max_query_len=max(n for c, n in rows), step_cache={})
+    T = md.slot_mapping.shape[0]
+    assert cpu_attention.prefer_native(md, T, 16) is native
+    assert md.step_cache["cpu_attention_prefer_native"] is native
+
+
+def test_without_a_compiler_the_torch_path_serves(monkeypatch, tmp_path, caplog):
+    """No C compiler: one warning, and every step runs (correctly) on the SDPA path."""
+    monkeypatch.setattr(cpu_attention, "_native", [])
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built before is found
+    with caplog.at_level("WARNING", logger="blink.kernels"):
+        assert cpu_attention.native_kernel() is None
+        assert cpu_attention.native_kernel() is None
+    assert sum("C kernel" in r.getMessage() for r in caplog.records) == 1
+    k_cache, v_cache, k_new, v_new, md, n_live = make_batch(MIXED, n_kv_heads=2, head_dim=16,
+                                                            block_size=4, dtype=torch.float32)
+    ref.write_kv_cache(k_new, v_new, k_cache, v_cache, md.slot_mapping)
+    q = torch.randn(md.slot_mapping.shape[0], 4, 16)
+    torch.testing.assert_close(cpu_attention.paged_attention(q, k_cache, v_cache, md, 0.25)[:n_live],
+                               ref.paged_attention(q, k_cache, v_cache, md, 0.25)[:n_live],
+                               atol=1e-5, rtol=1e-5)

@@ -7,28 +7,23 @@ and numpy's gather-then-scatter moves every byte twice; either way the transfer 
 half a memcpy (docs/benchmarks.md, "KV transfer"). The C loop is a list of ``memcpy`` calls,
 split by bytes over the caller's thread count, the loopback counterpart of an RDMA WRITE list.
 
-It is built with the system C compiler (``$CC``, else ``cc``) into
-``$XDG_CACHE_HOME/blink`` (else ``~/.cache/blink``), keyed by the source's hash, once per
-machine; loading takes milliseconds. Without a compiler (a slim container image) the same
+It is built with the system C compiler once per machine
+(:func:`blink.shared.native_build.build_library`); loading takes milliseconds. Without a compiler (a slim container image) the same
 copies run as a Python loop (:func:`copy_segments_python`, also the tests' reference), said
 once in the log. numpy and ctypes only: the frontend imports the transport without torch.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
+from blink.shared.native_build import NativeBuildError, build_library
 from blink.transport.base import TransportError
 
 log = logging.getLogger("blink.transport")
@@ -40,34 +35,11 @@ _lock = threading.Lock()
 _loaded: tuple[ctypes._CFuncPtr | None, str] | None = None  # (function, how it was got)
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "blink"
-
-
 def _build() -> ctypes._CFuncPtr:
-    source = _SOURCE.read_bytes()
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise TransportError("no C compiler ($CC, cc, gcc)")
-    key = hashlib.sha256(source + compiler.encode() + platform.machine().encode()).hexdigest()[:16]
-    target = _cache_dir() / f"host_copy-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        try:
-            done = subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-pthread", "-o", tmp,
-                                   str(_SOURCE)], capture_output=True, text=True, timeout=120)
-            if done.returncode != 0:
-                raise TransportError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
-            os.replace(tmp, target)  # atomic: a concurrent builder's file is as good as ours
-        except (OSError, subprocess.SubprocessError) as exc:
-            raise TransportError(f"{compiler} could not run: {exc}") from exc
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    fn = ctypes.CDLL(str(target)).blink_copy_segments
+    try:
+        fn = build_library(_SOURCE, flags=("-O2",)).blink_copy_segments
+    except NativeBuildError as exc:
+        raise TransportError(str(exc)) from exc
     fn.restype = ctypes.c_int64
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     return fn
