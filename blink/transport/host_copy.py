@@ -8,9 +8,9 @@ half a memcpy (docs/benchmarks.md, "KV transfer"). The C loop is a list of ``mem
 split by bytes over the caller's thread count, the loopback counterpart of an RDMA WRITE list.
 
 It is built with the system C compiler once per machine
-(:func:`blink.shared.native_build.build_library`); loading takes milliseconds. Without a compiler (a slim container image) the same
-copies run as a Python loop (:func:`copy_segments_python`, also the tests' reference), said
-once in the log. numpy and ctypes only: the frontend imports the transport without torch.
+(:func:`blink.shared.native_build.build_library`); loading takes milliseconds. Without a
+compiler (a slim container image) the same copies run as a Python loop
+(:func:`copy_segments_python`, also the tests' reference), said once in the log. numpy and ctypes only: the frontend imports the transport without torch.
 """
 from __future__ import annotations
 
