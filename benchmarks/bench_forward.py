@@ -6,7 +6,9 @@ reference``, the default: plain weights, every projection through ``F.linear``:
 ``--before no-int4``: today's forward with ``int4_decode=False``, which isolates the int4
 path for small steps, blink.models.int4_linear; or ``--before sdpa-attention``: today's
 forward with the paged attention always on the torch path, which isolates the C attention
-kernel, blink.kernels.cpu_attention) and ``now`` the default one.
+kernel, blink.kernels.cpu_attention; or ``--before torch-elementwise``: today's forward with
+the torch references for the norms, rotary embedding, KV write and SiLU, which isolates
+blink.kernels.cpu_fused) and ``now`` the default one.
 For each dtype and shape the two are timed alternately, ``--rounds`` rounds of ``--steps``
 calls each, so a load spike on this shared machine hits both; the table gives the median
 per-call wall time and process CPU time of each, and their ratio.
@@ -17,6 +19,7 @@ logits of every row); ``prefill BxP`` = B rows of P new tokens (the logits of ea
     python -m benchmarks.bench_forward --dtype bfloat16 float32 --decode 1 16 --prefill 16x128
     python -m benchmarks.bench_forward --before no-int4 --dtype bfloat16 --decode 1 4 8 16 --prefill
     python -m benchmarks.bench_forward --before sdpa-attention --dtype bfloat16 --decode 1 16 --context 256
+    python -m benchmarks.bench_forward --before torch-elementwise --dtype bfloat16 --decode 1 16 --prefill 1x128
 """
 from __future__ import annotations
 
@@ -48,8 +51,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="calls per timed round")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--before", choices=["reference", "no-int4", "sdpa-attention"], default="reference",
-                   help="the baseline: the reference forward, or today's without the int4 path or without the C attention kernel")
+    p.add_argument("--before", choices=["reference", "no-int4", "sdpa-attention", "torch-elementwise"], default="reference",
+                   help="the baseline: the reference forward, or today's without the int4 path, the C attention kernel or the C elementwise ops")
     args = p.parse_args()
 
     from types import SimpleNamespace
@@ -58,10 +61,14 @@ def main() -> None:
 
     from blink.executor import ModelExecutor
     from blink.kernels import cpu_attention, ops_for, reference
+    from blink.kernels.ops import _CPU_FUSED_NAMES
     from blink.loader import open_model
 
-    reference_ops = SimpleNamespace(**{**vars(ops_for("cpu")), "paged_attention": reference.paged_attention})
+    torch_elementwise = {name: getattr(reference, name) for name in _CPU_FUSED_NAMES}
+    reference_ops = SimpleNamespace(**{**vars(ops_for("cpu")), **torch_elementwise,
+                                       "paged_attention": reference.paged_attention})
     sdpa_ops = SimpleNamespace(**{**vars(ops_for("cpu")), "paged_attention": cpu_attention.sdpa_paged_attention})
+    torch_ops = SimpleNamespace(**{**vars(ops_for("cpu")), **torch_elementwise})
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -78,13 +85,15 @@ def main() -> None:
     for dtype_name in args.dtype:
         dtype = getattr(torch, dtype_name)
         before = {"reference": {"pack_weights": False}, "no-int4": {"int4_decode": False},
-                  "sdpa-attention": {}}[args.before]
+                  "sdpa-attention": {}, "torch-elementwise": {}}[args.before]
         execs = {name: ModelExecutor(files, dtype=dtype, num_blocks=need, max_model_len=longest, **kw)
                  for name, kw in (("before", before), ("now", {}))}
         if args.before == "reference":
             execs["before"].model.use_ops(reference_ops)
         elif args.before == "sdpa-attention":
             execs["before"].model.use_ops(sdpa_ops)
+        elif args.before == "torch-elementwise":
+            execs["before"].model.use_ops(torch_ops)
         for label, batch, new, cached in shapes:
             call_args = {}
             for name, ex in execs.items():

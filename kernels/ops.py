@@ -1,12 +1,15 @@
 """Kernels for the model executor and sampler, chosen by device in one place.
 
-``ops_for(device)`` returns the op table the model and sampler call. On CPU every entry is
-the torch reference (:mod:`blink.kernels.reference`, and :mod:`blink.kernels.sampling_reference`
-for the sampler's filter and seeded draw), except the paged attention, which runs in the
-cache's dtype (:mod:`blink.kernels.cpu_attention`); on CUDA the Triton kernels replace the
-entries they implement. Model and sampler code never branch on which kernel they got.
+``ops_for(device)`` returns the op table the model and sampler call. The base is the torch
+reference (:mod:`blink.kernels.reference`, and :mod:`blink.kernels.sampling_reference` for the
+sampler's filter and seeded draw). On CPU the eager forward's norms, rotary embedding,
+KV-cache write and gated activation are one C call each for bf16
+(:mod:`blink.kernels.cpu_fused`, the reference for anything else) and the paged attention is
+:mod:`blink.kernels.cpu_attention`; on CUDA the Triton kernels replace the entries they
+implement. Model and sampler code never branch on which kernel they got.
 
-``compiled_cpu_ops()`` is the CPU table a compiled step uses (attention as opaque custom ops).
+``compiled_cpu_ops()`` is the CPU table a compiled step uses: the references, which inductor
+traces and fuses, with attention as opaque custom ops.
 
 ``ops_for(device, triton=True)`` forces the Triton table whatever the device: the tests use it
 on CPU tensors under ``TRITON_INTERPRET=1``.
@@ -29,6 +32,8 @@ _OP_NAMES = (
     "moe_topk_route",
     "moe_experts",
 )
+# The entries blink.kernels.cpu_fused replaces on CPU (eager only).
+_CPU_FUSED_NAMES = ("rms_norm", "fused_add_rms_norm", "apply_rope", "silu_and_mul", "write_kv_cache")
 # The sampler's ops (blink.engine.sampler calls them through ``ops_for``).
 _SAMPLING_OP_NAMES = (
     "apply_top_k_top_p_min_p",
@@ -58,22 +63,25 @@ def ops_for(device: torch.device | str, *, triton: bool | None = None) -> Simple
         if use_triton:
             table.update(_triton_ops(required=triton is True))
         elif device_type == "cpu":
-            from blink.kernels import cpu_attention
+            from blink.kernels import cpu_attention, cpu_fused
 
+            table.update({name: getattr(cpu_fused, name) for name in _CPU_FUSED_NAMES})
             table["paged_attention"] = cpu_attention.paged_attention
         _cache[key] = SimpleNamespace(**table)
     return _cache[key]
 
 
 def compiled_cpu_ops() -> SimpleNamespace:
-    """The CPU table for a compiled step (``blink.engine.compiled``): the references, except
-    that the KV-cache write and the paged attention are opaque custom ops
+    """The CPU table for a compiled step (``blink.engine.compiled``): the references (not the C
+    calls of the eager table, which inductor cannot trace), except that the KV-cache write and
+    the paged attention are opaque custom ops
     (:mod:`blink.kernels.cpu_step_ops`), which keep the graph free of value-dependent shapes."""
     key = ("cpu-compiled", False)
     if key not in _cache:
         from blink.kernels import cpu_step_ops
 
         table = vars(ops_for("cpu")).copy()
+        table.update({name: getattr(reference, name) for name in _CPU_FUSED_NAMES})  # traceable
         table["write_kv_cache"] = cpu_step_ops.write_kv_cache
         table["paged_attention"] = cpu_step_ops.paged_attention
         _cache[key] = SimpleNamespace(**table)

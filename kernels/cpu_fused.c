@@ -1,0 +1,150 @@
+/* Fused bf16 elementwise ops for the eager CPU forward: each one call instead of 6-18 aten ops.
+ *
+ * At a decode step's sizes (a few rows of 576-1536 channels) an aten op costs ~4-5 us of
+ * dispatch whatever it computes, and the torch references (kernels/reference.py) spend
+ * 6-18 ops per norm, rotary embedding or gated activation: ~10 ms of a ~25 ms one-row
+ * SmolLM2 step. Each function here is one pass with the reference's arithmetic: fp32 in
+ * the same order, rounded to bf16 where the reference rounds (round to nearest even), so
+ * the results are the reference's bits except where noted. Built at first use by
+ * kernels/cpu_fused.py, with -ffp-contract=off so that a*b - c*d is not turned into a fused
+ * multiply-add the reference does not do, and -fno-trapping-math so that the clamp and the
+ * sign select in the SiLU vectorise.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    uint32_t quiet = (u >> 16) | 0x40u;
+    return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded);
+}
+
+/* out[t] = bf16(weight * bf16(r * rsqrt(mean(r^2) + eps))) with r = x[t] (no residual) or
+ * r = bf16(x[t] + residual[t]), which is also stored to residual_out[t]: the reference's
+ * rms_norm / fused_add_rms_norm. x and residual rows are `x_stride` / `res_stride` apart,
+ * the outputs contiguous. The sum of squares is fp32 in 16 lanes, so its last bit may
+ * differ from torch's mean (a bf16 result differs at most where that bit rounds). */
+void blink_add_rms_norm(const uint16_t *x, int64_t x_stride, const uint16_t *residual,
+                        int64_t res_stride, const uint16_t *weight, uint16_t *out,
+                        uint16_t *residual_out, int64_t rows, int64_t dim, float eps) {
+    enum { LANES = 16 };
+    for (int64_t t = 0; t < rows; t++) {
+        const uint16_t *xr = x + t * x_stride;
+        uint16_t *o = out + t * dim;
+        const uint16_t *r = xr;
+        if (residual != NULL) {
+            const uint16_t *res = residual + t * res_stride;
+            uint16_t *ro = residual_out + t * dim;
+            for (int64_t i = 0; i < dim; i++) ro[i] = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(res[i]));
+            r = ro;
+        }
+        float lanes[LANES] = {0};
+        int64_t i = 0;
+        for (; i + LANES <= dim; i += LANES)
+            for (int l = 0; l < LANES; l++) {
+                float v = bf16_to_f32(r[i + l]);
+                lanes[l] += v * v;
+            }
+        for (; i < dim; i++) {
+            float v = bf16_to_f32(r[i]);
+            lanes[0] += v * v;
+        }
+        float sum = 0.0f;
+        for (int l = 0; l < LANES; l++) sum += lanes[l];
+        float scale = 1.0f / sqrtf(sum / (float)dim + eps);
+        for (i = 0; i < dim; i++) {
+            float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(r[i]) * scale));
+            o[i] = f32_to_bf16(bf16_to_f32(weight[i]) * normed);
+        }
+    }
+}
+
+/* Neox-style rotary embedding of q [T, H, D] and k [T, KVH, D] (rows `q_stride` /
+ * `k_stride` apart, heads contiguous) into out [T, H + KVH, D] (the reference's layout:
+ * q heads then k heads); cos_sin [positions, rotary_dim] fp32, cos then sin. Channels past
+ * rotary_dim are copied. Returns -1 if a position lies outside the table. Bit-exact. */
+int blink_rope(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
+               const int64_t *positions, const float *cos_sin, int64_t max_positions,
+               uint16_t *out, int64_t tokens, int64_t H, int64_t KVH, int64_t D, int64_t rotary_dim) {
+    const int64_t half = rotary_dim / 2;
+    for (int64_t t = 0; t < tokens; t++) {
+        int64_t pos = positions[t];
+        if (pos < 0 || pos >= max_positions) return -1;
+        const float *cos = cos_sin + pos * rotary_dim, *sin = cos + half;
+        for (int64_t h = 0; h < H + KVH; h++) {
+            const uint16_t *src = h < H ? q + t * q_stride + h * D : k + t * k_stride + (h - H) * D;
+            uint16_t *dst = out + (t * (H + KVH) + h) * D;
+            for (int64_t i = 0; i < half; i++) {
+                float x1 = bf16_to_f32(src[i]), x2 = bf16_to_f32(src[i + half]);
+                dst[i] = f32_to_bf16(x1 * cos[i] - x2 * sin[i]);
+                dst[i + half] = f32_to_bf16(x2 * cos[i] + x1 * sin[i]);
+            }
+            if (rotary_dim < D) memcpy(dst + rotary_dim, src + rotary_dim, (size_t)(D - rotary_dim) * 2);
+        }
+    }
+    return 0;
+}
+
+/* The new tokens' K and V rows ([T, KVH*D] each, rows `k_stride` / `v_stride` apart) into
+ * the paged caches ([slots, KVH*D]) at slot_mapping. Returns -1 if a slot lies outside the
+ * cache (nothing after it is written). Exact (a copy). */
+int blink_write_kv(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride,
+                   uint16_t *k_cache, uint16_t *v_cache, const int64_t *slot_mapping,
+                   int64_t tokens, int64_t row, int64_t slots) {
+    for (int64_t t = 0; t < tokens; t++) {
+        int64_t slot = slot_mapping[t];
+        if (slot < 0 || slot >= slots) return -1;
+        memcpy(k_cache + slot * row, k + t * k_stride, (size_t)row * 2);
+        memcpy(v_cache + slot * row, v + t * v_stride, (size_t)row * 2);
+    }
+    return 0;
+}
+
+/* exp(x) for x <= 0 in plain arithmetic the compiler vectorises: 2^(x log2 e) = 2^n * 2^f,
+ * 2^f by a degree-6 polynomial, relative error ~2e-7 (0 below -87, clamped there). */
+static inline float exp_approx(float x) {
+    if (x < -87.0f) x = -87.0f;
+    float t = x * 1.44269504088896341f;
+    float n = floorf(t);
+    float f = t - n;
+    float p = 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* out[t] = bf16(bf16(silu(gate)) * up) for x[t] = [gate (dim) | up (dim)], rows `x_stride`
+ * apart: the reference's F.silu(gate) * up in bf16. silu's exp is exp_approx, so a result
+ * may differ from torch's by one bf16 step where the fp32 value lies at a rounding edge. */
+static void silu_and_mul_row(const uint16_t *restrict gate, const uint16_t *restrict up,
+                             uint16_t *restrict o, int64_t dim) {
+    for (int64_t i = 0; i < dim; i++) {
+        float g = bf16_to_f32(gate[i]);
+        /* sigmoid from exp(-|g|) <= 1: the same value as 1 / (1 + exp(-g)); exp of a large
+         * positive argument made the vector code ~10x slower on some inputs (measured). */
+        float e = exp_approx(-fabsf(g)), inv = 1.0f / (1.0f + e);
+        float silu = bf16_to_f32(f32_to_bf16(g * (g >= 0.0f ? inv : e * inv)));
+        o[i] = f32_to_bf16(silu * bf16_to_f32(up[i]));
+    }
+}
+
+void blink_silu_and_mul(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t rows, int64_t dim) {
+    for (int64_t t = 0; t < rows; t++) silu_and_mul_row(x + t * x_stride, x + t * x_stride + dim, out + t * dim, dim);
+}

@@ -1,0 +1,163 @@
+"""Fused bf16 elementwise ops for the eager CPU forward (``cpu_fused.c``), under the reference
+names and signatures: each is one C call where the torch reference
+(:mod:`blink.kernels.reference`) is 6-18 aten ops.
+
+Why: at a decode step's sizes an aten op costs a few microseconds of dispatch whatever it
+computes, and a SmolLM2 layer spends ~45 of them on norms, the rotary embedding, the KV-cache
+write and the gated activation (~10 ms of a ~25 ms one-row step; docs/benchmarks.md, "Fused
+CPU ops"). The C functions do the reference's fp32 arithmetic in its order and round to
+bf16 where it rounds; ``tests/test_cpu_fused.py`` holds them to the reference's bits (the
+norm and SiLU to one bf16 step where an fp32 sum or exp lands on a rounding edge).
+
+Each op takes the C path only for bf16 CPU tensors in the layouts the model passes (rows
+strided, channels contiguous); anything else (fp32, the exact mode against transformers;
+per-head q/k norms; a missing compiler, said once in the log; ``$BLINK_CPU_FUSED=torch``)
+runs the reference, so callers never need to know.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from blink.kernels import reference
+from blink.shared.native_build import NativeBuildError, build_library
+
+log = logging.getLogger("blink.kernels")
+
+_SOURCE = Path(__file__).with_name("cpu_fused.c")
+#: "torch" runs the references (tests, diagnosis); anything else: the C ops where they apply
+IMPL_ENV = "BLINK_CPU_FUSED"
+_BF16 = torch.bfloat16
+_P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "blink_add_rms_norm": (None, [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _F32]),
+    "blink_rope": (ctypes.c_int, [_P, _I64, _P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64]),
+    "blink_write_kv": (ctypes.c_int, [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64]),
+    "blink_silu_and_mul": (None, [_P, _I64, _P, _I64, _I64]),
+}
+
+# No fused multiply-adds the reference does not do (the rotary embedding stays bit-exact);
+# no floating-point traps to keep, so the compiler may vectorise branches (exp's clamps).
+_FLAGS = ("-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math")
+
+_lock = threading.Lock()
+_library: list = []  # [CDLL or None], set once per process
+
+
+def library() -> ctypes.CDLL | None:
+    """The built library, once per process; None where it cannot be built (said once in the
+    log) or ``$BLINK_CPU_FUSED=torch``."""
+    if _library:
+        return _library[0]
+    with _lock:
+        if not _library:
+            lib = None
+            if os.environ.get(IMPL_ENV, "").strip().lower() != "torch":
+                try:
+                    lib = build_library(_SOURCE, flags=("-O3", "-march=native", *_FLAGS),
+                                        fallback_flags=("-O3", *_FLAGS))
+                    for name, (restype, argtypes) in _SIGNATURES.items():
+                        fn = getattr(lib, name)
+                        fn.restype, fn.argtypes = restype, argtypes
+                except (NativeBuildError, AttributeError) as exc:
+                    log.warning("fused CPU ops: the C library (%s) is not available (%s); the torch "
+                                "references run instead, slower for small steps", _SOURCE.name, exc)
+                    lib = None
+            _library.append(lib)
+    return _library[0]
+
+
+# The checks below run per op call; they use the cheapest tensor attributes (``is_cpu``
+# rather than ``device.type``), because at these sizes they cost as much as the op.
+
+def _rows(x: torch.Tensor) -> bool:
+    """bf16 CPU [rows, channels] with contiguous channels."""
+    return x.dtype is _BF16 and x.is_cpu and x.ndim == 2 and x.stride(1) == 1
+
+
+def _heads(x: torch.Tensor) -> bool:
+    """bf16 CPU [tokens, heads, head_dim] with contiguous heads (rows may be strided)."""
+    if x.dtype is not _BF16 or not x.is_cpu or x.ndim != 3:
+        return False
+    stride = x.stride()
+    return stride[2] == 1 and stride[1] == x.shape[2]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`blink.kernels.reference.rms_norm`."""
+    lib = library()
+    if lib is None or not _rows(x) or weight.dtype is not _BF16 or not weight.is_contiguous():
+        return reference.rms_norm(x, weight, eps)
+    rows, dim = x.shape
+    out = torch.empty((rows, dim), dtype=_BF16)
+    lib.blink_add_rms_norm(x.data_ptr(), x.stride(0), None, 0, weight.data_ptr(), out.data_ptr(),
+                           None, rows, dim, eps)
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`blink.kernels.reference.fused_add_rms_norm`."""
+    lib = library()
+    if (lib is None or not _rows(x) or not _rows(residual) or x.shape != residual.shape
+            or weight.dtype is not _BF16 or not weight.is_contiguous()):
+        return reference.fused_add_rms_norm(x, residual, weight, eps)
+    rows, dim = x.shape
+    out = torch.empty((rows, dim), dtype=_BF16)
+    residual_out = torch.empty((rows, dim), dtype=_BF16)
+    lib.blink_add_rms_norm(x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0),
+                           weight.data_ptr(), out.data_ptr(), residual_out.data_ptr(), rows, dim, eps)
+    return out, residual_out
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+               cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`blink.kernels.reference.apply_rope` (q and k: views into one new buffer)."""
+    lib = library()
+    if (lib is None or not _heads(q) or not _heads(k) or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]
+            or positions.dtype != torch.int64 or not positions.is_contiguous()
+            or cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous()):
+        return reference.apply_rope(q, k, positions, cos_sin_cache)
+    T, H, D = q.shape
+    KVH = k.shape[1]
+    out = torch.empty((T, H + KVH, D), dtype=_BF16)
+    status = lib.blink_rope(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), positions.data_ptr(),
+                            cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], out.data_ptr(),
+                            T, H, KVH, D, cos_sin_cache.shape[1])
+    if status != 0:
+        raise IndexError(f"rotary embedding: a position lies outside the {cos_sin_cache.shape[0]}-position table")
+    return out[:, :H], out[:, H:]
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """:func:`blink.kernels.reference.write_kv_cache`."""
+    lib = library()
+    if (lib is None or not _heads(k) or not _heads(v) or k.shape != v.shape
+            or k_cache.dtype is not _BF16 or v_cache.dtype is not _BF16 or not k_cache.is_contiguous()
+            or not v_cache.is_contiguous() or k_cache.shape != v_cache.shape
+            or tuple(k_cache.shape[2:]) != tuple(k.shape[1:])
+            or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()):
+        return reference.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    row = k.shape[1] * k.shape[2]
+    status = lib.blink_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
+                                v_cache.data_ptr(), slot_mapping.data_ptr(), k.shape[0], row,
+                                k_cache.shape[0] * k_cache.shape[1])
+    if status != 0:
+        raise IndexError("KV cache write: a slot lies outside the cache")
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """:func:`blink.kernels.reference.silu_and_mul`."""
+    lib = library()
+    if lib is None or not _rows(x) or x.shape[1] % 2:
+        return reference.silu_and_mul(x)
+    rows, dim = x.shape[0], x.shape[1] // 2
+    out = torch.empty((rows, dim), dtype=_BF16)
+    lib.blink_silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), rows, dim)
+    return out

@@ -1,0 +1,146 @@
+"""The fused bf16 CPU ops (blink.kernels.cpu_fused, the eager CPU table's entries) against the
+torch references: the rotary embedding and the KV write bit for bit, the norms and SiLU to
+the bit but for rare one-step roundings; the layouts the model passes (strided rows, a view
+of the fused QKV, partial rotary); what falls back to the reference; the errors; the build
+fallback; and that a compiled step still gets the traceable references."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blink.kernels import cpu_fused, ops_for, reference
+from blink.kernels.ops import compiled_cpu_ops
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def library_builds():
+    """This machine has a C compiler (CI's too): the library must build, not fall back."""
+    assert cpu_fused.library() is not None
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _at_most_one_step(out: torch.Tensor, expected: torch.Tensor, share: float = 0.01) -> None:
+    """Equal but for a few elements (fp32 sums or exp rounding the other way), each at most
+    one bf16 step (2^-8 relative) away."""
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    differ = out != expected
+    assert differ.float().mean().item() <= share
+    torch.testing.assert_close(out.float(), expected.float(), atol=1e-6, rtol=2**-7)
+
+
+def test_the_cpu_table_uses_them_and_the_compiled_one_the_references():
+    table = ops_for("cpu")
+    for name in ("rms_norm", "fused_add_rms_norm", "apply_rope", "silu_and_mul", "write_kv_cache"):
+        assert getattr(table, name) is getattr(cpu_fused, name)
+    compiled = compiled_cpu_ops()
+    for name in ("rms_norm", "fused_add_rms_norm", "apply_rope", "silu_and_mul"):
+        assert getattr(compiled, name) is getattr(reference, name)
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 576), (16, 576), (5, 100), (3, 4096)])
+def test_norms(rows, dim):
+    g = _gen()
+    x = (torch.randn(rows, dim, generator=g) * 3).to(BF16)
+    residual = torch.randn(rows, dim, generator=g).to(BF16)
+    weight = torch.randn(dim, generator=g).to(BF16)
+    _at_most_one_step(cpu_fused.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5))
+    out, res = cpu_fused.fused_add_rms_norm(x, residual, weight, 1e-6)
+    expected, expected_res = reference.fused_add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(res, expected_res)  # the residual add is one bf16 rounding: exact
+    _at_most_one_step(out, expected)
+
+
+def test_norm_of_strided_rows():
+    """Rows of a wider buffer (a view), as a split can hand them over."""
+    g = _gen(1)
+    wide = torch.randn(7, 1000, generator=g).to(BF16)
+    x, residual = wide[:, :576], wide[:, 300:876]
+    weight = torch.randn(576, generator=g).to(BF16)
+    assert not x.is_contiguous()
+    out, res = cpu_fused.fused_add_rms_norm(x, residual, weight, 1e-5)
+    expected, expected_res = reference.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(res, expected_res)
+    _at_most_one_step(out, expected)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,rotary_dim", [(9, 3, 64, 64), (4, 4, 32, 32), (8, 2, 96, 32)])
+def test_rope_is_bit_exact_on_views_of_the_fused_projection(heads, kv_heads, head_dim, rotary_dim):
+    g = _gen(2)
+    T = 13
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * head_dim, generator=g).to(BF16)
+    q = qkv[:, : heads * head_dim].view(T, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(T, kv_heads, head_dim)
+    cos_sin = reference.rope_cos_sin_cache(rotary_dim, 4096, 10000.0)
+    positions = torch.randint(0, 4096, (T,), generator=g)
+    q_out, k_out = cpu_fused.apply_rope(q, k, positions, cos_sin)
+    q_ref, k_ref = reference.apply_rope(q, k, positions, cos_sin)
+    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+
+
+def test_kv_write_is_exact_and_touches_only_its_slots():
+    g = _gen(3)
+    T, kv_heads, head_dim = 6, 3, 64
+    k = torch.randn(T, kv_heads, head_dim, generator=g).to(BF16)
+    kv = torch.randn(T, 2 * kv_heads * head_dim, generator=g).to(BF16)
+    v = kv[:, kv_heads * head_dim:].view(T, kv_heads, head_dim)  # a view, rows strided
+    before = torch.randn(5, 16, kv_heads, head_dim, generator=g).to(BF16)
+    caches = [before.clone() for _ in range(4)]
+    slots = torch.tensor([3, 70, 0, 79, 41, 16])
+    cpu_fused.write_kv_cache(k, v, caches[0], caches[1], slots)
+    reference.write_kv_cache(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 1536), (16, 1536), (3, 77)])
+def test_silu_and_mul(rows, dim):
+    g = _gen(4)
+    x = (torch.randn(rows, 2 * dim, generator=g) * 4).to(BF16)
+    x[0, :8] = torch.tensor([0.0, -0.0, 30.0, -30.0, 100.0, -100.0, 1e-3, -1e-3])  # both tails
+    _at_most_one_step(cpu_fused.silu_and_mul(x), reference.silu_and_mul(x))
+
+
+def test_what_falls_back_to_the_reference():
+    """fp32 (the exact mode against transformers), per-head q/k norms ([T, H, D]) and K/V
+    whose dtype differs from the cache's run the reference, with its result."""
+    g = _gen(5)
+    x32 = torch.randn(4, 64, generator=g)
+    w32 = torch.randn(64, generator=g)
+    assert torch.equal(cpu_fused.rms_norm(x32, w32, 1e-5), reference.rms_norm(x32, w32, 1e-5))
+    assert torch.equal(cpu_fused.silu_and_mul(x32), reference.silu_and_mul(x32))
+    heads = torch.randn(4, 3, 64, generator=g).to(BF16)
+    w = torch.randn(64, generator=g).to(BF16)
+    assert torch.equal(cpu_fused.rms_norm(heads, w, 1e-5), reference.rms_norm(heads, w, 1e-5))
+    k = torch.randn(2, 1, 16, generator=g).to(BF16)
+    caches = [torch.zeros(2, 4, 1, 16) for _ in range(4)]  # fp32 caches
+    cpu_fused.write_kv_cache(k, k, caches[0], caches[1], torch.tensor([1, 6]))
+    reference.write_kv_cache(k, k, caches[2], caches[3], torch.tensor([1, 6]))
+    assert torch.equal(caches[0], caches[2])
+
+
+def test_errors_name_the_bad_index():
+    g = _gen(6)
+    q = torch.randn(2, 2, 16, generator=g).to(BF16)
+    cos_sin = reference.rope_cos_sin_cache(16, 8, 10000.0)
+    with pytest.raises(IndexError, match="outside the 8-position table"):
+        cpu_fused.apply_rope(q, q, torch.tensor([3, 8]), cos_sin)
+    caches = [torch.zeros(2, 4, 2, 16, dtype=BF16) for _ in range(2)]
+    with pytest.raises(IndexError, match="slot lies outside the cache"):
+        cpu_fused.write_kv_cache(q, q, caches[0], caches[1], torch.tensor([0, 8]))
+
+
+def test_without_a_compiler_the_references_serve(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(cpu_fused, "_library", [])
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built before is found
+    with caplog.at_level("WARNING", logger="blink.kernels"):
+        assert cpu_fused.library() is None
+        assert cpu_fused.library() is None
+    assert sum("fused CPU ops" in r.getMessage() for r in caplog.records) == 1
+    x = torch.randn(3, 2 * 40, generator=_gen(7)).to(BF16)
+    assert torch.equal(cpu_fused.silu_and_mul(x), reference.silu_and_mul(x))
