@@ -48,9 +48,7 @@ class ModelExecutor:
     ``int4_decode``: with packed bf16 weights and a checkpoint that stores projections as
     4-bit Q4_0/Q4_1 codes (a GGUF file), steps of at most ``int4_linear.MAX_ROWS`` tokens
     run those projections on the codes (:mod:`blink.models.int4_linear`; ~4x less memory
-    traffic); ``int4_projections`` says how many got an int4 copy. The same switch lets
-    a head stored as Q8_0 serve steps of few rows from its codes where that is faster here
-    (:meth:`DecoderForCausalLM.use_q8_head`; ``q8_head`` says whether it does).
+    traffic); ``int4_projections`` says how many got an int4 copy.
     """
 
     def __init__(
@@ -96,14 +94,6 @@ class ModelExecutor:
             self.int4_projections = self.model.use_int4_weights(iter_q4())
         if self.packed_weights:
             self.model.use_packed_weights()
-        #: whether steps of few rows take their logits from the checkpoint's Q8_0 head
-        self.q8_head = False
-        q8_codes = getattr(model, "q8_codes", None)
-        if self.packed_weights and int4_decode and q8_codes is not None and self.device.type == "cpu":
-            head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
-            found = q8_codes(head)
-            if found is not None:
-                self.q8_head = self.model.use_q8_head(found.codes, found.scale)
         # Plain bf16 weights, one-token steps: torch's own matrix-vector kernel reads them
         # ~1.7x faster than oneDNN does (reordering the weight every call); from two rows up
         # oneDNN wins. Packed weights beat both.

@@ -32,7 +32,6 @@ from blink.engine.state import SchedulerConfig, ring_tensors
 from blink.errors import BlinkError
 from blink.executor import ModelExecutor
 from blink.models import int4_linear
-from blink.models.decoder import Q8_HEAD_MAX_ROWS
 from blink.ring import (
     DEFAULT_GRAMMAR_WORDS,
     C_ENGINE_STATE,
@@ -90,8 +89,7 @@ class EngineConfig:
     #: where compiled code is cached (None: $BLINK_COMPILE_CACHE_DIR, else ~/.cache/blink/inductor)
     compile_cache_dir: str | None = None
     #: CPU bf16, eager: steps of few tokens run a GGUF file's Q4_0/Q4_1 projections on its
-    #: own 4-bit codes (blink.models.int4_linear) and take their logits from a Q8_0 head's
-    #: codes where that is faster (blink.kernels.cpu_q8_matmul); False: always the bf16 copy
+    #: own 4-bit codes (blink.models.int4_linear); False: always the bf16 copy
     int4_decode: bool = True
     #: disaggregation (docs/disaggregation.md): "both" (prefill and decode, the default),
     #: "prefill" (also sends a request's prompt KV to a decode engine) or "decode" (also
@@ -223,9 +221,6 @@ class Engine:
         if given:
             log.info("steps of at most %d tokens run %d of %d projections on the checkpoint's "
                      "4-bit codes (--int4-decode off: always bf16)", int4_linear.MAX_ROWS, given, total)
-        if getattr(self.executor, "q8_head", False):
-            log.info("steps of at most %d rows take their logits from the checkpoint's Q8_0 head "
-                     "(faster than bf16 on this CPU; --int4-decode off: always bf16)", Q8_HEAD_MAX_ROWS)
         self.model_config = model_config
         self.max_model_len = self.executor.max_model_len
         self.source = str(files.source)

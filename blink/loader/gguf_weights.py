@@ -46,29 +46,6 @@ def unpack_q4(data: np.ndarray, qtype_name: str, rows: int, cols: int) -> Q4Code
     return Q4Codes(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(d), torch.from_numpy(zero))
 
 
-@dataclass
-class Q8Codes:
-    """A 2-D tensor stored as ggml Q8_0: ``w[n, k] = scale[n, k // Q8_GROUP] * codes[n, k]``
-    (int8 codes, the fp16 block scales widened to fp32): the exact values ``iter_tensors``
-    dequantizes."""
-
-    codes: torch.Tensor  # int8 [N, K]
-    scale: torch.Tensor  # float32 [N, K // Q8_GROUP]
-
-
-#: values per block of ggml's Q8_0
-Q8_GROUP = 32
-
-
-def unpack_q8_0(data: np.ndarray, rows: int, cols: int) -> Q8Codes:
-    """Q8_0 blocks (``data``: uint8 [rows, blocks * 34]: fp16 ``d``, then 32 int8 codes) ->
-    :class:`Q8Codes`."""
-    blocks = data.reshape(rows, cols // Q8_GROUP, 2 + Q8_GROUP)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    codes = blocks[..., 2:].view(np.int8).reshape(rows, cols)
-    return Q8Codes(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(d))
-
-
 class GGUFWeights(GGUFFile):
     """:class:`GGUFFile` plus its tensors as HF-named torch tensors, one at a time."""
 
@@ -110,20 +87,6 @@ class GGUFWeights(GGUFFile):
                 q4 = Q4Codes(*(_reverse_rope_permute(t, entry.permute_heads) for t in (q4.codes, q4.scale, q4.zero)))
                 q4 = Q4Codes(*(t.contiguous() for t in (q4.codes, q4.scale, q4.zero)))
             yield entry.hf_name, q4
-
-    def q8_codes(self, hf_name: str) -> Q8Codes | None:
-        """The Q8_0 codes of the 2-D tensor ``hf_name`` if the file stores it so (not an
-        expert's, not one whose rows the loader permutes), else None."""
-        for entry in self._entries:
-            if entry.hf_name != hf_name:
-                continue
-            tensor = self.reader.tensors[entry.tensor_index]
-            if entry.expert >= 0 or entry.permute_heads or tensor.tensor_type.name != "Q8_0" \
-                    or len(tensor.shape) != 2:
-                return None
-            cols, rows = (int(d) for d in tensor.shape.tolist())  # ggml order: [in, out]
-            return unpack_q8_0(np.asarray(tensor.data), rows, cols)
-        return None
 
     def _dequantize(self, index: int) -> torch.Tensor:
         """Tensor ``index`` as float32 in torch dimension order, in memory it owns."""

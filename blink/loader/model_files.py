@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol
 
-from blink.loader.gguf_weights import GGUFWeights, Q4Codes, Q8Codes
+from blink.loader.gguf_weights import GGUFWeights, Q4Codes
 from blink.loader.gguf_tokenizer import build_tokenizer
 from blink.loader.hf_dir import SafetensorsWeights, read_config, read_generation_config, read_tokenizer_files
 from blink.loader.resolve import resolve_model
@@ -71,12 +71,6 @@ class ModelFiles:
         a Hugging Face directory has none): the same values ``iter_tensors`` dequantizes."""
         if isinstance(self._weights, GGUFWeights):
             yield from self._weights.iter_q4_codes()
-
-    def q8_codes(self, hf_name: str) -> "Q8Codes | None":
-        """The Q8_0 codes of tensor ``hf_name`` when a GGUF file stores it so, else None."""
-        if isinstance(self._weights, GGUFWeights):
-            return self._weights.q8_codes(hf_name)
-        return None
 
 
 def open_model(name_or_path: str | Path) -> ModelFiles:

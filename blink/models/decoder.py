@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,16 +27,11 @@ from torch import nn
 
 from blink.config import ModelConfig
 from blink.errors import ModelLoadError
-from blink.kernels import cpu_q8_matmul, ops_for
+from blink.kernels import ops_for
 from blink.kernels.reference import AttentionMetadata, rope_cos_sin_cache
 from blink.models import int4_linear, packed_linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-
-#: the most rows whose logits :meth:`DecoderForCausalLM.compute_logits` takes from a Q8_0 head
-#: (:meth:`~DecoderForCausalLM.use_q8_head`); beyond, the bf16 head is as fast (measured,
-#: docs/benchmarks.md "Q8_0 head")
-Q8_HEAD_MAX_ROWS = 4
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -226,8 +220,6 @@ class DecoderForCausalLM(nn.Module):
         #: the tied embedding's own 4-bit copy as the head's weight for few rows
         #: (:meth:`use_int4_weights`)
         self.int4_head: int4_linear.Int4Weight | None = None
-        #: the head's own Q8_0 codes and scales for steps of few rows (:meth:`use_q8_head`)
-        self.q8_head: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self,
@@ -251,8 +243,6 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab] in the model dtype."""
-        if self.q8_head is not None and hidden.shape[0] <= Q8_HEAD_MAX_ROWS:
-            return cpu_q8_matmul.q8_matmul(hidden, *self.q8_head)
         if self.lm_head is not None:
             return self.lm_head(hidden)
         if self.int4_head is not None and hidden.shape[0] <= int4_linear.MAX_ROWS:
@@ -278,37 +268,6 @@ class DecoderForCausalLM(nn.Module):
                 module.pack()
         if self.lm_head is None and self.packed_head is None:
             self.packed_head = packed_linear.pack(self.model.embed_tokens.weight)
-
-    def use_q8_head(self, codes: torch.Tensor, scale: torch.Tensor, trials: int = 3) -> bool:
-        """Run the head of steps of at most :data:`Q8_HEAD_MAX_ROWS` rows on the checkpoint's
-        own Q8_0 codes (``codes`` int8 [vocab, hidden], ``scale`` fp32 [vocab, hidden / 32]:
-        :mod:`blink.kernels.cpu_q8_matmul`, half the bytes of the bf16 head), if this CPU runs
-        them faster: a one-row product is timed both ways, ``trials`` times each, alternating
-        (the C kernel is several times slower where the compiler has no AVX-512 to use).
-        Call it after :meth:`use_packed_weights`. Returns whether the codes are used."""
-        weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        vocab, hidden = self.config.vocab_size, self.config.hidden_size
-        if (tuple(codes.shape) != (vocab, hidden) or hidden % cpu_q8_matmul.GROUP
-                or weight.dtype != torch.bfloat16 or cpu_q8_matmul.kernel() is None):
-            return False
-        codes, scale = codes.contiguous(), scale.float().contiguous()
-        if not self._q8_head_is_faster(codes, scale, trials):
-            return False
-        self.q8_head = (codes, scale)
-        return True
-
-    def _q8_head_is_faster(self, codes: torch.Tensor, scale: torch.Tensor, trials: int) -> bool:
-        """One-row logits timed from the bf16 head and from the codes, alternating."""
-        x = torch.randn(1, self.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-        bf16_s, q8_s = [], []
-        for _ in range(trials):
-            start = time.perf_counter()
-            self.compute_logits(x)
-            bf16_s.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            cpu_q8_matmul.q8_matmul(x, codes, scale)
-            q8_s.append(time.perf_counter() - start)
-        return min(q8_s) < min(bf16_s)
 
     def use_int4_weights(self, q4_tensors: Iterable[tuple[str, Any]]) -> tuple[int, int]:
         """Give each projection whose every row the checkpoint stores as 4-bit codes
