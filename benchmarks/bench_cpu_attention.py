@@ -1,0 +1,94 @@
+"""The eager CPU paged attention's two paths side by side, per layer: the C kernel and SDPA over
+gathered blocks (blink.kernels.cpu_attention), on SmolLM2's heads, with the path the per-step
+cost estimate picks.
+
+Each step shape is a mix of (cached tokens, new tokens) rows; both paths run the same call
+``--calls`` times after warm-ups, best of ``--rounds`` rounds, with the per-step memos kept
+(as the model's layers share them); the last column says whether the estimate picked the
+faster one.
+
+    python -m benchmarks.bench_cpu_attention --threads 1
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+# step name -> rows of (cached, new)
+STEPS: dict[str, list[tuple[int, int]]] = {
+    "decode 1 x 128 ctx": [(128, 1)],
+    "decode 16 x 128": [(128, 1)] * 16,
+    "decode 16 x 256": [(255, 1)] * 16,
+    "decode 16 x 2048": [(2047, 1)] * 16,
+    "decode 1 x 4096": [(4095, 1)],
+    "15 decodes @128 + 128-token prompt": [(128, 1)] * 15 + [(0, 128)],
+    "15 decodes @255 + 256-token prompt": [(255, 1)] * 15 + [(0, 256)],
+    "prefill 1 x 64": [(0, 64)],
+    "prefill 1 x 128": [(0, 128)],
+    "prefill 4 x 128": [(0, 128)] * 4,
+    "prefill 1 x 512": [(0, 512)],
+    "1 decode + 512-token prompt": [(100, 1), (0, 512)],
+    "8 decodes + 512 chunk over 1536": [(300, 1)] * 8 + [(1536, 512)],
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (the C kernel splits by them too)")
+    p.add_argument("--heads", type=int, default=9)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+
+    import torch
+
+    from blink.kernels import cpu_attention
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from attention_cases import make_batch
+
+    torch.set_num_threads(args.threads)
+    if cpu_attention.native_kernel() is None:
+        sys.exit("the C kernel did not build here (see the warning above)")
+
+    def best_ms(fn) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(args.rounds):
+            start = time.perf_counter()
+            for _ in range(args.calls):
+                fn()
+            times.append((time.perf_counter() - start) / args.calls * 1e3)
+        return min(times)
+
+    print(f"torch {torch.__version__}, {args.threads} thread(s), heads {args.heads}/{args.kv_heads}, "
+          f"head dim {args.head_dim}, bf16, block 16")
+    print("| step | C ms | SDPA path ms | C speed-up | the estimate picks | right |")
+    print("|---|---:|---:|---:|---|---|")
+    for name, rows in STEPS.items():
+        k_cache, v_cache, _, _, md, _ = make_batch(rows, n_kv_heads=args.kv_heads, head_dim=args.head_dim,
+                                                   block_size=16, dtype=torch.bfloat16)
+        md = dataclasses.replace(md, max_context=max(c + n for c, n in rows),
+                                 max_query_len=max(n for _, n in rows))
+        T = md.slot_mapping.shape[0]
+        q = torch.randn(T, args.heads, args.head_dim).to(torch.bfloat16)
+        scale = args.head_dim ** -0.5
+        picks_native = cpu_attention.prefer_native(md, T, 16)
+        forced = dataclasses.replace(md, step_cache={"cpu_attention_prefer_native": True})
+        native = best_ms(lambda: cpu_attention.paged_attention(q, k_cache, v_cache, forced, scale))
+        # the step's plan and mask memoised, as the model's 30 layers share them
+        memo = dataclasses.replace(md, step_cache={})
+        sdpa = best_ms(lambda: cpu_attention.sdpa_paged_attention(q, k_cache, v_cache, memo, scale))
+        right = (native <= sdpa) == picks_native
+        print(f"| {name} | {native:.3f} | {sdpa:.3f} | {sdpa / native:.2f}x | "
+              f"{'C' if picks_native else 'SDPA'} | {'yes' if right else 'no'} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
