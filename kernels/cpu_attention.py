@@ -41,9 +41,10 @@ _SOURCE = Path(__file__).with_name("cpu_attention.c")
 #: "torch" runs every step on the torch path (tests, diagnosis); anything else: automatic
 IMPL_ENV = "BLINK_CPU_ATTENTION"
 # Cost model of the two paths per layer, ns per unit, fitted on SmolLM2's shapes (9 heads,
-# 3 KV heads, D 64, bf16; docs/benchmarks.md "CPU attention kernel"): the C kernel costs per
-# (token, visible key); SDPA per (tile, key) for the gather plus per (tile, query slot, key)
-# for the blocked product, plus a fixed cost per call. Only their ratio matters.
+# 3 KV heads, D 64, bf16; docs/benchmarks.md, "C attention kernel and fused elementwise
+# ops"): the C kernel costs per (token, visible key); SDPA per (tile, key) for the gather
+# plus per (tile, query slot, key) for the blocked product, plus a fixed cost per call. Only
+# their ratio matters.
 _NATIVE_NS_PER_VISIT = 70.0
 _SDPA_NS_PER_TILE_KEY = 190.0
 _SDPA_NS_PER_CELL = 11.0
@@ -87,9 +88,10 @@ def native_kernel() -> "ctypes._CFuncPtr | None":
 
 def _native_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   md: AttentionMetadata) -> bool:
+    """Whether the C kernel takes this call: its dtypes, layouts and stack limits, and the
+    cost estimate."""
     T, H, D = q.shape
     block_size, KVH = k_cache.shape[1], k_cache.shape[2]
-    longest = md.max_context if md.max_context is not None else md.block_tables.shape[1] * block_size
     return (q.device.type == "cpu" and q.dtype in _DTYPES and k_cache.dtype in _DTYPES
             and v_cache.dtype == k_cache.dtype and k_cache.is_contiguous()
             and v_cache.is_contiguous() and H % KVH == 0 and H // KVH <= _MAX_GROUP

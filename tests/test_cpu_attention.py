@@ -147,7 +147,7 @@ def test_shapes_the_kernel_does_not_take_go_to_sdpa():
 ])
 def test_which_path_a_step_takes(rows, native):
     """The cost estimate picks the path that was faster for these steps on SmolLM2's shapes
-    (docs/benchmarks.md, "CPU attention kernel"), and is made once per step."""
+    (docs/benchmarks.md, "C attention kernel and fused elementwise ops"), and is made once per step."""
     k_cache, v_cache, _, _, md, _ = make_batch(rows, n_kv_heads=3, head_dim=64, block_size=16,
                                                dtype=torch.bfloat16)
     md = dataclasses.replace(md, max_context=max(c + n for c, n in rows),
