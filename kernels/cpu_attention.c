@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_kernels.h"
+
 /* Limits of the per-call stack arrays; kernels/cpu_attention.py sends larger shapes to the
  * torch path. */
 enum { MAX_GROUP = 16, MAX_HEAD_DIM = 256, MAX_BLOCK = 128, MAX_THREADS = 64 };
@@ -102,26 +104,6 @@ static inline vf reduce16(vf v[W]) {
     for (int j = 0; j < 2; j++) c[j] = PAIR(b[2 * j], b[2 * j + 1], LO3, HI3);
     return PAIR(c[0], c[1], LO4, HI4);
 #undef PAIR
-}
-
-/* exp(x) for x <= 0 in plain arithmetic the compiler vectorises (libm's expf is a call per
- * element): 2^(x log2 e) = 2^n * 2^f, 2^f by a degree-6 polynomial; relative error ~2e-7.
- * Below -87 the result is 0, as exp's would be after rounding to the scores' scale. */
-static inline float exp_nonpositive(float x) {
-    if (x < -87.0f) x = -87.0f;
-    float t = x * 1.44269504088896341f;
-    float n = floorf(t);
-    float f = t - n; /* [0, 1) */
-    float p = 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
-    union { uint32_t u; float f; } c;
-    c.u = (uint32_t)((int32_t)n + 127) << 23;
-    return p * c.f;
 }
 
 /* One (token, KV head): returns 0, or -1 when a block id is outside the cache. Inlined with

@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import threading
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from blink.shared.native_build import NativeBuildError, build_library
+from blink.shared.native_build import NativeLibrary
 
 # the gather budget (bytes of K/V plus mask per chunk of query tiles) is the reference's
 from blink.kernels.reference import _GATHER_BUDGET_BYTES, AttentionMetadata, _additive_mask, _attention_plan
@@ -57,33 +55,29 @@ _DTYPES = (torch.float32, torch.bfloat16)
 # masked keys' -inf must stay -inf.
 _MATH_FLAGS = ("-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
 
-_lock = threading.Lock()
-_native: list = []  # [function or None], set once per process
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    fn = library.blink_paged_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3
+                   + [ctypes.c_int] * 2 + [ctypes.c_int64] * 7
+                   + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+                   + [ctypes.c_int64, ctypes.c_int])
+
+
+LIBRARY = NativeLibrary(
+    _SOURCE, what="CPU paged attention: the C kernel", logger=log,
+    fallback="the torch path (SDPA over gathered blocks) serves every step, slower for decode",
+    flags=("-O3", "-march=native", *_MATH_FLAGS), fallback_flags=("-O3", *_MATH_FLAGS),
+    headers=(_SOURCE.with_name("cpu_kernels.h"),), env=IMPL_ENV, setup=_declare)
 
 
 def native_kernel() -> "ctypes._CFuncPtr | None":
     """The C kernel, built or loaded once per process; None where it cannot be built (said
     once in the log) or ``$BLINK_CPU_ATTENTION=torch``."""
-    if _native:
-        return _native[0]
-    with _lock:
-        if not _native:
-            fn = None
-            if os.environ.get(IMPL_ENV, "").strip().lower() != "torch":
-                try:
-                    fn = build_library(_SOURCE, flags=("-O3", "-march=native", *_MATH_FLAGS),
-                                       fallback_flags=("-O3", *_MATH_FLAGS)).blink_paged_attention
-                    fn.restype = ctypes.c_int
-                    fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3
-                                   + [ctypes.c_int] * 2 + [ctypes.c_int64] * 7
-                                   + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float]
-                                   + [ctypes.c_int64, ctypes.c_int])
-                except (NativeBuildError, AttributeError) as exc:
-                    log.warning("CPU paged attention: the C kernel (%s) is not available (%s); "
-                                "the torch path (SDPA over gathered blocks) serves every step, "
-                                "slower for decode", _SOURCE.name, exc)
-            _native.append(fn)
-    return _native[0]
+    library = LIBRARY.get()
+    return None if library is None else library.blink_paged_attention
 
 
 def _native_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

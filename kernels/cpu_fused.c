@@ -14,20 +14,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    uint32_t quiet = (u >> 16) | 0x40u;
-    return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded);
-}
+#include "cpu_kernels.h"
 
 /* out[t] = bf16(weight * bf16(r * rsqrt(mean(r^2) + eps))) with r = x[t] (no residual) or
  * r = bf16(x[t] + residual[t]), which is also stored to residual_out[t]: the reference's
@@ -110,28 +97,8 @@ int blink_write_kv(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64
     return 0;
 }
 
-/* exp(x) for x <= 0 in plain arithmetic the compiler vectorises: 2^(x log2 e) = 2^n * 2^f,
- * 2^f by a degree-6 polynomial, relative error ~2e-7 (0 below -87, clamped there). */
-static inline float exp_approx(float x) {
-    if (x < -87.0f) x = -87.0f;
-    float t = x * 1.44269504088896341f;
-    float n = floorf(t);
-    float f = t - n;
-    float p = 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
-    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
-
 /* out[t] = bf16(bf16(silu(gate)) * up) for x[t] = [gate (dim) | up (dim)], rows `x_stride`
- * apart: the reference's F.silu(gate) * up in bf16. silu's exp is exp_approx, so a result
+ * apart: the reference's F.silu(gate) * up in bf16. silu's exp is exp_nonpositive, so a result
  * may differ from torch's by one bf16 step where the fp32 value lies at a rounding edge. */
 static void silu_and_mul_row(const uint16_t *restrict gate, const uint16_t *restrict up,
                              uint16_t *restrict o, int64_t dim) {
@@ -139,7 +106,7 @@ static void silu_and_mul_row(const uint16_t *restrict gate, const uint16_t *rest
         float g = bf16_to_f32(gate[i]);
         /* sigmoid from exp(-|g|) <= 1: the same value as 1 / (1 + exp(-g)); exp of a large
          * positive argument made the vector code ~10x slower on some inputs (measured). */
-        float e = exp_approx(-fabsf(g)), inv = 1.0f / (1.0f + e);
+        float e = exp_nonpositive(-fabsf(g)), inv = 1.0f / (1.0f + e);
         float silu = bf16_to_f32(f32_to_bf16(g * (g >= 0.0f ? inv : e * inv)));
         o[i] = f32_to_bf16(silu * bf16_to_f32(up[i]));
     }

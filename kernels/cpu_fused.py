@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import threading
 from pathlib import Path
 
 import torch
 
 from blink.kernels import reference
-from blink.shared.native_build import NativeBuildError, build_library
+from blink.shared.native_build import NativeLibrary
 
 log = logging.getLogger("blink.kernels")
 
@@ -46,35 +44,29 @@ _SIGNATURES = {
 # no floating-point traps to keep, so the compiler may vectorise branches (exp's clamps).
 _FLAGS = ("-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math")
 
-_lock = threading.Lock()
-_library: list = []  # [CDLL or None], set once per process
+
+def _declare(library: ctypes.CDLL) -> None:
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(library, name)
+        fn.restype, fn.argtypes = restype, argtypes
+
+
+LIBRARY = NativeLibrary(
+    _SOURCE, what="fused CPU ops: the C library", logger=log,
+    fallback="the torch references run instead, slower for small steps",
+    flags=("-O3", "-march=native", *_FLAGS), fallback_flags=("-O3", *_FLAGS),
+    headers=(_SOURCE.with_name("cpu_kernels.h"),), env=IMPL_ENV, setup=_declare)
 
 
 def library() -> ctypes.CDLL | None:
     """The built library, once per process; None where it cannot be built (said once in the
     log) or ``$BLINK_CPU_FUSED=torch``."""
-    if _library:
-        return _library[0]
-    with _lock:
-        if not _library:
-            lib = None
-            if os.environ.get(IMPL_ENV, "").strip().lower() != "torch":
-                try:
-                    lib = build_library(_SOURCE, flags=("-O3", "-march=native", *_FLAGS),
-                                        fallback_flags=("-O3", *_FLAGS))
-                    for name, (restype, argtypes) in _SIGNATURES.items():
-                        fn = getattr(lib, name)
-                        fn.restype, fn.argtypes = restype, argtypes
-                except (NativeBuildError, AttributeError) as exc:
-                    log.warning("fused CPU ops: the C library (%s) is not available (%s); the torch "
-                                "references run instead, slower for small steps", _SOURCE.name, exc)
-                    lib = None
-            _library.append(lib)
-    return _library[0]
+    return LIBRARY.get()
 
 
 # The checks below run per op call; they use the cheapest tensor attributes (``is_cpu``
 # rather than ``device.type``), because at these sizes they cost as much as the op.
+
 
 def _rows(x: torch.Tensor) -> bool:
     """bf16 CPU [rows, channels] with contiguous channels."""
@@ -91,7 +83,7 @@ def _heads(x: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """:func:`blink.kernels.reference.rms_norm`."""
-    lib = library()
+    lib = LIBRARY.get()
     if lib is None or not _rows(x) or weight.dtype is not _BF16 or not weight.is_contiguous():
         return reference.rms_norm(x, weight, eps)
     rows, dim = x.shape
@@ -104,7 +96,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`blink.kernels.reference.fused_add_rms_norm`."""
-    lib = library()
+    lib = LIBRARY.get()
     if (lib is None or not _rows(x) or not _rows(residual) or x.shape != residual.shape
             or weight.dtype is not _BF16 or not weight.is_contiguous()):
         return reference.fused_add_rms_norm(x, residual, weight, eps)
@@ -119,7 +111,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`blink.kernels.reference.apply_rope` (q and k: views into one new buffer)."""
-    lib = library()
+    lib = LIBRARY.get()
     if (lib is None or not _heads(q) or not _heads(k) or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]
             or positions.dtype != torch.int64 or not positions.is_contiguous()
             or cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous()):
@@ -138,7 +130,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
     """:func:`blink.kernels.reference.write_kv_cache`."""
-    lib = library()
+    lib = LIBRARY.get()
     if (lib is None or not _heads(k) or not _heads(v) or k.shape != v.shape
             or k_cache.dtype is not _BF16 or v_cache.dtype is not _BF16 or not k_cache.is_contiguous()
             or not v_cache.is_contiguous() or k_cache.shape != v_cache.shape
@@ -155,7 +147,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """:func:`blink.kernels.reference.silu_and_mul`."""
-    lib = library()
+    lib = LIBRARY.get()
     if lib is None or not _rows(x) or x.shape[1] % 2:
         return reference.silu_and_mul(x)
     rows, dim = x.shape[0], x.shape[1] // 2

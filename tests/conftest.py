@@ -42,3 +42,21 @@ def _restore_root_logging():
     yield
     root.handlers[:] = saved[0]
     root.setLevel(saved[1])
+
+
+@pytest.fixture
+def without_c_compiler(monkeypatch, tmp_path):
+    """No C compiler and an empty build cache: ``forget(library)`` makes a
+    ``blink.shared.native_build.NativeLibrary`` decide again under these conditions (and
+    again after the test, under the real ones)."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built before is found
+    forgotten = []
+
+    def forget(library):
+        library.reset()
+        forgotten.append(library)
+
+    yield forget
+    for library in forgotten:
+        library.reset()

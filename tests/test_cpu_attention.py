@@ -157,11 +157,9 @@ def test_which_path_a_step_takes(rows, native):
     assert md.step_cache["cpu_attention_prefer_native"] is native
 
 
-def test_without_a_compiler_the_torch_path_serves(monkeypatch, tmp_path, caplog):
+def test_without_a_compiler_the_torch_path_serves(without_c_compiler, caplog):
     """No C compiler: one warning, and every step runs (correctly) on the SDPA path."""
-    monkeypatch.setattr(cpu_attention, "_native", [])
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built before is found
+    without_c_compiler(cpu_attention.LIBRARY)
     with caplog.at_level("WARNING", logger="blink.kernels"):
         assert cpu_attention.native_kernel() is None
         assert cpu_attention.native_kernel() is None

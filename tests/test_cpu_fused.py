@@ -134,10 +134,8 @@ def test_errors_name_the_bad_index():
         cpu_fused.write_kv_cache(q, q, caches[0], caches[1], torch.tensor([0, 8]))
 
 
-def test_without_a_compiler_the_references_serve(monkeypatch, tmp_path, caplog):
-    monkeypatch.setattr(cpu_fused, "_library", [])
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built before is found
+def test_without_a_compiler_the_references_serve(without_c_compiler, caplog):
+    without_c_compiler(cpu_fused.LIBRARY)
     with caplog.at_level("WARNING", logger="blink.kernels"):
         assert cpu_fused.library() is None
         assert cpu_fused.library() is None

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
@@ -46,18 +48,20 @@ def _cpu_flags() -> bytes:
 
 
 def build_library(source: Path, flags: Sequence[str] = ("-O2",),
-                  fallback_flags: Sequence[str] | None = None) -> ctypes.CDLL:
+                  fallback_flags: Sequence[str] | None = None,
+                  headers: Sequence[Path] = ()) -> ctypes.CDLL:
     """Build ``source`` (once per machine) and load it. ``flags`` go before the usual
     ``-shared -fPIC -pthread``; if that compile fails and ``fallback_flags`` is given, those
     are tried instead (e.g. without ``-march=native``, which some compilers reject).
-    Raises :class:`NativeBuildError`."""
+    ``headers``: files the source includes, hashed into the name so that editing one
+    rebuilds. Raises :class:`NativeBuildError`."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise NativeBuildError("no C compiler ($CC, cc, gcc)")
     errors = []
     for attempt in ([list(flags)] + ([list(fallback_flags)] if fallback_flags is not None else [])):
         try:
-            return ctypes.CDLL(str(_built(source, compiler, attempt)))
+            return ctypes.CDLL(str(_built(source, compiler, attempt, headers)))
         except NativeBuildError as exc:
             errors.append(str(exc))
         except OSError as exc:  # a library that does not load
@@ -65,9 +69,10 @@ def build_library(source: Path, flags: Sequence[str] = ("-O2",),
     raise NativeBuildError("; ".join(errors))
 
 
-def _built(source: Path, compiler: str, flags: list[str]) -> Path:
+def _built(source: Path, compiler: str, flags: list[str], headers: Sequence[Path]) -> Path:
     text = source.read_bytes()
-    key_parts = [text, compiler.encode(), " ".join(flags).encode(), platform.machine().encode()]
+    key_parts = [text, *(h.read_bytes() for h in headers), compiler.encode(), " ".join(flags).encode(),
+                 platform.machine().encode()]
     if any(flag.startswith(("-march=native", "-mcpu=native")) for flag in flags):
         key_parts.append(_cpu_flags())
     key = hashlib.sha256(b"\0".join(key_parts)).hexdigest()[:16]
@@ -89,3 +94,47 @@ def _built(source: Path, compiler: str, flags: list[str]) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+class NativeLibrary:
+    """One C source, built (:func:`build_library`) and loaded once per process on first
+    :meth:`get`, or None where it cannot be: then ``logger`` warns once, naming ``what`` and
+    the ``fallback`` that runs instead. ``$env == env_value`` skips it without a warning (tests
+    and diagnosis force the fallback so). ``setup(library)`` declares the functions'
+    signatures; a missing symbol counts as a failed build."""
+
+    def __init__(self, source: Path, *, what: str, fallback: str, logger: logging.Logger,
+                 flags: Sequence[str] = ("-O2",), fallback_flags: Sequence[str] | None = None,
+                 headers: Sequence[Path] = (), env: str | None = None, env_value: str = "torch",
+                 setup: Callable[[ctypes.CDLL], None] | None = None) -> None:
+        self.source, self.what, self.fallback, self.log = source, what, fallback, logger
+        self.flags, self.fallback_flags, self.headers = tuple(flags), fallback_flags, tuple(headers)
+        self.env, self.env_value, self.setup = env, env_value, setup
+        self._lock = threading.Lock()
+        self._state: list[ctypes.CDLL | None] = []  # [library or None] once decided
+
+    def get(self) -> ctypes.CDLL | None:
+        """The loaded library, or None (the caller's fallback runs)."""
+        if self._state:
+            return self._state[0]
+        with self._lock:
+            if not self._state:
+                self._state.append(self._load())
+        return self._state[0]
+
+    def reset(self) -> None:
+        """Forget the decision: the next :meth:`get` builds or loads again (tests)."""
+        with self._lock:
+            self._state.clear()
+
+    def _load(self) -> ctypes.CDLL | None:
+        if self.env and os.environ.get(self.env, "").strip().lower() == self.env_value:
+            return None
+        try:
+            library = build_library(self.source, self.flags, self.fallback_flags, self.headers)
+            if self.setup is not None:
+                self.setup(library)
+            return library
+        except (NativeBuildError, AttributeError) as exc:
+            self.log.warning("%s (%s) is not available (%s); %s", self.what, self.source.name, exc, self.fallback)
+            return None

@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import threading
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from blink.shared.native_build import NativeBuildError, build_library
+from blink.shared.native_build import NativeLibrary
 from blink.transport.base import TransportError
 
 log = logging.getLogger("blink.transport")
@@ -31,36 +29,23 @@ log = logging.getLogger("blink.transport")
 _SOURCE = Path(__file__).with_name("host_copy.c")
 #: set to "python" to use the Python loop even where the C one builds (tests, diagnosis)
 IMPL_ENV = "BLINK_HOST_COPY"
-_lock = threading.Lock()
-_loaded: tuple[ctypes._CFuncPtr | None, str] | None = None  # (function, how it was got)
 
 
-def _build() -> ctypes._CFuncPtr:
-    try:
-        fn = build_library(_SOURCE, flags=("-O2",)).blink_copy_segments
-    except NativeBuildError as exc:
-        raise TransportError(str(exc)) from exc
+def _declare(library: ctypes.CDLL) -> None:
+    fn = library.blink_copy_segments
     fn.restype = ctypes.c_int64
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-    return fn
+
+
+LIBRARY = NativeLibrary(
+    _SOURCE, what="loopback segment copies: the C loop", logger=log,
+    fallback="a Python loop does them instead, slower for fragmented KV transfers",
+    flags=("-O2",), env=IMPL_ENV, env_value="python", setup=_declare)
 
 
 def load() -> str:
     """Build or load the C copy loop once per process; returns ``"c"`` or ``"python"``."""
-    global _loaded
-    with _lock:
-        if _loaded is None:
-            if os.environ.get(IMPL_ENV) == "python":
-                _loaded = (None, "python")
-            else:
-                try:
-                    _loaded = (_build(), "c")
-                except (TransportError, OSError, AttributeError) as exc:
-                    log.warning("loopback segment copies: the C loop (%s) is not available (%s); "
-                                "a Python loop does them instead, slower for fragmented KV "
-                                "transfers", _SOURCE.name, exc)
-                    _loaded = (None, "python")
-        return _loaded[1]
+    return "c" if LIBRARY.get() is not None else "python"
 
 
 class Sources:
@@ -137,10 +122,10 @@ class CopyList:
         stop = len(self) if stop is None else min(stop, len(self))
         if stop <= start:
             return 0
-        load()
-        fn = _loaded[0] if _loaded is not None else None
-        if fn is None:
+        library = LIBRARY.get()
+        if library is None:
             return copy_segments_python(self.dst, self.sources, self.segments[start:stop])
+        fn = library.blink_copy_segments
         rows = self.table.__array_interface__["data"][0] + start * self.table.strides[0]
         return int(fn(self._dst_address, rows, stop - start, max(1, int(threads))))
 

@@ -1,0 +1,43 @@
+/* Scalar helpers shared by the CPU kernels (cpu_attention.c, cpu_fused.c): bf16 <-> fp32 and
+ * an exp the compiler vectorises. Hashed into their build keys (blink/shared/native_build.py),
+ * so a change here rebuilds both. */
+#pragma once
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) { /* bf16 is the top half of an fp32 */
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    uint32_t quiet = (u >> 16) | 0x40u;
+    return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded);
+}
+
+/* exp(x) for x <= 0 in plain arithmetic (libm's expf is a call per element):
+ * 2^(x log2 e) = 2^n * 2^f, 2^f by a degree-6 polynomial; relative error ~2e-7. Below -87
+ * the result is clamped to exp(-87) ~ 1.6e-38, which no sum it enters can tell from 0. */
+static inline float exp_nonpositive(float x) {
+    if (x < -87.0f) x = -87.0f;
+    float t = x * 1.44269504088896341f;
+    float n = floorf(t);
+    float f = t - n; /* [0, 1) */
+    float p = 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}

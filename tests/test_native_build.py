@@ -1,0 +1,72 @@
+"""blink.shared.native_build: a C source built once per machine and cached by everything that
+shapes the binary (its headers too), loaded once per process, and a clear fallback."""
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import pytest
+
+from blink.shared import native_build
+from blink.shared.native_build import NativeBuildError, NativeLibrary, build_library
+
+SOURCE = '#include "answer.h"\nint blink_answer(void) { return ANSWER; }\n'
+
+
+@pytest.fixture
+def sources(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    (tmp_path / "answer.c").write_text(SOURCE)
+    (tmp_path / "answer.h").write_text("#define ANSWER 42\n")
+    return tmp_path / "answer.c", tmp_path / "answer.h"
+
+
+def test_builds_once_and_a_header_change_rebuilds(sources):
+    source, header = sources
+    assert build_library(source, headers=(header,)).blink_answer() == 42
+    built = sorted((native_build.cache_dir()).glob("answer-*.so"))
+    assert len(built) == 1
+    assert build_library(source, headers=(header,)).blink_answer() == 42  # cached: no new file
+    assert sorted(native_build.cache_dir().glob("answer-*.so")) == built
+    header.write_text("#define ANSWER 7\n")
+    assert build_library(source, headers=(header,)).blink_answer() == 7
+    assert len(list(native_build.cache_dir().glob("answer-*.so"))) == 2
+
+
+def test_fallback_flags_when_the_first_compile_fails(sources):
+    source, header = sources
+    lib = build_library(source, flags=("-O2", "-fno-such-flag-anywhere"), fallback_flags=("-O2",),
+                        headers=(header,))
+    assert lib.blink_answer() == 42
+    with pytest.raises(NativeBuildError, match="failed"):
+        build_library(source, flags=("-fno-such-flag-anywhere",), headers=(header,))
+
+
+def test_native_library_decides_once_warns_once_and_honours_its_switch(sources, monkeypatch, caplog):
+    source, header = sources
+    log = logging.getLogger("blink.test")
+
+    def declare(library):
+        library.blink_answer.restype = ctypes.c_int
+
+    library = NativeLibrary(source, what="the answer", fallback="none instead", logger=log,
+                            headers=(header,), env="BLINK_TEST_ANSWER", setup=declare)
+    assert library.get().blink_answer() == 42 and library.get() is library.get()
+    monkeypatch.setenv("BLINK_TEST_ANSWER", "torch")
+    library.reset()
+    with caplog.at_level("WARNING", logger="blink.test"):
+        assert library.get() is None  # switched off: no warning
+    monkeypatch.delenv("BLINK_TEST_ANSWER")
+    monkeypatch.setenv("CC", str(source.parent / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(source.parent / "empty"))
+    library.reset()
+    with caplog.at_level("WARNING", logger="blink.test"):
+        assert library.get() is None and library.get() is None
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "the answer (answer.c) is not available" in warnings[0] \
+        and warnings[0].endswith("none instead")
+    missing = NativeLibrary(source, what="a missing symbol", fallback="x", logger=log, headers=(header,),
+                            setup=lambda lib: lib.blink_no_such_function)
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(source.parent / "cache"))
+    assert missing.get() is None  # a missing symbol counts as a failed build
