@@ -42,8 +42,6 @@ typedef struct { const args_t *a; int64_t lo, hi; int status; } part_t;
 
 /* 16 floats: one AVX-512 register, two AVX2 ones; the compiler lowers it for the host. */
 typedef float vf __attribute__((vector_size(64)));
-typedef float vf8 __attribute__((vector_size(32)));
-typedef float vf4 __attribute__((vector_size(16)));
 typedef uint32_t vu32 __attribute__((vector_size(64)));
 typedef uint16_t vu16 __attribute__((vector_size(32)));
 enum { W = 16 };
@@ -71,18 +69,6 @@ static inline void store16(void *base, int64_t index, vf f, int bf16) {
     } else {
         memcpy((float *)base + index, &f, sizeof f);
     }
-}
-
-static inline float hsum(vf v) {
-    vf8 lo, hi;
-    memcpy(&lo, &v, sizeof lo);
-    memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
-    lo += hi;
-    vf4 a, b;
-    memcpy(&a, &lo, sizeof a);
-    memcpy(&b, (const char *)&lo + sizeof a, sizeof b);
-    a += b;
-    return (a[0] + a[2]) + (a[1] + a[3]);
 }
 
 /* r[j] = sum of v[j]'s lanes, j < 16: four levels of pairwise shuffles and adds (15 adds
