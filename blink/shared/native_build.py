@@ -1,13 +1,14 @@
 """Small C sources built into shared libraries at first use, cached once per machine.
 
-Blink ships a few C loops as source (the loopback transport's copy list, the CPU decode
-attention) rather than prebuilt binaries: the wheel stays pure Python and each host builds
-for its own CPU. :func:`build_library` compiles a source with the system C compiler
+Blink ships a few C loops as source (the loopback transport's copy list, the CPU paged
+attention, the fused CPU elementwise ops) rather than prebuilt binaries: the wheel stays pure
+Python and each host builds for its own CPU. :func:`build_library` compiles a source with the system C compiler
 (``$CC``, else ``cc``, else ``gcc``) into ``$XDG_CACHE_HOME/blink`` (else ``~/.cache/blink``),
 named by a hash of the source, the compiler, the flags and, for ``-march=native`` builds, the
 CPU's feature flags (a home directory shared by different CPUs never loads a library built
 for another). The file is renamed into place atomically, so concurrent builders are safe.
-Callers keep a torch or Python fallback for hosts without a compiler.
+Callers keep a torch or Python fallback for hosts without a compiler; :class:`NativeLibrary`
+is the build-once, load-once, warn-once wrapper they share.
 
 Standard library only: the frontend (torch-free) reaches it through the transport.
 """
