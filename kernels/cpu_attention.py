@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from blink.shared.native_build import NativeLibrary
+from blink.shared.native_build import NativeBuildError, NativeLibrary
 
 # the gather budget (bytes of K/V plus mask per chunk of query tiles) is the reference's
 from blink.kernels.reference import _GATHER_BUDGET_BYTES, AttentionMetadata, _additive_mask, _attention_plan
@@ -36,7 +37,8 @@ from blink.kernels.reference import _GATHER_BUDGET_BYTES, AttentionMetadata, _ad
 log = logging.getLogger("blink.kernels")
 
 _SOURCE = Path(__file__).with_name("cpu_attention.c")
-#: "torch" runs every step on the torch path (tests, diagnosis); anything else: automatic
+#: "torch": every step on the torch path; "c": the C kernel even where it is slower (a build
+#: without AVX-512: tests, diagnosis); unset: automatic
 IMPL_ENV = "BLINK_CPU_ATTENTION"
 # Cost model of the two paths per layer, ns per unit, fitted on SmolLM2's shapes (9 heads,
 # 3 KV heads, D 64, bf16; docs/benchmarks.md, "C attention kernel and fused elementwise
@@ -58,6 +60,10 @@ _MATH_FLAGS = ("-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-f
 
 
 def _declare(library: ctypes.CDLL) -> None:
+    library.blink_has_avx512.restype = ctypes.c_int
+    if not library.blink_has_avx512() and os.environ.get(IMPL_ENV, "").strip().lower() != "c":
+        # measured 0.26-0.9x the torch path on an AVX2 build (docs/benchmarks.md)
+        raise NativeBuildError("this CPU has no AVX-512, without which the kernel is slower than SDPA")
     fn = library.blink_paged_attention
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3
@@ -68,7 +74,7 @@ def _declare(library: ctypes.CDLL) -> None:
 
 LIBRARY = NativeLibrary(
     _SOURCE, what="CPU paged attention: the C kernel", logger=log,
-    fallback="the torch path (SDPA over gathered blocks) serves every step, slower for decode",
+    fallback="the torch path (SDPA over gathered blocks) serves every step",
     flags=("-O3", "-march=native", *_MATH_FLAGS), fallback_flags=("-O3", *_MATH_FLAGS),
     headers=(_SOURCE.with_name("cpu_kernels.h"),), env=IMPL_ENV, setup=_declare)
 

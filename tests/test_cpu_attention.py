@@ -6,6 +6,7 @@ step takes; a bad block id; the fallback without a compiler."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -39,8 +40,18 @@ IMPLS = {"native": native_only, "sdpa": cpu_attention.sdpa_paged_attention}
 
 @pytest.fixture(scope="module", autouse=True)
 def native_kernel_builds():
-    """This machine has a C compiler (CI's too): the C kernel must build, not fall back."""
+    """The C kernel must build here (CI has a compiler too), forced on (``c``) so that a host
+    without AVX-512, where it is not used by default, tests it as well."""
+    previous = os.environ.get(cpu_attention.IMPL_ENV)
+    os.environ[cpu_attention.IMPL_ENV] = "c"
+    cpu_attention.LIBRARY.reset()
     assert cpu_attention.native_kernel() is not None
+    yield
+    if previous is None:
+        os.environ.pop(cpu_attention.IMPL_ENV)
+    else:
+        os.environ[cpu_attention.IMPL_ENV] = previous
+    cpu_attention.LIBRARY.reset()
 
 
 def test_the_cpu_table_uses_it():
@@ -171,3 +182,35 @@ def test_without_a_compiler_the_torch_path_serves(without_c_compiler, caplog):
     torch.testing.assert_close(cpu_attention.paged_attention(q, k_cache, v_cache, md, 0.25)[:n_live],
                                ref.paged_attention(q, k_cache, v_cache, md, 0.25)[:n_live],
                                atol=1e-5, rtol=1e-5)
+
+
+NO_AVX512_CC = """#!/bin/sh
+# the system compiler, building for a CPU without AVX-512
+for a; do shift; [ "$a" = "-march=native" ] && a="-march=x86-64-v3"; set -- "$@" "$a"; done
+exec cc -mno-avx512f "$@"
+"""
+
+
+def test_a_build_without_avx512_is_not_used_unless_forced(without_c_compiler, tmp_path, monkeypatch, caplog):
+    """Without AVX-512 the kernel measured slower than SDPA: by default it is refused (said
+    once), with ``c`` it runs, and correctly."""
+    wrapper = tmp_path / "cc-no-avx512"
+    wrapper.write_text(NO_AVX512_CC)
+    wrapper.chmod(0o755)
+    without_c_compiler(cpu_attention.LIBRARY)
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.delenv(cpu_attention.IMPL_ENV)
+    with caplog.at_level("WARNING", logger="blink.kernels"):
+        assert cpu_attention.native_kernel() is None
+    assert any("no AVX-512" in r.getMessage() for r in caplog.records)
+    monkeypatch.setenv(cpu_attention.IMPL_ENV, "c")
+    cpu_attention.LIBRARY.reset()
+    assert cpu_attention.native_kernel() is not None
+    assert cpu_attention.LIBRARY.get().blink_has_avx512() == 0
+    k_cache, v_cache, k_new, v_new, md, n_live = make_batch(MIXED, n_kv_heads=2, head_dim=16,
+                                                            block_size=4, dtype=torch.bfloat16)
+    ref.write_kv_cache(k_new, v_new, k_cache, v_cache, md.slot_mapping)
+    q = torch.randn(md.slot_mapping.shape[0], 4, 16).to(torch.bfloat16)
+    torch.testing.assert_close(native_only(q, k_cache, v_cache, md, 0.25)[:n_live].float(),
+                               ref.paged_attention(q, k_cache, v_cache, md, 0.25)[:n_live].float(),
+                               **TOL[torch.bfloat16])
