@@ -260,3 +260,39 @@ def test_gguf_without_tokenizer_is_an_error(tmp_path):
         files.tokenizer_json  # ...but asking for it names the file and the problem
     with pytest.raises(ModelLoadError, match=r"none\.gguf.*no tokenizer"):
         load_tokenizer_files(path)
+
+
+def test_a_gguf_tokenizer_is_cached_and_rebuilt_when_the_file_changes(tmp_path, monkeypatch):
+    """The second load reads the cache (no GGUF parse); a changed file, a corrupt cache entry
+    or an unwritable cache directory all still give the same tokenizer."""
+    import os
+    import shutil
+
+    from blink.loader import tokenizer_files
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    shutil.copyfile(smollm_path(), gguf)
+    built = load_tokenizer_files(gguf)
+    entries = list((tmp_path / "cache" / "blink" / "tokenizers").glob("*.json"))
+    assert len(entries) == 1
+
+    class NoParse:
+        def __init__(self, *a, **k):
+            raise AssertionError("the GGUF was parsed although its tokenizer is cached")
+
+    with monkeypatch.context() as m:
+        m.setattr(tokenizer_files, "GGUFFile", NoParse)
+        assert load_tokenizer_files(gguf) == built
+
+    os.utime(gguf, ns=(1, 1))  # "edited": a new key, so it is built again
+    assert load_tokenizer_files(gguf) == built
+    assert len(list(entries[0].parent.glob("*.json"))) == 2
+
+    for entry in entries[0].parent.glob("*.json"):
+        entry.write_text("{not json")
+    assert load_tokenizer_files(gguf) == built  # a corrupt entry is rebuilt and rewritten
+    assert json.loads(tokenizer_files._cache_path(gguf).read_text())["tokenizer_json"] == built[0]
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(gguf))  # a file, not a directory: nothing can be written
+    assert load_tokenizer_files(gguf) == built
