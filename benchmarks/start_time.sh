@@ -11,6 +11,6 @@ for i in $(seq 1 1800); do
   sleep 0.5
 done
 end=$(date +%s.%N)
-echo "args: $* -> $(echo "$end - $start" | bc) s to serving"
+echo "args: $* -> $(python3 -c "print(round($end - $start, 1))") s to serving"
 grep -iE "compil" /tmp/start_time.log | tail -3
 kill -INT $pid; wait $pid 2>/dev/null
