@@ -236,14 +236,3 @@ int blink_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_h,
     }
     return status;
 }
-
-/* Whether this build has AVX-512: without it the 16-float vectors above are emulated on
- * narrower registers and ran slower than the torch paths (measured), so the Python side
- * does not use them unless told to. */
-int blink_has_avx512(void) {
-#if defined(__AVX512F__)
-    return 1;
-#else
-    return 0;
-#endif
-}

@@ -115,14 +115,3 @@ static void silu_and_mul_row(const uint16_t *restrict gate, const uint16_t *rest
 void blink_silu_and_mul(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t rows, int64_t dim) {
     for (int64_t t = 0; t < rows; t++) silu_and_mul_row(x + t * x_stride, x + t * x_stride + dim, out + t * dim, dim);
 }
-
-/* Whether this build has AVX-512: without it the 16-float vectors above are emulated on
- * narrower registers and ran slower than the torch paths (measured), so the Python side
- * does not use them unless told to. */
-int blink_has_avx512(void) {
-#if defined(__AVX512F__)
-    return 1;
-#else
-    return 0;
-#endif
-}

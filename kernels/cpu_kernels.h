@@ -41,3 +41,14 @@ static inline float exp_nonpositive(float x) {
     memcpy(&scale, &bits, sizeof scale);
     return p * scale;
 }
+
+/* Whether this build has AVX-512 (each library that includes this exports it): without it
+ * the kernels' 16-float vectors are emulated on narrower registers and ran slower than the
+ * torch paths (measured), so the Python side does not use them unless told to. */
+int blink_has_avx512(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}

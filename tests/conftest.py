@@ -60,3 +60,4 @@ def without_c_compiler(monkeypatch, tmp_path):
     yield forget
     for library in forgotten:
         library.reset()
+

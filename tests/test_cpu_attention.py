@@ -6,7 +6,6 @@ step takes; a bad block id; the fallback without a compiler."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
 from attention_cases import CPU_CASES, MIXED, make_batch  # noqa: E402
+from native_helpers import forced_native  # noqa: E402
 
 from blink.kernels import cpu_attention, ops_for  # noqa: E402
 from blink.kernels import reference as ref  # noqa: E402
@@ -40,18 +40,11 @@ IMPLS = {"native": native_only, "sdpa": cpu_attention.sdpa_paged_attention}
 
 @pytest.fixture(scope="module", autouse=True)
 def native_kernel_builds():
-    """The C kernel must build here (CI has a compiler too), forced on (``c``) so that a host
+    """The C kernel must build here (CI has a compiler too), forced on so that a host
     without AVX-512, where it is not used by default, tests it as well."""
-    previous = os.environ.get(cpu_attention.IMPL_ENV)
-    os.environ[cpu_attention.IMPL_ENV] = "c"
-    cpu_attention.LIBRARY.reset()
-    assert cpu_attention.native_kernel() is not None
-    yield
-    if previous is None:
-        os.environ.pop(cpu_attention.IMPL_ENV)
-    else:
-        os.environ[cpu_attention.IMPL_ENV] = previous
-    cpu_attention.LIBRARY.reset()
+    with forced_native(cpu_attention.LIBRARY, cpu_attention.IMPL_ENV):
+        assert cpu_attention.native_kernel() is not None
+        yield
 
 
 def test_the_cpu_table_uses_it():

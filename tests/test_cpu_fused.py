@@ -5,7 +5,6 @@ of the fused QKV, partial rotary); what falls back to the reference; the errors;
 fallback; and that a compiled step still gets the traceable references."""
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -15,24 +14,20 @@ import torch
 from blink.kernels import cpu_fused, ops_for, reference
 from blink.kernels.ops import compiled_cpu_ops
 
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
+from native_helpers import forced_native  # noqa: E402
+
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 BF16 = torch.bfloat16
 
 
 @pytest.fixture(scope="module", autouse=True)
 def library_builds():
-    """The library must build here (CI has a compiler too), every op forced on (``c``) so that
-    a host without AVX-512 tests the SiLU as well."""
-    previous = os.environ.get(cpu_fused.IMPL_ENV)
-    os.environ[cpu_fused.IMPL_ENV] = "c"
-    cpu_fused.LIBRARY.reset()
-    assert cpu_fused.library() is not None and cpu_fused.library().native_silu
-    yield
-    if previous is None:
-        os.environ.pop(cpu_fused.IMPL_ENV)
-    else:
-        os.environ[cpu_fused.IMPL_ENV] = previous
-    cpu_fused.LIBRARY.reset()
+    """The library must build here (CI has a compiler too), every op forced on so that a host
+    without AVX-512 tests the SiLU as well."""
+    with forced_native(cpu_fused.LIBRARY, cpu_fused.IMPL_ENV) as lib:
+        assert lib is not None and lib.native_silu
+        yield
 
 
 def _gen(seed: int = 0) -> torch.Generator:
@@ -161,7 +156,6 @@ def test_without_a_compiler_the_references_serve(without_c_compiler, caplog):
 def test_without_avx512_the_silu_is_the_reference(without_c_compiler, tmp_path, monkeypatch):
     """A build without AVX-512 keeps the C norms, rotary embedding and KV write, whose vector
     code stays faster there, but not the SiLU, which measured slower than torch's."""
-    sys.path.insert(0, str(Path(__file__).parent))
     from test_cpu_attention import NO_AVX512_CC
 
     wrapper = tmp_path / "cc-no-avx512"
