@@ -5,8 +5,8 @@ A GGUF file's tokenizer is rebuilt from its metadata, and reading that metadata 
 walks ~100,000 vocabulary and merge strings) took ~3.6 s of every start, on the path to
 serving: the frontend loads its tokenizer after the engine is up. The result is therefore
 cached as one JSON file under ``~/.cache/blink/tokenizers`` (``$XDG_CACHE_HOME``), keyed by the
-GGUF file's path, size and modification time and by the builder's own source, so an edited
-file or builder is rebuilt; an unreadable or unwritable cache is just a rebuild.
+GGUF file's path, size and modification time and by the source of the code that builds it, so
+an edited file or builder is rebuilt; an unreadable or unwritable cache is just a rebuild.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from blink.loader import gguf_file as gguf_file_module
 from blink.loader import gguf_tokenizer
 from blink.loader.gguf_file import GGUFFile
 from blink.loader.gguf_tokenizer import build_tokenizer
@@ -50,7 +51,9 @@ def load_tokenizer_files(name_or_path: str | Path) -> TokenizerFiles:
 
 def _cache_path(gguf_path: Path) -> Path:
     stat = gguf_path.stat()
-    builder = Path(gguf_tokenizer.__file__).read_bytes() + Path(__file__).read_bytes()
+    # the code that builds it: this module, the builder, and the metadata reader it asks
+    builder = b"".join(Path(m.__file__).read_bytes() for m in (gguf_tokenizer, gguf_file_module)) \
+        + Path(__file__).read_bytes()
     key = hashlib.sha256(b"\0".join([str(gguf_path.resolve()).encode(), str(stat.st_size).encode(),
                                       str(stat.st_mtime_ns).encode(), builder])).hexdigest()[:20]
     return cache_dir() / "tokenizers" / f"{gguf_path.stem}-{key}.json"
