@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
@@ -58,10 +57,9 @@ _DTYPES = (torch.float32, torch.bfloat16)
 _MATH_FLAGS = ("-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
 
 
-
 def _declare(library: ctypes.CDLL) -> None:
     library.blink_has_avx512.restype = ctypes.c_int
-    if not library.blink_has_avx512() and os.environ.get(IMPL_ENV, "").strip().lower() != "c":
+    if not library.blink_has_avx512() and LIBRARY.switch() != "c":
         # measured 0.26-0.9x the torch path on an AVX2 build (docs/benchmarks.md)
         raise NativeBuildError("this CPU has no AVX-512, without which the kernel is slower than SDPA")
     fn = library.blink_paged_attention
@@ -92,7 +90,7 @@ def _native_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cost estimate."""
     T, H, D = q.shape
     block_size, KVH = k_cache.shape[1], k_cache.shape[2]
-    return (q.device.type == "cpu" and q.dtype in _DTYPES and k_cache.dtype in _DTYPES
+    return (q.is_cpu and q.dtype in _DTYPES and k_cache.dtype in _DTYPES
             and v_cache.dtype == k_cache.dtype and k_cache.is_contiguous()
             and v_cache.is_contiguous() and H % KVH == 0 and H // KVH <= _MAX_GROUP
             and D % 16 == 0 and D <= _MAX_HEAD_DIM and block_size <= _MAX_BLOCK

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -54,7 +53,7 @@ def _declare(library: ctypes.CDLL) -> None:
     # Without AVX-512 the SiLU's vector exp ran 1.8x slower than torch's (measured on an AVX2
     # build); the other ops stayed 1.4-2.7x faster.
     library.blink_has_avx512.restype = ctypes.c_int
-    library.native_silu = bool(library.blink_has_avx512()) or os.environ.get(IMPL_ENV, "").strip().lower() == "c"
+    library.native_silu = bool(library.blink_has_avx512()) or LIBRARY.switch() == "c"
 
 
 LIBRARY = NativeLibrary(

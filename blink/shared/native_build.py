@@ -128,8 +128,12 @@ class NativeLibrary:
         with self._lock:
             self._state.clear()
 
+    def switch(self) -> str:
+        """``$env`` as the library reads it (stripped, lower case; "" when unset or none)."""
+        return os.environ.get(self.env, "").strip().lower() if self.env else ""
+
     def _load(self) -> ctypes.CDLL | None:
-        if self.env and os.environ.get(self.env, "").strip().lower() == self.env_value:
+        if self.switch() == self.env_value:
             return None
         try:
             library = build_library(self.source, self.flags, self.fallback_flags, self.headers)
