@@ -10,7 +10,8 @@ split by bytes over the caller's thread count, the loopback counterpart of an RD
 It is built with the system C compiler once per machine
 (:func:`blink.shared.native_build.build_library`); loading takes milliseconds. Without a
 compiler (a slim container image) the same copies run as a Python loop
-(:func:`copy_segments_python`, also the tests' reference), said once in the log. numpy and ctypes only: the frontend imports the transport without torch.
+(:func:`copy_segments_python`, also the tests' reference), said once in the log. numpy and
+ctypes only: the frontend imports the transport without torch.
 """
 from __future__ import annotations
 
