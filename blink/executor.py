@@ -46,9 +46,9 @@ class ModelExecutor:
     for oneDNN (:mod:`blink.models.packed_linear`; ~2x faster linears at decode sizes);
     False keeps them plain, which a compiled step needs (it traces the weights).
     ``int4_decode``: with packed bf16 weights and a checkpoint that stores projections as
-    4-bit Q4_0/Q4_1 codes (a GGUF file), steps of at most ``int4_linear.MAX_ROWS`` tokens
-    run those projections on the codes (:mod:`blink.models.int4_linear`; ~4x less memory
-    traffic); ``int4_projections`` says how many got an int4 copy.
+    4-bit Q4_0/Q4_1 codes (a GGUF file), decode-sized steps run those projections on the
+    codes (:mod:`blink.models.int4_linear`; ~4x less memory traffic); ``int4_projections``
+    says how many got an int4 copy, ``int4_kernels`` which kernel and up to how many rows.
     """
 
     def __init__(
@@ -92,6 +92,8 @@ class ModelExecutor:
         if self.packed_weights and int4_decode and iter_q4 is not None \
                 and int4_linear.available(dtype, self.device):
             self.int4_projections = self.model.use_int4_weights(iter_q4())
+        #: {(kernel, max rows) of the int4 copies: how many projections}
+        self.int4_kernels = self.model.int4_kernels()
         if self.packed_weights:
             self.model.use_packed_weights()
         # Plain bf16 weights, one-token steps: torch's own matrix-vector kernel reads them

@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType as Q
 from blink.executor import ModelExecutor
 from blink.loader import open_model
 from blink.loader.gguf_weights import unpack_q4
+from blink.kernels import cpu_q4_linear
 from blink.models import int4_linear
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
@@ -22,7 +23,11 @@ from helpers_models import make_tiny_model  # noqa: E402
 from test_loader_gguf import export_to_gguf  # noqa: E402
 
 needs_kernel = pytest.mark.skipif(not int4_linear.available(torch.bfloat16, torch.device("cpu")),
-                                  reason="torch's int4 CPU kernel does not run here")
+                                  reason="no 4-bit CPU kernel runs here")
+needs_torch_kernel = pytest.mark.skipif(not int4_linear._torch_kernel_runs(),
+                                        reason="torch's int4 CPU kernel does not run here")
+needs_amx_kernel = pytest.mark.skipif(not cpu_q4_linear.available(),
+                                      reason="the AMX kernel does not run here (no AMX, compiler or permission)")
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
@@ -37,16 +42,20 @@ def test_unpacked_codes_are_the_values_gguf_dequantizes(qtype):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
 
 
-@needs_kernel
+@pytest.mark.parametrize("kernel", [pytest.param("torch", marks=needs_torch_kernel),
+                                    pytest.param("amx", marks=needs_amx_kernel)])
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_kernel_matches_its_reference(rows):
+def test_kernel_matches_its_reference(rows, kernel):
     torch.manual_seed(0)
     n, k = 96, 128
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-    scale, zero = torch.rand(n, k // 32) * 0.02, torch.randn(n, k // 32) * 0.05
+    # as a GGUF file's: fp16 d and m, zero = m + 8d (the AMX kernel keeps d and m so)
+    scale, m = (torch.rand(n, k // 32) * 0.02).half().float(), (torch.randn(n, k // 32) * 0.05).half().float()
+    zero = m + 8 * scale
     bias = torch.randn(n).bfloat16()
     x = torch.randn(rows, k).bfloat16()
-    weight = int4_linear.pack(codes, scale, zero)
+    weight = int4_linear.pack(codes, scale, zero, kernel=kernel)
+    assert weight.kernel == kernel
     got = int4_linear.linear(x, weight, bias).float()
     want = int4_linear.reference_linear(x, codes, scale, zero, bias).float()
     assert got.shape == (rows, n)
@@ -90,14 +99,16 @@ def test_executor_runs_small_steps_on_the_codes_and_large_ones_on_bf16(q4_gguf):
     assert with_int4.int4_projections == (4 * layers + 1, 4 * layers + 1)
     assert plain.int4_projections == (0, 0)
 
-    small = int4_linear.MAX_ROWS
+    # the kernel each copy got (the AMX one where it runs) and the rows it takes
+    assert sum(with_int4.int4_kernels.values()) == 4 * layers + 1
+    small = min(rows for _, rows in with_int4.int4_kernels)
     ref, a, b = (_decode_logits(ex, small) for ex in (fp32, with_int4, plain))
     assert not torch.equal(a, b)  # the int4 path ran
     # ...and is as close to the fp32 logits (on the same dequantized values) as bf16 is
     err_int4, err_bf16 = (a - ref).abs().max().item(), (b - ref).abs().max().item()
     assert err_int4 < max(3 * err_bf16, 0.05), (err_int4, err_bf16)
 
-    big = small + 1  # more tokens than MAX_ROWS: the bf16 copy, bit for bit
+    big = max(rows for _, rows in with_int4.int4_kernels) + 1  # more tokens: the bf16 copy, bit for bit
     for ex in (with_int4, plain):
         ex.kv_caches = [(k.zero_(), v.zero_()) for k, v in ex.kv_caches]
     assert torch.equal(_decode_logits(with_int4, big), _decode_logits(plain, big))
@@ -130,5 +141,5 @@ def test_a_tied_head_stored_as_q4_gets_its_int4_copy(tmp_path):
     hidden = torch.randn(2, embed.shape[1]).bfloat16()
     want = int4_linear.reference_linear(hidden, q4.codes, q4.scale, q4.zero, None).float()
     torch.testing.assert_close(model.compute_logits(hidden).float(), want, rtol=2e-2, atol=2e-2)
-    many = torch.randn(int4_linear.MAX_ROWS + 1, embed.shape[1]).bfloat16()
+    many = torch.randn(model.int4_head.max_rows + 1, embed.shape[1]).bfloat16()
     assert torch.equal(model.compute_logits(many), torch.nn.functional.linear(many, model.model.embed_tokens.weight))

@@ -31,7 +31,6 @@ from blink.engine.scheduler import Scheduler
 from blink.engine.state import SchedulerConfig, ring_tensors
 from blink.errors import BlinkError
 from blink.executor import ModelExecutor
-from blink.models import int4_linear
 from blink.ring import (
     DEFAULT_GRAMMAR_WORDS,
     C_ENGINE_STATE,
@@ -219,8 +218,10 @@ class Engine:
         )
         given, total = getattr(self.executor, "int4_projections", (0, 0))
         if given:
-            log.info("steps of at most %d tokens run %d of %d projections on the checkpoint's "
-                     "4-bit codes (--int4-decode off: always bf16)", int4_linear.MAX_ROWS, given, total)
+            kernels = ", ".join(f"{count} on the {kernel} kernel for steps of at most {rows} tokens"
+                                for (kernel, rows), count in getattr(self.executor, "int4_kernels", {}).items())
+            log.info("%d of %d projections run decode-sized steps on the checkpoint's 4-bit codes "
+                     "(%s; --int4-decode off: always bf16)", given, total, kernels)
         self.model_config = model_config
         self.max_model_len = self.executor.max_model_len
         self.source = str(files.source)

@@ -43,8 +43,8 @@ def _param(*shape: int) -> nn.Parameter:
 class Linear(nn.Module):
     """``y = x @ weight.T (+ bias)``; weight [out, in] as in HF checkpoints, or the same
     weight packed for oneDNN (:meth:`pack`, bf16 on CPU). ``int4``, when set, is the
-    checkpoint's own 4-bit copy of the weight, used for inputs of at most
-    :data:`~blink.models.int4_linear.MAX_ROWS` rows (:mod:`blink.models.int4_linear`)."""
+    checkpoint's own 4-bit copy of the weight, used for inputs of at most its ``max_rows``
+    rows (:mod:`blink.models.int4_linear`)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -59,7 +59,7 @@ class Linear(nn.Module):
         self.packed = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4 is not None and x.shape[0] <= int4_linear.MAX_ROWS:
+        if self.int4 is not None and x.shape[0] <= self.int4.max_rows:
             return int4_linear.linear(x, self.int4, self.bias)
         if self.packed:
             return packed_linear.linear(x, self.weight, self.bias)
@@ -245,7 +245,7 @@ class DecoderForCausalLM(nn.Module):
         """hidden [N, hidden_size] -> logits [N, vocab] in the model dtype."""
         if self.lm_head is not None:
             return self.lm_head(hidden)
-        if self.int4_head is not None and hidden.shape[0] <= int4_linear.MAX_ROWS:
+        if self.int4_head is not None and hidden.shape[0] <= self.int4_head.max_rows:
             return int4_linear.linear(hidden, self.int4_head, None)
         if self.packed_head is not None:
             return packed_linear.linear(hidden, self.packed_head, None)
@@ -314,6 +314,16 @@ class DecoderForCausalLM(nn.Module):
             given += 1
         total = sum(isinstance(m, Linear) for m in self.modules()) + (self.lm_head is None)
         return given, total
+
+    def int4_kernels(self) -> dict[tuple[str, int], int]:
+        """How many projections (and the head) have a 4-bit copy, per (kernel, max rows)."""
+        weights = [m.int4 for m in self.modules() if isinstance(m, Linear) and m.int4 is not None]
+        if self.int4_head is not None:
+            weights.append(self.int4_head)
+        kernels: dict[tuple[str, int], int] = {}
+        for weight in weights:
+            kernels[(weight.kernel, weight.max_rows)] = kernels.get((weight.kernel, weight.max_rows), 0) + 1
+        return kernels
 
     def use_input_major_weights(self) -> None:
         """Store every projection weight (and a tied embedding) input-major in memory,

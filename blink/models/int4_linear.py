@@ -1,32 +1,45 @@
-"""Projections of steps with few tokens on a GGUF file's own 4-bit weights (CPU, bf16).
+"""Projections of decode-sized steps on a GGUF file's own 4-bit weights (CPU, bf16).
 
-A decode step of one or a few rows reads every weight once and does almost no arithmetic
-with it, so on CPU it is bound by memory bandwidth: SmolLM2-135M's bf16 projections stream
-~270 MB per step (~54 ms on one core here, ~5 GB/s). When the checkpoint is a GGUF file
-with Q4_0/Q4_1 tensors, those tensors' 4-bit codes and per-group scales are kept beside the
-bf16 copy, packed for torch's int4 weight-only GEMM (``torch._weight_int4pack_mm_for_cpu``,
-the kernel gpt-fast and torchao use on CPU), which reads ~4x fewer bytes: over all of
-SmolLM2's projections 3.7x faster for one row, but 0.65x at 16 (its cost grows with the
-rows, the bf16 one's does not); the whole decode step 1.7x faster at 1 row, 1.1x at 6,
-1.0x at 8 (docs/benchmarks.md, "CPU forward"). So steps of at most :data:`MAX_ROWS` tokens
-take the int4 path and larger ones the packed bf16 one. Nothing is quantized here: the codes are the file's, and the int4 kernel's
-``(q - 8) * scale + zero`` is Q4_1's ``d * q + m`` with ``zero = m + 8d`` (scales rounded
-to bf16, the kernel's format). A row's logits therefore depend on whether its step had
-more than MAX_ROWS tokens (as in any engine whose kernels change with the batch).
+A decode step reads every weight once and does little arithmetic with it, so on CPU it is
+bound by memory: SmolLM2-135M's bf16 projections stream ~210 MB per step (~23 ms on one
+core here, the same for 1 or 16 rows). When the checkpoint is a GGUF file with Q4_0/Q4_1
+tensors, each such projection keeps the file's 4-bit codes and per-group scales beside the
+bf16 copy (~4x fewer bytes), in the layout of one of two kernels:
 
-:func:`reference_linear` is the same product on the dequantized weight, for the tests.
+- ``amx``: Blink's C kernel on AMX (:mod:`blink.kernels.cpu_q4_linear`; Intel Sapphire
+  Rapids and later). AMX does the arithmetic, so its cost stays flat up to a decode batch:
+  over all of SmolLM2's projections 2.9x faster than bf16 at 1 row and 2.2x at 16
+  (docs/benchmarks.md, "4-bit weights at decode-batch sizes"). Steps of at most
+  :data:`AMX_MAX_ROWS` tokens use it.
+- ``torch``: torch's int4 weight-only GEMM (``torch._weight_int4pack_mm_for_cpu``, the
+  kernel gpt-fast and torchao use on CPU), elsewhere (e.g. AMD Zen 4): 3.7x faster than bf16
+  at 1 row but slower beyond ~8, its arithmetic growing with the rows; steps of at most
+  :data:`TORCH_MAX_ROWS` tokens use it.
+
+Larger steps (prefills) run the packed bf16 copy. Nothing is quantized here: the codes are
+the file's. The AMX kernel multiplies gguf's fp32 weights exactly (``d * q + m``); torch's
+kernel takes ``(q - 8) * scale + zero`` with ``zero = m + 8d`` and scales rounded to bf16.
+A row's logits therefore depend on whether its step took the 4-bit path (as in any engine
+whose kernels change with the batch); ``--int4-decode off`` keeps every step on bf16.
+
+:func:`reference_linear` is torch's kernel's product on the dequantized weight, for tests.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-#: Steps with at most this many tokens (rows of the flattened batch) use the int4 weights.
-#: Measured on SmolLM2-135M, one thread, Xeon with AMX: the decode step 1.6x faster at 4
-#: rows, 1.1x at 6, 1.0x at 8.
-MAX_ROWS = 6
+from blink.kernels import cpu_q4_linear
+
+#: Steps with at most this many tokens use torch's int4 kernel. Measured on SmolLM2-135M,
+#: one thread, Xeon with AMX: the decode step 1.6x faster at 4 rows, 1.1x at 6, 1.0x at 8.
+TORCH_MAX_ROWS = 6
+#: Steps with at most this many tokens use the AMX kernel (it takes 16 rows per pass over the
+#: codes): its projections measured 1.2x the bf16 copy's speed at 32 rows and 0.75x at 64.
+AMX_MAX_ROWS = 32
 
 #: Input channels per scale/zero pair: ggml's Q4_0/Q4_1 block.
 GROUP = 32
@@ -34,53 +47,77 @@ GROUP = 32
 # The kernel's inner-K tiling argument for the packed layout (the CPU kernel takes 1).
 _INNER_K_TILES = 1
 
+Kernel = Literal["amx", "torch"]
+
 
 @dataclass
 class Int4Weight:
-    """One projection's weight in the int4 kernel's layout."""
+    """One projection's 4-bit weight in its kernel's layout. ``max_rows``: steps of at most
+    this many tokens run it (the caller checks)."""
 
-    packed: torch.Tensor  # uint8 [N, K // 2]
-    scale_zero: torch.Tensor  # bf16 [K // GROUP, N, 2]
+    kernel: Kernel
+    max_rows: int
+    packed: torch.Tensor | None = None  # torch: uint8 [N, K // 2]
+    scale_zero: torch.Tensor | None = None  # torch: bf16 [K // GROUP, N, 2]
+    amx: cpu_q4_linear.Q4Weight | None = None  # amx
 
 
-#: whether the kernel ran correctly here (tried once, by :func:`available`)
-_AVAILABLE: bool | None = None
+#: whether torch's kernel ran correctly here (tried once, by :func:`_torch_kernel_runs`)
+_TORCH_KERNEL: bool | None = None
 
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the int4 CPU kernel exists in this torch and runs here (tried once on a tiny
-    weight, never assumed: private ops, and the CPU model varies between machines)."""
+    """Whether a 4-bit kernel runs here: bf16 on CPU, and the AMX kernel built for this CPU
+    or torch's int4 kernel working (each tried once, never assumed: the CPU model varies
+    between machines)."""
     if device.type != "cpu" or dtype != torch.bfloat16:
         return False
-    global _AVAILABLE
-    if _AVAILABLE is None:
+    return cpu_q4_linear.available() or _torch_kernel_runs()
+
+
+def _torch_kernel_runs() -> bool:
+    """torch's int4 CPU kernel exists in this torch and is right on a tiny weight (private
+    ops: tried once)."""
+    global _TORCH_KERNEL
+    if _TORCH_KERNEL is None:
         try:
             codes = torch.arange(16 * GROUP * 2, dtype=torch.int32).remainder(16).view(16, 2 * GROUP)
             scale = torch.full((16, 2), 0.5)
-            weight = pack(codes.to(torch.uint8), scale, torch.zeros_like(scale))
+            weight = pack(codes.to(torch.uint8), scale, torch.zeros_like(scale), kernel="torch")
             x = torch.ones(1, 2 * GROUP, dtype=torch.bfloat16)
             got = linear(x, weight, None)
             want = reference_linear(x, codes.to(torch.uint8), scale, torch.zeros_like(scale), None)
-            _AVAILABLE = bool(torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2))
+            _TORCH_KERNEL = bool(torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2))
         except (AttributeError, RuntimeError, NotImplementedError):
-            _AVAILABLE = False
-    return _AVAILABLE
+            _TORCH_KERNEL = False
+    return _TORCH_KERNEL
 
 
-
-def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Int4Weight:
-    """codes uint8 [N, K] (0..15), scale and zero float [N, K // GROUP] -> the kernel's layout."""
+def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+         kernel: Kernel | None = None) -> Int4Weight:
+    """codes uint8 [N, K] (0..15), scale and zero float [N, K // GROUP] (``(q - 8) * scale +
+    zero``, as :class:`blink.loader.gguf_weights.Q4Codes`) -> a weight for ``kernel``: by
+    default the AMX kernel where it runs and takes the weight, else torch's."""
     n, k = codes.shape
     if k % GROUP or scale.shape != (n, k // GROUP) or zero.shape != scale.shape:
         raise ValueError(f"int4 weight [{n}, {k}] needs scale/zero [{n}, {k // GROUP}] "
                          f"(groups of {GROUP}), got {tuple(scale.shape)} / {tuple(zero.shape)}")
+    if kernel in (None, "amx") and (kernel == "amx" or cpu_q4_linear.available()):
+        amx = cpu_q4_linear.pack(codes, scale, zero)
+        if amx is not None:
+            return Int4Weight("amx", AMX_MAX_ROWS, amx=amx)
+        if kernel == "amx":
+            raise ValueError(f"the AMX kernel does not take this [{n}, {k}] weight "
+                             f"(needs N % {cpu_q4_linear.TILE} == 0 and the file's fp16 scales)")
     packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), _INNER_K_TILES)
     scale_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-    return Int4Weight(packed, scale_zero)
+    return Int4Weight("torch", TORCH_MAX_ROWS, packed=packed, scale_zero=scale_zero)
 
 
 def linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for bf16 ``x [..., K]``."""
+    if weight.amx is not None:
+        return cpu_q4_linear.linear(x, weight.amx, bias)
     lead = x.shape[:-1]
     y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), weight.packed, GROUP, weight.scale_zero)
     if bias is not None:
@@ -97,8 +134,9 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> 
 
 def reference_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                      bias: torch.Tensor | None) -> torch.Tensor:
-    """The torch reference of :func:`linear` (fp32 product on the dequantized weight, scales
-    rounded to bf16 as the kernel stores them), returned in x's dtype."""
+    """The torch reference of torch's kernel (fp32 product on the dequantized weight, scales
+    rounded to bf16 as that kernel stores them), returned in x's dtype. The AMX kernel's is
+    :func:`blink.kernels.cpu_q4_linear.reference_linear`."""
     scale, zero = scale.to(torch.bfloat16).float(), zero.to(torch.bfloat16).float()
     y = F.linear(x.float(), dequantize(codes, scale, zero), None if bias is None else bias.float())
     return y.to(x.dtype)

@@ -1,0 +1,130 @@
+"""Projections on a GGUF file's own 4-bit codes for steps of up to a decode batch's rows (CPU,
+bf16, AMX): ``cpu_q4_linear.c``.
+
+Why: on CPU a decode step is bound by the bytes of weight it streams (bf16 SmolLM2-135M:
+~210 MB of projections per step, ~23 ms on one core here whether 1 or 16 rows). The file's
+Q4_0/Q4_1 codes are 4x fewer bytes. torch's int4 kernel reads them too, but its arithmetic
+grows with the rows; here AMX does the arithmetic (one tile product per 32 channels of 16
+columns for up to 16 rows), so the cost stays near flat up to a decode batch: 2.2x the bf16
+projections' speed at 16 rows (docs/benchmarks.md, "4-bit weights at decode-batch sizes").
+:mod:`blink.models.int4_linear` decides which kernel a weight gets and for which steps.
+
+Arithmetic: ``x . w = d (x . q) + m sum(x)`` per group of 32 channels, with the codes q as
+exact bf16 and the file's fp16 d and m applied in fp32, so the product is on gguf's own fp32
+weights, not on a bf16 rounding of them (tests/test_cpu_q4_linear.py: the exactly rounded
+fp32 product in all but a few outputs in a thousand, which are one bf16 step off).
+
+Used where :func:`available` says the kernel was built with AMX for this CPU and the OS lets
+the process use it; otherwise that is said once in the log and torch's int4 kernel runs.
+``$BLINK_CPU_Q4=torch`` turns it off (tests, diagnosis).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from blink.shared.native_build import NativeBuildError, NativeLibrary
+
+log = logging.getLogger("blink.kernels")
+
+_SOURCE = Path(__file__).with_name("cpu_q4_linear.c")
+IMPL_ENV = "BLINK_CPU_Q4"
+#: output columns per tile and input channels per scale (ggml's Q4 block)
+TILE, GROUP = 16, 32
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    library.blink_q4_linear_supported.restype = ctypes.c_int
+    if not library.blink_q4_linear_supported():
+        raise NativeBuildError("this CPU (or its compiler, or the OS) offers no AMX")
+    fn = library.blink_q4_linear
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int]
+
+
+# -march=native: the AMX and AVX-512 intrinsics exist only in a build for a CPU that has them
+# (the cache key holds the CPU's flags); elsewhere the source builds a stub that says so.
+LIBRARY = NativeLibrary(
+    _SOURCE, what="4-bit CPU projections: the AMX kernel", logger=log,
+    fallback="4-bit projections run on torch's int4 kernel for few rows and bf16 otherwise",
+    flags=("-O3", "-march=native"), env=IMPL_ENV, setup=_declare)
+
+
+def available() -> bool:
+    """Whether the kernel is built and runs here (AMX in the CPU, the compiler and the OS);
+    said once in the log if not."""
+    return LIBRARY.get() is not None
+
+
+@dataclass
+class Q4Weight:
+    """One ``[n, k]`` projection in the kernel's layout (``cpu_q4_linear.c``)."""
+
+    codes: torch.Tensor  # int16 (the bits of uint16 words) [n / 16, k / 32, 4, 32]
+    scales: torch.Tensor  # float16 [n / 16, k / 32, 2, 16]: d then m per column
+    n: int
+    k: int
+
+
+def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Q4Weight | None:
+    """A :class:`blink.loader.gguf_weights.Q4Codes`'s tensors (codes uint8 [n, k] 0..15, and
+    ``w = (q - 8) * scale + zero`` per group of 32) -> the kernel's layout. None where the
+    shape does not tile (n not a multiple of 16, k of 32) or where d and m = zero - 8d are not
+    the fp16 values a GGUF file holds (the kernel would not rebuild the file's weights)."""
+    n, k = codes.shape
+    if n % TILE or k % GROUP or scale.shape != (n, k // GROUP) or zero.shape != scale.shape:
+        return None
+    d = scale.float()
+    m = zero.float() - 8 * d
+    halves = torch.stack([d, m]).half()
+    if not torch.equal(halves.float(), torch.stack([d, m])):
+        return None
+    tiles, groups = n // TILE, k // GROUP
+    # B-tile row p of (tile t, group g) holds word w = column 16t + w // 2 at channel
+    # 32g + 2p + w % 2; rows 4c .. 4c + 3 share 32 16-bit words, one nibble each
+    rows = codes.to(torch.int32).view(tiles, TILE, groups, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
+    rows = rows.reshape(tiles, groups, GROUP // 8, 4, 2 * TILE)
+    words = rows[:, :, :, 0] | (rows[:, :, :, 1] << 4) | (rows[:, :, :, 2] << 8) | (rows[:, :, :, 3] << 12)
+    packed = words.to(torch.int16).contiguous()  # the bits of uint16 words
+    scales = halves.view(2, tiles, TILE, groups).permute(1, 3, 0, 2).contiguous()
+    return Q4Weight(packed, scales, n, k)
+
+
+def linear(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for bf16 ``x [..., k]`` (rows may be strided, channels contiguous),
+    bf16 out."""
+    library = LIBRARY.get()
+    if library is None:
+        raise RuntimeError("the 4-bit CPU kernel is not available here (see available())")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, weight.k)
+    if x2.dtype is not torch.bfloat16 or x2.stride(1) != 1 or x2.stride(0) < weight.k:
+        x2 = x2.to(torch.bfloat16).contiguous()
+    rows = x2.shape[0]
+    y = torch.empty((rows, weight.n), dtype=torch.bfloat16)
+    if rows == 0:
+        return y.view(*lead, weight.n)
+    if bias is not None:
+        bias = bias.to(torch.bfloat16).contiguous()
+    status = library.blink_q4_linear(x2.data_ptr(), x2.stride(0), weight.codes.data_ptr(), weight.scales.data_ptr(),
+                                     None if bias is None else bias.data_ptr(), y.data_ptr(), weight.n,
+                                     rows, weight.n, weight.k, torch.get_num_threads())
+    if status != 0:
+        raise ValueError(f"4-bit CPU kernel refused x {tuple(x2.shape)} for a [{weight.n}, {weight.k}] weight")
+    return y.view(*lead, weight.n)
+
+
+def dequantize(weight: Q4Weight) -> torch.Tensor:
+    """The float32 ``[n, k]`` weight the kernel multiplies: ``d * q + m`` per group, gguf's
+    own dequantization."""
+    tiles, groups = weight.n // TILE, weight.k // GROUP
+    words = weight.codes.to(torch.int32) & 0xFFFF
+    rows = torch.stack([(words >> (4 * i)) & 0x0F for i in range(4)], dim=3)  # [T, G, 4, 4, 32]
+    q = rows.view(tiles, groups, GROUP // 2, TILE, 2).permute(0, 3, 1, 2, 4).reshape(weight.n, groups, GROUP)
+    d, m = weight.scales.float().permute(2, 0, 3, 1).reshape(2, weight.n, groups)
+    return (q.float() * d[..., None] + m[..., None]).view(weight.n, weight.k)
