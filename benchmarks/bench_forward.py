@@ -8,7 +8,9 @@ path for small steps, blink.models.int4_linear; or ``--before sdpa-attention``: 
 forward with the paged attention always on the torch path, which isolates the C attention
 kernel, blink.kernels.cpu_attention; or ``--before torch-elementwise``: today's forward with
 the torch references for the norms, rotary embedding, KV write and SiLU, which isolates
-blink.kernels.cpu_fused) and ``now`` the default one.
+blink.kernels.cpu_fused; or ``--before torch-int4``: today's forward with the 4-bit copies in
+torch's int4 kernel's layout (``$BLINK_CPU_Q4=torch`` while it loads), which isolates the AMX
+kernel, blink.kernels.cpu_q4_linear) and ``now`` the default one.
 For each dtype and shape the two are timed alternately, ``--rounds`` rounds of ``--steps``
 calls each, so a load spike on this shared machine hits both; the table gives the median
 per-call wall time and process CPU time of each, and their ratio.
@@ -20,10 +22,13 @@ logits of every row); ``prefill BxP`` = B rows of P new tokens (the logits of ea
     python -m benchmarks.bench_forward --before no-int4 --dtype bfloat16 --decode 1 4 8 16 --prefill
     python -m benchmarks.bench_forward --before sdpa-attention --dtype bfloat16 --decode 1 16 --context 256
     python -m benchmarks.bench_forward --before torch-elementwise --dtype bfloat16 --decode 1 16 --prefill 1x128
+    python -m benchmarks.bench_forward --before torch-int4 --dtype bfloat16 --decode 1 4 8 16 32
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import time
 
@@ -41,6 +46,23 @@ def _time(ex, args_, steps: int) -> tuple[float, float]:
     return (time.perf_counter() - w0) / steps, (time.process_time() - c0) / steps
 
 
+@contextlib.contextmanager
+def _amx_int4_off(off: bool):
+    """While ``off``, the 4-bit copies made take torch's int4 kernel's layout."""
+    from blink.kernels import cpu_q4_linear
+
+    if not off:
+        yield
+        return
+    os.environ[cpu_q4_linear.IMPL_ENV] = "torch"
+    cpu_q4_linear.LIBRARY.reset()
+    try:
+        yield
+    finally:
+        del os.environ[cpu_q4_linear.IMPL_ENV]
+        cpu_q4_linear.LIBRARY.reset()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
@@ -51,7 +73,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="calls per timed round")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--before", choices=["reference", "no-int4", "sdpa-attention", "torch-elementwise"], default="reference",
+    p.add_argument("--before", choices=["reference", "no-int4", "sdpa-attention", "torch-elementwise", "torch-int4"], default="reference",
                    help="the baseline: the reference forward, or today's without the int4 path, the C attention kernel or the C elementwise ops")
     args = p.parse_args()
 
@@ -85,9 +107,11 @@ def main() -> None:
     for dtype_name in args.dtype:
         dtype = getattr(torch, dtype_name)
         before = {"reference": {"pack_weights": False}, "no-int4": {"int4_decode": False},
-                  "sdpa-attention": {}, "torch-elementwise": {}}[args.before]
-        execs = {name: ModelExecutor(files, dtype=dtype, num_blocks=need, max_model_len=longest, **kw)
-                 for name, kw in (("before", before), ("now", {}))}
+                  "sdpa-attention": {}, "torch-elementwise": {}, "torch-int4": {}}[args.before]
+        execs = {}
+        for name, kw in (("before", before), ("now", {})):
+            with _amx_int4_off(name == "before" and args.before == "torch-int4"):
+                execs[name] = ModelExecutor(files, dtype=dtype, num_blocks=need, max_model_len=longest, **kw)
         if args.before == "reference":
             execs["before"].model.use_ops(reference_ops)
         elif args.before == "sdpa-attention":
