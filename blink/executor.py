@@ -46,9 +46,11 @@ class ModelExecutor:
     for oneDNN (:mod:`blink.models.packed_linear`; ~2x faster linears at decode sizes);
     False keeps them plain, which a compiled step needs (it traces the weights).
     ``int4_decode``: with packed bf16 weights and a checkpoint that stores projections as
-    4-bit Q4_0/Q4_1 codes (a GGUF file), decode-sized steps run those projections on the
-    codes (:mod:`blink.models.int4_linear`; ~4x less memory traffic); ``int4_projections``
-    says how many got an int4 copy, ``int4_kernels`` which kernel and up to how many rows.
+    4-bit Q4_0/Q4_1 codes (a GGUF file), those projections run on the codes
+    (:mod:`blink.models.int4_linear`; ~4x less memory traffic): every step with the AMX
+    kernel (and no bf16 copy is kept), decode-sized ones with torch's int4 kernel;
+    ``int4_projections`` says how many got an int4 copy, ``int4_kernels`` which kernel and up
+    to how many rows.
     """
 
     def __init__(

@@ -4,21 +4,23 @@
  * Why: a decode step of SmolLM2-135M streams every projection weight once; in bf16 that is
  * ~210 MB, which costs one core here ~23 ms whether the step has 1 or 16 rows. The codes are
  * 4x fewer bytes. torch's int4 CPU kernel reads them too, but its arithmetic grows with the
- * rows (slower than bf16 beyond ~8 rows). Here AMX does the arithmetic: a group of 32
- * channels of 16 columns is one tile product for up to 16 rows, and what is left per weight
- * is widening its nibble to a bf16 code, the same for 1 row or 16 (kernels/cpu_q4_linear.py
- * picks the rows it takes; docs/benchmarks.md, "4-bit weights at decode-batch sizes").
+ * rows (slower than bf16 beyond ~8 rows). Here AMX does the arithmetic, in two ways:
  *
- * Arithmetic: Q4's weight is w = d q + m per group of 32 channels (the file's fp16 d and m;
- * Q4_0: m = -8d), so x . w = d (x . q) + m sum(x). AMX computes x . q on the codes as bf16
- * (0..15, exact) with fp32 sums; the per-group d and m are applied in fp32. No weight is
- * rounded to bf16: the result is gguf's fp32 weight's product, up to fp32 sum order.
+ * - Few rows (a decode batch, <= FEW_ROWS): a group of 32 channels of 16 columns is one tile
+ *   product of x with the codes themselves as bf16 (0..15, exact), for up to 16 rows at a
+ *   time; Q4's w = d q + m per group then gives x . w = d (x . q) + m sum(x), applied in fp32.
+ *   What is left per weight is widening its nibble, the same for 1 row or 16. No weight is
+ *   rounded: the result is the product on gguf's fp32 weights, up to fp32 sum order.
+ * - Many rows (a prefill): each weight is rebuilt once per call as fma(q, d, m) in fp32,
+ *   gguf's own dequantization, rounded to bf16 (the values of the engine's bf16 copy), and
+ *   32 x 32 blocks of the output accumulate plain tile products over all of K. Rebuilding
+ *   costs ~10 instructions per 32 weights, which hundreds of rows amortise.
  *
  * Layout (made by kernels/cpu_q4_linear.py, `pack`): output columns in tiles of 16, channels
- * in groups of 32. A (tile, group) is the B tile AMX multiplies, 16 rows of 32 words, row p
- * holding channels 2p and 2p + 1 of the 16 columns interleaved (word w: column w / 2, channel
- * 2p + w % 2), packed as 4 x 32 16-bit words whose nibble i is row 4c + i's code. Per tile
- * and group, 16 fp16 d then 16 fp16 m, one per column.
+ * in groups of 32. A (tile, group) is one B tile, 16 rows of 32 words, row p holding channels
+ * 2p and 2p + 1 of the 16 columns interleaved (word w: column w / 2, channel 2p + w % 2),
+ * packed as 4 x 32 16-bit words whose nibble i is row 4c + i's code. Per tile and group, 16
+ * fp16 d then 16 fp16 m, one per column.
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -31,6 +33,14 @@
 #include <unistd.h>
 
 enum { TILE = 16, GROUP = 32, PAIRS = GROUP / 2, WORDS = 4 * 32, MAX_ROWS = 16, STEP = 4, MAX_THREADS = 64 };
+
+/* Steps of more rows than this rebuild the bf16 weights once and run plain AMX products
+ * (run_many_rows); fewer keep the codes as they are (run_few_rows). */
+enum { FEW_ROWS = 32 };
+
+/* Column tiles whose rebuilt weights a many-rows step keeps at once (8 x K / 32 KB: 144 KB at
+ * K = 576, in L2). */
+enum { CHUNK_TILES = 8 };
 
 /* How far ahead the codes are prefetched: ~8% faster at 1-16 rows than none (1-2 KB measured
  * best, 8 KB and more no better than none). */
@@ -141,10 +151,132 @@ static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, __m512i 
     store_tile(a, acc, t, r0, rows);
 }
 
-typedef struct { const args_t *a; int64_t lo, hi; } part_t;
+/* ---- Steps of many rows (prefills): each weight rebuilt once per call, then plain AMX products.
+ * Rebuilding costs ~10 instructions per 32 weights, which a prefill's hundreds of rows
+ * amortise, and lets each product accumulate over all K in its tile (no per-group scaling). */
 
-static void *run_part(void *arg) {
-    const part_t *p = (const part_t *)arg;
+/* The 16 per-column fp16 values -> two fp32 vectors in the word order of a B-tile row:
+ * lo = columns 0..7 each twice, hi = columns 8..15 each twice. */
+static inline void spread(const uint16_t *half16, __m512 *lo, __m512 *hi) {
+    const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)half16));
+    *lo = _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), v);
+    *hi = _mm512_permutexvar_ps(_mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8), v);
+}
+
+/* A (tile, group)'s codes -> its B tile of bf16 weights: fma(q, d, m) in fp32 is gguf's
+ * dequantization (d q exact, one rounding), then rounded to nearest even: the values of the
+ * engine's bf16 copy. */
+static inline void dequantize_group(const uint16_t *codes, const uint16_t *scales, uint16_t *out) {
+    __m512 d_lo, d_hi, m_lo, m_hi;
+    spread(scales, &d_lo, &d_hi);
+    spread(scales + TILE, &m_lo, &m_hi);
+    for (int c = 0; c < PAIRS / 4; c++) {
+        const __m512i words = _mm512_loadu_si512(codes + c * 32);
+        for (int i = 0; i < 4; i++) {
+            const __m512i q = _mm512_and_si512(_mm512_srli_epi16(words, 4 * i), _mm512_set1_epi16(0x0F));
+            const __m512 q_lo = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(q)));
+            const __m512 q_hi = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(q, 1)));
+            const __m512 w_lo = _mm512_fmadd_ps(q_lo, d_lo, m_lo), w_hi = _mm512_fmadd_ps(q_hi, d_hi, m_hi);
+            _mm512_store_si512(out + (4 * c + i) * 32, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
+        }
+    }
+}
+
+/* Tiles 0-3: results for rows 0-15 / 16-31 x columns 0-15 / 16-31 of a 32 x 32 block (C00,
+ * C01, C10, C11); 4, 5: the two row halves of x; 6, 7: the two column halves of W. */
+static void configure_block(int rows0, int rows1) {
+    tile_config_t config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    config.rows[0] = config.rows[1] = config.rows[4] = (uint8_t)rows0;
+    config.rows[2] = config.rows[3] = config.rows[5] = (uint8_t)rows1;
+    config.rows[6] = config.rows[7] = PAIRS;
+    for (int i = 0; i < 8; i++) /* a tile of no rows must have no columns either */
+        config.colsb[i] = config.rows[i] ? 64 : 0;
+    _tile_loadconfig(&config);
+}
+
+static void store_result(const args_t *a, const float *result, int64_t t, int64_t r0, int rows) {
+    __m512 bias = _mm512_setzero_ps();
+    if (a->bias)
+        bias = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(a->bias + t * TILE))), 16));
+    for (int r = 0; r < rows; r++)
+        _mm256_storeu_si256((__m256i *)(a->y + (r0 + r) * a->y_stride + t * TILE),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(result + r * TILE), bias)));
+}
+
+/* Rows [r0, r0 + rows0 + rows1) x column tiles t, t + 1 (when two), from their rebuilt weights
+ * w[2][groups][16 x 32], with the tiles configured for rows0 and rows1 (configure_block). */
+static void block(const args_t *a, int64_t t, int two, const uint16_t *w, int64_t r0, int rows0, int rows1) {
+    const int64_t groups = a->K / GROUP, x_bytes = a->x_stride * 2, tile_words = PAIRS * 2 * TILE;
+    const uint16_t *w1 = w + groups * tile_words;
+    const uint16_t *x0 = a->x + r0 * a->x_stride, *x1 = x0 + MAX_ROWS * a->x_stride;
+    float result[MAX_ROWS * TILE] __attribute__((aligned(64)));
+    _tile_zero(0);
+    if (two) _tile_zero(1);
+    if (rows1) {
+        _tile_zero(2);
+        if (two) _tile_zero(3);
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        _tile_loadd(4, x0 + g * GROUP, x_bytes);
+        _tile_loadd(6, w + g * tile_words, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two) { _tile_loadd(7, w1 + g * tile_words, 64); _tile_dpbf16ps(1, 4, 7); }
+        if (rows1) {
+            _tile_loadd(5, x1 + g * GROUP, x_bytes);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, result, 64); store_result(a, result, t, r0, rows0);
+    if (two) { _tile_stored(1, result, 64); store_result(a, result, t + 1, r0, rows0); }
+    if (rows1) {
+        _tile_stored(2, result, 64); store_result(a, result, t, r0 + MAX_ROWS, rows1);
+        if (two) { _tile_stored(3, result, 64); store_result(a, result, t + 1, r0 + MAX_ROWS, rows1); }
+    }
+}
+
+typedef struct { const args_t *a; int64_t lo, hi; int status; } part_t;
+
+/* Column tiles in chunks of CHUNK_TILES, each chunk's weights rebuilt once (into L2) and then
+ * swept by 32-row blocks whose x (32 x K) stays in L1 while it meets every tile of the chunk. */
+static void *run_many_rows(void *arg) {
+    part_t *p = (part_t *)arg;
+    const args_t *a = p->a;
+    const int64_t groups = a->K / GROUP, tile_words = PAIRS * 2 * TILE;
+    uint16_t *w = aligned_alloc(64, (size_t)(CHUNK_TILES * groups * tile_words) * sizeof *w);
+    if (!w) {
+        p->status = -4;
+        return NULL;
+    }
+    int configured0 = -1, configured1 = -1;
+    for (int64_t t0 = p->lo; t0 < p->hi; t0 += CHUNK_TILES) {
+        const int64_t t1 = p->hi - t0 < CHUNK_TILES ? p->hi : t0 + CHUNK_TILES;
+        for (int64_t t = t0; t < t1; t++)
+            for (int64_t g = 0; g < groups; g++)
+                dequantize_group(a->codes + (t * groups + g) * WORDS, a->scales + (t * groups + g) * 2 * TILE,
+                                 w + ((t - t0) * groups + g) * tile_words);
+        for (int64_t r0 = 0; r0 < a->M; r0 += 2 * MAX_ROWS) {
+            const int64_t left = a->M - r0;
+            const int rows0 = (int)(left < MAX_ROWS ? left : MAX_ROWS);
+            const int rows1 = (int)(left <= MAX_ROWS ? 0 : left - MAX_ROWS < MAX_ROWS ? left - MAX_ROWS : MAX_ROWS);
+            if (rows0 != configured0 || rows1 != configured1) {
+                configure_block(rows0, rows1);
+                configured0 = rows0, configured1 = rows1;
+            }
+            for (int64_t t = t0; t < t1; t += 2)
+                block(a, t, t + 1 < t1, w + (t - t0) * groups * tile_words, r0, rows0, rows1);
+        }
+    }
+    _tile_release();
+    free(w);
+    return NULL;
+}
+
+static void *run_few_rows(void *arg) {
+    part_t *p = (part_t *)arg;
     const args_t *a = p->a;
     __m512i as_bf16;
     for (int i = 0; i < 32; i++) { /* bf16 of i & 15: the top half of the fp32's bits */
@@ -173,6 +305,9 @@ static void group_sums(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K
         }
 }
 
+/* The row count above which a step takes the many-rows path (kernels/cpu_q4_linear.py reads it). */
+int blink_q4_linear_few_rows(void) { return FEW_ROWS; }
+
 /* 1 where this process may use AMX (asked of the kernel once; Linux 5.16 and later). */
 int blink_q4_linear_supported(void) {
     static int granted = -1;
@@ -188,10 +323,15 @@ int blink_q4_linear(const uint16_t *x, int64_t x_stride, const uint16_t *codes, 
                     int threads) {
     if (M < 1 || N % TILE || K % GROUP || x_stride < K || y_stride < N) return -2;
     if (!blink_q4_linear_supported()) return -3;
-    float *x_sums = malloc((size_t)(M * (K / GROUP)) * sizeof *x_sums);
-    if (!x_sums) return -4;
-    group_sums(x, x_stride, M, K, x_sums);
+    const int many = M > FEW_ROWS;
+    float *x_sums = NULL;
+    if (!many) { /* the few-rows path applies m through each row's group sums */
+        x_sums = malloc((size_t)(M * (K / GROUP)) * sizeof *x_sums);
+        if (!x_sums) return -4;
+        group_sums(x, x_stride, M, K, x_sums);
+    }
     args_t a = {x, x_stride, codes, scales, bias, y, y_stride, M, N, K, x_sums};
+    void *(*run_part)(void *) = many ? run_many_rows : run_few_rows;
     const int64_t tiles = N / TILE;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
@@ -201,20 +341,24 @@ int blink_q4_linear(const uint16_t *x, int64_t x_stride, const uint16_t *codes, 
     pthread_t tid[MAX_THREADS];
     part_t part[MAX_THREADS];
     int running[MAX_THREADS] = {0};
-    for (int i = 0; i < threads; i++) part[i] = (part_t){&a, tiles * i / threads, tiles * (i + 1) / threads};
+    for (int i = 0; i < threads; i++) part[i] = (part_t){&a, tiles * i / threads, tiles * (i + 1) / threads, 0};
     for (int i = 1; i < threads; i++) running[i] = pthread_create(&tid[i], NULL, run_part, &part[i]) == 0;
     run_part(&part[0]);
+    int status = part[0].status;
     for (int i = 1; i < threads; i++) {
         if (running[i]) pthread_join(tid[i], NULL);
         else run_part(&part[i]);
+        if (part[i].status) status = part[i].status;
     }
     free(x_sums);
-    return 0;
+    return status;
 }
 
 #else /* no AMX in this build: the Python side keeps its other paths */
 
 int blink_q4_linear_supported(void) { return 0; }
+
+int blink_q4_linear_few_rows(void) { return 0; }
 
 int blink_q4_linear(const uint16_t *x, int64_t x_stride, const uint16_t *codes, const uint16_t *scales,
                     const uint16_t *bias, uint16_t *y, int64_t y_stride, int64_t M, int64_t N, int64_t K,

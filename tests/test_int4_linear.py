@@ -84,12 +84,23 @@ def q4_gguf(tmp_path_factory):
     return export_to_gguf(make_tiny_model("llama", root), root / "llama-q4_1.gguf", Q.Q4_1)
 
 
-@needs_kernel
-def test_executor_runs_small_steps_on_the_codes_and_large_ones_on_bf16(q4_gguf):
+def _check_steps_on_the_codes(q4_gguf, rows: list[int], kernel_env: str | None, monkeypatch,
+                              exact_weights_up_to: int):
+    """Steps of ``rows`` tokens on the 4-bit copies are as close to the fp32 logits (on the same
+    dequantized values) as bf16 is; those of at most ``exact_weights_up_to`` rows differ from
+    the bf16 copy's (the kernel multiplies other weights than its bf16 rounding). Returns the
+    executors."""
     files = open_model(q4_gguf)
-    fp32 = ModelExecutor(files, dtype=torch.float32, num_blocks=32, max_model_len=64)
-    kw = dict(dtype=torch.bfloat16, num_blocks=32, max_model_len=64)
-    with_int4 = ModelExecutor(files, int4_decode=True, **kw)
+    fp32 = ModelExecutor(files, dtype=torch.float32, num_blocks=64, max_model_len=64)
+    kw = dict(dtype=torch.bfloat16, num_blocks=64, max_model_len=64)
+    if kernel_env is not None:
+        monkeypatch.setenv(cpu_q4_linear.IMPL_ENV, kernel_env)
+    cpu_q4_linear.LIBRARY.reset()
+    try:
+        with_int4 = ModelExecutor(files, int4_decode=True, **kw)
+    finally:
+        monkeypatch.delenv(cpu_q4_linear.IMPL_ENV, raising=False)
+        cpu_q4_linear.LIBRARY.reset()
     plain = ModelExecutor(files, int4_decode=False, **kw)
     if not with_int4.packed_weights:
         pytest.skip("no native oneDNN bf16 on this CPU (the int4 path rides on the packed one)")
@@ -97,21 +108,42 @@ def test_executor_runs_small_steps_on_the_codes_and_large_ones_on_bf16(q4_gguf):
     assert not fp32.config.tie_word_embeddings  # the head is a projection of its own
     # every projection and the head are Q4_1 in this export
     assert with_int4.int4_projections == (4 * layers + 1, 4 * layers + 1)
-    assert plain.int4_projections == (0, 0)
-
-    # the kernel each copy got (the AMX one where it runs) and the rows it takes
     assert sum(with_int4.int4_kernels.values()) == 4 * layers + 1
-    small = min(rows for _, rows in with_int4.int4_kernels)
-    ref, a, b = (_decode_logits(ex, small) for ex in (fp32, with_int4, plain))
-    assert not torch.equal(a, b)  # the int4 path ran
-    # ...and is as close to the fp32 logits (on the same dequantized values) as bf16 is
-    err_int4, err_bf16 = (a - ref).abs().max().item(), (b - ref).abs().max().item()
-    assert err_int4 < max(3 * err_bf16, 0.05), (err_int4, err_bf16)
+    assert plain.int4_projections == (0, 0)
+    for n in rows:
+        for ex in (fp32, with_int4, plain):
+            ex.kv_caches = [(k.zero_(), v.zero_()) for k, v in ex.kv_caches]
+        ref, a, b = (_decode_logits(ex, n) for ex in (fp32, with_int4, plain))
+        if n <= exact_weights_up_to:
+            assert not torch.equal(a, b), n  # the int4 path ran
+        err_int4, err_bf16 = (a - ref).abs().max().item(), (b - ref).abs().max().item()
+        assert err_int4 < max(3 * err_bf16, 0.05), (n, err_int4, err_bf16)
+    return with_int4, plain
 
-    big = max(rows for _, rows in with_int4.int4_kernels) + 1  # more tokens: the bf16 copy, bit for bit
+
+@needs_torch_kernel
+def test_torch_kernel_runs_small_steps_on_the_codes_and_large_ones_on_bf16(q4_gguf, monkeypatch):
+    with_int4, plain = _check_steps_on_the_codes(q4_gguf, [1, int4_linear.TORCH_MAX_ROWS], "torch", monkeypatch,
+                                                 exact_weights_up_to=int4_linear.TORCH_MAX_ROWS)
+    assert set(with_int4.int4_kernels) == {("torch", int4_linear.TORCH_MAX_ROWS)}
+    big = int4_linear.TORCH_MAX_ROWS + 1  # more tokens: the bf16 copy, bit for bit
     for ex in (with_int4, plain):
         ex.kv_caches = [(k.zero_(), v.zero_()) for k, v in ex.kv_caches]
     assert torch.equal(_decode_logits(with_int4, big), _decode_logits(plain, big))
+
+
+@needs_amx_kernel
+def test_amx_kernel_runs_every_step_on_the_codes_without_a_bf16_copy(q4_gguf, monkeypatch):
+    few = cpu_q4_linear.LIBRARY.get().blink_q4_linear_few_rows()
+    # beyond `few` rows the kernel multiplies the bf16 rounding of the file's weights, as the
+    # bf16 copy does (here to the same bits: the tiny model's sums are short)
+    with_int4, plain = _check_steps_on_the_codes(q4_gguf, [1, few, few + 1, 40], None, monkeypatch,
+                                                 exact_weights_up_to=few)
+    assert set(with_int4.int4_kernels) == {("amx", None)}
+    for layer in with_int4.model.model.layers:  # the bf16 copies were dropped, not packed
+        assert layer.self_attn.qkv_proj.weight.numel() == 0 and layer.mlp.down_proj.weight.numel() == 0
+    assert with_int4.model.lm_head.weight.numel() == 0
+    assert plain.model.model.layers[0].mlp.down_proj.weight.numel() > 0
 
 
 @needs_kernel
@@ -141,5 +173,6 @@ def test_a_tied_head_stored_as_q4_gets_its_int4_copy(tmp_path):
     hidden = torch.randn(2, embed.shape[1]).bfloat16()
     want = int4_linear.reference_linear(hidden, q4.codes, q4.scale, q4.zero, None).float()
     torch.testing.assert_close(model.compute_logits(hidden).float(), want, rtol=2e-2, atol=2e-2)
-    many = torch.randn(model.int4_head.max_rows + 1, embed.shape[1]).bfloat16()
-    assert torch.equal(model.compute_logits(many), torch.nn.functional.linear(many, model.model.embed_tokens.weight))
+    if model.int4_head.max_rows is not None:  # torch's kernel: larger steps on the embedding
+        many = torch.randn(model.int4_head.max_rows + 1, embed.shape[1]).bfloat16()
+        assert torch.equal(model.compute_logits(many), torch.nn.functional.linear(many, model.model.embed_tokens.weight))

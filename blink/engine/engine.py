@@ -218,9 +218,11 @@ class Engine:
         )
         given, total = getattr(self.executor, "int4_projections", (0, 0))
         if given:
-            kernels = ", ".join(f"{count} on the {kernel} kernel for steps of at most {rows} tokens"
-                                for (kernel, rows), count in getattr(self.executor, "int4_kernels", {}).items())
-            log.info("%d of %d projections run decode-sized steps on the checkpoint's 4-bit codes "
+            kernels = ", ".join(
+                f"{count} on the {kernel} kernel for " + ("every step, without a bf16 copy" if rows is None
+                                                          else f"steps of at most {rows} tokens")
+                for (kernel, rows), count in getattr(self.executor, "int4_kernels", {}).items())
+            log.info("%d of %d projections run on the checkpoint's 4-bit codes "
                      "(%s; --int4-decode off: always bf16)", given, total, kernels)
         self.model_config = model_config
         self.max_model_len = self.executor.max_model_len

@@ -43,8 +43,9 @@ def _param(*shape: int) -> nn.Parameter:
 class Linear(nn.Module):
     """``y = x @ weight.T (+ bias)``; weight [out, in] as in HF checkpoints, or the same
     weight packed for oneDNN (:meth:`pack`, bf16 on CPU). ``int4``, when set, is the
-    checkpoint's own 4-bit copy of the weight, used for inputs of at most its ``max_rows``
-    rows (:mod:`blink.models.int4_linear`)."""
+    checkpoint's own 4-bit copy of the weight, used for the inputs whose row count it takes
+    (:mod:`blink.models.int4_linear`; with the AMX kernel all of them, and :meth:`pack` drops
+    the bf16 weight)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -54,12 +55,17 @@ class Linear(nn.Module):
         self.int4: int4_linear.Int4Weight | None = None
 
     def pack(self) -> None:
-        """Replace the weight by its oneDNN-packed form (the plain one is freed)."""
-        self.weight = nn.Parameter(packed_linear.pack(self.weight), requires_grad=False)
+        """Replace the weight by its oneDNN-packed form (the plain one is freed). Where the
+        4-bit copy runs every step, the bf16 weight would never be read: it is dropped
+        (an empty tensor) instead, saving 2 bytes per weight."""
+        if self.int4 is not None and self.int4.every_step:
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+        else:
+            self.weight = nn.Parameter(packed_linear.pack(self.weight), requires_grad=False)
         self.packed = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4 is not None and x.shape[0] <= self.int4.max_rows:
+        if self.int4 is not None and self.int4.takes(x.shape[0]):
             return int4_linear.linear(x, self.int4, self.bias)
         if self.packed:
             return packed_linear.linear(x, self.weight, self.bias)
@@ -245,7 +251,7 @@ class DecoderForCausalLM(nn.Module):
         """hidden [N, hidden_size] -> logits [N, vocab] in the model dtype."""
         if self.lm_head is not None:
             return self.lm_head(hidden)
-        if self.int4_head is not None and hidden.shape[0] <= self.int4_head.max_rows:
+        if self.int4_head is not None and self.int4_head.takes(hidden.shape[0]):
             return int4_linear.linear(hidden, self.int4_head, None)
         if self.packed_head is not None:
             return packed_linear.linear(hidden, self.packed_head, None)
@@ -266,7 +272,8 @@ class DecoderForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear) and not module.packed:
                 module.pack()
-        if self.lm_head is None and self.packed_head is None:
+        head_on_int4 = self.int4_head is not None and self.int4_head.every_step
+        if self.lm_head is None and self.packed_head is None and not head_on_int4:
             self.packed_head = packed_linear.pack(self.model.embed_tokens.weight)
 
     def use_int4_weights(self, q4_tensors: Iterable[tuple[str, Any]]) -> tuple[int, int]:
@@ -275,7 +282,8 @@ class DecoderForCausalLM(nn.Module):
         :class:`blink.loader.gguf_weights.Q4Codes`) an int4 copy for steps of few tokens
         (:mod:`blink.models.int4_linear`). A fused projection gets one only if all its parts
         are 4-bit (a Q4_K_M file, say, keeps some in other formats: those stay bf16). Call it
-        before :meth:`use_packed_weights` (it locates rows in the plain weights). Returns
+        before :meth:`use_packed_weights` (it locates rows in the plain weights), which drops
+        the bf16 copy of each projection whose 4-bit copy runs every step. Returns
         (projections given an int4 copy, projections in all)."""
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
@@ -315,8 +323,9 @@ class DecoderForCausalLM(nn.Module):
         total = sum(isinstance(m, Linear) for m in self.modules()) + (self.lm_head is None)
         return given, total
 
-    def int4_kernels(self) -> dict[tuple[str, int], int]:
-        """How many projections (and the head) have a 4-bit copy, per (kernel, max rows)."""
+    def int4_kernels(self) -> dict[tuple[str, int | None], int]:
+        """How many projections (and the head) have a 4-bit copy, per (kernel, max rows;
+        None: every step)."""
         weights = [m.int4 for m in self.modules() if isinstance(m, Linear) and m.int4 is not None]
         if self.int4_head is not None:
             weights.append(self.int4_head)

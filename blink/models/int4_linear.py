@@ -8,17 +8,20 @@ bf16 copy (~4x fewer bytes), in the layout of one of two kernels:
 
 - ``amx``: Blink's C kernel on AMX (:mod:`blink.kernels.cpu_q4_linear`; Intel Sapphire
   Rapids and later). AMX does the arithmetic, so its cost stays flat up to a decode batch:
-  over all of SmolLM2's projections 2.9x faster than bf16 at 1 row and 2.2x at 16
-  (docs/benchmarks.md, "4-bit weights at decode-batch sizes"). Steps of at most
-  :data:`AMX_MAX_ROWS` tokens use it.
+  over all of SmolLM2's projections 2.9x faster than bf16 at 1 row and 2.0x at 16; from 33
+  rows on it rebuilds the bf16 weights once per call and runs plain tile products, 1.1-1.3x
+  the packed bf16 copy's speed at 33-128 rows and the same at 512 (docs/benchmarks.md,
+  "4-bit weights at decode-batch sizes"). So every step uses it, and the projection's bf16
+  copy is not kept (:meth:`blink.models.decoder.Linear.pack`).
 - ``torch``: torch's int4 weight-only GEMM (``torch._weight_int4pack_mm_for_cpu``, the
   kernel gpt-fast and torchao use on CPU), elsewhere (e.g. AMD Zen 4): 3.7x faster than bf16
   at 1 row but slower beyond ~8, its arithmetic growing with the rows; steps of at most
   :data:`TORCH_MAX_ROWS` tokens use it.
 
-Larger steps (prefills) run the packed bf16 copy. Nothing is quantized here: the codes are
-the file's. The AMX kernel multiplies gguf's fp32 weights exactly (``d * q + m``); torch's
-kernel takes ``(q - 8) * scale + zero`` with ``zero = m + 8d`` and scales rounded to bf16.
+Steps beyond a weight's ``max_rows`` run the packed bf16 copy. Nothing is quantized here: the
+codes are the file's. The AMX kernel multiplies gguf's fp32 weights exactly (``d * q + m``)
+for steps of up to 32 rows and their bf16 rounding (the bf16 copy's values) for larger ones;
+torch's kernel takes ``(q - 8) * scale + zero`` with ``zero = m + 8d`` and scales rounded to bf16.
 A row's logits therefore depend on whether its step took the 4-bit path (as in any engine
 whose kernels change with the batch); ``--int4-decode off`` keeps every step on bf16.
 
@@ -37,9 +40,9 @@ from blink.kernels import cpu_q4_linear
 #: Steps with at most this many tokens use torch's int4 kernel. Measured on SmolLM2-135M,
 #: one thread, Xeon with AMX: the decode step 1.6x faster at 4 rows, 1.1x at 6, 1.0x at 8.
 TORCH_MAX_ROWS = 6
-#: Steps with at most this many tokens use the AMX kernel (it takes 16 rows per pass over the
-#: codes): its projections measured 1.2x the bf16 copy's speed at 32 rows and 0.75x at 64.
-AMX_MAX_ROWS = 32
+#: Steps with at most this many tokens use the AMX kernel: None, all of them (it measured at
+#: least the packed bf16 copy's speed at every row count, 1 to 512).
+AMX_MAX_ROWS: int | None = None
 
 #: Input channels per scale/zero pair: ggml's Q4_0/Q4_1 block.
 GROUP = 32
@@ -53,13 +56,22 @@ Kernel = Literal["amx", "torch"]
 @dataclass
 class Int4Weight:
     """One projection's 4-bit weight in its kernel's layout. ``max_rows``: steps of at most
-    this many tokens run it (the caller checks)."""
+    this many tokens run it, None: every step (the caller checks, :meth:`takes`)."""
 
     kernel: Kernel
-    max_rows: int
+    max_rows: int | None
     packed: torch.Tensor | None = None  # torch: uint8 [N, K // 2]
     scale_zero: torch.Tensor | None = None  # torch: bf16 [K // GROUP, N, 2]
     amx: cpu_q4_linear.Q4Weight | None = None  # amx
+
+    def takes(self, rows: int) -> bool:
+        """Whether a step of ``rows`` tokens runs on this weight."""
+        return self.max_rows is None or rows <= self.max_rows
+
+    @property
+    def every_step(self) -> bool:
+        """Whether every step runs on it (then the bf16 copy is never read)."""
+        return self.max_rows is None
 
 
 #: whether torch's kernel ran correctly here (tried once, by :func:`_torch_kernel_runs`)
