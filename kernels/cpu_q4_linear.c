@@ -335,8 +335,10 @@ int blink_q4_linear(const uint16_t *x, int64_t x_stride, const uint16_t *codes, 
     const int64_t tiles = N / TILE;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
-    /* a thread start costs ~20-50 us: one per ~2M weights (~0.1 ms of work) at most */
-    while (threads > 1 && N * K < ((int64_t)threads << 21)) threads--;
+    /* a thread start costs ~20-50 us: one per ~0.1 ms of work at most (~2M weights to unpack
+     * for a few rows, ~32M multiply-adds for many) */
+    const int64_t work = many ? M * N * K >> 4 : N * K;
+    while (threads > 1 && work < ((int64_t)threads << 21)) threads--;
     if (threads > tiles) threads = (int)tiles;
     pthread_t tid[MAX_THREADS];
     part_t part[MAX_THREADS];

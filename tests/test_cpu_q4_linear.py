@@ -107,10 +107,11 @@ def test_strided_rows_leading_dims_and_an_empty_step():
 
 
 @needs_amx
-def test_threads_split_the_columns_with_the_same_bits(monkeypatch):
+@pytest.mark.parametrize("rows", [3, 40])  # both paths
+def test_threads_split_the_columns_with_the_same_bits(rows):
     codes, scale, zero = gguf_like(1024, 4096)  # 4M weights: enough to start a second thread
     weight = cpu_q4_linear.pack(codes, scale, zero)
-    x = torch.randn(3, 4096).bfloat16()
+    x = torch.randn(rows, 4096).bfloat16()
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
