@@ -13,6 +13,7 @@ import torch
 
 from blink.kernels import cpu_fused, ops_for, reference
 from blink.kernels.ops import compiled_cpu_ops
+from blink.shared.native_build import build_library
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
 from native_helpers import forced_native  # noqa: E402
@@ -175,3 +176,41 @@ def test_without_avx512_the_silu_is_the_reference(without_c_compiler, tmp_path, 
     q_out, k_out = cpu_fused.apply_rope(q, q, torch.tensor([1, 5]), cos_sin)
     q_ref, k_ref = reference.apply_rope(q, q, torch.tensor([1, 5]), cos_sin)
     assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+
+
+NO_VECTOR_OPS_CC = """#!/bin/sh
+exec cc -mno-avx512bf16 "$@"
+"""
+
+
+def test_the_vector_norms_and_silu_are_the_scalar_code_bit_for_bit(tmp_path, monkeypatch):
+    """With AVX512-BF16 the norms and the SiLU run intrinsics; a build without it runs the
+    scalar loops. Both builds give the same bits, tails (dims not a multiple of 16) included."""
+    lib = cpu_fused.library()
+    if not lib.blink_has_vector_ops():
+        pytest.skip("this host has no AVX512-BF16: only the scalar code exists here")
+    wrapper = tmp_path / "cc-no-bf16"
+    wrapper.write_text(NO_VECTOR_OPS_CC)
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    lib_ = cpu_fused.LIBRARY
+    scalar = build_library(lib_.source, lib_.flags, lib_.fallback_flags, lib_.headers)
+    cpu_fused._declare(scalar)
+    assert not scalar.blink_has_vector_ops()
+
+    def run(library, op, *args):
+        monkeypatch.setattr(cpu_fused.LIBRARY, "get", lambda: library)
+        return op(*args)
+
+    g = _gen(11)
+    for rows, dim in [(3, 576), (2, 100), (5, 1536)]:
+        x = (torch.randn(rows, 2 * dim, generator=g) * 6).to(BF16)
+        x[0, :8] = torch.tensor([0.0, -0.0, 30.0, -30.0, 100.0, -100.0, 1e-3, -1e-3])
+        assert torch.equal(run(lib, cpu_fused.silu_and_mul, x), run(scalar, cpu_fused.silu_and_mul, x))
+        h, res = x[:, :dim].contiguous(), x[:, dim:].contiguous()
+        weight = torch.randn(dim, generator=g).to(BF16)
+        for a, b in zip(run(lib, cpu_fused.fused_add_rms_norm, h, res, weight, 1e-6),
+                        run(scalar, cpu_fused.fused_add_rms_norm, h, res, weight, 1e-6)):
+            assert torch.equal(a, b)
+        assert torch.equal(run(lib, cpu_fused.rms_norm, h, weight, 1e-5), run(scalar, cpu_fused.rms_norm, h, weight, 1e-5))
