@@ -7,6 +7,8 @@ where each token sits in the paged cache, and gets fp32 logits for the rows it a
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -98,6 +100,7 @@ class ModelExecutor:
         self.int4_kernels = self.model.int4_kernels()
         if self.packed_weights:
             self.model.use_packed_weights()
+            _return_freed_memory()  # the plain bf16 weights packing replaced or dropped
         # Plain bf16 weights, one-token steps: torch's own matrix-vector kernel reads them
         # ~1.7x faster than oneDNN does (reordering the weight every call); from two rows up
         # oneDNN wins. Packed weights beat both.
@@ -213,3 +216,15 @@ def _onednn_disabled() -> Iterator[None]:
         yield
     finally:
         torch.backends.mkldnn.enabled = previous
+
+
+def _return_freed_memory() -> None:
+    """Give the heap's free pages back to the OS (glibc's ``malloc_trim``; elsewhere nothing).
+    Loading makes a plain bf16 copy of every projection; packing frees them (and drops those
+    that run on 4-bit codes), but glibc keeps freed multi-MB chunks of its heap mapped:
+    measured 857 -> 688 MB RSS for SmolLM2-135M with the 4-bit copies."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: its allocator decides
+        pass

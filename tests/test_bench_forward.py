@@ -58,6 +58,19 @@ def test_bench_int4_prints_its_table(monkeypatch, capsys):
     assert len(rows) == 2 and all(line.endswith("x |") for line in rows)
 
 
+def test_bench_cpu_fused_prints_its_table(monkeypatch, capsys):
+    from benchmarks import bench_cpu_fused
+    from blink.kernels import cpu_fused
+
+    if cpu_fused.library() is None:
+        pytest.skip("the fused ops do not build here")
+    monkeypatch.setattr(sys, "argv", ["bench_cpu_fused", "--rows", "2", "--calls", "2", "--rounds", "1"])
+    bench_cpu_fused.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| add+RMSNorm | 2 |", "| SiLU-mul | 2 |"))]
+    assert len(rows) == 2 and all(line.endswith("x |") for line in rows)
+    assert cpu_fused.library() is not None  # the host's build is back in place
+
+
 def test_bench_step_parts_prints_every_part(tmp_path, monkeypatch, capsys):
     from benchmarks import bench_step_parts
     from test_loader_gguf import export_to_gguf
