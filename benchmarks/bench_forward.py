@@ -10,7 +10,9 @@ kernel, blink.kernels.cpu_attention; or ``--before torch-elementwise``: today's 
 the torch references for the norms, rotary embedding, KV write and SiLU, which isolates
 blink.kernels.cpu_fused; or ``--before torch-int4``: today's forward with the 4-bit copies in
 torch's int4 kernel's layout (``$BLINK_CPU_Q4=torch`` while it loads), which isolates the AMX
-kernel, blink.kernels.cpu_q4_linear) and ``now`` the default one.
+kernel, blink.kernels.cpu_q4_linear; or ``--before attention-no-prefetch``: today's forward
+with the C attention kernel built without its prefetch of the next KV block) and ``now`` the
+default one.
 For each dtype and shape the two are timed alternately, ``--rounds`` rounds of ``--steps``
 calls each, so a load spike on this shared machine hits both; the table gives the median
 per-call wall time and process CPU time of each, and their ratio.
@@ -23,6 +25,7 @@ logits of every row); ``prefill BxP`` = B rows of P new tokens (the logits of ea
     python -m benchmarks.bench_forward --before sdpa-attention --dtype bfloat16 --decode 1 16 --context 256
     python -m benchmarks.bench_forward --before torch-elementwise --dtype bfloat16 --decode 1 16 --prefill 1x128
     python -m benchmarks.bench_forward --before torch-int4 --dtype bfloat16 --decode 1 4 8 16 32
+    python -m benchmarks.bench_forward --before attention-no-prefetch --dtype bfloat16 --decode 1 16 --context 128 256
 """
 from __future__ import annotations
 
@@ -63,6 +66,34 @@ def _amx_int4_off(off: bool):
         cpu_q4_linear.LIBRARY.reset()
 
 
+def _attention_without_prefetch():
+    """The C attention kernel built with -DPREFETCH=0 (and declared as the module declares its own)."""
+    from blink.kernels import cpu_attention
+    from blink.shared.native_build import build_library
+
+    L = cpu_attention.LIBRARY
+    library = build_library(L.source, (*L.flags, "-DPREFETCH=0"), None, L.headers)
+    cpu_attention._declare(library)
+    return library
+
+
+def _with_attention_library(ex, library) -> None:
+    """``ex.execute`` runs with ``library`` as the C attention kernel, the others with the usual one."""
+    from blink.kernels import cpu_attention
+
+    execute = ex.execute
+
+    def swapped(*args, **kwargs):
+        usual = cpu_attention.LIBRARY.get()
+        cpu_attention.LIBRARY._state[:] = [library]
+        try:
+            return execute(*args, **kwargs)
+        finally:
+            cpu_attention.LIBRARY._state[:] = [usual]
+
+    ex.execute = swapped
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
@@ -73,7 +104,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="calls per timed round")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--before", choices=["reference", "no-int4", "sdpa-attention", "torch-elementwise", "torch-int4"], default="reference",
+    p.add_argument("--before", choices=["reference", "no-int4", "sdpa-attention", "torch-elementwise", "torch-int4",
+                                             "attention-no-prefetch"], default="reference",
                    help="the baseline: the reference forward, or today's without the int4 path, the C attention kernel or the C elementwise ops")
     args = p.parse_args()
 
@@ -107,7 +139,8 @@ def main() -> None:
     for dtype_name in args.dtype:
         dtype = getattr(torch, dtype_name)
         before = {"reference": {"pack_weights": False}, "no-int4": {"int4_decode": False},
-                  "sdpa-attention": {}, "torch-elementwise": {}, "torch-int4": {}}[args.before]
+                  "sdpa-attention": {}, "torch-elementwise": {}, "torch-int4": {},
+                  "attention-no-prefetch": {}}[args.before]
         execs = {}
         for name, kw in (("before", before), ("now", {})):
             with _amx_int4_off(name == "before" and args.before == "torch-int4"):
@@ -118,6 +151,8 @@ def main() -> None:
             execs["before"].model.use_ops(sdpa_ops)
         elif args.before == "torch-elementwise":
             execs["before"].model.use_ops(torch_ops)
+        elif args.before == "attention-no-prefetch":
+            _with_attention_library(execs["before"], _attention_without_prefetch())
         for label, batch, new, cached in shapes:
             call_args = {}
             for name, ex in execs.items():
