@@ -14,7 +14,6 @@
  * is fp32 whatever the dtypes. Built at first use by kernels/cpu_attention.py.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -27,7 +26,7 @@
 
 /* Limits of the per-call stack arrays; kernels/cpu_attention.py sends larger shapes to the
  * torch path. */
-enum { MAX_GROUP = 16, MAX_HEAD_DIM = 256, MAX_BLOCK = 128, MAX_THREADS = 64 };
+enum { MAX_GROUP = 16, MAX_HEAD_DIM = 256, MAX_BLOCK = 128 };
 
 typedef struct {
     const void *q;        /* [T, H, D], rows strided: element (t, h, d) at t*q_stride_t + h*q_stride_h + d */
@@ -43,7 +42,6 @@ typedef struct {
     float scale;
 } args_t;
 
-typedef struct { const args_t *a; int64_t lo, hi; int status; } part_t;
 
 /* 16 floats: one AVX-512 register, two AVX2 ones; the compiler lowers it for the host. */
 typedef float vf __attribute__((vector_size(64)));
@@ -215,9 +213,10 @@ static int attend(const args_t *a, int64_t t, int64_t g) {
 }
 
 static void *run_part(void *arg) {
-    part_t *p = (part_t *)arg;
+    blink_part_t *p = (blink_part_t *)arg;
+    const args_t *a = (const args_t *)p->args;
     for (int64_t w = p->lo; w < p->hi; w++)
-        if (attend(p->a, w / p->a->KVH, w % p->a->KVH) != 0) p->status = -1;
+        if (attend(a, w / a->KVH, w % a->KVH) != 0) p->status = -1;
     return NULL;
 }
 
@@ -236,23 +235,7 @@ int blink_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_h,
         return -2;
     args_t a = {q, q_stride_t, q_stride_h, out, k, v, q_bf16, kv_bf16, T, H, KVH, D, block_size, num_blocks, rows,
                 token_row, positions, query_start, seq_lens, tables, table_stride, table_cols, scale};
-    int64_t work = T * KVH;
-    if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    /* a thread start costs ~20-50 us: one per ~64K key visits (~0.1 ms of work) at most */
+    /* one thread per ~64K key visits (~0.1 ms of work) at most */
     while (threads > 1 && key_visits < ((int64_t)threads << 16)) threads--;
-    if (threads > work) threads = (int)(work > 0 ? work : 1);
-    pthread_t tid[MAX_THREADS];
-    part_t part[MAX_THREADS];
-    int running[MAX_THREADS] = {0};
-    for (int i = 0; i < threads; i++) part[i] = (part_t){&a, work * i / threads, work * (i + 1) / threads, 0};
-    for (int i = 1; i < threads; i++) running[i] = pthread_create(&tid[i], NULL, run_part, &part[i]) == 0;
-    run_part(&part[0]);
-    int status = part[0].status;
-    for (int i = 1; i < threads; i++) {
-        if (running[i]) pthread_join(tid[i], NULL);
-        else run_part(&part[i]);
-        if (part[i].status != 0) status = part[i].status;
-    }
-    return status;
+    return blink_run_parts(run_part, &a, T * KVH, threads);
 }

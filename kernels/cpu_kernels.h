@@ -1,8 +1,9 @@
-/* Scalar helpers shared by the CPU kernels (cpu_attention.c, cpu_fused.c): bf16 <-> fp32 and
- * an exp the compiler vectorises. Hashed into their build keys (blink/shared/native_build.py),
- * so a change here rebuilds both. */
+/* Helpers shared by the CPU kernels (cpu_attention.c, cpu_fused.c, cpu_q4_linear.c): bf16 <->
+ * fp32, an exp the compiler vectorises, and the split of a call's work over threads. Hashed
+ * into their build keys (blink/shared/native_build.py), so a change here rebuilds them all. */
 #pragma once
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -51,4 +52,37 @@ int blink_has_avx512(void) {
 #else
     return 0;
 #endif
+}
+
+/* One thread's share of a call: items [lo, hi) of the kernel's `args`; `status` its result
+ * (0, or the kernel's error). */
+typedef struct {
+    const void *args;
+    int64_t lo, hi;
+    int status;
+} blink_part_t;
+
+enum { BLINK_MAX_THREADS = 64 };
+
+/* run(part) over [0, items) split evenly into `threads` parts (at most BLINK_MAX_THREADS and
+ * `items`): the first on the calling thread, the others on threads started for the call (a
+ * part whose thread cannot start runs here after the first). Returns 0 or the last nonzero
+ * status. Callers pick `threads` by the call's work: a thread start costs ~20-50 us. */
+static inline int blink_run_parts(void *(*run)(void *), const void *args, int64_t items, int threads) {
+    if (threads > BLINK_MAX_THREADS) threads = BLINK_MAX_THREADS;
+    if (threads > items) threads = (int)items;
+    if (threads < 1) threads = 1;
+    pthread_t tid[BLINK_MAX_THREADS];
+    blink_part_t part[BLINK_MAX_THREADS];
+    int running[BLINK_MAX_THREADS] = {0};
+    for (int i = 0; i < threads; i++) part[i] = (blink_part_t){args, items * i / threads, items * (i + 1) / threads, 0};
+    for (int i = 1; i < threads; i++) running[i] = pthread_create(&tid[i], NULL, run, &part[i]) == 0;
+    run(&part[0]);
+    int status = part[0].status;
+    for (int i = 1; i < threads; i++) {
+        if (running[i]) pthread_join(tid[i], NULL);
+        else run(&part[i]);
+        if (part[i].status != 0) status = part[i].status;
+    }
+    return status;
 }

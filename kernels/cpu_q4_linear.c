@@ -22,9 +22,10 @@
  * packed as 4 x 32 16-bit words whose nibble i is row 4c + i's code. Per tile and group, 16
  * fp16 d then 16 fp16 m, one per column.
  */
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "cpu_kernels.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -32,7 +33,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-enum { TILE = 16, GROUP = 32, PAIRS = GROUP / 2, WORDS = 4 * 32, MAX_ROWS = 16, STEP = 4, MAX_THREADS = 64 };
+enum { TILE = 16, GROUP = 32, PAIRS = GROUP / 2, WORDS = 4 * 32, MAX_ROWS = 16, STEP = 4 };
 
 /* Steps of more rows than this rebuild the bf16 weights once and run plain AMX products
  * (run_many_rows); fewer keep the codes as they are (run_few_rows). */
@@ -238,13 +239,11 @@ static void block(const args_t *a, int64_t t, int two, const uint16_t *w, int64_
     }
 }
 
-typedef struct { const args_t *a; int64_t lo, hi; int status; } part_t;
-
 /* Column tiles in chunks of CHUNK_TILES, each chunk's weights rebuilt once (into L2) and then
  * swept by 32-row blocks whose x (32 x K) stays in L1 while it meets every tile of the chunk. */
 static void *run_many_rows(void *arg) {
-    part_t *p = (part_t *)arg;
-    const args_t *a = p->a;
+    blink_part_t *p = (blink_part_t *)arg;
+    const args_t *a = (const args_t *)p->args;
     const int64_t groups = a->K / GROUP, tile_words = PAIRS * 2 * TILE;
     uint16_t *w = aligned_alloc(64, (size_t)(CHUNK_TILES * groups * tile_words) * sizeof *w);
     if (!w) {
@@ -276,8 +275,8 @@ static void *run_many_rows(void *arg) {
 }
 
 static void *run_few_rows(void *arg) {
-    part_t *p = (part_t *)arg;
-    const args_t *a = p->a;
+    blink_part_t *p = (blink_part_t *)arg;
+    const args_t *a = (const args_t *)p->args;
     __m512i as_bf16;
     for (int i = 0; i < 32; i++) { /* bf16 of i & 15: the top half of the fp32's bits */
         const float f = (float)(i & 15);
@@ -331,27 +330,11 @@ int blink_q4_linear(const uint16_t *x, int64_t x_stride, const uint16_t *codes, 
         group_sums(x, x_stride, M, K, x_sums);
     }
     args_t a = {x, x_stride, codes, scales, bias, y, y_stride, M, N, K, x_sums};
-    void *(*run_part)(void *) = many ? run_many_rows : run_few_rows;
-    const int64_t tiles = N / TILE;
-    if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    /* a thread start costs ~20-50 us: one per ~0.1 ms of work at most (~2M weights to unpack
-     * for a few rows, ~32M multiply-adds for many) */
+    /* one thread per ~0.1 ms of work at most (~2M weights to unpack for a few rows, ~32M
+     * multiply-adds for many) */
     const int64_t work = many ? M * N * K >> 4 : N * K;
     while (threads > 1 && work < ((int64_t)threads << 21)) threads--;
-    if (threads > tiles) threads = (int)tiles;
-    pthread_t tid[MAX_THREADS];
-    part_t part[MAX_THREADS];
-    int running[MAX_THREADS] = {0};
-    for (int i = 0; i < threads; i++) part[i] = (part_t){&a, tiles * i / threads, tiles * (i + 1) / threads, 0};
-    for (int i = 1; i < threads; i++) running[i] = pthread_create(&tid[i], NULL, run_part, &part[i]) == 0;
-    run_part(&part[0]);
-    int status = part[0].status;
-    for (int i = 1; i < threads; i++) {
-        if (running[i]) pthread_join(tid[i], NULL);
-        else run_part(&part[i]);
-        if (part[i].status) status = part[i].status;
-    }
+    const int status = blink_run_parts(many ? run_many_rows : run_few_rows, &a, N / TILE, threads);
     free(x_sums);
     return status;
 }

@@ -52,7 +52,8 @@ def _declare(library: ctypes.CDLL) -> None:
 LIBRARY = NativeLibrary(
     _SOURCE, what="4-bit CPU projections: the AMX kernel", logger=log,
     fallback="4-bit projections run on torch's int4 kernel for few rows and bf16 otherwise",
-    flags=("-O3", "-march=native"), env=IMPL_ENV, setup=_declare)
+    flags=("-O3", "-march=native"), headers=(_SOURCE.with_name("cpu_kernels.h"),), env=IMPL_ENV,
+    setup=_declare)
 
 
 def available() -> bool:
