@@ -279,8 +279,8 @@ class DecoderForCausalLM(nn.Module):
     def use_int4_weights(self, q4_tensors: Iterable[tuple[str, Any]]) -> tuple[int, int]:
         """Give each projection whose every row the checkpoint stores as 4-bit codes
         (``q4_tensors``: ``(hf_name, codes)`` with ``codes.codes / .scale / .zero`` as
-        :class:`blink.loader.gguf_weights.Q4Codes`) an int4 copy for steps of few tokens
-        (:mod:`blink.models.int4_linear`). A fused projection gets one only if all its parts
+        :class:`blink.loader.gguf_weights.Q4Codes`) an int4 copy for the steps its kernel
+        takes (:mod:`blink.models.int4_linear`: every step on AMX, else steps of few tokens). A fused projection gets one only if all its parts
         are 4-bit (a Q4_K_M file, say, keeps some in other formats: those stay bf16). Call it
         before :meth:`use_packed_weights` (it locates rows in the plain weights), which drops
         the bf16 copy of each projection whose 4-bit copy runs every step. Returns
