@@ -5,7 +5,7 @@ Why: on CPU a decode step is bound by the bytes of weight it streams (bf16 SmolL
 ~210 MB of projections per step, ~23 ms on one core here whether 1 or 16 rows). The file's
 Q4_0/Q4_1 codes are 4x fewer bytes. torch's int4 kernel reads them too, but its arithmetic
 grows with the rows; here AMX does the arithmetic (one tile product per 32 channels of 16
-columns for up to 16 rows), so the cost stays near flat up to a decode batch: 2.2x the bf16
+columns for up to 16 rows), so the cost stays near flat up to a decode batch: 2.0x the bf16
 projections' speed at 16 rows (docs/benchmarks.md, "4-bit weights at decode-batch sizes").
 :mod:`blink.models.int4_linear` decides which kernel a weight gets and for which steps.
 

@@ -8,11 +8,12 @@ bf16 copy (~4x fewer bytes), in the layout of one of two kernels:
 
 - ``amx``: Blink's C kernel on AMX (:mod:`blink.kernels.cpu_q4_linear`; Intel Sapphire
   Rapids and later). AMX does the arithmetic, so its cost stays flat up to a decode batch:
-  over all of SmolLM2's projections 2.9x faster than bf16 at 1 row and 2.0x at 16; from 33
-  rows on it rebuilds the bf16 weights once per call and runs plain tile products, 1.1-1.3x
-  the packed bf16 copy's speed at 33-128 rows and the same at 512 (docs/benchmarks.md,
-  "4-bit weights at decode-batch sizes"). So every step uses it, and the projection's bf16
-  copy is not kept (:meth:`blink.models.decoder.Linear.pack`).
+  over all of SmolLM2's projections 3.0x faster than bf16 at 1 row and 2.0x at 16; from 33
+  rows on it rebuilds the bf16 weights once per call and runs plain tile products, 1.0-1.3x
+  the packed bf16 copy's speed at 33-128 rows, 0.92x at 512 alone and 1.04x in a whole
+  512-token prefill step (docs/benchmarks.md, "4-bit weights at decode-batch sizes"). So
+  every step uses it, and the projection's bf16 copy is not kept
+  (:meth:`blink.models.decoder.Linear.pack`).
 - ``torch``: torch's int4 weight-only GEMM (``torch._weight_int4pack_mm_for_cpu``, the
   kernel gpt-fast and torchao use on CPU), elsewhere (e.g. AMD Zen 4): 3.7x faster than bf16
   at 1 row but slower beyond ~8, its arithmetic growing with the rows; steps of at most
@@ -40,8 +41,8 @@ from blink.kernels import cpu_q4_linear
 #: Steps with at most this many tokens use torch's int4 kernel. Measured on SmolLM2-135M,
 #: one thread, Xeon with AMX: the decode step 1.6x faster at 4 rows, 1.1x at 6, 1.0x at 8.
 TORCH_MAX_ROWS = 6
-#: Steps with at most this many tokens use the AMX kernel: None, all of them (it measured at
-#: least the packed bf16 copy's speed at every row count, 1 to 512).
+#: Steps with at most this many tokens use the AMX kernel: None, all of them (the whole step
+#: measured at least as fast as on the packed bf16 copy at every row count, 1 to 512).
 AMX_MAX_ROWS: int | None = None
 
 #: Input channels per scale/zero pair: ggml's Q4_0/Q4_1 block.
