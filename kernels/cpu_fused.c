@@ -24,19 +24,10 @@
  * vcvtneps2bf16, the same round-to-nearest-even, so the results are the scalar code's bits;
  * only fp32 denormals, which that instruction flushes to zero, could differ. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define BLINK_VECTOR_OPS 1
-
-static inline __m512 load_bf16x16(const uint16_t *p) { /* bf16 is the top half of an fp32 */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
+#define BLINK_VECTOR_OPS 1 /* load_bf16x16, store_bf16x16: cpu_kernels.h */
 
 static inline __m512 round_bf16x16(__m512 v) { /* to bf16 and back: the rounding alone */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
-
-static inline void store_bf16x16(uint16_t *p, __m512 v) {
-    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
 /* exp_nonpositive (cpu_kernels.h) on 16 lanes, operation for operation. */

@@ -54,6 +54,20 @@ int blink_has_avx512(void) {
 #endif
 }
 
+/* 16 bf16 <-> 16 fp32 in one AVX-512 register, where the build has AVX512-BF16 (its store
+ * rounds to nearest even, as f32_to_bf16 above, denormals flushed to zero). */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+static inline __m512 load_bf16x16(const uint16_t *p) { /* bf16 is the top half of an fp32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline void store_bf16x16(uint16_t *p, __m512 v) {
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v));
+}
+#endif
+
 /* One thread's share of a call: items [lo, hi) of the kernel's `args`; `status` its result
  * (0, or the kernel's error). */
 typedef struct {

@@ -27,7 +27,7 @@
 
 #include "cpu_kernels.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #include <stdlib.h>
 #include <sys/syscall.h>
@@ -107,14 +107,11 @@ static inline void scale_group(const float *dots, const uint16_t *scales, const 
                                      _mm512_fmadd_ps(_mm512_set1_ps(x_sums[r * groups]), m, acc[r]));
 }
 
+/* Rows [r0, r0 + rows) of tile t's results, plus the bias, to y in bf16. */
 static inline void store_tile(const args_t *a, const __m512 *acc, int64_t t, int64_t r0, int rows) {
-    __m512 bias = _mm512_setzero_ps();
-    if (a->bias) /* bf16 -> fp32: the top half of each word */
-        bias = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(a->bias + t * TILE))), 16));
+    const __m512 bias = a->bias ? load_bf16x16(a->bias + t * TILE) : _mm512_setzero_ps();
     for (int r = 0; r < rows; r++)
-        _mm256_storeu_si256((__m256i *)(a->y + (r0 + r) * a->y_stride + t * TILE),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r], bias)));
+        store_bf16x16(a->y + (r0 + r) * a->y_stride + t * TILE, _mm512_add_ps(acc[r], bias));
 }
 
 /* Tile registers are named by constants, so the four groups of a step are spelled out. All
@@ -197,14 +194,11 @@ static void configure_block(int rows0, int rows1) {
     _tile_loadconfig(&config);
 }
 
+/* A result tile stored by _tile_stored (rows x 16 fp32) -> store_tile. */
 static void store_result(const args_t *a, const float *result, int64_t t, int64_t r0, int rows) {
-    __m512 bias = _mm512_setzero_ps();
-    if (a->bias)
-        bias = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(a->bias + t * TILE))), 16));
-    for (int r = 0; r < rows; r++)
-        _mm256_storeu_si256((__m256i *)(a->y + (r0 + r) * a->y_stride + t * TILE),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(result + r * TILE), bias)));
+    __m512 acc[MAX_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_load_ps(result + r * TILE);
+    store_tile(a, acc, t, r0, rows);
 }
 
 /* Rows [r0, r0 + rows0 + rows1) x column tiles t, t + 1 (when two), from their rebuilt weights

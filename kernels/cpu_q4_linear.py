@@ -1,15 +1,16 @@
-"""Projections on a GGUF file's own 4-bit codes for steps of up to a decode batch's rows (CPU,
-bf16, AMX): ``cpu_q4_linear.c``.
+"""Projections on a GGUF file's own 4-bit codes (CPU, bf16, AMX): ``cpu_q4_linear.c``.
 
 Why: on CPU a decode step is bound by the bytes of weight it streams (bf16 SmolLM2-135M:
 ~210 MB of projections per step, ~23 ms on one core here whether 1 or 16 rows). The file's
 Q4_0/Q4_1 codes are 4x fewer bytes. torch's int4 kernel reads them too, but its arithmetic
 grows with the rows; here AMX does the arithmetic (one tile product per 32 channels of 16
 columns for up to 16 rows), so the cost stays near flat up to a decode batch: 2.0x the bf16
-projections' speed at 16 rows (docs/benchmarks.md, "4-bit weights at decode-batch sizes").
+projections' speed at 16 rows; larger steps (prefills) rebuild bf16 weights once per call
+and run plain tile products, as fast as oneDNN on a bf16 copy (docs/benchmarks.md, "4-bit
+weights at decode-batch sizes").
 :mod:`blink.models.int4_linear` decides which kernel a weight gets and for which steps.
 
-Arithmetic: ``x . w = d (x . q) + m sum(x)`` per group of 32 channels, with the codes q as
+Arithmetic (steps of up to 32 rows): ``x . w = d (x . q) + m sum(x)`` per group of 32 channels, with the codes q as
 exact bf16 and the file's fp16 d and m applied in fp32, so the product is on gguf's own fp32
 weights, not on a bf16 rounding of them (tests/test_cpu_q4_linear.py: the exactly rounded
 fp32 product in all but a few outputs in a thousand, which are one bf16 step off).

@@ -1,4 +1,5 @@
-"""Projections of decode-sized steps on a GGUF file's own 4-bit weights (CPU, bf16).
+"""Projections on a GGUF file's own 4-bit weights (CPU, bf16): every step with AMX,
+decode-sized ones elsewhere.
 
 A decode step reads every weight once and does little arithmetic with it, so on CPU it is
 bound by memory: SmolLM2-135M's bf16 projections stream ~210 MB per step (~23 ms on one
@@ -148,8 +149,8 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> 
 def reference_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                      bias: torch.Tensor | None) -> torch.Tensor:
     """The torch reference of torch's kernel (fp32 product on the dequantized weight, scales
-    rounded to bf16 as that kernel stores them), returned in x's dtype. The AMX kernel's is
-    :func:`blink.kernels.cpu_q4_linear.reference_linear`."""
+    rounded to bf16 as that kernel stores them), returned in x's dtype. The AMX kernel's
+    weight is :func:`blink.kernels.cpu_q4_linear.dequantize`'s."""
     scale, zero = scale.to(torch.bfloat16).float(), zero.to(torch.bfloat16).float()
     y = F.linear(x.float(), dequantize(codes, scale, zero), None if bias is None else bias.float())
     return y.to(x.dtype)
