@@ -11,14 +11,17 @@ the torch references for the norms, rotary embedding, KV write and SiLU, which i
 blink.kernels.cpu_fused; or ``--before torch-int4``: today's forward with the 4-bit copies in
 torch's int4 kernel's layout (``$BLINK_CPU_Q4=torch`` while it loads), which isolates the AMX
 kernel, blink.kernels.cpu_q4_linear; or ``--before attention-no-prefetch``: today's forward
-with the C attention kernel built without its prefetch of the next KV block) and ``now`` the
-default one.
+with the C attention kernel built without its prefetch of the next KV block; or ``--before
+attention-no-tiles``: today's forward with the C attention kernel built without its AMX tiles
+for prompt rows, so that prefills take SDPA and mixed steps the per-token pass, as before
+them) and ``now`` the default one.
 For each dtype and shape the two are timed alternately, ``--rounds`` rounds of ``--steps``
 calls each, so a load spike on this shared machine hits both; the table gives the median
 per-call wall time and process CPU time of each, and their ratio.
 
 Shapes: ``decode B`` = B rows of one new token each over ``--context`` cached tokens (the
-logits of every row); ``prefill BxP`` = B rows of P new tokens (the logits of each row's last).
+logits of every row); ``prefill BxP`` = B rows of P new tokens (the logits of each row's last);
+``mixed BxP+D`` = both in one step, as a served step that admits prompts while others decode.
 
     python -m benchmarks.bench_forward --dtype bfloat16 float32 --decode 1 16 --prefill 16x128
     python -m benchmarks.bench_forward --before no-int4 --dtype bfloat16 --decode 1 4 8 16 --prefill
@@ -26,6 +29,8 @@ logits of every row); ``prefill BxP`` = B rows of P new tokens (the logits of ea
     python -m benchmarks.bench_forward --before torch-elementwise --dtype bfloat16 --decode 1 16 --prefill 1x128
     python -m benchmarks.bench_forward --before torch-int4 --dtype bfloat16 --decode 1 4 8 16 32
     python -m benchmarks.bench_forward --before attention-no-prefetch --dtype bfloat16 --decode 1 16 --context 128 256
+    python -m benchmarks.bench_forward --before attention-no-tiles --dtype bfloat16 --decode 16 --prefill 4x128 1x512 \
+        --mixed 4x128+12 --context 192
 """
 from __future__ import annotations
 
@@ -36,10 +41,14 @@ import statistics
 import time
 
 
-def _seqs(batch: int, new: int, cached: int, block_size: int) -> list[tuple[list[int], int, list[int]]]:
-    per_row = -(-(cached + new) // block_size)
-    return [([100 + 7 * i + j for j in range(new)], cached, list(range(i * per_row, (i + 1) * per_row)))
-            for i in range(batch)]
+def _seqs(rows: list[tuple[int, int]], block_size: int) -> list[tuple[list[int], int, list[int]]]:
+    """``rows`` = [(new tokens, cached tokens)] -> build_metadata's sequences, blocks in order."""
+    seqs, first = [], 0
+    for i, (new, cached) in enumerate(rows):
+        blocks = -(-(cached + new) // block_size)
+        seqs.append(([100 + 7 * i + j for j in range(new)], cached, list(range(first, first + blocks))))
+        first += blocks
+    return seqs
 
 
 def _time(ex, args_, steps: int) -> tuple[float, float]:
@@ -66,13 +75,13 @@ def _amx_int4_off(off: bool):
         cpu_q4_linear.LIBRARY.reset()
 
 
-def _attention_without_prefetch():
-    """The C attention kernel built with -DPREFETCH=0 (and declared as the module declares its own)."""
+def _attention_built_with(define: str):
+    """The C attention kernel built with ``-D<define>`` (and declared as the module declares its own)."""
     from blink.kernels import cpu_attention
     from blink.shared.native_build import build_library
 
     L = cpu_attention.LIBRARY
-    library = build_library(L.source, (*L.flags, "-DPREFETCH=0"), None, L.headers)
+    library = build_library(L.source, (*L.flags, f"-D{define}"), None, L.headers)
     cpu_attention._declare(library)
     return library
 
@@ -100,12 +109,16 @@ def main() -> None:
     p.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
     p.add_argument("--decode", type=int, nargs="*", default=[1, 16], help="decode batch sizes")
     p.add_argument("--prefill", nargs="*", default=["16x128"], help="prefill shapes, ROWSxTOKENS")
+    p.add_argument("--mixed", nargs="*", default=[],
+                   help="mixed steps, ROWSxTOKENS+DECODES: prompts beside decode rows (as a served "
+                        "step that admits prompts while others decode)")
     p.add_argument("--context", type=int, default=128, help="cached tokens per decode row")
     p.add_argument("--steps", type=int, default=5, help="calls per timed round")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--before", choices=["reference", "no-int4", "sdpa-attention", "torch-elementwise", "torch-int4",
-                                             "attention-no-prefetch"], default="reference",
+                                             "attention-no-prefetch", "attention-no-tiles"],
+                   default="reference",
                    help="the baseline: the reference forward, or today's without the int4 path, the C attention kernel or the C elementwise ops")
     args = p.parse_args()
 
@@ -127,12 +140,16 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     files = open_model(args.model)
-    shapes = [(f"decode {b}", b, 1, args.context) for b in args.decode]
+    shapes = [(f"decode {b}", [(1, args.context)] * b) for b in args.decode]
     for spec in args.prefill:
         rows, tokens = (int(v) for v in spec.lower().split("x"))
-        shapes.append((f"prefill {rows}x{tokens}", rows, tokens, 0))
-    need = max(b * -(-(c + n) // 16) for _, b, n, c in shapes)
-    longest = max(c + n for _, _, n, c in shapes)
+        shapes.append((f"prefill {rows}x{tokens}", [(tokens, 0)] * rows))
+    for spec in args.mixed:
+        prompts, decodes = spec.lower().split("+")
+        rows, tokens = (int(v) for v in prompts.split("x"))
+        shapes.append((f"mixed {spec}", [(tokens, 0)] * rows + [(1, args.context)] * int(decodes)))
+    need = max(sum(-(-(c + n) // 16) for n, c in rows) for _, rows in shapes)
+    longest = max(c + n for _, rows in shapes for n, c in rows)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"{args.rounds} rounds x {args.steps} calls, alternating", flush=True)
     rows_out = []
@@ -140,7 +157,7 @@ def main() -> None:
         dtype = getattr(torch, dtype_name)
         before = {"reference": {"pack_weights": False}, "no-int4": {"int4_decode": False},
                   "sdpa-attention": {}, "torch-elementwise": {}, "torch-int4": {},
-                  "attention-no-prefetch": {}}[args.before]
+                  "attention-no-prefetch": {}, "attention-no-tiles": {}}[args.before]
         execs = {}
         for name, kw in (("before", before), ("now", {})):
             with _amx_int4_off(name == "before" and args.before == "torch-int4"):
@@ -152,11 +169,13 @@ def main() -> None:
         elif args.before == "torch-elementwise":
             execs["before"].model.use_ops(torch_ops)
         elif args.before == "attention-no-prefetch":
-            _with_attention_library(execs["before"], _attention_without_prefetch())
-        for label, batch, new, cached in shapes:
+            _with_attention_library(execs["before"], _attention_built_with("PREFETCH=0"))
+        elif args.before == "attention-no-tiles":
+            _with_attention_library(execs["before"], _attention_built_with("TILES=0"))
+        for label, rows in shapes:
             call_args = {}
             for name, ex in execs.items():
-                ids, md, last = ex.build_metadata(_seqs(batch, new, cached, ex.block_size))
+                ids, md, last = ex.build_metadata(_seqs(rows, ex.block_size))
                 call_args[name] = (ids, md, last)
                 _time(ex, call_args[name], 2)  # warm-up
             walls = {name: [] for name in execs}

@@ -12,6 +12,14 @@
  * (t inside r's span of query_start_loc) attends to positions j <= min(positions[t],
  * seq_lens[r] - 1); every other token (bucket padding, unused rows) gets zeros. Accumulation
  * is fp32 whatever the dtypes. Built at first use by kernels/cpu_attention.py.
+ *
+ * Prompt rows (at least TILE_MIN_TOKENS new tokens, bf16 queries and cache, a CPU with AMX):
+ * the per-token pass reads the whole context once per token and does its products one key at
+ * a time on AVX-512 (~65 ms of a 512-token SmolLM2 chunk). Those rows take tiles instead: the
+ * row's K and V are laid out once per (row, KV head) in AMX's pair-interleaved layout, then
+ * each tile of 16 queries per head is a flash-attention pass over 32-key chunks: scores by
+ * one AMX product, the online softmax on AVX-512 in fp32, probabilities rounded to bf16 (as
+ * GPU flash attention does) for the AMX product with V, accumulated in fp32.
  */
 #include <math.h>
 #include <stdint.h>
@@ -212,11 +220,298 @@ static int attend(const args_t *a, int64_t t, int64_t g) {
     return attend_as(a, t, g, 0, NV);
 }
 
-static void *run_part(void *arg) {
+/* benchmarks/bench_forward.py --before attention-no-tiles builds with -DTILES=0 */
+#ifndef TILES
+#define TILES 1
+#endif
+
+#if TILES && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Linux: a process must ask before it uses AMX's tile data (arch/x86/include/uapi/asm/prctl.h) */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* QT queries per tile (AMX's 16 rows), KC keys per chunk (one bf16 product's depth). A row
+ * takes tiles from TILE_MIN_TOKENS new tokens: below, laying out its context costs more
+ * than the per-token pass saves. */
+enum { QT = 16, KC = 32, TILE_MIN_TOKENS = 8 };
+
+static int amx_granted(void) {
+    static int granted = -1;
+    if (granted < 0) granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return granted;
+}
+
+typedef struct __attribute__((packed)) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config_t;
+
+/* Every tile 16 rows x 64 bytes. 0, 1: scores^T (keys x queries, fp32) of a chunk's two
+ * 16-key halves; 2: the second operand (query pairs, then probability pairs); 3, 4: K or V^T
+ * operands; 4-7: out^T (channels x queries, fp32) products. */
+static void configure_tiles(void) {
+    tile_config_t config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        config.colsb[i] = 64;
+        config.rows[i] = 16;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* e^x, x <= 0 or -inf (-> 0), on 16 lanes: exp_nonpositive's polynomial, 2^n by scalef. */
+static inline __m512 exp16(__m512 x) {
+    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* r[j][i] <- r[i][j] for a 16 x 16 block of 32-bit lanes: pairs of rows interleaved, then
+ * pairs of pairs, then 128-bit lanes exchanged twice (64 shuffles). */
+static inline void transpose16x16(__m512 r[16]) {
+    __m512 lo[8], hi[8], u[4][4];
+    for (int a = 0; a < 8; a++) {
+        lo[a] = _mm512_unpacklo_ps(r[2 * a], r[2 * a + 1]);
+        hi[a] = _mm512_unpackhi_ps(r[2 * a], r[2 * a + 1]);
+    }
+    for (int b = 0; b < 4; b++) { /* u[b][k], 128-bit lane L: column 4L + k of rows 4b..4b+3 */
+        const __m512d l0 = _mm512_castps_pd(lo[2 * b]), l1 = _mm512_castps_pd(lo[2 * b + 1]);
+        const __m512d h0 = _mm512_castps_pd(hi[2 * b]), h1 = _mm512_castps_pd(hi[2 * b + 1]);
+        u[b][0] = _mm512_castpd_ps(_mm512_unpacklo_pd(l0, l1));
+        u[b][1] = _mm512_castpd_ps(_mm512_unpackhi_pd(l0, l1));
+        u[b][2] = _mm512_castpd_ps(_mm512_unpacklo_pd(h0, h1));
+        u[b][3] = _mm512_castpd_ps(_mm512_unpackhi_pd(h0, h1));
+    }
+    for (int k = 0; k < 4; k++) {
+        const __m512 v0 = _mm512_shuffle_f32x4(u[0][k], u[1][k], 0x44), v1 = _mm512_shuffle_f32x4(u[0][k], u[1][k], 0xEE);
+        const __m512 v2 = _mm512_shuffle_f32x4(u[2][k], u[3][k], 0x44), v3 = _mm512_shuffle_f32x4(u[2][k], u[3][k], 0xEE);
+        r[k] = _mm512_shuffle_f32x4(v0, v2, 0x88);
+        r[4 + k] = _mm512_shuffle_f32x4(v0, v2, 0xDD);
+        r[8 + k] = _mm512_shuffle_f32x4(v1, v3, 0x88);
+        r[12 + k] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
+    }
+}
+
+/* Bytes of one chunk's laid-out K and V: K as 2 halves x D/32 tiles, V as D/16. */
+static inline int64_t chunk_bytes(int64_t D) { return 2 * (D / 32) * 1024 + (D / 16) * 1024; }
+
+/* Row r's keys [0, n_ctx) of KV head g, laid out per 32-key chunk as the products' first
+ * operands: K as tiles of 16 keys x 32 channels (the scores come out transposed, keys x
+ * queries, so that the softmax runs down columns with no horizontal reductions), V
+ * transposed as tiles of 16 channels x 32 keys. Keys past n_ctx are zeros. Returns -1 for a
+ * block id outside the cache. */
+static int lay_out_context(const args_t *a, int64_t r, int64_t g, int64_t n_ctx, uint16_t *scratch) {
+    const int64_t D = a->D, BS = a->block_size, key_stride = a->KVH * D;
+    const int32_t *table = a->tables + r * a->table_stride;
+    const uint16_t *k = (const uint16_t *)a->k, *v = (const uint16_t *)a->v;
+    const int64_t chunks = (n_ctx + KC - 1) / KC, per_chunk = chunk_bytes(D) / 2;
+    if (n_ctx % KC) { /* the last chunk's missing keys */
+        uint16_t *last = scratch + (chunks - 1) * per_chunk;
+        memset(last, 0, (size_t)chunk_bytes(D));
+    }
+    for (int64_t key = 0; key < n_ctx; key++) {
+        const int64_t block = table[key / BS];
+        if (block < 0 || block >= a->num_blocks) return -1;
+        const int64_t at = (block * BS + key % BS) * key_stride + g * D;
+        uint16_t *chunk = scratch + (key / KC) * per_chunk;
+        const int64_t j = key % KC;
+        uint16_t *kt = chunk + (j / 16) * (D / 32) * 512 + (j % 16) * 32;
+        for (int64_t dc = 0; dc < D / 32; dc++) memcpy(kt + dc * 512, k + at + dc * 32, 64);
+        const uint16_t *vrow = v + at;
+        uint16_t *vt = chunk + 2 * (D / 32) * 512 + j;
+        for (int64_t d = 0; d < D; d++) vt[(d / 16) * 512 + (d % 16) * 32] = vrow[d];
+    }
+    return 0;
+}
+
+/* The tile of queries [t0, t0 + n) of row r, head h (n <= QT), over the laid-out context. */
+static void attend_tile(const args_t *a, int64_t r, int64_t h, int64_t t0, int64_t n, const uint16_t *scratch) {
+    const int64_t D = a->D, per_chunk = chunk_bytes(D) / 2;
+    uint32_t q_pairs[(MAX_HEAD_DIM / 2) * QT] __attribute__((aligned(64))); /* [D/2 pairs][QT] */
+    uint16_t prob_pairs[(KC / 2) * QT * 2] __attribute__((aligned(64)));   /* [KC/2 pairs][QT][2] */
+    float scores[KC * QT] __attribute__((aligned(64)));                     /* [keys][queries] */
+    float product[4 * 16 * QT] __attribute__((aligned(64)));                /* [4 x 16 channels][queries] */
+    float acc[MAX_HEAD_DIM * QT] __attribute__((aligned(64)));              /* [channels][queries] */
+    int32_t limit[QT] __attribute__((aligned(64)));
+    int valid[QT];
+    int64_t last = 0, first = INT64_MAX; /* the furthest key any query / every query sees */
+    const int64_t seq = a->seq_lens[r], keys_max = a->table_cols * a->block_size;
+    for (int64_t i = 0; i < QT; i++) {
+        const int64_t t = t0 + i;
+        valid[i] = i < n && a->token_row[t] == r;
+        int64_t lim = 0;
+        if (valid[i]) {
+            lim = a->positions[t] < seq - 1 ? a->positions[t] : seq - 1;
+            if (lim > keys_max - 1) lim = keys_max - 1;
+            if (lim < 0) valid[i] = 0, lim = 0;
+        }
+        limit[i] = (int32_t)lim; /* a padding query sees key 0: finite sums, never stored */
+        if (lim > last) last = lim;
+        if (lim < first) first = lim;
+    }
+    for (int64_t p0 = 0; p0 < D / 2; p0 += 16) { /* q_pairs: the queries' channel pairs, transposed */
+        __m512 r[16];
+        for (int64_t i = 0; i < QT; i++)
+            r[i] = valid[i] ? _mm512_loadu_ps((const uint16_t *)a->q + (t0 + i) * a->q_stride_t + h * a->q_stride_h + 2 * p0)
+                            : _mm512_setzero_ps();
+        transpose16x16(r);
+        for (int64_t p = 0; p < 16; p++) _mm512_store_ps((float *)(q_pairs + (p0 + p) * QT), r[p]);
+    }
+    memset(acc, 0, sizeof(float) * QT * D);
+    const __m512 scale = _mm512_set1_ps(a->scale), minus_inf = _mm512_set1_ps(-INFINITY);
+    const __m512i limits = _mm512_load_si512(limit);
+    /* bf16 pairs [p_2k(q), p_2k+1(q)] from [p_2k(0..15), p_2k+1(0..15)] */
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512 m = minus_inf, l = _mm512_setzero_ps();
+    for (int64_t c = 0; c * KC <= last; c++) {
+        const uint16_t *chunk = scratch + c * per_chunk;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t dc = 0; dc < D / 32; dc++) { /* scores^T = K . Q^T */
+            _tile_loadd(2, q_pairs + dc * 16 * QT, 64);
+            _tile_loadd(3, chunk + dc * 512, 64);
+            _tile_dpbf16ps(0, 3, 2);
+            _tile_loadd(4, chunk + ((D / 32) + dc) * 512, 64);
+            _tile_dpbf16ps(1, 4, 2);
+        }
+        _tile_stored(0, scores, 64);
+        _tile_stored(1, scores + 16 * QT, 64);
+        __m512 s[KC];
+        __m512 chunk_max = minus_inf;
+        const int whole = c * KC + KC - 1 <= first; /* every query sees every key of the chunk */
+        for (int64_t j = 0; j < KC; j++) { /* query i sees key c*KC + j when it is <= limit[i] */
+            const __m512 scaled = _mm512_mul_ps(_mm512_load_ps(scores + j * QT), scale);
+            s[j] = whole ? scaled : _mm512_mask_mov_ps(minus_inf, _mm512_cmpge_epi32_mask(limits, _mm512_set1_epi32((int)(c * KC + j))), scaled);
+            chunk_max = _mm512_max_ps(chunk_max, s[j]);
+        }
+        const __m512 new_max = _mm512_max_ps(m, chunk_max); /* finite: every query sees key 0 */
+        const __m512 correction = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m, minus_inf, _CMP_NEQ_OQ),
+                                                      exp16(_mm512_sub_ps(m, new_max)));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < KC; j += 2) {
+            const __m512 p0 = exp16(_mm512_sub_ps(s[j], new_max)), p1 = exp16(_mm512_sub_ps(s[j + 1], new_max));
+            const __m512 z0 = whole ? p0 : _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s[j], minus_inf, _CMP_NEQ_OQ), p0);
+            const __m512 z1 = whole ? p1 : _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s[j + 1], minus_inf, _CMP_NEQ_OQ), p1);
+            sum = _mm512_add_ps(sum, _mm512_add_ps(z0, z1));
+            _mm512_store_si512(prob_pairs + j * QT,
+                               _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(z1, z0)));
+        }
+        l = _mm512_fmadd_ps(l, correction, sum);
+        m = new_max;
+        _tile_loadd(2, prob_pairs, 64);
+        for (int64_t d0 = 0; d0 < D; d0 += 64) { /* out^T += V^T . P^T, four channel tiles at a time */
+            const int64_t tiles = (D - d0) / 16 < 4 ? (D - d0) / 16 : 4;
+            const uint16_t *vt = chunk + (2 * (D / 32) + d0 / 16) * 512;
+            _tile_zero(4); _tile_loadd(3, vt, 64); _tile_dpbf16ps(4, 3, 2);
+            if (tiles > 1) { _tile_zero(5); _tile_loadd(3, vt + 512, 64); _tile_dpbf16ps(5, 3, 2); }
+            if (tiles > 2) { _tile_zero(6); _tile_loadd(3, vt + 1024, 64); _tile_dpbf16ps(6, 3, 2); }
+            if (tiles > 3) { _tile_zero(7); _tile_loadd(3, vt + 1536, 64); _tile_dpbf16ps(7, 3, 2); }
+            _tile_stored(4, product, 64);
+            if (tiles > 1) _tile_stored(5, product + 256, 64);
+            if (tiles > 2) _tile_stored(6, product + 512, 64);
+            if (tiles > 3) _tile_stored(7, product + 768, 64);
+            for (int64_t d = 0; d < tiles * 16; d++)
+                _mm512_store_ps(acc + (d0 + d) * QT, _mm512_fmadd_ps(_mm512_load_ps(acc + (d0 + d) * QT), correction,
+                                                                     _mm512_load_ps(product + d * QT)));
+        }
+    }
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l);
+    for (int64_t d0 = 0; d0 < D; d0 += 16) { /* out = (out^T / l)^T, 16 channels at a time */
+        __m512 r[16];
+        for (int64_t d = 0; d < 16; d++) r[d] = _mm512_mul_ps(_mm512_load_ps(acc + (d0 + d) * QT), inv);
+        transpose16x16(r);
+        for (int64_t i = 0; i < QT; i++)
+            if (valid[i]) store_bf16x16((uint16_t *)a->out + ((t0 + i) * a->H + h) * D + d0, r[i]);
+    }
+}
+
+typedef struct {
+    const args_t *a;
+    const int32_t *tile_rows; /* the rows that take tiles */
+    int64_t scratch_bytes;    /* the longest tile row's laid-out context */
+} tiles_t;
+
+/* Items: (tile row, KV head) pairs. */
+static void *run_tile_part(void *arg) {
     blink_part_t *p = (blink_part_t *)arg;
-    const args_t *a = (const args_t *)p->args;
-    for (int64_t w = p->lo; w < p->hi; w++)
-        if (attend(a, w / a->KVH, w % a->KVH) != 0) p->status = -1;
+    const tiles_t *w = (const tiles_t *)p->args;
+    const args_t *a = w->a;
+    if (p->lo >= p->hi) return NULL;
+    uint16_t *scratch = aligned_alloc(64, (size_t)w->scratch_bytes);
+    if (!scratch) { p->status = -4; return NULL; }
+    configure_tiles();
+    const int64_t G = a->H / a->KVH, keys_max = a->table_cols * a->block_size;
+    for (int64_t item = p->lo; item < p->hi; item++) {
+        const int64_t r = w->tile_rows[item / a->KVH], g = item % a->KVH;
+        const int64_t q0 = a->query_start[r], q1 = a->query_start[r + 1];
+        int64_t n_ctx = a->seq_lens[r] < keys_max ? a->seq_lens[r] : keys_max;
+        if (lay_out_context(a, r, g, n_ctx, scratch) != 0) { p->status = -1; break; }
+        for (int64_t i = 0; i < G; i++)
+            for (int64_t t0 = q0; t0 < q1; t0 += QT)
+                attend_tile(a, r, g * G + i, t0, q1 - t0 < QT ? q1 - t0 : QT, scratch);
+    }
+    _tile_release(); /* tile state left loaded would cost every context switch an 8 KB save */
+    free(scratch);
+    return NULL;
+}
+
+/* The rows that take tiles (written to rows_out, a byte per row in is_tile_row); their count. */
+static int64_t tile_rows_of(const args_t *a, int32_t *rows_out, uint8_t *is_tile_row) {
+    int64_t count = 0;
+    for (int64_t r = 0; r < a->rows; r++) {
+        const int64_t n_new = a->query_start[r + 1] - a->query_start[r];
+        is_tile_row[r] = a->q_bf16 && a->kv_bf16 && a->D % 32 == 0 && a->seq_lens[r] > 0
+                         && n_new >= TILE_MIN_TOKENS && a->query_start[r] >= 0 && a->query_start[r + 1] <= a->T;
+        if (is_tile_row[r]) rows_out[count++] = (int32_t)r;
+    }
+    return count;
+}
+
+/* The new-token count from which a row takes tiles; 0 where this build or process has no AMX
+ * (kernels/cpu_attention.py's cost estimate reads it). */
+int blink_paged_attention_tile_min_tokens(void) { return amx_granted() ? TILE_MIN_TOKENS : 0; }
+#define HAVE_TILES 1
+#else
+int blink_paged_attention_tile_min_tokens(void) { return 0; }
+#define HAVE_TILES 0
+#endif
+
+typedef struct {
+    const args_t *a;
+    const uint8_t *is_tile_row; /* NULL: no row takes tiles */
+} tokens_t;
+
+/* Items: (token, KV head) pairs; a token of a row that took tiles is already done. */
+static void *run_token_part(void *arg) {
+    blink_part_t *p = (blink_part_t *)arg;
+    const tokens_t *w = (const tokens_t *)p->args;
+    const args_t *a = w->a;
+    for (int64_t item = p->lo; item < p->hi; item++) {
+        const int64_t t = item / a->KVH;
+        if (w->is_tile_row) {
+            const int64_t row = a->token_row[t];
+            if (row >= 0 && row < a->rows && w->is_tile_row[row] && t >= a->query_start[row]
+                && t < a->query_start[row + 1])
+                continue;
+        }
+        if (attend(a, t, item % a->KVH) != 0) p->status = -1;
+    }
     return NULL;
 }
 
@@ -237,5 +532,29 @@ int blink_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_h,
                 token_row, positions, query_start, seq_lens, tables, table_stride, table_cols, scale};
     /* one thread per ~64K key visits (~0.1 ms of work) at most */
     while (threads > 1 && key_visits < ((int64_t)threads << 16)) threads--;
-    return blink_run_parts(run_part, &a, T * KVH, threads);
+    tokens_t tokens = {&a, NULL};
+#if HAVE_TILES
+    uint8_t *is_tile_row = NULL;
+    int32_t *tile_rows = NULL;
+    if (amx_granted() && q_bf16 && kv_bf16 && D % 32 == 0 && rows > 0) {
+        is_tile_row = malloc((size_t)rows);
+        tile_rows = malloc((size_t)rows * sizeof *tile_rows);
+        if (!is_tile_row || !tile_rows) { free(is_tile_row); free(tile_rows); return -4; }
+        const int64_t count = tile_rows_of(&a, tile_rows, is_tile_row);
+        int status = 0;
+        if (count > 0) {
+            int64_t longest = 0;
+            for (int64_t i = 0; i < count; i++) longest = seq_lens[tile_rows[i]] > longest ? seq_lens[tile_rows[i]] : longest;
+            if (longest > table_cols * block_size) longest = table_cols * block_size;
+            tiles_t tiles = {&a, tile_rows, ((longest + KC - 1) / KC) * chunk_bytes(D)};
+            status = blink_run_parts(run_tile_part, &tiles, count * KVH, threads);
+            tokens.is_tile_row = is_tile_row;
+        }
+        if (status == 0) status = blink_run_parts(run_token_part, &tokens, T * KVH, threads);
+        free(is_tile_row);
+        free(tile_rows);
+        return status;
+    }
+#endif
+    return blink_run_parts(run_token_part, &tokens, T * KVH, threads);
 }

@@ -5,9 +5,12 @@ Two implementations with the reference's contract (:func:`blink.kernels.referenc
 - **the C kernel** (``cpu_attention.c``, built once per machine at first use by
   :func:`blink.shared.native_build.build_library`): one online-softmax pass per (token, KV
   head) over the sequence's blocks, reading K/V where they lie in the cache, in its dtype,
-  accumulating in fp32. It serves the steps where a cost estimate says it is faster
-  (:func:`prefer_native`): decode and mixed steps, where the torch path's gathers and
-  per-op costs were ~25% of a 16-row SmolLM2 step.
+  accumulating in fp32. On a CPU with AMX, prompt rows (:func:`tile_min_tokens` new tokens
+  or more, bf16 queries and cache) take tiles of 16 queries instead: a flash-attention pass
+  whose products run on AMX (2.5-3x SDPA on SmolLM2's prefills). It serves the steps where a
+  cost estimate says it is faster (:func:`prefer_native`): decode and mixed steps, where the
+  torch path's gathers and per-op costs were ~25% of a 16-row SmolLM2 step, and with tiles
+  prefills too.
 - **the torch path** (:func:`sdpa_paged_attention`): the reference's tiling, but the gathered
   K/V stay in the cache's dtype and go straight to SDPA, whose CPU flash kernel accumulates
   in fp32 for bf16 anyway; the mask is made once per step in that dtype. Long prefills run
@@ -45,6 +48,8 @@ IMPL_ENV = "BLINK_CPU_ATTENTION"
 # plus per (tile, query slot, key) for the blocked product, plus a fixed cost per call. Only
 # their ratio matters.
 _NATIVE_NS_PER_VISIT = 70.0
+# the C kernel's AMX tiles (prompt rows): 7-11 ns per (token, visible key) at 128-2048 tokens
+_TILE_NS_PER_VISIT = 10.0
 _SDPA_NS_PER_TILE_KEY = 190.0
 _SDPA_NS_PER_CELL = 11.0
 _SDPA_NS_PER_CALL = 50_000.0
@@ -62,6 +67,7 @@ def _declare(library: ctypes.CDLL) -> None:
     if not library.blink_has_avx512() and LIBRARY.switch() != "c":
         # measured 0.26-0.9x the torch path on an AVX2 build (docs/benchmarks.md)
         raise NativeBuildError("this CPU has no AVX-512, without which the kernel is slower than SDPA")
+    library.blink_paged_attention_tile_min_tokens.restype = ctypes.c_int
     fn = library.blink_paged_attention
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3
@@ -84,27 +90,38 @@ def native_kernel() -> "ctypes._CFuncPtr | None":
     return None if library is None else library.blink_paged_attention
 
 
+def tile_min_tokens() -> int:
+    """The new-token count from which a row takes the C kernel's AMX tiles (bf16 queries and
+    cache, head size a multiple of 32); 0 where the kernel has none (no AMX, or not built)."""
+    library = LIBRARY.get()
+    return 0 if library is None else int(library.blink_paged_attention_tile_min_tokens())
+
+
 def _native_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   md: AttentionMetadata) -> bool:
     """Whether the C kernel takes this call: its dtypes, layouts and stack limits, and the
     cost estimate."""
     T, H, D = q.shape
     block_size, KVH = k_cache.shape[1], k_cache.shape[2]
-    return (q.is_cpu and q.dtype in _DTYPES and k_cache.dtype in _DTYPES
+    if not (q.is_cpu and q.dtype in _DTYPES and k_cache.dtype in _DTYPES
             and v_cache.dtype == k_cache.dtype and k_cache.is_contiguous()
             and v_cache.is_contiguous() and H % KVH == 0 and H // KVH <= _MAX_GROUP
-            and D % 16 == 0 and D <= _MAX_HEAD_DIM and block_size <= _MAX_BLOCK
-            and prefer_native(md, T, block_size))
+            and D % 16 == 0 and D <= _MAX_HEAD_DIM and block_size <= _MAX_BLOCK):
+        return False
+    tiles = q.dtype == k_cache.dtype == torch.bfloat16 and D % 32 == 0
+    return prefer_native(md, T, block_size, tile_min_tokens() if tiles else 0)
 
 
-def prefer_native(md: AttentionMetadata, T: int, block_size: int) -> bool:
+def prefer_native(md: AttentionMetadata, T: int, block_size: int, tile_min: int = 0) -> bool:
     """Whether the C kernel's estimated cost is below the torch path's for this step (once per
     step, memoised in ``md.step_cache``). A host-side decision: this is the CPU loop, whose
     metadata lives in host memory; the GPU tiers run their own kernels.
 
-    The C kernel does one pass per token over its visible keys, so it wins when most tokens
-    are decodes; SDPA's blocked products win for prefills, whose tokens share one context.
-    The estimate replays the torch path's tiling (:func:`_attention_plan`'s ``Qt``)."""
+    The C kernel's per-token pass goes over each token's visible keys, so it wins when most
+    tokens are decodes; SDPA's blocked products win for prefills, whose tokens share one
+    context, unless the kernel has tiles for them: rows of ``tile_min`` new tokens or more
+    (0: none; :func:`tile_min_tokens`) cost a fraction per key. The estimate replays the torch
+    path's tiling (:func:`_attention_plan`'s ``Qt``)."""
     cache = md.step_cache
     if cache is not None and "cpu_attention_prefer_native" in cache:
         return cache["cpu_attention_prefer_native"]
@@ -113,14 +130,16 @@ def prefer_native(md: AttentionMetadata, T: int, block_size: int) -> bool:
     context = md.seq_lens.numpy().astype(np.int64)
     live = (context > 0) & (n_new > 0)
     n_new, context = n_new[live], context[live]
-    visits = float((n_new * (context - n_new) + n_new * (n_new + 1) // 2).sum())
+    row_visits = n_new * (context - n_new) + n_new * (n_new + 1) // 2
+    tiled = n_new >= tile_min if tile_min > 0 else np.zeros(len(n_new), dtype=bool)
     B = md.block_tables.shape[0]
     longest = int(context.max()) if len(context) else 0
     Q = T if md.max_query_len is None else max(1, min(T, md.max_query_len))
     Qt = max(1, min(Q, -(-T // B)))
     tiles = float((-(-n_new // Qt)).sum())
     L = -(-longest // block_size) * block_size
-    native = visits * _NATIVE_NS_PER_VISIT
+    native = (float(row_visits[~tiled].sum()) * _NATIVE_NS_PER_VISIT
+              + float(row_visits[tiled].sum()) * _TILE_NS_PER_VISIT)
     sdpa = tiles * L * (_SDPA_NS_PER_TILE_KEY + Qt * _SDPA_NS_PER_CELL) + _SDPA_NS_PER_CALL
     choice = native <= sdpa
     if cache is not None:

@@ -27,6 +27,21 @@ def test_bench_forward_prints_before_and_now(tmp_path, monkeypatch, capsys):
     assert all(line.count("x |") == 2 for line in rows), out
 
 
+def test_bench_forward_mixed_steps_against_the_attention_without_tiles(tmp_path, monkeypatch, capsys):
+    """``--mixed`` puts prompts and decode rows in one step; ``--before attention-no-tiles``
+    builds the C attention kernel without its AMX tiles (a build that works on any CPU)."""
+    from benchmarks import bench_forward
+
+    model = make_tiny_model("llama", tmp_path)
+    monkeypatch.setattr(sys, "argv", [
+        "bench_forward", "--model", str(model), "--before", "attention-no-tiles", "--dtype", "bfloat16",
+        "--decode", "--prefill", "--mixed", "2x16+3", "--context", "8", "--steps", "1", "--rounds", "1",
+    ])
+    bench_forward.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| bfloat16 | mixed 2x16+3")]
+    assert len(rows) == 1 and rows[0].count("x |") == 2
+
+
 def test_bench_forward_isolates_the_int4_path_on_a_q4_gguf(tmp_path, monkeypatch, capsys):
     from gguf import GGMLQuantizationType as Q
 

@@ -2,7 +2,8 @@
 the reference, both of its paths (the C kernel and the SDPA one): decode, prefill, extend
 over a cached prefix, an unused row and padding in one step; GQA/MQA/MHA; fp32 and bf16;
 strided queries; the C kernel's threads; chunked tiles; the per-step memos; which path a
-step takes; a bad block id; the fallback without a compiler."""
+step takes; a bad block id; the fallback without a compiler; the C kernel's AMX tiles for
+prompt rows."""
 from __future__ import annotations
 
 import dataclasses
@@ -207,3 +208,88 @@ def test_a_build_without_avx512_is_not_used_unless_forced(without_c_compiler, tm
     torch.testing.assert_close(native_only(q, k_cache, v_cache, md, 0.25)[:n_live].float(),
                                ref.paged_attention(q, k_cache, v_cache, md, 0.25)[:n_live].float(),
                                **TOL[torch.bfloat16])
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " amx_bf16" in flags and " amx_tile" in flags
+
+
+def test_the_kernel_has_tiles_where_the_cpu_has_amx():
+    """On a CPU with AMX (and a kernel that grants it) prompt rows take tiles from 8 new
+    tokens; elsewhere none do, and the tests below skip."""
+    if not _cpu_has_amx():
+        assert cpu_attention.tile_min_tokens() == 0
+        return
+    assert cpu_attention.tile_min_tokens() == 8
+
+
+needs_tiles = pytest.mark.skipif(not _cpu_has_amx(), reason="the tiles need AMX")
+
+TILE_CASES = [
+    # rows (cached, new), query heads, KV heads, head size, block size
+    ([(0, 128), (0, 128)], 9, 3, 64, 16),              # SmolLM2's prompts
+    ([(0, 37), (12, 20), (300, 1), (0, 8), (5, 7), (0, 0)], 4, 2, 64, 16),  # part tiles, decodes, 7 < 8 new
+    ([(0, 100), (64, 50)], 8, 1, 128, 32),             # MQA, 32-key blocks
+    ([(0, 33), (12, 20)], 4, 1, 32, 8),                # 8-key blocks: chunks span blocks
+    ([(3000, 40)], 4, 2, 64, 16),                      # a long cached prefix
+    ([(0, 40), (1, 9)], 2, 2, 256, 16),                # MHA, the largest head
+    ([(0, 70)], 6, 2, 96, 16),                         # a head of three 32-channel parts
+    ([(17, 16), (0, 16)], 32, 2, 64, 16),              # 16 query heads per KV head
+]
+
+
+@needs_tiles
+@pytest.mark.parametrize("rows,n_heads,n_kv_heads,head_dim,block_size", TILE_CASES)
+def test_amx_tiles_match_the_reference(rows, n_heads, n_kv_heads, head_dim, block_size):
+    """bf16 prompt rows on the tiles (probabilities rounded to bf16 for the product with V):
+    within bf16's tolerance of the fp32 reference and of the kernel's own fp32 per-token
+    pass; padding tokens exact zeros; the same bits with two threads."""
+    k_cache, v_cache, k_new, v_new, md, n_live = make_batch(
+        rows, n_kv_heads=n_kv_heads, head_dim=head_dim, block_size=block_size, dtype=torch.bfloat16,
+        pad_tokens=3)
+    ref.write_kv_cache(k_new, v_new, k_cache, v_cache, md.slot_mapping)
+    T = md.slot_mapping.shape[0]
+    q = torch.randn(T, n_heads, head_dim, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    scale = head_dim**-0.5
+    expected = ref.paged_attention(q.float(), k_cache.float(), v_cache.float(), md, scale)
+    per_token = native_only(q.float(), k_cache.float(), v_cache.float(), md, scale)
+    out = native_only(q, k_cache, v_cache, md, scale)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out[:n_live].float(), expected[:n_live], **TOL[torch.bfloat16])
+    torch.testing.assert_close(out[:n_live].float(), per_token[:n_live], **TOL[torch.bfloat16])
+    assert torch.count_nonzero(out[n_live:]) == 0
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = native_only(q, k_cache, v_cache, dataclasses.replace(md, step_cache=None), scale)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(two, out)
+
+
+@needs_tiles
+def test_amx_tiles_reject_a_block_outside_the_cache():
+    k_cache, v_cache, k_new, v_new, md, _ = make_batch([(0, 40)], n_kv_heads=1, head_dim=32,
+                                                        block_size=8, dtype=torch.bfloat16)
+    md.block_tables[0, 3] = k_cache.shape[0] + 5
+    q = torch.randn(40, 2, 32).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="outside the KV cache"):
+        native_only(q, k_cache, v_cache, md, 0.25)
+
+
+@pytest.mark.parametrize("rows", [
+    [(0, 128)], [(0, 128)] * 2, [(100, 1), (0, 512)], [(300, 1)] * 8 + [(1536, 512)], [(0, 2048)],
+    [(1000, 24)] * 4, [(128, 1)] * 16,
+])
+def test_with_tiles_the_kernel_takes_prefills_too(rows):
+    """With tiles for rows of 8 new tokens or more, the estimate gives the C kernel every
+    one of these steps, the prefills that SDPA took without them included (measured 1.7-3.2x
+    SDPA on SmolLM2's shapes, docs/benchmarks.md "AMX tiles for prompt rows")."""
+    _, _, _, _, md, _ = make_batch(rows, n_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    md = dataclasses.replace(md, max_context=max(c + n for c, n in rows),
+                             max_query_len=max(n for c, n in rows))
+    assert cpu_attention.prefer_native(md, md.slot_mapping.shape[0], 16, tile_min=8)
