@@ -225,38 +225,19 @@ static int attend(const args_t *a, int64_t t, int64_t g) {
 #define TILES 1
 #endif
 
-#if TILES && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#include <immintrin.h>
+#if TILES && defined(BLINK_AMX)
 #include <stdlib.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-/* Linux: a process must ask before it uses AMX's tile data (arch/x86/include/uapi/asm/prctl.h) */
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 
 /* QT queries per tile (AMX's 16 rows), KC keys per chunk (one bf16 product's depth). A row
  * takes tiles from TILE_MIN_TOKENS new tokens: below, laying out its context costs more
  * than the per-token pass saves. */
 enum { QT = 16, KC = 32, TILE_MIN_TOKENS = 8 };
 
-static int amx_granted(void) {
-    static int granted = -1;
-    if (granted < 0) granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return granted;
-}
-
-typedef struct __attribute__((packed)) {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config_t;
-
 /* Every tile 16 rows x 64 bytes. 0, 1: scores^T (keys x queries, fp32) of a chunk's two
  * 16-key halves; 2: the second operand (query pairs, then probability pairs); 3, 4: K or V^T
  * operands; 4-7: out^T (channels x queries, fp32) products. */
 static void configure_tiles(void) {
-    tile_config_t config;
+    blink_tile_config_t config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
     for (int i = 0; i < 8; i++) {
@@ -485,7 +466,7 @@ static int64_t tile_rows_of(const args_t *a, int32_t *rows_out, uint8_t *is_tile
 
 /* The new-token count from which a row takes tiles; 0 where this build or process has no AMX
  * (kernels/cpu_attention.py's cost estimate reads it). */
-int blink_paged_attention_tile_min_tokens(void) { return amx_granted() ? TILE_MIN_TOKENS : 0; }
+int blink_paged_attention_tile_min_tokens(void) { return blink_amx_granted() ? TILE_MIN_TOKENS : 0; }
 #define HAVE_TILES 1
 #else
 int blink_paged_attention_tile_min_tokens(void) { return 0; }
@@ -536,7 +517,7 @@ int blink_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_h,
 #if HAVE_TILES
     uint8_t *is_tile_row = NULL;
     int32_t *tile_rows = NULL;
-    if (amx_granted() && q_bf16 && kv_bf16 && D % 32 == 0 && rows > 0) {
+    if (blink_amx_granted() && q_bf16 && kv_bf16 && D % 32 == 0 && rows > 0) {
         is_tile_row = malloc((size_t)rows);
         tile_rows = malloc((size_t)rows * sizeof *tile_rows);
         if (!is_tile_row || !tile_rows) { free(is_tile_row); free(tile_rows); return -4; }

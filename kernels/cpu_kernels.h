@@ -68,6 +68,31 @@ static inline void store_bf16x16(uint16_t *p, __m512 v) {
 }
 #endif
 
+/* AMX, where the build has it (-march=native on a CPU with AMX-BF16): the tile configuration
+ * and the permission Linux wants before a process touches tile data. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define BLINK_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* arch/x86/include/uapi/asm/prctl.h */
+#define BLINK_ARCH_REQ_XCOMP_PERM 0x1023
+#define BLINK_XFEATURE_XTILEDATA 18
+
+typedef struct __attribute__((packed)) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} blink_tile_config_t;
+
+/* 1 where this process may use AMX (asked of the kernel once; Linux 5.16 and later). */
+static inline int blink_amx_granted(void) {
+    static int granted = -1;
+    if (granted < 0) granted = syscall(SYS_arch_prctl, BLINK_ARCH_REQ_XCOMP_PERM, BLINK_XFEATURE_XTILEDATA) == 0;
+    return granted;
+}
+#endif
+
 /* One thread's share of a call: items [lo, hi) of the kernel's `args`; `status` its result
  * (0, or the kernel's error). */
 typedef struct {

@@ -27,11 +27,8 @@
 
 #include "cpu_kernels.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#include <immintrin.h>
+#ifdef BLINK_AMX
 #include <stdlib.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 enum { TILE = 16, GROUP = 32, PAIRS = GROUP / 2, WORDS = 4 * 32, MAX_ROWS = 16, STEP = 4 };
 
@@ -46,10 +43,6 @@ enum { CHUNK_TILES = 8 };
 /* How far ahead the codes are prefetched: ~8% faster at 1-16 rows than none (1-2 KB measured
  * best, 8 KB and more no better than none). */
 enum { PREFETCH_BYTES = 2048 };
-
-/* Linux: a process must ask before it uses AMX's tile data (arch/x86/include/uapi/asm/prctl.h) */
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 
 typedef struct {
     const uint16_t *x;       /* [M, K] bf16, rows x_stride apart */
@@ -77,16 +70,10 @@ static inline void unpack_group(const uint16_t *codes, uint16_t *out, __m512i as
     }
 }
 
-typedef struct __attribute__((packed)) {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config_t;
-
 /* Tiles 0-3: four groups' x . q (rows x 16 columns, fp32); 4, 6: x (rows x 32 channels) and
  * 5, 7: codes (16 channel pairs x 16 columns), in turn. */
 static void configure(int rows) {
-    tile_config_t config;
+    blink_tile_config_t config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
     for (int i = 0; i < 8; i++) config.colsb[i] = 64;
@@ -183,7 +170,7 @@ static inline void dequantize_group(const uint16_t *codes, const uint16_t *scale
 /* Tiles 0-3: results for rows 0-15 / 16-31 x columns 0-15 / 16-31 of a 32 x 32 block (C00,
  * C01, C10, C11); 4, 5: the two row halves of x; 6, 7: the two column halves of W. */
 static void configure_block(int rows0, int rows1) {
-    tile_config_t config;
+    blink_tile_config_t config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
     config.rows[0] = config.rows[1] = config.rows[4] = (uint8_t)rows0;
@@ -302,11 +289,7 @@ static void group_sums(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K
 int blink_q4_linear_few_rows(void) { return FEW_ROWS; }
 
 /* 1 where this process may use AMX (asked of the kernel once; Linux 5.16 and later). */
-int blink_q4_linear_supported(void) {
-    static int granted = -1;
-    if (granted < 0) granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return granted;
-}
+int blink_q4_linear_supported(void) { return blink_amx_granted(); }
 
 /* Returns 0; -2 for shapes this kernel does not take (the caller checks them first); -3
  * where AMX is not granted; -4 out of memory. `threads` split the column tiles when the
