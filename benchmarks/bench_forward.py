@@ -14,7 +14,9 @@ kernel, blink.kernels.cpu_q4_linear; or ``--before attention-no-prefetch``: toda
 with the C attention kernel built without its prefetch of the next KV block; or ``--before
 attention-no-tiles``: today's forward with the C attention kernel built without its AMX tiles
 for prompt rows, so that prefills take SDPA and mixed steps the per-token pass, as before
-them) and ``now`` the default one.
+them; or ``--before bf16-head``: today's forward with the logits from a packed bf16 copy of
+a tied head that the file stores as Q8_0, which isolates the 8-bit head on the AMX kernel)
+and ``now`` the default one.
 For each dtype and shape the two are timed alternately, ``--rounds`` rounds of ``--steps``
 calls each, so a load spike on this shared machine hits both; the table gives the median
 per-call wall time and process CPU time of each, and their ratio.
@@ -31,6 +33,7 @@ logits of every row); ``prefill BxP`` = B rows of P new tokens (the logits of ea
     python -m benchmarks.bench_forward --before attention-no-prefetch --dtype bfloat16 --decode 1 16 --context 128 256
     python -m benchmarks.bench_forward --before attention-no-tiles --dtype bfloat16 --decode 16 --prefill 4x128 1x512 \
         --mixed 4x128+12 --context 192
+    python -m benchmarks.bench_forward --before bf16-head --dtype bfloat16 --decode 1 16 --prefill 4x128
 """
 from __future__ import annotations
 
@@ -103,6 +106,20 @@ def _with_attention_library(ex, library) -> None:
     ex.execute = swapped
 
 
+def _with_bf16_head(ex) -> None:
+    """``ex``'s logits from a packed bf16 copy of the head, as before the Q8_0 head."""
+    from blink.models import packed_linear
+
+    model = ex.model
+    if model.q8_head is None:
+        raise SystemExit("--before bf16-head: this model's head does not run on Q8_0 codes here")
+    model.q8_head = None
+    weight = model.model.embed_tokens.weight if model.lm_head is None else None
+    if weight is None:
+        raise SystemExit("--before bf16-head: only a tied head is rebuilt (its embedding holds the weights)")
+    model.packed_head = packed_linear.pack(weight)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
@@ -117,7 +134,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--before", choices=["reference", "no-int4", "sdpa-attention", "torch-elementwise", "torch-int4",
-                                             "attention-no-prefetch", "attention-no-tiles"],
+                                             "attention-no-prefetch", "attention-no-tiles", "bf16-head"],
                    default="reference",
                    help="the baseline: the reference forward, or today's without the int4 path, the C attention kernel or the C elementwise ops")
     args = p.parse_args()
@@ -157,7 +174,7 @@ def main() -> None:
         dtype = getattr(torch, dtype_name)
         before = {"reference": {"pack_weights": False}, "no-int4": {"int4_decode": False},
                   "sdpa-attention": {}, "torch-elementwise": {}, "torch-int4": {},
-                  "attention-no-prefetch": {}, "attention-no-tiles": {}}[args.before]
+                  "attention-no-prefetch": {}, "attention-no-tiles": {}, "bf16-head": {}}[args.before]
         execs = {}
         for name, kw in (("before", before), ("now", {})):
             with _amx_int4_off(name == "before" and args.before == "torch-int4"):
@@ -172,6 +189,8 @@ def main() -> None:
             _with_attention_library(execs["before"], _attention_built_with("PREFETCH=0"))
         elif args.before == "attention-no-tiles":
             _with_attention_library(execs["before"], _attention_built_with("TILES=0"))
+        elif args.before == "bf16-head":
+            _with_bf16_head(execs["before"])
         for label, rows in shapes:
             call_args = {}
             for name, ex in execs.items():

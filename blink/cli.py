@@ -92,12 +92,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                             "also BLINK_ENFORCE_EAGER=0")
     g.add_argument("--int4-decode", default="auto", choices=["auto", "off"],
                    help="CPU, bf16: when the model is a GGUF file with Q4_0/Q4_1 tensors, "
-                        "decode-sized steps compute those projections from the file's own 4-bit "
-                        "codes (~4x less memory traffic than the bf16 copy): steps of at most 32 "
-                        "tokens on CPUs with AMX (Blink's AMX kernel), else of at most 6 (torch's "
-                        "int4 kernel); larger steps use the bf16 copy; off: always the bf16 "
-                        "copy, so a row's logits never depend on its step's size "
-                        "(default: %(default)s)")
+                        "those projections compute from the file's own 4-bit codes (~4x less "
+                        "memory traffic than a bf16 copy): every step on CPUs with AMX (Blink's "
+                        "AMX kernel, no bf16 copy kept; a Q8_0 head too, ~2x less traffic), else "
+                        "steps of at most 6 tokens (torch's int4 kernel) and the bf16 copy for "
+                        "larger ones; off: always bf16 weights, so a row's logits never depend "
+                        "on its step's size (default: %(default)s)")
     g.add_argument("--compile-cache-dir", default=None, metavar="DIR",
                    help="where compiled steps are cached between starts (default: "
                         "$BLINK_COMPILE_CACHE_DIR, else ~/.cache/blink/inductor)")

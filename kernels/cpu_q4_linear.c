@@ -1,5 +1,6 @@
 /* y = x @ W.T (+ bias) for bf16 x and a weight kept as a GGUF file's own 4-bit codes (Q4_0,
- * Q4_1), on CPUs with AMX (Intel Sapphire Rapids and later).
+ * Q4_1) or 8-bit ones (Q8_0: blink_q8_linear), on CPUs with AMX (Intel Sapphire Rapids and
+ * later).
  *
  * Why: a decode step of SmolLM2-135M streams every projection weight once; in bf16 that is
  * ~210 MB, which costs one core here ~23 ms whether the step has 1 or 16 rows. The codes are
@@ -21,6 +22,12 @@
  * 2p and 2p + 1 of the 16 columns interleaved (word w: column w / 2, channel 2p + w % 2),
  * packed as 4 x 32 16-bit words whose nibble i is row 4c + i's code. Per tile and group, 16
  * fp16 d then 16 fp16 m, one per column.
+ *
+ * Q8_0 (w = d q, q in -128..127, exact in bf16) takes the same two paths with m = 0: its
+ * (tile, group) holds the 16 rows' 32 words as one int8 code each (512 bytes), widened to bf16
+ * through fp32 (a split into two 4-bit planes, each widened by one vpermw, measured slower:
+ * two products per group). SmolLM2's GGUF stores its tied embedding, the head, as Q8_0: half
+ * the bf16 head's bytes per decode step.
  */
 #include <stdint.h>
 #include <string.h>
@@ -30,11 +37,15 @@
 #ifdef BLINK_AMX
 #include <stdlib.h>
 
-enum { TILE = 16, GROUP = 32, PAIRS = GROUP / 2, WORDS = 4 * 32, MAX_ROWS = 16, STEP = 4 };
+enum { TILE = 16, GROUP = 32, PAIRS = GROUP / 2, MAX_ROWS = 16, STEP = 4 };
+
+/* 16-bit words of codes per (tile, group): 4-bit and 8-bit codes */
+enum { WORDS4 = 4 * 32, WORDS8 = PAIRS * 2 * TILE / 2 };
 
 /* Steps of more rows than this rebuild the bf16 weights once and run plain AMX products
- * (run_many_rows); fewer keep the codes as they are (run_few_rows). */
-enum { FEW_ROWS = 32 };
+ * (run_many_rows); fewer keep the codes as they are (run_few_rows). 8-bit codes cost more to
+ * widen, which a second 16-row pass repeats: from 17 rows rebuilding them is faster. */
+enum { FEW_ROWS = 32, FEW_ROWS8 = 16 };
 
 /* Column tiles whose rebuilt weights a many-rows step keeps at once (8 x K / 32 KB: 144 KB at
  * K = 576, in L2). */
@@ -47,7 +58,9 @@ enum { PREFETCH_BYTES = 2048 };
 typedef struct {
     const uint16_t *x;       /* [M, K] bf16, rows x_stride apart */
     int64_t x_stride;
-    const uint16_t *codes;   /* [N / 16, K / 32, 4, 32] */
+    const uint16_t *codes;   /* 4-bit: [N / 16, K / 32, 4, 32] words; 8-bit: [N / 16, K / 32, 16, 32] int8 */
+    int bits;                /* 4 or 8 */
+    int64_t words;           /* WORDS4 or WORDS8 */
     const uint16_t *scales;  /* [N / 16, K / 32, 2, 16] fp16: d, m */
     const uint16_t *bias;    /* [N] bf16 or NULL */
     uint16_t *y;             /* [M, N] bf16, rows y_stride apart */
@@ -67,6 +80,24 @@ static inline void unpack_group(const uint16_t *codes, uint16_t *out, __m512i as
         _mm512_store_si512(out + (4 * c + 1) * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), as_bf16));
         _mm512_store_si512(out + (4 * c + 2) * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 8), as_bf16));
         _mm512_store_si512(out + (4 * c + 3) * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 12), as_bf16));
+    }
+}
+
+/* An 8-bit (tile, group)'s 32 codes of B-tile row p -> fp32, words 0-15 and 16-31. */
+static inline void codes_row8(const uint16_t *codes, int p, __m512 *lo, __m512 *hi) {
+    const int8_t *row = (const int8_t *)codes + p * 2 * TILE;
+    *lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)row)));
+    *hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + TILE))));
+}
+
+/* An 8-bit (tile, group)'s codes -> its B tile, the codes as bf16 (exact). */
+static inline void unpack_group8(const uint16_t *codes, uint16_t *out) {
+    _mm_prefetch((const char *)codes + PREFETCH_BYTES, _MM_HINT_T0);
+    _mm_prefetch((const char *)codes + PREFETCH_BYTES + 256, _MM_HINT_T0);
+    for (int p = 0; p < PAIRS; p++) {
+        __m512 lo, hi;
+        codes_row8(codes, p, &lo, &hi);
+        _mm512_store_si512(out + p * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
 }
 
@@ -103,7 +134,11 @@ static inline void store_tile(const args_t *a, const __m512 *acc, int64_t t, int
 
 /* Tile registers are named by constants, so the four groups of a step are spelled out. All
  * four are unpacked before the first product, so the unpacking overlaps the tile unit. */
-#define UNPACK(J) if (J < count) unpack_group(codes + (g + J) * WORDS, unpacked[J], as_bf16);
+#define UNPACK(J)                                                                               \
+    if (J < count) {                                                                            \
+        if (a->bits == 8) unpack_group8(codes + (g + J) * a->words, unpacked[J]);               \
+        else unpack_group(codes + (g + J) * a->words, unpacked[J], as_bf16);                     \
+    }
 #define MULTIPLY(J, A, B)                                                                       \
     if (J < count) {                                                                            \
         _tile_loadd(A, x + (g + J) * GROUP, x_bytes);                                           \
@@ -120,7 +155,7 @@ static inline void store_tile(const args_t *a, const __m512 *acc, int64_t t, int
 /* Tile t (16 columns) for rows [r0, r0 + rows), rows <= 16. */
 static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, __m512i as_bf16) {
     const int64_t groups = a->K / GROUP, x_bytes = a->x_stride * 2;
-    const uint16_t *codes = a->codes + t * groups * WORDS, *scales = a->scales + t * groups * 2 * TILE;
+    const uint16_t *codes = a->codes + t * groups * a->words, *scales = a->scales + t * groups * 2 * TILE;
     const uint16_t *x = a->x + r0 * a->x_stride;
     const float *x_sums = a->x_sums + r0 * groups;
     uint16_t unpacked[STEP][PAIRS * 2 * TILE] __attribute__((aligned(64)));
@@ -164,6 +199,19 @@ static inline void dequantize_group(const uint16_t *codes, const uint16_t *scale
             const __m512 w_lo = _mm512_fmadd_ps(q_lo, d_lo, m_lo), w_hi = _mm512_fmadd_ps(q_hi, d_hi, m_hi);
             _mm512_store_si512(out + (4 * c + i) * 32, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
         }
+    }
+}
+
+/* The 8-bit (tile, group)'s B tile of bf16 weights: d q in fp32 (m is 0), rounded. */
+static inline void dequantize_group8(const uint16_t *codes, const uint16_t *scales, uint16_t *out) {
+    __m512 d_lo, d_hi, m_lo, m_hi;
+    spread(scales, &d_lo, &d_hi);
+    spread(scales + TILE, &m_lo, &m_hi);
+    for (int p = 0; p < PAIRS; p++) {
+        __m512 q_lo, q_hi;
+        codes_row8(codes, p, &q_lo, &q_hi);
+        const __m512 w_lo = _mm512_fmadd_ps(q_lo, d_lo, m_lo), w_hi = _mm512_fmadd_ps(q_hi, d_hi, m_hi);
+        _mm512_store_si512(out + p * 32, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
     }
 }
 
@@ -235,9 +283,13 @@ static void *run_many_rows(void *arg) {
     for (int64_t t0 = p->lo; t0 < p->hi; t0 += CHUNK_TILES) {
         const int64_t t1 = p->hi - t0 < CHUNK_TILES ? p->hi : t0 + CHUNK_TILES;
         for (int64_t t = t0; t < t1; t++)
-            for (int64_t g = 0; g < groups; g++)
-                dequantize_group(a->codes + (t * groups + g) * WORDS, a->scales + (t * groups + g) * 2 * TILE,
-                                 w + ((t - t0) * groups + g) * tile_words);
+            for (int64_t g = 0; g < groups; g++) {
+                const uint16_t *codes = a->codes + (t * groups + g) * a->words;
+                const uint16_t *scales = a->scales + (t * groups + g) * 2 * TILE;
+                uint16_t *out = w + ((t - t0) * groups + g) * tile_words;
+                if (a->bits == 8) dequantize_group8(codes, scales, out);
+                else dequantize_group(codes, scales, out);
+            }
         for (int64_t r0 = 0; r0 < a->M; r0 += 2 * MAX_ROWS) {
             const int64_t left = a->M - r0;
             const int rows0 = (int)(left < MAX_ROWS ? left : MAX_ROWS);
@@ -294,19 +346,19 @@ int blink_q4_linear_supported(void) { return blink_amx_granted(); }
 /* Returns 0; -2 for shapes this kernel does not take (the caller checks them first); -3
  * where AMX is not granted; -4 out of memory. `threads` split the column tiles when the
  * product is large enough to pay for them. */
-int blink_q4_linear(const uint16_t *x, int64_t x_stride, const uint16_t *codes, const uint16_t *scales,
-                    const uint16_t *bias, uint16_t *y, int64_t y_stride, int64_t M, int64_t N, int64_t K,
-                    int threads) {
+static int quantized_linear(const uint16_t *x, int64_t x_stride, const uint16_t *codes, int bits,
+                            const uint16_t *scales, const uint16_t *bias, uint16_t *y, int64_t y_stride,
+                            int64_t M, int64_t N, int64_t K, int threads) {
     if (M < 1 || N % TILE || K % GROUP || x_stride < K || y_stride < N) return -2;
     if (!blink_q4_linear_supported()) return -3;
-    const int many = M > FEW_ROWS;
+    const int many = M > (bits == 8 ? FEW_ROWS8 : FEW_ROWS);
     float *x_sums = NULL;
     if (!many) { /* the few-rows path applies m through each row's group sums */
         x_sums = malloc((size_t)(M * (K / GROUP)) * sizeof *x_sums);
         if (!x_sums) return -4;
         group_sums(x, x_stride, M, K, x_sums);
     }
-    args_t a = {x, x_stride, codes, scales, bias, y, y_stride, M, N, K, x_sums};
+    args_t a = {x, x_stride, codes, bits, bits == 8 ? WORDS8 : WORDS4, scales, bias, y, y_stride, M, N, K, x_sums};
     /* one thread per ~0.1 ms of work at most (~2M weights to unpack for a few rows, ~32M
      * multiply-adds for many) */
     const int64_t work = many ? M * N * K >> 4 : N * K;
@@ -314,6 +366,20 @@ int blink_q4_linear(const uint16_t *x, int64_t x_stride, const uint16_t *codes, 
     const int status = blink_run_parts(many ? run_many_rows : run_few_rows, &a, N / TILE, threads);
     free(x_sums);
     return status;
+}
+
+/* 4-bit codes (Q4_0, Q4_1); see quantized_linear. */
+int blink_q4_linear(const uint16_t *x, int64_t x_stride, const uint16_t *codes, const uint16_t *scales,
+                    const uint16_t *bias, uint16_t *y, int64_t y_stride, int64_t M, int64_t N, int64_t K,
+                    int threads) {
+    return quantized_linear(x, x_stride, codes, 4, scales, bias, y, y_stride, M, N, K, threads);
+}
+
+/* 8-bit codes (Q8_0); see quantized_linear. */
+int blink_q8_linear(const uint16_t *x, int64_t x_stride, const uint16_t *codes, const uint16_t *scales,
+                    const uint16_t *bias, uint16_t *y, int64_t y_stride, int64_t M, int64_t N, int64_t K,
+                    int threads) {
+    return quantized_linear(x, x_stride, codes, 8, scales, bias, y, y_stride, M, N, K, threads);
 }
 
 #else /* no AMX in this build: the Python side keeps its other paths */
@@ -328,6 +394,12 @@ int blink_q4_linear(const uint16_t *x, int64_t x_stride, const uint16_t *codes, 
     (void)x; (void)x_stride; (void)codes; (void)scales; (void)bias; (void)y; (void)y_stride;
     (void)M; (void)N; (void)K; (void)threads;
     return -2;
+}
+
+int blink_q8_linear(const uint16_t *x, int64_t x_stride, const uint16_t *codes, const uint16_t *scales,
+                    const uint16_t *bias, uint16_t *y, int64_t y_stride, int64_t M, int64_t N, int64_t K,
+                    int threads) {
+    return blink_q4_linear(x, x_stride, codes, scales, bias, y, y_stride, M, N, K, threads);
 }
 
 #endif

@@ -15,6 +15,10 @@ exact bf16 and the file's fp16 d and m applied in fp32, so the product is on ggu
 weights, not on a bf16 rounding of them (tests/test_cpu_q4_linear.py: the exactly rounded
 fp32 product in all but a few outputs in a thousand, which are one bf16 step off).
 
+Q8_0 (``w = d q``, 8-bit codes) runs on the same kernel with m = 0 (:func:`pack_q8`): SmolLM2's
+GGUF stores its tied embedding, the head, as Q8_0, half the bytes of the bf16 head a decode
+step otherwise streams.
+
 Used where :func:`available` says the kernel was built with AMX for this CPU and the OS lets
 the process use it; otherwise that is said once in the log and torch's int4 kernel runs.
 ``$BLINK_CPU_Q4=torch`` turns it off (tests, diagnosis).
@@ -43,9 +47,9 @@ def _declare(library: ctypes.CDLL) -> None:
     library.blink_q4_linear_supported.restype = ctypes.c_int
     if not library.blink_q4_linear_supported():
         raise NativeBuildError("this CPU (or its compiler, or the OS) offers no AMX")
-    fn = library.blink_q4_linear
-    fn.restype = ctypes.c_int
-    fn.argtypes = [_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int]
+    for fn in (library.blink_q4_linear, library.blink_q8_linear):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int]
 
 
 # -march=native: the AMX and AVX-512 intrinsics exist only in a build for a CPU that has them
@@ -65,12 +69,14 @@ def available() -> bool:
 
 @dataclass
 class Q4Weight:
-    """One ``[n, k]`` projection in the kernel's layout (``cpu_q4_linear.c``)."""
+    """One ``[n, k]`` projection in the kernel's layout (``cpu_q4_linear.c``): 4-bit codes
+    (:func:`pack`) or, with ``bits`` 8, 8-bit ones (:func:`pack_q8`)."""
 
-    codes: torch.Tensor  # int16 (the bits of uint16 words) [n / 16, k / 32, 4, 32]
-    scales: torch.Tensor  # float16 [n / 16, k / 32, 2, 16]: d then m per column
+    codes: torch.Tensor  # 4-bit: int16 (the bits of uint16 words) [n / 16, k / 32, 4, 32]; 8-bit: int8 [n / 16, k / 32, 16, 32]
+    scales: torch.Tensor  # float16 [n / 16, k / 32, 2, 16]: d then m per column (8-bit: m = 0)
     n: int
     k: int
+    bits: int = 4
 
 
 def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Q4Weight | None:
@@ -87,14 +93,47 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Q4Weig
     if not torch.equal(halves.float(), torch.stack([d, m])):
         return None
     tiles, groups = n // TILE, k // GROUP
-    # B-tile row p of (tile t, group g) holds word w = column 16t + w // 2 at channel
-    # 32g + 2p + w % 2; rows 4c .. 4c + 3 share 32 16-bit words, one nibble each
-    rows = codes.to(torch.int32).view(tiles, TILE, groups, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
+    scales = halves.view(2, tiles, TILE, groups).permute(1, 3, 0, 2).contiguous()
+    return Q4Weight(_nibble_words(codes), scales, n, k)
+
+
+def _nibble_words(nibbles: torch.Tensor) -> torch.Tensor:
+    """[n, k] values 0..15 -> the kernel's words, int16 (the bits of uint16) [n / 16, k / 32,
+    4, 32]: B-tile row p of (tile t, group g) holds word w = column 16t + w // 2 at channel
+    32g + 2p + w % 2; rows 4c .. 4c + 3 share 32 16-bit words, one nibble each."""
+    n, k = nibbles.shape
+    tiles, groups = n // TILE, k // GROUP
+    rows = nibbles.to(torch.int32).view(tiles, TILE, groups, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
     rows = rows.reshape(tiles, groups, GROUP // 8, 4, 2 * TILE)
     words = rows[:, :, :, 0] | (rows[:, :, :, 1] << 4) | (rows[:, :, :, 2] << 8) | (rows[:, :, :, 3] << 12)
-    packed = words.to(torch.int16).contiguous()  # the bits of uint16 words
+    return words.to(torch.int16).contiguous()
+
+
+def _nibbles(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """:func:`_nibble_words`' inverse: int32 [n, k] values 0..15."""
+    tiles, groups = n // TILE, k // GROUP
+    words = words.to(torch.int32) & 0xFFFF
+    rows = torch.stack([(words >> (4 * i)) & 0x0F for i in range(4)], dim=3)  # [T, G, 4, 4, 32]
+    return rows.view(tiles, groups, GROUP // 2, TILE, 2).permute(0, 3, 1, 2, 4).reshape(n, k)
+
+
+def pack_q8(codes: torch.Tensor, scale: torch.Tensor) -> Q4Weight | None:
+    """A :class:`blink.loader.gguf_weights.Q8Codes`'s tensors (codes int8 [n, k], ``w = q *
+    scale`` per group of 32) -> the kernel's 8-bit layout. None where the shape does not tile
+    or the scales are not the fp16 values a GGUF file holds."""
+    n, k = codes.shape
+    if codes.dtype != torch.int8 or n % TILE or k % GROUP or scale.shape != (n, k // GROUP):
+        return None
+    d = scale.float()
+    if not torch.equal(d.half().float(), d):
+        return None
+    tiles, groups = n // TILE, k // GROUP
+    # B-tile row p of (tile t, group g): word w = column 16t + w // 2 at channel 32g + 2p + w % 2
+    rows = codes.view(tiles, TILE, groups, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
+    packed = rows.reshape(tiles, groups, GROUP // 2, 2 * TILE).contiguous()
+    halves = torch.stack([d, torch.zeros_like(d)]).half()
     scales = halves.view(2, tiles, TILE, groups).permute(1, 3, 0, 2).contiguous()
-    return Q4Weight(packed, scales, n, k)
+    return Q4Weight(packed, scales, n, k, bits=8)
 
 
 def linear(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -113,11 +152,13 @@ def linear(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None) -> torc
         return y.view(*lead, weight.n)
     if bias is not None:
         bias = bias.to(torch.bfloat16).contiguous()
-    status = library.blink_q4_linear(x2.data_ptr(), x2.stride(0), weight.codes.data_ptr(), weight.scales.data_ptr(),
-                                     None if bias is None else bias.data_ptr(), y.data_ptr(), weight.n,
-                                     rows, weight.n, weight.k, torch.get_num_threads())
+    kernel = library.blink_q8_linear if weight.bits == 8 else library.blink_q4_linear
+    status = kernel(x2.data_ptr(), x2.stride(0), weight.codes.data_ptr(), weight.scales.data_ptr(),
+                    None if bias is None else bias.data_ptr(), y.data_ptr(), weight.n,
+                    rows, weight.n, weight.k, torch.get_num_threads())
     if status != 0:
-        raise ValueError(f"4-bit CPU kernel refused x {tuple(x2.shape)} for a [{weight.n}, {weight.k}] weight")
+        raise ValueError(f"{weight.bits}-bit CPU kernel refused x {tuple(x2.shape)} for a "
+                         f"[{weight.n}, {weight.k}] weight")
     return y.view(*lead, weight.n)
 
 
@@ -125,8 +166,10 @@ def dequantize(weight: Q4Weight) -> torch.Tensor:
     """The float32 ``[n, k]`` weight the kernel multiplies: ``d * q + m`` per group, gguf's
     own dequantization."""
     tiles, groups = weight.n // TILE, weight.k // GROUP
-    words = weight.codes.to(torch.int32) & 0xFFFF
-    rows = torch.stack([(words >> (4 * i)) & 0x0F for i in range(4)], dim=3)  # [T, G, 4, 4, 32]
-    q = rows.view(tiles, groups, GROUP // 2, TILE, 2).permute(0, 3, 1, 2, 4).reshape(weight.n, groups, GROUP)
+    if weight.bits == 8:
+        q = weight.codes.view(tiles, groups, GROUP // 2, TILE, 2).permute(0, 3, 1, 2, 4)
+    else:
+        q = _nibbles(weight.codes, weight.n, weight.k)
+    q = q.reshape(weight.n, groups, GROUP)
     d, m = weight.scales.float().permute(2, 0, 3, 1).reshape(2, weight.n, groups)
     return (q.float() * d[..., None] + m[..., None]).view(weight.n, weight.k)

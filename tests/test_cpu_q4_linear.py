@@ -1,7 +1,8 @@
 """The AMX 4-bit projection kernel (blink.kernels.cpu_q4_linear): its layout holds the file's
 exact weights, its products match an fp32 product on them to the last bf16 bit almost
 everywhere, every shape and row count it takes, and where it cannot run (no compiler, no
-AMX, switched off) torch's int4 kernel takes over."""
+AMX, switched off) torch's int4 kernel takes over. The same for its 8-bit (Q8_0) codes, and
+a model's Q8_0 head on them."""
 from __future__ import annotations
 
 import gguf
@@ -11,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from blink.kernels import cpu_q4_linear
-from blink.loader.gguf_weights import unpack_q4
+from blink.loader.gguf_weights import unpack_q4, unpack_q8
 from blink.models import int4_linear
 
 needs_amx = pytest.mark.skipif(not cpu_q4_linear.available(),
@@ -165,3 +166,113 @@ def test_a_build_for_a_cpu_without_amx_is_refused(without_c_compiler, tmp_path, 
     with caplog.at_level("WARNING", logger="blink.kernels"):
         assert not cpu_q4_linear.available()
     assert any("no AMX" in r.getMessage() for r in caplog.records)
+
+
+# ----------------------------------------------------------------------------- 8-bit codes (Q8_0)
+
+
+def gguf_q8(n: int, k: int, seed: int = 0):
+    """A real Q8_0 weight as blink.loader.gguf_weights.unpack_q8 gives it, and gguf's own
+    dequantization of the same bytes."""
+    rng = np.random.default_rng(seed)
+    weight = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.05, 2, (n, 1)).astype(np.float32)
+    data = gguf.quants.quantize(weight, Q.Q8_0)
+    return unpack_q8(data, n, k), torch.from_numpy(gguf.quants.dequantize(data, Q.Q8_0).reshape(n, k).astype(np.float32))
+
+
+def test_q8_codes_and_layout_hold_the_values_gguf_dequantizes():
+    q8, dequantized = gguf_q8(48, 96)
+    assert q8.codes.dtype == torch.int8 and q8.scale.shape == (48, 3)
+    assert torch.equal(q8.codes.float().view(48, 3, 32).mul(q8.scale[..., None]).view(48, 96), dequantized)
+    weight = cpu_q4_linear.pack_q8(q8.codes, q8.scale)
+    assert weight is not None and weight.bits == 8 and weight.codes.numel() == 48 * 96  # a byte a weight
+    assert torch.equal(cpu_q4_linear.dequantize(weight), dequantized)
+
+
+def test_pack_q8_refuses_what_the_kernel_cannot_hold():
+    q8, _ = gguf_q8(48, 96)
+    assert cpu_q4_linear.pack_q8(q8.codes[:40], q8.scale[:40]) is None  # not whole tiles
+    assert cpu_q4_linear.pack_q8(q8.codes[:, :80], q8.scale[:, :2]) is None  # not whole groups
+    assert cpu_q4_linear.pack_q8(q8.codes, q8.scale * (1 + 1e-6)) is None  # d not an fp16
+    assert cpu_q4_linear.pack_q8(q8.codes.to(torch.int16), q8.scale) is None
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
+@pytest.mark.parametrize("n, k", [(16, 32), (48, 160), (80, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_q8_kernel_matches_the_fp32_product(rows, n, k, with_bias):
+    """Up to 16 rows: the product on gguf's fp32 weights; more: on their bf16 rounding."""
+    q8, dense = gguf_q8(n, k, seed=rows + n)
+    weight = cpu_q4_linear.pack_q8(q8.codes, q8.scale)
+    torch.manual_seed(rows + n + k)
+    x = torch.randn(rows, k).bfloat16()
+    bias = torch.randn(n).bfloat16() if with_bias else None
+    got = cpu_q4_linear.linear(x, weight, bias)
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    if rows > 16:
+        dense = dense.bfloat16().float()
+    want = torch.nn.functional.linear(x.float(), dense, None if bias is None else bias.float())
+    close_to_exact(got, want, x.float().abs() @ dense.abs().T)
+    wrong = q8.codes.clone()  # the test can fail: one wrong code moves its column
+    wrong[n // 2, k // 2] = -wrong[n // 2, k // 2] - 1
+    off = cpu_q4_linear.linear(x, cpu_q4_linear.pack_q8(wrong, q8.scale), bias).float()
+    assert (off[:, n // 2] - got[:, n // 2].float()).abs().max() > 0
+    assert torch.equal(off[:, : n // 2], got[:, : n // 2].float())
+
+
+@needs_amx
+def test_a_tied_head_stored_as_q8_computes_small_steps_logits_on_its_codes(tmp_path):
+    """The head's Q8_0 codes give the logits of steps of up to Q8_HEAD_MAX_ROWS rows (the fp32
+    product on the file's weights); larger steps keep the packed bf16 head, bit for bit."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from helpers_models import make_tiny_model
+
+    from blink.executor import ModelExecutor
+    from blink.loader import open_model
+    from blink.models import decoder, packed_linear
+
+    files = open_model(make_tiny_model("qwen2", tmp_path))  # tied embeddings
+    ex = ModelExecutor(files, dtype=torch.bfloat16, num_blocks=32, max_model_len=64, pack_weights=False)
+    model = ex.model
+    embed = model.model.embed_tokens.weight.float()
+    if embed.shape[0] % 16:
+        pytest.skip("the tiny vocabulary is not whole tiles")
+    data = gguf.quants.quantize(embed.numpy(), Q.Q8_0)
+    q8 = unpack_q8(data, *embed.shape)
+    assert model.use_q8_head([("model.embed_tokens.weight", q8)])
+    model.use_packed_weights()
+    dense = torch.from_numpy(gguf.quants.dequantize(data, Q.Q8_0).reshape(embed.shape).astype(np.float32))
+    hidden = torch.randn(decoder.Q8_HEAD_MAX_ROWS, embed.shape[1]).bfloat16()
+    want = torch.nn.functional.linear(hidden.float(), dense)
+    close_to_exact(model.compute_logits(hidden[:3]), want[:3], hidden[:3].float().abs() @ dense.abs().T)
+    many = torch.randn(decoder.Q8_HEAD_MAX_ROWS + 1, embed.shape[1]).bfloat16()
+    assert torch.equal(model.compute_logits(many), packed_linear.linear(many, model.packed_head, None))
+
+
+@needs_amx
+def test_smollm2s_q8_head_runs_on_its_codes_unless_switched_off():
+    """The shipped GGUF stores its tied embedding as Q8_0: the executor's head takes the codes,
+    and ``int4_decode=False`` (``--int4-decode off``) keeps it bf16."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_loader_gguf import smollm_path
+
+    from blink.executor import ModelExecutor
+    from blink.loader import open_model
+
+    files = open_model(smollm_path())
+    kw = dict(dtype=torch.bfloat16, num_blocks=8, max_model_len=64)
+    on, off = ModelExecutor(files, **kw), ModelExecutor(files, int4_decode=False, **kw)
+    if not on.packed_weights:
+        pytest.skip("no native oneDNN bf16 here")
+    assert on.q8_head and on.model.q8_head.bits == 8 and not off.q8_head
+    ids, md, last = on.build_metadata([([1, 2, 3, 4], 0, [0])])
+    a, b = on.execute(ids, md, last), off.execute(*off.build_metadata([([1, 2, 3, 4], 0, [0])]))
+    assert not torch.equal(a, b)  # other weights (the file's, not their bf16 rounding)
+    assert (a - b).abs().max() < 0.1 * b.abs().max()

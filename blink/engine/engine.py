@@ -224,6 +224,9 @@ class Engine:
                 for (kernel, rows), count in getattr(self.executor, "int4_kernels", {}).items())
             log.info("%d of %d projections run on the checkpoint's 4-bit codes "
                      "(%s; --int4-decode off: always bf16)", given, total, kernels)
+        if getattr(self.executor, "q8_head", False):
+            log.info("the logits run on the head's own 8-bit (Q8_0) codes, on the AMX kernel, "
+                     "without a bf16 copy of the head (--int4-decode off: bf16)")
         self.model_config = model_config
         self.max_model_len = self.executor.max_model_len
         self.source = str(files.source)

@@ -28,6 +28,28 @@ class Q4Codes:
     zero: torch.Tensor  # float32 [N, K // Q4_GROUP]
 
 
+#: values per block of ggml's Q8_0
+Q8_GROUP = 32
+
+
+@dataclass
+class Q8Codes:
+    """A 2-D tensor stored as ggml's Q8_0: ``w[n, k] = codes[n, k] * scale[n, k // Q8_GROUP]``
+    (the exact values ``iter_tensors`` dequantizes)."""
+
+    codes: torch.Tensor  # int8 [N, K]
+    scale: torch.Tensor  # float32 [N, K // Q8_GROUP]: the blocks' fp16 d
+
+
+def unpack_q8(data: np.ndarray, rows: int, cols: int) -> Q8Codes:
+    """Q8_0 blocks (``data``: uint8 [rows, blocks * 34]: fp16 ``d``, then 32 int8 values)
+    -> :class:`Q8Codes`."""
+    blocks = data.reshape(rows, cols // Q8_GROUP, 2 + Q8_GROUP)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    codes = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
+    return Q8Codes(torch.from_numpy(codes), torch.from_numpy(d))
+
+
 def unpack_q4(data: np.ndarray, qtype_name: str, rows: int, cols: int) -> Q4Codes:
     """Q4_0 / Q4_1 blocks (``data``: uint8 [rows, blocks * block_bytes]) -> :class:`Q4Codes`.
 
@@ -87,6 +109,19 @@ class GGUFWeights(GGUFFile):
                 q4 = Q4Codes(*(_reverse_rope_permute(t, entry.permute_heads) for t in (q4.codes, q4.scale, q4.zero)))
                 q4 = Q4Codes(*(t.contiguous() for t in (q4.codes, q4.scale, q4.zero)))
             yield entry.hf_name, q4
+
+    def iter_q8_codes(self) -> Iterator[tuple[str, Q8Codes]]:
+        """``(hf_name, codes)`` for every 2-D tensor the file stores as Q8_0 (experts
+        excluded), in the same row order as ``iter_tensors`` gives it, one at a time."""
+        for entry in self._entries:
+            tensor = self.reader.tensors[entry.tensor_index]
+            if entry.expert >= 0 or tensor.tensor_type.name != "Q8_0" or len(tensor.shape) != 2:
+                continue
+            cols, rows = (int(d) for d in tensor.shape.tolist())  # ggml order: [in, out]
+            q8 = unpack_q8(np.asarray(tensor.data), rows, cols)
+            if entry.permute_heads:
+                q8 = Q8Codes(*(_reverse_rope_permute(t, entry.permute_heads).contiguous() for t in (q8.codes, q8.scale)))
+            yield entry.hf_name, q8
 
     def _dequantize(self, index: int) -> torch.Tensor:
         """Tensor ``index`` as float32 in torch dimension order, in memory it owns."""

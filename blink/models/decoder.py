@@ -27,11 +27,18 @@ from torch import nn
 
 from blink.config import ModelConfig
 from blink.errors import ModelLoadError
-from blink.kernels import ops_for
+from blink.kernels import cpu_q4_linear, ops_for
 from blink.kernels.reference import AttentionMetadata, rope_cos_sin_cache
 from blink.models import int4_linear, packed_linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+#: Steps with at most this many logits rows take the Q8_0 head (:meth:`DecoderForCausalLM.use_q8_head`).
+#: Measured on SmolLM2's head (49152 x 576), one thread, Xeon with AMX, weights in cache: 1.37x
+#: the packed bf16 head at 1 row, 1.03-1.12x at 16-32, 0.79x at 64 (docs/benchmarks.md, "The
+#: Q8_0 head on AMX").
+Q8_HEAD_MAX_ROWS = 32
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -226,6 +233,9 @@ class DecoderForCausalLM(nn.Module):
         #: the tied embedding's own 4-bit copy as the head's weight for few rows
         #: (:meth:`use_int4_weights`)
         self.int4_head: int4_linear.Int4Weight | None = None
+        #: the head's own 8-bit (Q8_0) codes on the AMX kernel, for steps whose logits rows are
+        #: at most :data:`Q8_HEAD_MAX_ROWS` (:meth:`use_q8_head`)
+        self.q8_head: cpu_q4_linear.Q4Weight | None = None
 
     def forward(
         self,
@@ -249,6 +259,8 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab] in the model dtype."""
+        if self.q8_head is not None and hidden.shape[0] <= Q8_HEAD_MAX_ROWS:
+            return cpu_q4_linear.linear(hidden, self.q8_head, None)
         if self.lm_head is not None:
             return self.lm_head(hidden)
         if self.int4_head is not None and self.int4_head.takes(hidden.shape[0]):
@@ -322,6 +334,26 @@ class DecoderForCausalLM(nn.Module):
             given += 1
         total = sum(isinstance(m, Linear) for m in self.modules()) + (self.lm_head is None)
         return given, total
+
+    def use_q8_head(self, q8_tensors: Iterable[tuple[str, Any]]) -> bool:
+        """Compute the logits from the head's own Q8_0 codes on the AMX kernel
+        (:func:`blink.kernels.cpu_q4_linear.pack_q8`) where the checkpoint stores the head so
+        (``q8_tensors``: ``(hf_name, codes)`` with ``codes.codes / .scale`` as
+        :class:`blink.loader.gguf_weights.Q8Codes`; a tied embedding counts) and the kernel runs
+        here: for steps of at most :data:`Q8_HEAD_MAX_ROWS` logits rows, half the bf16 head's
+        bytes; larger ones keep the bf16 head, which rebuilding the head's 8-bit weights per
+        call does not beat. Returns whether the head got one."""
+        if not cpu_q4_linear.available():
+            return False
+        head = "lm_head.weight" if self.lm_head is not None else "model.embed_tokens.weight"
+        params = dict(self.named_parameters())
+        for name, q8 in q8_tensors:
+            target = self._destination(name, params, self.config.source or None)
+            if target is None or target[0] != head or tuple(q8.codes.shape) != tuple(params[head].shape):
+                continue
+            self.q8_head = cpu_q4_linear.pack_q8(q8.codes, q8.scale)
+            return self.q8_head is not None
+        return False
 
     def int4_kernels(self) -> dict[tuple[str, int | None], int]:
         """How many projections (and the head) have a 4-bit copy, per (kernel, max rows;
