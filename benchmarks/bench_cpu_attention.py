@@ -1,6 +1,7 @@
-"""The eager CPU paged attention's two paths side by side, per layer: the C kernel and SDPA over
-gathered blocks (blink.kernels.cpu_attention), on SmolLM2's heads, with the path the per-step
-cost estimate picks.
+"""The eager CPU paged attention's two paths side by side, per layer: the C kernel (with its AMX
+tiles for prompt rows where the CPU has them) and SDPA over gathered blocks
+(blink.kernels.cpu_attention), on SmolLM2's heads, with the path the per-step cost estimate
+picks.
 
 Each step shape is a mix of (cached tokens, new tokens) rows; both paths run the same call
 ``--calls`` times after warm-ups, best of ``--rounds`` rounds, with the per-step memos kept
@@ -68,7 +69,8 @@ def main() -> None:
         return min(times)
 
     print(f"torch {torch.__version__}, {args.threads} thread(s), heads {args.heads}/{args.kv_heads}, "
-          f"head dim {args.head_dim}, bf16, block 16")
+          f"head dim {args.head_dim}, bf16, block 16; the C kernel's tiles for rows of at least "
+          f"{cpu_attention.tile_min_tokens() or '(none: no AMX)'} new tokens")
     print("| step | C ms | SDPA path ms | C speed-up | the estimate picks | right |")
     print("|---|---:|---:|---:|---|---|")
     for name, rows in STEPS.items():
@@ -79,7 +81,9 @@ def main() -> None:
         T = md.slot_mapping.shape[0]
         q = torch.randn(T, args.heads, args.head_dim).to(torch.bfloat16)
         scale = args.head_dim ** -0.5
-        picks_native = cpu_attention.prefer_native(md, T, 16)
+        # as the model's calls decide it: with the kernel's tiles where it has them (bf16, AMX)
+        tiles = cpu_attention.tile_min_tokens() if args.head_dim % 32 == 0 else 0
+        picks_native = cpu_attention.prefer_native(md, T, 16, tiles)
         forced = dataclasses.replace(md, step_cache={"cpu_attention_prefer_native": True})
         native = best_ms(lambda: cpu_attention.paged_attention(q, k_cache, v_cache, forced, scale))
         # the step's plan and mask memoised, as the model's 30 layers share them

@@ -34,6 +34,7 @@ logits of every row); ``prefill BxP`` = B rows of P new tokens (the logits of ea
     python -m benchmarks.bench_forward --before attention-no-tiles --dtype bfloat16 --decode 16 --prefill 4x128 1x512 \
         --mixed 4x128+12 --context 192
     python -m benchmarks.bench_forward --before bf16-head --dtype bfloat16 --decode 1 16 --prefill 4x128
+    python -m benchmarks.bench_forward --before bf16-head --dtype bfloat16 --decode 32 48 64 --prefill --q8-head-max-rows 64
 """
 from __future__ import annotations
 
@@ -133,6 +134,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="calls per timed round")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--q8-head-max-rows", type=int, default=None,
+                   help="steps of up to this many logits rows take a Q8_0 head (default: "
+                        "blink.models.decoder.Q8_HEAD_MAX_ROWS); with --before bf16-head, where "
+                        "that threshold should lie on a new CPU")
     p.add_argument("--before", choices=["reference", "no-int4", "sdpa-attention", "torch-elementwise", "torch-int4",
                                              "attention-no-prefetch", "attention-no-tiles", "bf16-head"],
                    default="reference",
@@ -156,6 +161,10 @@ def main() -> None:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.q8_head_max_rows is not None:
+        from blink.models import decoder
+
+        decoder.Q8_HEAD_MAX_ROWS = args.q8_head_max_rows
     files = open_model(args.model)
     shapes = [(f"decode {b}", [(1, args.context)] * b) for b in args.decode]
     for spec in args.prefill:

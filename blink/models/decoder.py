@@ -35,9 +35,9 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 #: Steps with at most this many logits rows take the Q8_0 head (:meth:`DecoderForCausalLM.use_q8_head`).
-#: Measured on SmolLM2's head (49152 x 576), one thread, Xeon with AMX, weights in cache: 1.37x
-#: the packed bf16 head at 1 row, 1.03-1.12x at 16-32, 0.79x at 64 (docs/benchmarks.md, "The
-#: Q8_0 head on AMX").
+#: Measured on SmolLM2 (49152 x 576 head), one thread, Xeon with AMX: whole decode steps 1.14x
+#: faster at 1 row, 1.03x at 16, the same at 32-64, where the kernel rebuilds the head's bf16
+#: weights per call (docs/benchmarks.md, "The Q8_0 head on AMX").
 Q8_HEAD_MAX_ROWS = 32
 
 
