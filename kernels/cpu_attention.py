@@ -68,6 +68,7 @@ def _declare(library: ctypes.CDLL) -> None:
         # measured 0.26-0.9x the torch path on an AVX2 build (docs/benchmarks.md)
         raise NativeBuildError("this CPU has no AVX-512, without which the kernel is slower than SDPA")
     library.blink_paged_attention_tile_min_tokens.restype = ctypes.c_int
+    library.tile_min_tokens = int(library.blink_paged_attention_tile_min_tokens())  # read per call
     fn = library.blink_paged_attention
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3
@@ -94,7 +95,7 @@ def tile_min_tokens() -> int:
     """The new-token count from which a row takes the C kernel's AMX tiles (bf16 queries and
     cache, head size a multiple of 32); 0 where the kernel has none (no AMX, or not built)."""
     library = LIBRARY.get()
-    return 0 if library is None else int(library.blink_paged_attention_tile_min_tokens())
+    return 0 if library is None else library.tile_min_tokens
 
 
 def _native_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
