@@ -188,6 +188,8 @@ def paged_attention(
                     token_row.data_ptr(), positions.data_ptr(), query_start.data_ptr(),
                     seq_lens.data_ptr(), tables.data_ptr(), tables.stride(0), tables.shape[1],
                     scale, T * longest, torch.get_num_threads())
+    if status == -4:
+        raise MemoryError("paged attention: no memory for the prompt rows' laid-out K/V")
     if status != 0:
         raise ValueError("paged attention: a block table names a block outside the KV cache"
                          if status == -1 else "paged attention: shapes the C kernel does not take")
