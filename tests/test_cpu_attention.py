@@ -211,16 +211,19 @@ def test_a_build_without_avx512_is_not_used_unless_forced(without_c_compiler, tm
 
 
 def _cpu_has_amx() -> bool:
+    """AMX in the CPU's flags, and the OS lets this process use it (the 4-bit kernel asks)."""
+    from blink.kernels import cpu_q4_linear
+
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    return " amx_bf16" in flags and " amx_tile" in flags
+    return " amx_bf16" in flags and " amx_tile" in flags and cpu_q4_linear.available()
 
 
 def test_the_kernel_has_tiles_where_the_cpu_has_amx():
-    """On a CPU with AMX (and a kernel that grants it) prompt rows take tiles from 8 new
-    tokens; elsewhere none do, and the tests below skip."""
+    """On a CPU with AMX that the OS grants, prompt rows take tiles from 8 new tokens;
+    elsewhere none do, and the tests below skip."""
     if not _cpu_has_amx():
         assert cpu_attention.tile_min_tokens() == 0
         return
