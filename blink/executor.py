@@ -94,18 +94,17 @@ class ModelExecutor:
         self.packed_weights = pack_weights and packed_linear.packing_available(dtype, self.device)
         #: (projections with an int4 copy for small steps, projections in all)
         self.int4_projections = (0, 0)
-        iter_q4 = getattr(model, "iter_q4_codes", None)
-        if self.packed_weights and int4_decode and iter_q4 is not None \
-                and int4_linear.available(dtype, self.device):
-            self.int4_projections = self.model.use_int4_weights(iter_q4())
-        #: {(kernel, max rows) of the int4 copies: how many projections}
-        self.int4_kernels = self.model.int4_kernels()
         #: whether the logits come from the head's own Q8_0 codes (AMX)
         self.q8_head = False
+        iter_q4 = getattr(model, "iter_q4_codes", None)
         iter_q8 = getattr(model, "iter_q8_codes", None)
-        if self.packed_weights and int4_decode and iter_q8 is not None and dtype == torch.bfloat16 \
-                and self.device.type == "cpu":
-            self.q8_head = self.model.use_q8_head(iter_q8())
+        if self.packed_weights and int4_decode and int4_linear.available(dtype, self.device):
+            if iter_q4 is not None:
+                self.int4_projections = self.model.use_int4_weights(iter_q4())
+            if iter_q8 is not None:  # (the AMX kernel only: use_q8_head checks)
+                self.q8_head = self.model.use_q8_head(iter_q8())
+        #: {(kernel, max rows) of the int4 copies: how many projections}
+        self.int4_kernels = self.model.int4_kernels()
         if self.packed_weights:
             self.model.use_packed_weights()
             _return_freed_memory()  # the plain bf16 weights packing replaced or dropped

@@ -247,7 +247,9 @@ static void configure_tiles(void) {
     _tile_loadconfig(&config);
 }
 
-/* e^x, x <= 0 or -inf (-> 0), on 16 lanes: exp_nonpositive's polynomial, 2^n by scalef. */
+/* e^x, x <= 0 or -inf (-> 0), on 16 lanes: exp_nonpositive's polynomial, 2^n by scalef. Fused
+ * multiply-adds here: cpu_fused.c's exp_nonpositive16 avoids them to keep the scalar code's
+ * bits, which nothing asks of the attention's probabilities. */
 static inline __m512 exp16(__m512 x) {
     const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
@@ -452,16 +454,11 @@ static void *run_tile_part(void *arg) {
     return NULL;
 }
 
-/* The rows that take tiles (written to rows_out, a byte per row in is_tile_row); their count. */
-static int64_t tile_rows_of(const args_t *a, int32_t *rows_out, uint8_t *is_tile_row) {
-    int64_t count = 0;
-    for (int64_t r = 0; r < a->rows; r++) {
-        const int64_t n_new = a->query_start[r + 1] - a->query_start[r];
-        is_tile_row[r] = a->q_bf16 && a->kv_bf16 && a->D % 32 == 0 && a->seq_lens[r] > 0
-                         && n_new >= TILE_MIN_TOKENS && a->query_start[r] >= 0 && a->query_start[r + 1] <= a->T;
-        if (is_tile_row[r]) rows_out[count++] = (int32_t)r;
-    }
-    return count;
+/* Whether row r takes tiles (the caller has checked the dtypes, the head size and AMX). */
+static inline int takes_tiles(const args_t *a, int64_t r) {
+    const int64_t n_new = a->query_start[r + 1] - a->query_start[r];
+    return a->seq_lens[r] > 0 && n_new >= TILE_MIN_TOKENS && a->query_start[r] >= 0
+           && a->query_start[r + 1] <= a->T;
 }
 
 /* The new-token count from which a row takes tiles; 0 where this build or process has no AMX
@@ -470,12 +467,13 @@ int blink_paged_attention_tile_min_tokens(void) { return blink_amx_granted() ? T
 #define HAVE_TILES 1
 #else
 int blink_paged_attention_tile_min_tokens(void) { return 0; }
+static inline int takes_tiles(const args_t *a, int64_t r) { (void)a; (void)r; return 0; }
 #define HAVE_TILES 0
 #endif
 
 typedef struct {
     const args_t *a;
-    const uint8_t *is_tile_row; /* NULL: no row takes tiles */
+    int tiles_done; /* the rows that take tiles have been attended */
 } tokens_t;
 
 /* Items: (token, KV head) pairs; a token of a row that took tiles is already done. */
@@ -485,9 +483,9 @@ static void *run_token_part(void *arg) {
     const args_t *a = w->a;
     for (int64_t item = p->lo; item < p->hi; item++) {
         const int64_t t = item / a->KVH;
-        if (w->is_tile_row) {
+        if (w->tiles_done) {
             const int64_t row = a->token_row[t];
-            if (row >= 0 && row < a->rows && w->is_tile_row[row] && t >= a->query_start[row]
+            if (row >= 0 && row < a->rows && takes_tiles(a, row) && t >= a->query_start[row]
                 && t < a->query_start[row + 1])
                 continue;
         }
@@ -514,28 +512,26 @@ int blink_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_h,
                 token_row, positions, query_start, seq_lens, tables, table_stride, table_cols, scale};
     /* one thread per ~64K key visits (~0.1 ms of work) at most */
     while (threads > 1 && key_visits < ((int64_t)threads << 16)) threads--;
-    tokens_t tokens = {&a, NULL};
+    tokens_t tokens = {&a, 0};
 #if HAVE_TILES
-    uint8_t *is_tile_row = NULL;
-    int32_t *tile_rows = NULL;
-    if (blink_amx_granted() && q_bf16 && kv_bf16 && D % 32 == 0 && rows > 0) {
-        is_tile_row = malloc((size_t)rows);
-        tile_rows = malloc((size_t)rows * sizeof *tile_rows);
-        if (!is_tile_row || !tile_rows) { free(is_tile_row); free(tile_rows); return -4; }
-        const int64_t count = tile_rows_of(&a, tile_rows, is_tile_row);
-        int status = 0;
-        if (count > 0) {
-            int64_t longest = 0;
-            for (int64_t i = 0; i < count; i++) longest = seq_lens[tile_rows[i]] > longest ? seq_lens[tile_rows[i]] : longest;
-            if (longest > table_cols * block_size) longest = table_cols * block_size;
-            tiles_t tiles = {&a, tile_rows, ((longest + KC - 1) / KC) * chunk_bytes(D)};
-            status = blink_run_parts(run_tile_part, &tiles, count * KVH, threads);
-            tokens.is_tile_row = is_tile_row;
-        }
-        if (status == 0) status = blink_run_parts(run_token_part, &tokens, T * KVH, threads);
-        free(is_tile_row);
+    int64_t count = 0, longest = 0; /* rows that take tiles, and the longest one's context */
+    if (blink_amx_granted() && q_bf16 && kv_bf16 && D % 32 == 0)
+        for (int64_t r = 0; r < rows; r++)
+            if (takes_tiles(&a, r)) {
+                count++;
+                longest = seq_lens[r] > longest ? seq_lens[r] : longest;
+            }
+    if (count > 0) {
+        int32_t *tile_rows = malloc((size_t)count * sizeof *tile_rows);
+        if (!tile_rows) return -4;
+        for (int64_t r = 0, i = 0; r < rows; r++)
+            if (takes_tiles(&a, r)) tile_rows[i++] = (int32_t)r;
+        if (longest > table_cols * block_size) longest = table_cols * block_size;
+        tiles_t tiles = {&a, tile_rows, ((longest + KC - 1) / KC) * chunk_bytes(D)};
+        const int status = blink_run_parts(run_tile_part, &tiles, count * KVH, threads);
         free(tile_rows);
-        return status;
+        if (status != 0) return status;
+        tokens.tiles_done = 1;
     }
 #endif
     return blink_run_parts(run_token_part, &tokens, T * KVH, threads);

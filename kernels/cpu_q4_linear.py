@@ -89,32 +89,12 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Q4Weig
         return None
     d = scale.float()
     m = zero.float() - 8 * d
-    halves = torch.stack([d, m]).half()
-    if not torch.equal(halves.float(), torch.stack([d, m])):
+    if not (_is_fp16(d) and _is_fp16(m)):
         return None
-    tiles, groups = n // TILE, k // GROUP
-    scales = halves.view(2, tiles, TILE, groups).permute(1, 3, 0, 2).contiguous()
-    return Q4Weight(_nibble_words(codes), scales, n, k)
-
-
-def _nibble_words(nibbles: torch.Tensor) -> torch.Tensor:
-    """[n, k] values 0..15 -> the kernel's words, int16 (the bits of uint16) [n / 16, k / 32,
-    4, 32]: B-tile row p of (tile t, group g) holds word w = column 16t + w // 2 at channel
-    32g + 2p + w % 2; rows 4c .. 4c + 3 share 32 16-bit words, one nibble each."""
-    n, k = nibbles.shape
-    tiles, groups = n // TILE, k // GROUP
-    rows = nibbles.to(torch.int32).view(tiles, TILE, groups, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
-    rows = rows.reshape(tiles, groups, GROUP // 8, 4, 2 * TILE)
+    # rows 4c .. 4c + 3 of a B tile share 32 16-bit words, one nibble each
+    rows = _b_tile_rows(codes.to(torch.int32)).reshape(n // TILE, k // GROUP, GROUP // 8, 4, 2 * TILE)
     words = rows[:, :, :, 0] | (rows[:, :, :, 1] << 4) | (rows[:, :, :, 2] << 8) | (rows[:, :, :, 3] << 12)
-    return words.to(torch.int16).contiguous()
-
-
-def _nibbles(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """:func:`_nibble_words`' inverse: int32 [n, k] values 0..15."""
-    tiles, groups = n // TILE, k // GROUP
-    words = words.to(torch.int32) & 0xFFFF
-    rows = torch.stack([(words >> (4 * i)) & 0x0F for i in range(4)], dim=3)  # [T, G, 4, 4, 32]
-    return rows.view(tiles, groups, GROUP // 2, TILE, 2).permute(0, 3, 1, 2, 4).reshape(n, k)
+    return Q4Weight(words.to(torch.int16).contiguous(), _scales(d, m), n, k)  # int16: the bits of uint16
 
 
 def pack_q8(codes: torch.Tensor, scale: torch.Tensor) -> Q4Weight | None:
@@ -125,15 +105,33 @@ def pack_q8(codes: torch.Tensor, scale: torch.Tensor) -> Q4Weight | None:
     if codes.dtype != torch.int8 or n % TILE or k % GROUP or scale.shape != (n, k // GROUP):
         return None
     d = scale.float()
-    if not torch.equal(d.half().float(), d):
+    if not _is_fp16(d):
         return None
-    tiles, groups = n // TILE, k // GROUP
-    # B-tile row p of (tile t, group g): word w = column 16t + w // 2 at channel 32g + 2p + w % 2
-    rows = codes.view(tiles, TILE, groups, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
-    packed = rows.reshape(tiles, groups, GROUP // 2, 2 * TILE).contiguous()
-    halves = torch.stack([d, torch.zeros_like(d)]).half()
-    scales = halves.view(2, tiles, TILE, groups).permute(1, 3, 0, 2).contiguous()
-    return Q4Weight(packed, scales, n, k, bits=8)
+    return Q4Weight(_b_tile_rows(codes).contiguous(), _scales(d, torch.zeros_like(d)), n, k, bits=8)
+
+
+def _is_fp16(values: torch.Tensor) -> bool:
+    return torch.equal(values.half().float(), values)
+
+
+def _b_tile_rows(values: torch.Tensor) -> torch.Tensor:
+    """[n, k] -> [n / 16, k / 32, 16, 32]: B-tile row p of (tile t, group g) holds word w =
+    column 16t + w // 2 at channel 32g + 2p + w % 2."""
+    n, k = values.shape
+    rows = values.view(n // TILE, TILE, k // GROUP, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
+    return rows.reshape(n // TILE, k // GROUP, GROUP // 2, 2 * TILE)
+
+
+def _from_b_tile_rows(rows: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """:func:`_b_tile_rows`' inverse."""
+    return rows.reshape(n // TILE, k // GROUP, GROUP // 2, TILE, 2).permute(0, 3, 1, 2, 4).reshape(n, k)
+
+
+def _scales(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """d and m [n, k / 32] -> fp16 [n / 16, k / 32, 2, 16]: per (tile, group) the 16 columns'
+    d, then their m."""
+    n, groups = d.shape
+    return torch.stack([d, m]).half().view(2, n // TILE, TILE, groups).permute(1, 3, 0, 2).contiguous()
 
 
 def linear(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -165,11 +163,11 @@ def linear(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None) -> torc
 def dequantize(weight: Q4Weight) -> torch.Tensor:
     """The float32 ``[n, k]`` weight the kernel multiplies: ``d * q + m`` per group, gguf's
     own dequantization."""
-    tiles, groups = weight.n // TILE, weight.k // GROUP
-    if weight.bits == 8:
-        q = weight.codes.view(tiles, groups, GROUP // 2, TILE, 2).permute(0, 3, 1, 2, 4)
-    else:
-        q = _nibbles(weight.codes, weight.n, weight.k)
-    q = q.reshape(weight.n, groups, GROUP)
+    groups = weight.k // GROUP
+    rows = weight.codes
+    if weight.bits == 4:  # nibble i of each word is row 4c + i
+        words = weight.codes.to(torch.int32) & 0xFFFF
+        rows = torch.stack([(words >> (4 * i)) & 0x0F for i in range(4)], dim=3)  # [T, G, 4, 4, 32]
+    q = _from_b_tile_rows(rows, weight.n, weight.k).view(weight.n, groups, GROUP)
     d, m = weight.scales.float().permute(2, 0, 3, 1).reshape(2, weight.n, groups)
     return (q.float() * d[..., None] + m[..., None]).view(weight.n, weight.k)

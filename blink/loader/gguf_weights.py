@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -99,29 +100,31 @@ class GGUFWeights(GGUFFile):
     def iter_q4_codes(self) -> Iterator[tuple[str, Q4Codes]]:
         """``(hf_name, codes)`` for every 2-D tensor the file stores as Q4_0 or Q4_1 (experts
         excluded), in the same row order as ``iter_tensors`` gives it, one at a time."""
-        for entry in self._entries:
-            tensor = self.reader.tensors[entry.tensor_index]
-            if entry.expert >= 0 or tensor.tensor_type.name not in ("Q4_0", "Q4_1") or len(tensor.shape) != 2:
-                continue
-            cols, rows = (int(d) for d in tensor.shape.tolist())  # ggml order: [in, out]
+        for entry, tensor, rows, cols in self._coded_tensors(("Q4_0", "Q4_1")):
             q4 = unpack_q4(np.asarray(tensor.data), tensor.tensor_type.name, rows, cols)
             if entry.permute_heads:
-                q4 = Q4Codes(*(_reverse_rope_permute(t, entry.permute_heads) for t in (q4.codes, q4.scale, q4.zero)))
-                q4 = Q4Codes(*(t.contiguous() for t in (q4.codes, q4.scale, q4.zero)))
+                q4 = Q4Codes(*(_reverse_rope_permute(t, entry.permute_heads).contiguous()
+                               for t in (q4.codes, q4.scale, q4.zero)))
             yield entry.hf_name, q4
 
     def iter_q8_codes(self) -> Iterator[tuple[str, Q8Codes]]:
         """``(hf_name, codes)`` for every 2-D tensor the file stores as Q8_0 (experts
         excluded), in the same row order as ``iter_tensors`` gives it, one at a time."""
-        for entry in self._entries:
-            tensor = self.reader.tensors[entry.tensor_index]
-            if entry.expert >= 0 or tensor.tensor_type.name != "Q8_0" or len(tensor.shape) != 2:
-                continue
-            cols, rows = (int(d) for d in tensor.shape.tolist())  # ggml order: [in, out]
+        for entry, tensor, rows, cols in self._coded_tensors(("Q8_0",)):
             q8 = unpack_q8(np.asarray(tensor.data), rows, cols)
             if entry.permute_heads:
                 q8 = Q8Codes(*(_reverse_rope_permute(t, entry.permute_heads).contiguous() for t in (q8.codes, q8.scale)))
             yield entry.hf_name, q8
+
+    def _coded_tensors(self, qtypes: tuple[str, ...]) -> Iterator[tuple[Any, Any, int, int]]:
+        """(entry, gguf tensor, rows, columns) of every 2-D non-expert tensor stored in one of
+        ``qtypes``."""
+        for entry in self._entries:
+            tensor = self.reader.tensors[entry.tensor_index]
+            if entry.expert >= 0 or tensor.tensor_type.name not in qtypes or len(tensor.shape) != 2:
+                continue
+            cols, rows = (int(d) for d in tensor.shape.tolist())  # ggml order: [in, out]
+            yield entry, tensor, rows, cols
 
     def _dequantize(self, index: int) -> torch.Tensor:
         """Tensor ``index`` as float32 in torch dimension order, in memory it owns."""

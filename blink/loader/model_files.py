@@ -72,7 +72,6 @@ class ModelFiles:
         if isinstance(self._weights, GGUFWeights):
             yield from self._weights.iter_q4_codes()
 
-
     def iter_q8_codes(self) -> Iterator[tuple[str, "Q8Codes"]]:
         """``(hf_name, codes)`` of the tensors stored as 8-bit Q8_0 codes (a GGUF file's; a
         Hugging Face directory has none): the same values ``iter_tensors`` dequantizes."""
