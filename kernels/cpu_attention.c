@@ -26,6 +26,9 @@
 #include <string.h>
 
 #include "cpu_kernels.h"
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 /* benchmarks/bench_forward.py --before attention-no-prefetch builds with -DPREFETCH=0 */
 #ifndef PREFETCH
@@ -103,12 +106,73 @@ static inline vf reduce16(vf v[W]) {
 #undef PAIR
 }
 
+/* One block's step of the online softmax for one head: s[0, nk) (the block's scores; the
+ * array has room for whole 16-lane chunks) becomes e^(s - new max), the running max m and
+ * sum l move on, and the factor for what was accumulated before is returned. On AVX-512, 16
+ * keys per exp (a scalar exp per key was ~40% of a 16-row decode step's attention). */
+#if defined(__AVX512F__)
+/* e^x, x <= 0 or -inf (-> 0), on 16 lanes: exp_nonpositive's polynomial, 2^n by scalef. Fused
+ * multiply-adds here: cpu_fused.c's exp_nonpositive16 avoids them to keep the scalar code's
+ * bits, which nothing asks of the attention's probabilities. */
+static inline __m512 exp16(__m512 x) {
+    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline float softmax_block(float *s, int64_t nk, float *m, float *l) {
+    const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
+    __m512 top = minus_inf;
+    for (int64_t c0 = 0; c0 < nk; c0 += W) {
+        const __mmask16 live = nk - c0 >= W ? (__mmask16)0xFFFF : (__mmask16)((1u << (nk - c0)) - 1u);
+        top = _mm512_max_ps(top, _mm512_mask_loadu_ps(minus_inf, live, s + c0));
+    }
+    const float block_max = _mm512_reduce_max_ps(top);
+    const float new_max = *m > block_max ? *m : block_max;
+    const float correction = *m == -INFINITY ? 0.0f : exp_nonpositive(*m - new_max);
+    const __m512 shift = _mm512_set1_ps(new_max);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t c0 = 0; c0 < nk; c0 += W) {
+        const __mmask16 live = nk - c0 >= W ? (__mmask16)0xFFFF : (__mmask16)((1u << (nk - c0)) - 1u);
+        const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + c0), shift)));
+        _mm512_storeu_ps(s + c0, p);
+        sum = _mm512_add_ps(sum, p);
+    }
+    *l = *l * correction + _mm512_reduce_add_ps(sum);
+    *m = new_max;
+    return correction;
+}
+#else
+static inline float softmax_block(float *s, int64_t nk, float *m, float *l) {
+    float block_max = s[0];
+    for (int64_t jj = 1; jj < nk; jj++) block_max = s[jj] > block_max ? s[jj] : block_max;
+    const float new_max = *m > block_max ? *m : block_max;
+    const float correction = *m == -INFINITY ? 0.0f : exp_nonpositive(*m - new_max);
+    float sum = 0.0f;
+    for (int64_t jj = 0; jj < nk; jj++) {
+        s[jj] = exp_nonpositive(s[jj] - new_max);
+        sum += s[jj];
+    }
+    *l = *l * correction + sum;
+    *m = new_max;
+    return correction;
+}
+#endif
+
 /* One (token, KV head): returns 0, or -1 when a block id is outside the cache. Inlined with
  * constant `kv_bf16` and `NV` (16-float vectors per head) by attend() below, so that the
  * inner loops have neither a dtype branch nor a loop count to read. */
 static inline __attribute__((always_inline)) int attend_as(const args_t *a, int64_t t, int64_t g,
-                                                             const int kv_bf16, const int64_t NV) {
-    const int64_t D = NV * W, G = a->H / a->KVH, BS = a->block_size;
+                                                             const int kv_bf16, const int64_t NV, const int64_t G) {
+    const int64_t D = NV * W, BS = a->block_size;
     const int64_t out_base = (t * a->H + g * G) * D;
     int64_t row = a->token_row[t];
     int64_t n_keys = 0;
@@ -180,17 +244,7 @@ static inline __attribute__((always_inline)) int attend_as(const args_t *a, int6
             }
         }
         for (int64_t i = 0; i < G; i++) { /* online softmax: rescale what came before */
-            float block_max = s[i][0];
-            for (int64_t jj = 1; jj < nk; jj++) block_max = s[i][jj] > block_max ? s[i][jj] : block_max;
-            float new_max = m[i] > block_max ? m[i] : block_max;
-            float correction = m[i] == -INFINITY ? 0.0f : exp_nonpositive(m[i] - new_max);
-            float sum = 0.0f;
-            for (int64_t jj = 0; jj < nk; jj++) {
-                s[i][jj] = exp_nonpositive(s[i][jj] - new_max);
-                sum += s[i][jj];
-            }
-            l[i] = l[i] * correction + sum;
-            m[i] = new_max;
+            const float correction = softmax_block(s[i], nk, &m[i], &l[i]);
             for (int64_t n = 0; n < NV; n++) acc[i][n] *= correction;
         }
         for (int64_t jj = 0; jj < nk; jj++) { /* weighted values */
@@ -209,15 +263,16 @@ static inline __attribute__((always_inline)) int attend_as(const args_t *a, int6
 }
 
 static int attend(const args_t *a, int64_t t, int64_t g) {
-    const int64_t NV = a->D / W;
+    const int64_t NV = a->D / W, G = a->H / a->KVH;
     if (a->kv_bf16) {
-        if (NV == 4) return attend_as(a, t, g, 1, 4);
-        if (NV == 8) return attend_as(a, t, g, 1, 8);
-        return attend_as(a, t, g, 1, NV);
+        if (NV == 4 && G == 3) return attend_as(a, t, g, 1, 4, 3);
+        if (NV == 4) return attend_as(a, t, g, 1, 4, G);
+        if (NV == 8) return attend_as(a, t, g, 1, 8, G);
+        return attend_as(a, t, g, 1, NV, G);
     }
-    if (NV == 4) return attend_as(a, t, g, 0, 4);
-    if (NV == 8) return attend_as(a, t, g, 0, 8);
-    return attend_as(a, t, g, 0, NV);
+    if (NV == 4) return attend_as(a, t, g, 0, 4, G);
+    if (NV == 8) return attend_as(a, t, g, 0, 8, G);
+    return attend_as(a, t, g, 0, NV, G);
 }
 
 /* benchmarks/bench_forward.py --before attention-no-tiles builds with -DTILES=0 */
@@ -245,23 +300,6 @@ static void configure_tiles(void) {
         config.rows[i] = 16;
     }
     _tile_loadconfig(&config);
-}
-
-/* e^x, x <= 0 or -inf (-> 0), on 16 lanes: exp_nonpositive's polynomial, 2^n by scalef. Fused
- * multiply-adds here: cpu_fused.c's exp_nonpositive16 avoids them to keep the scalar code's
- * bits, which nothing asks of the attention's probabilities. */
-static inline __m512 exp16(__m512 x) {
-    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* r[j][i] <- r[i][j] for a 16 x 16 block of 32-bit lanes: pairs of rows interleaved, then
