@@ -171,8 +171,8 @@ static inline float softmax_block(float *s, int64_t nk, float *m, float *l) {
  * constant `kv_bf16` and `NV` (16-float vectors per head) by attend() below, so that the
  * inner loops have neither a dtype branch nor a loop count to read. */
 static inline __attribute__((always_inline)) int attend_as(const args_t *a, int64_t t, int64_t g,
-                                                             const int kv_bf16, const int64_t NV, const int64_t G) {
-    const int64_t D = NV * W, BS = a->block_size;
+                                                             const int kv_bf16, const int64_t NV) {
+    const int64_t D = NV * W, G = a->H / a->KVH, BS = a->block_size;
     const int64_t out_base = (t * a->H + g * G) * D;
     int64_t row = a->token_row[t];
     int64_t n_keys = 0;
@@ -263,16 +263,15 @@ static inline __attribute__((always_inline)) int attend_as(const args_t *a, int6
 }
 
 static int attend(const args_t *a, int64_t t, int64_t g) {
-    const int64_t NV = a->D / W, G = a->H / a->KVH;
+    const int64_t NV = a->D / W;
     if (a->kv_bf16) {
-        if (NV == 4 && G == 3) return attend_as(a, t, g, 1, 4, 3);
-        if (NV == 4) return attend_as(a, t, g, 1, 4, G);
-        if (NV == 8) return attend_as(a, t, g, 1, 8, G);
-        return attend_as(a, t, g, 1, NV, G);
+        if (NV == 4) return attend_as(a, t, g, 1, 4);
+        if (NV == 8) return attend_as(a, t, g, 1, 8);
+        return attend_as(a, t, g, 1, NV);
     }
-    if (NV == 4) return attend_as(a, t, g, 0, 4, G);
-    if (NV == 8) return attend_as(a, t, g, 0, 8, G);
-    return attend_as(a, t, g, 0, NV, G);
+    if (NV == 4) return attend_as(a, t, g, 0, 4);
+    if (NV == 8) return attend_as(a, t, g, 0, 8);
+    return attend_as(a, t, g, 0, NV);
 }
 
 /* benchmarks/bench_forward.py --before attention-no-tiles builds with -DTILES=0 */
