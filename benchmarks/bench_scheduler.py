@@ -14,7 +14,8 @@ the engine's default sizes (max_model_len 8192, block 16, budget 512). Two loads
 
 Per part: the scheduler's stages (inclusive wall time, median over the timed steps; a stage
 skipped by its host guard costs nothing), the sampler, and aten ops per step (counted with a
-dispatch mode: each is a kernel launch inside a GPU graph, a dispatcher call on CPU). Run:
+dispatch mode: each is a kernel launch inside a GPU graph, a dispatcher call on CPU). Steps
+run under ``torch.inference_mode()``, as in the engine's loop. Run:
 
     python -m benchmarks.bench_scheduler [--slots 64 256 1024 4096] [--load one all]
         [--threads 1] [--steps 30] [--no-prefix-caching] [--compile _build_batch,...]
@@ -145,6 +146,7 @@ def timed(acc: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable[
     return wrapper
 
 
+@torch.inference_mode()  # as the engine's loop runs its steps (autograd's bookkeeping: ~15% more)
 def measure(slots: int, load: str, steps: int, num_blocks: int | None, prefix_caching: bool,
             compiled: tuple[str, ...] = ()) -> dict[str, Any]:
     active = 1 if load == "one" else slots

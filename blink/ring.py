@@ -348,6 +348,10 @@ class RingLayout:
         for name, dtype, shape in _stream_fields(cfg):
             add(name, dtype, (cfg.n_slots, *shape))
         self.total_bytes = offset
+        #: the fields indexed by slot first (all but the control block, the arena and the
+        #: grammar region), the request record included
+        self.slot_fields: tuple[str, ...] = tuple(
+            name for name in self.fields if name not in ("control", "arena", "grammar_region"))
 
     def __iter__(self) -> Iterator[FieldSpec]:
         return iter(self.fields.values())

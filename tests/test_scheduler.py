@@ -237,7 +237,7 @@ class FakeModel:
 
     def __call__(self, sched: Scheduler, batch: StepBatch) -> tuple[torch.Tensor, ...]:
         cfg, md, B = self.cfg, batch.attn, self.cfg.block_size
-        inputs = sched.sampler_inputs(batch, sched.num_slots)
+        inputs = sched.sampler_inputs(batch, batch.sample_rows.shape[0])  # the step's rows
         n = int(batch.num_scheduled_tokens)
         bucket = cfg.bucket_for(max(1, n))  # host side, as the device loop does
         self.kv_val[md.slot_mapping[n:bucket]] = -5  # padding writes garbage (scratch block)
@@ -329,6 +329,11 @@ def check_batch(sched: Scheduler, batch: StepBatch, before: dict[str, torch.Tens
     new = batch.num_new_tokens
     assert 0 <= n <= cfg.max_num_batched_tokens and n == int(new.sum())
     assert cfg.buckets[int(batch.bucket_index)] == bucket_for(max(n, 1), cfg.buckets) or n == 0
+    # The step's rows, [0, R): past them every row is empty (the row window holds them all).
+    R = new.shape[0]
+    assert bool((s.status[R:] == ROW_EMPTY).all()) and int(s.block_ref[:N].sum()) == int(
+        (s.block_table[:R] < N).sum()), "a row outside the step's window holds something"
+    s = s.window(R)
     nc = s.num_computed
     assert bool((nc + new <= s.num_tokens).all())
     md = batch.attn
@@ -345,7 +350,7 @@ def check_batch(sched: Scheduler, batch: StepBatch, before: dict[str, torch.Tens
     assert bool((md.slot_mapping[n:] // B == N).all()), "padding must write the scratch block"
     assert torch.equal(md.seq_lens.long(), torch.where(new > 0, nc + new, 0))
     # Backpressure: a row with a full stream is never scheduled.
-    full = (sched.ring["produced"] - sched.ring["consumed"]) >= sched.stream_capacity
+    full = (sched.ring["produced"][:R] - sched.ring["consumed"][:R]) >= sched.stream_capacity
     assert not bool((full & (new > 0)).any())
     # Sample rows: exactly the rows reaching their last token, compacted first.
     ns = int(batch.num_sample_rows)
@@ -909,3 +914,40 @@ def test_host_guards_skip_idle_stages():
             batch = sched.schedule()
         counts[guards] = c.n
     assert counts[True] < counts[False] * 0.8, counts
+
+
+def test_row_window_follows_the_rows_in_use():
+    """With host guards a step works on rows [0, R) only, R the smallest of 16, 64, ..., S
+    holding every row in use: one request in a low slot runs over 16 rows of 40, and one in
+    slot 30 widens the window to all 40 in the step that admits it."""
+    ring = make_ring(40, 32, 8)
+    sched = Scheduler(_cfg(), ring_tensors(ring))
+    model, fe = FakeModel(sched.config, 40), Frontend(ring)
+    first = Req(prompt=[1, 2, 3], max_tokens=20, ignore_eos=True)
+    fe.submit(first)
+    for _ in range(2):
+        batch = sched.schedule()
+        assert batch.num_new_tokens.shape == (16,) and batch.attn.block_tables.shape[0] == 16
+        sched.update(batch, *model(sched, batch))
+        fe.poll()
+    fe.free.rotate(-(30 - fe.free[0]))  # the next request lands in slot 30
+    late = Req(prompt=[4, 5], max_tokens=3, ignore_eos=True)
+    fe.submit(late)
+    assert late.slot == 30
+    batch = sched.schedule()
+    assert batch.num_new_tokens.shape == (40,)
+    assert int(batch.num_new_tokens[first.slot]) == 1 and int(batch.num_new_tokens[30]) == 2
+
+
+@pytest.mark.parametrize("guards", [True, False])
+def test_row_windows_change_no_output(guards):
+    """Requests cycling through all 40 slots (the test frontend reuses the oldest free slot),
+    so the window moves between 16 and 40 rows: every request gets exactly its reference
+    tokens and every step keeps the block, batch and FCFS invariants, as with the whole
+    table every step (guards off, as in a captured graph)."""
+    reqs = _random_reqs(np.random.default_rng(7), 48, 32, shared=12)
+    for i, r in enumerate(reqs):
+        r.submit_step = i // 2
+    out = run(reqs, _cfg(num_blocks=64, max_admit_per_step=3), n_slots=40, host_guards=guards)
+    check_outcome(out)
+    assert max(r.slot for r in reqs) >= 16, "the workload never left the first window"

@@ -188,12 +188,14 @@ def on_meta(*objects: Any) -> Iterator[None]:
     CPU-only dispatch audit cannot see. (A fake ``cuda`` device would be closer, but Python
     indexing of fake CUDA tensors needs a CUDA-enabled torch build.) The objects are unusable
     afterwards."""
-    seen: dict[int, torch.Tensor] = {}
+    # id -> (the tensor, its meta twin): the tensor is kept so that its id is not reused by
+    # another one while the objects are converted (a replaced view may be freed at once)
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def meta(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in seen:
-            seen[id(t)] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-        return seen[id(t)]
+            seen[id(t)] = (t, torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"))
+        return seen[id(t)][1]
 
     def convert(obj: Any, depth: int = 0) -> Any:
         if depth > 6 or isinstance(obj, (str, bytes, int, float, bool, type(None))):

@@ -363,7 +363,7 @@ class CompiledModelPhase:
             else:
                 # host_rows: only the constrained rows' logits are masked
                 grammar = scheduler.grammar.batch(scheduler.state.sampling["grammar_entry"],
-                                                  batch.sample_rows[:R], host_rows=True) \
+                                                  scheduler.sample_rows(batch, R), host_rows=True) \
                     if plan.any_grammar else None
                 out = _head_and_sample(model, self.sampler, plan, *args, grammar=grammar)
         scheduler.update(batch, out.tokens, out.logprob, out.top_ids, out.top_logprobs,

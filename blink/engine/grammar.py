@@ -60,11 +60,13 @@ class GrammarRows:
         self.state = torch.full((num_rows,), -1, dtype=torch.int32, device=device)
 
     def admit(self, admitted: torch.Tensor, entry: torch.Tensor) -> None:
-        """Rows in ``admitted`` (bool [S]) start in their entry's initial state."""
+        """Rows in ``admitted`` (bool over rows [0, n): the scheduler's row window) start in
+        their entry's initial state; ``entry`` likewise [n]."""
         base = entry.long().clamp(min=0)
         initial = self.words[(base + G_INITIAL_STATE).clamp(max=self.words.shape[0] - 1)]
         start = torch.where(entry >= 0, initial, -1).to(self.state.dtype)
-        self.state.copy_(torch.where(admitted, start, self.state))
+        state = self.state[: admitted.shape[0]]
+        state.copy_(torch.where(admitted, start, state))
 
     def advance(self, rows: torch.Tensor, live: torch.Tensor, entry: torch.Tensor,
                 token: torch.Tensor) -> None:

@@ -300,8 +300,10 @@ class KVSender:
             return
         st = self.scheduler.state
         new = batch.num_new_tokens
-        completes = ((st.kv_route[:, KV_ROUTE_MODE] == KV_SEND) & (new > 0)
-                     & (st.num_computed + new == st.num_prompt) & (st.sampling["max_tokens"] == 1))
+        n = new.shape[0]  # the batch's rows: the scheduler's row window, [0, n)
+        completes = ((st.kv_route[:n, KV_ROUTE_MODE] == KV_SEND) & (new > 0)
+                     & (st.num_computed[:n] + new == st.num_prompt[:n])
+                     & (st.sampling["max_tokens"][:n] == 1))
         if not bool(completes.any()):
             return
         for row in torch.nonzero(completes).flatten().tolist():

@@ -42,6 +42,14 @@ predicate is false is skipped. Skipping is exact: a stage with nothing to do is 
 Captured graphs run every stage (``host_guards=False``); a device loop can gate the same
 predicates with conditional graph nodes instead (docs/architecture.md, "Work per step").
 
+Row window: with ``host_guards`` a step works on rows [0, R) only, R the smallest of 16, 64,
+256, ... (then S) that holds every row in use (not EMPTY) and every slot the frontend has
+written. Rows past R are EMPTY with nothing to admit, so every stage is an identity there and
+leaving them out is exact; the frontend hands out the lowest free slot first, so R follows
+the live requests, not the slot count (an almost idle engine costs the same at 64 slots as
+at 4096). Captured graphs run the whole table (R = S); a device loop can pick a graph per
+window size from the same on-device maximum, as it picks one per token bucket.
+
 Ring writes keep the protocol's order: stream payload before ``produced``, finish reason
 before the state word, with a system-scope fence between each payload and its word
 (``blink.kernels.system_fence``: consecutive kernels of a graph are ordered only for the
@@ -79,6 +87,8 @@ from blink.engine.state import (
     SAMPLING_FIELDS,
     EngineState,
     SchedulerConfig,
+    bucket_for,
+    geometric_buckets,
 )
 from blink.errors import BlinkError
 from blink.kernels.reference import AttentionMetadata
@@ -162,6 +172,16 @@ class SamplerInputs(NamedTuple):
     features: torch.Tensor
 
 
+class RowWindow(NamedTuple):
+    """The rows a step works on, [0, size) (module docstring, "Row window"): the state's and
+    the ring's per-row fields viewed for them, and their indices."""
+
+    size: int
+    state: EngineState
+    ring: dict[str, torch.Tensor]
+    rows: torch.Tensor  # arange(size)
+
+
 def _ceil_div(x: torch.Tensor, d: int) -> torch.Tensor:
     return (x + d - 1) // d
 
@@ -217,7 +237,14 @@ class Scheduler:
 
         M, B = config.max_blocks_per_seq, config.block_size
         dev = self.device
-        self._rows = torch.arange(S, device=dev)
+        self._all_rows = torch.arange(S, device=dev)
+        # Row windows (module docstring): with host guards, powers of four from 16 (the
+        # compiled CPU step's sample-row buckets are powers of four too, so a bucket of a
+        # window's rows never outgrows the window), then S; graphs run the whole table.
+        self._slot_fields = frozenset(layout.slot_fields)
+        self._window_sizes = geometric_buckets(16, 4, S)
+        self._windows: dict[int, RowWindow] = {}
+        self._w = self._window(S)
         self._cols = torch.arange(M, device=dev)
         self._tok = torch.arange(config.max_num_batched_tokens, device=dev)
         # The flat windows' lane indices (module docstring).
@@ -244,12 +271,14 @@ class Scheduler:
 
     def schedule(self) -> StepBatch:
         """Cancel, release, admit, look up prefixes, budget/allocate/preempt, build the batch."""
-        st, ring, cfg = self.state, self.ring, self.config
-        st.step += 1
-        st.counters[K_STEPS] += 1
+        cfg = self.config
+        self.state.step += 1
+        self.state.counters[K_STEPS] += 1
         # Acquire: the slot state words are read once, then a fence, then any payload.
-        slot_state = ring["state"].clone()
+        slot_state = self.ring["state"].clone()
         self._fence()
+        w = self._w = self._window_for(slot_state)
+        st, ring, slot_state = w.state, w.ring, slot_state[: w.size]
         cancel = ring["cancel"] != 0
 
         cancelled = cancel & self._active()
@@ -288,7 +317,8 @@ class Scheduler:
         [.., N]: the sampler's outputs, aligned with ``batch.sample_rows``. ``num_tokens``:
         flat positions that can hold the step's tokens (its bucket, or the real count on the
         host; None: all T), so the per-token work is the bucket's, not the budget's."""
-        st, cfg = self.state, self.config
+        w, cfg = self._w, self.config
+        st = w.state
         if cfg.enable_prefix_caching:
             md, n = batch.attn, num_tokens
             prefix_cache.register(
@@ -301,10 +331,10 @@ class Scheduler:
         # Lane i carries the sampler's output for sample row batch.sample_rows[i]. Padding
         # lanes repeat the last live lane (row, value and all), so every duplicate write
         # below writes the same value: no sink needed, and the work is R lanes, not S rows.
-        R = tokens.shape[0]
+        R = min(tokens.shape[0], w.size)  # a bucket's padding rows past the window sample nothing
         rows = batch.sample_rows[:R]
         n_live = (rows >= 0).sum()
-        lane = torch.minimum(self._rows[:R], (n_live - 1).clamp(min=0))
+        lane = torch.minimum(w.rows[:R], (n_live - 1).clamp(min=0))
         live = rows[lane] >= 0  # all False only when no row samples
         r = rows[lane].clamp(min=0)
         tok = tokens.long()[lane]
@@ -326,7 +356,7 @@ class Scheduler:
         st.num_tokens.index_put_((r,), row_tokens)
 
         # Stream: payload first, then the produced counter.
-        produced = self.ring["produced"]
+        produced = w.ring["produced"]
         at = produced[r] % self.stream_capacity
         self._stream_write("tokens", r, at, tok, live)
         self._stream_write("logprob", r, at, logprob.float()[lane], live)
@@ -347,8 +377,8 @@ class Scheduler:
         )
         done_lane = stop | length
         if self._when(done_lane.any()):
-            done = torch.zeros_like(self._rows, dtype=torch.bool).index_put_((r,), done_lane)
-            reason = torch.full_like(self._rows, FINISH_LENGTH).index_put_(
+            done = torch.zeros_like(w.rows, dtype=torch.bool).index_put_((r,), done_lane)
+            reason = torch.full_like(w.rows, FINISH_LENGTH).index_put_(
                 (r,), torch.where(stop, FINISH_STOP, FINISH_LENGTH))
             self._finish(done, reason)
         self._write_stats()
@@ -357,7 +387,7 @@ class Scheduler:
         """The sampler's inputs for the batch's first ``rows`` sample rows (a bucket's rows
         in a graph, the real count on the host)."""
         st = self.state
-        r = batch.sample_rows[:rows].clamp(min=0)
+        r = self.sample_rows(batch, rows).clamp(min=0)
         sp = st.sampling
         sampling = SamplingTensors(**{f.name: sp[f.name][r] for f in SAMPLER_FIELDS})
         prompt_lens, total_lens = st.num_prompt[r], st.num_tokens[r]
@@ -371,8 +401,16 @@ class Scheduler:
         """int32 [rows, max_model_len]: prompt + output tokens of the first ``rows`` sample
         rows (all S when None), for the sampler's penalties; valid up to ``batch.total_lens``.
         Only a batch with a penalty needs it (the CPU loop skips it otherwise)."""
-        r = batch.sample_rows if rows is None else batch.sample_rows[:rows]
+        r = batch.sample_rows if rows is None else self.sample_rows(batch, rows)
         return self.state.tokens[r.clamp(min=0), : self.config.max_model_len]
+
+    def sample_rows(self, batch: StepBatch, rows: int) -> torch.Tensor:
+        """``batch.sample_rows``' first ``rows`` lanes, -1 padded where a bucket of rows is
+        wider than the step's row window."""
+        lanes = batch.sample_rows[:rows]
+        if lanes.shape[0] < rows:  # shapes only: no value is read
+            lanes = F.pad(lanes, (0, rows - lanes.shape[0]), value=-1)
+        return lanes
 
     def has_pending_release(self) -> bool:
         """Host check (CPU loop only): finished rows whose blocks are still being released,
@@ -386,17 +424,39 @@ class Scheduler:
         this step, read on the host; in captured graphs every stage runs (always True)."""
         return bool(needed) if self.host_guards else True
 
+    def _window(self, size: int) -> RowWindow:
+        """The window of rows [0, size), its views made once (they stay valid: the state
+        and the ring are never reallocated)."""
+        window = self._windows.get(size)
+        if window is None:
+            ring = {name: view[:size] if name in self._slot_fields else view
+                    for name, view in self.ring.items()}
+            window = RowWindow(size, self.state.window(size), ring, self._all_rows[:size])
+            self._windows[size] = window
+        return window
+
+    def _window_for(self, slot_state: torch.Tensor) -> RowWindow:
+        """This step's row window: the smallest size that holds every row in use and every
+        slot the frontend has written (module docstring, "Row window"). A host read, CPU loop
+        only; otherwise the whole table."""
+        if not self.host_guards:
+            return self._window(self.num_slots)
+        in_use = (self.state.status != ROW_EMPTY) | (slot_state == SLOT_WRITTEN)
+        last = int(torch.where(in_use, self._all_rows, -1).max())
+        return self._window(bucket_for(last + 1, self._window_sizes))
+
     def _active(self) -> torch.Tensor:
         """Rows holding a live request (WAITING or RUNNING)."""
-        status = self.state.status
+        status = self._w.state.status
         return (status == ROW_WAITING) | (status == ROW_RUNNING)
 
     def _admit(self, slot_state: torch.Tensor, cancel: torch.Tensor) -> None:
         """Take up to ``max_admit_per_step`` WRITTEN slots into their rows, FCFS, as long as
         their prompts fit the copy window; abort cancelled WRITTEN slots and reject invalid
         prompts."""
-        st, ring, cfg = self.state, self.ring, self.config
-        S, L, Wt = self.num_slots, cfg.max_model_len, cfg.admit_window_tokens
+        w, cfg = self._w, self.config
+        st, ring = w.state, w.ring
+        S, L, Wt = w.size, cfg.max_model_len, cfg.admit_window_tokens
         written = (slot_state == SLOT_WRITTEN) & (st.status == ROW_EMPTY)
         aborted = written & cancel
         candidate = written & ~cancel
@@ -474,7 +534,7 @@ class Scheduler:
         """Admission's disaggregation part: KV_RESERVE rows get their prompt's blocks now and
         publish the ids (before the state word that follows); every admitted row's KV route
         (KV_SEND: where its prompt's KV goes) is copied out of its request record."""
-        st, ring, B = self.state, self.ring, self.config.block_size
+        st, ring, B = self._w.state, self._w.ring, self.config.block_size
         mode = ring["kv_mode"].long()
         reserve = admit & (mode == KV_RESERVE)
         need = torch.where(reserve, _ceil_div(plen, B), 0)
@@ -491,20 +551,22 @@ class Scheduler:
 
     def _kv_ready(self) -> torch.Tensor:
         """Rows waiting for their KV whose prefill engine has published it (its seq)."""
-        return (self.state.status == ROW_AWAITING_KV) & (self.ring["kv_ready_seq"] == self.ring["stream_seq"])
+        st, ring = self._w.state, self._w.ring
+        return (st.status == ROW_AWAITING_KV) & (ring["kv_ready_seq"] == ring["stream_seq"])
 
     def _admit_kv_ready(self, cancel: torch.Tensor) -> None:
         """KV ready: the row starts with computed = prompt_len and the prefill engine's first
         token appended (its grammar state advanced by it), so its next step decodes. A row
         cancelled while it waited finishes with ABORT now."""
-        st = self.state
+        w = self._w
+        st = w.state
         ready = self._kv_ready()
         go = ready & ~cancel
-        first = self.ring["kv_first_token"]
+        first = w.ring["kv_first_token"]
         sink = st.tokens.shape[1] - 1
         col = torch.where(go, st.num_prompt, sink)
-        st.tokens.index_put_((self._rows, col), torch.where(go, first, st.tokens[self._rows, col]))
-        self.grammar.advance(self._rows, go, st.sampling["grammar_entry"], first.long())
+        st.tokens.index_put_((w.rows, col), torch.where(go, first, st.tokens[w.rows, col]))
+        self.grammar.advance(w.rows, go, st.sampling["grammar_entry"], first.long())
         st.num_tokens.copy_(torch.where(go, st.num_prompt + 1, st.num_tokens))
         st.num_computed.copy_(torch.where(go, st.num_prompt, st.num_computed))
         st.status.masked_fill_(go, ROW_WAITING)
@@ -514,8 +576,9 @@ class Scheduler:
     def _lookup(self) -> None:
         """Prefix-cache lookup for the oldest rows waiting for one, up to
         ``max_admit_per_step`` rows and ``lookup_window_blocks`` blocks."""
-        st, cfg = self.state, self.config
-        K = min(cfg.max_admit_per_step, self.num_slots)
+        w, cfg = self._w, self.config
+        st = w.state
+        K = min(cfg.max_admit_per_step, w.size)
         _, rows = torch.topk(torch.where(st.needs_lookup, st.arrival, INT64_MAX), K, largest=False)
         waiting = st.needs_lookup[rows]
         # Blocks a row may hit: all its full blocks but never its last token.
@@ -535,15 +598,16 @@ class Scheduler:
         st.counters[K_PREFIX_HITS] += hit_tokens.sum()
         st.counters[K_PREFIX_REJECTS] += rejects
         first_time = ok & (num_tokens == st.num_prompt[rows])  # not a recompute
-        cached = self.ring["num_cached_tokens"]
+        cached = w.ring["num_cached_tokens"]
         cached[rows] = torch.where(first_time, hit_tokens, cached[rows].long()).to(cached.dtype)
 
     def _allocate(self) -> torch.Tensor:
         """Token budget, block allocation and preemption. Returns the tokens per row this step."""
-        st, cfg = self.state, self.config
+        w, cfg = self._w, self.config
+        st = w.state
         N, B = cfg.num_blocks, cfg.block_size
         active = self._active()
-        room = (self.ring["produced"] - self.ring["consumed"]) < self.stream_capacity
+        room = (w.ring["produced"] - w.ring["consumed"]) < self.stream_capacity
         schedulable = active & ~st.needs_lookup & room
         want = torch.where(schedulable, st.num_tokens - st.num_computed, 0)
 
@@ -553,13 +617,13 @@ class Scheduler:
         # preempted, and their blocks come back through _release_finished alone.
         nc = torch.where(active, st.num_computed, 0)[order]
         held = torch.where(active, st.num_blocks, 0)[order]
-        w = want[order]
+        asked = want[order]
 
         # Token budget: each position gets what is left after the older ones.
-        grant = torch.minimum((cfg.max_num_batched_tokens - (w.cumsum(0) - w)).clamp(min=0), w)
+        grant = torch.minimum((cfg.max_num_batched_tokens - (asked.cumsum(0) - asked)).clamp(min=0), asked)
         need = (_ceil_div(nc + grant, B) - held).clamp(min=0)
         free_now = (st.block_ref[:N] == 0).sum()
-        rank = torch.empty_like(order).scatter_(0, order, self._rows)  # row -> its position
+        rank = torch.empty_like(order).scatter_(0, order, w.rows)  # row -> its position
         if self._when(need.sum() > free_now):  # the blocks do not fit: cut, then preempt
             grant, need = self._preempt(rank, grant, need, nc, held, free_now)
         num_new, need = grant[rank], need[rank]
@@ -582,8 +646,9 @@ class Scheduler:
         suffix that covers the deficit. ``rank``: each row's FCFS position; the other
         arguments and the results are in FCFS order. The one pass over the whole block
         table; it runs only when the pool is short."""
-        st, cfg = self.state, self.config
-        S, N, B = self.num_slots, cfg.num_blocks, cfg.block_size
+        w, cfg = self._w, self.config
+        st = w.state
+        S, N, B = w.size, cfg.num_blocks, cfg.block_size
 
         # freed[k]: blocks referenced only by positions >= k (what preempting them frees).
         table = st.block_table.long()
@@ -605,7 +670,7 @@ class Scheduler:
         left = free_now + freed[(cut + 1).clamp(max=S)] - need_before[cut]
         fits = ((held + left.clamp(min=0)) * B - nc).clamp(min=0)
         cut_grant = torch.where(left >= 0, torch.minimum(grant, fits), 0)
-        p = self._rows
+        p = w.rows
         grant = torch.where(p < cut, grant, torch.where(p == cut, cut_grant, 0))
         need = (_ceil_div(nc + grant, B) - held).clamp(min=0)
 
@@ -628,7 +693,8 @@ class Scheduler:
         never-cached first, then cached ones least recently used. One flat window of
         ``alloc_window_blocks`` lanes (lane j: the j-th new block of the step), or ``lanes``
         (a KV reservation's window)."""
-        st, cfg = self.state, self.config
+        w, cfg = self._w, self.config
+        st = w.state
         N, M = cfg.num_blocks, cfg.max_blocks_per_seq
         free = st.block_ref[:N] == 0
         cached = st.block_slot[:N] >= 0
@@ -638,7 +704,7 @@ class Scheduler:
         _, free_list = torch.topk(order_key, J, largest=False)  # ascending: the LRU order
 
         ends = need.cumsum(0)
-        row = torch.searchsorted(ends, j, right=True).clamp(max=self.num_slots - 1)
+        row = torch.searchsorted(ends, j, right=True).clamp(max=w.size - 1)
         col = st.num_blocks[row] + j - (ends - need)[row]
         valid = j < ends[-1]
         blocks = torch.where(valid, free_list, N)
@@ -652,8 +718,9 @@ class Scheduler:
 
     def _build_batch(self, num_new: torch.Tensor) -> StepBatch:
         """Flatten the scheduled tokens (rows in index order) and gather the sampler inputs."""
-        st, cfg = self.state, self.config
-        S, N, B = self.num_slots, cfg.num_blocks, cfg.block_size
+        w, cfg = self._w, self.config
+        st = w.state
+        S, N, B = w.size, cfg.num_blocks, cfg.block_size
         ends = num_new.cumsum(0)
         query_start_loc = F.pad(ends, (1, 0))
         total = ends[-1]
@@ -670,7 +737,7 @@ class Scheduler:
         sampled = (num_new > 0) & (st.num_computed + num_new == st.num_tokens)
         dest = torch.where(sampled, sampled.long().cumsum(0) - 1, S)
         sample_rows = torch.full((S + 1,), -1, dtype=torch.int64, device=t.device)
-        sample_rows = sample_rows.scatter(0, dest, self._rows)[:S]
+        sample_rows = sample_rows.scatter(0, dest, w.rows)[:S]
         r = sample_rows.clamp(min=0)
         logits_indices = torch.where(sample_rows >= 0, query_start_loc[r + 1] - 1, 0)
 
@@ -705,7 +772,7 @@ class Scheduler:
     def _release_rows(self, mask: torch.Tensor) -> None:
         """Drop every block reference of the rows in ``mask`` at once (preemption: the blocks
         are reused this step); freed blocks stay cached. A pass over the whole table."""
-        st, N = self.state, self.config.num_blocks
+        st, N = self._w.state, self.config.num_blocks
         table = st.block_table.long()
         drop = mask.unsqueeze(1) & (table < N)
         lanes = torch.where(drop, table, N).flatten()
@@ -719,21 +786,22 @@ class Scheduler:
         """Drop the block references of RELEASING rows, deepest block first, in one flat
         window of ``release_window_blocks`` lanes; rows left with no block become EMPTY.
         Freed blocks stay cached."""
-        st, cfg = self.state, self.config
+        w, cfg = self._w, self.config
+        st = w.state
         N, M = cfg.num_blocks, cfg.max_blocks_per_seq
         releasing = st.status == ROW_RELEASING
         count = torch.where(releasing, st.num_blocks, 0)
         ends = count.cumsum(0)
-        w = self._release_cols
-        row = torch.searchsorted(ends, w, right=True).clamp(max=self.num_slots - 1)
-        col = (st.num_blocks[row] - 1 - (w - (ends - count)[row])).clamp(min=0)
-        valid = w < ends[-1]
+        lane = self._release_cols
+        row = torch.searchsorted(ends, lane, right=True).clamp(max=w.size - 1)
+        col = (st.num_blocks[row] - 1 - (lane - (ends - count)[row])).clamp(min=0)
+        valid = lane < ends[-1]
         at = torch.where(valid, row * M + col, self._table_sink)
         blocks = torch.where(valid, st.block_table_flat[at].long(), N)
         st.block_ref.index_add_(0, blocks, -valid.to(st.block_ref.dtype))
         st.block_last_used.scatter_reduce_(0, blocks, torch.where(valid, self._stamp(col), 0), "amax")
         st.block_table_flat.index_put_((at,), torch.full_like(at, N, dtype=st.block_table_flat.dtype))
-        released = (ends.clamp(max=w.shape[0]) - (ends - count)).clamp(min=0)
+        released = (ends.clamp(max=lane.shape[0]) - (ends - count)).clamp(min=0)
         st.num_blocks -= released
         emptied = releasing & (st.num_blocks == 0)
         st.status.masked_fill_(emptied, ROW_EMPTY)
@@ -744,7 +812,7 @@ class Scheduler:
         """Finish the rows in ``mask``: publish the reason, then the FINISHED state word; the
         rows become RELEASING (their blocks are dropped by the next ``schedule()``, which
         then empties them)."""
-        st = self.state
+        st = self._w.state
         self._ring_set(mask, "finish_reason", reason)
         self._fence()
         self._publish_state(mask, SLOT_FINISHED)
@@ -754,14 +822,14 @@ class Scheduler:
     def _ring_set(self, mask: torch.Tensor, name: str, value: torch.Tensor | int) -> None:
         """``ring[name][mask] = value`` for an engine-owned per-slot field (the frontend
         never writes it, so rewriting the other lanes with their own value is harmless)."""
-        field = self.ring[name]
+        field = self._w.ring[name]
         field.copy_(torch.where(mask, value, field))
 
     def _publish_state(self, mask: torch.Tensor, value: torch.Tensor | int) -> None:
         """Write slot state words of ``mask`` lanes only. The frontend writes the state words
         of FREE/FINISHED slots concurrently, so rewriting other lanes (even with the value
         just read) could undo its write; those lanes go to a scratch word instead."""
-        lanes = torch.where(mask, self._state_word0 + self._rows, self._scratch_word)
+        lanes = torch.where(mask, self._state_word0 + self._w.rows, self._scratch_word)
         values = torch.where(mask, value, 0).to(torch.int32)
         self._words.index_put_((lanes,), values)
 
@@ -769,7 +837,7 @@ class Scheduler:
                       live: torch.Tensor) -> None:
         """Write ``value`` [R, ...] at stream position ``at`` [R] of ``rows`` [R] where
         ``live``; other lanes write back what is there (the field is the engine's own)."""
-        field = self.ring[name]
+        field = self._w.ring[name]
         old = field[rows, at]
         new = value.to(field.dtype).view_as(old)
         keep = live.view(-1, *([1] * (old.dim() - 1)))
@@ -777,8 +845,9 @@ class Scheduler:
 
     def _write_stats(self) -> None:
         """Mirror the gauges and counters into the ring control block."""
-        st, cfg = self.state, self.config
-        unadmitted = ((self.ring["state"] == SLOT_WRITTEN)
+        w, cfg = self._w, self.config
+        st = w.state
+        unadmitted = ((w.ring["state"] == SLOT_WRITTEN)
                       & ((st.status == ROW_EMPTY) | (st.status == ROW_RELEASING))).sum()
         c = st.counters
         values = torch.stack([

@@ -20,6 +20,7 @@ entry equal to ``num_blocks`` means "no block", so the table is always a valid i
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -178,6 +179,12 @@ SAMPLING_FIELDS: tuple[tuple[str, torch.dtype], ...] = tuple(
 )
 
 
+#: EngineState's fields with one entry per row (leading dimension S), ``sampling``'s aside
+_ROW_FIELDS = ("status", "arrival", "num_prompt", "num_tokens", "num_computed", "num_blocks",
+               "needs_lookup", "row_hash", "tokens", "block_table", "sampler_features",
+               "kv_route", "kv_dest_blocks")
+
+
 @dataclass
 class EngineState:
     """All scheduler state, fixed shapes, on one device. S rows, N blocks, M = blocks per
@@ -236,6 +243,14 @@ class EngineState:
     kv_route: torch.Tensor
     kv_dest_blocks: torch.Tensor
     step: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
+
+    def window(self, rows: int) -> "EngineState":
+        """The same state with its per-row fields viewed for rows [0, rows) (the scheduler's
+        row window); block, prefix-table and counter fields, and ``block_table_flat`` (whose
+        sink is its last entry), are shared whole. Views: writes land in this state."""
+        return dataclasses.replace(
+            self, **{name: getattr(self, name)[:rows] for name in _ROW_FIELDS},
+            sampling={name: values[:rows] for name, values in self.sampling.items()})
 
     @classmethod
     def allocate(

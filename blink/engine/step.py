@@ -87,7 +87,7 @@ def model_phase(
     # CPU loop: no automata to gather when the plan has no constrained row; otherwise the
     # constrained rows found on the host, so only their logits are masked.
     grammar = None if plan is not None and not plan.any_grammar else scheduler.grammar.batch(
-        scheduler.state.sampling["grammar_entry"], batch.sample_rows[:rows],
+        scheduler.state.sampling["grammar_entry"], scheduler.sample_rows(batch, rows),
         host_rows=compact and plan is not None)
     out = sampler(
         logits,
