@@ -158,6 +158,9 @@ class SamplerOutput(NamedTuple):
     logprob       f32 [B]    raw logprob of the chosen token (log-softmax of the model logits)
     top_ids       i64 [B,N]  the row's top raw-logprob tokens, best first; -1 past the row's logprobs count
     top_logprobs  f32 [B,N]  their raw logprobs; -inf past it
+
+    Under a plan with no row asking for alternatives (``any_top_logprobs`` False) the last
+    two are [B, 0]: there is nothing to publish, and the scheduler then writes no top entries.
     """
 
     tokens: torch.Tensor
@@ -418,12 +421,11 @@ class Sampler:
 
         logprob = (raw_logits.gather(-1, tokens.unsqueeze(-1)) - log_norm).squeeze(-1)
         # A vocabulary smaller than N (tiny test models) leaves the tail as padding.
-        k = min(self.max_logprobs, raw_logits.shape[-1]) if plan.any_top_logprobs else 0
-        if k:
-            top_values, top_ids = torch.topk(raw_logits, k, dim=-1)
-        else:  # no row asks for alternatives: skip the vocabulary-wide top-k
-            top_values = logits.new_empty(logits.shape[0], 0)
-            top_ids = torch.empty(logits.shape[0], 0, dtype=torch.int64, device=logits.device)
+        if not plan.any_top_logprobs:  # no row asks for alternatives: none to compute or publish
+            none = torch.empty(logits.shape[0], 0, dtype=torch.int64, device=logits.device)
+            return SamplerOutput(tokens, logprob, none, none.float())
+        k = min(self.max_logprobs, raw_logits.shape[-1])
+        top_values, top_ids = torch.topk(raw_logits, k, dim=-1)
         top_logprobs = top_values - log_norm
         top_logprobs = F.pad(top_logprobs, (0, self.max_logprobs - k), value=float("-inf"))
         top_ids = F.pad(top_ids, (0, self.max_logprobs - k), value=-1)

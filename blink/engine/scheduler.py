@@ -314,7 +314,8 @@ class Scheduler:
         """Account the step's forward pass and publish the sampled tokens.
 
         ``tokens`` [>=num_sample_rows], ``logprob`` likewise, ``top_ids``/``top_logprobs``
-        [.., N]: the sampler's outputs, aligned with ``batch.sample_rows``. ``num_tokens``:
+        [.., N] (or [.., 0]: no row asked for alternatives, none are written): the sampler's
+        outputs, aligned with ``batch.sample_rows``. ``num_tokens``:
         flat positions that can hold the step's tokens (its bucket, or the real count on the
         host; None: all T), so the per-token work is the bucket's, not the budget's."""
         w, cfg = self._w, self.config
@@ -338,10 +339,6 @@ class Scheduler:
         live = rows[lane] >= 0  # all False only when no row samples
         r = rows[lane].clamp(min=0)
         tok = tokens.long()[lane]
-        width = top_ids.shape[1]
-        top_i = F.pad(top_ids.long()[:, : self.num_top], (0, max(0, self.num_top - width)), value=-1)[lane]
-        top_l = F.pad(top_logprobs.float()[:, : self.num_top], (0, max(0, self.num_top - width)),
-                      value=float("-inf"))[lane]
 
         row_tokens = st.num_tokens[r]
         n_out_before = row_tokens - st.num_prompt[r]
@@ -360,8 +357,13 @@ class Scheduler:
         at = produced[r] % self.stream_capacity
         self._stream_write("tokens", r, at, tok, live)
         self._stream_write("logprob", r, at, logprob.float()[lane], live)
-        self._stream_write("top_ids", r, at, top_i, live)
-        self._stream_write("top_logprobs", r, at, top_l, live)
+        width = top_ids.shape[1]
+        if width:  # a shape, not a value: 0 when no row asked for alternatives (CPU plan)
+            pad = max(0, self.num_top - width)
+            top_i = F.pad(top_ids.long()[:, : self.num_top], (0, pad), value=-1)[lane]
+            top_l = F.pad(top_logprobs.float()[:, : self.num_top], (0, pad), value=float("-inf"))[lane]
+            self._stream_write("top_ids", r, at, top_i, live)
+            self._stream_write("top_logprobs", r, at, top_l, live)
         self._fence()
         produced.index_put_((r,), produced[r] + live.long())
         st.counters[K_GENERATED_TOKENS] += n_live
