@@ -15,7 +15,9 @@ with the C attention kernel built without its prefetch of the next KV block; or 
 attention-no-tiles``: today's forward with the C attention kernel built without its AMX tiles
 for prompt rows, so that prefills take SDPA and mixed steps the per-token pass, as before
 them; or ``--before bf16-head``: today's forward with the logits from a packed bf16 copy of
-a tied head that the file stores as Q8_0, which isolates the 8-bit head on the AMX kernel)
+a tied head that the file stores as Q8_0, which isolates the 8-bit head on the AMX kernel;
+or ``--before unfused-silu``: today's forward with the MLP's SiLU as its own op after the
+gate/up projection, which isolates the 4-bit kernel's gated epilogue)
 and ``now`` the default one.
 For each dtype and shape the two are timed alternately, ``--rounds`` rounds of ``--steps``
 calls each, so a load spike on this shared machine hits both; the table gives the median
@@ -35,6 +37,7 @@ logits of every row); ``prefill BxP`` = B rows of P new tokens (the logits of ea
         --mixed 4x128+12 --context 192
     python -m benchmarks.bench_forward --before bf16-head --dtype bfloat16 --decode 1 16 --prefill 4x128
     python -m benchmarks.bench_forward --before bf16-head --dtype bfloat16 --decode 32 48 64 --prefill --q8-head-max-rows 64
+    python -m benchmarks.bench_forward --before unfused-silu --dtype bfloat16 --decode 1 16 --prefill 4x128 1x512
 """
 from __future__ import annotations
 
@@ -121,6 +124,17 @@ def _with_bf16_head(ex) -> None:
     model.packed_head = packed_linear.pack(weight)
 
 
+def _without_gated_epilogue(ex) -> None:
+    """The MLPs of ``ex`` take the gate/up projection and the SiLU as two calls."""
+    from blink.models.decoder import Linear
+
+    fused = [m for m in ex.model.modules() if isinstance(m, Linear) and m.int4 is not None and m.int4.gates]
+    if not fused:
+        raise SystemExit("--before unfused-silu: no projection here runs the gated 4-bit kernel")
+    for module in fused:
+        module.gated = lambda x: None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
@@ -139,7 +153,8 @@ def main() -> None:
                         "blink.models.decoder.Q8_HEAD_MAX_ROWS); with --before bf16-head, where "
                         "that threshold should lie on a new CPU")
     p.add_argument("--before", choices=["reference", "no-int4", "sdpa-attention", "torch-elementwise", "torch-int4",
-                                             "attention-no-prefetch", "attention-no-tiles", "bf16-head"],
+                                             "attention-no-prefetch", "attention-no-tiles", "bf16-head",
+                                             "unfused-silu"],
                    default="reference",
                    help="the baseline: the reference forward, or today's without the int4 path, the C attention kernel or the C elementwise ops")
     args = p.parse_args()
@@ -183,7 +198,8 @@ def main() -> None:
         dtype = getattr(torch, dtype_name)
         before = {"reference": {"pack_weights": False}, "no-int4": {"int4_decode": False},
                   "sdpa-attention": {}, "torch-elementwise": {}, "torch-int4": {},
-                  "attention-no-prefetch": {}, "attention-no-tiles": {}, "bf16-head": {}}[args.before]
+                  "attention-no-prefetch": {}, "attention-no-tiles": {}, "bf16-head": {},
+                  "unfused-silu": {}}[args.before]
         execs = {}
         for name, kw in (("before", before), ("now", {})):
             with _amx_int4_off(name == "before" and args.before == "torch-int4"):
@@ -198,6 +214,8 @@ def main() -> None:
             _with_attention_library(execs["before"], _attention_built_with("PREFETCH=0"))
         elif args.before == "attention-no-tiles":
             _with_attention_library(execs["before"], _attention_built_with("TILES=0"))
+        elif args.before == "unfused-silu":
+            _without_gated_epilogue(execs["before"])
         elif args.before == "bf16-head":
             _with_bf16_head(execs["before"])
         for label, rows in shapes:

@@ -112,7 +112,7 @@ static inline vf reduce16(vf v[W]) {
  * keys per exp (a scalar exp per key was ~40% of a 16-row decode step's attention). */
 #if defined(__AVX512F__)
 /* e^x, x <= 0 or -inf (-> 0), on 16 lanes: exp_nonpositive's polynomial, 2^n by scalef. Fused
- * multiply-adds here: cpu_fused.c's exp_nonpositive16 avoids them to keep the scalar code's
+ * multiply-adds here: cpu_kernels.h's exp_nonpositive16 avoids them to keep the scalar code's
  * bits, which nothing asks of the attention's probabilities. */
 static inline __m512 exp16(__m512 x) {
     const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));

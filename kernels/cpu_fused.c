@@ -24,28 +24,7 @@
  * vcvtneps2bf16, the same round-to-nearest-even, so the results are the scalar code's bits;
  * only fp32 denormals, which that instruction flushes to zero, could differ. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#define BLINK_VECTOR_OPS 1 /* load_bf16x16, store_bf16x16: cpu_kernels.h */
-
-static inline __m512 round_bf16x16(__m512 v) { /* to bf16 and back: the rounding alone */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
-
-/* exp_nonpositive (cpu_kernels.h) on 16 lanes, operation for operation. */
-static inline __m512 exp_nonpositive16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(1.0f));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
+#define BLINK_VECTOR_OPS 1 /* load_bf16x16, round_bf16x16, silu_times16...: cpu_kernels.h */
 #endif
 
 /* Whether this build runs the norms and the SiLU on AVX512-BF16 intrinsics (tests). */
@@ -167,12 +146,7 @@ static void silu_and_mul_row(const uint16_t *restrict gate, const uint16_t *rest
     int64_t i = 0;
 #ifdef BLINK_VECTOR_OPS
     for (; i + 16 <= dim; i += 16) {
-        const __m512 g = load_bf16x16(gate + i);
-        const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-        const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-        const __m512 sigmoid = _mm512_mask_mul_ps(inv, negative, e, inv);
-        store_bf16x16(o + i, _mm512_mul_ps(round_bf16x16(_mm512_mul_ps(g, sigmoid)), load_bf16x16(up + i)));
+        store_bf16x16(o + i, silu_times16(load_bf16x16(gate + i), load_bf16x16(up + i)));
     }
 #endif
     for (; i < dim; i++) {

@@ -28,6 +28,13 @@
  * through fp32 (a split into two 4-bit planes, each widened by one vpermw, measured slower:
  * two products per group). SmolLM2's GGUF stores its tied embedding, the head, as Q8_0: half
  * the bf16 head's bytes per decode step.
+ *
+ * Gated (blink_q4_linear_gated): for a fused gate/up projection (gate columns [0, N/2), up
+ * columns [N/2, N)) the output is the MLP's activation, bf16(bf16(silu(g)) * u) with g and u
+ * the bf16 results the plain call would write, so y has N/2 columns and the same bits as the
+ * plain call followed by cpu_fused.c's SiLU: the products of output tile t and of tile
+ * t + N/32 are computed together and combined as they are stored (one pass over the
+ * activations fewer, and half the result writes).
  */
 #include <stdint.h>
 #include <string.h>
@@ -67,6 +74,7 @@ typedef struct {
     int64_t y_stride;
     int64_t M, N, K;
     const float *x_sums;     /* [M, K / 32]: each row's sum over each group */
+    int gated;               /* y = silu(gate) * up, [M, N / 2] (see the top) */
 } args_t;
 
 /* A (tile, group)'s packed codes -> its B tile, the codes as bf16. Nibble i of word w in
@@ -132,6 +140,20 @@ static inline void store_tile(const args_t *a, const __m512 *acc, int64_t t, int
         store_bf16x16(a->y + (r0 + r) * a->y_stride + t * TILE, _mm512_add_ps(acc[r], bias));
 }
 
+/* Gated: rows [r0, r0 + rows) of gate tile t's and up tile t + N/32's results, each plus its
+ * bias and rounded to bf16 as store_tile would write it, combined into y's tile t. */
+static inline void store_gated(const args_t *a, const __m512 *gate, const __m512 *up, int64_t t, int64_t r0,
+                               int rows) {
+    const int64_t half = a->N / 2;
+    const __m512 bias_g = a->bias ? load_bf16x16(a->bias + t * TILE) : _mm512_setzero_ps();
+    const __m512 bias_u = a->bias ? load_bf16x16(a->bias + half + t * TILE) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++) {
+        const __m512 g = round_bf16x16(_mm512_add_ps(gate[r], bias_g));
+        const __m512 u = round_bf16x16(_mm512_add_ps(up[r], bias_u));
+        store_bf16x16(a->y + (r0 + r) * a->y_stride + t * TILE, silu_times16(g, u));
+    }
+}
+
 /* Tile registers are named by constants, so the four groups of a step are spelled out. All
  * four are unpacked before the first product, so the unpacking overlaps the tile unit. */
 #define UNPACK(J)                                                                               \
@@ -152,15 +174,14 @@ static inline void store_tile(const args_t *a, const __m512 *acc, int64_t t, int
         scale_group(dots[J], scales + (g + J) * 2 * TILE, x_sums + g + J, groups, rows, acc);   \
     }
 
-/* Tile t (16 columns) for rows [r0, r0 + rows), rows <= 16. */
-static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, __m512i as_bf16) {
+/* acc[r] = row r0 + r's products with weight tile t (16 columns), rows <= 16. */
+static void tile_products(const args_t *a, int64_t t, int64_t r0, int rows, __m512i as_bf16, __m512 *acc) {
     const int64_t groups = a->K / GROUP, x_bytes = a->x_stride * 2;
     const uint16_t *codes = a->codes + t * groups * a->words, *scales = a->scales + t * groups * 2 * TILE;
     const uint16_t *x = a->x + r0 * a->x_stride;
     const float *x_sums = a->x_sums + r0 * groups;
     uint16_t unpacked[STEP][PAIRS * 2 * TILE] __attribute__((aligned(64)));
     float dots[STEP][MAX_ROWS * TILE] __attribute__((aligned(64)));
-    __m512 acc[MAX_ROWS];
     for (int r = 0; r < MAX_ROWS; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g += STEP) {
         const int count = (int)(groups - g < STEP ? groups - g : STEP);
@@ -168,7 +189,19 @@ static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, __m512i 
         MULTIPLY(0, 4, 5) MULTIPLY(1, 6, 7) MULTIPLY(2, 4, 5) MULTIPLY(3, 6, 7)
         SCALE(0) SCALE(1) SCALE(2) SCALE(3)
     }
-    store_tile(a, acc, t, r0, rows);
+}
+
+/* Output tile t (16 columns of y) for rows [r0, r0 + rows), rows <= 16. */
+static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, __m512i as_bf16) {
+    __m512 acc[MAX_ROWS];
+    tile_products(a, t, r0, rows, as_bf16, acc);
+    if (a->gated) {
+        __m512 up[MAX_ROWS];
+        tile_products(a, t + a->N / 2 / TILE, r0, rows, as_bf16, up);
+        store_gated(a, acc, up, t, r0, rows);
+    } else {
+        store_tile(a, acc, t, r0, rows);
+    }
 }
 
 /* ---- Steps of many rows (prefills): each weight rebuilt once per call, then plain AMX products.
@@ -229,20 +262,42 @@ static void configure_block(int rows0, int rows1) {
     _tile_loadconfig(&config);
 }
 
-/* A result tile stored by _tile_stored (rows x 16 fp32) -> store_tile. */
-static void store_result(const args_t *a, const float *result, int64_t t, int64_t r0, int rows) {
-    __m512 acc[MAX_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = _mm512_load_ps(result + r * TILE);
-    store_tile(a, acc, t, r0, rows);
+/* The results of a block's row half, stored by _tile_stored (rows x 16 fp32 each): first (and,
+ * when two, second) to y's tiles t and t + 1, or, gated, y's tile t from first (its gate
+ * products) and second (its up products). Row by row: whole tiles' worth of vectors held at
+ * once would spill. */
+static void store_results(const args_t *a, const float *first, const float *second, int two, int64_t t,
+                          int64_t r0, int rows) {
+    if (a->gated) {
+        const int64_t half = a->N / 2;
+        const __m512 bias_g = a->bias ? load_bf16x16(a->bias + t * TILE) : _mm512_setzero_ps();
+        const __m512 bias_u = a->bias ? load_bf16x16(a->bias + half + t * TILE) : _mm512_setzero_ps();
+        for (int r = 0; r < rows; r++) {
+            const __m512 g = round_bf16x16(_mm512_add_ps(_mm512_load_ps(first + r * TILE), bias_g));
+            const __m512 u = round_bf16x16(_mm512_add_ps(_mm512_load_ps(second + r * TILE), bias_u));
+            store_bf16x16(a->y + (r0 + r) * a->y_stride + t * TILE, silu_times16(g, u));
+        }
+        return;
+    }
+    const __m512 bias0 = a->bias ? load_bf16x16(a->bias + t * TILE) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++)
+        store_bf16x16(a->y + (r0 + r) * a->y_stride + t * TILE, _mm512_add_ps(_mm512_load_ps(first + r * TILE), bias0));
+    if (two) {
+        const __m512 bias1 = a->bias ? load_bf16x16(a->bias + (t + 1) * TILE) : _mm512_setzero_ps();
+        for (int r = 0; r < rows; r++)
+            store_bf16x16(a->y + (r0 + r) * a->y_stride + (t + 1) * TILE,
+                          _mm512_add_ps(_mm512_load_ps(second + r * TILE), bias1));
+    }
 }
 
-/* Rows [r0, r0 + rows0 + rows1) x column tiles t, t + 1 (when two), from their rebuilt weights
- * w[2][groups][16 x 32], with the tiles configured for rows0 and rows1 (configure_block). */
+/* Rows [r0, r0 + rows0 + rows1) x the two weight tiles w[0], w[1] (when two; rebuilt weights
+ * w[2][groups][16 x 32]), with the tiles configured for rows0 and rows1 (configure_block): y's
+ * tiles t and t + 1, or, gated (always two), y's tile t from its gate and up tiles. */
 static void block(const args_t *a, int64_t t, int two, const uint16_t *w, int64_t r0, int rows0, int rows1) {
     const int64_t groups = a->K / GROUP, x_bytes = a->x_stride * 2, tile_words = PAIRS * 2 * TILE;
     const uint16_t *w1 = w + groups * tile_words;
     const uint16_t *x0 = a->x + r0 * a->x_stride, *x1 = x0 + MAX_ROWS * a->x_stride;
-    float result[MAX_ROWS * TILE] __attribute__((aligned(64)));
+    float result[2][MAX_ROWS * TILE] __attribute__((aligned(64)));
     _tile_zero(0);
     if (two) _tile_zero(1);
     if (rows1) {
@@ -260,36 +315,44 @@ static void block(const args_t *a, int64_t t, int two, const uint16_t *w, int64_
             if (two) _tile_dpbf16ps(3, 5, 7);
         }
     }
-    _tile_stored(0, result, 64); store_result(a, result, t, r0, rows0);
-    if (two) { _tile_stored(1, result, 64); store_result(a, result, t + 1, r0, rows0); }
+    _tile_stored(0, result[0], 64);
+    if (two) _tile_stored(1, result[1], 64);
+    store_results(a, result[0], result[1], two, t, r0, rows0);
     if (rows1) {
-        _tile_stored(2, result, 64); store_result(a, result, t, r0 + MAX_ROWS, rows1);
-        if (two) { _tile_stored(3, result, 64); store_result(a, result, t + 1, r0 + MAX_ROWS, rows1); }
+        _tile_stored(2, result[0], 64);
+        if (two) _tile_stored(3, result[1], 64);
+        store_results(a, result[0], result[1], two, t, r0 + MAX_ROWS, rows1);
     }
 }
 
-/* Column tiles in chunks of CHUNK_TILES, each chunk's weights rebuilt once (into L2) and then
- * swept by 32-row blocks whose x (32 x K) stays in L1 while it meets every tile of the chunk. */
+/* Output tiles in chunks of CHUNK_TILES weight tiles, each chunk's weights rebuilt once (into
+ * L2) and then swept by 32-row blocks whose x (32 x K) stays in L1 while it meets every tile
+ * of the chunk. Gated, a chunk holds half as many output tiles, each one's gate and up tiles
+ * side by side. */
 static void *run_many_rows(void *arg) {
     blink_part_t *p = (blink_part_t *)arg;
     const args_t *a = (const args_t *)p->args;
-    const int64_t groups = a->K / GROUP, tile_words = PAIRS * 2 * TILE;
+    const int64_t groups = a->K / GROUP, tile_words = PAIRS * 2 * TILE, up_tiles = a->N / 2 / TILE;
+    const int64_t per_chunk = a->gated ? CHUNK_TILES / 2 : CHUNK_TILES; /* output tiles */
     uint16_t *w = aligned_alloc(64, (size_t)(CHUNK_TILES * groups * tile_words) * sizeof *w);
     if (!w) {
         p->status = -4;
         return NULL;
     }
     int configured0 = -1, configured1 = -1;
-    for (int64_t t0 = p->lo; t0 < p->hi; t0 += CHUNK_TILES) {
-        const int64_t t1 = p->hi - t0 < CHUNK_TILES ? p->hi : t0 + CHUNK_TILES;
-        for (int64_t t = t0; t < t1; t++)
+    for (int64_t t0 = p->lo; t0 < p->hi; t0 += per_chunk) {
+        const int64_t t1 = p->hi - t0 < per_chunk ? p->hi : t0 + per_chunk;
+        const int64_t rebuilt = a->gated ? 2 * (t1 - t0) : t1 - t0;
+        for (int64_t i = 0; i < rebuilt; i++) {
+            const int64_t t = a->gated ? t0 + i / 2 + (i % 2) * up_tiles : t0 + i; /* weight tile */
             for (int64_t g = 0; g < groups; g++) {
                 const uint16_t *codes = a->codes + (t * groups + g) * a->words;
                 const uint16_t *scales = a->scales + (t * groups + g) * 2 * TILE;
-                uint16_t *out = w + ((t - t0) * groups + g) * tile_words;
+                uint16_t *out = w + (i * groups + g) * tile_words;
                 if (a->bits == 8) dequantize_group8(codes, scales, out);
                 else dequantize_group(codes, scales, out);
             }
+        }
         for (int64_t r0 = 0; r0 < a->M; r0 += 2 * MAX_ROWS) {
             const int64_t left = a->M - r0;
             const int rows0 = (int)(left < MAX_ROWS ? left : MAX_ROWS);
@@ -298,8 +361,12 @@ static void *run_many_rows(void *arg) {
                 configure_block(rows0, rows1);
                 configured0 = rows0, configured1 = rows1;
             }
-            for (int64_t t = t0; t < t1; t += 2)
-                block(a, t, t + 1 < t1, w + (t - t0) * groups * tile_words, r0, rows0, rows1);
+            if (a->gated)
+                for (int64_t t = t0; t < t1; t++)
+                    block(a, t, 1, w + 2 * (t - t0) * groups * tile_words, r0, rows0, rows1);
+            else
+                for (int64_t t = t0; t < t1; t += 2)
+                    block(a, t, t + 1 < t1, w + (t - t0) * groups * tile_words, r0, rows0, rows1);
         }
     }
     _tile_release();
@@ -348,8 +415,10 @@ int blink_q4_linear_supported(void) { return blink_amx_granted(); }
  * product is large enough to pay for them. */
 static int quantized_linear(const uint16_t *x, int64_t x_stride, const uint16_t *codes, int bits,
                             const uint16_t *scales, const uint16_t *bias, uint16_t *y, int64_t y_stride,
-                            int64_t M, int64_t N, int64_t K, int threads) {
-    if (M < 1 || N % TILE || K % GROUP || x_stride < K || y_stride < N) return -2;
+                            int64_t M, int64_t N, int64_t K, int gated, int threads) {
+    const int64_t out_tiles = gated ? N / 2 / TILE : N / TILE;
+    if (M < 1 || N % (gated ? 2 * TILE : TILE) || K % GROUP || x_stride < K || y_stride < out_tiles * TILE)
+        return -2;
     if (!blink_q4_linear_supported()) return -3;
     const int many = M > (bits == 8 ? FEW_ROWS8 : FEW_ROWS);
     float *x_sums = NULL;
@@ -358,12 +427,13 @@ static int quantized_linear(const uint16_t *x, int64_t x_stride, const uint16_t 
         if (!x_sums) return -4;
         group_sums(x, x_stride, M, K, x_sums);
     }
-    args_t a = {x, x_stride, codes, bits, bits == 8 ? WORDS8 : WORDS4, scales, bias, y, y_stride, M, N, K, x_sums};
+    args_t a = {x, x_stride, codes, bits, bits == 8 ? WORDS8 : WORDS4, scales, bias, y, y_stride, M, N, K, x_sums,
+                gated};
     /* one thread per ~0.1 ms of work at most (~2M weights to unpack for a few rows, ~32M
      * multiply-adds for many) */
     const int64_t work = many ? M * N * K >> 4 : N * K;
     while (threads > 1 && work < ((int64_t)threads << 21)) threads--;
-    const int status = blink_run_parts(many ? run_many_rows : run_few_rows, &a, N / TILE, threads);
+    const int status = blink_run_parts(many ? run_many_rows : run_few_rows, &a, out_tiles, threads);
     free(x_sums);
     return status;
 }
@@ -372,14 +442,22 @@ static int quantized_linear(const uint16_t *x, int64_t x_stride, const uint16_t 
 int blink_q4_linear(const uint16_t *x, int64_t x_stride, const uint16_t *codes, const uint16_t *scales,
                     const uint16_t *bias, uint16_t *y, int64_t y_stride, int64_t M, int64_t N, int64_t K,
                     int threads) {
-    return quantized_linear(x, x_stride, codes, 4, scales, bias, y, y_stride, M, N, K, threads);
+    return quantized_linear(x, x_stride, codes, 4, scales, bias, y, y_stride, M, N, K, 0, threads);
+}
+
+/* 4-bit codes of a fused gate/up projection [N, K] -> y = silu(gate) * up, [M, N / 2] (see the
+ * top); see quantized_linear. */
+int blink_q4_linear_gated(const uint16_t *x, int64_t x_stride, const uint16_t *codes, const uint16_t *scales,
+                          const uint16_t *bias, uint16_t *y, int64_t y_stride, int64_t M, int64_t N, int64_t K,
+                          int threads) {
+    return quantized_linear(x, x_stride, codes, 4, scales, bias, y, y_stride, M, N, K, 1, threads);
 }
 
 /* 8-bit codes (Q8_0); see quantized_linear. */
 int blink_q8_linear(const uint16_t *x, int64_t x_stride, const uint16_t *codes, const uint16_t *scales,
                     const uint16_t *bias, uint16_t *y, int64_t y_stride, int64_t M, int64_t N, int64_t K,
                     int threads) {
-    return quantized_linear(x, x_stride, codes, 8, scales, bias, y, y_stride, M, N, K, threads);
+    return quantized_linear(x, x_stride, codes, 8, scales, bias, y, y_stride, M, N, K, 0, threads);
 }
 
 #else /* no AMX in this build: the Python side keeps its other paths */
@@ -399,6 +477,12 @@ int blink_q4_linear(const uint16_t *x, int64_t x_stride, const uint16_t *codes, 
 int blink_q8_linear(const uint16_t *x, int64_t x_stride, const uint16_t *codes, const uint16_t *scales,
                     const uint16_t *bias, uint16_t *y, int64_t y_stride, int64_t M, int64_t N, int64_t K,
                     int threads) {
+    return blink_q4_linear(x, x_stride, codes, scales, bias, y, y_stride, M, N, K, threads);
+}
+
+int blink_q4_linear_gated(const uint16_t *x, int64_t x_stride, const uint16_t *codes, const uint16_t *scales,
+                          const uint16_t *bias, uint16_t *y, int64_t y_stride, int64_t M, int64_t N, int64_t K,
+                          int threads) {
     return blink_q4_linear(x, x_stride, codes, scales, bias, y, y_stride, M, N, K, threads);
 }
 

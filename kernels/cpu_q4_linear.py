@@ -47,18 +47,28 @@ def _declare(library: ctypes.CDLL) -> None:
     library.blink_q4_linear_supported.restype = ctypes.c_int
     if not library.blink_q4_linear_supported():
         raise NativeBuildError("this CPU (or its compiler, or the OS) offers no AMX")
-    for fn in (library.blink_q4_linear, library.blink_q8_linear):
+    library.blink_q4_linear_few_rows.restype = ctypes.c_int
+    library.few_rows = int(library.blink_q4_linear_few_rows())  # read per call
+    for fn in (library.blink_q4_linear, library.blink_q8_linear, library.blink_q4_linear_gated):
         fn.restype = ctypes.c_int
         fn.argtypes = [_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int]
 
 
 # -march=native: the AMX and AVX-512 intrinsics exist only in a build for a CPU that has them
 # (the cache key holds the CPU's flags); elsewhere the source builds a stub that says so.
+# -ffp-contract=off: the gated epilogue's SiLU keeps cpu_fused.c's bits (cpu_kernels.h).
 LIBRARY = NativeLibrary(
     _SOURCE, what="4-bit CPU projections: the AMX kernel", logger=log,
     fallback="4-bit projections run on torch's int4 kernel for few rows and bf16 otherwise",
-    flags=("-O3", "-march=native"), headers=(_SOURCE.with_name("cpu_kernels.h"),), env=IMPL_ENV,
+    flags=("-O3", "-march=native", "-ffp-contract=off"), headers=(_SOURCE.with_name("cpu_kernels.h"),), env=IMPL_ENV,
     setup=_declare)
+
+
+def few_rows() -> int:
+    """The row count up to which a 4-bit call multiplies the codes as they are (steps above
+    rebuild bf16 weights once per call); 0 where the kernel is not available."""
+    library = LIBRARY.get()
+    return 0 if library is None else library.few_rows
 
 
 def available() -> bool:
@@ -134,9 +144,12 @@ def _scales(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return torch.stack([d, m]).half().view(2, n // TILE, TILE, groups).permute(1, 3, 0, 2).contiguous()
 
 
-def linear(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None,
+           gated: bool = False) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for bf16 ``x [..., k]`` (rows may be strided, channels contiguous),
-    bf16 out."""
+    bf16 out. ``gated`` (4-bit codes of a fused gate/up projection, gate rows first): the MLP's
+    activation instead, ``silu(gate) * up`` with ``[..., n / 2]`` channels, the bits of the plain
+    call followed by :func:`blink.kernels.cpu_fused.silu_and_mul` in one pass."""
     library = LIBRARY.get()
     if library is None:
         raise RuntimeError("the 4-bit CPU kernel is not available here (see available())")
@@ -145,19 +158,24 @@ def linear(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None) -> torc
     if x2.dtype is not torch.bfloat16 or x2.stride(1) != 1 or x2.stride(0) < weight.k:
         x2 = x2.to(torch.bfloat16).contiguous()
     rows = x2.shape[0]
-    y = torch.empty((rows, weight.n), dtype=torch.bfloat16)
+    if gated and (weight.bits != 4 or weight.n % (2 * TILE)):
+        raise ValueError(f"the gated kernel takes 4-bit codes of an even number of {TILE}-column "
+                         f"tiles, not a {weight.bits}-bit [{weight.n}, {weight.k}] weight")
+    n_out = weight.n // 2 if gated else weight.n
+    y = torch.empty((rows, n_out), dtype=torch.bfloat16)
     if rows == 0:
-        return y.view(*lead, weight.n)
+        return y.view(*lead, n_out)
     if bias is not None:
         bias = bias.to(torch.bfloat16).contiguous()
-    kernel = library.blink_q8_linear if weight.bits == 8 else library.blink_q4_linear
+    kernel = (library.blink_q4_linear_gated if gated else
+              library.blink_q8_linear if weight.bits == 8 else library.blink_q4_linear)
     status = kernel(x2.data_ptr(), x2.stride(0), weight.codes.data_ptr(), weight.scales.data_ptr(),
-                    None if bias is None else bias.data_ptr(), y.data_ptr(), weight.n,
+                    None if bias is None else bias.data_ptr(), y.data_ptr(), n_out,
                     rows, weight.n, weight.k, torch.get_num_threads())
     if status != 0:
         raise ValueError(f"{weight.bits}-bit CPU kernel refused x {tuple(x2.shape)} for a "
                          f"[{weight.n}, {weight.k}] weight")
-    return y.view(*lead, weight.n)
+    return y.view(*lead, n_out)
 
 
 def dequantize(weight: Q4Weight) -> torch.Tensor:

@@ -276,3 +276,86 @@ def test_smollm2s_q8_head_runs_on_its_codes_unless_switched_off():
     a, b = on.execute(ids, md, last), off.execute(*off.build_metadata([([1, 2, 3, 4], 0, [0])]))
     assert not torch.equal(a, b)  # other weights (the file's, not their bf16 rounding)
     assert (a - b).abs().max() < 0.1 * b.abs().max()
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 100])  # both paths, partial row tiles
+@pytest.mark.parametrize("n", [32, 96, 3072])  # 1, 3 and 96 tiles per half: odd chunks too
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gated_is_the_projection_then_the_silu_to_the_bit(rows, n, with_bias):
+    """A fused gate/up projection with the activation applied as the kernel stores: the bits of
+    the plain call followed by cpu_fused's SiLU (which the op table runs otherwise)."""
+    from blink.kernels import cpu_fused
+
+    k = 96
+    codes, scale, zero = gguf_like(n, k, seed=rows + n)
+    weight = cpu_q4_linear.pack(codes, scale, zero)
+    torch.manual_seed(rows)
+    x = torch.randn(rows, k).bfloat16() * 3  # gate values of both signs, some large
+    bias = torch.randn(n).bfloat16() if with_bias else None
+    got = cpu_q4_linear.linear(x, weight, bias, gated=True)
+    assert got.shape == (rows, n // 2)
+    assert torch.equal(got, cpu_fused.silu_and_mul(cpu_q4_linear.linear(x, weight, bias)))
+    # the test can fail: an up column's wrong code moves that output column only
+    wrong = codes.clone()
+    wrong[n // 2 + 1, 7] ^= 8
+    off = cpu_q4_linear.linear(x, cpu_q4_linear.pack(wrong, scale, zero), bias, gated=True)
+    assert not torch.equal(off[:, 1], got[:, 1]) and torch.equal(off[:, 2:], got[:, 2:])
+
+
+@needs_amx
+def test_gated_threads_give_the_same_bits_and_refusals_are_clear():
+    codes, scale, zero = gguf_like(1024, 4096)
+    weight = cpu_q4_linear.pack(codes, scale, zero)
+    x = torch.randn(8, 4096).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_q4_linear.linear(x, weight, None, gated=True)
+        torch.set_num_threads(2)
+        two = cpu_q4_linear.linear(x, weight, None, gated=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    codes, scale, zero = gguf_like(48, 64)  # 3 tiles: no whole tiles per half
+    with pytest.raises(ValueError, match="gated kernel takes"):
+        cpu_q4_linear.linear(torch.randn(2, 64).bfloat16(), cpu_q4_linear.pack(codes, scale, zero), None,
+                             gated=True)
+
+
+@needs_amx
+def test_smollm2s_mlp_takes_the_gated_kernel_for_decode_steps_with_the_same_logits(monkeypatch):
+    """SmolLM2's GGUF gate/up projections are 4-bit: a decode-sized step runs them with the
+    activation fused, and the logits are those of the separate SiLU bit for bit; a prefill
+    keeps the SiLU apart."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_loader_gguf import smollm_path
+
+    from blink.executor import ModelExecutor
+    from blink.loader import open_model
+    from blink.models.decoder import Linear
+
+    ex = ModelExecutor(open_model(smollm_path()), dtype=torch.bfloat16, num_blocks=16, max_model_len=128)
+    if not ex.packed_weights:
+        pytest.skip("no native oneDNN bf16 here")
+    calls = []
+    original = Linear.gated
+
+    def counted(self, x):
+        out = original(self, x)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(Linear, "gated", counted)
+    seqs = [([5 + i, 9, 2], 0, [i]) for i in range(4)]  # 4 rows x 3 tokens: 12 rows, few
+    fused = ex.execute(*ex.build_metadata(seqs))
+    assert calls and all(calls)  # every layer's MLP
+    monkeypatch.setattr(Linear, "gated", lambda self, x: None)
+    assert torch.equal(fused, ex.execute(*ex.build_metadata(seqs)))
+    monkeypatch.setattr(Linear, "gated", counted)
+    calls.clear()
+    ex.execute(*ex.build_metadata([(list(range(1, 41)), 0, [0, 1, 2])]))  # 40 rows: many
+    assert calls and not any(calls)

@@ -71,6 +71,19 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(packed_linear.pack(self.weight), requires_grad=False)
         self.packed = True
 
+    def gated(self, x: torch.Tensor) -> torch.Tensor | None:
+        """For a fused gate/up projection: ``silu(gate) * up`` in one call where its 4-bit AMX
+        weight takes the step with the codes as they are (the kernel applies the activation
+        as it stores its results, with the bits of this projection followed by the op
+        table's SiLU); None elsewhere. Larger steps keep the SiLU apart: fused there, it was
+        measured slower (2.59-2.66 against 2.06-2.20 ms for SmolLM2's [512, 576] x [576, 3072] on one
+        core: the SiLU's vector work no longer hides behind the tile products)."""
+        rows = x.shape[0]
+        if (self.int4 is None or not self.int4.gates or not self.int4.takes(rows)
+                or rows > cpu_q4_linear.few_rows()):
+            return None
+        return int4_linear.linear(x, self.int4, self.bias, gated=True)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int4 is not None and self.int4.takes(x.shape[0]):
             return int4_linear.linear(x, self.int4, self.bias)
@@ -137,7 +150,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        activation = self.gate_up_proj.gated(x)  # one pass where the 4-bit kernel fuses it
+        if activation is None:
+            activation = self.ops.silu_and_mul(self.gate_up_proj(x))
+        return self.down_proj(activation)
 
 
 class Experts(nn.Module):

@@ -75,6 +75,12 @@ class Int4Weight:
         """Whether every step runs on it (then the bf16 copy is never read)."""
         return self.max_rows is None
 
+    @property
+    def gates(self) -> bool:
+        """Whether :func:`linear` can apply a fused gate/up projection's activation as it
+        stores (``gated``): the AMX kernel's 4-bit codes, whole tiles per half."""
+        return self.amx is not None and self.amx.bits == 4 and self.amx.n % (2 * cpu_q4_linear.TILE) == 0
+
 
 #: whether torch's kernel ran correctly here (tried once, by :func:`_torch_kernel_runs`)
 _TORCH_KERNEL: bool | None = None
@@ -128,10 +134,14 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     return Int4Weight("torch", TORCH_MAX_ROWS, packed=packed, scale_zero=scale_zero)
 
 
-def linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T (+ bias)`` for bf16 ``x [..., K]``."""
+def linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None,
+           gated: bool = False) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for bf16 ``x [..., K]``; ``gated`` (where ``weight.gates``): a fused
+    gate/up projection's ``silu(gate) * up`` instead (:func:`blink.kernels.cpu_q4_linear.linear`)."""
     if weight.amx is not None:
-        return cpu_q4_linear.linear(x, weight.amx, bias)
+        return cpu_q4_linear.linear(x, weight.amx, bias, gated=gated)
+    if gated:
+        raise ValueError("only the AMX kernel applies the activation (see Int4Weight.gates)")
     lead = x.shape[:-1]
     y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), weight.packed, GROUP, weight.scale_zero)
     if bias is not None:
