@@ -30,6 +30,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from blink.kernels import cpu_pool
+from blink.kernels.cpu_threads import kernel_threads
 from blink.shared.native_build import NativeBuildError, NativeLibrary
 
 # the gather budget (bytes of K/V plus mask per chunk of query tiles) is the reference's
@@ -63,6 +65,7 @@ _MATH_FLAGS = ("-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-f
 
 
 def _declare(library: ctypes.CDLL) -> None:
+    cpu_pool.attach(library)  # calls that split run on the process's one pool
     library.blink_has_avx512.restype = ctypes.c_int
     if not library.blink_has_avx512() and LIBRARY.switch() != "c":
         # measured 0.26-0.9x the torch path on an AVX2 build (docs/benchmarks.md)
@@ -187,7 +190,7 @@ def paged_attention(
                     T, H, KVH, D, block_size, num_blocks, seq_lens.shape[0],
                     token_row.data_ptr(), positions.data_ptr(), query_start.data_ptr(),
                     seq_lens.data_ptr(), tables.data_ptr(), tables.stride(0), tables.shape[1],
-                    scale, T * longest, torch.get_num_threads())
+                    scale, T * longest, kernel_threads())
     if status == -4:
         raise MemoryError("paged attention: no memory for the prompt rows' laid-out K/V")
     if status != 0:

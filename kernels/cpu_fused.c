@@ -41,9 +41,9 @@ int blink_has_vector_ops(void) {
  * rms_norm / fused_add_rms_norm. x and residual rows are `x_stride` / `res_stride` apart,
  * the outputs contiguous. The sum of squares is fp32 in 16 lanes, so its last bit may
  * differ from torch's mean (a bf16 result differs at most where that bit rounds). */
-void blink_add_rms_norm(const uint16_t *x, int64_t x_stride, const uint16_t *residual,
-                        int64_t res_stride, const uint16_t *weight, uint16_t *out,
-                        uint16_t *residual_out, int64_t rows, int64_t dim, float eps) {
+static void add_rms_norm(const uint16_t *x, int64_t x_stride, const uint16_t *residual,
+                         int64_t res_stride, const uint16_t *weight, uint16_t *out,
+                         uint16_t *residual_out, int64_t rows, int64_t dim, float eps) {
     enum { LANES = 16 };
     for (int64_t t = 0; t < rows; t++) {
         const uint16_t *xr = x + t * x_stride;
@@ -101,9 +101,9 @@ void blink_add_rms_norm(const uint16_t *x, int64_t x_stride, const uint16_t *res
  * `k_stride` apart, heads contiguous) into out [T, H + KVH, D] (the reference's layout:
  * q heads then k heads); cos_sin [positions, rotary_dim] fp32, cos then sin. Channels past
  * rotary_dim are copied. Returns -1 if a position lies outside the table. Bit-exact. */
-int blink_rope(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
-               const int64_t *positions, const float *cos_sin, int64_t max_positions,
-               uint16_t *out, int64_t tokens, int64_t H, int64_t KVH, int64_t D, int64_t rotary_dim) {
+static int rope(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
+                const int64_t *positions, const float *cos_sin, int64_t max_positions,
+                uint16_t *out, int64_t tokens, int64_t H, int64_t KVH, int64_t D, int64_t rotary_dim) {
     const int64_t half = rotary_dim / 2;
     for (int64_t t = 0; t < tokens; t++) {
         int64_t pos = positions[t];
@@ -159,6 +159,80 @@ static void silu_and_mul_row(const uint16_t *restrict gate, const uint16_t *rest
     }
 }
 
-void blink_silu_and_mul(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t rows, int64_t dim) {
-    for (int64_t t = 0; t < rows; t++) silu_and_mul_row(x + t * x_stride, x + t * x_stride + dim, out + t * dim, dim);
+/* ---- The exported calls: rows split over `threads` when a call is large enough (a prefill's:
+ * ~0.1 ms of work per thread at least), each part the functions above on its rows. */
+
+static int threads_for(int64_t elements, int threads) {
+    while (threads > 1 && elements < ((int64_t)threads << 17)) threads--;
+    return threads;
+}
+
+typedef struct {
+    const uint16_t *x, *residual, *weight;
+    int64_t x_stride, res_stride, dim;
+    uint16_t *out, *residual_out;
+    float eps;
+} norm_args_t;
+
+static void *norm_part(void *arg) {
+    blink_part_t *p = (blink_part_t *)arg;
+    const norm_args_t *a = (const norm_args_t *)p->args;
+    const int64_t lo = p->lo;
+    add_rms_norm(a->x + lo * a->x_stride, a->x_stride, a->residual ? a->residual + lo * a->res_stride : NULL,
+                 a->res_stride, a->weight, a->out + lo * a->dim, a->residual_out ? a->residual_out + lo * a->dim : NULL,
+                 p->hi - lo, a->dim, a->eps);
+    return NULL;
+}
+
+void blink_add_rms_norm(const uint16_t *x, int64_t x_stride, const uint16_t *residual,
+                        int64_t res_stride, const uint16_t *weight, uint16_t *out,
+                        uint16_t *residual_out, int64_t rows, int64_t dim, float eps, int threads) {
+    const norm_args_t a = {x, residual, weight, x_stride, res_stride, dim, out, residual_out, eps};
+    blink_run_parts(norm_part, &a, rows, threads_for(rows * dim, threads));
+}
+
+typedef struct {
+    const uint16_t *q, *k;
+    int64_t q_stride, k_stride;
+    const int64_t *positions;
+    const float *cos_sin;
+    int64_t max_positions, H, KVH, D, rotary_dim;
+    uint16_t *out;
+} rope_args_t;
+
+static void *rope_part(void *arg) {
+    blink_part_t *p = (blink_part_t *)arg;
+    const rope_args_t *a = (const rope_args_t *)p->args;
+    const int64_t lo = p->lo;
+    p->status = rope(a->q + lo * a->q_stride, a->q_stride, a->k + lo * a->k_stride, a->k_stride, a->positions + lo,
+                     a->cos_sin, a->max_positions, a->out + lo * (a->H + a->KVH) * a->D, p->hi - lo, a->H, a->KVH,
+                     a->D, a->rotary_dim);
+    return NULL;
+}
+
+int blink_rope(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
+               const int64_t *positions, const float *cos_sin, int64_t max_positions,
+               uint16_t *out, int64_t tokens, int64_t H, int64_t KVH, int64_t D, int64_t rotary_dim,
+               int threads) {
+    const rope_args_t a = {q, k, q_stride, k_stride, positions, cos_sin, max_positions, H, KVH, D, rotary_dim, out};
+    return blink_run_parts(rope_part, &a, tokens, threads_for(tokens * (H + KVH) * D, threads));
+}
+
+typedef struct {
+    const uint16_t *x;
+    int64_t x_stride, dim;
+    uint16_t *out;
+} silu_args_t;
+
+static void *silu_part(void *arg) {
+    blink_part_t *p = (blink_part_t *)arg;
+    const silu_args_t *a = (const silu_args_t *)p->args;
+    for (int64_t t = p->lo; t < p->hi; t++)
+        silu_and_mul_row(a->x + t * a->x_stride, a->x + t * a->x_stride + a->dim, a->out + t * a->dim, a->dim);
+    return NULL;
+}
+
+void blink_silu_and_mul(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t rows, int64_t dim, int threads) {
+    const silu_args_t a = {x, x_stride, dim, out};
+    blink_run_parts(silu_part, &a, rows, threads_for(rows * dim, threads));
 }

@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 
 from blink.kernels import reference
+from blink.kernels import cpu_pool
+from blink.kernels.cpu_threads import kernel_threads
 from blink.shared.native_build import NativeLibrary
 
 log = logging.getLogger("blink.kernels")
@@ -35,10 +37,11 @@ IMPL_ENV = "BLINK_CPU_FUSED"
 _BF16 = torch.bfloat16
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "blink_add_rms_norm": (None, [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _F32]),
-    "blink_rope": (ctypes.c_int, [_P, _I64, _P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64]),
+    "blink_add_rms_norm": (None, [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _F32, ctypes.c_int]),
+    "blink_rope": (ctypes.c_int, [_P, _I64, _P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64,
+                                  ctypes.c_int]),
     "blink_write_kv": (ctypes.c_int, [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64]),
-    "blink_silu_and_mul": (None, [_P, _I64, _P, _I64, _I64]),
+    "blink_silu_and_mul": (None, [_P, _I64, _P, _I64, _I64, ctypes.c_int]),
 }
 
 # No fused multiply-adds the reference does not do (the rotary embedding stays bit-exact);
@@ -47,6 +50,7 @@ _FLAGS = ("-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math")
 
 
 def _declare(library: ctypes.CDLL) -> None:
+    cpu_pool.attach(library)  # calls that split run on the process's one pool
     for name, (restype, argtypes) in _SIGNATURES.items():
         fn = getattr(library, name)
         fn.restype, fn.argtypes = restype, argtypes
@@ -94,7 +98,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows, dim = x.shape
     out = torch.empty((rows, dim), dtype=_BF16)
     lib.blink_add_rms_norm(x.data_ptr(), x.stride(0), None, 0, weight.data_ptr(), out.data_ptr(),
-                           None, rows, dim, eps)
+                           None, rows, dim, eps, kernel_threads())
     return out
 
 
@@ -109,7 +113,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     out = torch.empty((rows, dim), dtype=_BF16)
     residual_out = torch.empty((rows, dim), dtype=_BF16)
     lib.blink_add_rms_norm(x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0),
-                           weight.data_ptr(), out.data_ptr(), residual_out.data_ptr(), rows, dim, eps)
+                           weight.data_ptr(), out.data_ptr(), residual_out.data_ptr(), rows, dim, eps,
+                           kernel_threads())
     return out, residual_out
 
 
@@ -126,7 +131,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     out = torch.empty((T, H + KVH, D), dtype=_BF16)
     status = lib.blink_rope(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), positions.data_ptr(),
                             cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], out.data_ptr(),
-                            T, H, KVH, D, cos_sin_cache.shape[1])
+                            T, H, KVH, D, cos_sin_cache.shape[1], kernel_threads())
     if status != 0:
         raise IndexError(f"rotary embedding: a position lies outside the {cos_sin_cache.shape[0]}-position table")
     return out[:, :H], out[:, H:]
@@ -157,5 +162,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return reference.silu_and_mul(x)
     rows, dim = x.shape[0], x.shape[1] // 2
     out = torch.empty((rows, dim), dtype=_BF16)
-    lib.blink_silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), rows, dim)
+    lib.blink_silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), rows, dim, kernel_threads())
     return out

@@ -139,25 +139,21 @@ typedef struct {
 
 enum { BLINK_MAX_THREADS = 64 };
 
+/* The process's worker pool (kernels/cpu_pool.c, one for every kernel library, so that their
+ * calls never wait for each other's workers), given to each library at load
+ * (kernels/cpu_pool.py); NULL until then, or where it could not be built: calls run on the
+ * calling thread. */
+typedef int (*blink_pool_run_t)(void *(*run)(void *), const void *args, int64_t items, int threads);
+static blink_pool_run_t blink_pool_run = NULL;
+
+void blink_use_pool(void *run) { blink_pool_run = (blink_pool_run_t)run; }
+
 /* run(part) over [0, items) split evenly into `threads` parts (at most BLINK_MAX_THREADS and
- * `items`): the first on the calling thread, the others on threads started for the call (a
- * part whose thread cannot start runs here after the first). Returns 0 or the last nonzero
- * status. Callers pick `threads` by the call's work: a thread start costs ~20-50 us. */
+ * `items`), on the pool when there is one and more than one part, else one after the other
+ * here. Returns 0 or the last nonzero status. Callers pick `threads` by the call's work. */
 static inline int blink_run_parts(void *(*run)(void *), const void *args, int64_t items, int threads) {
-    if (threads > BLINK_MAX_THREADS) threads = BLINK_MAX_THREADS;
-    if (threads > items) threads = (int)items;
-    if (threads < 1) threads = 1;
-    pthread_t tid[BLINK_MAX_THREADS];
-    blink_part_t part[BLINK_MAX_THREADS];
-    int running[BLINK_MAX_THREADS] = {0};
-    for (int i = 0; i < threads; i++) part[i] = (blink_part_t){args, items * i / threads, items * (i + 1) / threads, 0};
-    for (int i = 1; i < threads; i++) running[i] = pthread_create(&tid[i], NULL, run, &part[i]) == 0;
-    run(&part[0]);
-    int status = part[0].status;
-    for (int i = 1; i < threads; i++) {
-        if (running[i]) pthread_join(tid[i], NULL);
-        else run(&part[i]);
-        if (part[i].status != 0) status = part[i].status;
-    }
-    return status;
+    if (threads > 1 && items > 1 && blink_pool_run != NULL) return blink_pool_run(run, args, items, threads);
+    blink_part_t part = {args, 0, items, 0};
+    run(&part);
+    return part.status;
 }

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from blink.kernels import cpu_pool
+from blink.kernels.cpu_threads import kernel_threads
 from blink.shared.native_build import NativeBuildError, NativeLibrary
 
 log = logging.getLogger("blink.kernels")
@@ -44,6 +46,7 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 def _declare(library: ctypes.CDLL) -> None:
+    cpu_pool.attach(library)  # calls that split run on the process's one pool
     library.blink_q4_linear_supported.restype = ctypes.c_int
     if not library.blink_q4_linear_supported():
         raise NativeBuildError("this CPU (or its compiler, or the OS) offers no AMX")
@@ -171,7 +174,7 @@ def linear(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None,
               library.blink_q8_linear if weight.bits == 8 else library.blink_q4_linear)
     status = kernel(x2.data_ptr(), x2.stride(0), weight.codes.data_ptr(), weight.scales.data_ptr(),
                     None if bias is None else bias.data_ptr(), y.data_ptr(), n_out,
-                    rows, weight.n, weight.k, torch.get_num_threads())
+                    rows, weight.n, weight.k, kernel_threads())
     if status != 0:
         raise ValueError(f"{weight.bits}-bit CPU kernel refused x {tuple(x2.shape)} for a "
                          f"[{weight.n}, {weight.k}] weight")

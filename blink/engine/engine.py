@@ -30,6 +30,7 @@ from blink.engine.sampler import Sampler
 from blink.engine.scheduler import Scheduler
 from blink.engine.state import SchedulerConfig, ring_tensors
 from blink.errors import BlinkError
+from blink.kernels.cpu_threads import set_kernel_threads
 from blink.executor import ModelExecutor
 from blink.ring import (
     DEFAULT_GRAMMAR_WORDS,
@@ -80,6 +81,10 @@ class EngineConfig:
     max_logprobs: int = 20
     transport: str = "loopback"  # loopback | verbs | inprocess (a frontend in this process: LLM)
     threads: int | None = None
+    #: CPU loop: threads the CPU kernels may split one large call over (a prefill's
+    #: projections, attention, norms and SiLU; a decode step's calls stay on the loop thread):
+    #: blink.kernels.cpu_threads. None: ``threads``
+    kernel_threads: int | None = None
     #: how long a stop with drain waits for requests in flight (every loop kind uses this one)
     drain_timeout_s: float = 30.0
     #: CPU loop: run eager instead of torch.compile'd steps (default: $BLINK_ENFORCE_EAGER,
@@ -156,6 +161,10 @@ class Engine:
         # (constructing) thread would make the loop's workers sleep and be woken between every
         # two ops. Measured on 2 cores, bf16 SmolLM2 decode: 36 -> 55 tok/s single stream,
         # 270 -> 326 tok/s at batch 16 (docs/benchmarks.md, "Executor").
+        for name in ("threads", "kernel_threads"):
+            value = getattr(config, name)
+            if value is not None and value < 1:
+                raise BlinkError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
         self.loop_threads = config.threads or torch.get_num_threads()
         threads_before = torch.get_num_threads()
         if self.device.type == "cpu":
@@ -351,6 +360,7 @@ class Engine:
         the first request instead of appearing unnamed as ``blink-loop`` at the first step."""
         before = task_ids()
         torch.set_num_threads(self.loop_threads)  # this thread's OpenMP team (see __init__)
+        set_kernel_threads(self.config.kernel_threads or self.loop_threads)
         if self.loop_threads > 1:
             torch.ones(1 << 20).add_(1)  # big enough for at::parallel_for to use the team
         name_new_threads(before, "blink-omp-", self.loop_thread_name)

@@ -1,0 +1,37 @@
+"""The process's one pool of worker threads for the CPU kernels (``cpu_pool.c``).
+
+Each kernel library (:mod:`blink.kernels.cpu_attention`, :mod:`blink.kernels.cpu_q4_linear`,
+:mod:`blink.kernels.cpu_fused`) gets the pool's entry point when it loads
+(:func:`attach`), so that a call split over threads (:mod:`blink.kernels.cpu_threads` says how
+many) runs on the same workers whichever library makes it. Without the pool (no compiler:
+said once in the log) every call runs on its calling thread.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+
+from blink.shared.native_build import NativeLibrary
+
+log = logging.getLogger("blink.kernels")
+
+_SOURCE = Path(__file__).with_name("cpu_pool.c")
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    library.blink_pool_split.restype = ctypes.c_int
+
+
+LIBRARY = NativeLibrary(
+    _SOURCE, what="the CPU kernels' worker pool", logger=log,
+    fallback="each kernel call runs on its calling thread",
+    flags=("-O2",), headers=(_SOURCE.with_name("cpu_kernels.h"),), setup=_declare)
+
+
+def attach(library: ctypes.CDLL) -> None:
+    """Give a kernel library (one that includes ``cpu_kernels.h``) the pool's entry point."""
+    pool = LIBRARY.get()
+    library.blink_use_pool.argtypes = [ctypes.c_void_p]
+    library.blink_use_pool.restype = None
+    library.blink_use_pool(None if pool is None else ctypes.cast(pool.blink_pool_split, ctypes.c_void_p).value)

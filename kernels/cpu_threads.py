@@ -1,0 +1,27 @@
+"""How many threads the CPU kernels (:mod:`blink.kernels.cpu_q4_linear`,
+:mod:`blink.kernels.cpu_attention`, :mod:`blink.kernels.cpu_fused`) may split one call over.
+
+Default: torch's intra-op threads. The engine's CPU loop may give its kernels more than it
+gives torch's OpenMP pool (``EngineConfig.kernel_threads``): a kernel splits only a call
+large enough to pay for it (a prefill's projections, attention and elementwise ops; a
+decode step's stay on the calling thread), and its workers sleep between calls
+(``cpu_kernels.h``), so a core that the frontend needs is only borrowed for prefill work.
+"""
+from __future__ import annotations
+
+import torch
+
+_threads: int | None = None
+
+
+def kernel_threads() -> int:
+    """Threads a kernel call may use (per call; cheap)."""
+    return torch.get_num_threads() if _threads is None else _threads
+
+
+def set_kernel_threads(threads: int | None) -> None:
+    """Let the kernels split calls over ``threads`` (None: torch's intra-op threads)."""
+    global _threads
+    if threads is not None and threads < 1:
+        raise ValueError(f"kernel threads must be at least 1, got {threads}")
+    _threads = threads

@@ -1,0 +1,142 @@
+"""The CPU kernels' one worker pool (kernels/cpu_pool.c) and their thread setting
+(blink.kernels.cpu_threads): a call split over threads gives the bits of the one-thread call
+in every kernel library, concurrent callers and a forked child still get right answers (never
+a hang), and the setting refuses nonsense, from the API and from the command line."""
+from __future__ import annotations
+
+import multiprocessing
+import threading
+
+import pytest
+import torch
+
+from blink.kernels import cpu_fused, cpu_pool, cpu_q4_linear
+from blink.kernels.cpu_threads import kernel_threads, set_kernel_threads
+
+BF16 = torch.bfloat16
+
+needs_pool = pytest.mark.skipif(cpu_pool.LIBRARY.get() is None or cpu_fused.library() is None,
+                                reason="no C compiler here: the kernels run unsplit")
+
+
+@pytest.fixture
+def kernel_thread_setting():
+    """Restores the process's setting (the default: torch's threads) after the test."""
+    yield set_kernel_threads
+    set_kernel_threads(None)
+
+
+def _fused_outputs(seed: int) -> list[torch.Tensor]:
+    """Norm, residual, rope and SiLU of calls big enough to split (a prefill's sizes)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(512, 576, generator=g).to(BF16)
+    residual = torch.randn(512, 576, generator=g).to(BF16)
+    weight = torch.randn(576, generator=g).to(BF16)
+    normed, res = cpu_fused.fused_add_rms_norm(x, residual, weight, 1e-5)
+    qkv = torch.randn(512, 15, 64, generator=g).to(BF16)
+    positions = torch.arange(512)
+    cos_sin = torch.randn(1024, 64, generator=g)
+    q, k = cpu_fused.apply_rope(qkv[:, :9], qkv[:, 9:12], positions, cos_sin)
+    silu = cpu_fused.silu_and_mul(torch.randn(512, 3072, generator=g).to(BF16))
+    return [normed, res, q, k, silu]
+
+
+@needs_pool
+def test_split_calls_give_the_one_thread_bits(kernel_thread_setting):
+    kernel_thread_setting(1)
+    one = _fused_outputs(0)
+    kernel_thread_setting(2)
+    assert kernel_threads() == 2
+    two = _fused_outputs(0)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+    # the test can fail: other inputs give other outputs
+    assert not torch.equal(_fused_outputs(1)[-1], two[-1])
+
+
+@needs_pool
+def test_libraries_share_one_pool_and_concurrent_callers_are_right(kernel_thread_setting):
+    """Two Python threads call kernels of two libraries at once, many times: one holds the
+    pool, the other runs its parts on its own thread; every result is the serial one."""
+    if not cpu_q4_linear.available():
+        pytest.skip("no AMX kernel here")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_cpu_q4_linear import gguf_like
+
+    weight = cpu_q4_linear.pack(*gguf_like(1024, 2048))
+    x = torch.randn(64, 2048).to(BF16)
+    kernel_thread_setting(1)
+    want_linear = cpu_q4_linear.linear(x, weight, None)
+    want_fused = _fused_outputs(3)
+    kernel_thread_setting(2)
+    errors: list[str] = []
+
+    def linear_caller() -> None:
+        for _ in range(20):
+            if not torch.equal(cpu_q4_linear.linear(x, weight, None), want_linear):
+                errors.append("linear")
+
+    def fused_caller() -> None:
+        for _ in range(20):
+            if not all(torch.equal(a, b) for a, b in zip(_fused_outputs(3), want_fused)):
+                errors.append("fused")
+
+    threads = [threading.Thread(target=linear_caller), threading.Thread(target=fused_caller)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a kernel call hung"
+    assert not errors
+
+
+def _child_silu(queue) -> None:
+    torch.set_num_threads(1)  # no OpenMP team in a forked child (libgomp's own limit)
+    set_kernel_threads(2)
+    x = torch.ones(512, 3072, dtype=BF16)
+    queue.put(float(cpu_fused.silu_and_mul(x).float().sum()))
+
+
+@needs_pool
+def test_a_forked_child_starts_its_own_workers(kernel_thread_setting):
+    """The parent's workers do not exist in a forked child: its split calls must not wait for
+    them."""
+    kernel_thread_setting(2)
+    want = float(cpu_fused.silu_and_mul(torch.ones(512, 3072, dtype=BF16)).float().sum())  # parent's pool started
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_child_silu, args=(queue,))
+    child.start()
+    child.join(timeout=60)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("the forked child's split call hung")
+    assert child.exitcode == 0 and queue.get(timeout=5) == want
+
+
+def test_the_setting_refuses_nonsense(kernel_thread_setting):
+    with pytest.raises(ValueError, match="at least 1"):
+        kernel_thread_setting(0)
+    kernel_thread_setting(None)
+    assert kernel_threads() == torch.get_num_threads()
+
+
+def test_the_engine_refuses_zero_threads():
+    from blink.engine.engine import Engine, EngineConfig
+    from blink.errors import BlinkError
+
+    for name in ("threads", "kernel_threads"):
+        with pytest.raises(BlinkError, match=f"--{name.replace('_', '-')} must be at least 1"):
+            Engine(EngineConfig(model="null", device="cpu", **{name: 0}))
+
+
+def test_serve_gives_the_kernels_every_core():
+    from blink.launcher import serve_engine_threads, serve_kernel_threads
+
+    import os
+    cores = len(os.sched_getaffinity(0))
+    assert serve_kernel_threads() == cores and serve_kernel_threads(2) == max(1, cores // 2)
+    assert serve_engine_threads() == max(1, cores - 1)
