@@ -1,6 +1,7 @@
-/* Helpers shared by the CPU kernels (cpu_attention.c, cpu_fused.c, cpu_q4_linear.c): bf16 <->
- * fp32, an exp the compiler vectorises, and the split of a call's work over threads. Hashed
- * into their build keys (blink/shared/native_build.py), so a change here rebuilds them all. */
+/* Helpers shared by the CPU kernels (cpu_attention.c, cpu_fused.c, cpu_q4_linear.c; cpu_pool.c
+ * for its types): bf16 <-> fp32, exps, the gated activation, and the split of a call's work
+ * over the process's worker pool. Hashed into their build keys (blink/shared/native_build.py),
+ * so a change here rebuilds them all. */
 #pragma once
 #include <math.h>
 #include <pthread.h>

@@ -91,11 +91,11 @@ static void blink_pool_after_fork(void) {
                                 PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, NULL, NULL, 0, 0};
 }
 
+static void blink_pool_register_fork(void) { pthread_atfork(NULL, NULL, blink_pool_after_fork); }
+
 /* run(part) over [0, items) split evenly into `threads` parts (at most BLINK_MAX_THREADS and
  * `items`): the first on the calling thread, the others on the workers (parts that no worker
  * can take run here after the first). Returns 0 or the last nonzero status. */
-static void blink_pool_register_fork(void) { pthread_atfork(NULL, NULL, blink_pool_after_fork); }
-
 int blink_pool_split(void *(*run)(void *), const void *args, int64_t items, int threads) {
     if (threads > BLINK_MAX_THREADS) threads = BLINK_MAX_THREADS;
     if (threads > items) threads = (int)items;
