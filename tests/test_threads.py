@@ -477,7 +477,7 @@ def test_the_gthulhu_export_follows_the_crd_schema(kind):
                    for r in ROLES)
         assert doc["spec"]["priority"] in (0, 1)
     by_regex = {d["spec"]["commandRegex"]: d["spec"] for d in docs}
-    loop = by_regex["^blink-(loop|omp-[0-9]+|hostloop)$"]
+    loop = by_regex["^blink-(loop|omp-[0-9]+|kern-[0-9]+|hostloop)$"]
     assert loop["priority"] == 1 and "executionTime" not in loop
     http = by_regex["^blink-(http|tok-[0-9]+)$"]
     assert http["priority"] == 1 and http["executionTime"] == 1_000_000  # ns
@@ -532,8 +532,8 @@ def test_the_thread_policy_command_checks_reports_and_exports():
     assert run_thread_policy_command(parse_args(["thread-policy", "default"]), out) == 0
     text = out.getvalue()
     assert "default.yaml: valid." in text and "this host allows (privileged forms)" in text
-    assert re.search(r"line \d+: \^blink-\(loop\|omp-\[0-9\]\+\|hostloop\)\$ -> roles blink-loop, "
-                     r"blink-omp-N, blink-hostloop: nice=-10 \((applied|denied)\)", text), text
+    assert re.search(r"line \d+: \^blink-\(loop\|omp-\[0-9\]\+\|kern-\[0-9\]\+\|hostloop\)\$ -> roles blink-loop, "
+                     r"blink-omp-N, blink-kern-N, blink-hostloop: nice=-10 \((applied|denied)\)", text), text
 
     out = io.StringIO()
     args = parse_args(["thread-policy", "--report", "--pid", str(os.getpid())])
