@@ -548,8 +548,8 @@ int blink_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_h,
     args_t a = {q, q_stride_t, q_stride_h, out, k, v, q_bf16, kv_bf16, T, H, KVH, D, block_size, num_blocks, rows,
                 token_row, positions, query_start, seq_lens, tables, table_stride, table_cols, scale};
     /* one thread per ~16K key visits at most (a step's bound: T x its longest context),
-     * ~0.1-0.2 ms of work, which pays for waking a worker (cpu_kernels.h) */
-    while (threads > 1 && key_visits < ((int64_t)threads << 14)) threads--;
+     * ~0.1-0.2 ms of work, which pays for waking a worker (cpu_pool.c) */
+    threads = blink_threads_for(key_visits, (int64_t)1 << 14, threads);
     tokens_t tokens = {&a, 0};
 #if HAVE_TILES
     int64_t count = 0, longest = 0; /* rows that take tiles, and the longest one's context */

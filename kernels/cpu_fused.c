@@ -160,12 +160,9 @@ static void silu_and_mul_row(const uint16_t *restrict gate, const uint16_t *rest
 }
 
 /* ---- The exported calls: rows split over `threads` when a call is large enough (a prefill's:
- * ~0.1 ms of work per thread at least), each part the functions above on its rows. */
-
-static int threads_for(int64_t elements, int threads) {
-    while (threads > 1 && elements < ((int64_t)threads << 17)) threads--;
-    return threads;
-}
+ * 128K elements, ~0.1 ms of work, per thread at least), each part the functions above on its
+ * rows. */
+enum { ELEMENTS_PER_THREAD = 1 << 17 };
 
 typedef struct {
     const uint16_t *x, *residual, *weight;
@@ -188,7 +185,7 @@ void blink_add_rms_norm(const uint16_t *x, int64_t x_stride, const uint16_t *res
                         int64_t res_stride, const uint16_t *weight, uint16_t *out,
                         uint16_t *residual_out, int64_t rows, int64_t dim, float eps, int threads) {
     const norm_args_t a = {x, residual, weight, x_stride, res_stride, dim, out, residual_out, eps};
-    blink_run_parts(norm_part, &a, rows, threads_for(rows * dim, threads));
+    blink_run_parts(norm_part, &a, rows, blink_threads_for(rows * dim, ELEMENTS_PER_THREAD, threads));
 }
 
 typedef struct {
@@ -215,7 +212,8 @@ int blink_rope(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k
                uint16_t *out, int64_t tokens, int64_t H, int64_t KVH, int64_t D, int64_t rotary_dim,
                int threads) {
     const rope_args_t a = {q, k, q_stride, k_stride, positions, cos_sin, max_positions, H, KVH, D, rotary_dim, out};
-    return blink_run_parts(rope_part, &a, tokens, threads_for(tokens * (H + KVH) * D, threads));
+    return blink_run_parts(rope_part, &a, tokens,
+                           blink_threads_for(tokens * (H + KVH) * D, ELEMENTS_PER_THREAD, threads));
 }
 
 typedef struct {
@@ -234,5 +232,5 @@ static void *silu_part(void *arg) {
 
 void blink_silu_and_mul(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t rows, int64_t dim, int threads) {
     const silu_args_t a = {x, x_stride, dim, out};
-    blink_run_parts(silu_part, &a, rows, threads_for(rows * dim, threads));
+    blink_run_parts(silu_part, &a, rows, blink_threads_for(rows * dim, ELEMENTS_PER_THREAD, threads));
 }

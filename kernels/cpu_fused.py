@@ -23,8 +23,7 @@ from pathlib import Path
 
 import torch
 
-from blink.kernels import reference
-from blink.kernels import cpu_pool
+from blink.kernels import cpu_pool, reference
 from blink.kernels.cpu_threads import kernel_threads
 from blink.shared.native_build import NativeLibrary
 

@@ -149,6 +149,13 @@ static blink_pool_run_t blink_pool_run = NULL;
 
 void blink_use_pool(void *run) { blink_pool_run = (blink_pool_run_t)run; }
 
+/* `threads`, fewer while the call's `work` is under `per_thread` units for each: a part must
+ * pay for waking a worker (each kernel sizes its unit to ~0.1 ms of its work). */
+static inline int blink_threads_for(int64_t work, int64_t per_thread, int threads) {
+    while (threads > 1 && work < (int64_t)threads * per_thread) threads--;
+    return threads;
+}
+
 /* run(part) over [0, items) split evenly into `threads` parts (at most BLINK_MAX_THREADS and
  * `items`), on the pool when there is one and more than one part, else one after the other
  * here. Returns 0 or the last nonzero status. Callers pick `threads` by the call's work. */

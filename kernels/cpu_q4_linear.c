@@ -133,23 +133,26 @@ static inline void scale_group(const float *dots, const uint16_t *scales, const 
                                      _mm512_fmadd_ps(_mm512_set1_ps(x_sums[r * groups]), m, acc[r]));
 }
 
-/* Rows [r0, r0 + rows) of tile t's results, plus the bias, to y in bf16. */
-static inline void store_tile(const args_t *a, const __m512 *acc, int64_t t, int64_t r0, int rows) {
+/* Results are rows x 16 fp32, row r at r * TILE: a few-rows pass's accumulators or a block's
+ * tile stored by _tile_stored. Both paths write y through the two functions below. */
+
+/* Rows [r0, r0 + rows) of weight tile t's results, plus the bias, to y's tile t in bf16. */
+static inline void store_tile(const args_t *a, const float *result, int64_t t, int64_t r0, int rows) {
     const __m512 bias = a->bias ? load_bf16x16(a->bias + t * TILE) : _mm512_setzero_ps();
     for (int r = 0; r < rows; r++)
-        store_bf16x16(a->y + (r0 + r) * a->y_stride + t * TILE, _mm512_add_ps(acc[r], bias));
+        store_bf16x16(a->y + (r0 + r) * a->y_stride + t * TILE, _mm512_add_ps(_mm512_load_ps(result + r * TILE), bias));
 }
 
 /* Gated: rows [r0, r0 + rows) of gate tile t's and up tile t + N/32's results, each plus its
  * bias and rounded to bf16 as store_tile would write it, combined into y's tile t. */
-static inline void store_gated(const args_t *a, const __m512 *gate, const __m512 *up, int64_t t, int64_t r0,
+static inline void store_gated(const args_t *a, const float *gate, const float *up, int64_t t, int64_t r0,
                                int rows) {
     const int64_t half = a->N / 2;
     const __m512 bias_g = a->bias ? load_bf16x16(a->bias + t * TILE) : _mm512_setzero_ps();
     const __m512 bias_u = a->bias ? load_bf16x16(a->bias + half + t * TILE) : _mm512_setzero_ps();
     for (int r = 0; r < rows; r++) {
-        const __m512 g = round_bf16x16(_mm512_add_ps(gate[r], bias_g));
-        const __m512 u = round_bf16x16(_mm512_add_ps(up[r], bias_u));
+        const __m512 g = round_bf16x16(_mm512_add_ps(_mm512_load_ps(gate + r * TILE), bias_g));
+        const __m512 u = round_bf16x16(_mm512_add_ps(_mm512_load_ps(up + r * TILE), bias_u));
         store_bf16x16(a->y + (r0 + r) * a->y_stride + t * TILE, silu_times16(g, u));
     }
 }
@@ -198,9 +201,9 @@ static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, __m512i 
     if (a->gated) {
         __m512 up[MAX_ROWS];
         tile_products(a, t + a->N / 2 / TILE, r0, rows, as_bf16, up);
-        store_gated(a, acc, up, t, r0, rows);
+        store_gated(a, (const float *)acc, (const float *)up, t, r0, rows);
     } else {
-        store_tile(a, acc, t, r0, rows);
+        store_tile(a, (const float *)acc, t, r0, rows);
     }
 }
 
@@ -262,32 +265,17 @@ static void configure_block(int rows0, int rows1) {
     _tile_loadconfig(&config);
 }
 
-/* The results of a block's row half, stored by _tile_stored (rows x 16 fp32 each): first (and,
- * when two, second) to y's tiles t and t + 1, or, gated, y's tile t from first (its gate
- * products) and second (its up products). Row by row: whole tiles' worth of vectors held at
- * once would spill. */
+/* A block's row half, its tiles stored by _tile_stored: first (and, when two, second) to y's
+ * tiles t and t + 1, or, gated, y's tile t from first (its gate products) and second (its up
+ * products). */
 static void store_results(const args_t *a, const float *first, const float *second, int two, int64_t t,
                           int64_t r0, int rows) {
     if (a->gated) {
-        const int64_t half = a->N / 2;
-        const __m512 bias_g = a->bias ? load_bf16x16(a->bias + t * TILE) : _mm512_setzero_ps();
-        const __m512 bias_u = a->bias ? load_bf16x16(a->bias + half + t * TILE) : _mm512_setzero_ps();
-        for (int r = 0; r < rows; r++) {
-            const __m512 g = round_bf16x16(_mm512_add_ps(_mm512_load_ps(first + r * TILE), bias_g));
-            const __m512 u = round_bf16x16(_mm512_add_ps(_mm512_load_ps(second + r * TILE), bias_u));
-            store_bf16x16(a->y + (r0 + r) * a->y_stride + t * TILE, silu_times16(g, u));
-        }
+        store_gated(a, first, second, t, r0, rows);
         return;
     }
-    const __m512 bias0 = a->bias ? load_bf16x16(a->bias + t * TILE) : _mm512_setzero_ps();
-    for (int r = 0; r < rows; r++)
-        store_bf16x16(a->y + (r0 + r) * a->y_stride + t * TILE, _mm512_add_ps(_mm512_load_ps(first + r * TILE), bias0));
-    if (two) {
-        const __m512 bias1 = a->bias ? load_bf16x16(a->bias + (t + 1) * TILE) : _mm512_setzero_ps();
-        for (int r = 0; r < rows; r++)
-            store_bf16x16(a->y + (r0 + r) * a->y_stride + (t + 1) * TILE,
-                          _mm512_add_ps(_mm512_load_ps(second + r * TILE), bias1));
-    }
+    store_tile(a, first, t, r0, rows);
+    if (two) store_tile(a, second, t + 1, r0, rows);
 }
 
 /* Rows [r0, r0 + rows0 + rows1) x the two weight tiles w[0], w[1] (when two; rebuilt weights
@@ -431,8 +419,7 @@ static int quantized_linear(const uint16_t *x, int64_t x_stride, const uint16_t 
                 gated};
     /* one thread per ~0.1 ms of work at most (~2M weights to unpack for a few rows, ~32M
      * multiply-adds for many) */
-    const int64_t work = many ? M * N * K >> 4 : N * K;
-    while (threads > 1 && work < ((int64_t)threads << 21)) threads--;
+    threads = blink_threads_for(many ? M * N * K >> 4 : N * K, (int64_t)1 << 21, threads);
     const int status = blink_run_parts(many ? run_many_rows : run_few_rows, &a, out_tiles, threads);
     free(x_sums);
     return status;

@@ -4,8 +4,9 @@
 Default: torch's intra-op threads. The engine's CPU loop may give its kernels more than it
 gives torch's OpenMP pool (``EngineConfig.kernel_threads``): a kernel splits only a call
 large enough to pay for it (a prefill's projections, attention and elementwise ops; a
-decode step's stay on the calling thread), and its workers sleep between calls
-(``cpu_kernels.h``), so a core that the frontend needs is only borrowed for prefill work.
+decode step's stay on the calling thread), and the pool's workers poll for 200 us after a
+call, then sleep (``cpu_pool.c``), so a core that the frontend needs is only borrowed for
+prefill work.
 """
 from __future__ import annotations
 

@@ -62,10 +62,6 @@ def close_to_exact(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tenso
     assert (got == exact).float().mean() > 0.99
 
 
-def few_rows() -> int:
-    return cpu_q4_linear.LIBRARY.get().blink_q4_linear_few_rows()
-
-
 @needs_amx
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 32, 33, 48, 50])
 @pytest.mark.parametrize("n, k", [(16, 32), (48, 160), (80, 576)])  # 1-5 tiles; 1, 5, 18 groups
@@ -81,7 +77,7 @@ def test_kernel_matches_the_fp32_product(rows, n, k, with_bias):
     got = cpu_q4_linear.linear(x, weight, bias)
     assert got.shape == (rows, n) and got.dtype == torch.bfloat16
     dense = int4_linear.dequantize(codes, scale, zero)
-    if rows > few_rows():
+    if rows > cpu_q4_linear.few_rows():
         dense = dense.bfloat16().float()
     want = torch.nn.functional.linear(x.float(), dense, None if bias is None else bias.float())
     close_to_exact(got, want, x.float().abs() @ dense.abs().T)

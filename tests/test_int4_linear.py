@@ -134,7 +134,7 @@ def test_torch_kernel_runs_small_steps_on_the_codes_and_large_ones_on_bf16(q4_gg
 
 @needs_amx_kernel
 def test_amx_kernel_runs_every_step_on_the_codes_without_a_bf16_copy(q4_gguf, monkeypatch):
-    few = cpu_q4_linear.LIBRARY.get().blink_q4_linear_few_rows()
+    few = cpu_q4_linear.few_rows()
     # beyond `few` rows the kernel multiplies the bf16 rounding of the file's weights, as the
     # bf16 copy does (here to the same bits: the tiny model's sums are short)
     with_int4, plain = _check_steps_on_the_codes(q4_gguf, [1, few, few + 1, 40], None, monkeypatch,
