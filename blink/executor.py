@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from blink.config import ModelConfig
+from blink.decode_graphs import DecodeGraphs
 from blink.errors import ModelLoadError, UnsupportedModelError
 from blink.kernels.reference import AttentionMetadata
 from blink.models import DecoderForCausalLM, build_model, int4_linear, packed_linear
@@ -55,6 +56,9 @@ class ModelExecutor:
     to how many rows. The same switch, with the AMX kernel, computes the logits from a head
     the file stores as Q8_0 (SmolLM2's tied embedding; ~2x less traffic than bf16):
     ``q8_head``.
+    ``cpu_graphs``: on CPU, replay steps whose every row decodes one token from graphs of
+    their C kernel calls (:mod:`blink.decode_graphs`; the same logits, without the Python
+    between the calls); False runs every step eagerly.
     """
 
     def __init__(
@@ -69,6 +73,7 @@ class ModelExecutor:
         num_threads: int | None = None,
         pack_weights: bool = True,
         int4_decode: bool = True,
+        cpu_graphs: bool = True,
     ) -> None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -128,6 +133,10 @@ class ModelExecutor:
             )
             for _ in range(cfg.num_hidden_layers)
         ]
+        #: the decode steps' CPU graphs (None: every step eager)
+        self.decode_graphs = (DecodeGraphs(self.model, self.kv_caches, block_size, self.scratch_block,
+                                           self.max_model_len)
+                              if cpu_graphs and self.device.type == "cpu" else None)
 
     def _check_max_model_len(self, requested: int | None) -> int:
         cfg = self.config
@@ -161,6 +170,11 @@ class ModelExecutor:
     ) -> torch.Tensor:
         """Forward the step's tokens (writing their K/V into the cache) and return fp32
         logits ``[len(logits_indices), vocab]`` for the selected token rows."""
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.takes(input_ids, md):
+            logits = graphs.run(input_ids, md, logits_indices)
+            if logits is not None:
+                return logits
         single_row = input_ids.shape[0] == 1 and self._bf16_cpu
         with _onednn_disabled() if single_row else contextlib.nullcontext():
             hidden = self.model(input_ids, md, self.kv_caches)

@@ -90,6 +90,7 @@ def engine_config_from_args(args: argparse.Namespace):
            {"enforce_eager": False} if args.compile else {}),
         compile_cache_dir=args.compile_cache_dir,
         int4_decode=args.int4_decode != "off",
+        cpu_graphs=getattr(args, "cpu_graphs", "auto") != "off",
         role=getattr(args, "role", "both"),
         kv_peers=tuple(getattr(args, "kv_peer", None) or ()),
         fabric=getattr(args, "fabric", None),
@@ -205,7 +206,7 @@ _ENGINE_FLAGS = (
     "model", "served_model_name", "dtype", "device", "max_model_len", "block_size",
     "kv_cache_tokens", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "loop",
     "threads", "kernel_threads", "transport", "grammar_region_mb", "max_logprobs", "log_level",
-    "compile_cache_dir", "thread_policy", "int4_decode",
+    "compile_cache_dir", "thread_policy", "int4_decode", "cpu_graphs",
 )
 
 

@@ -531,6 +531,16 @@ static void *run_token_part(void *arg) {
     return NULL;
 }
 
+/* The step's key visits: each live row's new tokens times its context. Counted here from the
+ * metadata, not passed in, so that every scalar argument is a shape: a recorded call
+ * (cpu_graph.py) stays right when the contexts grow. */
+static int64_t key_visits(const int32_t *query_start, const int32_t *seq_lens, int64_t rows) {
+    int64_t visits = 0;
+    for (int64_t r = 0; r < rows; r++)
+        if (seq_lens[r] > 0) visits += (int64_t)(query_start[r + 1] - query_start[r]) * seq_lens[r];
+    return visits;
+}
+
 /* Returns 0; -1 when a block id lies outside the cache; -2 for shapes this kernel does not
  * take (the caller checks them first, so this is a last guard); -4 out of memory (the tiles'
  * scratch). `threads` splits the (token, KV head) pairs, and the tile rows' (row, KV head)
@@ -541,15 +551,15 @@ int blink_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_h,
                           const int64_t *token_row, const int64_t *positions,
                           const int32_t *query_start, const int32_t *seq_lens,
                           const int32_t *tables, int64_t table_stride, int64_t table_cols,
-                          float scale, int64_t key_visits, int threads) {
+                          float scale, int threads) {
     if (KVH <= 0 || H % KVH != 0 || H / KVH > MAX_GROUP || D % W != 0 || D > MAX_HEAD_DIM
         || block_size > MAX_BLOCK)
         return -2;
     args_t a = {q, q_stride_t, q_stride_h, out, k, v, q_bf16, kv_bf16, T, H, KVH, D, block_size, num_blocks, rows,
                 token_row, positions, query_start, seq_lens, tables, table_stride, table_cols, scale};
-    /* one thread per ~16K key visits at most (a step's bound: T x its longest context),
-     * ~0.1-0.2 ms of work, which pays for waking a worker (cpu_pool.c) */
-    threads = blink_threads_for(key_visits, (int64_t)1 << 14, threads);
+    /* one thread per ~16K key visits at most, ~0.1-0.2 ms of work, which pays for waking a
+     * worker (cpu_pool.c) */
+    threads = blink_threads_for(key_visits(query_start, seq_lens, rows), (int64_t)1 << 14, threads);
     tokens_t tokens = {&a, 0};
 #if HAVE_TILES
     int64_t count = 0, longest = 0; /* rows that take tiles, and the longest one's context */

@@ -76,15 +76,15 @@ def _declare(library: ctypes.CDLL) -> None:
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3
                    + [ctypes.c_int] * 2 + [ctypes.c_int64] * 7
-                   + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float]
-                   + [ctypes.c_int64, ctypes.c_int])
+                   + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int])
 
 
 LIBRARY = NativeLibrary(
     _SOURCE, what="CPU paged attention: the C kernel", logger=log,
     fallback="the torch path (SDPA over gathered blocks) serves every step",
     flags=("-O3", "-march=native", *_MATH_FLAGS), fallback_flags=("-O3", *_MATH_FLAGS),
-    headers=(_SOURCE.with_name("cpu_kernels.h"),), env=IMPL_ENV, setup=_declare)
+    headers=(_SOURCE.with_name("cpu_kernels.h"),), env=IMPL_ENV, setup=_declare,
+    kernels=("blink_paged_attention",), queries=("blink_has_avx512", "blink_paged_attention_tile_min_tokens"))
 
 
 def native_kernel() -> "ctypes._CFuncPtr | None":
@@ -181,7 +181,6 @@ def paged_attention(
     T, H, D = q.shape
     num_blocks, block_size, KVH = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
     token_row, positions, query_start, seq_lens, tables = _native_metadata(md)
-    longest = md.max_context if md.max_context is not None else tables.shape[1] * block_size
     if q.stride(2) != 1:  # rows may be strided (q is a view of the fused QKV), a head may not
         q = q.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype)
@@ -190,7 +189,7 @@ def paged_attention(
                     T, H, KVH, D, block_size, num_blocks, seq_lens.shape[0],
                     token_row.data_ptr(), positions.data_ptr(), query_start.data_ptr(),
                     seq_lens.data_ptr(), tables.data_ptr(), tables.stride(0), tables.shape[1],
-                    scale, T * longest, kernel_threads())
+                    scale, kernel_threads())
     if status == -4:
         raise MemoryError("paged attention: no memory for the prompt rows' laid-out K/V")
     if status != 0:

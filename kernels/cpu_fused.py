@@ -63,7 +63,8 @@ LIBRARY = NativeLibrary(
     _SOURCE, what="fused CPU ops: the C library", logger=log,
     fallback="the torch references run instead, slower for small steps",
     flags=("-O3", "-march=native", *_FLAGS), fallback_flags=("-O3", *_FLAGS),
-    headers=(_SOURCE.with_name("cpu_kernels.h"),), env=IMPL_ENV, setup=_declare)
+    headers=(_SOURCE.with_name("cpu_kernels.h"),), env=IMPL_ENV, setup=_declare,
+    kernels=tuple(_SIGNATURES), queries=("blink_has_avx512",))
 
 
 def library() -> ctypes.CDLL | None:

@@ -26,7 +26,8 @@ def _declare(library: ctypes.CDLL) -> None:
 LIBRARY = NativeLibrary(
     _SOURCE, what="the CPU kernels' worker pool", logger=log,
     fallback="each kernel call runs on its calling thread",
-    flags=("-O2",), headers=(_SOURCE.with_name("cpu_kernels.h"),), setup=_declare)
+    flags=("-O2",), headers=(_SOURCE.with_name("cpu_kernels.h"),), setup=_declare,
+    queries=("blink_pool_split",))  # (only its address is taken: attach hands it to the kernels)
 
 
 def attach(library: ctypes.CDLL) -> None:

@@ -64,7 +64,8 @@ LIBRARY = NativeLibrary(
     _SOURCE, what="4-bit CPU projections: the AMX kernel", logger=log,
     fallback="4-bit projections run on torch's int4 kernel for few rows and bf16 otherwise",
     flags=("-O3", "-march=native", "-ffp-contract=off"), headers=(_SOURCE.with_name("cpu_kernels.h"),), env=IMPL_ENV,
-    setup=_declare)
+    setup=_declare, kernels=("blink_q4_linear", "blink_q8_linear", "blink_q4_linear_gated"),
+    queries=("blink_q4_linear_supported", "blink_q4_linear_few_rows"))
 
 
 def few_rows() -> int:

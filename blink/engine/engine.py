@@ -95,6 +95,9 @@ class EngineConfig:
     #: CPU bf16, eager: steps of few tokens run a GGUF file's Q4_0/Q4_1 projections on its
     #: own 4-bit codes (blink.models.int4_linear); False: always the bf16 copy
     int4_decode: bool = True
+    #: CPU loop, eager: steps whose every row decodes one token replay graphs of their C kernel
+    #: calls (blink.decode_graphs); False: every step runs the Python forward
+    cpu_graphs: bool = True
     #: disaggregation (docs/disaggregation.md): "both" (prefill and decode, the default),
     #: "prefill" (also sends a request's prompt KV to a decode engine) or "decode" (also
     #: reserves blocks for prompts whose KV a prefill engine writes into its KV region)
@@ -220,7 +223,7 @@ class Engine:
             )
         # A compiled step (CPU, not enforce_eager: see _compile) traces plain weights.
         packing = {} if null else {"pack_weights": config.enforce_eager or self.device.type != "cpu",
-                                   "int4_decode": config.int4_decode}
+                                   "int4_decode": config.int4_decode, "cpu_graphs": config.cpu_graphs}
         self.executor = (NullExecutor if null else ModelExecutor)(
             files, dtype=dtype, device=self.device, block_size=config.block_size,
             num_blocks=num_blocks, max_model_len=max_len, **packing,
@@ -352,6 +355,7 @@ class Engine:
         def bump() -> None:
             control[C_HEARTBEAT] += 1
 
+        bump.progress_only = True  # a replayed decode graph calls it once per step (blink.decode_graphs)
         model.on_layer = bump if on else None
 
     def _start_openmp_team(self) -> None:
@@ -377,6 +381,7 @@ class Engine:
         control = self.ring.control
         try:
             self._compile()
+            self._record_decode_graphs()
         except BaseException as exc:
             self.error = exc
             control[C_ENGINE_STATE] = ENGINE_FAILED
@@ -444,6 +449,21 @@ class Engine:
         with torch.inference_mode():
             compiled.warm()
         self.compiled = compiled
+
+    def _record_decode_graphs(self) -> None:
+        """CPU loop, eager, before READY: record the decode steps' CPU graphs
+        (:mod:`blink.decode_graphs`) for every row count up to ``max_num_seqs``, on this
+        thread with the loop's kernel threads, so that no step pays for a recording."""
+        graphs = getattr(self.executor, "decode_graphs", None)
+        if graphs is None or self.compiled is not None:
+            return
+        t0 = time.monotonic()
+        with torch.inference_mode():
+            recorded = graphs.record(min(self.config.max_num_seqs, self.config.max_num_batched_tokens))
+        if recorded:
+            log.info("decode steps of up to %d rows run on %d CPU graphs (recorded in %.1f s, %.0f MB; "
+                     "--cpu-graphs off: eager)", max(b for b, _ in graphs.graphs), recorded,
+                     time.monotonic() - t0, graphs.kept_bytes / 2**20)
 
     def _idle(self) -> bool:
         """Host-side check (CPU loop only) that no slot needs the engine: FREE slots and

@@ -260,10 +260,18 @@ class DecoderForCausalLM(nn.Module):
         kv_caches: list[KVCache],
     ) -> torch.Tensor:
         """input_ids [T] -> hidden [T, hidden_size] (after the final norm)."""
+        return self.run_layers(self.embed(input_ids), md, kv_caches)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> the token embeddings [T, hidden_size], the layers' input."""
+        return F.embedding(input_ids, self.model.embed_tokens.weight)
+
+    def run_layers(self, x: torch.Tensor, md: AttentionMetadata, kv_caches: list[KVCache]) -> torch.Tensor:
+        """Embeddings [T, hidden_size] -> hidden [T, hidden_size] (after the final norm): the
+        forward after :meth:`embed`."""
         # A fresh step cache per forward: ops memoise per-step index work in it once
         # and every layer reuses it (see AttentionMetadata.step_cache).
         md = dataclasses.replace(md, step_cache={})
-        x = F.embedding(input_ids, self.model.embed_tokens.weight)
         residual = None
         on_layer = self.on_layer
         for layer, kv_cache in zip(self.model.layers, kv_caches):

@@ -23,8 +23,10 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Protocol
 
 
 class NativeBuildError(RuntimeError):
@@ -97,31 +99,68 @@ def _built(source: Path, compiler: str, flags: list[str], headers: Sequence[Path
     return target
 
 
+class CallRecorder(Protocol):
+    """What :func:`recording_calls` installs (:class:`blink.kernels.cpu_graph.CpuGraph`'s recorder)."""
+
+    def library_view(self, native: NativeLibrary, library: ctypes.CDLL) -> Any:
+        """What :meth:`NativeLibrary.get` returns on the recording thread instead of ``library``."""
+
+
+_RECORDING = threading.local()  # .recorder: this thread's active CallRecorder, if any
+
+
+@contextmanager
+def recording_calls(recorder: CallRecorder) -> Iterator[None]:
+    """While active, :meth:`NativeLibrary.get` on this thread returns
+    ``recorder.library_view(native, library)`` instead of the library, so the recorder sees
+    every call this thread makes into a native library (other threads are unaffected). One
+    recorder per thread at a time."""
+    if getattr(_RECORDING, "recorder", None) is not None:
+        raise RuntimeError("this thread is already recording native calls")
+    _RECORDING.recorder = recorder
+    try:
+        yield
+    finally:
+        _RECORDING.recorder = None
+
+
 class NativeLibrary:
     """One C source, built (:func:`build_library`) and loaded once per process on first
     :meth:`get`, or None where it cannot be: then ``logger`` warns once, naming ``what`` and
     the ``fallback`` that runs instead. ``$env == env_value`` skips it without a warning (tests
     and diagnosis force the fallback so). ``setup(library)`` declares the functions'
-    signatures; a missing symbol counts as a failed build."""
+    signatures; a missing symbol counts as a failed build.
+
+    For a recording (:func:`recording_calls`), the functions say what they are: ``kernels``
+    may be recorded and replayed later with the same arguments (they touch only memory their
+    pointer arguments name, and every scalar argument they take is a shape or a constant,
+    never a value read from the data); ``queries`` only report facts about the build or the
+    CPU, and are called through."""
 
     def __init__(self, source: Path, *, what: str, fallback: str, logger: logging.Logger,
                  flags: Sequence[str] = ("-O2",), fallback_flags: Sequence[str] | None = None,
                  headers: Sequence[Path] = (), env: str | None = None, env_value: str = "torch",
-                 setup: Callable[[ctypes.CDLL], None] | None = None) -> None:
+                 setup: Callable[[ctypes.CDLL], None] | None = None,
+                 kernels: Sequence[str] = (), queries: Sequence[str] = ()) -> None:
         self.source, self.what, self.fallback, self.log = source, what, fallback, logger
         self.flags, self.fallback_flags, self.headers = tuple(flags), fallback_flags, tuple(headers)
         self.env, self.env_value, self.setup = env, env_value, setup
+        self.kernels, self.queries = frozenset(kernels), frozenset(queries)
         self._lock = threading.Lock()
         self._state: list[ctypes.CDLL | None] = []  # [library or None] once decided
 
     def get(self) -> ctypes.CDLL | None:
-        """The loaded library, or None (the caller's fallback runs)."""
-        if self._state:
-            return self._state[0]
-        with self._lock:
-            if not self._state:
-                self._state.append(self._load())
-        return self._state[0]
+        """The loaded library, or None (the caller's fallback runs); on a thread that is
+        recording native calls, the recorder's view of it."""
+        if not self._state:
+            with self._lock:
+                if not self._state:
+                    self._state.append(self._load())
+        library = self._state[0]
+        recorder = getattr(_RECORDING, "recorder", None)
+        if recorder is None or library is None:
+            return library
+        return recorder.library_view(self, library)
 
     def reset(self) -> None:
         """Forget the decision: the next :meth:`get` builds or loads again (tests)."""

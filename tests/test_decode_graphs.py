@@ -1,0 +1,256 @@
+"""CPU graphs (blink.kernels.cpu_graph) and the decode steps replayed from them
+(blink.decode_graphs): a replay computes what the eager code computes, to the bit, for every
+row count and bucket; padding rows touch nothing but the scratch block; what cannot be
+replayed is refused at the recording, and those steps stay eager."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blink.kernels import cpu_fused, cpu_graph
+from blink.kernels.cpu_threads import kernel_threads, set_kernel_threads
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+needs_fused = pytest.mark.skipif(cpu_fused.library() is None, reason="the fused C ops do not build here")
+
+
+# ------------------------------------------------------------------------------ the recorder
+
+
+@needs_fused
+def test_a_replay_recomputes_from_the_buffers_new_contents():
+    x, residual = torch.randn(5, 64).bfloat16(), torch.randn(5, 64).bfloat16()
+    weight = torch.randn(64).bfloat16()
+    with torch.inference_mode():
+        with cpu_graph.record() as graph:
+            out, res_out = cpu_fused.fused_add_rms_norm(x, residual, weight, 1e-5)
+        assert [c.name for c in graph.calls] == ["blink_add_rms_norm"]
+        x.copy_(torch.randn(5, 64))
+        residual.copy_(torch.randn(5, 64))
+        want = cpu_fused.fused_add_rms_norm(x, residual, weight, 1e-5)
+        assert not torch.equal(out, want[0])  # (the recording's result was of the old inputs)
+        graph.replay()
+    assert torch.equal(out, want[0]) and torch.equal(res_out, want[1])
+    assert graph.kept_bytes >= out.nbytes + res_out.nbytes  # the outputs the calls write into
+
+
+@needs_fused
+def test_recording_refuses_torch_ops_that_compute():
+    x = torch.randn(4, 64).bfloat16()
+    weight = torch.ones(64).bfloat16()
+    with torch.inference_mode():
+        with pytest.raises(cpu_graph.GraphRecordingError, match="computes with torch"):
+            with cpu_graph.record():
+                y = cpu_fused.rms_norm(x, weight, 1e-5)
+                y + 1  # a replay would not redo this
+        with pytest.raises(cpu_graph.GraphRecordingError, match="computes with torch"):
+            with cpu_graph.record():
+                x.t().contiguous()  # a "view" op that copies here
+        with cpu_graph.record() as graph:  # views and allocations are fine
+            x.view(2, 128)[:, :64].unsqueeze(0)
+            x.reshape(-1)
+            torch.empty(3)
+        assert graph.calls == []
+
+
+@needs_fused
+def test_recording_refuses_library_functions_it_does_not_know():
+    native = cpu_fused.LIBRARY
+    with cpu_graph.record():
+        assert native.get().blink_has_avx512() in (0, 1)  # a query: called through
+    saved = native.kernels
+    native.kernels = frozenset()
+    try:
+        with pytest.raises(cpu_graph.GraphRecordingError, match="neither a kernel nor a query"):
+            with cpu_graph.record():
+                native.get().blink_add_rms_norm
+    finally:
+        native.kernels = saved
+    assert not isinstance(native.get(), cpu_graph._LibraryView)  # the recording is over
+
+
+@needs_fused
+def test_only_the_recording_thread_sees_the_recorder():
+    import threading
+
+    seen = []
+    with cpu_graph.record():
+        assert isinstance(cpu_fused.LIBRARY.get(), cpu_graph._LibraryView)
+        t = threading.Thread(target=lambda: seen.append(cpu_fused.LIBRARY.get()))
+        t.start()
+        t.join()
+    assert seen and not isinstance(seen[0], cpu_graph._LibraryView)
+
+
+# ------------------------------------------------------------------------------ decode graphs
+
+
+@pytest.fixture(scope="module")
+def executor():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_loader_gguf import smollm_path
+
+    from blink.executor import ModelExecutor
+
+    ex = ModelExecutor(smollm_path(), dtype=torch.bfloat16, num_blocks=400, max_model_len=256)
+    if ex.decode_graphs is None or not ex.decode_graphs.record(1):
+        pytest.skip(f"decode steps run eagerly here: {ex.decode_graphs and ex.decode_graphs.off_reason}")
+    return ex
+
+
+def _decode_step(ex, contexts: list[int], seed: int):
+    """A decode step (one new token per row) over rows whose prompts are already in the cache:
+    row r holds ``contexts[r]`` tokens in blocks of its own."""
+    g = torch.Generator().manual_seed(seed)
+    seqs, first = [], 0
+    for n in contexts:
+        blocks = -(-(n + 1) // ex.block_size)
+        seqs.append(([int(torch.randint(50, 40000, (), generator=g))], n, list(range(first, first + blocks))))
+        first += blocks
+    assert first <= ex.num_blocks
+    return ex.build_metadata(seqs)
+
+
+def _fill_cache(ex, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for k, v in ex.kv_caches:
+        k[:ex.num_blocks].copy_(torch.randn(k[:ex.num_blocks].shape, generator=g))
+        v[:ex.num_blocks].copy_(torch.randn(v[:ex.num_blocks].shape, generator=g))
+
+
+def _eager_and_graph(ex, step):
+    """(eager logits, graph logits, eager cache, graph cache) of one step from the same cache."""
+    saved = [(k.clone(), v.clone()) for k, v in ex.kv_caches]
+    graphs, ex.decode_graphs = ex.decode_graphs, None
+    try:
+        eager = ex.execute(*step)
+    finally:
+        ex.decode_graphs = graphs
+    eager_cache = [(k[:ex.num_blocks].clone(), v[:ex.num_blocks].clone()) for k, v in ex.kv_caches]
+    for (k, v), (k0, v0) in zip(ex.kv_caches, saved):
+        k.copy_(k0)
+        v.copy_(v0)
+    assert graphs.takes(step[0], step[1])
+    replayed = ex.execute(*step)
+    graph_cache = [(k[:ex.num_blocks], v[:ex.num_blocks]) for k, v in ex.kv_caches]
+    return eager, replayed, eager_cache, graph_cache
+
+
+# every bucket, both sides of each bucket edge, partial buckets
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 11, 12, 13, 16, 17, 23, 24, 31, 32])
+def test_a_replayed_decode_step_is_the_eager_step_to_the_bit(executor, rows):
+    ex = executor
+    _fill_cache(ex, rows)
+    contexts = [(7 * r + 3 * rows) % 200 + 1 for r in range(rows)]  # 1..200 keys, unaligned
+    eager, replayed, eager_cache, graph_cache = _eager_and_graph(ex, _decode_step(ex, contexts, rows))
+    assert replayed.shape == eager.shape == (rows, ex.config.vocab_size) and replayed.dtype == torch.float32
+    assert torch.equal(replayed, eager)
+    for (ke, ve), (kg, vg) in zip(eager_cache, graph_cache):  # the same K/V written, nothing else
+        assert torch.equal(ke, kg) and torch.equal(ve, vg)
+
+
+def test_a_bucket_replays_steps_of_fewer_rows_after_more(executor):
+    """Padding rows are reset each replay: 16 rows, then 13 (bucket 16 too), then 16 again."""
+    ex = executor
+    for rows in (16, 13, 16, 9):
+        _fill_cache(ex, 100 + rows)
+        eager, replayed, eager_cache, graph_cache = _eager_and_graph(
+            ex, _decode_step(ex, [(5 * r + rows) % 150 + 2 for r in range(rows)], rows))
+        assert torch.equal(replayed, eager)
+        for (ke, ve), (kg, vg) in zip(eager_cache, graph_cache):
+            assert torch.equal(ke, kg) and torch.equal(ve, vg)
+
+
+def test_other_kernel_threads_get_their_own_graph(executor):
+    ex = executor
+    before = kernel_threads()
+    set_kernel_threads(2)
+    try:
+        _fill_cache(ex, 7)
+        eager, replayed, _, _ = _eager_and_graph(ex, _decode_step(ex, [120, 60, 200], 7))
+        assert torch.equal(replayed, eager)
+        assert (4, 2) in ex.decode_graphs.graphs
+    finally:
+        set_kernel_threads(before)
+
+
+def test_steps_that_are_not_plain_decodes_stay_eager(executor):
+    ex = executor
+    graphs = ex.decode_graphs
+    prefill = ex.build_metadata([([5, 6, 7], 0, [0]), ([8], 4, [1])])
+    assert not graphs.takes(prefill[0], prefill[1])  # a row of 3 new tokens
+    big = _decode_step(ex, [3] * 33, 0)
+    assert not graphs.takes(big[0], big[1])  # above the largest bucket
+    step = _decode_step(ex, [3, 4], 0)
+    assert graphs.takes(step[0], step[1])
+    ex.model.on_layer = lambda: None  # per-layer work (the KV sender's): every layer must run
+    try:
+        assert not graphs.takes(step[0], step[1])
+        beats = []
+
+        def beat() -> None:
+            beats.append(1)
+
+        beat.progress_only = True  # the engine's heartbeat: once per replayed step is enough
+        ex.model.on_layer = beat
+        assert graphs.takes(step[0], step[1])
+        ex.execute(*step)
+        assert beats == [1]
+    finally:
+        ex.model.on_layer = None
+
+
+def test_a_replay_with_a_bad_block_id_raises(executor):
+    ex = executor
+    ids, md, last = _decode_step(ex, [40, 20], 0)
+    md.block_tables[1, 0] = ex.num_blocks + 5  # outside the cache
+    with pytest.raises(RuntimeError, match="blink_paged_attention failed"):
+        ex.execute(ids, md, last)
+
+
+def test_a_model_with_torch_ops_between_its_kernels_stays_eager(tmp_path):
+    """A tiny random HF model's projections are oneDNN's (torch ops): the recording refuses,
+    says why, and every step runs eagerly with the same results."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_engine import tiny_model_dir
+
+    from blink.executor import ModelExecutor
+
+    ex = ModelExecutor(tiny_model_dir(tmp_path), dtype=torch.bfloat16, num_blocks=8, max_model_len=64)
+    assert ex.decode_graphs is not None and ex.decode_graphs.record(4) == 0
+    assert "computes with torch" in ex.decode_graphs.off_reason
+    step = ex.build_metadata([([3], 5, [0]), ([4], 9, [1])])
+    assert not ex.decode_graphs.takes(step[0], step[1])
+    assert ex.execute(*step).shape[0] == 2
+
+
+def test_llm_greedy_output_is_the_same_with_and_without_graphs():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_loader_gguf import smollm_path
+
+    from blink.llm import LLM
+    from blink.shared.sampling_params import SamplingParams
+
+    prompts = ["The capital of France is", "Water boils at", "def add(a, b):", "Three colours:"]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outputs = {}
+    for graphs in (True, False):
+        with LLM(str(smollm_path()), max_num_seqs=4, max_model_len=256, cpu_graphs=graphs) as llm:
+            recorded = llm.engine.executor.decode_graphs
+            if graphs and (recorded is None or not recorded.graphs):
+                pytest.skip("decode steps run eagerly here")
+            assert graphs == bool(recorded and recorded.graphs)
+            if graphs:
+                assert sorted(b for b, _ in recorded.graphs) == [1, 2, 4]  # up to max_num_seqs
+            outputs[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outputs[True] == outputs[False]
