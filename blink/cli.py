@@ -59,8 +59,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="GiB of memory for the KV cache when --kv-cache-tokens is not given")
     g.add_argument("--max-num-seqs", type=int, default=256,
                    help="request slots in the ring = requests in flight at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=512,
-                   help="token budget of one engine step (chunked prefill beyond it)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one engine step (chunked prefill beyond it; vLLM's "
+                        "default): prompts that arrive together prefill in one step, so the "
+                        "last one's first token is not held back by decode steps of the "
+                        "first ones (default: %(default)s)")
     g.add_argument("--grammar-region-mb", type=float, default=32.0, metavar="MIB",
                    help="ring memory for compiled structured-output automata (response_format, "
                         "guided_json, forced tool calls), shared by all requests and cached by "

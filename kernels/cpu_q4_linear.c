@@ -58,6 +58,11 @@ enum { FEW_ROWS = 32, FEW_ROWS8 = 16 };
  * K = 576, in L2). */
 enum { CHUNK_TILES = 8 };
 
+/* Rows a chunk's rebuilt weights are swept by before the next chunk: the panel's x (512 x K
+ * bf16: 576 KB at K = 576) stays in L2 while every chunk meets it. A larger step rebuilds each
+ * chunk once per panel: at 2048 rows 1.10-1.14x faster than streaming all of x per chunk. */
+enum { PANEL_ROWS = 512 };
+
 /* How far ahead the codes are prefetched: ~8% faster at 1-16 rows than none (1-2 KB measured
  * best, 8 KB and more no better than none). */
 enum { PREFETCH_BYTES = 2048 };
@@ -313,48 +318,66 @@ static void block(const args_t *a, int64_t t, int two, const uint16_t *w, int64_
     }
 }
 
-/* Output tiles in chunks of CHUNK_TILES weight tiles, each chunk's weights rebuilt once (into
- * L2) and then swept by 32-row blocks whose x (32 x K) stays in L1 while it meets every tile
- * of the chunk. Gated, a chunk holds half as many output tiles, each one's gate and up tiles
- * side by side. */
+/* Chunk [t0, t1)'s output tiles' weights rebuilt into w (gated: each output tile's gate and
+ * up weight tiles side by side). */
+static void rebuild_chunk(const args_t *a, int64_t t0, int64_t t1, uint16_t *w) {
+    const int64_t groups = a->K / GROUP, tile_words = PAIRS * 2 * TILE, up_tiles = a->N / 2 / TILE;
+    const int64_t rebuilt = a->gated ? 2 * (t1 - t0) : t1 - t0;
+    for (int64_t i = 0; i < rebuilt; i++) {
+        const int64_t t = a->gated ? t0 + i / 2 + (i % 2) * up_tiles : t0 + i; /* weight tile */
+        for (int64_t g = 0; g < groups; g++) {
+            const uint16_t *codes = a->codes + (t * groups + g) * a->words;
+            const uint16_t *scales = a->scales + (t * groups + g) * 2 * TILE;
+            uint16_t *out = w + (i * groups + g) * tile_words;
+            if (a->bits == 8) dequantize_group8(codes, scales, out);
+            else dequantize_group(codes, scales, out);
+        }
+    }
+}
+
+/* Rows [p0, p1) x chunk [t0, t1)'s rebuilt weights w, in 32-row blocks; `configured` holds the
+ * tile configuration's two row counts (reloaded only when they change). */
+static void sweep_chunk(const args_t *a, int64_t t0, int64_t t1, const uint16_t *w, int64_t p0, int64_t p1,
+                        int configured[2]) {
+    const int64_t groups = a->K / GROUP, tile_words = PAIRS * 2 * TILE;
+    for (int64_t r0 = p0; r0 < p1; r0 += 2 * MAX_ROWS) {
+        const int64_t left = p1 - r0;
+        const int rows0 = (int)(left < MAX_ROWS ? left : MAX_ROWS);
+        const int rows1 = (int)(left <= MAX_ROWS ? 0 : left - MAX_ROWS < MAX_ROWS ? left - MAX_ROWS : MAX_ROWS);
+        if (rows0 != configured[0] || rows1 != configured[1]) {
+            configure_block(rows0, rows1);
+            configured[0] = rows0, configured[1] = rows1;
+        }
+        if (a->gated)
+            for (int64_t t = t0; t < t1; t++)
+                block(a, t, 1, w + 2 * (t - t0) * groups * tile_words, r0, rows0, rows1);
+        else
+            for (int64_t t = t0; t < t1; t += 2)
+                block(a, t, t + 1 < t1, w + (t - t0) * groups * tile_words, r0, rows0, rows1);
+    }
+}
+
+/* Per panel of PANEL_ROWS rows, output tiles in chunks of CHUNK_TILES weight tiles, each
+ * chunk's weights rebuilt (into L2) and then swept by 32-row blocks whose x (32 x K) stays in
+ * L1 while it meets every tile of the chunk. Gated, a chunk holds half as many output tiles,
+ * each one's gate and up tiles side by side. */
 static void *run_many_rows(void *arg) {
     blink_part_t *p = (blink_part_t *)arg;
     const args_t *a = (const args_t *)p->args;
-    const int64_t groups = a->K / GROUP, tile_words = PAIRS * 2 * TILE, up_tiles = a->N / 2 / TILE;
+    const int64_t groups = a->K / GROUP, tile_words = PAIRS * 2 * TILE;
     const int64_t per_chunk = a->gated ? CHUNK_TILES / 2 : CHUNK_TILES; /* output tiles */
     uint16_t *w = aligned_alloc(64, (size_t)(CHUNK_TILES * groups * tile_words) * sizeof *w);
     if (!w) {
         p->status = -4;
         return NULL;
     }
-    int configured0 = -1, configured1 = -1;
-    for (int64_t t0 = p->lo; t0 < p->hi; t0 += per_chunk) {
-        const int64_t t1 = p->hi - t0 < per_chunk ? p->hi : t0 + per_chunk;
-        const int64_t rebuilt = a->gated ? 2 * (t1 - t0) : t1 - t0;
-        for (int64_t i = 0; i < rebuilt; i++) {
-            const int64_t t = a->gated ? t0 + i / 2 + (i % 2) * up_tiles : t0 + i; /* weight tile */
-            for (int64_t g = 0; g < groups; g++) {
-                const uint16_t *codes = a->codes + (t * groups + g) * a->words;
-                const uint16_t *scales = a->scales + (t * groups + g) * 2 * TILE;
-                uint16_t *out = w + (i * groups + g) * tile_words;
-                if (a->bits == 8) dequantize_group8(codes, scales, out);
-                else dequantize_group(codes, scales, out);
-            }
-        }
-        for (int64_t r0 = 0; r0 < a->M; r0 += 2 * MAX_ROWS) {
-            const int64_t left = a->M - r0;
-            const int rows0 = (int)(left < MAX_ROWS ? left : MAX_ROWS);
-            const int rows1 = (int)(left <= MAX_ROWS ? 0 : left - MAX_ROWS < MAX_ROWS ? left - MAX_ROWS : MAX_ROWS);
-            if (rows0 != configured0 || rows1 != configured1) {
-                configure_block(rows0, rows1);
-                configured0 = rows0, configured1 = rows1;
-            }
-            if (a->gated)
-                for (int64_t t = t0; t < t1; t++)
-                    block(a, t, 1, w + 2 * (t - t0) * groups * tile_words, r0, rows0, rows1);
-            else
-                for (int64_t t = t0; t < t1; t += 2)
-                    block(a, t, t + 1 < t1, w + (t - t0) * groups * tile_words, r0, rows0, rows1);
+    int configured[2] = {-1, -1};
+    for (int64_t p0 = 0; p0 < a->M; p0 += PANEL_ROWS) {
+        const int64_t p1 = a->M - p0 < PANEL_ROWS ? a->M : p0 + PANEL_ROWS;
+        for (int64_t t0 = p->lo; t0 < p->hi; t0 += per_chunk) {
+            const int64_t t1 = p->hi - t0 < per_chunk ? p->hi : t0 + per_chunk;
+            rebuild_chunk(a, t0, t1, w);
+            sweep_chunk(a, t0, t1, w, p0, p1, configured);
         }
     }
     _tile_release();

@@ -63,7 +63,8 @@ def close_to_exact(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tenso
 
 
 @needs_amx
-@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 32, 33, 48, 50])
+# 1100: three panels of rows in the many-rows path, the last one partial
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 32, 33, 48, 50, 1100])
 @pytest.mark.parametrize("n, k", [(16, 32), (48, 160), (80, 576)])  # 1-5 tiles; 1, 5, 18 groups
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_kernel_matches_the_fp32_product(rows, n, k, with_bias):
@@ -275,7 +276,7 @@ def test_smollm2s_q8_head_runs_on_its_codes_unless_switched_off():
 
 
 @needs_amx
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 100])  # both paths, partial row tiles
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 100, 600])  # both paths, partial row tiles, 2 panels
 @pytest.mark.parametrize("n", [32, 96, 3072])  # 1, 3 and 96 tiles per half: odd chunks too
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gated_is_the_projection_then_the_silu_to_the_bit(rows, n, with_bias):

@@ -71,7 +71,8 @@ class EngineConfig:
     kv_cache_tokens: int | None = None
     kv_cache_memory_gib: float = 1.0
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 512
+    #: the step's token budget (vLLM's default; docs/benchmarks.md, "Session 27 run")
+    max_num_batched_tokens: int = 2048
     max_admit_per_step: int = 16
     enable_prefix_caching: bool = True
     stream_capacity: int = 64
