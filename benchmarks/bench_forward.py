@@ -16,7 +16,9 @@ attention-no-tiles``: today's forward with the C attention kernel built without 
 for prompt rows, so that prefills take SDPA and mixed steps the per-token pass, as before
 them; or ``--before bf16-head``: today's forward with the logits from a packed bf16 copy of
 a tied head that the file stores as Q8_0, which isolates the 8-bit head on the AMX kernel;
-or ``--before unfused-silu``: today's forward with the MLP's SiLU as its own op after the
+or ``--before no-cpu-graphs``: today's forward eager, against decode steps replayed from
+their CPU graphs (blink.decode_graphs; the other baselines compare eager with eager); or
+``--before unfused-silu``: today's forward with the MLP's SiLU as its own op after the
 gate/up projection, which isolates the 4-bit kernel's gated epilogue)
 and ``now`` the default one.
 For each dtype and shape the two are timed alternately, ``--rounds`` rounds of ``--steps``
@@ -38,6 +40,7 @@ logits of every row); ``prefill BxP`` = B rows of P new tokens (the logits of ea
     python -m benchmarks.bench_forward --before bf16-head --dtype bfloat16 --decode 1 16 --prefill 4x128
     python -m benchmarks.bench_forward --before bf16-head --dtype bfloat16 --decode 32 48 64 --prefill --q8-head-max-rows 64
     python -m benchmarks.bench_forward --before unfused-silu --dtype bfloat16 --decode 1 16 --prefill 4x128 1x512
+    python -m benchmarks.bench_forward --before no-cpu-graphs --dtype bfloat16 --decode 1 4 8 16 32 --threads 1
 """
 from __future__ import annotations
 
@@ -154,9 +157,9 @@ def main() -> None:
                         "that threshold should lie on a new CPU")
     p.add_argument("--before", choices=["reference", "no-int4", "sdpa-attention", "torch-elementwise", "torch-int4",
                                              "attention-no-prefetch", "attention-no-tiles", "bf16-head",
-                                             "unfused-silu"],
+                                             "unfused-silu", "no-cpu-graphs"],
                    default="reference",
-                   help="the baseline: the reference forward, or today's without the int4 path, the C attention kernel or the C elementwise ops")
+                   help="the baseline: the reference forward, or today's without one feature (the int4 path, the C attention kernel, the C elementwise ops, ..., the decode steps' CPU graphs)")
     args = p.parse_args()
 
     from types import SimpleNamespace
@@ -199,9 +202,12 @@ def main() -> None:
         before = {"reference": {"pack_weights": False}, "no-int4": {"int4_decode": False},
                   "sdpa-attention": {}, "torch-elementwise": {}, "torch-int4": {},
                   "attention-no-prefetch": {}, "attention-no-tiles": {}, "bf16-head": {},
-                  "unfused-silu": {}}[args.before]
+                  "unfused-silu": {}, "no-cpu-graphs": {}}[args.before]
+        # Decode graphs in "now" only for no-cpu-graphs: the other baselines measure their
+        # feature eager against eager (a baseline with torch ops would not be recorded).
+        graphs = args.before == "no-cpu-graphs"
         execs = {}
-        for name, kw in (("before", before), ("now", {})):
+        for name, kw in (("before", {**before, "cpu_graphs": False}), ("now", {"cpu_graphs": graphs})):
             with _amx_int4_off(name == "before" and args.before == "torch-int4"):
                 execs[name] = ModelExecutor(files, dtype=dtype, num_blocks=need, max_model_len=longest, **kw)
         if args.before == "reference":
