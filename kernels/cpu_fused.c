@@ -216,6 +216,44 @@ int blink_rope(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k
                            blink_threads_for(tokens * (H + KVH) * D, ELEMENTS_PER_THREAD, threads));
 }
 
+/* log(sum_j e^x[j]) of one fp32 row, as torch.logsumexp: its max m, then m + log(sum e^(x - m))
+ * (cpu_kernels.h's exp, 16 lanes). A NaN gives NaN, a row of -inf -inf, a +inf +inf (torch's
+ * results); the sum's order is not torch's, so the last bit may differ. */
+static float logsumexp_row(const float *x, int64_t n) {
+#ifdef BLINK_VECTOR_OPS
+    const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
+    __m512 top = minus_inf;
+    __mmask16 nan = 0;
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 live = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1u);
+        const __m512 v = _mm512_mask_loadu_ps(minus_inf, live, x + j);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        top = _mm512_max_ps(top, v);
+    }
+    if (nan) return NAN;
+    const float m = _mm512_reduce_max_ps(top);
+    if (isinf(m)) return m;
+    const __m512 shift = _mm512_set1_ps(m);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 live = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1u);
+        const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_mask_loadu_ps(shift, live, x + j), shift));
+        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(live, e));
+    }
+    return m + logf(_mm512_reduce_add_ps(sum));
+#else
+    float m = -INFINITY;
+    for (int64_t j = 0; j < n; j++) {
+        if (isnan(x[j])) return NAN;
+        m = x[j] > m ? x[j] : m;
+    }
+    if (isinf(m)) return m;
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; j++) sum += exp_nonpositive(x[j] - m);
+    return m + logf(sum);
+#endif
+}
+
 typedef struct {
     const uint16_t *x;
     int64_t x_stride, dim;
@@ -233,4 +271,23 @@ static void *silu_part(void *arg) {
 void blink_silu_and_mul(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t rows, int64_t dim, int threads) {
     const silu_args_t a = {x, x_stride, dim, out};
     blink_run_parts(silu_part, &a, rows, blink_threads_for(rows * dim, ELEMENTS_PER_THREAD, threads));
+}
+
+typedef struct {
+    const float *x;
+    int64_t x_stride, cols;
+    float *out;
+} logsumexp_args_t;
+
+static void *logsumexp_part(void *arg) {
+    blink_part_t *p = (blink_part_t *)arg;
+    const logsumexp_args_t *a = (const logsumexp_args_t *)p->args;
+    for (int64_t r = p->lo; r < p->hi; r++) a->out[r] = logsumexp_row(a->x + r * a->x_stride, a->cols);
+    return NULL;
+}
+
+/* out[r] = logsumexp of fp32 row r (rows x_stride apart): the sampler's log-normaliser. */
+void blink_logsumexp_rows(const float *x, int64_t x_stride, float *out, int64_t rows, int64_t cols, int threads) {
+    const logsumexp_args_t a = {x, x_stride, cols, out};
+    blink_run_parts(logsumexp_part, &a, rows, blink_threads_for(rows * cols, 16 * ELEMENTS_PER_THREAD, threads));
 }

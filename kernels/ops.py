@@ -4,7 +4,8 @@
 reference (:mod:`blink.kernels.reference`, and :mod:`blink.kernels.sampling_reference` for the
 sampler's filter and seeded draw). On CPU the eager forward's norms, rotary embedding,
 KV-cache write and gated activation are one C call each for bf16
-(:mod:`blink.kernels.cpu_fused`, the reference for anything else) and the paged attention is
+(:mod:`blink.kernels.cpu_fused`, the reference for anything else), so is the sampler's
+log-normaliser (``logsumexp_rows``, fp32), and the paged attention is
 :mod:`blink.kernels.cpu_attention`; on CUDA the Triton kernels replace the entries they
 implement. Model and sampler code never branch on which kernel they got.
 
@@ -38,6 +39,7 @@ _CPU_FUSED_NAMES = ("rms_norm", "fused_add_rms_norm", "apply_rope", "silu_and_mu
 _SAMPLING_OP_NAMES = (
     "apply_top_k_top_p_min_p",
     "sample",
+    "logsumexp_rows",
 )
 # The structured-output mask (blink.engine.grammar / the sampler call it through ``ops_for``).
 _GRAMMAR_OP_NAMES = ("apply_grammar_mask",)
@@ -67,6 +69,7 @@ def ops_for(device: torch.device | str, *, triton: bool | None = None) -> Simple
 
             table.update({name: getattr(cpu_fused, name) for name in _CPU_FUSED_NAMES})
             table["paged_attention"] = cpu_attention.paged_attention
+            table["logsumexp_rows"] = cpu_fused.logsumexp_rows
         _cache[key] = SimpleNamespace(**table)
     return _cache[key]
 
@@ -82,6 +85,7 @@ def compiled_cpu_ops() -> SimpleNamespace:
 
         table = vars(ops_for("cpu")).copy()
         table.update({name: getattr(reference, name) for name in _CPU_FUSED_NAMES})  # traceable
+        table["logsumexp_rows"] = sampling_reference.logsumexp_rows
         table["write_kv_cache"] = cpu_step_ops.write_kv_cache
         table["paged_attention"] = cpu_step_ops.paged_attention
         _cache[key] = SimpleNamespace(**table)

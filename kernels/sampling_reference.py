@@ -173,6 +173,12 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return best_chunk * C + inside
 
 
+def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
+    """[B, 1]: ``log(sum(exp(x), -1))`` of a [B, V] float tensor, the sampler's log-normaliser
+    (raw logprobs are ``x - logsumexp_rows(x)``)."""
+    return torch.logsumexp(x, dim=-1, keepdim=True)
+
+
 def sample(logits: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     """Draw one token per row from ``softmax(logits)`` with the counter-based RNG.
 

@@ -1,8 +1,9 @@
 """The fused bf16 CPU ops (blink.kernels.cpu_fused, the eager CPU table's entries) against the
 torch references: the rotary embedding and the KV write bit for bit, the norms and SiLU to
 the bit but for rare one-step roundings; the layouts the model passes (strided rows, a view
-of the fused QKV, partial rotary); what falls back to the reference; the errors; the build
-fallback; and that a compiled step still gets the traceable references."""
+of the fused QKV, partial rotary); the sampler's logsumexp against torch's; what falls back
+to the reference; the errors; the build fallback; and that a compiled step still gets the
+traceable references."""
 from __future__ import annotations
 
 import sys
@@ -11,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from blink.kernels import cpu_fused, ops_for, reference
+from blink.kernels import cpu_fused, ops_for, reference, sampling_reference
+from blink.kernels.cpu_threads import kernel_threads, set_kernel_threads
 from blink.kernels.ops import compiled_cpu_ops
 from blink.shared.native_build import build_library
 
@@ -27,7 +29,7 @@ def library_builds():
     """The library must build here (CI has a compiler too), every op forced on so that a host
     without AVX-512 tests the SiLU as well."""
     with forced_native(cpu_fused.LIBRARY, cpu_fused.IMPL_ENV) as lib:
-        assert lib is not None and lib.native_silu
+        assert lib is not None and lib.vector_exp
         yield
 
 
@@ -51,6 +53,8 @@ def test_the_cpu_table_uses_them_and_the_compiled_one_the_references():
     compiled = compiled_cpu_ops()
     for name in ("rms_norm", "fused_add_rms_norm", "apply_rope", "silu_and_mul"):
         assert getattr(compiled, name) is getattr(reference, name)
+    assert table.logsumexp_rows is cpu_fused.logsumexp_rows
+    assert compiled.logsumexp_rows is sampling_reference.logsumexp_rows
 
 
 @pytest.mark.parametrize("rows,dim", [(1, 576), (16, 576), (5, 100), (3, 4096)])
@@ -115,6 +119,42 @@ def test_silu_and_mul(rows, dim):
     _at_most_one_step(cpu_fused.silu_and_mul(x), reference.silu_and_mul(x))
 
 
+@pytest.mark.parametrize("rows,cols", [(1, 49152), (16, 49152), (3, 77), (2, 16), (4, 1)])
+def test_logsumexp_rows(rows, cols):
+    x = torch.randn(rows, cols, generator=_gen(11)) * 8
+    got = cpu_fused.logsumexp_rows(x)
+    assert got.shape == (rows, 1) and got.dtype == torch.float32
+    torch.testing.assert_close(got, torch.logsumexp(x, -1, keepdim=True), rtol=2e-6, atol=2e-6)
+
+
+def test_logsumexp_rows_special_values_strides_and_threads():
+    """torch's results for NaN, all -inf (a row the grammar masks whole), +inf, masked halves
+    and huge values; strided rows; a split over threads gives the one-thread bits."""
+    x = torch.randn(6, 100, generator=_gen(12)) * 4
+    x[0] = float("-inf")
+    x[1, 5] = float("nan")
+    x[2, 7] = float("inf")
+    x[3, ::2] = float("-inf")
+    x[4] *= 1e30
+    got, want = cpu_fused.logsumexp_rows(x), torch.logsumexp(x, -1, keepdim=True)
+    assert got[0].item() == float("-inf") and got[1].isnan().item() and got[2].item() == float("inf")
+    torch.testing.assert_close(got[3:], want[3:], rtol=2e-6, atol=2e-6)
+    wide = torch.randn(3, 200, generator=_gen(13))
+    torch.testing.assert_close(cpu_fused.logsumexp_rows(wide[:, 50:150]),
+                               torch.logsumexp(wide[:, 50:150], -1, keepdim=True), rtol=2e-6, atol=2e-6)
+    big = torch.randn(96, 49152, generator=_gen(14))  # 4.7M entries: enough to split
+    before = kernel_threads()
+    try:
+        set_kernel_threads(1)
+        one = cpu_fused.logsumexp_rows(big)
+        set_kernel_threads(2)
+        assert torch.equal(cpu_fused.logsumexp_rows(big), one)
+    finally:
+        set_kernel_threads(before)
+    assert torch.equal(cpu_fused.logsumexp_rows(big.double()),  # not fp32: the reference
+                       torch.logsumexp(big.double(), -1, keepdim=True))
+
+
 def test_what_falls_back_to_the_reference():
     """fp32 (the exact mode against transformers), per-head q/k norms ([T, H, D]) and K/V
     whose dtype differs from the cache's run the reference, with its result."""
@@ -166,11 +206,14 @@ def test_without_avx512_the_silu_is_the_reference(without_c_compiler, tmp_path, 
     monkeypatch.setenv("CC", str(wrapper))
     monkeypatch.delenv(cpu_fused.IMPL_ENV)
     lib = cpu_fused.library()
-    assert lib is not None and lib.blink_has_avx512() == 0 and not lib.native_silu
+    assert lib is not None and lib.blink_has_avx512() == 0 and not lib.vector_exp
     x = torch.randn(3, 2 * 48, generator=_gen(8)).to(BF16)
     calls = []
     monkeypatch.setattr(lib, "blink_silu_and_mul", lambda *a: calls.append(a))
     assert torch.equal(cpu_fused.silu_and_mul(x), reference.silu_and_mul(x)) and not calls
+    monkeypatch.setattr(lib, "blink_logsumexp_rows", lambda *a: calls.append(a))
+    rows = torch.randn(2, 40, generator=_gen(10))
+    assert torch.equal(cpu_fused.logsumexp_rows(rows), torch.logsumexp(rows, -1, keepdim=True)) and not calls
     cos_sin = reference.rope_cos_sin_cache(16, 8, 10000.0)
     q = torch.randn(2, 2, 16, generator=_gen(9)).to(BF16)
     q_out, k_out = cpu_fused.apply_rope(q, q, torch.tensor([1, 5]), cos_sin)

@@ -488,8 +488,12 @@ def test_compiles_fullgraph_without_host_sync() -> None:
         torch.tensor([[1, -1]] * 3, dtype=torch.int32),
     )
     got, want = compiled(*args), step(*args)
-    for g, w in zip(got, want):
-        assert torch.equal(g, w)
+    # the traced sampler takes torch's logsumexp, the eager CPU table's is a C pass (last bits)
+    for name, g, w in zip(("tokens", "logprob", "top_ids", "top_logprobs"), got, want):
+        if name.endswith("logprob") or name.endswith("logprobs"):
+            torch.testing.assert_close(g, w, rtol=2e-6, atol=2e-6)
+        else:
+            assert torch.equal(g, w), name
 
 
 _PLAN_PARAMS = st_.sampled_from([
@@ -561,9 +565,10 @@ def test_sampler_takes_its_filter_and_draw_from_the_op_table() -> None:
             return getattr(ref, name)(*args)
         return fn
 
-    ops = SimpleNamespace(apply_top_k_top_p_min_p=spy("apply_top_k_top_p_min_p"), sample=spy("sample"))
+    ops = SimpleNamespace(apply_top_k_top_p_min_p=spy("apply_top_k_top_p_min_p"), sample=spy("sample"),
+                          logsumexp_rows=spy("logsumexp_rows"))
     logits = _flat_logits(2, 50)
     params = [SamplingParams(temperature=0), SamplingParams(top_k=4, seed=3)]
     out = _run(logits, params, sampler=Sampler(ops=ops))
-    assert calls == ["apply_top_k_top_p_min_p", "sample"]
+    assert calls == ["logsumexp_rows", "apply_top_k_top_p_min_p", "sample"]
     assert torch.equal(out.tokens, _run(logits, params).tokens)

@@ -389,7 +389,7 @@ class Sampler:
             logits = grammar.apply(ops.apply_grammar_mask, logits)
         # Raw logprobs are x - logsumexp(x): one reduction instead of a [B, V] log_softmax.
         raw_logits = logits
-        log_norm = torch.logsumexp(raw_logits, dim=-1, keepdim=True)
+        log_norm = ops.logsumexp_rows(raw_logits)
 
         if plan.any_logit_bias:
             logits = apply_logit_bias(logits, st.logit_bias_ids, st.logit_bias_values)
