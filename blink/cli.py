@@ -109,12 +109,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "on its step's size (default: %(default)s)")
     g.add_argument("--cpu-graphs", default="auto", choices=["auto", "off"],
                    help="CPU loop, eager: steps whose every row decodes one token (up to 32 "
-                        "rows) replay a graph of their C kernel calls, recorded at a step "
-                        "size's first step, as the GPU loops replay CUDA graphs: the same "
-                        "logits without the Python between the calls (~1.2x a 16-row step, "
-                        "~1.6x a 1-row step on SmolLM2); auto: where every op of the forward "
-                        "has a C kernel here (else the log says why not); off: every step "
-                        "runs the Python forward (default: %(default)s)")
+                        "rows) replay a graph of their C kernel calls, recorded at start per "
+                        "bucket of rows (~2 s, ~50 MB), as the GPU loops replay CUDA graphs: "
+                        "the same logits without the Python between the calls (1.3x a 16-row "
+                        "step, 1.7x a 1-row step on SmolLM2); auto: where every op of the "
+                        "forward has a C kernel here (else the log says why not); off: every "
+                        "step runs the Python forward (default: %(default)s)")
     g.add_argument("--compile-cache-dir", default=None, metavar="DIR",
                    help="where compiled steps are cached between starts (default: "
                         "$BLINK_COMPILE_CACHE_DIR, else ~/.cache/blink/inductor)")

@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 #: aten op (overload packet) names a graph cannot hold, by reason.
 FORBIDDEN: dict[str, str] = {
@@ -75,15 +76,8 @@ class Violation:
         return f"{self.op}: {self.reason}\n    at {self.where}"
 
 
-def _tensors(x: Any) -> Iterator[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            yield from _tensors(v)
-    elif isinstance(x, dict):
-        for v in x.values():
-            yield from _tensors(v)
+def _tensors(x: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in tree_leaves(x) if isinstance(leaf, torch.Tensor)]
 
 
 _THIS_FILE = __file__.replace("\\", "/")
