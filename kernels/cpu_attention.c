@@ -20,6 +20,12 @@
  * each tile of 16 queries per head is a flash-attention pass over 32-key chunks: scores by
  * one AMX product, the online softmax on AVX-512 in fp32, probabilities rounded to bf16 (as
  * GPU flash attention does) for the AMX product with V, accumulated in fp32.
+ *
+ * Decode rows (the per-token pass) on AMX too, for their scores only: per 16 keys one tile of
+ * K rows, read where they lie (the cache's slot stride as the tile's row stride), times the
+ * G query heads' pairs laid out once per (token, KV head); the softmax and the product with V
+ * stay on AVX-512 (V would need its key pairs interleaved first). 1.13-1.16x the attention of
+ * a 16 x 192 decode step over 30 layers' caches (docs/benchmarks.md, session 27).
  */
 #include <math.h>
 #include <stdint.h>
@@ -28,6 +34,19 @@
 #include "cpu_kernels.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+
+/* benchmarks/bench_forward.py --before attention-no-tiles builds with -DTILES=0 (the prompt
+ * rows' tiles); -DSCORE_TILES=0 keeps the per-token pass's scores on AVX-512 */
+#ifndef TILES
+#define TILES 1
+#endif
+#ifndef SCORE_TILES
+#define SCORE_TILES 1
+#endif
+#if !defined(BLINK_AMX)
+#undef SCORE_TILES
+#define SCORE_TILES 0
 #endif
 
 /* benchmarks/bench_forward.py --before attention-no-prefetch builds with -DPREFETCH=0 */
@@ -51,6 +70,7 @@ typedef struct {
     const int32_t *tables;                 /* [rows, table_stride] */
     int64_t table_stride, table_cols;      /* table_cols: usable columns */
     float scale;
+    int score_tiles; /* the per-token pass's scores on AMX (see attend_as) */
 } args_t;
 
 
@@ -167,6 +187,39 @@ static inline float softmax_block(float *s, int64_t nk, float *m, float *l) {
 }
 #endif
 
+#if SCORE_TILES
+/* Decode scores on AMX (attend_as): tile 0 the scores (16 keys x G heads, fp32), 1 a tile of
+ * 16 keys' K rows (32 channels), 2..7 the queries' pairs, 32 channels each: heads of up to
+ * 192 channels. Tile registers are named by constants, hence the spelled-out steps. */
+enum { MAX_SCORE_TILES = 6 };
+#define LOAD_Q_PAIRS(C, TILE)                                                                   \
+    if ((C) < D / 32) _tile_loadd(TILE, q_pairs[C], 64);
+#define SCORE_PRODUCT(C, TILE)                                                                  \
+    if ((C) < D / 32) {                                                                         \
+        _tile_loadd(1, keys + 32 * (C), key_stride * 2);                                        \
+        _tile_dpbf16ps(0, 1, TILE);                                                             \
+    }
+
+static void configure_score_tiles(int64_t G) {
+    blink_tile_config_t config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        config.rows[i] = 16;
+        config.colsb[i] = i == 1 ? 64 : (uint16_t)(4 * G);
+    }
+    _tile_loadconfig(&config);
+}
+
+/* Whether the per-token pass takes the AMX scores: bf16 queries and cache, whole 32-channel
+ * tiles of at most 192 channels, blocks of whole 16-key tiles (a tile never reads past its
+ * block), and AMX granted. */
+static int takes_score_tiles(const args_t *a) {
+    return a->q_bf16 && a->kv_bf16 && a->D % 32 == 0 && a->D / 32 <= MAX_SCORE_TILES && a->block_size % 16 == 0
+           && blink_amx_granted();
+}
+#endif
+
 /* One (token, KV head): returns 0, or -1 when a block id is outside the cache. Inlined with
  * constant `kv_bf16` and `NV` (16-float vectors per head) by attend() below, so that the
  * inner loops have neither a dtype branch nor a loop count to read. */
@@ -203,6 +256,24 @@ static inline __attribute__((always_inline)) int attend_as(const args_t *a, int6
     }
     const int64_t key_stride = a->KVH * D; /* elements between consecutive slots */
     const int64_t elem = kv_bf16 ? 2 : 4;
+#if SCORE_TILES
+    /* Scores on AMX: per 16 keys (one tile of K rows read where they lie, the slot stride as
+     * the row stride) times the G queries as pairs, B tile c holding channels 32c..32c+31:
+     * B[p][2n + i] = q[head n][32c + 2p + i] in the cache's bf16, scaled after the product. */
+    uint16_t q_pairs[MAX_SCORE_TILES][W][2 * W] __attribute__((aligned(64)));
+    if (a->score_tiles) {
+        const uint16_t *qh = (const uint16_t *)a->q + t * a->q_stride_t + g * G * a->q_stride_h;
+        memset(q_pairs, 0, (size_t)(D / 32) * sizeof q_pairs[0]);
+        for (int64_t c = 0; c < D / 32; c++)
+            for (int64_t pr = 0; pr < W; pr++)
+                for (int64_t n = 0; n < G; n++) {
+                    q_pairs[c][pr][2 * n] = qh[n * a->q_stride_h + 32 * c + 2 * pr];
+                    q_pairs[c][pr][2 * n + 1] = qh[n * a->q_stride_h + 32 * c + 2 * pr + 1];
+                }
+        LOAD_Q_PAIRS(0, 2) LOAD_Q_PAIRS(1, 3) LOAD_Q_PAIRS(2, 4) LOAD_Q_PAIRS(3, 5) LOAD_Q_PAIRS(4, 6)
+        LOAD_Q_PAIRS(5, 7)
+    }
+#endif
     const int32_t *table = a->tables + row * a->table_stride;
     for (int64_t j0 = 0; j0 < n_keys; j0 += BS) {
         int64_t block = table[j0 / BS];
@@ -223,6 +294,24 @@ static inline __attribute__((always_inline)) int attend_as(const args_t *a, int6
                     }
                 }
         }
+#if SCORE_TILES
+        if (a->score_tiles) { /* scores, 16 keys at a time, by AMX products (see below) */
+            for (int64_t c0 = 0; c0 < nk; c0 += W) {
+                float scores[W][W] __attribute__((aligned(64))); /* [key][head] */
+                const uint16_t *keys = (const uint16_t *)a->k + first + c0 * key_stride;
+                _tile_zero(0);
+                SCORE_PRODUCT(0, 2) SCORE_PRODUCT(1, 3) SCORE_PRODUCT(2, 4) SCORE_PRODUCT(3, 5)
+                SCORE_PRODUCT(4, 6) SCORE_PRODUCT(5, 7)
+                _tile_stored(0, scores, 64);
+                const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                          _mm512_set1_epi32(W));
+                for (int64_t i = 0; i < G; i++) /* head i's column: its 16 keys' scores */
+                    _mm512_storeu_ps(&s[i][c0], _mm512_mul_ps(_mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32((int)i)),
+                                                                                  &scores[0][0], 4),
+                                                              _mm512_set1_ps(a->scale)));
+            }
+        } else
+#endif
         for (int64_t c0 = 0; c0 < nk; c0 += W) { /* scores, 16 keys at a time */
             int64_t nc = nk - c0 < W ? nk - c0 : W;
             for (int64_t jj = 0; jj < W; jj++) {
@@ -273,11 +362,6 @@ static int attend(const args_t *a, int64_t t, int64_t g) {
     if (NV == 8) return attend_as(a, t, g, 0, 8);
     return attend_as(a, t, g, 0, NV);
 }
-
-/* benchmarks/bench_forward.py --before attention-no-tiles builds with -DTILES=0 */
-#ifndef TILES
-#define TILES 1
-#endif
 
 #if TILES && defined(BLINK_AMX)
 #include <stdlib.h>
@@ -518,6 +602,9 @@ static void *run_token_part(void *arg) {
     blink_part_t *p = (blink_part_t *)arg;
     const tokens_t *w = (const tokens_t *)p->args;
     const args_t *a = w->a;
+#if SCORE_TILES
+    if (a->score_tiles && p->lo < p->hi) configure_score_tiles(a->H / a->KVH);
+#endif
     for (int64_t item = p->lo; item < p->hi; item++) {
         const int64_t t = item / a->KVH;
         if (w->tiles_done) {
@@ -528,6 +615,9 @@ static void *run_token_part(void *arg) {
         }
         if (attend(a, t, item % a->KVH) != 0) p->status = -1;
     }
+#if SCORE_TILES
+    if (a->score_tiles && p->lo < p->hi) _tile_release();
+#endif
     return NULL;
 }
 
@@ -560,6 +650,9 @@ int blink_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_h,
     /* one thread per ~16K key visits at most, ~0.1-0.2 ms of work, which pays for waking a
      * worker (cpu_pool.c) */
     threads = blink_threads_for(key_visits(query_start, seq_lens, rows), (int64_t)1 << 14, threads);
+#if SCORE_TILES
+    a.score_tiles = takes_score_tiles(&a);
+#endif
     tokens_t tokens = {&a, 0};
 #if HAVE_TILES
     int64_t count = 0, longest = 0; /* rows that take tiles, and the longest one's context */

@@ -75,5 +75,9 @@ CPU_CASES = [
     (MIXED, 4, 4, 16, 16, torch.float32),         # MHA
     (MIXED, 8, 2, 64, 16, torch.bfloat16),        # GQA 4, Llama-like head
     ([(40, 1), (3, 1), (0, 0), (70, 1)], 9, 3, 64, 16, torch.bfloat16),  # SmolLM2 decode
+    # decode scores on AMX: 16 query heads per KV head (a full-width score tile), 4 channel
+    # tiles, two 16-key tiles per block; and 3 channel tiles of 96
+    ([(40, 1), (17, 1), (0, 0), (100, 1)], 16, 1, 128, 32, torch.bfloat16),
+    ([(5, 1), (50, 1)], 6, 2, 96, 16, torch.bfloat16),
     ([(0, 33)], 4, 1, 32, 8, torch.float32),      # MQA, one prefill
 ]
