@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from blink.kernels import cpu_graph
 from blink.kernels.cpu_threads import kernel_threads
 from blink.kernels.reference import AttentionMetadata
+
+if TYPE_CHECKING:
+    from blink.models.decoder import DecoderForCausalLM
 
 log = logging.getLogger("blink.executor")
 
@@ -46,9 +50,10 @@ def progress_only(on_layer: Callable[[], None] | None) -> bool:
 
 
 class DecodeGraphs:
-    """The decode graphs of one model and KV cache, recorded at a bucket's first step."""
+    """The decode graphs of one model and KV cache: recorded by :meth:`record` (the engine's
+    start), or else at a bucket's first step."""
 
-    def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+    def __init__(self, model: DecoderForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  scratch_block: int, max_model_len: int) -> None:
         self.model, self.kv_caches = model, kv_caches
         self.block_size, self.scratch_block = block_size, scratch_block
