@@ -125,7 +125,6 @@ class _DecodeGraph:
     def __init__(self, graphs: DecodeGraphs, tokens: int) -> None:
         model, block_size = graphs.model, graphs.block_size
         self.embedding = model.model.embed_tokens.weight
-        self.input_ids = torch.zeros(tokens, dtype=torch.int64)
         # padding tokens: position 0, K/V into the scratch block, rows with no context
         self.pad_slots = graphs.scratch_block * block_size + torch.arange(tokens) % block_size
         self.slot_mapping = self.pad_slots.clone()
@@ -138,7 +137,7 @@ class _DecodeGraph:
                                token_seq_idx=self.token_seq_idx, query_start_loc=self.query_start_loc,
                                seq_lens=self.seq_lens, block_tables=self.block_tables, max_query_len=1)
         with torch.inference_mode():
-            self.embedded = model.embed(self.input_ids)
+            self.embedded = model.embed(torch.zeros(tokens, dtype=torch.int64))  # any token: rewritten per step
             with cpu_graph.record() as graph:
                 self.logits = model.compute_logits(model.run_layers(self.embedded, md, graphs.kv_caches))
         self.graph = graph

@@ -295,7 +295,7 @@ static inline __attribute__((always_inline)) int attend_as(const args_t *a, int6
                 }
         }
 #if SCORE_TILES
-        if (a->score_tiles) { /* scores, 16 keys at a time, by AMX products (see below) */
+        if (a->score_tiles) { /* scores, 16 keys at a time, by AMX products (see above) */
             for (int64_t c0 = 0; c0 < nk; c0 += W) {
                 float scores[W][W] __attribute__((aligned(64))); /* [key][head] */
                 const uint16_t *keys = (const uint16_t *)a->k + first + c0 * key_stride;

@@ -120,8 +120,8 @@ class _NoComputeMode(TorchDispatchMode):
         if func in _ALLOCATIONS:
             self.graph._tensors.append(out)
             return out
-        inputs = {_storage(t) for t in _tensors_in((args, kwargs))}
-        if not all(_storage(t) in inputs - {None} for t in _tensors_in(out)):
+        inputs = {_storage(t) for t in _tensors_in((args, kwargs))} - {None}
+        if not all(_storage(t) in inputs for t in _tensors_in(out)):
             # (an op whose schema says "view" may still copy: contiguous(), reshape() and to()
             # return their input only when no work is needed)
             raise GraphRecordingError(f"the recorded code computes with torch ({func})")
@@ -143,8 +143,8 @@ def _tensors_in(value: Any) -> list[torch.Tensor]:
 @contextmanager
 def record() -> Iterator[CpuGraph]:
     """Record the C kernel calls of the code run inside (on this thread) into a
-    :class:`CpuGraph`. The code runs for real. Raises :class:`GraphRecordingError` (on
-    leaving, or from the offending op) when it cannot be replayed."""
+    :class:`CpuGraph`. The code runs for real. Raises :class:`GraphRecordingError` from the
+    offending torch op or library lookup when the code could not be replayed."""
     graph = CpuGraph()
     with recording_calls(_Recorder(graph)), _NoComputeMode(graph):
         yield graph
