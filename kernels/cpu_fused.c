@@ -159,10 +159,10 @@ static void silu_and_mul_row(const uint16_t *restrict gate, const uint16_t *rest
     }
 }
 
-/* ---- The exported calls: rows split over `threads` when a call is large enough (a prefill's:
- * 128K elements, ~0.1 ms of work, per thread at least), each part the functions above on its
- * rows. */
-enum { ELEMENTS_PER_THREAD = 1 << 17 };
+/* ---- The exported calls: rows split over `threads` when a call is large enough (16K
+ * elements, ~5-10 us of work, per thread at least: a prefill's, and a decode step's from 32
+ * rows), each part the functions above on its rows. */
+enum { ELEMENTS_PER_THREAD = 1 << 14 };
 
 typedef struct {
     const uint16_t *x, *residual, *weight;

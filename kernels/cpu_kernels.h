@@ -150,7 +150,7 @@ static blink_pool_run_t blink_pool_run = NULL;
 void blink_use_pool(void *run) { blink_pool_run = (blink_pool_run_t)run; }
 
 /* `threads`, fewer while the call's `work` is under `per_thread` units for each: a part must
- * pay for waking a worker (each kernel sizes its unit to ~0.1 ms of its work). */
+ * pay for handing it to a worker (each kernel sizes its unit to ~5-15 us of its work). */
 static inline int blink_threads_for(int64_t work, int64_t per_thread, int threads) {
     while (threads > 1 && work < (int64_t)threads * per_thread) threads--;
     return threads;

@@ -7,11 +7,18 @@
  * Workers start at the first call that splits and are kept (a thread started per call cost
  * ~50-100 us plus its first AMX use: two threads gave 1.25x on a prefill's projections
  * instead of 1.5x). Between calls a worker polls for BLINK_POLL_NS, then sleeps on a condition
- * variable: waking a sleeping thread costs ~50 us on a VM (its idle vCPU halted), as much as
- * splitting saves on a prefill's smaller calls, and a prefill's calls follow each other within
- * the poll; a decode step's calls do not split, so between prefills the workers sleep and the
- * cores stay free. One call at a time uses the pool; a concurrent one runs its parts on its own
- * thread.
+ * variable: waking a sleeping thread costs ~50 us on a VM (its idle vCPU halted), and a
+ * step's calls follow each other within the poll, so the workers sleep between steps and
+ * while the engine is idle. One call at a time uses the pool; a concurrent one runs on its
+ * own thread.
+ *
+ * A call's parts are claimed, not assigned: the caller and the workers each take the next
+ * unclaimed part until none is left, and the caller waits only for parts a worker has
+ * started. On a host whose other cores also run the frontend and the client, a worker that
+ * is not running when a call starts (preempted, or still waking) leaves its part to the
+ * caller instead of holding up the call. With one part assigned per thread, splitting a
+ * decode step's calls served slower than not splitting them (session 27); claimed, it serves
+ * 1.07-1.17x faster (docs/benchmarks.md, "Decode steps on both cores").
  */
 #define _GNU_SOURCE /* pthread_setname_np */
 #include <pthread.h>
@@ -34,18 +41,21 @@ static inline void blink_pause(void) { /* a polling loop's hint to the core */
 
 typedef struct {
     pthread_mutex_t in_use; /* held by the call that uses the pool */
-    pthread_mutex_t lock;   /* guards the fields below */
+    pthread_mutex_t lock;   /* guards the fields below up to `claim`, and the sleeps */
     pthread_cond_t wake, done;
-    int workers;            /* started; worker i (1-based) runs part i */
+    int workers;            /* started; worker i (1-based) takes part in calls of more than i threads */
     unsigned long generation; /* bumped per call */
+    int threads;            /* this call's */
     void *(*run)(void *);
-    blink_part_t *parts;
-    int count;              /* parts of this call run by the pool: 0 .. count - 1 */
-    int remaining;          /* worker parts of this call not yet finished */
+    const void *args;
+    int64_t items, parts;
+    uint64_t claim;         /* (generation's low 32 bits) << 32 | the next unclaimed part */
+    int64_t finished;       /* parts of this call finished */
+    int status;             /* a nonzero part status of this call, or 0 */
 } blink_pool_t;
 
 static blink_pool_t blink_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER,
-                                  PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, NULL, NULL, 0, 0};
+                                  PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER};
 
 static inline int64_t blink_now_ns(void) {
     struct timespec now;
@@ -60,6 +70,28 @@ static inline int blink_poll_change(const unsigned long *word, unsigned long val
         if (__atomic_load_n(word, __ATOMIC_ACQUIRE) != value) return 1;
         if ((i & 63) == 63 && blink_now_ns() > until) return 0;
         blink_pause();
+    }
+}
+
+/* Claims and runs parts of the call tagged `tag` until none is left (or that call is over:
+ * a claim carries the tag, so a late thread never takes a part of the next call). */
+static void blink_claim_parts(uint64_t tag, void *(*run)(void *), const void *args, int64_t items, int64_t parts) {
+    uint64_t claim = __atomic_load_n(&blink_pool.claim, __ATOMIC_ACQUIRE);
+    for (;;) {
+        if ((claim >> 32) != tag || (int64_t)(claim & 0xffffffffu) >= parts) return;
+        if (!__atomic_compare_exchange_n(&blink_pool.claim, &claim, claim + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            continue; /* `claim` now holds the current value */
+        const int64_t c = (int64_t)(claim & 0xffffffffu);
+        blink_part_t part = {args, items * c / parts, items * (c + 1) / parts, 0};
+        run(&part);
+        if (part.status != 0) __atomic_store_n(&blink_pool.status, part.status, __ATOMIC_RELAXED);
+        if (__atomic_add_fetch(&blink_pool.finished, 1, __ATOMIC_ACQ_REL) == parts) {
+            pthread_mutex_lock(&blink_pool.lock); /* the caller may sleep on `done` */
+            pthread_cond_signal(&blink_pool.done);
+            pthread_mutex_unlock(&blink_pool.lock);
+            return;
+        }
+        claim = __atomic_load_n(&blink_pool.claim, __ATOMIC_ACQUIRE);
     }
 }
 
@@ -78,14 +110,14 @@ static void *blink_pool_worker(void *arg) {
         }
         while (blink_pool.generation == seen) pthread_cond_wait(&blink_pool.wake, &blink_pool.lock);
         seen = blink_pool.generation;
-        if (index >= blink_pool.count) continue; /* not needed by this call */
+        if (index >= blink_pool.threads) continue; /* not needed by this call */
+        /* the call's fields stay put until all its parts are finished, ours included */
         void *(*run)(void *) = blink_pool.run;
-        blink_part_t *part = &blink_pool.parts[index];
+        const void *args = blink_pool.args;
+        const int64_t items = blink_pool.items, parts = blink_pool.parts;
         pthread_mutex_unlock(&blink_pool.lock);
-        run(part);
+        blink_claim_parts(seen & 0xffffffffu, run, args, items, parts);
         pthread_mutex_lock(&blink_pool.lock);
-        __atomic_store_n(&blink_pool.remaining, blink_pool.remaining - 1, __ATOMIC_RELEASE);
-        if (blink_pool.remaining == 0) pthread_cond_signal(&blink_pool.done);
     }
     return NULL;
 }
@@ -93,21 +125,18 @@ static void *blink_pool_worker(void *arg) {
 /* A forked child has none of the parent's threads: it starts its own pool when it needs one. */
 static void blink_pool_after_fork(void) {
     blink_pool = (blink_pool_t){PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER,
-                                PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, NULL, NULL, 0, 0};
+                                PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER};
 }
 
 static void blink_pool_register_fork(void) { pthread_atfork(NULL, NULL, blink_pool_after_fork); }
 
-/* run(part) over [0, items) split evenly into `threads` parts (at most BLINK_MAX_THREADS and
- * `items`): the first on the calling thread, the others on the workers (parts that no worker
- * can take run here after the first). Returns 0 or the last nonzero status. */
+/* run(part) over [0, items) on up to `threads` threads (at most BLINK_MAX_THREADS): the calling
+ * thread and the pool's workers claim parts of the items until none is left; the call returns
+ * when every part is finished. Without the pool (another call holds it, or no worker could be
+ * started) all items run here as one part. Returns 0 or a nonzero part status. */
 int blink_pool_split(void *(*run)(void *), const void *args, int64_t items, int threads) {
     if (threads > BLINK_MAX_THREADS) threads = BLINK_MAX_THREADS;
     if (threads > items) threads = (int)items;
-    if (threads < 1) threads = 1;
-    blink_part_t part[BLINK_MAX_THREADS];
-    for (int i = 0; i < threads; i++) part[i] = (blink_part_t){args, items * i / threads, items * (i + 1) / threads, 0};
-    int pooled = 0; /* parts 1 .. pooled - 1 run on workers */
     if (threads > 1 && pthread_mutex_trylock(&blink_pool.in_use) == 0) {
         static pthread_once_t fork_handler = PTHREAD_ONCE_INIT;
         pthread_once(&fork_handler, blink_pool_register_fork);
@@ -119,34 +148,42 @@ int blink_pool_split(void *(*run)(void *), const void *args, int64_t items, int 
             const int started = pthread_create(&tid, &attr, blink_pool_worker,
                                                (void *)(intptr_t)(blink_pool.workers + 1)) == 0;
             pthread_attr_destroy(&attr);
-            if (!started) break; /* the parts past the workers run here */
+            if (!started) break; /* fewer threads take part */
             blink_pool.workers++;
         }
-        pooled = threads < blink_pool.workers + 1 ? threads : blink_pool.workers + 1;
-        pthread_mutex_lock(&blink_pool.lock);
-        blink_pool.run = run;
-        blink_pool.parts = part;
-        blink_pool.count = pooled;
-        blink_pool.remaining = pooled - 1;
-        __atomic_store_n(&blink_pool.generation, blink_pool.generation + 1, __ATOMIC_RELEASE);
-        pthread_cond_broadcast(&blink_pool.wake);
-        pthread_mutex_unlock(&blink_pool.lock);
-    }
-    run(&part[0]);
-    for (int i = pooled > 1 ? pooled : 1; i < threads; i++) run(&part[i]);
-    if (pooled > 1) {
-        const int64_t until = blink_now_ns() + BLINK_POLL_NS; /* the workers' parts end about now */
-        for (int i = 0; __atomic_load_n(&blink_pool.remaining, __ATOMIC_ACQUIRE) > 0; i++) {
-            if ((i & 63) == 63 && blink_now_ns() > until) break;
-            blink_pause();
+        if (blink_pool.workers > 0) {
+            const int64_t parts = threads;
+            pthread_mutex_lock(&blink_pool.lock);
+            const unsigned long generation = blink_pool.generation + 1;
+            blink_pool.threads = threads;
+            blink_pool.run = run;
+            blink_pool.args = args;
+            blink_pool.items = items;
+            blink_pool.parts = parts;
+            blink_pool.finished = 0;
+            blink_pool.status = 0;
+            __atomic_store_n(&blink_pool.claim, (uint64_t)(generation & 0xffffffffu) << 32, __ATOMIC_RELEASE);
+            __atomic_store_n(&blink_pool.generation, generation, __ATOMIC_RELEASE);
+            pthread_cond_broadcast(&blink_pool.wake);
+            pthread_mutex_unlock(&blink_pool.lock);
+            blink_claim_parts(generation & 0xffffffffu, run, args, items, parts);
+            /* wait for the parts that workers started: they end about now */
+            const int64_t until = blink_now_ns() + BLINK_POLL_NS;
+            for (int i = 0; __atomic_load_n(&blink_pool.finished, __ATOMIC_ACQUIRE) < parts; i++) {
+                if ((i & 63) == 63 && blink_now_ns() > until) break;
+                blink_pause();
+            }
+            pthread_mutex_lock(&blink_pool.lock);
+            while (__atomic_load_n(&blink_pool.finished, __ATOMIC_ACQUIRE) < parts)
+                pthread_cond_wait(&blink_pool.done, &blink_pool.lock);
+            pthread_mutex_unlock(&blink_pool.lock);
+            const int status = blink_pool.status;
+            pthread_mutex_unlock(&blink_pool.in_use);
+            return status;
         }
-        pthread_mutex_lock(&blink_pool.lock);
-        while (blink_pool.remaining > 0) pthread_cond_wait(&blink_pool.done, &blink_pool.lock);
-        pthread_mutex_unlock(&blink_pool.lock);
+        pthread_mutex_unlock(&blink_pool.in_use);
     }
-    if (pooled > 0) pthread_mutex_unlock(&blink_pool.in_use);
-    int status = 0;
-    for (int i = 0; i < threads; i++)
-        if (part[i].status != 0) status = part[i].status;
-    return status;
+    blink_part_t part = {args, 0, items, 0};
+    run(&part);
+    return part.status;
 }

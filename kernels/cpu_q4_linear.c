@@ -440,9 +440,10 @@ static int quantized_linear(const uint16_t *x, int64_t x_stride, const uint16_t 
     }
     args_t a = {x, x_stride, codes, bits, bits == 8 ? WORDS8 : WORDS4, scales, bias, y, y_stride, M, N, K, x_sums,
                 gated};
-    /* one thread per ~0.1 ms of work at most (~2M weights to unpack for a few rows, ~32M
-     * multiply-adds for many) */
-    threads = blink_threads_for(many ? M * N * K >> 4 : N * K, (int64_t)1 << 21, threads);
+    /* one thread per ~5-10 us of work at most (64K weights to unpack for a few rows, 1M
+     * multiply-adds for many): a decode step's projections split too, and a worker that is
+     * not running leaves its part to this thread (cpu_pool.c) */
+    threads = blink_threads_for(many ? M * N * K >> 4 : N * K, (int64_t)1 << 16, threads);
     const int status = blink_run_parts(many ? run_many_rows : run_few_rows, &a, out_tiles, threads);
     free(x_sums);
     return status;

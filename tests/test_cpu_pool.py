@@ -93,6 +93,50 @@ def test_libraries_share_one_pool_and_concurrent_callers_are_right(kernel_thread
     assert not errors
 
 
+_DECODE_SPLIT_CHILD = """
+import os, sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_cpu_q4_linear import gguf_like
+from blink.kernels import cpu_fused, cpu_q4_linear
+from blink.kernels.cpu_threads import set_kernel_threads
+
+def workers():
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    return sum(name.startswith("blink-kern-") for name in names)
+
+torch.manual_seed(0)
+weight = cpu_q4_linear.pack(*gguf_like(576, 576))
+x = torch.randn(16, 576).to(torch.bfloat16)  # a 16-row decode step's o_proj
+residual = torch.randn(16, 576).to(torch.bfloat16)
+norm_weight = torch.randn(576).to(torch.bfloat16)
+set_kernel_threads(1)
+want = [cpu_q4_linear.linear(x, weight, None), *cpu_fused.fused_add_rms_norm(x, residual, norm_weight, 1e-5)]
+assert workers() == 0, "a one-thread call started a worker"
+set_kernel_threads(2)
+got = [cpu_q4_linear.linear(x, weight, None), *cpu_fused.fused_add_rms_norm(x, residual, norm_weight, 1e-5)]
+assert all(torch.equal(a, b) for a, b in zip(want, got)), "a split call changed the bits"
+print("workers", workers())
+"""
+
+
+@needs_pool
+def test_a_decode_steps_projection_splits_and_keeps_its_bits():
+    """A 16-row decode step's 576 x 576 projection splits over two kernel threads (a worker
+    starts; session 28 split decode steps too) and gives the one-thread call's bits; a fresh
+    process, since an earlier test may have started this one's workers."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not cpu_q4_linear.available():
+        pytest.skip("no AMX kernel here")
+    tests = Path(__file__).parent
+    done = subprocess.run([sys.executable, "-c", _DECODE_SPLIT_CHILD, str(tests)], capture_output=True,
+                          text=True, timeout=300, cwd=tests.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["workers", "1"]
+
+
 def _child_silu(queue) -> None:
     torch.set_num_threads(1)  # no OpenMP team in a forked child (libgomp's own limit)
     set_kernel_threads(2)
