@@ -19,7 +19,9 @@ a tied head that the file stores as Q8_0, which isolates the 8-bit head on the A
 or ``--before no-cpu-graphs``: today's forward eager, against decode steps replayed from
 their CPU graphs (blink.decode_graphs; the other baselines compare eager with eager); or
 ``--before unfused-silu``: today's forward with the MLP's SiLU as its own op after the
-gate/up projection, which isolates the 4-bit kernel's gated epilogue)
+gate/up projection, which isolates the 4-bit kernel's gated epilogue; or ``--before
+one-kernel-thread``: today's forward with its C kernels on the calling thread alone, against
+them split over the kernel threads, torch's ``--threads``: blink.kernels.cpu_threads)
 and ``now`` the default one.
 For each dtype and shape the two are timed alternately, ``--rounds`` rounds of ``--steps``
 calls each, so a load spike on this shared machine hits both; the table gives the median
@@ -41,6 +43,8 @@ logits of every row); ``prefill BxP`` = B rows of P new tokens (the logits of ea
     python -m benchmarks.bench_forward --before bf16-head --dtype bfloat16 --decode 32 48 64 --prefill --q8-head-max-rows 64
     python -m benchmarks.bench_forward --before unfused-silu --dtype bfloat16 --decode 1 16 --prefill 4x128 1x512
     python -m benchmarks.bench_forward --before no-cpu-graphs --dtype bfloat16 --decode 1 4 8 16 32 --threads 1
+    python -m benchmarks.bench_forward --before one-kernel-thread --dtype bfloat16 --decode 1 16 --prefill 16x128 \
+        --context 192 --threads 2
 """
 from __future__ import annotations
 
@@ -138,6 +142,23 @@ def _without_gated_epilogue(ex) -> None:
         module.gated = lambda x: None
 
 
+def _on_one_kernel_thread(ex) -> None:
+    """``ex`` with its C kernels on the calling thread (its decode graphs recorded so: a graph
+    is kept per kernel thread count)."""
+    from blink.kernels.cpu_threads import set_kernel_threads
+
+    execute = ex.execute
+
+    def one_thread(*args, **kwargs):
+        set_kernel_threads(1)
+        try:
+            return execute(*args, **kwargs)
+        finally:
+            set_kernel_threads(None)
+
+    ex.execute = one_thread
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
@@ -157,7 +178,7 @@ def main() -> None:
                         "that threshold should lie on a new CPU")
     p.add_argument("--before", choices=["reference", "no-int4", "sdpa-attention", "torch-elementwise", "torch-int4",
                                              "attention-no-prefetch", "attention-no-tiles", "bf16-head",
-                                             "unfused-silu", "no-cpu-graphs"],
+                                             "unfused-silu", "no-cpu-graphs", "one-kernel-thread"],
                    default="reference",
                    help="the baseline: the reference forward, or today's without one feature (the int4 path, the C attention kernel, the C elementwise ops, ..., the decode steps' CPU graphs)")
     args = p.parse_args()
@@ -202,12 +223,14 @@ def main() -> None:
         before = {"reference": {"pack_weights": False}, "no-int4": {"int4_decode": False},
                   "sdpa-attention": {}, "torch-elementwise": {}, "torch-int4": {},
                   "attention-no-prefetch": {}, "attention-no-tiles": {}, "bf16-head": {},
-                  "unfused-silu": {}, "no-cpu-graphs": {}}[args.before]
-        # Decode graphs in "now" only for no-cpu-graphs: the other baselines measure their
-        # feature eager against eager (a baseline with torch ops would not be recorded).
-        graphs = args.before == "no-cpu-graphs"
+                  "unfused-silu": {}, "no-cpu-graphs": {}, "one-kernel-thread": {}}[args.before]
+        # Decode graphs in "now" only for no-cpu-graphs, and in both for one-kernel-thread (as
+        # served): the other baselines measure their feature eager against eager (a baseline
+        # with torch ops would not be recorded).
+        graphs = args.before in ("no-cpu-graphs", "one-kernel-thread")
         execs = {}
-        for name, kw in (("before", {**before, "cpu_graphs": False}), ("now", {"cpu_graphs": graphs})):
+        for name, kw in (("before", {**before, "cpu_graphs": args.before == "one-kernel-thread"}),
+                         ("now", {"cpu_graphs": graphs})):
             with _amx_int4_off(name == "before" and args.before == "torch-int4"):
                 execs[name] = ModelExecutor(files, dtype=dtype, num_blocks=need, max_model_len=longest, **kw)
         if args.before == "reference":
@@ -222,6 +245,8 @@ def main() -> None:
             _with_attention_library(execs["before"], _attention_built_with("TILES=0"))
         elif args.before == "unfused-silu":
             _without_gated_epilogue(execs["before"])
+        elif args.before == "one-kernel-thread":
+            _on_one_kernel_thread(execs["before"])
         elif args.before == "bf16-head":
             _with_bf16_head(execs["before"])
         for label, rows in shapes:
