@@ -94,14 +94,19 @@ def test_libraries_share_one_pool_and_concurrent_callers_are_right(kernel_thread
 
 
 _DECODE_SPLIT_CHILD = """
-import os, sys, torch
+import os, sys, time, torch
 sys.path.insert(0, sys.argv[1])
 from test_cpu_q4_linear import gguf_like
 from blink.kernels import cpu_fused, cpu_q4_linear
 from blink.kernels.cpu_threads import set_kernel_threads
 
-def workers():
-    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+def workers(wait):
+    # a worker names itself once it runs, which may be after the call (its part claimed here)
+    for _ in range(500 if wait else 1):
+        names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+        if any(name.startswith("blink-kern-") for name in names):
+            break
+        time.sleep(0.01)
     return sum(name.startswith("blink-kern-") for name in names)
 
 torch.manual_seed(0)
@@ -111,11 +116,11 @@ residual = torch.randn(16, 576).to(torch.bfloat16)
 norm_weight = torch.randn(576).to(torch.bfloat16)
 set_kernel_threads(1)
 want = [cpu_q4_linear.linear(x, weight, None), *cpu_fused.fused_add_rms_norm(x, residual, norm_weight, 1e-5)]
-assert workers() == 0, "a one-thread call started a worker"
+assert workers(wait=False) == 0, "a one-thread call started a worker"
 set_kernel_threads(2)
 got = [cpu_q4_linear.linear(x, weight, None), *cpu_fused.fused_add_rms_norm(x, residual, norm_weight, 1e-5)]
 assert all(torch.equal(a, b) for a, b in zip(want, got)), "a split call changed the bits"
-print("workers", workers())
+print("workers", workers(wait=True))
 """
 
 
@@ -135,6 +140,25 @@ def test_a_decode_steps_projection_splits_and_keeps_its_bits():
                           text=True, timeout=300, cwd=tests.parent)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["workers", "1"]
+
+
+@needs_pool
+def test_an_error_in_a_workers_part_reaches_the_caller(kernel_thread_setting):
+    """A split call whose bad input lies in either part raises, whichever thread claimed it,
+    and the pool serves the next call (512 tokens of rotary embedding split in two)."""
+    kernel_thread_setting(2)
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(512, 15, 64, generator=g).to(BF16)
+    cos_sin = torch.randn(1024, 64, generator=g)
+    for bad in (3, 500):  # in the first part, in the second
+        positions = torch.arange(512)
+        positions[bad] = 1024
+        with pytest.raises(IndexError, match="outside the 1024-position table"):
+            cpu_fused.apply_rope(qkv[:, :9], qkv[:, 9:12], positions, cos_sin)
+    q, k = cpu_fused.apply_rope(qkv[:, :9], qkv[:, 9:12], torch.arange(512), cos_sin)
+    kernel_thread_setting(1)
+    q1, k1 = cpu_fused.apply_rope(qkv[:, :9], qkv[:, 9:12], torch.arange(512), cos_sin)
+    assert torch.equal(q, q1) and torch.equal(k, k1)
 
 
 def _child_silu(queue) -> None:
