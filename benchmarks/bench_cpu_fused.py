@@ -2,7 +2,8 @@
 the same source without AVX512-BF16 (the scalar loops the compiler vectorises itself, what
 every build ran before the intrinsics), and the torch references.
 
-Times add+RMSNorm (576 channels) and SiLU-mul (2 x 1536) at each ``--rows``, best of
+Times add+RMSNorm (576 channels), SiLU-mul (2 x 1536) and the rotary embedding (SmolLM2's 9
+query and 3 KV heads of 64 channels, out of its fused QKV projection) at each ``--rows``, best of
 ``--rounds`` rounds of ``--calls`` calls, one thread, and prints ns per element and the
 speed-up of this build over the scalar one.
 
@@ -70,9 +71,14 @@ def main() -> None:
         for rows in args.rows:
             h, res = torch.randn(rows, 576).bfloat16(), torch.randn(rows, 576).bfloat16()
             weight, x = torch.randn(576).bfloat16(), (torch.randn(rows, 3072) * 4).bfloat16()
+            qkv = torch.randn(rows, 15, 64).bfloat16()
+            positions, cos_sin = torch.arange(rows) % 2048, reference.rope_cos_sin_cache(64, 2048, 10000.0)
             cases = {"add+RMSNorm": (lambda: cpu_fused.fused_add_rms_norm(h, res, weight, 1e-5),
                                      lambda: reference.fused_add_rms_norm(h, res, weight, 1e-5), rows * 576),
-                     "SiLU-mul": (lambda: cpu_fused.silu_and_mul(x), lambda: reference.silu_and_mul(x), rows * 1536)}
+                     "SiLU-mul": (lambda: cpu_fused.silu_and_mul(x), lambda: reference.silu_and_mul(x), rows * 1536),
+                     "rotary": (lambda: cpu_fused.apply_rope(qkv[:, :9], qkv[:, 9:12], positions, cos_sin),
+                                lambda: reference.apply_rope(qkv[:, :9], qkv[:, 9:12], positions, cos_sin),
+                                rows * 12 * 64)}
             for name, (fused, ref, elements) in cases.items():
                 now, before = best_ns(on(lib, fused), elements), best_ns(on(scalar, fused), elements)
                 torch_ns = best_ns(ref, elements)

@@ -112,7 +112,16 @@ static int rope(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t 
         for (int64_t h = 0; h < H + KVH; h++) {
             const uint16_t *src = h < H ? q + t * q_stride + h * D : k + t * k_stride + (h - H) * D;
             uint16_t *dst = out + (t * (H + KVH) + h) * D;
-            for (int64_t i = 0; i < half; i++) {
+            int64_t i = 0;
+#ifdef BLINK_VECTOR_OPS /* the loop below on 16 channels: the same products, sums and rounding */
+            for (; i + 16 <= half; i += 16) {
+                const __m512 x1 = load_bf16x16(src + i), x2 = load_bf16x16(src + i + half);
+                const __m512 c = _mm512_loadu_ps(cos + i), s = _mm512_loadu_ps(sin + i);
+                store_bf16x16(dst + i, _mm512_sub_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s)));
+                store_bf16x16(dst + i + half, _mm512_add_ps(_mm512_mul_ps(x2, c), _mm512_mul_ps(x1, s)));
+            }
+#endif
+            for (; i < half; i++) {
                 float x1 = bf16_to_f32(src[i]), x2 = bf16_to_f32(src[i + half]);
                 dst[i] = f32_to_bf16(x1 * cos[i] - x2 * sin[i]);
                 dst[i + half] = f32_to_bf16(x2 * cos[i] + x1 * sin[i]);

@@ -226,9 +226,10 @@ exec cc -mno-avx512bf16 "$@"
 """
 
 
-def test_the_vector_norms_and_silu_are_the_scalar_code_bit_for_bit(tmp_path, monkeypatch):
-    """With AVX512-BF16 the norms and the SiLU run intrinsics; a build without it runs the
-    scalar loops. Both builds give the same bits, tails (dims not a multiple of 16) included."""
+def test_the_vector_ops_are_the_scalar_code_bit_for_bit(tmp_path, monkeypatch):
+    """With AVX512-BF16 the norms, the SiLU and the rotary embedding run intrinsics; a build
+    without it runs the scalar loops. Both builds give the same bits, tails (dims not a multiple
+    of 16) included."""
     lib = cpu_fused.library()
     if not lib.blink_has_vector_ops():
         pytest.skip("this host has no AVX512-BF16: only the scalar code exists here")
@@ -257,3 +258,12 @@ def test_the_vector_norms_and_silu_are_the_scalar_code_bit_for_bit(tmp_path, mon
                         run(scalar, cpu_fused.fused_add_rms_norm, h, res, weight, 1e-6)):
             assert torch.equal(a, b)
         assert torch.equal(run(lib, cpu_fused.rms_norm, h, weight, 1e-5), run(scalar, cpu_fused.rms_norm, h, weight, 1e-5))
+    for heads, kv_heads, head_dim, rotary_dim in [(9, 3, 64, 64), (8, 2, 96, 32), (4, 4, 80, 80)]:
+        qkv = torch.randn(7, (heads + kv_heads) * head_dim, generator=g).to(BF16)
+        q = qkv[:, : heads * head_dim].view(7, heads, head_dim)
+        k = qkv[:, heads * head_dim:].view(7, kv_heads, head_dim)
+        cos_sin = reference.rope_cos_sin_cache(rotary_dim, 4096, 10000.0)
+        positions = torch.randint(0, 4096, (7,), generator=g)
+        for a, b in zip(run(lib, cpu_fused.apply_rope, q, k, positions, cos_sin),
+                        run(scalar, cpu_fused.apply_rope, q, k, positions, cos_sin)):
+            assert torch.equal(a, b)
