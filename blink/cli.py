@@ -85,11 +85,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "available cores minus one for the frontend, split between the "
                         "engines; blink engine: all cores)")
     g.add_argument("--kernel-threads", type=int, default=None,
-                   help="CPU loop: threads Blink's CPU kernels may split one large call over "
-                        "(a prefill's projections, attention, norms and SiLU; a decode step's "
-                        "calls stay on one thread, so the frontend keeps its core between "
-                        "prefills; default: blink serve: the available cores split between "
-                        "the engines; blink engine: --threads)")
+                   help="CPU loop: threads Blink's CPU kernels may split one call over (the "
+                        "projections, attention, norms and SiLU of prefills and decode steps; "
+                        "a call's parts go to whichever thread is free, so a worker whose core "
+                        "the frontend needs holds nothing up; default: blink serve: the "
+                        "available cores split between the engines; blink engine: --threads)")
     eager = g.add_mutually_exclusive_group()
     eager.add_argument("--enforce-eager", action="store_true",
                        help="CPU loop: run every step eager (the default on CPU: measured faster "

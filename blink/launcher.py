@@ -222,10 +222,11 @@ def serve_engine_threads(engines: int = 1) -> int:
 
 def serve_kernel_threads(engines: int = 1) -> int:
     """``blink serve``'s default ``--kernel-threads`` per engine: every core this process may
-    use, shared by the engines. The kernels split only prefill-sized calls, and their workers
-    sleep between prefills (kernels/cpu_pool.c), so the frontend's core is borrowed only while
-    a prompt is computed: a 4 x 128-token prefill step ran 1.6x faster on 2 threads
-    (docs/benchmarks.md, "Kernel threads")."""
+    use, shared by the engines. The kernels split prefills' and decode steps' calls; a call's
+    parts go to whichever thread is free and the workers sleep between steps
+    (kernels/cpu_pool.c), so the frontend's core is borrowed, never waited for: on 2 threads a
+    4 x 128-token prefill step ran 1.6x faster, and a 16-stream serve 1.16-1.22x
+    (docs/benchmarks.md, "Kernel threads", "Decode steps on both cores")."""
     return max(1, _cores() // max(1, engines))
 
 

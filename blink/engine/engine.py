@@ -82,8 +82,8 @@ class EngineConfig:
     max_logprobs: int = 20
     transport: str = "loopback"  # loopback | verbs | inprocess (a frontend in this process: LLM)
     threads: int | None = None
-    #: CPU loop: threads the CPU kernels may split one large call over (a prefill's
-    #: projections, attention, norms and SiLU; a decode step's calls stay on the loop thread):
+    #: CPU loop: threads the CPU kernels may split one call over (the projections, attention,
+    #: norms and SiLU of prefills and decode steps, parts claimed by whichever thread is free):
     #: blink.kernels.cpu_threads. None: ``threads``
     kernel_threads: int | None = None
     #: how long a stop with drain waits for requests in flight (every loop kind uses this one)
