@@ -45,10 +45,10 @@ typedef struct {
     pthread_cond_t wake, done;
     int workers;            /* started; worker i (1-based) takes part in calls of more than i threads */
     unsigned long generation; /* bumped per call */
-    int threads;            /* this call's */
+    int threads;            /* this call's, and its parts: one per thread */
     void *(*run)(void *);
     const void *args;
-    int64_t items, parts;
+    int64_t items;
     uint64_t claim;         /* (generation's low 32 bits) << 32 | the next unclaimed part */
     int64_t finished;       /* parts of this call finished */
     int status;             /* a nonzero part status of this call, or 0 */
@@ -110,13 +110,14 @@ static void *blink_pool_worker(void *arg) {
         }
         while (blink_pool.generation == seen) pthread_cond_wait(&blink_pool.wake, &blink_pool.lock);
         seen = blink_pool.generation;
-        if (index >= blink_pool.threads) continue; /* not needed by this call */
+        const int threads = blink_pool.threads;
+        if (index >= threads) continue; /* not needed by this call */
         /* the call's fields stay put until all its parts are finished, ours included */
         void *(*run)(void *) = blink_pool.run;
         const void *args = blink_pool.args;
-        const int64_t items = blink_pool.items, parts = blink_pool.parts;
+        const int64_t items = blink_pool.items;
         pthread_mutex_unlock(&blink_pool.lock);
-        blink_claim_parts(seen & 0xffffffffu, run, args, items, parts);
+        blink_claim_parts(seen & 0xffffffffu, run, args, items, threads);
         pthread_mutex_lock(&blink_pool.lock);
     }
     return NULL;
@@ -152,29 +153,27 @@ int blink_pool_split(void *(*run)(void *), const void *args, int64_t items, int 
             blink_pool.workers++;
         }
         if (blink_pool.workers > 0) {
-            const int64_t parts = threads;
             pthread_mutex_lock(&blink_pool.lock);
             const unsigned long generation = blink_pool.generation + 1;
             blink_pool.threads = threads;
             blink_pool.run = run;
             blink_pool.args = args;
             blink_pool.items = items;
-            blink_pool.parts = parts;
             blink_pool.finished = 0;
             blink_pool.status = 0;
             __atomic_store_n(&blink_pool.claim, (uint64_t)(generation & 0xffffffffu) << 32, __ATOMIC_RELEASE);
             __atomic_store_n(&blink_pool.generation, generation, __ATOMIC_RELEASE);
             pthread_cond_broadcast(&blink_pool.wake);
             pthread_mutex_unlock(&blink_pool.lock);
-            blink_claim_parts(generation & 0xffffffffu, run, args, items, parts);
+            blink_claim_parts(generation & 0xffffffffu, run, args, items, threads);
             /* wait for the parts that workers started: they end about now */
             const int64_t until = blink_now_ns() + BLINK_POLL_NS;
-            for (int i = 0; __atomic_load_n(&blink_pool.finished, __ATOMIC_ACQUIRE) < parts; i++) {
+            for (int i = 0; __atomic_load_n(&blink_pool.finished, __ATOMIC_ACQUIRE) < threads; i++) {
                 if ((i & 63) == 63 && blink_now_ns() > until) break;
                 blink_pause();
             }
             pthread_mutex_lock(&blink_pool.lock);
-            while (__atomic_load_n(&blink_pool.finished, __ATOMIC_ACQUIRE) < parts)
+            while (__atomic_load_n(&blink_pool.finished, __ATOMIC_ACQUIRE) < threads)
                 pthread_cond_wait(&blink_pool.done, &blink_pool.lock);
             pthread_mutex_unlock(&blink_pool.lock);
             const int status = blink_pool.status;
