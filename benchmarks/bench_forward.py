@@ -21,8 +21,10 @@ their CPU graphs (blink.decode_graphs; the other baselines compare eager with ea
 ``--before unfused-silu``: today's forward with the MLP's SiLU as its own op after the
 gate/up projection, which isolates the 4-bit kernel's gated epilogue; or ``--before
 one-kernel-thread``: today's forward with its C kernels on the calling thread alone, against
-them split over the kernel threads, torch's ``--threads``: blink.kernels.cpu_threads)
-and ``now`` the default one.
+them split over the kernel threads, torch's ``--threads``: blink.kernels.cpu_threads); or
+``--before q4-one-pass``: today's forward with the 4-bit kernel's many-rows products over all
+of K in one pass, without the streamed weight tiles, which isolates its K slabs
+(blink.kernels.cpu_q4_linear) and ``now`` the default one.
 For each dtype and shape the two are timed alternately, ``--rounds`` rounds of ``--steps``
 calls each, so a load spike on this shared machine hits both; the table gives the median
 per-call wall time and process CPU time of each, and their ratio.
@@ -43,6 +45,7 @@ logits of every row); ``prefill BxP`` = B rows of P new tokens (the logits of ea
     python -m benchmarks.bench_forward --before bf16-head --dtype bfloat16 --decode 32 48 64 --prefill --q8-head-max-rows 64
     python -m benchmarks.bench_forward --before unfused-silu --dtype bfloat16 --decode 1 16 --prefill 4x128 1x512
     python -m benchmarks.bench_forward --before no-cpu-graphs --dtype bfloat16 --decode 1 4 8 16 32 --threads 1
+    python -m benchmarks.bench_forward --before q4-one-pass --dtype bfloat16 --decode --prefill 16x128 4x128 1x512
     python -m benchmarks.bench_forward --before one-kernel-thread --dtype bfloat16 --decode 1 16 --prefill 16x128 \
         --context 192 --threads 2
 """
@@ -89,30 +92,28 @@ def _amx_int4_off(off: bool):
         cpu_q4_linear.LIBRARY.reset()
 
 
-def _attention_built_with(define: str):
-    """The C attention kernel built with ``-D<define>`` (and declared as the module declares its own)."""
-    from blink.kernels import cpu_attention
+def _built_with(module, define: str):
+    """``module``'s C kernel (cpu_attention, cpu_q4_linear) built with ``-D<define>``, and
+    declared as the module declares its own."""
     from blink.shared.native_build import build_library
 
-    L = cpu_attention.LIBRARY
+    L = module.LIBRARY
     library = build_library(L.source, (*L.flags, f"-D{define}"), None, L.headers)
-    cpu_attention._declare(library)
+    module._declare(library)
     return library
 
 
-def _with_attention_library(ex, library) -> None:
-    """``ex.execute`` runs with ``library`` as the C attention kernel, the others with the usual one."""
-    from blink.kernels import cpu_attention
-
+def _with_library(ex, module, library) -> None:
+    """``ex.execute`` runs with ``library`` as ``module``'s C kernel, the others with the usual ones."""
     execute = ex.execute
 
     def swapped(*args, **kwargs):
-        usual = cpu_attention.LIBRARY.get()
-        cpu_attention.LIBRARY._state[:] = [library]
+        usual = module.LIBRARY.get()
+        module.LIBRARY._state[:] = [library]
         try:
             return execute(*args, **kwargs)
         finally:
-            cpu_attention.LIBRARY._state[:] = [usual]
+            module.LIBRARY._state[:] = [usual]
 
     ex.execute = swapped
 
@@ -178,7 +179,7 @@ def main() -> None:
                         "that threshold should lie on a new CPU")
     p.add_argument("--before", choices=["reference", "no-int4", "sdpa-attention", "torch-elementwise", "torch-int4",
                                              "attention-no-prefetch", "attention-no-tiles", "bf16-head",
-                                             "unfused-silu", "no-cpu-graphs", "one-kernel-thread"],
+                                             "unfused-silu", "no-cpu-graphs", "one-kernel-thread", "q4-one-pass"],
                    default="reference",
                    help="the baseline: the reference forward, or today's without one feature (the int4 path, the C attention kernel, the C elementwise ops, ..., the decode steps' CPU graphs)")
     args = p.parse_args()
@@ -188,7 +189,7 @@ def main() -> None:
     import torch
 
     from blink.executor import ModelExecutor
-    from blink.kernels import cpu_attention, ops_for, reference
+    from blink.kernels import cpu_attention, cpu_q4_linear, ops_for, reference
     from blink.kernels.ops import _CPU_FUSED_NAMES
     from blink.loader import open_model
 
@@ -223,7 +224,8 @@ def main() -> None:
         before = {"reference": {"pack_weights": False}, "no-int4": {"int4_decode": False},
                   "sdpa-attention": {}, "torch-elementwise": {}, "torch-int4": {},
                   "attention-no-prefetch": {}, "attention-no-tiles": {}, "bf16-head": {},
-                  "unfused-silu": {}, "no-cpu-graphs": {}, "one-kernel-thread": {}}[args.before]
+                  "unfused-silu": {}, "no-cpu-graphs": {}, "one-kernel-thread": {},
+                  "q4-one-pass": {}}[args.before]
         # Decode graphs in "now" only for no-cpu-graphs, and in both for one-kernel-thread (as
         # served): the other baselines measure their feature eager against eager (a baseline
         # with torch ops would not be recorded).
@@ -240,9 +242,13 @@ def main() -> None:
         elif args.before == "torch-elementwise":
             execs["before"].model.use_ops(torch_ops)
         elif args.before == "attention-no-prefetch":
-            _with_attention_library(execs["before"], _attention_built_with("PREFETCH=0"))
+            _with_library(execs["before"], cpu_attention, _built_with(cpu_attention, "PREFETCH=0"))
         elif args.before == "attention-no-tiles":
-            _with_attention_library(execs["before"], _attention_built_with("TILES=0"))
+            _with_library(execs["before"], cpu_attention, _built_with(cpu_attention, "TILES=0"))
+        elif args.before == "q4-one-pass":
+            if not cpu_q4_linear.available():
+                raise SystemExit("--before q4-one-pass: the 4-bit AMX kernel does not run here")
+            _with_library(execs["before"], cpu_q4_linear, _built_with(cpu_q4_linear, "SLABS=0"))
         elif args.before == "unfused-silu":
             _without_gated_epilogue(execs["before"])
         elif args.before == "one-kernel-thread":

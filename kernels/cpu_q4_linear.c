@@ -14,8 +14,9 @@
  *   rounded: the result is the product on gguf's fp32 weights, up to fp32 sum order.
  * - Many rows (a prefill): each weight is rebuilt once per call as fma(q, d, m) in fp32,
  *   gguf's own dequantization, rounded to bf16 (the values of the engine's bf16 copy), and
- *   32 x 32 blocks of the output accumulate plain tile products over all of K. Rebuilding
- *   costs ~10 instructions per 32 weights, which hundreds of rows amortise.
+ *   32 x 32 blocks of the output accumulate plain tile products over K (in slabs that keep
+ *   x's rows in L1, the weight tiles streamed past them). Rebuilding costs ~10 instructions
+ *   per 32 weights, which hundreds of rows amortise.
  *
  * Layout (made by kernels/cpu_q4_linear.py, `pack`): output columns in tiles of 16, channels
  * in groups of 32. A (tile, group) is one B tile, 16 rows of 32 words, row p holding channels
@@ -62,6 +63,22 @@ enum { CHUNK_TILES = 8 };
  * bf16: 576 KB at K = 576) stays in L2 while every chunk meets it. A larger step rebuilds each
  * chunk once per panel: at 2048 rows 1.10-1.14x faster than streaming all of x per chunk. */
 enum { PANEL_ROWS = 512 };
+
+/* Groups of 32 channels a many-rows block multiplies before its running sums go to memory
+ * (4 KB out and back per slab): 32 rows of x over at most 18 groups (36 KB) stay in L1 for
+ * every weight tile of a chunk, as K = 1536 (96 KB) would not. K = 576 runs in one slab,
+ * K = 1536 in three of 16 (1.09x over one pass; 9-group slabs cost K = 576 1.07-1.10x).
+ * benchmarks/bench_forward.py --before q4-one-pass builds with -DSLABS=0: one pass over all
+ * of K, the weight tiles loaded like x's (no streaming hint). */
+enum { SLAB_GROUPS = 18 };
+#ifndef SLABS
+#define SLABS 1
+#endif
+#if SLABS
+#define LOAD_WEIGHT_TILE(T, P) _tile_stream_loadd(T, P, 64)
+#else
+#define LOAD_WEIGHT_TILE(T, P) _tile_loadd(T, P, 64)
+#endif
 
 /* How far ahead the codes are prefetched: ~8% faster at 1-16 rows than none (1-2 KB measured
  * best, 8 KB and more no better than none). */
@@ -284,30 +301,55 @@ static void store_results(const args_t *a, const float *first, const float *seco
 }
 
 /* Rows [r0, r0 + rows0 + rows1) x the two weight tiles w[0], w[1] (when two; rebuilt weights
- * w[2][groups][16 x 32]), with the tiles configured for rows0 and rows1 (configure_block): y's
- * tiles t and t + 1, or, gated (always two), y's tile t from its gate and up tiles. */
-static void block(const args_t *a, int64_t t, int two, const uint16_t *w, int64_t r0, int rows0, int rows1) {
+ * w[2][groups][16 x 32]) over groups [g0, g1), with the tiles configured for rows0 and rows1
+ * (configure_block). The four result tiles start from zero at g0 = 0 and otherwise from
+ * `sums` (fp32, 4 x 16 x 16, the previous slab's); at g1 = groups they are written to y's tiles
+ * t and t + 1, or, gated (always two), y's tile t from its gate and up tiles, and otherwise
+ * kept in `sums` for the next slab (fp32: the sum order, so the bits, are those of one pass
+ * over all K). Weight tiles are loaded with the streaming hint (TILELOADDT1): they pass once
+ * per block, while x's slab stays in L1 for every tile of the chunk. */
+static void block(const args_t *a, int64_t t, int two, const uint16_t *w, int64_t r0, int rows0, int rows1,
+                  int64_t g0, int64_t g1, float *sums) {
     const int64_t groups = a->K / GROUP, x_bytes = a->x_stride * 2, tile_words = PAIRS * 2 * TILE;
     const uint16_t *w1 = w + groups * tile_words;
     const uint16_t *x0 = a->x + r0 * a->x_stride, *x1 = x0 + MAX_ROWS * a->x_stride;
-    float result[2][MAX_ROWS * TILE] __attribute__((aligned(64)));
-    _tile_zero(0);
-    if (two) _tile_zero(1);
-    if (rows1) {
-        _tile_zero(2);
-        if (two) _tile_zero(3);
+    enum { SUM = MAX_ROWS * TILE }; /* floats per result tile */
+    if (g0 == 0) {
+        _tile_zero(0);
+        if (two) _tile_zero(1);
+        if (rows1) {
+            _tile_zero(2);
+            if (two) _tile_zero(3);
+        }
+    } else {
+        _tile_loadd(0, sums, 64);
+        if (two) _tile_loadd(1, sums + SUM, 64);
+        if (rows1) {
+            _tile_loadd(2, sums + 2 * SUM, 64);
+            if (two) _tile_loadd(3, sums + 3 * SUM, 64);
+        }
     }
-    for (int64_t g = 0; g < groups; g++) {
+    for (int64_t g = g0; g < g1; g++) {
         _tile_loadd(4, x0 + g * GROUP, x_bytes);
-        _tile_loadd(6, w + g * tile_words, 64);
+        LOAD_WEIGHT_TILE(6, w + g * tile_words);
         _tile_dpbf16ps(0, 4, 6);
-        if (two) { _tile_loadd(7, w1 + g * tile_words, 64); _tile_dpbf16ps(1, 4, 7); }
+        if (two) { LOAD_WEIGHT_TILE(7, w1 + g * tile_words); _tile_dpbf16ps(1, 4, 7); }
         if (rows1) {
             _tile_loadd(5, x1 + g * GROUP, x_bytes);
             _tile_dpbf16ps(2, 5, 6);
             if (two) _tile_dpbf16ps(3, 5, 7);
         }
     }
+    if (g1 < groups) {
+        _tile_stored(0, sums, 64);
+        if (two) _tile_stored(1, sums + SUM, 64);
+        if (rows1) {
+            _tile_stored(2, sums + 2 * SUM, 64);
+            if (two) _tile_stored(3, sums + 3 * SUM, 64);
+        }
+        return;
+    }
+    float result[2][SUM] __attribute__((aligned(64))); /* one row half at a time: stays in L1 */
     _tile_stored(0, result[0], 64);
     if (two) _tile_stored(1, result[1], 64);
     store_results(a, result[0], result[1], two, t, r0, rows0);
@@ -335,11 +377,15 @@ static void rebuild_chunk(const args_t *a, int64_t t0, int64_t t1, uint16_t *w) 
     }
 }
 
-/* Rows [p0, p1) x chunk [t0, t1)'s rebuilt weights w, in 32-row blocks; `configured` holds the
- * tile configuration's two row counts (reloaded only when they change). */
+/* Rows [p0, p1) x chunk [t0, t1)'s rebuilt weights w, in 32-row blocks, each over K in slabs
+ * of at most SLAB_GROUPS groups (the block's running sums kept in `sums`, 4 tiles per pair of
+ * weight tiles); `configured` holds the tile configuration's two row counts (reloaded only
+ * when they change). */
 static void sweep_chunk(const args_t *a, int64_t t0, int64_t t1, const uint16_t *w, int64_t p0, int64_t p1,
-                        int configured[2]) {
-    const int64_t groups = a->K / GROUP, tile_words = PAIRS * 2 * TILE;
+                        int configured[2], float *sums) {
+    const int64_t groups = a->K / GROUP, tile_words = PAIRS * 2 * TILE, sum_floats = 4 * MAX_ROWS * TILE;
+    const int64_t slabs = SLABS ? (groups + SLAB_GROUPS - 1) / SLAB_GROUPS : 1;
+    const int64_t per_slab = (groups + slabs - 1) / slabs;
     for (int64_t r0 = p0; r0 < p1; r0 += 2 * MAX_ROWS) {
         const int64_t left = p1 - r0;
         const int rows0 = (int)(left < MAX_ROWS ? left : MAX_ROWS);
@@ -348,26 +394,35 @@ static void sweep_chunk(const args_t *a, int64_t t0, int64_t t1, const uint16_t 
             configure_block(rows0, rows1);
             configured[0] = rows0, configured[1] = rows1;
         }
-        if (a->gated)
-            for (int64_t t = t0; t < t1; t++)
-                block(a, t, 1, w + 2 * (t - t0) * groups * tile_words, r0, rows0, rows1);
-        else
-            for (int64_t t = t0; t < t1; t += 2)
-                block(a, t, t + 1 < t1, w + (t - t0) * groups * tile_words, r0, rows0, rows1);
+        for (int64_t g0 = 0; g0 < groups; g0 += per_slab) {
+            const int64_t g1 = groups - g0 < per_slab ? groups : g0 + per_slab;
+            if (a->gated)
+                for (int64_t t = t0; t < t1; t++)
+                    block(a, t, 1, w + 2 * (t - t0) * groups * tile_words, r0, rows0, rows1, g0, g1,
+                          sums + (t - t0) * sum_floats);
+            else
+                for (int64_t t = t0; t < t1; t += 2)
+                    block(a, t, t + 1 < t1, w + (t - t0) * groups * tile_words, r0, rows0, rows1, g0, g1,
+                          sums + (t - t0) / 2 * sum_floats);
+        }
     }
 }
 
 /* Per panel of PANEL_ROWS rows, output tiles in chunks of CHUNK_TILES weight tiles, each
- * chunk's weights rebuilt (into L2) and then swept by 32-row blocks whose x (32 x K) stays in
- * L1 while it meets every tile of the chunk. Gated, a chunk holds half as many output tiles,
- * each one's gate and up tiles side by side. */
+ * chunk's weights rebuilt (into L2) and then swept by 32-row blocks whose x slab (32 x 576
+ * channels at most) stays in L1 while it meets every tile of the chunk. Gated, a chunk holds
+ * half as many output tiles, each one's gate and up tiles side by side. */
 static void *run_many_rows(void *arg) {
     blink_part_t *p = (blink_part_t *)arg;
     const args_t *a = (const args_t *)p->args;
     const int64_t groups = a->K / GROUP, tile_words = PAIRS * 2 * TILE;
     const int64_t per_chunk = a->gated ? CHUNK_TILES / 2 : CHUNK_TILES; /* output tiles */
     uint16_t *w = aligned_alloc(64, (size_t)(CHUNK_TILES * groups * tile_words) * sizeof *w);
-    if (!w) {
+    /* a block's 4 result tiles per pair of weight tiles in the chunk */
+    float *sums = aligned_alloc(64, (size_t)(CHUNK_TILES / 2 * 4 * MAX_ROWS * TILE) * sizeof *sums);
+    if (!w || !sums) {
+        free(w);
+        free(sums);
         p->status = -4;
         return NULL;
     }
@@ -377,11 +432,12 @@ static void *run_many_rows(void *arg) {
         for (int64_t t0 = p->lo; t0 < p->hi; t0 += per_chunk) {
             const int64_t t1 = p->hi - t0 < per_chunk ? p->hi : t0 + per_chunk;
             rebuild_chunk(a, t0, t1, w);
-            sweep_chunk(a, t0, t1, w, p0, p1, configured);
+            sweep_chunk(a, t0, t1, w, p0, p1, configured, sums);
         }
     }
     _tile_release();
     free(w);
+    free(sums);
     return NULL;
 }
 

@@ -65,7 +65,9 @@ def close_to_exact(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tenso
 @needs_amx
 # 1100: three panels of rows in the many-rows path, the last one partial
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 32, 33, 48, 50, 1100])
-@pytest.mark.parametrize("n, k", [(16, 32), (48, 160), (80, 576)])  # 1-5 tiles; 1, 5, 18 groups
+# 1-5 tiles; 1, 5, 18 groups; many rows run K in slabs of at most 18 groups: 19 groups are two
+# uneven slabs, 48 three
+@pytest.mark.parametrize("n, k", [(16, 32), (48, 160), (80, 576), (32, 608), (16, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_kernel_matches_the_fp32_product(rows, n, k, with_bias):
     """Few rows: the product on gguf's fp32 weights. Many rows (a prefill): on those weights
@@ -279,12 +281,12 @@ def test_smollm2s_q8_head_runs_on_its_codes_unless_switched_off():
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 100, 600])  # both paths, partial row tiles, 2 panels
 @pytest.mark.parametrize("n", [32, 96, 3072])  # 1, 3 and 96 tiles per half: odd chunks too
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_gated_is_the_projection_then_the_silu_to_the_bit(rows, n, with_bias):
+@pytest.mark.parametrize("k", [96, 1152])  # 1152: 36 groups, two slabs of K in the many-rows path
+def test_gated_is_the_projection_then_the_silu_to_the_bit(rows, n, with_bias, k):
     """A fused gate/up projection with the activation applied as the kernel stores: the bits of
     the plain call followed by cpu_fused's SiLU (which the op table runs otherwise)."""
     from blink.kernels import cpu_fused
 
-    k = 96
     codes, scale, zero = gguf_like(n, k, seed=rows + n)
     weight = cpu_q4_linear.pack(codes, scale, zero)
     torch.manual_seed(rows)
