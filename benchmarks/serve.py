@@ -175,7 +175,7 @@ def add_serve_args(ap: argparse.ArgumentParser, *, with_target: bool = True) -> 
                    help="condition recorded in the result, e.g. isolated / interference")
     m.add_argument("--result-json", default=None, help="write config + metrics of every run here")
     m.add_argument("--save-detailed", action="store_true",
-                   help="also store per-request ttft/itl/latency in the result JSON")
+                   help="also store per-request start (s after the first), ttft, itl and latency in the result JSON")
     m.add_argument("--disable-tqdm", action="store_true")
     m.add_argument("--quiet", action="store_true", help="print only the one-line summary per run")
 
@@ -288,9 +288,11 @@ def run_benchmark(args: argparse.Namespace, *, tokenizer: Any = None,
         errors = sorted({o.error for o in outputs if not o.success})
         metrics["errors"] = errors[:5]
         if args.save_detailed:
+            first = min((o.start_time for o in outputs), default=0.0)
             metrics["requests"] = [
                 {"success": o.success, "prompt_len": o.prompt_len, "output_tokens": o.output_tokens,
-                 "ttft": o.ttft, "latency": o.latency, "itl": o.itl, "error": o.error}
+                 "start": o.start_time - first, "ttft": o.ttft, "latency": o.latency, "itl": o.itl,
+                 "error": o.error}
                 for o in outputs]
         runs.append(metrics)
         if log is not None:
