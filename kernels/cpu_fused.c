@@ -132,21 +132,6 @@ static int rope(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t 
     return 0;
 }
 
-/* The new tokens' K and V rows ([T, KVH*D] each, rows `k_stride` / `v_stride` apart) into
- * the paged caches ([slots, KVH*D]) at slot_mapping. Returns -1 if a slot lies outside the
- * cache (nothing after it is written). Exact (a copy). */
-int blink_write_kv(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride,
-                   uint16_t *k_cache, uint16_t *v_cache, const int64_t *slot_mapping,
-                   int64_t tokens, int64_t row, int64_t slots) {
-    for (int64_t t = 0; t < tokens; t++) {
-        int64_t slot = slot_mapping[t];
-        if (slot < 0 || slot >= slots) return -1;
-        memcpy(k_cache + slot * row, k + t * k_stride, (size_t)row * 2);
-        memcpy(v_cache + slot * row, v + t * v_stride, (size_t)row * 2);
-    }
-    return 0;
-}
-
 /* out[t] = bf16(bf16(silu(gate)) * up) for x[t] = [gate (dim) | up (dim)], rows `x_stride`
  * apart: the reference's F.silu(gate) * up in bf16. silu's exp is exp_nonpositive, so a result
  * may differ from torch's by one bf16 step where the fp32 value lies at a rounding edge. */
@@ -172,6 +157,38 @@ static void silu_and_mul_row(const uint16_t *restrict gate, const uint16_t *rest
  * elements, ~5-10 us of work, per thread at least: a prefill's, and a decode step's from 32
  * rows), each part the functions above on its rows. */
 enum { ELEMENTS_PER_THREAD = 1 << 14 };
+
+typedef struct {
+    const uint16_t *k, *v;
+    int64_t k_stride, v_stride, row;
+    uint16_t *k_cache, *v_cache;
+    const int64_t *slot_mapping;
+} kv_args_t;
+
+static void *kv_part(void *arg) {
+    blink_part_t *p = (blink_part_t *)arg;
+    const kv_args_t *a = (const kv_args_t *)p->args;
+    for (int64_t t = p->lo; t < p->hi; t++) {
+        const int64_t slot = a->slot_mapping[t];
+        memcpy(a->k_cache + slot * a->row, a->k + t * a->k_stride, (size_t)a->row * 2);
+        memcpy(a->v_cache + slot * a->row, a->v + t * a->v_stride, (size_t)a->row * 2);
+    }
+    return NULL;
+}
+
+/* The new tokens' K and V rows ([T, KVH*D] each, rows `k_stride` / `v_stride` apart) into
+ * the paged caches ([slots, KVH*D]) at slot_mapping. Returns -1, writing nothing, if a slot
+ * lies outside the cache. Exact (a copy). A prefill's rows split over `threads`: the writes
+ * go to cache lines no core holds, and two threads keep twice the misses in flight. */
+int blink_write_kv(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride,
+                   uint16_t *k_cache, uint16_t *v_cache, const int64_t *slot_mapping,
+                   int64_t tokens, int64_t row, int64_t slots, int threads) {
+    for (int64_t t = 0; t < tokens; t++)
+        if (slot_mapping[t] < 0 || slot_mapping[t] >= slots) return -1;
+    const kv_args_t a = {k, v, k_stride, v_stride, row, k_cache, v_cache, slot_mapping};
+    blink_run_parts(kv_part, &a, tokens, blink_threads_for(tokens * row, ELEMENTS_PER_THREAD, threads));
+    return 0;
+}
 
 typedef struct {
     const uint16_t *x, *residual, *weight;

@@ -40,7 +40,7 @@ _SIGNATURES = {
     "blink_add_rms_norm": (None, [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _F32, ctypes.c_int]),
     "blink_rope": (ctypes.c_int, [_P, _I64, _P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64,
                                   ctypes.c_int]),
-    "blink_write_kv": (ctypes.c_int, [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64]),
+    "blink_write_kv": (ctypes.c_int, [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int]),
     "blink_silu_and_mul": (None, [_P, _I64, _P, _I64, _I64, ctypes.c_int]),
     "blink_logsumexp_rows": (None, [_P, _I64, _P, _I64, _I64, ctypes.c_int]),
 }
@@ -153,7 +153,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     row = k.shape[1] * k.shape[2]
     status = lib.blink_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
                                 v_cache.data_ptr(), slot_mapping.data_ptr(), k.shape[0], row,
-                                k_cache.shape[0] * k_cache.shape[1])
+                                k_cache.shape[0] * k_cache.shape[1], kernel_threads())
     if status != 0:
         raise IndexError("KV cache write: a slot lies outside the cache")
 
