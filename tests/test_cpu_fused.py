@@ -182,6 +182,18 @@ def test_errors_name_the_bad_index():
     caches = [torch.zeros(2, 4, 2, 16, dtype=BF16) for _ in range(2)]
     with pytest.raises(IndexError, match="slot lies outside the cache"):
         cpu_fused.write_kv_cache(q, q, caches[0], caches[1], torch.tensor([0, 8]))
+    assert not caches[0].any() and not caches[1].any()  # checked before any write: slot 0 too
+
+
+def test_a_prefill_sized_kv_write_splits_and_lands_every_row():
+    """2048 tokens of 3 x 64 channels: the copy runs in parts on the kernel threads."""
+    g = _gen(12)
+    k, v = (torch.randn(2048, 3, 64, generator=g).to(BF16) for _ in range(2))
+    slots = torch.randperm(4096, generator=g)[:2048]
+    caches = [torch.zeros(256, 16, 3, 64, dtype=BF16) for _ in range(4)]
+    cpu_fused.write_kv_cache(k, v, caches[0], caches[1], slots)
+    reference.write_kv_cache(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
 def test_without_a_compiler_the_references_serve(without_c_compiler, caplog):
