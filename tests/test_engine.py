@@ -555,3 +555,42 @@ def test_engine_builds_on_one_thread_and_the_loop_gets_the_thread_count(model_di
             assert len(o.token_ids) == 2 and in_step and set(in_step) == {2}
     finally:
         torch.set_num_threads(before)
+
+
+def test_an_idle_engine_waits_for_requests_the_frontend_is_admitting(model_dir):
+    """With nothing running, a WRITTEN request waits while the frontend's admission count
+    (control word C_FRONTEND_ADMITTING) is nonzero, and the burst is admitted in one step;
+    the wait is bounded by admission_wait_ms, and a zero count means no wait at all."""
+    with make_llm(model_dir, max_num_seqs=4, admission_wait_ms=1000) as llm:
+        ring = llm._ring
+        fields = ring_fields(SamplingParams(max_tokens=2, **GREEDY), len(SEEDED[0]),
+                             llm.max_model_len, ring.config)
+
+        def submit(prompt):
+            handle = ring.try_submit(ring.new_request_id(), prompt, fields)
+            assert handle is not None
+            return handle
+
+        def run_to_end(handle):
+            wait_for(lambda: (ring.poll(handle), handle.done)[1], what="the request to finish")
+
+        ring.set_admitting(1)  # a second request is being admitted
+        first = submit(SEEDED[0])
+        time.sleep(0.3)
+        assert first.admitted_step is None and not ring.poll(first)  # still WRITTEN
+        second = submit(SEEDED[1])
+        ring.set_admitting(0)
+        for handle in (first, second):
+            run_to_end(handle)
+        assert first.admitted_step == second.admitted_step  # one step admitted both
+        # a lone request: no count, no wait
+        started = time.monotonic()
+        run_to_end(submit(SEEDED[2]))
+        assert time.monotonic() - started < 0.5
+    with make_llm(model_dir, max_num_seqs=4, admission_wait_ms=50) as llm:
+        ring = llm._ring
+        ring.set_admitting(3)  # requests that never come (a frontend that died mid-admission)
+        handle = ring.try_submit(ring.new_request_id(), SEEDED[0], fields)
+        started = time.monotonic()
+        wait_for(lambda: (ring.poll(handle), handle.done)[1], what="the request to finish")
+        assert time.monotonic() - started < 0.9  # 50 ms of waiting per idle start, not 1 s
