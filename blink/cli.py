@@ -90,13 +90,6 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "a call's parts go to whichever thread is free, so a worker whose core "
                         "the frontend needs holds nothing up; default: blink serve: the "
                         "available cores split between the engines; blink engine: --threads)")
-    g.add_argument("--admission-wait-ms", type=float, default=20.0, metavar="MS",
-                   help="CPU loop: with nothing to decode, how long a step may wait for "
-                        "requests the frontend is still parsing and tokenizing, so that "
-                        "requests arriving together prefill in one step instead of the last "
-                        "ones waiting behind a step of the first; a lone request never waits "
-                        "(its count is gone once it is queued). 0: never wait "
-                        "(default: %(default)g)")
     eager = g.add_mutually_exclusive_group()
     eager.add_argument("--enforce-eager", action="store_true",
                        help="CPU loop: run every step eager (the default on CPU: measured faster "

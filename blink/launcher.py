@@ -85,7 +85,6 @@ def engine_config_from_args(args: argparse.Namespace):
         transport=args.transport,
         threads=args.threads,
         kernel_threads=getattr(args, "kernel_threads", None),
-        admission_wait_ms=getattr(args, "admission_wait_ms", 20.0),
         # Neither flag: EngineConfig's default ($BLINK_ENFORCE_EAGER, else eager)
         **({"enforce_eager": True} if args.enforce_eager else
            {"enforce_eager": False} if args.compile else {}),
@@ -207,7 +206,7 @@ _ENGINE_FLAGS = (
     "model", "served_model_name", "dtype", "device", "max_model_len", "block_size",
     "kv_cache_tokens", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "loop",
     "threads", "kernel_threads", "transport", "grammar_region_mb", "max_logprobs", "log_level",
-    "compile_cache_dir", "thread_policy", "int4_decode", "cpu_graphs", "admission_wait_ms",
+    "compile_cache_dir", "thread_policy", "int4_decode", "cpu_graphs",
 )
 
 

@@ -34,9 +34,6 @@ Protocol (payload first, then the state word; readers read the state word first)
                                 read -> (cancel=0 if it was set) -> fence -> state=FREE
     frontend: cancel=1 at any time after WRITTEN; the engine finishes the request with
                                 FINISH_ABORT within one step.
-    frontend: control[C_FRONTEND_ADMITTING] = requests accepted but not yet WRITTEN (or
-                                refused); an engine that has WRITTEN slots and nothing RUNNING
-                                waits (bounded) while it is nonzero, then admits them together.
 
 Disaggregated prefill/decode (docs/disaggregation.md; ``max_kv_blocks`` > 0 enables it):
     frontend -> decode ring:  a request with kv_mode=KV_RESERVE (prompt and sampling as usual)
@@ -67,9 +64,8 @@ from blink.errors import BlinkError
 from blink.shared.sampling_fields import SAMPLING_FIELDS, numpy_fields
 
 MAGIC = int.from_bytes(b"BLINKRNG", "little")
-LAYOUT_VERSION = 6  # 2: the request record (one contiguous payload per slot); 3: grammar region
-# (issue 15) or admitted_step (main); 4: both; 5: disaggregated prefill/decode (kv_* fields);
-# 6: C_FRONTEND_ADMITTING
+LAYOUT_VERSION = 5  # 2: the request record (one contiguous payload per slot); 3: grammar region
+# (issue 15) or admitted_step (main); 4: both; 5: disaggregated prefill/decode (kv_* fields)
 ALIGN = 64
 
 # Control block word indices (all int64).
@@ -101,11 +97,7 @@ ALIGN = 64
     C_MAX_KV_BLOCKS,  # width of the kv block-id fields (0: no disaggregation)
     C_STAT_KV_BYTES_SENT,  # prefill role: KV bytes written into decode engines
     C_STAT_KV_TRANSFERS,  # prefill role: requests whose KV was sent
-    # Written by the frontend alone: requests it has accepted and not yet written into a slot
-    # (nor refused). An engine with nothing to decode waits a bounded few ms while it is
-    # nonzero, so a burst prefills in one step (blink.dpu.admission, Engine._await_admissions).
-    C_FRONTEND_ADMITTING,
-) = range(28)
+) = range(27)
 CONTROL_WORDS = 32
 #: Reserved for the engine: a write sink for its fixed-shape scatters into the slot state
 #: words (lanes with nothing to publish write here). The frontend never reads or writes it.

@@ -36,7 +36,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from blink.dpu import errors
-from blink.dpu.admission import ADMISSIONS
 from blink.dpu.engine_client import EngineClient
 from blink.dpu.errors import APIError
 from blink.dpu.limits import RequestLimits
@@ -348,22 +347,17 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, *, model_name: str | 
         async def redoc_docs() -> HTMLResponse:
             return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")
 
-    # Each generating request counts as being admitted until its slot is written (or it is
-    # refused): an idle engine waits for a burst's last request (blink.dpu.admission).
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request) -> Response:
-        with ADMISSIONS.admitting():
-            return await serving.chat(request)
+        return await serving.chat(request)
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Response:
-        with ADMISSIONS.admitting():
-            return await serving.completions(request)
+        return await serving.completions(request)
 
     @app.post("/v1/responses", dependencies=auth)
     async def create_response(request: Request) -> Response:
-        with ADMISSIONS.admitting():
-            return await responses.create(request)
+        return await responses.create(request)
 
     def model_card() -> ModelCard:
         return ModelCard(id=name, root=name, max_model_len=engine.max_model_len)

@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from blink.dpu import admission
 from blink.dpu.engine_client import (
     DEFAULT_ENGINE_DEAD_TIMEOUT_S,
     DEFAULT_HEARTBEAT_TIMEOUT_S,
@@ -124,7 +123,6 @@ class RingEngineClient:
         self.info: Any = None  # the bootstrap EngineInfo, when made by connect()
         self._inflight: dict[str, _Stream] = {}
         self._task: asyncio.Task[None] | None = None
-        self._publishing = False  # attached to blink.dpu.admission.ADMISSIONS
         self._wake: asyncio.Event | None = None
         self._peer_checked = 0.0
         #: the engine's step count in time, for the queue time (blink.dpu.step_clock)
@@ -280,11 +278,7 @@ class RingEngineClient:
     # -- the poller ----------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the poller task (done by the first generate; call it to watch an idle engine),
-        and publish the frontend's admissions in flight to this ring from then on."""
-        if not self._publishing:
-            admission.ADMISSIONS.attach(self.ring.set_admitting)
-            self._publishing = True
+        """Start the poller task (done by the first generate; call it to watch an idle engine)."""
         if self._task is None or self._task.done():
             self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run(), name="blink-ring-poller")
@@ -406,7 +400,6 @@ class RingEngineClient:
         while True:
             handle = self.ring.try_submit(ring_id, prompt_ids, fields, grammar=grammar, kv=kv)
             if handle is not None:
-                admission.written()
                 break
             if time.monotonic() >= deadline:
                 raise EngineOverloadedError(
@@ -489,9 +482,6 @@ class RingEngineClient:
             self.ring.cancel(stream.handle)
             stream.queue.put_nowait(EngineDeadError("the engine client was closed"))
         self._set(Observation.CLOSED, "the engine client was closed")
-        if self._publishing:
-            admission.ADMISSIONS.detach(self.ring.set_admitting)
-            self._publishing = False
         if self._wake is not None:
             self._wake.set()
         if self._task is not None:

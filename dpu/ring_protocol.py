@@ -39,7 +39,6 @@ from blink.ring import (
     KV_RESERVE,
     KV_SEND,
     C_ENGINE_STATE,
-    C_FRONTEND_ADMITTING,
     C_HEARTBEAT,
     C_MAGIC,
     C_TOTAL_BYTES,
@@ -638,10 +637,6 @@ class RingClient:
             self._write_field("cancel", handle.slot, CANCEL_FORCE if force else CANCEL_REQUEST)
 
     # -- engine status -------------------------------------------------------------------
-
-    def set_admitting(self, count: int) -> None:
-        """Publish the frontend's admissions in flight (blink.dpu.admission): one word."""
-        self.transport.write(C_FRONTEND_ADMITTING * 8, np.array([count], dtype="<i8"))
 
     def engine_status(self) -> EngineStatus:
         control = self.transport.read(0, CONTROL_WORDS * 8).view("<i8")

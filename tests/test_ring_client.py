@@ -23,7 +23,6 @@ from blink.dpu.ring_protocol import ArenaAllocator, RingClient, RingFullError
 from blink.shared.sampling_params import SamplingParams
 from blink.ring import (
     C_ENGINE_STATE,
-    C_FRONTEND_ADMITTING,
     ENGINE_DRAINING,
     ENGINE_FAILED,
     ENGINE_READY,
@@ -385,35 +384,6 @@ async def collect(agen):
     async for o in agen:
         out.append(o)
     return out
-
-
-def test_the_client_publishes_the_admissions_and_a_write_ends_one(setup):
-    """blink.dpu.admission's count reaches the ring's control word; a generate inside an
-    admission ends it when it writes its slot, while its stream goes on."""
-    from blink.dpu.admission import ADMISSIONS
-
-    setup.engine.start()
-    control = setup.ring.control
-
-    async def main():
-        client = make_async(setup)
-        params = SamplingParams(max_tokens=40)
-        with ADMISSIONS.admitting():
-            client.start()  # attaches: the word holds the count from now on
-            assert control[C_FRONTEND_ADMITTING] == 1
-            with ADMISSIONS.admitting():
-                assert control[C_FRONTEND_ADMITTING] == 2
-                stream = client.generate("a", [1, 2], params)
-                first = await stream.__anext__()  # its slot is written by now
-                assert first.token_ids and control[C_FRONTEND_ADMITTING] == 1
-                await collect(stream)
-            assert control[C_FRONTEND_ADMITTING] == 1
-        assert control[C_FRONTEND_ADMITTING] == 0
-        await client.close()
-        with ADMISSIONS.admitting():  # a closed client publishes no more
-            assert control[C_FRONTEND_ADMITTING] == 0
-
-    asyncio.run(main())
 
 
 def test_async_generate_many_concurrent_requests(setup):

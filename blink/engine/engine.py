@@ -35,7 +35,6 @@ from blink.executor import ModelExecutor
 from blink.ring import (
     DEFAULT_GRAMMAR_WORDS,
     C_ENGINE_STATE,
-    C_FRONTEND_ADMITTING,
     C_HEARTBEAT,
     C_SHUTDOWN,
     ENGINE_DRAINING,
@@ -58,13 +57,6 @@ log = logging.getLogger("blink.engine")
 DEFAULT_MAX_MODEL_LEN = 8192
 #: engine roles (docs/disaggregation.md)
 ROLES = ("both", "prefill", "decode")
-
-
-#: Once waiting for a burst (Engine._await_admissions), how long the frontend's count must
-#: stay at zero before the step starts: the next request's handler may not have started yet
-#: when the one before it is queued (the frontend's loop is busy streaming the last wave's
-#: final tokens).
-ADMISSION_QUIET_S = 1e-3
 
 
 @dataclass
@@ -96,10 +88,6 @@ class EngineConfig:
     kernel_threads: int | None = None
     #: how long a stop with drain waits for requests in flight (every loop kind uses this one)
     drain_timeout_s: float = 30.0
-    #: CPU loop: with nothing to decode, how long a step may wait for requests the frontend
-    #: is still admitting (control word C_FRONTEND_ADMITTING), so that a burst prefills in one
-    #: step; 0: never wait. A lone request never waits (blink.dpu.admission).
-    admission_wait_ms: float = 20.0
     #: CPU loop: run eager instead of torch.compile'd steps (default: $BLINK_ENFORCE_EAGER,
     #: else False; the test suite sets it). See blink.engine.compiled.
     enforce_eager: bool = field(default_factory=enforce_eager_default)
@@ -181,8 +169,6 @@ class Engine:
             value = getattr(config, name)
             if value is not None and value < 1:
                 raise BlinkError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-        if not 0 <= config.admission_wait_ms <= 1000:
-            raise BlinkError(f"--admission-wait-ms must be between 0 and 1000, got {config.admission_wait_ms}")
         self.loop_threads = config.threads or torch.get_num_threads()
         threads_before = torch.get_num_threads()
         if self.device.type == "cpu":
@@ -426,7 +412,6 @@ class Engine:
                         idle_sleep = min(max(idle_sleep * 2, 5e-5), 5e-3)
                         time.sleep(idle_sleep)
                         continue
-                    self._await_admissions()
                     step_wait.begin()
                     progressed = self.step()
                     step_wait.end()
@@ -480,31 +465,6 @@ class Engine:
             log.info("decode steps of up to %d rows run on %d CPU graphs (recorded in %.1f s, %.0f MB; "
                      "--cpu-graphs off: eager)", max(b for b, _ in graphs.graphs), recorded,
                      time.monotonic() - t0, graphs.kept_bytes / 2**20)
-
-    def _await_admissions(self) -> None:
-        """CPU loop, before a step: with requests WRITTEN but none RUNNING (nothing to decode,
-        so waiting delays no one else), wait while the frontend says it is still admitting
-        requests, at most ``admission_wait_ms``, so that a burst is admitted, and prefilled,
-        in one step: otherwise its first one or two requests start a step of their own and
-        the rest wait for it (docs/benchmarks.md, "Bursts"). The frontend's count drops as
-        each slot is written, so a lone request does not wait. Tier B's device loop could
-        make the same check on the control word against its global timer before admitting;
-        it does not yet."""
-        control = self.ring.control
-        if self.config.admission_wait_ms <= 0 or control[C_FRONTEND_ADMITTING] <= 0:
-            return
-        state = self.ring.state
-        if bool((state == SLOT_RUNNING).any()) or not bool((state == SLOT_WRITTEN).any()):
-            return
-        now = time.monotonic()
-        deadline, quiet_since = now + self.config.admission_wait_ms / 1e3, now
-        while now < deadline and not self._stop.is_set() and not control[C_SHUTDOWN]:
-            if control[C_FRONTEND_ADMITTING] > 0:
-                quiet_since = now
-            elif now - quiet_since >= ADMISSION_QUIET_S:
-                return
-            time.sleep(1e-4)
-            now = time.monotonic()
 
     def _idle(self) -> bool:
         """Host-side check (CPU loop only) that no slot needs the engine: FREE slots and
