@@ -24,6 +24,8 @@ one-kernel-thread``: today's forward with its C kernels on the calling thread al
 them split over the kernel threads, torch's ``--threads``: blink.kernels.cpu_threads); or
 ``--before q4-one-pass``: today's forward with the 4-bit kernel's many-rows products over all
 of K in one pass, without the streamed weight tiles, which isolates its K slabs
+(blink.kernels.cpu_q4_linear); or ``--before q4-tile-parts``: today's forward with the 4-bit
+kernel's many-rows calls split over the kernel threads by output tiles only, never by rows
 (blink.kernels.cpu_q4_linear) and ``now`` the default one.
 For each dtype and shape the two are timed alternately, ``--rounds`` rounds of ``--steps``
 calls each, so a load spike on this shared machine hits both; the table gives the median
@@ -46,6 +48,8 @@ logits of every row); ``prefill BxP`` = B rows of P new tokens (the logits of ea
     python -m benchmarks.bench_forward --before unfused-silu --dtype bfloat16 --decode 1 16 --prefill 4x128 1x512
     python -m benchmarks.bench_forward --before no-cpu-graphs --dtype bfloat16 --decode 1 4 8 16 32 --threads 1
     python -m benchmarks.bench_forward --before q4-one-pass --dtype bfloat16 --decode --prefill 16x128 4x128 1x512
+    python -m benchmarks.bench_forward --before q4-tile-parts --dtype bfloat16 --decode --prefill 16x128 4x128 1x128 \
+        --threads 2
     python -m benchmarks.bench_forward --before one-kernel-thread --dtype bfloat16 --decode 1 16 --prefill 16x128 \
         --context 192 --threads 2
 """
@@ -179,7 +183,8 @@ def main() -> None:
                         "that threshold should lie on a new CPU")
     p.add_argument("--before", choices=["reference", "no-int4", "sdpa-attention", "torch-elementwise", "torch-int4",
                                              "attention-no-prefetch", "attention-no-tiles", "bf16-head",
-                                             "unfused-silu", "no-cpu-graphs", "one-kernel-thread", "q4-one-pass"],
+                                             "unfused-silu", "no-cpu-graphs", "one-kernel-thread", "q4-one-pass",
+                                             "q4-tile-parts"],
                    default="reference",
                    help="the baseline: the reference forward, or today's without one feature (the int4 path, the C attention kernel, the C elementwise ops, ..., the decode steps' CPU graphs)")
     args = p.parse_args()
@@ -225,7 +230,7 @@ def main() -> None:
                   "sdpa-attention": {}, "torch-elementwise": {}, "torch-int4": {},
                   "attention-no-prefetch": {}, "attention-no-tiles": {}, "bf16-head": {},
                   "unfused-silu": {}, "no-cpu-graphs": {}, "one-kernel-thread": {},
-                  "q4-one-pass": {}}[args.before]
+                  "q4-one-pass": {}, "q4-tile-parts": {}}[args.before]
         # Decode graphs in "now" only for no-cpu-graphs, and in both for one-kernel-thread (as
         # served): the other baselines measure their feature eager against eager (a baseline
         # with torch ops would not be recorded).
@@ -245,10 +250,11 @@ def main() -> None:
             _with_library(execs["before"], cpu_attention, _built_with(cpu_attention, "PREFETCH=0"))
         elif args.before == "attention-no-tiles":
             _with_library(execs["before"], cpu_attention, _built_with(cpu_attention, "TILES=0"))
-        elif args.before == "q4-one-pass":
+        elif args.before in ("q4-one-pass", "q4-tile-parts"):
             if not cpu_q4_linear.available():
-                raise SystemExit("--before q4-one-pass: the 4-bit AMX kernel does not run here")
-            _with_library(execs["before"], cpu_q4_linear, _built_with(cpu_q4_linear, "SLABS=0"))
+                raise SystemExit(f"--before {args.before}: the 4-bit AMX kernel does not run here")
+            define = "SLABS=0" if args.before == "q4-one-pass" else "ROWS_PER_THREAD=1073741824"
+            _with_library(execs["before"], cpu_q4_linear, _built_with(cpu_q4_linear, define))
         elif args.before == "unfused-silu":
             _without_gated_epilogue(execs["before"])
         elif args.before == "one-kernel-thread":

@@ -64,6 +64,13 @@ enum { CHUNK_TILES = 8 };
  * chunk once per panel: at 2048 rows 1.10-1.14x faster than streaming all of x per chunk. */
 enum { PANEL_ROWS = 512 };
 
+/* Rows per thread from which a many-rows call splits its rows rather than its output tiles
+ * (quantized_linear). benchmarks/bench_forward.py --before q4-tile-parts builds with
+ * -DROWS_PER_THREAD=1073741824: parts of tiles always. */
+#ifndef ROWS_PER_THREAD
+#define ROWS_PER_THREAD 128
+#endif
+
 /* Groups of 32 channels a many-rows block multiplies before its running sums go to memory
  * (4 KB out and back per slab): 32 rows of x over at most 18 groups (36 KB) stay in L1 for
  * every weight tile of a chunk, as K = 1536 (96 KB) would not. K = 576 runs in one slab,
@@ -97,6 +104,7 @@ typedef struct {
     int64_t M, N, K;
     const float *x_sums;     /* [M, K / 32]: each row's sum over each group */
     int gated;               /* y = silu(gate) * up, [M, N / 2] (see the top) */
+    int by_rows;             /* many rows: a part is 32-row blocks, all tiles (else tiles, all rows) */
 } args_t;
 
 /* A (tile, group)'s packed codes -> its B tile, the codes as bf16. Nibble i of word w in
@@ -411,7 +419,8 @@ static void sweep_chunk(const args_t *a, int64_t t0, int64_t t1, const uint16_t 
 /* Per panel of PANEL_ROWS rows, output tiles in chunks of CHUNK_TILES weight tiles, each
  * chunk's weights rebuilt (into L2) and then swept by 32-row blocks whose x slab (32 x 576
  * channels at most) stays in L1 while it meets every tile of the chunk. Gated, a chunk holds
- * half as many output tiles, each one's gate and up tiles side by side. */
+ * half as many output tiles, each one's gate and up tiles side by side. A part is a range of
+ * 32-row blocks with every tile (by_rows) or a range of tiles with every row. */
 static void *run_many_rows(void *arg) {
     blink_part_t *p = (blink_part_t *)arg;
     const args_t *a = (const args_t *)p->args;
@@ -427,10 +436,14 @@ static void *run_many_rows(void *arg) {
         return NULL;
     }
     int configured[2] = {-1, -1};
-    for (int64_t p0 = 0; p0 < a->M; p0 += PANEL_ROWS) {
-        const int64_t p1 = a->M - p0 < PANEL_ROWS ? a->M : p0 + PANEL_ROWS;
-        for (int64_t t0 = p->lo; t0 < p->hi; t0 += per_chunk) {
-            const int64_t t1 = p->hi - t0 < per_chunk ? p->hi : t0 + per_chunk;
+    const int64_t out_tiles = a->gated ? a->N / 2 / TILE : a->N / TILE, block_rows = 2 * MAX_ROWS;
+    const int64_t r_lo = a->by_rows ? p->lo * block_rows : 0;
+    const int64_t r_hi = !a->by_rows || p->hi * block_rows > a->M ? a->M : p->hi * block_rows;
+    const int64_t t_lo = a->by_rows ? 0 : p->lo, t_hi = a->by_rows ? out_tiles : p->hi;
+    for (int64_t p0 = r_lo; p0 < r_hi; p0 += PANEL_ROWS) {
+        const int64_t p1 = r_hi - p0 < PANEL_ROWS ? r_hi : p0 + PANEL_ROWS;
+        for (int64_t t0 = t_lo; t0 < t_hi; t0 += per_chunk) {
+            const int64_t t1 = t_hi - t0 < per_chunk ? t_hi : t0 + per_chunk;
             rebuild_chunk(a, t0, t1, w);
             sweep_chunk(a, t0, t1, w, p0, p1, configured, sums);
         }
@@ -494,13 +507,20 @@ static int quantized_linear(const uint16_t *x, int64_t x_stride, const uint16_t 
         if (!x_sums) return -4;
         group_sums(x, x_stride, M, K, x_sums);
     }
-    args_t a = {x, x_stride, codes, bits, bits == 8 ? WORDS8 : WORDS4, scales, bias, y, y_stride, M, N, K, x_sums,
-                gated};
     /* one thread per ~5-10 us of work at most (64K weights to unpack for a few rows, 1M
      * multiply-adds for many): a decode step's projections split too, and a worker that is
      * not running leaves its part to this thread (cpu_pool.c) */
     threads = blink_threads_for(many ? M * N * K >> 4 : N * K, (int64_t)1 << 16, threads);
-    const int status = blink_run_parts(many ? run_many_rows : run_few_rows, &a, out_tiles, threads);
+    /* Many rows, at least ROWS_PER_THREAD per thread: parts of rows, so that each thread
+     * reads the rows of x that the op before (split by rows too) left in its own cache and
+     * writes the rows of y the op after reads there, at the cost of rebuilding every weight
+     * in each part (the same total from 2 panels per thread on). The whole 16 x 128 prefill
+     * 1.17x, 4 x 128 1.14x; below 256 rows on 2 threads, parts of tiles were faster. */
+    const int by_rows = many && M >= (int64_t)threads * ROWS_PER_THREAD;
+    args_t a = {x, x_stride, codes, bits, bits == 8 ? WORDS8 : WORDS4, scales, bias, y, y_stride, M, N, K, x_sums,
+                gated, by_rows};
+    const int status = blink_run_parts(many ? run_many_rows : run_few_rows, &a,
+                                       by_rows ? (M + 2 * MAX_ROWS - 1) / (2 * MAX_ROWS) : out_tiles, threads);
     free(x_sums);
     return status;
 }

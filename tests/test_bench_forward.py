@@ -43,17 +43,19 @@ def test_bench_forward_mixed_steps_against_the_attention_without_tiles(tmp_path,
 
 
 @pytest.mark.parametrize("before, shape", [("no-int4", ["--decode", "1", "--prefill"]),
-                                           ("q4-one-pass", ["--decode", "--prefill", "2x40"])])
+                                           ("q4-one-pass", ["--decode", "--prefill", "2x40"]),
+                                           ("q4-tile-parts", ["--decode", "--prefill", "2x40"])])
 def test_bench_forward_isolates_the_int4_path_on_a_q4_gguf(tmp_path, monkeypatch, capsys, before, shape):
-    """``no-int4``: the 4-bit path against bf16; ``q4-one-pass``: the AMX kernel's many-rows
-    products against a build of it without K slabs (a prefill of 80 rows takes that path)."""
+    """``no-int4``: the 4-bit path against bf16; ``q4-one-pass`` / ``q4-tile-parts``: the AMX
+    kernel's many-rows products against a build of it without K slabs / without parts of rows
+    (a prefill of 80 rows takes that path)."""
     from gguf import GGMLQuantizationType as Q
 
     from benchmarks import bench_forward
     from blink.kernels import cpu_q4_linear
     from test_loader_gguf import export_to_gguf
 
-    if before == "q4-one-pass" and not cpu_q4_linear.available():
+    if before.startswith("q4-") and not cpu_q4_linear.available():
         pytest.skip("the 4-bit AMX kernel does not run here")
     model = export_to_gguf(make_tiny_model("llama", tmp_path), tmp_path / "q4_1.gguf", Q.Q4_1)
     monkeypatch.setattr(sys, "argv", [
@@ -61,7 +63,7 @@ def test_bench_forward_isolates_the_int4_path_on_a_q4_gguf(tmp_path, monkeypatch
         "--context", "8", "--steps", "1", "--rounds", "1",
     ])
     bench_forward.main()
-    label = "decode 1" if before == "no-int4" else "prefill 2x40"
+    label = "decode 1" if before == "no-int4" else "prefill 2x40"  # the q4 builds: many rows
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"| bfloat16 | {label}")]
     assert len(rows) == 1 and rows[0].count("x |") == 2
 

@@ -107,8 +107,10 @@ def test_strided_rows_leading_dims_and_an_empty_step():
 
 
 @needs_amx
-@pytest.mark.parametrize("rows", [3, 40])  # both paths
-def test_threads_split_the_columns_with_the_same_bits(rows):
+# both paths; 300 rows on 2 threads: many rows in parts of 32-row blocks (the last one partial),
+# 40: parts of column tiles
+@pytest.mark.parametrize("rows", [3, 40, 300])
+def test_threads_split_the_work_with_the_same_bits(rows):
     codes, scale, zero = gguf_like(1024, 4096)  # 4M weights: enough to start a second thread
     weight = cpu_q4_linear.pack(codes, scale, zero)
     x = torch.randn(rows, 4096).bfloat16()
@@ -120,7 +122,7 @@ def test_threads_split_the_columns_with_the_same_bits(rows):
         two = cpu_q4_linear.linear(x, weight, None)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one, two)  # each column's sums are the same whichever thread did them
+    assert torch.equal(one, two)  # each output's sum is the same whichever thread does it
 
 
 @needs_amx
