@@ -12,8 +12,8 @@
  *   time; Q4's w = d q + m per group then gives x . w = d (x . q) + m sum(x), applied in fp32.
  *   What is left per weight is widening its nibble, the same for 1 row or 16. No weight is
  *   rounded: the result is the product on gguf's fp32 weights, up to fp32 sum order.
- * - Many rows (a prefill): each weight is rebuilt once per call as fma(q, d, m) in fp32,
- *   gguf's own dequantization, rounded to bf16 (the values of the engine's bf16 copy), and
+ * - Many rows (a prefill): each weight is rebuilt once per panel of rows as fma(q, d, m) in
+ *   fp32, gguf's own dequantization, rounded to bf16 (the values of the engine's bf16 copy), and
  *   32 x 32 blocks of the output accumulate plain tile products over K (in slabs that keep
  *   x's rows in L1, the weight tiles streamed past them). Rebuilding costs ~10 instructions
  *   per 32 weights, which hundreds of rows amortise.
@@ -237,8 +237,8 @@ static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, __m512i 
     }
 }
 
-/* ---- Steps of many rows (prefills): each weight rebuilt once per call, then plain AMX products.
- * Rebuilding costs ~10 instructions per 32 weights, which a prefill's hundreds of rows
+/* ---- Steps of many rows (prefills): each weight rebuilt once per panel, then plain AMX
+ * products. Rebuilding costs ~10 instructions per 32 weights, which a prefill's hundreds of rows
  * amortise, and lets each product accumulate over all K in its tile (no per-group scaling). */
 
 /* The 16 per-column fp16 values -> two fp32 vectors in the word order of a B-tile row:

@@ -5,9 +5,10 @@ Why: on CPU a decode step is bound by the bytes of weight it streams (bf16 SmolL
 Q4_0/Q4_1 codes are 4x fewer bytes. torch's int4 kernel reads them too, but its arithmetic
 grows with the rows; here AMX does the arithmetic (one tile product per 32 channels of 16
 columns for up to 16 rows), so the cost stays near flat up to a decode batch: 2.0x the bf16
-projections' speed at 16 rows; larger steps (prefills) rebuild bf16 weights once per call
-and run plain tile products, as fast as oneDNN on a bf16 copy (docs/benchmarks.md, "4-bit
-weights at decode-batch sizes").
+projections' speed at 16 rows; larger steps (prefills) rebuild bf16 weights once per panel
+of 512 rows and run plain tile products, about as fast as oneDNN on a bf16 copy
+(docs/benchmarks.md, "4-bit weights at decode-batch sizes", "The 4-bit prefill path: K
+slabs, parts of rows").
 :mod:`blink.models.int4_linear` decides which kernel a weight gets and for which steps.
 
 Arithmetic (steps of up to 32 rows): ``x . w = d (x . q) + m sum(x)`` per group of 32 channels, with the codes q as
@@ -70,7 +71,7 @@ LIBRARY = NativeLibrary(
 
 def few_rows() -> int:
     """The row count up to which a 4-bit call multiplies the codes as they are (steps above
-    rebuild bf16 weights once per call); 0 where the kernel is not available."""
+    rebuild bf16 weights once per panel of 512 rows); 0 where the kernel is not available."""
     library = LIBRARY.get()
     return 0 if library is None else library.few_rows
 

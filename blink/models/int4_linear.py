@@ -10,11 +10,11 @@ bf16 copy (~4x fewer bytes), in the layout of one of two kernels:
 - ``amx``: Blink's C kernel on AMX (:mod:`blink.kernels.cpu_q4_linear`; Intel Sapphire
   Rapids and later). AMX does the arithmetic, so its cost stays flat up to a decode batch:
   over all of SmolLM2's projections 3.0x faster than bf16 at 1 row and 2.0x at 16; from 33
-  rows on it rebuilds the bf16 weights once per call and runs plain tile products, 1.0-1.3x
-  the packed bf16 copy's speed at 33-128 rows, 0.92x at 512 alone and 1.04x in a whole
-  512-token prefill step (docs/benchmarks.md, "4-bit weights at decode-batch sizes"). So
-  every step uses it, and the projection's bf16 copy is not kept
-  (:meth:`blink.models.decoder.Linear.pack`).
+  rows on it rebuilds the bf16 weights once per panel of 512 rows and runs plain tile
+  products: whole prefill steps on 2 threads 1.34-1.73x faster than on the packed bf16 copy
+  (1 x 128 to 16 x 128 tokens; docs/benchmarks.md, "4-bit weights at decode-batch sizes",
+  "The 4-bit prefill path: K slabs, parts of rows"). So every step uses it, and the
+  projection's bf16 copy is not kept (:meth:`blink.models.decoder.Linear.pack`).
 - ``torch``: torch's int4 weight-only GEMM (``torch._weight_int4pack_mm_for_cpu``, the
   kernel gpt-fast and torchao use on CPU), elsewhere (e.g. AMD Zen 4): 3.7x faster than bf16
   at 1 row but slower beyond ~8, its arithmetic growing with the rows; steps of at most
