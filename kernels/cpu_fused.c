@@ -145,10 +145,9 @@ static void silu_and_mul_row(const uint16_t *restrict gate, const uint16_t *rest
 #endif
     for (; i < dim; i++) {
         float g = bf16_to_f32(gate[i]);
-        /* sigmoid from exp(-|g|) <= 1: the same value as 1 / (1 + exp(-g)); exp of a large
-         * positive argument made the vector code ~10x slower on some inputs (measured). */
-        float e = exp_nonpositive(-fabsf(g)), inv = 1.0f / (1.0f + e);
-        float silu = bf16_to_f32(f32_to_bf16(g * (g >= 0.0f ? inv : e * inv)));
+        /* silu_times16's arithmetic (cpu_kernels.h): (g < 0 ? g e : g) / (1 + e), e = exp(-|g|) */
+        float e = exp_nonpositive(-fabsf(g));
+        float silu = bf16_to_f32(f32_to_bf16((g < 0.0f ? g * e : g) / (1.0f + e)));
         o[i] = f32_to_bf16(silu * bf16_to_f32(up[i]));
     }
 }

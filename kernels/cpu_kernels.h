@@ -108,15 +108,15 @@ static inline __m512 round_bf16x16(__m512 v) { /* to bf16 and back: the rounding
 
 /* bf16(silu(g)) * u in fp32 for g, u holding bf16 values: the gated activation F.silu(gate)
  * * up in bf16 before its last rounding (cpu_fused.c's SiLU, and the 4-bit kernel's fused
- * gate/up epilogue, which therefore give the same bits). The sigmoid comes from
- * exp(-|g|) <= 1, the same value as 1 / (1 + exp(-g)): exp of a large positive argument made
- * the vector code ~10x slower on some inputs (measured). */
+ * gate/up epilogue, which therefore give the same bits). silu(g) = g / (1 + exp(-g)), taken
+ * as (g < 0 ? g e : g) / (1 + e) with e = exp(-|g|) <= 1: exp of a large positive argument
+ * made the vector code ~10x slower on some inputs (measured). One division straight to the
+ * result, not a reciprocal and two products: 1.1x faster, one rounding fewer. */
 static inline __m512 silu_times16(__m512 g, __m512 u) {
-    const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    const __m512 e = exp_nonpositive16(_mm512_or_ps(g, _mm512_set1_ps(-0.0f))); /* -|g| */
     const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-    const __m512 sigmoid = _mm512_mask_mul_ps(inv, negative, e, inv);
-    return _mm512_mul_ps(round_bf16x16(_mm512_mul_ps(g, sigmoid)), u);
+    const __m512 numerator = _mm512_mask_mul_ps(g, negative, g, e);
+    return _mm512_mul_ps(round_bf16x16(_mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.0f), e))), u);
 }
 #endif
 
