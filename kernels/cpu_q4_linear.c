@@ -515,7 +515,7 @@ static int quantized_linear(const uint16_t *x, int64_t x_stride, const uint16_t 
      * reads the rows of x that the op before (split by rows too) left in its own cache and
      * writes the rows of y the op after reads there, at the cost of rebuilding every weight
      * in each part (the same total from 2 panels per thread on). The whole 16 x 128 prefill
-     * 1.17x, 4 x 128 1.14x; below 256 rows on 2 threads, parts of tiles were faster. */
+     * 1.17x, 4 x 128 1.15x; below 256 rows on 2 threads, parts of tiles were faster. */
     const int by_rows = many && M >= (int64_t)threads * ROWS_PER_THREAD;
     args_t a = {x, x_stride, codes, bits, bits == 8 ? WORDS8 : WORDS4, scales, bias, y, y_stride, M, N, K, x_sums,
                 gated, by_rows};
