@@ -59,11 +59,16 @@ def test_serve_benchmark_smoke(blink_server, tmp_path, capsys):
     rc = main(["--base-url", blink_server, "--dataset", "random", "--random-input-len", "24",
                "--random-output-len", "5", "--ignore-eos", "--num-prompts", "3",
                "--max-concurrency", "3", "--warmup", "0", "--goodput", "ttft:60000",
-               "--label", "blink", "--result-json", str(out), "--disable-tqdm", "--quiet"])
+               "--label", "blink", "--result-json", str(out), "--disable-tqdm", "--quiet",
+               "--save-detailed"])
     assert rc == 0
     doc = json.loads(out.read_text())
     run = doc["runs"][0]
     assert run["completed"] == 3 and run["failed"] == 0
+    requests = run["requests"]  # --save-detailed: each request's timeline
+    assert len(requests) == 3 and min(r["start"] for r in requests) == 0.0
+    assert all(r["success"] and 0 <= r["start"] < 60 and 0 < r["ttft"] <= r["latency"]
+               and r["output_tokens"] == 5 and len(r["itl"]) <= 4 for r in requests)
     assert run["total_output_tokens"] == 3 * 5            # ignore_eos: exact lengths, from usage
     assert run["output_tokens_counted_by_tokenizer"] == 0
     assert run["total_input_tokens"] >= 3 * 24
