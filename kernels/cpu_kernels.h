@@ -92,8 +92,6 @@ int blink_has_avx512(void) {
 /* 16 bf16 <-> 16 fp32 in one AVX-512 register, where the build has AVX512-BF16 (its store
  * rounds to nearest even, as f32_to_bf16 above, denormals flushed to zero). */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-
 static inline __m512 load_bf16x16(const uint16_t *p) { /* bf16 is the top half of an fp32 */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
