@@ -22,7 +22,8 @@ step otherwise streams.
 
 Used where :func:`available` says the kernel was built with AMX for this CPU and the OS lets
 the process use it; otherwise that is said once in the log and torch's int4 kernel runs.
-``$BLINK_CPU_Q4=torch`` turns it off (tests, diagnosis).
+``$BLINK_CPU_Q4=torch`` turns it off (tests, diagnosis); ``avx512`` / ``avx2`` too, for the
+kernel a CPU without AMX runs (:mod:`blink.kernels.cpu_quant_linear`).
 """
 from __future__ import annotations
 
@@ -63,9 +64,10 @@ def _declare(library: ctypes.CDLL) -> None:
 # -ffp-contract=off: the gated epilogue's SiLU keeps cpu_fused.c's bits (cpu_kernels.h).
 LIBRARY = NativeLibrary(
     _SOURCE, what="4-bit CPU projections: the AMX kernel", logger=log,
-    fallback="4-bit projections run on torch's int4 kernel for few rows and bf16 otherwise",
+    fallback="4-bit projections run on the AVX-512/AVX2 kernel (cpu_quant_linear.c) where the CPU has one, "
+             "else on torch's int4 kernel for few rows and bf16 otherwise",
     flags=("-O3", "-march=native", "-ffp-contract=off"), headers=(_SOURCE.with_name("cpu_kernels.h"),), env=IMPL_ENV,
-    setup=_declare, kernels=("blink_q4_linear", "blink_q8_linear", "blink_q4_linear_gated"),
+    env_value=("torch", "avx512", "avx2"), setup=_declare, kernels=("blink_q4_linear", "blink_q8_linear", "blink_q4_linear_gated"),
     queries=("blink_q4_linear_supported", "blink_q4_linear_few_rows"))
 
 

@@ -127,8 +127,8 @@ def recording_calls(recorder: CallRecorder) -> Iterator[None]:
 class NativeLibrary:
     """One C source, built (:func:`build_library`) and loaded once per process on first
     :meth:`get`, or None where it cannot be: then ``logger`` warns once, naming ``what`` and
-    the ``fallback`` that runs instead. ``$env == env_value`` skips it without a warning (tests
-    and diagnosis force the fallback so). ``setup(library)`` declares the functions'
+    the ``fallback`` that runs instead. ``$env == env_value`` (or one of them, a tuple) skips it
+    without a warning (tests and diagnosis force the fallback so). ``setup(library)`` declares the functions'
     signatures; a missing symbol counts as a failed build.
 
     For a recording (:func:`recording_calls`), the functions say what they are: ``kernels``
@@ -139,7 +139,8 @@ class NativeLibrary:
 
     def __init__(self, source: Path, *, what: str, fallback: str, logger: logging.Logger,
                  flags: Sequence[str] = ("-O2",), fallback_flags: Sequence[str] | None = None,
-                 headers: Sequence[Path] = (), env: str | None = None, env_value: str = "torch",
+                 headers: Sequence[Path] = (), env: str | None = None,
+                 env_value: str | tuple[str, ...] = "torch",
                  setup: Callable[[ctypes.CDLL], None] | None = None,
                  kernels: Sequence[str] = (), queries: Sequence[str] = ()) -> None:
         self.source, self.what, self.fallback, self.log = source, what, fallback, logger
@@ -172,7 +173,7 @@ class NativeLibrary:
         return os.environ.get(self.env, "").strip().lower() if self.env else ""
 
     def _load(self) -> ctypes.CDLL | None:
-        if self.switch() == self.env_value:
+        if self.switch() in ((self.env_value,) if isinstance(self.env_value, str) else self.env_value):
             return None
         try:
             library = build_library(self.source, self.flags, self.fallback_flags, self.headers)

@@ -1,0 +1,202 @@
+"""The 4-bit / K-quant projection kernel for CPUs without AMX (blink.kernels.cpu_quant_linear),
+both of its builds (AVX-512 BF16, AVX2) on this CPU whatever else it has: its layout holds the
+file's exact weights, its products match an fp32 product on them to the last bf16 bit almost
+everywhere for every format, row count and shape it takes, the AVX2 build holds no AVX-512
+instruction, and ``$BLINK_CPU_Q4`` chooses the build (the AMX kernel off)."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from blink.kernels import cpu_q4_linear, cpu_quant_linear as q
+
+FLAGS = q.cpu_flags()
+
+
+def runs(name: str) -> bool:
+    return all(f in FLAGS for f in q.VARIANTS[name][1])
+
+
+@pytest.fixture(params=["avx512", "avx2"])
+def build(request, monkeypatch):
+    """Each build in turn, chosen through ``$BLINK_CPU_Q4`` as a user would."""
+    if not runs(request.param):
+        pytest.skip(f"this CPU cannot run the {request.param} build")
+    monkeypatch.setenv(cpu_q4_linear.IMPL_ENV, request.param)
+    q.reset()
+    if q.variant() != request.param:
+        pytest.skip(f"the {request.param} build is not available here (no compiler?)")
+    yield request.param
+    monkeypatch.delenv(cpu_q4_linear.IMPL_ENV)
+    q.reset()
+
+
+#: (bits, group, with m, fp32 scales): Q4_1, Q4_0 (m = -8d), Q4_K, Q8_0, Q6_K, Q5_K
+FORMATS = {"q4_1": (4, 32, True, False), "q4_k": (4, 32, True, True), "q8_0": (8, 32, False, False),
+           "q6_k": (8, 16, False, True), "q5_k": (8, 32, True, True)}
+
+
+def weight(fmt: str, n: int, k: int, seed: int = 0):
+    """Random codes and scales of a format, as gguf_weights.QuantCodes holds them."""
+    bits, group, with_m, fp32 = FORMATS[fmt]
+    g = torch.Generator().manual_seed(seed)
+    if bits == 4:
+        codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    elif fmt == "q6_k":
+        codes = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
+    elif fmt == "q5_k":
+        codes = torch.randint(0, 32, (n, k), generator=g, dtype=torch.int8)
+    else:
+        codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    d = torch.rand(n, k // group, generator=g) * 0.05 + 0.001
+    m = -torch.rand(n, k // group, generator=g) * 0.3 if with_m else None
+    if fp32:  # a K-quant's d: an fp16 times a 6-bit scale
+        d = d.half().float() * torch.randint(1, 64, d.shape, generator=g).float()
+    else:
+        d = d.half().float()
+        m = None if m is None else m.half().float()
+    return codes, d, m, group, bits
+
+
+def close_to_exact(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tensor) -> None:
+    """``got`` (bf16) is ``want`` (fp32) rounded, up to one bf16 step where the fp32 sums'
+    order puts it on a rounding edge, in 1% of the outputs at most (2 in a small product)."""
+    got = got.float()
+    exact = want.to(torch.bfloat16).float()
+    step = torch.maximum(want.abs() * 2.0 ** -7, magnitude * 2.0 ** -18)
+    assert ((got - exact).abs() <= step).all()
+    assert (got != exact).sum() <= max(2, 0.01 * got.numel())
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_the_layout_holds_the_weights(fmt):
+    codes, d, m, group, bits = weight(fmt, 48, 96)
+    w = q.pack(codes, d, m, group, bits)
+    assert w is not None and w.bits == bits and w.group == group
+    want = codes.float().view(48, 96 // group, group) * d[..., None] + (0 if m is None else m[..., None])
+    assert torch.equal(q.dequantize(w), want.view(48, 96))
+    assert w.codes.numel() * w.codes.element_size() == 48 * 96 * bits // 8
+    assert bool(w.format & q.F_FP32) == FORMATS[fmt][3]  # fp16 scales where the file's are
+
+
+def test_pack_refuses_what_the_kernel_cannot_hold():
+    codes, d, m, group, bits = weight("q4_1", 48, 96)
+    assert q.pack(codes[:40], d[:40], m[:40]) is None  # not whole tiles
+    assert q.pack(codes[:, :80], d[:, :2], m[:, :2]) is None  # not whole groups
+    assert q.pack(codes, d[:, :2], m) is None
+    assert q.pack(codes + 16, d, m) is None  # not 4-bit codes
+
+
+# rows: one pass, passes of 8 with a partial last, two panels of 128
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 33, 300])
+@pytest.mark.parametrize("n, k", [(16, 32), (48, 160), (80, 576)])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_kernel_matches_the_fp32_product(build, fmt, rows, n, k):
+    codes, d, m, group, bits = weight(fmt, n, k, seed=rows + n)
+    w = q.pack(codes, d, m, group, bits)
+    torch.manual_seed(rows + n + k)
+    x = torch.randn(rows, k).bfloat16()
+    x[:, k // 2] = 2  # (the channel whose code is made wrong below)
+    bias = torch.randn(n).bfloat16() if rows % 2 else None
+    got = q.linear(x, [w], bias)
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    dense = q.dequantize(w)
+    want = torch.nn.functional.linear(x.float(), dense, None if bias is None else bias.float())
+    close_to_exact(got, want, x.float().abs() @ dense.abs().T + (0 if bias is None else bias.float().abs()))
+    # the test can fail: one wrong code moves its column (and only it) by ~d |x| >> a bf16 step
+    wrong = codes.clone()
+    wrong[n // 2, k // 2] ^= 8 if bits == 4 else 64
+    off = q.linear(x, [q.pack(wrong, d, m, group, bits)], bias).float()
+    assert (off[:, n // 2] - got[:, n // 2].float()).abs().max() > 0
+    assert torch.equal(off[:, : n // 2], got[:, : n // 2].float())
+
+
+def test_parts_strided_rows_leading_dims_and_an_empty_step(build):
+    """A fused projection whose parts are in different formats (Q4_K q, k and a Q6_K v) is one
+    call per part into one output, the same bits as each part alone."""
+    parts = [q.pack(*weight("q4_k", 32, 64, seed=1)), q.pack(*weight("q6_k", 16, 64, seed=2)),
+             q.pack(*weight("q4_1", 48, 64, seed=3))]
+    torch.manual_seed(0)
+    fused = torch.randn(3, 5, 3 * 64).bfloat16()
+    x = fused[..., 64:128]  # a view into a fused projection's output: rows 192 apart
+    bias = torch.randn(96).bfloat16()
+    got = q.linear(x, parts, bias)
+    assert got.shape == (3, 5, 96)
+    assert torch.equal(got, q.linear(x.contiguous(), parts, bias))
+    assert torch.equal(got[..., 32:48], q.linear(x, parts[1:2], bias[32:48]))
+    assert torch.equal(got[..., 48:], q.linear(x, parts[2:], bias[48:]))
+    assert q.linear(torch.zeros(0, 64).bfloat16(), parts, None).shape == (0, 96)
+
+
+@pytest.mark.parametrize("rows", [3, 40])
+def test_threads_split_the_work_with_the_same_bits(build, rows):
+    w = q.pack(*weight("q4_k", 1024, 2048))
+    x = torch.randn(rows, 2048).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = q.linear(x, [w], None)
+        torch.set_num_threads(2)
+        two = q.linear(x, [w], None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_the_builds_agree_and_the_avx2_one_has_no_avx512_instruction(monkeypatch):
+    if not (runs("avx512") and runs("avx2")):
+        pytest.skip("this CPU cannot run both builds")
+    w = q.pack(*weight("q6_k", 64, 256))
+    x = torch.randn(4, 256).bfloat16()
+    out = {}
+    for name in ("avx512", "avx2"):
+        monkeypatch.setenv(cpu_q4_linear.IMPL_ENV, name)
+        q.reset()
+        assert q.variant() == name and not cpu_q4_linear.available()  # the AMX kernel stays off
+        out[name] = q.linear(x, [w], None).float()
+        if shutil.which("objdump"):
+            path = q.LIBRARIES[name].get()._name
+            text = subprocess.run(["objdump", "-d", path], capture_output=True, text=True, check=True).stdout
+            assert ("zmm" in text) == (name == "avx512") and ("vdpbf16ps" in text) == (name == "avx512")
+    monkeypatch.delenv(cpu_q4_linear.IMPL_ENV)
+    q.reset()
+    dense = q.dequantize(w)
+    for got in out.values():
+        close_to_exact(got, x.float() @ dense.T, x.float().abs() @ dense.abs().T)
+
+
+def test_the_choice_is_said_once_and_torch_turns_it_off(monkeypatch, caplog):
+    monkeypatch.setenv(cpu_q4_linear.IMPL_ENV, "torch")
+    q.reset()
+    try:
+        assert q.variant() is None and not q.available()
+        monkeypatch.delenv(cpu_q4_linear.IMPL_ENV)
+        q.reset()
+        with caplog.at_level("INFO", logger="blink.kernels"):
+            chosen = q.variant()
+            q.variant()
+        said = [r.getMessage() for r in caplog.records if "K-quant CPU projections" in r.getMessage()]
+        if chosen is None:
+            pytest.skip("no build runs here")
+        assert len(said) == 1 and q.VARIANTS[chosen][3] in said[0] and "chosen by the CPU's flags" in said[0]
+        assert chosen == ("avx512" if runs("avx512") else "avx2")
+    finally:
+        q.reset()
+
+
+def test_a_build_the_cpu_cannot_run_is_not_used(monkeypatch, caplog):
+    monkeypatch.setattr(q, "cpu_flags", lambda: {"avx2", "fma", "f16c"})  # a CPU without AVX-512
+    monkeypatch.setenv(cpu_q4_linear.IMPL_ENV, "avx512")
+    q.reset()
+    try:
+        with caplog.at_level("WARNING", logger="blink.kernels"):
+            assert q.variant() is None
+        assert any("lacks avx512f" in r.getMessage() for r in caplog.records)
+        monkeypatch.delenv(cpu_q4_linear.IMPL_ENV)
+        q.reset()
+        assert q.variant() in ("avx2", None)  # by the flags: the AVX2 build
+    finally:
+        q.reset()
