@@ -12,6 +12,10 @@ on a new CPU (the whole step decides it: ``benchmarks/bench_forward.py --before 
 or ``--before torch-int4``).
 
     python -m benchmarks.bench_int4 --rows 1 2 4 8 16 32 64 --threads 1
+
+The kernels for CPUs without AMX (blink.kernels.cpu_quant_linear, both builds where the CPU
+runs them) are timed too; on a CPU with AMX ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`` keeps
+oneDNN's bf16 product off AMX, as on a CPU without it.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ def main() -> None:
 
     import torch
 
-    from blink.kernels import cpu_q4_linear
+    from blink.kernels import cpu_q4_linear, cpu_quant_linear
     from blink.models import int4_linear, packed_linear
 
     if args.threads is not None:
@@ -38,6 +42,9 @@ def main() -> None:
     if not (packed_linear.packing_available(torch.bfloat16, cpu) and int4_linear._torch_kernel_runs()):
         raise SystemExit("this CPU/torch has no native oneDNN bf16 or no int4 CPU kernel")
     kinds = ["bf16", "torch int4"] + (["amx"] if cpu_q4_linear.available() else [])
+    flags = cpu_quant_linear.cpu_flags()
+    kinds += [name for name, (_, needs, _, _) in cpu_quant_linear.VARIANTS.items()
+              if all(f in flags for f in needs) and cpu_quant_linear.LIBRARIES[name].get() is not None]
     group = int4_linear.GROUP
     hidden, inter, kv, vocab = 576, 1536, 192, 49152
     shapes = [(hidden + 2 * kv, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)]
@@ -50,6 +57,9 @@ def main() -> None:
         weights = {"bf16": packed_linear.pack(dense), "torch int4": int4_linear.pack(codes, scale, zero, kernel="torch")}
         if "amx" in kinds:
             weights["amx"] = int4_linear.pack(codes, scale, zero, kernel="amx")
+        native = cpu_quant_linear.pack(codes, scale, zero - 8 * scale)
+        for name in cpu_quant_linear.VARIANTS:
+            weights[name] = native
         return weights, k
 
     weights = [make(n, k) for _ in range(args.layers) for n, k in shapes] + [make(vocab, hidden)]
@@ -62,6 +72,8 @@ def main() -> None:
         for by_kind, k in weights:
             if kind == "bf16":
                 packed_linear.linear(xs[k], by_kind[kind], None)
+            elif kind in cpu_quant_linear.VARIANTS:
+                cpu_quant_linear.linear(xs[k], [by_kind[kind]], None, build=kind)
             else:
                 int4_linear.linear(xs[k], by_kind[kind], None)
         return (time.perf_counter() - t0) * 1e3

@@ -89,15 +89,30 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
     const uint8_t *scales = a->scales + t * sgroups * sb;
     const uint16_t *x = a->x + r0 * a->x_stride;
     const float *x_sums = with_m ? a->x_sums + r0 * sgroups : NULL;
-    __m512 tot[ROWS], dot[ROWS];
+    /* NACC running dots per row, pairs taking them in turn: a vdpbf16ps waits for the one
+     * before it on the same register (~5 cycles), so few rows need more chains */
+    const int NACC = R == 1 ? 4 : R <= 2 ? 4 : R <= 4 ? 2 : 1;
+    __m512 tot[ROWS], dot[ROWS][4];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; r++) tot[r] = _mm512_setzero_ps(), dot[r] = _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) {
+        tot[r] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+        for (int j = 0; j < NACC; j++) dot[r][j] = _mm512_setzero_ps();
+    }
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *gc = codes + g * tb;
-        _mm_prefetch((const char *)gc + PREFETCH_BYTES, _MM_HINT_T0);
-        if (bits8) _mm_prefetch((const char *)gc + PREFETCH_BYTES + 256, _MM_HINT_T0);
+        if (bits8) {
+            _mm_prefetch((const char *)gc + PREFETCH_BYTES + 256, _MM_HINT_T0);
+            _mm_prefetch((const char *)gc + PREFETCH_BYTES + 320, _MM_HINT_T0);
+            _mm_prefetch((const char *)gc + PREFETCH_BYTES + 384, _MM_HINT_T0);
+            _mm_prefetch((const char *)gc + PREFETCH_BYTES + 448, _MM_HINT_T0);
+        }
+#pragma GCC unroll 2
         for (int h = 0; h < 2; h++) { /* pairs 8h .. 8h + 7 */
-            for (int c = 2 * h; c < 2 * h + 2; c++) {
+#pragma GCC unroll 2
+            for (int c2 = 0; c2 < 2; c2++) {
+                const int c = 2 * h + c2; /* all unrolled: p % NACC picks a register */
+                _mm_prefetch((const char *)gc + c * 64 + PREFETCH_BYTES, _MM_HINT_T0);
                 __m512i words = bits8 ? _mm512_setzero_si512() : _mm512_loadu_si512(gc + c * 64);
 #pragma GCC unroll 4
                 for (int i = 0; i < 4; i++) {
@@ -116,7 +131,8 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
                     }
 #pragma GCC unroll 8
                     for (int r = 0; r < R; r++)
-                        dot[r] = _mm512_dpbf16_ps(dot[r], (__m512bh)pair_of(x + r * a->x_stride + g * GROUP + 2 * p), b);
+                        dot[r][p % NACC] = _mm512_dpbf16_ps(dot[r][p % NACC],
+                                                            (__m512bh)pair_of(x + r * a->x_stride + g * GROUP + 2 * p), b);
                 }
             }
             if (g16 || h == 1) { /* a scale group ends: tot += d (x . q) + m sum(x) */
@@ -129,7 +145,13 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
                         tot[r] = _mm512_fmadd_ps(_mm512_set1_ps(x_sums[r * sgroups + s]), m, tot[r]);
                 }
 #pragma GCC unroll 8
-                for (int r = 0; r < R; r++) tot[r] = _mm512_fmadd_ps(dot[r], d, tot[r]), dot[r] = _mm512_setzero_ps();
+                for (int r = 0; r < R; r++) {
+                    __m512 sum = dot[r][0];
+                    dot[r][0] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+                    for (int j = 1; j < NACC; j++) sum = _mm512_add_ps(sum, dot[r][j]), dot[r][j] = _mm512_setzero_ps();
+                    tot[r] = _mm512_fmadd_ps(sum, d, tot[r]);
+                }
             }
         }
     }
@@ -191,12 +213,19 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
     const float *x = a->xf + r0 * a->K;
     const float *x_sums = with_m ? a->x_sums + r0 * sgroups : NULL;
     const __m256i nibble = _mm256_set1_epi32(0x0F);
-    __m256 tot[ROWS];
+    /* NACC running sums per row, channels taking them in turn: an FMA waits for the one before
+     * it on the same register (~4 cycles), so few rows need more chains */
+    const int NACC = R == 1 ? 4 : R <= 3 ? 2 : 1;
+    __m256 tot[ROWS][4];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; r++) tot[r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NACC; j++) tot[r][j] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *gc = codes + g * tb;
-        if (hc == 0) _mm_prefetch((const char *)gc + PREFETCH_BYTES, _MM_HINT_T0);
+        if (hc == 0)
+            for (int line = 0; line < tb; line += 64) _mm_prefetch((const char *)gc + line + PREFETCH_BYTES, _MM_HINT_T0);
+#pragma GCC unroll 2
         for (int h = 0; h < 2; h++) { /* pairs 8h .. 8h + 7 */
             const int64_t s = g * per + (g16 ? h : 0);
             const __m256 d = load_scales8(scales + s * sb, fp32);
@@ -204,9 +233,11 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
                 const __m256 m = load_scales8(scales + s * sb + sb / 2, fp32);
 #pragma GCC unroll 8
                 for (int r = 0; r < R; r++)
-                    tot[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(x_sums + r * sgroups + s), m, tot[r]);
+                    tot[r][0] = _mm256_fmadd_ps(_mm256_broadcast_ss(x_sums + r * sgroups + s), m, tot[r][0]);
             }
-            for (int c = 2 * h; c < 2 * h + 2; c++) {
+#pragma GCC unroll 2
+            for (int c2 = 0; c2 < 2; c2++) {
+                const int c = 2 * h + c2;
                 const __m256i words = bits8 ? _mm256_setzero_si256()
                                             : _mm256_loadu_si256((const __m256i *)(gc + c * 64 + hc * 32));
 #pragma GCC unroll 4
@@ -227,8 +258,9 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
                     const float *xp = x + g * GROUP + 2 * p;
 #pragma GCC unroll 8
                     for (int r = 0; r < R; r++) {
-                        tot[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(xp + r * a->K), we, tot[r]);
-                        tot[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(xp + r * a->K + 1), wo, tot[r]);
+                        __m256 *acc = &tot[r][(2 * i) % NACC], *acc1 = &tot[r][(2 * i + 1) % NACC];
+                        *acc = _mm256_fmadd_ps(_mm256_broadcast_ss(xp + r * a->K), we, *acc);
+                        *acc1 = _mm256_fmadd_ps(_mm256_broadcast_ss(xp + r * a->K + 1), wo, *acc1);
                     }
                 }
             }
@@ -241,7 +273,9 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
     const __m256 b = _mm256_loadu_ps(bias);
     for (int r = 0; r < R; r++) {
         float out[8];
-        _mm256_storeu_ps(out, _mm256_add_ps(tot[r], b));
+        __m256 sum = tot[r][0];
+        for (int j = 1; j < NACC; j++) sum = _mm256_add_ps(sum, tot[r][j]);
+        _mm256_storeu_ps(out, _mm256_add_ps(sum, b));
         for (int j = 0; j < 8; j++) y[r * a->y_stride + j] = f32_to_bf16(out[j]);
     }
 }

@@ -217,14 +217,16 @@ def dequantize(weight: QuantWeight) -> torch.Tensor:
     return w.view(n, k)
 
 
-def linear(x: torch.Tensor, parts: list[QuantWeight], bias: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, parts: list[QuantWeight], bias: torch.Tensor | None,
+           build: str | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for bf16 ``x [..., k]`` (rows may be strided, channels contiguous),
     bf16 out; ``parts``: W's output columns in runs, each in its own format (a fused
-    projection whose parts the file stores differently, e.g. Q4_K q/k and a Q6_K v)."""
-    name = variant()
-    if name is None:
+    projection whose parts the file stores differently, e.g. Q4_K q/k and a Q6_K v).
+    ``build``: that one (benchmarks), else :func:`variant`'s."""
+    name = build or variant()
+    library = None if name is None else LIBRARIES[name].get()
+    if library is None:
         raise RuntimeError("the 4-bit CPU kernel without AMX is not available here (see available())")
-    library = LIBRARIES[name].get()
     k = parts[0].k
     n = sum(p.n for p in parts)
     lead = x.shape[:-1]
