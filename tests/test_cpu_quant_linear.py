@@ -200,3 +200,46 @@ def test_a_build_the_cpu_cannot_run_is_not_used(monkeypatch, caplog):
         assert q.variant() in ("avx2", None)  # by the flags: the AVX2 build
     finally:
         q.reset()
+
+
+# ------------------------------------------------------------- a GGUF file's codes, K-quants too
+
+
+def random_blocks(qtype, rows: int, cols: int, seed: int = 0):
+    """Random bytes in ``qtype``'s block layout, its fp16 fields finite (every code, scale and
+    min bit pattern occurs)."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    halves = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}[qtype.name]
+    for at in halves:
+        data[..., at:at + 2] = rng.uniform(-0.05, 0.05, (rows, cols // block)).astype(np.float16)[..., None].view(np.uint8)
+    return data.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_unpacked_codes_are_what_gguf_dequantizes_bit_for_bit(name):
+    import gguf
+    import numpy as np
+
+    from blink.loader.gguf_weights import unpack_codes
+
+    qtype = gguf.GGMLQuantizationType[name]
+    rows, cols = 48, 512
+    data = random_blocks(qtype, rows, cols, seed=len(name))
+    codes = unpack_codes(data, name, rows, cols)
+    want = torch.from_numpy(gguf.quants.dequantize(data, qtype).reshape(rows, cols).astype(np.float32))
+    assert torch.equal(codes.dequantize(), want)
+    assert codes.codes.dtype == (torch.uint8 if codes.bits == 4 else torch.int8)
+    assert (codes.bits, codes.group) == {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q8_0": (8, 32), "Q4_K": (4, 32),
+                                         "Q5_K": (8, 32), "Q6_K": (8, 16)}[name]
+    # and the kernel's layout holds them (fp16 scales where the file's are)
+    w = q.pack(codes.codes, codes.d, codes.m, codes.group, codes.bits)
+    assert torch.equal(q.dequantize(w), want)
+    assert bool(w.format & q.F_FP32) == name.endswith("_K")
+    # the test can fail: a block's bytes one off give other weights
+    data[0, 5] ^= 0x11
+    assert not torch.equal(unpack_codes(data, name, rows, cols).dequantize(), want)

@@ -69,6 +69,107 @@ def unpack_q4(data: np.ndarray, qtype_name: str, rows: int, cols: int) -> Q4Code
     return Q4Codes(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(d), torch.from_numpy(zero))
 
 
+#: the formats :func:`unpack_codes` takes (what a GGUF file's projections and head are stored as
+#: by llama.cpp's usual quantizations: Q4_0, Q4_1, Q8_0, and the K-quants of Q4_K_M / Q5_K_M /
+#: Q6_K files)
+CODED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+#: values per K-quant super-block
+QK_K = 256
+
+
+@dataclass
+class QuantCodes:
+    """A 2-D tensor as its file's codes: ``w[n, k] = codes[n, k] * d[n, g] + m[n, g]`` (m None:
+    0) with ``g = k // group``, in fp32 exactly the values gguf dequantizes (``d q`` is exact in
+    fp32 for every format: at most 17 + 8 significant bits).
+
+    - Q4_0: codes 0..15, d, m = -8d; Q4_1: codes 0..15, d, m (fp16, the block's own).
+    - Q8_0: int8 codes, d.
+    - Q4_K: codes 0..15, d = the super-block's d times the sub-block's 6-bit scale, m = -dmin
+      times its 6-bit min (groups of 32); Q5_K: the same with 5-bit codes 0..31 (held in int8).
+    - Q6_K: codes q - 32 in -32..31 (int8), d = the super-block's d times the sub-block's int8
+      scale, groups of 16.
+    ``bits``: 4 (codes uint8 0..15) or 8 (int8 codes)."""
+
+    qtype: str
+    codes: torch.Tensor  # uint8 [N, K] (bits 4) or int8 [N, K] (bits 8)
+    d: torch.Tensor  # float32 [N, K // group]
+    m: torch.Tensor | None  # float32 [N, K // group] or None
+    group: int
+    bits: int
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 ``[N, K]`` weight (gguf's own values, bit for bit)."""
+        n, k = self.codes.shape
+        w = self.codes.float().view(n, k // self.group, self.group) * self.d[..., None]
+        if self.m is not None:
+            w = w + self.m[..., None]
+        return w.view(n, k)
+
+    def rows(self, index: slice | torch.Tensor) -> "QuantCodes":
+        """The same for some output rows."""
+        return QuantCodes(self.qtype, self.codes[index], self.d[index], None if self.m is None else self.m[index],
+                          self.group, self.bits)
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """[..., 2] uint8 -> [...] float32 (little-endian fp16)."""
+    return raw.copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A Q4_K/Q5_K super-block's 12 bytes -> its 8 sub-blocks' 6-bit scales and mins
+    (gguf.quants.Q4_K.get_scale_min, on [..., 12])."""
+    lead = scales.shape[:-1]
+    d, m, m_d = (scales.reshape(*lead, 3, 4)[..., i, :] for i in range(3))
+    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def unpack_codes(data: np.ndarray, qtype_name: str, rows: int, cols: int) -> QuantCodes:
+    """A 2-D tensor's blocks (``data``: uint8 [rows, bytes per row]) in one of
+    :data:`CODED_TYPES` -> :class:`QuantCodes`, ggml's block layouts (as gguf.quants reads
+    them)."""
+    t = torch.from_numpy
+    if qtype_name in ("Q4_0", "Q4_1"):
+        q4 = unpack_q4(data, qtype_name, rows, cols)
+        if qtype_name == "Q4_1":  # the file's own m (zero = m + 8d is rounded)
+            m = t(_f16(data.reshape(rows, cols // Q4_GROUP, 4 + Q4_GROUP // 2)[..., 2:4]))
+        else:
+            m = -8 * q4.scale  # d (q - 8) = d q - 8d, each exact
+        return QuantCodes(qtype_name, q4.codes, q4.scale, m, Q4_GROUP, 4)
+    if qtype_name == "Q8_0":
+        q8 = unpack_q8(data, rows, cols)
+        return QuantCodes(qtype_name, q8.codes, q8.scale, None, Q8_GROUP, 8)
+    nb = cols // QK_K
+    if qtype_name in ("Q4_K", "Q5_K"):
+        size = 144 if qtype_name == "Q4_K" else 176
+        blocks = data.reshape(rows, nb, size)
+        d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+        sc, mn = _k_scale_min(blocks[..., 4:16])
+        d_g = (d[..., None] * sc.astype(np.float32)).reshape(rows, nb * 8)
+        m_g = -(dmin[..., None] * mn.astype(np.float32)).reshape(rows, nb * 8)
+        qs = blocks[..., size - 128:].reshape(rows, nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
+        q = (qs & 0x0F).reshape(rows, nb, 8, 32)
+        if qtype_name == "Q5_K":
+            qh = blocks[..., 16:48].reshape(rows, nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
+            q = (q | ((qh & 0x01) << 4)).astype(np.int8)
+        codes = np.ascontiguousarray(q.reshape(rows, cols))
+        return QuantCodes(qtype_name, t(codes), t(d_g), t(m_g), 32, 4 if qtype_name == "Q4_K" else 8)
+    if qtype_name == "Q6_K":
+        blocks = data.reshape(rows, nb, 210)
+        ql = blocks[..., 0:128].reshape(rows, nb, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
+        ql = (ql & 0x0F).reshape(rows, nb, 8, 32)
+        qh = blocks[..., 128:192].reshape(rows, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
+        qh = (qh & 0x03).reshape(rows, nb, 8, 32)
+        q = (ql | (qh << 4)).astype(np.int8) - np.int8(32)
+        scales = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
+        d_g = (_f16(blocks[..., 208:210])[..., None] * scales).reshape(rows, nb * 16)
+        return QuantCodes(qtype_name, t(np.ascontiguousarray(q.reshape(rows, cols))), t(d_g), None, 16, 8)
+    raise ValueError(f"no codes for {qtype_name} tensors (only {', '.join(CODED_TYPES)})")
+
+
 class GGUFWeights(GGUFFile):
     """:class:`GGUFFile` plus its tensors as HF-named torch tensors, one at a time."""
 
@@ -115,6 +216,18 @@ class GGUFWeights(GGUFFile):
             if entry.permute_heads:
                 q8 = Q8Codes(*(_reverse_rope_permute(t, entry.permute_heads).contiguous() for t in (q8.codes, q8.scale)))
             yield entry.hf_name, q8
+
+    def iter_quant_codes(self, qtypes: tuple[str, ...] = CODED_TYPES) -> Iterator[tuple[str, QuantCodes]]:
+        """``(hf_name, codes)`` for every 2-D tensor the file stores in one of ``qtypes``
+        (experts excluded; :class:`QuantCodes`), in the same row order as ``iter_tensors``
+        gives it, one at a time."""
+        for entry, tensor, rows, cols in self._coded_tensors(qtypes):
+            codes = unpack_codes(np.asarray(tensor.data), tensor.tensor_type.name, rows, cols)
+            if entry.permute_heads:
+                codes = QuantCodes(codes.qtype, *(None if x is None else _reverse_rope_permute(x, entry.permute_heads)
+                                                  .contiguous() for x in (codes.codes, codes.d, codes.m)),
+                                   codes.group, codes.bits)
+            yield entry.hf_name, codes
 
     def _coded_tensors(self, qtypes: tuple[str, ...]) -> Iterator[tuple[Any, Any, int, int]]:
         """(entry, gguf tensor, rows, columns) of every 2-D non-expert tensor stored in one of
