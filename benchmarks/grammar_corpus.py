@@ -243,6 +243,8 @@ def _norm_pointer(pointer: str) -> str:
 
 # values that hold data, not schemas: copied as they are
 _DATA_KEYWORDS = {"enum", "const", "default", "examples", "example"}
+# keywords whose value maps names (not keywords) to schemas
+_NAME_MAPS = {"properties", "patternProperties", "definitions", "$defs", "dependentSchemas", "dependencies"}
 _METASCHEMAS = ("http://json-schema.org/draft-04/schema", "http://json-schema.org/draft-06/schema",
                 "http://json-schema.org/draft-07/schema")
 
@@ -341,14 +343,20 @@ class Bundler:
         self.defs[key] = self._rewrite(_pointer_get(self.docs[target[0]], target[1]), target[0])
         return key
 
-    def _rewrite(self, node: Any, path: str, top: bool = False) -> Any:
+    def _rewrite(self, node: Any, path: str, top: bool = False, names: bool = False) -> Any:
+        """``node`` with its references rewritten; ``names``: ``node`` maps names to schemas
+        (``properties``, ``$defs``, ...), so its keys are not keywords."""
         if isinstance(node, list):
             return [self._rewrite(item, path) for item in node]
         if not isinstance(node, dict):
             return node
         out: dict[str, Any] = {}
         for key, value in node.items():
-            if key == "$ref" and isinstance(value, str):
+            if names:
+                out[key] = self._rewrite(value, path)
+            elif key in _NAME_MAPS and isinstance(value, dict):
+                out[key] = self._rewrite(value, path, names=True)
+            elif key == "$ref" and isinstance(value, str):
                 target = self.locate(value, path)
                 out[key] = "#" if target == self.root else f"#/$defs/{_escape(self._key(target))}"
             elif key in ("$dynamicRef", "$recursiveRef"):
@@ -372,6 +380,10 @@ def compact(schema: Any) -> bytes:
 
 def _entry_id(collection: str, path: str, pointer: str) -> str:
     name = posixpath.basename(path).rsplit(".json", 1)[0]
+    if collection == "asyncapi":  # package/definitions/3.0.0/x.json, package/bindings/kafka/0.5.0/x.json
+        name = "-".join(path.rsplit(".json", 1)[0].split("/")[2:])
+    if collection == "angular":  # package/<schematic>/schema.json
+        name = path.split("/")[-2]
     if collection == "jupyter" and path.startswith("package/schema/"):
         name = f"lab-{name}"
     if "::" in path:
