@@ -220,6 +220,30 @@ def _add_frontend_args(p: argparse.ArgumentParser) -> None:
                         "--heartbeat-timeout (default: %(default)g). A FAILED/stopped engine or "
                         "an exited engine process ends requests at once")
     _add_request_limit_args(g)
+    _add_connection_args(g)
+
+
+def _add_connection_args(g: argparse._ArgumentGroup) -> None:
+    """The HTTP server's connection-level bounds (blink.dpu.http_server); torch-free."""
+    from blink.dpu.http_server import (
+        DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, FD_RESERVE,
+    )
+
+    g.add_argument("--http-header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                   metavar="SECONDS",
+                   help="seconds a client has to send a request's head (from connecting, or "
+                        "from the first byte of a kept-alive connection's next request); a "
+                        "partial head then gets 408 and the connection is closed, one that "
+                        "sent nothing is closed (default: %(default)g)")
+    g.add_argument("--http-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                   metavar="SECONDS",
+                   help="seconds a client has to send a request's body once its head is in; "
+                        "then it gets 408 and the request is dropped (default: %(default)g)")
+    g.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help=f"HTTP connections served at once; a connection beyond them gets 503 "
+                        f"with Retry-After and is closed (default: {DEFAULT_MAX_CONNECTIONS}, "
+                        f"lowered to the open-files limit minus {FD_RESERVE}; the frontend "
+                        f"raises its soft limit to the hard one at start)")
 
 
 def _add_request_limit_args(g: argparse._ArgumentGroup) -> None:

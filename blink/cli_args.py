@@ -32,6 +32,8 @@ FRONTEND_LIMIT_SWITCHES = ("trust_request_chat_template", "public_docs",
                            "enable_auto_tool_choice", "exclude_tools_when_tool_choice_none")
 #: flags handed on only when set
 FRONTEND_OPTIONAL_FLAGS = ("tool_call_parser",)
+#: the HTTP server's connection bounds (blink.dpu.http_server), handed on when given
+FRONTEND_CONNECTION_FLAGS = ("http_header_timeout", "http_body_timeout", "max_connections")
 
 
 def frontend_limit_args(args: argparse.Namespace) -> list[str]:
@@ -42,7 +44,7 @@ def frontend_limit_args(args: argparse.Namespace) -> list[str]:
     for name in FRONTEND_LIMIT_SWITCHES:
         if getattr(args, name, False):
             out.append(f"--{name.replace('_', '-')}")
-    for name in FRONTEND_OPTIONAL_FLAGS:
+    for name in FRONTEND_OPTIONAL_FLAGS + FRONTEND_CONNECTION_FLAGS:
         if getattr(args, name, None) is not None:
             out += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     return out
@@ -155,3 +157,24 @@ def check_frontend_flags(args: argparse.Namespace) -> None:
             raise BlinkError(f"--{name.replace('_', '-')} {path}: no such file")
     if args.root_path and not args.root_path.startswith("/"):
         raise BlinkError(f"--root-path must start with '/', got {args.root_path!r}")
+    connection_limits(args)
+
+
+def connection_limits(args: argparse.Namespace):
+    """The HTTP server's :class:`blink.dpu.http_server.ConnectionLimits` from
+    ``--http-header-timeout``, ``--http-body-timeout`` and ``--max-connections``; a bad value
+    is one clear line naming the flag."""
+    from blink.dpu.http_server import ConnectionLimits
+
+    for name in ("http_header_timeout", "http_body_timeout"):
+        value = getattr(args, name, 1.0)
+        if not value > 0:
+            raise BlinkError(f"--{name.replace('_', '-')} must be positive, got {value:g}")
+    cap = getattr(args, "max_connections", None)
+    if cap is not None and cap < 1:
+        raise BlinkError(f"--max-connections must be at least 1, got {cap}")
+    defaults = ConnectionLimits()
+    return ConnectionLimits(
+        header_timeout_s=getattr(args, "http_header_timeout", defaults.header_timeout_s),
+        body_timeout_s=getattr(args, "http_body_timeout", defaults.body_timeout_s),
+        max_connections=cap)

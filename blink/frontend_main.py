@@ -8,13 +8,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import os
+import resource
 import signal
 
 from blink.cli_args import (
     check_frontend_flags,
     check_port_free,
     check_timeout_flags,
+    connection_limits,
     parse_host_port,
 )
 from blink.errors import BlinkError
@@ -22,6 +25,8 @@ from blink.logs import configure_logging
 from blink.supervision import watch_supervisor
 from blink.threads.roles import set_thread_name
 from blink.threads.runtime import load_thread_policy, start_thread_policy
+
+logger = logging.getLogger("blink.frontend")
 
 
 def _server_class():
@@ -43,6 +48,7 @@ async def _serve(args: argparse.Namespace, addresses: list[tuple[str, int]]) -> 
 
     _Server = _server_class()
     from blink.dpu.app import app_options, create_app
+    from blink.dpu.http_server import uvicorn_config
     from blink.dpu.ring_engine_client import ReconnectingEngineClient, RingEngineClient
     from blink.dpu.tokenizer import Tokenizer, read_chat_template
     from blink.shared.sampling_params import seed_unseeded_requests
@@ -88,8 +94,9 @@ async def _serve(args: argparse.Namespace, addresses: list[tuple[str, int]]) -> 
                          **app_options(args))  # request limits, docs (blink.dpu.limits)
         # log_config=None: uvicorn's loggers go to Blink's handler (blink.logs); the access
         # log is Blink's own (blink.access, with the request id), uvicorn's stays off.
-        config = uvicorn.Config(
-            app, host=args.host, port=args.port, log_config=None,
+        # h11 with header/body deadlines and a connection cap (blink.dpu.http_server)
+        config = uvicorn_config(
+            app, connection_limits(args), host=args.host, port=args.port, log_config=None,
             log_level=args.uvicorn_log_level, access_log=False, timeout_graceful_shutdown=10,
             root_path=args.root_path or "", ssl_keyfile=args.ssl_keyfile,
             ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
@@ -128,6 +135,26 @@ def frontend_secret(args: argparse.Namespace) -> bytes | None:
     return from_env
 
 
+def http_capacity(args: argparse.Namespace) -> int:
+    """Raise the soft open-files limit to the hard one (each connection holds a descriptor;
+    the usual soft default, 1024, is what ~1,000 idle connections exhaust), then the
+    connection cap it leaves: said in one line, or a :class:`BlinkError` if too few."""
+    from blink.dpu.http_server import raise_open_files_limit
+
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    soft, hard = raise_open_files_limit()
+    limits = connection_limits(args)
+    try:
+        cap = limits.connection_cap(soft)
+    except ValueError as exc:
+        raise BlinkError(f"--max-connections: {exc}") from None
+    logger.info("HTTP: at most %d connections at once (open-files limit %d%s), request heads "
+                "within %g s, bodies within %g s", cap, soft,
+                f", raised from {before}" if soft != before else "", limits.header_timeout_s,
+                limits.body_timeout_s)
+    return cap
+
+
 def run_frontend(args: argparse.Namespace) -> int:
     """Entry point of ``blink serve --frontend-only --engine HOST:PORT``."""
     if not args.engine:
@@ -141,6 +168,7 @@ def run_frontend(args: argparse.Namespace) -> int:
     check_timeout_flags(args)
     check_frontend_flags(args)
     check_port_free(args.host, args.port)  # before the engine handshake and tokenizer load
+    http_capacity(args)
     thread_policy = load_thread_policy(getattr(args, "thread_policy", None))
     watch_supervisor("frontend")  # die with the blink serve that started us
     set_thread_name("blink-http")  # the event loop runs on this thread (asyncio.run below)

@@ -33,6 +33,7 @@ from fastapi.routing import APIRoute
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from blink.dpu import errors
@@ -78,7 +79,9 @@ class RequestIdMiddleware:
         rid = text if _REQUEST_ID_RE.fullmatch(text) else uuid.uuid4().hex
         token = current_request_id.set(rid)
         start = time.perf_counter()
-        status = 500  # what the client gets if nothing is sent (the error net answers 500)
+        # logged when nothing was sent: the client left first (nginx's 499); the error net
+        # answers everything else, a 500 included
+        status = 499
 
         async def send_with_id(message: Message) -> None:
             nonlocal status
@@ -120,10 +123,16 @@ class InternalErrorMiddleware:
     an exception after a response, closes the connection, so the client's *next* request on
     that keep-alive connection got ECONNRESET. Here the exception ends with this request.
     If the response had already started (a stream), its body is ended cleanly instead.
+
+    A client that left before its request body was read (Starlette's ``ClientDisconnect``
+    from ``request.body()``, also what a body past ``--http-body-timeout`` ends as) is no
+    server error: nobody is there to answer, so it is counted
+    (``blink:http_client_disconnects_total``) and logged at debug level, without a traceback.
     """
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, metrics: FrontendMetrics | None = None) -> None:
         self.app = app
+        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -141,6 +150,13 @@ class InternalErrorMiddleware:
 
         try:
             await self.app(scope, receive, tracking_send)
+        except ClientDisconnect:
+            if self.metrics is not None:
+                self.metrics.http_client_disconnects.inc()
+            logger.debug("client left before its request body was read (%s %s)",
+                         scope.get("method"), scope.get("path"))
+            if started and not finished:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         except Exception as exc:  # the last resort: whatever a handler failed to handle
             logger.exception("unhandled error while serving %s %s", scope.get("method"),
                              scope.get("path"))
@@ -296,7 +312,7 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, *, model_name: str | 
                            allow_methods=cors.allow_methods, allow_headers=cors.allow_headers,
                            allow_credentials=cors.allow_credentials,
                            expose_headers=["x-request-id"])
-    app.add_middleware(InternalErrorMiddleware)
+    app.add_middleware(InternalErrorMiddleware, metrics=metrics)
     # Outermost: the id is on every answer, the 500s of the error net included.
     app.add_middleware(RequestIdMiddleware, log_requests=log_requests, skip_paths=access_log_skip)
 

@@ -494,10 +494,10 @@ def _template_tool_calls(i: int, tool_calls: Any) -> list[Any]:
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments) if arguments.strip() else {}
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply
                 raise ChatTemplateError(
                     f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON: "
-                    f"{e}") from None
+                    f"{e if isinstance(e, ValueError) else 'nested too deeply'}") from None
         elif arguments is None:
             arguments = {}
         out.append({**call, "function": {**function, "arguments": arguments}})

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -197,6 +197,20 @@ class FrontendMetrics:
         self._success = Counter("blink:request_success",
                                 "Count of successfully processed requests.",
                                 labels + ["finished_reason"], registry=r)
+        # The HTTP server's connections (blink.dpu.http_server) and clients that leave early
+        self.http_connections = Gauge("blink:http_connections",
+                                      "HTTP connections open now.", registry=r)
+        self.http_connections_refused = Counter(
+            "blink:http_connections_refused",
+            "HTTP connections refused with 503 because --max-connections were open.", registry=r)
+        self.http_request_timeouts = Counter(
+            "blink:http_request_timeouts",
+            "HTTP requests ended with 408 because their head or body did not arrive within "
+            "--http-header-timeout / --http-body-timeout.", ["phase"], registry=r)
+        self.http_client_disconnects = Counter(
+            "blink:http_client_disconnects",
+            "HTTP clients that left before their request body was read (the request is "
+            "dropped; no answer is sent).", registry=r)
         r.register(_EngineStatsCollector(engine, model_name))
         # Host threads of this process and of the engine (blink.threads.metrics)
         r.register(ThreadsCollector(snapshot_sources()))

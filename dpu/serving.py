@@ -128,7 +128,7 @@ def _tokenize_request(body: bytes) -> TokenizeChatRequest | TokenizeCompletionRe
     """/tokenize takes either shape; "messages" tells them apart (as in vLLM)."""
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deeply
         data = None  # parse_request reports the JSON error
     is_chat = isinstance(data, dict) and "messages" in data
     return parse_request(TokenizeChatRequest if is_chat else TokenizeCompletionRequest, body)

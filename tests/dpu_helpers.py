@@ -56,10 +56,18 @@ def free_socket() -> socket.socket:
 
 
 @contextlib.contextmanager
-def serve_in_thread(app: Any) -> Iterator[str]:
-    """Run ``app`` under uvicorn on a free loopback port; yields the base URL."""
+def serve_in_thread(app: Any, limits: Any = None) -> Iterator[str]:
+    """Run ``app`` under uvicorn on a free loopback port; yields the base URL. ``limits``
+    (a :class:`blink.dpu.http_server.ConnectionLimits`): serve it as the frontend does, with
+    those connection bounds."""
     sock = free_socket()
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    if limits is None:
+        config = uvicorn.Config(app, log_level="warning", lifespan="off")
+    else:
+        from blink.dpu.http_server import uvicorn_config
+
+        config = uvicorn_config(app, limits, log_level="warning", lifespan="off")
+    srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -84,16 +92,27 @@ async def asgi_request(app: Any, method: str, path: str, **kw: Any) -> httpx.Res
 
 def _main(argv: list[str]) -> None:
     """Serve the fake-engine app on ``argv[0]`` (a port); ``argv[1]``: JSON create_app kwargs
-    (``"limits"`` as a dict of RequestLimits fields)."""
+    (``"limits"`` as a dict of RequestLimits fields; ``"connections"``, a dict of
+    ConnectionLimits fields, serves it as the frontend process does: the open-files limit
+    raised, h11 with those bounds)."""
     port = int(argv[0])
     options = json.loads(argv[1]) if len(argv) > 1 else {}
     if "limits" in options:
         from blink.dpu.limits import RequestLimits
 
         options["limits"] = RequestLimits(**options["limits"])
+    connections = options.pop("connections", None)
     tok = tiny_tokenizer()
     app = create_app(make_engine(tok), tok, model_name=MODEL, **options)
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    if connections is None:
+        uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+        return
+    from blink.dpu.http_server import ConnectionLimits, raise_open_files_limit, uvicorn_config
+
+    raise_open_files_limit()
+    config = uvicorn_config(app, ConnectionLimits(**connections), host="127.0.0.1", port=port,
+                            log_level="warning", lifespan="off")
+    uvicorn.Server(config).run()
 
 
 if __name__ == "__main__":
