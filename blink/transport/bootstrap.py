@@ -43,6 +43,15 @@ so a frontend whose host vanished without closing it is noticed within about a m
 
 A frontend of another ring layout version is refused, with the same message on both sides (the
 engine logs it and keeps it in ``BootstrapServer.refusals``; the frontend raises it).
+
+Before a peer has proved the secret it costs the engine little, whatever it sends: the whole
+handshake has one deadline (``timeout_s``, 10 s; not per ``recv()``, so trickling bytes does
+not extend it), its messages are at most :data:`PRE_AUTH_MAX_BYTES` and nested at most
+:data:`blink.transport.framing.MAX_NESTING` deep (checked before parsing), and at most
+``max_unauthenticated`` (:data:`MAX_UNAUTHENTICATED`) peers are in the handshake at once: a new
+connection beyond them closes the oldest unauthenticated one, so a flood of idle or trickling
+peers never keeps a legitimate frontend out (its handshake takes milliseconds). The accept loop
+survives everything a connection can cause (a thread that cannot start, a descriptor limit).
 """
 from __future__ import annotations
 
@@ -76,6 +85,12 @@ from blink.transport.base import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 10.0
+#: peers in the handshake (not yet authenticated) at once; a new one closes the oldest
+MAX_UNAUTHENTICATED = 64
+#: largest message before authentication (a hello or an auth answer is ~200 bytes)
+PRE_AUTH_MAX_BYTES = 4096
+#: seconds between two log lines about the accept loop's own trouble
+_ACCEPT_LOG_EVERY_S = 10.0
 TRANSPORT_KINDS = ("loopback", "verbs")
 ROLES = ("frontend", "monitor", "kv_writer", "kv_region")
 #: the one refusal an unauthenticated peer gets (the same whatever was wrong, so it learns nothing)
@@ -168,9 +183,12 @@ class BootstrapServer:
         kv_region: Region | None = None,
         kv_layout: dict[str, Any] | None = None,
         extra: dict[str, Any] | None = None,
+        max_unauthenticated: int = MAX_UNAUTHENTICATED,
     ) -> None:
         """``secret``: the bootstrap secret peers must prove they know; None generates one
         (read it back from :attr:`secret`), so a server is never open to everyone.
+        ``timeout_s``: the deadline of a whole handshake; ``max_unauthenticated``: peers in
+        the handshake at once (a new one closes the oldest).
         ``kv_region``/``kv_layout``: a decode engine's KV-cache region, offered to ``kv_writer``
         peers (prefill engines). ``extra``: fields every welcome carries (``engine_role``...)."""
         self.kv_region = kv_region
@@ -184,6 +202,14 @@ class BootstrapServer:
         self.host, self.port = host, port
         self.layout_version = layout_version
         self.timeout_s = timeout_s
+        if max_unauthenticated < 1:
+            raise ValueError(f"max_unauthenticated must be positive, got {max_unauthenticated}")
+        self.max_unauthenticated = max_unauthenticated
+        #: unauthenticated connections, oldest first (dict order), and how many were dropped
+        #: to make room for newer ones
+        self._unauthenticated: dict[socket.socket, str] = {}
+        self.dropped_unauthenticated = 0
+        self._accept_trouble_logged = -_ACCEPT_LOG_EVERY_S
         #: messages of refused handshakes, newest last (diagnostics and tests)
         self.refusals: list[str] = []
         #: number of completed handshakes
@@ -255,24 +281,59 @@ class BootstrapServer:
                 conn, addr = self._sock.accept()
             except socket.timeout:
                 continue
-            except OSError:
+            except OSError as exc:
                 if self._stop.is_set():
                     return
-                raise
+                # EMFILE/ENFILE/ENOBUFS...: the connection waits in the backlog; try again
+                self._accept_trouble(f"accept() failed: {exc}")
+                time.sleep(0.1)
+                continue
             peer = f"{addr[0]}:{addr[1]}"
-            threading.Thread(
-                target=self._serve_peer, args=(conn, peer), name="blink-bs-peer", daemon=True
-            ).start()
+            self._admit_unauthenticated(conn, peer)
+            try:
+                threading.Thread(
+                    target=self._serve_peer, args=(conn, peer), name="blink-bs-peer", daemon=True
+                ).start()
+            except (RuntimeError, OSError, MemoryError) as exc:  # can't start new thread
+                self._accept_trouble(f"no thread for {peer} ({exc}); its connection is closed")
+                with self._lock:
+                    self._unauthenticated.pop(conn, None)
+                conn.close()
+
+    def _accept_trouble(self, message: str) -> None:
+        """One log line per ``_ACCEPT_LOG_EVERY_S`` about trouble the accept loop survives."""
+        now = time.monotonic()
+        if now - self._accept_trouble_logged >= _ACCEPT_LOG_EVERY_S:
+            self._accept_trouble_logged = now
+            logger.error("bootstrap: %s", message)
+
+    def _admit_unauthenticated(self, conn: socket.socket, peer: str) -> None:
+        """Count ``conn`` as unauthenticated; at the cap, close the oldest such connection
+        first (its thread sees the shutdown and ends)."""
+        with self._lock:
+            while len(self._unauthenticated) >= self.max_unauthenticated:
+                oldest, who = next(iter(self._unauthenticated.items()))
+                del self._unauthenticated[oldest]
+                self.dropped_unauthenticated += 1
+                try:
+                    oldest.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                logger.warning("bootstrap: %d peers in the handshake (the most at once); closed "
+                               "the oldest, %s", self.max_unauthenticated, who)
+            self._unauthenticated[conn] = peer
 
     def _refuse(self, conn: socket.socket, peer: str, message: str) -> None:
         logger.error("bootstrap: refused frontend %s: %s", peer, message)
         self.refusals.append(message)
         try:
+            conn.settimeout(1.0)  # best effort: a peer that does not read gets nothing
             send_message(conn, {"type": "refused", "error": message})
-        except OSError:
+        except (OSError, HandshakeError):
             pass
 
-    def _authenticate(self, conn: socket.socket, peer: str, hello: dict[str, Any]) -> bool:
+    def _authenticate(self, conn: socket.socket, peer: str, hello: dict[str, Any],
+                      deadline: float) -> bool:
         """Challenge–response: True if the peer proved it knows the secret (and the engine
         proved it to the peer); otherwise the peer got :data:`AUTH_REFUSAL` and nothing else."""
         frontend_nonce = hello.get("nonce")
@@ -281,8 +342,10 @@ class BootstrapServer:
             return False
         engine_nonce = new_nonce()
         send_message(conn, {"type": "challenge", "nonce": engine_nonce,
-                            "proof": engine_proof(self.secret, frontend_nonce, engine_nonce)})
-        answer = recv_message(conn, f"frontend {peer}")
+                            "proof": engine_proof(self.secret, frontend_nonce, engine_nonce)},
+                     deadline=deadline, peer=f"frontend {peer}")
+        answer = recv_message(conn, f"frontend {peer}", deadline=deadline,
+                              max_bytes=PRE_AUTH_MAX_BYTES)
         expected = frontend_proof(self.secret, engine_nonce, frontend_nonce)
         if answer["type"] != "auth" or not proofs_equal(expected, answer.get("proof")):
             self._refuse(conn, peer, AUTH_REFUSAL)
@@ -317,14 +380,18 @@ class BootstrapServer:
         role = "frontend"
         with self._lock:
             self._peers.add(conn)
+        # One deadline for the whole handshake, whatever the peer trickles.
+        deadline = time.monotonic() + self.timeout_s
         try:
-            conn.settimeout(self.timeout_s)
-            hello = recv_message(conn, f"frontend {peer}")
+            hello = recv_message(conn, f"frontend {peer}", deadline=deadline,
+                                 max_bytes=PRE_AUTH_MAX_BYTES)
             if hello["type"] != "hello":
                 self._refuse(conn, peer, f"expected a hello message, got {hello['type']!r}")
                 return
-            if not self._authenticate(conn, peer, hello):
+            if not self._authenticate(conn, peer, hello, deadline):
                 return
+            with self._lock:
+                self._unauthenticated.pop(conn, None)  # proved the secret: no longer capped
             version = hello.get("layout_version")
             if version != self.layout_version:
                 self._refuse(conn, peer, version_mismatch_message(self.layout_version, version))
@@ -358,14 +425,15 @@ class BootstrapServer:
                 total_bytes=region.total_bytes, model_name=self.model_name,
                 max_model_len=self.max_model_len, tokenizer=self.tokenizer, connection=offer,
             )
-            send_message(conn, info.to_message())
+            send_message(conn, info.to_message(), deadline=deadline, peer=f"frontend {peer}")
             if session is not None:
-                msg = recv_message(conn, f"frontend {peer}")
+                msg = recv_message(conn, f"frontend {peer}", deadline=deadline)
                 if msg["type"] != "connect":
                     self._refuse(conn, peer, f"expected a connect message, got {msg['type']!r}")
                     return
                 reply = region.session_complete(session, msg)
-                send_message(conn, {"type": "ready", **reply})
+                send_message(conn, {"type": "ready", **reply}, deadline=deadline,
+                             peer=f"frontend {peer}")
             with self._lock:
                 self.accepted += 1
             logger.info("bootstrap: %s %s attached", role, who)
@@ -383,12 +451,16 @@ class BootstrapServer:
                 self._refuse(conn, peer, str(exc))
         except OSError as exc:
             logger.warning("bootstrap: connection to %s failed: %s", peer, exc)
+        except Exception as exc:  # a peer thread never dies with a traceback nobody reads
+            logger.error("bootstrap: handshake with %s failed: %s: %s", peer,
+                         type(exc).__name__, exc)
         finally:
             self._release_lease(conn)
             if session is not None:
                 (self.kv_region if role == "kv_region" else self.region).session_close(session)
             with self._lock:
                 self._peers.discard(conn)
+                self._unauthenticated.pop(conn, None)
             conn.close()
 
 
@@ -441,13 +513,14 @@ def connect(
     except (socket.timeout, OSError) as exc:
         raise HandshakeError(f"cannot reach the engine at {where}: {exc}") from None
     keep_open = False
+    deadline = time.monotonic() + timeout_s  # the whole handshake, as on the engine's side
     try:
         nonce = new_nonce()
         send_message(sock, {
             "type": "hello", "layout_version": layout_version,
             "client": "blink-frontend", "pid": os.getpid(), "role": role, "nonce": nonce,
         })
-        reply = recv_message(sock, f"engine {where}")
+        reply = recv_message(sock, f"engine {where}", deadline=deadline)
         if reply["type"] == "refused":
             raise HandshakeError(f"the engine at {where} refused this frontend: {reply.get('error')}")
         if reply["type"] != "challenge":
@@ -466,12 +539,13 @@ def connect(
                 f"not this secret's engine (a different --bootstrap-secret-file?)"
             )
         send_message(sock, {"type": "auth", "proof": frontend_proof(secret, engine_nonce, nonce)})
-        reply = recv_message(sock, f"engine {where}")
+        reply = recv_message(sock, f"engine {where}", deadline=deadline)
         if reply["type"] == "refused":
             raise HandshakeError(f"the engine at {where} refused this frontend: {reply.get('error')}")
         if reply["type"] != "welcome":
             raise HandshakeError(f"bootstrap: engine {where} answered {reply['type']!r}, not welcome")
         info = EngineInfo.from_message(reply)
+        sock.settimeout(timeout_s)  # what the transport keeps using (the deadline changed it)
         if info.layout_version != layout_version:
             raise HandshakeError(version_mismatch_message(info.layout_version, layout_version))
         if expect_transport is not None and info.transport != expect_transport:
