@@ -398,7 +398,17 @@ def build_parser() -> argparse.ArgumentParser:
                               "more than N times within --engine-restart-window (default: "
                               "%(default)s)")
     restart.add_argument("--engine-restart-window", type=float, default=300.0, metavar="SECONDS",
-                         help="the window --max-engine-restarts counts in (default: %(default)g)")
+                         help="the window --max-engine-restarts and --max-frontend-restarts "
+                              "count in (default: %(default)g)")
+    restart.add_argument("--no-frontend-restart", action="store_true",
+                         help="exit when the frontend process dies instead of restarting it "
+                              "(by default it is restarted on the same HTTP port with the same "
+                              "back-off while the engine keeps running; the new frontend takes "
+                              "over the slots the dead one left in the ring)")
+    restart.add_argument("--max-frontend-restarts", type=int, default=5, metavar="N",
+                         help="give up (and exit non-zero) when the frontend would be restarted "
+                              "more than N times within --engine-restart-window (default: "
+                              "%(default)s)")
 
     engine = sub.add_parser(
         "engine", help="run only the engine (the host half of a DPU deployment)",

@@ -7,8 +7,11 @@ frontend first (it stops accepting and finishes its responses), then the engine 
 what is in flight). If the engine dies it is restarted on the same bootstrap port (bounded
 exponential back-off, at most ``--max-engine-restarts`` in ``--engine-restart-window``; off
 with ``--no-engine-restart``) while the frontend keeps running, answers 503 + Retry-After and
-re-bootstraps to the new engine by itself. If the frontend dies, or the engine cannot be
-restarted, everything stops with a non-zero status.
+re-bootstraps to the new engine by itself. If the frontend dies it is restarted on the same
+HTTP port while the engines keep running (``--max-frontend-restarts``; off with
+``--no-frontend-restart``); the new frontend takes over the slots the dead one left in the
+ring. If a child cannot be restarted, everything stops with a non-zero status; an engine with
+no frontend attached stops without draining (nobody would read what it finishes).
 
 Both children die with the supervisor, even when it is killed outright (SIGKILL, OOM):
 ``PR_SET_PDEATHSIG`` is set between fork and exec, and each child also watches its parent pid
@@ -190,8 +193,14 @@ def run_engine(args: argparse.Namespace) -> int:
         while not stop.wait(0.2):
             if not engine.alive:
                 raise BlinkError(f"the engine loop stopped: {engine.error!r}")
-        # An orphan has nobody to drain for (its frontend dies with the supervisor too).
-        engine.stop(drain=not (supervisor_gone is not None and supervisor_gone()))
+        # Drain only for a reader: an orphan's frontend dies with the supervisor too, and with
+        # no frontend attached (it exited first, or died) nobody reads what would finish.
+        orphan = supervisor_gone is not None and supervisor_gone()
+        reader = server.frontend_attached()
+        if not reader:
+            engine_logger.info("stopping without draining: no frontend is attached to read "
+                               "the requests in flight")
+        engine.stop(drain=reader and not orphan)
         return 0
     finally:
         if server is not None:
@@ -355,6 +364,8 @@ def check_restart_flags(args: argparse.Namespace) -> None:
     """``--max-engine-restarts`` / ``--engine-restart-window``: one clear line if they do not fit."""
     if getattr(args, "max_engine_restarts", 0) < 0:
         raise BlinkError(f"--max-engine-restarts must be >= 0, got {args.max_engine_restarts}")
+    if getattr(args, "max_frontend_restarts", 0) < 0:
+        raise BlinkError(f"--max-frontend-restarts must be >= 0, got {args.max_frontend_restarts}")
     if not getattr(args, "engine_restart_window", 1.0) > 0:
         raise BlinkError(f"--engine-restart-window must be positive, got {args.engine_restart_window:g}")
 
@@ -432,6 +443,15 @@ class _Supervisor:
         self.python = [sys.executable, "-m", "blink.cli"]
         self.engines: list[_EngineChild] = []
         self.frontend: subprocess.Popen | None = None
+        self.frontend_argv: list[str] = []
+        self.frontend_env: dict[str, str] = {}
+        self.frontend_policy = RestartPolicy(getattr(args, "max_frontend_restarts", 5),
+                                             args.engine_restart_window)
+        self.frontend_started = 0.0
+
+    def _frontend_restarts(self) -> bool:
+        """Whether a dead frontend is restarted (then the engines need not watch it)."""
+        return not getattr(self.args, "no_frontend_restart", False)
 
     @property
     def engine(self) -> subprocess.Popen | None:
@@ -461,7 +481,8 @@ class _Supervisor:
              *([] if prefix_caching_enabled(args) else ["--no-prefix-caching"]),
              *(["--enforce-eager"] if args.enforce_eager else []),
              *(["--compile"] if args.compile else [])], env)
-        watch = (("frontend", self.frontend),) if self.frontend is not None else ()
+        watch = (("frontend", self.frontend),) \
+            if self.frontend is not None and not self._frontend_restarts() else ()
         # A first start compiles every bucket (blink.engine.compiled): >10 min on 2 busy cores.
         ready = _wait_for_line(child.proc, ENGINE_READY_PREFIX, child.name, 1800, sys.stderr,
                                self.stop, watch)
@@ -475,9 +496,10 @@ class _Supervisor:
         while time.monotonic() < deadline:
             if self.stop.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
                 raise _Stopped()
-            if self.frontend is not None and self.frontend.poll() is not None:
+            if self.frontend is not None and self.frontend.poll() is not None \
+                    and not self._frontend_restarts():
                 raise BlinkError(f"the frontend process exited unexpectedly "
-                                 f"(status {self.frontend.returncode})")
+                                 f"(status {self.frontend.returncode}; --no-frontend-restart)")
 
     def _engine_count(self) -> int:
         """How many engines this supervisor runs (all of them, also while the first start)."""
@@ -515,16 +537,15 @@ class _Supervisor:
         env = dict(self.env)
         if args.api_key:
             env["BLINK_API_KEY"] = args.api_key  # only the frontend needs it
-        self.frontend = self._spawn(frontend_args(args, addresses), env)
-        _wait_for_line(self.frontend, FRONTEND_READY_PREFIX, "frontend", 120, sys.stderr,
-                       self.stop, tuple((c.name, c.proc) for c in self.engines))
+        self.frontend_argv, self.frontend_env = frontend_args(args, addresses), env
+        self._start_frontend()
         scheme = "https" if args.ssl_certfile else "http"
         print(f"Blink is serving {args.served_model_name or args.model!r} at "
               f"{scheme}://{args.host}:{args.port}{args.root_path or ''}/v1  (Ctrl-C to stop)",
               flush=True)
         while not self.stop.wait(0.2):
             if self.frontend.poll() is not None:
-                raise BlinkError(f"the frontend process exited unexpectedly (status {self.frontend.returncode})")
+                self._restart_frontend()
             for child in self.engines:
                 assert child.proc is not None
                 if child.proc.poll() is not None:
@@ -564,6 +585,47 @@ class _Supervisor:
                 continue
             logger.info("the %s is back (pid %d, %s); the frontend reconnects to it",
                         child.name, child.proc.pid, child.address)
+            return
+
+    def _start_frontend(self) -> None:
+        """Start the frontend against the engines; return once it serves."""
+        self.frontend = self._spawn(self.frontend_argv, self.frontend_env)
+        self.frontend_started = time.monotonic()
+        _wait_for_line(self.frontend, FRONTEND_READY_PREFIX, "frontend", 120, sys.stderr,
+                       self.stop, tuple((c.name, c.proc) for c in self.engines))
+
+    def _restart_frontend(self) -> None:
+        """The frontend died (a crash, SIGKILL, OOM): start a new one on the same HTTP port
+        while the engines keep running (the new one attaches and takes over the slots the dead
+        one left in the ring, as any new frontend does), within ``--max-frontend-restarts``;
+        or give up (raise)."""
+        assert self.frontend is not None
+        status = self.frontend.returncode
+        if not self._frontend_restarts():
+            raise BlinkError(f"the frontend process exited unexpectedly (status {status}; "
+                             f"--no-frontend-restart)")
+        policy = self.frontend_policy
+        while True:
+            now = time.monotonic()
+            delay = policy.next_delay(now, now - self.frontend_started)
+            if delay is None:
+                raise BlinkError(
+                    f"the frontend process exited (status {status}) and was already restarted "
+                    f"{policy.recent} times within {policy.window_s:g} s "
+                    f"(--max-frontend-restarts / --engine-restart-window); giving up")
+            logger.warning(
+                "the frontend exited (status %s); restarting it in %g s (restart %d of at most "
+                "%d within %g s); the engine keeps running, clients get connection refused "
+                "meanwhile", status, delay, policy.recent, policy.max_restarts, policy.window_s)
+            self._sleep(delay)
+            try:
+                self._start_frontend()
+            except _NotReady as exc:
+                logger.error("the restarted frontend failed: %s", exc)
+                status = self.frontend.returncode if self.frontend.poll() is not None else "timeout"
+                _stop_child(self.frontend, 10)
+                continue
+            logger.info("the frontend is back (pid %d)", self.frontend.pid)
             return
 
     def shutdown(self) -> None:

@@ -228,6 +228,12 @@ class BootstrapServer:
         lease = self._lease
         return lease[1] if lease is not None else None
 
+    def frontend_attached(self) -> bool:
+        """Whether a frontend holds the lease and its connection is still open: someone reads
+        what the engine writes (a stopping engine drains in-flight requests only then)."""
+        lease = self._lease
+        return lease is not None and socket_peer_open(lease[0])
+
     @property
     def address(self) -> tuple[str, int]:
         """(host, port) actually bound (port 0 picks a free one)."""
