@@ -36,13 +36,14 @@ serve_e2e      ``blink serve --loop device`` with the real frontend, driven by t
                wheels, see benchmarks/gpu_wheels.sh)
 
 Acceptance (PASS/FAIL): tier A and B tokens == the CPU loop's; tier B host CPU <= 2 % of
-one core in steady decode; tier B step time <= tier A's; tier B keeps >= 99 % of its
-tokens/s under the hog. Exit status: 0 every phase passed, 1 a phase failed, timed out or
+one core in steady decode; tier B step time per non-empty step <= tier A's + 5 %; tier B
+keeps >= 99 % of its tokens/s under the hog (median of interleaved quiet/hog window pairs,
+the load driven from a client process of its own). Exit status: 0 every phase passed, 1 a phase failed, timed out or
 crashed, 2 bad arguments or Blink not installed, 3 nothing failed but something was skipped
 or not run (e.g. no GPU). ``--simulate`` runs the phases' code on CPU with the GPU loops
 simulated (a dry run for tests; its numbers mean nothing).
 
-The default timeouts add up to 530 s and ``--budget-s`` (530) caps the whole run: a phase
+The default timeouts add up to 535 s and ``--budget-s`` (535) caps the whole run: a phase
 gets at most what is left, and a phase with under 10 s left is reported as NOT_RUN, so the
 summary is always written inside the device tool's limit. ``--phases a,b`` reruns a
 subset (the random models are cached in ``--work-dir``, so a rerun skips rebuilding them).
@@ -160,7 +161,10 @@ def inputs(ctx: Context) -> dict[str, Any]:
     inp = build_inputs(ctx.args.requests, ctx.args.prompt_len, ctx.args.max_tokens)
     if ctx.args.simulate:
         vocab = LLAMA_SMALL["vocab_size"]
-        inp["prompts"] = [[t % vocab for t in p] for p in inp["prompts"]]
+        # 16 requests, 16-token makespan outputs: a CPU dry run of the code paths, within the
+        # phases' limits (the GPU sizes would take minutes on a CPU).
+        inp["prompts"] = [[t % vocab for t in p] for p in inp["prompts"][:16]]
+        inp["greedy_makespan"] = dataclasses.replace(inp["greedy_makespan"], max_tokens=16)
         inp["engine_kwargs"] = dict(inp["small_config"], max_num_seqs=max(16, ctx.args.requests),
                                     kv_cache_tokens=max(16, ctx.args.requests) * 1024)
         inp["greedy_long"] = dataclasses.replace(inp["greedy_long"], max_tokens=1024 - ctx.args.prompt_len - 1)
@@ -201,8 +205,13 @@ def release() -> None:
 
     import torch
 
+    from blink.engine.gpu.base import device_loop_running
+
     gc.collect()
     if torch.cuda.is_available():
+        if device_loop_running():  # empty_cache synchronizes the device: it would never return
+            print("  a device loop is still running (hung): GPU memory not released", flush=True)
+            return
         torch.cuda.empty_cache()
 
 
@@ -232,20 +241,29 @@ def big_model(ctx: Context) -> Path:
 
 
 def tier_b_blockers(ctx: Context) -> list[str]:
-    """What keeps tier B from starting, with the registration probe's reason (gVisor
-    refuses cudaHostRegister of shared memory) when tier_b_problems does not name it."""
+    """What keeps tier B from starting (``tier_b_problems``). A GPU that refuses to register
+    the shared-memory ring (gVisor) is no blocker here: the benchmark's client runs in the
+    engine's process, so both tiers run over the engine's pinned in-process ring
+    (``make_engine``); the refusal is recorded as ``ring_registration``."""
     from blink.engine.gpu.checks import tier_b_problems
-    from blink.engine.gpu_probe import host_register_problem
 
     if ctx.args.simulate:
         return []
     problems = list(tier_b_problems())
-    if not problems:
-        refused = host_register_problem()
-        if refused:
-            problems.append(refused)
     ctx.value("tier_b_problems", problems)
+    ring_registration(ctx)
     return problems
+
+
+def ring_registration(ctx: Context) -> str | None:
+    """Why the GPU refuses to map a shared-memory ring (None: it maps it), recorded."""
+    from blink.engine.gpu_probe import host_register_problem
+
+    if ctx.args.simulate:
+        return None
+    refused = host_register_problem()
+    ctx.value("ring_registration", refused or "shared-memory ring registered")
+    return refused
 
 
 def load_json(path: Path) -> Any:
@@ -278,7 +296,9 @@ def phase_environment(ctx: Context) -> None:
     """Versions, GPU, driver, compiler, allocator, /dev/shm, sandbox; tier A/B blockers."""
     from blink.engine.gpu_probe import environment
 
-    env = ctx.value("environment", environment())
+    # Every field is recorded as it is read: a cold machine importing CUDA torch, cuInit and
+    # nvidia-smi can be slow, and a phase killed on timeout keeps what it had read.
+    env = ctx.value("environment", environment(on_field=lambda partial: ctx.value("environment", partial)))
     from blink.engine.gpu.checks import tier_a_problems, tier_b_problems
 
     a, b = tier_a_problems(), tier_b_problems()
@@ -409,12 +429,22 @@ def phase_model_1b(ctx: Context) -> None:
     if problems:
         ctx.check("tier A tokens == tier B (bf16)", None, skip="tier B cannot start: " + "; ".join(problems))
     else:
-        b, info_b = generate_prestaged(EC, model, kw, "device", prompts, params, device(ctx), timeout_s=60,
-                                       simulate=ctx.args.simulate)
-        ctx.value("tier_B", info_b)
-        release()
-        ctx.check(f"tier A tokens == tier B (bf16, {len(prompts)} requests, same order)", a == b,
-                  f"first divergence: {first_divergence(a, b)}")
+        # Guarded: a tier B failure (capture, instantiation, a hang) is this check's FAIL,
+        # and the logits check below still runs.
+        try:
+            b, info_b = generate_prestaged(EC, model, kw, "device", prompts, params, device(ctx), timeout_s=60,
+                                           simulate=ctx.args.simulate)
+        except Exception as exc:  # noqa: BLE001 - reported as the check's failure
+            traceback.print_exc()
+            ctx.value("tier_B", {"error": f"{type(exc).__name__}: {exc}"[:2000]})
+            ctx.check(f"tier A tokens == tier B (bf16, {len(prompts)} requests, same order)", False,
+                      f"tier B failed: {type(exc).__name__}: {exc}"[:600])
+        else:
+            ctx.value("tier_B", info_b)
+            ctx.check(f"tier A tokens == tier B (bf16, {len(prompts)} requests, same order)", a == b,
+                      f"first divergence: {first_divergence(a, b)}")
+        finally:
+            release()
     prompt = inp["prompts"][0][:16]
     t0 = time.monotonic()
     gpu = prefill_logits(model, device(ctx), torch.bfloat16, prompt)
@@ -452,56 +482,70 @@ def _tiers(ctx: Context) -> tuple[list[str], list[str]]:
 
 
 def phase_steady_decode(ctx: Context) -> None:
-    """Steady decode per tier: step time, tokens/s, engine host CPU; again under a hog."""
+    """Steady decode per tier: step time, tokens/s, engine host CPU; interleaved with a hog."""
     require_gpu(ctx)
-    from benchmarks.gpu_loop import CpuHog
+    from benchmarks.gpu_loop import STEP_TIME_TOLERANCE, steady_interleaved
 
     inp = inputs(ctx)
     model = big_model(ctx)
     tiers, problems = _tiers(ctx)
-    window, hog_n = ctx.args.steady_s, ctx.args.hog_procs or os.cpu_count() or 1
+    window, reps = ctx.args.steady_s, ctx.args.steady_reps
+    if ctx.args.simulate:
+        window = min(window, 1.0)  # a dry run of the code paths within the phase's limit
+    hog_n = ctx.args.hog_procs or os.cpu_count() or 1
     res: dict[str, Any] = {}
     for loop in tiers:
         def measure(loop: str = loop) -> dict[str, Any]:
-            with _tier_client(ctx, inp, model, loop) as (eng, client):
-                quiet = client.steady(inp["prompts"], inp["greedy_long"], window)
-                with CpuHog(hog_n):
-                    hog = client.steady(inp["prompts"], inp["greedy_long"], window)
-            print(f"  {loop}: {quiet['step_ms']:.2f} ms/step, {quiet['tokens_per_s']:.0f} tok/s, engine CPU "
-                  f"{quiet['engine_cpu_pct_of_core']:.1f} % of a core; hog ({hog_n} procs): "
-                  f"{hog['step_ms']:.2f} ms/step, {hog['tokens_per_s']:.0f} tok/s", flush=True)
-            return {"build_s": round(eng.build_s, 2), "quiet": quiet, "hog": hog,
-                    "retention": hog["tokens_per_s"] / max(quiet["tokens_per_s"], 1e-9)}
+            eng = engine(ctx, inp, model, loop)
+            try:
+                r = steady_interleaved(eng, inp["prompts"], inp["greedy_long"], window, reps, hog_n,
+                                       ctx.work_dir)
+            finally:
+                eng.close()
+            q, h = r["quiet"], r["hog"]
+            print(f"  {loop}: {q['step_ms']:.2f} ms/step ({q['nonempty_steps']} non-empty of {q['steps']} steps), "
+                  f"{q['tokens_per_s']:.0f} tok/s, engine CPU {q['engine_cpu_pct_of_core']:.1f} % of a core; "
+                  f"hog ({hog_n} procs): {h['step_ms']:.2f} ms/step, {h['tokens_per_s']:.0f} tok/s; retention "
+                  f"{r['retention']:.1%} (pairs {', '.join(f'{x:.1%}' for x in r['pair_retention'])}); "
+                  f"client in a {r['client']}", flush=True)
+            return dict(r, build_s=round(eng.build_s, 2))
 
         res[loop] = ctx.value(loop, _per_tier(ctx, loop, measure))
     if "error" in res["host"]:
         raise RuntimeError(f"tier A failed: {res['host']['error']}")
     a = res["host"]
     ctx.check("tier A under the hog (the baseline's loss)", None,
-              f"keeps {a['retention']:.1%} of its tokens/s; engine CPU {a['quiet']['engine_cpu_pct_of_core']:.0f} % "
-              f"of a core", info=True, retention=a["retention"])
+              f"keeps {a['retention']:.1%} of its tokens/s (median of {reps} interleaved pairs, "
+              f"{a['retention_spread'][0]:.1%}..{a['retention_spread'][1]:.1%}); engine CPU "
+              f"{a['quiet']['engine_cpu_pct_of_core']:.0f} % of a core", info=True, retention=a["retention"])
+    names = (f"tier B host CPU <= {TIER_B_MAX_CPU_PCT:g} % of one core",
+             f"tier B step time <= tier A (+{STEP_TIME_TOLERANCE:.0%})",
+             f"tier B keeps >= {TIER_B_MIN_HOG_RETENTION:.0%} tokens/s under the hog")
     if "device" not in res:
-        why = "tier B cannot start: " + "; ".join(problems)
-        for name in ("tier B host CPU <= 2 % of one core", "tier B step time <= tier A",
-                     "tier B keeps >= 99 % tokens/s under the hog"):
-            ctx.check(name, None, skip=why)
+        for name in names:
+            ctx.check(name, None, skip="tier B cannot start: " + "; ".join(problems))
         return
     b = res["device"]
     if "error" in b:
-        for name in ("tier B host CPU <= 2 % of one core", "tier B step time <= tier A",
-                     "tier B keeps >= 99 % tokens/s under the hog"):
+        for name in names:
             ctx.check(name, False, f"tier B failed: {b['error']}")
         return
+    if ctx.args.simulate:  # the loops on the CPU: the numbers are recorded, never judged
+        for name in names:
+            ctx.check(name, None, "--simulate: not judged (the tiers ran on the CPU)", info=True)
+        return
     pct = b["quiet"]["engine_cpu_pct_of_core"]
-    ctx.check(f"tier B host CPU <= {TIER_B_MAX_CPU_PCT:g} % of one core", pct <= TIER_B_MAX_CPU_PCT,
-              f"{pct:.2f} % (loop thread {_fmt_s(b['quiet']['loop_thread_cpu_s'])} in {window:g} s); tier A "
-              f"{a['quiet']['engine_cpu_pct_of_core']:.1f} %", value=pct)
-    ctx.check("tier B step time <= tier A", b["quiet"]["step_ms"] <= a["quiet"]["step_ms"],
-              f"B {b['quiet']['step_ms']:.3f} ms vs A {a['quiet']['step_ms']:.3f} ms",
-              b_ms=b["quiet"]["step_ms"], a_ms=a["quiet"]["step_ms"])
-    ctx.check(f"tier B keeps >= {TIER_B_MIN_HOG_RETENTION:.0%} tokens/s under the hog",
-              b["retention"] >= TIER_B_MIN_HOG_RETENTION,
-              f"B keeps {b['retention']:.1%}, A keeps {a['retention']:.1%}", retention=b["retention"])
+    ctx.check(names[0], pct <= TIER_B_MAX_CPU_PCT,
+              f"{pct:.2f} % (loop thread {_fmt_s(b['quiet']['loop_thread_cpu_s'])} in "
+              f"{b['quiet']['window_s']:.1f} s); tier A {a['quiet']['engine_cpu_pct_of_core']:.1f} %", value=pct)
+    # Step time over non-empty steps only (an empty step is cheap and would flatter either tier).
+    b_ms, a_ms = b["quiet"]["step_ms"], a["quiet"]["step_ms"]
+    ctx.check(names[1], b_ms <= a_ms * (1 + STEP_TIME_TOLERANCE),
+              f"B {b_ms:.3f} ms vs A {a_ms:.3f} ms per non-empty step (B {b['quiet']['empty_steps']} "
+              f"empty steps, A {a['quiet']['empty_steps']})", b_ms=b_ms, a_ms=a_ms)
+    ctx.check(names[2], b["retention"] >= TIER_B_MIN_HOG_RETENTION,
+              f"B keeps {b['retention']:.1%} (median of {reps} interleaved pairs, {b['retention_spread'][0]:.1%}"
+              f"..{b['retention_spread'][1]:.1%}), A keeps {a['retention']:.1%}", retention=b["retention"])
 
 
 def phase_makespan(ctx: Context) -> None:
@@ -527,7 +571,7 @@ def phase_makespan(ctx: Context) -> None:
         if "error" in r:
             raise RuntimeError(f"{loop} failed: {r['error']}")
     n = len(inp["prompts"])
-    shape = f"{n} x {ctx.args.prompt_len} prompt x {ctx.args.max_tokens} output tokens"
+    shape = f"{n} x {ctx.args.prompt_len} prompt x {inp['greedy_makespan'].max_tokens} output tokens"
     if "device" not in res:
         ctx.check("makespan A/B", None, skip="tier B cannot start: " + "; ".join(problems))
         return
@@ -569,7 +613,7 @@ def ensure_serve_packages(ctx: Context) -> Path | None:
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
                            "--no-compile", "--no-cache-dir", "--upgrade", "--target", str(site),
-                           *map(str, wheels)], capture_output=True, text=True, timeout=90)
+                           *map(str, wheels)], capture_output=True, text=True, timeout=45)
     ctx.value("wheel_install", {"rc": proc.returncode, "s": round(time.monotonic() - t0, 1),
                                 "wheels": [w.name for w in wheels], "stderr": proc.stderr[-2000:]})
     if proc.returncode != 0:
@@ -621,6 +665,10 @@ def phase_serve_e2e(ctx: Context) -> None:
         model = str(write_random_llama(ctx.work_dir / "llama-bytes-fp32", LLAMA_BYTES, torch.float32, device(ctx)))
         model_kind = "random fp32 Llama (vocab 256) with a byte tokenizer"
     problems = tier_b_blockers(ctx)
+    refused = ring_registration(ctx)
+    if refused:
+        ctx.skip(f"the GPU refuses to register the shared-memory ring ({refused}): blink serve's "
+                 "frontend runs in another process and cannot reach an in-process ring")
     # --simulate: the same client code against the CPU loop (blink serve has no simulated
     # GPU loop); on a GPU without tier B, tier A.
     loop = "cpu" if ctx.args.simulate else "host" if problems else "device"
@@ -715,15 +763,19 @@ class Phase:
 
 
 PHASES: tuple[Phase, ...] = (
-    Phase("environment", phase_environment, 12, needs_gpu=False),
+    # Limits (issue 32): environment 45 s (a cold machine's CUDA torch import + cuInit +
+    # nvidia-smi), kernels 120 s (19 Triton compiles), serve_e2e 85 s (wheel install + start
+    # + SIGTERM); the others trimmed so that the sum stays within the 9-minute budget.
+    # None of these has been measured on a GPU yet.
+    Phase("environment", phase_environment, 45, needs_gpu=False),
     Phase("probe", phase_probe, 20, needs_gpu=False),
-    Phase("tier_a_small", phase_tier_a_small, 60),
-    Phase("tier_b_small", phase_tier_b_small, 55),
-    Phase("kernels", phase_kernels, 70),
-    Phase("model_1b", phase_model_1b, 100),
-    Phase("steady_decode", phase_steady_decode, 95),
-    Phase("makespan", phase_makespan, 60),
-    Phase("serve_e2e", phase_serve_e2e, 58),
+    Phase("tier_a_small", phase_tier_a_small, 45),
+    Phase("tier_b_small", phase_tier_b_small, 45),
+    Phase("kernels", phase_kernels, 120),
+    Phase("model_1b", phase_model_1b, 75),
+    Phase("steady_decode", phase_steady_decode, 60),
+    Phase("makespan", phase_makespan, 40),
+    Phase("serve_e2e", phase_serve_e2e, 85),
 )
 # Not in the default run nor in --list: the orchestrator's own tests use them.
 TEST_PHASES: tuple[Phase, ...] = (
@@ -809,7 +861,7 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 def worker_args(args: argparse.Namespace, phase: str, result_file: Path) -> list[str]:
     return ["--phase", phase, "--result-file", str(result_file), "--work-dir", str(args.work_dir),
-            "--steady-s", repr(args.steady_s), "--requests", str(args.requests),
+            "--steady-s", repr(args.steady_s), "--steady-reps", str(args.steady_reps), "--requests", str(args.requests),
             "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens),
             "--hog-procs", str(args.hog_procs), "--wheels", str(args.wheels),
             "--logit-rtol", repr(args.logit_rtol), "--serve-start-s", repr(args.serve_start_s),
@@ -1003,12 +1055,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", action="append", default=[], metavar="PHASE=S",
                    help="override one phase's timeout (repeatable)")
     p.add_argument("--timeout-scale", type=float, default=1.0, help="multiply every default timeout")
-    p.add_argument("--budget-s", type=float, default=530.0,
+    p.add_argument("--budget-s", type=float, default=535.0,
                    help="the whole run's time cap; phases get at most what is left (default: %(default)s)")
     p.add_argument("--max-files", type=int, default=8 if os.environ.get("OUT") else 0,
                    help="keep at most this many files in --out (0: no limit; default 8 when $OUT is set, "
                         "the device tool's limit)")
-    p.add_argument("--steady-s", type=float, default=6.0, help="steady-decode window per tier and hog state")
+    p.add_argument("--steady-s", type=float, default=2.0,
+                   help="steady decode: one window (quiet or hog), repeated --steady-reps times each, interleaved")
+    p.add_argument("--steady-reps", type=int, default=3, help="steady decode: interleaved quiet/hog window pairs")
     p.add_argument("--requests", type=int, default=64, help="requests in steady decode and makespan")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per makespan request")

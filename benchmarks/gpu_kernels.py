@@ -129,12 +129,36 @@ def allclose(atol: float, rtol: float, rows: slice | None = None) -> Callable[[A
     return compare
 
 
-def route_compare(out: Any, expected: Any) -> tuple[bool, str]:
-    (w, ids), (w_ref, ids_ref) = out, expected
-    same_ids = float((ids == ids_ref).all(dim=1).float().mean())
-    err = float((w - w_ref).abs().max())
-    # Near-ties between experts may legitimately swap order; demand almost all rows equal.
-    return same_ids >= 0.995 and err < 1e-4, f"rows with equal ids {same_ids:.2%}, max|w err|={err:.1e}"
+def route_compare(logits: torch.Tensor) -> Callable[[Any, Any], tuple[bool, str]]:
+    """Top-k routing judged by what it selects, not by the order of its ids: bf16 router
+    logits tie in ~25 % of rows, and CUDA's ``topk`` (k <= 32) is not stable, so two correct
+    kernels may list tied experts in another order or pick another of two experts tied at
+    the k-th place. A row passes when its ids are distinct, in range, and select the same
+    multiset of probabilities as the reference's (each gathered from one fp32 softmax of
+    ``logits``, so ties compare exactly; rtol 1e-5 for the kernel's own rounding), and its
+    weights, both sorted, agree with the reference's within 1e-4. Every row must pass."""
+    probs = torch.softmax(logits.float(), dim=-1)
+
+    def compare(out: Any, expected: Any) -> tuple[bool, str]:
+        (w, ids), (w_ref, ids_ref) = out, expected
+        ids, ids_ref = ids.long(), ids_ref.long()
+        n_experts = probs.shape[-1]
+        in_range = ((ids >= 0) & (ids < n_experts)).all(dim=1)
+        s_ids = ids.clamp(0, n_experts - 1).sort(dim=1).values
+        distinct = (s_ids[:, 1:] != s_ids[:, :-1]).all(dim=1) if ids.shape[1] > 1 else in_range
+        got = probs.gather(1, ids.clamp(0, n_experts - 1)).sort(dim=1).values
+        want = probs.gather(1, ids_ref).sort(dim=1).values
+        same_sel = (got - want).abs().le(1e-5 * want.abs() + 1e-12).all(dim=1)
+        w_err = (w.float().sort(dim=1).values - w_ref.float().sort(dim=1).values).abs()
+        w_ok = w_err.le(1e-4).all(dim=1)
+        row_ok = in_range & distinct & same_sel & w_ok
+        frac = float(row_ok.float().mean()) if row_ok.numel() else 1.0
+        same_order = float((ids == ids_ref).all(dim=1).float().mean()) if ids.numel() else 1.0
+        worst = float(w_err.max()) if w_err.numel() else 0.0
+        return bool(row_ok.all()), (f"rows selecting the reference's experts {frac:.2%} (same order "
+                                    f"{same_order:.2%}: ties may swap), max|w err|={worst:.1e}")
+
+    return compare
 
 
 def filter_compare(out: torch.Tensor, expected: torch.Tensor) -> tuple[bool, str]:
@@ -311,7 +335,7 @@ def moe_cases(model: str, dims: dict, small: bool, device: torch.device, dtype: 
         touched = int(torch.unique(ids).numel())  # host read: benchmark bookkeeping only
         cases.append(Case(model, f"moe_topk_route T={n_tokens}",
                           lambda lg=logits: triton_moe.moe_topk_route(lg, top_k, True),
-                          lambda lg=logits: ref.moe_topk_route(lg, top_k, True), route_compare,
+                          lambda lg=logits: ref.moe_topk_route(lg, top_k, True), route_compare(logits),
                           bytes_moved=logits.numel() * el + n_tokens * top_k * 12))
         cases.append(Case(model, f"moe_experts T={n_tokens} ({touched} experts hit)",
                           lambda x=x, w=weights, i=ids: triton_moe.moe_experts(x, w13, w2, w, i),

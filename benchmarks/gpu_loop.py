@@ -191,10 +191,9 @@ class Client:
 
     def __init__(self, engine: Any) -> None:
         from blink.dpu.ring_protocol import RingClient
-        from blink.transport import LoopbackTransport
 
         self.engine = engine
-        self.ring = RingClient(LoopbackTransport(engine.region.name, engine.region.total_bytes))
+        self.ring = RingClient(ring_transport(engine))
         self.rid = 0
 
     def submit(self, prompt: list[int], params: Any) -> Any:
@@ -312,6 +311,242 @@ class Client:
         self.ring.close()
 
 
+# ------------------------------------------------------------- steady decode, interleaved
+
+#: tier B's step time may exceed tier A's by this much and still count as "<= tier A"
+#: (run-to-run noise of two separate engines on one GPU; a first guess, to revise).
+STEP_TIME_TOLERANCE = 0.05
+
+
+def nonempty_steps(engine: Any) -> int | None:
+    """Steps that ran a forward (an empty step -- nothing schedulable, e.g. every stream full
+    -- is cheap and would shrink the mean step time): tier A's host count, tier B's device
+    counter (read without waiting for the loop). None for the CPU loop."""
+    if getattr(engine, "tier", None) == "B":
+        return int(engine.loop_counters().get("steps", 0))
+    host_step = getattr(engine, "host_step", None)
+    return int(host_step.steps) if host_step is not None else None
+
+
+def steady_client_main(spec_path: str) -> int:
+    """``--steady-client SPEC``: keep the spec's requests decoding over the engine's
+    shared-memory ring from this separate process (its GIL and CPU are not the engine's),
+    consuming every token and resubmitting finished requests; prints ``started`` once every
+    request has its first token, stops (cancelling what is left) when stdin closes or
+    says ``stop``."""
+    import select
+
+    from blink.dpu.ring_packing import ring_fields
+    from blink.dpu.ring_protocol import RingClient
+    from blink.shared.sampling_params import SamplingParams
+    from blink.transport import LoopbackTransport
+
+    spec = json.loads(Path(spec_path).read_text())
+    ring = RingClient(LoopbackTransport(spec["region"], spec["total_bytes"]))
+    params = SamplingParams(**spec["params"])
+    prompts = spec["prompts"]
+    rid = 0
+
+    def submit(prompt: list[int]) -> Any:
+        nonlocal rid
+        rid += 1
+        return ring.try_submit(rid, prompt, ring_fields(params, len(prompt), spec["max_model_len"], ring.config))
+
+    handles = [submit(p) for p in prompts]
+    if any(h is None for h in handles):
+        print(f"error: {len(prompts)} requests do not fit the ring", flush=True)
+        return 1
+    started: set[int] = set()
+    announced = False
+    try:
+        while True:
+            for h, d in ring.poll_many([h for h in handles if h is not None]).items():
+                if d.token_ids:
+                    started.add(id(h))
+                if d.finished:
+                    i = handles.index(h)
+                    handles[i] = submit(prompts[i])
+            if not announced and len(started) >= len(prompts):
+                print("started", flush=True)
+                announced = True
+            ready, _, _ = select.select([sys.stdin], [], [], 0.002)
+            if ready:
+                line = sys.stdin.readline()
+                if not line or line.strip() == "stop":
+                    break
+            for i, h in enumerate(handles):
+                if h is None:
+                    handles[i] = submit(prompts[i])
+    finally:
+        live = [h for h in handles if h is not None]
+        for h in live:
+            ring.cancel(h)
+        end = time.monotonic() + 20
+        while any(not h.done for h in live) and time.monotonic() < end:
+            ring.poll_many(live)
+            time.sleep(1e-3)
+        ring.close()
+    return 0
+
+
+class SteadyClient:
+    """The steady-decode load: in a process of its own over the shared-memory ring, or --
+    where the ring is the engine's in-process memory (the GPU refused to register shared
+    memory) -- in a thread of this process (then sharing the GIL with a host loop; said in
+    ``where``)."""
+
+    def __init__(self, engine: Any, prompts: list[list[int]], params: Any, work_dir: Path,
+                 start_timeout_s: float = 120) -> None:
+        import dataclasses
+        import threading
+
+        self.engine, self.proc, self.thread = engine, None, None
+        if getattr(engine.region, "kind", "loopback") == "loopback":
+            self.where = "process"
+            spec = {"region": engine.region.name, "total_bytes": engine.region.total_bytes,
+                    "max_model_len": engine.max_model_len, "prompts": prompts,
+                    "params": {k: v for k, v in dataclasses.asdict(params).items()
+                               if k in ("max_tokens", "temperature", "ignore_eos")}}
+            work_dir.mkdir(parents=True, exist_ok=True)
+            path = work_dir / f"steady-client-{os.getpid()}.json"
+            path.write_text(json.dumps(spec))
+            env = dict(os.environ, PYTHONUNBUFFERED="1")
+            repo = str(Path(__file__).resolve().parents[1])
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH", "")) if p)
+            self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.gpu_loop", "--steady-client", str(path)],
+                                         cwd=repo, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         text=True)
+            ready, _, _ = __import__("select").select([self.proc.stdout], [], [], start_timeout_s)
+            line = self.proc.stdout.readline() if ready else ""
+            if line.strip() != "started":
+                self.close()
+                raise RuntimeError(f"the steady-decode client did not start its requests: {line.strip()!r}")
+        else:
+            self.where = "thread (in-process ring)"
+            self._stop = threading.Event()
+            self._started = threading.Event()
+            self._error: BaseException | None = None
+            client = Client(engine)
+
+            def run() -> None:
+                try:
+                    handles = client.submit_all(prompts, params)
+                    started: set[int] = set()
+                    while not self._stop.is_set():
+                        for h, d in client.ring.poll_many([h for h in handles if h is not None]).items():
+                            if d.token_ids:
+                                started.add(id(h))
+                            if d.finished:
+                                i = handles.index(h)
+                                handles[i] = client.submit(prompts[i], params)
+                        if len(started) >= len(prompts):
+                            self._started.set()
+                        time.sleep(2e-3)
+                    for h in handles:
+                        if h is not None:
+                            client.ring.cancel(h)
+                except BaseException as exc:  # noqa: BLE001 - reported by the caller
+                    self._error = exc
+                    self._started.set()
+                finally:
+                    client.close()
+
+            self.thread = threading.Thread(target=run, name="steady-client", daemon=True)
+            self.thread.start()
+            if not self._started.wait(start_timeout_s) or self._error is not None:
+                self.close()
+                raise RuntimeError(f"the steady-decode client did not start its requests: {self._error!r}")
+
+    def close(self) -> None:
+        if self.proc is not None:
+            try:
+                self.proc.stdin.write("stop\n")
+                self.proc.stdin.flush()
+                self.proc.stdin.close()
+                self.proc.wait(30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+        if self.thread is not None:
+            self._stop.set()
+            self.thread.join(30)
+            self.thread = None
+
+
+def measure_window(engine: Any, window_s: float) -> dict[str, Any]:
+    """One window of steady state: steps (all, and non-empty), tokens, engine host CPU
+    (this process minus the measuring thread; the engine loop thread alone)."""
+    from blink.ring import C_STAT_GENERATED_TOKENS, C_STAT_STEPS
+
+    control = engine.ring.control
+    tid = loop_thread_id(engine)
+    loop0 = thread_cpu_s(tid)
+    ne0 = nonempty_steps(engine)
+    cpu0, mine0, t0 = time.process_time(), time.thread_time(), time.monotonic()
+    steps0, tok0 = int(control[C_STAT_STEPS]), int(control[C_STAT_GENERATED_TOKENS])
+    while time.monotonic() - t0 < window_s:
+        if not engine.alive:
+            raise RuntimeError(f"engine stopped: {engine.error!r}")
+        time.sleep(0.01)
+    t1 = time.monotonic()
+    steps, toks = int(control[C_STAT_STEPS]) - steps0, int(control[C_STAT_GENERATED_TOKENS]) - tok0
+    cpu = time.process_time() - cpu0 - (time.thread_time() - mine0)
+    loop1, ne1 = thread_cpu_s(tid), nonempty_steps(engine)
+    nonempty = None if ne0 is None or ne1 is None else ne1 - ne0
+    window = t1 - t0
+    return {"window_s": window, "steps": steps, "nonempty_steps": nonempty, "tokens": toks,
+            "engine_cpu_s": cpu, "loop_thread_cpu_s": None if loop0 is None or loop1 is None else loop1 - loop0}
+
+
+def _pool(windows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Windows of one condition summed: tokens/s, step time over non-empty steps, CPU."""
+    t = sum(w["window_s"] for w in windows)
+    steps = sum(w["steps"] for w in windows)
+    ne = [w["nonempty_steps"] for w in windows]
+    nonempty = None if any(n is None for n in ne) else sum(ne)
+    counted = nonempty if nonempty else steps
+    cpu = sum(w["engine_cpu_s"] for w in windows)
+    loop = [w["loop_thread_cpu_s"] for w in windows]
+    return {"window_s": t, "windows": len(windows), "steps": steps, "nonempty_steps": nonempty,
+            "empty_steps": None if nonempty is None else steps - nonempty,
+            "tokens": sum(w["tokens"] for w in windows), "tokens_per_s": sum(w["tokens"] for w in windows) / t,
+            "step_ms": 1e3 * t / max(counted, 1), "engine_cpu_s": cpu, "engine_cpu_pct_of_core": 100 * cpu / t,
+            "loop_thread_cpu_s": None if any(x is None for x in loop) else sum(loop)}
+
+
+def steady_interleaved(engine: Any, prompts: list[list[int]], params: Any, window_s: float, reps: int,
+                       hog_procs: int, work_dir: Path) -> dict[str, Any]:
+    """Steady decode without and with a CPU hog, as ``reps`` interleaved pairs of windows of
+    ``window_s`` (ABBA order: quiet-hog, hog-quiet, ...), so a drift of the machine falls on
+    both conditions alike; the client keeps the batch full from its own process. Returns the
+    pooled quiet and hog numbers, every window, and the hog retention (tokens/s under the
+    hog / without) per pair, its median and spread."""
+    client = SteadyClient(engine, prompts, params, work_dir)
+    windows: list[dict[str, Any]] = []
+    try:
+        for rep in range(reps):
+            for hog in ((False, True) if rep % 2 == 0 else (True, False)):
+                if hog:
+                    with CpuHog(hog_procs):
+                        w = measure_window(engine, window_s)
+                else:
+                    w = measure_window(engine, window_s)
+                windows.append(dict(w, hog=hog, rep=rep))
+    finally:
+        client.close()
+    quiet = [w for w in windows if not w["hog"]]
+    hogged = [w for w in windows if w["hog"]]
+    ratios = [(h["tokens"] / h["window_s"]) / max(q["tokens"] / q["window_s"], 1e-9)
+              for q, h in zip(quiet, hogged)]
+    ratios_sorted = sorted(ratios)
+    median = ratios_sorted[len(ratios) // 2] if len(ratios) % 2 else \
+        (ratios_sorted[len(ratios) // 2 - 1] + ratios_sorted[len(ratios) // 2]) / 2
+    return {"client": client.where, "quiet": _pool(quiet), "hog": _pool(hogged), "windows": windows,
+            "pair_retention": ratios, "retention": median,
+            "retention_spread": [ratios_sorted[0], ratios_sorted[-1]]}
+
+
 class CpuHog:
     """``n`` (default: one per core) busy-looping processes, killed on exit."""
 
@@ -332,18 +567,33 @@ class CpuHog:
             p.wait()
 
 
+def ring_transport(engine: Any) -> Any:
+    """The frontend's transport to ``engine``'s ring: the shared-memory segment by name, or,
+    where the GPU refused to register shared memory and the ring is the engine's own pinned
+    memory (transport ``inprocess``), that memory directly (this process only)."""
+    from blink.transport import InProcessTransport, LoopbackTransport
+
+    if getattr(engine.region, "kind", "loopback") == "inprocess":
+        return InProcessTransport(engine.region)
+    return LoopbackTransport(engine.region.name, engine.region.total_bytes)
+
+
 def make_engine(EngineConfig: Any, model: Path, kwargs: dict[str, Any], loop: str, device: str = "cuda",
                 eager_gpu: bool = False, start: bool = True, simulate: bool = False) -> Any:
     """``create_engine`` for ``loop`` (cpu | host | device); started unless ``start`` is
     False (then requests can be written into the ring first). ``eager_gpu``: the CPU
     loop's step run eagerly on GPU tensors (no graphs). ``simulate``: the GPU loops' code
-    on CPU tensors (``create_engine(simulate=True)``; dry runs of the benchmarks)."""
+    on CPU tensors (``create_engine(simulate=True)``; dry runs of the benchmarks).
+
+    The benchmark's ring client is in this process (``in_process_frontend``): where the GPU
+    refuses to register the shared-memory ring (gVisor), both tiers run over the engine's
+    pinned in-process ring instead of refusing to start."""
     from blink.engine.factory import create_engine
     from blink.engine.step import run_step
 
     cfg = EngineConfig(**{"model": str(model), "device": device, "dtype": "auto", **kwargs})
     t0 = time.monotonic()
-    engine = create_engine(cfg, loop, simulate=simulate and loop != "cpu")
+    engine = create_engine(cfg, loop, simulate=simulate and loop != "cpu", in_process_frontend=True)
     if eager_gpu:
         engine.step = lambda: run_step(engine.parts)  # type: ignore[method-assign]
     engine.build_s = time.monotonic() - t0
@@ -394,6 +644,9 @@ def first_divergence(a: list[list[int]], b: list[list[int]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--steady-client"]:
+        return steady_client_main(argv[1])
     args = parse_args(argv)
     inputs = build_inputs(args.requests, args.prompt_len, args.max_tokens)
     print(f"inputs: {len(inputs['prompts'])} prompts of {args.prompt_len} tokens, "

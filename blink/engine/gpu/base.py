@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 
 import torch
 
@@ -23,6 +24,16 @@ from blink.ring import SLOT_FREE, RingLayout
 from blink.transport import Region
 
 log = logging.getLogger("blink.gpu")
+
+#: engines whose loop was launched on the device and has not been seen to end (tier B):
+#: while one is here, a device-wide synchronize (``torch.cuda.synchronize()``,
+#: ``empty_cache()``) would wait for it forever.
+_RUNNING_LOOPS: "weakref.WeakSet[GpuEngine]" = weakref.WeakSet()
+
+
+def device_loop_running() -> bool:
+    """Whether a device loop of this process may still be running on the GPU."""
+    return any(e._device_may_touch_ring() for e in list(_RUNNING_LOOPS))
 
 
 class GpuEngine(Engine):
@@ -91,8 +102,8 @@ class GpuEngine(Engine):
             batch = self.scheduler.schedule()
             for tokens, rows in zip(self.plan.buckets, self.plan.rows):
                 model_phase(self.parts, batch, tokens=tokens, rows=rows, compact=False)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":  # stream-scoped: never a device-wide synchronize
+            torch.cuda.current_stream(self.device).synchronize()
         self.audit_violations = audit.violations
         if audit.violations:
             log.error("%d op(s) in the step the GPU graphs capture look capture-unsafe:\n%s",
@@ -117,11 +128,22 @@ class GpuEngine(Engine):
                           "and mapped until the process exits")
                 self.region.unlink()
                 return
-            torch.cuda.synchronize(self.device)
+            self._synchronize_streams()
             if not self.mapped.unregister():
                 self.region.unlink()
                 return
         self.region.close()
+
+    def _synchronize_streams(self) -> None:
+        """Wait for this engine's own work (torch's current stream and the loop's streams),
+        never device-wide: another engine's tier B loop may be running in the process, and a
+        device-wide synchronize would wait for it forever."""
+        torch.cuda.current_stream(self.device).synchronize()
+        for owner in (self, getattr(self, "api", None)):
+            for name in ("stream", "watch_stream"):
+                stream = getattr(owner, name, None)
+                if isinstance(stream, torch.cuda.Stream):
+                    stream.synchronize()
 
     def loop_counters(self) -> dict[str, int]:
         """What the device loop counted (tier B); empty for a host-driven loop."""

@@ -246,6 +246,7 @@ class EagerGraphApi:
         self._capture_deps: list[_Node] = []
         self.kernel_runs: dict[str, int] = {}
         self.aborted_captures = 0
+        self.destroyed: list[Any] = []  # graphs destroyed (tier B's close)
 
     # -- building
     def create_graph(self) -> _Graph:
@@ -313,6 +314,12 @@ class EagerGraphApi:
 
     def pointer(self, tensor: torch.Tensor) -> int:
         return tensor.data_ptr()
+
+    def destroy(self, exec_: _Graph, graph: _Graph) -> None:
+        """What the CUDA build's destroy does (executable, graph, pool): recorded."""
+        if graph in self.destroyed:
+            raise RuntimeError("graph destroyed twice")
+        self.destroyed.append(graph)
 
     # -- running
     def set_conditional(self, handle: int, value: int) -> None:

@@ -43,11 +43,14 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import sys
+import tempfile
 import time
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
 import torch
@@ -70,7 +73,7 @@ from blink.engine.gpu.abi import (
     LoopOptions,
     LoopParams,
 )
-from blink.engine.gpu.base import GpuEngine
+from blink.engine.gpu.base import _RUNNING_LOOPS, GpuEngine
 from blink.engine.gpu.cudart import cuda_bindings_driver
 from blink.engine.gpu.host_sim import EagerGraphApi
 from blink.engine.gpu.mapped_ring import device_pointer
@@ -97,6 +100,9 @@ log = logging.getLogger("blink.gpu")
 #: now only this much later, then gives it this long again before calling it hung.
 _STOP_SLACK_S = 5.0
 _HUNG_AFTER_S = 10.0
+#: after a stop *now* (``stop(drain=False)``: the gate exits at its next poll, within one
+#: step), the loop is called hung this long after the request, not after the drain's limits.
+_HUNG_AFTER_STOP_NOW_S = 3.0
 
 
 # --------------------------------------------------------------------- graph construction
@@ -251,16 +257,47 @@ def loop_params(views: dict[str, torch.Tensor], n_slots: int, options: LoopOptio
 # ------------------------------------------------------------------- the CUDA driver API
 
 
-def _check(result: Any) -> Any:
-    """cuda-bindings call result -> its value(s); raises on a CUDA error."""
-    cu = cuda_bindings_driver()
+def _error_text(cu: Any, err: Any) -> str:
+    """A CUresult as ``NAME: description``."""
+    def text(pair: Any) -> str:
+        value = pair[1] if isinstance(pair, tuple) else pair
+        return value.decode() if isinstance(value, bytes) else str(value)
+    try:
+        name = text(cu.cuGetErrorName(err))
+    except Exception:  # noqa: BLE001 - an unknown code still gets reported
+        name = str(err)
+    try:
+        return f"{name}: {text(cu.cuGetErrorString(err))}"
+    except Exception:  # noqa: BLE001
+        return name
+
+
+def _check(result: Any, what: str = "?", cu: Any = None) -> Any:
+    """cuda-bindings call result -> its value(s); raises on a CUDA error, naming the driver
+    call (``what``) and the error's name and description."""
+    cu = cu or cuda_bindings_driver()
     err, *rest = result if isinstance(result, tuple) else (result,)
     if err != cu.CUresult.CUDA_SUCCESS:
-        _, name = cu.cuGetErrorName(err)
-        raise BlinkError(f"CUDA driver call failed: {name.decode() if isinstance(name, bytes) else name}")
+        raise BlinkError(f"CUDA driver call {what} failed: {_error_text(cu, err)}")
     if not rest:
         return None
     return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+def graph_dump_dir() -> Path:
+    """Where a graph that fails to instantiate is written (``cuGraphDebugDotPrint``):
+    ``$BLINK_GRAPH_DUMP_DIR``, else ``$OUT`` (the device tool's folder), else the temp dir."""
+    return Path(os.environ.get("BLINK_GRAPH_DUMP_DIR") or os.environ.get("OUT") or tempfile.gettempdir())
+
+
+def dedicated_stream(cu: Any, device: torch.device) -> tuple[Any, torch.cuda.ExternalStream]:
+    """A stream of tier B's own, created with the driver (non-blocking: the legacy default
+    stream never waits for it, nor it for the default stream), never one from torch's
+    stream pool, which a later ``torch.cuda.Stream()`` elsewhere in the process could be
+    handed while the WHILE graph occupies it. Returns (CUstream, torch's view of it)."""
+    flags = getattr(getattr(cu, "CUstream_flags", None), "CU_STREAM_NON_BLOCKING", 1)
+    stream = _check(cu.cuStreamCreate(flags), "cuStreamCreate(CU_STREAM_NON_BLOCKING)", cu)
+    return stream, torch.cuda.ExternalStream(int(stream), device=device)
 
 
 class CudaGraphApi:
@@ -278,22 +315,27 @@ class CudaGraphApi:
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         torch.cuda.set_device(self.index)
         torch.cuda.init()
-        self.ctx = _check(cu.cuCtxGetCurrent())
-        self.module = _check(cu.cuModuleLoadData(cubin))
-        self.functions = {k: _check(cu.cuModuleGetFunction(self.module, k.encode())) for k in self.KERNELS}
-        self.stream = torch.cuda.Stream(device)
-        self.cu_stream = cu.CUstream(self.stream.cuda_stream)
+        self.ctx = _check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        self.module = _check(cu.cuModuleLoadData(cubin), "cuModuleLoadData(device_loop cubin)")
+        self.functions = {k: _check(cu.cuModuleGetFunction(self.module, k.encode()), f"cuModuleGetFunction({k})")
+                          for k in self.KERNELS}
+        self.cu_stream, self.stream = dedicated_stream(cu, device)
+        # A second stream of its own for host reads of device words while the loop runs
+        # (a copy there waits for nothing but itself: see read_words).
+        self.watch_cu_stream, self.watch_stream = dedicated_stream(cu, device)
         self.pool = torch.cuda.graph_pool_handle()
+        self.destroyed = False
         self._keep: list[Any] = []  # parameter blocks and argv arrays the driver copied from
         self._stream_ctx: Any = None
 
     # -- building
     def create_graph(self) -> Any:
-        return _check(self.cu.cuGraphCreate(0))
+        return _check(self.cu.cuGraphCreate(0), "cuGraphCreate")
 
     def conditional_handle(self, graph: Any, default: int) -> int:
         h = _check(self.cu.cuGraphConditionalHandleCreate(graph, self.ctx, default,
-                                                           self.cu.CU_GRAPH_COND_ASSIGN_DEFAULT))
+                                                           self.cu.CU_GRAPH_COND_ASSIGN_DEFAULT),
+                   "cuGraphConditionalHandleCreate")
         return int(h)
 
     def add_conditional(self, graph: Any, deps: list[Any], handle: int, kind: str) -> tuple[Any, Any]:
@@ -305,7 +347,8 @@ class CudaGraphApi:
                               else cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_IF)
         p.conditional.size = 1
         p.conditional.ctx = self.ctx
-        node = _check(cu.cuGraphAddNode(graph, list(deps) or None, None, len(deps), p))
+        node = _check(cu.cuGraphAddNode(graph, list(deps) or None, None, len(deps), p),
+                      f"cuGraphAddNode(conditional {kind.upper()})")
         body = p.conditional.phGraph_out[0]
         self._keep.append(p)
         return node, body
@@ -329,16 +372,21 @@ class CudaGraphApi:
         kp.kernelParams = self._argv(params)
         kp.extra = 0
         self._keep.append(kp)
-        return _check(cu.cuGraphAddKernelNode(graph, list(deps) or None, len(deps), kp))
+        return _check(cu.cuGraphAddKernelNode(graph, list(deps) or None, len(deps), kp),
+                      f"cuGraphAddKernelNode({kernel})")
 
     def add_dependency(self, graph: Any, src: Any, dst: Any) -> None:
-        _check(self.cu.cuGraphAddDependencies(graph, [src], [dst], None, 1))
+        _check(self.cu.cuGraphAddDependencies(graph, [src], [dst], None, 1), "cuGraphAddDependencies")
 
     def begin_capture(self, graph: Any) -> None:
-        torch.cuda.synchronize(self.device)
+        # Stream-scoped: a device-wide synchronize would wait forever behind a WHILE graph
+        # running elsewhere in the process. The capture stream follows torch's current
+        # stream (the warm-up and the tensors the capture reads).
+        torch.cuda.current_stream(self.device).synchronize()
+        self.stream.synchronize()
         _check(self.cu.cuStreamBeginCaptureToGraph(
             self.cu_stream, graph, None, None, 0,
-            self.cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
+            self.cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCaptureToGraph")
         try:
             self._stream_ctx = torch.cuda.stream(self.stream)
             self._stream_ctx.__enter__()
@@ -356,10 +404,10 @@ class CudaGraphApi:
 
     def launch(self, kernel: str, grid: int, block: int, params: LoopParams | None) -> None:
         _check(self.cu.cuLaunchKernel(self.functions[kernel], grid, 1, 1, block, 1, 1, 0,
-                                      self.cu_stream, self._argv(params), 0))
+                                      self.cu_stream, self._argv(params), 0), f"cuLaunchKernel({kernel})")
 
     def capture_dependencies(self) -> list[Any]:
-        info = _check(self.cu.cuStreamGetCaptureInfo(self.cu_stream))
+        info = _check(self.cu.cuStreamGetCaptureInfo(self.cu_stream), "cuStreamGetCaptureInfo")
         # (status, id, graph, dependencies, edge data, count)
         deps, count = info[3], info[-1]
         return list(deps)[: int(count)]
@@ -368,11 +416,12 @@ class CudaGraphApi:
         cu = self.cu
         _check(cu.cuStreamUpdateCaptureDependencies(
             self.cu_stream, list(nodes), None, len(nodes),
-            cu.CUstreamUpdateCaptureDependencies_flags.CU_STREAM_SET_CAPTURE_DEPENDENCIES))
+            cu.CUstreamUpdateCaptureDependencies_flags.CU_STREAM_SET_CAPTURE_DEPENDENCIES),
+            "cuStreamUpdateCaptureDependencies")
 
     def end_capture(self) -> None:
         self._end_routing()
-        _check(self.cu.cuStreamEndCapture(self.cu_stream))
+        _check(self.cu.cuStreamEndCapture(self.cu_stream), "cuStreamEndCapture")
 
     def abort_capture(self) -> None:
         """After a failure inside a capture: stop routing allocations to the pool, leave the
@@ -394,9 +443,61 @@ class CudaGraphApi:
             ctx.__exit__(None, None, None)
 
     def instantiate(self, graph: Any) -> Any:
-        exec_ = _check(self.cu.cuGraphInstantiate(graph, 0))
-        _check(self.cu.cuGraphUpload(exec_, self.cu_stream))
-        return exec_
+        """``cuGraphInstantiateWithParams`` (uploaded to the loop's stream): a refusal names
+        the instantiate result and the node the driver blames, and the graph is written with
+        ``cuGraphDebugDotPrint`` under :func:`graph_dump_dir`."""
+        cu = self.cu
+        params = cu.CUDA_GRAPH_INSTANTIATE_PARAMS()
+        params.flags = int(getattr(getattr(cu, "CUgraphInstantiate_flags", None),
+                                   "CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD", 2))
+        params.hUploadStream = self.cu_stream
+        err, *rest = cu.cuGraphInstantiateWithParams(graph, params)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise BlinkError(self._instantiate_failure(graph, params, err))
+        return rest[0]
+
+    def _instantiate_failure(self, graph: Any, params: Any, err: Any) -> str:
+        cu = self.cu
+        parts = [f"CUDA driver call cuGraphInstantiateWithParams failed: {_error_text(cu, err)}"]
+        result = getattr(params, "result_out", None)
+        parts.append(f"instantiate result {getattr(result, 'name', result)}")
+        node = getattr(params, "hErrNode_out", None)
+        if node is not None and int(node):
+            try:
+                kind = _check(cu.cuGraphNodeGetType(node), "cuGraphNodeGetType", cu)
+                parts.append(f"error node {int(node):#x} of type {getattr(kind, 'name', kind)}")
+            except BlinkError as exc:
+                parts.append(f"error node {int(node):#x} ({exc})")
+        else:
+            parts.append("no error node named")
+        path = graph_dump_dir() / f"tier_b_graph_{os.getpid()}.dot"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            verbose = int(getattr(getattr(cu, "CUgraphDebugDot_flags", None),
+                                  "CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE", 1))
+            _check(cu.cuGraphDebugDotPrint(graph, str(path).encode(), verbose), "cuGraphDebugDotPrint", cu)
+            parts.append(f"graph written to {path}")
+        except Exception as exc:  # noqa: BLE001 - the failure is reported either way
+            parts.append(f"graph not written ({exc})")
+        return "; ".join(parts)
+
+    def destroy(self, exec_: Any, graph: Any) -> None:
+        """Destroy the executable and the graph, release the capture pool's memory to the
+        caching allocator and destroy the streams (only once the loop has ended)."""
+        if self.destroyed:
+            return
+        self.destroyed = True
+        cu = self.cu
+        _check(cu.cuGraphExecDestroy(exec_), "cuGraphExecDestroy")
+        _check(cu.cuGraphDestroy(graph), "cuGraphDestroy")
+        self._keep.clear()
+        release_pool = getattr(torch._C, "_cuda_releasePool", None)
+        if release_pool is not None:
+            release_pool(self.index, self.pool)
+        for stream in (self.watch_cu_stream, self.cu_stream):
+            _check(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
+            _check(cu.cuStreamDestroy(stream), "cuStreamDestroy")
+        _check(cu.cuModuleUnload(self.module), "cuModuleUnload")
 
     def pointer(self, tensor: torch.Tensor) -> int:
         """Device address of ``tensor``; pinned host tensors (the host words) through
@@ -409,8 +510,8 @@ class CudaGraphApi:
 
     # -- running
     def launch_graph(self, exec_: Any) -> None:
-        _check(self.cu.cuCtxSetCurrent(self.ctx))  # the engine thread is not the builder's
-        _check(self.cu.cuGraphLaunch(exec_, self.cu_stream))
+        _check(self.cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")  # the engine thread is not the builder's
+        _check(self.cu.cuGraphLaunch(exec_, self.cu_stream), "cuGraphLaunch")
 
     def query(self) -> bool:
         """True when the launched loop has finished; raises on a device error."""
@@ -418,8 +519,18 @@ class CudaGraphApi:
         err = err[0] if isinstance(err, tuple) else err
         if err == self.cu.CUresult.CUDA_ERROR_NOT_READY:
             return False
-        _check((err,))
+        _check((err,), "cuStreamQuery (the device loop's stream)")
         return True
+
+    def read_words(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host copy of device words the running loop writes (its counters), copied on a
+        stream of its own and synchronised on that stream alone: neither waits for the WHILE
+        graph (never a device-wide synchronize while it runs)."""
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        with torch.cuda.stream(self.watch_stream):
+            host.copy_(tensor, non_blocking=True)
+        self.watch_stream.synchronize()
+        return host
 
 
 # ------------------------------------------------------------------------------- engine
@@ -463,6 +574,20 @@ class TierBEngine(GpuEngine):
             self.loop.host_ctl[HC_STOP] = STOP_DRAIN if drain else STOP_NOW
         super().stop(drain)
 
+    def close(self) -> None:
+        super().close()  # stop now, then release the ring (kept while the loop may run)
+        self._destroy_loop()
+
+    def _destroy_loop(self) -> None:
+        """Destroy the graph's executable and release its pool, once the loop has ended
+        (a hung loop keeps them: the device may still run them)."""
+        api = getattr(self, "api", None)
+        if api is None or not hasattr(self, "loop") or self._device_may_touch_ring():
+            return
+        destroy = getattr(api, "destroy", None)
+        if destroy is not None:
+            destroy(self.loop.exec, self.loop.graph)
+
     def _device_may_touch_ring(self) -> bool:
         return not self.simulate and hasattr(self, "api") and not self.api.query()
 
@@ -494,22 +619,30 @@ class TierBEngine(GpuEngine):
         asks it to stop now ``_STOP_SLACK_S`` later, and calls it hung ``_HUNG_AFTER_S``
         after that."""
         api = self.api
+        _RUNNING_LOOPS.add(self)  # until the stream is seen to finish (a hung loop stays)
         api.launch_graph(self.loop.exec)
         stop_seen: float | None = None
         forced: float | None = None
+        hung_after = _HUNG_AFTER_S
         while not api.query():
-            time.sleep(0.1)
+            time.sleep(0.1 if stop_seen is None else 0.02)
             if self._stop.is_set() and stop_seen is None:
                 stop_seen = time.monotonic()
+            if stop_seen is not None and forced is None and not getattr(self, "_drain", True):
+                forced, hung_after = stop_seen, _HUNG_AFTER_STOP_NOW_S  # stop(drain=False)
             if stop_seen is not None and forced is None and \
                     time.monotonic() - stop_seen > self.drain_timeout_s + _STOP_SLACK_S:
                 self.loop.host_ctl[HC_STOP] = STOP_NOW
                 forced = time.monotonic()
-            if forced is not None and time.monotonic() - forced > _HUNG_AFTER_S:
-                raise BlinkError(f"the device loop did not stop {_HUNG_AFTER_S:.0f} s after a stop request: hung")
+            if forced is not None and time.monotonic() - forced > hung_after:
+                raise BlinkError(f"the device loop did not stop {hung_after:g} s after a stop "
+                                 f"{'now' if hung_after == _HUNG_AFTER_STOP_NOW_S else 'request'}: hung")
+        _RUNNING_LOOPS.discard(self)
 
     def loop_counters(self) -> dict[str, int]:
         """Gate calls, idle gate calls and steps the device loop made."""
-        ls = self.loop.loop_state.cpu()
+        ls = self.loop.loop_state
+        if ls.device.type == "cuda":
+            ls = self.api.read_words(ls)  # its own stream: no wait for the running loop
         return {"gate_calls": int(ls[LS_GATE_CALLS]), "idle_calls": int(ls[LS_IDLE_CALLS]),
                 "steps": int(ls[LS_STEPS])}
