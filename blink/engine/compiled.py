@@ -92,6 +92,49 @@ def configure_compile_cache(path: Path) -> None:
     )
 
 
+#: free space the compile cache needs for one start's graphs (inductor's generated C++ and
+#: Python, and their builds: tens of MiB for a small model's buckets)
+COMPILE_CACHE_MIN_FREE_MB = 256
+#: path -> why it cannot be used (None: it can), decided once per process
+_cache_problems: dict[str, str | None] = {}
+
+
+def _cache_problem(path: Path) -> str | None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        stat = os.statvfs(path)
+        free_mb = stat.f_bavail * stat.f_frsize / 2**20
+        if free_mb < COMPILE_CACHE_MIN_FREE_MB:
+            return (f"has {free_mb:.0f} MiB free (compiling needs about "
+                    f"{COMPILE_CACHE_MIN_FREE_MB} MiB)")
+        probe = path / f".blink-probe-{os.getpid()}"
+        try:
+            with open(probe, "wb") as f:
+                f.write(b"\0" * 65536)
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            probe.unlink(missing_ok=True)
+    except OSError as exc:
+        return f"cannot be written ({exc.strerror or exc})"
+    return None
+
+
+def usable_compile_cache(path: Path, log: Any) -> bool:
+    """Whether inductor can write compiled code under ``path``: it can be created and
+    written, with at least :data:`COMPILE_CACHE_MIN_FREE_MB` free. Checked once per path and
+    process; a failure is said once (on ``log``) and remembered for this start, and the
+    caller runs eager instead of meeting the same full disk in every bucket's compile."""
+    key = str(path)
+    if key not in _cache_problems:
+        _cache_problems[key] = problem = _cache_problem(path)
+        if problem is not None:
+            log.warning("--compile: the compile cache %s %s; for the rest of this start every "
+                        "step runs eager (the same outputs). Free space there or give another "
+                        "--compile-cache-dir", path, problem)
+    return _cache_problems[key] is None
+
+
 _warming = threading.local()
 
 

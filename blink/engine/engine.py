@@ -23,6 +23,7 @@ from blink.engine.compiled import (
     compile_cache_dir,
     configure_compile_cache,
     enforce_eager_default,
+    usable_compile_cache,
 )
 from blink.engine.kv_transfer import KVLayout, KVSender, share_kv_cache
 from blink.engine.step import StepParts, run_step
@@ -381,6 +382,7 @@ class Engine:
             runtime.step_wait = step_wait
         control = self.ring.control
         try:
+            self._prepare_native_kernels()
             self._compile()
             self._record_decode_graphs()
         except BaseException as exc:
@@ -436,7 +438,10 @@ class Engine:
         model = getattr(self.executor, "model", None)
         if self.config.enforce_eager or self.device.type != "cpu" or model is None:
             return  # GPU tiers capture graphs instead; the null model has nothing to compile
-        configure_compile_cache(compile_cache_dir(self.config.compile_cache_dir))
+        cache = compile_cache_dir(self.config.compile_cache_dir)
+        if not usable_compile_cache(cache, log):  # a full or read-only disk: eager, said once
+            return
+        configure_compile_cache(cache)
         compiled = CompiledModelPhase(
             self.executor,
             self.sampler,
@@ -450,6 +455,17 @@ class Engine:
         with torch.inference_mode():
             compiled.warm()
         self.compiled = compiled
+
+    def _prepare_native_kernels(self) -> None:
+        """CPU loop, before READY: build (or load from the cache) Blink's C kernels now, with
+        a progress line, instead of in the first request's step; a library that cannot be
+        built is said once and its fallback runs for the rest of this start
+        (:func:`blink.shared.native_build.prepare_libraries`)."""
+        if self.device.type != "cpu" or getattr(self.executor, "model", None) is None:
+            return  # GPU tiers do not run them; the null model has no forward
+        from blink.shared.native_build import prepare_libraries
+
+        prepare_libraries(log=log)
 
     def _record_decode_graphs(self) -> None:
         """CPU loop, eager, before READY: record the decode steps' CPU graphs

@@ -8,13 +8,20 @@ named by a hash of the source, the compiler, the flags and, for ``-march=native`
 CPU's feature flags (a home directory shared by different CPUs never loads a library built
 for another). The file is renamed into place atomically, so concurrent builders are safe.
 Callers keep a torch or Python fallback for hosts without a compiler; :class:`NativeLibrary`
-is the build-once, load-once, warn-once wrapper they share.
+is the build-once, load-once, warn-once wrapper they share, and :func:`prepare_libraries` builds
+(or loads) every declared library at once, which the CPU engine does before it reports ready.
+
+A cache directory that cannot be written (a full disk, a quota, a read-only mount) is not a
+compiler problem: the first build that meets it gives up at once (no retry with the fallback
+flags), the failure is remembered for the rest of the process (no further build is tried;
+libraries already in the cache still load), and it is said once (:class:`CacheDirError`).
 
 Standard library only: the frontend (torch-free) reaches it through the transport.
 """
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import logging
 import os
@@ -23,6 +30,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,6 +39,50 @@ from typing import Any, Protocol
 
 class NativeBuildError(RuntimeError):
     """The library could not be built or loaded (no compiler, a compile error, a bad file)."""
+
+
+class CacheDirError(NativeBuildError):
+    """The cache directory cannot take a new library (no space, a quota, read-only, no
+    permission): remembered for the rest of the process (:func:`cache_dir_failure`)."""
+
+
+#: errno values that mean "this directory cannot take the file", not "this source is wrong"
+_CACHE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+#: what compilers and linkers print for the same (their errno text)
+_CACHE_MESSAGES = tuple(os.strerror(e) for e in sorted(_CACHE_ERRNOS))
+_cache_failure: str | None = None  # why the cache directory failed, once it did
+_cache_failure_said = False
+_cache_failure_lock = threading.Lock()
+logger = logging.getLogger(__name__)
+
+
+def cache_dir_failure() -> str | None:
+    """Why the cache directory could not take a library earlier in this process, or None."""
+    return _cache_failure
+
+
+def forget_cache_dir_failure() -> None:
+    """Forget a remembered cache-directory failure (tests; a new process starts clean)."""
+    global _cache_failure, _cache_failure_said
+    with _cache_failure_lock:
+        _cache_failure, _cache_failure_said = None, False
+
+
+def _cache_dir_failed(reason: str) -> CacheDirError:
+    """Remember (once) that the cache directory cannot take a library; the error to raise."""
+    global _cache_failure
+    with _cache_failure_lock:
+        if _cache_failure is None:
+            _cache_failure = f"{cache_dir()}: {reason}"
+        return CacheDirError(f"the kernel cache directory {_cache_failure}")
+
+
+def _say_cache_failure_once() -> bool:
+    """True the first time a cache-directory failure is to be logged in this process."""
+    global _cache_failure_said
+    with _cache_failure_lock:
+        said, _cache_failure_said = _cache_failure_said, True
+    return not said
 
 
 def cache_dir() -> Path:
@@ -65,6 +117,8 @@ def build_library(source: Path, flags: Sequence[str] = ("-O2",),
     for attempt in ([list(flags)] + ([list(fallback_flags)] if fallback_flags is not None else [])):
         try:
             return ctypes.CDLL(str(_built(source, compiler, attempt, headers)))
+        except CacheDirError:
+            raise  # other flags would meet the same full (or read-only) directory
         except NativeBuildError as exc:
             errors.append(str(exc))
         except OSError as exc:  # a library that does not load
@@ -81,21 +135,38 @@ def _built(source: Path, compiler: str, flags: list[str], headers: Sequence[Path
     key = hashlib.sha256(b"\0".join(key_parts)).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
+        return target  # loading needs no space: it works on a full disk too
+    if _cache_failure is not None:
+        raise CacheDirError(f"the kernel cache directory {_cache_failure} (earlier in this start)")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+    except OSError as exc:
+        if exc.errno in _CACHE_ERRNOS:
+            raise _cache_dir_failed(exc.strerror or str(exc)) from None
+        raise NativeBuildError(f"cannot create a file in {target.parent}: {exc}") from exc
     try:
         done = subprocess.run([compiler, *flags, "-shared", "-fPIC", "-pthread", "-o", tmp, str(source), "-lm"],
                               capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
+            full = next((m for m in _CACHE_MESSAGES if m in done.stderr), None)
+            if full is not None:  # the compiler or linker could not write its output
+                raise _cache_dir_failed(full)
             raise NativeBuildError(f"{compiler} {' '.join(flags)} failed: {done.stderr.strip()[-500:]}")
         os.replace(tmp, target)  # atomic: a concurrent builder's file is as good as ours
-    except (OSError, subprocess.SubprocessError) as exc:
+    except OSError as exc:
+        if exc.errno in _CACHE_ERRNOS:
+            raise _cache_dir_failed(exc.strerror or str(exc)) from None
+        raise NativeBuildError(f"{compiler} could not run: {exc}") from exc
+    except subprocess.SubprocessError as exc:
         raise NativeBuildError(f"{compiler} could not run: {exc}") from exc
     finally:
         if os.path.exists(tmp):
-            os.unlink(tmp)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
     return target
 
 
@@ -149,37 +220,106 @@ class NativeLibrary:
         self.kernels, self.queries = frozenset(kernels), frozenset(queries)
         self._lock = threading.Lock()
         self._state: list[ctypes.CDLL | None] = []  # [library or None] once decided
+        #: why the library is not available (None: it is, or not decided yet)
+        self.failure: str | None = None
+        _REGISTRY.append(self)
+
+    @property
+    def decided(self) -> bool:
+        """Whether :meth:`get` has built/loaded the library or settled on the fallback."""
+        return bool(self._state)
+
+    def switched_off(self) -> bool:
+        """``$env`` names the fallback (:meth:`switch` is ``env_value``, or one of them)."""
+        return self.switch() in ((self.env_value,) if isinstance(self.env_value, str)
+                                 else self.env_value)
 
     def get(self) -> ctypes.CDLL | None:
         """The loaded library, or None (the caller's fallback runs); on a thread that is
         recording native calls, the recorder's view of it."""
         if not self._state:
-            with self._lock:
-                if not self._state:
-                    self._state.append(self._load())
+            self._decide(quiet=False)
         library = self._state[0]
         recorder = getattr(_RECORDING, "recorder", None)
         if recorder is None or library is None:
             return library
         return recorder.library_view(self, library)
 
+    def _decide(self, quiet: bool) -> None:
+        """Build or load once; ``quiet``: leave the warning to the caller
+        (:func:`prepare_libraries` says it once for all)."""
+        with self._lock:
+            if not self._state:
+                self._state.append(self._load(quiet))
+
     def reset(self) -> None:
         """Forget the decision: the next :meth:`get` builds or loads again (tests)."""
         with self._lock:
             self._state.clear()
+            self.failure = None
 
     def switch(self) -> str:
         """``$env`` as the library reads it (stripped, lower case; "" when unset or none)."""
         return os.environ.get(self.env, "").strip().lower() if self.env else ""
 
-    def _load(self) -> ctypes.CDLL | None:
-        if self.switch() in ((self.env_value,) if isinstance(self.env_value, str) else self.env_value):
+    def _load(self, quiet: bool = False) -> ctypes.CDLL | None:
+        if self.switched_off():
             return None
         try:
             library = build_library(self.source, self.flags, self.fallback_flags, self.headers)
             if self.setup is not None:
                 self.setup(library)
             return library
-        except (NativeBuildError, AttributeError) as exc:
-            self.log.warning("%s (%s) is not available (%s); %s", self.what, self.source.name, exc, self.fallback)
+        except CacheDirError as exc:
+            self.failure = str(exc)
+            if not quiet and _say_cache_failure_once():  # one line for every library
+                self.log.warning("%s; Blink's C kernels not built yet run their slower fallbacks "
+                                 "for the rest of this start (%s: %s). Free space there or set "
+                                 "XDG_CACHE_HOME to a writable directory", exc, self.what,
+                                 self.fallback)
             return None
+        except (NativeBuildError, AttributeError) as exc:
+            self.failure = str(exc)
+            if not quiet:
+                self.log.warning("%s (%s) is not available (%s); %s", self.what, self.source.name, exc, self.fallback)
+            return None
+
+
+#: every NativeLibrary made in this process, in creation order (prepare_libraries' list)
+_REGISTRY: list[NativeLibrary] = []
+
+
+def prepare_libraries(libraries: Sequence[NativeLibrary] | None = None,
+                      log: logging.Logger | None = None) -> dict[str, str | None]:
+    """Build or load ``libraries`` (default: every :class:`NativeLibrary` declared so far)
+    now rather than at first use: a progress line before and one after, every fallback said
+    in one warning. Returns {source name: why it is not available, or None}. Libraries
+    already decided, or switched off by their variable, are left as they are."""
+    log = log or logger
+    todo = [lib for lib in (libraries if libraries is not None else list(_REGISTRY))
+            if not lib.decided and not lib.switched_off()]
+    if not todo:
+        return {}
+    t0 = time.monotonic()
+    log.info("CPU kernels: building or loading %d C libraries (%s) in %s; the first start on "
+             "a machine compiles them (seconds)", len(todo),
+             ", ".join(lib.source.name for lib in todo), cache_dir())
+    for lib in todo:
+        lib._decide(quiet=True)
+    failed = [lib for lib in todo if lib.failure is not None]
+    took = time.monotonic() - t0
+    fallbacks = "; ".join(f"{lib.what}: {lib.fallback}" for lib in failed)
+    if not failed:
+        log.info("CPU kernels ready in %.1f s", took)
+    elif cache_dir_failure() is not None and all("kernel cache directory" in (lib.failure or "")
+                                                 for lib in failed):
+        if _say_cache_failure_once():
+            log.warning("CPU kernels: the kernel cache directory %s; for the rest of this start "
+                        "these run their slower fallbacks: %s. Free space there or set "
+                        "XDG_CACHE_HOME to a writable directory (%.1f s)", cache_dir_failure(),
+                        fallbacks, took)
+    else:
+        for lib in failed:
+            log.warning("%s (%s) is not available (%s); %s", lib.what, lib.source.name,
+                        lib.failure, lib.fallback)
+    return {lib.source.name: lib.failure for lib in todo}
