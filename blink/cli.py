@@ -64,11 +64,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "default): prompts that arrive together prefill in one step, so the "
                         "last one's first token is not held back by decode steps of the "
                         "first ones (default: %(default)s)")
-    g.add_argument("--grammar-region-mb", type=float, default=32.0, metavar="MIB",
-                   help="ring memory for compiled structured-output automata (response_format, "
-                        "guided_json, forced tool calls), shared by all requests and cached by "
-                        "content; a constraint that never fits gets 400, one that must wait "
-                        "for room 503. 0 turns structured outputs off (default: %(default)g)")
+    g.add_argument("--no-structured-outputs", dest="structured_outputs", action="store_false",
+                   help="turn structured outputs off (response_format, guided_*, forced tool "
+                        "calls get 400); on by default: each ring slot then holds one token "
+                        "mask (vocabulary / 8 bytes)")
+    g.add_argument("--structured-mask-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="how long a constrained request waits at the sampling gate for the "
+                        "frontend's next-token mask before it fails with an error; never "
+                        "sampled unconstrained (default: %(default)g)")
+    g.add_argument("--grammar-region-mb", type=float, default=None, help=argparse.SUPPRESS)
     g.add_argument("--no-prefix-caching", action="store_true",
                    help="disable the prefix cache (the same as --no-enable-prefix-caching)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -250,6 +254,9 @@ def _add_request_limit_args(g: argparse._ArgumentGroup) -> None:
     """The frontend's per-request bounds (blink.dpu.limits); kept torch-free like the rest."""
     from blink.dpu.chat_template import DEFAULT_RENDER_TIMEOUT_S
     from blink.dpu.limits import DEFAULT_MAX_REQUEST_BODY_MB
+    from blink.dpu.structured.workers import (
+        DEFAULT_COMPILE_MEMORY_MB, DEFAULT_COMPILE_TIMEOUT_S, DEFAULT_GRAMMAR_CACHE_MB,
+    )
 
     g.add_argument("--max-request-body-mb", type=float, default=DEFAULT_MAX_REQUEST_BODY_MB,
                    metavar="MIB",
@@ -264,6 +271,19 @@ def _add_request_limit_args(g: argparse._ArgumentGroup) -> None:
                    metavar="SECONDS",
                    help="wall-clock limit of one chat-template render; a render past it is "
                         "stopped and the request gets 400 (default: %(default)g)")
+    g.add_argument("--grammar-compile-timeout", type=float, default=DEFAULT_COMPILE_TIMEOUT_S,
+                   metavar="SECONDS",
+                   help="limit of one structured-output grammar check (a JSON schema, regex, "
+                        "choice or Lark grammar, checked in a separate worker process that is "
+                        "killed past it); over it the request gets 400 (default: %(default)g)")
+    g.add_argument("--grammar-compile-memory-mb", type=float, default=DEFAULT_COMPILE_MEMORY_MB,
+                   metavar="MIB",
+                   help="address-space limit of a grammar worker process; a grammar that needs "
+                        "more gets 400 (default: %(default)g)")
+    g.add_argument("--grammar-cache-mb", type=float, default=DEFAULT_GRAMMAR_CACHE_MB,
+                   metavar="MIB",
+                   help="memory for accepted grammars kept for reuse, least recently used "
+                        "dropped first; refusals are not cached (default: %(default)g)")
     _add_tool_calling_args(g)
     g.add_argument("--public-docs", action="store_true",
                    help="serve /docs, /redoc and /openapi.json without the --api-key (by "

@@ -27,7 +27,8 @@ def check_timeout_flags(args: argparse.Namespace) -> None:
 
 
 #: the request-limit flags ``blink serve`` hands on to its frontend process
-FRONTEND_LIMIT_FLAGS = ("max_request_body_mb", "chat_template_timeout")
+FRONTEND_LIMIT_FLAGS = ("max_request_body_mb", "chat_template_timeout", "grammar_compile_timeout",
+                        "grammar_compile_memory_mb", "grammar_cache_mb")
 FRONTEND_LIMIT_SWITCHES = ("trust_request_chat_template", "public_docs",
                            "enable_auto_tool_choice", "exclude_tools_when_tool_choice_none")
 #: flags handed on only when set

@@ -72,6 +72,10 @@ engine_logger = logging.getLogger("blink.engine")
 def engine_config_from_args(args: argparse.Namespace):
     from blink.engine.engine import EngineConfig
 
+    if getattr(args, "grammar_region_mb", None) is not None:
+        raise BlinkError("--grammar-region-mb was removed: structured outputs now use one token "
+                         "mask per slot (no shared region to size); --no-structured-outputs "
+                         "turns them off")
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -82,7 +86,8 @@ def engine_config_from_args(args: argparse.Namespace):
         kv_cache_memory_gib=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        grammar_region_mb=args.grammar_region_mb,
+        structured_outputs=args.structured_outputs,
+        mask_timeout_s=args.structured_mask_timeout,
         enable_prefix_caching=prefix_caching_enabled(args),
         max_logprobs=args.max_logprobs,
         transport=args.transport,
@@ -214,7 +219,7 @@ def run_engine(args: argparse.Namespace) -> int:
 _ENGINE_FLAGS = (
     "model", "served_model_name", "dtype", "device", "max_model_len", "block_size",
     "kv_cache_tokens", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "loop",
-    "threads", "kernel_threads", "transport", "grammar_region_mb", "max_logprobs", "log_level",
+    "threads", "kernel_threads", "transport", "structured_mask_timeout", "max_logprobs", "log_level",
     "compile_cache_dir", "thread_policy", "int4_decode", "cpu_graphs",
 )
 
@@ -479,6 +484,7 @@ class _Supervisor:
              *([] if args.kernel_threads is not None
                else ["--kernel-threads", str(serve_kernel_threads(self._engine_count()))]),
              *([] if prefix_caching_enabled(args) else ["--no-prefix-caching"]),
+             *([] if args.structured_outputs else ["--no-structured-outputs"]),
              *(["--enforce-eager"] if args.enforce_eager else []),
              *(["--compile"] if args.compile else [])], env)
         watch = (("frontend", self.frontend),) \

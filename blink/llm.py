@@ -15,7 +15,7 @@ from blink.dpu.ring_packing import ring_fields
 from blink.dpu.ring_protocol import RingClient, RingHandle
 from blink.dpu.engine_client import EngineOutput
 from blink.dpu.output_processor import ChoiceText
-from blink.dpu.structured.compiler import CompiledGrammar, GrammarCompiler
+from blink.dpu.structured.workers import CompiledGrammar, GrammarService
 from blink.dpu.tokenizer import Tokenizer
 from blink.engine.engine import EngineConfig
 from blink.engine.factory import create_engine
@@ -108,8 +108,8 @@ class LLM:
                      else LoopbackTransport(region.name, region.total_bytes))
         self._ring = RingClient(transport)
         self.max_model_len = self.engine.max_model_len
-        #: compiles structured-output constraints for this tokenizer (cached by content)
-        self.grammar_compiler = GrammarCompiler(self.tokenizer)
+        #: structured-output grammars for this tokenizer (checked in a worker, cached)
+        self.grammars = GrammarService(self.tokenizer)
 
     # ------------------------------------------------------------------------------ public
 
@@ -152,6 +152,7 @@ class LLM:
         return self.generate(ids, sampling_params)
 
     def close(self) -> None:
+        self.grammars.close()
         self._ring.close()
         self.engine.close()
 
@@ -198,8 +199,7 @@ class LLM:
         fields = ring_fields(one, len(ids), self.max_model_len, self._ring.config)
         grammar = None
         if params.structured_outputs is not None:  # compiled once per constraint (cached)
-            grammar = self.grammar_compiler.compile(params.structured_outputs)
-            self._ring.grammars.check_fits(grammar)
+            grammar = self.grammars.compile(params.structured_outputs)
         if len(ids) + fields["max_tokens"] > self.max_model_len and params.max_tokens is not None:
             fields["max_tokens"] = max(1, self.max_model_len - len(ids))
         return _Choice(

@@ -15,8 +15,10 @@ views on both sides:
     request records record[n_slots]         seq, request id, arrival, prompt location, consumed,
                                             then the sampling fields (blink.shared.sampling_fields)
     prompt arena    int32[arena_tokens]     circular token buffer shared by all prompts
-    grammar region  int32[grammar_words]    compiled structured-output automata (entries
-                                            below), written by the frontend, read by the sampler
+    mask area       int32[n_slots, mask_words]  each slot's structured-output token mask
+                                            (bit t: token t allowed), written by the frontend,
+                                            read by the sampler when the slot's mask_epoch
+                                            matches the row's output count
     output streams  one array per field     token ring, produced counter, finish, logprobs
 
 Protocol (payload first, then the state word; readers read the state word first):
@@ -34,6 +36,17 @@ Protocol (payload first, then the state word; readers read the state word first)
                                 read -> (cancel=0 if it was set) -> fence -> state=FREE
     frontend: cancel=1 at any time after WRITTEN; the engine finishes the request with
                                 FINISH_ABORT within one step.
+
+Structured outputs (``constrained`` = 1 in the request record; docs/architecture.md,
+"Structured outputs"). The frontend follows the request's tokens with a grammar matcher and
+publishes, for each output count n, the mask of the token at output n:
+    frontend: before WRITTEN     -> mask[slot] = the first token's mask -> fence -> mask_epoch=0
+    engine:   sampling output n  -> waits (bounded) until mask_epoch[slot] == n, then masks the
+                                    row's logits with mask[slot]; past the bound the request
+                                    finishes with FINISH_ERROR (never sampled unconstrained)
+    frontend: read token n       -> mask[slot] = the mask after it -> fence -> mask_epoch=n+1
+The engine writes output n + 1 only after sampling it, and the frontend writes mask n + 1
+only after reading output n, so the two never touch the same mask at once.
 
 Disaggregated prefill/decode (docs/disaggregation.md; ``max_kv_blocks`` > 0 enables it):
     frontend -> decode ring:  a request with kv_mode=KV_RESERVE (prompt and sampling as usual)
@@ -64,8 +77,9 @@ from blink.errors import BlinkError
 from blink.shared.sampling_fields import SAMPLING_FIELDS, numpy_fields
 
 MAGIC = int.from_bytes(b"BLINKRNG", "little")
-LAYOUT_VERSION = 5  # 2: the request record (one contiguous payload per slot); 3: grammar region
-# (issue 15) or admitted_step (main); 4: both; 5: disaggregated prefill/decode (kv_* fields)
+LAYOUT_VERSION = 6  # 2: the request record (one contiguous payload per slot); 3: grammar region
+# (issue 15) or admitted_step (main); 4: both; 5: disaggregated prefill/decode (kv_* fields);
+# 6: per-slot token masks with an epoch word replace the grammar region (issue 30)
 ALIGN = 64
 
 # Control block word indices (all int64).
@@ -93,7 +107,7 @@ ALIGN = 64
     C_STAT_STEPS,
     C_STAT_PROMPT_TOKENS,
     C_STAT_GENERATED_TOKENS,
-    C_GRAMMAR_WORDS,
+    C_MASK_WORDS,  # int32 words of one slot's token mask (0: structured outputs off)
     C_MAX_KV_BLOCKS,  # width of the kv block-id fields (0: no disaggregation)
     C_STAT_KV_BYTES_SENT,  # prefill role: KV bytes written into decode engines
     C_STAT_KV_TRANSFERS,  # prefill role: requests whose KV was sent
@@ -120,45 +134,13 @@ KV_NONE, KV_RESERVE, KV_SEND = range(3)
 CANCEL_NONE, CANCEL_REQUEST, CANCEL_FORCE = range(3)
 
 
-# -- grammar entries (structured outputs) -------------------------------------------------
-# One compiled automaton in the grammar region: GRAMMAR_HEADER_WORDS int32 header words, then
-# its arrays, all int32 and addressed in words from the entry's first word (the offset a
-# request record's ``grammar_entry`` holds). The frontend writes an entry before the request
-# records that use it (their state word publishes both); it never rewrites an entry a live
-# request uses. Arrays, for S states over a vocabulary of ``vocab_bits`` token ids:
-#   mask      [S, words_per_state]  bit t of state s: token t is allowed (EOS bits only in
-#                                   accepting states); words_per_state = ceil(vocab_bits / 32)
-#   default_next [S]                the state most of a state's allowed tokens lead to
-#   row_start [S + 1]               CSR offsets into the two exception arrays
-#   trans_token [num_transitions]   per state, sorted ascending: the allowed tokens whose
-#                                   next state is not default_next (EOS has no transition)
-#   trans_next  [num_transitions]   the state after that token
-# So the state after an allowed token t is trans_next[i] if t is in the state's row, else
-# default_next: a string's body (tens of thousands of tokens, one next state) costs no
-# transitions, only its mask bits.
-GRAMMAR_MAGIC = 0x424C4B47  # "GKLB"
-GRAMMAR_FORMAT_VERSION = 2  # 2: default_next + exception rows
-(
-    G_MAGIC,
-    G_VERSION,
-    G_NUM_STATES,
-    G_INITIAL_STATE,
-    G_VOCAB_BITS,
-    G_WORDS_PER_STATE,
-    G_NUM_TRANSITIONS,
-    G_EOS,  # the token a dead state (no transition matched) is forced to
-    G_MASK,  # word offsets of the arrays from the entry start
-    G_ROW_START,
-    G_TRANS_TOKEN,
-    G_TRANS_NEXT,
-    G_TOTAL_WORDS,
-    G_DEFAULT_NEXT,
-) = range(14)
-GRAMMAR_HEADER_WORDS = 16
-#: Entries start on this many words (64 bytes), like every other ring part.
-GRAMMAR_ALIGN_WORDS = 16
-#: Default size of the grammar region (``RingConfig.grammar_words``): 32 MiB.
-DEFAULT_GRAMMAR_WORDS = 8 << 20
+#: Value of a slot's mask_epoch while no mask is published for it.
+MASK_EPOCH_NONE = -1
+
+
+def mask_words_for(vocab_size: int) -> int:
+    """int32 words of a token mask over ``vocab_size`` token ids (32 per word)."""
+    return -(-int(vocab_size) // 32)
 
 
 class RingLayoutError(BlinkError):
@@ -176,16 +158,16 @@ class RingConfig:
     max_stop_ids: int = 16
     max_logit_bias: int = 32
     max_model_len: int = 8192
-    #: int32 words of the grammar region (structured-output automata); 0 = none (requests
-    #: with a constraint are then refused)
-    grammar_words: int = DEFAULT_GRAMMAR_WORDS
+    #: int32 words of one slot's token mask (:func:`mask_words_for` the model's logits
+    #: width); 0 = no mask area (requests with a constraint are then refused)
+    mask_words: int = 0
     #: width of the kv block-id fields: the most KV blocks one prompt can have
     #: (ceil(max_model_len / block_size)); 0 = this engine takes no part in disaggregation
     max_kv_blocks: int = 0
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
-            low = 0 if name.startswith("max_") or name == "grammar_words" else 1
+            low = 0 if name.startswith("max_") or name == "mask_words" else 1
             if not isinstance(value, int) or value < low:
                 raise RingLayoutError(f"ring config: {name} must be a positive integer, got {value!r}")
         if self.arena_tokens < self.max_model_len:
@@ -205,6 +187,8 @@ def _slot_fields(cfg: RingConfig) -> list[tuple[str, np.dtype, tuple[int, ...]]]
         # written by a prefill engine into a decode engine's ring (kv_ready_seq last)
         ("kv_first_token", i32, ()),
         ("kv_ready_seq", np.dtype("<i8"), ()),
+        # written by the frontend: the output count the slot's token mask is for
+        ("mask_epoch", i32, ()),
     ]
 
 
@@ -344,14 +328,14 @@ class RingLayout:
             self.fields[name] = FieldSpec(name, dtype, (cfg.n_slots, *shape),
                                           base.offset + sub_offset, record.itemsize, REQUEST)
         add("arena", np.dtype("<i4"), (cfg.arena_tokens,))
-        add("grammar_region", np.dtype("<i4"), (max(cfg.grammar_words, 1),))
+        add("mask", np.dtype("<i4"), (cfg.n_slots, max(cfg.mask_words, 1)))
         for name, dtype, shape in _stream_fields(cfg):
             add(name, dtype, (cfg.n_slots, *shape))
         self.total_bytes = offset
-        #: the fields indexed by slot first (all but the control block, the arena and the
-        #: grammar region), the request record included
+        #: the fields indexed by slot first (all but the control block and the arena), the
+        #: request record included
         self.slot_fields: tuple[str, ...] = tuple(
-            name for name in self.fields if name not in ("control", "arena", "grammar_region"))
+            name for name in self.fields if name not in ("control", "arena"))
 
     def __iter__(self) -> Iterator[FieldSpec]:
         return iter(self.fields.values())
@@ -400,7 +384,7 @@ class Ring:
         c[C_MAX_STOP_IDS] = cfg.max_stop_ids
         c[C_MAX_LOGIT_BIAS] = cfg.max_logit_bias
         c[C_MAX_MODEL_LEN] = cfg.max_model_len
-        c[C_GRAMMAR_WORDS] = cfg.grammar_words
+        c[C_MASK_WORDS] = cfg.mask_words
         c[C_MAX_KV_BLOCKS] = cfg.max_kv_blocks
         c[C_ENGINE_STATE] = ENGINE_STARTING
         for f in SAMPLING_FIELDS:  # neutral values (-1 padding for id vectors)
@@ -409,6 +393,7 @@ class Ring:
         ring.kv_blocks[...] = -1
         ring.kv_reserved[...] = -1
         ring.kv_ready_seq[...] = -1
+        ring.mask_epoch[...] = MASK_EPOCH_NONE
         c[C_MAGIC] = MAGIC  # last: a reader that sees the magic sees a complete header
         return ring
 
@@ -438,7 +423,7 @@ def config_of_control(control: Any) -> RingConfig:
         max_stop_ids=int(control[C_MAX_STOP_IDS]),
         max_logit_bias=int(control[C_MAX_LOGIT_BIAS]),
         max_model_len=int(control[C_MAX_MODEL_LEN]),
-        grammar_words=int(control[C_GRAMMAR_WORDS]),
+        mask_words=int(control[C_MASK_WORDS]),
         max_kv_blocks=int(control[C_MAX_KV_BLOCKS]),
     )
 

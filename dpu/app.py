@@ -269,6 +269,9 @@ def app_options(args: argparse.Namespace) -> dict[str, Any]:
         "limits": RequestLimits(
             max_request_body_bytes=max(1, int(args.max_request_body_mb * (1 << 20))),
             chat_template_timeout_s=args.chat_template_timeout,
+            grammar_compile_timeout_s=getattr(args, "grammar_compile_timeout", 1.0),
+            grammar_compile_memory_mb=getattr(args, "grammar_compile_memory_mb", 1024.0),
+            grammar_cache_mb=getattr(args, "grammar_cache_mb", 64.0),
             trust_request_chat_template=bool(args.trust_request_chat_template),
         ),
     }

@@ -20,8 +20,9 @@ reached the client the request starts again on what is left (another pair, or co
 one engine); after, it resumes colocated on a live engine with the tokens so far appended to
 the prompt (``max_tokens``/``min_tokens`` reduced by as many): greedy and seeded sampling give
 the same tokens (the sampler's RNG is keyed by position), penalties count the earlier output
-as prompt. A structured-output request cannot resume mid-output (its automaton would restart)
-and ends with the error instead. When no engine is left the request ends with
+as prompt. A structured-output request is not split (its token masks follow one engine's
+tokens: it runs colocated on one engine) and cannot resume mid-output (its matcher would
+restart), so it ends with the error instead. When no engine is left the request ends with
 :class:`EngineDeadError` naming every loss. A reservation whose prefill is lost or aborted is
 force-cancelled (freed at once); one no longer needed (the first token ended the request) is
 cancelled normally, which the decode engine honours once the KV has landed.
@@ -40,7 +41,7 @@ from blink.dpu.engine_client import (
     EngineStats,
 )
 from blink.dpu.ring_protocol import KvRoute
-from blink.dpu.structured.compiler import CompiledGrammar
+from blink.dpu.structured.workers import CompiledGrammar
 from blink.errors import BlinkError
 from blink.ring import KV_RESERVE, KV_SEND
 from blink.shared.sampling_params import SamplingParams
@@ -144,12 +145,6 @@ class DisaggregatedEngineClient:
                              for i in self.instances) if w is not None]
         return min(waits) if waits else None
 
-    def check_grammar(self, grammar: CompiledGrammar) -> None:
-        for inst in self.instances:
-            check = getattr(inst.client, "check_grammar", None)
-            if check is not None:
-                check(grammar)
-
     def stats(self) -> EngineStats:
         """The engines' counters summed (KV usage: the mean)."""
         parts = [i.client.stats() for i in self.instances]
@@ -207,7 +202,8 @@ class DisaggregatedEngineClient:
             if resuming and grammar is not None:
                 raise EngineDeadError("the engine serving this structured-output request was lost "
                                       "mid-output and it cannot resume: " + "; ".join(losses))
-            plan = self._pick(lost, resuming)
+            # A constrained request runs on one engine: its masks follow that engine's tokens.
+            plan = self._pick(lost, resuming or grammar is not None)
             if plan is None:
                 raise EngineDeadError("no engine is left to serve this request"
                                       + (": " + "; ".join(losses) if losses else ""))

@@ -90,6 +90,9 @@ class EngineOutput:
     #: a KV reservation's first delta (decode role, docs/disaggregation.md): (slot, seq,
     #: reserved block ids); None otherwise
     kv_reservation: tuple[int, int, list[int]] | None = None
+    #: finish_reason "error": what went wrong, when the ring client knows (a structured-output
+    #: matcher's error, a mask that never reached the engine)
+    error: str | None = None
 
 
 class EngineStats(TypedDict):

@@ -16,7 +16,7 @@ import anyio
 from blink.dpu.engine_client import EngineClient, EngineError, EngineOutput
 from blink.dpu.metrics import FrontendMetrics
 from blink.dpu.output_processor import ChoiceText
-from blink.dpu.structured.compiler import CompiledGrammar
+from blink.dpu.structured.workers import CompiledGrammar
 from blink.dpu.tokenizer import Tokenizer
 from blink.shared.sampling_params import SamplingParams
 
@@ -180,7 +180,7 @@ class ChoiceRun:
             self._observe_timing(len(out.token_ids), now)
         if out.finished and out.finish_reason == "error":
             self.engine_finished = True
-            raise EngineRequestError(f"the engine failed request {self.request_id}")
+            raise EngineRequestError(out.error or f"the engine failed request {self.request_id}")
 
         delta = self._text.feed(out.token_ids, out.finished, out.finish_reason)
         kept = delta.kept

@@ -48,6 +48,11 @@ class RequestLimits:
     max_chat_template_chars: int = DEFAULT_MAX_CHAT_TEMPLATE_CHARS
     #: accept a ``chat_template`` in requests (vLLM's --trust-request-chat-template)
     trust_request_chat_template: bool = False
+    #: structured outputs (blink.dpu.structured.workers): wall-clock and memory limits of one
+    #: grammar check in a worker process, and the byte budget of the accepted-grammar cache
+    grammar_compile_timeout_s: float = 1.0
+    grammar_compile_memory_mb: float = 1024.0
+    grammar_cache_mb: float = 64.0
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes < 1:
@@ -58,6 +63,11 @@ class RequestLimits:
         if not self.chat_template_timeout_s > 0:
             raise ValueError(f"chat_template_timeout_s must be positive, got "
                              f"{self.chat_template_timeout_s}")
+        for name in ("grammar_compile_timeout_s", "grammar_compile_memory_mb"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.grammar_cache_mb >= 0:
+            raise ValueError(f"grammar_cache_mb must be >= 0, got {self.grammar_cache_mb}")
 
 
 def json_item_count(body: bytes, limit: int) -> int:

@@ -159,8 +159,8 @@ class _SamplingFields(_Request):
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
-    guided_grammar: str | None = None  # refused (no EBNF grammars)
-    guided_whitespace_pattern: str | None = None  # refused
+    guided_grammar: str | None = None  # a Lark or GBNF/EBNF grammar
+    guided_whitespace_pattern: str | None = None  # JSON whitespace (with guided_json)
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, reason) for the first set parameter this server cannot honour."""

@@ -28,7 +28,7 @@ from blink.dpu.engine_client import (
 )
 from blink.dpu.engine_health import EngineHealth, HeartbeatWatch, Observation, Transition
 from blink.dpu.ring_packing import RingRequestError, ring_fields
-from blink.dpu.structured.compiler import CompiledGrammar
+from blink.dpu.structured.workers import CompiledGrammar
 from blink.dpu.ring_protocol import KvRoute, RingClient, RingHandle
 from blink.dpu.step_clock import StepClock
 from blink.shared.sampling_params import SamplingParams
@@ -378,10 +378,6 @@ class RingEngineClient:
 
     # -- EngineClient ----------------------------------------------------------------------
 
-    def check_grammar(self, grammar: CompiledGrammar) -> None:
-        """A 400 (:class:`GrammarLimitError`) when the automaton can never fit the ring."""
-        self.ring.grammars.check_fits(grammar)
-
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        grammar: CompiledGrammar | None = None,
                        kv: KvRoute | None = None) -> AsyncIterator[EngineOutput]:
@@ -565,11 +561,6 @@ class ReconnectingEngineClient:
         """Seconds a refused client should wait (``Retry-After``) while the engine is being
         reconnected; None when a refusal is not about a restart."""
         return self.retry_after_s if self.health is EngineHealth.RESTARTING else None
-
-    def check_grammar(self, grammar: CompiledGrammar) -> None:
-        c = self._live()
-        if c is not None:
-            c.check_grammar(grammar)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        grammar: CompiledGrammar | None = None,

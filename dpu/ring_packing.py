@@ -31,7 +31,7 @@ _DEFAULTS: dict[str, Any] = {
     "min_tokens": 0, "ignore_eos": 0, "logprobs": 0, "top_k": 0, "temperature": 1.0,
     "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
     "frequency_penalty": 0.0, "seed": 0, "stop_token_ids": (), "logit_bias_ids": (),
-    "logit_bias_values": (), "grammar_entry": -1,
+    "logit_bias_values": (), "constrained": 0,
 }
 #: What a vector field's capacity counts, for the error message.
 _UNITS = {"stop_token_ids": "ids", "logit_bias_ids": "entries", "logit_bias_values": "entries"}

@@ -29,8 +29,8 @@ import numpy as np
 
 from blink.dpu.engine_client import EngineOutput
 from blink.dpu.ring_packing import INT32_MAX, RingRequestError, pack_sampling
-from blink.dpu.structured.compiler import CompiledGrammar
-from blink.dpu.structured.region import GrammarRegion
+from blink.dpu.structured.masker import MaskError, TokenMasker
+from blink.dpu.structured.workers import CompiledGrammar
 from blink.errors import BlinkError
 from blink.ring import (
     CANCEL_FORCE,
@@ -184,7 +184,8 @@ class RingHandle:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: BaseException | None = None  # protocol failure; the slot is leaked on purpose
-    grammar: int = -1  # word offset of the grammar entry it holds (-1: unconstrained)
+    masker: TokenMasker | None = None  # structured outputs: follows the tokens, writes masks
+    mask_error: str | None = None  # why its masks stopped (the request is being cancelled)
     kv_mode: int = KV_NONE  # KV_RESERVE: the first delta carries the reserved blocks
 
     @property
@@ -245,9 +246,6 @@ class RingClient:
         self._next_arrival = int(self._read_field("arrival", 0, n).max(initial=0)) + 1
         self._next_request_id = int(self._read_field("request_id", 0, n).max(initial=0)) + 1
         self.arena = ArenaAllocator(self.config.arena_tokens)
-        self.grammars = GrammarRegion(transport, self._spec["grammar_region"],
-                                      self.config.grammar_words)
-        self._grammar_full = False  # the last try_submit found no room in the grammar region
         self._free: list[int] = []
         self._adopt_slots()
 
@@ -306,9 +304,6 @@ class RingClient:
                 # An orphan of a previous frontend: cancel it and drain it to FREE.
                 handle = RingHandle(slot, self._seq[slot], -1, 0, None, cancelled=True)
                 handle.consumed = int(self._read_field("consumed", slot, slot + 1)[0])
-                entry = int(self._read_field("grammar_entry", slot, slot + 1)[0])
-                if entry >= 0 and self.grammars.adopt(entry):  # kept until the slot drains
-                    handle.grammar = entry
                 # A KV reservation's prefill request was the old frontend's too: nobody may
                 # ever send its KV, so it is freed at once (force).
                 reserved = int(self._read_field("kv_mode", slot, slot + 1)[0]) == KV_RESERVE
@@ -377,15 +372,14 @@ class RingClient:
     def try_submit(self, request_id: int, prompt_ids: Sequence[int] | np.ndarray,
                    sampling: np.ndarray | None = None, *, grammar: CompiledGrammar | None = None,
                    kv: KvRoute | None = None, **fields: Any) -> RingHandle | None:
-        """Write one request into a free slot; None while no slot, arena space or (with a
-        ``grammar``) grammar-region space is free.
+        """Write one request into a free slot; None while no slot or arena space is free.
 
         ``kv``: the request's part in a disaggregated prefill/decode (:class:`KvRoute`); the
         ring must have kv fields (an engine with ``--role prefill|decode``).
 
-        ``grammar``: the request's compiled structured-output constraint; its entry is
-        uploaded into the grammar region unless resident already (content-hashed) and held
-        until the slot is FREE again.
+        ``grammar``: the request's compiled structured-output constraint; the request gets
+        its own matcher, whose first mask is written into the slot's mask row (epoch 0)
+        before the record, and whose next masks follow the tokens as they are polled.
 
         ``sampling``: the packed record :func:`~blink.dpu.ring_packing.ring_fields` returns;
         else ``fields`` are :func:`~blink.dpu.ring_packing.pack_sampling`'s keywords. Order:
@@ -402,8 +396,13 @@ class RingClient:
             raise TypeError("try_submit takes a packed record or keyword fields, not both")
         elif sampling.dtype != self.layout.request_dtype:
             raise TypeError("try_submit: the record was packed for another ring layout")
+        masker = None
         if grammar is not None:
-            self.grammars.check_fits(grammar)  # never fits: a client error, not a wait
+            if cfg.mask_words == 0:
+                raise RingRequestError("this engine runs with structured outputs off "
+                                       "(--no-structured-outputs)")
+            masker = grammar.new_masker()
+            first_mask = masker.mask()  # a MaskError is a client error (400)
         if kv is not None:
             width = cfg.max_kv_blocks
             if width == 0:
@@ -413,20 +412,11 @@ class RingClient:
         with self._lock:
             if not self._free:
                 return None
-            entry = -1
-            if grammar is not None:
-                acquired = self.grammars.acquire(grammar)  # written before the record
-                self._grammar_full = acquired is None
-                if acquired is None:
-                    return None
-                entry = acquired
             rng = self.arena.allocate(prompt.size)
             if rng is None:
                 self._refresh_claims()  # claimed prompts give their arena space back
                 rng = self.arena.allocate(prompt.size)
                 if rng is None:
-                    if entry >= 0:
-                        self.grammars.release(entry)
                     return None
             slot = heapq.heappop(self._free)
             seq = self._seq[slot] + 1
@@ -447,7 +437,9 @@ class RingClient:
             record["prompt_offset"] = rng.start % cfg.arena_tokens
             record["prompt_len"] = prompt.size
             record["consumed"] = 0
-            record["grammar_entry"] = entry
+            record["constrained"] = int(masker is not None)
+            if masker is not None:  # the first token's mask, then its epoch (0 outputs)
+                self._write_mask(slot, first_mask, 0)
             if kv is not None:
                 record["kv_mode"], record["kv_peer"] = kv.mode, kv.peer
                 record["kv_slot"], record["kv_seq"] = kv.slot, kv.seq
@@ -461,7 +453,7 @@ class RingClient:
             t.fence()
             self._write_field("state", slot, SLOT_WRITTEN)
             handle = RingHandle(slot, seq, request_id, int(record["logprobs"][0]), rng,
-                                grammar=entry, kv_mode=KV_NONE if kv is None else kv.mode)
+                                masker=masker, kv_mode=KV_NONE if kv is None else kv.mode)
             self._active[slot] = handle
             return handle
 
@@ -485,12 +477,34 @@ class RingClient:
             time.sleep(delay)
             delay = min(delay * 2, 0.01)
 
+    def _write_mask(self, slot: int, words: np.ndarray, epoch: int) -> None:
+        """The slot's next-token mask, then (fenced) its epoch: the engine reads the mask
+        only once it sees the epoch. Words past the ring's mask width (tokens the model's
+        head does not produce) are dropped; missing ones are 0 (forbidden)."""
+        width = self.config.mask_words
+        row = words[:width]
+        if row.size < width:
+            row = np.concatenate([row, np.zeros(width - row.size, dtype="<i4")])
+        self.transport.write(self._offset("mask", slot), np.ascontiguousarray(row, dtype="<i4"))
+        self.transport.fence()
+        self._write_field("mask_epoch", slot, epoch)
+
+    def _follow_mask(self, h: RingHandle, tokens: list[int], produced: int) -> None:
+        """A constrained request's new tokens: advance its matcher and publish the mask of
+        output ``produced``. On a matcher error the request is cancelled and the error kept
+        for its last delta (never sampled unconstrained: the engine's gate waits, then
+        the cancel ends it)."""
+        if h.masker is None or h.mask_error is not None:
+            return
+        try:
+            h.masker.advance(tokens)
+            self._write_mask(h.slot, h.masker.mask(), produced)
+        except MaskError as exc:
+            h.mask_error = str(exc)
+            logger.warning("ring: request %d: %s", h.request_id, exc)
+            self.cancel(h)
+
     def full_message(self, prompt_len: int, waited_s: float) -> str:
-        if self._free and self._grammar_full:
-            return (
-                f"the engine's grammar region has no room for this constraint after {waited_s:g} s "
-                f"(every resident automaton is in use; {self.config.grammar_words * 4 / 2**20:.1f} MiB)"
-            )
         what = "request slots" if not self._free else f"prompt-arena space for {prompt_len} tokens"
         return (
             f"the engine's ring has no free {what} after {waited_s:g} s "
@@ -549,7 +563,6 @@ class RingClient:
                     self._active.pop(h.slot, None)  # leak the slot: its state is unknown
                     if h.arena is not None:  # but not the arena: it would block every prompt
                         self.arena.release(h.arena)
-                    # The grammar entry stays held: the engine may still read it for the slot.
                     continue
                 if delta is not None:
                     out[h] = delta
@@ -601,6 +614,8 @@ class RingClient:
                 top = [[] for _ in tokens]
             h.consumed = produced
             self._write_field("consumed", slot, produced)  # lets the engine reuse those entries
+            if h.masker is not None and not finished:
+                self._follow_mask(h, tokens, produced)
         reason = None
         if finished:
             code = int(self._read_field("finish_reason", slot, slot + 1)[0])
@@ -614,15 +629,19 @@ class RingClient:
             self._write_field("state", slot, SLOT_FREE)
             h.done = True
             h.finish_reason = reason
-            if h.grammar >= 0:  # the engine no longer reads it for this slot
-                self.grammars.release(h.grammar)
+            if h.mask_error is not None:  # cancelled because the matcher failed
+                reason = "error"
+            elif reason == "error" and h.masker is not None:
+                h.mask_error = ("structured outputs: the next-token mask did not reach the "
+                                "engine within its --structured-mask-timeout")
+            h.masker = None  # the engine no longer reads this slot's mask
             self._active.pop(slot, None)
             heapq.heappush(self._free, slot)
         return EngineOutput(
             token_ids=tokens, logprobs=logprobs, top_logprobs=top, finished=reason is not None,
             finish_reason=reason,  # type: ignore[arg-type]
             num_prompt_tokens=h.num_prompt_tokens, num_cached_tokens=h.num_cached_tokens,
-            kv_reservation=reservation,
+            kv_reservation=reservation, error=h.mask_error if reason == "error" else None,
         )
 
     def cancel(self, handle: RingHandle, force: bool = False) -> None:

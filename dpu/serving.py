@@ -88,7 +88,7 @@ from blink.dpu.tool_parsers import ToolCallStream
 from blink.shared.sampling_params import MAX_N, SamplingParams, SamplingParamsError
 from blink.threads.roles import set_thread_name
 from blink.shared.structured_outputs import StructuredOutputsError
-from blink.dpu.structured.compiler import CompiledGrammar, GrammarCompiler
+from blink.dpu.structured.workers import CompiledGrammar, GrammarService
 from blink.dpu.structured.request import StructuredRequestError, structured_outputs_of
 
 logger = logging.getLogger(__name__)
@@ -302,8 +302,11 @@ class OpenAIServing:
                  model_name: str, limits: RequestLimits | None = None,
                  tool_calling: ToolCallingConfig | None = None) -> None:
         self.engine = engine
-        #: structured outputs: constraints compiled for this tokenizer (cached by content)
-        self.grammars = GrammarCompiler(tokenizer)
+        lim = limits or RequestLimits()
+        #: structured outputs: constraints checked in worker processes, cached by content
+        self.grammars = GrammarService(tokenizer, timeout_s=lim.grammar_compile_timeout_s,
+                                       memory_mb=lim.grammar_compile_memory_mb,
+                                       cache_mb=lim.grammar_cache_mb)
         self.tool_calling = tool_calling or ToolCallingConfig()
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -463,16 +466,13 @@ class OpenAIServing:
         return params
 
     async def _compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
-        """The request's structured-output automaton (compiled off the event loop, cached),
-        or None; a constraint that cannot be compiled, or never fits the ring, is a 400."""
+        """The request's structured-output grammar (checked in a worker process, cached), or
+        None; a constraint that cannot be enforced or passes a limit is a 400."""
         so = params.structured_outputs
         if so is None:
             return None
         try:
-            grammar = await self._off_loop(self.grammars.compile, so)
-            check = getattr(self.engine, "check_grammar", None)
-            if check is not None:
-                check(grammar)
+            grammar = await self.grammars.compile_async(so)
         except StructuredOutputsError as e:
             raise bad_request(str(e), param=getattr(e, "param", None)) from None
         return grammar

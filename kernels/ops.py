@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import torch
 
-from blink.kernels import grammar_reference, reference, sampling_reference
+from blink.kernels import mask_reference, reference, sampling_reference
 
 _OP_NAMES = (
     "rms_norm",
@@ -41,8 +41,9 @@ _SAMPLING_OP_NAMES = (
     "sample",
     "logsumexp_rows",
 )
-# The structured-output mask (blink.engine.grammar / the sampler call it through ``ops_for``).
-_GRAMMAR_OP_NAMES = ("apply_grammar_mask",)
+# Structured outputs: the sampling gate and the token mask (the sampler calls them through
+# ``ops_for``; blink.engine.token_mask).
+_MASK_OP_NAMES = ("wait_token_masks", "apply_token_mask")
 
 _cache: dict[tuple[str, bool], SimpleNamespace] = {}
 
@@ -61,7 +62,7 @@ def ops_for(device: torch.device | str, *, triton: bool | None = None) -> Simple
     if key not in _cache:
         table = {name: getattr(reference, name) for name in _OP_NAMES}
         table.update({name: getattr(sampling_reference, name) for name in _SAMPLING_OP_NAMES})
-        table.update({name: getattr(grammar_reference, name) for name in _GRAMMAR_OP_NAMES})
+        table.update({name: getattr(mask_reference, name) for name in _MASK_OP_NAMES})
         if use_triton:
             table.update(_triton_ops(required=triton is True))
         elif device_type == "cpu":
@@ -103,7 +104,7 @@ def _triton_ops(required: bool = False) -> dict:
         from blink.kernels import (
             triton_activation,
             triton_attention,
-            triton_grammar,
+            triton_mask,
             triton_moe,
             triton_norm_rope,
             triton_sampling,
@@ -126,5 +127,6 @@ def _triton_ops(required: bool = False) -> dict:
         "moe_experts": triton_moe.moe_experts,
         "apply_top_k_top_p_min_p": triton_sampling.apply_top_k_top_p_min_p,
         "sample": triton_sampling.sample,
-        "apply_grammar_mask": triton_grammar.apply_grammar_mask,
+        "wait_token_masks": triton_mask.wait_token_masks,
+        "apply_token_mask": triton_mask.apply_token_mask,
     }

@@ -148,7 +148,7 @@ def realistic_launches(arch: int = 90) -> list[Launch]:
         reference,
         triton_activation,
         triton_attention,
-        triton_grammar,
+        triton_mask,
         triton_moe,
         triton_norm_rope,
         triton_sampling,
@@ -219,8 +219,10 @@ def realistic_launches(arch: int = 90) -> list[Launch]:
             triton_sampling.apply_top_k_top_p_min_p(logits, *rows)
             triton_sampling.sample(logits, t(256, dtype=torch.int64), t(256, dtype=torch.int64))
             triton_sampling.uniform(t(256, dtype=torch.int64), t(256, dtype=torch.int64), vocab)
-            triton_grammar.apply_grammar_mask(logits, t(8 << 20, dtype=torch.int32),
-                                              t(256, dtype=torch.int32), t(256, dtype=torch.int32))
+            masks = (t(256, dtype=torch.int32), t(256, dtype=torch.int32),
+                     t(256, dtype=torch.int32), t(256, dtype=torch.int32))
+            triton_mask.wait_token_masks(*masks, 1.0)
+            triton_mask.apply_token_mask(logits, t(256, -(-vocab // 32), dtype=torch.int32), *masks)
     return launches
 
 

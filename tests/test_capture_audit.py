@@ -101,7 +101,7 @@ def _workload() -> tuple[list[list[int]], list[SamplingParams]]:
     """Prompts sharing a 3-block prefix (prefix hits once the first ones are registered),
     long enough together to overflow the 32-block cache (preemption), with every sampler
     stage on: penalties, seeds, top-k/p, min-p, logit bias, min_tokens, logprobs, and
-    structured outputs (grammar mask and advance: a regex row and a choice row)."""
+    structured outputs (the token-mask gate and mask: a regex row and a choice row)."""
     shared = random_prompts(1, 48, 48, seed=7)[0]
     prompts = [shared + tail for tail in random_prompts(12, 8, 40, seed=3)]
     kinds = [
@@ -156,7 +156,7 @@ def test_captured_step_holds_only_capturable_ops(model_dir, loop, monkeypatch):
     seen = set(mode.ops)
     for op in ("aten.topk.default", "aten.scatter_reduce_.two", "aten.index_put_.default",
                "aten.cumsum.default", "aten.bucketize.Tensor",
-               "aten.__rshift__.Tensor"):  # the grammar mask's bit unpacking
+               "aten.__rshift__.Tensor"):  # the token mask's bit unpacking
         assert op in seen, f"the audit did not see {op}: it did not run the whole step"
     mode.check(f"tier {'A' if loop == 'host' else 'B'}'s captured step")
 

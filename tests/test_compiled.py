@@ -67,7 +67,7 @@ def test_compiled_greedy_matches_transformers_without_recompiles(compiled_llm):
 
 def test_compiled_loop_enforces_structured_outputs(compiled_llm):
     """A constrained row's automaton masks the logits in the compiled loop too (the warm
-    heads take no grammar: a constrained batch runs the head eager with its automata)."""
+    heads take no token masks: a constrained batch runs the head eager with its masks)."""
     rx = "[a-d]{6}"  # the byte tokenizer: one token per character; no EOS needed
     outs = compiled_llm.generate(
         [[5, 6, 7], [9]],

@@ -189,7 +189,7 @@ def _sender(kv: _FakeKV, address: str = "127.0.0.1:9", layers: int = 1) -> KVSen
     sender = KVSender(scheduler, executor, torch.float32, np.zeros(64, dtype=np.int64), [address], None)
     peer = sender.peers[0]
     peer.ring, peer.kv, peer.layout = _FakeRing(False, None), kv, sender.layout
-    peer.ring_layout = RingLayout(RingConfig(n_slots=2, arena_tokens=64, max_model_len=64, grammar_words=0, max_kv_blocks=2))
+    peer.ring_layout = RingLayout(RingConfig(n_slots=2, arena_tokens=64, max_model_len=64, max_kv_blocks=2))
     return sender
 
 

@@ -17,7 +17,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are deco
 
 import pytest
 
-from blink.kernels import _OP_NAMES, _triton_ops, grammar_reference, reference, sampling_reference
+from blink.kernels import _OP_NAMES, _triton_ops, mask_reference, reference, sampling_reference
 
 triton = pytest.importorskip("triton")
 
@@ -27,7 +27,7 @@ def test_triton_table_covers_every_reference_op_with_the_same_signature():
     assert set(_OP_NAMES) <= set(table), f"missing: {set(_OP_NAMES) - set(table)}"
     for name, fn in table.items():
         ref_fn = (getattr(reference, name, None) or getattr(sampling_reference, name, None)
-                  or getattr(grammar_reference, name))
+                  or getattr(mask_reference, name))
         assert list(inspect.signature(fn).parameters) == list(inspect.signature(ref_fn).parameters), name
         assert fn.__module__.startswith("blink.kernels.triton_"), name
 
@@ -50,7 +50,7 @@ def test_every_kernel_compiles_for_sm90_without_spills():
         "_rms_norm_kernel", "_rope_kernel", "_silu_and_mul_kernel", "_write_kv_kernel",
         "_attn_kernel", "_attn_reduce_kernel", "_route_kernel", "_moe_gate_up_kernel",
         "_moe_down_kernel", "_filter_kernel", "_sample_kernel", "_uniform_kernel",
-        "_grammar_mask_kernel",
+        "_mask_kernel", "_wait_kernel",
     }
     assert expected <= kernels, f"not compiled: {expected - kernels}"
     for line in proc.stdout.splitlines()[1:]:

@@ -543,8 +543,8 @@ def test_sampler_plan_skips_only_identity_stages(params: list[SamplingParams], s
                                    or p.frequency_penalty != 0 for p in params)
     assert plan.any_top_logprobs == any((p.logprobs or 0) > 0 for p in params)
     assert plan.any_logit_bias == any(bool(p.logit_bias) for p in params)
-    entry = torch.tensor([-1] * (b - 1) + [seed % 2 - 1], dtype=torch.int32)  # last row maybe
-    assert SamplerPlan.of(st, grammar_entry=entry).any_grammar == (seed % 2 == 1)
+    constrained = torch.tensor([0] * (b - 1) + [seed % 2], dtype=torch.int32)  # last row maybe
+    assert SamplerPlan.of(st, constrained=constrained).any_constrained == (seed % 2 == 1)
 
 
 def test_sampler_takes_its_filter_and_draw_from_the_op_table() -> None:

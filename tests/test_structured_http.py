@@ -35,6 +35,12 @@ def post(app, path, body):
     ({"guided_json": SCHEMA}, "json"),
     ({"guided_regex": "x+"}, "regex"),
     ({"guided_choice": ["yes", "no"]}, "choice"),
+    ({"guided_grammar": "root ::= \"a\" [b-c]*"}, "grammar"),
+    ({"structured_outputs": {"grammar": 'start: "a"+'}}, "grammar"),
+    ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}}, "json"),
+    ({"guided_json": SCHEMA, "guided_whitespace_pattern": " ?"}, "json"),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<f="], "structures": [
+        {"begin": "<f=x>", "schema": SCHEMA, "end": "</f>"}]}}, "structural_tag"),
 ])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 @pytest.mark.parametrize("stream", [False, True])
@@ -48,23 +54,24 @@ def test_accepted_forms_reach_the_engine_compiled(tok, fields, kind, path, strea
     assert len(engine.submitted) == 2
     for rid, (_, params) in engine.submitted.items():
         assert params.structured_outputs is not None and params.structured_outputs.kind == kind
-        assert engine.grammars[rid] is not None and engine.grammars[rid].num_states > 0
+        assert engine.grammars[rid] is not None and len(engine.grammars[rid].key) == 64
 
 
 @pytest.mark.parametrize("fields,param", [
-    ({"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
-    ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs"),
-    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs"),
+    ({"guided_grammar": "root ::= undefined_rule"}, None),
+    ({"structured_outputs": {"structural_tag": "{}"}}, None),
+    ({"structured_outputs": {"json": {}, "backend": "outlines"}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
-    ({"guided_regex": "("}, "guided_regex"),
-    ({"guided_regex": "a(?=b)"}, None),  # valid Python, not compilable by the automaton builder
-    ({"guided_json": {"type": "integer", "multipleOf": 2}}, None),
+    ({"guided_regex": "("}, None),
+    ({"guided_regex": "a(?=b)"}, None),  # valid Python, not a regex the engine takes
+    ({"guided_json": {"type": "object", "dependencies": {"a": ["b"]}}}, None),
     ({"guided_json": "{not json"}, "guided_json"),
     ({"guided_choice": []}, "guided_choice"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
     ({"guided_whitespace_pattern": " *", "guided_regex": "a"}, "guided_whitespace_pattern"),
+    ({"guided_json": {"type": "object"}, "guided_whitespace_pattern": "("}, None),
     ({"guided_regex": "a+", "min_tokens": 3}, None),
 ])
 def test_refused_forms_are_400(tok, fields, param):

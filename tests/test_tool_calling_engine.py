@@ -87,12 +87,17 @@ def _calls_of(body: dict[str, Any]) -> list[tuple[str, Any]]:
 def test_required_is_enforced(llm: Any) -> None:
     bodies = [{"tool_choice": "required", "temperature": 0.0},
               {"tool_choice": "required", "temperature": 1.0, "seed": 3, "n": 2}]
-    for r in _chat(llm, bodies):
+    for greedy, r in zip((True, False), _chat(llm, bodies)):
         assert r.status_code == 200, r.text
         for choice in r.json()["choices"]:
-            assert choice["finish_reason"] == "tool_calls", choice
+            # The random model may keep adding calls to the array until max_tokens when it
+            # samples (the grammar allows any number); greedy, it closes the array.
+            assert choice["finish_reason"] in (("tool_calls",) if greedy else
+                                               ("tool_calls", "length")), choice
             calls = _calls_of(choice)
-            assert calls and choice["message"]["content"] is None
+            assert calls
+            if choice["finish_reason"] == "tool_calls":
+                assert choice["message"]["content"] is None
             for name, args in calls:
                 jsonschema.validate(args, SCHEMAS[name])
 

@@ -46,9 +46,9 @@ CACHE_DIR_ENV = "BLINK_COMPILE_CACHE_DIR"
 
 # The sampler plans compiled at start: greedy, and temperature sampling without filters,
 # penalties, top logprobs or structured outputs (the API's defaults). Others run eager (the
-# same code; a constrained batch passes its automata, which the compiled head does not take).
+# same code; a constrained batch passes its token masks, which the compiled head does not take).
 _DEFAULTS = dict(any_filter=False, any_penalty=False, any_top_logprobs=False,
-                 any_logit_bias=False, any_suppress=False, any_grammar=False)
+                 any_logit_bias=False, any_suppress=False, any_constrained=False)
 WARM_PLANS = (SamplerPlan(any_random=False, **_DEFAULTS), SamplerPlan(any_random=True, **_DEFAULTS))
 
 Progress = Callable[[str], None]
@@ -269,15 +269,15 @@ def _decoder_layer(layer, x, residual, md, kv_cache, cos_sin):
 
 
 def _head_and_sample(model, sampler: Sampler, plan: SamplerPlan, x, residual, sampling,
-                     history, prompt_lens, total_lens, suppress_ids, grammar=None):
+                     history, prompt_lens, total_lens, suppress_ids, masks=None):
     """Final norm, LM head and sampler for the sample rows: compiled per row bucket and
-    plan (the warm plans have no grammar); a constrained batch runs it eager with its
-    automata (``grammar``, :class:`blink.engine.grammar.GrammarBatch`)."""
+    plan (the warm plans have no constrained row); a constrained batch runs it eager with
+    its token masks (``masks``, :class:`blink.engine.token_mask.MaskBatch`)."""
     hidden, _ = model.ops.fused_add_rms_norm(x, residual, model.model.norm.weight,
                                              model.config.rms_norm_eps)
     logits = model.compute_logits(hidden).float()
     return sampler(logits, sampling, history, prompt_lens, total_lens, total_lens,
-                   suppress_ids, plan=plan, grammar=grammar)
+                   suppress_ids, plan=plan, masks=masks)
 
 
 class CompiledModelPhase:
@@ -405,10 +405,9 @@ class CompiledModelPhase:
                 out = self.head(model, self.sampler, plan, *args)
             else:
                 # host_rows: only the constrained rows' logits are masked
-                grammar = scheduler.grammar.batch(scheduler.state.sampling["grammar_entry"],
-                                                  scheduler.sample_rows(batch, R), host_rows=True) \
-                    if plan.any_grammar else None
-                out = _head_and_sample(model, self.sampler, plan, *args, grammar=grammar)
+                masks = scheduler.token_masks(batch, R, host_rows=True) \
+                    if plan.any_constrained else None
+                out = _head_and_sample(model, self.sampler, plan, *args, masks=masks)
         scheduler.update(batch, out.tokens, out.logprob, out.top_ids, out.top_logprobs,
                          num_tokens=tokens)
 

@@ -30,11 +30,12 @@ from blink.engine.step import StepParts, run_step
 from blink.engine.sampler import Sampler
 from blink.engine.scheduler import Scheduler
 from blink.engine.state import SchedulerConfig, ring_tensors
+from blink.engine.token_mask import DEFAULT_MASK_TIMEOUT_S
 from blink.errors import BlinkError
 from blink.kernels.cpu_threads import set_kernel_threads
 from blink.executor import ModelExecutor
 from blink.ring import (
-    DEFAULT_GRAMMAR_WORDS,
+    mask_words_for,
     C_ENGINE_STATE,
     C_HEARTBEAT,
     C_SHUTDOWN,
@@ -77,8 +78,12 @@ class EngineConfig:
     max_admit_per_step: int = 16
     enable_prefix_caching: bool = True
     stream_capacity: int = 64
-    #: MiB of ring memory for compiled structured-output automata (0: structured outputs off)
-    grammar_region_mb: float = DEFAULT_GRAMMAR_WORDS * 4 / 2**20
+    #: structured outputs: the ring gets a token-mask row per slot (off: constrained
+    #: requests are refused with 400)
+    structured_outputs: bool = True
+    #: how long a constrained row waits at the sampling gate for its token mask
+    #: (blink.engine.token_mask) before the request fails with an error
+    mask_timeout_s: float = DEFAULT_MASK_TIMEOUT_S
     #: most logprobs a request may ask for (vLLM's --max-logprobs): the ring's logprob columns
     max_logprobs: int = 20
     transport: str = "loopback"  # loopback | verbs | inprocess (a frontend in this process: LLM)
@@ -126,13 +131,6 @@ class EngineConfig:
     def dtype_choice(self, device: torch.device, checkpoint_dtype: str | None = None) -> tuple[str, str]:
         """``(dtype name, why)``: :meth:`resolved_dtype` with the reason, for the start log."""
         return resolve_dtype(self.dtype, device.type, checkpoint_dtype)
-
-
-def grammar_words(region_mb: float) -> int:
-    """int32 words of a ``region_mb`` MiB grammar region (a whole number of 64-byte lines)."""
-    if not region_mb >= 0:
-        raise BlinkError(f"--grammar-region-mb must be non-negative, got {region_mb:g}")
-    return int(region_mb * 2**20) // 64 * 16
 
 
 def _kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -261,7 +259,7 @@ class Engine:
             stream_capacity=config.stream_capacity,
             max_logprobs=config.max_logprobs,
             max_model_len=self.max_model_len,
-            grammar_words=grammar_words(config.grammar_region_mb),
+            mask_words=mask_words_for(model_config.vocab_size) if config.structured_outputs else 0,
             max_kv_blocks=max_kv_blocks,
         )
         self.region = self._create_region(RingLayout(self.ring_config).total_bytes)
@@ -275,6 +273,7 @@ class Engine:
             # decode role: rows whose KV arrived have no prefix hash chain to extend
             enable_prefix_caching=config.enable_prefix_caching and config.role != "decode",
             eos_token_ids=list(model_config.eos_token_ids),
+            mask_timeout_s=config.mask_timeout_s,
         )
         self.scheduler = Scheduler(self.scheduler_config, self._ring_tensors(), self.device)
         self.sampler = Sampler(max_logprobs=max(self.ring_config.max_logprobs, 1))

@@ -2,8 +2,10 @@
 
 One call handles a whole batch whose rows use different parameters. Order (vLLM v1's):
 
-0. structured outputs: tokens a constrained row's automaton state forbids are set to -inf
-   (``ops.apply_grammar_mask``, :mod:`blink.engine.grammar`); everything below sees that.
+0. structured outputs: a constrained row waits at the gate for the frontend's token mask
+   (``ops.wait_token_masks``), then the tokens it forbids are set to -inf
+   (``ops.apply_token_mask``, :mod:`blink.engine.token_mask`); everything below sees that.
+   A row whose mask did not arrive gets token -1 (the scheduler finishes it with an error).
 1. raw logprobs: ``log_softmax(logits)`` of the model's logits, before anything below touches
    them (vLLM's default ``logprobs_mode="raw_logprobs"``). The chosen token's logprob and the
    top-N alternatives are read from these.
@@ -47,7 +49,7 @@ from blink.shared.sampling_params import (
 from blink.errors import BlinkError
 from blink.kernels import ops_for
 from blink.kernels.sampling_reference import argmax_rows
-from blink.engine.grammar import GrammarBatch
+from blink.engine.token_mask import MaskBatch
 from blink.shared.sampling_fields import SAMPLER_FIELDS
 
 _TORCH_DTYPES = {"<i4": torch.int32, "<i8": torch.int64, "<f4": torch.float32}
@@ -264,16 +266,16 @@ class SamplerPlan:
     any_top_logprobs: bool = True
     any_logit_bias: bool = True
     any_suppress: bool = True
-    any_grammar: bool = True  # any row constrained by a structured-output automaton
+    any_constrained: bool = True  # any row constrained by a structured-output token mask
 
     @classmethod
     def of(cls, st: SamplingTensors, suppress_ids: torch.Tensor | None = None,
-           grammar_entry: torch.Tensor | None = None) -> "SamplerPlan":
-        """Read the batch's parameters (a host read: CPU tensors only). Without the rows'
-        ``grammar_entry`` the plan keeps the grammar stage."""
+           constrained: torch.Tensor | None = None) -> "SamplerPlan":
+        """Read the batch's parameters (a host read: CPU tensors only). ``constrained``: the
+        rows' request field (None: no row is constrained)."""
         fields = {f.name: getattr(st, f.name) for f in SAMPLER_FIELDS}
-        fields["grammar_entry"] = (grammar_entry if grammar_entry is not None
-                                   else torch.zeros_like(st.top_k))
+        fields["constrained"] = (constrained if constrained is not None
+                                 else torch.zeros_like(st.top_k))
         return cls.from_features(row_features(fields), suppress_ids)
 
     @classmethod
@@ -292,7 +294,7 @@ class SamplerPlan:
 
 #: The plan flags a row's feature word carries, bit i = _FEATURES[i] (any_suppress is per step).
 _FEATURES = ("any_random", "any_filter", "any_penalty", "any_top_logprobs", "any_logit_bias",
-             "any_grammar")
+             "any_constrained")
 _BITS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -312,7 +314,7 @@ def row_features(fields) -> torch.Tensor:
     penalty = ((fields["repetition_penalty"] != 1) | (fields["presence_penalty"] != 0)
                | (fields["frequency_penalty"] != 0))
     used = (random, filtered, penalty, fields["logprobs"] > 0,
-            (fields["logit_bias_ids"] >= 0).any(-1), fields["grammar_entry"] >= 0)
+            (fields["logit_bias_ids"] >= 0).any(-1), fields["constrained"] != 0)
     word = torch.zeros_like(random, dtype=torch.int32)
     for i, flag in enumerate(used):
         word = word | (flag.to(torch.int32) << i)
@@ -363,7 +365,7 @@ class Sampler:
         step_counters: torch.Tensor,
         suppress_ids: torch.Tensor | None = None,
         plan: SamplerPlan | None = None,
-        grammar: GrammarBatch | None = None,
+        masks: MaskBatch | None = None,
     ) -> SamplerOutput:
         """Sample one token per row.
 
@@ -378,15 +380,18 @@ class Sampler:
                                   n > 1 request need distinct seeds.
         suppress_ids  i32 [B, S]  optional ids to forbid this step (-1 = padding)
         plan          optional host-side :class:`SamplerPlan` (CPU loop) to skip no-op stages
-        grammar       optional structured-output automata of the rows
-                      (:class:`blink.engine.grammar.GrammarBatch`): tokens a row's state
-                      forbids are masked before anything else, raw logprobs included
+        masks         optional structured-output token masks of the rows
+                      (:class:`blink.engine.token_mask.MaskBatch`): after the gate, tokens a
+                      row's mask forbids are masked before anything else, raw logprobs
+                      included; a row whose mask is missing gets token -1
         """
         plan = plan or _FULL_PLAN
         ops = self.ops_for(logits.device)
         logits = logits.float()
-        if grammar is not None and plan.any_grammar and grammar.any_constrained:  # host-side
-            logits = grammar.apply(ops.apply_grammar_mask, logits)
+        missing = None
+        if masks is not None and plan.any_constrained:  # host-side choices
+            if masks.rows is None or masks.rows.numel():
+                logits, missing = masks.apply(ops, logits)
         # Raw logprobs are x - logsumexp(x): one reduction instead of a [B, V] log_softmax.
         raw_logits = logits
         log_norm = ops.logsumexp_rows(raw_logits)
@@ -420,6 +425,8 @@ class Sampler:
             tokens = torch.where(is_greedy, greedy_tokens, sampled_tokens)
 
         logprob = (raw_logits.gather(-1, tokens.unsqueeze(-1)) - log_norm).squeeze(-1)
+        if missing is not None:  # not sampled: the scheduler finishes these rows with an error
+            tokens = torch.where(missing, -1, tokens)
         # A vocabulary smaller than N (tiny test models) leaves the tail as padding.
         if not plan.any_top_logprobs:  # no row asks for alternatives: none to compute or publish
             none = torch.empty(logits.shape[0], 0, dtype=torch.int64, device=logits.device)

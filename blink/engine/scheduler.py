@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 
 from blink.engine import prefix_cache
-from blink.engine.grammar import GrammarRows
+from blink.engine.token_mask import MaskBatch, mask_batch
 from blink.engine.sampler import SamplingTensors, row_features
 from blink.shared.sampling_fields import SAMPLER_FIELDS
 from blink.engine.state import (
@@ -203,6 +203,7 @@ class Scheduler:
         ring_tensors: dict[str, torch.Tensor],
         device: torch.device | str = "cpu",
         host_guards: bool | None = None,
+        fused: bool = False,
     ) -> None:
         self.config = config
         self.device = torch.device(device)
@@ -221,8 +222,6 @@ class Scheduler:
         self.stream_capacity = ring_cfg.stream_capacity
         self.num_top = max(ring_cfg.max_logprobs, 1)
         self.state = EngineState.allocate(config, ring_cfg, self.device)
-        # Structured outputs: per-row automaton states over the ring's grammar region.
-        self.grammar = GrammarRows(ring_tensors["grammar_region"], S, self.device)
 
         # The slot state words, addressed through one int32 view of the whole region so that
         # lanes with nothing to publish can write a scratch word instead (see _publish_state).
@@ -266,6 +265,21 @@ class Scheduler:
         self._hash = prefix_cache.hash_constants(M * B, dev)
         # Between a ring payload and the word that publishes it (module docstring).
         self._fence = system_fence_for(dev, region)
+        #: the fused Triton stages (``blink.kernels.triton_sched``, issue 32) in place of this
+        #: tensor code for the stages they implement; on CPU tensors under TRITON_INTERPRET=1.
+        #: They work on the whole slot table (no row window).
+        self.fused = bool(fused)
+        if self.fused:
+            from blink.kernels import triton_sched  # noqa: PLC0415 - Triton only when asked for
+
+            self._triton = triton_sched
+            self._batch_out = triton_sched.BatchBuffers(S, config.max_num_batched_tokens, dev)
+            self._scratch = torch.zeros(S, dtype=torch.int64, device=dev)
+            self._stat_consts = dict(
+                ROW_RUNNING=ROW_RUNNING, ROW_WAITING=ROW_WAITING, ROW_EMPTY=ROW_EMPTY,
+                ROW_RELEASING=ROW_RELEASING, SLOT_WRITTEN=SLOT_WRITTEN, K_QUERIES=K_PREFIX_QUERIES,
+                K_HITS=K_PREFIX_HITS, K_PREEMPTIONS=K_PREEMPTIONS, K_STEPS=K_STEPS,
+                K_PROMPT=K_PROMPT_TOKENS, K_GENERATED=K_GENERATED_TOKENS)
 
     # ------------------------------------------------------------------------------ step
 
@@ -340,15 +354,17 @@ class Scheduler:
         r = rows[lane].clamp(min=0)
         tok = tokens.long()[lane]
 
+        # Token -1: a constrained row whose mask did not arrive at the sampling gate
+        # (blink.engine.token_mask): nothing is published, the row finishes with an error.
+        no_mask = live & (tok < 0)
+        live = live & ~no_mask
+        tok = tok.clamp(min=0)
+        n_published = (live & (w.rows[:R] < n_live)).sum()  # padding lanes repeat a live one
+
         row_tokens = st.num_tokens[r]
         n_out_before = row_tokens - st.num_prompt[r]
         sink = st.tokens.shape[1] - 1
         st.tokens.index_put_((r, torch.where(live, row_tokens, sink)), tok.to(st.tokens.dtype))
-        # Constrained rows step their automaton; a batch without one skips the binary search
-        # (~150 ops) on the host; in graphs it runs and leaves unconstrained rows unchanged.
-        entry = st.sampling["grammar_entry"]
-        if self._when((live & (entry[r] >= 0)).any()):
-            self.grammar.advance(r, live, entry, tok)
         row_tokens = row_tokens + live.long()
         st.num_tokens.index_put_((r,), row_tokens)
 
@@ -366,7 +382,7 @@ class Scheduler:
             self._stream_write("top_logprobs", r, at, top_l, live)
         self._fence()
         produced.index_put_((r,), produced[r] + live.long())
-        st.counters[K_GENERATED_TOKENS] += n_live
+        st.counters[K_GENERATED_TOKENS] += n_published
 
         sp = st.sampling
         stop_token = (sp["stop_token_ids"][r] == tok.unsqueeze(1)).any(1) | (
@@ -377,11 +393,11 @@ class Scheduler:
         length = live & (
             ((max_tokens > 0) & (n_out_before + 1 >= max_tokens)) | (row_tokens >= cfg.max_model_len)
         )
-        done_lane = stop | length
+        done_lane = stop | length | no_mask
         if self._when(done_lane.any()):
             done = torch.zeros_like(w.rows, dtype=torch.bool).index_put_((r,), done_lane)
             reason = torch.full_like(w.rows, FINISH_LENGTH).index_put_(
-                (r,), torch.where(stop, FINISH_STOP, FINISH_LENGTH))
+                (r,), torch.where(no_mask, FINISH_ERROR, torch.where(stop, FINISH_STOP, FINISH_LENGTH)))
             self._finish(done, reason)
         self._write_stats()
 
@@ -398,6 +414,13 @@ class Scheduler:
         too_early = (total_lens - prompt_lens) < sp["min_tokens"][r]
         suppress_ids = torch.where(too_early.unsqueeze(1), suppress, -1).to(torch.int32)
         return SamplerInputs(sampling, prompt_lens, total_lens, suppress_ids, st.sampler_features[r])
+
+    def token_masks(self, batch: StepBatch, rows: int, host_rows: bool = False) -> MaskBatch:
+        """The structured-output masks of the first ``rows`` sample rows
+        (:mod:`blink.engine.token_mask`); ``host_rows``: CPU loop only."""
+        st = self.state
+        return mask_batch(self.ring, st.sampling["constrained"], st.num_tokens, st.num_prompt,
+                          self.sample_rows(batch, rows), self.config.mask_timeout_s, host_rows)
 
     def token_history(self, batch: StepBatch, rows: int | None = None) -> torch.Tensor:
         """int32 [rows, max_model_len]: prompt + output tokens of the first ``rows`` sample
@@ -441,7 +464,7 @@ class Scheduler:
         """This step's row window: the smallest size that holds every row in use and every
         slot the frontend has written (module docstring, "Row window"). A host read, CPU loop
         only; otherwise the whole table."""
-        if not self.host_guards:
+        if not self.host_guards or self.fused:
             return self._window(self.num_slots)
         in_use = (self.state.status != ROW_EMPTY) | (slot_state == SLOT_WRITTEN)
         last = int(torch.where(in_use, self._all_rows, -1).max())
@@ -507,7 +530,6 @@ class Scheduler:
             mask = admit.view(S, *([1] * (dst.dim() - 1)))
             dst.copy_(torch.where(mask, ring[name].to(dtype), dst))
         st.sampler_features.copy_(torch.where(admit, row_features(st.sampling), st.sampler_features))
-        self.grammar.admit(admit, st.sampling["grammar_entry"])
         st.arrival.copy_(torch.where(admit, ring["arrival"], st.arrival))
         st.num_prompt.copy_(torch.where(admit, plen, st.num_prompt))
         st.num_tokens.copy_(torch.where(admit, plen, st.num_tokens))
@@ -558,7 +580,7 @@ class Scheduler:
 
     def _admit_kv_ready(self, cancel: torch.Tensor) -> None:
         """KV ready: the row starts with computed = prompt_len and the prefill engine's first
-        token appended (its grammar state advanced by it), so its next step decodes. A row
+        token appended, so its next step decodes. A row
         cancelled while it waited finishes with ABORT now."""
         w = self._w
         st = w.state
@@ -568,7 +590,6 @@ class Scheduler:
         sink = st.tokens.shape[1] - 1
         col = torch.where(go, st.num_prompt, sink)
         st.tokens.index_put_((w.rows, col), torch.where(go, first, st.tokens[w.rows, col]))
-        self.grammar.advance(w.rows, go, st.sampling["grammar_entry"], first.long())
         st.num_tokens.copy_(torch.where(go, st.num_prompt + 1, st.num_tokens))
         st.num_computed.copy_(torch.where(go, st.num_prompt, st.num_computed))
         st.status.masked_fill_(go, ROW_WAITING)
@@ -723,6 +744,16 @@ class Scheduler:
         w, cfg = self._w, self.config
         st = w.state
         S, N, B = w.size, cfg.num_blocks, cfg.block_size
+        if self.fused:
+            o = self._batch_out
+            self._triton.build_batch(num_new, st.num_computed, st.num_tokens, st.tokens, st.block_table,
+                                     self._buckets, o, N, B)
+            attn = AttentionMetadata(slot_mapping=o.slot_mapping, positions=o.positions, token_seq_idx=o.seq_idx,
+                                     query_start_loc=o.query_start_loc, seq_lens=o.seq_lens,
+                                     block_tables=st.block_table)
+            return StepBatch(input_ids=o.input_ids, attn=attn, num_scheduled_tokens=o.total,
+                             bucket_index=o.bucket, num_new_tokens=num_new, sample_rows=o.sample_rows,
+                             num_sample_rows=o.num_sample_rows, logits_indices=o.logits_indices)
         ends = num_new.cumsum(0)
         query_start_loc = F.pad(ends, (1, 0))
         total = ends[-1]
@@ -791,6 +822,11 @@ class Scheduler:
         w, cfg = self._w, self.config
         st = w.state
         N, M = cfg.num_blocks, cfg.max_blocks_per_seq
+        if self.fused:
+            self._triton.release(st.status, st.num_blocks, st.num_prompt, st.num_tokens, st.num_computed,
+                                 st.block_table_flat, st.block_ref, st.block_last_used, st.step, self._scratch,
+                                 M, N, self._release_cols.shape[0], ROW_RELEASING, ROW_EMPTY)
+            return
         releasing = st.status == ROW_RELEASING
         count = torch.where(releasing, st.num_blocks, 0)
         ends = count.cumsum(0)
@@ -849,6 +885,10 @@ class Scheduler:
         """Mirror the gauges and counters into the ring control block."""
         w, cfg = self._w, self.config
         st = w.state
+        if self.fused:
+            self._triton.write_stats(st.status, w.ring["state"], st.block_ref, st.counters, self.ring["control"],
+                                     self._stat_words, cfg.num_blocks, self._stat_consts)
+            return
         unadmitted = ((w.ring["state"] == SLOT_WRITTEN)
                       & ((st.status == ROW_EMPTY) | (st.status == ROW_RELEASING))).sum()
         c = st.counters

@@ -91,6 +91,8 @@ class SchedulerConfig:
     eos_token_ids: ids that end a request (unless ``ignore_eos``).
     buckets: token counts graphs are captured for (default: :func:`default_buckets`).
     prefix_probes: probe window of the open-addressing prefix-cache table.
+    mask_timeout_s: how long a constrained row waits at the sampling gate for the frontend's
+        token mask before it finishes with an error (blink.engine.token_mask).
     """
 
     block_size: int = 16
@@ -105,6 +107,7 @@ class SchedulerConfig:
     admit_window_tokens: int | None = None
     lookup_window_blocks: int | None = None
     release_window_blocks: int | None = None
+    mask_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
@@ -119,6 +122,8 @@ class SchedulerConfig:
                 f"scheduler config: num_blocks ({self.num_blocks}) must hold one max_model_len "
                 f"sequence ({self.max_blocks_per_seq} blocks of {self.block_size})"
             )
+        if not self.mask_timeout_s > 0:
+            raise BlinkError(f"scheduler config: mask_timeout_s must be positive, got {self.mask_timeout_s!r}")
         buckets = tuple(self.buckets) if self.buckets else default_buckets(self.max_num_batched_tokens)
         if list(buckets) != sorted(set(buckets)) or buckets[-1] != self.max_num_batched_tokens:
             raise BlinkError(

@@ -84,11 +84,10 @@ def model_phase(
     history = scheduler.token_history(batch, rows) if plan is None or plan.any_penalty else None
     if inputs is None:
         inputs = scheduler.sampler_inputs(batch, rows)
-    # CPU loop: no automata to gather when the plan has no constrained row; otherwise the
+    # CPU loop: no masks to gather when the plan has no constrained row; otherwise the
     # constrained rows found on the host, so only their logits are masked.
-    grammar = None if plan is not None and not plan.any_grammar else scheduler.grammar.batch(
-        scheduler.state.sampling["grammar_entry"], scheduler.sample_rows(batch, rows),
-        host_rows=compact and plan is not None)
+    masks = None if plan is not None and not plan.any_constrained else scheduler.token_masks(
+        batch, rows, host_rows=compact and plan is not None)
     out = sampler(
         logits,
         inputs.sampling,
@@ -98,7 +97,7 @@ def model_phase(
         inputs.total_lens,
         inputs.suppress_ids,
         plan=plan,
-        grammar=grammar,
+        masks=masks,
     )
     scheduler.update(batch, out.tokens, out.logprob, out.top_ids, out.top_logprobs, num_tokens=tokens)
 

@@ -21,8 +21,9 @@ Ring conventions (what the frontend writes, the engine reads):
 - ``seed``: always set; a request without one gets a random 63-bit seed in the packing.
 - ``max_tokens``: always concrete (``max_model_len - prompt_len`` when the request gave none).
 - vectors (``stop_token_ids``, ``logit_bias_*``): ``pad`` in unused entries.
-- ``grammar_entry``: -1, or where the frontend wrote the request's structured-output automaton
-  (written before the record, so the slot's state word publishes both).
+- ``constrained``: 1 when the frontend publishes a token mask for the request (the ring's
+  mask area and ``mask_epoch``; the first mask is written before the record, so the slot's
+  state word publishes both), 0 otherwise.
 """
 from __future__ import annotations
 
@@ -77,9 +78,9 @@ SAMPLING_FIELDS: tuple[SamplingField, ...] = (
                   doc="token ids whose logits get a bias"),
     SamplingField("logit_bias_values", "<f4", width="max_logit_bias", pad=0.0,
                   doc="the bias added to logit_bias_ids' logits"),
-    SamplingField("grammar_entry", "<i4", pad=-1, sampler=False,
-                  doc="word offset of the request's compiled automaton in the ring's grammar "
-                      "region (blink.ring G_*), -1 = unconstrained"),
+    SamplingField("constrained", "<i4", sampler=False,
+                  doc="1: the sampler masks the row with the slot's token mask from the ring's "
+                      "mask area, once its mask_epoch equals the row's output count; 0 = free"),
 )
 
 FIELDS_BY_NAME: dict[str, SamplingField] = {f.name: f for f in SAMPLING_FIELDS}

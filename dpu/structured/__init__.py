@@ -1,4 +1,6 @@
-"""Structured outputs on the frontend: a constraint (:class:`blink.shared.structured_outputs.
-StructuredOutputs`) -> a regex (:mod:`.regex`) -> a token automaton for the model's vocabulary
-(:mod:`.compiler`, outlines-core) -> an entry of the ring's grammar region (:mod:`.region`).
-Torch-free, like the rest of the frontend."""
+"""Structured outputs on the frontend (torch-free): a constraint
+(:class:`blink.shared.structured_outputs.StructuredOutputs`) -> an llguidance grammar
+(:mod:`.grammar`) -> checked in a killable worker process under time and memory limits and
+cached (:mod:`.workers`) -> one matcher per request that follows the engine's tokens and
+writes each next-token mask into the ring (:mod:`.masker`). docs/architecture.md,
+"Structured outputs"."""

@@ -2,11 +2,12 @@
 
 Accepted, as vLLM names them: ``response_format`` ``{"type": "json_object"}`` and
 ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`` (the schema is
-always enforced, so ``strict`` false gets the strict behaviour), ``structured_outputs``
-(``json``, ``regex``, ``choice``, ``json_object``) and the older ``guided_json``,
-``guided_regex``, ``guided_choice``. Refused with a 400 naming the field: ``guided_grammar``,
-``structured_outputs.grammar`` / ``structural_tag``, ``guided_whitespace_pattern``, other
-``response_format`` types, and more than one of these at once.
+always enforced, so ``strict`` false gets the strict behaviour) and ``{"type":
+"structural_tag", "structures", "triggers"}``, ``structured_outputs`` (``json``, ``regex``,
+``choice``, ``json_object``, ``grammar``, ``structural_tag`` and the whitespace options) and
+the older ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` (with
+``guided_whitespace_pattern`` for JSON). Refused with a 400 naming the field: other
+``response_format`` types, and more than one constraint at once.
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ def _response_format(rf: dict[str, Any]) -> StructuredOutputs | None:
         return None
     if kind == "json_object":
         return _build("response_format", json_object=True)
+    if kind == "structural_tag":
+        return _build("response_format", structural_tag=rf)
     if kind == "json_schema":
         spec = rf.get("json_schema")
         if not isinstance(spec, dict):
@@ -51,20 +54,13 @@ def _response_format(rf: dict[str, Any]) -> StructuredOutputs | None:
                 "response_format.json_schema.schema is required.", "response_format")
         return _build("response_format", json=schema)
     raise StructuredRequestError(
-        f"response_format type {kind!r} is not supported; use 'text', 'json_object' or "
-        "'json_schema'.", "response_format")
+        f"response_format type {kind!r} is not supported; use 'text', 'json_object', "
+        "'json_schema' or 'structural_tag'.", "response_format")
 
 
 def structured_outputs_of(req: Any) -> StructuredOutputs | None:
     """The constraint a chat or completions request asks for, or None."""
-    if getattr(req, "guided_grammar", None) is not None:
-        raise StructuredRequestError(
-            "guided_grammar (EBNF grammars) is not supported; use guided_json, guided_regex or "
-            "guided_choice.", "guided_grammar")
-    if getattr(req, "guided_whitespace_pattern", None) is not None:
-        raise StructuredRequestError(
-            "guided_whitespace_pattern is not supported (JSON whitespace is at most one space).",
-            "guided_whitespace_pattern")
+    ws = getattr(req, "guided_whitespace_pattern", None)
     given: list[tuple[str, StructuredOutputs]] = []
     rf = getattr(req, "response_format", None)
     if rf is not None:
@@ -77,11 +73,18 @@ def structured_outputs_of(req: Any) -> StructuredOutputs | None:
         except StructuredOutputsError as exc:
             raise StructuredRequestError(str(exc), "structured_outputs") from None
     if getattr(req, "guided_json", None) is not None:
-        given.append(("guided_json", _build("guided_json", json=req.guided_json)))
+        given.append(("guided_json", _build("guided_json", json=req.guided_json,
+                                            whitespace_pattern=ws)))
+    elif ws is not None:
+        raise StructuredRequestError(
+            "guided_whitespace_pattern applies to guided_json only (structured_outputs takes "
+            "whitespace_pattern).", "guided_whitespace_pattern")
     if getattr(req, "guided_regex", None) is not None:
         given.append(("guided_regex", _build("guided_regex", regex=req.guided_regex)))
     if getattr(req, "guided_choice", None) is not None:
         given.append(("guided_choice", _build("guided_choice", choice=tuple(req.guided_choice))))
+    if getattr(req, "guided_grammar", None) is not None:
+        given.append(("guided_grammar", _build("guided_grammar", grammar=req.guided_grammar)))
     if len(given) > 1:
         names = ", ".join(name for name, _ in given)
         raise StructuredRequestError(
