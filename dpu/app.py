@@ -30,7 +30,8 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.routing import APIRoute
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -42,6 +43,12 @@ from blink.dpu.errors import APIError
 from blink.dpu.limits import RequestLimits
 from blink.dpu.metrics import FrontendMetrics
 from blink.dpu.protocol import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
+from blink.dpu import openapi
+from blink.dpu.protocol import (
+    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
+    DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest,
+)
+from blink.dpu.responses import ResponsesRequest
 from blink.dpu.request_log import LoggedEngineClient, RequestLogConfig
 from blink.dpu.responses import ResponsesServing
 from blink.dpu.serving import OpenAIServing
@@ -103,6 +110,18 @@ class RequestIdMiddleware:
                                    scope.get("method"), path, scope.get("http_version", "1.1"),
                                    status, (time.perf_counter() - start) * 1e3, rid)
             current_request_id.reset(token)
+
+
+class Health(BaseModel):
+    """``GET /health`` while the engine is healthy."""
+
+    status: str = "ok"
+
+
+class VersionInfo(BaseModel):
+    """``GET /version``."""
+
+    version: str
 
 
 @dataclass(frozen=True)
@@ -329,6 +348,11 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, *, model_name: str | 
             raise errors.unauthorized()
 
     auth = [Depends(require_api_key)]
+    # What /openapi.json says each route answers besides 200 (blink.dpu.openapi)
+    authed = (401,) if api_key is not None else ()
+    openapi.install(app, [ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                          CompletionResponse, ResponsesRequest, TokenizeCompletionRequest,
+                          TokenizeChatRequest, DetokenizeRequest])
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -366,51 +390,70 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, *, model_name: str | 
         async def redoc_docs() -> HTMLResponse:
             return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions", dependencies=auth,
+              openapi_extra=openapi.json_body(ChatCompletionRequest),
+              responses={**openapi.json_or_stream(ChatCompletionResponse, "The completion"),
+                         **openapi.errors(400, *authed, 404, 413)})
     async def chat_completions(request: Request) -> Response:
         return await serving.chat(request)
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions", dependencies=auth,
+              openapi_extra=openapi.json_body(CompletionRequest),
+              responses={**openapi.json_or_stream(CompletionResponse, "The completion"),
+                         **openapi.errors(400, *authed, 404, 413)})
     async def completions(request: Request) -> Response:
         return await serving.completions(request)
 
-    @app.post("/v1/responses", dependencies=auth)
+    @app.post("/v1/responses", dependencies=auth,
+              openapi_extra=openapi.json_body(ResponsesRequest),
+              responses={**openapi.json_or_stream(None, "The response object"),
+                         **openapi.errors(400, *authed, 404, 413)})
     async def create_response(request: Request) -> Response:
         return await responses.create(request)
 
     def model_card() -> ModelCard:
         return ModelCard(id=name, root=name, max_model_len=engine.max_model_len)
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models", dependencies=auth, responses=openapi.errors(*authed))
     async def models() -> ModelList:
         return ModelList(data=[model_card()])
 
-    @app.get("/v1/models/{model_id:path}", dependencies=auth)
+    @app.get("/v1/models/{model_id:path}", dependencies=auth,
+             responses=openapi.errors(*authed, 404))
     async def model(model_id: str) -> ModelCard:
         if model_id != name:
             raise errors.model_not_found(model_id)
         return model_card()
 
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": blink_version()}
+    @app.get("/version", responses=openapi.errors())
+    async def version() -> VersionInfo:
+        return VersionInfo(version=blink_version())
 
-    @app.post("/tokenize", dependencies=auth)
+    @app.post("/tokenize", dependencies=auth,
+              openapi_extra=openapi.json_body(TokenizeCompletionRequest, TokenizeChatRequest),
+              responses=openapi.errors(400, *authed, 404, 413))
     async def tokenize(request: Request) -> TokenizeResponse:
         return await serving.tokenize(request)
 
-    @app.post("/detokenize", dependencies=auth)
+    @app.post("/detokenize", dependencies=auth,
+              openapi_extra=openapi.json_body(DetokenizeRequest),
+              responses=openapi.errors(400, *authed, 404, 413))
     async def detokenize(request: Request) -> DetokenizeResponse:
         return await serving.detokenize(request)
 
-    @app.get("/health")
-    async def health() -> Response:
+    @app.get("/health", responses=openapi.errors())
+    async def health() -> Health:
+        """200 ``{"status": "ok"}`` while the engine is healthy; 503 (an OpenAI-style error)
+        while it starts, stalls, restarts or is gone (docs/architecture.md, "Engine health")."""
         if not engine.is_healthy():
-            return errors.engine_unavailable(
-                "The engine is not healthy (heartbeat stale).").response()
-        return Response(status_code=200)
+            raise errors.engine_unavailable("The engine is not healthy (heartbeat stale).")
+        return Health()
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={
+        200: {"description": "Prometheus text exposition: vLLM's series under `blink:`, "
+                             "Blink's own (engine, ring, HTTP connections, host threads)",
+              "content": {"text/plain": {"schema": {"type": "string"}}}},
+        **openapi.errors()})
     async def prometheus_metrics() -> Response:
         metrics.before_scrape()
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -13,7 +13,23 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+
+
+class ErrorDetail(BaseModel):
+    """The ``error`` object of an error answer."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """An error answer's body, as every route sends it (the published schema)."""
+
+    object: str = "error"
+    error: ErrorDetail
 
 
 class APIError(Exception):
