@@ -22,7 +22,7 @@ from blink.cli_args import (
 )
 from blink.errors import BlinkError
 from blink.logs import configure_logging
-from blink.supervision import watch_supervisor
+from blink.supervision import raise_open_files_limit, watch_supervisor
 from blink.threads.roles import set_thread_name
 from blink.threads.runtime import load_thread_policy, start_thread_policy
 
@@ -139,8 +139,6 @@ def http_capacity(args: argparse.Namespace) -> int:
     """Raise the soft open-files limit to the hard one (each connection holds a descriptor;
     the usual soft default, 1024, is what ~1,000 idle connections exhaust), then the
     connection cap it leaves: said in one line, or a :class:`BlinkError` if too few."""
-    from blink.dpu.http_server import raise_open_files_limit
-
     before = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     soft, hard = raise_open_files_limit()
     limits = connection_limits(args)

@@ -49,7 +49,12 @@ from blink.cli_args import (
 )
 from blink.errors import BlinkError
 from blink.logs import configure_logging
-from blink.supervision import SUPERVISOR_PID_ENV, child_preexec, watch_supervisor
+from blink.supervision import (
+    SUPERVISOR_PID_ENV,
+    child_preexec,
+    raise_open_files_limit,
+    watch_supervisor,
+)
 from blink.threads.roles import set_thread_name
 from blink.threads.runtime import SNAPSHOT_ENV, load_thread_policy, start_thread_policy
 
@@ -146,6 +151,7 @@ def run_engine(args: argparse.Namespace) -> int:
 
         FabricConfig.load(args.fabric).sender_id(getattr(args, "fabric_sender", None))
     supervisor_gone = watch_supervisor("engine")  # die with the blink serve that started us
+    raise_open_files_limit()  # bootstrap peers and KV peers hold descriptors too
     thread_policy = load_thread_policy(getattr(args, "thread_policy", None))  # a bad file: now
     set_thread_name("blink-engine")
     from blink.engine.factory import create_engine
@@ -661,6 +667,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         resolve_model(args.model)
     set_thread_name("blink-serve")
+    raise_open_files_limit()  # the children inherit it (the frontend's connections need it)
     # A bad policy file fails here, before anything starts; the supervisor's own threads get
     # it too. The engine publishes its threads' snapshot in a file the frontend's /metrics reads.
     threads = start_thread_policy("supervisor", load_thread_policy(getattr(args, "thread_policy", None)))

@@ -83,6 +83,26 @@ def watch_supervisor(what: str, on_orphan: Callable[[], None] | None = None
     return gone
 
 
+def raise_open_files_limit() -> tuple[int, int]:
+    """Raise this process's soft descriptor limit (RLIMIT_NOFILE) to its hard limit, as
+    servers do (the usual soft default, 1024, is what ~1,000 idle connections exhaust; the
+    children of ``blink serve`` inherit it). Returns (soft, hard) as they are afterwards.
+    Never lowers anything; a refusal (a sandbox) is logged and the limit kept."""
+    import logging
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:  # pragma: no cover - e.g. a sandbox refusing it
+            logging.getLogger("blink.serve").warning(
+                "could not raise the open-files limit from %d to %d: %s", soft, target, exc)
+    return soft, hard
+
+
 def child_processes(pid: int, *, recursive: bool = False) -> list[int]:
     """The live children of ``pid`` (every descendant with ``recursive``), read from /proc
     (Linux; no psutil). Zombies and dead processes are left out. For whoever checks on a

@@ -62,22 +62,6 @@ OVER_CAP_RETRY_AFTER_S = 1
 _LOG_EVERY_S = 10.0
 
 
-def raise_open_files_limit() -> tuple[int, int]:
-    """Raise this process's soft descriptor limit (RLIMIT_NOFILE) to its hard limit, as
-    servers do (the usual soft default, 1024, is what ~1,000 idle connections exhaust).
-    Returns (soft, hard) as they are afterwards. Never lowers anything."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or hard > soft:
-        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (ValueError, OSError) as exc:  # pragma: no cover - e.g. a sandbox refusing it
-            logger.warning("could not raise the open-files limit from %d to %d: %s", soft, target,
-                           exc)
-    return soft, hard
-
-
 @dataclass(frozen=True)
 class ConnectionLimits:
     """The HTTP server's per-connection bounds (``blink serve`` flags of the same names)."""

@@ -107,7 +107,8 @@ def _main(argv: list[str]) -> None:
     if connections is None:
         uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
         return
-    from blink.dpu.http_server import ConnectionLimits, raise_open_files_limit, uvicorn_config
+    from blink.dpu.http_server import ConnectionLimits, uvicorn_config
+    from blink.supervision import raise_open_files_limit
 
     raise_open_files_limit()
     config = uvicorn_config(app, ConnectionLimits(**connections), host="127.0.0.1", port=port,

@@ -246,3 +246,13 @@ def test_systemd_unit_runs_a_valid_command_line():
     assert argv[0].endswith("/blink")
     args = parse_args(argv[1:])
     assert args.command == "serve" and args.host == "0.0.0.0"
+
+
+def test_systemd_unit_gives_the_frontend_its_connections():
+    """LimitNOFILE leaves room for the default --max-connections (issue 34: with the usual
+    1024, ~1,000 idle connections locked every client out)."""
+    from blink.dpu.http_server import DEFAULT_MAX_CONNECTIONS, ConnectionLimits
+
+    unit = (DEPLOY / "systemd" / "blink.service").read_text()
+    [limit] = re.findall(r"^LimitNOFILE=(\d+)$", unit, re.M)
+    assert ConnectionLimits().connection_cap(int(limit)) == DEFAULT_MAX_CONNECTIONS
