@@ -268,4 +268,6 @@ def _schema_problem(schema_json: str) -> str | None:
     except jsonschema.SchemaError as e:
         path = "/".join(str(p) for p in e.absolute_path)
         return f"{e.message}" + (f" (at {path})" if path else "")
+    except RecursionError:  # the meta-schema check recurses per level of the schema
+        return "it is nested too deeply"
     return None

@@ -257,6 +257,11 @@ def _nested_bodies(path: str) -> list[str]:
         bodies.append(json.dumps({"messages": [
             *MESSAGES, {"role": "assistant", "content": "", "tool_calls": [call]},
             {"role": "user", "content": "more"}]}))
+        # a tool schema just under the JSON parser's depth limit: deep for the meta-schema check
+        schema = ('{"type": "object", "properties": {"a": ' + '{"type": "array", "items": ' * 190
+                  + "{}" + "}" * 190 + "}}")
+        bodies.append('{"messages": %s, "tools": [{"type": "function", "function": '
+                      '{"name": "f", "parameters": %s}}]}' % (json.dumps(MESSAGES), schema))
     return bodies
 
 
