@@ -1,0 +1,141 @@
+"""The fused Triton scheduler stages (``Scheduler(fused=True)``, kernels/triton_sched.py) on
+the scheduler tests' own workloads, on CPU tensors under the Triton interpreter: the same
+streams (tokens, logprobs, alternatives, finish reasons) as the reference, every invariant
+the reference's tests check, the property test's random workloads included.
+
+The fused path works on the whole slot table (no row window) and runs its stages whatever
+the host guards say, so each workload also runs in the captured configuration
+(``host_guards=False``)."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
+import test_scheduler as ts  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+
+from blink.engine.scheduler import Scheduler  # noqa: E402
+from blink.engine.state import K_PREEMPTIONS, K_PREFIX_HITS, ring_tensors  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("the fused stages were imported without TRITON_INTERPRET=1", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def fused_scheduler(monkeypatch):
+    monkeypatch.setattr(ts, "Scheduler", functools.partial(Scheduler, fused=True))
+
+
+def _state(sched: Scheduler) -> dict[str, torch.Tensor]:
+    """The engine state without its write sinks (the last token column, the last entry of
+    the block arrays, the table and the prefix table: lanes with nothing to write go there,
+    and what they leave is nobody's value)."""
+    st = sched.state
+    out = {f.name: getattr(st, f.name) for f in dataclasses.fields(st)
+           if isinstance(getattr(st, f.name), torch.Tensor)}
+    out["tokens"] = st.tokens[:, :-1]
+    out["block_table"] = out["block_table_flat"] = st.block_table_flat[:-1]
+    for name in ("block_ref", "block_last_used", "block_key", "block_slot", "block_parent", "block_gen",
+                 "block_parent_gen", "block_tokens", "hash_table", "insert_best"):
+        out[name] = out[name][:-1]
+    out.update({f"sampling.{k}": v for k, v in st.sampling.items()})
+    return out
+
+
+def _batch(batch) -> dict[str, torch.Tensor]:
+    out = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if f.name != "attn"}
+    out.update({f"attn.{f.name}": getattr(batch.attn, f.name) for f in dataclasses.fields(batch.attn)
+                if isinstance(getattr(batch.attn, f.name), torch.Tensor)})
+    return out
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, f"{what} {k}: dtype/shape"
+        assert torch.equal(a[k], b[k]), f"{what} {k} differs:\n{a[k]}\n{b[k]}"
+
+
+@pytest.mark.parametrize("seed,pool,guards", [(0, 32, False), (1, 14, False), (2, 32, True)])
+def test_fused_stages_match_the_reference_step_by_step(seed, pool, guards):
+    """The reference and the fused scheduler side by side over one workload (prefix hits,
+    preemption in the small pool, finishes and releases, cancels): every step's batch, the
+    whole engine state and the whole ring region are identical."""
+    rng = np.random.default_rng(seed)
+    cfg = ts._cfg(num_blocks=pool, max_admit_per_step=3)
+    reqs = ts._random_reqs(rng, 10, cfg.max_model_len, shared=12)
+    reqs[3].cancel_step = 4
+    twins = [copy.deepcopy(reqs) for _ in range(2)]
+    rings = [ts.make_ring(4, cfg.max_model_len, 4, None) for _ in range(2)]
+    scheds = [Scheduler(cfg, ring_tensors(rings[0]), host_guards=guards),
+              Scheduler(cfg, ring_tensors(rings[1]), host_guards=False, fused=True)]
+    models = [ts.FakeModel(cfg, 4) for _ in range(2)]
+    fes = [ts.Frontend(r) for r in rings]
+    queues = [sorted(t, key=lambda r: r.submit_step) for t in twins]
+    for step in range(400):
+        if all(len(fe.done) == len(reqs) for fe in fes) and all(
+                bool((s.state.status == ts.ROW_EMPTY).all()) for s in scheds):
+            break
+        batches = []
+        for fe, queue, sched, model, twin in zip(fes, queues, scheds, models, twins):
+            while queue and queue[0].submit_step <= step and fe.submit(queue[0]):
+                queue.pop(0)
+            for req in twin:
+                if req.cancel_step == step:
+                    fe.cancel(req)
+            batches.append(sched.schedule())
+        _same(_batch(batches[0]), _batch(batches[1]), f"step {step} batch")
+        _same(_state(scheds[0]), _state(scheds[1]), f"step {step} state after schedule")
+        for sched, batch, model, fe in zip(scheds, batches, models, fes):
+            sched.update(batch, *model(sched, batch))
+            fe.poll()
+        _same(_state(scheds[0]), _state(scheds[1]), f"step {step} state after update")
+        # The ring, field by field (request_id is the frontend's id() of its Req: differs).
+        views = [ring_tensors(r) for r in rings]
+        for name in views[0]:
+            if name not in ("region", "request", "request_id"):
+                assert torch.equal(views[0][name], views[1][name]), f"step {step}: ring field {name} differs"
+    else:
+        raise AssertionError("the workload did not finish")
+    assert [r.out for r in twins[0]] == [r.out for r in twins[1]]
+    assert int(scheds[1].state.counters[K_PREFIX_HITS]) > 0
+    if pool < 32:
+        assert int(scheds[1].state.counters[K_PREEMPTIONS]) > 0
+
+
+def test_fused_stages_are_selected():
+    ring = ts.make_ring(4, 32, 4, None)
+    sched = ts.Scheduler(ts._cfg(), ring_tensors(ring))
+    assert sched.fused and sched._triton.__name__.endswith("triton_sched")
+
+
+def test_two_requests_end_to_end():
+    ts.test_two_requests_end_to_end()
+
+
+# Every workload of the reference's tests, through the fused stages (the fixture above).
+_NOT_FOR_FUSED = {
+    "test_two_requests_end_to_end",  # above
+    # torch.compile(fullgraph) traces the torch code; a fused stage is one Triton launch already
+    # (its capture safety: tests/test_capture_audit.py).
+    "test_compiled_steps_are_one_graph_each",
+    "test_row_window_follows_the_rows_in_use",  # the fused stages work on the whole table
+}
+for _name in dir(ts):
+    if _name.startswith("test_") and _name not in _NOT_FOR_FUSED and callable(getattr(ts, _name)):
+        globals()[_name] = getattr(ts, _name)
+# The property test's random workloads (fewer examples: the interpreter is slow).
+test_random_workloads_keep_every_invariant = settings(
+    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])(
+    given(ts.scenarios())(ts.test_random_workloads_keep_every_invariant.hypothesis.inner_test))
