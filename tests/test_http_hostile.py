@@ -282,3 +282,27 @@ def test_deeply_nested_json_is_a_400_on_every_route(app):
     for path, status, text in asyncio.run(run()):
         assert status == 400, (path, status, text)
         assert '"invalid_request_error"' in text, (path, text)
+
+
+# -- the flags ------------------------------------------------------------------------------
+
+
+def test_connection_flags_reach_the_frontend_and_bad_values_are_refused():
+    from blink.cli import parse_args
+    from blink.cli_args import check_frontend_flags, connection_limits
+    from blink.errors import BlinkError
+    from blink.launcher import frontend_args
+
+    args = parse_args(["serve", "--model", "null", "--http-header-timeout", "3",
+                       "--http-body-timeout", "20", "--max-connections", "77"])
+    argv = frontend_args(args, "127.0.0.1:1")
+    for flag, value in (("--http-header-timeout", "3.0"), ("--http-body-timeout", "20.0"),
+                        ("--max-connections", "77")):
+        assert argv[argv.index(flag) + 1] == value
+    frontend = parse_args(argv)
+    assert connection_limits(frontend) == ConnectionLimits(3.0, 20.0, 77)
+    for bad, flag in ((["--http-header-timeout", "0"], "--http-header-timeout"),
+                      (["--http-body-timeout", "-1"], "--http-body-timeout"),
+                      (["--max-connections", "0"], "--max-connections")):
+        with pytest.raises(BlinkError, match=flag):
+            check_frontend_flags(parse_args(["serve", "--model", "null", *bad]))
