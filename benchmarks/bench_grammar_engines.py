@@ -34,6 +34,7 @@ import glob
 import json
 import os
 import platform
+import re
 import resource
 import select
 import signal
@@ -506,7 +507,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", dest="json_out", type=Path, default=None, help="write per-schema results here")
     ap.add_argument("--cache", type=Path, default=None, help="corpus cache dir (default ~/.cache/blink/grammar-corpus)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--report", type=Path, default=None, help="print the tables of a saved --json run and exit")
     args = ap.parse_args(argv)
+    if args.report:
+        saved = json.loads(args.report.read_text())
+        print(f"command: {saved.get('command')}")
+        print(report(saved["schemas"], saved.get("engines") or list(ENGINES), saved.get("header", "")))
+        return
     if args.worker:
         worker_main(args.worker, args.mem_gb)
         return
@@ -561,24 +568,11 @@ def main(argv: list[str] | None = None) -> None:
 
     for row in rows:
         row.pop("_checks", None)
+    header = (f"{len(rows)} schemas, SmolLM2 vocabulary ({smollm2_gguf().name}), --timeout {args.timeout:g} s, "
+              f"--mem-gb {args.mem_gb:g}, CPU: {cpu_model()} ({os.cpu_count()} cores), "
+              f"{time.time() - started:.0f} s")
     print()
-    print(f"{len(rows)} schemas, SmolLM2 vocabulary ({smollm2_gguf().name}), --timeout {args.timeout:g} s, "
-          f"--mem-gb {args.mem_gb:g}, CPU: {cpu_model()} ({os.cpu_count()} cores), "
-          f"{time.time() - started:.0f} s")
-    print()
-    print(summarize(rows, engines))
-    print()
-    print(per_collection(rows, engines))
-    disagreements = [(row["id"], engine, c) for row in rows for engine in engines if engine in row
-                     for c in row[engine].get("checks", []) if c["valid"] != c["accepted"]]
-    if disagreements:
-        print()
-        print("soundness disagreements (engine vs jsonschema):")
-        for sid, engine, c in disagreements[:40]:
-            what = "valid, rejected" if c["valid"] else "INVALID, accepted"
-            print(f"  {engine} {sid}: {what}: {c['text'][:100]}")
-        if len(disagreements) > 40:
-            print(f"  ... {len(disagreements) - 40} more in --json")
+    print(report(rows, engines, header))
     if args.json_out:
         versions = {}
         for mod in ("llguidance", "xgrammar", "outlines_core"):
@@ -590,9 +584,43 @@ def main(argv: list[str] | None = None) -> None:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(json.dumps({
             "command": " ".join(["python -m benchmarks.bench_grammar_engines", *(argv or sys.argv[1:])]),
-            "cpu": cpu_model(), "timeout_s": args.timeout, "mem_gb": args.mem_gb, "versions": versions,
-            "schemas": rows}, indent=1))
+            "header": header, "engines": engines, "cpu": cpu_model(), "timeout_s": args.timeout,
+            "mem_gb": args.mem_gb, "versions": versions, "schemas": rows}, indent=1))
         print(f"\nper-schema results: {args.json_out}")
+
+
+def _reason_class(reason: str) -> str:
+    reason = re.sub(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ", "", reason or "")  # xgrammar's log prefix
+    reason = re.sub(r"\d+(\.\d+)? s\b", "N s", reason)
+    return reason[:80]
+
+
+def report(rows: list[dict], engines: list[str], header: str) -> str:
+    out = [header, "", summarize(rows, engines), "", per_collection(rows, engines), ""]
+    with_instances = sum(1 for row in rows if row.get("walk") is not None)
+    out.append(f"schemas with a generated valid instance (walked for the mask times): {with_instances}/{len(rows)}")
+    for engine in engines:
+        reasons: dict[str, int] = {}
+        for row in rows:
+            res = row.get(engine)
+            if res and not res["accepted"]:
+                key = _reason_class(res.get("reason", ""))
+                reasons[key] = reasons.get(key, 0) + 1
+        if reasons:
+            out.append(f"{engine}: most common refusals:")
+            for key, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:6]:
+                out.append(f"  {n:3d}  {key}")
+    disagreements = [(row["id"], engine, c) for row in rows for engine in engines if engine in row
+                     for c in row[engine].get("checks", []) if c["valid"] != c["accepted"]]
+    if disagreements:
+        out.append("")
+        out.append("soundness disagreements (engine vs jsonschema):")
+        for sid, engine, c in disagreements[:40]:
+            what = "valid, rejected" if c["valid"] else "INVALID, accepted"
+            out.append(f"  {engine} {sid}: {what}: {c['text'][:100]}")
+        if len(disagreements) > 40:
+            out.append(f"  ... {len(disagreements) - 40} more in --json")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":
