@@ -1,8 +1,9 @@
 """Grammar engines on real-world JSON schemas (issue 30): coverage, compile time, mask cost,
 and a soundness spot check, for SmolLM2's vocabulary.
 
-    python -m benchmarks.bench_grammar_engines [--engines llguidance,xgrammar,outlines]
+    python -m benchmarks.bench_grammar_engines [--engines llguidance,llguidance-lenient,xgrammar,outlines]
         [--limit N] [--timeout 10] [--mem-gb 4] [--collections a,b] [--json OUT]
+    python -m benchmarks.bench_grammar_engines --report OUT     # the tables of a saved run
 
 The corpus is ``benchmarks/grammar_corpus.py``'s (fetched into ``~/.cache/blink/grammar-corpus``
 on first use). Every compile runs in a worker process per engine, one at a time, under a
@@ -21,11 +22,22 @@ accepting), every invalid one (mutations that ``jsonschema`` rejects; the test s
 instances) rejected; disagreements are counted and listed in ``--json``.
 
 Engines (``ENGINES``): ``llguidance`` (``LLMatcher.grammar_from_json_schema`` + ``LLMatcher``,
-default options: unknown keywords are errors), ``xgrammar`` (``GrammarCompiler
-.compile_json_schema``, ``max_threads=1``, no cache), ``outlines`` (``build_regex_from_schema`` +
-``Index``). To add another compile path (Blink's frontend), add a class with ``setup()`` and
-``compile(schema) -> handle`` (raise to refuse) to ``ENGINES``; :func:`compile_schema` runs one
-schema through one engine under the limits and returns ``(accepted, reason, compile_s)``.
+default options: unknown keywords and formats are errors), ``llguidance-lenient`` (the same with
+``{"lenient": true}``: they are ignored), ``xgrammar`` (``GrammarCompiler.compile_json_schema``,
+``max_threads=1``, no cache, its default ``strict_mode``), ``outlines`` (``build_regex_from_schema``
++ ``Index``, what Blink compiled with before issue 30).
+
+One schema through one engine, under the limits::
+
+    from benchmarks.bench_grammar_engines import compile_schema
+    accepted, reason, compile_s = compile_schema("llguidance", schema, timeout=10, mem_gb=4)
+
+Another compile path (Blink's frontend) becomes a column by adding a class to ``ENGINES``:
+``setup(vocab: Vocab)`` (once per worker), ``compile(schema) -> handle`` (raise to refuse: the
+message is the reason), ``tokens(text) -> ids``, ``first_mask(handle)``, ``step(handle, token) ->
+(mask_seconds, token_allowed_and_consumed)``, ``finish(handle) -> accepting``; with ``sound =
+True`` also ``accepts(handle, ids) -> bool`` (whole instance, then complete) for the soundness
+check.
 """
 from __future__ import annotations
 
@@ -38,7 +50,6 @@ import re
 import resource
 import select
 import signal
-import statistics
 import subprocess
 import sys
 import sysconfig

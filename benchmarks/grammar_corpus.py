@@ -41,9 +41,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import glob
 import hashlib
-import io
 import json
 import os
 import posixpath

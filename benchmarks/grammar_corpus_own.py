@@ -181,7 +181,7 @@ def tool_schemas() -> list[dict]:
 
 
 def pydantic_schemas() -> list[dict]:
-    from pydantic import BaseModel, Field, RootModel, conint, constr
+    from pydantic import BaseModel, Field, RootModel
 
     class Address(BaseModel):
         street: str
