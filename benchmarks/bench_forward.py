@@ -40,6 +40,8 @@ logits of every row); ``prefill BxP`` = B rows of P new tokens (the logits of ea
     python -m benchmarks.bench_forward --before sdpa-attention --dtype bfloat16 --decode 1 16 --context 256
     python -m benchmarks.bench_forward --before torch-elementwise --dtype bfloat16 --decode 1 16 --prefill 1x128
     python -m benchmarks.bench_forward --before torch-int4 --dtype bfloat16 --decode 1 4 8 16 32
+    ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 BLINK_CPU_Q4=avx512 python -m benchmarks.bench_forward --before torch-int4 \
+        --dtype bfloat16 --decode 1 4 8 16 --threads 1   # a CPU without AMX: its kernel against torch's int4
     python -m benchmarks.bench_forward --before attention-no-prefetch --dtype bfloat16 --decode 1 16 --context 128 256
     python -m benchmarks.bench_forward --before attention-no-tiles --dtype bfloat16 --decode 16 --prefill 4x128 1x512 \
         --mixed 4x128+12 --context 192
@@ -87,13 +89,19 @@ def _amx_int4_off(off: bool):
     if not off:
         yield
         return
+    from blink.kernels import cpu_quant_linear
+
+    was = os.environ.get(cpu_q4_linear.IMPL_ENV)  # (=avx512|avx2: "now" runs a CPU without AMX's path)
     os.environ[cpu_q4_linear.IMPL_ENV] = "torch"
-    cpu_q4_linear.LIBRARY.reset()
+    cpu_quant_linear.reset()  # (the AMX kernel's choice too)
     try:
         yield
     finally:
-        del os.environ[cpu_q4_linear.IMPL_ENV]
-        cpu_q4_linear.LIBRARY.reset()
+        if was is None:
+            del os.environ[cpu_q4_linear.IMPL_ENV]
+        else:
+            os.environ[cpu_q4_linear.IMPL_ENV] = was
+        cpu_quant_linear.reset()
 
 
 def _built_with(module, define: str):
@@ -187,6 +195,10 @@ def main() -> None:
                                              "q4-tile-parts"],
                    default="reference",
                    help="the baseline: the reference forward, or today's without one feature (the int4 path, the C attention kernel, the C elementwise ops, ..., the decode steps' CPU graphs)")
+    p.add_argument("--now-graphs", action="store_true",
+                   help="``now`` replays its decode steps from CPU graphs where they record (with "
+                        "--before torch-int4 on a CPU without AMX: the path before, eager, against "
+                        "today's, whose C kernels make graphs possible there)")
     args = p.parse_args()
 
     from types import SimpleNamespace
@@ -234,7 +246,7 @@ def main() -> None:
         # Decode graphs in "now" only for no-cpu-graphs, and in both for one-kernel-thread (as
         # served): the other baselines measure their feature eager against eager (a baseline
         # with torch ops would not be recorded).
-        graphs = args.before in ("no-cpu-graphs", "one-kernel-thread")
+        graphs = args.before in ("no-cpu-graphs", "one-kernel-thread") or args.now_graphs
         execs = {}
         for name, kw in (("before", {**before, "cpu_graphs": args.before == "one-kernel-thread"}),
                          ("now", {"cpu_graphs": graphs})):

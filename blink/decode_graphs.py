@@ -61,13 +61,17 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], _DecodeGraph] = {}  # (bucket, kernel threads) -> graph
         #: why steps stay eager (the recording that failed), None while graphs are in use
         self.off_reason: str | None = None
+        #: the largest step a graph runs: below DECODE_BUCKETS[-1] where a larger bucket's
+        #: recording failed after smaller ones worked (a kernel that takes few rows only, e.g.
+        #: the AVX2 4-bit one's 8: larger steps run bf16 through torch, and stay eager)
+        self.max_tokens = DECODE_BUCKETS[-1]
 
     def takes(self, input_ids: torch.Tensor, md: AttentionMetadata) -> bool:
         """Whether a graph runs this step: every row decodes one token (``max_query_len`` 1
         and as many rows as tokens: the CPU loop's compacted metadata), at most the largest
         bucket, and no per-layer callback needs calling."""
         tokens = input_ids.shape[0]
-        return (self.off_reason is None and md.max_query_len == 1 and 0 < tokens <= DECODE_BUCKETS[-1]
+        return (self.off_reason is None and md.max_query_len == 1 and 0 < tokens <= self.max_tokens
                 and md.seq_lens.shape[0] == tokens and md.block_tables.shape[1] <= self.table_width
                 and progress_only(self.model.on_layer))
 
@@ -91,7 +95,7 @@ class DecodeGraphs:
         recording. Returns how many graphs exist (0: steps stay eager, see ``off_reason``)."""
         for bucket in DECODE_BUCKETS:
             if self._graph(bucket) is None:
-                return 0
+                return 0 if self.off_reason is not None else len(self.graphs)
             if bucket >= max_rows:
                 break
         return len(self.graphs)
@@ -112,8 +116,14 @@ class DecodeGraphs:
             try:
                 graph = _DecodeGraph(self, bucket)
             except cpu_graph.GraphRecordingError as exc:
-                self.off_reason = str(exc)
-                log.info("decode steps run eagerly, not on CPU graphs: %s", exc)
+                smaller = [b for b, _ in self.graphs if b < bucket]
+                if smaller:  # the smaller buckets replay; larger steps stay eager
+                    self.max_tokens = max(smaller)
+                    log.info("decode steps of more than %d rows run eagerly, not on CPU graphs: %s",
+                             self.max_tokens, exc)
+                else:
+                    self.off_reason = str(exc)
+                    log.info("decode steps run eagerly, not on CPU graphs: %s", exc)
                 return None
             self.graphs[key] = graph
         return graph

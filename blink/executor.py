@@ -101,7 +101,8 @@ class ModelExecutor:
         self.int4_projections = (0, 0)
         #: whether the logits come from the head's own Q8_0 codes (AMX)
         self.q8_head = False
-        iter_q4 = getattr(model, "iter_q4_codes", None)
+        # every coded format where the model has it (GGUF), else Q4_0/Q4_1 alone
+        iter_q4 = getattr(model, "iter_quant_codes", None) or getattr(model, "iter_q4_codes", None)
         iter_q8 = getattr(model, "iter_q8_codes", None)
         if self.packed_weights and int4_decode and int4_linear.available(dtype, self.device):
             if iter_q4 is not None:

@@ -28,7 +28,10 @@
  * - AVX2: 8 columns at a time, d q in fp32 (exact: at most 17 + 6 significant bits) times
  *   x's fp32 value, fused into the running sum, plus m sum(x) per group.
  * Every row count takes the same code (decode steps and prefills alike), rows in passes of 8
- * over a tile whose codes stay in L1, x's rows from L2 in panels of PANEL_ROWS.
+ * (AVX2: 4) over a tile whose codes stay in L1, x's rows from L2 in panels of PANEL_ROWS. Each
+ * row is summed in the same order whatever the rows beside it: its bits do not depend on the
+ * step's batch (as the AMX kernel's few-rows path, which CPU decode graphs rely on when they
+ * pad a step).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -36,7 +39,8 @@
 
 #include "cpu_kernels.h"
 
-enum { TILE = 16, GROUP = 32, PAIRS = GROUP / 2, ROWS = 8 };
+/* rows per pass over a tile: AVX-512 (32 registers) and AVX2 (16) */
+enum { TILE = 16, GROUP = 32, PAIRS = GROUP / 2, ROWS = 8, ROWS2 = 4 };
 enum { F_BITS8 = 1, F_GROUP16 = 2, F_FP32 = 4, F_M = 8 };
 
 /* Rows of x a tile's codes meet before the next tile's (x's panel stays in L2). */
@@ -89,10 +93,11 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
     const uint8_t *scales = a->scales + t * sgroups * sb;
     const uint16_t *x = a->x + r0 * a->x_stride;
     const float *x_sums = with_m ? a->x_sums + r0 * sgroups : NULL;
-    /* NACC running dots per row, pairs taking them in turn: a vdpbf16ps waits for the one
-     * before it on the same register (~5 cycles), so few rows need more chains */
-    const int NACC = R == 1 ? 4 : R <= 2 ? 4 : R <= 4 ? 2 : 1;
-    __m512 tot[ROWS], dot[ROWS][4];
+    /* NACC running dots per row, pairs taking them in turn (a vdpbf16ps waits ~5 cycles for
+     * the one before it on the same register), the same number whatever R: a row's sums, so
+     * its bits, do not depend on the rows beside it in the step */
+    enum { NACC = 2 };
+    __m512 tot[ROWS], dot[ROWS][NACC];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
         tot[r] = _mm512_setzero_ps();
@@ -202,7 +207,7 @@ static inline __m256 load_scales8(const uint8_t *p, int fp32) {
     return fp32 ? _mm256_loadu_ps((const float *)p) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
 
-/* Rows [r0, r0 + R) x columns 8 hc .. 8 hc + 7 of tile t, R <= ROWS known at compile time. */
+/* Rows [r0, r0 + R) x columns 8 hc .. 8 hc + 7 of tile t, R <= ROWS2 known at compile time. */
 static inline __attribute__((always_inline)) void half_rows(const args_t *a, int64_t t, int hc, int64_t r0,
                                                             const int R, const int bits8) {
     const int format = a->format, fp32 = format & F_FP32, with_m = format & F_M, g16 = format & F_GROUP16;
@@ -213,10 +218,11 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
     const float *x = a->xf + r0 * a->K;
     const float *x_sums = with_m ? a->x_sums + r0 * sgroups : NULL;
     const __m256i nibble = _mm256_set1_epi32(0x0F);
-    /* NACC running sums per row, channels taking them in turn: an FMA waits for the one before
-     * it on the same register (~4 cycles), so few rows need more chains */
-    const int NACC = R == 1 ? 4 : R <= 3 ? 2 : 1;
-    __m256 tot[ROWS][4];
+    /* NACC running sums per row, channels taking them in turn (an FMA waits ~4 cycles for the
+     * one before it on the same register), the same number whatever R: a row's bits do not
+     * depend on the rows beside it in the step */
+    enum { NACC = 2 };
+    __m256 tot[ROWS2][NACC];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
@@ -289,7 +295,7 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
 static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows) {
     const int bits8 = a->format & F_BITS8;
     for (int hc = 0; hc < 2; hc++) switch (rows) {
-            CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+            CASE(1) CASE(2) CASE(3) CASE(4)
         }
 }
 #undef CASE
@@ -300,7 +306,7 @@ static void *run_tiles(void *arg) {
     for (int64_t p0 = 0; p0 < a->M; p0 += PANEL_ROWS) {
         const int64_t p1 = a->M - p0 < PANEL_ROWS ? a->M : p0 + PANEL_ROWS;
         for (int64_t t = p->lo; t < p->hi; t++)
-            for (int64_t r0 = p0; r0 < p1; r0 += ROWS) tile_pass(a, t, r0, (int)(p1 - r0 < ROWS ? p1 - r0 : ROWS));
+            for (int64_t r0 = p0; r0 < p1; r0 += ROWS2) tile_pass(a, t, r0, (int)(p1 - r0 < ROWS2 ? p1 - r0 : ROWS2));
     }
     return NULL;
 }
@@ -356,7 +362,8 @@ int blink_quant_linear(const uint16_t *x, int64_t x_stride, const void *codes, c
         for (int64_t c = 0; c < K; c++) xf[r * K + c] = bf16_to_f32(x[r * x_stride + c]);
 #endif
     /* one thread per ~5-10 us of work at most: 64K weights per row pass */
-    threads = blink_threads_for(((M + ROWS - 1) / ROWS) * N * K, (int64_t)1 << 16, threads);
+    const int64_t passes = BLINK_QUANT_ISA == 2 ? (M + ROWS2 - 1) / ROWS2 : (M + ROWS - 1) / ROWS;
+    threads = blink_threads_for(passes * N * K, (int64_t)1 << 16, threads);
     args_t a = {x, x_stride, (const uint8_t *)codes, (const uint8_t *)scales, bias, y, y_stride, M, N, K, format,
                 x_sums, xf};
     const int status = blink_run_parts(run_tiles, &a, N / TILE, threads);

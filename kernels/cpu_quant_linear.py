@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from blink.kernels import cpu_pool
+from blink.kernels import cpu_pool, cpu_q4_linear
 from blink.kernels.cpu_q4_linear import GROUP, IMPL_ENV, TILE, _b_tile_rows, _from_b_tile_rows, _is_fp16
 from blink.kernels.cpu_threads import kernel_threads
 from blink.shared.native_build import NativeBuildError, NativeLibrary
@@ -113,9 +113,10 @@ def variant() -> str | None:
 
 
 def reset() -> None:
-    """Forget the choice and the builds (tests)."""
+    """Forget the choice and the builds, the AMX kernel's too, which ``$BLINK_CPU_Q4`` also
+    governs (tests)."""
     _chosen.clear()
-    for library in LIBRARIES.values():
+    for library in (*LIBRARIES.values(), cpu_q4_linear.LIBRARY):
         library.reset()
 
 

@@ -135,8 +135,10 @@ def test_the_int4_path_prefers_it_and_a_model_step_uses_it():
 
 
 def test_switched_off_the_torch_kernel_takes_the_weights(monkeypatch):
+    from blink.kernels import cpu_quant_linear
+
     monkeypatch.setenv(cpu_q4_linear.IMPL_ENV, "torch")
-    cpu_q4_linear.LIBRARY.reset()
+    cpu_quant_linear.reset()  # (the AMX kernel's choice too, and the kernel without AMX is off)
     try:
         assert not cpu_q4_linear.available()
         codes, scale, zero = gguf_like(64, 128)
@@ -146,10 +148,11 @@ def test_switched_off_the_torch_kernel_takes_the_weights(monkeypatch):
             cpu_q4_linear.linear(torch.randn(1, 128).bfloat16(), cpu_q4_linear.pack(codes, scale, zero), None)
     finally:
         monkeypatch.delenv(cpu_q4_linear.IMPL_ENV)
-        cpu_q4_linear.LIBRARY.reset()
+        cpu_quant_linear.reset()
 
 
-def test_without_a_compiler_it_is_said_once_and_not_used(without_c_compiler, caplog):
+def test_without_a_compiler_it_is_said_once_and_not_used(without_c_compiler, caplog, monkeypatch):
+    monkeypatch.delenv(cpu_q4_linear.IMPL_ENV, raising=False)
     without_c_compiler(cpu_q4_linear.LIBRARY)
     with caplog.at_level("WARNING", logger="blink.kernels"):
         assert not cpu_q4_linear.available()
@@ -163,6 +166,7 @@ def test_a_build_for_a_cpu_without_amx_is_refused(without_c_compiler, tmp_path, 
     wrapper.write_text(NO_AMX_CC)
     wrapper.chmod(0o755)
     without_c_compiler(cpu_q4_linear.LIBRARY)
+    monkeypatch.delenv(cpu_q4_linear.IMPL_ENV, raising=False)
     monkeypatch.setenv("CC", str(wrapper))
     with caplog.at_level("WARNING", logger="blink.kernels"):
         assert not cpu_q4_linear.available()

@@ -243,3 +243,14 @@ def test_unpacked_codes_are_what_gguf_dequantizes_bit_for_bit(name):
     # the test can fail: a block's bytes one off give other weights
     data[0, 5] ^= 0x11
     assert not torch.equal(unpack_codes(data, name, rows, cols).dequantize(), want)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q6_k"])
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(build, fmt):
+    """A decode graph pads a step to its bucket, and a served row shares its step with others:
+    each row is summed the same way whatever the step's row count."""
+    w = q.pack(*weight(fmt, 64, 576))
+    x = torch.randn(11, 576).bfloat16()
+    alone = torch.cat([q.linear(x[i:i + 1], [w], None) for i in range(11)])
+    for rows in (2, 5, 8, 11):
+        assert torch.equal(q.linear(x[:rows], [w], None), alone[:rows])

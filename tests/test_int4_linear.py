@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as Q
 from blink.executor import ModelExecutor
 from blink.loader import open_model
 from blink.loader.gguf_weights import unpack_q4
-from blink.kernels import cpu_q4_linear
+from blink.kernels import cpu_q4_linear, cpu_quant_linear
 from blink.models import int4_linear
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
@@ -95,12 +95,12 @@ def _check_steps_on_the_codes(q4_gguf, rows: list[int], kernel_env: str | None, 
     kw = dict(dtype=torch.bfloat16, num_blocks=64, max_model_len=64)
     if kernel_env is not None:
         monkeypatch.setenv(cpu_q4_linear.IMPL_ENV, kernel_env)
-    cpu_q4_linear.LIBRARY.reset()
+    cpu_quant_linear.reset()  # (the AMX kernel's choice too)
     try:
         with_int4 = ModelExecutor(files, int4_decode=True, **kw)
     finally:
         monkeypatch.delenv(cpu_q4_linear.IMPL_ENV, raising=False)
-        cpu_q4_linear.LIBRARY.reset()
+        cpu_quant_linear.reset()
     plain = ModelExecutor(files, int4_decode=False, **kw)
     if not with_int4.packed_weights:
         pytest.skip("no native oneDNN bf16 on this CPU (the int4 path rides on the packed one)")
@@ -130,6 +130,19 @@ def test_torch_kernel_runs_small_steps_on_the_codes_and_large_ones_on_bf16(q4_gg
     for ex in (with_int4, plain):
         ex.kv_caches = [(k.zero_(), v.zero_()) for k, v in ex.kv_caches]
     assert torch.equal(_decode_logits(with_int4, big), _decode_logits(plain, big))
+
+
+@pytest.mark.parametrize("build", ["avx512", "avx2"])
+def test_the_kernel_without_amx_runs_small_steps_on_the_codes_and_large_ones_on_bf16(q4_gguf, monkeypatch, build):
+    """``$BLINK_CPU_Q4=avx512|avx2``: what a CPU without AMX runs, whatever this one has."""
+    if not all(f in cpu_quant_linear.cpu_flags() for f in cpu_quant_linear.VARIANTS[build][1]):
+        pytest.skip(f"this CPU cannot run the {build} build")
+    top = int4_linear.NATIVE_MAX_ROWS[build]
+    with_int4, plain = _check_steps_on_the_codes(q4_gguf, [1, 3, top], build, monkeypatch, exact_weights_up_to=top)
+    assert set(with_int4.int4_kernels) == {(build, top)}
+    for ex in (with_int4, plain):  # more tokens: the bf16 copy, bit for bit
+        ex.kv_caches = [(k.zero_(), v.zero_()) for k, v in ex.kv_caches]
+    assert torch.equal(_decode_logits(with_int4, top + 1), _decode_logits(plain, top + 1))
 
 
 @needs_amx_kernel
@@ -176,3 +189,74 @@ def test_a_tied_head_stored_as_q4_gets_its_int4_copy(tmp_path):
     if model.int4_head.max_rows is not None:  # torch's kernel: larger steps on the embedding
         many = torch.randn(model.int4_head.max_rows + 1, embed.shape[1]).bfloat16()
         assert torch.equal(model.compute_logits(many), torch.nn.functional.linear(many, model.model.embed_tokens.weight))
+
+
+@pytest.mark.parametrize("build", ["avx512", "avx2"])
+def test_k_quants_mixed_in_fused_projections_and_a_tied_head_run_on_their_codes(tmp_path, monkeypatch, build):
+    """A Q4_K_M-style mix: Q4_K q/k/gate/up beside a Q6_K v and down and a Q6_K tied head (as
+    QuantCodes hold them). Each fused projection is one copy on the codes, parts in their own
+    formats; a decode step's logits are the fp32 product on the file's weights (within the
+    bf16 forward's own error), a large step's those of the bf16 copy, bit for bit."""
+    from blink.loader.gguf_weights import QuantCodes
+
+    if not all(f in cpu_quant_linear.cpu_flags() for f in cpu_quant_linear.VARIANTS[build][1]):
+        pytest.skip(f"this CPU cannot run the {build} build")
+    monkeypatch.setenv(cpu_q4_linear.IMPL_ENV, build)
+    cpu_quant_linear.reset()
+    try:
+        files = open_model(make_tiny_model("qwen2", tmp_path))  # tied embeddings
+        kw = dict(num_blocks=64, max_model_len=64, pack_weights=False)
+        ex = ModelExecutor(files, dtype=torch.bfloat16, **kw)
+        if not packed_available():
+            pytest.skip("no native oneDNN bf16 on this CPU")
+        fp32 = ModelExecutor(files, dtype=torch.float32, **kw)
+        gen = torch.Generator().manual_seed(0)
+        tensors = []
+        for name, tensor in files.iter_tensors(torch.float32, progress=False):
+            if tensor.dim() != 2 or (tensor.shape[0] % 16) or tensor.shape[1] % 32:
+                continue
+            n, k = tensor.shape
+            six = any(part in name for part in ("v_proj", "down_proj", "embed_tokens"))
+            scale = tensor.abs().amax(dim=1, keepdim=True).clamp_min(1e-3)
+            if six:  # Q6_K: int8 q - 32, d per 16
+                codes = torch.randint(-32, 32, (n, k), generator=gen, dtype=torch.int8)
+                d = (scale / 32).expand(n, k // 16).contiguous()
+                q = QuantCodes("Q6_K", codes, d, None, 16, 8)
+            else:  # Q4_K: 0..15, d and m per 32, fp32 (not fp16) values
+                codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+                d = (scale / 8 * (1 + 1e-4 * torch.rand(n, k // 32, generator=gen))).contiguous()
+                q = QuantCodes("Q4_K", codes, d, -8 * d, 32, 4)
+            tensors.append((name, q))
+        for model in (ex.model, fp32.model):  # both hold the codes' values
+            params = dict(model.named_parameters())
+            with torch.no_grad():
+                for name, q in tensors:
+                    pname, dst = model._destination(name, params, model.config.source or None)
+                    dst.copy_(q.dequantize().to(dst.dtype))
+        plain = ModelExecutor(files, dtype=torch.bfloat16, **kw)
+        plain.model.load_state_dict(ex.model.state_dict())
+        given, total = ex.model.use_int4_weights(tensors)
+        assert given == total  # every projection and the head
+        layer = ex.model.model.layers[0]
+        assert [p.format & cpu_quant_linear.F_BITS8 for p in layer.self_attn.qkv_proj.int4.parts] == [0, 1]
+        assert len(layer.mlp.gate_up_proj.int4.parts) == 1 and ex.model.int4_head.kernel == build
+        for e in (ex, plain):
+            e.model.use_packed_weights()
+        rows = 3
+        ref, a, b = (_decode_logits(e, rows) for e in (fp32, ex, plain))
+        assert not torch.equal(a, b)  # the codes ran
+        err_codes, err_bf16 = (a - ref).abs().max().item(), (b - ref).abs().max().item()
+        assert err_codes < max(3 * err_bf16, 0.05), (err_codes, err_bf16)
+        big = int4_linear.NATIVE_MAX_ROWS[build] + 1
+        for e in (ex, plain):
+            e.kv_caches = [(k.zero_(), v.zero_()) for k, v in e.kv_caches]
+        assert torch.equal(_decode_logits(ex, big), _decode_logits(plain, big))
+    finally:
+        monkeypatch.delenv(cpu_q4_linear.IMPL_ENV)
+        cpu_quant_linear.reset()
+
+
+def packed_available() -> bool:
+    from blink.models import packed_linear
+
+    return packed_linear.packing_available(torch.bfloat16, torch.device("cpu"))

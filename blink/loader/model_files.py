@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol
 
-from blink.loader.gguf_weights import GGUFWeights, Q4Codes, Q8Codes
+from blink.loader.gguf_weights import GGUFWeights, Q4Codes, Q8Codes, QuantCodes
 from blink.loader.gguf_tokenizer import build_tokenizer
 from blink.loader.hf_dir import SafetensorsWeights, read_config, read_generation_config, read_tokenizer_files
 from blink.loader.resolve import resolve_model
@@ -71,6 +71,13 @@ class ModelFiles:
         a Hugging Face directory has none): the same values ``iter_tensors`` dequantizes."""
         if isinstance(self._weights, GGUFWeights):
             yield from self._weights.iter_q4_codes()
+
+    def iter_quant_codes(self) -> Iterator[tuple[str, "QuantCodes"]]:
+        """``(hf_name, codes)`` of the tensors a GGUF file stores as codes the CPU kernels take
+        (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; a Hugging Face directory has none): the same values
+        ``iter_tensors`` dequantizes."""
+        if isinstance(self._weights, GGUFWeights):
+            yield from self._weights.iter_quant_codes()
 
     def iter_q8_codes(self) -> Iterator[tuple[str, "Q8Codes"]]:
         """``(hf_name, codes)`` of the tensors stored as 8-bit Q8_0 codes (a GGUF file's; a

@@ -313,19 +313,27 @@ class DecoderForCausalLM(nn.Module):
             self.packed_head = packed_linear.pack(self.model.embed_tokens.weight)
 
     def use_int4_weights(self, q4_tensors: Iterable[tuple[str, Any]]) -> tuple[int, int]:
-        """Give each projection whose every row the checkpoint stores as 4-bit codes
-        (``q4_tensors``: ``(hf_name, codes)`` with ``codes.codes / .scale / .zero`` as
-        :class:`blink.loader.gguf_weights.Q4Codes`) an int4 copy for the steps its kernel
-        takes (:mod:`blink.models.int4_linear`: every step on AMX, else steps of few tokens). A fused projection gets one only if all its parts
-        are 4-bit (a Q4_K_M file, say, keeps some in other formats: those stay bf16). Call it
-        before :meth:`use_packed_weights` (it locates rows in the plain weights), which drops
-        the bf16 copy of each projection whose 4-bit copy runs every step. Returns
-        (projections given an int4 copy, projections in all)."""
+        """Give each projection whose every row the checkpoint stores as codes (``q4_tensors``:
+        ``(hf_name, codes)``, :class:`blink.loader.gguf_weights.QuantCodes` or the older
+        :class:`~blink.loader.gguf_weights.Q4Codes`) a copy on those codes for the steps its
+        kernel takes (:func:`blink.models.int4_linear.pack_codes`: every step on AMX, else
+        steps of few tokens). A fused projection gets one only if a kernel takes all its parts
+        (the kernel without AMX takes each part in its own format, so a Q4_K_M file's Q4_K q/k
+        and Q6_K v make one copy; others keep the bf16 weight). A tied head the file stores as
+        Q8_0 is left to :meth:`use_q8_head` where the AMX kernel runs. Call it before
+        :meth:`use_packed_weights` (it locates rows in the plain weights), which drops the bf16
+        copy of each projection whose 4-bit copy runs every step. Returns (projections given
+        a copy on codes, projections in all)."""
+        from blink.loader.gguf_weights import QuantCodes
+
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
-        # parameter name -> [codes, scale, zero, rows filled], rows in the fused weight's order
+        # parameter name -> [(first row, codes)], the parts of a fused weight
         parts: dict[str, list] = {}
-        for name, q4 in q4_tensors:
+        for name, codes in q4_tensors:
+            if not isinstance(codes, QuantCodes):  # Q4Codes: (q - 8) scale + zero
+                codes = QuantCodes("Q4_1", codes.codes, codes.scale, codes.zero - 8 * codes.scale,
+                                   int4_linear.GROUP, 4)
             target = self._destination(name, params, self.config.source or None)
             if target is None:
                 continue
@@ -335,22 +343,26 @@ class DecoderForCausalLM(nn.Module):
             is_head = pname == "model.embed_tokens.weight" and self.lm_head is None
             if leaf != "weight" or (not is_head and (not isinstance(module, Linear) or module.packed)):
                 continue
-            if dst.dim() != 2 or tuple(q4.codes.shape) != tuple(dst.shape) or dst.shape[1] % int4_linear.GROUP:
+            if is_head and codes.qtype == "Q8_0" and cpu_q4_linear.available():
+                continue  # use_q8_head's AMX kernel
+            if dst.dim() != 2 or tuple(codes.codes.shape) != tuple(dst.shape) or dst.shape[1] % int4_linear.GROUP:
                 continue
             full = params[pname]
             first_row = (dst.data_ptr() - full.data_ptr()) // (full.stride(0) * full.element_size())
-            n, k = full.shape
-            buf = parts.setdefault(pname, [torch.zeros(n, k, dtype=torch.uint8),
-                                           torch.zeros(n, k // int4_linear.GROUP),
-                                           torch.zeros(n, k // int4_linear.GROUP), 0])
-            rows = slice(first_row, first_row + dst.shape[0])
-            buf[0][rows], buf[1][rows], buf[2][rows] = q4.codes, q4.scale, q4.zero
-            buf[3] += dst.shape[0]
+            parts.setdefault(pname, []).append((first_row, codes))
         given = 0
-        for pname, (codes, scale, zero, filled) in parts.items():
-            if filled != codes.shape[0]:
+        for pname, found in parts.items():
+            found.sort(key=lambda part: part[0])
+            row = 0
+            for first_row, codes in found:
+                if first_row != row:
+                    break
+                row += codes.codes.shape[0]
+            if row != params[pname].shape[0]:
                 continue  # some rows are in another format
-            weight = int4_linear.pack(codes, scale, zero)
+            weight = int4_linear.pack_codes([codes for _, codes in found])
+            if weight is None:
+                continue
             if pname == "model.embed_tokens.weight":
                 self.int4_head = weight
             else:

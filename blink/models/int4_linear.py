@@ -15,8 +15,14 @@ bf16 copy (~4x fewer bytes), in the layout of one of two kernels:
   (1 x 128 to 16 x 128 tokens; docs/benchmarks.md, "4-bit weights at decode-batch sizes",
   "The 4-bit prefill path: K slabs, parts of rows"). So every step uses it, and the
   projection's bf16 copy is not kept (:meth:`blink.models.decoder.Linear.pack`).
+- ``avx512`` / ``avx2``: Blink's C kernel for CPUs without AMX
+  (:mod:`blink.kernels.cpu_quant_linear`, the build the CPU's flags allow; AMD Zen 4, Xeons
+  whose AMX is hidden, AVX2 CPUs under ``--dtype bfloat16``), which also takes the K-quants
+  (Q4_K, Q5_K, Q6_K) and Q8_0 on their codes (:func:`pack_codes`), a fused projection's parts
+  each in its own format. Its cost grows with the rows (vdpbf16ps / FMAs), so steps of at most
+  :data:`NATIVE_MAX_ROWS` tokens use it and larger ones the packed bf16 copy.
 - ``torch``: torch's int4 weight-only GEMM (``torch._weight_int4pack_mm_for_cpu``, the
-  kernel gpt-fast and torchao use on CPU), elsewhere (e.g. AMD Zen 4): 3.7x faster than bf16
+  kernel gpt-fast and torchao use on CPU), where neither C kernel runs: 3.7x faster than bf16
   at 1 row but slower beyond ~8, its arithmetic growing with the rows; steps of at most
   :data:`TORCH_MAX_ROWS` tokens use it.
 
@@ -37,7 +43,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from blink.kernels import cpu_q4_linear
+from blink.kernels import cpu_q4_linear, cpu_quant_linear
 
 #: Steps with at most this many tokens use torch's int4 kernel. Measured on SmolLM2-135M,
 #: one thread, Xeon with AMX: the decode step 1.6x faster at 4 rows, 1.1x at 6, 1.0x at 8.
@@ -46,13 +52,19 @@ TORCH_MAX_ROWS = 6
 #: measured at least as fast as on the packed bf16 copy at every row count, 1 to 512).
 AMX_MAX_ROWS: int | None = None
 
+#: Steps with at most this many tokens use the kernel for CPUs without AMX, per build.
+#: Measured over SmolLM2-135M's projections and head, one thread, against oneDNN's bf16
+#: product without AMX (benchmarks/bench_int4.py, docs/benchmarks.md "4-bit and K-quant
+#: kernels without AMX").
+NATIVE_MAX_ROWS = {"avx512": 32, "avx2": 8}
+
 #: Input channels per scale/zero pair: ggml's Q4_0/Q4_1 block.
 GROUP = 32
 
 # The kernel's inner-K tiling argument for the packed layout (the CPU kernel takes 1).
 _INNER_K_TILES = 1
 
-Kernel = Literal["amx", "torch"]
+Kernel = Literal["amx", "avx512", "avx2", "torch"]
 
 
 @dataclass
@@ -65,6 +77,7 @@ class Int4Weight:
     packed: torch.Tensor | None = None  # torch: uint8 [N, K // 2]
     scale_zero: torch.Tensor | None = None  # torch: bf16 [K // GROUP, N, 2]
     amx: cpu_q4_linear.Q4Weight | None = None  # amx
+    parts: list[cpu_quant_linear.QuantWeight] | None = None  # avx512 / avx2: runs of output columns
 
     def takes(self, rows: int) -> bool:
         """Whether a step of ``rows`` tokens runs on this weight."""
@@ -87,12 +100,12 @@ _TORCH_KERNEL: bool | None = None
 
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a 4-bit kernel runs here: bf16 on CPU, and the AMX kernel built for this CPU
-    or torch's int4 kernel working (each tried once, never assumed: the CPU model varies
-    between machines)."""
+    """Whether a 4-bit kernel runs here: bf16 on CPU, and the AMX kernel built for this CPU,
+    the kernel without AMX or torch's int4 kernel working (each tried once, never assumed: the
+    CPU model varies between machines)."""
     if device.type != "cpu" or dtype != torch.bfloat16:
         return False
-    return cpu_q4_linear.available() or _torch_kernel_runs()
+    return cpu_q4_linear.available() or cpu_quant_linear.available() or _torch_kernel_runs()
 
 
 def _torch_kernel_runs() -> bool:
@@ -129,6 +142,13 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
         if kernel == "amx":
             raise ValueError(f"the AMX kernel does not take this [{n}, {k}] weight "
                              f"(needs N % {cpu_q4_linear.TILE} == 0 and the file's fp16 scales)")
+    native = kernel if kernel in cpu_quant_linear.VARIANTS else cpu_quant_linear.variant() if kernel is None else None
+    if native is not None:
+        part = cpu_quant_linear.pack(codes, scale, zero - 8 * scale)
+        if part is not None:
+            return Int4Weight(native, NATIVE_MAX_ROWS[native], parts=[part])
+        if kernel == native:
+            raise ValueError(f"the {native} kernel does not take this [{n}, {k}] weight (needs N % 16 == 0)")
     packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), _INNER_K_TILES)
     scale_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
     return Int4Weight("torch", TORCH_MAX_ROWS, packed=packed, scale_zero=scale_zero)
@@ -142,11 +162,57 @@ def linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None,
         return cpu_q4_linear.linear(x, weight.amx, bias, gated=gated)
     if gated:
         raise ValueError("only the AMX kernel applies the activation (see Int4Weight.gates)")
+    if weight.parts is not None:
+        return cpu_quant_linear.linear(x, weight.parts, bias)
     lead = x.shape[:-1]
     y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), weight.packed, GROUP, weight.scale_zero)
     if bias is not None:
         y = y + bias
     return y.view(*lead, y.shape[-1])
+
+
+#: formats torch's int4 kernel and the AMX kernel take (4-bit codes, the file's fp16 d and m)
+_Q4_TYPES = ("Q4_0", "Q4_1")
+
+
+def pack_codes(segments: list) -> Int4Weight | None:
+    """One projection's output rows as the file stores them, in order (``segments``:
+    :class:`blink.loader.gguf_weights.QuantCodes`, e.g. a fused qkv projection's q, k and v,
+    the same K each) -> a weight for the best kernel that takes them all: the AMX kernel for
+    Q4_0/Q4_1 where it runs, else the kernel without AMX (every format of
+    :data:`blink.loader.gguf_weights.CODED_TYPES`, each run of rows in its own), else torch's
+    int4 kernel for Q4_0/Q4_1; None where none does (the bf16 copy runs)."""
+    if not segments or len({s.codes.shape[1] for s in segments}) != 1:
+        return None
+    q4 = all(s.qtype in _Q4_TYPES for s in segments)
+
+    def joined():
+        codes = torch.cat([s.codes for s in segments])
+        d = torch.cat([s.d for s in segments])
+        m = torch.cat([s.m for s in segments])
+        return codes, d, m + 8 * d  # (scale, zero) as gguf_weights.Q4Codes: zero = m + 8d
+
+    if q4 and cpu_q4_linear.available():
+        amx = cpu_q4_linear.pack(*joined())
+        if amx is not None:
+            return Int4Weight("amx", AMX_MAX_ROWS, amx=amx)
+    native = cpu_quant_linear.variant()
+    if native is not None:
+        parts, run = [], [segments[0]]
+        for seg in segments[1:] + [None]:  # runs of one format, packed together
+            if seg is not None and seg.qtype == run[0].qtype:
+                run.append(seg)
+                continue
+            cat = lambda name: None if getattr(run[0], name) is None else torch.cat([getattr(s, name) for s in run])
+            part = cpu_quant_linear.pack(cat("codes"), cat("d"), cat("m"), run[0].group, run[0].bits)
+            if part is None:
+                return None
+            parts.append(part)
+            run = [seg]
+        return Int4Weight(native, NATIVE_MAX_ROWS[native], parts=parts)
+    if q4 and _torch_kernel_runs():
+        return pack(*joined(), kernel="torch")
+    return None
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
