@@ -82,7 +82,9 @@ from blink.dpu.protocol import (
     ignored_fields_warning,
 )
 from blink.dpu.tokenizer import Tokenizer
-from blink.dpu.tool_calling import ToolCallingConfig, ToolPlan, plan_tools, validate_tools
+from blink.dpu.tool_calling import (
+    ToolCallingConfig, ToolPlan, plan_tools, validate_tools, with_response_format,
+)
 from blink.dpu.tool_parsers import generic_messages
 from blink.dpu.tool_parsers import ToolCallStream
 from blink.shared.sampling_params import MAX_N, SamplingParams, SamplingParamsError
@@ -628,14 +630,16 @@ class OpenAIServing:
             return plan  # rendering reports the template's own error
         return plan if sees else plan.as_generic()
 
-    @staticmethod
-    def _with_tool_plan(params: SamplingParams, plan: ToolPlan) -> SamplingParams:
-        """The grammar of a forced tool choice; special tokens kept for parsers that read
-        them (vLLM does both)."""
-        if plan.structured_outputs is not None:
-            if params.structured_outputs is not None:
-                raise bad_request("You can only either use constraints for structured outputs "
-                                  "or tools, not both.", param="tool_choice")
+    def _with_tool_plan(self, params: SamplingParams, plan: ToolPlan) -> SamplingParams:
+        """The grammar of a forced tool choice, or of tools and a response format together
+        (:func:`blink.dpu.tool_calling.with_response_format`: the call grammar while the
+        model calls tools, the response schema for its answer); special tokens kept for
+        parsers that read them (vLLM does both)."""
+        if params.structured_outputs is not None and plan.choice != "none":
+            combined = with_response_format(plan, params.structured_outputs,
+                                            self.tokenizer.special_token_id)
+            params = dataclasses.replace(params, structured_outputs=combined)
+        elif plan.structured_outputs is not None:
             params = dataclasses.replace(params, structured_outputs=plan.structured_outputs)
         if plan.needs_special_tokens and params.skip_special_tokens:
             params = dataclasses.replace(params, skip_special_tokens=False)
@@ -683,7 +687,7 @@ class OpenAIServing:
             stream.step(text, final=True)
             calls = stream.message_tool_calls()
             messages.append(AssistantMessage(
-                content=stream.parser.content or (None if calls else ""),
+                content=stream.content or (None if calls else ""),
                 tool_calls=[ToolCall.model_validate(c) for c in calls] or None))
             finish[i] = plan.finish_reason(finish[i], bool(calls))
         choices = [ChatCompletionChoice(

@@ -197,6 +197,11 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def special_token_id(self, text: str) -> int | None:
+        """The id of ``text`` when it is one special token of this tokenizer, else None."""
+        token_id = self._tok.token_to_id(text)
+        return token_id if token_id is not None and token_id in self.special_ids else None
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 

@@ -45,6 +45,7 @@ from blink.dpu.tool_parsers import (
     named_schema,
     required_schema,
 )
+from blink.dpu.tool_parsers.forced import hoist_defs
 from blink.shared.structured_outputs import StructuredOutputs, StructuredOutputsError
 
 #: Most tools one request may offer (OpenAI's limit).
@@ -271,3 +272,106 @@ def _schema_problem(schema_json: str) -> str | None:
     except RecursionError:  # the meta-schema check recurses per level of the schema
         return "it is nested too deeply"
     return None
+
+
+# -- tools and a response format in one request ------------------------------------------------
+
+#: JSON layout inside the combined grammars (the same as :mod:`blink.dpu.structured.grammar`'s
+#: default for schemas: ``json.dumps``' separators, no other whitespace)
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _lark_json(schema: dict[str, Any]) -> str:
+    """A Lark rule body for a JSON value valid against ``schema`` (as it is served)."""
+    from blink.dpu.structured.grammar import served_schema
+
+    served = served_schema(schema)
+    return "%json " + json.dumps({**served, "x-guidance": _JSON_LAYOUT}, ensure_ascii=False)
+
+
+def _call_object_schema(tools: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """One call as the parser reads it: ``{"name": <a tool>, key: <its arguments>}``."""
+    named, defs = hoist_defs(tools)
+    schema: dict[str, Any] = {"anyOf": [
+        {"type": "object", "properties": {"name": a["name"], key: a["parameters"]},
+         "required": ["name", key]} for a in named]}
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def _literal(text: str, special_id: Any) -> str:
+    """A Lark item matching ``text``: the special token itself when ``text`` is one
+    (``special_id(text)`` gives its id), else the characters."""
+    token = special_id(text)
+    return f"<[{token}]>" if token is not None else json.dumps(text, ensure_ascii=False)
+
+
+def _calls_grammar(parser: str, tools: list[dict[str, Any]], single: bool,
+                   special_id: Any) -> str | None:
+    """Lark rules ``calls: ...`` for one or more calls (one with ``single``) written as the
+    ``auto`` parser reads them; None for a parser without a call grammar."""
+    if parser == "hermes":
+        call = _lark_json(_call_object_schema(tools, "arguments"))
+        more = "" if single else ' ("\\n"? call)*'
+        start, end = _literal("<tool_call>", special_id), _literal("</tool_call>", special_id)
+        return (f"calls: call{more}\n"
+                f'call: {start} "\\n" callobj "\\n" {end}\n'
+                f"callobj: {call}\n")
+    if parser == "llama3_json":
+        call = _lark_json(_call_object_schema(tools, "parameters"))
+        more = "" if single else ' ("; " callobj)*'
+        return (f'calls: {_literal("<|python_tag|>", special_id)}? callobj{more}\n'
+                f"callobj: {call}\n")
+    if parser == "mistral":
+        array: dict[str, Any] = {"type": "array", "minItems": 1,
+                                 "items": _call_object_schema(tools, "arguments")}
+        array["$defs"] = array["items"].pop("$defs", {})
+        if single:
+            array["maxItems"] = 1
+        return f'calls: {_literal("[TOOL_CALLS]", special_id)} {_lark_json(array)}\n'
+    return None
+
+
+def with_response_format(plan: ToolPlan, response: StructuredOutputs,
+                         special_id: Any) -> StructuredOutputs:
+    """The constraint of a request with tools and a response format, with OpenAI's meaning:
+    the tool grammar while the model calls tools, the response schema for its final answer.
+
+    - ``none``: the response format alone;
+    - ``required`` / a named function: the call grammar alone (the turn is a call; the
+      response format applies to the answer that follows the tool results);
+    - ``auto``: either calls, as the parser reads them, or the answer (a 400 for a parser
+      without a call grammar, or a response format that is not a JSON schema).
+    ``special_id(text)``: the token id of ``text`` when the tokenizer has it as one special
+    token, else None."""
+    if plan.choice == "none":
+        return response
+    if plan.choice in ("required", "named"):
+        assert plan.structured_outputs is not None
+        return plan.structured_outputs
+    if response.kind not in ("json", "json_object"):
+        raise bad_request("With tools, the response format must be a JSON schema or "
+                          f"json_object, got {response.kind}.", param="response_format")
+    answer = response.schema_dict() if response.kind == "json" else {"type": "object"}
+    if not isinstance(answer, dict):
+        raise bad_request("With tools, the response format's schema must be an object.",
+                          param="response_format")
+    tools = plan.system_tools or plan.template_tools or []
+    if plan.parser_class is GenericToolParser:
+        try:
+            schema = generic_schema(tools, plan.single_call, response_schema=answer)
+        except ValueError as e:
+            raise bad_request(str(e), param="response_format") from None
+        return _constraint(schema)
+    name = plan.parser_class.name if plan.parser_class is not None else None
+    calls = _calls_grammar(name or "", tools, plan.single_call, special_id)
+    if calls is None:
+        raise bad_request(f"tools together with a response format need a tool-call parser "
+                          f"with a call grammar (hermes, llama3_json, mistral or generic); "
+                          f"this server uses {name!r}.", param="response_format")
+    lark = f"start: answer | calls\nanswer: {_lark_json(answer)}\n{calls}"
+    try:
+        return StructuredOutputs(grammar=lark)
+    except StructuredOutputsError as e:
+        raise bad_request(f"The tools cannot be enforced: {e}", param="tools") from None

@@ -312,8 +312,8 @@ def test_auto_hermes_whole_and_streamed(qwen_tok: Tokenizer) -> None:
             finish = c.finish_reason or finish
     assert content == "Let me check.\n" and finish == "tool_calls"
     assert {i: json.loads(a) for i, a in calls.items()} == {0: {"city": "Paris"}}
-    # the arguments came in fragments (one token each), after the name
-    assert sum(1 for ch in chunks for c in ch.choices for _ in (c.delta.tool_calls or [])) > 3
+    # the call came whole, once complete (so its arguments always parse)
+    assert sum(1 for ch in chunks for c in ch.choices for _ in (c.delta.tool_calls or [])) == 1
 
 
 def test_round_trip_call_result_answer(qwen_tok: Tokenizer) -> None:
@@ -512,3 +512,82 @@ def test_null_content_for_templates_that_read_content_parts() -> None:
     user = {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]}
     text = render_chat_template(template, [user, HISTORY[1]], add_generation_prompt=False)
     assert text == '[user]Weather in Paris?[assistant]get_weather{"city": "Paris"}'
+
+
+# ------------------------------------------------------- tools and response_format together
+
+ANSWER_SCHEMA = {"type": "object", "properties": {"temp_c": {"type": "integer"}},
+                 "required": ["temp_c"]}
+RF = {"type": "json_schema", "json_schema": {"name": "w", "schema": ANSWER_SCHEMA}}
+
+
+def _accepts(grammar: Any, tok: Tokenizer, text: str) -> bool:
+    """Whether the request's compiled constraint lets ``text`` through and then ends."""
+    masker = grammar.new_masker()
+    for t in tok.encode(text, add_special_tokens=False):
+        words = masker.mask()
+        if not (int(words[t // 32]) >> (t % 32)) & 1:
+            return False
+        masker.advance([t])
+    words = masker.mask()
+    eos = tok.eos_token_ids[0]
+    return bool((int(words[eos // 32]) >> (eos % 32)) & 1)
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", "none"])
+def test_tools_and_response_format_together(qwen_tok: Tokenizer, choice: str) -> None:
+    """OpenAI's meaning (openai-agents, pydantic-ai, LangChain create_agent and AutoGen send
+    both): while the model calls tools, the call grammar; its final answer, the response
+    schema. ``auto``: either; ``required``: calls only; ``none``: the answer only."""
+    engine = ScriptedEngine(qwen_tok, HERMES_CALL.split("\n", 1)[1])
+    app = create_app(engine, qwen_tok, model_name=MODEL, tool_calling=AUTO)
+    r = post(app, {"model": MODEL, "messages": ASK, "tools": [WEATHER_TOOL],
+                   "tool_choice": choice, "response_format": RF, "max_tokens": 64})
+    assert r.status_code == 200, r.text
+    (rid,) = engine.grammars
+    grammar = engine.grammars[rid]
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    answer = '{"temp_c": 21}'
+    can_call = _accepts(grammar, qwen_tok, call) if choice != "required" else None
+    if choice == "auto":
+        assert can_call and _accepts(grammar, qwen_tok, answer)
+        assert not _accepts(grammar, qwen_tok, "It is sunny.")
+        assert not _accepts(grammar, qwen_tok, '{"temp_c": "warm"}')
+        assert not _accepts(grammar, qwen_tok, call.replace('"city"', '"town"'))
+    elif choice == "required":
+        assert _accepts(grammar, qwen_tok, '[{"name": "get_weather", "parameters": {"city": "P"}}]')
+        assert not _accepts(grammar, qwen_tok, answer)
+    else:
+        assert _accepts(grammar, qwen_tok, answer) and not can_call
+
+
+def test_tools_with_response_format_in_the_generic_format(qwen_tok: Tokenizer) -> None:
+    """A template without tools (the generic format): the answer's ``response`` is the
+    response schema's value, and its JSON text is the message content."""
+    engine = ScriptedEngine(qwen_tok, '{"response": {"temp_c": 21}}')
+    generic = ToolCallingConfig(enable_auto_tool_choice=True, tool_call_parser="generic")
+    app = create_app(engine, qwen_tok, model_name=MODEL, tool_calling=generic)
+    r = post(app, {"model": MODEL, "messages": ASK, "tools": [WEATHER_TOOL],
+                   "response_format": RF, "max_tokens": 64})
+    assert r.status_code == 200, r.text
+    (grammar,) = engine.grammars.values()
+    assert _accepts(grammar, qwen_tok, '{"response": {"temp_c": 21}}')
+    assert not _accepts(grammar, qwen_tok, '{"response": "sunny"}')
+    message = r.json()["choices"][0]["message"]
+    assert json.loads(message["content"]) == {"temp_c": 21} and not message.get("tool_calls")
+
+
+def test_empty_and_null_arguments_in_history_mean_no_arguments(qwen_tok: Tokenizer) -> None:
+    engine = ScriptedEngine(qwen_tok, HERMES_CALL)
+    for parser in ("hermes", "generic"):
+        cfg = ToolCallingConfig(enable_auto_tool_choice=True, tool_call_parser=parser)
+        app = create_app(engine, qwen_tok, model_name=MODEL, tool_calling=cfg)
+        for args in ("", None):
+            history = ASK + [
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "get_time", "arguments": args}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]
+            r = post(app, {"model": MODEL, "messages": history, "tools": [TIME_TOOL],
+                           "max_tokens": 16})
+            assert r.status_code == 200, (parser, args, r.text)

@@ -111,16 +111,44 @@ def test_streamed_at_every_boundary(make: Any, text: str, content: str, calls: l
 
 
 def test_content_streams_before_the_call_and_tags_are_held() -> None:
+    """Content streams as it comes; a call reaches the client once complete, whole."""
     stream = ToolCallStream(HermesToolParser())
     assert stream.step("Checking").content == "Checking"
     assert stream.step(" now <tool").content == " now "  # "<tool" may start a tag
     d = stream.step('_call>{"name": "f", "argu')
-    assert d.content == "" and d.tool_calls[0]["function"] == {"name": "f", "arguments": ""}
+    assert d.content == "" and d.tool_calls == []  # the call is not complete yet
     d = stream.step('ments": {"x": 1')
-    assert d.tool_calls == [{"index": 0, "function": {"arguments": '{"x": 1'}}]
+    assert d.tool_calls == []
     d = stream.step("}}</tool_call>", final=True)
-    assert d.tool_calls == [{"index": 0, "function": {"arguments": "}"}}]
+    assert d.tool_calls[0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
     assert stream.message_tool_calls()[0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
+
+
+@pytest.mark.parametrize("text,content", [
+    ('<tool_call>{"name": "f", "arguments": {"x": 1', '<tool_call>{"name": "f", "arguments": {"x": 1'),
+    ('<tool_call>{"name": "f", "arguments": {"city": Paris}}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": {"city": Paris}}'),
+    ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', '<tool_call>{"name": "f", "arguments": [1]}'),
+])
+def test_calls_whose_arguments_are_not_a_json_object_become_content(text, content) -> None:
+    """A call cut by max_tokens, or with arguments that are not a JSON object (Hermes'
+    ``{"city": Paris}``), never reaches the client as a call: its text is content. Both in
+    one piece and streamed."""
+    for pieces in ([text], list(text)):
+        stream = ToolCallStream(HermesToolParser())
+        got_content, got_calls = "", []
+        for i, piece in enumerate(pieces):
+            d = stream.step(piece, final=i == len(pieces) - 1)
+            got_content += d.content
+            got_calls += d.tool_calls
+        assert got_calls == [] and stream.message_tool_calls() == []
+        assert got_content.startswith(content), got_content
+
+
+def test_empty_arguments_are_an_empty_object() -> None:
+    stream = ToolCallStream(HermesToolParser())
+    stream.step('<tool_call>{"name": "f", "arguments": ""}</tool_call>', final=True)
+    assert stream.message_tool_calls()[0]["function"] == {"name": "f", "arguments": "{}"}
 
 
 def test_parallel_tool_calls_false_keeps_the_first() -> None:

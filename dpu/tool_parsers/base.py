@@ -34,6 +34,9 @@ class ParsedToolCall:
 
     name: str
     arguments: str = ""
+    #: the call's text as the model wrote it (set once the call is complete): what becomes
+    #: content if its arguments turn out not to be a JSON object
+    raw: str = ""
 
 
 def partial_prefix_len(text: str, start: int, tag: str) -> int:
@@ -312,6 +315,10 @@ class ToolCallParser:
     def _advance(self, final: bool) -> None:
         raise NotImplementedError
 
+    def open_call(self) -> "ParsedToolCall | None":
+        """The call still being written (its arguments may grow), if any."""
+        return self._call
+
     # -- helpers for subclasses ----------------------------------------------------------
     def _emit_content(self, end: int) -> None:
         """``self._text[self._pos:end]`` is content."""
@@ -341,6 +348,7 @@ class ToolCallParser:
                 return self._fail_call()
             if not scanner.has_arguments:
                 self._call.arguments = "{}"
+            self._call.raw = self._text[self._call_start:self._pos]
             self._scanner, self._call = None, None
             return "done"
         if scanner.error or final:

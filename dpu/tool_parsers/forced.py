@@ -95,6 +95,9 @@ class NamedToolParser(ToolCallParser):
         super().__init__()
         self.function_name = function_name
 
+    def open_call(self) -> ParsedToolCall | None:
+        return self.calls[0] if self.calls and not self.finished else None
+
     def _advance(self, final: bool) -> None:
         text = self._text
         end = len(text.rstrip())  # trailing whitespace waits (and is dropped at the end)

@@ -22,7 +22,7 @@ import json
 import re
 from typing import Any, Mapping, Sequence
 
-from blink.dpu.tool_parsers.base import ToolCallParser, skip_ws
+from blink.dpu.tool_parsers.base import JsonValueSkipper, ToolCallParser, skip_ws
 from blink.dpu.tool_parsers.forced import hoist_defs
 
 GENERIC_INSTRUCTIONS = (
@@ -41,10 +41,23 @@ def generic_system_prompt(tools: list[dict[str, Any]]) -> str:
     return GENERIC_INSTRUCTIONS.format(tools=listed)
 
 
-def generic_schema(tools: list[dict[str, Any]], single_call: bool = False) -> dict[str, Any]:
+def generic_schema(tools: list[dict[str, Any]], single_call: bool = False,
+                   response_schema: dict[str, Any] | None = None) -> dict[str, Any]:
     """The JSON schema of a generic answer: ``{"tool_calls": [...]}`` (names and arguments
-    valid against the tools) or ``{"response": "..."}``."""
+    valid against the tools) or ``{"response": "..."}`` (with a ``response_schema``, the
+    request's response format: ``{"response": <a value valid against it>}``)."""
     alternatives, defs = hoist_defs(tools)
+    if response_schema is not None and ("$defs" in response_schema or "definitions" in response_schema):
+        response_schema = dict(response_schema)
+        for key in ("$defs", "definitions"):  # their $refs point at the document's top
+            for name, sub in (response_schema.pop(key, None) or {}).items():
+                if name in defs and defs[name] != sub:
+                    raise ValueError(f"the tools and the response format define "
+                                     f"'{key}.{name}' differently")
+                defs[name] = sub
+        if "definitions" in json.dumps(response_schema):
+            response_schema = json.loads(json.dumps(response_schema).replace(
+                '"#/definitions/', '"#/$defs/'))
     calls: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
         {"properties": {"name": a["name"], "arguments": a["parameters"]},
          "required": ["name", "arguments"]} for a in alternatives]}}
@@ -52,7 +65,7 @@ def generic_schema(tools: list[dict[str, Any]], single_call: bool = False) -> di
         calls["maxItems"] = 1
     schema: dict[str, Any] = {"anyOf": [
         {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"]},
-        {"type": "object", "properties": {"response": {"type": "string"}},
+        {"type": "object", "properties": {"response": response_schema or {"type": "string"}},
          "required": ["response"]},
     ]}
     if defs:
@@ -72,9 +85,10 @@ def generic_messages(messages: Sequence[Mapping[str, Any]],
             calls = []
             for j, call in enumerate(msg.pop("tool_calls")):
                 function = call.get("function") or {}
-                args = function.get("arguments", "{}")
-                try:
-                    args = json.loads(args) if isinstance(args, str) else args
+                args = function.get("arguments")
+                try:  # "" and null mean no arguments, as in vLLM
+                    args = (json.loads(args) if args.strip() else {}) if isinstance(args, str) \
+                        else ({} if args is None else args)
                 except ValueError as e:
                     raise ChatTemplateError(f"messages[{i}].tool_calls[{j}].function.arguments "
                                             f"is not valid JSON: {e}") from None
@@ -109,8 +123,9 @@ class GenericToolParser(ToolCallParser):
 
     def __init__(self) -> None:
         super().__init__()
-        self._mode = "open"  # open | item | next | close | response | content
+        self._mode = "open"  # open | item | next | close | response | value | content
         self._raw = ""  # the response string's undecoded body so far
+        self._value: JsonValueSkipper | None = None  # a non-string response (a response format)
 
     def _advance(self, final: bool) -> None:
         text = self._text
@@ -128,6 +143,9 @@ class GenericToolParser(ToolCallParser):
                 first = text[m.end()]
                 if m.group(1) == "response" and first == '"':
                     self._pos, self._mode = m.end() + 1, "response"
+                elif m.group(1) == "response":  # a JSON value (the request's response format)
+                    self._pos, self._mode = m.end(), "value"
+                    self._value = JsonValueSkipper()
                 elif m.group(1) == "tool_calls" and first == "[":
                     self._pos, self._mode = m.end() + 1, "item"
                     self._call_start = self._pos
@@ -149,6 +167,15 @@ class GenericToolParser(ToolCallParser):
                 return
             elif mode == "response":
                 if self._read_response(final):
+                    self._mode = "close"
+                    continue
+                return
+            elif mode == "value":  # the value's own JSON text is the content
+                assert self._value is not None
+                end = self._value.advance(text, self._pos, final)
+                self.content += text[self._pos:end]
+                self._pos = end
+                if self._value.done:
                     self._mode = "close"
                     continue
                 return

@@ -38,6 +38,9 @@ class MistralToolParser(ToolCallParser):
         self._mode = "content"
         self._args: JsonValueSkipper | None = None
 
+    def open_call(self) -> ParsedToolCall | None:
+        return self.calls[-1] if self._mode == "named_args" else self._call
+
     def _advance(self, final: bool) -> None:
         text = self._text
         while True:
@@ -116,6 +119,7 @@ class MistralToolParser(ToolCallParser):
                     return
                 if not call.arguments:
                     call.arguments = "{}"
+                call.raw = text[self._call_start:self._pos]
                 self._args, self._mode = None, "after"
             else:  # after: another [TOOL_CALLS] may follow; other text is content
                 self._pos = skip_ws(text, self._pos)

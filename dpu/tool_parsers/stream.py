@@ -1,11 +1,17 @@
 """A parser's growing state turned into OpenAI's answer shapes: the whole message's
-``content`` + ``tool_calls``, or stream deltas (content pieces; for each call first
-``index``, ``id``, ``type`` and ``function.name``, then ``function.arguments`` fragments)."""
+``content`` + ``tool_calls``, or stream deltas (content pieces; each call once it is
+complete: ``index``, ``id``, ``type``, ``function.name`` and its whole ``function.arguments``).
+
+A call reaches the client only once it is complete and its arguments are a JSON object, so
+the arguments a client gets always parse (an empty text counts as ``{}``); a call that is
+cut (by ``length``) or whose arguments are not a JSON object becomes plain content, as its
+raw text (vLLM does the same)."""
 from __future__ import annotations
 
 import secrets
 import string
 import uuid
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +36,17 @@ class ToolCallDelta:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
 
+def arguments_object(arguments: str) -> str | None:
+    """``arguments`` when it is a JSON object's text ("" reads as ``{}``), else None."""
+    if not arguments.strip():
+        return "{}"
+    try:
+        value = json.loads(arguments)
+    except (ValueError, RecursionError):
+        return None
+    return arguments if isinstance(value, dict) else None
+
+
 class ToolCallStream:
     """Feeds a parser and reports what is new since the last call (see the module docstring).
 
@@ -41,12 +58,36 @@ class ToolCallStream:
         self.max_calls = max_calls
         self.ids: list[str] = []
         self._content_sent = 0
-        self._args_sent: list[int] = []
+        self._settled = 0  # parser calls decided so far (valid: sent; invalid: content)
+        self._valid: list[Any] = []  # the calls that reach the client, with their arguments
+        self._rejected = ""  # raw text of calls that became content
 
     @property
     def calls(self) -> list[Any]:
+        return self._valid if self.max_calls is None else self._valid[: self.max_calls]
+
+    @property
+    def content(self) -> str:
+        """The content so far: the parser's, then the raw text of rejected calls."""
+        return self.parser.content + self._rejected
+
+    def _settle(self, final: bool) -> tuple[list[Any], str]:
+        """Decide the calls that are complete: (newly valid calls, newly rejected text)."""
         calls = self.parser.calls
-        return calls if self.max_calls is None else calls[: self.max_calls]
+        open_call = self.parser.open_call()
+        new_valid, rejected = [], ""
+        while self._settled < len(calls):
+            call = calls[self._settled]
+            if not final and call is open_call:
+                break  # still being written
+            self._settled += 1
+            arguments = arguments_object(call.arguments)
+            if arguments is None:
+                rejected += call.raw or call.arguments  # what the model wrote
+            else:
+                call.arguments = arguments
+                new_valid.append(call)
+        return new_valid, rejected
 
     def step(self, text: str, final: bool = False) -> ToolCallDelta:
         """Feed ``text`` (and finish when ``final``); return the growth."""
@@ -54,20 +95,17 @@ class ToolCallStream:
             self.parser.feed(text)
         if final:
             self.parser.finish()
-        delta = ToolCallDelta(content=self.parser.content[self._content_sent:])
-        self._content_sent = len(self.parser.content)
+        new_valid, rejected = self._settle(final)
+        self._rejected += rejected
+        delta = ToolCallDelta(content=self.content[self._content_sent:])
+        self._content_sent = len(self.content)
+        self._valid += new_valid
         for index, call in enumerate(self.calls):
             if index == len(self.ids):
                 self.ids.append(make_tool_call_id(self.parser.id_style))
-                self._args_sent.append(len(call.arguments))
                 delta.tool_calls.append({
                     "index": index, "id": self.ids[index], "type": "function",
                     "function": {"name": call.name, "arguments": call.arguments}})
-            elif len(call.arguments) > self._args_sent[index]:
-                delta.tool_calls.append({
-                    "index": index,
-                    "function": {"arguments": call.arguments[self._args_sent[index]:]}})
-                self._args_sent[index] = len(call.arguments)
         return delta
 
     def message_tool_calls(self) -> list[dict[str, Any]]:
