@@ -260,3 +260,74 @@ def packed_available() -> bool:
     from blink.models import packed_linear
 
     return packed_linear.packing_available(torch.bfloat16, torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def k_quant_ggufs(tmp_path_factory):
+    """A llama-shaped model (hidden 256: whole K-quant super-blocks) written as GGUF files whose
+    2-D weights are Q4_K, Q5_K or Q6_K (the head too), random blocks as the file holds them
+    (gguf's Python package quantizes no K-quant: the blocks are random bytes, fp16 fields finite)."""
+    import transformers as tf
+
+    from test_cpu_quant_linear import random_blocks
+    from test_loader_gguf import export_to_gguf
+
+    root = tmp_path_factory.mktemp("kquants")
+    config = tf.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                            rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=None, pad_token_id=0,
+                            tie_word_embeddings=False, rope_theta=10000.0)
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(config).save_pretrained(root / "hf", safe_serialization=True)
+    original = gguf.quants.quantize
+    files = {}
+    for name in ("Q4_K", "Q5_K", "Q6_K"):
+        qtype = Q[name]
+
+        def quantize(array, q, qtype=qtype):
+            if q != qtype:
+                return original(array, q)
+            rows, cols = array.shape
+            return random_blocks(qtype, rows, cols, seed=rows + cols)
+
+        gguf.quants.quantize = quantize
+        try:
+            files[name] = export_to_gguf(root / "hf", root / f"llama-{name.lower()}.gguf", qtype)
+        finally:
+            gguf.quants.quantize = original
+    return files
+
+
+@pytest.mark.parametrize("build", ["avx512", "avx2"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_a_k_quant_gguf_runs_on_its_codes(k_quant_ggufs, monkeypatch, build, name):
+    """The file's K-quant codes, q/k rows un-permuted as iter_tensors un-permutes the weights,
+    are gguf's values bit for bit, and every projection and the head run on them: a decode
+    step's logits are the fp32 forward's on the same weights within the bf16 forward's error."""
+    if not all(f in cpu_quant_linear.cpu_flags() for f in cpu_quant_linear.VARIANTS[build][1]):
+        pytest.skip(f"this CPU cannot run the {build} build")
+    files = open_model(k_quant_ggufs[name])
+    dense = dict(files.iter_tensors(torch.float32, progress=False))
+    coded = dict(files.iter_quant_codes())
+    assert coded and all(codes.qtype == name for codes in coded.values())
+    for hf_name, codes in coded.items():
+        assert torch.equal(codes.dequantize(), dense[hf_name]), hf_name
+    monkeypatch.setenv(cpu_q4_linear.IMPL_ENV, build)
+    cpu_quant_linear.reset()
+    try:
+        kw = dict(num_blocks=64, max_model_len=64)
+        ex = ModelExecutor(files, dtype=torch.bfloat16, **kw)
+        if not ex.packed_weights:
+            pytest.skip("no native oneDNN bf16 on this CPU")
+        layers = ex.config.num_hidden_layers
+        assert ex.int4_projections == (4 * layers + 1, 4 * layers + 1)
+        assert ex.int4_kernels == {(build, int4_linear.NATIVE_MAX_ROWS[build]): 4 * layers + 1}
+        fp32 = ModelExecutor(files, dtype=torch.float32, **kw)
+        plain = ModelExecutor(files, dtype=torch.bfloat16, int4_decode=False, **kw)
+        ref, a, b = (_decode_logits(e, 3) for e in (fp32, ex, plain))
+        assert not torch.equal(a, b)
+        err_codes, err_bf16 = (a - ref).abs().max().item(), (b - ref).abs().max().item()
+        assert err_codes < max(3 * err_bf16, 0.05), (err_codes, err_bf16)
+    finally:
+        monkeypatch.delenv(cpu_q4_linear.IMPL_ENV)
+        cpu_quant_linear.reset()
