@@ -35,6 +35,9 @@ class CompletionOutput:
     finish_reason: str | None
     #: per generated token: {token_id: logprob} of the chosen token and the top-N, when asked
     logprobs: list[dict[int, float]] | None = None
+    #: with finish_reason "error": why, when known (a structured output that failed its JSON
+    #: schema's final check names the keyword and the validation error; ``text`` is kept)
+    error: str | None = None
 
 
 @dataclass
@@ -136,8 +139,8 @@ class LLM:
             results.append(RequestOutput(
                 prompt=prompt if isinstance(prompt, str) else None,
                 prompt_token_ids=prompt_ids[r],
-                outputs=[CompletionOutput(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs)
-                         for c in mine],
+                outputs=[CompletionOutput(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs,
+                                          c.output.error) for c in mine],
                 num_cached_tokens=mine[0].num_cached if mine else 0,
             ))
         return results
@@ -204,7 +207,8 @@ class LLM:
             fields["max_tokens"] = max(1, self.max_model_len - len(ids))
         return _Choice(
             request=r, index=index, prompt_ids=ids, params=params, fields=fields,
-            output=ChoiceText(self.tokenizer, ids, one),
+            output=ChoiceText(self.tokenizer, ids, one,
+                              final_check=grammar is not None and grammar.needs_final_check),
             logprobs=[] if params.logprobs is not None else None, grammar=grammar,
         )
 
@@ -283,3 +287,6 @@ class LLM:
                 choice.logprobs.append(entry)
         if choice.output.stopped_by_string and not delta.finished:
             self._ring.cancel(choice.handle)  # the engine would go on generating for nobody
+        if choice.output.needs_final_check:  # a lenient grammar: validate what finished stop
+            assert choice.grammar is not None
+            choice.output.final_check_done(choice.grammar.check_output(choice.output.text))

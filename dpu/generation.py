@@ -25,6 +25,12 @@ class EngineRequestError(EngineError):
     """The engine ended a request with finish_reason "error" (or ended it without output)."""
 
 
+class FinalCheckError(EngineRequestError):
+    """A structured output finished ``stop`` but fails its JSON schema's final check (a keyword
+    the grammar cannot enforce): the choice fails like an engine error, never a plain
+    ``stop`` (docs/architecture.md, "Structured outputs")."""
+
+
 @dataclass
 class ChoiceDelta:
     """What one engine delta contributes to a choice (the ``token_ids`` are those counted as
@@ -54,7 +60,8 @@ class ChoiceRun:
         self.grammar = grammar  # the compiled structured-output constraint, if any
         self.include_stop_str_in_output = include_stop_str_in_output
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self._text = ChoiceText(tokenizer, prompt_ids, params, include_stop_str_in_output)
+        self._text = ChoiceText(tokenizer, prompt_ids, params, include_stop_str_in_output,
+                                final_check=grammar is not None and grammar.needs_final_check)
         self._stream: AsyncIterator[EngineOutput] | None = None
         self._first: EngineOutput | None = None
         self._last_token_time: float | None = None
@@ -105,6 +112,8 @@ class ChoiceRun:
             self._first = None
             while out is not None:
                 delta = self._process(out)
+                if self._text.needs_final_check:
+                    await self._final_check()  # raises FinalCheckError if the output fails
                 if delta.text or delta.token_ids or delta.finish_reason:
                     yield delta
                 if self.finished:
@@ -118,6 +127,16 @@ class ChoiceRun:
                     ) from None
         finally:
             await self.close()
+
+    async def _final_check(self) -> None:
+        """Validate the finished output against its original schema (in a worker process,
+        bounded; awaited in a thread so the event loop goes on)."""
+        assert self.grammar is not None
+        problem = await anyio.to_thread.run_sync(self.grammar.check_output, self._text.text)
+        self._text.final_check_done(problem)
+        self._observe_finished(time.monotonic())
+        if problem is not None:
+            raise FinalCheckError(f"choice {self.index}: {problem}")
 
     async def close(self) -> None:
         """Abort the engine request unless the engine already finished it. Idempotent."""
@@ -188,7 +207,7 @@ class ChoiceRun:
             self.engine_finished = True
 
         self.metrics.generation_tokens.inc(kept)
-        if self.finished:
+        if self.finished and not self._text.needs_final_check:  # else after the check
             self._observe_finished(now)
         return ChoiceDelta(
             index=self.index, text=delta.text, token_ids=out.token_ids[:kept],

@@ -9,7 +9,13 @@ Both the HTTP frontend (:class:`blink.dpu.generation.ChoiceRun`) and the offline
   are dropped;
 - the stop token that ends a choice (EOS or a ``stop_token_ids`` id) is counted but its text
   is not shown, unless ``include_stop_str_in_output``;
-- at the end, the detokenizer's and the matcher's held-back text is released.
+- at the end, the detokenizer's and the matcher's held-back text is released;
+- a choice whose structured-output grammar does not enforce every keyword of its JSON schema
+  (``final_check``: :meth:`blink.dpu.structured.workers.CompiledGrammar.check_output`) keeps
+  its text, and when it finishes ``stop`` the caller runs the check on :attr:`ChoiceText.text`
+  (:attr:`ChoiceText.needs_final_check`) and reports the outcome with
+  :meth:`ChoiceText.final_check_done`: an output that fails ends with finish reason
+  ``error`` and :attr:`ChoiceText.error`, never ``stop``.
 """
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ class ChoiceText:
     """The text of one choice, fed token batch by token batch (see the module docstring)."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams,
-                 include_stop_str_in_output: bool = False) -> None:
+                 include_stop_str_in_output: bool = False, final_check: bool = False) -> None:
         self.params = params
         self.include_stop_str_in_output = include_stop_str_in_output
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
@@ -47,6 +53,32 @@ class ChoiceText:
         #: engine's reason once it finished; None while the choice runs
         self.finish_reason: str | None = None
         self.stopped_by_string = False
+        #: the output must pass a final check when it finishes stop (its text is kept)
+        self.final_check = final_check
+        self._pieces: list[str] | None = [] if final_check else None
+        self._checked = False
+        #: why the choice failed (finish reason "error"), for the client
+        self.error: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The whole text so far (kept only for a choice with a final check)."""
+        if self._pieces is None:
+            raise RuntimeError("ChoiceText keeps its text only with final_check")
+        return "".join(self._pieces)
+
+    @property
+    def needs_final_check(self) -> bool:
+        """The choice finished ``stop`` and its output must still pass the final check."""
+        return self.final_check and not self._checked and self.finish_reason == "stop"
+
+    def final_check_done(self, problem: str | None) -> None:
+        """The final check's outcome: None (valid: the finish stays ``stop``) or the message;
+        then the finish reason becomes ``error``."""
+        self._checked = True
+        if problem is not None:
+            self.finish_reason = "error"
+            self.error = problem
 
     def feed(self, token_ids: list[int], finished: bool, finish_reason: str | None) -> TextDelta:
         """Add the engine's next tokens; ``finished``/``finish_reason`` as the engine reports
@@ -76,4 +108,7 @@ class ChoiceText:
                 pieces.append(self._matcher.flush())
             self.finish_reason = "stop" if self._matcher.matched else (finish_reason or "stop")
             self.stopped_by_string = self._matcher.matched is not None
-        return TextDelta("".join(pieces), kept)
+        text = "".join(pieces)
+        if self._pieces is not None and text:
+            self._pieces.append(text)
+        return TextDelta(text, kept)

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_engine import byte_tokenizer_json, make_llm, tiny_model_dir  # noqa: E402
 
 from blink.dpu.structured.grammar import served_schema  # noqa: E402
-from blink.dpu.structured.workers import GrammarLimitError, GrammarService  # noqa: E402
+from blink.dpu.structured.workers import GrammarLimitError, GrammarService, output_validator  # noqa: E402
 from blink.dpu.tokenizer import Tokenizer  # noqa: E402
 from blink.kernels.mask_reference import apply_token_mask, token_mask_bits, wait_token_masks  # noqa: E402
 from blink.shared.sampling_params import SamplingParams, SamplingParamsError  # noqa: E402
@@ -114,8 +114,11 @@ def test_request_type_validates():
 
 
 @pytest.mark.parametrize("so,problem", [
-    (SO(json={"type": "object", "properties": {"a": {"type": "string"}},
-              "dependencies": {"a": ["b"]}}), "dependencies"),
+    # a keyword llguidance cannot enforce, in a grammar (no final check there): refused by name
+    (SO(grammar='start: %json {"type": "array", "uniqueItems": true}'), "uniqueItems"),
+    # an unenforced keyword beside a real error: the error is named, not approximated
+    (SO(json={"type": "array", "uniqueItems": True,
+              "items": {"type": "string", "pattern": "a(?=b)"}}), "regex"),
     (SO(regex="a(?=b)"), "regex"),
     (SO(grammar="start: foo"), "foo"),
     (SO(json={"type": "integer", "minimum": 5, "maximum": 1}), "constraint"),
@@ -204,19 +207,146 @@ SOUNDNESS = [
                 {"type": "object", "properties": {"k": {"const": "b"}, "y": {"type": "string"}},
                  "required": ["k", "y"]}]},
      ['{"k": "a", "x": 1}', '{"k": "b", "y": "z"}'], ['{"k": "a", "y": "z"}']),
+    # name-list dependencies: enforced by the grammar (the equal anyOf), no final check
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependencies": {"a": ["b"]}},
+     ["{}", '{"b": 1}', '{"a": 1, "b": 2}'], ['{"a": 1}']),
+    ({"type": "object", "dependentRequired": {"a": ["b", "c"]}, "properties": {
+        "a": {"type": "integer"}, "b": {"type": "integer"}, "c": {"type": "integer"}}},
+     ['{"b": 1}', '{"a": 1, "b": 2, "c": 3}'], ['{"a": 1, "b": 2}', '{"a": 1}']),
 ]
 
 
 @pytest.mark.parametrize("schema,valid,invalid", SOUNDNESS)
 def test_soundness_cases(service, schema, valid, invalid):
     so = SO(json=schema)
+    assert not service.compile(so).needs_final_check  # all enforced by the grammar
+    check = output_validator(schema)  # 2020-12, plus the legacy `dependencies`
     for text in valid:
-        jsonschema.validate(json.loads(text), schema)
+        check.validate(json.loads(text))
         assert accepts(service, so, text), text
     for text in invalid:
-        with pytest.raises(jsonschema.ValidationError):
-            jsonschema.validate(json.loads(text), schema)
+        assert not check.is_valid(json.loads(text)), text
         assert not accepts(service, so, text), f"accepted an invalid instance: {text}"
+
+
+def served_stop(service, so: SO, text: str) -> bool:
+    """Whether ``text`` would be served as a ``stop`` output: the mask lets it through and
+    then allows EOS, and (a lenient grammar) it passes the final check that the serving layer
+    and ``LLM.generate`` run (:meth:`CompiledGrammar.check_output`)."""
+    return accepts(service, so, text) and service.compile(so).check_output(text) is None
+
+
+# (schema, the keywords named, valid instances, invalid ones the mask lets through): schemas
+# strict llguidance refuses only for keywords it does not implement
+LENIENT = [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, ["uniqueItems"],
+     ["[1, 2]", "[]"], ["[1, 1]", "[3, 2, 3]"]),
+    ({"oneOf": [{"type": "integer"}, {"minimum": 2}]}, ["oneOf"], ["1", "2.5"], ["3"]),
+    ({"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}},
+      "dependencies": {"a": {"required": ["b"]}}}, ["dependencies"],
+     ['{"b": 1}', '{"a": "x", "b": 1}'], ['{"a": "x"}']),
+    ({"not": {"type": "string"}}, ["not"], ["1", "null"], ['"s"']),
+    ({"type": "integer", "if": {"minimum": 10}, "then": {"multipleOf": 2}}, ["if", "then"],
+     ["3", "12"], ["13"]),
+    ({"type": "array", "contains": {"const": 1}}, ["contains"], ["[1]", "[2, 1]"], ["[2]", "[]"]),
+    ({"type": "object", "propertyNames": {"pattern": "^a"}}, ["propertyNames"],
+     ['{"ab": 1}'], ['{"b": 1}']),
+]
+
+
+@pytest.mark.parametrize("schema,keywords,valid,invalid", LENIENT)
+def test_unenforced_keywords_are_served_with_a_final_check(service, schema, keywords, valid,
+                                                           invalid):
+    """Accepted (llguidance's lenient grammar, a superset), marked for the final check, which
+    names the keywords: valid instances are served, and an invalid one the mask lets through
+    fails the check (so it is never a plain ``stop``)."""
+    so = SO(json=schema)
+    g = service.compile(so)
+    assert g.needs_final_check and set(keywords) <= set(g.final_check.keywords)
+    check = output_validator(schema)
+    for text in valid:
+        check.validate(json.loads(text))
+        assert served_stop(service, so, text), text
+    for text in invalid:
+        assert not check.is_valid(json.loads(text)), text
+        problem = g.check_output(text)
+        assert problem is not None and keywords[0] in problem, (text, problem)
+        assert not served_stop(service, so, text), f"served an invalid instance: {text}"
+
+
+def test_final_check_is_bounded_and_fails_closed(tokenizer):
+    """A check past its limit is killed and the output fails (nothing says it is valid); a cut
+    output (not JSON) fails; the next check is served by a replaced worker."""
+    svc = GrammarService(tokenizer, timeout_s=10.0, workers=1, check_timeout_s=0.3)
+    try:
+        g = svc.compile(SO(json={"type": "array", "uniqueItems": True}))
+        assert g.check_output("[1, 2]") is None  # warm: the worker's start is not counted
+        slow = json.dumps([{"k": i} for i in range(4000)])  # uniqueItems on objects: O(n^2)
+        t0 = time.monotonic()
+        problem = g.check_output(slow)
+        assert problem is not None and "did not finish" in problem
+        assert time.monotonic() - t0 < 3.0
+        assert "not JSON" in g.check_output("[1, ")
+        assert g.check_output("[3, 4]") is None and svc.checkers.killed == 1
+        assert svc.stats.final_check_failures == 2
+    finally:
+        svc.close()
+
+
+@pytest.mark.parametrize("path,stream", [("/v1/chat/completions", False),
+                                         ("/v1/chat/completions", True),
+                                         ("/v1/completions", True)])
+def test_http_final_check_failure_is_an_error_never_stop(stream, path):
+    """Over HTTP (fake engine: it replays a script, the grammar is not applied): an output
+    that finishes stop but breaks the unenforced keyword is a 500 naming it (streaming: an
+    error event after the text, no ``stop`` chunk); a valid one is an ordinary ``stop``."""
+    import asyncio
+
+    from dpu_helpers import MESSAGES, MODEL, asgi_request, make_engine, tiny_tokenizer
+
+    from blink.dpu.app import create_app
+
+    tok = tiny_tokenizer()
+    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    for answer, ok in (("[1, 2]", True), ("[1, 1]", False)):
+        app = create_app(make_engine(tok, answer), tok, model_name=MODEL)
+        body = {"model": MODEL, "max_tokens": 20, "stream": stream,
+                "response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "s", "schema": schema}}}
+        body.update({"messages": MESSAGES} if "chat" in path else {"prompt": "hi"})
+        r = asyncio.run(asgi_request(app, "POST", path, json=body))
+        if not stream:
+            if ok:
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["finish_reason"] == "stop"
+            else:
+                assert r.status_code == 500, r.text
+                msg = r.json()["error"]["message"]
+                assert "uniqueItems" in msg and "non-unique" in msg, msg
+            continue
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        finishes = [c.get("finish_reason") for e in events for c in e.get("choices", [])]
+        errors = [e["error"]["message"] for e in events if "error" in e]
+        if ok:
+            assert "stop" in finishes and not errors
+        else:
+            assert "stop" not in finishes and len(errors) == 1 and "uniqueItems" in errors[0]
+            assert r.text.rstrip().endswith("data: [DONE]")
+
+
+def test_final_check_validator_reads_legacy_drafts():
+    """Without ``$schema``, 2020-12 plus the draft-4..7 forms llguidance reads (so the check
+    asserts what the grammar was asked to): ``dependencies``, ``items`` as a list."""
+    v = output_validator({"dependencies": {"a": ["b"]},
+                          "items": [{"type": "integer"}], "additionalItems": False})
+    assert not v.is_valid({"a": 1}) and v.is_valid({"a": 1, "b": 2})
+    assert v.is_valid([1]) and not v.is_valid(["x"]) and not v.is_valid([1, 2])
+    d4 = output_validator({"$schema": "http://json-schema.org/draft-04/schema#",
+                           "type": "number", "maximum": 3, "exclusiveMaximum": True})
+    assert not d4.is_valid(3) and d4.is_valid(2)
 
 
 # ------------------------------------------------------- hypothesis JSON schemas
@@ -376,6 +506,32 @@ def test_llm_outputs_validate(llm, schema):
             jsonschema.validate(json.loads(text), schema)
         else:
             assert reason == "length"
+
+
+def test_llm_final_check_fails_an_invalid_output(llm):
+    """The grammar allows only ``[1, 1]`` (uniqueItems is not enforced by it): the output must
+    not come back as ``stop`` but as ``error``, naming the keyword; a schema the model can
+    satisfy: every ``stop`` output validates, every ``error`` one is invalid."""
+    forced = {"type": "array", "items": {"const": 1}, "minItems": 2, "maxItems": 2,
+              "uniqueItems": True}
+    out = llm.generate([[3, 4]], SamplingParams(temperature=0.0, max_tokens=20,
+                                                structured_outputs=SO(json=forced)))
+    c = out[0].outputs[0]
+    assert c.text.removesuffix("\x00") == "[1, 1]"
+    assert c.finish_reason == "error" and "uniqueItems" in c.error, (c.finish_reason, c.error)
+    free = {"type": "array", "items": {"enum": [1, 2]}, "maxItems": 3, "uniqueItems": True}
+    outs = llm.generate([[3, 4], [7]], SamplingParams(
+        temperature=1.0, seed=3, n=4, max_tokens=30, structured_outputs=SO(json=free)))
+    reasons = set()
+    for o in outs:
+        for c in o.outputs:
+            reasons.add(c.finish_reason)
+            value = json.loads(c.text.removesuffix("\x00")) if c.finish_reason != "length" else None
+            if c.finish_reason == "stop":
+                jsonschema.validate(value, free)
+            elif c.finish_reason == "error":
+                assert not jsonschema.Draft202012Validator(free).is_valid(value) and c.error
+    assert reasons <= {"stop", "error", "length"}
 
 
 def test_llm_regex_choice_and_mixed_batch(llm):

@@ -22,6 +22,19 @@ sub-grammars) and GBNF. What is decided here:
   2020-12: ``format`` asserts nothing unless a vocabulary says so) and are dropped, listed in
   :data:`LENIENT_FORMATS_NOTE`; the formats it knows (``date-time``, ``date``, ``time``,
   ``duration``, ``email``, ``hostname``, ``ipv4``, ``ipv6``, ``uri``, ``uuid``) are enforced.
+  ``dependencies`` / ``dependentRequired`` that only list property names are enforced as the
+  equal ``anyOf`` (``a`` absent, i.e. ``{"properties": {"a": false}}``, or everything it
+  needs ``required``).
+- JSON schemas llguidance refuses *only* for keywords it does not implement
+  (:data:`UNENFORCED_KEYWORDS`: ``uniqueItems``, ``not``, ``if``/``then``/``else``,
+  ``contains``, ``propertyNames``, schema ``dependencies``, ...; a ``oneOf`` it cannot prove
+  disjoint; ``min/maxProperties`` beside optional properties; :func:`keyword_refusal` tells
+  such a refusal from a real error) get a second grammar, :attr:`GrammarSpec.fallback`:
+  llguidance's ``lenient`` mode, which ignores those keywords (a superset of the schema's
+  language, everything else still enforced). A constraint served with it carries a
+  :class:`FinalCheck`: an output that finishes ``stop`` is validated against the original
+  schema (``jsonschema``, in a worker process) and fails the choice if it does not satisfy
+  it (docs/architecture.md, "Structured outputs").
 - ``choice``: a Lark alternation of the JSON-escaped strings.
 - ``grammar``: a Lark grammar as llguidance reads it, or GBNF / EBNF (llama.cpp's), converted.
 - ``structural_tag``: vLLM's ``{"structures": [{"begin", "schema", "end"}], "triggers"}``:
@@ -45,21 +58,40 @@ LENIENT_FORMATS_NOTE = ("format values other than " + ", ".join(sorted(ENFORCED_
 
 
 @dataclass(frozen=True)
+class FinalCheck:
+    """What a constraint served by its lenient grammar checks after generation.
+
+    schema_json: the original JSON schema (its JSON text), which a finished output must satisfy
+    keywords:    the keywords the grammar does not enforce (for messages), sorted
+    """
+
+    schema_json: str
+    keywords: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class GrammarSpec:
     """One constraint as llguidance takes it.
 
     text: the llguidance grammar (its JSON form), what a matcher is built from
     key:  SHA-256 of ``text``: equal keys, equal grammars (the compile cache's key)
     kind: what was asked for, for messages (``json``, ``regex``, ``choice``, ...)
+    fallback: (JSON schemas) the lenient grammar, used only if llguidance refuses ``text``
+          for keywords it does not implement (:func:`keyword_refusal`); its outputs then
+          pass ``final_check``
+    final_check: what an output of ``fallback`` is validated against
     """
 
     text: str
     key: str
     kind: str
+    fallback: str | None = None
+    final_check: FinalCheck | None = None
 
     @classmethod
-    def of(cls, text: str, kind: str) -> "GrammarSpec":
-        return cls(text, hashlib.sha256(text.encode()).hexdigest(), kind)
+    def of(cls, text: str, kind: str, fallback: str | None = None,
+           final_check: FinalCheck | None = None) -> "GrammarSpec":
+        return cls(text, hashlib.sha256(text.encode()).hexdigest(), kind, fallback, final_check)
 
 
 def _llg():
@@ -112,11 +144,26 @@ def _disjoint(branches: list) -> bool:
     return False
 
 
+def _dependencies_any_of(deps: Any) -> list | None:
+    """``dependencies`` / ``dependentRequired`` as ``anyOf`` lists (one per property: the
+    property absent, or it and what it needs all present), when every value lists property
+    names; None otherwise (schema dependencies are not rewritten)."""
+    if not isinstance(deps, dict) or not deps:
+        return None
+    if not all(isinstance(v, list) and all(isinstance(n, str) for n in v) for v in deps.values()):
+        return None
+    return [[{"properties": {name: False}},
+             {"required": [name, *[n for n in needs if n != name]]}]
+            for name, needs in deps.items() if needs]
+
+
 def _rewrite(schema: Any, close: bool, in_all_of: bool = False) -> Any:
-    """A copy of ``schema`` with unenforced ``format`` values dropped and (``close``)
-    closed objects (see the module docstring), walking subschemas only."""
+    """A copy of ``schema`` with unenforced ``format`` values dropped, name-list
+    ``dependencies`` as ``anyOf`` and (``close``) closed objects (see the module docstring),
+    walking subschemas only."""
     if not isinstance(schema, dict):
         return schema
+    dep_names = _dependency_names(schema)
     out: dict[str, Any] = {}
     for key, value in schema.items():
         if key == "format" and isinstance(value, str) and value not in ENFORCED_FORMATS:
@@ -134,8 +181,47 @@ def _rewrite(schema: Any, close: bool, in_all_of: bool = False) -> Any:
     props = out.get("properties")
     required = out.get("required") if isinstance(out.get("required"), list) else []
     if close and not in_all_of and isinstance(props, dict) \
-            and not any(k in out for k in _OPEN_KEYS) and all(r in props for r in required):
+            and not any(k in out for k in _OPEN_KEYS) \
+            and all(r in props for r in [*required, *dep_names]):
         out["additionalProperties"] = False
+    return _with_dependencies_rewritten(out)  # after: its branches are not closed
+
+
+def _dependency_names(schema: dict) -> list:
+    """The property names ``dependencies`` / ``dependentRequired`` mention (an object that
+    lists ``properties`` is closed only if these are among them)."""
+    names: list = []
+    for k in ("dependencies", "dependentRequired"):
+        deps = schema.get(k)
+        if isinstance(deps, dict):
+            for name, needs in deps.items():
+                names.append(name)
+                if isinstance(needs, list):
+                    names += needs
+    return names
+
+
+def _with_dependencies_rewritten(schema: dict) -> dict:
+    """``schema`` with property-name ``dependencies`` / ``dependentRequired`` turned into the
+    equal ``anyOf`` (``name`` absent, or ``name`` and the names it needs present): one
+    dependency joins the schema's own ``anyOf`` slot when that is free, more go into an
+    ``allOf`` (llguidance intersects siblings). Unchanged when anything else is there."""
+    keys = [k for k in ("dependencies", "dependentRequired") if k in schema]
+    if not keys or "allOf" in schema:
+        return schema
+    groups: list = []
+    for k in keys:
+        got = _dependencies_any_of(schema[k])
+        if got is None:
+            return schema
+        groups += got
+    out = {k: v for k, v in schema.items() if k not in keys}
+    if not groups:
+        return out
+    if len(groups) == 1 and "anyOf" not in out and "oneOf" not in out:
+        out["anyOf"] = groups[0]
+    else:
+        out["allOf"] = [{"anyOf": g} for g in groups]
     return out
 
 
@@ -147,6 +233,62 @@ def drop_unenforced_formats(schema: Any) -> Any:
 def served_schema(schema: Any) -> Any:
     """The schema as it is enforced: unenforced formats dropped, listed objects closed."""
     return _rewrite(schema, close=True)
+
+
+#: JSON Schema keywords llguidance does not implement (its strict mode refuses them as
+#: "Unimplemented keys"; its lenient mode ignores them): enforced only by the final check.
+UNENFORCED_KEYWORDS = frozenset({
+    "uniqueItems", "contains", "minContains", "maxContains", "not", "if", "then", "else",
+    "propertyNames", "dependencies", "dependentRequired", "dependentSchemas",
+    "unevaluatedProperties", "unevaluatedItems", "$dynamicRef", "$dynamicAnchor",
+    "$recursiveRef", "$recursiveAnchor"})
+#: llguidance's refusals that name a keyword it cannot enforce (not an error in the schema):
+#: such a schema is served by its lenient grammar plus the final check.
+_KEYWORD_REFUSALS = ("Unimplemented keys:", "oneOf constraints are not supported",
+                     "min/maxProperties only supported when")
+
+
+def keyword_refusal(error: str) -> bool:
+    """Whether llguidance's strict ``error`` is only about keywords it does not implement (a
+    ``oneOf`` it cannot prove disjoint, ``min/maxProperties`` beside optional properties),
+    so the lenient grammar plus the final check may serve the schema. Real errors (an
+    invalid or look-around regex, an unsatisfiable schema, a remote ``$ref``) are not."""
+    return any(marker in error for marker in _KEYWORD_REFUSALS)
+
+
+def unenforced_keywords(schema: Any, error: str = "") -> tuple[str, ...]:
+    """The keywords of ``schema`` (as served) that its lenient grammar does not enforce,
+    sorted: those of :data:`UNENFORCED_KEYWORDS` in schema positions, ``oneOf`` if one is
+    left after the disjoint rewrite, ``minProperties`` / ``maxProperties`` when llguidance
+    said so, and any key its strict ``error`` names."""
+    found: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, list):
+            for item in node:
+                walk(item)
+            return
+        if not isinstance(node, dict):
+            return
+        for key, value in node.items():
+            if key in UNENFORCED_KEYWORDS or key == "oneOf":
+                found.add(key)
+            if (key in _SCHEMA_MAP or key == "dependencies") and isinstance(value, dict):
+                for sub in value.values():
+                    walk(sub)
+            elif key in _SCHEMA_LIST or key in _SCHEMA_ONE:
+                walk(value)
+
+    walk(served_schema(schema))
+    if "min/maxProperties" in error:
+        found |= {"minProperties", "maxProperties"}
+    if "Unimplemented keys:" in error:
+        try:
+            found |= {k for k in json.loads(error.split("Unimplemented keys:", 1)[1].strip()
+                                            .split("]", 1)[0] + "]") if isinstance(k, str)}
+        except ValueError:
+            pass
+    return tuple(sorted(found))
 
 
 #: The JSON layout by default: Python's ``json.dumps`` (``", "`` and ``": "``, no other
@@ -165,18 +307,34 @@ def json_options(so: StructuredOutputs) -> dict[str, Any]:
     return dict(DEFAULT_JSON_LAYOUT)
 
 
-def json_schema_grammar(schema: Any, options: dict[str, Any] | None = None) -> str:
-    """The llguidance grammar text of a JSON schema (dict or bool)."""
+def json_schema_grammar(schema: Any, options: dict[str, Any] | None = None,
+                        lenient: bool = False) -> str:
+    """The llguidance grammar text of a JSON schema (dict or bool); ``lenient``: with
+    llguidance's ``lenient`` option (keywords it does not implement are ignored: a superset
+    of the schema's language, served only with the final check)."""
     llg = _llg()
     if schema is True:
         schema = {}
     if schema is False:
         raise StructuredOutputsError("the json schema is `false`: no output can satisfy it")
+    # As overrides: a schema's own "x-guidance" cannot turn lenient mode on (or change the
+    # layout) behind the final check's back.
+    options = {**(options or {}), "lenient": lenient, "coerce_one_of": False}
     try:
-        return llg.LLMatcher.grammar_from_json_schema(served_schema(schema),
-                                                      defaults=options or {})
+        return llg.LLMatcher.grammar_from_json_schema(served_schema(schema), overrides=options)
     except (ValueError, TypeError) as exc:
         raise StructuredOutputsError(f"json schema: {exc}") from None
+
+
+def json_spec(schema: Any, options: dict[str, Any], kind: str = "json") -> GrammarSpec:
+    """A JSON schema's :class:`GrammarSpec`: its strict grammar, and the lenient one with
+    the final check to fall back on (see the module docstring)."""
+    text = json_schema_grammar(schema, options)
+    if not isinstance(schema, dict):
+        return GrammarSpec.of(text, kind)
+    fallback = json_schema_grammar(schema, options, lenient=True)
+    check = FinalCheck(json.dumps(schema, ensure_ascii=False), ())
+    return GrammarSpec.of(text, kind, fallback, check)
 
 
 def lark_literal(text: str) -> str:
@@ -191,8 +349,8 @@ def grammar_spec(so: StructuredOutputs) -> GrammarSpec:
     llg = _llg()
     kind = so.kind
     if kind == "json":
-        text = json_schema_grammar(so.schema_dict(), json_options(so))
-    elif kind == "json_object":
+        return json_spec(so.schema_dict(), json_options(so))
+    if kind == "json_object":
         text = json_schema_grammar({"type": "object"}, json_options(so))
     elif kind == "regex":
         text = llg.LLMatcher.grammar_from_regex(so.regex)

@@ -30,9 +30,10 @@ import time
 from multiprocessing.connection import Connection
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
-from blink.dpu.structured.grammar import GrammarSpec, grammar_spec
+from blink.dpu.structured.grammar import (FinalCheck, GrammarSpec, grammar_spec, keyword_refusal,
+                                          unenforced_keywords)
 from blink.dpu.structured.masker import TokenMasker
 from blink.shared.structured_outputs import StructuredOutputs, StructuredOutputsError
 
@@ -42,6 +43,10 @@ DEFAULT_COMPILE_TIMEOUT_S = 1.0
 DEFAULT_COMPILE_MEMORY_MB = 1024.0
 DEFAULT_GRAMMAR_CACHE_MB = 64.0
 DEFAULT_WORKERS = 2
+#: A final check (``jsonschema`` on a finished output, in a worker) past this is killed and
+#: the output fails (nothing says it is valid); the outputs are bounded by max_tokens.
+DEFAULT_FINAL_CHECK_TIMEOUT_S = 2.0
+DEFAULT_FINAL_CHECK_WORKERS = 2
 #: A worker process's start (Python, llguidance, the vocabulary): not counted in the limit.
 WORKER_START_TIMEOUT_S = 60.0
 #: llguidance's parser limits, for the workers' checks and every request's matcher.
@@ -127,35 +132,113 @@ def _vm_bytes() -> int:
         return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _worker_main(conn_in: Connection, conn: Connection) -> None:
-    """A worker: read the vocabulary and the memory cap, build the tokenizer, cap the address
-    space, then check grammars until the parent closes the pipe."""
-    import llguidance
+def _try_grammar(llguidance, tok, limits, text: str) -> str | None:
+    """Build and exercise one grammar: None if it is fine, else llguidance's error."""
+    m = llguidance.LLMatcher(tok, text, limits=limits)
+    if not m.is_error():
+        m.compute_bitmask()  # builds the lexer's first states: the real cost
+    return m.get_error() if m.is_error() else None
 
+
+def _worker_main(conn_in: Connection, conn: Connection) -> None:
+    """A worker: read the vocabulary (None for a final-check worker) and the memory cap,
+    build the tokenizer, cap the address space, then answer until the parent closes the
+    pipe: ``("grammar", text, fallback)`` -> ``("ok", (0 or 1, strict error))`` (1: the
+    strict grammar was refused for keywords only and the fallback is fine) or ``("error",
+    message)``; ``("validate", schema_json, output)`` -> ``("ok", None or the problem)``."""
     try:
         vocab, memory_bytes = conn_in.recv()
     except EOFError:
         return
-    tok = vocab.lltokenizer()
-    limits = parser_limits()
+    if vocab is not None:
+        import llguidance
+
+        tok = vocab.lltokenizer()
+        limits = parser_limits()
     if memory_bytes > 0:
         cap = _vm_bytes() + memory_bytes
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    validators: OrderedDict[str, Any] = OrderedDict()
     conn.send(("ready", os.getpid()))
     while True:
         try:
-            text = conn_in.recv()
+            msg = conn_in.recv()
         except EOFError:
             return
         try:
-            m = llguidance.LLMatcher(tok, text, limits=limits)
-            if not m.is_error():
-                m.compute_bitmask()  # builds the lexer's first states: the real cost
-            conn.send(("error", m.get_error()) if m.is_error() else ("ok", None))
+            if msg[0] == "validate":
+                conn.send(("ok", _validate_output(validators, msg[1], msg[2])))
+                continue
+            _, text, fallback = msg
+            error = _try_grammar(llguidance, tok, limits, text)
+            if error is None:
+                conn.send(("ok", (0, None)))
+            elif fallback is None or not keyword_refusal(error):
+                conn.send(("error", error))
+            else:
+                lenient_error = _try_grammar(llguidance, tok, limits, fallback)
+                conn.send(("ok", (1, error)) if lenient_error is None else ("error", lenient_error))
         except MemoryError:
             conn.send(("memory", None))
         except Exception as exc:  # an llguidance API error: report, keep serving
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+#: Validators a final-check worker keeps (by schema text), most recently used.
+_VALIDATORS_KEPT = 32
+
+
+def output_validator(schema: Any):
+    """The ``jsonschema`` validator a final check uses: the draft the schema's ``$schema``
+    names, else 2020-12 that also asserts the draft-4..7 forms llguidance reads (property
+    and schema ``dependencies``, ``items`` as a list with ``additionalItems``). ``format`` is
+    not asserted here: the grammar enforces the formats it knows, the others are
+    annotations (docs/architecture.md, "Structured outputs")."""
+    import jsonschema
+    from jsonschema import _keywords, _legacy_keywords
+
+    if isinstance(schema, dict) and isinstance(schema.get("$schema"), str):
+        cls = jsonschema.validators.validator_for(schema)
+    else:
+        def items(validator, value, instance, sch):
+            if isinstance(value, list):
+                yield from _legacy_keywords.items_draft6_draft7_draft201909(
+                    validator, value, instance, sch)
+            else:
+                yield from _keywords.items(validator, value, instance, sch)
+
+        def additional_items(validator, value, instance, sch):
+            if isinstance(sch.get("items"), list):
+                yield from _legacy_keywords.additionalItems(validator, value, instance, sch)
+
+        cls = jsonschema.validators.extend(jsonschema.Draft202012Validator, {
+            "dependencies": _legacy_keywords.dependencies_draft4_draft6_draft7,
+            "items": items, "additionalItems": additional_items})
+    return cls(schema)
+
+
+def _validate_output(validators: OrderedDict, schema_json: str, output: str) -> str | None:
+    """None if ``output`` is JSON valid against the schema, else what is wrong."""
+    import json
+
+    from jsonschema.exceptions import best_match
+
+    validator = validators.get(schema_json)
+    if validator is None:
+        validator = validators[schema_json] = output_validator(json.loads(schema_json))
+        while len(validators) > _VALIDATORS_KEPT:
+            validators.popitem(last=False)
+    validators.move_to_end(schema_json)
+    try:
+        value = json.loads(output)
+    except ValueError as exc:
+        return f"the output is not JSON: {exc}"
+    error = best_match(validator.iter_errors(value))
+    if error is None:
+        return None
+    where = "$" + "".join(f"[{p!r}]" if isinstance(p, str) else f"[{p}]"
+                          for p in error.absolute_path)
+    return f"{error.message[:300]} (keyword {error.validator!r} at {where})"
 
 
 class _Worker:
@@ -244,10 +327,10 @@ class GrammarWorkers:
         self.killed += 1
         self._idle.put(self._spawn())
 
-    def check(self, spec: GrammarSpec, cancelled: threading.Event | None = None) -> None:
-        """Build and exercise ``spec`` in a worker; raise a 400-class error naming the limit
-        or the grammar's problem. ``cancelled``: set by the caller to give up (the worker
-        is killed)."""
+    def _ask(self, msg: Any, cancelled: threading.Event | None) -> tuple[str, Any]:
+        """Send ``msg`` to an idle worker and wait for its answer within the limit:
+        ``(status, detail)``, status ``ok`` / ``error`` (the worker stays) or ``timeout`` /
+        ``memory`` / ``died`` (the worker was killed and replaced)."""
         try:
             worker = self._take()
         except queue.Empty:
@@ -255,7 +338,7 @@ class GrammarWorkers:
         status, detail = "timeout", None
         deadline = time.monotonic() + self.timeout_s
         try:
-            worker._send.send(spec.text)
+            worker._send.send(msg)
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0 or (cancelled is not None and cancelled.is_set()):
@@ -269,10 +352,19 @@ class GrammarWorkers:
             self._idle.put(worker)
         else:
             self._replace(worker)
+        return status, detail
+
+    def check(self, spec: GrammarSpec, cancelled: threading.Event | None = None
+              ) -> tuple[int, str | None]:
+        """Build and exercise ``spec`` in a worker; raise a 400-class error naming the limit
+        or the grammar's problem. ``cancelled``: set by the caller to give up (the worker
+        is killed). Returns ``(0, None)`` when ``spec.text`` is fine, ``(1, its error)`` when
+        llguidance refused it for keywords only and ``spec.fallback`` is fine."""
+        status, detail = self._ask(("grammar", spec.text, spec.fallback), cancelled)
         if cancelled is not None and cancelled.is_set() and status not in ("ok", "error"):
             raise GrammarLimitError("the request was cancelled while its grammar compiled")
         if status == "ok":
-            return
+            return detail
         what = f"the {spec.kind} constraint"
         if status == "error":
             raise StructuredOutputsError(f"{what} cannot be enforced: {detail}")
@@ -283,6 +375,28 @@ class GrammarWorkers:
         raise GrammarLimitError(
             f"{what} needs more than the grammar compile memory limit of "
             f"{self.memory_mb:g} MiB (--grammar-compile-memory-mb)")
+
+    def validate(self, schema_json: str, output: str) -> str | None:
+        """Validate ``output`` against the JSON schema in a worker (a final check): None if
+        valid, else what is wrong (also when the check passed a limit: then nothing says
+        the output is valid)."""
+        status, detail = self._ask(("validate", schema_json, output), None)
+        if status == "ok":
+            return detail
+        if status == "error":
+            return f"the check failed: {detail}"
+        if status == "timeout":
+            return f"the check did not finish within its limit of {self.timeout_s:g} s"
+        return f"the check needed more than its memory limit of {self.memory_mb:g} MiB"
+
+    def warm(self) -> None:
+        """Start one worker now (not waiting for it), so the first use does not wait for a
+        whole start."""
+        with self._lock:
+            if self._started:
+                return
+            self._started += 1
+        self._idle.put(self._spawn())
 
     def close(self) -> None:
         while True:
@@ -303,10 +417,36 @@ class CompiledGrammar:
     nbytes: int  # what it counts against the cache budget
     compile_s: float = 0.0
     eos_token_ids: tuple[int, ...] = ()
+    #: set when the grammar is the schema's lenient one: a finished output must pass it
+    final_check: FinalCheck | None = None
+    #: (schema_json, output) -> None or the problem: the service's final-check workers
+    checker: Callable[[str, str], str | None] | None = field(default=None, repr=False)
 
     def new_masker(self) -> TokenMasker:
         """A fresh matcher for one request (a copy of the template)."""
         return TokenMasker(self.template.deep_copy(), self.mask_bytes, self.eos_token_ids)
+
+    @property
+    def needs_final_check(self) -> bool:
+        return self.final_check is not None
+
+    def check_output(self, text: str) -> str | None:
+        """The final check of an output that finished ``stop`` (blocking, bounded: run it
+        off the event loop): None if it satisfies the original schema, else the message the
+        choice fails with, naming the keywords the grammar does not enforce and the
+        validation error."""
+        check = self.final_check
+        if check is None:
+            return None
+        assert self.checker is not None, "a final check needs the service's checker"
+        problem = self.checker(check.schema_json, text)
+        if problem is None:
+            return None
+        keywords = ", ".join(check.keywords) or "some keywords"
+        return (f"structured outputs: the output does not satisfy its JSON schema: {problem}. "
+                f"The grammar cannot enforce {keywords}; those are checked once the output "
+                "is complete, and this output failed the check (retry, e.g. with another "
+                "seed, or simplify the schema).")
 
 
 @dataclass
@@ -316,6 +456,9 @@ class CacheStats:
     refusals: int = 0
     evictions: int = 0
     bytes: int = 0
+    lenient: int = 0  # compiles served by the lenient grammar + the final check
+    final_checks: int = 0
+    final_check_failures: int = 0
 
 
 class GrammarService:
@@ -325,7 +468,8 @@ class GrammarService:
     def __init__(self, tokenizer: TokenSource, *, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
                  memory_mb: float = DEFAULT_COMPILE_MEMORY_MB,
                  cache_mb: float = DEFAULT_GRAMMAR_CACHE_MB,
-                 workers: int = DEFAULT_WORKERS) -> None:
+                 workers: int = DEFAULT_WORKERS,
+                 check_timeout_s: float = DEFAULT_FINAL_CHECK_TIMEOUT_S) -> None:
         if not cache_mb >= 0:
             raise ValueError("grammar cache: cache_mb must be >= 0")
         self.tokenizer = tokenizer
@@ -334,6 +478,10 @@ class GrammarService:
         self._lock = threading.Lock()
         self.workers = GrammarWorkers(self.vocabulary, workers=workers, timeout_s=timeout_s,
                                       memory_mb=memory_mb)
+        #: final checks of lenient grammars' outputs (jsonschema, no vocabulary): their own
+        #: workers, so a check never waits behind a compile; started on first need
+        self.checkers = GrammarWorkers(lambda: None, workers=DEFAULT_FINAL_CHECK_WORKERS,
+                                       timeout_s=check_timeout_s, memory_mb=memory_mb)
         self.cache_budget = int(cache_mb * (1 << 20))
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self.stats = CacheStats()
@@ -374,22 +522,32 @@ class GrammarService:
                 self.stats.hits += 1
                 return entry
         try:
-            self.workers.check(spec, cancelled)
+            used, strict_error = self.workers.check(spec, cancelled)
         except StructuredOutputsError:
             self.stats.refusals += 1
             raise
+        text, final = spec.text, None
+        if used == 1:  # refused for keywords only: the lenient grammar + the final check
+            assert spec.fallback is not None and spec.final_check is not None
+            text = spec.fallback
+            final = FinalCheck(spec.final_check.schema_json,
+                               unenforced_keywords(so.schema_dict(), strict_error or ""))
+            self.checkers.warm()
         tok = self._tokenizer()
-        template = llguidance.LLMatcher(tok, spec.text, limits=parser_limits())
+        template = llguidance.LLMatcher(tok, text, limits=parser_limits())
         if template.is_error():  # the worker accepted it: only an llguidance bug gets here
             self.stats.refusals += 1
             raise StructuredOutputsError(f"the {spec.kind} constraint cannot be enforced: "
                                          f"{template.get_error()}")
         mask_bytes = (tok.vocab_size + 31) // 32 * 4  # what unsafe_compute_mask_ptr takes
-        size = len(spec.text) * CACHE_BYTES_PER_TEXT_BYTE + CACHE_BYTES_PER_ENTRY
+        size = (len(text) + (len(final.schema_json) if final else 0)) \
+            * CACHE_BYTES_PER_TEXT_BYTE + CACHE_BYTES_PER_ENTRY
         entry = CompiledGrammar(spec.key, spec.kind, template, mask_bytes, size,
-                                time.perf_counter() - t0, self.vocabulary().eos_token_ids)
+                                time.perf_counter() - t0, self.vocabulary().eos_token_ids,
+                                final, self.final_check if final else None)
         with self._lock:
             self.stats.compiles += 1
+            self.stats.lenient += final is not None
             if size <= self.cache_budget and spec.key not in self._cache:
                 self._cache[spec.key] = entry
                 self.stats.bytes += size
@@ -398,6 +556,15 @@ class GrammarService:
                     self.stats.bytes -= old.nbytes
                     self.stats.evictions += 1
         return entry
+
+    def final_check(self, schema_json: str, output: str) -> str | None:
+        """Validate a finished output against its original schema in a final-check worker
+        (killed past ``check_timeout_s``): None if valid, else the problem."""
+        problem = self.checkers.validate(schema_json, output)
+        with self._lock:
+            self.stats.final_checks += 1
+            self.stats.final_check_failures += problem is not None
+        return problem
 
     async def compile_async(self, so: StructuredOutputs) -> CompiledGrammar:
         """:meth:`compile` in a thread; if the awaiting task is cancelled (the client left),
@@ -411,6 +578,7 @@ class GrammarService:
 
     def close(self) -> None:
         self.workers.close()
+        self.checkers.close()
 
 
 if __name__ == "__main__":  # a worker process (see _Worker)
