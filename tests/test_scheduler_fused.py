@@ -3,9 +3,11 @@ the scheduler tests' own workloads, on CPU tensors under the Triton interpreter:
 streams (tokens, logprobs, alternatives, finish reasons) as the reference, every invariant
 the reference's tests check, the property test's random workloads included.
 
-The fused path works on the whole slot table (no row window) and runs its stages whatever
-the host guards say, so each workload also runs in the captured configuration
-(``host_guards=False``)."""
+The fused path works on the whole slot table (no row window). The batch build, the release
+and the stats reproduce the reference bit for bit (checked step by step, batch, state and
+ring, also in the captured configuration, ``host_guards=False``); the allocator may pick
+other block ids where the reference's order is unspecified (checked by the tokens and the
+block invariants of every workload)."""
 from __future__ import annotations
 
 import copy
@@ -67,6 +69,12 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> 
         assert torch.equal(a[k], b[k]), f"{what} {k} differs:\n{a[k]}\n{b[k]}"
 
 
+#: the fused stages that reproduce the reference bit for bit; the allocator picks, among
+#: equally old free blocks, the lowest id where torch.topk leaves the order unspecified (so
+#: block ids, and through LRU ties which cached block is evicted, may differ: never tokens)
+EXACT_STAGES = ("build_batch", "release", "stats")
+
+
 @pytest.mark.parametrize("seed,pool,guards", [(0, 32, False), (1, 14, False), (2, 32, True)])
 def test_fused_stages_match_the_reference_step_by_step(seed, pool, guards):
     """The reference and the fused scheduler side by side over one workload (prefix hits,
@@ -79,7 +87,7 @@ def test_fused_stages_match_the_reference_step_by_step(seed, pool, guards):
     twins = [copy.deepcopy(reqs) for _ in range(2)]
     rings = [ts.make_ring(4, cfg.max_model_len, 4, None) for _ in range(2)]
     scheds = [Scheduler(cfg, ring_tensors(rings[0]), host_guards=guards),
-              Scheduler(cfg, ring_tensors(rings[1]), host_guards=False, fused=True)]
+              Scheduler(cfg, ring_tensors(rings[1]), host_guards=False, fused=EXACT_STAGES)]
     models = [ts.FakeModel(cfg, 4) for _ in range(2)]
     fes = [ts.Frontend(r) for r in rings]
     queues = [sorted(t, key=lambda r: r.submit_step) for t in twins]
@@ -120,6 +128,11 @@ def test_fused_stages_are_selected():
     assert sched.fused and sched._triton.__name__.endswith("triton_sched")
 
 
+def test_unknown_fused_stage_is_refused():
+    with pytest.raises(ts.BlinkError, match="unknown fused stage"):
+        Scheduler(ts._cfg(), ring_tensors(ts.make_ring(4, 32, 4, None)), fused=("admit_everything",))
+
+
 def test_two_requests_end_to_end():
     ts.test_two_requests_end_to_end()
 
@@ -130,12 +143,14 @@ _NOT_FOR_FUSED = {
     # torch.compile(fullgraph) traces the torch code; a fused stage is one Triton launch already
     # (its capture safety: tests/test_capture_audit.py).
     "test_compiled_steps_are_one_graph_each",
-    "test_row_window_follows_the_rows_in_use",  # the fused stages work on the whole table
+    # the fused stages work on the whole table: there is no row window to follow or compare
+    "test_row_window_follows_the_rows_in_use",
+    "test_row_windows_change_no_output",
 }
 for _name in dir(ts):
     if _name.startswith("test_") and _name not in _NOT_FOR_FUSED and callable(getattr(ts, _name)):
         globals()[_name] = getattr(ts, _name)
 # The property test's random workloads (fewer examples: the interpreter is slow).
 test_random_workloads_keep_every_invariant = settings(
-    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])(
+    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])(
     given(ts.scenarios())(ts.test_random_workloads_keep_every_invariant.hypothesis.inner_test))

@@ -118,6 +118,9 @@ from blink.ring import (
     config_of_control,
 )
 
+#: the stages ``Scheduler(fused=...)`` can run as fused Triton kernels (kernels/triton_sched.py)
+FUSED_STAGES = ("build_batch", "release", "stats", "allocate")
+
 _STAT_WORDS = (
     C_STAT_RUNNING, C_STAT_WAITING, C_STAT_KV_BLOCKS_USED, C_STAT_KV_BLOCKS_TOTAL,
     C_STAT_PREFIX_QUERIES, C_STAT_PREFIX_HITS, C_STAT_PREEMPTIONS, C_STAT_STEPS,
@@ -203,7 +206,7 @@ class Scheduler:
         ring_tensors: dict[str, torch.Tensor],
         device: torch.device | str = "cpu",
         host_guards: bool | None = None,
-        fused: bool = False,
+        fused: bool | tuple[str, ...] = False,
     ) -> None:
         self.config = config
         self.device = torch.device(device)
@@ -267,14 +270,23 @@ class Scheduler:
         self._fence = system_fence_for(dev, region)
         #: the fused Triton stages (``blink.kernels.triton_sched``, issue 32) in place of this
         #: tensor code for the stages they implement; on CPU tensors under TRITON_INTERPRET=1.
-        #: They work on the whole slot table (no row window).
-        self.fused = bool(fused)
+        #: They work on the whole slot table (no row window). ``fused``: True (every stage in
+        #: FUSED_STAGES) or the names of some.
+        stages = FUSED_STAGES if fused is True else tuple(fused or ())
+        if set(stages) - set(FUSED_STAGES):
+            raise BlinkError(f"unknown fused stage(s) {sorted(set(stages) - set(FUSED_STAGES))}; "
+                             f"known: {', '.join(FUSED_STAGES)}")
+        self.fused = frozenset(stages)
         if self.fused:
             from blink.kernels import triton_sched  # noqa: PLC0415 - Triton only when asked for
 
             self._triton = triton_sched
             self._batch_out = triton_sched.BatchBuffers(S, config.max_num_batched_tokens, dev)
             self._scratch = torch.zeros(S, dtype=torch.int64, device=dev)
+            self._alloc_scratch = triton_sched.AllocScratch(S, config.num_blocks, dev)
+            self._alloc_consts = dict(K_PREEMPTIONS=K_PREEMPTIONS, ROW_WAITING=ROW_WAITING,
+                                      ROW_RUNNING=ROW_RUNNING, ROW_RELEASING=ROW_RELEASING,
+                                      ROW_AWAITING_KV=ROW_AWAITING_KV)
             self._stat_consts = dict(
                 ROW_RUNNING=ROW_RUNNING, ROW_WAITING=ROW_WAITING, ROW_EMPTY=ROW_EMPTY,
                 ROW_RELEASING=ROW_RELEASING, SLOT_WRITTEN=SLOT_WRITTEN, K_QUERIES=K_PREFIX_QUERIES,
@@ -629,6 +641,12 @@ class Scheduler:
         w, cfg = self._w, self.config
         st = w.state
         N, B = cfg.num_blocks, cfg.block_size
+        if "allocate" in self.fused:
+            return self._triton.allocate(
+                st, w.ring["produced"], w.ring["consumed"], self._alloc_scratch,
+                budget=cfg.max_num_batched_tokens, capacity=self.stream_capacity,
+                window=self._alloc_cols.shape[0], num_blocks=N, block_size=B,
+                prefix_caching=cfg.enable_prefix_caching, consts=self._alloc_consts)
         active = self._active()
         room = (w.ring["produced"] - w.ring["consumed"]) < self.stream_capacity
         schedulable = active & ~st.needs_lookup & room
@@ -744,7 +762,7 @@ class Scheduler:
         w, cfg = self._w, self.config
         st = w.state
         S, N, B = w.size, cfg.num_blocks, cfg.block_size
-        if self.fused:
+        if "build_batch" in self.fused:
             o = self._batch_out
             self._triton.build_batch(num_new, st.num_computed, st.num_tokens, st.tokens, st.block_table,
                                      self._buckets, o, N, B)
@@ -822,7 +840,7 @@ class Scheduler:
         w, cfg = self._w, self.config
         st = w.state
         N, M = cfg.num_blocks, cfg.max_blocks_per_seq
-        if self.fused:
+        if "release" in self.fused:
             self._triton.release(st.status, st.num_blocks, st.num_prompt, st.num_tokens, st.num_computed,
                                  st.block_table_flat, st.block_ref, st.block_last_used, st.step, self._scratch,
                                  M, N, self._release_cols.shape[0], ROW_RELEASING, ROW_EMPTY)
@@ -885,7 +903,7 @@ class Scheduler:
         """Mirror the gauges and counters into the ring control block."""
         w, cfg = self._w, self.config
         st = w.state
-        if self.fused:
+        if "stats" in self.fused:
             self._triton.write_stats(st.status, w.ring["state"], st.block_ref, st.counters, self.ring["control"],
                                      self._stat_words, cfg.num_blocks, self._stat_consts)
             return
