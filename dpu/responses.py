@@ -9,21 +9,29 @@ Responses event types in their order (``response.created``, ``response.in_progre
 ``response.output_item.done``, then ``response.completed`` or ``response.incomplete``), each
 with its ``sequence_number``; an engine failure mid-stream is an ``error`` event.
 
-Supported: ``input`` as a string or as message items (roles user, system, developer,
-assistant; text content or ``input_text``/``output_text`` parts), ``instructions``,
+Supported: ``input`` as a string or as items: messages (roles user, system, developer,
+assistant; text content or ``input_text``/``output_text`` parts), ``function_call`` and
+``function_call_output`` (a previous turn's calls and their results); ``instructions``,
 ``max_output_tokens``, ``temperature``, ``top_p``, ``top_logprobs`` with
-``include=["message.output_text.logprobs"]``, ``text.format`` of type ``text``, ``metadata``
-(echoed), ``user``, and vLLM's sampling extras (``top_k``, ``min_p``, ``seed``,
-``repetition_penalty``, ...). Refused with a 400 naming the field: ``previous_response_id``
-and ``conversation`` (nothing is stored), ``store: true``, ``background``, tools (tool calling
-is not in this server yet), reasoning, structured ``text.format``, ``truncation: auto``,
-prompt templates, and input items other than messages.
+``include=["message.output_text.logprobs"]``, ``text.format`` (``text``, ``json_object``,
+``json_schema``: structured outputs), function ``tools`` with ``tool_choice`` (``none``,
+``auto``, ``required``, ``{"type": "function", "name"}``) and ``parallel_tool_calls``, the
+chat path's tool calling underneath (the same flags, parsers and grammars; tools with a
+``text.format``: the call grammar while the model calls, the format for its answer), the
+calls answered as ``function_call`` output items; ``metadata`` (echoed), ``user``, and
+vLLM's sampling extras (``top_k``, ``min_p``, ``seed``, ``repetition_penalty``, ...).
+Refused with a 400 naming the field: ``previous_response_id`` and ``conversation``
+(nothing is stored), ``store: true``, ``background``, tools other than functions,
+``max_tool_calls``, reasoning, ``truncation: auto``, prompt templates, logprobs together
+with tools, and input items of other types.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
+from types import SimpleNamespace
 from typing import Any, AsyncIterator, ClassVar
 
 from fastapi import Request
@@ -33,6 +41,10 @@ from pydantic import field_validator
 from blink.dpu.engine_client import EngineError
 from blink.dpu.errors import bad_request
 from blink.dpu.protocol import MAX_MESSAGES, ChatMessage, _Request
+from blink.dpu.structured.request import structured_outputs_of
+from blink.dpu.tool_calling import ToolPlan, plan_tools
+from blink.shared.sampling_params import SamplingParams, SamplingParamsError
+from blink.shared.structured_outputs import StructuredOutputsError
 from blink.dpu.serving import (
     _CLIENT_CLOSED,
     OpenAIServing,
@@ -111,19 +123,23 @@ class ResponsesRequest(_Request):
             return "store", "store=true is not supported: this server is stateless (use store=false)"
         if self.background:
             return "background", "background responses are not supported"
-        if self.tools:
-            return "tools", "tool calling is not supported"
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice", "tool calling is not supported"
+        for i, tool in enumerate(self.tools or []):
+            if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+                kind = tool.get("type") if isinstance(tool, dict) else None
+                return f"tools[{i}]", f"only function tools are supported, got {kind!r}"
         if self.max_tool_calls is not None:
-            return "max_tool_calls", "tool calling is not supported"
+            return "max_tool_calls", "max_tool_calls is not supported (parallel_tool_calls: " \
+                "false keeps one call)"
+        if self.tools and INCLUDE_LOGPROBS in (self.include or []):
+            return "include", "logprobs together with tools are not supported"
         if self.reasoning is not None:
             return "reasoning", "reasoning options are not supported"
         if self.prompt is not None:
             return "prompt", "prompt templates are not supported"
         fmt = (self.text or {}).get("format")
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-            return "text.format", "only text.format {'type': 'text'} is supported"
+        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in
+                                    ("text", "json_object", "json_schema")):
+            return "text.format", "text.format must be of type text, json_object or json_schema"
         if self.truncation not in (None, "disabled"):
             return "truncation", "only truncation='disabled' is supported"
         for item in self.include or []:
@@ -134,25 +150,73 @@ class ResponsesRequest(_Request):
                     f"OpenAI)")
         return None
 
+    def chat_response_format(self) -> dict[str, Any] | None:
+        """``text.format`` as the chat API's ``response_format``."""
+        fmt = (self.text or {}).get("format")
+        if not isinstance(fmt, dict) or fmt.get("type") in (None, "text"):
+            return None
+        if fmt["type"] == "json_object":
+            return {"type": "json_object"}
+        return {"type": "json_schema", "json_schema": {
+            k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
+
+    def chat_tools(self) -> tuple[list[dict[str, Any]] | None, Any]:
+        """``tools`` and ``tool_choice`` in the chat API's shapes."""
+        tools = None
+        if self.tools:
+            tools = [{"type": "function", "function": {
+                k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}}
+                for t in self.tools]
+        choice = self.tool_choice
+        if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+            choice = {"type": "function", "function": {"name": choice["name"]}}
+        return tools, choice
+
     def messages(self) -> list[ChatMessage]:
-        """``instructions`` and ``input`` as chat messages; a 400 for what is not a message."""
+        """``instructions`` and ``input`` as chat messages (``function_call`` items become an
+        assistant turn's ``tool_calls``, ``function_call_output`` a ``tool`` turn); a 400 for
+        any other item."""
         out: list[ChatMessage] = []
         if self.instructions:
             out.append(ChatMessage(role="system", content=self.instructions))
         if isinstance(self.input, str):
             out.append(ChatMessage(role="user", content=self.input))
             return out
+        calls: list[dict[str, Any]] = []  # consecutive function_call items: one assistant turn
         for i, item in enumerate(self.input):
             where = f"input[{i}]"
+            if not isinstance(item, dict):
+                raise bad_request(f"{where} must be an object", param=where)
             kind = item.get("type", "message")
+            if kind == "function_call":
+                if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
+                    raise bad_request(f"{where}: a function_call needs a 'name' and a 'call_id'",
+                                      param=where)
+                calls.append({"id": item["call_id"], "type": "function", "function": {
+                    "name": item["name"], "arguments": item.get("arguments") or "{}"}})
+                continue
+            if calls:
+                out.append(ChatMessage(role="assistant", content=None, tool_calls=calls))
+                calls = []
+            if kind == "function_call_output":
+                output = item.get("output")
+                if not isinstance(item.get("call_id"), str) or not isinstance(output, (str, list)):
+                    raise bad_request(f"{where}: a function_call_output needs a 'call_id' and "
+                                      f"an 'output'", param=where)
+                out.append(ChatMessage(role="tool", tool_call_id=item["call_id"],
+                                       content=_text_of(output, where)))
+                continue
             if kind != "message":
                 raise bad_request(f"{where}: input items of type {kind!r} are not supported "
-                                  f"(only messages)", param=where)
+                                  f"(only messages, function_call and function_call_output)",
+                                  param=where)
             role = item.get("role")
             if role not in _ROLES:
                 raise bad_request(f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}",
                                   param=f"{where}.role")
             out.append(ChatMessage(role=_ROLES[role], content=_text_of(item.get("content"), where)))
+        if calls:
+            out.append(ChatMessage(role="assistant", content=None, tool_calls=calls))
         return out
 
 
@@ -174,7 +238,7 @@ def _text_of(content: Any, where: str) -> str:
 
 class ResponsesServing:
     """The handler behind ``POST /v1/responses``; shares :class:`OpenAIServing`'s checks,
-    rendering, sampling parameters and engine fan-out."""
+    rendering, sampling parameters, tool calling and engine fan-out."""
 
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
@@ -190,10 +254,17 @@ class ResponsesServing:
         messages = req.messages()
         if not messages:
             raise bad_request("input must hold at least one message.", param="input")
+        tools, tool_choice = req.chat_tools()
+        plan = await s._off_loop(plan_tools, tools, tool_choice, req.parallel_tool_calls,
+                                 s.tool_calling) if tools else \
+            plan_tools(tools, tool_choice, req.parallel_tool_calls, s.tool_calling)
         s.check_healthy()
+        plan = s._fit_tools_to_template(plan, None)
         prompt_ids = await s._encode_chat(messages, add_special_tokens=False,
                                           add_generation_prompt=True,
-                                          continue_final_message=False, chat_template=None)
+                                          continue_final_message=False, chat_template=None,
+                                          tools=plan.template_tools,
+                                          generic_tools=plan.system_tools)
         if not prompt_ids:
             raise bad_request("The rendered prompt is empty.", param="input")
         requested = req.max_output_tokens
@@ -204,13 +275,17 @@ class ResponsesServing:
                                     (req.top_logprobs or 0) if want_logprobs else None,
                                     {"logprobs": "top_logprobs",
                                      "max_tokens": "max_output_tokens"})
+        params = self._with_text_format(req, params)
+        params = s._with_tool_plan(params, plan)
         response_id = f"resp_{uuid.uuid4().hex}"
+        grammar = await s._compile_grammar(params)
         runs = s._make_runs(response_id, [prompt_ids], params, req.include_stop_str_in_output,
-                            arrival)
+                            arrival, grammar)
         fanout = await s._start(request, runs)
         if fanout is None:
             return Response(status_code=_CLIENT_CLOSED)
-        answer = _Answer(req, response_id, s.model_name, len(prompt_ids), want_logprobs)
+        answer = _Answer(req, response_id, s.model_name, len(prompt_ids), want_logprobs,
+                         plan)
         if req.stream:
             return _SSEResponse(self._stream(answer, fanout), fanout.close)
         try:
@@ -224,6 +299,21 @@ class ResponsesServing:
         answer.finish(runs[0].completion_tokens, runs[0].num_cached_tokens)
         return JSONResponse(answer.response())
 
+    @staticmethod
+    def _with_text_format(req: ResponsesRequest, params: SamplingParams) -> SamplingParams:
+        """``text.format`` as the request's structured-output constraint."""
+        rf = req.chat_response_format()
+        if rf is None:
+            return params
+        try:
+            so = structured_outputs_of(SimpleNamespace(response_format=rf))
+            return dataclasses.replace(params, structured_outputs=so)
+        except StructuredOutputsError as e:
+            raise bad_request(str(e).replace("response_format", "text.format"),
+                              param="text.format") from None
+        except SamplingParamsError as e:
+            raise bad_request(str(e), param="text.format") from None
+
     async def _stream(self, answer: "_Answer", fanout: RequestFanout) -> AsyncIterator[str]:
         s = self.serving
         seq = 0
@@ -234,27 +324,18 @@ class ResponsesServing:
             seq += 1
             return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
 
-        ids = {"item_id": answer.item_id, "output_index": 0}
         yield event("response.created", response=answer.response())
         yield event("response.in_progress", response=answer.response())
-        yield event("response.output_item.added", output_index=0, item=answer.item())
-        yield event("response.content_part.added", content_index=0,
-                    part=answer.part(empty=True), **ids)
         try:
             async for d in fanout.events():
                 lps = s._chat_logprobs(d) if answer.want_logprobs and d.token_ids else []
-                answer.add(d.text, lps, d.finish_reason)
-                if d.text or lps:
-                    yield event("response.output_text.delta", content_index=0, delta=d.text,
-                                logprobs=[lp.model_dump(mode="json") for lp in lps], **ids)
+                for kind, fields in answer.add(d.text, lps, d.finish_reason):
+                    yield event(kind, **fields)
             if fanout.disconnected:
                 return
             run = fanout.runs[0]
-            answer.finish(run.completion_tokens, run.num_cached_tokens)
-            yield event("response.output_text.done", content_index=0, text=answer.text,
-                        logprobs=answer.part()["logprobs"], **ids)
-            yield event("response.content_part.done", content_index=0, part=answer.part(), **ids)
-            yield event("response.output_item.done", output_index=0, item=answer.item())
+            for kind, fields in answer.finish(run.completion_tokens, run.num_cached_tokens):
+                yield event(kind, **fields)
             yield event(f"response.{answer.status}", response=answer.response())
         except EngineError as e:
             body = engine_error_to_api(e).body()["error"]
@@ -267,34 +348,129 @@ class ResponsesServing:
             await fanout.close()
 
 
-class _Answer:
-    """One response object as it fills up (for both the full answer and the stream's events)."""
+Event = tuple[str, dict[str, Any]]
 
-    def __init__(self, req: ResponsesRequest, response_id: str, model: str, n_prompt: int,
-                 want_logprobs: bool) -> None:
-        self.req = req
-        self.id = response_id
-        self.item_id = f"msg_{uuid.uuid4().hex}"
-        self.model = model
-        self.created_at = int(time.time())
-        self.n_prompt = n_prompt
-        self.want_logprobs = want_logprobs
+
+class _MessageItem:
+    """One ``message`` output item (its one ``output_text`` part) as it fills up."""
+
+    def __init__(self) -> None:
+        self.id = f"msg_{uuid.uuid4().hex}"
         self.texts: list[str] = []
         self.logprobs: list[dict[str, Any]] = []
-        self.finish_reason: str | None = None
         self.status = "in_progress"
-        self.usage: dict[str, Any] | None = None
 
     @property
     def text(self) -> str:
         return "".join(self.texts)
 
-    def add(self, text: str, logprobs: list[Any], finish_reason: str | None) -> None:
-        self.texts.append(text)
-        self.logprobs += [lp.model_dump(mode="json") for lp in logprobs]
-        self.finish_reason = finish_reason or self.finish_reason
+    def part(self, empty: bool = False) -> dict[str, Any]:
+        return {"type": "output_text", "text": "" if empty else self.text, "annotations": [],
+                "logprobs": [] if empty else self.logprobs}
 
-    def finish(self, completion_tokens: int, cached_tokens: int) -> None:
+    def item(self) -> dict[str, Any]:
+        done = self.status != "in_progress"
+        return {"type": "message", "id": self.id, "role": "assistant", "status": self.status,
+                "content": [self.part()] if done else []}
+
+
+class _Answer:
+    """One response object as it fills up (for both the full answer and the stream's events):
+    ``message`` items for text, ``function_call`` items for calls, in output order.
+    :meth:`add` and :meth:`finish` return the stream events of what they added."""
+
+    def __init__(self, req: ResponsesRequest, response_id: str, model: str, n_prompt: int,
+                 want_logprobs: bool, plan: ToolPlan | None = None) -> None:
+        self.req = req
+        self.id = response_id
+        self.model = model
+        self.created_at = int(time.time())
+        self.n_prompt = n_prompt
+        self.want_logprobs = want_logprobs
+        self.plan = plan
+        self.tools = plan.new_stream() if plan is not None else None
+        self.items: list[dict[str, Any] | _MessageItem] = []
+        self.message: _MessageItem | None = None  # the open message item
+        self.made_calls = False
+        self.finish_reason: str | None = None
+        self.status = "in_progress"
+        self.usage: dict[str, Any] | None = None
+
+    def _index(self, item: Any) -> int:
+        return next(i for i, x in enumerate(self.items) if x is item)
+
+    def _open_message(self) -> list[Event]:
+        self.message = _MessageItem()
+        self.items.append(self.message)
+        index = len(self.items) - 1
+        return [("response.output_item.added",
+                 {"output_index": index, "item": self.message.item()}),
+                ("response.content_part.added",
+                 {"item_id": self.message.id, "output_index": index, "content_index": 0,
+                  "part": self.message.part(empty=True)})]
+
+    def _text(self, text: str, logprobs: list[dict[str, Any]]) -> list[Event]:
+        if not text and not logprobs:
+            return []
+        events = self._open_message() if self.message is None else []
+        m = self.message
+        assert m is not None
+        m.texts.append(text)
+        m.logprobs += logprobs
+        events.append(("response.output_text.delta",
+                       {"item_id": m.id, "output_index": self._index(m), "content_index": 0,
+                        "delta": text, "logprobs": logprobs}))
+        return events
+
+    def _close_message(self) -> list[Event]:
+        m, self.message = self.message, None
+        if m is None:
+            return []
+        m.status = "incomplete" if self.finish_reason in ("length", "abort") else "completed"
+        ids = {"item_id": m.id, "output_index": self._index(m), "content_index": 0}
+        return [("response.output_text.done", {**ids, "text": m.text, "logprobs": m.logprobs}),
+                ("response.content_part.done", {**ids, "part": m.part()}),
+                ("response.output_item.done",
+                 {"output_index": ids["output_index"], "item": m.item()})]
+
+    def _call(self, call: dict[str, Any]) -> list[Event]:
+        events = self._close_message()
+        function = call["function"]
+        item = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}",
+                "call_id": call["id"], "name": function["name"],
+                "arguments": function["arguments"], "status": "completed"}
+        self.items.append(item)
+        self.made_calls = True
+        index = len(self.items) - 1
+        ids = {"item_id": item["id"], "output_index": index}
+        events += [("response.output_item.added",
+                    {"output_index": index, "item": {**item, "arguments": "",
+                                                     "status": "in_progress"}}),
+                   ("response.function_call_arguments.delta", {**ids, "delta": item["arguments"]}),
+                   ("response.function_call_arguments.done", {**ids, "arguments": item["arguments"]}),
+                   ("response.output_item.done", {"output_index": index, "item": item})]
+        return events
+
+    def add(self, text: str, logprobs: list[Any], finish_reason: str | None) -> list[Event]:
+        self.finish_reason = finish_reason or self.finish_reason
+        lps = [lp.model_dump(mode="json") for lp in logprobs]
+        if self.tools is None:
+            return self._text(text, lps)
+        step = self.tools.step(text, final=finish_reason is not None)
+        events = self._text(step.content, [])
+        for delta in step.tool_calls:
+            function = delta["function"]
+            events += self._call({"id": delta["id"], "function": function})
+        return events
+
+    def finish(self, completion_tokens: int, cached_tokens: int) -> list[Event]:
+        if self.tools is not None and not self.tools.parser.finished:
+            events = self.add("", [], self.finish_reason or "stop")
+        else:
+            events = []
+        if not self.items:  # an empty answer is still one (empty) message
+            events += self._open_message()
+        events += self._close_message()
         # "length" is the max_output_tokens (or context) limit: OpenAI's "incomplete".
         self.status = "incomplete" if self.finish_reason in ("length", "abort") else "completed"
         self.usage = {
@@ -304,17 +480,11 @@ class _Answer:
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": self.n_prompt + completion_tokens,
         }
+        return events
 
-    def part(self, empty: bool = False) -> dict[str, Any]:
-        return {"type": "output_text", "text": "" if empty else self.text, "annotations": [],
-                "logprobs": [] if empty else self.logprobs}
-
-    def item(self) -> dict[str, Any]:
-        done = self.status != "in_progress"
-        return {"type": "message", "id": self.item_id, "role": "assistant",
-                "status": "completed" if self.status == "completed" else
-                ("incomplete" if done else "in_progress"),
-                "content": [self.part()] if done else []}
+    @property
+    def text(self) -> str:
+        return "".join(x.text for x in self.items if isinstance(x, _MessageItem))
 
     def response(self) -> dict[str, Any]:
         req = self.req
@@ -322,15 +492,22 @@ class _Answer:
         if self.status == "incomplete":
             reason = "max_output_tokens" if self.finish_reason == "length" else "cancelled"
             incomplete = {"reason": reason}
+        done = self.status != "in_progress"
+        output = [x.item() if isinstance(x, _MessageItem) else x for x in self.items] \
+            if done else []
+        fmt = (req.text or {}).get("format") or {"type": "text"}
         return {
             "id": self.id, "object": "response", "created_at": self.created_at,
             "status": self.status, "error": None, "incomplete_details": incomplete,
             "model": self.model, "instructions": req.instructions,
-            "output": [self.item()] if self.status != "in_progress" else [],
+            "output": output, "output_text": self.text if done else "",
             "usage": self.usage, "max_output_tokens": req.max_output_tokens,
             "temperature": req.temperature, "top_p": req.top_p,
-            "top_logprobs": req.top_logprobs, "parallel_tool_calls": False,
-            "tool_choice": "none", "tools": [], "text": {"format": {"type": "text"}},
+            "top_logprobs": req.top_logprobs,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "tool_choice": req.tool_choice if req.tool_choice is not None else
+            ("auto" if req.tools else "none"),
+            "tools": req.tools or [], "text": {"format": fmt},
             "truncation": "disabled", "store": False, "background": False,
             "previous_response_id": None, "metadata": req.metadata or {}, "user": req.user,
         }

@@ -591,3 +591,98 @@ def test_empty_and_null_arguments_in_history_mean_no_arguments(qwen_tok: Tokeniz
             r = post(app, {"model": MODEL, "messages": history, "tools": [TIME_TOOL],
                            "max_tokens": 16})
             assert r.status_code == 200, (parser, args, r.text)
+
+
+# ------------------------------------------------------------- the Responses API's tools
+
+R_TOOL = {"type": "function", "name": "get_weather", "description": "Current weather",
+          "parameters": WEATHER_TOOL["function"]["parameters"]}
+
+
+def _responses(app: Any, body: dict[str, Any]) -> httpx.Response:
+    return asyncio.run(asgi_request(app, "POST", "/v1/responses", json=body))
+
+
+def test_responses_tools_make_function_call_items(qwen_tok: Tokenizer) -> None:
+    engine = ScriptedEngine(qwen_tok, HERMES_CALL)
+    app = create_app(engine, qwen_tok, model_name=MODEL, tool_calling=AUTO)
+    r = _responses(app, {"model": MODEL, "input": "Weather in Paris?", "tools": [R_TOOL]})
+    assert r.status_code == 200, r.text
+    out = r.json()["output"]
+    assert [o["type"] for o in out] == ["message", "function_call"]
+    assert out[0]["content"][0]["text"] == "Let me check.\n"
+    call = out[1]
+    assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Paris"}
+    assert call["call_id"] and call["status"] == "completed"
+    # the next turn sends the call and its output back as items: the template sees a tool turn
+    r = _responses(app, {"model": MODEL, "tools": [R_TOOL], "input": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": call["call_id"], "name": "get_weather",
+         "arguments": call["arguments"]},
+        {"type": "function_call_output", "call_id": call["call_id"], "output": "21 C"}]})
+    assert r.status_code == 200, r.text
+    assert "<tool_response>\n21 C" in engine.prompts[-1] and '"city": "Paris"' in engine.prompts[-1]
+    assert r.json()["output"][0]["content"][0]["text"] == "It is sunny."
+
+
+def test_responses_streams_function_calls(qwen_tok: Tokenizer) -> None:
+    engine = ScriptedEngine(qwen_tok, HERMES_CALL)
+    app = create_app(engine, qwen_tok, model_name=MODEL, tool_calling=AUTO)
+    r = _responses(app, {"model": MODEL, "input": "Weather?", "tools": [R_TOOL], "stream": True})
+    events = [json.loads(b.split("data: ", 1)[1]) for b in r.text.strip().split("\n\n")]
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    i = kinds.index("response.function_call_arguments.done")
+    assert json.loads(events[i]["arguments"]) == {"city": "Paris"}
+    assert kinds[i - 2:i + 2] == ["response.output_item.added",
+                                  "response.function_call_arguments.delta",
+                                  "response.function_call_arguments.done",
+                                  "response.output_item.done"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    final = events[-1]["response"]["output"]
+    assert [o["type"] for o in final] == ["message", "function_call"]
+
+
+def test_responses_text_format_and_tools_together(qwen_tok: Tokenizer) -> None:
+    engine = ScriptedEngine(qwen_tok, '{"temp_c": 21}')
+    app = create_app(engine, qwen_tok, model_name=MODEL, tool_calling=AUTO)
+    fmt = {"type": "json_schema", "name": "w", "schema": ANSWER_SCHEMA, "strict": True}
+    r = _responses(app, {"model": MODEL, "input": "Weather?", "text": {"format": fmt}})
+    assert r.status_code == 200, r.text
+    (grammar,) = engine.grammars.values()
+    assert _accepts(grammar, qwen_tok, '{"temp_c": 3}')
+    assert not _accepts(grammar, qwen_tok, "warm")
+    assert r.json()["text"]["format"]["type"] == "json_schema"
+    engine.grammars.clear()
+    r = _responses(app, {"model": MODEL, "input": "Weather?", "tools": [R_TOOL],
+                         "text": {"format": fmt}})
+    assert r.status_code == 200, r.text
+    (grammar,) = engine.grammars.values()
+    assert _accepts(grammar, qwen_tok, '{"temp_c": 3}')
+    assert _accepts(grammar, qwen_tok, '<tool_call>\n{"name": "get_weather", "arguments": '
+                                       '{"city": "P"}}\n</tool_call>')
+    assert r.json()["output"][0]["content"][0]["text"] == '{"temp_c": 21}'
+
+
+def test_openai_sdk_responses_with_tools_and_parse(qwen_tok: Tokenizer) -> None:
+    """The openai SDK's Responses client: function calls come back as typed items, and
+    ``responses.parse(text_format=Model)`` gets a parsed pydantic object."""
+    openai = pytest.importorskip("openai")
+    import pydantic
+
+    class Weather(pydantic.BaseModel):
+        temp_c: int
+
+    engine = ScriptedEngine(qwen_tok, HERMES_CALL, after_tool='{"temp_c": 21}')
+    app = create_app(engine, qwen_tok, model_name=MODEL, tool_calling=AUTO)
+    with serve_in_thread(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        r = client.responses.create(model=MODEL, input="Weather?", tools=[R_TOOL])
+        (call,) = [o for o in r.output if o.type == "function_call"]
+        assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+        parsed = client.responses.parse(model=MODEL, tools=[R_TOOL], text_format=Weather, input=[
+            {"role": "user", "content": "Weather?"},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name,
+             "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "21"}])
+        assert parsed.output_parsed == Weather(temp_c=21)
