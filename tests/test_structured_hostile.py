@@ -15,7 +15,9 @@ probe every ~100 ms (a cached ``json_object`` request and a plain one, in turn) 
 - schemas built to explode (an ``allOf`` of 10 ``anyOf`` triples with patterns: 3^10
   branches; 600 pattern-string branches), 10 distinct 5,000-character alternation regexes;
 - an ambiguous Lark grammar, cheap to compile but costly per token (the mask is computed in
-  the frontend's poller, which serves every stream).
+  the frontend's poller, which serves every stream);
+- a schema served by the lenient grammar whose final check (``jsonschema``) meets
+  catastrophic backtracking in Python's ``re``.
 
 Each must be answered (200, or a 400 naming the limit or the problem) within
 :data:`ANSWER_LIMIT_S` (the compile limit + a margin: issue 30 asks for 2 s); meanwhile every
@@ -407,6 +409,50 @@ def test_costly_per_token_grammar_does_not_stall_other_streams(warm):
     assert len(results) == AMBIGUOUS_STREAMS and all(s in (200, 400) for s, _, _ in results), results
     summary = watch.check()
     print(f"\nambiguous grammar: {[(s, round(dt, 2), f) for s, dt, f in results]}\n{summary}")
+
+
+#: Served by llguidance's lenient grammar (it cannot enforce ``not``) plus the final check,
+#: ``jsonschema`` in a worker killed at 2 s (dpu/structured/workers.py): with EOS (id 2) and
+#: the closing quote (id 18) biased away the grammar makes the null model write 32 "a" (id
+#: 81, its lowest allowed token), on which Python's ``re`` tries 2^32 ways to match
+#: ``^(a+)+b$``.
+BACKTRACKING_SCHEMA = {"type": "string", "maxLength": 32, "pattern": "^a+$",
+                       "not": {"pattern": "^(a+)+b$"}}
+FINAL_CHECK_LIMIT_S = 2.0
+
+
+def test_final_check_with_catastrophic_backtracking_is_bounded(warm):
+    """The final check of a lenient schema's output runs the schema's own ``pattern`` through
+    Python's backtracking ``re``: two such requests at once (one per final-check worker) are
+    answered, as failures that name the limit and never as ``stop``, within the check's
+    limit + a margin, while the probes keep their latency."""
+    server = warm
+    results: list[tuple[int, float, str]] = []
+
+    def one(_: int) -> None:
+        with httpx.Client(base_url=server.base_url) as c:
+            fmt = {"type": "json_schema",
+                   "json_schema": {"name": "b", "schema": BACKTRACKING_SCHEMA}}
+            r, dt = chat(c, max_tokens=64, logit_bias={"2": -100, "18": -100},
+                         response_format=fmt)
+            results.append((r.status_code, dt, r.text))
+
+    with Watch(server.base_url, server.frontend_pid) as watch:
+        time.sleep(0.3)
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        time.sleep(0.3)
+    assert len(results) == 2, results
+    for status, dt, text in results:
+        assert status != 200 or '"finish_reason":"stop"' not in text, text
+        assert status in (200, 500), text
+        assert "limit" in text, text
+        assert dt < FINAL_CHECK_LIMIT_S + ANSWER_LIMIT_S, (round(dt, 2), text[:300])
+    summary = watch.check()
+    print(f"\nbacktracking final check: {[(s, round(dt, 2)) for s, dt, _ in results]}\n{summary}")
 
 
 def test_cut_tool_call_arguments_parse_as_json(warm):
