@@ -13,7 +13,8 @@ probe every ~100 ms (a cached ``json_object`` request and a plain one, in turn) 
 - 40 tools (``required`` and ``auto``) and 200 tools (a 400 naming OpenAI's 128-tool limit);
 - ``{"type": "string", "maxLength": 20}`` alone, ``".{0,100}"`` as a regex;
 - schemas built to explode (an ``allOf`` of 10 ``anyOf`` triples with patterns: 3^10
-  branches; 600 pattern-string branches), 10 distinct 5,000-character alternation regexes;
+  branches; 600 pattern-string branches), a Lark grammar of 400 overlapping regex
+  terminals, 10 distinct 5,000-character alternation regexes;
 - an ambiguous Lark grammar, cheap to compile but costly per token (the mask is computed in
   the frontend's poller, which serves every stream);
 - a schema served by the lenient grammar whose final check (``jsonschema``) meets
@@ -63,6 +64,9 @@ PROBE_EVERY_S = 0.1
 #: request (issue 30 measured 11.7 GB and 21.6 GB before the redesign).
 RSS_CAP_MB = 1536
 MAX_TOKENS = 32
+#: A refusal's message names the problem in a few lines (a 400 once carried 21 KB: the
+#: parser's state and the whole grammar).
+MAX_MESSAGE_CHARS = 1000
 FLAGS = ("--model", MODEL, "--max-model-len", "8192", "--max-num-seqs", "16",
          "--kv-cache-tokens", "16384", "--grammar-compile-timeout", str(COMPILE_LIMIT_S),
          "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
@@ -116,6 +120,15 @@ def alternation_regex(seed: int, chars: int = 5000) -> str:
     while sum(len(w) + 1 for w in words) < chars:
         words.append(_word(rng, rng.randint(4, 12)))
     return "(" + "|".join(words) + ")"
+
+
+def lexer_bomb_lark(n: int = 400) -> str:
+    """A Lark grammar of ``n`` overlapping regex terminals: past llguidance's lexer limits
+    ("too many expressions constructed") at the first mask."""
+    rng = random.Random(2)
+    rules = "\n".join(f"R{i}: /[a-z]{{3,{30 + i % 50}}}([0-9]{{1,5}}[{_word(rng, 3)}]){{1,20}}x{i}/"
+                      for i in range(n))
+    return "start: " + " | ".join(f"R{i}" for i in range(n)) + "\n" + rules
 
 
 AMBIGUOUS_LARK = 'start: x\nx: x x | x x x | "a" | "aa" | "b" x'
@@ -246,6 +259,8 @@ def _tool_names(r: httpx.Response) -> list[str]:
 def _refusal_names_problem(r: httpx.Response, *words: str) -> str:
     err = r.json()["error"]
     assert any(w.lower() in err["message"].lower() for w in words), err
+    # the problem, not llguidance's parser-state dump with the whole grammar echoed back
+    assert len(err["message"]) <= MAX_MESSAGE_CHARS, (len(err["message"]), err["message"][:2000])
     return err["message"].splitlines()[0][:120]
 
 
@@ -315,6 +330,7 @@ HOSTILE = {
         "name": "x", "schema": allof_product()}}}, _exploding),
     "600-pattern-branches": ({"structured_outputs": {"json": pattern_branches()}}, _exploding),
     "regex-.{0,100}": ({"structured_outputs": {"regex": ".{0,100}"}}, _regex100),
+    "lexer-bomb-grammar": ({"structured_outputs": {"grammar": lexer_bomb_lark()}}, _exploding),
 }
 
 

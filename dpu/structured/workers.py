@@ -50,14 +50,19 @@ DEFAULT_FINAL_CHECK_WORKERS = 2
 #: A worker process's start (Python, llguidance, the vocabulary): not counted in the limit.
 WORKER_START_TIMEOUT_S = 60.0
 #: llguidance's parser limits, for the workers' checks and every request's matcher.
-PARSER_LIMITS: dict[str, int] = {
+PARSER_LIMITS: dict[str, int | bool] = {
     "max_items_in_row": 2_000,
     "initial_lexer_fuel": 1_000_000,  # ~20 ms of lexer construction
     "step_lexer_fuel": 200_000,  # ~15 ms per token, at most
     "step_max_items": 50_000,
     "max_lexer_states": 20_000,  # ~20-40 MB of lexer per matcher, at most
     "max_grammar_size": 500_000,
+    # errors name the problem only: verbose ones append the parser's state, the tokens so
+    # far and the whole grammar (a 400 of 21 KB for a 400-rule Lark grammar)
+    "verbose_errors": False,
 }
+#: what llguidance appends to an error when ``verbose_errors`` is off
+_NON_VERBOSE = "\n<non-verbose/>"
 #: Cache accounting per entry: its grammar text, times this, plus a fixed part (an estimate:
 #: llguidance does not report a compiled grammar's size).
 CACHE_BYTES_PER_TEXT_BYTE = 4
@@ -137,7 +142,7 @@ def _try_grammar(llguidance, tok, limits, text: str) -> str | None:
     m = llguidance.LLMatcher(tok, text, limits=limits)
     if not m.is_error():
         m.compute_bitmask()  # builds the lexer's first states: the real cost
-    return m.get_error() if m.is_error() else None
+    return m.get_error().replace(_NON_VERBOSE, "") if m.is_error() else None
 
 
 def _worker_main(conn_in: Connection, conn: Connection) -> None:
