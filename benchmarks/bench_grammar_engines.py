@@ -1,7 +1,7 @@
 """Grammar engines on real-world JSON schemas (issue 30): coverage, compile time, mask cost,
 and a soundness spot check, for SmolLM2's vocabulary.
 
-    python -m benchmarks.bench_grammar_engines [--engines llguidance,llguidance-lenient,xgrammar,outlines]
+    python -m benchmarks.bench_grammar_engines [--engines blink,llguidance,llguidance-lenient,xgrammar,outlines]
         [--limit N] [--timeout 10] [--mem-gb 4] [--collections a,b] [--json OUT]
     python -m benchmarks.bench_grammar_engines --report OUT     # the tables of a saved run
 
@@ -21,7 +21,11 @@ outlines-core ``Index.get_allowed_tokens`` (a lookup in the precompiled automato
 accepting), every invalid one (mutations that ``jsonschema`` rejects; the test suite's own
 instances) rejected; disagreements are counted and listed in ``--json``.
 
-Engines (``ENGINES``): ``llguidance`` (``LLMatcher.grammar_from_json_schema`` + ``LLMatcher``,
+Engines (``ENGINES``): ``blink`` (Blink's frontend path, class ``Blink``: ``grammar_spec``'s
+rewrites, the ``GrammarService``'s parser limits, and the lenient grammar plus the final
+``jsonschema`` check for schemas llguidance refuses only for keywords it cannot enforce; its
+soundness columns count an instance as accepted only if it also passes that check),
+``llguidance`` (``LLMatcher.grammar_from_json_schema`` + ``LLMatcher``,
 default options: unknown keywords and formats are errors), ``llguidance-lenient`` (the same with
 ``{"lenient": true}``: they are ignored), ``xgrammar`` (``GrammarCompiler.compile_json_schema``,
 ``max_threads=1``, no cache, its default ``strict_mode``), ``outlines`` (``build_regex_from_schema``
@@ -169,6 +173,78 @@ class LLGuidanceLenient(LLGuidance):
     options = {"lenient": True}
 
 
+@dataclass
+class _BlinkHandle:
+    matcher: Any
+    schema_json: str | None  # set when the lenient grammar serves it: the final check's schema
+
+
+class Blink(LLGuidance):
+    """Blink's frontend path: ``blink.dpu.structured``'s ``grammar_spec`` (formats, closed
+    objects, disjoint ``oneOf``, name-list ``dependencies``, the JSON layout), llguidance
+    under the ``GrammarService``'s ``PARSER_LIMITS``, and its fallback: a schema refused only
+    for keywords llguidance cannot enforce is served by the lenient grammar plus the final
+    check (``jsonschema`` on the finished output, as the serving layer runs it). Instances are
+    fed in Blink's layout (:meth:`tokens`). Soundness: an instance counts as accepted when
+    the mask takes it whole, then allows the end, and it passes the final check where there
+    is one (an output that fails it is an error, never ``stop``)."""
+    name = "blink"
+
+    def setup(self, vocab: Vocab) -> None:
+        super().setup(vocab)
+        from collections import OrderedDict
+
+        from blink.dpu.structured import grammar, workers
+        from blink.shared.structured_outputs import StructuredOutputs
+        self.grammar, self.workers, self.SO = grammar, workers, StructuredOutputs
+        self.limits = workers.parser_limits()
+        self.validators: OrderedDict = OrderedDict()
+
+    def compile(self, schema: Any) -> Any:
+        spec = self.grammar.grammar_spec(self.SO(json=schema))  # Blink's refusals raise here
+        if spec.lenient_first and spec.fallback is not None:  # as GrammarWorkers.check
+            matcher = self.ll.LLMatcher(self.tok, spec.fallback, limits=self.limits, log_level=0)
+            if matcher.is_error():
+                raise ValueError(matcher.get_error())
+            return _BlinkHandle(matcher, spec.final_check.schema_json)
+        matcher = self.ll.LLMatcher(self.tok, spec.text, limits=self.limits, log_level=0)
+        if not matcher.is_error():
+            return _BlinkHandle(matcher, None)
+        error = matcher.get_error()
+        if spec.fallback is None or not self.grammar.keyword_refusal(error):
+            raise ValueError(error)
+        matcher = self.ll.LLMatcher(self.tok, spec.fallback, limits=self.limits, log_level=0)
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
+        return _BlinkHandle(matcher, spec.final_check.schema_json)
+
+    def tokens(self, text: str) -> list[int]:
+        """The instance in Blink's JSON layout (``json.dumps``' separators, no other
+        whitespace: what the grammar emits), the same value as the compact text."""
+        try:
+            text = json.dumps(json.loads(text), ensure_ascii=False)
+        except ValueError:
+            pass
+        return super().tokens(text)
+
+    def first_mask(self, handle: Any) -> None:
+        super().first_mask(handle.matcher)
+
+    def step(self, handle: Any, token: int) -> tuple[float, bool]:
+        return super().step(handle.matcher, token)
+
+    def finish(self, handle: Any) -> bool:
+        return super().finish(handle.matcher)
+
+    def accepts(self, handle: Any, tokens: list[int]) -> bool:
+        if not super().accepts(handle.matcher, tokens):
+            return False
+        if handle.schema_json is None:
+            return True
+        text = self.tok.decode_bytes(tokens).decode("utf-8", errors="replace")
+        return self.workers._validate_output(self.validators, handle.schema_json, text) is None
+
+
 class XGrammar:
     name = "xgrammar"
     sound = True
@@ -253,7 +329,8 @@ class Outlines:
         return handle[0].is_final_state(handle[1])
 
 
-ENGINES: dict[str, type] = {"llguidance": LLGuidance, "llguidance-lenient": LLGuidanceLenient,
+ENGINES: dict[str, type] = {"blink": Blink, "llguidance": LLGuidance,
+                            "llguidance-lenient": LLGuidanceLenient,
                             "xgrammar": XGrammar, "outlines": Outlines}
 
 

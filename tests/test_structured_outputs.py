@@ -207,6 +207,12 @@ SOUNDNESS = [
                 {"type": "object", "properties": {"k": {"const": "b"}, "y": {"type": "string"}},
                  "required": ["k", "y"]}]},
      ['{"k": "a", "x": 1}', '{"k": "b", "y": "z"}'], ['{"k": "a", "y": "z"}']),
+    # a oneOf whose branches' types differ once a local $ref is followed, or as type lists
+    ({"$defs": {"L": {"type": "object", "properties": {"k": {"type": "string"}},
+                      "required": ["k"]}},
+      "oneOf": [{"$ref": "#/$defs/L"}, {"type": "null"}]}, ['{"k": "x"}', "null"], ["{}", "1"]),
+    ({"oneOf": [{"type": ["string", "null"]}, {"type": "number"}]}, ['"a"', "null", "1.5"],
+     ["true", "[]"]),
     # name-list dependencies: enforced by the grammar (the equal anyOf), no final check
     ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
       "dependencies": {"a": ["b"]}},
@@ -278,7 +284,7 @@ def test_unenforced_keywords_are_served_with_a_final_check(service, schema, keyw
 def test_final_check_is_bounded_and_fails_closed(tokenizer):
     """A check past its limit is killed and the output fails (nothing says it is valid); a cut
     output (not JSON) fails; the next check is served by a replaced worker."""
-    svc = GrammarService(tokenizer, timeout_s=10.0, workers=1, check_timeout_s=0.3)
+    svc = GrammarService(tokenizer, timeout_s=10.0, workers=1, check_timeout_s=0.5)
     try:
         g = svc.compile(SO(json={"type": "array", "uniqueItems": True}))
         assert g.check_output("[1, 2]") is None  # warm: the worker's start is not counted
@@ -566,7 +572,9 @@ def test_ring_publishes_each_mask_with_its_epoch(llm, monkeypatch):
                                                 structured_outputs=SO(regex="[a-d]{4}!")))
     assert out[0].outputs[0].finish_reason == "stop"
     assert [e for e, _ in seen] == list(range(len(seen))) and all(a == b for a, b in seen)
-    assert len(seen) == len(out[0].outputs[0].token_ids)  # one per output before EOS
+    # one per output before EOS, plus one when the poller reads the EOS token before the
+    # slot's finished state (timing: a mask nobody reads)
+    assert len(seen) - len(out[0].outputs[0].token_ids) in (0, 1)
 
 
 def test_a_mask_that_never_comes_fails_the_request(tmp_path, monkeypatch):

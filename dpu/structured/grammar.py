@@ -80,6 +80,9 @@ class GrammarSpec:
           for keywords it does not implement (:func:`keyword_refusal`); its outputs then
           pass ``final_check``
     final_check: what an output of ``fallback`` is validated against
+    lenient_first: the schema has keywords llguidance may refuse (``final_check.keywords``):
+          ``fallback`` is tried alone (where ``text`` would compile, ``fallback`` is the same
+          grammar: lenient mode only ignores what strict mode refuses), one build not two
     """
 
     text: str
@@ -87,11 +90,13 @@ class GrammarSpec:
     kind: str
     fallback: str | None = None
     final_check: FinalCheck | None = None
+    lenient_first: bool = False
 
     @classmethod
     def of(cls, text: str, kind: str, fallback: str | None = None,
-           final_check: FinalCheck | None = None) -> "GrammarSpec":
-        return cls(text, hashlib.sha256(text.encode()).hexdigest(), kind, fallback, final_check)
+           final_check: FinalCheck | None = None, lenient_first: bool = False) -> "GrammarSpec":
+        return cls(text, hashlib.sha256(text.encode()).hexdigest(), kind, fallback, final_check,
+                   lenient_first)
 
 
 def _llg():
@@ -120,13 +125,40 @@ def _values(schema: Any) -> list | None:
     return list(schema["enum"]) if isinstance(schema.get("enum"), list) else None
 
 
-def _disjoint(branches: list) -> bool:
-    """Whether no JSON value satisfies two of ``branches`` (a sufficient test)."""
+def _resolve(branch: Any, root: Any, hops: int = 8) -> Any:
+    """``branch`` with a lone local ``$ref`` (``#/$defs/...``, ``#/definitions/...``)
+    followed (at most ``hops`` times); anything else as it is."""
+    while hops and isinstance(branch, dict) and set(branch) == {"$ref"} \
+            and isinstance(branch["$ref"], str) and branch["$ref"].startswith("#/"):
+        node = root
+        for part in branch["$ref"][2:].split("/"):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(node, dict) or part not in node:
+                return branch
+            node = node[part]
+        branch, hops = node, hops - 1
+    return branch
+
+
+def _types(branch: Any) -> frozenset | None:
+    """The JSON types a branch's ``type`` allows (``integer`` counted as a ``number``), or
+    None when it does not say."""
+    t = branch.get("type") if isinstance(branch, dict) else None
+    types = [t] if isinstance(t, str) else t
+    if not isinstance(types, list) or not types or not all(isinstance(x, str) for x in types):
+        return None
+    return frozenset("number" if x == "integer" else x for x in types)
+
+
+def _disjoint(branches: list, root: Any = None) -> bool:
+    """Whether no JSON value satisfies two of ``branches`` (a sufficient test): their
+    ``type``s share nothing (a lone local ``$ref`` is followed), or a property all of them
+    require has different ``const`` / ``enum`` values in each."""
     if not all(isinstance(b, dict) for b in branches) or len(branches) < 2:
         return False
-    types = [b.get("type") for b in branches]
-    if all(isinstance(t, str) for t in types) and len(set(types)) == len(types) \
-            and not {"integer", "number"} <= set(types):
+    types = [_types(_resolve(b, root)) for b in branches]
+    if all(t is not None for t in types) \
+            and sum(len(t) for t in types) == len(frozenset().union(*types)):
         return True
     names = set.intersection(*(set(b.get("required") or []) for b in branches))
     for name in sorted(names):
@@ -157,7 +189,7 @@ def _dependencies_any_of(deps: Any) -> list | None:
             for name, needs in deps.items() if needs]
 
 
-def _rewrite(schema: Any, close: bool, in_all_of: bool = False) -> Any:
+def _rewrite(schema: Any, close: bool, in_all_of: bool = False, root: Any = None) -> Any:
     """A copy of ``schema`` with unenforced ``format`` values dropped, name-list
     ``dependencies`` as ``anyOf`` and (``close``) closed objects (see the module docstring),
     walking subschemas only."""
@@ -169,13 +201,13 @@ def _rewrite(schema: Any, close: bool, in_all_of: bool = False) -> Any:
         if key == "format" and isinstance(value, str) and value not in ENFORCED_FORMATS:
             continue
         if key in _SCHEMA_MAP and isinstance(value, dict):
-            value = {k: _rewrite(v, close) for k, v in value.items()}
+            value = {k: _rewrite(v, close, root=root) for k, v in value.items()}
         elif key in _SCHEMA_LIST and isinstance(value, list):
-            value = [_rewrite(v, close, key == "allOf") for v in value]
+            value = [_rewrite(v, close, key == "allOf", root) for v in value]
         elif key in _SCHEMA_ONE:
-            value = _rewrite(value, close)
+            value = _rewrite(value, close, root=root)
         if key == "oneOf" and isinstance(value, list) and "anyOf" not in schema \
-                and _disjoint(value):
+                and _disjoint(value, root):
             key = "anyOf"  # the same language when no value can match two branches
         out[key] = value
     props = out.get("properties")
@@ -225,14 +257,31 @@ def _with_dependencies_rewritten(schema: dict) -> dict:
     return out
 
 
+def _ref_root(schema: Any) -> Any:
+    """The document ``#/...`` references resolve in, for the disjoint test; None (follow no
+    reference) when a nested ``$id`` / ``id`` could move a reference's base."""
+    stack = [schema]
+    first = True
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if not first and any(isinstance(node.get(k), str) for k in ("$id", "id")):
+                return None
+            first = False
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return schema
+
+
 def drop_unenforced_formats(schema: Any) -> Any:
     """A copy of ``schema`` without the ``format`` keywords llguidance does not enforce."""
-    return _rewrite(schema, close=False)
+    return _rewrite(schema, close=False, root=_ref_root(schema))
 
 
 def served_schema(schema: Any) -> Any:
     """The schema as it is enforced: unenforced formats dropped, listed objects closed."""
-    return _rewrite(schema, close=True)
+    return _rewrite(schema, close=True, root=_ref_root(schema))
 
 
 #: JSON Schema keywords llguidance does not implement (its strict mode refuses them as
@@ -256,11 +305,11 @@ def keyword_refusal(error: str) -> bool:
     return any(marker in error for marker in _KEYWORD_REFUSALS)
 
 
-def unenforced_keywords(schema: Any, error: str = "") -> tuple[str, ...]:
-    """The keywords of ``schema`` (as served) that its lenient grammar does not enforce,
-    sorted: those of :data:`UNENFORCED_KEYWORDS` in schema positions, ``oneOf`` if one is
-    left after the disjoint rewrite, ``minProperties`` / ``maxProperties`` when llguidance
-    said so, and any key its strict ``error`` names."""
+def unenforced_keywords(schema: Any, error: str = "", served: Any = None) -> tuple[str, ...]:
+    """The keywords of ``schema`` (as served: ``served`` if given) that its lenient grammar
+    may not enforce, sorted: those of :data:`UNENFORCED_KEYWORDS` in schema positions,
+    ``oneOf`` if one is left after the disjoint rewrite, ``minProperties`` /
+    ``maxProperties`` when llguidance said so, and any key its strict ``error`` names."""
     found: set[str] = set()
 
     def walk(node: Any) -> None:
@@ -279,7 +328,7 @@ def unenforced_keywords(schema: Any, error: str = "") -> tuple[str, ...]:
             elif key in _SCHEMA_LIST or key in _SCHEMA_ONE:
                 walk(value)
 
-    walk(served_schema(schema))
+    walk(served_schema(schema) if served is None else served)
     if "min/maxProperties" in error:
         found |= {"minProperties", "maxProperties"}
     if "Unimplemented keys:" in error:
@@ -308,20 +357,23 @@ def json_options(so: StructuredOutputs) -> dict[str, Any]:
 
 
 def json_schema_grammar(schema: Any, options: dict[str, Any] | None = None,
-                        lenient: bool = False) -> str:
+                        lenient: bool = False, served: Any = None) -> str:
     """The llguidance grammar text of a JSON schema (dict or bool); ``lenient``: with
     llguidance's ``lenient`` option (keywords it does not implement are ignored: a superset
-    of the schema's language, served only with the final check)."""
+    of the schema's language, served only with the final check). ``served``: the schema's
+    :func:`served_schema`, when the caller has it."""
     llg = _llg()
     if schema is True:
         schema = {}
     if schema is False:
         raise StructuredOutputsError("the json schema is `false`: no output can satisfy it")
+    if served is None:
+        served = served_schema(schema)
     # As overrides: a schema's own "x-guidance" cannot turn lenient mode on (or change the
     # layout) behind the final check's back.
     options = {**(options or {}), "lenient": lenient, "coerce_one_of": False}
     try:
-        return llg.LLMatcher.grammar_from_json_schema(served_schema(schema), overrides=options)
+        return llg.LLMatcher.grammar_from_json_schema(served, overrides=options)
     except (ValueError, TypeError) as exc:
         raise StructuredOutputsError(f"json schema: {exc}") from None
 
@@ -329,12 +381,16 @@ def json_schema_grammar(schema: Any, options: dict[str, Any] | None = None,
 def json_spec(schema: Any, options: dict[str, Any], kind: str = "json") -> GrammarSpec:
     """A JSON schema's :class:`GrammarSpec`: its strict grammar, and the lenient one with
     the final check to fall back on (see the module docstring)."""
-    text = json_schema_grammar(schema, options)
     if not isinstance(schema, dict):
-        return GrammarSpec.of(text, kind)
-    fallback = json_schema_grammar(schema, options, lenient=True)
-    check = FinalCheck(json.dumps(schema, ensure_ascii=False), ())
-    return GrammarSpec.of(text, kind, fallback, check)
+        return GrammarSpec.of(json_schema_grammar(schema, options), kind)
+    served = served_schema(schema)
+    text = json_schema_grammar(schema, options, served=served)
+    fallback = json_schema_grammar(schema, options, lenient=True, served=served)
+    keywords = unenforced_keywords(schema, served=served)
+    check = FinalCheck(json.dumps(schema, ensure_ascii=False), keywords)
+    # Keywords llguidance may refuse are in it: try the lenient grammar first (where the
+    # strict one compiles, the lenient one is the same grammar), saving a second build.
+    return GrammarSpec.of(text, kind, fallback, check, lenient_first=bool(keywords))
 
 
 def lark_literal(text: str) -> str:

@@ -148,9 +148,9 @@ def _try_grammar(llguidance, tok, limits, text: str) -> str | None:
 def _worker_main(conn_in: Connection, conn: Connection) -> None:
     """A worker: read the vocabulary (None for a final-check worker) and the memory cap,
     build the tokenizer, cap the address space, then answer until the parent closes the
-    pipe: ``("grammar", text, fallback)`` -> ``("ok", (0 or 1, strict error))`` (1: the
-    strict grammar was refused for keywords only and the fallback is fine) or ``("error",
-    message)``; ``("validate", schema_json, output)`` -> ``("ok", None or the problem)``."""
+    pipe: ``("grammar", text, fallback, lenient_first)`` -> ``("ok", (0 or 1, strict
+    error))`` (1: the fallback serves it: tried first, or the strict grammar was refused for
+    keywords only) or ``("error", message)``; ``("validate", schema_json, output)`` -> ``("ok", None or the problem)``."""
     try:
         vocab, memory_bytes = conn_in.recv()
     except EOFError:
@@ -160,6 +160,9 @@ def _worker_main(conn_in: Connection, conn: Connection) -> None:
 
         tok = vocab.lltokenizer()
         limits = parser_limits()
+    else:  # a final-check worker: its imports are part of its start, not of a check
+        import jsonschema  # noqa: F401
+        from jsonschema.exceptions import best_match  # noqa: F401
     if memory_bytes > 0:
         cap = _vm_bytes() + memory_bytes
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
@@ -174,7 +177,11 @@ def _worker_main(conn_in: Connection, conn: Connection) -> None:
             if msg[0] == "validate":
                 conn.send(("ok", _validate_output(validators, msg[1], msg[2])))
                 continue
-            _, text, fallback = msg
+            _, text, fallback, lenient_first = msg
+            if lenient_first:  # see GrammarSpec.lenient_first
+                error = _try_grammar(llguidance, tok, limits, fallback)
+                conn.send(("ok", (1, "")) if error is None else ("error", error))
+                continue
             error = _try_grammar(llguidance, tok, limits, text)
             if error is None:
                 conn.send(("ok", (0, None)))
@@ -365,7 +372,8 @@ class GrammarWorkers:
         or the grammar's problem. ``cancelled``: set by the caller to give up (the worker
         is killed). Returns ``(0, None)`` when ``spec.text`` is fine, ``(1, its error)`` when
         llguidance refused it for keywords only and ``spec.fallback`` is fine."""
-        status, detail = self._ask(("grammar", spec.text, spec.fallback), cancelled)
+        status, detail = self._ask(("grammar", spec.text, spec.fallback,
+                                    spec.lenient_first and spec.fallback is not None), cancelled)
         if cancelled is not None and cancelled.is_set() and status not in ("ok", "error"):
             raise GrammarLimitError("the request was cancelled while its grammar compiled")
         if status == "ok":
@@ -535,8 +543,10 @@ class GrammarService:
         if used == 1:  # refused for keywords only: the lenient grammar + the final check
             assert spec.fallback is not None and spec.final_check is not None
             text = spec.fallback
-            final = FinalCheck(spec.final_check.schema_json,
-                               unenforced_keywords(so.schema_dict(), strict_error or ""))
+            keywords = set(spec.final_check.keywords)
+            if strict_error:
+                keywords |= set(unenforced_keywords(so.schema_dict(), strict_error))
+            final = FinalCheck(spec.final_check.schema_json, tuple(sorted(keywords)))
             self.checkers.warm()
         tok = self._tokenizer()
         template = llguidance.LLMatcher(tok, text, limits=parser_limits())
