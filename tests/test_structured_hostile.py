@@ -466,9 +466,41 @@ def test_final_check_with_catastrophic_backtracking_is_bounded(warm):
         assert status != 200 or '"finish_reason":"stop"' not in text, text
         assert status in (200, 500), text
         assert "limit" in text, text
-        assert dt < FINAL_CHECK_LIMIT_S + ANSWER_LIMIT_S, (round(dt, 2), text[:300])
+        # + the start of the final-check workers (on first need; not counted in the limit)
+        assert dt < FINAL_CHECK_LIMIT_S + 3.0, (round(dt, 2), text[:300])
     summary = watch.check()
     print(f"\nbacktracking final check: {[(s, round(dt, 2)) for s, dt, _ in results]}\n{summary}")
+
+
+def _nice_of_threads(pid: int) -> dict[int, int]:
+    """{tid: nice} of a process's threads (field 19 of /proc/PID/task/TID/stat)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue
+        out[int(task.name)] = int(stat[stat.rfind(")") + 2:].split()[16])
+    return out
+
+
+def _grammar_workers(frontend_pid: int) -> list[int]:
+    from e2e_helpers import child_pids, cmdline
+
+    return [p for p in child_pids(frontend_pid) if "blink.dpu.structured.workers" in cmdline(p)]
+
+
+def test_grammar_workers_yield_to_the_serving_path(warm):
+    """The compile and final-check workers do the hostile work (up to their limits, on the
+    same cores): they run at a housekeeping nice (10, configs/threads/default.yaml), not at
+    the -10 the frontend's request threads that start them have (a child inherits its
+    parent thread's nice). Measured before: two final checks spinning in ``re`` at -10 took
+    the probes of the test above to 0.55-0.76 s on 2 busy cores."""
+    workers = _grammar_workers(warm.frontend_pid)
+    assert len(workers) >= 2, workers  # the warm-up started both compile workers
+    for pid in workers:
+        nices = _nice_of_threads(pid)
+        assert nices and min(nices.values()) >= 10, (pid, nices)
 
 
 def test_cut_tool_call_arguments_parse_as_json(warm):

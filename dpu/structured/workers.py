@@ -49,6 +49,10 @@ DEFAULT_FINAL_CHECK_TIMEOUT_S = 2.0
 DEFAULT_FINAL_CHECK_WORKERS = 2
 #: A worker process's start (Python, llguidance, the vocabulary): not counted in the limit.
 WORKER_START_TIMEOUT_S = 60.0
+#: A worker's nice: the hostile work (a compile or a check up to its limit) yields to the
+#: serving path. Without it a worker inherits the nice of the thread that started it: -10,
+#: the frontend's request path (configs/threads/default.yaml), the engine loop's equal.
+WORKER_NICE = 10
 #: llguidance's parser limits, for the workers' checks and every request's matcher.
 PARSER_LIMITS: dict[str, int | bool] = {
     "max_items_in_row": 2_000,
@@ -597,5 +601,9 @@ class GrammarService:
 
 
 if __name__ == "__main__":  # a worker process (see _Worker)
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, WORKER_NICE)  # raising one's nice needs no privilege
+    except OSError:  # pragma: no cover
+        pass
     _worker_main(Connection(int(sys.argv[1]), writable=False),
                  Connection(int(sys.argv[2]), readable=False))
