@@ -29,6 +29,9 @@ outputs": the compile cache's byte budget, 64 MiB by default, plus each matcher'
 states; compiles run in worker processes, which are not the frontend) with room for
 allocator noise on a shared machine.
 
+The grammar workers themselves (compiles and final checks: the hostile work) must run at a
+housekeeping nice, below the request path's (:func:`test_grammar_workers_yield_to_the_serving_path`).
+
 A 200 is checked too: tool calls name an offered tool, a ``maxLength`` string and the regex's
 text match their constraint when they finish with ``stop``. Tool-call arguments cut by
 ``max_tokens`` are checked by :func:`test_cut_tool_call_arguments_parse_as_json`.
@@ -383,7 +386,7 @@ def test_hostile_constraints_all_at_once(warm):
         time.sleep(0.3)
     assert len(results) == len(HOSTILE), (sorted(results), sorted(HOSTILE))
     # With 2 workers, the k-th of the compiles waits for ceil(k / 2) limits at most.
-    bound = ANSWER_LIMIT_S + COMPILE_LIMIT_S * (len(HOSTILE) + 1) // 2
+    bound = ANSWER_LIMIT_S + COMPILE_LIMIT_S * ((len(HOSTILE) + 1) // 2)
     late = {n: round(dt, 2) for n, (_, dt) in results.items() if dt > bound}
     assert not late, (late, bound)
     summary = watch.check()
