@@ -48,10 +48,12 @@ class ModelExecutor:
     ``pack_weights``: on a CPU with native bf16, store the bf16 projection weights packed
     for oneDNN (:mod:`blink.models.packed_linear`; ~2x faster linears at decode sizes);
     False keeps them plain, which a compiled step needs (it traces the weights).
-    ``int4_decode``: with packed bf16 weights and a checkpoint that stores projections as
-    4-bit Q4_0/Q4_1 codes (a GGUF file), those projections run on the codes
+    ``int4_decode``: with bf16 weights on CPU (``pack_weights``, packed or where oneDNN has no
+    native bf16 plain) and a checkpoint that stores projections as codes (a GGUF file: Q4_0,
+    Q4_1, Q8_0, K-quants), those projections run on the codes
     (:mod:`blink.models.int4_linear`; ~4x less memory traffic): every step with the AMX
-    kernel (and no bf16 copy is kept), decode-sized ones with torch's int4 kernel;
+    kernel (and no bf16 copy is kept), decode-sized ones with the kernel without AMX
+    (AVX-512 BF16 or AVX2) or torch's int4 kernel;
     ``int4_projections`` says how many got an int4 copy, ``int4_kernels`` which kernel and up
     to how many rows. The same switch, with the AMX kernel, computes the logits from a head
     the file stores as Q8_0 (SmolLM2's tied embedding; ~2x less traffic than bf16):
@@ -104,7 +106,9 @@ class ModelExecutor:
         # every coded format where the model has it (GGUF), else Q4_0/Q4_1 alone
         iter_q4 = getattr(model, "iter_quant_codes", None) or getattr(model, "iter_q4_codes", None)
         iter_q8 = getattr(model, "iter_q8_codes", None)
-        if self.packed_weights and int4_decode and int4_linear.available(dtype, self.device):
+        # (not only with packed weights: an AVX2 CPU under --dtype bfloat16 has no oneDNN bf16,
+        # and its 4-bit kernel then replaces plain bf16 GEMVs)
+        if pack_weights and int4_decode and int4_linear.available(dtype, self.device):
             if iter_q4 is not None:
                 self.int4_projections = self.model.use_int4_weights(iter_q4())
             if iter_q8 is not None:  # (the AMX kernel only: use_q8_head checks)

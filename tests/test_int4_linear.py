@@ -331,3 +331,31 @@ def test_a_k_quant_gguf_runs_on_its_codes(k_quant_ggufs, monkeypatch, build, nam
     finally:
         monkeypatch.delenv(cpu_q4_linear.IMPL_ENV)
         cpu_quant_linear.reset()
+
+
+def test_without_onednn_bf16_the_avx2_kernel_still_runs_the_codes(q4_gguf, monkeypatch):
+    """An AVX2 CPU under --dtype bfloat16 packs no bf16 weights (oneDNN has no native bf16
+    there): decode-sized steps still run on the codes, larger ones on the plain bf16 weights."""
+    from blink.models import packed_linear
+
+    if not all(f in cpu_quant_linear.cpu_flags() for f in cpu_quant_linear.VARIANTS["avx2"][1]):
+        pytest.skip("this CPU cannot run the avx2 build")
+    monkeypatch.setattr(packed_linear, "packing_available", lambda dtype, device: False)
+    monkeypatch.setenv(cpu_q4_linear.IMPL_ENV, "avx2")
+    cpu_quant_linear.reset()
+    try:
+        files = open_model(q4_gguf)
+        kw = dict(dtype=torch.bfloat16, num_blocks=64, max_model_len=64)
+        ex, plain = ModelExecutor(files, **kw), ModelExecutor(files, int4_decode=False, **kw)
+        assert not ex.packed_weights and ex.int4_kernels == {("avx2", 8): sum(ex.int4_kernels.values())}
+        assert ex.int4_projections[0] == ex.int4_projections[1] > 0
+        fp32 = ModelExecutor(files, dtype=torch.float32, num_blocks=64, max_model_len=64)
+        ref, a, b = (_decode_logits(e, 3) for e in (fp32, ex, plain))
+        assert not torch.equal(a, b)
+        assert (a - ref).abs().max().item() < max(3 * (b - ref).abs().max().item(), 0.05)
+        for e in (ex, plain):
+            e.kv_caches = [(k.zero_(), v.zero_()) for k, v in e.kv_caches]
+        assert torch.equal(_decode_logits(ex, 9), _decode_logits(plain, 9))  # beyond 8 rows: bf16
+    finally:
+        monkeypatch.delenv(cpu_q4_linear.IMPL_ENV)
+        cpu_quant_linear.reset()
