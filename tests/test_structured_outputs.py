@@ -213,6 +213,17 @@ SOUNDNESS = [
       "oneOf": [{"$ref": "#/$defs/L"}, {"type": "null"}]}, ['{"k": "x"}', "null"], ["{}", "1"]),
     ({"oneOf": [{"type": ["string", "null"]}, {"type": "number"}]}, ['"a"', "null", "1.5"],
      ["true", "[]"]),
+    # anyOf branches beside the parent's properties are not closed (that would forbid them)
+    ({"type": "object", "properties": {"t": {"type": "string"}, "s": {"type": "string"}},
+      "required": ["t", "s"], "additionalProperties": False,
+      "anyOf": [{"properties": {"s": {"const": "b"}}}, {"properties": {"s": {"const": "c"}}}]},
+     ['{"t": "x", "s": "b"}', '{"t": "y", "s": "c"}'], ['{"t": "x", "s": "d"}', '{"s": "b"}']),
+    # definitions and nested objects that allOf intersects are not closed either
+    ({"$defs": {"A": {"type": "object", "required": ["c"], "properties": {"c": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}},
+      "allOf": [{"$ref": "#/$defs/A"}, {"properties": {"c": {
+          "type": "object", "properties": {"y": {"type": "integer"}}, "required": ["y"]}}}]},
+     ['{"c": {"x": 1, "y": 2}}'], ['{"c": {"x": 1}}', '{"c": {"y": 2}}', "{}"]),
     # name-list dependencies: enforced by the grammar (the equal anyOf), no final check
     ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
       "dependencies": {"a": ["b"]}},

@@ -10,7 +10,9 @@ sub-grammars) and GBNF. What is decided here:
   between tokens) is asked for.
   An object schema that lists ``properties`` and says nothing of other properties (no
   ``additionalProperties``, ``patternProperties``, ``unevaluatedProperties``, not combined
-  by ``allOf`` / ``$ref``, every ``required`` name among its ``properties``) gets no others, as vLLM's default backend (xgrammar's strict
+  by ``allOf`` / ``$ref``, not an ``anyOf`` / ``oneOf`` branch beside its parent's own
+  properties nor a definition referenced from such places, every ``required`` name among
+  its ``properties``) gets no others, as vLLM's default backend (xgrammar's strict
   mode) and OpenAI's strict schemas do: every output is still valid against the schema, and
   small models stop padding objects with invented keys. An object without ``properties``
   (a free-form parameter) stays open. A ``oneOf`` whose branches are provably disjoint
@@ -189,23 +191,32 @@ def _dependencies_any_of(deps: Any) -> list | None:
             for name, needs in deps.items() if needs]
 
 
-def _rewrite(schema: Any, close: bool, in_all_of: bool = False, root: Any = None) -> Any:
+def _rewrite(schema: Any, close: bool, in_all_of: bool = False, root: Any = None,
+             shared: frozenset = frozenset()) -> Any:
     """A copy of ``schema`` with unenforced ``format`` values dropped, name-list
     ``dependencies`` as ``anyOf`` and (``close``) closed objects (see the module docstring),
     walking subschemas only."""
     if not isinstance(schema, dict):
         return schema
     dep_names = _dependency_names(schema)
+    # anyOf / oneOf branches are intersected with an object schema beside them: closing a
+    # branch would forbid the parent's own properties (as for allOf)
+    beside = any(k in schema for k in ("properties", "patternProperties", "required",
+                                       "additionalProperties"))
     out: dict[str, Any] = {}
     for key, value in schema.items():
         if key == "format" and isinstance(value, str) and value not in ENFORCED_FORMATS:
             continue
+        # below an intersected schema, its properties and items meet the other side's too
+        inner = in_all_of and key in _INTERSECTED_CHILDREN
         if key in _SCHEMA_MAP and isinstance(value, dict):
-            value = {k: _rewrite(v, close, root=root) for k, v in value.items()}
+            value = {k: _rewrite(v, close, inner or f"#/{key}/{k}" in shared, root, shared)
+                     for k, v in value.items()}
         elif key in _SCHEMA_LIST and isinstance(value, list):
-            value = [_rewrite(v, close, key == "allOf", root) for v in value]
+            intersected = inner or key == "allOf" or (beside and key in ("anyOf", "oneOf"))
+            value = [_rewrite(v, close, intersected, root, shared) for v in value]
         elif key in _SCHEMA_ONE:
-            value = _rewrite(value, close, root=root)
+            value = _rewrite(value, close, inner, root=root, shared=shared)
         if key == "oneOf" and isinstance(value, list) and "anyOf" not in schema \
                 and _disjoint(value, root):
             key = "anyOf"  # the same language when no value can match two branches
@@ -257,6 +268,59 @@ def _with_dependencies_rewritten(schema: dict) -> dict:
     return out
 
 
+#: Keywords whose subschemas meet the other side's when their schema is intersected.
+_INTERSECTED_CHILDREN = frozenset({"properties", "patternProperties", "additionalProperties",
+                                   "items", "prefixItems", "anyOf", "oneOf"})
+
+
+def _refs_in(node: Any) -> set[str]:
+    out: set[str] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, dict):
+            if isinstance(n.get("$ref"), str):
+                out.add(n["$ref"])
+            stack.extend(n.values())
+        elif isinstance(n, list):
+            stack.extend(n)
+    return out
+
+
+def _intersected_refs(schema: Any) -> frozenset:
+    """The local references (``#/$defs/X``, ``#/definitions/X``) whose schema may be
+    intersected with another: used anywhere inside an ``allOf`` branch, an ``anyOf`` /
+    ``oneOf`` branch beside the parent's own properties or a ``$ref`` with sibling keys, and
+    what those definitions reference in turn. Such definitions are not closed (closing one
+    would forbid what the schemas beside it add); a conservative over-approximation."""
+    found: set[str] = set()
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        if isinstance(node.get("$ref"), str) and len(node) > 1:
+            found |= _refs_in(node)
+        beside = any(k in node for k in ("properties", "patternProperties", "required",
+                                         "additionalProperties"))
+        for key in ("allOf", "anyOf", "oneOf"):
+            branches = node.get(key)
+            if isinstance(branches, list) and (key == "allOf" or beside):
+                found |= _refs_in(branches)
+        stack.extend(node.values())
+    todo = list(found)
+    while todo:  # what an intersected definition references is intersected too
+        target = _resolve({"$ref": todo.pop()}, schema, hops=1)
+        if isinstance(target, dict) and set(target) != {"$ref"}:
+            for ref in _refs_in(target) - found:
+                found.add(ref)
+                todo.append(ref)
+    return frozenset(found)
+
+
 def _ref_root(schema: Any) -> Any:
     """The document ``#/...`` references resolve in, for the disjoint test; None (follow no
     reference) when a nested ``$id`` / ``id`` could move a reference's base."""
@@ -281,7 +345,8 @@ def drop_unenforced_formats(schema: Any) -> Any:
 
 def served_schema(schema: Any) -> Any:
     """The schema as it is enforced: unenforced formats dropped, listed objects closed."""
-    return _rewrite(schema, close=True, root=_ref_root(schema))
+    return _rewrite(schema, close=True, root=_ref_root(schema),
+                    shared=_intersected_refs(schema))
 
 
 #: JSON Schema keywords llguidance does not implement (its strict mode refuses them as
