@@ -29,6 +29,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--k-quants", action="store_true",
+                   help="the kernels without AMX on a Q4_K_M-like file instead: 4-bit codes with fp32 "
+                        "scales (Q4_K) and a Q6_K head (8-bit codes, groups of 16); the others as before")
     args = p.parse_args()
 
     import torch
@@ -57,7 +60,13 @@ def main() -> None:
         weights = {"bf16": packed_linear.pack(dense), "torch int4": int4_linear.pack(codes, scale, zero, kernel="torch")}
         if "amx" in kinds:
             weights["amx"] = int4_linear.pack(codes, scale, zero, kernel="amx")
-        native = cpu_quant_linear.pack(codes, scale, zero - 8 * scale)
+        if args.k_quants and n == vocab:  # Q6_K: int8 q - 32, d per 16
+            native = cpu_quant_linear.pack((codes.to(torch.int8) * 4 - 32), scale.repeat_interleave(2, 1) / 4,
+                                           None, 16, 8)
+        elif args.k_quants:  # Q4_K: d = fp16 d x 6-bit scale, not an fp16
+            native = cpu_quant_linear.pack(codes, scale * 1.0001, zero - 8 * scale)
+        else:
+            native = cpu_quant_linear.pack(codes, scale, zero - 8 * scale)
         for name in cpu_quant_linear.VARIANTS:
             weights[name] = native
         return weights, k
