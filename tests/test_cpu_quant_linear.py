@@ -254,3 +254,23 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(build, fmt):
     alone = torch.cat([q.linear(x[i:i + 1], [w], None) for i in range(11)])
     for rows in (2, 5, 8, 11):
         assert torch.equal(q.linear(x[:rows], [w], None), alone[:rows])
+
+
+def test_without_a_compiler_torchs_kernel_takes_the_weights(without_c_compiler, monkeypatch, caplog):
+    from blink.models import int4_linear
+
+    monkeypatch.delenv(cpu_q4_linear.IMPL_ENV, raising=False)
+    q.reset()
+    for library in (*q.LIBRARIES.values(), cpu_q4_linear.LIBRARY):
+        without_c_compiler(library)
+    try:
+        with caplog.at_level("WARNING", logger="blink.kernels"):
+            assert q.variant() is None
+        assert any("K-quant" not in r.getMessage() and "not available" in r.getMessage() for r in caplog.records)
+        codes, d, m, _, _ = weight("q4_1", 64, 128)
+        packed = int4_linear.pack(codes, d, m + 8 * d)
+        assert packed.kernel == "torch"
+        with pytest.raises(RuntimeError, match="not available"):
+            q.linear(torch.randn(1, 128).bfloat16(), [q.pack(codes, d, m)], None)
+    finally:
+        q.reset()
