@@ -397,7 +397,10 @@ class GrammarWorkers:
         """Validate ``output`` against the JSON schema in a worker (a final check): None if
         valid, else what is wrong (also when the check passed a limit: then nothing says
         the output is valid)."""
-        status, detail = self._ask(("validate", schema_json, output), None)
+        try:
+            status, detail = self._ask(("validate", schema_json, output), None)
+        except StructuredOutputsError as exc:  # no worker could start / all stayed busy
+            return f"the check could not run: {exc}"
         if status == "ok":
             return detail
         if status == "error":
