@@ -70,7 +70,8 @@ def _library(name: str) -> NativeLibrary:
     others = tuple(v for v in VARIANTS if v != name)
     return NativeLibrary(
         _SOURCE, what=f"4-bit CPU projections: the {label} kernel", logger=log,
-        fallback="4-bit projections run on torch's int4 kernel for few rows and bf16 otherwise",
+        fallback=("4-bit projections run on the AVX2 build if it loads, else " if name == "avx512" else
+                  "4-bit projections run on ") + "torch's int4 kernel for few rows and bf16 otherwise",
         # -ffp-contract=off: the sums' order and roundings are the source's
         flags=(*flags, "-ffp-contract=off"), headers=(_SOURCE.with_name("cpu_kernels.h"),),
         env=IMPL_ENV, env_value=("torch", *others), setup=_declare(isa),
