@@ -67,7 +67,10 @@ class RingEngineClient:
     """:class:`~blink.dpu.engine_client.EngineClient` over a :class:`RingClient`.
 
     One poller task polls every in-flight request each tick, sleeping ``poll_min_interval_s``
-    after a tick that found output and backing off to ``poll_max_interval_s`` otherwise. It also
+    after a tick that found output and backing off to ``poll_max_interval_s`` otherwise (to
+    ``mask_poll_max_interval_s`` while a constrained request is in flight: the engine's
+    sampling gate waits for the next token mask, which this side writes only once it has read
+    the previous token, so every ms of poll delay is a ms of step time). It also
     watches the engine and keeps its :attr:`health` (see :mod:`blink.dpu.engine_health`), which
     tells a slow engine from a dead one:
 
@@ -107,6 +110,7 @@ class RingEngineClient:
         retry_after_s: float = 1.0,
         poll_min_interval_s: float = 2e-4,
         poll_max_interval_s: float = 5e-3,
+        mask_poll_max_interval_s: float = 5e-4,
         idle_interval_s: float = 0.1,
     ) -> None:
         check_engine_timeouts(heartbeat_timeout_s, engine_dead_timeout_s)
@@ -119,6 +123,7 @@ class RingEngineClient:
         self.retry_after_s = retry_after_s
         self.poll_min_interval_s = poll_min_interval_s
         self.poll_max_interval_s = poll_max_interval_s
+        self.mask_poll_max_interval_s = mask_poll_max_interval_s
         self.idle_interval_s = idle_interval_s
         self.info: Any = None  # the bootstrap EngineInfo, when made by connect()
         self._inflight: dict[str, _Stream] = {}
@@ -295,7 +300,9 @@ class RingEngineClient:
             if progressed:
                 interval = self.poll_min_interval_s
             elif self.ring.active:
-                interval = min(interval * 2, self.poll_max_interval_s)
+                cap = self.mask_poll_max_interval_s if self.ring.masks_pending \
+                    else self.poll_max_interval_s
+                interval = min(interval * 2, cap)
             else:
                 interval = self.idle_interval_s
             assert self._wake is not None

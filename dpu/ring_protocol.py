@@ -354,6 +354,14 @@ class RingClient:
         with self._lock:
             return list(self._active.values())
 
+    @property
+    def masks_pending(self) -> bool:
+        """Some constrained request in flight: the engine's sampling gate waits for the mask
+        this side writes after each of its tokens (so the poller should not back off far)."""
+        with self._lock:
+            return any(h.masker is not None and h.mask_error is None
+                       for h in self._active.values())
+
     def _check_prompt(self, prompt_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         prompt = np.asarray(prompt_ids)
         if prompt.ndim != 1 or prompt.size == 0:

@@ -317,3 +317,47 @@ void blink_logsumexp_rows(const float *x, int64_t x_stride, float *out, int64_t 
     const logsumexp_args_t a = {x, x_stride, cols, out};
     blink_run_parts(logsumexp_part, &a, rows, blink_threads_for(rows * cols, 16 * ELEMENTS_PER_THREAD, threads));
 }
+
+typedef struct {
+    const float *x;
+    int64_t x_stride;
+    const uint32_t *words;
+    int64_t w_stride, n_words;
+    const int64_t *slot;
+    const uint8_t *mode;
+    int64_t cols;
+    float *out;
+} token_mask_args_t;
+
+static void *token_mask_part(void *arg) {
+    blink_part_t *p = (blink_part_t *)arg;
+    const token_mask_args_t *a = (const token_mask_args_t *)p->args;
+    const float neg_inf = -__builtin_inff();
+    for (int64_t r = p->lo; r < p->hi; r++) {
+        const float *x = a->x + r * a->x_stride;
+        float *o = a->out + r * a->cols;
+        if (a->mode[r] == 0) {  /* unconstrained: as it is */
+            memcpy(o, x, (size_t)a->cols * sizeof(float));
+            continue;
+        }
+        if (a->mode[r] == 2) {  /* its mask has not arrived: nothing is allowed */
+            for (int64_t c = 0; c < a->cols; c++) o[c] = neg_inf;
+            continue;
+        }
+        const uint32_t *w = a->words + a->slot[r] * a->w_stride;
+        const int64_t covered = a->n_words * 32 < a->cols ? a->n_words * 32 : a->cols;
+        for (int64_t c = 0; c < covered; c++) o[c] = ((w[c >> 5] >> (c & 31)) & 1u) ? x[c] : neg_inf;
+        for (int64_t c = covered; c < a->cols; c++) o[c] = neg_inf;
+    }
+    return NULL;
+}
+
+/* out[r] = logits row r with the tokens its slot's packed mask forbids set to -inf (mode 1),
+ * copied (mode 0), or all -inf (mode 2): the sampler's structured-output mask
+ * (blink.kernels.mask_reference.apply_token_mask). One pass per row. */
+void blink_token_mask_rows(const float *x, int64_t x_stride, const uint32_t *words, int64_t w_stride,
+                           int64_t n_words, const int64_t *slot, const uint8_t *mode, float *out,
+                           int64_t rows, int64_t cols, int threads) {
+    const token_mask_args_t a = {x, x_stride, words, w_stride, n_words, slot, mode, cols, out};
+    blink_run_parts(token_mask_part, &a, rows, blink_threads_for(rows * cols, ELEMENTS_PER_THREAD, threads));
+}

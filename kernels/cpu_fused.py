@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from blink.kernels import cpu_pool, reference, sampling_reference
+from blink.kernels import cpu_pool, mask_reference, reference, sampling_reference
 from blink.kernels.cpu_threads import kernel_threads
 from blink.shared.native_build import NativeLibrary
 
@@ -43,6 +43,8 @@ _SIGNATURES = {
     "blink_write_kv": (ctypes.c_int, [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int]),
     "blink_silu_and_mul": (None, [_P, _I64, _P, _I64, _I64, ctypes.c_int]),
     "blink_logsumexp_rows": (None, [_P, _I64, _P, _I64, _I64, ctypes.c_int]),
+    "blink_token_mask_rows": (None, [_P, _I64, _P, _I64, _I64, _P, _P, _P, _I64, _I64,
+                                     ctypes.c_int]),
 }
 
 # No fused multiply-adds the reference does not do (the rotary embedding stays bit-exact);
@@ -183,3 +185,28 @@ def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x.shape[0], 1), dtype=torch.float32)
     lib.blink_logsumexp_rows(x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0], x.shape[1], kernel_threads())
     return out
+
+
+def apply_token_mask(logits: torch.Tensor, words: torch.Tensor, epoch: torch.Tensor,
+                     slots: torch.Tensor, constrained: torch.Tensor,
+                     expected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`blink.kernels.mask_reference.apply_token_mask` for fp32 CPU logits: one C pass
+    per row (the bit test per token) instead of the reference's unpack and [B, V] select
+    (~1/10 of the time at 16 x 49152). Same results, bit for bit (a select, no arithmetic)."""
+    lib = LIBRARY.get()
+    if (lib is None or logits.dtype is not torch.float32 or not logits.is_cpu or logits.ndim != 2
+            or logits.stride(1) != 1 or words.dtype is not torch.int32 or words.stride(1) != 1
+            or torch.compiler.is_compiling() or isinstance(logits, FakeTensor)):
+        return mask_reference.apply_token_mask(logits, words, epoch, slots, constrained, expected)
+    s = slots.long().clamp(min=0)
+    on = constrained & (slots >= 0)
+    ready = epoch[s].long() == expected.long()
+    missing = on & ~ready
+    mode = torch.where(on, torch.where(ready, 1, 2), 0).to(torch.uint8).contiguous()
+    rows, cols = logits.shape
+    out = torch.empty((rows, cols), dtype=torch.float32)
+    s = s.contiguous()
+    lib.blink_token_mask_rows(logits.data_ptr(), logits.stride(0), words.data_ptr(),
+                              words.stride(0), words.shape[1], s.data_ptr(), mode.data_ptr(),
+                              out.data_ptr(), rows, cols, kernel_threads())
+    return out, missing

@@ -71,6 +71,7 @@ def ops_for(device: torch.device | str, *, triton: bool | None = None) -> Simple
             table.update({name: getattr(cpu_fused, name) for name in _CPU_FUSED_NAMES})
             table["paged_attention"] = cpu_attention.paged_attention
             table["logsumexp_rows"] = cpu_fused.logsumexp_rows
+            table["apply_token_mask"] = cpu_fused.apply_token_mask
         _cache[key] = SimpleNamespace(**table)
     return _cache[key]
 
@@ -87,6 +88,7 @@ def compiled_cpu_ops() -> SimpleNamespace:
         table = vars(ops_for("cpu")).copy()
         table.update({name: getattr(reference, name) for name in _CPU_FUSED_NAMES})  # traceable
         table["logsumexp_rows"] = sampling_reference.logsumexp_rows
+        table["apply_token_mask"] = mask_reference.apply_token_mask
         table["write_kv_cache"] = cpu_step_ops.write_kv_cache
         table["paged_attention"] = cpu_step_ops.paged_attention
         _cache[key] = SimpleNamespace(**table)

@@ -279,3 +279,26 @@ def test_the_vector_ops_are_the_scalar_code_bit_for_bit(tmp_path, monkeypatch):
         for a, b in zip(run(lib, cpu_fused.apply_rope, q, k, positions, cos_sin),
                         run(scalar, cpu_fused.apply_rope, q, k, positions, cos_sin)):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("vocab,n_words", [(100, 4), (96, 3), (130, 3)])
+def test_token_mask_matches_the_reference(vocab: int, n_words: int) -> None:
+    """The structured-output mask's C pass gives the reference's result bit for bit: masked
+    rows, unconstrained rows (copied), rows whose mask has not arrived (all -inf, reported
+    missing), padding rows, and columns past the mask's width (forbidden)."""
+    from blink.kernels import cpu_fused, mask_reference
+
+    if cpu_fused.library() is None:
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=gen)
+    words = torch.randint(-2**31, 2**31 - 1, (8, n_words), generator=gen, dtype=torch.int64).to(torch.int32)
+    epoch = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7], dtype=torch.int32)
+    slots = torch.tensor([3, 1, -1, 7, 0, 2])
+    constrained = torch.tensor([True, True, True, False, True, True])
+    expected = torch.tensor([3, 1, 0, 0, 9, 2])  # row 4: its mask has not arrived
+    got, got_missing = cpu_fused.apply_token_mask(logits, words, epoch, slots, constrained, expected)
+    want, want_missing = mask_reference.apply_token_mask(logits, words, epoch, slots, constrained, expected)
+    assert torch.equal(got, want) and torch.equal(got_missing, want_missing)
+    assert got_missing.tolist() == [False, False, False, False, True, False]
+    assert not torch.isfinite(got[4]).any() and torch.equal(got[3], logits[3])
