@@ -25,8 +25,8 @@
  * - AVX-512: per group x . q by vdpbf16ps with the codes as exact bf16 (one 4-bit code row
  *   per vpermw of a shifted word vector, as cpu_q4_linear.c), 32 products per instruction,
  *   then d (x . q) + m sum(x) in fp32. Up to 8 rows per pass share each unpacked row.
- * - AVX2: 8 columns at a time, d q in fp32 (exact: at most 17 + 6 significant bits) times
- *   x's fp32 value, fused into the running sum, plus m sum(x) per group.
+ * - AVX2: 8 columns at a time, x . q per group in fp32 FMAs on x's fp32 values and the codes
+ *   as fp32 (exact), then d (x . q) + m sum(x).
  * Every row count takes the same code (decode steps and prefills alike), rows in passes of 8
  * (AVX2: 4) over a tile whose codes stay in L1, x's rows from L2 in panels of PANEL_ROWS. Each
  * row is summed in the same order whatever the rows beside it: its bits do not depend on the
@@ -218,29 +218,23 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
     const float *x = a->xf + r0 * a->K;
     const float *x_sums = with_m ? a->x_sums + r0 * sgroups : NULL;
     const __m256i nibble = _mm256_set1_epi32(0x0F);
-    /* NACC running sums per row, channels taking them in turn (an FMA waits ~4 cycles for the
-     * one before it on the same register), the same number whatever R: a row's bits do not
-     * depend on the rows beside it in the step */
+    /* Per scale group x . q in NACC running sums per row (an FMA waits ~4 cycles for the one
+     * before it on the same register; channels take them in turn), then tot += d (x . q) + m
+     * sum(x): the same order whatever R, so a row's bits do not depend on the rows beside it */
     enum { NACC = 2 };
-    __m256 tot[ROWS2][NACC];
+    __m256 tot[ROWS2], dot[ROWS2][NACC];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; r++)
+    for (int r = 0; r < R; r++) {
+        tot[r] = _mm256_setzero_ps();
 #pragma GCC unroll 4
-        for (int j = 0; j < NACC; j++) tot[r][j] = _mm256_setzero_ps();
+        for (int j = 0; j < NACC; j++) dot[r][j] = _mm256_setzero_ps();
+    }
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *gc = codes + g * tb;
         if (hc == 0)
             for (int line = 0; line < tb; line += 64) _mm_prefetch((const char *)gc + line + PREFETCH_BYTES, _MM_HINT_T0);
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) { /* pairs 8h .. 8h + 7 */
-            const int64_t s = g * per + (g16 ? h : 0);
-            const __m256 d = load_scales8(scales + s * sb, fp32);
-            if (with_m && (g16 || h == 0)) {
-                const __m256 m = load_scales8(scales + s * sb + sb / 2, fp32);
-#pragma GCC unroll 8
-                for (int r = 0; r < R; r++)
-                    tot[r][0] = _mm256_fmadd_ps(_mm256_broadcast_ss(x_sums + r * sgroups + s), m, tot[r][0]);
-            }
 #pragma GCC unroll 2
             for (int c2 = 0; c2 < 2; c2++) {
                 const int c = 2 * h + c2;
@@ -259,15 +253,28 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
                         even = _mm256_and_si256(_mm256_srli_epi32(words, 4 * i), nibble);
                         odd = _mm256_and_si256(_mm256_srli_epi32(words, 16 + 4 * i), nibble);
                     }
-                    const __m256 we = _mm256_mul_ps(_mm256_cvtepi32_ps(even), d); /* d q: exact */
-                    const __m256 wo = _mm256_mul_ps(_mm256_cvtepi32_ps(odd), d);
+                    const __m256 qe = _mm256_cvtepi32_ps(even), qo = _mm256_cvtepi32_ps(odd);
                     const float *xp = x + g * GROUP + 2 * p;
 #pragma GCC unroll 8
                     for (int r = 0; r < R; r++) {
-                        __m256 *acc = &tot[r][(2 * i) % NACC], *acc1 = &tot[r][(2 * i + 1) % NACC];
-                        *acc = _mm256_fmadd_ps(_mm256_broadcast_ss(xp + r * a->K), we, *acc);
-                        *acc1 = _mm256_fmadd_ps(_mm256_broadcast_ss(xp + r * a->K + 1), wo, *acc1);
+                        dot[r][0] = _mm256_fmadd_ps(_mm256_broadcast_ss(xp + r * a->K), qe, dot[r][0]);
+                        dot[r][1] = _mm256_fmadd_ps(_mm256_broadcast_ss(xp + r * a->K + 1), qo, dot[r][1]);
                     }
+                }
+            }
+            if (g16 || h == 1) { /* a scale group ends */
+                const int64_t s = g * per + (g16 ? h : 0);
+                const __m256 d = load_scales8(scales + s * sb, fp32);
+                if (with_m) {
+                    const __m256 m = load_scales8(scales + s * sb + sb / 2, fp32);
+#pragma GCC unroll 8
+                    for (int r = 0; r < R; r++)
+                        tot[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(x_sums + r * sgroups + s), m, tot[r]);
+                }
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++) {
+                    tot[r] = _mm256_fmadd_ps(_mm256_add_ps(dot[r][0], dot[r][1]), d, tot[r]);
+                    dot[r][0] = dot[r][1] = _mm256_setzero_ps();
                 }
             }
         }
@@ -279,9 +286,7 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
     const __m256 b = _mm256_loadu_ps(bias);
     for (int r = 0; r < R; r++) {
         float out[8];
-        __m256 sum = tot[r][0];
-        for (int j = 1; j < NACC; j++) sum = _mm256_add_ps(sum, tot[r][j]);
-        _mm256_storeu_ps(out, _mm256_add_ps(sum, b));
+        _mm256_storeu_ps(out, _mm256_add_ps(tot[r], b));
         for (int j = 0; j < 8; j++) y[r * a->y_stride + j] = f32_to_bf16(out[j]);
     }
 }
