@@ -9,7 +9,8 @@ codes for steps of few rows, and K-quants were dequantized to bf16 at load.
 Two builds of one source, chosen at load by the CPU's flags (:func:`variant`, said once in the
 log): ``avx512`` (AVX-512 F/BW/VL with BF16: per group of 32 channels ``x . q`` by vdpbf16ps on
 the codes as exact bf16, then ``d (x . q) + m sum(x)`` in fp32) and ``avx2`` (x86-64-v3, no
-AVX-512 instruction in that build: ``(d q) x`` in fp32 FMAs, ``d q`` exact). Both multiply
+AVX-512 instruction in that build: ``x . q`` in fp32 FMAs on x's fp32 values, then the same).
+Both multiply
 gguf's fp32 weights, no weight rounded (tests/test_cpu_quant_linear.py: the exactly rounded
 fp32 product in all but a few outputs in a thousand, one bf16 step off).
 
