@@ -184,6 +184,18 @@ def test_cache_has_a_byte_budget(tokenizer):
         svc.close()
 
 
+def test_cache_hit_skips_the_grammar_spec(service, monkeypatch):
+    """A constraint seen before (same content, keys in any order) is served from the cache
+    without building its grammar text again (tens of ms of Python for a big schema)."""
+    from blink.dpu.structured import workers
+
+    schema = {"type": "object", "properties": {"q": {"type": "string"}, "n": {"type": "integer"}}}
+    first = service.compile(SO(json=schema))
+    monkeypatch.setattr(workers, "grammar_spec", lambda so: pytest.fail("grammar_spec ran"))
+    assert service.compile(SO(json=dict(reversed(list(schema.items()))))) is first
+    assert service.cached(SO(json=schema)) is first
+
+
 # --------------------------------------------------------------------- soundness
 
 SOUNDNESS = [

@@ -43,6 +43,8 @@ DEFAULT_COMPILE_TIMEOUT_S = 1.0
 DEFAULT_COMPILE_MEMORY_MB = 1024.0
 DEFAULT_GRAMMAR_CACHE_MB = 64.0
 DEFAULT_WORKERS = 2
+#: Constraint hashes remembered with their grammar's key (64 bytes each, twice).
+_KEYS_KEPT = 4096
 #: A final check (``jsonschema`` on a finished output, in a worker) past this is killed and
 #: the output fails (nothing says it is valid); the outputs are bounded by max_tokens.
 DEFAULT_FINAL_CHECK_TIMEOUT_S = 2.0
@@ -504,6 +506,8 @@ class GrammarService:
                                        timeout_s=check_timeout_s, memory_mb=memory_mb)
         self.cache_budget = int(cache_mb * (1 << 20))
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        #: a constraint's content hash -> its grammar's key (so a cache hit skips grammar_spec)
+        self._keys: OrderedDict[str, str] = OrderedDict()
         self.stats = CacheStats()
 
     def vocabulary(self) -> Vocabulary:
@@ -520,8 +524,31 @@ class GrammarService:
                 self._lltok = vocab.lltokenizer(encode)
             return self._lltok
 
+    def _known(self, so: StructuredOutputs) -> tuple[str, CompiledGrammar | None]:
+        """The constraint's content hash and, if a grammar of it is cached, that grammar:
+        a hit costs no :func:`grammar_spec` (tens of ms of Python for a big schema)."""
+        digest = so.content_hash()
+        with self._lock:
+            key = self._keys.get(digest)
+            entry = self._cache.get(key) if key is not None else None
+            if entry is not None:
+                self._cache.move_to_end(key)
+                self._keys.move_to_end(digest)
+            return digest, entry
+
+    def _remember(self, digest: str, key: str) -> None:
+        with self._lock:
+            self._keys[digest] = key
+            self._keys.move_to_end(digest)
+            while len(self._keys) > _KEYS_KEPT:
+                self._keys.popitem(last=False)
+
     def cached(self, so: StructuredOutputs) -> CompiledGrammar | None:
+        digest, entry = self._known(so)
+        if entry is not None:
+            return entry
         spec = grammar_spec(so)
+        self._remember(digest, spec.key)
         with self._lock:
             entry = self._cache.get(spec.key)
             if entry is not None:
@@ -534,7 +561,13 @@ class GrammarService:
         import llguidance
 
         t0 = time.perf_counter()
+        digest, entry = self._known(so)
+        if entry is not None:
+            with self._lock:
+                self.stats.hits += 1
+            return entry
         spec = grammar_spec(so)
+        self._remember(digest, spec.key)
         with self._lock:
             entry = self._cache.get(spec.key)
             if entry is not None:
