@@ -10,8 +10,14 @@ killed and replaced). Only then does this process build the request's matcher, w
 parser limits (:data:`PARSER_LIMITS`: per-token work and lexer states bounded, so every mask
 computation and the matcher's memory are bounded too).
 
+A JSON schema served by its lenient grammar (:mod:`.grammar`: keywords llguidance cannot
+enforce) carries a :class:`~.grammar.FinalCheck`: its finished outputs are validated against
+the original schema (:func:`output_validator`) in separate final-check workers (no
+vocabulary; killed past ``DEFAULT_FINAL_CHECK_TIMEOUT_S``), through
+:meth:`CompiledGrammar.check_output`.
+
 Accepted grammars are kept in an LRU cache with a byte budget (:class:`GrammarService`;
-refusals are not cached). Memory the frontend can spend on structured outputs: the cache
+refusals are not cached; a constraint seen before is found by its content hash). Memory the frontend can spend on structured outputs: the cache
 budget, plus per constrained request in flight at most ``max_lexer_states`` lexer states
 (~1-2 KB each, llguidance's figure) of its matcher. docs/architecture.md, "Structured
 outputs".
