@@ -17,7 +17,8 @@ vocabulary; killed past ``DEFAULT_FINAL_CHECK_TIMEOUT_S``), through
 :meth:`CompiledGrammar.check_output`.
 
 Accepted grammars are kept in an LRU cache with a byte budget (:class:`GrammarService`;
-refusals are not cached; a constraint seen before is found by its content hash). Memory the frontend can spend on structured outputs: the cache
+refusals are not cached; a constraint seen before is found by its content hash). Memory the
+frontend can spend on structured outputs: the cache
 budget, plus per constrained request in flight at most ``max_lexer_states`` lexer states
 (~1-2 KB each, llguidance's figure) of its matcher. docs/architecture.md, "Structured
 outputs".
@@ -162,7 +163,8 @@ def _worker_main(conn_in: Connection, conn: Connection) -> None:
     build the tokenizer, cap the address space, then answer until the parent closes the
     pipe: ``("grammar", text, fallback, lenient_first)`` -> ``("ok", (0 or 1, strict
     error))`` (1: the fallback serves it: tried first, or the strict grammar was refused for
-    keywords only) or ``("error", message)``; ``("validate", schema_json, output)`` -> ``("ok", None or the problem)``."""
+    keywords only) or ``("error", message)``; ``("validate", schema_json, output)`` ->
+    ``("ok", None or the problem)``."""
     try:
         vocab, memory_bytes = conn_in.recv()
     except EOFError:
