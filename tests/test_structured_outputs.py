@@ -281,6 +281,11 @@ LENIENT = [
     ({"type": "array", "contains": {"const": 1}}, ["contains"], ["[1]", "[2, 1]"], ["[2]", "[]"]),
     ({"type": "object", "propertyNames": {"pattern": "^a"}}, ["propertyNames"],
      ['{"ab": 1}'], ['{"b": 1}']),
+    # not predictable from the keywords: the strict grammar is tried, refused, then lenient
+    # (whose mask here applies minProperties to the additional properties: narrower, sound)
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "additionalProperties": {"type": "string"}, "minProperties": 1}, ["minProperties"],
+     ['{"c": "x"}'], []),
 ]
 
 
