@@ -60,3 +60,17 @@ def test_cached_constraints_do_not_wait_for_a_compile(service):
 
     cached, waited, _ = asyncio.run(main())
     assert cached is service.compile(SO(regex="a+")) and waited < 0.1, waited
+
+
+def test_a_mask_past_its_time_limit_ends_the_request(service):
+    """A grammar whose mask costs more than the per-token limit is ended with an error naming
+    the limit (the poller computes every stream's masks: it must not stall them)."""
+    from blink.dpu.structured.masker import MaskError
+
+    grammar = service.compile(SO(grammar='start: x\nx: x x | x x x | "a" | "aa" | "b" x'))
+    masker = grammar.new_masker()
+    masker.time_limit_s = 0.0  # any real computation is past it
+    with pytest.raises(MaskError, match="over the limit of 0 ms per token"):
+        masker.mask()
+    fine = grammar.new_masker()
+    assert fine.mask() is not None  # the default limit: far above a normal mask
