@@ -66,7 +66,7 @@ WORKER_NICE = 10
 PARSER_LIMITS: dict[str, int | bool] = {
     "max_items_in_row": 2_000,
     "initial_lexer_fuel": 1_000_000,  # ~20 ms of lexer construction
-    "step_lexer_fuel": 200_000,  # ~15 ms per token, at most
+    "step_lexer_fuel": 200_000,  # llguidance: ~14k per ms
     "step_max_items": 50_000,
     "max_lexer_states": 20_000,  # ~20-40 MB of lexer per matcher, at most
     "max_grammar_size": 500_000,
