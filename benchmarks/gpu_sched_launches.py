@@ -121,7 +121,8 @@ def build(slots: int, device: str, fused: bool, num_blocks: int | None = None) -
     ring_cfg = RingConfig(n_slots=slots, arena_tokens=max(slots * PROMPT_LEN, 4 * max_model_len),
                           stream_capacity=64, max_model_len=max_model_len, max_logprobs=2)
     ring = Ring.create(bytearray(RingLayout(ring_cfg).total_bytes), ring_cfg)
-    cfg = SchedulerConfig(block_size=16, num_blocks=num_blocks or max(64, slots * 6),
+    # At most the fused allocator's one-program sort (16384 blocks): 4096 slots then preempt.
+    cfg = SchedulerConfig(block_size=16, num_blocks=num_blocks or min(max(64, slots * 6), 16384),
                           max_model_len=max_model_len, max_num_batched_tokens=512, max_admit_per_step=16,
                           enable_prefix_caching=True, eos_token_ids=(0,))
     gen = torch.Generator().manual_seed(0)

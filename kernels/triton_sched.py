@@ -24,6 +24,19 @@ Stages (issue 32, part 1):
   row / block id, so the pool is sorted in one program: at most ``MAX_SORT_BLOCKS`` blocks.
   Among equally old free blocks it takes the lowest id, where ``torch.topk`` leaves the
   order unspecified: block ids may differ from the reference's, tokens never do.
+- ``publish``: ``update()``'s tokens table and stream payload; then (after the fence) the
+  ``produced`` counters, the finish checks and finish reasons; then (after the fence) the
+  FINISHED state words: three launches;
+- ``register``: the prefix-cache insert (block tokens, the rows' prefix hashes, the probe
+  window, the oldest request winning a contested slot, eviction);
+- ``lookup``: the prefix-cache lookup of the oldest waiting rows (hash per block, first live
+  match, verification of tokens and the parent chain, the hits taken);
+- ``admit``: admission's FCFS pick, prompt gather out of the arena, the rows' state, the
+  stream reset and finish reasons; the state words after the fence (a second launch). The
+  sampling fields are still copied by the caller, field by field.
+
+All but ``allocate`` reproduce the reference bit for bit (tests/test_scheduler_fused.py
+compares batch, state and ring step by step).
 
 Launch grids and block sizes depend on shapes only and the wrappers never read a tensor
 value on the host, so the stages stay capturable. On CPU tensors they run under
@@ -479,3 +492,668 @@ def allocate(st, produced: torch.Tensor, consumed: torch.Tensor, scratch: AllocS
             S_BITS=int(_p2(S)).bit_length(), N_BITS=int(_p2(N)).bit_length(),
         )
     return scratch.num_new
+
+
+# ---------------------------------------------------------------------- update / publish
+
+
+@triton.jit
+def _lanes(sample_rows_ptr, tok_ptr, R, BLOCK_R: tl.constexpr):
+    """The live sample lanes: (lane, row, token, live, no_mask, valid). Sample rows are
+    compacted first, so the lanes past the first -1 carry nothing (the reference's padding
+    lanes repeat the last live one: the same writes)."""
+    i = tl.arange(0, BLOCK_R)
+    imask = i < R
+    rows = tl.load(sample_rows_ptr + i, mask=imask, other=-1)
+    valid = (rows >= 0) & imask
+    r = tl.maximum(rows, 0)
+    tok = tl.load(tok_ptr + i, mask=valid, other=0).to(tl.int64)
+    no_mask = valid & (tok < 0)
+    live = valid & ~no_mask
+    return i, r, tl.maximum(tok, 0), live, no_mask, valid
+
+
+@triton.jit
+def _publish_payload_kernel(
+    sample_rows_ptr, tok_ptr, logprob_ptr, top_ids_ptr, top_lp_ptr, top_stride, width,
+    num_tokens_ptr, table_ptr, table_stride, produced_ptr, produced_stride,
+    s_tok_ptr, s_tok_s0, s_tok_s1, s_lp_ptr, s_lp_s0, s_lp_s1,
+    s_tid_ptr, s_tid_s0, s_tid_s1, s_tlp_ptr, s_tlp_s0, s_tlp_s1,
+    R, capacity, num_top,
+    HAS_TOP: tl.constexpr, BLOCK_R: tl.constexpr, TOP_P2: tl.constexpr,
+):
+    i, r, tok, live, no_mask, valid = _lanes(sample_rows_ptr, tok_ptr, R, BLOCK_R)
+    row_tokens = tl.load(num_tokens_ptr + r, mask=valid, other=0)
+    tl.store(table_ptr + r * table_stride + row_tokens, tok.to(tl.int32), mask=live)
+    tl.store(num_tokens_ptr + r, row_tokens + live.to(tl.int64), mask=valid)
+    at = tl.load(produced_ptr + r * produced_stride, mask=valid, other=0).to(tl.int64) % capacity
+    tl.store(s_tok_ptr + r * s_tok_s0 + at * s_tok_s1, tok.to(tl.int32), mask=live)
+    lp = tl.load(logprob_ptr + i, mask=live, other=0.0).to(tl.float32)
+    tl.store(s_lp_ptr + r * s_lp_s0 + at * s_lp_s1, lp, mask=live)
+    if HAS_TOP:
+        k = tl.arange(0, TOP_P2)
+        have = (k[None, :] < width) & (k[None, :] < num_top)
+        lane2 = live[:, None] & (k[None, :] < num_top)
+        ids = tl.load(top_ids_ptr + i[:, None] * top_stride + k[None, :], mask=lane2 & have, other=-1)
+        lps = tl.load(top_lp_ptr + i[:, None] * top_stride + k[None, :], mask=lane2 & have,
+                      other=float("-inf"))
+        dst = r[:, None] * s_tid_s0 + at[:, None] * s_tid_s1 + k[None, :]
+        tl.store(s_tid_ptr + dst, ids.to(tl.int32), mask=lane2)
+        tl.store(s_tlp_ptr + r[:, None] * s_tlp_s0 + at[:, None] * s_tlp_s1 + k[None, :], lps.to(tl.float32),
+                 mask=lane2)
+
+
+@triton.jit
+def _publish_finish_kernel(
+    sample_rows_ptr, tok_ptr, num_tokens_ptr, num_prompt_ptr, produced_ptr, produced_stride,
+    stop_ids_ptr, stop_stride, n_stop, ignore_eos_ptr, min_tokens_ptr, max_tokens_ptr, eos_ptr, n_eos,
+    counters_ptr, finish_ptr, finish_stride, done_ptr, S, R, max_model_len,
+    K_GENERATED: tl.constexpr, FINISH_STOP: tl.constexpr, FINISH_LENGTH: tl.constexpr,
+    FINISH_ERROR: tl.constexpr, BLOCK_R: tl.constexpr, STOP_P2: tl.constexpr, S_P2: tl.constexpr,
+):
+    i, r, tok, live, no_mask, valid = _lanes(sample_rows_ptr, tok_ptr, R, BLOCK_R)
+    produced = tl.load(produced_ptr + r * produced_stride, mask=valid, other=0)
+    tl.store(produced_ptr + r * produced_stride, produced + live.to(produced.dtype), mask=valid)
+    n_pub = tl.sum(live.to(tl.int64), 0)
+    tl.store(counters_ptr + K_GENERATED, tl.load(counters_ptr + K_GENERATED) + n_pub)
+    row_tokens = tl.load(num_tokens_ptr + r, mask=valid, other=0)  # after the token
+    n_out_before = row_tokens - live.to(tl.int64) - tl.load(num_prompt_ptr + r, mask=valid, other=0)
+    k = tl.arange(0, STOP_P2)
+    stop_ids = tl.load(stop_ids_ptr + r[:, None] * stop_stride + k[None, :], mask=valid[:, None] & (k[None, :] < n_stop),
+                       other=-1).to(tl.int64)
+    is_stop = tl.sum(((stop_ids == tok[:, None]) & (k[None, :] < n_stop)).to(tl.int32), 1) > 0
+    eos = tl.load(eos_ptr + k, mask=k < n_eos, other=-1)
+    is_eos = tl.sum(((eos[None, :] == tok[:, None]) & (k[None, :] < n_eos)).to(tl.int32), 1) > 0
+    ignore = tl.load(ignore_eos_ptr + r, mask=valid, other=0) != 0
+    min_t = tl.load(min_tokens_ptr + r, mask=valid, other=0).to(tl.int64)
+    max_t = tl.load(max_tokens_ptr + r, mask=valid, other=0).to(tl.int64)
+    stop = live & (is_stop | (is_eos & ~ignore)) & (n_out_before >= min_t)
+    length = live & (((max_t > 0) & (n_out_before + 1 >= max_t)) | (row_tokens >= max_model_len))
+    done = stop | length | no_mask
+    reason = tl.where(no_mask, FINISH_ERROR, tl.where(stop, FINISH_STOP, FINISH_LENGTH))
+    rows = tl.arange(0, S_P2)
+    tl.store(done_ptr + rows, tl.zeros([S_P2], dtype=tl.int64), mask=rows < S)
+    tl.debug_barrier()
+    tl.store(finish_ptr + r * finish_stride, reason.to(tl.int32), mask=done)
+    tl.store(done_ptr + r, done.to(tl.int64), mask=done)
+
+
+@triton.jit
+def _publish_state_kernel(done_ptr, words_ptr, word0, status_ptr, needs_lookup_ptr, S,
+                          SLOT_FINISHED: tl.constexpr, ROW_RELEASING: tl.constexpr, S_P2: tl.constexpr):
+    rows = tl.arange(0, S_P2)
+    done = (tl.load(done_ptr + rows, mask=rows < S, other=0) != 0) & (rows < S)
+    tl.store(words_ptr + word0 + rows, tl.zeros([S_P2], dtype=tl.int32) + SLOT_FINISHED, mask=done)
+    tl.store(status_ptr + rows, tl.zeros([S_P2], dtype=tl.int32) + ROW_RELEASING, mask=done)
+    tl.store(needs_lookup_ptr + rows, tl.zeros([S_P2], dtype=tl.int1), mask=done)
+
+
+def publish(sched, batch, tokens: torch.Tensor, logprob: torch.Tensor, top_ids: torch.Tensor,
+            top_logprobs: torch.Tensor, done: torch.Tensor, consts: dict[str, int]) -> None:
+    """:meth:`Scheduler.update`'s publishing part in three launches with the reference's two
+    fences between them: the tokens table and the stream payload; then the ``produced``
+    counters, the finish checks and the finish reasons; then the FINISHED state words."""
+    st, ring, S = sched.state, sched.ring, sched.num_slots
+    R = min(tokens.shape[0], S)
+    width = top_ids.shape[1]
+    top_i = top_ids if width else tokens.view(-1, 1)
+    top_l = top_logprobs if width else logprob.view(-1, 1)
+    if width:
+        top_i, top_l = top_i.contiguous(), top_l.contiguous()
+    lp = logprob.contiguous()
+    tok = tokens.contiguous()
+    sp = st.sampling
+    produced = ring["produced"]
+    block_r = _p2(R)
+    with triton_sched_count.launch("publish_payload"):
+        _publish_payload_kernel[(1,)](
+            batch.sample_rows, tok, lp, top_i, top_l, top_i.stride(0), width,
+            st.num_tokens, st.tokens, st.tokens.stride(0), produced, produced.stride(0),
+            ring["tokens"], ring["tokens"].stride(0), ring["tokens"].stride(1),
+            ring["logprob"], ring["logprob"].stride(0), ring["logprob"].stride(1),
+            ring["top_ids"], ring["top_ids"].stride(0), ring["top_ids"].stride(1),
+            ring["top_logprobs"], ring["top_logprobs"].stride(0), ring["top_logprobs"].stride(1),
+            R, sched.stream_capacity, sched.num_top,
+            HAS_TOP=bool(width), BLOCK_R=block_r, TOP_P2=_p2(sched.num_top),
+        )
+    sched._fence()
+    stop_ids = sp["stop_token_ids"]
+    with triton_sched_count.launch("publish_finish"):
+        _publish_finish_kernel[(1,)](
+            batch.sample_rows, tok, st.num_tokens, st.num_prompt, produced, produced.stride(0),
+            stop_ids, stop_ids.stride(0), stop_ids.shape[1], sp["ignore_eos"], sp["min_tokens"],
+            sp["max_tokens"], sched._eos, sched._eos.shape[0],
+            st.counters, ring["finish_reason"], ring["finish_reason"].stride(0), done, S, R,
+            sched.config.max_model_len, **consts["finish"],
+            BLOCK_R=block_r, STOP_P2=_p2(max(stop_ids.shape[1], sched._eos.shape[0])), S_P2=_p2(S),
+        )
+    sched._fence()
+    with triton_sched_count.launch("publish_state"):
+        _publish_state_kernel[(1,)](
+            done, sched._words, sched._state_word0, st.status, st.needs_lookup, S,
+            **consts["state"], S_P2=_p2(S),
+        )
+
+
+# ------------------------------------------------------------------- prefix-cache insert
+
+
+@triton.jit
+def _register_kernel(
+    ids_ptr, pos_ptr, rows_ptr, slot_ptr, qsl_ptr, total_ptr, n,
+    block_tokens_ptr, row_hash_ptr, pows_ptr, pows_stride, p0, p1,
+    table_ptr, hash_table_ptr, block_slot_ptr, block_key_ptr, block_parent_ptr, block_parent_gen_ptr,
+    block_gen_ptr, block_ref_ptr, last_used_ptr, insert_best_ptr, arrival_ptr, step_ptr,
+    excl_ptr, key_ptr, target_ptr, prio_ptr, parent_ptr,
+    S, N, B, M, H, P,
+    BLOCK_T: tl.constexpr, P_P2: tl.constexpr, S_P2: tl.constexpr, COLLIDE: tl.constexpr,
+):
+    INT64_MIN: tl.constexpr = -(2**63)
+    total = tl.load(total_ptr)
+    # Pass 1: block tokens; per-token hash terms, their running sums (carried over chunks).
+    carry0 = tl.zeros([], dtype=tl.int64)
+    carry1 = tl.zeros([], dtype=tl.int64)
+    for t0 in range(0, n, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        tm = t < n
+        ids = tl.load(ids_ptr + t, mask=tm, other=0).to(tl.int64)
+        pos = tl.load(pos_ptr + t, mask=tm, other=0)
+        slot = tl.load(slot_ptr + t, mask=tm, other=0)
+        tl.store(block_tokens_ptr + slot, ids.to(tl.int32), mask=tm)
+        valid = (t < total) & tm
+        w0 = tl.load(pows_ptr + pos, mask=tm, other=0)
+        w1 = tl.load(pows_ptr + pows_stride + pos, mask=tm, other=0)
+        term0 = tl.where(valid, (ids + 1) * w0 % p0, 0)
+        term1 = tl.where(valid, (ids + 1) * w1 % p1, 0)
+        incl0 = carry0 + tl.cumsum(term0, 0)
+        incl1 = carry1 + tl.cumsum(term1, 0)
+        tl.store(excl_ptr + t, incl0 - term0, mask=tm)
+        tl.store(excl_ptr + n + t, incl1 - term1, mask=tm)
+        tl.store(key_ptr + t, incl0, mask=tm)  # incl, for pass 2
+        tl.store(prio_ptr + t, incl1, mask=tm)
+        carry0 += tl.sum(term0, 0)
+        carry1 += tl.sum(term1, 0)
+    tl.debug_barrier()
+    # Pass 2: each token's prefix hash (the row's hash before the step + this step's terms).
+    for t0 in range(0, n, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        tm = t < n
+        row = tl.load(rows_ptr + t, mask=tm, other=0)
+        start = tl.load(qsl_ptr + row, mask=tm, other=0).to(tl.int64)
+        h0 = tl.load(row_hash_ptr + 2 * row, mask=tm, other=0)
+        h1 = tl.load(row_hash_ptr + 2 * row + 1, mask=tm, other=0)
+        pre0 = (h0 + tl.load(key_ptr + t, mask=tm, other=0) - tl.load(excl_ptr + start, mask=tm, other=0)) % p0
+        pre1 = (h1 + tl.load(prio_ptr + t, mask=tm, other=0) - tl.load(excl_ptr + n + start, mask=tm, other=0)) % p1
+        key = (pre0 << 31) | pre1
+        if COLLIDE:  # tests: every key collides (the reference's tests patch prefix_cache.table_key)
+            key = key * 0
+        tl.store(parent_ptr + t, key, mask=tm)  # the key, staged
+    tl.debug_barrier()
+    # The rows' hashes advance by their tokens' terms.
+    for t0 in range(0, n, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        tm = t < n
+        row = tl.load(rows_ptr + t, mask=tm, other=0)
+        e0 = tl.load(excl_ptr + t, mask=tm, other=0)
+        e1 = tl.load(excl_ptr + n + t, mask=tm, other=0)
+        term0 = tl.load(key_ptr + t, mask=tm, other=0) - e0
+        term1 = tl.load(prio_ptr + t, mask=tm, other=0) - e1
+        tl.atomic_add(row_hash_ptr + 2 * row, term0, mask=tm)
+        tl.atomic_add(row_hash_ptr + 2 * row + 1, term1, mask=tm)
+    tl.debug_barrier()
+    r = tl.arange(0, S_P2)
+    rm = r < S
+    tl.store(row_hash_ptr + 2 * r, tl.load(row_hash_ptr + 2 * r, mask=rm, other=0) % p0, mask=rm)
+    tl.store(row_hash_ptr + 2 * r + 1, tl.load(row_hash_ptr + 2 * r + 1, mask=rm, other=0) % p1, mask=rm)
+    # Pass 3: each block-completing token picks its slot in the probe window and bids.
+    k = tl.arange(0, P_P2)
+    for t0 in range(0, n, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        tm = t < n
+        row = tl.load(rows_ptr + t, mask=tm, other=0)
+        pos = tl.load(pos_ptr + t, mask=tm, other=0)
+        key = tl.load(parent_ptr + t, mask=tm, other=0)
+        fills = (t < total) & tm & ((pos + 1) % B == 0)
+        j = pos // B
+        parent = tl.where(j > 0, tl.load(table_ptr + row * M + tl.maximum(j - 1, 0), mask=tm, other=N).to(tl.int64), N)
+        probe = ((key % H)[:, None] + k[None, :]) % H
+        pm = tm[:, None] & (k[None, :] < P)
+        occ = tl.load(hash_table_ptr + probe, mask=pm, other=N)
+        live = (tl.load(block_slot_ptr + occ, mask=pm, other=-1) == probe) & pm
+        same = live & (tl.load(block_key_ptr + occ, mask=pm, other=-1) == key[:, None])
+        up = tl.load(block_parent_ptr + occ, mask=pm, other=N)
+        anchored = (up == N) | ((tl.load(block_slot_ptr + up, mask=pm, other=-1) >= 0)
+                                & (tl.load(block_parent_gen_ptr + occ, mask=pm, other=0)
+                                   == tl.load(block_gen_ptr + up, mask=pm, other=0)))
+        in_use = (tl.load(block_ref_ptr + occ, mask=pm, other=0) > 0).to(tl.int64) << 62
+        score = tl.where(same, -2, tl.where(live, tl.load(last_used_ptr + occ, mask=pm, other=0) + in_use, -1))
+        score = tl.where(pm, score, _INT64_MAX)
+        best_score = tl.min(score, 1)
+        choice = tl.min(tl.where(score == best_score[:, None], k[None, :], P_P2), 1)  # the first minimum
+        pick = k[None, :] == choice[:, None]
+        target = tl.sum(tl.where(pick, probe, 0), 1)
+        taken = tl.sum((pick & same & anchored).to(tl.int32), 1) > 0
+        fills = fills & ~taken
+        arrival = tl.load(arrival_ptr + row, mask=tm, other=0)
+        prio = tl.where(fills, -(arrival * (M + 1) + j), INT64_MIN)
+        tl.atomic_max(insert_best_ptr + tl.where(fills, target, H), prio, mask=tm)
+        tl.store(target_ptr + t, tl.where(fills, target, H), mask=tm)
+        tl.store(prio_ptr + t, prio, mask=tm)
+        tl.store(excl_ptr + t, parent, mask=tm)  # the parent, staged
+    tl.debug_barrier()
+    # Pass 4: the winners (the oldest request per slot) evict what their slot held.
+    for t0 in range(0, n, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        tm = t < n
+        target = tl.load(target_ptr + t, mask=tm, other=H)
+        prio = tl.load(prio_ptr + t, mask=tm, other=INT64_MIN)
+        win = (target < H) & (tl.load(insert_best_ptr + target, mask=tm, other=INT64_MIN) == prio) & tm
+        tl.store(target_ptr + t, tl.where(win, target, H), mask=tm)
+        victim = tl.load(hash_table_ptr + tl.where(win, target, H), mask=tm, other=N)
+        evicted = win & (tl.load(block_slot_ptr + victim, mask=tm, other=-1) == target)
+        tl.store(block_slot_ptr + tl.where(evicted, victim, N), tl.zeros([BLOCK_T], dtype=tl.int64) - 1, mask=tm)
+    tl.debug_barrier()
+    for t0 in range(0, n, BLOCK_T):  # bids reset (all INT64_MIN between steps)
+        t = t0 + tl.arange(0, BLOCK_T)
+        tm = t < n
+        tl.store(insert_best_ptr + tl.load(target_ptr + t, mask=tm, other=H),
+                 tl.zeros([BLOCK_T], dtype=tl.int64) + INT64_MIN, mask=tm)
+    tl.store(insert_best_ptr + H, INT64_MIN)
+    # Pass 5: the table entries and the blocks' records.
+    step = tl.load(step_ptr)
+    for t0 in range(0, n, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        tm = t < n
+        target = tl.load(target_ptr + t, mask=tm, other=H)
+        win = (target < H) & tm
+        blk = tl.where(win, tl.load(slot_ptr + t, mask=tm, other=0) // B, N)
+        key = tl.load(parent_ptr + t, mask=tm, other=0)
+        parent = tl.load(excl_ptr + t, mask=tm, other=N)
+        tl.store(hash_table_ptr + target, blk, mask=win)
+        tl.store(block_slot_ptr + blk, target, mask=win)
+        tl.store(block_key_ptr + blk, key, mask=win)
+        tl.store(block_parent_ptr + blk, parent, mask=win)
+        tl.store(block_parent_gen_ptr + blk, tl.load(block_gen_ptr + parent, mask=win, other=0), mask=win)
+        tl.atomic_max(last_used_ptr + blk, tl.where(win, step * (M + 1), 0), mask=win)
+    tl.store(block_slot_ptr + N, -1)
+    tl.store(hash_table_ptr + H, N)
+
+
+class RegisterScratch:
+    """The prefix-insert kernel's per-token scratch (T tokens), allocated once."""
+
+    def __init__(self, T: int, device: torch.device) -> None:
+        def z(n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.int64, device=device)
+
+        self.excl, self.key, self.target, self.prio, self.parent = z(2 * T), z(T), z(T), z(T), z(T)
+
+
+def register(st, batch, n: int, hc, scratch: RegisterScratch, *, num_blocks: int, block_size: int,
+             hash_table_size: int, probes: int) -> None:
+    """:func:`blink.engine.prefix_cache.register` in one launch: block tokens, the rows'
+    prefix hashes, and the insert of every block the step filled (probe window, the oldest
+    request winning a contested slot, eviction of the slot's previous entry)."""
+    md = batch.attn
+    S, M = st.block_table.shape
+    pows = hc.pows
+    with triton_sched_count.launch("register"):
+        _register_kernel[(1,)](
+            batch.input_ids, md.positions, md.token_seq_idx, md.slot_mapping, md.query_start_loc,
+            batch.num_scheduled_tokens, n,
+            st.block_tokens, st.row_hash, pows, pows.stride(0), int(PRIMES[0]), int(PRIMES[1]),
+            st.block_table_flat, st.hash_table, st.block_slot, st.block_key, st.block_parent, st.block_parent_gen,
+            st.block_gen, st.block_ref, st.block_last_used, st.insert_best, st.arrival, st.step,
+            scratch.excl, scratch.key, scratch.target, scratch.prio, scratch.parent,
+            S, num_blocks, block_size, M, hash_table_size, probes,
+            BLOCK_T=min(_p2(n), 512), P_P2=_p2(probes), S_P2=_p2(S), COLLIDE=COLLIDE_KEYS,
+        )
+
+
+# the prefix hash's moduli (blink.engine.prefix_cache.PRIMES; repeated here: kernels import no engine)
+PRIMES = (2_147_483_647, 2_147_483_629)
+#: tests only: every prefix key 0, so every lookup collides and verification alone decides
+#: (what the reference's tests force by replacing ``prefix_cache.table_key``)
+COLLIDE_KEYS = False
+
+
+# ------------------------------------------------------------------- prefix-cache lookup
+
+
+@triton.jit
+def _search(ends_ptr, w, n, wm, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+    """searchsorted(ends[:n], w, right=True), clamped to n - 1, for each lane."""
+    lo = tl.zeros([BLOCK], dtype=tl.int64)
+    hi = tl.zeros([BLOCK], dtype=tl.int64) + n
+    for _ in tl.static_range(STEPS):
+        mid = (lo + hi) // 2
+        e = tl.load(ends_ptr + mid, mask=(mid < n) & wm, other=0)
+        right = (e <= w) & (lo < hi)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(right | (lo >= hi), hi, mid)
+    return tl.minimum(lo, n - 1)
+
+
+@triton.jit
+def _lookup_kernel(
+    needs_ptr, arrival_ptr, num_tokens_ptr, num_prompt_ptr, num_blocks_ptr, num_computed_ptr, row_hash_ptr,
+    tokens_ptr, tokens_stride, block_tokens_ptr, hash_table_ptr, block_slot_ptr, block_key_ptr,
+    block_parent_ptr, block_parent_gen_ptr, block_gen_ptr, block_ref_ptr, last_used_ptr, table_ptr,
+    step_ptr, counters_ptr, pows_ptr, pows_stride, p0, p1, cached_ptr, cached_stride,
+    rows_ptr, ends_ptr, take_ptr, nhit_ptr, incl_ptr, excl_ptr, blk_ptr, flag_ptr,
+    S, K, W, N, B, M, H, P, table_sink,
+    K_QUERIES: tl.constexpr, K_HITS: tl.constexpr, K_REJECTS: tl.constexpr,
+    S_P2: tl.constexpr, BLOCK_W: tl.constexpr, B_P2: tl.constexpr, P_P2: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, S_BITS: tl.constexpr, COLLIDE: tl.constexpr,
+):
+    # The oldest K rows waiting for a lookup (FCFS: a sort of packed arrival keys; the rows
+    # not waiting that fill the K lanes change nothing).
+    p = tl.arange(0, S_P2)
+    pm = p < S
+    needs = (tl.load(needs_ptr + p, mask=pm, other=0) != 0) & pm
+    arrival = tl.load(arrival_ptr + p, mask=pm, other=0)
+    lim = (1 << (61 - S_BITS)) - 1
+    oldest = tl.min(tl.where(needs, arrival, _INT64_MAX), 0)
+    cls = tl.where(needs, tl.minimum(tl.maximum(arrival - oldest, 0), lim), tl.where(pm, lim + 1, lim + 2))
+    row_k = tl.sort((cls << S_BITS) | p.to(tl.int64), 0) & ((1 << S_BITS) - 1)
+    km = p < K
+    waiting = (tl.load(needs_ptr + row_k, mask=km, other=0) != 0) & km
+    nt_k = tl.load(num_tokens_ptr + row_k, mask=km, other=0)
+    eligible = tl.where(waiting, (nt_k - 1) // B, 0)
+    ok = waiting & (tl.cumsum(eligible, 0) <= W)
+    take = tl.where(ok, eligible, 0)
+    ends = tl.cumsum(take, 0)
+    total = tl.sum(take, 0)
+    tl.store(rows_ptr + p, row_k, mask=km)
+    tl.store(ends_ptr + p, ends, mask=km)
+    tl.store(take_ptr + p, take, mask=km)
+    tl.store(nhit_ptr + p, take, mask=km)
+    tl.debug_barrier()
+    c = tl.arange(0, B_P2)
+    cm = c < B
+    carry0 = tl.zeros([], dtype=tl.int64)
+    carry1 = tl.zeros([], dtype=tl.int64)
+    # Lane w: block j of the k-th row; its tokens' hash terms, summed along the window.
+    for w0 in range(0, W, BLOCK_W):
+        w = w0 + tl.arange(0, BLOCK_W)
+        wm = w < W
+        k = _search(ends_ptr, w, K, wm, BLOCK_W, SEARCH_STEPS)
+        j = w - (tl.load(ends_ptr + k, mask=wm, other=0) - tl.load(take_ptr + k, mask=wm, other=0))
+        valid = (w < total) & wm
+        row = tl.load(rows_ptr + k, mask=wm, other=0)
+        cols = tl.minimum(j[:, None] * B + c[None, :], M * B - 1)
+        m2 = wm[:, None] & cm[None, :]
+        t64 = tl.load(tokens_ptr + row[:, None] * tokens_stride + cols, mask=m2, other=0).to(tl.int64) + 1
+        q0 = tl.load(pows_ptr + cols, mask=m2, other=0)
+        q1 = tl.load(pows_ptr + pows_stride + cols, mask=m2, other=0)
+        term0 = tl.where(valid, tl.sum(tl.where(cm[None, :], t64 * q0 % p0, 0), 1) % p0, 0)
+        term1 = tl.where(valid, tl.sum(tl.where(cm[None, :], t64 * q1 % p1, 0), 1) % p1, 0)
+        incl0 = carry0 + tl.cumsum(term0, 0)
+        incl1 = carry1 + tl.cumsum(term1, 0)
+        tl.store(incl_ptr + w, incl0, mask=wm)
+        tl.store(incl_ptr + W + w, incl1, mask=wm)
+        tl.store(excl_ptr + w, incl0 - term0, mask=wm)
+        tl.store(excl_ptr + W + w, incl1 - term1, mask=wm)
+        carry0 += tl.sum(term0, 0)
+        carry1 += tl.sum(term1, 0)
+    tl.debug_barrier()
+    kk = tl.arange(0, P_P2)
+    for w0 in range(0, W, BLOCK_W):  # the prefix hash at each block's end; its first live match
+        w = w0 + tl.arange(0, BLOCK_W)
+        wm = w < W
+        k = _search(ends_ptr, w, K, wm, BLOCK_W, SEARCH_STEPS)
+        start = tl.load(ends_ptr + k, mask=wm, other=0) - tl.load(take_ptr + k, mask=wm, other=0)
+        valid = (w < total) & wm
+        h0 = (tl.load(incl_ptr + w, mask=wm, other=0) - tl.load(excl_ptr + start, mask=wm, other=0)) % p0
+        h1 = (tl.load(incl_ptr + W + w, mask=wm, other=0) - tl.load(excl_ptr + W + start, mask=wm, other=0)) % p1
+        key = (h0 << 31) | h1
+        if COLLIDE:
+            key = key * 0
+        probe = ((key % H)[:, None] + kk[None, :]) % H
+        qm = wm[:, None] & (kk[None, :] < P)
+        cand = tl.load(hash_table_ptr + probe, mask=qm, other=N)
+        live = qm & (tl.load(block_slot_ptr + cand, mask=qm, other=-1) == probe) & (
+            tl.load(block_key_ptr + cand, mask=qm, other=-1) == key[:, None])
+        first = tl.min(tl.where(live, kk[None, :], P_P2), 1)
+        blk = tl.sum(tl.where(kk[None, :] == first[:, None], cand, 0), 1)
+        tl.store(blk_ptr + w, tl.where((first < P_P2) & valid, blk, N), mask=wm)
+    tl.debug_barrier()
+    for w0 in range(0, W, BLOCK_W):  # the hashes kept for the rows' hit hash (excl is free now)
+        w = w0 + tl.arange(0, BLOCK_W)
+        wm = w < W
+        k = _search(ends_ptr, w, K, wm, BLOCK_W, SEARCH_STEPS)
+        start = tl.load(ends_ptr + k, mask=wm, other=0) - tl.load(take_ptr + k, mask=wm, other=0)
+        h0 = (tl.load(incl_ptr + w, mask=wm, other=0) - tl.load(excl_ptr + start, mask=wm, other=0)) % p0
+        h1 = (tl.load(incl_ptr + W + w, mask=wm, other=0) - tl.load(excl_ptr + W + start, mask=wm, other=0)) % p1
+        tl.store(flag_ptr + w, h0, mask=wm)
+        tl.store(flag_ptr + W + w, h1, mask=wm)
+    tl.debug_barrier()
+    for w0 in range(0, W, BLOCK_W):  # verification: the tokens, the parent chain; first miss per row
+        w = w0 + tl.arange(0, BLOCK_W)
+        wm = w < W
+        k = _search(ends_ptr, w, K, wm, BLOCK_W, SEARCH_STEPS)
+        j = w - (tl.load(ends_ptr + k, mask=wm, other=0) - tl.load(take_ptr + k, mask=wm, other=0))
+        valid = (w < total) & wm
+        row = tl.load(rows_ptr + k, mask=wm, other=0)
+        blk = tl.load(blk_ptr + w, mask=wm, other=N)
+        cols = tl.minimum(j[:, None] * B + c[None, :], M * B - 1)
+        m2 = wm[:, None] & cm[None, :]
+        toks = tl.load(tokens_ptr + row[:, None] * tokens_stride + cols, mask=m2, other=0)
+        stored = tl.load(block_tokens_ptr + blk[:, None] * B + c[None, :], mask=m2, other=0)
+        same_tokens = tl.sum(((stored != toks) & cm[None, :]).to(tl.int32), 1) == 0
+        previous = tl.load(blk_ptr + tl.maximum(w - 1, 0), mask=wm & (w > 0), other=N)
+        parent = tl.where(j > 0, previous, N)
+        same_parent = (tl.load(block_parent_ptr + blk, mask=wm, other=-1) == parent) & (
+            (parent == N) | (tl.load(block_parent_gen_ptr + blk, mask=wm, other=0)
+                             == tl.load(block_gen_ptr + parent, mask=wm, other=0)))
+        found = blk < N
+        verified = found & same_tokens & same_parent
+        tl.atomic_min(nhit_ptr + k, j, mask=valid & ~verified)
+        tl.store(excl_ptr + w, (found & ~verified).to(tl.int64), mask=wm)  # a rejected match
+    tl.debug_barrier()
+    step = tl.load(step_ptr)
+    rejects = tl.zeros([BLOCK_W], dtype=tl.int64)
+    for w0 in range(0, W, BLOCK_W):  # the hits: into the block table, a reference each
+        w = w0 + tl.arange(0, BLOCK_W)
+        wm = w < W
+        k = _search(ends_ptr, w, K, wm, BLOCK_W, SEARCH_STEPS)
+        j = w - (tl.load(ends_ptr + k, mask=wm, other=0) - tl.load(take_ptr + k, mask=wm, other=0))
+        valid = (w < total) & wm
+        row = tl.load(rows_ptr + k, mask=wm, other=0)
+        n_hit = tl.load(nhit_ptr + k, mask=wm, other=0)
+        rejects += (valid & (j == n_hit) & (tl.load(excl_ptr + w, mask=wm, other=0) != 0)).to(tl.int64)
+        hit = valid & (j < n_hit)
+        blk = tl.where(hit, tl.load(blk_ptr + w, mask=wm, other=N), N)
+        tl.store(table_ptr + tl.where(hit, row * M + j, table_sink), blk.to(tl.int32), mask=wm)
+        tl.atomic_add(block_ref_ptr + blk, hit.to(tl.int32), mask=wm)
+        tl.atomic_max(last_used_ptr + blk, tl.where(hit, step * (M + 1) + (M - j), 0), mask=wm)
+    # The rows: blocks and computed tokens of the hit, its hash, lookup done; the counters.
+    n_hit = tl.load(nhit_ptr + p, mask=km, other=0)
+    hit_tokens = n_hit * B
+    last = tl.maximum(ends - take + n_hit - 1, 0)
+    hh0 = tl.where(n_hit > 0, tl.load(flag_ptr + last, mask=km, other=0), 0)
+    hh1 = tl.where(n_hit > 0, tl.load(flag_ptr + W + last, mask=km, other=0), 0)
+    tl.store(num_blocks_ptr + row_k, n_hit, mask=ok)
+    tl.store(num_computed_ptr + row_k, hit_tokens, mask=ok)
+    tl.store(row_hash_ptr + 2 * row_k, hh0, mask=ok)
+    tl.store(row_hash_ptr + 2 * row_k + 1, hh1, mask=ok)
+    tl.store(needs_ptr + row_k, tl.zeros([S_P2], dtype=tl.int1), mask=ok)
+    tl.store(counters_ptr + K_QUERIES, tl.load(counters_ptr + K_QUERIES) + tl.sum(tl.where(ok, nt_k, 0), 0))
+    tl.store(counters_ptr + K_HITS, tl.load(counters_ptr + K_HITS) + tl.sum(tl.where(km, hit_tokens, 0), 0))
+    tl.store(counters_ptr + K_REJECTS, tl.load(counters_ptr + K_REJECTS) + tl.sum(rejects, 0))
+    first_time = ok & (nt_k == tl.load(num_prompt_ptr + row_k, mask=km, other=-1))
+    tl.store(cached_ptr + row_k * cached_stride, hit_tokens.to(tl.int32), mask=first_time)
+
+
+class LookupScratch:
+    """The lookup kernel's scratch (S rows, a window of W blocks), allocated once."""
+
+    def __init__(self, S: int, W: int, device: torch.device) -> None:
+        def z(n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.int64, device=device)
+
+        self.rows, self.ends, self.take, self.nhit = z(S), z(S), z(S), z(S)
+        self.incl, self.excl, self.blk, self.flag = z(2 * W), z(2 * W), z(W), z(2 * W)
+
+
+def lookup(st, ring_cached: torch.Tensor, hc, scratch: LookupScratch, *, K: int, window: int,
+           num_blocks: int, block_size: int, hash_table_size: int, probes: int, consts: dict[str, int]) -> None:
+    """:meth:`Scheduler._lookup` with :func:`blink.engine.prefix_cache.lookup` in one launch:
+    the oldest rows waiting for a lookup take their longest verified cached prefix."""
+    S, M = st.block_table.shape
+    pows = hc.pows
+    with triton_sched_count.launch("lookup"):
+        _lookup_kernel[(1,)](
+            st.needs_lookup, st.arrival, st.num_tokens, st.num_prompt, st.num_blocks, st.num_computed, st.row_hash,
+            st.tokens, st.tokens.stride(0), st.block_tokens, st.hash_table, st.block_slot, st.block_key,
+            st.block_parent, st.block_parent_gen, st.block_gen, st.block_ref, st.block_last_used,
+            st.block_table_flat, st.step, st.counters, pows, pows.stride(0), int(PRIMES[0]), int(PRIMES[1]),
+            ring_cached, ring_cached.stride(0),
+            scratch.rows, scratch.ends, scratch.take, scratch.nhit, scratch.incl, scratch.excl, scratch.blk,
+            scratch.flag,
+            S, K, window, num_blocks, block_size, M, hash_table_size, probes, st.block_table_flat.shape[0] - 1,
+            **consts, S_P2=_p2(S), BLOCK_W=min(_p2(window), 256), B_P2=triton.next_power_of_2(block_size),
+            P_P2=_p2(probes), SEARCH_STEPS=int(K).bit_length() + 1, S_BITS=int(_p2(S)).bit_length(),
+            COLLIDE=COLLIDE_KEYS,
+        )
+
+
+# ----------------------------------------------------------------------------- admission
+
+
+@triton.jit
+def _admit_kernel(
+    slot_state_ptr, cancel_ptr, cancel_s, status_ptr, ring_arrival_ptr, arr_s, plen_ptr, plen_s,
+    poff_ptr, poff_s, seq_ptr, seq_s, arena_ptr, A, tokens_ptr, tokens_stride,
+    arrival_ptr, num_prompt_ptr, num_tokens_ptr, num_computed_ptr, row_hash_ptr, needs_lookup_ptr, counters_ptr,
+    stream_seq_ptr, ss_s, produced_ptr, pr_s, finish_ptr, fr_s, nprompt_ptr, np_s, ncached_ptr, nc_s,
+    admitted_ptr, ad_s,
+    admit_ptr, publish_ptr, idx_ptr, ends_ptr, take_ptr,
+    S, K, L, Wt,
+    PREFIX_CACHING: tl.constexpr, K_PROMPT: tl.constexpr, K_STEPS: tl.constexpr, SLOT_WRITTEN: tl.constexpr,
+    SLOT_RUNNING: tl.constexpr, SLOT_FINISHED: tl.constexpr, ROW_EMPTY: tl.constexpr, ROW_WAITING: tl.constexpr,
+    FINISH_ABORT: tl.constexpr, FINISH_ERROR: tl.constexpr, FINISH_NONE: tl.constexpr,
+    S_P2: tl.constexpr, BLOCK_T: tl.constexpr, SEARCH_STEPS: tl.constexpr, S_BITS: tl.constexpr,
+):
+    p = tl.arange(0, S_P2)
+    pm = p < S
+    sstate = tl.load(slot_state_ptr + p, mask=pm, other=0)
+    status = tl.load(status_ptr + p, mask=pm, other=-1)
+    cancel = tl.load(cancel_ptr + p * cancel_s, mask=pm, other=0) != 0
+    written = (sstate == SLOT_WRITTEN) & (status == ROW_EMPTY) & pm
+    aborted = written & cancel
+    candidate = written & ~cancel
+    arr = tl.load(ring_arrival_ptr + p * arr_s, mask=pm, other=0)
+    # FCFS: the candidates by arrival (a sort of packed keys; non-candidates after them).
+    lim = (1 << (61 - S_BITS)) - 1
+    oldest = tl.min(tl.where(candidate, arr, _INT64_MAX), 0)
+    cls = tl.where(candidate, tl.minimum(tl.maximum(arr - oldest, 0), lim), tl.where(pm, lim + 1, lim + 2))
+    idx = tl.sort((cls << S_BITS) | p.to(tl.int64), 0) & ((1 << S_BITS) - 1)
+    km = p < K
+    ok_k = km & (tl.load(slot_state_ptr + idx, mask=km, other=0) == SLOT_WRITTEN) & (
+        tl.load(status_ptr + idx, mask=km, other=-1) == ROW_EMPTY) & (
+        tl.load(cancel_ptr + idx * cancel_s, mask=km, other=1) == 0)
+    plen_k = tl.load(plen_ptr + idx * plen_s, mask=km, other=0).to(tl.int64)
+    valid_k = ok_k & (plen_k >= 1) & (plen_k < L)
+    take_k = tl.where(valid_k, plen_k, 0)
+    picked_k = ok_k & (tl.cumsum(take_k, 0) <= Wt)
+    admit_k = picked_k & valid_k
+    take_k = tl.where(picked_k, take_k, 0)
+    ends_k = tl.cumsum(take_k, 0)
+    total = tl.sum(take_k, 0)
+    tl.store(publish_ptr + p, tl.zeros([S_P2], dtype=tl.int64), mask=pm)
+    tl.debug_barrier()
+    tl.store(publish_ptr + idx, tl.where(admit_k, 1, 2).to(tl.int64), mask=picked_k)  # 1 admit, 2 rejected
+    tl.store(idx_ptr + p, idx, mask=km)
+    tl.store(ends_ptr + p, ends_k, mask=km)
+    tl.store(take_ptr + p, take_k, mask=km)
+    tl.debug_barrier()
+    # The prompts, out of the circular arena, one flat window of lanes.
+    for t0 in range(0, Wt, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        tm = t < Wt
+        k = _search(ends_ptr, t, K, tm, BLOCK_T, SEARCH_STEPS)
+        col = t - (tl.load(ends_ptr + k, mask=tm, other=0) - tl.load(take_ptr + k, mask=tm, other=0))
+        valid = (t < total) & tm
+        row = tl.load(idx_ptr + k, mask=tm, other=0)
+        src = tl.load(poff_ptr + row * poff_s, mask=valid, other=0) % A + col
+        src = tl.where(src >= A, src - A, src)
+        tl.store(tokens_ptr + row * tokens_stride + col, tl.load(arena_ptr + src, mask=valid, other=0), mask=valid)
+    chosen = tl.load(publish_ptr + p, mask=pm, other=0)
+    admit = chosen == 1
+    rejected = chosen == 2
+    plen = tl.load(plen_ptr + p * plen_s, mask=pm, other=0).to(tl.int64)
+    zero = tl.zeros([S_P2], dtype=tl.int64)
+    tl.store(arrival_ptr + p, arr, mask=admit)
+    tl.store(num_prompt_ptr + p, plen, mask=admit)
+    tl.store(num_tokens_ptr + p, plen, mask=admit)
+    tl.store(num_computed_ptr + p, zero, mask=admit)
+    tl.store(row_hash_ptr + 2 * p, zero, mask=admit)
+    tl.store(row_hash_ptr + 2 * p + 1, zero, mask=admit)
+    tl.store(status_ptr + p, tl.zeros([S_P2], dtype=tl.int32) + ROW_WAITING, mask=admit)
+    if PREFIX_CACHING:
+        tl.store(needs_lookup_ptr + p, tl.zeros([S_P2], dtype=tl.int1) + 1, mask=admit)
+    tl.store(counters_ptr + K_PROMPT, tl.load(counters_ptr + K_PROMPT) + tl.sum(tl.where(admit, plen, 0), 0))
+    tl.store(admit_ptr + p, admit, mask=pm)
+    # Every slot leaving WRITTEN: the stream reset and finish reason (the state word after a fence).
+    opened = admit | aborted | rejected
+    reason = tl.where(aborted, FINISH_ABORT, tl.where(rejected, FINISH_ERROR, FINISH_NONE))
+    tl.store(stream_seq_ptr + p * ss_s, tl.load(seq_ptr + p * seq_s, mask=opened, other=0), mask=opened)
+    tl.store(produced_ptr + p * pr_s, zero, mask=opened)
+    tl.store(finish_ptr + p * fr_s, reason.to(tl.int32), mask=opened)
+    tl.store(nprompt_ptr + p * np_s, plen.to(tl.int32), mask=opened)
+    tl.store(ncached_ptr + p * nc_s, zero.to(tl.int32), mask=opened)
+    tl.store(admitted_ptr + p * ad_s, zero + tl.load(counters_ptr + K_STEPS), mask=opened)
+    tl.debug_barrier()
+    tl.store(publish_ptr + p, tl.where(opened, tl.where(admit, SLOT_RUNNING, SLOT_FINISHED), -1).to(tl.int64),
+             mask=pm)
+
+
+@triton.jit
+def _publish_words_kernel(value_ptr, words_ptr, word0, S, S_P2: tl.constexpr):
+    """Slot state words of the lanes with a value (>= 0), others untouched."""
+    p = tl.arange(0, S_P2)
+    v = tl.load(value_ptr + p, mask=p < S, other=-1)
+    tl.store(words_ptr + word0 + p, v.to(tl.int32), mask=(p < S) & (v >= 0))
+
+
+class AdmitScratch:
+    def __init__(self, S: int, device: torch.device) -> None:
+        def z(n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.int64, device=device)
+
+        self.publish, self.idx, self.ends, self.take = z(S), z(S), z(S), z(S)
+        self.admit = torch.zeros(S, dtype=torch.bool, device=device)
+
+
+def admit(st, ring: dict, slot_state: torch.Tensor, scratch: AdmitScratch, *, K: int, max_model_len: int,
+          window: int, prefix_caching: bool, consts: dict[str, int]) -> torch.Tensor:
+    """:meth:`Scheduler._admit`'s payload in one launch (without the sampling fields, which
+    the caller copies with the returned ``admit`` mask): FCFS pick, prompt copy, the rows'
+    state, the stream reset and finish reasons. :func:`publish_words` then writes the
+    state words (after the fence)."""
+    S = st.status.shape[0]
+    f = {name: ring[name] for name in ("cancel", "arrival", "prompt_len", "prompt_offset", "seq", "stream_seq",
+                                      "produced", "finish_reason", "num_prompt_tokens", "num_cached_tokens",
+                                      "admitted_step")}
+    with triton_sched_count.launch("admit"):
+        _admit_kernel[(1,)](
+            slot_state, f["cancel"], f["cancel"].stride(0), st.status, f["arrival"], f["arrival"].stride(0),
+            f["prompt_len"], f["prompt_len"].stride(0), f["prompt_offset"], f["prompt_offset"].stride(0),
+            f["seq"], f["seq"].stride(0), ring["arena"], ring["arena"].shape[0], st.tokens, st.tokens.stride(0),
+            st.arrival, st.num_prompt, st.num_tokens, st.num_computed, st.row_hash, st.needs_lookup, st.counters,
+            f["stream_seq"], f["stream_seq"].stride(0), f["produced"], f["produced"].stride(0),
+            f["finish_reason"], f["finish_reason"].stride(0), f["num_prompt_tokens"], f["num_prompt_tokens"].stride(0),
+            f["num_cached_tokens"], f["num_cached_tokens"].stride(0), f["admitted_step"], f["admitted_step"].stride(0),
+            scratch.admit, scratch.publish, scratch.idx, scratch.ends, scratch.take,
+            S, K, max_model_len, window, PREFIX_CACHING=prefix_caching, **consts,
+            S_P2=_p2(S), BLOCK_T=min(_p2(window), 1024), SEARCH_STEPS=int(K).bit_length() + 1,
+            S_BITS=int(_p2(S)).bit_length(),
+        )
+    return scratch.admit
+
+
+def publish_words(values: torch.Tensor, words: torch.Tensor, word0: int) -> None:
+    """The slot state words of the lanes whose value is >= 0 (one launch)."""
+    with triton_sched_count.launch("publish_words"):
+        _publish_words_kernel[(1,)](values, words, word0, values.shape[0], S_P2=_p2(values.shape[0]))

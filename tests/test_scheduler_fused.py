@@ -72,7 +72,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> 
 #: the fused stages that reproduce the reference bit for bit; the allocator picks, among
 #: equally old free blocks, the lowest id where torch.topk leaves the order unspecified (so
 #: block ids, and through LRU ties which cached block is evicted, may differ: never tokens)
-EXACT_STAGES = ("build_batch", "release", "stats")
+EXACT_STAGES = ("build_batch", "release", "stats", "publish", "register", "lookup", "admit")
 
 
 @pytest.mark.parametrize("seed,pool,guards", [(0, 32, False), (1, 14, False), (2, 32, True)])
@@ -140,6 +140,7 @@ def test_two_requests_end_to_end():
 # Every workload of the reference's tests, through the fused stages (the fixture above).
 _NOT_FOR_FUSED = {
     "test_two_requests_end_to_end",  # above
+    "test_forced_hash_collisions_never_give_false_hits",  # below: the fused keys collide too
     # torch.compile(fullgraph) traces the torch code; a fused stage is one Triton launch already
     # (its capture safety: tests/test_capture_audit.py).
     "test_compiled_steps_are_one_graph_each",
@@ -150,6 +151,22 @@ _NOT_FOR_FUSED = {
 for _name in dir(ts):
     if _name.startswith("test_") and _name not in _NOT_FOR_FUSED and callable(getattr(ts, _name)):
         globals()[_name] = getattr(ts, _name)
+
+
+def test_forced_hash_collisions_never_give_false_hits(monkeypatch):
+    from blink.kernels import triton_sched
+
+    monkeypatch.setattr(triton_sched, "COLLIDE_KEYS", True)  # the fused insert and lookup collide too
+    ts.test_forced_hash_collisions_never_give_false_hits(monkeypatch)
+
+
+def test_prefix_primes_agree():
+    from blink.engine import prefix_cache
+    from blink.kernels import triton_sched
+
+    assert triton_sched.PRIMES == prefix_cache.PRIMES
+
+
 # The property test's random workloads (fewer examples: the interpreter is slow).
 test_random_workloads_keep_every_invariant = settings(
     max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])(

@@ -60,7 +60,7 @@ control block's scratch word), never rewritten wholesale with a masked select.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -119,7 +119,7 @@ from blink.ring import (
 )
 
 #: the stages ``Scheduler(fused=...)`` can run as fused Triton kernels (kernels/triton_sched.py)
-FUSED_STAGES = ("build_batch", "release", "stats", "allocate")
+FUSED_STAGES = ("build_batch", "release", "stats", "allocate", "publish", "register", "lookup", "admit")
 
 _STAT_WORDS = (
     C_STAT_RUNNING, C_STAT_WAITING, C_STAT_KV_BLOCKS_USED, C_STAT_KV_BLOCKS_TOTAL,
@@ -287,6 +287,19 @@ class Scheduler:
             self._alloc_consts = dict(K_PREEMPTIONS=K_PREEMPTIONS, ROW_WAITING=ROW_WAITING,
                                       ROW_RUNNING=ROW_RUNNING, ROW_RELEASING=ROW_RELEASING,
                                       ROW_AWAITING_KV=ROW_AWAITING_KV)
+            self._done = torch.zeros(S, dtype=torch.int64, device=dev)
+            self._register_scratch = triton_sched.RegisterScratch(config.max_num_batched_tokens, dev)
+            self._lookup_scratch = triton_sched.LookupScratch(S, config.lookup_window_blocks, dev)
+            self._lookup_consts = dict(K_QUERIES=K_PREFIX_QUERIES, K_HITS=K_PREFIX_HITS, K_REJECTS=K_PREFIX_REJECTS)
+            self._admit_scratch = triton_sched.AdmitScratch(S, dev)
+            self._admit_consts = dict(
+                K_PROMPT=K_PROMPT_TOKENS, K_STEPS=K_STEPS, SLOT_WRITTEN=SLOT_WRITTEN, SLOT_RUNNING=SLOT_RUNNING,
+                SLOT_FINISHED=SLOT_FINISHED, ROW_EMPTY=ROW_EMPTY, ROW_WAITING=ROW_WAITING,
+                FINISH_ABORT=FINISH_ABORT, FINISH_ERROR=FINISH_ERROR, FINISH_NONE=FINISH_NONE)
+            self._publish_consts = {
+                "finish": dict(K_GENERATED=K_GENERATED_TOKENS, FINISH_STOP=FINISH_STOP,
+                               FINISH_LENGTH=FINISH_LENGTH, FINISH_ERROR=FINISH_ERROR),
+                "state": dict(SLOT_FINISHED=SLOT_FINISHED, ROW_RELEASING=ROW_RELEASING)}
             self._stat_consts = dict(
                 ROW_RUNNING=ROW_RUNNING, ROW_WAITING=ROW_WAITING, ROW_EMPTY=ROW_EMPTY,
                 ROW_RELEASING=ROW_RELEASING, SLOT_WRITTEN=SLOT_WRITTEN, K_QUERIES=K_PREFIX_QUERIES,
@@ -310,21 +323,21 @@ class Scheduler:
         cancelled = cancel & self._active()
         if self.kv_enabled:  # a row waiting for its KV is freed only by a forced cancel
             cancelled |= (ring["cancel"] == CANCEL_FORCE) & (st.status == ROW_AWAITING_KV)
-        if self._when(cancelled.any()):
+        if self._when(lambda: cancelled.any()):
             self._finish(cancelled, FINISH_ABORT)
-        if self._when((st.status == ROW_RELEASING).any()):
+        if self._when(lambda: (st.status == ROW_RELEASING).any()):
             self._release_finished()
-        if self._when(((slot_state == SLOT_WRITTEN) & (st.status == ROW_EMPTY)).any()):
+        if self._when(lambda: ((slot_state == SLOT_WRITTEN) & (st.status == ROW_EMPTY)).any()):
             self._admit(slot_state, cancel)
-        if self.kv_enabled and self._when(self._kv_ready().any()):
+        if self.kv_enabled and self._when(lambda: self._kv_ready().any()):
             self._admit_kv_ready(cancel)
-        if cfg.enable_prefix_caching and self._when(st.needs_lookup.any()):
+        if cfg.enable_prefix_caching and self._when(lambda: st.needs_lookup.any()):
             self._lookup()
         num_new = self._allocate()
         batch = self._build_batch(num_new)
         # Every step ends with fresh stats: update() writes them after a forward; a step
         # that schedules nothing (no update) writes them here.
-        if self._when(batch.num_scheduled_tokens == 0):
+        if self._when(lambda: batch.num_scheduled_tokens == 0):
             self._write_stats()
         return batch
 
@@ -346,7 +359,11 @@ class Scheduler:
         host; None: all T), so the per-token work is the bucket's, not the budget's."""
         w, cfg = self._w, self.config
         st = w.state
-        if cfg.enable_prefix_caching:
+        if cfg.enable_prefix_caching and "register" in self.fused:
+            self._triton.register(st, batch, self._tok.shape[0] if num_tokens is None else num_tokens, self._hash,
+                                  self._register_scratch, num_blocks=cfg.num_blocks, block_size=cfg.block_size,
+                                  hash_table_size=cfg.hash_table_size, probes=cfg.prefix_probes)
+        elif cfg.enable_prefix_caching:
             md, n = batch.attn, num_tokens
             prefix_cache.register(
                 st, cfg, batch.input_ids[:n], md.positions[:n], md.token_seq_idx[:n],
@@ -354,6 +371,11 @@ class Scheduler:
                 self._hash, self._stamp(self.config.max_blocks_per_seq), self._when,
             )
         st.num_computed += batch.num_new_tokens
+        if "publish" in self.fused:  # the tokens and finishes below, in three launches
+            self._triton.publish(self, batch, tokens, logprob, top_ids, top_logprobs, self._done,
+                                 self._publish_consts)
+            self._write_stats()
+            return
 
         # Lane i carries the sampler's output for sample row batch.sample_rows[i]. Padding
         # lanes repeat the last live lane (row, value and all), so every duplicate write
@@ -406,7 +428,7 @@ class Scheduler:
             ((max_tokens > 0) & (n_out_before + 1 >= max_tokens)) | (row_tokens >= cfg.max_model_len)
         )
         done_lane = stop | length | no_mask
-        if self._when(done_lane.any()):
+        if self._when(lambda: done_lane.any()):
             done = torch.zeros_like(w.rows, dtype=torch.bool).index_put_((r,), done_lane)
             reason = torch.full_like(w.rows, FINISH_LENGTH).index_put_(
                 (r,), torch.where(no_mask, FINISH_ERROR, torch.where(stop, FINISH_STOP, FINISH_LENGTH)))
@@ -456,10 +478,14 @@ class Scheduler:
 
     # ---------------------------------------------------------------------- schedule parts
 
-    def _when(self, needed: torch.Tensor) -> bool:
+    def _when(self, needed: "torch.Tensor | Callable[[], torch.Tensor]") -> bool:
         """Stage guard: with ``host_guards`` (CPU loop) whether the stage can change anything
-        this step, read on the host; in captured graphs every stage runs (always True)."""
-        return bool(needed) if self.host_guards else True
+        this step, read on the host; in captured graphs every stage runs (always True). A
+        callable predicate is not even computed then: its ops would be graph nodes that
+        decide nothing."""
+        if not self.host_guards:
+            return True
+        return bool(needed() if callable(needed) else needed)
 
     def _window(self, size: int) -> RowWindow:
         """The window of rows [0, size), its views made once (they stay valid: the state
@@ -494,6 +520,22 @@ class Scheduler:
         w, cfg = self._w, self.config
         st, ring = w.state, w.ring
         S, L, Wt = w.size, cfg.max_model_len, cfg.admit_window_tokens
+        if "admit" in self.fused and not self.kv_enabled:  # (KV reservations: the torch code)
+            admit = self._triton.admit(st, ring, slot_state, self._admit_scratch, K=min(cfg.max_admit_per_step, S),
+                                       max_model_len=L, window=Wt, prefix_caching=cfg.enable_prefix_caching,
+                                       consts=self._admit_consts)
+            # The sampling fields: one where() each, written in place (no conversion where the
+            # ring's dtype is the engine's).
+            masks = {1: admit}
+            for name, dtype in SAMPLING_FIELDS:
+                dst, src = st.sampling[name], ring[name]
+                if dst.dim() not in masks:
+                    masks[dst.dim()] = admit.view(S, *([1] * (dst.dim() - 1)))
+                torch.where(masks[dst.dim()], src if src.dtype == dtype else src.to(dtype), dst, out=dst)
+            torch.where(admit, row_features(st.sampling), st.sampler_features, out=st.sampler_features)
+            self._fence()
+            self._triton.publish_words(self._admit_scratch.publish, self._words, self._state_word0)
+            return
         written = (slot_state == SLOT_WRITTEN) & (st.status == ROW_EMPTY)
         aborted = written & cancel
         candidate = written & ~cancel
@@ -574,7 +616,7 @@ class Scheduler:
         mode = ring["kv_mode"].long()
         reserve = admit & (mode == KV_RESERVE)
         need = torch.where(reserve, _ceil_div(plen, B), 0)
-        if self._when(need.sum() > 0):
+        if self._when(lambda: need.sum() > 0):
             self._assign_blocks(need, self._reserve_cols)
         st.status.masked_fill_(reserve, ROW_AWAITING_KV)
         st.needs_lookup &= ~reserve
@@ -605,7 +647,7 @@ class Scheduler:
         st.num_tokens.copy_(torch.where(go, st.num_prompt + 1, st.num_tokens))
         st.num_computed.copy_(torch.where(go, st.num_prompt, st.num_computed))
         st.status.masked_fill_(go, ROW_WAITING)
-        if self._when((ready & cancel).any()):
+        if self._when(lambda: (ready & cancel).any()):
             self._finish(ready & cancel, FINISH_ABORT)
 
     def _lookup(self) -> None:
@@ -614,6 +656,12 @@ class Scheduler:
         w, cfg = self._w, self.config
         st = w.state
         K = min(cfg.max_admit_per_step, w.size)
+        if "lookup" in self.fused:
+            self._triton.lookup(st, w.ring["num_cached_tokens"], self._hash, self._lookup_scratch, K=K,
+                                window=cfg.lookup_window_blocks, num_blocks=cfg.num_blocks, block_size=cfg.block_size,
+                                hash_table_size=cfg.hash_table_size, probes=cfg.prefix_probes,
+                                consts=self._lookup_consts)
+            return
         _, rows = torch.topk(torch.where(st.needs_lookup, st.arrival, INT64_MAX), K, largest=False)
         waiting = st.needs_lookup[rows]
         # Blocks a row may hit: all its full blocks but never its last token.
@@ -665,10 +713,10 @@ class Scheduler:
         need = (_ceil_div(nc + grant, B) - held).clamp(min=0)
         free_now = (st.block_ref[:N] == 0).sum()
         rank = torch.empty_like(order).scatter_(0, order, w.rows)  # row -> its position
-        if self._when(need.sum() > free_now):  # the blocks do not fit: cut, then preempt
+        if self._when(lambda: need.sum() > free_now):  # the blocks do not fit: cut, then preempt
             grant, need = self._preempt(rank, grant, need, nc, held, free_now)
         num_new, need = grant[rank], need[rank]
-        if self._when(need.sum() > 0):
+        if self._when(lambda: need.sum() > 0):
             self._assign_blocks(need)
         st.status.masked_fill_(num_new > 0, ROW_RUNNING)
         return num_new
