@@ -35,6 +35,9 @@ Stages (issue 32, part 1):
   stream reset and finish reasons; the state words after the fence (a second launch). The
   sampling fields are still copied by the caller, field by field.
 
+- ``cancel``: cancelled live rows finish with ABORT (finish reason, rows RELEASING), the
+  state words after the fence (:func:`publish_words`).
+
 All but ``allocate`` reproduce the reference bit for bit (tests/test_scheduler_fused.py
 compares batch, state and ring step by step).
 
@@ -1157,3 +1160,32 @@ def publish_words(values: torch.Tensor, words: torch.Tensor, word0: int) -> None
     """The slot state words of the lanes whose value is >= 0 (one launch)."""
     with triton_sched_count.launch("publish_words"):
         _publish_words_kernel[(1,)](values, words, word0, values.shape[0], S_P2=_p2(values.shape[0]))
+
+
+# -------------------------------------------------------------------------------- cancel
+
+
+@triton.jit
+def _cancel_kernel(cancel_ptr, cancel_s, status_ptr, needs_ptr, finish_ptr, finish_s, values_ptr, S,
+                   ROW_WAITING: tl.constexpr, ROW_RUNNING: tl.constexpr, ROW_RELEASING: tl.constexpr,
+                   FINISH_ABORT: tl.constexpr, SLOT_FINISHED: tl.constexpr, S_P2: tl.constexpr):
+    p = tl.arange(0, S_P2)
+    pm = p < S
+    status = tl.load(status_ptr + p, mask=pm, other=-1)
+    gone = pm & (tl.load(cancel_ptr + p * cancel_s, mask=pm, other=0) != 0) & (
+        (status == ROW_WAITING) | (status == ROW_RUNNING))
+    tl.store(finish_ptr + p * finish_s, tl.zeros([S_P2], dtype=tl.int32) + FINISH_ABORT, mask=gone)
+    tl.store(values_ptr + p, tl.where(gone, SLOT_FINISHED, -1).to(tl.int64), mask=pm)
+    tl.store(status_ptr + p, tl.zeros([S_P2], dtype=tl.int32) + ROW_RELEASING, mask=gone)
+    tl.store(needs_ptr + p, tl.zeros([S_P2], dtype=tl.int1), mask=gone)
+
+
+def cancel(st, ring: dict, values: torch.Tensor, consts: dict[str, int]) -> None:
+    """The cancelled live rows finish with ABORT (``Scheduler._finish``'s payload, one launch):
+    their finish reason, their rows RELEASING; ``values`` gets the state word of each lane
+    (FINISHED, or -1: untouched) for :func:`publish_words` after the fence."""
+    S = st.status.shape[0]
+    with triton_sched_count.launch("cancel"):
+        _cancel_kernel[(1,)](ring["cancel"], ring["cancel"].stride(0), st.status, st.needs_lookup,
+                             ring["finish_reason"], ring["finish_reason"].stride(0), values, S,
+                             **consts, S_P2=_p2(S))

@@ -30,6 +30,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from blink.engine.scheduler import Scheduler  # noqa: E402
 from blink.engine.state import K_PREEMPTIONS, K_PREFIX_HITS, ring_tensors  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the Triton interpreter: ~2-3 minutes for the whole module
+
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("the fused stages were imported without TRITON_INTERPRET=1", allow_module_level=True)
 
@@ -72,7 +74,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> 
 #: the fused stages that reproduce the reference bit for bit; the allocator picks, among
 #: equally old free blocks, the lowest id where torch.topk leaves the order unspecified (so
 #: block ids, and through LRU ties which cached block is evicted, may differ: never tokens)
-EXACT_STAGES = ("build_batch", "release", "stats", "publish", "register", "lookup", "admit")
+EXACT_STAGES = ("build_batch", "release", "stats", "publish", "register", "lookup", "admit", "cancel")
 
 
 @pytest.mark.parametrize("seed,pool,guards", [(0, 32, False), (1, 14, False), (2, 32, True)])

@@ -119,7 +119,7 @@ from blink.ring import (
 )
 
 #: the stages ``Scheduler(fused=...)`` can run as fused Triton kernels (kernels/triton_sched.py)
-FUSED_STAGES = ("build_batch", "release", "stats", "allocate", "publish", "register", "lookup", "admit")
+FUSED_STAGES = ("build_batch", "release", "stats", "allocate", "publish", "register", "lookup", "admit", "cancel")
 
 _STAT_WORDS = (
     C_STAT_RUNNING, C_STAT_WAITING, C_STAT_KV_BLOCKS_USED, C_STAT_KV_BLOCKS_TOTAL,
@@ -292,6 +292,9 @@ class Scheduler:
             self._lookup_scratch = triton_sched.LookupScratch(S, config.lookup_window_blocks, dev)
             self._lookup_consts = dict(K_QUERIES=K_PREFIX_QUERIES, K_HITS=K_PREFIX_HITS, K_REJECTS=K_PREFIX_REJECTS)
             self._admit_scratch = triton_sched.AdmitScratch(S, dev)
+            self._cancel_values = torch.zeros(S, dtype=torch.int64, device=dev)
+            self._cancel_consts = dict(ROW_WAITING=ROW_WAITING, ROW_RUNNING=ROW_RUNNING, ROW_RELEASING=ROW_RELEASING,
+                                       FINISH_ABORT=FINISH_ABORT, SLOT_FINISHED=SLOT_FINISHED)
             self._admit_consts = dict(
                 K_PROMPT=K_PROMPT_TOKENS, K_STEPS=K_STEPS, SLOT_WRITTEN=SLOT_WRITTEN, SLOT_RUNNING=SLOT_RUNNING,
                 SLOT_FINISHED=SLOT_FINISHED, ROW_EMPTY=ROW_EMPTY, ROW_WAITING=ROW_WAITING,
@@ -318,13 +321,19 @@ class Scheduler:
         self._fence()
         w = self._w = self._window_for(slot_state)
         st, ring, slot_state = w.state, w.ring, slot_state[: w.size]
-        cancel = ring["cancel"] != 0
-
-        cancelled = cancel & self._active()
-        if self.kv_enabled:  # a row waiting for its KV is freed only by a forced cancel
-            cancelled |= (ring["cancel"] == CANCEL_FORCE) & (st.status == ROW_AWAITING_KV)
-        if self._when(lambda: cancelled.any()):
-            self._finish(cancelled, FINISH_ABORT)
+        cancel: torch.Tensor | None = None
+        if {"cancel", "admit"} <= self.fused and not self.kv_enabled:  # (admit reads the words itself)
+            if self._when(lambda: ((ring["cancel"] != 0) & self._active()).any()):
+                self._triton.cancel(st, ring, self._cancel_values, self._cancel_consts)
+                self._fence()
+                self._triton.publish_words(self._cancel_values, self._words, self._state_word0)
+        else:
+            cancel = ring["cancel"] != 0
+            cancelled = cancel & self._active()
+            if self.kv_enabled:  # a row waiting for its KV is freed only by a forced cancel
+                cancelled |= (ring["cancel"] == CANCEL_FORCE) & (st.status == ROW_AWAITING_KV)
+            if self._when(lambda: cancelled.any()):
+                self._finish(cancelled, FINISH_ABORT)
         if self._when(lambda: (st.status == ROW_RELEASING).any()):
             self._release_finished()
         if self._when(lambda: ((slot_state == SLOT_WRITTEN) & (st.status == ROW_EMPTY)).any()):
@@ -513,7 +522,7 @@ class Scheduler:
         status = self._w.state.status
         return (status == ROW_WAITING) | (status == ROW_RUNNING)
 
-    def _admit(self, slot_state: torch.Tensor, cancel: torch.Tensor) -> None:
+    def _admit(self, slot_state: torch.Tensor, cancel: torch.Tensor | None) -> None:
         """Take up to ``max_admit_per_step`` WRITTEN slots into their rows, FCFS, as long as
         their prompts fit the copy window; abort cancelled WRITTEN slots and reject invalid
         prompts."""
