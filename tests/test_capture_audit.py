@@ -142,6 +142,8 @@ def _run_audited(model_dir: Path, loop: str, monkeypatch) -> tuple[CaptureAudit,
         counters = {"preemptions": int(control[C_STAT_PREEMPTIONS]),
                     "prefix_hits": int(control[C_STAT_PREFIX_HITS])}
     assert all(len(o.outputs[0].token_ids) >= 2 for o in outs)
+    # The masked rows obey their constraints: the gate and the mask ran in the captured step
+    # (on CPU the mask is one C call, so no aten op of its own shows in the audit).
     assert re.fullmatch("[a-z ]{5,60}", outs[1].outputs[0].text.removesuffix("\x00"))
     assert outs[6].outputs[0].text.removesuffix("\x00") in ("alpha", "beta")
     assert any(o.outputs[0].logprobs for o in outs)
@@ -155,8 +157,7 @@ def test_captured_step_holds_only_capturable_ops(model_dir, loop, monkeypatch):
     assert counters["prefix_hits"] > 0, "the workload must exercise prefix-cache hits"
     seen = set(mode.ops)
     for op in ("aten.topk.default", "aten.scatter_reduce_.two", "aten.index_put_.default",
-               "aten.cumsum.default", "aten.bucketize.Tensor",
-               "aten.__rshift__.Tensor"):  # the token mask's bit unpacking
+               "aten.cumsum.default", "aten.bucketize.Tensor"):
         assert op in seen, f"the audit did not see {op}: it did not run the whole step"
     mode.check(f"tier {'A' if loop == 'host' else 'B'}'s captured step")
 
