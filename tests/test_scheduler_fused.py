@@ -24,10 +24,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed
 import test_scheduler as ts  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
-from blink.engine.scheduler import Scheduler  # noqa: E402
+from blink.engine.scheduler import FUSED_STAGES, Scheduler  # noqa: E402
 from blink.engine.state import K_PREEMPTIONS, K_PREFIX_HITS, ring_tensors  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the Triton interpreter: ~2-3 minutes for the whole module
@@ -173,3 +174,34 @@ def test_prefix_primes_agree():
 test_random_workloads_keep_every_invariant = settings(
     max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])(
     given(ts.scenarios())(ts.test_random_workloads_keep_every_invariant.hypothesis.inner_test))
+
+
+@pytest.mark.parametrize("loop", ["host", "device"])
+def test_simulated_tiers_with_the_fused_scheduler_give_the_cpu_loops_tokens(tmp_path, monkeypatch, loop):
+    """BLINK_FUSED_SCHEDULER=1: the GPU tiers (simulated on CPU) capture the fused stages;
+    greedy tokens equal the CPU loop's (the reference scheduler)."""
+    from benchmarks import gpu_loop
+    from test_engine import BASE, random_prompts, tiny_model_dir
+
+    from blink.engine.engine import EngineConfig
+    from blink.shared.sampling_params import SamplingParams
+
+    model = tiny_model_dir(tmp_path)
+    prompts = random_prompts(3, 5, 20, seed=5)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    kw = dict(BASE, max_num_batched_tokens=64)
+    ref, _ = gpu_loop.generate_prestaged(EngineConfig, model, kw, "cpu", prompts, params, "cpu", timeout_s=60)
+    monkeypatch.setenv("BLINK_FUSED_SCHEDULER", "1")
+    made = []
+    real = gpu_loop.make_engine
+
+    def spy(*a, **k):
+        eng = real(*a, **k)
+        made.append(eng)
+        return eng
+
+    monkeypatch.setattr(gpu_loop, "make_engine", spy)
+    out, _ = gpu_loop.generate_prestaged(EngineConfig, model, kw, loop, prompts, params, "cpu", timeout_s=120,
+                                         simulate=True)
+    assert made[0].scheduler.fused == frozenset(FUSED_STAGES)
+    assert out == ref and all(len(t) == 5 for t in out)

@@ -269,9 +269,16 @@ class Scheduler:
         # Between a ring payload and the word that publishes it (module docstring).
         self._fence = system_fence_for(dev, region)
         #: the fused Triton stages (``blink.kernels.triton_sched``, issue 32) in place of this
-        #: tensor code for the stages they implement; on CPU tensors under TRITON_INTERPRET=1.
-        #: They work on the whole slot table (no row window). ``fused``: True (every stage in
-        #: FUSED_STAGES) or the names of some.
+        #: tensor code for the stages they implement (see :meth:`use_fused`).
+        self.fused: frozenset[str] = frozenset()
+        self.use_fused(fused)
+
+    def use_fused(self, fused: bool | tuple[str, ...] = True) -> None:
+        """Run the stages in ``fused`` (True: every stage in FUSED_STAGES; or some names) as
+        the fused Triton kernels of ``blink.kernels.triton_sched``; on CPU tensors under
+        TRITON_INTERPRET=1. They work on the whole slot table (no row window). Called before
+        the first step (the GPU tiers call it before they capture)."""
+        S, dev, config = self.num_slots, self.device, self.config
         stages = FUSED_STAGES if fused is True else tuple(fused or ())
         if set(stages) - set(FUSED_STAGES):
             raise BlinkError(f"unknown fused stage(s) {sorted(set(stages) - set(FUSED_STAGES))}; "

@@ -8,6 +8,7 @@ subclasses; each owns its loop. ``simulate=True`` runs a tier's own code on CPU 
 from __future__ import annotations
 
 import logging
+import os
 import time
 import weakref
 
@@ -58,6 +59,9 @@ class GpuEngine(Engine):
                 raise BlinkError("simulate=True runs on CPU tensors only")
             # Captured graphs run every scheduler stage (no host reads between kernels).
             self.scheduler.host_guards = False
+            if os.environ.get("BLINK_FUSED_SCHEDULER", "") not in ("", "0"):
+                # Issue 32's fused Triton stages: opt-in until a GPU run has measured them.
+                self.scheduler.use_fused(True)
             self.plan: GraphPlan = plan_graphs(self.scheduler_config, self.ring_config.n_slots)
             self.parts = StepParts(self.scheduler, self.executor, self.sampler)
             t0 = time.monotonic()
