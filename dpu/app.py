@@ -3,13 +3,13 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``
 (stateless, :mod:`blink.dpu.responses`), ``GET /v1/models``, ``GET /v1/models/{id}``,
 ``POST /tokenize``, ``POST /detokenize`` (vLLM's shapes), ``GET /version``, ``GET /health`` (503
-while the engine's heartbeat is stale) and ``GET /metrics`` (Prometheus); any other path is a
-JSON 404 that lists these. Every response carries ``x-request-id`` (the client's, or a new one),
-and one access-log line per request names it (``blink.access``; off with
-``--disable-log-requests``). With ``api_key`` set, ``/v1/*``,
-``/tokenize``, ``/detokenize`` and the API docs (``/docs``, ``/redoc``, ``/openapi.json``; unless
-``public_docs``) need ``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open for
-probes and scrapers (as in vLLM). Every error is an OpenAI-style JSON body
+while the engine's heartbeat is stale), ``GET|POST /ping`` (SageMaker's probe, as ``/health``)
+and ``GET /metrics`` (Prometheus); any other path is a JSON 404 that lists these. Every
+response carries ``x-request-id`` (the client's, or a new one), and one access-log line per
+request names it (``blink.access``; off with ``--disable-log-requests``). With ``api_key``
+set, ``/v1/*``, ``/tokenize``, ``/detokenize`` and the API docs (``/docs``, ``/redoc``,
+``/openapi.json``; unless ``public_docs``) need ``Authorization: Bearer <key>``; ``/health``,
+``/ping`` and ``/metrics`` stay open for probes and scrapers (as in vLLM). Every error is an OpenAI-style JSON body
 (:mod:`blink.dpu.errors`), an unexpected exception included: it becomes a 500 that leaves the
 keep-alive connection usable. Request bodies over ``RequestLimits.max_request_body_bytes`` get
 a 413 before they are read.
@@ -448,6 +448,17 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, *, model_name: str | 
         if not engine.is_healthy():
             raise errors.engine_unavailable("The engine is not healthy (heartbeat stale).")
         return Health()
+
+    @app.get("/ping", responses=openapi.errors())
+    async def ping() -> Health:
+        """SageMaker's health probe, as vLLM serves it (GET and POST): the same answer as
+        ``/health``; open without the API key, like ``/health``."""
+        return await health()
+
+    @app.post("/ping", responses=openapi.errors())
+    async def ping_post() -> Health:
+        """``POST /ping``: the same as ``GET /ping`` (SageMaker probes with either)."""
+        return await health()
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={
         200: {"description": "Prometheus text exposition: vLLM's series under `blink:`, "

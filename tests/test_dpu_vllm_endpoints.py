@@ -290,3 +290,22 @@ def test_cors_only_when_asked(tok):
     r = call(cors, "GET", "/v1/models", headers={"origin": "https://app.example"})
     assert r.headers["access-control-allow-origin"] == "https://app.example"
     assert "x-request-id" in r.headers["access-control-expose-headers"]
+
+
+# -- /ping (SageMaker's health probe, issue 33) ----------------------------------------------
+
+
+def test_ping_is_health_for_get_and_post_without_the_key(tok):
+    engine = make_engine(tok)
+    app = create_app(engine, tok, model_name=MODEL, api_key="k")
+    for method in ("GET", "POST"):
+        r = call(app, method, "/ping")
+        assert r.status_code == 200 and r.json() == {"status": "ok"}, (method, r.text)
+    assert call(app, "GET", "/v1/models").status_code == 401  # the key still guards the API
+    engine.die()
+    for method in ("GET", "POST"):
+        r = call(app, method, "/ping")
+        assert r.status_code == 503 and r.json() == call(app, "GET", "/health").json()
+    engine.revive()
+    assert call(app, "POST", "/ping").status_code == 200
+    assert "/ping" in app.openapi()["paths"]
