@@ -148,6 +148,15 @@ def _add_vllm_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trust-remote-code", action="store_true",
                    help="no effect (noted at start): Blink never runs code shipped with a "
                         "checkpoint; its model classes are built in")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="honoured: Blink logs no periodic stats (they are on /metrics)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="always on in Blink (prompts beyond --max-num-batched-tokens prefill "
+                        "in chunks); --no-enable-chunked-prefill is refused")
+    g.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
+                   help="auto or bfloat16: the KV cache has the model's dtype (--dtype); "
+                        "bfloat16 means a bfloat16 model; other values (fp8, ...) are refused")
 
 
 def _add_frontend_args(p: argparse.ArgumentParser) -> None:

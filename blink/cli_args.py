@@ -104,6 +104,24 @@ def check_vllm_flags(args: argparse.Namespace, *, device_known: str | None = Non
                          f"sampler computes), got {args.max_logprobs}")
     prefix_caching_enabled(args)
     notes: list[str] = []
+    if getattr(args, "enable_chunked_prefill", None) is False:
+        raise BlinkError("--no-enable-chunked-prefill: Blink always chunks long prefills (it "
+                         "cannot be turned off); drop the flag, and bound a step's prefill "
+                         "with --max-num-batched-tokens N")
+    kv_dtype = getattr(args, "kv_cache_dtype", "auto")
+    if kv_dtype not in ("auto", "bfloat16"):
+        raise BlinkError(f"--kv-cache-dtype {kv_dtype}: Blink's KV cache has the model's dtype "
+                         f"(no fp8 or other quantized cache); use --kv-cache-dtype auto, or "
+                         f"bfloat16 with --dtype bfloat16")
+    if kv_dtype == "bfloat16":
+        if getattr(args, "dtype", "auto") == "float32":
+            raise BlinkError("--kv-cache-dtype bfloat16 with --dtype float32: Blink's KV cache "
+                             "has the model's dtype; use --dtype bfloat16, or --kv-cache-dtype "
+                             "auto for a float32 cache")
+        if getattr(args, "dtype", "auto") == "auto":
+            args.dtype = "bfloat16"
+            notes.append("--kv-cache-dtype bfloat16: the model runs in bfloat16 (--dtype "
+                         "bfloat16; Blink's KV cache has the model's dtype)")
     utilization = getattr(args, "gpu_memory_utilization", None)
     if utilization is not None:
         if not 0 < utilization <= 1:

@@ -102,6 +102,9 @@ def test_help_shows_defaults(capsys, flag):
     (["--gpu-memory-utilization", "0.9", "--device", "cuda"], "--kv-cache-memory"),
     (["--gpu-memory-utilization", "1.5", "--device", "cpu"], "must be in (0, 1]"),
     (["--max-logprobs", "50"], "--max-logprobs must be between 0 and 20"),
+    (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill: Blink always chunks"),
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: Blink's KV cache has the model's"),
+    (["--kv-cache-dtype", "bfloat16", "--dtype", "float32"], "use --dtype bfloat16"),
 ])
 def test_flags_blink_cannot_honour_are_refused(flags, message):
     with pytest.raises(BlinkError) as info:
@@ -170,3 +173,20 @@ def test_frontend_passed_args_skip_unset_flags():
                   "--allowed-origins", "--disable-log-requests"):
         assert unset not in passed
     assert passed[passed.index("--uvicorn-log-level") + 1] == "info"
+
+
+def test_issue_33_vllm_line_parses_and_its_flags_are_honoured():
+    """The 'vllm serve' line of issue 33: --disable-log-stats (Blink logs no periodic stats),
+    --enable-chunked-prefill (always on), --kv-cache-dtype auto|bfloat16."""
+    a = parse_args(["serve", "Qwen/Qwen2.5-0.5B-Instruct", "--enable-auto-tool-choice",
+                    "--tool-call-parser", "hermes", "--max-model-len", "4096",
+                    "--gpu-memory-utilization", "0.9", "--served-model-name", "foo",
+                    "--disable-log-stats", "--enable-chunked-prefill", "--device", "cpu",
+                    "--kv-cache-dtype", "auto"])
+    assert a.disable_log_stats and a.enable_chunked_prefill and a.kv_cache_dtype == "auto"
+    assert check_vllm_flags(a) == [n for n in check_vllm_flags(a) if "CPU" in n]
+    assert engine_config_from_args(a).max_model_len == 4096
+    bf16 = parse_args(["serve", "--kv-cache-dtype", "bfloat16"])
+    assert any("bfloat16" in n for n in check_vllm_flags(bf16)) and bf16.dtype == "bfloat16"
+    same = parse_args(["serve", "--kv-cache-dtype", "bfloat16", "--dtype", "bfloat16"])
+    assert check_vllm_flags(same) == [] and same.dtype == "bfloat16"
