@@ -266,7 +266,8 @@ def _nested_bodies(path: str) -> list[str]:
 
 
 def test_deeply_nested_json_is_a_400_on_every_route(app):
-    posts = sorted(r.path for r in app.routes if "POST" in (getattr(r, "methods", None) or ()))
+    posts = sorted(r.path for r in app.routes if "POST" in (getattr(r, "methods", None) or ())
+                   and r.path != "/ping")  # SageMaker's health probe reads no body
     assert {"/tokenize", "/detokenize", "/v1/completions", "/v1/chat/completions",
             "/v1/responses"} <= set(posts)
 
