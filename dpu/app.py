@@ -296,25 +296,30 @@ def app_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def create_app(engine: EngineClient, tokenizer: Tokenizer, *, model_name: str | None = None,
+def create_app(engine: EngineClient, tokenizer: Tokenizer, *,
+               model_name: str | list[str] | tuple[str, ...] | None = None,
                api_key: str | None = None, limits: RequestLimits | None = None,
                public_docs: bool = False, cors: CorsOptions | None = None,
                log_requests: bool = True,
                tool_calling: ToolCallingConfig | None = None,
                access_log_skip: frozenset[str] = frozenset(),
                request_log: RequestLogConfig | None = None) -> FastAPI:
-    """Build the app. ``model_name`` (default ``engine.model_name``) is the only name
-    requests may ask for; ``api_key`` turns on Bearer authentication (for the API docs too,
+    """Build the app. ``model_name`` (default ``engine.model_name``): the name, or the list of
+    names (``--served-model-name a b``, as vLLM), requests may ask for; /v1/models lists them
+    all and answers carry the first; ``api_key`` turns on Bearer authentication (for the API docs too,
     unless ``public_docs``); ``limits`` bounds what one request may cost; ``cors`` adds CORS
     headers; ``log_requests`` writes the access log; ``tool_calling`` holds the tool-calling
     flags (``--enable-auto-tool-choice``, ``--tool-call-parser``); ``access_log_skip``: paths
     the access log leaves out; ``request_log``: per-request input/output logging
     (``--enable-log-requests``, :mod:`blink.dpu.request_log`)."""
-    name = model_name or engine.model_name
+    names = ([model_name] if isinstance(model_name, str) else list(model_name or [])) or [
+        engine.model_name]
+    name = names[0]
     limits = limits or RequestLimits()
     metrics = FrontendMetrics(engine, name)
     logged = LoggedEngineClient(engine, request_log) if request_log and request_log.enabled else engine
     serving = OpenAIServing(logged, tokenizer, metrics, name, limits, tool_calling)
+    serving.served_names = frozenset(names)  # every --served-model-name a request may use
     responses = ResponsesServing(serving)
     docs_open = api_key is None or public_docs
     app = FastAPI(title="Blink", summary="OpenAI-compatible LLM serving (Blink frontend)",
@@ -411,19 +416,19 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, *, model_name: str | 
     async def create_response(request: Request) -> Response:
         return await responses.create(request)
 
-    def model_card() -> ModelCard:
-        return ModelCard(id=name, root=name, max_model_len=engine.max_model_len)
+    def model_card(served: str = name) -> ModelCard:
+        return ModelCard(id=served, root=name, max_model_len=engine.max_model_len)
 
     @app.get("/v1/models", dependencies=auth, responses=openapi.errors(*authed))
     async def models() -> ModelList:
-        return ModelList(data=[model_card()])
+        return ModelList(data=[model_card(n) for n in names])
 
     @app.get("/v1/models/{model_id:path}", dependencies=auth,
              responses=openapi.errors(*authed, 404))
     async def model(model_id: str) -> ModelCard:
-        if model_id != name:
+        if model_id not in names:
             raise errors.model_not_found(model_id)
-        return model_card()
+        return model_card(model_id)
 
     @app.get("/version", responses=openapi.errors())
     async def version() -> VersionInfo:

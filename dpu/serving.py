@@ -313,6 +313,8 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.model_name = model_name
+        #: the names requests may use (create_app sets every --served-model-name)
+        self.served_names: frozenset[str] = frozenset([model_name])
         self.max_model_len = engine.max_model_len
         self.limits = limits or RequestLimits()
         # Anything above what the ring holds at once could never run as one request.
@@ -345,7 +347,7 @@ class OpenAIServing:
 
     # -- shared checks ---------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+        if name is not None and name not in self.served_names:
             raise errors.model_not_found(name)
 
     def check_healthy(self) -> None:

@@ -190,3 +190,13 @@ def test_issue_33_vllm_line_parses_and_its_flags_are_honoured():
     assert any("bfloat16" in n for n in check_vllm_flags(bf16)) and bf16.dtype == "bfloat16"
     same = parse_args(["serve", "--kv-cache-dtype", "bfloat16", "--dtype", "bfloat16"])
     assert check_vllm_flags(same) == [] and same.dtype == "bfloat16"
+
+
+def test_several_served_model_names_reach_the_frontend():
+    a = parse_args(["serve", "some/model", "--served-model-name", "a", "b"])
+    assert a.served_model_name == ["a", "b"]
+    fe = frontend_args(a, "127.0.0.1:7000")
+    i = fe.index("--served-model-name")
+    assert fe[i + 1:i + 3] == ["a", "b"]
+    assert parse_args(["serve", "--frontend-only", *fe[2:]]).served_model_name == ["a", "b"]
+    assert parse_args(["serve", "--served-model-name", "foo"]).served_model_name == ["foo"]

@@ -309,3 +309,22 @@ def test_ping_is_health_for_get_and_post_without_the_key(tok):
     engine.revive()
     assert call(app, "POST", "/ping").status_code == 200
     assert "/ping" in app.openapi()["paths"]
+
+
+# -- several --served-model-name (issue 33) ---------------------------------------------------
+
+
+def test_every_served_model_name_is_served(tok):
+    app = create_app(make_engine(tok), tok, model_name=["a", "b"])
+    r = call(app, "GET", "/v1/models")
+    assert [m["id"] for m in r.json()["data"]] == ["a", "b"]
+    for served in ("a", "b"):
+        assert call(app, "GET", f"/v1/models/{served}").json()["id"] == served
+        for path, body in (("/v1/chat/completions",
+                            {"messages": [{"role": "user", "content": "hi"}]}),
+                           ("/v1/completions", {"prompt": "hi"})):
+            r = call(app, "POST", path, json={"model": served, "max_tokens": 3, **body})
+            assert r.status_code == 200, r.text
+    r = call(app, "POST", "/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    assert r.status_code == 404 and MODEL in r.json()["error"]["message"]
+    assert call(app, "GET", f"/v1/models/{MODEL}").status_code == 404
