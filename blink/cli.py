@@ -45,11 +45,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="name(s) clients use in the 'model' field, as in vLLM: requests may "
                         "name any of them, /v1/models lists them all, answers carry the "
                         "first (default: the --model value)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    g.add_argument("--dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "half", "float16"],
                    help="weight, activation and KV-cache dtype. auto: bfloat16 on a GPU; on "
                         "CPU bfloat16 when the CPU has native bf16 (avx512_bf16 or amx_bf16) "
                         "and the checkpoint is not float32, else float32 (BLINK_CPU_BF16=0 "
-                        "forces float32). float32 gives exact parity with transformers' fp32")
+                        "forces float32). float32 gives exact parity with transformers' fp32. "
+                        "half/float16 are refused (Blink's kernels run bfloat16 or float32)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the model and the device loop run (default: cuda if available)")
     g.add_argument("--max-model-len", type=int, default=None,
@@ -156,6 +158,29 @@ def _add_vllm_engine_args(p: argparse.ArgumentParser) -> None:
                    default=None,
                    help="always on in Blink (prompts beyond --max-num-batched-tokens prefill "
                         "in chunks); --no-enable-chunked-prefill is refused")
+    g.add_argument("--swap-space", type=float, default=None, metavar="GIB",
+                   help="no effect (noted): Blink preempts by recomputing, as vLLM V1; it "
+                        "swaps no KV blocks to host memory")
+    g.add_argument("--generation-config", default="auto", metavar="auto",
+                   help="auto only: request defaults come from the model's "
+                        "generation_config.json (vLLM's default); 'vllm' or a folder is refused")
+    g.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="refused: Blink has no reasoning parsers yet")
+    g.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                   help="only {\"backend\": \"auto\"|\"guidance\"}: Blink's structured outputs "
+                        "run on llguidance; other backends are refused")
+    g.add_argument("--guided-decoding-backend", default=None, metavar="NAME",
+                   help="auto or guidance (llguidance, what Blink runs); others are refused")
+    g.add_argument("--chat-template-content-format", default="auto", metavar="auto",
+                   help="auto only: Blink detects the content format from the template")
+    g.add_argument("--response-role", default="assistant", metavar="ROLE",
+                   help="assistant only (other roles are refused)")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="honoured: usage.prompt_tokens_details.cached_tokens is always sent")
+    g.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                   help="refused: Blink serves text-only models")
+    g.add_argument("--disable-frontend-multiprocessing", action="store_true",
+                   help="no effect (noted): Blink's frontend always runs in its own process")
     g.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
                    help="auto or bfloat16: the KV cache has the model's dtype (--dtype); "
                         "bfloat16 means a bfloat16 model; other values (fp8, ...) are refused")

@@ -108,6 +108,7 @@ def check_vllm_flags(args: argparse.Namespace, *, device_known: str | None = Non
         raise BlinkError("--no-enable-chunked-prefill: Blink always chunks long prefills (it "
                          "cannot be turned off); drop the flag, and bound a step's prefill "
                          "with --max-num-batched-tokens N")
+    notes += _check_vllm_frontend_flags(args)
     kv_dtype = getattr(args, "kv_cache_dtype", "auto")
     if kv_dtype not in ("auto", "bfloat16"):
         raise BlinkError(f"--kv-cache-dtype {kv_dtype}: Blink's KV cache has the model's dtype "
@@ -142,6 +143,60 @@ def check_vllm_flags(args: argparse.Namespace, *, device_known: str | None = Non
     if getattr(args, "trust_remote_code", False):
         notes.append("--trust-remote-code has no effect: Blink never runs code shipped with a "
                      "checkpoint (its model classes are built in)")
+    return notes
+
+
+def _check_vllm_frontend_flags(args: argparse.Namespace) -> list[str]:
+    """Issue 33's ``vllm serve`` flags: honoured where they mean something here, else refused
+    naming the flag and what to do; the notes of those that have no effect."""
+    import json
+
+    notes: list[str] = []
+    if getattr(args, "dtype", "auto") in ("half", "float16"):
+        raise BlinkError(f"--dtype {args.dtype}: Blink's kernels run bfloat16 or float32, not "
+                         f"float16; use --dtype bfloat16 (the same memory) or --dtype auto")
+    if getattr(args, "generation_config", "auto") != "auto":
+        raise BlinkError(f"--generation-config {args.generation_config}: Blink always takes "
+                         f"request defaults from the model's own generation_config.json (vLLM's "
+                         f"'auto'); drop the flag, or set the values per request")
+    if getattr(args, "reasoning_parser", None) is not None:
+        raise BlinkError(f"--reasoning-parser {args.reasoning_parser}: Blink has no reasoning "
+                         f"parsers yet (the thinking text stays in 'content'); drop the flag")
+    backends = ("auto", "guidance")
+    config = getattr(args, "structured_outputs_config", None)
+    if config is not None:
+        try:
+            parsed = json.loads(config)
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise BlinkError(f"--structured-outputs-config must be a JSON object, got {config!r}")
+        extra = sorted(set(parsed) - {"backend"})
+        if extra or parsed.get("backend", "auto") not in backends:
+            raise BlinkError(f"--structured-outputs-config {config}: Blink's structured outputs "
+                             f"run on llguidance; only {{\"backend\": \"auto\"}} or "
+                             f"{{\"backend\": \"guidance\"}} is taken; drop the flag")
+    backend = getattr(args, "guided_decoding_backend", None)
+    if backend is not None and backend not in backends:
+        raise BlinkError(f"--guided-decoding-backend {backend}: Blink's structured outputs run "
+                         f"on llguidance; use auto or guidance, or drop the flag")
+    content_format = getattr(args, "chat_template_content_format", "auto")
+    if content_format != "auto":
+        raise BlinkError(f"--chat-template-content-format {content_format}: Blink detects the "
+                         f"content format from the chat template; use auto or drop the flag")
+    role = getattr(args, "response_role", "assistant")
+    if role != "assistant":
+        raise BlinkError(f"--response-role {role}: Blink's answers have the role 'assistant' "
+                         f"only; drop the flag")
+    if getattr(args, "limit_mm_per_prompt", None) is not None:
+        raise BlinkError("--limit-mm-per-prompt: Blink serves text-only models (no images, "
+                         "audio or video inputs); drop the flag")
+    if getattr(args, "swap_space", None) is not None:
+        notes.append(f"--swap-space {args.swap_space:g} has no effect: Blink preempts by "
+                     f"recomputing (as vLLM V1) and swaps no KV blocks to host memory")
+    if getattr(args, "disable_frontend_multiprocessing", False):
+        notes.append("--disable-frontend-multiprocessing has no effect: Blink's frontend always "
+                     "runs in its own process")
     return notes
 
 

@@ -93,7 +93,7 @@ def test_toml_config(tmp_path):
 
 @pytest.mark.parametrize("text,message", [
     ("max-num-seqs: 8\nbogus-key: 1\n", "unknown option(s): bogus_key"),
-    ("dtype: float16\n", "dtype must be one of"),
+    ("dtype: float64\n", "dtype must be one of"),
     ("max-model-len: lots\n", "max_model_len must be of type int"),
     ("no-prefix-caching: maybe\n", "no_prefix_caching must be true or false"),
     ("- just\n- a list\n", "must hold a mapping"),

@@ -105,6 +105,17 @@ def test_help_shows_defaults(capsys, flag):
     (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill: Blink always chunks"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: Blink's KV cache has the model's"),
     (["--kv-cache-dtype", "bfloat16", "--dtype", "float32"], "use --dtype bfloat16"),
+    (["--dtype", "half"], "--dtype half: Blink's kernels run bfloat16 or float32"),
+    (["--dtype", "float16"], "--dtype float16: Blink's kernels"),
+    (["--generation-config", "vllm"], "--generation-config vllm: Blink always takes"),
+    (["--reasoning-parser", "deepseek_r1"], "--reasoning-parser deepseek_r1: Blink has no"),
+    (["--structured-outputs-config", '{"backend": "xgrammar"}'],
+     "--structured-outputs-config {\"backend\": \"xgrammar\"}: Blink's structured outputs"),
+    (["--structured-outputs-config", "nope"], "--structured-outputs-config must be a JSON"),
+    (["--guided-decoding-backend", "outlines"], "--guided-decoding-backend outlines: Blink's"),
+    (["--chat-template-content-format", "openai"], "--chat-template-content-format openai:"),
+    (["--response-role", "user"], "--response-role user: Blink's answers"),
+    (["--limit-mm-per-prompt", '{"image": 1}'], "--limit-mm-per-prompt: Blink serves text-only"),
 ])
 def test_flags_blink_cannot_honour_are_refused(flags, message):
     with pytest.raises(BlinkError) as info:
@@ -200,3 +211,17 @@ def test_several_served_model_names_reach_the_frontend():
     assert fe[i + 1:i + 3] == ["a", "b"]
     assert parse_args(["serve", "--frontend-only", *fe[2:]]).served_model_name == ["a", "b"]
     assert parse_args(["serve", "--served-model-name", "foo"]).served_model_name == ["foo"]
+
+
+def test_issue_33_flags_honoured_or_noted():
+    a = parse_args(["serve", "--swap-space", "4", "--disable-frontend-multiprocessing",
+                    "--structured-outputs-config", '{"backend": "guidance"}',
+                    "--guided-decoding-backend", "auto", "--enable-prompt-tokens-details",
+                    "--generation-config", "auto", "--response-role", "assistant",
+                    "--chat-template-content-format", "auto"])
+    notes = check_vllm_flags(a)
+    assert len(notes) == 2
+    assert any(n.startswith("--swap-space 4 has no effect") for n in notes)
+    assert any(n.startswith("--disable-frontend-multiprocessing has no effect") for n in notes)
+    assert check_vllm_flags(parse_args(["serve", "--guided-decoding-backend", "guidance",
+                                        "--structured-outputs-config", "{}"])) == []
