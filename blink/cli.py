@@ -594,6 +594,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         raise ConfigFileError(f"{config_path}: unknown option(s): {', '.join(unknown)}")
     for dest, value in values.items():
         action = known[dest]
+        if action.nargs == "+" and not isinstance(value, list):  # one name, or a list
+            value = [value]
         if action.nargs == 0 and not isinstance(value, bool):  # an on/off flag
             raise ConfigFileError(f"{config_path}: {dest} must be true or false, got {value!r}")
         if action.type is not None and value is not None and not isinstance(value, bool):

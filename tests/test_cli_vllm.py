@@ -225,3 +225,11 @@ def test_issue_33_flags_honoured_or_noted():
     assert any(n.startswith("--disable-frontend-multiprocessing has no effect") for n in notes)
     assert check_vllm_flags(parse_args(["serve", "--guided-decoding-backend", "guidance",
                                         "--structured-outputs-config", "{}"])) == []
+
+
+def test_served_model_names_from_a_config_file(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("served-model-name: foo\n")
+    assert parse_args(["serve", "--config", str(cfg)]).served_model_name == ["foo"]
+    cfg.write_text("served-model-name: [a, b]\n")
+    assert parse_args(["serve", "--config", str(cfg)]).served_model_name == ["a", "b"]
