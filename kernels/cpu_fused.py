@@ -198,10 +198,7 @@ def apply_token_mask(logits: torch.Tensor, words: torch.Tensor, epoch: torch.Ten
             or logits.stride(1) != 1 or words.dtype is not torch.int32 or words.stride(1) != 1
             or torch.compiler.is_compiling() or isinstance(logits, FakeTensor)):
         return mask_reference.apply_token_mask(logits, words, epoch, slots, constrained, expected)
-    s = slots.long().clamp(min=0)
-    on = constrained & (slots >= 0)
-    ready = epoch[s].long() == expected.long()
-    missing = on & ~ready
+    s, on, ready, missing = mask_reference.mask_rows(epoch, slots, constrained, expected)
     mode = torch.where(on, torch.where(ready, 1, 2), 0).to(torch.uint8).contiguous()
     rows, cols = logits.shape
     out = torch.empty((rows, cols), dtype=torch.float32)

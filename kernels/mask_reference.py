@@ -71,6 +71,16 @@ def token_mask_bits(words: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.cat([bits, pad], 1)
 
 
+def mask_rows(epoch: torch.Tensor, slots: torch.Tensor, constrained: torch.Tensor,
+              expected: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per sample row: ``(slot clamped to a valid index, constrained and not padding, its
+    mask has arrived, constrained but its mask has not arrived)``."""
+    s = slots.long().clamp(min=0)
+    ready = epoch[s].long() == expected.long()
+    on = constrained & (slots >= 0)
+    return s, on, ready, on & ~ready
+
+
 def apply_token_mask(logits: torch.Tensor, words: torch.Tensor, epoch: torch.Tensor,
                      slots: torch.Tensor, constrained: torch.Tensor,
                      expected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,10 +90,7 @@ def apply_token_mask(logits: torch.Tensor, words: torch.Tensor, epoch: torch.Ten
     (a row's slot, -1 = padding row); constrained bool [B]; expected int [B] (the row's output
     count). ``missing`` bool [B]: constrained rows whose slot's epoch is not ``expected``
     (every token of theirs is -inf)."""
-    s = slots.long().clamp(min=0)
-    ready = epoch[s].long() == expected.long()
-    on = constrained & (slots >= 0)
-    missing = on & ~ready
+    s, on, ready, missing = mask_rows(epoch, slots, constrained, expected)
     allowed = token_mask_bits(words[s], logits.shape[1])
     allowed = torch.where(on.unsqueeze(1), allowed & ready.unsqueeze(1), True)
     return torch.where(allowed, logits, float("-inf")), missing

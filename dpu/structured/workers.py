@@ -551,17 +551,21 @@ class GrammarService:
             while len(self._keys) > _KEYS_KEPT:
                 self._keys.popitem(last=False)
 
-    def cached(self, so: StructuredOutputs) -> CompiledGrammar | None:
+    def _lookup(self, so: StructuredOutputs) -> tuple[CompiledGrammar | None, GrammarSpec | None]:
+        """``(the cached entry or None, the constraint's spec when it had to be built)``."""
         digest, entry = self._known(so)
         if entry is not None:
-            return entry
+            return entry, None
         spec = grammar_spec(so)
         self._remember(digest, spec.key)
         with self._lock:
             entry = self._cache.get(spec.key)
             if entry is not None:
                 self._cache.move_to_end(spec.key)
-            return entry
+        return entry, spec
+
+    def cached(self, so: StructuredOutputs) -> CompiledGrammar | None:
+        return self._lookup(so)[0]
 
     def compile(self, so: StructuredOutputs, cancelled: threading.Event | None = None) -> CompiledGrammar:
         """The constraint's :class:`CompiledGrammar` (blocking; run it off the event loop).
@@ -569,19 +573,12 @@ class GrammarService:
         import llguidance
 
         t0 = time.perf_counter()
-        digest, entry = self._known(so)
+        entry, spec = self._lookup(so)
         if entry is not None:
             with self._lock:
                 self.stats.hits += 1
             return entry
-        spec = grammar_spec(so)
-        self._remember(digest, spec.key)
-        with self._lock:
-            entry = self._cache.get(spec.key)
-            if entry is not None:
-                self._cache.move_to_end(spec.key)
-                self.stats.hits += 1
-                return entry
+        assert spec is not None
         try:
             used, strict_error = self.workers.check(spec, cancelled)
         except StructuredOutputsError:
