@@ -254,6 +254,29 @@ def validate_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+#: The deepest parameter schema accepted, in levels of JSON nesting. Real tool schemas stay
+#: far below it; the bound keeps the (recursive) meta-schema check well inside Python's
+#: recursion limit, so the answer does not depend on how deep the caller's stack is or on
+#: a library that raised the limit.
+MAX_SCHEMA_DEPTH = 64
+
+
+def json_depth(value: Any) -> int:
+    """Levels of nesting of a parsed JSON value (a scalar is 0), counted without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth + 1)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
 @lru_cache(maxsize=256)
 def _schema_problem(schema_json: str) -> str | None:
     """Why a function's parameter schema is refused (None: fine). Cached: agents send the
@@ -261,6 +284,9 @@ def _schema_problem(schema_json: str) -> str | None:
     import jsonschema  # pure Python; imported on first use
 
     schema = json.loads(schema_json)
+    depth = json_depth(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        return f"it is nested too deeply ({depth} levels; at most {MAX_SCHEMA_DEPTH})"
     kind = schema.get("type")
     if kind is not None and kind != "object":
         return f"a function's parameters must be of type 'object', got {kind!r}"

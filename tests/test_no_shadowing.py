@@ -9,6 +9,7 @@ died in transformers' probe of Hugging Face's ``kernels`` with "No module named
 """
 from __future__ import annotations
 
+import importlib.machinery
 import os
 import subprocess
 import sys
@@ -19,16 +20,36 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(code: str, extra_path: Path | None = None) -> subprocess.CompletedProcess:
+def _run(code: str, extra_path: Path | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     if extra_path is not None:  # after the root ('' comes first for python -c)
         env["PYTHONPATH"] = str(extra_path)
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=60)
+
+
+def _installed_elsewhere(name: str) -> str | None:
+    """Where this environment installs a third-party package ``name`` (None: it does not).
+    Recent transformers releases depend on Hugging Face's ``kernels``, so it may be there."""
+    path = [p for p in sys.path if p and Path(p).resolve() != ROOT]
+    spec = importlib.machinery.PathFinder.find_spec(name, path)
+    return spec.origin if spec is not None and spec.loader is not None else None
+
+
+@pytest.mark.parametrize("name", ["kernels", "dpu"])
+def test_installed_third_party_name_is_the_installed_package(name):
+    origin = _installed_elsewhere(name)
+    if origin is None:
+        pytest.skip(f"no third-party {name!r} is installed here (the next test covers that case)")
+    proc = _run(f"import {name}; print({name}.__file__)")
+    assert proc.returncode == 0, proc.stderr[-500:]
+    assert Path(proc.stdout.strip()).resolve() == Path(origin).resolve(), proc.stdout
 
 
 @pytest.mark.parametrize("name", ["kernels", "dpu"])
 def test_absent_third_party_name_finds_nothing_of_ours(name):
+    if _installed_elsewhere(name) is not None:
+        pytest.skip(f"a third-party {name!r} is installed here (the previous test covers that case)")
     proc = _run(f"import {name}; print(getattr({name}, '__file__', None), list({name}.__path__), "
                 f"[k for k in vars({name}) if not k.startswith('__')])")
     assert proc.returncode == 0, proc.stderr[-500:]
@@ -37,11 +58,19 @@ def test_absent_third_party_name_finds_nothing_of_ours(name):
     assert f"No module named '{name}." in sub.stderr, sub.stderr[-500:]
 
 
-def test_transformers_does_not_take_the_folder_for_hugging_faces_kernels():
+def test_transformers_does_not_take_the_folder_for_hugging_faces_kernels(tmp_path):
+    """transformers' probe answers from the root as it does anywhere else: True only where
+    Hugging Face's package is installed (recent transformers depend on it), never because
+    of this checkout's ``kernels/``."""
     pytest.importorskip("transformers")
-    proc = _run("from transformers.utils.import_utils import is_kernels_available; "
-                "import transformers; print(is_kernels_available())")
-    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "False", proc.stderr[-800:]
+    probe = ("from transformers.utils.import_utils import is_kernels_available; "
+             "import transformers; print(is_kernels_available())")
+    at_root, elsewhere = _run(probe), _run(probe, cwd=tmp_path)
+    assert at_root.returncode == 0, at_root.stderr[-800:]
+    assert elsewhere.returncode == 0, elsewhere.stderr[-800:]
+    expected = "True" if _installed_elsewhere("kernels") else "False"
+    assert elsewhere.stdout.strip().splitlines()[-1] == expected, elsewhere.stdout
+    assert at_root.stdout.strip().splitlines()[-1] == expected, at_root.stdout
 
 
 @pytest.mark.parametrize("name", ["kernels", "dpu"])

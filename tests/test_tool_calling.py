@@ -114,6 +114,33 @@ def test_bad_tool_requests_are_400s(qwen_tok: Tokenizer, body: dict, param: str,
     assert engine.submitted == {}
 
 
+def test_tool_schema_depth_is_bounded_whatever_the_recursion_limit() -> None:
+    """The deepest accepted parameter schema does not depend on Python's recursion limit
+    (libraries raise it; CI once saw a 190-level schema pass after one did)."""
+    from blink.dpu.errors import APIError
+    from blink.dpu.tool_calling import MAX_SCHEMA_DEPTH, json_depth, validate_tools
+
+    def tool(levels: int) -> dict:
+        schema: dict = {}
+        for _ in range(levels - 3):  # params, properties, the innermost {}: 3 levels
+            schema = {"type": "array", "items": schema}
+        params = {"type": "object", "properties": {"a": schema}}
+        return {"type": "function", "function": {"name": "f", "parameters": params}}
+
+    assert json_depth(tool(MAX_SCHEMA_DEPTH)["function"]["parameters"]) == MAX_SCHEMA_DEPTH
+    old = sys.getrecursionlimit()
+    try:
+        for limit in (old, 20_000):
+            sys.setrecursionlimit(limit)
+            assert validate_tools([tool(MAX_SCHEMA_DEPTH)])
+            with pytest.raises(APIError, match="nested too deeply"):
+                validate_tools([tool(MAX_SCHEMA_DEPTH + 1)])
+            with pytest.raises(APIError, match="nested too deeply"):
+                validate_tools([tool(190)])
+    finally:
+        sys.setrecursionlimit(old)
+
+
 def test_required_with_no_tools_is_none(qwen_tok: Tokenizer) -> None:
     app = create_app(ScriptedEngine(qwen_tok, "hi"), qwen_tok, model_name=MODEL)
     r = post(app, {"messages": ASK, "tools": [], "tool_choice": "required"})
