@@ -14,9 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blink.fabric.ark import (
-    Ack, ArkAgent, ArkProtocol, Claim, PathPlanner, Release, Transfer, message_from_dict, message_to_dict,
-)
+from blink.fabric.ark import ArkAgent, ArkProtocol, PathPlanner, Transfer
+from blink.fabric.messages import Ack, Claim, Release, message_from_dict, message_to_dict
 from blink.fabric.bus import InProcessHub, TcpBus
 from blink.fabric.ecmp import ROCE_SPORT_MAX, ROCE_SPORT_MIN, EcmpFabric, EcmpHash
 from blink.fabric.topology import LeafSpine

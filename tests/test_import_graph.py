@@ -4,6 +4,11 @@ Every ``import``/``from ... import`` in ``blink/``, ``dpu/`` (``blink.dpu``) and
 (``blink.kernels``), at module level or inside a function, is an edge. The test fails on any
 cycle (strongly connected component of more than one module) and on any ``blink.dpu`` module
 that reaches, directly or not, a module importing torch, triton or cupy.
+
+For cycles, an import under ``if TYPE_CHECKING:`` is an edge too (a type checker, and the
+reader, still see the two modules depend on each other), and importing ``a.b.c`` is also an
+edge to the packages ``a.b`` and ``a`` whose ``__init__`` it runs, except the importer's own
+packages (already running when it runs).
 """
 from __future__ import annotations
 
@@ -52,9 +57,16 @@ def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
     return out
 
 
-def import_graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
-    """(edges between project modules, third-party top-level names each module imports)."""
+def _all_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node, ``if TYPE_CHECKING:`` bodies included."""
+    return list(ast.walk(tree))
+
+
+def import_graph(*, type_checking: bool = False) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """(edges between project modules, third-party top-level names each module imports).
+    ``type_checking``: imports under ``if TYPE_CHECKING:`` are edges too."""
     mods = _modules()
+    nodes = _all_nodes if type_checking else _runtime_nodes
     edges: dict[str, set[str]] = {m: set() for m in mods}
     external: dict[str, set[str]] = {m: set() for m in mods}
 
@@ -70,7 +82,7 @@ def import_graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
         external[src].add(parts[0])
 
     for mod, path in mods.items():
-        for node in _runtime_nodes(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in nodes(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     add(mod, alias.name)
@@ -116,8 +128,28 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def _with_package_inits(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Importing ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` first: an edge to each of
+    those packages, except the importer's own (they are running already when it runs)."""
+    out = {m: set(t) for m, t in edges.items()}
+    for m, targets in edges.items():
+        parts = m.split(".")
+        own = {".".join(parts[:n]) for n in range(1, len(parts) + 1)}
+        for t in targets:
+            tp = t.split(".")
+            out[m].update(p for p in (".".join(tp[:n]) for n in range(1, len(tp)))
+                          if p in edges and p not in own)
+    return out
+
+
+def cycle_graph() -> dict[str, set[str]]:
+    """The graph the cycle test judges: type-only imports and package ``__init__``s included."""
+    edges, _ = import_graph(type_checking=True)
+    return _with_package_inits(edges)
+
+
 def test_the_import_graph_has_no_cycle():
-    edges, _ = import_graph()
+    edges = cycle_graph()
     cycles = _cycles(edges)
     detail = "\n".join(
         "  " + " <-> ".join(c) + "\n    " + "; ".join(f"{a} -> {b}" for a in c for b in sorted(edges[a]) if b in c)
@@ -177,6 +209,43 @@ def test_the_frontend_reaches_no_torch_side_module():
                 parent[n] = m
                 todo.append(n)
     assert not bad, "frontend modules that reach torch/triton/cupy:\n  " + "\n  ".join(bad)
+
+
+def _plant(tmp_path: Path, files: dict[str, str]) -> Path:
+    pkg = tmp_path / "blink"
+    for rel, text in files.items():
+        path = pkg / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return pkg
+
+
+def test_the_detector_sees_a_cycle_under_type_checking(tmp_path, monkeypatch):
+    pkg = _plant(tmp_path, {
+        "__init__.py": "",
+        "a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from blink.b import B\n",
+        "b.py": "from blink.a import x\n",
+    })
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGES", {"blink": pkg})
+    assert _cycles(import_graph()[0]) == []  # at run time there is none
+    assert _cycles(cycle_graph()) == [["blink.a", "blink.b"]]
+
+
+def test_the_detector_sees_a_cycle_through_a_package_init(tmp_path, monkeypatch):
+    pkg = _plant(tmp_path, {
+        "__init__.py": "",
+        "p/__init__.py": "from blink.p.inner import thing\n",
+        "p/inner.py": "from blink.q import helper\n",
+        "q.py": "from blink.p.other import y\n",  # runs blink/p/__init__, which needs blink.q
+        "p/other.py": "y = 1\n",
+        # a package's own modules importing each other through it is no cycle
+        "r/__init__.py": "from blink.r.one import z\n",
+        "r/one.py": "from blink.r.two import w\n",
+        "r/two.py": "w = 1\n",
+    })
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGES", {"blink": pkg})
+    assert _cycles(import_graph()[0]) == []
+    assert _cycles(cycle_graph()) == [["blink.p", "blink.p.inner", "blink.q"]]
 
 
 def test_the_walker_sees_a_planted_cycle(tmp_path, monkeypatch):

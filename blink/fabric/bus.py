@@ -25,7 +25,7 @@ import threading
 from abc import ABC, abstractmethod
 from typing import Callable
 
-from blink.fabric.ark import Message, message_from_dict, message_to_dict
+from blink.fabric.messages import Message, message_from_dict, message_to_dict
 from blink.transport.base import HandshakeError
 from blink.threads.roles import set_thread_name
 from blink.transport.framing import recv_message, send_message

@@ -572,7 +572,8 @@ def connect(
         if info.transport == "verbs":
             from blink.transport.verbs import VerbsTransport
 
-            transport = VerbsTransport(sock, info, timeout_s=timeout_s, **transport_options)
+            transport = VerbsTransport(sock, info.connection, info.total_bytes, timeout_s=timeout_s,
+                                       **transport_options)
             keep_open = True  # the engine keeps our queue pair while this connection lives
             return info, transport
         raise HandshakeError(

@@ -25,15 +25,12 @@ import socket
 import time
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from blink.transport.base import Bytes, HandshakeError, TransportError, as_byte_array, check_range
 from blink.transport.framing import recv_message, send_message
-
-if TYPE_CHECKING:
-    from blink.transport.bootstrap import EngineInfo
 
 logger = logging.getLogger(__name__)
 
@@ -371,19 +368,21 @@ class VerbsTransport:
     """Frontend side: one-sided RDMA to the engine's region over an RC queue pair.
 
     Created by :func:`blink.transport.bootstrap.connect` with the bootstrap socket after the
-    welcome; it finishes the handshake (connect/ready) and keeps the socket open.
+    welcome (its transport fields, ``connection``, and the region's ``total_bytes``); it
+    finishes the handshake (connect/ready) and keeps the socket open.
     """
 
     kind = "verbs"
 
-    def __init__(self, sock: socket.socket, info: "EngineInfo", *, device: str | None = None,
-                 port: int = 1, gid_index: int = 0, depth: int = DEFAULT_DEPTH,
-                 staging_bytes: int = DEFAULT_STAGING_BYTES, timeout_s: float = 10.0) -> None:
+    def __init__(self, sock: socket.socket, connection: dict[str, Any], total_bytes: int, *,
+                 device: str | None = None, port: int = 1, gid_index: int = 0,
+                 depth: int = DEFAULT_DEPTH, staging_bytes: int = DEFAULT_STAGING_BYTES,
+                 timeout_s: float = 10.0) -> None:
         pv = load_pyverbs()
         self.pv, self.depth = pv, depth
-        self.remote = RemoteRegion.from_connection(info.connection, info.total_bytes)
-        remote_ep = VerbsEndpoint.from_dict(info.connection)
-        self.total_bytes = info.total_bytes
+        self.remote = RemoteRegion.from_connection(connection, total_bytes)
+        remote_ep = VerbsEndpoint.from_dict(connection)
+        self.total_bytes = total_bytes
         self._sock = sock
         self._closed = False
         self._wpos = 0  # next free byte in the write staging half

@@ -30,7 +30,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from blink.fabric.ark import ArkProtocol, Message, Outgoing, PathPlanner, Transfer
+from blink.fabric.ark import ArkProtocol, Outgoing, PathPlanner, Transfer
+from blink.fabric.messages import Message
 from blink.fabric.ecmp import ROCE_SPORT_MAX, ROCE_SPORT_MIN, EcmpFabric
 from blink.fabric.sim.workload import FlowSpec
 from blink.fabric.topology import Link
