@@ -8,7 +8,7 @@ machine, though spinning OpenMP threads count too) and batch-16 decode tokens/s.
 
 The engines take turns, round by round, and each keeps its best round: on a shared machine
 the load changes by the minute, and alternating gives every engine the same chances.
-Example (the numbers in docs/benchmarks.md come from this):
+Example (the numbers in docs/performance.md#bf16 come from this):
 
     python benchmarks/bench_executor.py --threads 2
 """

@@ -12,7 +12,7 @@ sampler / update, and the client thread's ring polling) and how many prompts' gr
 outputs agree with transformers'. For a per-function profile of the engine thread use py-spy
 (``py-spy record --format raw -o out.txt -- python benchmarks/bench_offline.py --skip-hf``;
 torch.profiler in the main thread does not see the engine thread). Example (the numbers in
-docs/benchmarks.md come from it):
+docs/performance.md#offline come from it):
 
     python benchmarks/bench_offline.py --threads 2
 """

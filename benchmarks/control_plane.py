@@ -17,7 +17,7 @@ ring's control block counters (the ``/metrics`` endpoint does not expose steps; 
     python benchmarks/control_plane.py --url http://127.0.0.1:8000   # an already running server
 
 The client runs on the same machine as the server: on a small machine, its own CPU use is
-part of what limits the numbers (see docs/benchmarks.md).
+part of what limits the numbers (see docs/performance.md#control-plane).
 """
 from __future__ import annotations
 

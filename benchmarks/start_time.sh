@@ -1,5 +1,5 @@
 #!/bin/bash
-# Usage: bash benchmarks/start_time.sh --compile   (or --enforce-eager); docs/benchmarks.md, "Compiled CPU steps"
+# Usage: bash benchmarks/start_time.sh --compile   (or --enforce-eager); docs/performance.md#start-time
 # time from launch to "Blink is serving" for one blink serve command line; kills it after
 cd /tmp
 start=$(date +%s.%N)

@@ -101,8 +101,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     eager = g.add_mutually_exclusive_group()
     eager.add_argument("--enforce-eager", action="store_true",
                        help="CPU loop: run every step eager (the default on CPU: measured faster "
-                            "than the compiled steps on the CPUs tried, see docs/benchmarks.md, "
-                            "'Compiled CPU steps'); kept for vLLM command lines")
+                            "than the compiled steps on the CPUs tried, see "
+                            "docs/performance.md#compiled); kept for vLLM command lines")
     eager.add_argument("--compile", action="store_true",
                        help="CPU loop: torch.compile the step per token bucket before serving "
                             "(minutes at the first start, ~20 s from --compile-cache-dir after); "

@@ -7,7 +7,7 @@ calls each time, only on other tokens, positions and KV blocks. Per bucket of to
 its own; each later step writes its inputs into those buffers (a few small copies) and
 replays the calls. The Python between the calls (module calls, checks, allocations, ctypes
 argument conversion) is gone: measured on SmolLM2-135M, 16 rows, one core, 36.4 ms eager
-against 26.5 ms for the same calls replayed (docs/benchmarks.md, "Decode steps on CPU graphs").
+against 26.5 ms for the same calls replayed (docs/performance.md#decode-graphs).
 
 A step of n rows runs the graph of the smallest bucket holding n; its extra rows are padding
 (no context, their K/V written to the scratch block, their logits not returned). Every

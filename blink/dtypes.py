@@ -7,7 +7,7 @@ The rule (:func:`resolve_dtype`):
 * ``auto`` on CPU: bfloat16 when the CPU runs bf16 matmuls natively
   (:func:`cpu_has_native_bf16`: AVX512-BF16 or AMX-BF16) and the checkpoint is not a float32
   one; float32 otherwise. On such a CPU the executor's bf16 single-stream decode measured
-  1.5-2.2x its float32 decode (docs/benchmarks.md, "Executor"). A checkpoint whose config says
+  1.5-2.2x its float32 decode (docs/performance.md#bf16). A checkpoint whose config says
   ``torch_dtype: float32`` (or ``dtype``) keeps float32: its author shipped full precision
   and rounding it would change its greedy outputs (vLLM's CPU backend downcasts those to
   bf16 too; Blink does not). A GGUF has no such field and is dequantised to bf16.

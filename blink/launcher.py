@@ -136,7 +136,7 @@ def run_engine(args: argparse.Namespace) -> int:
     # Before torch (and libgomp) load: idle OpenMP workers sleep instead of spinning unless
     # the user chose otherwise. Measured on this shared 2-core host with the thread policy on:
     # 1.85x the output tok/s of spinning workers quiet, 1.54x beside stress-ng (spinning is
-    # ~15 % faster only on an idle dedicated host); docs/benchmarks.md, "Host threads".
+    # ~15 % faster only on an idle dedicated host); docs/performance.md#threads.
     os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY_DEFAULT)
     host, port = parse_host_port(args.listen, "--listen")
     standalone = SUPERVISOR_PID_ENV not in os.environ
@@ -235,7 +235,7 @@ def serve_engine_threads(engines: int = 1) -> int:
     minus one, which the frontend (and, on a test box, the client) needs, shared by the
     engines. Measured on a 2-core host, one engine, passive OpenMP waits, two runs each:
     1 compute thread gave 1.25x the output tok/s of 2 at 16 streams and 1.34x single-stream
-    (docs/benchmarks.md, "Thread layout"). ``blink engine`` alone (its frontend elsewhere, as
+    (docs/performance.md#threads). ``blink engine`` alone (its frontend elsewhere, as
     on a DPU) and the offline ``LLM`` keep torch's default, every core."""
     return max(1, (_cores() - 1) // max(1, engines))
 
@@ -246,7 +246,7 @@ def serve_kernel_threads(engines: int = 1) -> int:
     parts go to whichever thread is free and the workers sleep between steps
     (kernels/cpu_pool.c), so the frontend's core is borrowed, never waited for: on 2 threads a
     4 x 128-token prefill step ran 1.6x faster, and a 16-stream serve 1.16-1.22x
-    (docs/benchmarks.md, "Kernel threads", "Decode steps on both cores")."""
+    (docs/performance.md#kernel-threads)."""
     return max(1, _cores() // max(1, engines))
 
 

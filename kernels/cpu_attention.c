@@ -25,7 +25,7 @@
  * K rows, read where they lie (the cache's slot stride as the tile's row stride), times the
  * G query heads' pairs laid out once per (token, KV head); the softmax and the product with V
  * stay on AVX-512 (V would need its key pairs interleaved first). 1.13-1.16x the attention of
- * a 16 x 192 decode step over 30 layers' caches (docs/benchmarks.md, session 27).
+ * a 16 x 192 decode step over 30 layers' caches (docs/performance.md#cpu-attention).
  */
 #include <math.h>
 #include <stdint.h>

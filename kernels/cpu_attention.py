@@ -45,8 +45,8 @@ _SOURCE = Path(__file__).with_name("cpu_attention.c")
 #: without AVX-512: tests, diagnosis); unset: automatic
 IMPL_ENV = "BLINK_CPU_ATTENTION"
 # Cost model of the two paths per layer, ns per unit, fitted on SmolLM2's shapes (9 heads,
-# 3 KV heads, D 64, bf16; docs/benchmarks.md, "C attention kernel and fused elementwise
-# ops"): the C kernel costs per (token, visible key); SDPA per (tile, key) for the gather
+# 3 KV heads, D 64, bf16; docs/performance.md#cpu-attention): the C kernel costs per
+# (token, visible key); SDPA per (tile, key) for the gather
 # plus per (tile, query slot, key) for the blocked product, plus a fixed cost per call. Only
 # their ratio matters.
 _NATIVE_NS_PER_VISIT = 70.0
@@ -68,7 +68,7 @@ def _declare(library: ctypes.CDLL) -> None:
     cpu_pool.attach(library)  # calls that split run on the process's one pool
     library.blink_has_avx512.restype = ctypes.c_int
     if not library.blink_has_avx512() and LIBRARY.switch() != "c":
-        # measured 0.26-0.9x the torch path on an AVX2 build (docs/benchmarks.md)
+        # measured 0.26-0.9x the torch path on an AVX2 build (docs/performance.md#cpu-attention)
         raise NativeBuildError("this CPU has no AVX-512, without which the kernel is slower than SDPA")
     library.blink_paged_attention_tile_min_tokens.restype = ctypes.c_int
     library.tile_min_tokens = int(library.blink_paged_attention_tile_min_tokens())  # read per call

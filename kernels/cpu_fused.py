@@ -5,8 +5,8 @@ names and signatures: each is one C call where the torch reference
 Why: at a decode step's sizes an aten op costs a few microseconds of dispatch whatever it
 computes, and a SmolLM2 layer spends ~45 of them on norms, the rotary embedding, the KV-cache
 write and the gated activation: one C call each made the one-row step 1.22x faster (25.3 ->
-20.7 ms) and the 16-row one 1.25x (docs/benchmarks.md, "C attention kernel and fused
-elementwise ops"). The C functions do the reference's fp32 arithmetic in its order and round
+20.7 ms) and the 16-row one 1.25x (docs/performance.md#cpu-fused). The C functions do
+the reference's fp32 arithmetic in its order and round
 to bf16 where it rounds; ``tests/test_cpu_fused.py`` holds them to the reference's bits (the
 norm and SiLU to one bf16 step where an fp32 sum or exp lands on a rounding edge).
 

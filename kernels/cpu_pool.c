@@ -18,7 +18,7 @@
  * is not running when a call starts (preempted, or still waking) leaves its part to the
  * caller instead of holding up the call. With one part assigned per thread, splitting a
  * decode step's calls served slower than not splitting them (session 27); claimed, it serves
- * 1.16-1.22x faster (docs/benchmarks.md, "Decode steps on both cores").
+ * 1.16-1.22x faster (docs/performance.md#kernel-threads).
  */
 #define _GNU_SOURCE /* pthread_setname_np */
 #include <pthread.h>

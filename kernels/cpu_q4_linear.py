@@ -7,8 +7,7 @@ grows with the rows; here AMX does the arithmetic (one tile product per 32 chann
 columns for up to 16 rows), so the cost stays near flat up to a decode batch: 2.0x the bf16
 projections' speed at 16 rows; larger steps (prefills) rebuild bf16 weights once per panel
 of 512 rows and run plain tile products, about as fast as oneDNN on a bf16 copy
-(docs/benchmarks.md, "4-bit weights at decode-batch sizes", "The 4-bit prefill path: K
-slabs, parts of rows").
+(docs/performance.md#int4, docs/performance.md#cpu-prefill).
 :mod:`blink.models.int4_linear` decides which kernel a weight gets and for which steps.
 
 Arithmetic (steps of up to 32 rows): ``x . w = d (x . q) + m sum(x)`` per group of 32 channels, with the codes q as

@@ -21,7 +21,7 @@ os.environ.setdefault("BLINK_ENFORCE_EAGER", "1")
 def one_torch_thread():
     """One torch thread for a module (``pytest.mark.usefixtures("one_torch_thread")``): on a
     shared 2-core machine two OpenMP threads wait on each other for milliseconds per op (see
-    docs/benchmarks.md, Executor); restored afterwards. torch is imported only when used."""
+    docs/performance.md#threads); restored afterwards. torch is imported only when used."""
     import torch
 
     previous = torch.get_num_threads()

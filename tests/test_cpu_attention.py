@@ -152,7 +152,7 @@ def test_shapes_the_kernel_does_not_take_go_to_sdpa():
 ])
 def test_which_path_a_step_takes(rows, native):
     """The cost estimate picks the path that was faster for these steps on SmolLM2's shapes
-    (docs/benchmarks.md, "C attention kernel and fused elementwise ops"), and is made once per step."""
+    (docs/performance.md#cpu-attention), and is made once per step."""
     k_cache, v_cache, _, _, md, _ = make_batch(rows, n_kv_heads=3, head_dim=64, block_size=16,
                                                dtype=torch.bfloat16)
     md = dataclasses.replace(md, max_context=max(c + n for c, n in rows),
@@ -291,7 +291,7 @@ def test_amx_tiles_reject_a_block_outside_the_cache():
 def test_with_tiles_the_kernel_takes_prefills_too(rows):
     """With tiles for rows of 8 new tokens or more, the estimate gives the C kernel every
     one of these steps, the prefills that SDPA took without them included (measured 1.7-3.2x
-    SDPA on SmolLM2's shapes, docs/benchmarks.md "AMX tiles for prompt rows")."""
+    SDPA on SmolLM2's shapes, docs/performance.md#cpu-attention)."""
     _, _, _, _, md, _ = make_batch(rows, n_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
     md = dataclasses.replace(md, max_context=max(c + n for c, n in rows),
                              max_query_len=max(n for c, n in rows))

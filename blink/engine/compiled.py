@@ -57,7 +57,7 @@ Progress = Callable[[str], None]
 def enforce_eager_default() -> bool:
     """``EngineConfig.enforce_eager``'s default: ``$BLINK_ENFORCE_EAGER`` when set, else True
     (eager): on the CPUs measured so far the compiled steps were not faster than eager
-    (docs/benchmarks.md, "Compiled CPU steps"), and a first compiled start takes minutes.
+    (docs/performance.md#compiled), and a first compiled start takes minutes.
     ``--compile`` (or ``BLINK_ENFORCE_EAGER=0``) opts in."""
     return os.environ.get(ENFORCE_EAGER_ENV, "1").strip().lower() not in ("0", "false", "no")
 

@@ -73,7 +73,7 @@ class EngineConfig:
     kv_cache_tokens: int | None = None
     kv_cache_memory_gib: float = 1.0
     max_num_seqs: int = 256
-    #: the step's token budget (vLLM's default; docs/benchmarks.md, "Session 27 run")
+    #: the step's token budget (vLLM's default; docs/performance.md#token-budget)
     max_num_batched_tokens: int = 2048
     max_admit_per_step: int = 16
     enable_prefix_caching: bool = True
@@ -163,7 +163,7 @@ class Engine:
         # once a process holds more OpenMP threads than cores, and a second team in this
         # (constructing) thread would make the loop's workers sleep and be woken between every
         # two ops. Measured on 2 cores, bf16 SmolLM2 decode: 36 -> 55 tok/s single stream,
-        # 270 -> 326 tok/s at batch 16 (docs/benchmarks.md, "Executor").
+        # 270 -> 326 tok/s at batch 16 (docs/performance.md#threads).
         for name in ("threads", "kernel_threads"):
             value = getattr(config, name)
             if value is not None and value < 1:

@@ -37,7 +37,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 #: Steps with at most this many logits rows take the Q8_0 head (:meth:`DecoderForCausalLM.use_q8_head`).
 #: Measured on SmolLM2 (49152 x 576 head), one thread, Xeon with AMX: whole decode steps 1.14x
 #: faster at 1 row, 1.03x at 16, the same at 32-64, where the kernel rebuilds the head's bf16
-#: weights per call (docs/benchmarks.md, "The Q8_0 head on AMX").
+#: weights per call (docs/performance.md#q8-head).
 Q8_HEAD_MAX_ROWS = 32
 
 

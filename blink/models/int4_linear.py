@@ -12,8 +12,8 @@ bf16 copy (~4x fewer bytes), in the layout of one of two kernels:
   over all of SmolLM2's projections 3.0x faster than bf16 at 1 row and 2.0x at 16; from 33
   rows on it rebuilds the bf16 weights once per panel of 512 rows and runs plain tile
   products: whole prefill steps on 2 threads 1.34-1.73x faster than on the packed bf16 copy
-  (1 x 128 to 16 x 128 tokens; docs/benchmarks.md, "4-bit weights at decode-batch sizes",
-  "The 4-bit prefill path: K slabs, parts of rows"). So every step uses it, and the
+  (1 x 128 to 16 x 128 tokens; docs/performance.md#cpu-prefill, docs/performance.md#int4).
+  So every step uses it, and the
   projection's bf16 copy is not kept (:meth:`blink.models.decoder.Linear.pack`).
 - ``avx512`` / ``avx2``: Blink's C kernel for CPUs without AMX
   (:mod:`blink.kernels.cpu_quant_linear`, the build the CPU's flags allow; AMD Zen 4, Xeons
@@ -54,8 +54,7 @@ AMX_MAX_ROWS: int | None = None
 
 #: Steps with at most this many tokens use the kernel for CPUs without AMX, per build.
 #: Measured over SmolLM2-135M's projections and head, one thread, against oneDNN's bf16
-#: product without AMX (benchmarks/bench_int4.py, docs/benchmarks.md "4-bit and K-quant
-#: kernels without AMX").
+#: product without AMX (benchmarks/bench_int4.py, docs/performance.md#quant-no-amx).
 NATIVE_MAX_ROWS = {"avx512": 32, "avx2": 8}
 
 #: Input channels per scale/zero pair: ggml's Q4_0/Q4_1 block.

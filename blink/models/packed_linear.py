@@ -6,7 +6,7 @@ reorder costs as much as the product itself. Reordering each weight once
 (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's CPU weight prepacking does when
 it freezes a graph) and calling oneDNN's linear on the packed tensor
 (``torch.ops.mkldnn._linear_pointwise``) measured about 2x faster per decoder layer at 1 and
-16 rows on SmolLM2-135M (docs/benchmarks.md, "Forward"). The results are the same bits as
+16 rows on SmolLM2-135M (docs/performance.md#bf16). The results are the same bits as
 ``F.linear``'s oneDNN path (tests/test_packed_linear.py).
 
 Only bf16 is packed: float32 gained nothing stable here, and float32 stays bit-exact with

@@ -28,7 +28,7 @@ static void *copy_part(void *arg) {
         if (i + 1 < p->n) {
             /* The next piece starts at an unrelated address, where the hardware prefetcher
              * has nothing to go on: ask for its first lines now (measured ~8% faster for
-             * 6 KiB pieces, docs/benchmarks.md "KV transfer"). */
+             * 6 KiB pieces, docs/performance.md#kv-transfer). */
             const char *next_src = (const char *)(intptr_t)p->seg[i + 1].src;
             const char *next_dst = p->dst + p->seg[i + 1].dst_offset;
             for (int line = 0; line < 512; line += 64) {

@@ -4,7 +4,7 @@ region in one call, each byte moved once (``host_copy.c``, compiled at first use
 What it is for: a KV transfer from a fragmented block pool is one 6 KiB piece per block,
 layer and K/V (thousands per prompt). A Python loop pays more per piece than the copy costs,
 and numpy's gather-then-scatter moves every byte twice; either way the transfer ran at about
-half a memcpy (docs/benchmarks.md, "KV transfer"). The C loop is a list of ``memcpy`` calls,
+half a memcpy (docs/performance.md#kv-transfer). The C loop is a list of ``memcpy`` calls,
 split by bytes over the caller's thread count, the loopback counterpart of an RDMA WRITE list.
 
 It is built with the system C compiler once per machine

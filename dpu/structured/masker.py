@@ -10,7 +10,7 @@ The masks are computed in the ring poller, beside every other stream's tokens, s
 request's grammar must not cost the others their latency: a request whose mask takes longer
 than :data:`MASK_TIME_LIMIT_S` for one token is ended with an error naming the limit
 (measured on the real-world corpus: p99 0.4 ms, max 43 ms on a loaded 2-core machine; only
-ambiguous grammars go past it, docs/benchmarks.md "Structured outputs: mask cost").
+ambiguous grammars go past it, docs/performance.md#structured-outputs).
 """
 from __future__ import annotations
 
