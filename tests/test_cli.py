@@ -270,12 +270,12 @@ def test_disaggregated_engines_share_the_compute_cores_from_the_first_start(monk
 def test_cpu_graphs_and_the_token_budget_reach_the_engine(argv, graphs, budget):
     """``--cpu-graphs`` (on unless ``off``) and ``--max-num-batched-tokens`` (vLLM's default
     2048) land in the engine's config, for ``blink engine`` and as ``blink serve`` passes them on."""
-    from blink.launcher import _ENGINE_FLAGS, _flags, engine_config_from_args
+    from blink.launcher import engine_child_argv, engine_config_from_args
 
     for command in ("engine", "serve"):
         args = parse_args([command, *argv])
         config = engine_config_from_args(args)
         assert (config.cpu_graphs, config.max_num_batched_tokens) == (graphs, budget)
-    passed = _flags(parse_args(["serve", *argv]), _ENGINE_FLAGS)
+    passed = engine_child_argv(parse_args(["serve", *argv]))
     assert passed[passed.index("--cpu-graphs") + 1] == ("auto" if graphs else "off")
     assert passed[passed.index("--max-num-batched-tokens") + 1] == str(budget)

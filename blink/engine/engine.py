@@ -13,6 +13,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -31,6 +32,7 @@ from blink.engine.sampler import Sampler
 from blink.engine.scheduler import Scheduler
 from blink.engine.state import SchedulerConfig, ring_tensors
 from blink.engine.token_mask import DEFAULT_MASK_TIMEOUT_S
+from blink.engine_options import DISAGG_ROLES, config_default
 from blink.errors import BlinkError
 from blink.kernels.cpu_threads import set_kernel_threads
 from blink.executor import ModelExecutor
@@ -57,64 +59,68 @@ from blink.transport import Region, create_region
 log = logging.getLogger("blink.engine")
 
 DEFAULT_MAX_MODEL_LEN = 8192
-#: engine roles (docs/disaggregation.md)
-ROLES = ("both", "prefill", "decode")
 
 
 @dataclass
 class EngineConfig:
-    """Everything that sizes the engine. Defaults suit CPU serving of a small model."""
+    """Everything that sizes the engine. Defaults suit CPU serving of a small model.
 
-    model: str = "smollm2-135m"
-    dtype: str = "auto"  # auto | float32 | bfloat16 (auto: see blink.dtypes)
-    device: str = "auto"  # auto | cpu | cuda
-    max_model_len: int | None = None
-    block_size: int = 16
-    kv_cache_tokens: int | None = None
-    kv_cache_memory_gib: float = 1.0
-    max_num_seqs: int = 256
+    A field a flag sets takes its default from the flag's one declaration
+    (:func:`blink.engine_options.config_default`; the flag's help says what it means); the
+    rest have no flag. The ring's and the scheduler's configs are derived from it
+    (:meth:`ring_config`, :meth:`scheduler_config`)."""
+
+    model: str = config_default("model")
+    dtype: str = config_default("dtype")  # auto | float32 | bfloat16 (auto: see blink.dtypes)
+    device: str = config_default("device")  # auto | cpu | cuda
+    max_model_len: int | None = config_default("max_model_len")
+    block_size: int = config_default("block_size")
+    kv_cache_tokens: int | None = config_default("kv_cache_tokens")
+    kv_cache_memory_gib: float = config_default("kv_cache_memory_gib")
+    max_num_seqs: int = config_default("max_num_seqs")
     #: the step's token budget (vLLM's default; docs/performance.md#token-budget)
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = config_default("max_num_batched_tokens")
     max_admit_per_step: int = 16
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = config_default("enable_prefix_caching")
     stream_capacity: int = 64
     #: structured outputs: the ring gets a token-mask row per slot (off: constrained
     #: requests are refused with 400)
-    structured_outputs: bool = True
+    structured_outputs: bool = config_default("structured_outputs")
     #: how long a constrained row waits at the sampling gate for its token mask
     #: (blink.engine.token_mask) before the request fails with an error
-    mask_timeout_s: float = DEFAULT_MASK_TIMEOUT_S
+    mask_timeout_s: float = config_default("mask_timeout_s")
     #: most logprobs a request may ask for (vLLM's --max-logprobs): the ring's logprob columns
-    max_logprobs: int = 20
-    transport: str = "loopback"  # loopback | verbs | inprocess (a frontend in this process: LLM)
-    threads: int | None = None
+    max_logprobs: int = config_default("max_logprobs")
+    #: loopback | verbs | inprocess (a frontend in this process: LLM)
+    transport: str = config_default("transport")
+    threads: int | None = config_default("threads")
     #: CPU loop: threads the CPU kernels may split one call over (the projections, attention,
     #: norms and SiLU of prefills and decode steps, parts claimed by whichever thread is free):
     #: blink.kernels.cpu_threads. None: ``threads``
-    kernel_threads: int | None = None
+    kernel_threads: int | None = config_default("kernel_threads")
     #: how long a stop with drain waits for requests in flight (every loop kind uses this one)
     drain_timeout_s: float = 30.0
     #: CPU loop: run eager instead of torch.compile'd steps (default: $BLINK_ENFORCE_EAGER,
     #: else False; the test suite sets it). See blink.engine.compiled.
     enforce_eager: bool = field(default_factory=enforce_eager_default)
     #: where compiled code is cached (None: $BLINK_COMPILE_CACHE_DIR, else ~/.cache/blink/inductor)
-    compile_cache_dir: str | None = None
+    compile_cache_dir: str | None = config_default("compile_cache_dir")
     #: CPU bf16, eager: steps of few tokens run a GGUF file's Q4_0/Q4_1 projections on its
     #: own 4-bit codes (blink.models.int4_linear); False: always the bf16 copy
-    int4_decode: bool = True
+    int4_decode: bool = config_default("int4_decode")
     #: CPU loop, eager: steps whose every row decodes one token replay graphs of their C kernel
     #: calls (blink.decode_graphs); False: every step runs the Python forward
-    cpu_graphs: bool = True
+    cpu_graphs: bool = config_default("cpu_graphs")
     #: disaggregation (docs/disaggregation.md): "both" (prefill and decode, the default),
     #: "prefill" (also sends a request's prompt KV to a decode engine) or "decode" (also
     #: reserves blocks for prompts whose KV a prefill engine writes into its KV region)
-    role: str = "both"
+    role: str = config_default("role")
     #: prefill role: the decode engines' bootstrap addresses (HOST:PORT), indexed by kv_peer
-    kv_peers: tuple[str, ...] = ()
+    kv_peers: tuple[str, ...] = config_default("kv_peers")
     #: prefill role: the fabric file (ARK path selection for the KV transfers,
     #: blink.fabric.kv_paths) and which of its senders this engine is; None: ARK off
-    fabric: str | None = None
-    fabric_sender: str | None = None
+    fabric: str | None = config_default("fabric")
+    fabric_sender: str | None = config_default("fabric_sender")
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -131,6 +137,40 @@ class EngineConfig:
     def dtype_choice(self, device: torch.device, checkpoint_dtype: str | None = None) -> tuple[str, str]:
         """``(dtype name, why)``: :meth:`resolved_dtype` with the reason, for the start log."""
         return resolve_dtype(self.dtype, device.type, checkpoint_dtype)
+
+    def max_kv_blocks(self, max_model_len: int) -> int:
+        """The most KV blocks one prompt can have when this engine takes part in
+        disaggregation (the width of the ring's kv block-id fields); 0 for ``role`` both."""
+        return 0 if self.role == "both" else -(-max_model_len // self.block_size)
+
+    def ring_config(self, *, max_model_len: int, vocab_size: int) -> RingConfig:
+        """The ring's sizes for this engine; the model gives the resolved ``max_model_len``
+        and the logits' width (``vocab_size``, for the token masks)."""
+        return RingConfig(
+            n_slots=self.max_num_seqs,
+            arena_tokens=max(4 * max_model_len, 1 << 18),
+            stream_capacity=self.stream_capacity,
+            max_logprobs=self.max_logprobs,
+            max_model_len=max_model_len,
+            mask_words=mask_words_for(vocab_size) if self.structured_outputs else 0,
+            max_kv_blocks=self.max_kv_blocks(max_model_len),
+        )
+
+    def scheduler_config(self, *, num_blocks: int, max_model_len: int,
+                         eos_token_ids: Sequence[int]) -> SchedulerConfig:
+        """The scheduler's config for this engine; the model and the KV cache's size give
+        ``num_blocks``, the resolved ``max_model_len`` and the EOS ids."""
+        return SchedulerConfig(
+            block_size=self.block_size,
+            num_blocks=num_blocks,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_admit_per_step=self.max_admit_per_step,
+            # decode role: rows whose KV arrived have no prefix hash chain to extend
+            enable_prefix_caching=self.enable_prefix_caching and self.role != "decode",
+            eos_token_ids=list(eos_token_ids),
+            mask_timeout_s=self.mask_timeout_s,
+        )
 
 
 def _kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -191,8 +231,8 @@ class Engine:
         from blink.engine.null_model import NullExecutor, is_null_model, open_null_model
         from blink.loader import open_model
 
-        if config.role not in ROLES:
-            raise BlinkError(f"--role must be one of {', '.join(ROLES)}, got {config.role!r}")
+        if config.role not in DISAGG_ROLES:
+            raise BlinkError(f"--role must be one of {', '.join(DISAGG_ROLES)}, got {config.role!r}")
         if config.role == "prefill" and not config.kv_peers:
             raise BlinkError("--role prefill needs --kv-peer HOST:PORT (a decode engine's "
                              "bootstrap address; repeat the flag for more)")
@@ -244,37 +284,20 @@ class Engine:
         self.source = str(files.source)
         self.kv_region: Region | None = None
         self.kv_layout: KVLayout | None = None
-        max_kv_blocks = 0
         if config.role != "both":
-            max_kv_blocks = -(-self.max_model_len // config.block_size)
             self.kv_layout = KVLayout.of_executor(self.executor, dtype)
         if config.role == "decode":
             # The KV cache lives in a transport region a prefill engine writes into.
             self.kv_region = create_region(config.transport, self.kv_layout.total_bytes)
             self._kv_view = share_kv_cache(self.executor, self.kv_layout, self.kv_region.buffer)
 
-        self.ring_config = RingConfig(
-            n_slots=config.max_num_seqs,
-            arena_tokens=max(4 * self.max_model_len, 1 << 18),
-            stream_capacity=config.stream_capacity,
-            max_logprobs=config.max_logprobs,
-            max_model_len=self.max_model_len,
-            mask_words=mask_words_for(model_config.vocab_size) if config.structured_outputs else 0,
-            max_kv_blocks=max_kv_blocks,
-        )
+        self.ring_config = config.ring_config(max_model_len=self.max_model_len,
+                                              vocab_size=model_config.vocab_size)
         self.region = self._create_region(RingLayout(self.ring_config).total_bytes)
         self.ring = Ring.create(self.region.buffer, self.ring_config)
-        self.scheduler_config = SchedulerConfig(
-            block_size=config.block_size,
-            num_blocks=num_blocks,
-            max_model_len=self.max_model_len,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_admit_per_step=config.max_admit_per_step,
-            # decode role: rows whose KV arrived have no prefix hash chain to extend
-            enable_prefix_caching=config.enable_prefix_caching and config.role != "decode",
-            eos_token_ids=list(model_config.eos_token_ids),
-            mask_timeout_s=config.mask_timeout_s,
-        )
+        self.scheduler_config = config.scheduler_config(
+            num_blocks=num_blocks, max_model_len=self.max_model_len,
+            eos_token_ids=model_config.eos_token_ids)
         self.scheduler = Scheduler(self.scheduler_config, self._ring_tensors(), self.device)
         self.sampler = Sampler(max_logprobs=max(self.ring_config.max_logprobs, 1))
 
