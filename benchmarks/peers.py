@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+# (raw os.environ: this file also runs as the transformers peer's server, without blink;
+# the variable is registered in blink/env.py)
 PEERS_DIR = Path(os.environ.get("BLINK_PEERS_DIR", "/opt/blink-peers"))
 ALL_PEERS = ("blink", "llamacpp", "vllm", "transformers")
 

@@ -35,6 +35,25 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+class _HelpEnvAction(argparse.Action):
+    """``blink --help-env``: the BLINK_* environment variables (blink/env.py), then exit."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS,
+                 help: str | None = None) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from blink.env import help_text
+
+        print(help_text())
+        parser.exit()
+
+
+#: the line ``blink serve --help`` and ``blink engine --help`` end with
+ENV_EPILOG = ("Environment variables (BLINK_*): 'blink --help-env' lists them. Threads: "
+              "docs/threads.md.")
+
+
 class ConfigFileError(BlinkError):
     """A --config file cannot be read or names an unknown option."""
 
@@ -254,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"blink {blink_version()}")
+    parser.add_argument("--help-env", action=_HelpEnvAction,
+                        help="list the BLINK_* environment variables Blink reads, and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     serve = sub.add_parser(
@@ -261,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start the engine and the HTTP frontend as two processes talking over the "
                     "ring transport, and print the URL when ready. Ctrl-C drains and exits. "
                     f"Takes 'vllm serve' command lines ({VLLM_MIGRATION_DOC}).",
-        formatter_class=HelpFormatter,
+        epilog=ENV_EPILOG, formatter_class=HelpFormatter,
     )
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                        help="the model, as vllm serve takes it: the same as --model")
@@ -328,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
         "engine", help="run only the engine (the host half of a DPU deployment)",
         description="Load the model, create the ring, run the device loop and wait for a frontend "
                     "to connect through the bootstrap listener.",
-        formatter_class=HelpFormatter,
+        epilog=ENV_EPILOG, formatter_class=HelpFormatter,
     )
     _add_config_arg(engine)
     _add_engine_args(engine)

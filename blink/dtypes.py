@@ -22,6 +22,7 @@ import functools
 import os
 from pathlib import Path
 
+from blink import env as blink_env
 from blink.errors import BlinkError
 
 #: ``/proc/cpuinfo`` flags of x86 CPUs whose bf16 dot products run in hardware.
@@ -69,7 +70,7 @@ def cpu_has_native_bf16(flags: frozenset[str] | set[str] | None = None) -> bool:
     ``/proc/cpuinfo``) decides; where there is no cpuinfo, torch's CPU probe does. Other
     CPUs (ARM's BF16 extension included) answer False: bf16 was not measured faster there.
     """
-    env = os.environ.get(CPU_BF16_ENV, "").strip().lower()
+    env = blink_env.choice(CPU_BF16_ENV)
     if env in _FALSE:
         return False
     if env in _TRUE:
@@ -101,6 +102,6 @@ def resolve_dtype(requested: str, device_type: str, checkpoint_dtype: str | None
         native_bf16 = cpu_has_native_bf16()
     if native_bf16:
         return "bfloat16", "auto on CPU: native bf16"
-    off = os.environ.get(CPU_BF16_ENV, "").strip().lower() in _FALSE
+    off = blink_env.choice(CPU_BF16_ENV) in _FALSE
     reason = f"{CPU_BF16_ENV}=0" if off else "no native bf16"
     return "float32", f"auto on CPU: {reason}"

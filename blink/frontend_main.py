@@ -20,6 +20,7 @@ from blink.cli_args import (
     connection_limits,
     parse_host_port,
 )
+from blink import env as blink_env
 from blink.errors import BlinkError
 from blink.logs import configure_logging
 from blink.supervision import raise_open_files_limit, watch_supervisor
@@ -89,7 +90,7 @@ async def _serve(args: argparse.Namespace, addresses: list[tuple[str, int]]) -> 
             tokenizer.use_chat_template(read_chat_template(args.chat_template))
         seed_unseeded_requests(args.seed)
         model_name = getattr(args, "served_model_name", None) or engine.model_name  # a list
-        api_key = args.api_key or os.environ.get("BLINK_API_KEY") or None
+        api_key = args.api_key or blink_env.get("BLINK_API_KEY") or None
         app = create_app(engine, tokenizer, model_name=model_name, api_key=api_key,
                          **app_options(args))  # request limits, docs (blink.dpu.limits)
         # log_config=None: uvicorn's loggers go to Blink's handler (blink.logs); the access

@@ -47,6 +47,7 @@ from blink.cli_args import (
     frontend_passed_args,
     parse_host_port,
 )
+from blink import env as blink_env
 from blink.engine_options import SHARED_SERVE_FLAGS, engine_config_kwargs, forwarded_argv
 from blink.errors import BlinkError
 from blink.logs import configure_logging
@@ -112,7 +113,7 @@ def run_engine(args: argparse.Namespace) -> int:
     # ~15 % faster only on an idle dedicated host); docs/performance.md#threads.
     os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY_DEFAULT)
     host, port = parse_host_port(args.listen, "--listen")
-    standalone = SUPERVISOR_PID_ENV not in os.environ
+    standalone = blink_env.get(SUPERVISOR_PID_ENV) is None
     for note in check_vllm_flags(args):  # blink serve checked them already; blink engine not
         engine_logger.warning("%s", note)
     secret, secret_path, secret_created = engine_secret(args)  # before the slow model load
@@ -140,7 +141,7 @@ def run_engine(args: argparse.Namespace) -> int:
     engine = create_engine(engine_config_from_args(args), loop=args.loop)
     # Before the engine starts its threads: each gets its policy as it is named.
     threads = start_thread_policy("engine", thread_policy,
-                                  snapshot_path=os.environ.get(SNAPSHOT_ENV))
+                                  snapshot_path=blink_env.get(SNAPSHOT_ENV))
     server = None
     try:
         model_name = (args.served_model_name or [args.model])[0]

@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Callable
 
+from blink import env as blink_env
 from blink.threads.roles import set_thread_name
 
 #: environment variable that tells a child the pid of the ``blink serve`` it must die with
@@ -55,7 +56,7 @@ def watch_supervisor(what: str, on_orphan: Callable[[], None] | None = None
     alive ``ORPHAN_GRACE_S`` later, removes its shared-memory regions and exits hard. Returns
     a function telling whether the supervisor is gone.
     """
-    value = os.environ.pop(SUPERVISOR_PID_ENV, None)
+    value = blink_env.pop(SUPERVISOR_PID_ENV)
     if not value or not value.isdigit():
         return None
     supervisor = int(value)

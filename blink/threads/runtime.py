@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from blink import env as blink_env
 from blink.threads.policy import SettingResult, ThreadPolicy, apply_autogroup, apply_rule
 from blink.threads.roles import on_thread_named, role_label, set_thread_name, task_ids, task_name
 from blink.threads.syscalls import Capabilities, Syscalls, probe
@@ -208,7 +209,7 @@ def current_runtime() -> ThreadPolicyRuntime | None:
 def snapshot_sources() -> list:
     """What a frontend's ``/metrics`` shows about threads: this process's runtime (when one
     runs) and the engine's snapshot file (when ``blink serve`` named one), read at scrape."""
-    path = os.environ.get(SNAPSHOT_ENV)
+    path = blink_env.get(SNAPSHOT_ENV)
 
     def own() -> dict[str, Any] | None:
         runtime = current_runtime()

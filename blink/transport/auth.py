@@ -28,6 +28,7 @@ import stat
 import tempfile
 from pathlib import Path
 
+from blink import env as blink_env
 from blink.transport.base import TransportError
 
 #: environment variable ``blink serve`` passes the secret to its children in
@@ -147,7 +148,7 @@ def default_secret_path(port: int) -> Path:
 def secret_from_env(remove: bool = True) -> bytes | None:
     """The secret a supervisor passed in :data:`SECRET_ENV`, removed from this process's
     environment (so children do not inherit it) unless ``remove`` is False."""
-    value = os.environ.pop(SECRET_ENV, None) if remove else os.environ.get(SECRET_ENV)
+    value = blink_env.pop(SECRET_ENV) if remove else blink_env.get(SECRET_ENV)
     if not value:
         return None
     return check_secret(value.strip().encode(), f"${SECRET_ENV}")
