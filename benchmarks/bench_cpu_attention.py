@@ -1,6 +1,6 @@
 """The eager CPU paged attention's two paths side by side, per layer: the C kernel (with its AMX
 tiles for prompt rows where the CPU has them) and SDPA over gathered blocks
-(blink.kernels.cpu_attention), on SmolLM2's heads, with the path the per-step cost estimate
+(blink.kernels.cpu.attention), on SmolLM2's heads, with the path the per-step cost estimate
 picks.
 
 Each step shape is a mix of (cached tokens, new tokens) rows; both paths run the same call
@@ -48,7 +48,7 @@ def main() -> None:
 
     import torch
 
-    from blink.kernels import cpu_attention
+    from blink.kernels.cpu import attention as cpu_attention
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from attention_cases import make_batch

@@ -1,4 +1,4 @@
-"""The fused CPU ops (kernels/cpu_fused.c) per call, in one run: this host's build, a build of
+"""The fused CPU ops (kernels/cpu/fused.c) per call, in one run: this host's build, a build of
 the same source without AVX512-BF16 (the scalar loops the compiler vectorises itself, what
 every build ran before the intrinsics), and the torch references.
 
@@ -27,7 +27,8 @@ def main() -> None:
 
     import torch
 
-    from blink.kernels import cpu_fused, reference
+    from blink.kernels.cpu import fused as cpu_fused
+    from blink.kernels.reference import layers as reference
     from blink.shared.native_build import build_library
 
     torch.set_num_threads(1)

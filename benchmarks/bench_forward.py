@@ -6,11 +6,11 @@ reference``, the default: plain weights, every projection through ``F.linear``:
 ``--before no-int4``: today's forward with ``int4_decode=False``, which isolates the int4
 path for small steps, blink.models.int4_linear; or ``--before sdpa-attention``: today's
 forward with the paged attention always on the torch path, which isolates the C attention
-kernel, blink.kernels.cpu_attention; or ``--before torch-elementwise``: today's forward with
+kernel, blink.kernels.cpu.attention; or ``--before torch-elementwise``: today's forward with
 the torch references for the norms, rotary embedding, KV write and SiLU, which isolates
-blink.kernels.cpu_fused; or ``--before torch-int4``: today's forward with the 4-bit copies in
+blink.kernels.cpu.fused; or ``--before torch-int4``: today's forward with the 4-bit copies in
 torch's int4 kernel's layout (``$BLINK_CPU_Q4=torch`` while it loads), which isolates the AMX
-kernel, blink.kernels.cpu_q4_linear; or ``--before attention-no-prefetch``: today's forward
+kernel, blink.kernels.cpu.q4_linear; or ``--before attention-no-prefetch``: today's forward
 with the C attention kernel built without its prefetch of the next KV block; or ``--before
 attention-no-tiles``: today's forward with the C attention kernel built without its AMX tiles
 for prompt rows, so that prefills take SDPA and mixed steps the per-token pass, as before
@@ -21,12 +21,12 @@ their CPU graphs (blink.decode_graphs; the other baselines compare eager with ea
 ``--before unfused-silu``: today's forward with the MLP's SiLU as its own op after the
 gate/up projection, which isolates the 4-bit kernel's gated epilogue; or ``--before
 one-kernel-thread``: today's forward with its C kernels on the calling thread alone, against
-them split over the kernel threads, torch's ``--threads``: blink.kernels.cpu_threads); or
+them split over the kernel threads, torch's ``--threads``: blink.kernels.cpu.threads); or
 ``--before q4-one-pass``: today's forward with the 4-bit kernel's many-rows products over all
 of K in one pass, without the streamed weight tiles, which isolates its K slabs
-(blink.kernels.cpu_q4_linear); or ``--before q4-tile-parts``: today's forward with the 4-bit
+(blink.kernels.cpu.q4_linear); or ``--before q4-tile-parts``: today's forward with the 4-bit
 kernel's many-rows calls split over the kernel threads by output tiles only, never by rows
-(blink.kernels.cpu_q4_linear) and ``now`` the default one.
+(blink.kernels.cpu.q4_linear) and ``now`` the default one.
 For each dtype and shape the two are timed alternately, ``--rounds`` rounds of ``--steps``
 calls each, so a load spike on this shared machine hits both; the table gives the median
 per-call wall time and process CPU time of each, and their ratio.
@@ -84,12 +84,12 @@ def _time(ex, args_, steps: int) -> tuple[float, float]:
 @contextlib.contextmanager
 def _amx_int4_off(off: bool):
     """While ``off``, the 4-bit copies made take torch's int4 kernel's layout."""
-    from blink.kernels import cpu_q4_linear
+    from blink.kernels.cpu import q4_linear as cpu_q4_linear
 
     if not off:
         yield
         return
-    from blink.kernels import cpu_quant_linear
+    from blink.kernels.cpu import quant_linear as cpu_quant_linear
 
     was = os.environ.get(cpu_q4_linear.IMPL_ENV)  # (=avx512|avx2: "now" runs a CPU without AMX's path)
     os.environ[cpu_q4_linear.IMPL_ENV] = "torch"
@@ -158,7 +158,7 @@ def _without_gated_epilogue(ex) -> None:
 def _on_one_kernel_thread(ex) -> None:
     """``ex`` with its C kernels on the calling thread (its decode graphs recorded so: a graph
     is kept per kernel thread count)."""
-    from blink.kernels.cpu_threads import set_kernel_threads
+    from blink.kernels.cpu.threads import set_kernel_threads
 
     execute = ex.execute
 
@@ -206,7 +206,9 @@ def main() -> None:
     import torch
 
     from blink.executor import ModelExecutor
-    from blink.kernels import cpu_attention, cpu_q4_linear, ops_for, reference
+    from blink.kernels import ops_for
+    from blink.kernels.cpu import attention as cpu_attention, q4_linear as cpu_q4_linear
+    from blink.kernels.reference import layers as reference
     from blink.kernels.ops import _CPU_FUSED_NAMES
     from blink.loader import open_model
 

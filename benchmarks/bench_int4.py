@@ -4,7 +4,7 @@ Builds SmolLM2-135M-shaped projections (30 layers of qkv, o, gate_up, down, and 
 49152 x 576 head) from random 4-bit codes with fp16 scales (as a GGUF file holds them), each
 once as a packed bf16 weight (blink.models.packed_linear), once in torch's int4 kernel's
 layout and, where the AMX kernel runs here, once in its layout (blink.models.int4_linear,
-blink.kernels.cpu_q4_linear), and times all of them in model order per "step", so every
+blink.kernels.cpu.q4_linear), and times all of them in model order per "step", so every
 weight comes from memory as in a real step (a loop over one weight would measure the
 cache). Alternates the kinds, takes the best of ``--rounds``. The row counts where a 4-bit
 kernel stops winning are what ``int4_linear.TORCH_MAX_ROWS`` / ``AMX_MAX_ROWS`` should follow
@@ -13,7 +13,7 @@ or ``--before torch-int4``).
 
     python -m benchmarks.bench_int4 --rows 1 2 4 8 16 32 64 --threads 1
 
-The kernels for CPUs without AMX (blink.kernels.cpu_quant_linear, both builds where the CPU
+The kernels for CPUs without AMX (blink.kernels.cpu.quant_linear, both builds where the CPU
 runs them) are timed too; on a CPU with AMX ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`` keeps
 oneDNN's bf16 product off AMX, as on a CPU without it.
 """
@@ -36,7 +36,7 @@ def main() -> None:
 
     import torch
 
-    from blink.kernels import cpu_q4_linear, cpu_quant_linear
+    from blink.kernels.cpu import q4_linear as cpu_q4_linear, quant_linear as cpu_quant_linear
     from blink.models import int4_linear, packed_linear
 
     if args.threads is not None:

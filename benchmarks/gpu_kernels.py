@@ -5,8 +5,8 @@ For every kernel, at real model shapes (Llama-3-8B: 32 q / 8 kv heads, head 128,
 this script
 
 1. compiles it (first call; the time is reported),
-2. checks it against the torch reference op of :mod:`blink.kernels.reference` /
-   :mod:`blink.kernels.sampling_reference` (stated tolerances),
+2. checks it against the torch reference op of :mod:`blink.kernels.reference.layers` /
+   :mod:`blink.kernels.reference.sampling` (stated tolerances),
 3. captures it in a CUDA graph and replays it (the kernels must not sync with the host),
 4. times it (``triton.testing.do_bench``) next to the reference op run on the GPU, the torch
    alternative where one exists (SDPA on dense K/V for attention), and the memory-bandwidth
@@ -46,14 +46,14 @@ if not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-from blink.kernels import reference as ref  # noqa: E402
-from blink.kernels import sampling_reference as sref  # noqa: E402
-from blink.kernels import (  # noqa: E402
-    triton_activation,
-    triton_attention,
-    triton_moe,
-    triton_norm_rope,
-    triton_sampling,
+from blink.kernels.reference import layers as ref  # noqa: E402
+from blink.kernels.reference import sampling as sref  # noqa: E402
+from blink.kernels.triton import (  # noqa: E402
+    activation as triton_activation,
+    attention as triton_attention,
+    moe as triton_moe,
+    norm_rope as triton_norm_rope,
+    sampling as triton_sampling,
 )
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

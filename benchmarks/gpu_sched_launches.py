@@ -34,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from blink.engine import prefix_cache
-from blink.kernels import triton_sched_count
+from blink.kernels.triton import sched_count as triton_sched_count
 from blink.engine.scheduler import Scheduler
 from blink.engine.state import SchedulerConfig, ring_tensors, ring_views
 from blink.ring import SLOT_FINISHED, SLOT_FREE, SLOT_WRITTEN, Ring, RingConfig, RingLayout
@@ -76,7 +76,7 @@ class LaunchCounter(TorchDispatchMode):
 
 class TritonLaunches:
     """Triton launches of the step: the fused stages count through
-    :func:`blink.kernels.triton_sched.launch_count`; the fences through a wrapper."""
+    :func:`blink.kernels.triton.sched.launch_count`; the fences through a wrapper."""
 
     def __init__(self, sched: Scheduler, counter: "LaunchCounter | None" = None) -> None:
         self.n: collections.Counter[str] = collections.Counter()

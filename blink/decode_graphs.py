@@ -1,4 +1,4 @@
-"""Decode steps replayed from CPU graphs (:mod:`blink.kernels.cpu_graph`): the CPU loop's
+"""Decode steps replayed from CPU graphs (:mod:`blink.kernels.cpu.graph`): the CPU loop's
 counterpart of the GPU tiers' per-bucket CUDA graphs.
 
 A step whose every row decodes one token (most steps of a serving load) runs the same C
@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from blink.kernels import cpu_graph
-from blink.kernels.cpu_threads import kernel_threads
-from blink.kernels.reference import AttentionMetadata
+from blink.kernels.cpu import graph as cpu_graph
+from blink.kernels.cpu.threads import kernel_threads
+from blink.kernels.reference.layers import AttentionMetadata
 
 if TYPE_CHECKING:
     from blink.models.decoder import DecoderForCausalLM

@@ -210,7 +210,7 @@ def serve_kernel_threads(engines: int = 1) -> int:
     """``blink serve``'s default ``--kernel-threads`` per engine: every core this process may
     use, shared by the engines. The kernels split prefills' and decode steps' calls; a call's
     parts go to whichever thread is free and the workers sleep between steps
-    (kernels/cpu_pool.c), so the frontend's core is borrowed, never waited for: on 2 threads a
+    (kernels/cpu/pool.c), so the frontend's core is borrowed, never waited for: on 2 threads a
     4 x 128-token prefill step ran 1.6x faster, and a 16-stream serve 1.16-1.22x
     (docs/performance.md#kernel-threads)."""
     return max(1, _cores() // max(1, engines))

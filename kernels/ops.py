@@ -1,12 +1,12 @@
 """Kernels for the model executor and sampler, chosen by device in one place.
 
 ``ops_for(device)`` returns the op table the model and sampler call. The base is the torch
-reference (:mod:`blink.kernels.reference`, and :mod:`blink.kernels.sampling_reference` for the
+reference (:mod:`blink.kernels.reference.layers`, and :mod:`blink.kernels.reference.sampling` for the
 sampler's filter and seeded draw). On CPU the eager forward's norms, rotary embedding,
 KV-cache write and gated activation are one C call each for bf16
-(:mod:`blink.kernels.cpu_fused`, the reference for anything else), so is the sampler's
+(:mod:`blink.kernels.cpu.fused`, the reference for anything else), so is the sampler's
 log-normaliser (``logsumexp_rows``, fp32), and the paged attention is
-:mod:`blink.kernels.cpu_attention`; on CUDA the Triton kernels replace the entries they
+:mod:`blink.kernels.cpu.attention`; on CUDA the Triton kernels replace the entries they
 implement. Model and sampler code never branch on which kernel they got.
 
 ``compiled_cpu_ops()`` is the CPU table a compiled step uses: the references, which inductor
@@ -21,7 +21,11 @@ from types import SimpleNamespace
 
 import torch
 
-from blink.kernels import mask_reference, reference, sampling_reference
+from blink.kernels.reference import (
+    mask as mask_reference,
+    layers as reference,
+    sampling as sampling_reference,
+)
 
 _OP_NAMES = (
     "rms_norm",
@@ -33,7 +37,7 @@ _OP_NAMES = (
     "moe_topk_route",
     "moe_experts",
 )
-# The entries blink.kernels.cpu_fused replaces on CPU (eager only).
+# The entries blink.kernels.cpu.fused replaces on CPU (eager only).
 _CPU_FUSED_NAMES = ("rms_norm", "fused_add_rms_norm", "apply_rope", "silu_and_mul", "write_kv_cache")
 # The sampler's ops (blink.engine.sampler calls them through ``ops_for``).
 _SAMPLING_OP_NAMES = (
@@ -66,7 +70,7 @@ def ops_for(device: torch.device | str, *, triton: bool | None = None) -> Simple
         if use_triton:
             table.update(_triton_ops(required=triton is True))
         elif device_type == "cpu":
-            from blink.kernels import cpu_attention, cpu_fused
+            from blink.kernels.cpu import attention as cpu_attention, fused as cpu_fused
 
             table.update({name: getattr(cpu_fused, name) for name in _CPU_FUSED_NAMES})
             table["paged_attention"] = cpu_attention.paged_attention
@@ -80,10 +84,10 @@ def compiled_cpu_ops() -> SimpleNamespace:
     """The CPU table for a compiled step (``blink.engine.compiled``): the references (not the C
     calls of the eager table, which inductor cannot trace), except that the KV-cache write and
     the paged attention are opaque custom ops
-    (:mod:`blink.kernels.cpu_step_ops`), which keep the graph free of value-dependent shapes."""
+    (:mod:`blink.kernels.cpu.step_ops`), which keep the graph free of value-dependent shapes."""
     key = ("cpu-compiled", False)
     if key not in _cache:
-        from blink.kernels import cpu_step_ops
+        from blink.kernels.cpu import step_ops as cpu_step_ops
 
         table = vars(ops_for("cpu")).copy()
         table.update({name: getattr(reference, name) for name in _CPU_FUSED_NAMES})  # traceable
@@ -98,18 +102,18 @@ def compiled_cpu_ops() -> SimpleNamespace:
 def _triton_ops(required: bool = False) -> dict:
     """Triton replacements for the reference ops, under the reference names.
 
-    The sampling pair replaces :mod:`blink.kernels.sampling_reference`'s functions of the
+    The sampling pair replaces :mod:`blink.kernels.reference.sampling`'s functions of the
     same names. Without an importable Triton the reference ops stay (slower, still correct)
     with a warning, unless ``required`` (then the ImportError propagates).
     """
     try:
-        from blink.kernels import (
-            triton_activation,
-            triton_attention,
-            triton_mask,
-            triton_moe,
-            triton_norm_rope,
-            triton_sampling,
+        from blink.kernels.triton import (
+            activation as triton_activation,
+            attention as triton_attention,
+            mask as triton_mask,
+            moe as triton_moe,
+            norm_rope as triton_norm_rope,
+            sampling as triton_sampling,
         )
     except ImportError as exc:  # e.g. a CUDA torch without the triton package
         if required:

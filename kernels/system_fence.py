@@ -66,7 +66,7 @@ class CudaSystemFence:
     outside any capture."""
 
     def __init__(self, device: torch.device) -> None:
-        from blink.kernels.triton_fence import fence_kernel  # noqa: PLC0415 - Triton on CUDA only
+        from blink.kernels.triton.fence import fence_kernel  # noqa: PLC0415 - Triton on CUDA only
 
         self._kernel = fence_kernel
         self._word = torch.zeros(1, dtype=torch.int32, device=device)

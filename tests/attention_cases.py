@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from blink.kernels import reference as ref
+from blink.kernels.reference import layers as ref
 
 
 def make_batch(

@@ -52,7 +52,7 @@ def test_bench_forward_isolates_the_int4_path_on_a_q4_gguf(tmp_path, monkeypatch
     from gguf import GGMLQuantizationType as Q
 
     from benchmarks import bench_forward
-    from blink.kernels import cpu_q4_linear
+    from blink.kernels.cpu import q4_linear as cpu_q4_linear
     from test_loader_gguf import export_to_gguf
 
     if before.startswith("q4-") and not cpu_q4_linear.available():
@@ -85,7 +85,7 @@ def test_bench_int4_prints_its_table(monkeypatch, capsys):
 
 def test_bench_cpu_fused_prints_its_table(monkeypatch, capsys):
     from benchmarks import bench_cpu_fused
-    from blink.kernels import cpu_fused
+    from blink.kernels.cpu import fused as cpu_fused
 
     if cpu_fused.library() is None:
         pytest.skip("the fused ops do not build here")

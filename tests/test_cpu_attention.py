@@ -1,4 +1,4 @@
-"""The eager CPU paged attention (blink.kernels.cpu_attention, the CPU table's entry) against
+"""The eager CPU paged attention (blink.kernels.cpu.attention, the CPU table's entry) against
 the reference, both of its paths (the C kernel and the SDPA one): decode, prefill, extend
 over a cached prefix, an unused row and padding in one step; GQA/MQA/MHA; fp32 and bf16;
 strided queries; the C kernel's threads; chunked tiles; the per-step memos; which path a
@@ -17,8 +17,9 @@ sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds n
 from attention_cases import CPU_CASES, MIXED, make_batch  # noqa: E402
 from native_helpers import forced_native  # noqa: E402
 
-from blink.kernels import cpu_attention, ops_for  # noqa: E402
-from blink.kernels import reference as ref  # noqa: E402
+from blink.kernels import ops_for  # noqa: E402
+from blink.kernels.cpu import attention as cpu_attention
+from blink.kernels.reference import layers as ref  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -212,7 +213,7 @@ def test_a_build_without_avx512_is_not_used_unless_forced(without_c_compiler, tm
 
 def _cpu_has_amx() -> bool:
     """AMX in the CPU's flags, and the OS lets this process use it (the 4-bit kernel asks)."""
-    from blink.kernels import cpu_q4_linear
+    from blink.kernels.cpu import q4_linear as cpu_q4_linear
 
     try:
         flags = Path("/proc/cpuinfo").read_text()

@@ -1,4 +1,4 @@
-"""The fused bf16 CPU ops (blink.kernels.cpu_fused, the eager CPU table's entries) against the
+"""The fused bf16 CPU ops (blink.kernels.cpu.fused, the eager CPU table's entries) against the
 torch references: the rotary embedding and the KV write bit for bit, the norms and SiLU to
 the bit but for rare one-step roundings; the layouts the model passes (strided rows, a view
 of the fused QKV, partial rotary); the sampler's logsumexp against torch's; what falls back
@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from blink.kernels import cpu_fused, ops_for, reference, sampling_reference
-from blink.kernels.cpu_threads import kernel_threads, set_kernel_threads
+from blink.kernels import ops_for
+from blink.kernels.cpu import fused as cpu_fused
+from blink.kernels.reference import layers as reference, sampling as sampling_reference
+from blink.kernels.cpu.threads import kernel_threads, set_kernel_threads
 from blink.kernels.ops import compiled_cpu_ops
 from blink.shared.native_build import build_library
 
@@ -286,7 +288,8 @@ def test_token_mask_matches_the_reference(vocab: int, n_words: int) -> None:
     """The structured-output mask's C pass gives the reference's result bit for bit: masked
     rows, unconstrained rows (copied), rows whose mask has not arrived (all -inf, reported
     missing), padding rows, and columns past the mask's width (forbidden)."""
-    from blink.kernels import cpu_fused, mask_reference
+    from blink.kernels.cpu import fused as cpu_fused
+    from blink.kernels.reference import mask as mask_reference
 
     if cpu_fused.library() is None:
         pytest.skip("no C compiler")

@@ -1,4 +1,4 @@
-"""The CPU paged attention kernel (blink.kernels.cpu_paged_attention), compiled as the engine
+"""The CPU paged attention kernel (blink.kernels.cpu.paged_attention), compiled as the engine
 compiles it, against the reference: decode, prefill, extend over a cached prefix, an unused
 row and padding in one step; GQA/MQA/MHA; fp32 and bf16; chunked tiles; and one compiled
 graph for every shape (no recompiles). Compiled code is cached under pytest's cache dir."""
@@ -14,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds n
 from attention_cases import CPU_CASES, make_batch  # noqa: E402
 
 from blink.engine.compiled import compile_fn, configure_compile_cache, warming  # noqa: E402
-from blink.kernels import cpu_paged_attention as cpa  # noqa: E402
-from blink.kernels import reference as ref  # noqa: E402
+from blink.kernels.cpu import paged_attention as cpa  # noqa: E402
+from blink.kernels.reference import layers as ref  # noqa: E402
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
 

@@ -1,5 +1,5 @@
-"""The CPU kernels' one worker pool (kernels/cpu_pool.c) and their thread setting
-(blink.kernels.cpu_threads): a call split over threads gives the bits of the one-thread call
+"""The CPU kernels' one worker pool (kernels/cpu/pool.c) and their thread setting
+(blink.kernels.cpu.threads): a call split over threads gives the bits of the one-thread call
 in every kernel library, concurrent callers and a forked child still get right answers (never
 a hang), and the setting refuses nonsense, from the API and from the command line."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import threading
 import pytest
 import torch
 
-from blink.kernels import cpu_fused, cpu_pool, cpu_q4_linear
-from blink.kernels.cpu_threads import kernel_threads, set_kernel_threads
+from blink.kernels.cpu import fused as cpu_fused, pool as cpu_pool, q4_linear as cpu_q4_linear
+from blink.kernels.cpu.threads import kernel_threads, set_kernel_threads
 
 BF16 = torch.bfloat16
 
@@ -97,8 +97,8 @@ _DECODE_SPLIT_CHILD = """
 import os, sys, time, torch
 sys.path.insert(0, sys.argv[1])
 from test_cpu_q4_linear import gguf_like
-from blink.kernels import cpu_fused, cpu_q4_linear
-from blink.kernels.cpu_threads import set_kernel_threads
+from blink.kernels.cpu import fused as cpu_fused, q4_linear as cpu_q4_linear
+from blink.kernels.cpu.threads import set_kernel_threads
 
 def workers(wait):
     # a worker names itself once it runs, which may be after the call (its part claimed here)

@@ -1,4 +1,4 @@
-"""The AMX 4-bit projection kernel (blink.kernels.cpu_q4_linear): its layout holds the file's
+"""The AMX 4-bit projection kernel (blink.kernels.cpu.q4_linear): its layout holds the file's
 exact weights, its products match an fp32 product on them to the last bf16 bit almost
 everywhere, every shape and row count it takes, and where it cannot run (no compiler, no
 AMX, switched off) torch's int4 kernel takes over. The same for its 8-bit (Q8_0) codes, and
@@ -11,7 +11,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from blink.kernels import cpu_q4_linear
+from blink.kernels.cpu import q4_linear as cpu_q4_linear
 from blink.loader.gguf_weights import unpack_q4, unpack_q8
 from blink.models import int4_linear
 
@@ -135,7 +135,7 @@ def test_the_int4_path_prefers_it_and_a_model_step_uses_it():
 
 
 def test_switched_off_the_torch_kernel_takes_the_weights(monkeypatch):
-    from blink.kernels import cpu_quant_linear
+    from blink.kernels.cpu import quant_linear as cpu_quant_linear
 
     monkeypatch.setenv(cpu_q4_linear.IMPL_ENV, "torch")
     cpu_quant_linear.reset()  # (the AMX kernel's choice too, and the kernel without AMX is off)
@@ -291,7 +291,7 @@ def test_smollm2s_q8_head_runs_on_its_codes_unless_switched_off():
 def test_gated_is_the_projection_then_the_silu_to_the_bit(rows, n, with_bias, k):
     """A fused gate/up projection with the activation applied as the kernel stores: the bits of
     the plain call followed by cpu_fused's SiLU (which the op table runs otherwise)."""
-    from blink.kernels import cpu_fused
+    from blink.kernels.cpu import fused as cpu_fused
 
     codes, scale, zero = gguf_like(n, k, seed=rows + n)
     weight = cpu_q4_linear.pack(codes, scale, zero)

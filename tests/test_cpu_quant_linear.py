@@ -1,4 +1,4 @@
-"""The 4-bit / K-quant projection kernel for CPUs without AMX (blink.kernels.cpu_quant_linear),
+"""The 4-bit / K-quant projection kernel for CPUs without AMX (blink.kernels.cpu.quant_linear),
 both of its builds (AVX-512 BF16, AVX2) on this CPU whatever else it has: its layout holds the
 file's exact weights, its products match an fp32 product on them to the last bf16 bit almost
 everywhere for every format, row count and shape it takes, the AVX2 build holds no AVX-512
@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-from blink.kernels import cpu_q4_linear, cpu_quant_linear as q
+from blink.kernels.cpu import q4_linear as cpu_q4_linear, quant_linear as q
 
 FLAGS = q.cpu_flags()
 

@@ -1,4 +1,4 @@
-"""CPU graphs (blink.kernels.cpu_graph) and the decode steps replayed from them
+"""CPU graphs (blink.kernels.cpu.graph) and the decode steps replayed from them
 (blink.decode_graphs): a replay computes what the eager code computes, to the bit, for every
 row count and bucket; padding rows touch nothing but the scratch block; what cannot be
 replayed is refused at the recording, and those steps stay eager."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blink.kernels import cpu_fused, cpu_graph
-from blink.kernels.cpu_threads import kernel_threads, set_kernel_threads
+from blink.kernels.cpu import fused as cpu_fused, graph as cpu_graph
+from blink.kernels.cpu.threads import kernel_threads, set_kernel_threads
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

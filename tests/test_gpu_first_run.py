@@ -34,7 +34,7 @@ from blink.engine.gpu import base as gpu_base  # noqa: E402
 from blink.engine.gpu import tier_b  # noqa: E402
 from blink.engine.gpu.abi import HC_STOP, STOP_NOW  # noqa: E402
 from blink.errors import BlinkError  # noqa: E402
-from blink.kernels import reference as ref  # noqa: E402
+from blink.kernels.reference import layers as ref  # noqa: E402
 
 
 # ------------------------------------------------------------------------- 1. routing

@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as Q
 from blink.executor import ModelExecutor
 from blink.loader import open_model
 from blink.loader.gguf_weights import unpack_q4
-from blink.kernels import cpu_q4_linear, cpu_quant_linear
+from blink.kernels.cpu import q4_linear as cpu_q4_linear, quant_linear as cpu_quant_linear
 from blink.models import int4_linear
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir

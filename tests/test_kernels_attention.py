@@ -18,11 +18,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are deco
 import pytest
 import torch
 
-from blink.kernels import reference as ref
+from blink.kernels.reference import layers as ref
 from attention_cases import MIXED, make_batch  # noqa: E402
 
-triton_attention = pytest.importorskip("blink.kernels.triton_attention")
-from blink.kernels.triton_common import interpreting  # noqa: E402
+triton_attention = pytest.importorskip("blink.kernels.triton.attention")
+from blink.kernels.triton.common import interpreting  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
 if DEVICE == "cpu" and not interpreting():

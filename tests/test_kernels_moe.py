@@ -14,10 +14,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are deco
 import pytest
 import torch
 
-from blink.kernels import reference as ref
+from blink.kernels.reference import layers as ref
 
-triton_moe = pytest.importorskip("blink.kernels.triton_moe")
-from blink.kernels.triton_common import interpreting  # noqa: E402
+triton_moe = pytest.importorskip("blink.kernels.triton.moe")
+from blink.kernels.triton.common import interpreting  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
 if DEVICE == "cpu" and not interpreting():

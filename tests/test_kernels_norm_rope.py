@@ -14,11 +14,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are deco
 import pytest
 import torch
 
-from blink.kernels import reference as ref
+from blink.kernels.reference import layers as ref
 
-triton_norm_rope = pytest.importorskip("blink.kernels.triton_norm_rope")
-from blink.kernels import triton_activation  # noqa: E402
-from blink.kernels.triton_common import interpreting  # noqa: E402
+triton_norm_rope = pytest.importorskip("blink.kernels.triton.norm_rope")
+from blink.kernels.triton import activation as triton_activation  # noqa: E402
+from blink.kernels.triton.common import interpreting  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
 if DEVICE == "cpu" and not interpreting():

@@ -1,4 +1,4 @@
-"""Triton sampling kernels against :mod:`blink.kernels.sampling_reference`.
+"""Triton sampling kernels against :mod:`blink.kernels.reference.sampling`.
 
 CPU + Triton interpreter (``TRITON_INTERPRET=1`` before the kernel modules are imported).
 Everything here is compared *exactly*: the RNG bits, the set of surviving logits and the
@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from blink.kernels import sampling_reference as ref
+from blink.kernels.reference import sampling as ref
 
-triton_sampling = pytest.importorskip("blink.kernels.triton_sampling")
-from blink.kernels.triton_common import interpreting  # noqa: E402
+triton_sampling = pytest.importorskip("blink.kernels.triton.sampling")
+from blink.kernels.triton.common import interpreting  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
 if DEVICE == "cpu" and not interpreting():

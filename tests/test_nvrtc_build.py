@@ -5,7 +5,7 @@
 - The PTX holds the memory-order instructions the ring protocol depends on
   (ld.acquire.sys, st.release.sys, fence.sc.sys, fence.acq_rel.sys), the %globaltimer reads
   that bound every spin, and the conditional-handle / device-launch calls.
-- The pure decision functions (kernels/device_loop_logic.cuh) are compiled for the host
+- The pure decision functions (kernels/cuda/device_loop_logic.cuh) are compiled for the host
   and compared with their Python mirrors in blink.engine.gpu.abi on random inputs.
 - The parameter block and every shared constant have the same layout/value on both sides.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from blink.engine.gpu import abi
-from blink.kernels import nvrtc_build as nb
+from blink.kernels.cuda import nvrtc_build as nb
 
 KDIR = Path(nb.__file__).resolve().parent
 

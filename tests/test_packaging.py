@@ -63,4 +63,4 @@ def test_files_a_module_reads_beside_itself_are_package_data():
                 assert any(fnmatch.fnmatch(beside, g) for g in globs), \
                     f"{package}: {beside} (read by {module.name}) is not in package-data {globs}"
                 checked += 1
-    assert checked >= 2  # host_copy.c, cpu_attention.c
+    assert checked >= 2  # host_copy.c, cpu/attention.c

@@ -122,7 +122,7 @@ _FENCE_PTX = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from blink.kernels.triton_fence import fence_kernel
+from blink.kernels.triton.fence import fence_kernel
 src = ASTSource(fence_kernel, {"word_ptr": "*i32"}, {}, {})
 print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1}).asm["ptx"])
 """

@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from blink.kernels import ops_for, reference
-from blink.kernels.reference import AttentionMetadata
+from blink.kernels import ops_for
+from blink.kernels.reference import layers as reference
+from blink.kernels.reference.layers import AttentionMetadata
 
 
 def _random_batch(seed: int, block_size: int, decode_only: bool, padding: int):

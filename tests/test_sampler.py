@@ -18,7 +18,7 @@ from blink.engine.sampler import (
 )
 from blink.shared.sampling_params import SamplingParams
 from blink.errors import BlinkError
-from blink.kernels import sampling_reference as ref
+from blink.kernels.reference import sampling as ref
 
 NEG_INF = float("-inf")
 

@@ -1,4 +1,4 @@
-"""The fused Triton scheduler stages (``Scheduler(fused=True)``, kernels/triton_sched.py) on
+"""The fused Triton scheduler stages (``Scheduler(fused=True)``, kernels/triton/sched.py) on
 the scheduler tests' own workloads, on CPU tensors under the Triton interpreter: the same
 streams (tokens, logprobs, alternatives, finish reasons) as the reference, every invariant
 the reference's tests check, the property test's random workloads included.
@@ -128,7 +128,7 @@ def test_fused_stages_match_the_reference_step_by_step(seed, pool, guards):
 def test_fused_stages_are_selected():
     ring = ts.make_ring(4, 32, 4, None)
     sched = ts.Scheduler(ts._cfg(), ring_tensors(ring))
-    assert sched.fused and sched._triton.__name__.endswith("triton_sched")
+    assert sched.fused and sched._triton.__name__ == "blink.kernels.triton.sched"
 
 
 def test_unknown_fused_stage_is_refused():
@@ -157,7 +157,7 @@ for _name in dir(ts):
 
 
 def test_forced_hash_collisions_never_give_false_hits(monkeypatch):
-    from blink.kernels import triton_sched
+    from blink.kernels.triton import sched as triton_sched
 
     monkeypatch.setattr(triton_sched, "COLLIDE_KEYS", True)  # the fused insert and lookup collide too
     ts.test_forced_hash_collisions_never_give_false_hits(monkeypatch)
@@ -165,7 +165,7 @@ def test_forced_hash_collisions_never_give_false_hits(monkeypatch):
 
 def test_prefix_primes_agree():
     from blink.engine import prefix_cache
-    from blink.kernels import triton_sched
+    from blink.kernels.triton import sched as triton_sched
 
     assert triton_sched.PRIMES == prefix_cache.PRIMES
 

@@ -36,7 +36,7 @@ from test_engine import byte_tokenizer_json, make_llm, tiny_model_dir  # noqa: E
 from blink.dpu.structured.grammar import served_schema  # noqa: E402
 from blink.dpu.structured.workers import GrammarLimitError, GrammarService, output_validator  # noqa: E402
 from blink.dpu.tokenizer import Tokenizer  # noqa: E402
-from blink.kernels.mask_reference import apply_token_mask, token_mask_bits, wait_token_masks  # noqa: E402
+from blink.kernels.reference.mask import apply_token_mask, token_mask_bits, wait_token_masks  # noqa: E402
 from blink.shared.sampling_params import SamplingParams, SamplingParamsError  # noqa: E402
 from blink.shared.structured_outputs import StructuredOutputs as SO  # noqa: E402
 from blink.shared.structured_outputs import StructuredOutputsError  # noqa: E402
@@ -490,7 +490,7 @@ def test_mask_ops_gate_and_triton_twins():
     """The reference and Triton ops agree; a row whose epoch is not its output count is
     'missing' (every token -inf); unconstrained rows pass unchanged; the gate returns as
     soon as the epochs match, and at its bound when they do not."""
-    from blink.kernels import triton_mask
+    from blink.kernels.triton import mask as triton_mask
 
     gen = torch.Generator().manual_seed(0)
     S, V = 4, 100

@@ -7,9 +7,9 @@
 - the **head** (final norm, LM head, sampler) per sample-row bucket and sampler plan
   (greedy, and random without filters or penalties, the two defaults; other plans run the
   same code eager);
-- the **paged attention kernel** (:mod:`blink.kernels.cpu_paged_attention`) once, with
+- the **paged attention kernel** (:mod:`blink.kernels.cpu.paged_attention`) once, with
   dynamic shapes. Attention itself is an opaque custom op in the layer graph
-  (:mod:`blink.kernels.cpu_step_ops`), because its work depends on the step's values.
+  (:mod:`blink.kernels.cpu.step_ops`), because its work depends on the step's values.
 
 Everything compiles at start (a progress line per bucket); the compiled code persists in
 inductor's FX graph cache under :func:`compile_cache_dir`, so a second start mostly loads it.
@@ -290,7 +290,7 @@ class CompiledModelPhase:
     def __init__(self, executor, sampler: Sampler, *, scheduler_buckets: tuple[int, ...],
                  max_rows: int, suppress_width: int, max_logit_bias: int,
                  progress: Progress = stderr_progress) -> None:
-        from blink.kernels import cpu_paged_attention
+        from blink.kernels.cpu import paged_attention as cpu_paged_attention
         from blink.kernels.ops import compiled_cpu_ops
 
         if getattr(executor, "packed_weights", False):
@@ -305,7 +305,7 @@ class CompiledModelPhase:
         self.model.use_ops(compiled_cpu_ops())
         self.layer = compile_fn(_decoder_layer, "the decoder layer")
         self.head = compile_fn(_head_and_sample, "the sampler")
-        from blink.kernels import reference
+        from blink.kernels.reference import layers as reference
 
         self.attention_kernel = compile_fn(
             cpu_paged_attention.tile_attention, "the paged attention kernel",
@@ -372,7 +372,7 @@ class CompiledModelPhase:
         return _onednn_disabled() if single else contextlib.nullcontext()
 
     def _attention_step(self, md, num_tokens: int):
-        from blink.kernels.cpu_step_ops import attention_step
+        from blink.kernels.cpu.step_ops import attention_step
 
         return attention_step(md, num_tokens, self.attend)
 
@@ -423,7 +423,7 @@ def _refuse_eager_tiles(*args: Any) -> torch.Tensor:
 
 def _scratch_metadata(ex, tokens: int):
     """A ``tokens``-token step whose tokens all write to the scratch block (warm-up)."""
-    from blink.kernels.reference import AttentionMetadata
+    from blink.kernels.reference.layers import AttentionMetadata
 
     slot = ex.scratch_block * ex.block_size
     return AttentionMetadata(
@@ -447,7 +447,7 @@ def _layer_metadata(slot_mapping: torch.Tensor, positions: torch.Tensor):
     ([T] each, the bucket's shape). The row fields are empty placeholders: the attention op
     reads the step's real (compacted) metadata from its context, so no shape here depends
     on how many rows run or how long their contexts are."""
-    from blink.kernels.reference import AttentionMetadata
+    from blink.kernels.reference.layers import AttentionMetadata
 
     return AttentionMetadata(
         slot_mapping=slot_mapping, positions=positions, token_seq_idx=positions,

@@ -34,7 +34,7 @@ from blink.engine.state import SchedulerConfig, ring_tensors
 from blink.engine.token_mask import DEFAULT_MASK_TIMEOUT_S
 from blink.engine_options import DISAGG_ROLES, config_default
 from blink.errors import BlinkError
-from blink.kernels.cpu_threads import set_kernel_threads
+from blink.kernels.cpu.threads import set_kernel_threads
 from blink.executor import ModelExecutor
 from blink.ring import (
     mask_words_for,
@@ -96,7 +96,7 @@ class EngineConfig:
     threads: int | None = config_default("threads")
     #: CPU loop: threads the CPU kernels may split one call over (the projections, attention,
     #: norms and SiLU of prefills and decode steps, parts claimed by whichever thread is free):
-    #: blink.kernels.cpu_threads. None: ``threads``
+    #: blink.kernels.cpu.threads. None: ``threads``
     kernel_threads: int | None = config_default("kernel_threads")
     #: how long a stop with drain waits for requests in flight (every loop kind uses this one)
     drain_timeout_s: float = 30.0

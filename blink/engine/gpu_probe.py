@@ -11,7 +11,7 @@ never raises.
   the host and read by a GPU kernel, then unregistered and unlinked. Sandboxes such as
   gVisor may refuse the registration; the result's ``reason`` then says so, and tier B
   cannot run there.
-- :func:`probe_gate_kernel` — the device loop's CUDA C (``kernels/device_loop.cu``)
+- :func:`probe_gate_kernel` — the device loop's CUDA C (``kernels/cuda/device_loop.cu``)
   compiled with NVRTC (or nvcc) for this GPU's architecture and loaded with the driver
   (``cuModuleLoadData``; the driver resolves the device-runtime call
   ``cudaGraphSetConditional`` here), its three kernels looked up by name.
@@ -250,7 +250,7 @@ def probe_gate_kernel(device: Any = None) -> ProbeResult:
             return ProbeResult(name, False, NO_GPU, details)
         import torch
 
-        from blink.kernels.nvrtc_build import CompilerUnavailable, check_ptx, compile_source
+        from blink.kernels.cuda.nvrtc_build import CompilerUnavailable, check_ptx, compile_source
 
         major, minor = torch.cuda.get_device_capability(dev)
         arch = major * 10 + minor
@@ -436,7 +436,7 @@ def environment(on_field: Callable[[dict[str, Any]], None] | None = None) -> dic
     put("dev_shm", _try(shm))
 
     def nvrtc() -> dict[str, Any]:
-        from blink.kernels.nvrtc_build import available_compiler, find_nvcc, load_nvrtc
+        from blink.kernels.cuda.nvrtc_build import available_compiler, find_nvcc, load_nvrtc
 
         lib = load_nvrtc()
         return {"available_compiler": available_compiler(),

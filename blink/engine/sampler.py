@@ -16,12 +16,12 @@ One call handles a whole batch whose rows use different parameters. Order (vLLM 
    output tokens only (OpenAI's definition).
 4. greedy rows (temperature 0) take the argmax of these logits.
 5. other rows: divide by temperature, min-p / top-k / top-p filtering, Gumbel-max sample with
-   the counter-based RNG of :mod:`blink.kernels.sampling_reference` keyed by (seed, counter).
+   the counter-based RNG of :mod:`blink.kernels.reference.sampling` keyed by (seed, counter).
 6. ``torch.where(temperature == 0, greedy, sampled)``: both paths are always computed.
 
 The filter and the seeded draw of step 5 are ``ops.apply_top_k_top_p_min_p`` and
 ``ops.sample`` from :func:`blink.kernels.ops_for`: the torch references on CPU, the Triton
-kernels of :mod:`blink.kernels.triton_sampling` on CUDA (same rule, same RNG bits). The choice
+kernels of :mod:`blink.kernels.triton.sampling` on CUDA (same rule, same RNG bits). The choice
 is made in one place, ``ops_for``; ``Sampler(ops=...)`` overrides it (tests pass the Triton table
 on CPU tensors under ``TRITON_INTERPRET=1``).
 
@@ -48,7 +48,7 @@ from blink.shared.sampling_params import (
 )
 from blink.errors import BlinkError
 from blink.kernels import ops_for
-from blink.kernels.sampling_reference import argmax_rows
+from blink.kernels.reference.sampling import argmax_rows
 from blink.engine.token_mask import MaskBatch
 from blink.shared.sampling_fields import SAMPLER_FIELDS
 

@@ -91,7 +91,7 @@ from blink.engine.state import (
     geometric_buckets,
 )
 from blink.errors import BlinkError
-from blink.kernels.reference import AttentionMetadata
+from blink.kernels.reference.layers import AttentionMetadata
 from blink.kernels.system_fence import system_fence_for
 from blink.ring import (
     CANCEL_FORCE,
@@ -118,7 +118,7 @@ from blink.ring import (
     config_of_control,
 )
 
-#: the stages ``Scheduler(fused=...)`` can run as fused Triton kernels (kernels/triton_sched.py)
+#: the stages ``Scheduler(fused=...)`` can run as fused Triton kernels (kernels/triton/sched.py)
 FUSED_STAGES = ("build_batch", "release", "stats", "allocate", "publish", "register", "lookup", "admit", "cancel")
 
 _STAT_WORDS = (
@@ -268,14 +268,14 @@ class Scheduler:
         self._hash = prefix_cache.hash_constants(M * B, dev)
         # Between a ring payload and the word that publishes it (module docstring).
         self._fence = system_fence_for(dev, region)
-        #: the fused Triton stages (``blink.kernels.triton_sched``, issue 32) in place of this
+        #: the fused Triton stages (``blink.kernels.triton.sched``, issue 32) in place of this
         #: tensor code for the stages they implement (see :meth:`use_fused`).
         self.fused: frozenset[str] = frozenset()
         self.use_fused(fused)
 
     def use_fused(self, fused: bool | tuple[str, ...] = True) -> None:
         """Run the stages in ``fused`` (True: every stage in FUSED_STAGES; or some names) as
-        the fused Triton kernels of ``blink.kernels.triton_sched``; on CPU tensors under
+        the fused Triton kernels of ``blink.kernels.triton.sched``; on CPU tensors under
         TRITON_INTERPRET=1. They work on the whole slot table (no row window). Called before
         the first step (the GPU tiers call it before they capture)."""
         S, dev, config = self.num_slots, self.device, self.config
@@ -285,7 +285,9 @@ class Scheduler:
                              f"known: {', '.join(FUSED_STAGES)}")
         self.fused = frozenset(stages)
         if self.fused:
-            from blink.kernels import triton_sched  # noqa: PLC0415 - Triton only when asked for
+            from blink.kernels.triton import (  # noqa: PLC0415 - Triton only when asked for
+                sched as triton_sched,
+            )
 
             self._triton = triton_sched
             self._batch_out = triton_sched.BatchBuffers(S, config.max_num_batched_tokens, dev)

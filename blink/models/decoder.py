@@ -7,7 +7,7 @@ rotary dim, rope scaling, MoE layers, tied embeddings); the checkpoint layout di
 :meth:`DecoderForCausalLM.load_weights`.
 
 The forward pass works on a flattened batch: all sequences' new tokens side by side,
-described by an :class:`~blink.kernels.reference.AttentionMetadata`. Every op except the
+described by an :class:`~blink.kernels.reference.layers.AttentionMetadata`. Every op except the
 matmuls goes through ``blink.kernels.ops_for(device)``, so GPU kernels replace the torch
 references without this file changing. Nothing here loops over requests or reads a tensor
 value on the host.
@@ -27,8 +27,9 @@ from torch import nn
 
 from blink.config import ModelConfig
 from blink.errors import ModelLoadError
-from blink.kernels import cpu_q4_linear, ops_for
-from blink.kernels.reference import AttentionMetadata, rope_cos_sin_cache
+from blink.kernels import ops_for
+from blink.kernels.cpu import q4_linear as cpu_q4_linear
+from blink.kernels.reference.layers import AttentionMetadata, rope_cos_sin_cache
 from blink.models import int4_linear, packed_linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -373,7 +374,7 @@ class DecoderForCausalLM(nn.Module):
 
     def use_q8_head(self, q8_tensors: Iterable[tuple[str, Any]]) -> bool:
         """Compute the logits from the head's own Q8_0 codes on the AMX kernel
-        (:func:`blink.kernels.cpu_q4_linear.pack_q8`) where the checkpoint stores the head so
+        (:func:`blink.kernels.cpu.q4_linear.pack_q8`) where the checkpoint stores the head so
         (``q8_tensors``: ``(hf_name, codes)`` with ``codes.codes / .scale`` as
         :class:`blink.loader.gguf_weights.Q8Codes`; a tied embedding counts) and the kernel runs
         here: for steps of at most :data:`Q8_HEAD_MAX_ROWS` logits rows, half the bf16 head's

@@ -7,7 +7,7 @@ core here, the same for 1 or 16 rows). When the checkpoint is a GGUF file with Q
 tensors, each such projection keeps the file's 4-bit codes and per-group scales beside the
 bf16 copy (~4x fewer bytes), in the layout of one of two kernels:
 
-- ``amx``: Blink's C kernel on AMX (:mod:`blink.kernels.cpu_q4_linear`; Intel Sapphire
+- ``amx``: Blink's C kernel on AMX (:mod:`blink.kernels.cpu.q4_linear`; Intel Sapphire
   Rapids and later). AMX does the arithmetic, so its cost stays flat up to a decode batch:
   over all of SmolLM2's projections 3.0x faster than bf16 at 1 row and 2.0x at 16; from 33
   rows on it rebuilds the bf16 weights once per panel of 512 rows and runs plain tile
@@ -16,7 +16,7 @@ bf16 copy (~4x fewer bytes), in the layout of one of two kernels:
   So every step uses it, and the
   projection's bf16 copy is not kept (:meth:`blink.models.decoder.Linear.pack`).
 - ``avx512`` / ``avx2``: Blink's C kernel for CPUs without AMX
-  (:mod:`blink.kernels.cpu_quant_linear`, the build the CPU's flags allow; AMD Zen 4, Xeons
+  (:mod:`blink.kernels.cpu.quant_linear`, the build the CPU's flags allow; AMD Zen 4, Xeons
   whose AMX is hidden, AVX2 CPUs under ``--dtype bfloat16``), which also takes the K-quants
   (Q4_K, Q5_K, Q6_K) and Q8_0 on their codes (:func:`pack_codes`), a fused projection's parts
   each in its own format. Its cost grows with the rows (vdpbf16ps / FMAs), so steps of at most
@@ -43,7 +43,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from blink.kernels import cpu_q4_linear, cpu_quant_linear
+from blink.kernels.cpu import q4_linear as cpu_q4_linear, quant_linear as cpu_quant_linear
 
 #: Steps with at most this many tokens use torch's int4 kernel. Measured on SmolLM2-135M,
 #: one thread, Xeon with AMX: the decode step 1.6x faster at 4 rows, 1.1x at 6, 1.0x at 8.
@@ -156,7 +156,7 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
 def linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None,
            gated: bool = False) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for bf16 ``x [..., K]``; ``gated`` (where ``weight.gates``): a fused
-    gate/up projection's ``silu(gate) * up`` instead (:func:`blink.kernels.cpu_q4_linear.linear`)."""
+    gate/up projection's ``silu(gate) * up`` instead (:func:`blink.kernels.cpu.q4_linear.linear`)."""
     if weight.amx is not None:
         return cpu_q4_linear.linear(x, weight.amx, bias, gated=gated)
     if gated:
@@ -225,7 +225,7 @@ def reference_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, 
                      bias: torch.Tensor | None) -> torch.Tensor:
     """The torch reference of torch's kernel (fp32 product on the dequantized weight, scales
     rounded to bf16 as that kernel stores them), returned in x's dtype. The AMX kernel's
-    weight is :func:`blink.kernels.cpu_q4_linear.dequantize`'s."""
+    weight is :func:`blink.kernels.cpu.q4_linear.dequantize`'s."""
     scale, zero = scale.to(torch.bfloat16).float(), zero.to(torch.bfloat16).float()
     y = F.linear(x.float(), dequantize(codes, scale, zero), None if bias is None else bias.float())
     return y.to(x.dtype)

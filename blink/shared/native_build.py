@@ -171,7 +171,7 @@ def _built(source: Path, compiler: str, flags: list[str], headers: Sequence[Path
 
 
 class CallRecorder(Protocol):
-    """What :func:`recording_calls` installs (:class:`blink.kernels.cpu_graph.CpuGraph`'s recorder)."""
+    """What :func:`recording_calls` installs (:class:`blink.kernels.cpu.graph.CpuGraph`'s recorder)."""
 
     def library_view(self, native: NativeLibrary, library: ctypes.CDLL) -> Any:
         """What :meth:`NativeLibrary.get` returns on the recording thread instead of ``library``."""

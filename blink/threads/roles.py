@@ -61,7 +61,7 @@ ROLES: tuple[Role, ...] = (
     Role("blink-omp-", "engine", "OpenMP compute workers of the CPU loop (torch's intra-op "
          "team beside the loop thread, named when the loop starts)", busy_polls=True,
          numbered=True),
-    Role("blink-kern-", "engine", "workers of Blink's CPU kernels (kernels/cpu_pool.c): split "
+    Role("blink-kern-", "engine", "workers of Blink's CPU kernels (kernels/cpu/pool.c): split "
          "a prefill's projections, attention and elementwise ops with the loop thread; poll "
          "200 us after a call, then sleep", busy_polls=True, numbered=True),
     Role("blink-hostloop", "engine", "tier A (--loop host): replays the step graphs, reads the "

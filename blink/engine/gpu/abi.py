@@ -1,6 +1,6 @@
 """What the device loop's CUDA C and the host share: decisions, constants, the parameter
-block, the timing options (mirrors of ``kernels/device_loop_logic.cuh`` and
-``kernels/device_loop_common.cuh``; the suite compiles the headers for the host and compares).
+block, the timing options (mirrors of ``kernels/cuda/device_loop_logic.cuh`` and
+``kernels/cuda/device_loop_common.cuh``; the suite compiles the headers for the host and compares).
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ GATE_WAIT, GATE_STEP, GATE_IDLE, GATE_STOP = 0, 1, 2, 3
 EXIT_RUNNING, EXIT_STOPPED, EXIT_DRAINED, EXIT_DRAIN_TIMEOUT, EXIT_HUNG = 0, 1, 2, 3, 4
 EXIT_NAMES = ("running", "stopped", "drained", "drain timeout", "hung")
 
-# Loop-state words (device memory) and host words: kernels/device_loop_common.cuh.
-# LS_LAUNCHES/LS_RELAUNCHES are the persistent launcher's words (kernels/device_launch.cu, the
+# Loop-state words (device memory) and host words: kernels/cuda/device_loop_common.cuh.
+# LS_LAUNCHES/LS_RELAUNCHES are the persistent launcher's words (kernels/cuda/device_launch.cu, the
 # compile-checked alternative); mirrored so that the header check covers every word.
 (LS_GATE_CALLS, LS_IDLE_CALLS, LS_STEPS, LS_EMPTY_STEPS, LS_LAST_STEP_EMPTY, LS_LAST_EMPTY_NS,
  LS_DRAIN_START_NS, LS_LAST_HEARTBEAT_NS, LS_EXIT, LS_LAST_BUCKET, LS_LAUNCHES,

@@ -101,7 +101,7 @@ def tier_b_problems(device: torch.device | None = None) -> list[str]:
                     problems.append(f"the GPU lacks {what} (needed for the ring mapped into the GPU)")
         except Exception as exc:  # noqa: BLE001 - a failed query is reported, not fatal
             problems.append(f"could not query the GPU's attributes: {exc}")
-    from blink.kernels.nvrtc_build import available_compiler
+    from blink.kernels.cuda.nvrtc_build import available_compiler
 
     if available_compiler() is None:
         problems.append("no CUDA C compiler for the loop's kernels: pip install "

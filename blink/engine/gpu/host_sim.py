@@ -4,7 +4,7 @@
   outputs as the static buffers; "replay" runs it again and copies the results into them,
   which is what replaying a graph does to its output memory.
 - Kernel models: :func:`gate_poll_model` and friends mirror the kernels of
-  ``kernels/device_loop.cu`` line by line, reading the same :class:`LoopParams` block
+  ``kernels/cuda/device_loop.cu`` line by line, reading the same :class:`LoopParams` block
   through raw addresses.
 - :class:`EagerGraphApi` (tier B): records the graph that
   :func:`blink.engine.gpu.tier_b.build_conditional_loop` builds (the exact calls the CUDA

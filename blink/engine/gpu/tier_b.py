@@ -4,7 +4,7 @@ Its layout::
 
     WHILE(h_loop) { gate → IF(h_step) { schedule → dispatch → IF(h_bucket[b]) { step_b → fence } } }
 
-``gate``, ``dispatch`` and ``fence`` are CUDA C (``kernels/device_loop.cu``, compiled with
+``gate``, ``dispatch`` and ``fence`` are CUDA C (``kernels/cuda/device_loop.cu``, compiled with
 NVRTC at start for the GPU's own architecture). The gate polls the ring's state words with
 acquire semantics (bounded by an iteration cap and ``%globaltimer``), bumps the heartbeat,
 honours the host's stop word (drain or now) and the ring's C_SHUTDOWN word (drain), and
@@ -153,7 +153,7 @@ def build_conditional_loop(
     loop_state: torch.Tensor,
     host_ctl: torch.Tensor,
 ) -> ConditionalLoop:
-    """Build tier B's graph (layout in ``kernels/device_loop.cu``) through ``api``.
+    """Build tier B's graph (layout in ``kernels/cuda/device_loop.cu``) through ``api``.
 
     ``base`` holds the ring pointers, sizes and options; this fills in the schedule's
     output pointers and the conditional handles. Capture order follows ``plan``."""
@@ -551,7 +551,7 @@ class TierBEngine(GpuEngine):
                 loop_state = torch.zeros(LS_WORDS, dtype=torch.int64)
                 host_ctl = torch.zeros(HC_WORDS, dtype=torch.int64)
             else:
-                from blink.kernels.nvrtc_build import compile_source  # noqa: PLC0415
+                from blink.kernels.cuda.nvrtc_build import compile_source  # noqa: PLC0415
 
                 major, minor = torch.cuda.get_device_capability(self.device)
                 compiled = compile_source("device_loop", arch=major * 10 + minor)

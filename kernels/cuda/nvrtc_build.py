@@ -18,7 +18,7 @@ JIT-compiles PTX and a driver older than the compiler can still load it) plus th
 which the tests read for the ``ld.acquire.sys`` / ``st.release.sys`` / ``fence.sc.sys``
 instructions the ring protocol depends on::
 
-    python -m blink.kernels.nvrtc_build [--arch 90] [--compiler nvrtc|nvcc]
+    python -m blink.kernels.cuda.nvrtc_build [--arch 90] [--compiler nvrtc|nvcc]
 """
 from __future__ import annotations
 

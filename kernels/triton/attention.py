@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from blink.kernels.reference import AttentionMetadata
-from blink.kernels.triton_common import check_last_dim_contiguous, dot_in_fp32, next_pow2
+from blink.kernels.reference.layers import AttentionMetadata
+from blink.kernels.triton.common import check_last_dim_contiguous, dot_in_fp32, next_pow2
 
 _LOG2E = 1.4426950408889634
 
@@ -349,7 +349,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of each new token over its sequence's paged context.
 
-    Same contract as :func:`blink.kernels.reference.paged_attention`: q [T, H, D], caches
+    Same contract as :func:`blink.kernels.reference.layers.paged_attention`: q [T, H, D], caches
     [num_blocks, block_size, KVH, D] already hold this step's K/V. Serves prefill, chunked
     prefill over a cached prefix and decode in one launch; returns [T, H, D] in q's dtype.
     """

@@ -1,12 +1,12 @@
 /* Fused bf16 elementwise ops for the eager CPU forward: each one call instead of 6-18 aten ops.
  *
  * At a decode step's sizes (a few rows of 576-1536 channels) an aten op costs microseconds
- * of dispatch whatever it computes, and the torch references (kernels/reference.py) spend
+ * of dispatch whatever it computes, and the torch references (kernels/reference/layers.py) spend
  * 6-18 ops per norm, rotary embedding or gated activation (~4.6 ms of a ~25 ms one-row
  * SmolLM2 step, measured by taking them out). Each function here is one pass with the reference's arithmetic: fp32 in
  * the same order, rounded to bf16 where the reference rounds (round to nearest even), so
  * the results are the reference's bits except where noted. Built at first use by
- * kernels/cpu_fused.py, with -ffp-contract=off so that a*b - c*d is not turned into a fused
+ * kernels/cpu/fused.py, with -ffp-contract=off so that a*b - c*d is not turned into a fused
  * multiply-add the reference does not do, and -fno-trapping-math so that the clamp and the
  * sign select in the SiLU vectorise.
  */
@@ -14,7 +14,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "cpu_kernels.h"
+#include "kernels.h"
 
 /* With AVX512-BF16 the norms and the SiLU run 16 channels per step with intrinsics: the
  * compiler's own vectorisation of the scalar loops below left them at 1-2 ns per element
@@ -24,7 +24,7 @@
  * vcvtneps2bf16, the same round-to-nearest-even, so the results are the scalar code's bits;
  * only fp32 denormals, which that instruction flushes to zero, could differ. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#define BLINK_VECTOR_OPS 1 /* load_bf16x16, round_bf16x16, silu_times16...: cpu_kernels.h */
+#define BLINK_VECTOR_OPS 1 /* load_bf16x16, round_bf16x16, silu_times16...: kernels.h */
 #endif
 
 /* Whether this build runs the norms and the SiLU on AVX512-BF16 intrinsics (tests). */
@@ -145,7 +145,7 @@ static void silu_and_mul_row(const uint16_t *restrict gate, const uint16_t *rest
 #endif
     for (; i < dim; i++) {
         float g = bf16_to_f32(gate[i]);
-        /* silu_times16's arithmetic (cpu_kernels.h): (g < 0 ? g e : g) / (1 + e), e = exp(-|g|) */
+        /* silu_times16's arithmetic (kernels.h): (g < 0 ? g e : g) / (1 + e), e = exp(-|g|) */
         float e = exp_nonpositive(-fabsf(g));
         float silu = bf16_to_f32(f32_to_bf16((g < 0.0f ? g * e : g) / (1.0f + e)));
         o[i] = f32_to_bf16(silu * bf16_to_f32(up[i]));
@@ -243,7 +243,7 @@ int blink_rope(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k
 }
 
 /* log(sum_j e^x[j]) of one fp32 row, as torch.logsumexp: its max m, then m + log(sum e^(x - m))
- * (cpu_kernels.h's exp, 16 lanes). A NaN gives NaN, a row of -inf -inf, a +inf +inf (torch's
+ * (kernels.h's exp, 16 lanes). A NaN gives NaN, a row of -inf -inf, a +inf +inf (torch's
  * results); the sum's order is not torch's, so the last bit may differ. */
 static float logsumexp_row(const float *x, int64_t n) {
 #ifdef BLINK_VECTOR_OPS
@@ -354,7 +354,7 @@ static void *token_mask_part(void *arg) {
 
 /* out[r] = logits row r with the tokens its slot's packed mask forbids set to -inf (mode 1),
  * copied (mode 0), or all -inf (mode 2): the sampler's structured-output mask
- * (blink.kernels.mask_reference.apply_token_mask). One pass per row. */
+ * (blink.kernels.reference.mask.apply_token_mask). One pass per row. */
 void blink_token_mask_rows(const float *x, int64_t x_stride, const uint32_t *words, int64_t w_stride,
                            int64_t n_words, const int64_t *slot, const uint8_t *mode, float *out,
                            int64_t rows, int64_t cols, int threads) {

@@ -1,8 +1,8 @@
 """Paged attention for the eager CPU forward (the CPU op table's entry).
 
-Two implementations with the reference's contract (:func:`blink.kernels.reference.paged_attention`):
+Two implementations with the reference's contract (:func:`blink.kernels.reference.layers.paged_attention`):
 
-- **the C kernel** (``cpu_attention.c``, built once per machine at first use by
+- **the C kernel** (``attention.c``, built once per machine at first use by
   :func:`blink.shared.native_build.build_library`): one online-softmax pass per (token, KV
   head) over the sequence's blocks, reading K/V where they lie in the cache, in its dtype,
   accumulating in fp32. On a CPU with AMX, prompt rows (:func:`tile_min_tokens` new tokens
@@ -30,17 +30,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from blink.kernels import cpu_pool
-from blink.kernels.cpu_threads import kernel_threads
+from blink.kernels.cpu import pool as cpu_pool
+from blink.kernels.cpu.threads import kernel_threads
 from blink.shared.native_build import NativeBuildError, NativeLibrary
 
 # the gather budget (bytes of K/V plus mask per chunk of query tiles) is the reference's
-from blink.kernels.reference import _GATHER_BUDGET_BYTES, AttentionMetadata, _additive_mask, _attention_plan
+from blink.kernels.reference.layers import _GATHER_BUDGET_BYTES, AttentionMetadata, _additive_mask, _attention_plan
 
 
 log = logging.getLogger("blink.kernels")
 
-_SOURCE = Path(__file__).with_name("cpu_attention.c")
+_SOURCE = Path(__file__).with_name("attention.c")
 #: "torch": every step on the torch path; "c": the C kernel even where it is slower (a build
 #: without AVX-512: tests, diagnosis); unset: automatic
 IMPL_ENV = "BLINK_CPU_ATTENTION"
@@ -55,7 +55,7 @@ _TILE_NS_PER_VISIT = 10.0
 _SDPA_NS_PER_TILE_KEY = 190.0
 _SDPA_NS_PER_CELL = 11.0
 _SDPA_NS_PER_CALL = 50_000.0
-# the C kernel's stack limits (cpu_attention.c); larger shapes take the torch path
+# the C kernel's stack limits (attention.c); larger shapes take the torch path
 _MAX_GROUP, _MAX_HEAD_DIM, _MAX_BLOCK = 16, 256, 128
 _DTYPES = (torch.float32, torch.bfloat16)
 # Reassociating the sums lets the compiler vectorise the softmax's reductions (1.9x on the
@@ -83,7 +83,7 @@ LIBRARY = NativeLibrary(
     _SOURCE, what="CPU paged attention: the C kernel", logger=log,
     fallback="the torch path (SDPA over gathered blocks) serves every step",
     flags=("-O3", "-march=native", *_MATH_FLAGS), fallback_flags=("-O3", *_MATH_FLAGS),
-    headers=(_SOURCE.with_name("cpu_kernels.h"),), env=IMPL_ENV, setup=_declare,
+    headers=(_SOURCE.with_name("kernels.h"),), env=IMPL_ENV, setup=_declare,
     kernels=("blink_paged_attention",), queries=("blink_has_avx512", "blink_paged_attention_tile_min_tokens"))
 
 
@@ -171,7 +171,7 @@ def paged_attention(
     md: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Same contract as :func:`blink.kernels.reference.paged_attention` (q [T, H, D],
+    """Same contract as :func:`blink.kernels.reference.layers.paged_attention` (q [T, H, D],
     caches [blocks, block_size, KVH, D] already holding this step's K/V; returns [T, H, D]
     in q's dtype, zeros for tokens of unused rows): the C kernel where it applies, else
     :func:`sdpa_paged_attention`."""

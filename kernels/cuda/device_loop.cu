@@ -16,7 +16,7 @@
 //            }
 //          }
 //
-// Built by blink.engine.gpu_loop (cuda-bindings), compiled by blink.kernels.nvrtc_build
+// Built by blink.engine.gpu_loop (cuda-bindings), compiled by blink.kernels.cuda.nvrtc_build
 // (NVRTC, no -rdc: cudaGraphSetConditional is resolved by the driver at module load).
 // Every kernel here is bounded: the gate polls at most max_polls times and at most
 // poll_budget_ns; the others do a fixed amount of work.

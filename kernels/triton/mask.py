@@ -1,4 +1,4 @@
-"""Triton twins of :mod:`blink.kernels.mask_reference` (same signatures, same results): the
+"""Triton twins of :mod:`blink.kernels.reference.mask` (same signatures, same results): the
 structured-output sampling gate as a device-side wait, and the token mask.
 
 - ``wait_token_masks``: one program per sample row spins on its slot's ``mask_epoch`` with
@@ -63,7 +63,7 @@ def _mask_kernel(logits_ptr, out_ptr, words_ptr, epoch_ptr, slots_ptr, constrain
 
 def wait_token_masks(epoch: torch.Tensor, slots: torch.Tensor, constrained: torch.Tensor,
                      expected: torch.Tensor, timeout_s: float) -> None:
-    """See :func:`blink.kernels.mask_reference.wait_token_masks` (returns nothing: the
+    """See :func:`blink.kernels.reference.mask.wait_token_masks` (returns nothing: the
     device cannot tell the host; :func:`apply_token_mask` reports the rows still missing)."""
     rows = slots.shape[0]
     if rows and not is_fake(epoch):
@@ -76,7 +76,7 @@ def wait_token_masks(epoch: torch.Tensor, slots: torch.Tensor, constrained: torc
 def apply_token_mask(logits: torch.Tensor, words: torch.Tensor, epoch: torch.Tensor,
                      slots: torch.Tensor, constrained: torch.Tensor,
                      expected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """See :func:`blink.kernels.mask_reference.apply_token_mask`."""
+    """See :func:`blink.kernels.reference.mask.apply_token_mask`."""
     n_rows, vocab = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()

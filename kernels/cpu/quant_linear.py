@@ -1,8 +1,8 @@
-"""Projections on a GGUF file's own codes on CPUs without AMX: ``cpu_quant_linear.c``.
+"""Projections on a GGUF file's own codes on CPUs without AMX: ``quant_linear.c``.
 
 Why: a decode step streams every projection weight once, so its cost is the weight's bytes;
 the file's 4-bit codes are ~4x fewer than bf16, its 8-bit ones 2x. The AMX kernel
-(:mod:`blink.kernels.cpu_q4_linear`) needs AMX, which most CPUs people serve on lack (AMD
+(:mod:`blink.kernels.cpu.q4_linear`) needs AMX, which most CPUs people serve on lack (AMD
 EPYC/Ryzen, older Xeons, cloud VMs that hide it); there torch's int4 kernel read Q4_0/Q4_1
 codes for steps of few rows, and K-quants were dequantized to bf16 at load.
 
@@ -17,7 +17,7 @@ fp32 product in all but a few outputs in a thousand, one bf16 step off).
 Formats: ``w = d q + m`` per group of 32 (Q6_K: 16) input channels; 4-bit codes (Q4_0, Q4_1,
 Q4_K) or 8-bit (Q8_0, Q6_K, Q5_K); d and m fp16 where they are (Q4_0, Q4_1, Q8_0), else fp32
 (K-quants: the super-block's d times a sub-block scale). The layout is the AMX kernel's
-(:func:`blink.kernels.cpu_q4_linear._b_tile_rows`).
+(:func:`blink.kernels.cpu.q4_linear._b_tile_rows`).
 
 ``$BLINK_CPU_Q4``: ``avx512`` or ``avx2`` picks that build (and keeps the AMX kernel off, so a
 CPU with AMX runs the path a CPU without it would), ``torch`` turns both off; unset, AMX where
@@ -33,14 +33,14 @@ from pathlib import Path
 
 import torch
 
-from blink.kernels import cpu_pool, cpu_q4_linear
-from blink.kernels.cpu_q4_linear import GROUP, IMPL_ENV, TILE, _b_tile_rows, _from_b_tile_rows, _is_fp16
-from blink.kernels.cpu_threads import kernel_threads
+from blink.kernels.cpu import pool as cpu_pool, q4_linear as cpu_q4_linear
+from blink.kernels.cpu.q4_linear import GROUP, IMPL_ENV, TILE, _b_tile_rows, _from_b_tile_rows, _is_fp16
+from blink.kernels.cpu.threads import kernel_threads
 from blink.shared.native_build import NativeBuildError, NativeLibrary
 
 log = logging.getLogger("blink.kernels")
 
-_SOURCE = Path(__file__).with_name("cpu_quant_linear.c")
+_SOURCE = Path(__file__).with_name("quant_linear.c")
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 #: the C kernel's format bits
@@ -74,7 +74,7 @@ def _library(name: str) -> NativeLibrary:
         fallback=("4-bit projections run on the AVX2 build if it loads, else " if name == "avx512" else
                   "4-bit projections run on ") + "torch's int4 kernel for few rows and bf16 otherwise",
         # -ffp-contract=off: the sums' order and roundings are the source's
-        flags=(*flags, "-ffp-contract=off"), headers=(_SOURCE.with_name("cpu_kernels.h"),),
+        flags=(*flags, "-ffp-contract=off"), headers=(_SOURCE.with_name("kernels.h"),),
         env=IMPL_ENV, env_value=("torch", *others), setup=_declare(isa),
         kernels=("blink_quant_linear",), queries=("blink_quant_linear_isa",))
 

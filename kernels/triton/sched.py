@@ -44,7 +44,7 @@ compares batch, state and ring step by step).
 Launch grids and block sizes depend on shapes only and the wrappers never read a tensor
 value on the host, so the stages stay capturable. On CPU tensors they run under
 ``TRITON_INTERPRET=1`` (set before this module is imported), as the sampler's kernels do in
-the tests. Every launch is counted by :mod:`blink.kernels.triton_sched_count`.
+the tests. Every launch is counted by :mod:`blink.kernels.triton.sched_count`.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from blink.kernels import triton_sched_count
+from blink.kernels.triton import sched_count as triton_sched_count
 
 _INT64_MAX = tl.constexpr(2**63 - 1)
 

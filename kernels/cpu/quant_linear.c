@@ -1,5 +1,5 @@
 /* y = x @ W.T (+ bias) for bf16 x and a weight kept as a GGUF file's own codes, on CPUs
- * without AMX: one source, built twice by kernels/cpu_quant_linear.py, once for AVX-512
+ * without AMX: one source, built twice by kernels/cpu/quant_linear.py, once for AVX-512
  * (-march=x86-64-v4 -mavx512bf16: Intel Cooper Lake / Sapphire Rapids with AMX hidden, AMD
  * Zen 4 and 5) and once for AVX2 (-march=x86-64-v3: no AVX-512 instruction in that build);
  * the Python side loads the one the CPU's flags allow.
@@ -9,12 +9,12 @@
  * ones 2x). Without AMX torch's int4 kernel read them, with arithmetic that grows with the
  * rows, and only Q4_0/Q4_1; K-quants were dequantized to bf16 at load.
  *
- * Formats (`format` bits, kernels/cpu_quant_linear.py's pack): every weight is
+ * Formats (`format` bits, kernels/cpu/quant_linear.py's pack): every weight is
  * w = d q + m per group of 32 (or 16: F_GROUP16) input channels of one output column, d and m
  * fp16 (a Q4_0/Q4_1/Q8_0 file's own) or fp32 (F_FP32: K-quants, whose d is the super-block's
  * fp16 d times a 6- or 8-bit sub-block scale, exact in fp32), m absent where it is 0 (no F_M).
  * Codes are 4-bit (0..15: Q4_0, Q4_1, Q4_K) or 8-bit (F_BITS8, int8: Q8_0, Q6_K as q - 32,
- * Q5_K as 0..31). Layout: the AMX kernel's (cpu_q4_linear.c): output columns in tiles of 16,
+ * Q5_K as 0..31). Layout: the AMX kernel's (q4_linear.c): output columns in tiles of 16,
  * channels in groups of 32; a (tile, group) is 16 rows of 32 words, row p holding channels 2p
  * and 2p + 1 of the 16 columns interleaved (word w: column w / 2, channel 2p + w % 2); 4-bit
  * codes as 4 x 32 16-bit words whose nibble i is row 4c + i's, 8-bit as one byte per word.
@@ -23,7 +23,7 @@
  * Arithmetic: no weight is rounded, the product is on gguf's fp32 weights (up to fp32 sum
  * order), as the AMX kernel's few-rows path:
  * - AVX-512: per group x . q by vdpbf16ps with the codes as exact bf16 (one 4-bit code row
- *   per vpermw of a shifted word vector, as cpu_q4_linear.c), 32 products per instruction,
+ *   per vpermw of a shifted word vector, as q4_linear.c), 32 products per instruction,
  *   then d (x . q) + m sum(x) in fp32. Up to 8 rows per pass share each unpacked row.
  * - AVX2: 8 columns at a time, x . q per group in fp32 FMAs on x's fp32 values and the codes
  *   as fp32 (exact), then d (x . q) + m sum(x).
@@ -37,7 +37,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_kernels.h"
+#include "kernels.h"
 
 /* rows per pass over a tile: AVX-512 (32 registers) and AVX2 (16) */
 enum { TILE = 16, GROUP = 32, PAIRS = GROUP / 2, ROWS = 8, ROWS2 = 4 };
@@ -46,7 +46,7 @@ enum { F_BITS8 = 1, F_GROUP16 = 2, F_FP32 = 4, F_M = 8 };
 /* Rows of x a tile's codes meet before the next tile's (x's panel stays in L2). */
 enum { PANEL_ROWS = 128 };
 
-/* How far ahead the codes are prefetched (as cpu_q4_linear.c). */
+/* How far ahead the codes are prefetched (as q4_linear.c). */
 enum { PREFETCH_BYTES = 2048 };
 
 typedef struct {

@@ -1,6 +1,6 @@
-"""Fused bf16 elementwise ops for the eager CPU forward (``cpu_fused.c``), under the reference
+"""Fused bf16 elementwise ops for the eager CPU forward (``fused.c``), under the reference
 names and signatures: each is one C call where the torch reference
-(:mod:`blink.kernels.reference`) is 6-18 aten ops.
+(:mod:`blink.kernels.reference.layers`) is 6-18 aten ops.
 
 Why: at a decode step's sizes an aten op costs a few microseconds of dispatch whatever it
 computes, and a SmolLM2 layer spends ~45 of them on norms, the rotary embedding, the KV-cache
@@ -24,13 +24,18 @@ from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from blink.kernels import cpu_pool, mask_reference, reference, sampling_reference
-from blink.kernels.cpu_threads import kernel_threads
+from blink.kernels.cpu import pool as cpu_pool
+from blink.kernels.reference import (
+    mask as mask_reference,
+    layers as reference,
+    sampling as sampling_reference,
+)
+from blink.kernels.cpu.threads import kernel_threads
 from blink.shared.native_build import NativeLibrary
 
 log = logging.getLogger("blink.kernels")
 
-_SOURCE = Path(__file__).with_name("cpu_fused.c")
+_SOURCE = Path(__file__).with_name("fused.c")
 #: "torch": the references (tests, diagnosis); "c": every C op, also those that are slower
 #: than the reference in a build without AVX-512 (the SiLU); unset: automatic
 IMPL_ENV = "BLINK_CPU_FUSED"
@@ -68,7 +73,7 @@ LIBRARY = NativeLibrary(
     _SOURCE, what="fused CPU ops: the C library", logger=log,
     fallback="the torch references run instead, slower for small steps",
     flags=("-O3", "-march=native", *_FLAGS), fallback_flags=("-O3", *_FLAGS),
-    headers=(_SOURCE.with_name("cpu_kernels.h"),), env=IMPL_ENV, setup=_declare,
+    headers=(_SOURCE.with_name("kernels.h"),), env=IMPL_ENV, setup=_declare,
     kernels=tuple(_SIGNATURES), queries=("blink_has_avx512",))
 
 
@@ -96,7 +101,7 @@ def _heads(x: torch.Tensor) -> bool:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """:func:`blink.kernels.reference.rms_norm`."""
+    """:func:`blink.kernels.reference.layers.rms_norm`."""
     lib = LIBRARY.get()
     if lib is None or not _rows(x) or weight.dtype is not _BF16 or not weight.is_contiguous():
         return reference.rms_norm(x, weight, eps)
@@ -109,7 +114,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`blink.kernels.reference.fused_add_rms_norm`."""
+    """:func:`blink.kernels.reference.layers.fused_add_rms_norm`."""
     lib = LIBRARY.get()
     if (lib is None or not _rows(x) or not _rows(residual) or x.shape != residual.shape
             or weight.dtype is not _BF16 or not weight.is_contiguous()):
@@ -125,7 +130,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`blink.kernels.reference.apply_rope` (q and k: views into one new buffer)."""
+    """:func:`blink.kernels.reference.layers.apply_rope` (q and k: views into one new buffer)."""
     lib = LIBRARY.get()
     if (lib is None or not _heads(q) or not _heads(k) or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]
             or positions.dtype != torch.int64 or not positions.is_contiguous()
@@ -144,7 +149,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
-    """:func:`blink.kernels.reference.write_kv_cache`."""
+    """:func:`blink.kernels.reference.layers.write_kv_cache`."""
     lib = LIBRARY.get()
     if (lib is None or not _heads(k) or not _heads(v) or k.shape != v.shape
             or k_cache.dtype is not _BF16 or v_cache.dtype is not _BF16 or not k_cache.is_contiguous()
@@ -161,7 +166,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """:func:`blink.kernels.reference.silu_and_mul`."""
+    """:func:`blink.kernels.reference.layers.silu_and_mul`."""
     lib = LIBRARY.get()
     if lib is None or not lib.vector_exp or not _rows(x) or x.shape[1] % 2:
         return reference.silu_and_mul(x)
@@ -172,7 +177,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
-    """:func:`blink.kernels.sampling_reference.logsumexp_rows` (fp32 [B, V] -> [B, 1]): one
+    """:func:`blink.kernels.reference.sampling.logsumexp_rows` (fp32 [B, V] -> [B, 1]): one
     call with two passes over each row instead of torch's four ops and a [B, V] temporary
     (0.61 -> 0.31 ms for a 16-row step's SmolLM2 logits); the last bit may differ from torch's."""
     lib = LIBRARY.get()
@@ -190,7 +195,7 @@ def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
 def apply_token_mask(logits: torch.Tensor, words: torch.Tensor, epoch: torch.Tensor,
                      slots: torch.Tensor, constrained: torch.Tensor,
                      expected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`blink.kernels.mask_reference.apply_token_mask` for fp32 CPU logits: one C pass
+    """:func:`blink.kernels.reference.mask.apply_token_mask` for fp32 CPU logits: one C pass
     per row (the bit test per token) instead of the reference's unpack and [B, V] select
     (~1/10 of the time at 16 x 49152). Same results, bit for bit (a select, no arithmetic)."""
     lib = LIBRARY.get()

@@ -12,7 +12,7 @@ registers and spills, and fails on anything a GPU would reject at launch.
 Run it in a process where ``TRITON_INTERPRET`` is unset (the kernels must be decorated as
 compiled JIT functions)::
 
-    python -m blink.kernels.triton_compile_check [--arch 90]
+    python -m blink.kernels.triton.compile_check [--arch 90]
 """
 from __future__ import annotations
 
@@ -144,14 +144,14 @@ def compile_launch(launch: Launch, arch: int) -> Report:
 
 def realistic_launches(arch: int = 90) -> list[Launch]:
     """Every op called with real model shapes on ``meta`` tensors (nothing is allocated)."""
-    from blink.kernels import (
-        reference,
-        triton_activation,
-        triton_attention,
-        triton_mask,
-        triton_moe,
-        triton_norm_rope,
-        triton_sampling,
+    from blink.kernels.reference import layers as reference
+    from blink.kernels.triton import (
+        activation as triton_activation,
+        attention as triton_attention,
+        mask as triton_mask,
+        moe as triton_moe,
+        norm_rope as triton_norm_rope,
+        sampling as triton_sampling,
     )
 
     current = [""]

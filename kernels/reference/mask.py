@@ -1,5 +1,5 @@
 """Torch reference for structured outputs on the engine side: the sampling gate and the mask
-(the spec the Triton kernels of :mod:`blink.kernels.triton_mask` reproduce).
+(the spec the Triton kernels of :mod:`blink.kernels.triton.mask` reproduce).
 
 The frontend computes each constrained request's next-token mask (llguidance, in
 :mod:`blink.dpu.structured`) and writes it into the ring's mask area, one row of int32 words

@@ -18,7 +18,7 @@
  *   x's rows in L1, the weight tiles streamed past them). Rebuilding costs ~10 instructions
  *   per 32 weights, which hundreds of rows amortise.
  *
- * Layout (made by kernels/cpu_q4_linear.py, `pack`): output columns in tiles of 16, channels
+ * Layout (made by kernels/cpu/q4_linear.py, `pack`): output columns in tiles of 16, channels
  * in groups of 32. A (tile, group) is one B tile, 16 rows of 32 words, row p holding channels
  * 2p and 2p + 1 of the 16 columns interleaved (word w: column w / 2, channel 2p + w % 2),
  * packed as 4 x 32 16-bit words whose nibble i is row 4c + i's code. Per tile and group, 16
@@ -33,14 +33,14 @@
  * Gated (blink_q4_linear_gated): for a fused gate/up projection (gate columns [0, N/2), up
  * columns [N/2, N)) the output is the MLP's activation, bf16(bf16(silu(g)) * u) with g and u
  * the bf16 results the plain call would write, so y has N/2 columns and the same bits as the
- * plain call followed by cpu_fused.c's SiLU: the products of output tile t and of tile
+ * plain call followed by fused.c's SiLU: the products of output tile t and of tile
  * t + N/32 are computed together and combined as they are stored (one pass over the
  * activations fewer, and half the result writes).
  */
 #include <stdint.h>
 #include <string.h>
 
-#include "cpu_kernels.h"
+#include "kernels.h"
 
 #ifdef BLINK_AMX
 #include <stdlib.h>
@@ -484,7 +484,7 @@ static void group_sums(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K
         }
 }
 
-/* The row count above which a step takes the many-rows path (kernels/cpu_q4_linear.py reads it). */
+/* The row count above which a step takes the many-rows path (kernels/cpu/q4_linear.py reads it). */
 int blink_q4_linear_few_rows(void) { return FEW_ROWS; }
 
 /* 1 where this process may use AMX (asked of the kernel once; Linux 5.16 and later). */
@@ -509,7 +509,7 @@ static int quantized_linear(const uint16_t *x, int64_t x_stride, const uint16_t 
     }
     /* one thread per ~5-10 us of work at most (64K weights to unpack for a few rows, 1M
      * multiply-adds for many): a decode step's projections split too, and a worker that is
-     * not running leaves its part to this thread (cpu_pool.c) */
+     * not running leaves its part to this thread (pool.c) */
     threads = blink_threads_for(many ? M * N * K >> 4 : N * K, (int64_t)1 << 16, threads);
     /* Many rows, at least ROWS_PER_THREAD per thread: parts of rows, so that each thread
      * reads the rows of x that the op before (split by rows too) left in its own cache and

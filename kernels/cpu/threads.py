@@ -1,10 +1,10 @@
-"""How many threads the CPU kernels (:mod:`blink.kernels.cpu_q4_linear`,
-:mod:`blink.kernels.cpu_attention`, :mod:`blink.kernels.cpu_fused`) may split one call over.
+"""How many threads the CPU kernels (:mod:`blink.kernels.cpu.q4_linear`,
+:mod:`blink.kernels.cpu.attention`, :mod:`blink.kernels.cpu.fused`) may split one call over.
 
 Default: torch's intra-op threads. The engine's CPU loop may give its kernels more than it
 gives torch's OpenMP pool (``EngineConfig.kernel_threads``): a kernel splits a call with
 ~5-15 us of work or more per thread (a prefill's calls, and a decode step's projections and
-attention), its parts claimed by whichever thread is free (``cpu_pool.c``), so a worker whose
+attention), its parts claimed by whichever thread is free (``pool.c``), so a worker whose
 core the frontend or the client holds leaves its part to the calling thread instead of
 holding up the step. The workers poll for 200 us after a call, then sleep: between steps
 and while the engine is idle the cores stay free.

@@ -1,8 +1,8 @@
-"""The process's one pool of worker threads for the CPU kernels (``cpu_pool.c``).
+"""The process's one pool of worker threads for the CPU kernels (``pool.c``).
 
-Each kernel library (:mod:`blink.kernels.cpu_attention`, :mod:`blink.kernels.cpu_q4_linear`,
-:mod:`blink.kernels.cpu_fused`) gets the pool's entry point when it loads
-(:func:`attach`), so that a call split over threads (:mod:`blink.kernels.cpu_threads` says how
+Each kernel library (:mod:`blink.kernels.cpu.attention`, :mod:`blink.kernels.cpu.q4_linear`,
+:mod:`blink.kernels.cpu.fused`) gets the pool's entry point when it loads
+(:func:`attach`), so that a call split over threads (:mod:`blink.kernels.cpu.threads` says how
 many) runs on the same workers whichever library makes it. Without the pool (no compiler:
 said once in the log) every call runs on its calling thread.
 """
@@ -16,7 +16,7 @@ from blink.shared.native_build import NativeLibrary
 
 log = logging.getLogger("blink.kernels")
 
-_SOURCE = Path(__file__).with_name("cpu_pool.c")
+_SOURCE = Path(__file__).with_name("pool.c")
 
 
 def _declare(library: ctypes.CDLL) -> None:
@@ -26,12 +26,12 @@ def _declare(library: ctypes.CDLL) -> None:
 LIBRARY = NativeLibrary(
     _SOURCE, what="the CPU kernels' worker pool", logger=log,
     fallback="each kernel call runs on its calling thread",
-    flags=("-O2",), headers=(_SOURCE.with_name("cpu_kernels.h"),), setup=_declare,
+    flags=("-O2",), headers=(_SOURCE.with_name("kernels.h"),), setup=_declare,
     queries=("blink_pool_split",))  # (only its address is taken: attach hands it to the kernels)
 
 
 def attach(library: ctypes.CDLL) -> None:
-    """Give a kernel library (one that includes ``cpu_kernels.h``) the pool's entry point."""
+    """Give a kernel library (one that includes ``kernels.h``) the pool's entry point."""
     pool = LIBRARY.get()
     library.blink_use_pool.argtypes = [ctypes.c_void_p]
     library.blink_use_pool.restype = None

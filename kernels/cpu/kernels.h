@@ -1,4 +1,4 @@
-/* Helpers shared by the CPU kernels (cpu_attention.c, cpu_fused.c, cpu_q4_linear.c; cpu_pool.c
+/* Helpers shared by the CPU kernels (attention.c, fused.c, q4_linear.c; pool.c
  * for its types): bf16 <-> fp32, exps, the gated activation, and the split of a call's work
  * over the process's worker pool. Hashed into their build keys (blink/shared/native_build.py),
  * so a change here rebuilds them all. */
@@ -105,7 +105,7 @@ static inline __m512 round_bf16x16(__m512 v) { /* to bf16 and back: the rounding
 }
 
 /* bf16(silu(g)) * u in fp32 for g, u holding bf16 values: the gated activation F.silu(gate)
- * * up in bf16 before its last rounding (cpu_fused.c's SiLU, and the 4-bit kernel's fused
+ * * up in bf16 before its last rounding (fused.c's SiLU, and the 4-bit kernel's fused
  * gate/up epilogue, which therefore give the same bits). silu(g) = g / (1 + exp(-g)), taken
  * as (g < 0 ? g e : g) / (1 + e) with e = exp(-|g|) <= 1: exp of a large positive argument
  * made the vector code ~10x slower on some inputs (measured). One division straight to the
@@ -153,9 +153,9 @@ typedef struct {
 
 enum { BLINK_MAX_THREADS = 64 };
 
-/* The process's worker pool (kernels/cpu_pool.c, one for every kernel library, so that their
+/* The process's worker pool (kernels/cpu/pool.c, one for every kernel library, so that their
  * calls never wait for each other's workers), given to each library at load
- * (kernels/cpu_pool.py); NULL until then, or where it could not be built: calls run on the
+ * (kernels/cpu/pool.py); NULL until then, or where it could not be built: calls run on the
  * calling thread. */
 typedef int (*blink_pool_run_t)(void *(*run)(void *), const void *args, int64_t items, int threads);
 static blink_pool_run_t blink_pool_run = NULL;

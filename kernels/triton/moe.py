@@ -1,7 +1,7 @@
 """Triton MoE: top-k routing and an expert-grouped (token-sorted) SiLU-gated MLP.
 
-Twins of :func:`blink.kernels.reference.moe_topk_route` and
-:func:`blink.kernels.reference.moe_experts`, same signatures.
+Twins of :func:`blink.kernels.reference.layers.moe_topk_route` and
+:func:`blink.kernels.reference.layers.moe_experts`, same signatures.
 
 The grouped matmul follows the fused-MoE layout (as in vLLM): the T*k (token, choice) pairs
 are sorted by expert and each expert's run is padded to a multiple of BLOCK_M, so every
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from blink.kernels.triton_common import check_last_dim_contiguous, dot_in_fp32, next_pow2
+from blink.kernels.triton.common import check_last_dim_contiguous, dot_in_fp32, next_pow2
 
 # ----------------------------------------------------------------------------- routing
 

@@ -1,9 +1,9 @@
 """Paged attention for CPU that reads K/V where they lie in the cache: no gathered copy.
 
-The reference (:func:`blink.kernels.reference.paged_attention`) copies every query tile's
+The reference (:func:`blink.kernels.reference.layers.paged_attention`) copies every query tile's
 context out of the paged cache (``index_select``), converts it to fp32 and runs SDPA with a
 mask: per layer and step that is ``2 * tiles * L * KVH * D`` elements written and read again.
-Here the same tiles (the reference's own plan, :func:`~blink.kernels.reference._attention_plan`)
+Here the same tiles (the reference's own plan, :func:`~blink.kernels.reference.layers._attention_plan`)
 go through :func:`tile_attention`, written so that inductor fuses the block-table gather into
 the two reductions (``q·k`` over D, ``p·v`` over the context): each K/V element is read once
 from the cache, in its own dtype, and never stored again.
@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from blink.kernels.reference import AttentionMetadata, _attention_plan
+from blink.kernels.reference.layers import AttentionMetadata, _attention_plan
 
 #: fp32 score bytes per chunk of tiles; bigger steps (long prefills) run in chunks
 _SCORE_BUDGET_BYTES = 64 << 20
@@ -84,7 +84,7 @@ def paged_attention(
     scale: float,
     kernel: TileKernel,
 ) -> torch.Tensor:
-    """Same contract as :func:`blink.kernels.reference.paged_attention`; ``kernel`` is the
+    """Same contract as :func:`blink.kernels.reference.layers.paged_attention`; ``kernel`` is the
     compiled :func:`tile_attention`."""
     T, H, D = q.shape
     block_size, KVH = k_cache.shape[1], k_cache.shape[2]

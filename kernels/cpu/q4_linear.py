@@ -1,4 +1,4 @@
-"""Projections on a GGUF file's own 4-bit codes (CPU, bf16, AMX): ``cpu_q4_linear.c``.
+"""Projections on a GGUF file's own 4-bit codes (CPU, bf16, AMX): ``q4_linear.c``.
 
 Why: on CPU a decode step is bound by the bytes of weight it streams (bf16 SmolLM2-135M:
 ~210 MB of projections per step, ~23 ms on one core here whether 1 or 16 rows). The file's
@@ -22,7 +22,7 @@ step otherwise streams.
 Used where :func:`available` says the kernel was built with AMX for this CPU and the OS lets
 the process use it; otherwise that is said once in the log and torch's int4 kernel runs.
 ``$BLINK_CPU_Q4=torch`` turns it off (tests, diagnosis); ``avx512`` / ``avx2`` too, for the
-kernel a CPU without AMX runs (:mod:`blink.kernels.cpu_quant_linear`).
+kernel a CPU without AMX runs (:mod:`blink.kernels.cpu.quant_linear`).
 """
 from __future__ import annotations
 
@@ -33,13 +33,13 @@ from pathlib import Path
 
 import torch
 
-from blink.kernels import cpu_pool
-from blink.kernels.cpu_threads import kernel_threads
+from blink.kernels.cpu import pool as cpu_pool
+from blink.kernels.cpu.threads import kernel_threads
 from blink.shared.native_build import NativeBuildError, NativeLibrary
 
 log = logging.getLogger("blink.kernels")
 
-_SOURCE = Path(__file__).with_name("cpu_q4_linear.c")
+_SOURCE = Path(__file__).with_name("q4_linear.c")
 IMPL_ENV = "BLINK_CPU_Q4"
 #: output columns per tile and input channels per scale (ggml's Q4 block)
 TILE, GROUP = 16, 32
@@ -60,12 +60,12 @@ def _declare(library: ctypes.CDLL) -> None:
 
 # -march=native: the AMX and AVX-512 intrinsics exist only in a build for a CPU that has them
 # (the cache key holds the CPU's flags); elsewhere the source builds a stub that says so.
-# -ffp-contract=off: the gated epilogue's SiLU keeps cpu_fused.c's bits (cpu_kernels.h).
+# -ffp-contract=off: the gated epilogue's SiLU keeps fused.c's bits (kernels.h).
 LIBRARY = NativeLibrary(
     _SOURCE, what="4-bit CPU projections: the AMX kernel", logger=log,
-    fallback="4-bit projections run on the AVX-512/AVX2 kernel (cpu_quant_linear.c) where the CPU has one, "
+    fallback="4-bit projections run on the AVX-512/AVX2 kernel (quant_linear.c) where the CPU has one, "
              "else on torch's int4 kernel for few rows and bf16 otherwise",
-    flags=("-O3", "-march=native", "-ffp-contract=off"), headers=(_SOURCE.with_name("cpu_kernels.h"),), env=IMPL_ENV,
+    flags=("-O3", "-march=native", "-ffp-contract=off"), headers=(_SOURCE.with_name("kernels.h"),), env=IMPL_ENV,
     env_value=("torch", "avx512", "avx2"), setup=_declare, kernels=("blink_q4_linear", "blink_q8_linear", "blink_q4_linear_gated"),
     queries=("blink_q4_linear_supported", "blink_q4_linear_few_rows"))
 
@@ -85,7 +85,7 @@ def available() -> bool:
 
 @dataclass
 class Q4Weight:
-    """One ``[n, k]`` projection in the kernel's layout (``cpu_q4_linear.c``): 4-bit codes
+    """One ``[n, k]`` projection in the kernel's layout (``q4_linear.c``): 4-bit codes
     (:func:`pack`) or, with ``bits`` 8, 8-bit ones (:func:`pack_q8`)."""
 
     codes: torch.Tensor  # 4-bit: int16 (the bits of uint16 words) [n / 16, k / 32, 4, 32]; 8-bit: int8 [n / 16, k / 32, 16, 32]
@@ -155,7 +155,7 @@ def linear(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None,
     """``x @ W.T (+ bias)`` for bf16 ``x [..., k]`` (rows may be strided, channels contiguous),
     bf16 out. ``gated`` (4-bit codes of a fused gate/up projection, gate rows first): the MLP's
     activation instead, ``silu(gate) * up`` with ``[..., n / 2]`` channels, the bits of the plain
-    call followed by :func:`blink.kernels.cpu_fused.silu_and_mul` in one pass."""
+    call followed by :func:`blink.kernels.cpu.fused.silu_and_mul` in one pass."""
     library = LIBRARY.get()
     if library is None:
         raise RuntimeError("the 4-bit CPU kernel is not available here (see available())")

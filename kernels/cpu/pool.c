@@ -1,6 +1,6 @@
-/* One pool of worker threads for the process's CPU kernels (cpu_attention.c, cpu_q4_linear.c,
- * cpu_fused.c), built at first use by kernels/cpu_pool.py, which hands blink_pool_split to each
- * kernel library (cpu_kernels.h's blink_use_pool). One pool for all of them: with one per
+/* One pool of worker threads for the process's CPU kernels (attention.c, q4_linear.c,
+ * fused.c), built at first use by kernels/cpu/pool.py, which hands blink_pool_split to each
+ * kernel library (kernels.h's blink_use_pool). One pool for all of them: with one per
  * library, one library's workers polled on the cores another's needed (measured slower than no
  * split at all on two vCPUs).
  *
@@ -26,7 +26,7 @@
 #include <stdio.h>
 #include <time.h>
 
-#include "cpu_kernels.h"
+#include "kernels.h"
 
 enum { BLINK_POLL_NS = 200000 };
 

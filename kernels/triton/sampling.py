@@ -1,7 +1,7 @@
 """Triton top-k / top-p / min-p filtering and Gumbel-max sampling.
 
-Twins of :func:`blink.kernels.sampling_reference.apply_top_k_top_p_min_p` and
-:func:`blink.kernels.sampling_reference.sample`, same signatures, same rule, same RNG bits.
+Twins of :func:`blink.kernels.reference.sampling.apply_top_k_top_p_min_p` and
+:func:`blink.kernels.reference.sampling.sample`, same signatures, same rule, same RNG bits.
 
 The reference sorts each row; a vocabulary of 150K entries does not sort inside one Triton
 program, so the filter finds the reference's cut-offs by *selection* instead, one program

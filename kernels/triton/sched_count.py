@@ -1,4 +1,4 @@
-"""The launch counter of the fused scheduler stages (:mod:`blink.kernels.triton_sched`):
+"""The launch counter of the fused scheduler stages (:mod:`blink.kernels.triton.sched`):
 every launch goes through :func:`note`, so a benchmark can count Triton launches per step
 (``benchmarks/gpu_sched_launches.py``) without a profiler. Torch- and Triton-free."""
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Triton RMSNorm (plain and fused with the residual add) and neox-style RoPE.
 
-Each function has the signature and semantics of its twin in :mod:`blink.kernels.reference`,
+Each function has the signature and semantics of its twin in :mod:`blink.kernels.reference.layers`,
 including where the reference rounds to the activation dtype, so on a GPU bf16 results agree
 with the reference up to the order of the fp32 reductions. (The CPU interpreter truncates
 fp32 -> bf16 instead of rounding to nearest, so there they differ by up to one bf16 ulp.)
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from blink.kernels.triton_common import check_last_dim_contiguous, next_pow2
+from blink.kernels.triton.common import check_last_dim_contiguous, next_pow2
 
 # ----------------------------------------------------------------------------- rmsnorm
 
@@ -76,7 +76,7 @@ def _norm_launch(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension; see :func:`blink.kernels.reference.rms_norm`."""
+    """RMSNorm over the last dimension; see :func:`blink.kernels.reference.layers.rms_norm`."""
     return _norm_launch(x, None, weight, eps)[0]
 
 
@@ -146,7 +146,7 @@ def apply_rope(
 
     q: [T, H, D], k: [T, KVH, D] (strided views of a fused qkv output are fine);
     ``cos_sin_cache``: fp32 [max_positions, rotary_dim] from
-    :func:`blink.kernels.reference.rope_cos_sin_cache` (Llama-3 scaling lives in the table).
+    :func:`blink.kernels.reference.layers.rope_cos_sin_cache` (Llama-3 scaling lives in the table).
     Returns new contiguous tensors, like the reference.
     """
     check_last_dim_contiguous("apply_rope q", q)

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from blink.kernels.triton_common import check_last_dim_contiguous, next_pow2
+from blink.kernels.triton.common import check_last_dim_contiguous, next_pow2
 
 
 @triton.jit
@@ -21,7 +21,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, BLOCK: tl.constexpr):
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``silu(x[..., :d]) * x[..., d:]``; see :func:`blink.kernels.reference.silu_and_mul`."""
+    """``silu(x[..., :d]) * x[..., d:]``; see :func:`blink.kernels.reference.layers.silu_and_mul`."""
     two_d = x.shape[-1]
     if two_d % 2:
         raise ValueError(f"silu_and_mul: last dimension {two_d} is odd")

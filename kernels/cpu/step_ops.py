@@ -15,7 +15,7 @@ trace.
   per-layer index work is memoised once per step in the context's ``step_cache``.
 
 What the op runs is set with the context too: the compiled paged kernel
-(:func:`blink.kernels.cpu_paged_attention.paged_attention`), or the reference when that
+(:func:`blink.kernels.cpu.paged_attention.paged_attention`), or the reference when that
 kernel did not compile.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 import torch
 
-from blink.kernels.reference import AttentionMetadata, write_kv_cache as _write_kv_cache_ref
+from blink.kernels.reference.layers import AttentionMetadata, write_kv_cache as _write_kv_cache_ref
 
 #: ``(q, k_cache, v_cache, md, scale) -> out``: the reference or the compiled paged kernel
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]

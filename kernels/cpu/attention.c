@@ -1,6 +1,6 @@
 /* Paged attention for the eager CPU forward, reading K/V where they lie in the paged cache.
  *
- * The torch path (kernels/cpu_attention.py) gathers every query tile's context with
+ * The torch path (kernels/cpu/attention.py) gathers every query tile's context with
  * index_select, lays the queries out in tiles and runs SDPA, about ten aten ops and two
  * copies of the context per layer. For a decode step the compute is tiny (16 rows x 9 heads
  * x a few hundred keys), so those copies and per-op costs were ~25% of a 16-row SmolLM2 step.
@@ -8,10 +8,10 @@
  * the G query heads that share the KV head together, so each K/V element is read once per
  * token, in the cache's dtype, and never copied.
  *
- * Semantics are the reference's (kernels/reference.py paged_attention): token t of row r
+ * Semantics are the reference's (kernels/reference/layers.py paged_attention): token t of row r
  * (t inside r's span of query_start_loc) attends to positions j <= min(positions[t],
  * seq_lens[r] - 1); every other token (bucket padding, unused rows) gets zeros. Accumulation
- * is fp32 whatever the dtypes. Built at first use by kernels/cpu_attention.py.
+ * is fp32 whatever the dtypes. Built at first use by kernels/cpu/attention.py.
  *
  * Prompt rows (at least TILE_MIN_TOKENS new tokens, bf16 queries and cache, a CPU with AMX):
  * the per-token pass reads the whole context once per token and does its products one key at
@@ -31,7 +31,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "cpu_kernels.h"
+#include "kernels.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -54,7 +54,7 @@
 #define PREFETCH 1
 #endif
 
-/* Limits of the per-call stack arrays; kernels/cpu_attention.py sends larger shapes to the
+/* Limits of the per-call stack arrays; kernels/cpu/attention.py sends larger shapes to the
  * torch path. */
 enum { MAX_GROUP = 16, MAX_HEAD_DIM = 256, MAX_BLOCK = 128 };
 
@@ -566,7 +566,7 @@ static inline int takes_tiles(const args_t *a, int64_t r) {
 }
 
 /* The new-token count from which a row takes tiles; 0 where this build or process has no AMX
- * (kernels/cpu_attention.py's cost estimate reads it). */
+ * (kernels/cpu/attention.py's cost estimate reads it). */
 int blink_paged_attention_tile_min_tokens(void) { return blink_amx_granted() ? TILE_MIN_TOKENS : 0; }
 #define HAVE_TILES 1
 #else
@@ -606,7 +606,7 @@ static void *run_token_part(void *arg) {
 
 /* The step's key visits: each live row's new tokens times its context. Counted here from the
  * metadata, not passed in, so that every scalar argument is a shape: a recorded call
- * (cpu_graph.py) stays right when the contexts grow. */
+ * (graph.py) stays right when the contexts grow. */
 static int64_t key_visits(const int32_t *query_start, const int32_t *seq_lens, int64_t rows) {
     int64_t visits = 0;
     for (int64_t r = 0; r < rows; r++)
@@ -631,7 +631,7 @@ int blink_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_h,
     args_t a = {q, q_stride_t, q_stride_h, out, k, v, q_bf16, kv_bf16, T, H, KVH, D, block_size, num_blocks, rows,
                 token_row, positions, query_start, seq_lens, tables, table_stride, table_cols, scale};
     /* one thread per 512 key visits at most, ~10-15 us of work: a decode step's attention
-     * splits too, and a worker that is not running leaves its part to this thread (cpu_pool.c) */
+     * splits too, and a worker that is not running leaves its part to this thread (pool.c) */
     threads = blink_threads_for(key_visits(query_start, seq_lens, rows), (int64_t)1 << 9, threads);
 #if SCORE_TILES
     a.score_tiles = takes_score_tiles(&a);

@@ -1,0 +1,1 @@
+"""The device loop's CUDA C and its NVRTC build."""
