@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
-from blink.config import ModelConfig
+from blink.model_config import ModelConfig
 from blink.decode_graphs import DecodeGraphs
 from blink.errors import ModelLoadError, UnsupportedModelError
 from blink.kernels.reference.layers import AttentionMetadata

@@ -25,7 +25,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType
 
-from blink.config import ModelConfig
+from blink.model_config import ModelConfig
 from blink.loader import DEFAULT_MODEL, open_model, resolve_model
 from blink.shared.byte_level import bytes_to_unicode
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from blink.config import ModelConfig
+from blink.model_config import ModelConfig
 from blink.errors import ModelLoadError, UnsupportedModelError
 from blink.executor import ModelExecutor
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir

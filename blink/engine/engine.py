@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from blink.config import ModelConfig
+from blink.model_config import ModelConfig
 from blink.dtypes import resolve_dtype
 from blink.engine.compiled import (
     CompiledModelPhase,

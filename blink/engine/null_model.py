@@ -69,7 +69,7 @@ class NullExecutor:
                  device: torch.device | str = "cpu", block_size: int = 16,
                  num_blocks: int | None = None, max_model_len: int | None = None,
                  num_threads: int | None = None, token_id: int = DEFAULT_NULL_TOKEN) -> None:
-        from blink.config import ModelConfig
+        from blink.model_config import ModelConfig
 
         if num_threads is not None:
             torch.set_num_threads(num_threads)

@@ -1,7 +1,7 @@
 """One decoder-only transformer for every supported family (Llama, Mistral, Qwen2, Qwen3,
 Phi-3/Phi-4, Qwen3-MoE).
 
-The families differ only in flags of :class:`~blink.config.ModelConfig` (biases, q/k norm,
+The families differ only in flags of :class:`~blink.model_config.ModelConfig` (biases, q/k norm,
 rotary dim, rope scaling, MoE layers, tied embeddings); the checkpoint layout differences
 (separate vs fused q/k/v and gate/up, per-expert vs stacked experts) are absorbed by
 :meth:`DecoderForCausalLM.load_weights`.
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blink.config import ModelConfig
+from blink.model_config import ModelConfig
 from blink.errors import ModelLoadError
 from blink.kernels import ops_for
 from blink.kernels.cpu import q4_linear as cpu_q4_linear
