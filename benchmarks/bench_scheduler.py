@@ -36,8 +36,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from blink.engine import prefix_cache
 from blink.engine.sampler import Sampler, SamplerPlan
-from blink.engine.scheduler import Scheduler
-from blink.engine.state import SchedulerConfig, ring_tensors
+from blink.engine.sched.scheduler import Scheduler
+from blink.engine.sched.state import SchedulerConfig, ring_tensors
 from blink.ring import SLOT_WRITTEN, Ring, RingConfig, RingLayout
 
 PROMPT_LEN = 128

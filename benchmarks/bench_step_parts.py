@@ -48,7 +48,7 @@ def main() -> None:
 
     import blink.engine.engine as engine_module
     from blink.engine.sampler import Sampler
-    from blink.engine.scheduler import Scheduler
+    from blink.engine.sched.scheduler import Scheduler
     from blink.executor import ModelExecutor
     from blink.llm import LLM
     from blink.shared.sampling_params import SamplingParams

@@ -35,8 +35,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from blink.engine import prefix_cache
 from blink.kernels.triton import sched_count as triton_sched_count
-from blink.engine.scheduler import Scheduler
-from blink.engine.state import SchedulerConfig, ring_tensors, ring_views
+from blink.engine.sched.scheduler import Scheduler
+from blink.engine.sched.state import SchedulerConfig, ring_tensors, ring_views
 from blink.ring import SLOT_FINISHED, SLOT_FREE, SLOT_WRITTEN, Ring, RingConfig, RingLayout
 
 #: metadata-only aten ops: dispatched, but no kernel (not a graph node)

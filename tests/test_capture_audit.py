@@ -34,7 +34,7 @@ from blink.engine.gpu import host_sim  # noqa: E402
 from blink.engine.gpu.plan import plan_graphs  # noqa: E402
 from blink.shared.sampling_params import SamplingParams  # noqa: E402
 from blink.shared.structured_outputs import StructuredOutputs  # noqa: E402
-from blink.engine.scheduler import Scheduler  # noqa: E402
+from blink.engine.sched.scheduler import Scheduler  # noqa: E402
 from blink.ring import C_STAT_PREEMPTIONS, C_STAT_PREFIX_HITS  # noqa: E402
 
 #: chunked prefill (buckets 8..64) and a KV cache far smaller than the workload: preemption.

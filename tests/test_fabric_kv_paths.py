@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from blink.engine.kv_transfer import KVSender
-from blink.engine.state import KV_ROUTE_MODE, KV_ROUTE_PEER, KV_ROUTE_SEQ, KV_ROUTE_SLOT, ROW_RELEASING
+from blink.engine.sched.state import KV_ROUTE_MODE, KV_ROUTE_PEER, KV_ROUTE_SEQ, KV_ROUTE_SLOT, ROW_RELEASING
 from blink.fabric.bus import InProcessHub
 from blink.fabric.ecmp import EcmpFabric
 from blink.fabric.kv_paths import ArkPathSelector, FabricConfig, FabricConfigError

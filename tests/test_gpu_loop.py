@@ -42,7 +42,7 @@ from blink.engine.gpu.plan import plan_graphs  # noqa: E402
 from blink.engine.gpu.base import GpuEngine  # noqa: E402
 from blink.engine.gpu.checks import tier_a_problems, tier_b_problems  # noqa: E402
 from blink.shared.sampling_params import SamplingParams  # noqa: E402
-from blink.engine.state import SchedulerConfig, ring_tensors, ring_views  # noqa: E402
+from blink.engine.sched.state import SchedulerConfig, ring_tensors, ring_views  # noqa: E402
 from blink.errors import BlinkError  # noqa: E402
 from blink.ring import (  # noqa: E402
     C_ENGINE_STATE,

@@ -206,8 +206,8 @@ def test_admission_time_is_the_engines_step_not_the_poll():
 def test_scheduler_stamps_the_admission_step():
     """Scheduler._admit writes the step's number into the slot's admitted_step; the control
     block publishes that number as C_STAT_STEPS when the step ends (the frontend's clock)."""
-    from blink.engine.scheduler import Scheduler
-    from blink.engine.state import ring_tensors
+    from blink.engine.sched.scheduler import Scheduler
+    from blink.engine.sched.state import ring_tensors
 
     ring = make_scheduler_ring(2, 32, 8)
     sched = Scheduler(_cfg(), ring_tensors(ring))

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
 from test_engine import BASE, random_prompts, tiny_model_dir  # noqa: E402
 
-from blink.engine import scheduler as scheduler_module  # noqa: E402
+from blink.engine.sched import scheduler as scheduler_module  # noqa: E402
 from blink.engine.engine import Engine  # noqa: E402
 from blink.llm import LLM  # noqa: E402
 from blink.shared.sampling_params import SamplingParams  # noqa: E402

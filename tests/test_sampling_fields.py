@@ -15,7 +15,7 @@ import torch
 from blink.dpu.ring_packing import _DEFAULTS, RingRequestError, pack_sampling, ring_fields
 from blink.dpu.ring_protocol import RingClient
 from blink.engine.sampler import SamplingTensors
-from blink.engine.state import EngineState, SchedulerConfig, ring_tensors, ring_views
+from blink.engine.sched.state import EngineState, SchedulerConfig, ring_tensors, ring_views
 from blink.ring import SLOT_WRITTEN, Ring, RingConfig, RingLayout
 from blink.shared.sampling_fields import SAMPLER_FIELDS, SAMPLING_FIELDS, SamplingField
 from blink.shared.sampling_params import SamplingParams

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from blink.engine import prefix_cache
-from blink.engine.scheduler import Scheduler, StepBatch
-from blink.engine.state import (
+from blink.engine.sched.scheduler import Scheduler, StepBatch
+from blink.engine.sched.state import (
     K_PREEMPTIONS,
     K_PREFIX_HITS,
     K_PREFIX_REJECTS,

@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is n
 import test_scheduler as ts  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
-from blink.engine.scheduler import FUSED_STAGES, Scheduler  # noqa: E402
-from blink.engine.state import K_PREEMPTIONS, K_PREFIX_HITS, ring_tensors  # noqa: E402
+from blink.engine.sched.scheduler import FUSED_STAGES, Scheduler  # noqa: E402
+from blink.engine.sched.state import K_PREEMPTIONS, K_PREFIX_HITS, ring_tensors  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the Triton interpreter: ~2-3 minutes for the whole module
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from blink.engine.sampler import Sampler, SamplerPlan, SamplingTensors
-from blink.engine.state import bucket_for, geometric_buckets
+from blink.engine.sched.state import bucket_for, geometric_buckets
 from blink.errors import BlinkError
 
 #: environment: "1" = run eager (the default of ``EngineConfig.enforce_eager``)

@@ -29,8 +29,8 @@ from blink.engine.compiled import (
 from blink.engine.kv_transfer import KVLayout, KVSender, share_kv_cache
 from blink.engine.step import StepParts, run_step
 from blink.engine.sampler import Sampler
-from blink.engine.scheduler import Scheduler
-from blink.engine.state import SchedulerConfig, ring_tensors
+from blink.engine.sched.scheduler import Scheduler
+from blink.engine.sched.state import SchedulerConfig, ring_tensors
 from blink.engine.token_mask import DEFAULT_MASK_TIMEOUT_S
 from blink.engine_options import DISAGG_ROLES, config_default
 from blink.errors import BlinkError

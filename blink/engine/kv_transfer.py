@@ -7,7 +7,7 @@ KV cache inside a transport region (loopback: a shared-memory segment; verbs: a 
 memory region) and the executor's per-layer caches are views of it, so a prefill engine can
 write a block straight into the place the decode engine's attention reads it from: no copy on
 the decode side, no host work there at all (its scheduler admits the row when the ring's
-``kv_ready_seq`` says so, :meth:`blink.engine.scheduler.Scheduler._admit_kv_ready`).
+``kv_ready_seq`` says so, :meth:`blink.engine.sched.scheduler.Scheduler._admit_kv_ready`).
 
 The prefill side (:class:`KVSender`) is host code of the CPU loop: a row whose request
 carries ``kv_mode = KV_SEND`` gets its prompt's blocks written into the decode engine's
@@ -45,7 +45,7 @@ from blink.ring import (
     RingLayout,
     read_header,
 )
-from blink.engine.state import (
+from blink.engine.sched.state import (
     KV_ROUTE_MODE,
     KV_ROUTE_PEER,
     KV_ROUTE_SEQ,

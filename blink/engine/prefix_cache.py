@@ -23,7 +23,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from blink.engine.state import EngineState, SchedulerConfig
+from blink.engine.sched.state import EngineState, SchedulerConfig
 
 INT64_MIN = -(2**63)
 

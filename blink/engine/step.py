@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 
 from blink.engine.sampler import Sampler, SamplerPlan
-from blink.engine.scheduler import SamplerInputs, Scheduler, StepBatch
+from blink.engine.sched.scheduler import SamplerInputs, Scheduler, StepBatch
 from blink.kernels.reference.layers import AttentionMetadata
 
 class StepParts(NamedTuple):

@@ -9,7 +9,7 @@ The names are :class:`~blink.shared.sampling_params.SamplingParams`' where a fie
 straight from one (``logit_bias`` is split into ``logit_bias_ids`` / ``logit_bias_values``).
 
 Derived from this table: the ring's request record (:func:`blink.ring.request_record_dtype`),
-``blink.engine.state.SAMPLING_FIELDS`` and the state's shapes, the scheduler's admission copy
+``blink.engine.sched.state.SAMPLING_FIELDS`` and the state's shapes, the scheduler's admission copy
 and batch, ``SamplingTensors.empty`` and the frontend's packing. Adding a knob means one row
 here plus the code that uses it (``tests/test_sampling_fields.py`` fails if a side forgets).
 

@@ -1,6 +1,6 @@
 """The scheduler's stages as fused Triton kernels: one program over the slot table each.
 
-The torch tensor code of :class:`blink.engine.scheduler.Scheduler` is the reference and
+The torch tensor code of :class:`blink.engine.sched.scheduler.Scheduler` is the reference and
 the CPU path; ``Scheduler(fused=True)`` routes the stages implemented here through these
 kernels instead. In a captured step every aten op of a stage is a graph node (a kernel
 launch of 1-2 µs); a stage here is one launch. Each kernel is a single program (grid

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from blink.engine.gpu.cudart import clear_cuda_last_error
-from blink.engine.state import ring_views
+from blink.engine.sched.state import ring_views
 from blink.errors import BlinkError
 from blink.ring import RingLayout
 from blink.transport.inprocess import InProcessRegion

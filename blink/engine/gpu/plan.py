@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from blink.engine.state import SchedulerConfig
+from blink.engine.sched.state import SchedulerConfig
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import torch
 from blink.engine.gpu.base import GpuEngine
 from blink.engine.gpu.host_sim import EagerRunner
 from blink.engine.gpu.plan import GraphPlan
-from blink.engine.scheduler import StepBatch
+from blink.engine.sched.scheduler import StepBatch
 from blink.engine.step import StepParts, model_phase
 from blink.errors import BlinkError
 

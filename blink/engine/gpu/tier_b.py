@@ -78,7 +78,7 @@ from blink.engine.gpu.cudart import cuda_bindings_driver
 from blink.engine.gpu.host_sim import EagerGraphApi
 from blink.engine.gpu.mapped_ring import device_pointer
 from blink.engine.gpu.plan import GraphPlan
-from blink.engine.scheduler import StepBatch
+from blink.engine.sched.scheduler import StepBatch
 from blink.engine.step import StepParts, model_phase
 from blink.errors import BlinkError
 from blink.ring import (

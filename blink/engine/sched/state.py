@@ -5,10 +5,12 @@ them in place. Nothing is ever resized, so the same code runs on CPU tensors, on
 and inside a captured CUDA graph.
 
 Rows: engine row ``i`` serves ring slot ``i`` (S = the ring's ``n_slots``), so admission needs
-no row allocator. A row is EMPTY (no request), WAITING (admitted or preempted, holds no
-computed KV beyond prefix-cache hits), RUNNING (scheduled at least once since then) or
-RELEASING (finished and published; its block references are being dropped, a bounded
-number of blocks per step, and its slot's next request waits until the row is EMPTY). A
+no row allocator. A row is in one of five states (``ROW_*``): EMPTY (no request), WAITING
+(admitted or preempted, holds no computed KV beyond prefix-cache hits), RUNNING (scheduled
+at least once since then), RELEASING (finished and published; its block references are
+being dropped, a bounded number of blocks per step, and its slot's next request waits until
+the row is EMPTY) or AWAITING_KV (disaggregation, decode role: blocks reserved for a prompt
+whose KV a prefill engine is writing). ``EngineState.row(i)`` shows one row readably. A
 request is just "``num_computed`` of ``num_tokens`` tokens have KV in the cache" (vLLM V1's
 idea): prefill, chunked prefill, decode and recompute after preemption are the same thing.
 
@@ -26,15 +28,19 @@ from dataclasses import dataclass, field
 import torch
 
 from blink.errors import BlinkError
-from blink.ring import C_ENGINE_SCRATCH, REQUEST, Ring, RingConfig, RingLayout, c_strides
+from blink.ring import REQUEST, Ring, RingConfig, RingLayout, c_strides
 from blink.shared.sampling_fields import SAMPLING_FIELDS as TABLE
 
-# Row status. AWAITING_KV (decode role): blocks reserved for a prompt whose KV a prefill
+# Row status (module docstring). AWAITING_KV (decode role): blocks reserved for a prompt whose KV a prefill
 # engine is writing; not scheduled, never preempted, until the ring says the KV is there.
 ROW_EMPTY, ROW_WAITING, ROW_RUNNING, ROW_RELEASING, ROW_AWAITING_KV = 0, 1, 2, 3, 4
 
 # EngineState.kv_route columns (prefill role: where a request's KV goes once computed).
 KV_ROUTE_MODE, KV_ROUTE_PEER, KV_ROUTE_SLOT, KV_ROUTE_SEQ = range(4)
+
+#: ROW_* value -> its name, for :meth:`EngineState.row`
+ROW_STATUS_NAMES = {ROW_EMPTY: "EMPTY", ROW_WAITING: "WAITING", ROW_RUNNING: "RUNNING",
+                    ROW_RELEASING: "RELEASING", ROW_AWAITING_KV: "AWAITING_KV"}
 
 
 # Cumulative counters in ``EngineState.counters`` (mirrored into the ring control block).
@@ -191,6 +197,35 @@ _ROW_FIELDS = ("status", "arrival", "num_prompt", "num_tokens", "num_computed", 
 
 
 @dataclass
+class RequestRow:
+    """One engine row, read back to the host and named (:meth:`EngineState.row`): for tests,
+    debugging and logs, never for the step itself (it reads tensor values)."""
+
+    row: int
+    status: str  # a ROW_STATUS_NAMES value
+    arrival: int
+    num_prompt: int
+    num_tokens: int  # prompt + generated
+    num_computed: int  # tokens with KV in the cache
+    num_blocks: int
+    needs_lookup: bool
+    tokens: list[int]  # the first num_tokens tokens
+    blocks: list[int]  # the first num_blocks block-table entries
+    row_hash: tuple[int, int]
+    sampling: dict[str, object]  # scalar fields as numbers, vector fields as lists
+    sampler_features: int
+    kv_route: tuple[int, ...]  # (mode, peer, slot, seq): KV_ROUTE_*
+    kv_dest_blocks: list[int]
+
+    def __str__(self) -> str:
+        head = (f"row {self.row}: {self.status} arrival={self.arrival} prompt={self.num_prompt} "
+                f"computed={self.num_computed}/{self.num_tokens} blocks={self.blocks}"
+                f"{' needs_lookup' if self.needs_lookup else ''}")
+        return "\n".join([head, f"  tokens={self.tokens}",
+                          "  " + " ".join(f"{k}={v}" for k, v in self.sampling.items())])
+
+
+@dataclass
 class EngineState:
     """All scheduler state, fixed shapes, on one device. S rows, N blocks, M = blocks per
     sequence, B = block size, H = prefix table size, W = M*B + 1 token columns.
@@ -256,6 +291,31 @@ class EngineState:
         return dataclasses.replace(
             self, **{name: getattr(self, name)[:rows] for name in _ROW_FIELDS},
             sampling={name: values[:rows] for name, values in self.sampling.items()})
+
+    def row(self, i: int) -> RequestRow:
+        """Row ``i``'s fields, named and read back to the host (``print(state.row(i))``)."""
+
+        def value(t: torch.Tensor) -> object:
+            return t.item() if t.dim() == 0 else t.tolist()
+
+        n_tok, n_blk = int(self.num_tokens[i]), int(self.num_blocks[i])
+        return RequestRow(
+            row=i,
+            status=ROW_STATUS_NAMES.get(int(self.status[i]), str(int(self.status[i]))),
+            arrival=int(self.arrival[i]),
+            num_prompt=int(self.num_prompt[i]),
+            num_tokens=n_tok,
+            num_computed=int(self.num_computed[i]),
+            num_blocks=n_blk,
+            needs_lookup=bool(self.needs_lookup[i]),
+            tokens=self.tokens[i, :n_tok].tolist(),
+            blocks=self.block_table[i, :n_blk].tolist(),
+            row_hash=tuple(self.row_hash[i].tolist()),
+            sampling={name: value(values[i]) for name, values in self.sampling.items()},
+            sampler_features=int(self.sampler_features[i]),
+            kv_route=tuple(self.kv_route[i].tolist()),
+            kv_dest_blocks=self.kv_dest_blocks[i].tolist(),
+        )
 
     @classmethod
     def allocate(

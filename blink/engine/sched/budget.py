@@ -1,0 +1,198 @@
+"""Budget, blocks and preemption: which rows run this step, how many tokens each gets, the
+KV blocks they need, preemption by recompute when the pool is short, and the release of
+finished rows' blocks. Also the blocks' LRU stamps (the prefix cache evicts by them)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from blink.engine.sched.state import (
+    INT64_MAX,
+    K_PREEMPTIONS,
+    ROW_AWAITING_KV,
+    ROW_EMPTY,
+    ROW_RELEASING,
+    ROW_RUNNING,
+    ROW_WAITING,
+)
+
+
+def ceil_div(x: torch.Tensor, d: int) -> torch.Tensor:
+    return (x + d - 1) // d
+
+
+class Budget:
+    """The budget / allocation / preemption / release stage of
+    :class:`blink.engine.sched.scheduler.Scheduler` (a mixin over its state and row window)."""
+
+    def _allocate(self) -> torch.Tensor:
+        """Token budget, block allocation and preemption. Returns the tokens per row this step."""
+        w, cfg = self._w, self.config
+        st = w.state
+        N, B = cfg.num_blocks, cfg.block_size
+        if "allocate" in self.fused:
+            return self._triton.allocate(
+                st, w.ring["produced"], w.ring["consumed"], self._alloc_scratch,
+                budget=cfg.max_num_batched_tokens, capacity=self.stream_capacity,
+                window=self._alloc_cols.shape[0], num_blocks=N, block_size=B,
+                prefix_caching=cfg.enable_prefix_caching, consts=self._alloc_consts)
+        active = self._active()
+        room = (w.ring["produced"] - w.ring["consumed"]) < self.stream_capacity
+        schedulable = active & ~st.needs_lookup & room
+        want = torch.where(schedulable, st.num_tokens - st.num_computed, 0)
+
+        # Position p in FCFS order (0 = oldest request); idle rows sort last.
+        order = torch.argsort(torch.where(active, st.arrival, INT64_MAX), stable=True)
+        # Releasing rows count as holding nothing here: they get no blocks, are never
+        # preempted, and their blocks come back through _release_finished alone.
+        nc = torch.where(active, st.num_computed, 0)[order]
+        held = torch.where(active, st.num_blocks, 0)[order]
+        asked = want[order]
+
+        # Token budget: each position gets what is left after the older ones.
+        grant = torch.minimum((cfg.max_num_batched_tokens - (asked.cumsum(0) - asked)).clamp(min=0), asked)
+        need = (ceil_div(nc + grant, B) - held).clamp(min=0)
+        free_now = (st.block_ref[:N] == 0).sum()
+        rank = torch.empty_like(order).scatter_(0, order, w.rows)  # row -> its position
+        if self._when(lambda: need.sum() > free_now):  # the blocks do not fit: cut, then preempt
+            grant, need = self._preempt(rank, grant, need, nc, held, free_now)
+        num_new, need = grant[rank], need[rank]
+        if self._when(lambda: need.sum() > 0):
+            self._assign_blocks(need)
+        st.status.masked_fill_(num_new > 0, ROW_RUNNING)
+        return num_new
+
+    def _preempt(
+        self,
+        rank: torch.Tensor,
+        grant: torch.Tensor,
+        need: torch.Tensor,
+        nc: torch.Tensor,
+        held: torch.Tensor,
+        free_now: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's blocks do not fit the free pool: serve the longest FCFS prefix that
+        fits if everything newer were preempted, and preempt the shortest newest-first
+        suffix that covers the deficit. ``rank``: each row's FCFS position; the other
+        arguments and the results are in FCFS order. The one pass over the whole block
+        table; it runs only when the pool is short."""
+        w, cfg = self._w, self.config
+        st = w.state
+        S, N, B = w.size, cfg.num_blocks, cfg.block_size
+
+        # freed[k]: blocks referenced only by positions >= k (what preempting them frees).
+        table = st.block_table.long()
+        # A releasing row's blocks are freed by no preemption: position 0, which only
+        # freed[0] counts, and no decision reads freed[0].
+        # Rows waiting for their KV likewise (their blocks are being written remotely).
+        owner = torch.where((st.status == ROW_RELEASING) | (st.status == ROW_AWAITING_KV), 0, rank)
+        owner_pos = owner.unsqueeze(1).expand_as(table)
+        first_user = torch.full((N + 1,), S, dtype=torch.int64, device=table.device)
+        first_user.scatter_reduce_(0, table.flatten(), owner_pos.flatten(), "amin")
+        per_pos = torch.zeros(S + 1, dtype=torch.int64, device=table.device)
+        per_pos.scatter_add_(0, first_user[:N], torch.ones_like(first_user[:N]))
+        freed = F.pad(per_pos[:S].flip(0).cumsum(0).flip(0), (0, 1))  # [S+1], freed[S] = 0
+
+        # Serve the longest prefix of positions whose new blocks fit if everything newer
+        # were preempted; the position at the cut gets a chunk of what is left, if any.
+        need_before = F.pad(need.cumsum(0), (1, 0))  # [S+1]
+        cut = (need_before <= free_now + freed)[1:].sum().view(1)  # 1-d: indexing stays on device
+        left = free_now + freed[(cut + 1).clamp(max=S)] - need_before[cut]
+        fits = ((held + left.clamp(min=0)) * B - nc).clamp(min=0)
+        cut_grant = torch.where(left >= 0, torch.minimum(grant, fits), 0)
+        p = w.rows
+        grant = torch.where(p < cut, grant, torch.where(p == cut, cut_grant, 0))
+        need = (ceil_div(nc + grant, B) - held).clamp(min=0)
+
+        # Preempt, newest first, the shortest suffix whose blocks cover the deficit.
+        deficit = need.sum() - free_now
+        first_preempted = (freed[1:] >= deficit).sum()
+        preempt = ((p >= first_preempted) & (held > 0))[rank]
+
+        self._release_rows(preempt)
+        st.status.masked_fill_(preempt, ROW_WAITING)
+        st.num_computed.masked_fill_(preempt, 0)
+        st.row_hash.masked_fill_(preempt.unsqueeze(1), 0)
+        if cfg.enable_prefix_caching:
+            st.needs_lookup |= preempt
+        st.counters[K_PREEMPTIONS] += preempt.sum()
+        return grant, need
+
+    def _assign_blocks(self, need: torch.Tensor, lanes: torch.Tensor | None = None) -> None:
+        """Give each row ``need`` [S] new blocks at the end of its table: free ones,
+        never-cached first, then cached ones least recently used. One flat window of
+        ``alloc_window_blocks`` lanes (lane j: the j-th new block of the step), or ``lanes``
+        (a KV reservation's window)."""
+        w, cfg = self._w, self.config
+        st = w.state
+        N, M = cfg.num_blocks, cfg.max_blocks_per_seq
+        free = st.block_ref[:N] == 0
+        cached = st.block_slot[:N] >= 0
+        order_key = torch.where(free, torch.where(cached, st.block_last_used[:N], -1), INT64_MAX)
+        j = self._alloc_cols if lanes is None else lanes
+        J = j.shape[0]
+        _, free_list = torch.topk(order_key, J, largest=False)  # ascending: the LRU order
+
+        ends = need.cumsum(0)
+        row = torch.searchsorted(ends, j, right=True).clamp(max=w.size - 1)
+        col = st.num_blocks[row] + j - (ends - need)[row]
+        valid = j < ends[-1]
+        blocks = torch.where(valid, free_list, N)
+        st.block_table_flat.index_put_((torch.where(valid, row * M + col, self._table_sink),),
+                                       blocks.to(st.block_table_flat.dtype))
+        st.block_ref.index_add_(0, blocks, valid.to(st.block_ref.dtype))
+        st.block_slot.index_put_((blocks,), torch.full_like(blocks, -1))  # evict from the cache
+        st.block_gen.index_add_(0, blocks, valid.long())  # new content: children stale
+        st.block_last_used.scatter_reduce_(0, blocks, torch.where(valid, self._stamp(col), 0), "amax")
+        st.num_blocks += need
+
+    def _stamp(self, j: torch.Tensor | int) -> torch.Tensor:
+        """LRU stamp for block index ``j`` of a sequence at this step: later steps are newer;
+        within a step deeper blocks are older, so a released sequence is evicted tail first
+        (its shared beginning survives longest)."""
+        M = self.config.max_blocks_per_seq
+        return self.state.step * (M + 1) + (M - j)
+
+    def _release_rows(self, mask: torch.Tensor) -> None:
+        """Drop every block reference of the rows in ``mask`` at once (preemption: the blocks
+        are reused this step); freed blocks stay cached. A pass over the whole table."""
+        st, N = self._w.state, self.config.num_blocks
+        table = st.block_table.long()
+        drop = mask.unsqueeze(1) & (table < N)
+        lanes = torch.where(drop, table, N).flatten()
+        st.block_ref.index_add_(0, lanes, -drop.flatten().to(st.block_ref.dtype))
+        stamp = torch.where(drop, self._stamp(self._cols).unsqueeze(0), 0).flatten()
+        st.block_last_used.scatter_reduce_(0, lanes, stamp, "amax")
+        st.block_table.masked_fill_(mask.unsqueeze(1), N)
+        st.num_blocks.masked_fill_(mask, 0)
+
+    def _release_finished(self) -> None:
+        """Drop the block references of RELEASING rows, deepest block first, in one flat
+        window of ``release_window_blocks`` lanes; rows left with no block become EMPTY.
+        Freed blocks stay cached."""
+        w, cfg = self._w, self.config
+        st = w.state
+        N, M = cfg.num_blocks, cfg.max_blocks_per_seq
+        if "release" in self.fused:
+            self._triton.release(st.status, st.num_blocks, st.num_prompt, st.num_tokens, st.num_computed,
+                                 st.block_table_flat, st.block_ref, st.block_last_used, st.step, self._scratch,
+                                 M, N, self._release_cols.shape[0], ROW_RELEASING, ROW_EMPTY)
+            return
+        releasing = st.status == ROW_RELEASING
+        count = torch.where(releasing, st.num_blocks, 0)
+        ends = count.cumsum(0)
+        lane = self._release_cols
+        row = torch.searchsorted(ends, lane, right=True).clamp(max=w.size - 1)
+        col = (st.num_blocks[row] - 1 - (lane - (ends - count)[row])).clamp(min=0)
+        valid = lane < ends[-1]
+        at = torch.where(valid, row * M + col, self._table_sink)
+        blocks = torch.where(valid, st.block_table_flat[at].long(), N)
+        st.block_ref.index_add_(0, blocks, -valid.to(st.block_ref.dtype))
+        st.block_last_used.scatter_reduce_(0, blocks, torch.where(valid, self._stamp(col), 0), "amax")
+        st.block_table_flat.index_put_((at,), torch.full_like(at, N, dtype=st.block_table_flat.dtype))
+        released = (ends.clamp(max=lane.shape[0]) - (ends - count)).clamp(min=0)
+        st.num_blocks -= released
+        emptied = releasing & (st.num_blocks == 0)
+        st.status.masked_fill_(emptied, ROW_EMPTY)
+        for counter in (st.num_prompt, st.num_tokens, st.num_computed):
+            counter.masked_fill_(emptied, 0)
