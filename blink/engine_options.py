@@ -163,7 +163,6 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  "forces float32). float32 gives exact parity with transformers' fp32. "
                  "half/float16 are refused (Blink's kernels run bfloat16 or float32)"),
     _option("--device", default="auto", choices=["auto", "cpu", "cuda"], field="device",
-            vllm=SAME_AS_VLLM,
             help="where the model and the device loop run (default: cuda if available)"),
     _option("--max-model-len", type=int, default=None, field="max_model_len", vllm=SAME_AS_VLLM,
             help="context length limit (default: the model's, capped at 8192)"),

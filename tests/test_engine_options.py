@@ -167,6 +167,18 @@ def test_help_text_of_serve_still_names_every_engine_flag():
             assert o.flags[0] in text
 
 
+def test_every_vllm_flag_is_in_the_migration_table():
+    """A flag declared as ``vllm serve``'s (or as answering to one of its flags) is in
+    docs/vllm-migration.md, which vLLM users read."""
+    from blink.engine_options import SAME_AS_VLLM, VLLM_MIGRATION_DOC
+
+    doc = (Path(__file__).resolve().parents[1] / VLLM_MIGRATION_DOC).read_text()
+    missing = [o.flags[0] if o.vllm == SAME_AS_VLLM else o.vllm
+               for o in ENGINE_OPTIONS if o.vllm
+               and (o.flags[0] if o.vllm == SAME_AS_VLLM else o.vllm) not in doc]
+    assert not missing, f"not in {VLLM_MIGRATION_DOC}: {missing}"
+
+
 def test_removed_flag_is_refused_by_serve_too():
     from blink.cli_args import check_vllm_flags
     from blink.errors import BlinkError
