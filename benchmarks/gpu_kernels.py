@@ -46,6 +46,7 @@ if not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
+from blink.kernels.attention_metadata import AttentionMetadata  # noqa: E402
 from blink.kernels.reference import layers as ref  # noqa: E402
 from blink.kernels.reference import sampling as sref  # noqa: E402
 from blink.kernels.triton import (  # noqa: E402
@@ -178,7 +179,7 @@ def token_compare(out: torch.Tensor, expected: torch.Tensor) -> tuple[bool, str]
 def attention_batch(
     q_lens: list[int], ctx_before: list[int], hq: int, hkv: int, d: int, block_size: int,
     dtype: torch.dtype, device: torch.device, gen: torch.Generator,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ref.AttentionMetadata]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
     """q, k_cache, v_cache and metadata for rows with ``q_lens`` new tokens after
     ``ctx_before`` cached ones; physical blocks shuffled, built without Python loops over
     tokens."""
@@ -197,7 +198,7 @@ def attention_batch(
     starts = torch.cumsum(q_len, 0) - q_len
     positions = torch.arange(int(q_len.sum())) - starts[seq_idx] + torch.tensor(ctx_before)[seq_idx]
     slots = tables[seq_idx, positions // block_size].long() * block_size + positions % block_size
-    md = ref.AttentionMetadata(
+    md = AttentionMetadata(
         slot_mapping=slots.to(device), positions=positions.to(device),
         token_seq_idx=seq_idx.to(device),
         query_start_loc=torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(q_len, 0)]).to(torch.int32).to(device),

@@ -29,7 +29,7 @@ import torch
 
 from blink.kernels.cpu import graph as cpu_graph
 from blink.kernels.cpu.threads import kernel_threads
-from blink.kernels.reference.layers import AttentionMetadata
+from blink.kernels.attention_metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from blink.models.decoder import DecoderForCausalLM

@@ -1,7 +1,7 @@
 """The model executor: loaded weights, the paged KV cache, and one flattened-token forward.
 
 The executor owns no scheduling state. A caller (the scheduler, a test, a benchmark) hands
-it the step's tokens plus an :class:`~blink.kernels.reference.layers.AttentionMetadata` that says
+it the step's tokens plus an :class:`~blink.kernels.attention_metadata.AttentionMetadata` that says
 where each token sits in the paged cache, and gets fp32 logits for the rows it asks for.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from blink.model_config import ModelConfig
 from blink.decode_graphs import DecodeGraphs
 from blink.errors import ModelLoadError, UnsupportedModelError
-from blink.kernels.reference.layers import AttentionMetadata
+from blink.kernels.attention_metadata import AttentionMetadata
 from blink.models import DecoderForCausalLM, build_model, int4_linear, packed_linear
 
 # Default KV-cache size when the caller gives no num_blocks: four full-length sequences,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from blink.kernels.reference import layers as ref
+from blink.kernels.attention_metadata import AttentionMetadata
 
 
 def make_batch(
@@ -50,7 +50,7 @@ def make_batch(
         positions.append(0)
         seq_idx.append(pad_row)
         slots.append((n_blocks - 1) * block_size + i % block_size)
-    md = ref.AttentionMetadata(
+    md = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
         positions=torch.tensor(positions, dtype=torch.int64),
         token_seq_idx=torch.tensor(seq_idx, dtype=torch.int64),

@@ -12,13 +12,18 @@ plus reordered fp32 sums).
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated
 
 import pytest
 import torch
 
+from blink.kernels.attention_metadata import AttentionMetadata
 from blink.kernels.reference import layers as ref
+
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
 from attention_cases import MIXED, make_batch  # noqa: E402
 
 triton_attention = pytest.importorskip("blink.kernels.triton.attention")
@@ -34,8 +39,8 @@ TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2
 def to_device(*ts):
     out = []
     for t in ts:
-        if isinstance(t, ref.AttentionMetadata):
-            out.append(ref.AttentionMetadata(**{k: (v.to(DEVICE) if torch.is_tensor(v) else v)
+        if isinstance(t, AttentionMetadata):
+            out.append(AttentionMetadata(**{k: (v.to(DEVICE) if torch.is_tensor(v) else v)
                                                  for k, v in vars(t).items()}))
         else:
             out.append(t.to(DEVICE))

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from blink.kernels import ops_for
 from blink.kernels.reference import layers as reference
-from blink.kernels.reference.layers import AttentionMetadata
+from blink.kernels.attention_metadata import AttentionMetadata
 
 
 def _random_batch(seed: int, block_size: int, decode_only: bool, padding: int):

@@ -423,7 +423,7 @@ def _refuse_eager_tiles(*args: Any) -> torch.Tensor:
 
 def _scratch_metadata(ex, tokens: int):
     """A ``tokens``-token step whose tokens all write to the scratch block (warm-up)."""
-    from blink.kernels.reference.layers import AttentionMetadata
+    from blink.kernels.attention_metadata import AttentionMetadata
 
     slot = ex.scratch_block * ex.block_size
     return AttentionMetadata(
@@ -447,7 +447,7 @@ def _layer_metadata(slot_mapping: torch.Tensor, positions: torch.Tensor):
     ([T] each, the bucket's shape). The row fields are empty placeholders: the attention op
     reads the step's real (compacted) metadata from its context, so no shape here depends
     on how many rows run or how long their contexts are."""
-    from blink.kernels.reference.layers import AttentionMetadata
+    from blink.kernels.attention_metadata import AttentionMetadata
 
     return AttentionMetadata(
         slot_mapping=slot_mapping, positions=positions, token_seq_idx=positions,

@@ -16,7 +16,7 @@ import torch
 
 from blink.engine.sampler import Sampler, SamplerPlan
 from blink.engine.sched.scheduler import SamplerInputs, Scheduler, StepBatch
-from blink.kernels.reference.layers import AttentionMetadata
+from blink.kernels.attention_metadata import AttentionMetadata
 
 class StepParts(NamedTuple):
     scheduler: Scheduler

@@ -7,7 +7,7 @@ rotary dim, rope scaling, MoE layers, tied embeddings); the checkpoint layout di
 :meth:`DecoderForCausalLM.load_weights`.
 
 The forward pass works on a flattened batch: all sequences' new tokens side by side,
-described by an :class:`~blink.kernels.reference.layers.AttentionMetadata`. Every op except the
+described by an :class:`~blink.kernels.attention_metadata.AttentionMetadata`. Every op except the
 matmuls goes through ``blink.kernels.ops_for(device)``, so GPU kernels replace the torch
 references without this file changing. Nothing here loops over requests or reads a tensor
 value on the host.
@@ -29,7 +29,8 @@ from blink.model_config import ModelConfig
 from blink.errors import ModelLoadError
 from blink.kernels import ops_for
 from blink.kernels.cpu import q4_linear as cpu_q4_linear
-from blink.kernels.reference.layers import AttentionMetadata, rope_cos_sin_cache
+from blink.kernels.attention_metadata import AttentionMetadata
+from blink.kernels.reference.layers import rope_cos_sin_cache
 from blink.models import int4_linear, packed_linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]

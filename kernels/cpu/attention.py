@@ -35,7 +35,8 @@ from blink.kernels.cpu.threads import kernel_threads
 from blink.shared.native_build import NativeBuildError, NativeLibrary
 
 # the gather budget (bytes of K/V plus mask per chunk of query tiles) is the reference's
-from blink.kernels.reference.layers import _GATHER_BUDGET_BYTES, AttentionMetadata, _additive_mask, _attention_plan
+from blink.kernels.attention_metadata import AttentionMetadata
+from blink.kernels.reference.layers import _GATHER_BUDGET_BYTES, _additive_mask, _attention_plan
 
 
 log = logging.getLogger("blink.kernels")

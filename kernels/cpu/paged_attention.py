@@ -20,7 +20,8 @@ from collections.abc import Callable
 
 import torch
 
-from blink.kernels.reference.layers import AttentionMetadata, _attention_plan
+from blink.kernels.attention_metadata import AttentionMetadata
+from blink.kernels.reference.layers import _attention_plan
 
 #: fp32 score bytes per chunk of tiles; bigger steps (long prefills) run in chunks
 _SCORE_BUDGET_BYTES = 64 << 20

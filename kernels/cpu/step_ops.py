@@ -27,7 +27,8 @@ from contextlib import contextmanager
 
 import torch
 
-from blink.kernels.reference.layers import AttentionMetadata, write_kv_cache as _write_kv_cache_ref
+from blink.kernels.attention_metadata import AttentionMetadata
+from blink.kernels.reference.layers import write_kv_cache as _write_kv_cache_ref
 
 #: ``(q, k_cache, v_cache, md, scale) -> out``: the reference or the compiled paged kernel
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from blink.kernels.reference.layers import AttentionMetadata
+from blink.kernels.attention_metadata import AttentionMetadata
 from blink.kernels.triton.common import check_last_dim_contiguous, dot_in_fp32, next_pow2
 
 _LOG2E = 1.4426950408889634

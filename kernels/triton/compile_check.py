@@ -144,6 +144,7 @@ def compile_launch(launch: Launch, arch: int) -> Report:
 
 def realistic_launches(arch: int = 90) -> list[Launch]:
     """Every op called with real model shapes on ``meta`` tensors (nothing is allocated)."""
+    from blink.kernels.attention_metadata import AttentionMetadata
     from blink.kernels.reference import layers as reference
     from blink.kernels.triton import (
         activation as triton_activation,
@@ -161,8 +162,8 @@ def realistic_launches(arch: int = 90) -> list[Launch]:
     def t(*shape, dtype=bf16):
         return torch.empty(*shape, dtype=dtype, device=dev)
 
-    def attention_md(n_tokens: int, n_rows: int, max_blocks: int) -> reference.AttentionMetadata:
-        return reference.AttentionMetadata(
+    def attention_md(n_tokens: int, n_rows: int, max_blocks: int) -> AttentionMetadata:
+        return AttentionMetadata(
             slot_mapping=t(n_tokens, dtype=torch.int64), positions=t(n_tokens, dtype=torch.int64),
             token_seq_idx=t(n_tokens, dtype=torch.int64),
             query_start_loc=t(n_rows + 1, dtype=torch.int32), seq_lens=t(n_rows, dtype=torch.int32),

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from blink.engine.sampler import SamplingTensors
 from blink.engine.token_mask import MaskBatch, mask_batch
-from blink.kernels.reference.layers import AttentionMetadata
+from blink.kernels.attention_metadata import AttentionMetadata
 from blink.shared.sampling_fields import SAMPLER_FIELDS
 
 
