@@ -94,6 +94,9 @@ VARIABLES: tuple[EnvVar, ...] = (
            "tests only: seconds a prefill engine waits between a prompt's KV and its ready word "
            "(leaving the product path with issue 31's runner interface)",
            ("blink.launcher",), kind="test"),
+    EnvVar("BLINK_TEST_ANSWER", "choice", "the C library",
+           "tests only: the switch of the test library of blink.shared.native_build",
+           ("tests/test_native_build.py",), kind="test", values=("torch",)),
     # -- benchmarks --------------------------------------------------------------------------
     EnvVar("BLINK_PEERS_DIR", "path", "/opt/blink-peers",
            "where benchmarks/setup_peers.sh installs the peer servers (vLLM, llama.cpp, ...)",

@@ -36,6 +36,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
+from blink import env as blink_env
+
 
 class NativeBuildError(RuntimeError):
     """The library could not be built or loaded (no compiler, a compile error, a bad file)."""
@@ -260,7 +262,7 @@ class NativeLibrary:
 
     def switch(self) -> str:
         """``$env`` as the library reads it (stripped, lower case; "" when unset or none)."""
-        return os.environ.get(self.env, "").strip().lower() if self.env else ""
+        return blink_env.choice(self.env) if self.env else ""
 
     def _load(self, quiet: bool = False) -> ctypes.CDLL | None:
         if self.switched_off():
