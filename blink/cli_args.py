@@ -32,7 +32,7 @@ FRONTEND_LIMIT_FLAGS = ("max_request_body_mb", "chat_template_timeout", "grammar
 FRONTEND_LIMIT_SWITCHES = ("trust_request_chat_template", "public_docs",
                            "enable_auto_tool_choice", "exclude_tools_when_tool_choice_none")
 #: flags handed on only when set
-FRONTEND_OPTIONAL_FLAGS = ("tool_call_parser",)
+FRONTEND_OPTIONAL_FLAGS = ("tool_call_parser", "reasoning_parser")
 #: the HTTP server's connection bounds (blink.dpu.http_server), handed on when given
 FRONTEND_CONNECTION_FLAGS = ("http_header_timeout", "http_body_timeout", "max_connections")
 
@@ -170,9 +170,14 @@ def _check_vllm_frontend_flags(args: argparse.Namespace) -> list[str]:
         raise BlinkError(f"--generation-config {args.generation_config}: Blink always takes "
                          f"request defaults from the model's own generation_config.json (vLLM's "
                          f"'auto'); drop the flag, or set the values per request")
-    if getattr(args, "reasoning_parser", None) is not None:
-        raise BlinkError(f"--reasoning-parser {args.reasoning_parser}: Blink has no reasoning "
-                         f"parsers yet (the thinking text stays in 'content'); drop the flag")
+    parser = getattr(args, "reasoning_parser", None)
+    if parser is not None:
+        from blink.dpu.reasoning import REASONING_PARSERS
+
+        if parser not in REASONING_PARSERS:
+            raise BlinkError(f"--reasoning-parser {parser}: Blink has the reasoning parsers "
+                             f"{', '.join(REASONING_PARSERS)} (the <think>...</think> "
+                             f"families); drop the flag for other models")
     backends = ("auto", "guidance")
     config = getattr(args, "structured_outputs_config", None)
     if config is not None:

@@ -286,7 +286,8 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  "generation_config.json (vLLM's default); 'vllm' or a folder is refused"),
     _option("--reasoning-parser", default=None, metavar="NAME", group=VLLM_GROUP,
             vllm=SAME_AS_VLLM, forward=False, not_forwarded=_CHECKED_BY_SERVE,
-            help="refused: Blink has no reasoning parsers yet"),
+            help="deepseek_r1 or qwen3: the <think> reasoning as reasoning_content "
+                 "(and reasoning) in chat answers, reasoning items in /v1/responses"),
     _option("--structured-outputs-config", default=None, metavar="JSON", group=VLLM_GROUP,
             vllm=SAME_AS_VLLM, forward=False, not_forwarded=_CHECKED_BY_SERVE,
             help="only {\"backend\": \"auto\"|\"guidance\"}: Blink's structured outputs "

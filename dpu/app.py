@@ -51,6 +51,7 @@ from blink.dpu.protocol import (
 from blink.dpu.responses import ResponsesRequest
 from blink.dpu.request_log import LoggedEngineClient, RequestLogConfig
 from blink.dpu.responses import ResponsesServing
+from blink.dpu.reasoning import REASONING_PARSERS
 from blink.dpu.serving import OpenAIServing
 from blink.dpu.tokenizer import Tokenizer
 from blink.dpu.tool_calling import ToolCallingConfig
@@ -285,6 +286,7 @@ def app_options(args: argparse.Namespace) -> dict[str, Any]:
         "request_log": request_log,
         "public_docs": bool(args.public_docs),
         "tool_calling": tool_calling,
+        "reasoning_parser": getattr(args, "reasoning_parser", None),
         "limits": RequestLimits(
             max_request_body_bytes=max(1, int(args.max_request_body_mb * (1 << 20))),
             chat_template_timeout_s=args.chat_template_timeout,
@@ -303,7 +305,8 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, *,
                log_requests: bool = True,
                tool_calling: ToolCallingConfig | None = None,
                access_log_skip: frozenset[str] = frozenset(),
-               request_log: RequestLogConfig | None = None) -> FastAPI:
+               request_log: RequestLogConfig | None = None,
+               reasoning_parser: str | None = None) -> FastAPI:
     """Build the app. ``model_name`` (default ``engine.model_name``): the name, or the list of
     names (``--served-model-name a b``, as vLLM), requests may ask for; /v1/models lists them
     all and answers carry the first; ``api_key`` turns on Bearer authentication (for the API docs too,
@@ -311,7 +314,8 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, *,
     headers; ``log_requests`` writes the access log; ``tool_calling`` holds the tool-calling
     flags (``--enable-auto-tool-choice``, ``--tool-call-parser``); ``access_log_skip``: paths
     the access log leaves out; ``request_log``: per-request input/output logging
-    (``--enable-log-requests``, :mod:`blink.dpu.request_log`)."""
+    (``--enable-log-requests``, :mod:`blink.dpu.request_log`); ``reasoning_parser``: a
+    :data:`blink.dpu.reasoning.REASONING_PARSERS` name (``--reasoning-parser``)."""
     names = ([model_name] if isinstance(model_name, str) else list(model_name or [])) or [
         engine.model_name]
     name = names[0]
@@ -320,6 +324,11 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, *,
     logged = LoggedEngineClient(engine, request_log) if request_log and request_log.enabled else engine
     serving = OpenAIServing(logged, tokenizer, metrics, name, limits, tool_calling)
     serving.served_names = frozenset(names)  # every --served-model-name a request may use
+    if reasoning_parser is not None:
+        if reasoning_parser not in REASONING_PARSERS:
+            raise BlinkError(f"--reasoning-parser must be one of "
+                             f"{', '.join(REASONING_PARSERS)}, got {reasoning_parser!r}")
+        serving.reasoning_parser = REASONING_PARSERS[reasoning_parser]
     responses = ResponsesServing(serving)
     docs_open = api_key is None or public_docs
     app = FastAPI(title="Blink", summary="OpenAI-compatible LLM serving (Blink frontend)",

@@ -8,9 +8,11 @@ logs one warning per request naming them ("The following fields were present in 
 but ignored: ..."). vLLM's sampling extras (``top_k``, ``min_p``, ``repetition_penalty``,
 ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ...) and ``return_token_ids`` are
 implemented, and so are ``tools`` / ``tool_choice`` (:mod:`blink.dpu.tool_calling`).
-Parameters OpenAI defines but this server does not implement (``functions``, echo, ...) are
-declared as fields so that a request that sets them gets a clear "not supported" error
-instead of being silently ignored.
+Parameters OpenAI or vLLM define but this server does not implement (``functions``,
+``priority``, ``logits_processors``, ...) are declared as fields so that a request that sets
+them gets a clear "not supported" error naming them instead of being silently ignored
+(``tests/test_vllm_request_fields.py`` walks vLLM's field lists, ``tests/fixtures/
+vllm_request_fields.json``).
 Numeric ranges are checked by :class:`blink.shared.sampling_params.SamplingParams`.
 """
 from __future__ import annotations
@@ -42,6 +44,13 @@ MAX_PROMPTS = 1 << 12
 #: Key of the validation ``context`` dict under which request models append the names of the
 #: fields they ignored (a list); without it they log the warning themselves.
 IGNORED_FIELDS = "ignored_fields"
+
+
+#: vLLM request fields the engine implements (SamplingParams carries them and
+#: ``blink.dpu.serving`` passes them on): ``prompt_logprobs``, ``allowed_token_ids``,
+#: ``bad_words``, ``cache_salt``. Until a name is listed here a request that sets it is refused
+#: with a 400 naming it (never accepted and ignored); whoever wires one adds its name.
+ENGINE_FIELDS: frozenset[str] = frozenset()
 
 
 def ignored_fields_warning(names: list[str]) -> str:
@@ -149,10 +158,30 @@ class _SamplingFields(_Request):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    # OpenAI parameters we reject when set (see unsupported())
+    # vLLM extras honoured by the frontend
     echo: bool = False
+    truncate_prompt_tokens: int | None = None  # keep the last N prompt tokens (-1: the context)
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N"
+    spaces_between_special_tokens: bool = True  # see docs/vllm-migration.md
+    request_id: str | None = None  # the answer's id (after the X-Request-Id header, as vLLM)
+    guided_decoding_backend: str | None = None  # only llguidance's names (auto, guidance)
+    # vLLM extras refused unless they keep their default (see unsupported())
     best_of: int | None = None
     use_beam_search: bool = False
+    length_penalty: float = 1.0
+    priority: int = 0
+    logits_processors: list[Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    max_repetition_pattern_size: int = 0
+    min_repetition_pattern_size: int = 0
+    repetition_min_count: int = 0
+    # engine-side fields (prompt_logprobs, allowed_token_ids, cache_salt): refused here until
+    # the engine implements them (see unsupported())
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    cache_salt: str | None = None
     # structured outputs (blink.dpu.structured.request turns these into one constraint)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -161,16 +190,61 @@ class _SamplingFields(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None  # a Lark or GBNF/EBNF grammar
     guided_whitespace_pattern: str | None = None  # JSON whitespace (with guided_json)
+    structural_tag: Any = None  # earlier vLLM's; refused (see unsupported())
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, reason) for the first set parameter this server cannot honour."""
-        if self.echo:
-            return "echo", "echo is not supported"
         if self.best_of is not None and self.best_of != self.n:
             return "best_of", "best_of different from n is not supported"
         if self.use_beam_search:
             return "use_beam_search", "beam search is not supported"
+        if self.length_penalty != 1.0:
+            return "length_penalty", ("length_penalty only applies to beam search, which is "
+                                      "not supported")
+        if self.priority != 0:
+            return "priority", ("priority scheduling is not enabled on this server (vLLM "
+                                "answers the same without --scheduling-policy priority); "
+                                "send priority 0 or leave it out")
+        if self.logits_processors:
+            return "logits_processors", ("logits_processors are not supported: Blink runs no "
+                                         "code named by a request")
+        if self.vllm_xargs:
+            return "vllm_xargs", "vllm_xargs are not supported: Blink has no request extensions"
+        if self.kv_transfer_params:
+            return "kv_transfer_params", ("kv_transfer_params are not supported: Blink's "
+                                          "disaggregated serving is its own router (blink serve "
+                                          "--role), not vLLM's KV connectors")
+        if self.mm_processor_kwargs:
+            return "mm_processor_kwargs", ("mm_processor_kwargs are not supported: Blink serves "
+                                           "text-only models")
+        for name in ("max_repetition_pattern_size", "min_repetition_pattern_size",
+                     "repetition_min_count"):
+            if getattr(self, name):
+                return name, f"{name} (repetition-pattern stopping) is not supported"
+        if self.guided_decoding_backend is not None and self.guided_decoding_backend not in (
+                "auto", "guidance", "llguidance"):
+            return "guided_decoding_backend", (
+                f"guided_decoding_backend {self.guided_decoding_backend!r} is not available: "
+                f"Blink's structured outputs run on llguidance ('auto' or 'guidance')")
+        if self.truncate_prompt_tokens is not None and (
+                self.truncate_prompt_tokens < -1 or self.truncate_prompt_tokens == 0):
+            return "truncate_prompt_tokens", ("truncate_prompt_tokens must be -1 (the model's "
+                                              "context) or a positive number of tokens")
+        if self.structural_tag is not None:
+            return "structural_tag", "structural tags are not supported"
+        if self.prompt_logprobs is not None and not self._engine_field("prompt_logprobs"):
+            return "prompt_logprobs", "prompt_logprobs are not supported yet"
+        if self.allowed_token_ids is not None and not self._engine_field("allowed_token_ids"):
+            return "allowed_token_ids", "allowed_token_ids is not supported yet"
+        if self.cache_salt is not None and not self._engine_field("cache_salt"):
+            return "cache_salt", "cache_salt is not supported yet"
         return None
+
+    @staticmethod
+    def _engine_field(name: str) -> bool:
+        """Whether the engine-side field ``name`` is wired end to end (:data:`ENGINE_FIELDS`);
+        until it is, a request setting it is refused by name."""
+        return name in ENGINE_FIELDS
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -195,7 +269,9 @@ class ChatCompletionRequest(_SamplingFields):
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None  # to the chat template
+    include_reasoning: bool = True  # with --reasoning-parser: false leaves the reasoning out
+    bad_words: list[str] | None = None  # engine-side (refused until the engine has it)
 
     def unsupported(self) -> tuple[str, str] | None:
         base = super().unsupported()
@@ -212,8 +288,8 @@ class ChatCompletionRequest(_SamplingFields):
             return "audio", "audio output is not supported"
         if self.prediction is not None:
             return "prediction", "predicted outputs are not supported"
-        if self.reasoning_effort is not None:
-            return "reasoning_effort", "reasoning_effort is not supported"
+        if self.bad_words and not self._engine_field("bad_words"):
+            return "bad_words", "bad_words is not supported yet"
         if self.add_generation_prompt and self.continue_final_message:
             return ("continue_final_message",
                     "continue_final_message requires add_generation_prompt=false")
@@ -226,6 +302,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
+    prompt_embeds: Any = None  # refused: Blink takes text or token ids
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -243,6 +320,11 @@ class CompletionRequest(_SamplingFields):
             return base
         if self.suffix:
             return "suffix", "suffix is not supported"
+        if self.prompt_embeds is not None:
+            return "prompt_embeds", "prompt_embeds are not supported: send text or token ids"
+        if self.echo and self.logprobs is not None and not self._engine_field("prompt_logprobs"):
+            return "echo", ("echo together with logprobs needs the prompt's logprobs, which are "
+                            "not supported yet")
         return None
 
 
@@ -290,12 +372,18 @@ class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] | None = None  # left out of the JSON when there are none
+    # with --reasoning-parser: the model's thinking, under both of vLLM's names (recent vLLM
+    # says "reasoning", earlier releases and most clients "reasoning_content"); left out
+    # of the JSON without a parser
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @model_serializer(mode="wrap")
     def _drop_no_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         out = handler(self)
-        if out.get("tool_calls") is None:
-            out.pop("tool_calls", None)
+        for key in ("tool_calls", "reasoning_content", "reasoning"):
+            if out.get(key) is None:
+                out.pop(key, None)
         return out
 
 
@@ -347,6 +435,8 @@ class DeltaMessage(_Response):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser (also as "reasoning")
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")

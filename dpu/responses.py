@@ -40,7 +40,8 @@ from pydantic import field_validator
 
 from blink.dpu.engine_client import EngineError
 from blink.dpu.errors import bad_request
-from blink.dpu.protocol import MAX_MESSAGES, ChatMessage, _Request
+from blink.dpu.protocol import ENGINE_FIELDS, MAX_MESSAGES, ChatMessage, _Request
+from blink.dpu.reasoning import ReasoningParser
 from blink.dpu.structured.request import structured_outputs_of
 from blink.dpu.tool_calling import ToolPlan, plan_tools
 from blink.shared.sampling_params import SamplingParams, SamplingParamsError
@@ -101,8 +102,16 @@ class ResponsesRequest(_Request):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     max_tool_calls: int | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None  # {"effort": ...} goes to the chat template
     prompt: dict[str, Any] | None = None
+    # vLLM's extras
+    service_tier: str | None = None  # accepted: bookkeeping, as in the chat API
+    request_id: str | None = None  # the response's id (vLLM)
+    mm_processor_kwargs: dict[str, Any] | None = None  # refused: text-only models
+    priority: int = 0  # refused unless 0: no priority scheduling
+    cache_salt: str | None = None  # refused until the engine has it (protocol.ENGINE_FIELDS)
+    enable_response_messages: bool = False  # refused: gpt-oss (harmony) only in vLLM
+    previous_input_messages: list[Any] | None = None  # refused: nothing is stored
 
     @field_validator("input", mode="before")
     @classmethod
@@ -133,7 +142,27 @@ class ResponsesRequest(_Request):
         if self.tools and INCLUDE_LOGPROBS in (self.include or []):
             return "include", "logprobs together with tools are not supported"
         if self.reasoning is not None:
-            return "reasoning", "reasoning options are not supported"
+            extra = sorted(k for k, v in self.reasoning.items()
+                           if k != "effort" and v is not None)
+            if extra:
+                return f"reasoning.{extra[0]}", (f"reasoning.{extra[0]} is not supported (only "
+                                                 f"reasoning.effort, handed to the chat template)")
+            if self.reasoning.get("effort") not in (None, "low", "medium", "high"):
+                return "reasoning.effort", "reasoning.effort must be low, medium or high"
+        if self.priority != 0:
+            return "priority", ("priority scheduling is not enabled on this server; send "
+                                "priority 0 or leave it out")
+        if self.mm_processor_kwargs:
+            return "mm_processor_kwargs", ("mm_processor_kwargs are not supported: Blink serves "
+                                           "text-only models")
+        if self.cache_salt is not None and "cache_salt" not in ENGINE_FIELDS:
+            return "cache_salt", "cache_salt is not supported yet"
+        if self.enable_response_messages:
+            return "enable_response_messages", ("enable_response_messages is not supported "
+                                                "(vLLM has it for gpt-oss only)")
+        if self.previous_input_messages is not None:
+            return "previous_input_messages", ("previous_input_messages is not supported: send "
+                                               "the whole conversation as input items")
         if self.prompt is not None:
             return "prompt", "prompt templates are not supported"
         fmt = (self.text or {}).get("format")
@@ -260,13 +289,17 @@ class ResponsesServing:
             plan_tools(tools, tool_choice, req.parallel_tool_calls, s.tool_calling)
         s.check_healthy()
         plan = s._fit_tools_to_template(plan, None)
+        effort = (req.reasoning or {}).get("effort")
+        template_kwargs = {"reasoning_effort": effort} if effort is not None else None
         prompt_ids = await s._encode_chat(messages, add_special_tokens=False,
                                           add_generation_prompt=True,
                                           continue_final_message=False, chat_template=None,
                                           tools=plan.template_tools,
-                                          generic_tools=plan.system_tools)
+                                          generic_tools=plan.system_tools,
+                                          chat_template_kwargs=template_kwargs)
         if not prompt_ids:
             raise bad_request("The rendered prompt is empty.", param="input")
+        thinking = s.thinking(None, prompt_ids)
         requested = req.max_output_tokens
         s._check_context(len(prompt_ids), requested)
         max_tokens = requested if requested is not None else s._default_max_tokens(len(prompt_ids))
@@ -277,15 +310,19 @@ class ResponsesServing:
                                      "max_tokens": "max_output_tokens"})
         params = self._with_text_format(req, params)
         params = s._with_tool_plan(params, plan)
-        response_id = f"resp_{uuid.uuid4().hex}"
+        if thinking is not None:
+            params = s._with_thinking(params, plan, SimpleNamespace(
+                response_format=req.chat_response_format()))
+        response_id = req.request_id or f"resp_{uuid.uuid4().hex}"
         grammar = await s._compile_grammar(params)
-        runs = s._make_runs(response_id, [prompt_ids], params, req.include_stop_str_in_output,
+        engine_id = f"{response_id}-{uuid.uuid4().hex[:8]}" if req.request_id else response_id
+        runs = s._make_runs(engine_id, [prompt_ids], params, req.include_stop_str_in_output,
                             arrival, grammar)
         fanout = await s._start(request, runs)
         if fanout is None:
             return Response(status_code=_CLIENT_CLOSED)
         answer = _Answer(req, response_id, s.model_name, len(prompt_ids), want_logprobs,
-                         plan)
+                         plan, thinking() if thinking is not None else None)
         if req.stream:
             return _SSEResponse(self._stream(answer, fanout), fanout.close)
         try:
@@ -374,13 +411,36 @@ class _MessageItem:
                 "content": [self.part()] if done else []}
 
 
+class _ReasoningItem:
+    """One ``reasoning`` output item (``--reasoning-parser``): the thinking as one
+    ``reasoning_text`` part, as vLLM answers it."""
+
+    def __init__(self) -> None:
+        self.id = f"rs_{uuid.uuid4().hex}"
+        self.texts: list[str] = []
+        self.status = "in_progress"
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+    def part(self, empty: bool = False) -> dict[str, Any]:
+        return {"type": "reasoning_text", "text": "" if empty else self.text}
+
+    def item(self) -> dict[str, Any]:
+        done = self.status != "in_progress"
+        return {"type": "reasoning", "id": self.id, "summary": [], "status": self.status,
+                "content": [self.part()] if done else []}
+
+
 class _Answer:
     """One response object as it fills up (for both the full answer and the stream's events):
     ``message`` items for text, ``function_call`` items for calls, in output order.
     :meth:`add` and :meth:`finish` return the stream events of what they added."""
 
     def __init__(self, req: ResponsesRequest, response_id: str, model: str, n_prompt: int,
-                 want_logprobs: bool, plan: ToolPlan | None = None) -> None:
+                 want_logprobs: bool, plan: ToolPlan | None = None,
+                 reasoning: ReasoningParser | None = None) -> None:
         self.req = req
         self.id = response_id
         self.model = model
@@ -389,8 +449,10 @@ class _Answer:
         self.want_logprobs = want_logprobs
         self.plan = plan
         self.tools = plan.new_stream() if plan is not None else None
-        self.items: list[dict[str, Any] | _MessageItem] = []
+        self.items: list[dict[str, Any] | _MessageItem | _ReasoningItem] = []
         self.message: _MessageItem | None = None  # the open message item
+        self.reasoning = reasoning  # splits the thinking off (--reasoning-parser)
+        self.thought: _ReasoningItem | None = None  # the open reasoning item
         self.made_calls = False
         self.finish_reason: str | None = None
         self.status = "in_progress"
@@ -421,6 +483,37 @@ class _Answer:
                        {"item_id": m.id, "output_index": self._index(m), "content_index": 0,
                         "delta": text, "logprobs": logprobs}))
         return events
+
+    def _thinking(self, text: str) -> list[Event]:
+        if not text:
+            return []
+        events: list[Event] = []
+        if self.thought is None:
+            self.thought = _ReasoningItem()
+            self.items.append(self.thought)
+            index = len(self.items) - 1
+            events += [("response.output_item.added",
+                        {"output_index": index, "item": self.thought.item()}),
+                       ("response.content_part.added",
+                        {"item_id": self.thought.id, "output_index": index, "content_index": 0,
+                         "part": self.thought.part(empty=True)})]
+        t = self.thought
+        t.texts.append(text)
+        events.append(("response.reasoning_text.delta",
+                       {"item_id": t.id, "output_index": self._index(t), "content_index": 0,
+                        "delta": text}))
+        return events
+
+    def _close_thinking(self) -> list[Event]:
+        t, self.thought = self.thought, None
+        if t is None:
+            return []
+        t.status = "completed"
+        ids = {"item_id": t.id, "output_index": self._index(t), "content_index": 0}
+        return [("response.reasoning_text.done", {**ids, "text": t.text}),
+                ("response.content_part.done", {**ids, "part": t.part()}),
+                ("response.output_item.done",
+                 {"output_index": ids["output_index"], "item": t.item()})]
 
     def _close_message(self) -> list[Event]:
         m, self.message = self.message, None
@@ -454,10 +547,16 @@ class _Answer:
     def add(self, text: str, logprobs: list[Any], finish_reason: str | None) -> list[Event]:
         self.finish_reason = finish_reason or self.finish_reason
         lps = [lp.model_dump(mode="json") for lp in logprobs]
+        events: list[Event] = []
+        if self.reasoning is not None:
+            thought, text = self.reasoning.feed(text, final=finish_reason is not None)
+            events += self._thinking(thought)
+            if self.reasoning.ended or finish_reason is not None:
+                events += self._close_thinking()
         if self.tools is None:
-            return self._text(text, lps)
+            return events + self._text(text, lps)
         step = self.tools.step(text, final=finish_reason is not None)
-        events = self._text(step.content, [])
+        events += self._text(step.content, [])
         for delta in step.tool_calls:
             function = delta["function"]
             events += self._call({"id": delta["id"], "function": function})
@@ -468,8 +567,9 @@ class _Answer:
             events = self.add("", [], self.finish_reason or "stop")
         else:
             events = []
-        if not self.items:  # an empty answer is still one (empty) message
-            events += self._open_message()
+        events += self._close_thinking()
+        if not any(isinstance(x, (_MessageItem, dict)) for x in self.items):
+            events += self._open_message()  # an empty answer is still one (empty) message
         events += self._close_message()
         # "length" is the max_output_tokens (or context) limit: OpenAI's "incomplete".
         self.status = "incomplete" if self.finish_reason in ("length", "abort") else "completed"
@@ -493,8 +593,7 @@ class _Answer:
             reason = "max_output_tokens" if self.finish_reason == "length" else "cancelled"
             incomplete = {"reason": reason}
         done = self.status != "in_progress"
-        output = [x.item() if isinstance(x, _MessageItem) else x for x in self.items] \
-            if done else []
+        output = [x if isinstance(x, dict) else x.item() for x in self.items] if done else []
         fmt = (req.text or {}).get("format") or {"type": "text"}
         return {
             "id": self.id, "object": "response", "created_at": self.created_at,

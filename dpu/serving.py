@@ -81,6 +81,7 @@ from blink.dpu.protocol import (
     UsageInfo,
     ignored_fields_warning,
 )
+from blink.dpu.reasoning import REASONING_PARSERS, ReasoningParser, prompt_opens_thinking
 from blink.dpu.tokenizer import Tokenizer
 from blink.dpu.tool_calling import (
     ToolCallingConfig, ToolPlan, plan_tools, validate_tools, with_response_format,
@@ -107,6 +108,9 @@ _INT64_SPAN = 2**64
 _UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-request-chat-template "
                        "is not set. Refused request with untrusted chat template.")
 _T = TypeVar("_T")
+#: the request fields that put a grammar on the output (named in the refusal with reasoning)
+_GRAMMAR_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                   "guided_choice", "guided_grammar")
 
 
 class ClientDisconnected(Exception):
@@ -310,6 +314,8 @@ class OpenAIServing:
                                        memory_mb=lim.grammar_compile_memory_mb,
                                        cache_mb=lim.grammar_cache_mb)
         self.tool_calling = tool_calling or ToolCallingConfig()
+        #: ``--reasoning-parser``: the class splitting thinking from the answer (None: off)
+        self.reasoning_parser: type[ReasoningParser] | None = None
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.model_name = model_name
@@ -349,6 +355,18 @@ class OpenAIServing:
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.served_names:
             raise errors.model_not_found(name)
+
+    @staticmethod
+    def base_request_id(request: Request, field: str | None) -> tuple[str, str]:
+        """(the id an answer is named after, the base of its engine requests' ids). The first
+        as vLLM picks it: the client's ``X-Request-Id`` header, else the request's
+        ``request_id`` field, else a new one; the engine's ids get a random part when the
+        client chose, so two requests naming the same id never collide in the engine."""
+        given = request.headers.get("x-request-id") or field
+        if not given:
+            fresh = uuid.uuid4().hex
+            return fresh, fresh
+        return given, f"{given}-{uuid.uuid4().hex[:8]}"
 
     def check_healthy(self) -> None:
         # is_accepting, not is_healthy: a stalled engine (one slow step) still takes requests,
@@ -435,6 +453,18 @@ class OpenAIServing:
         except ChatTemplateError as e:
             raise bad_request(str(e), param="chat_template" if chat_template else "messages"
                               ) from None
+
+    def _truncate(self, ids: list[int], keep: int | None) -> list[int]:
+        """``truncate_prompt_tokens``: the last ``keep`` prompt tokens (-1: the context)."""
+        if keep is None:
+            return ids
+        if keep == -1:
+            keep = self.max_model_len
+        if keep > self.max_model_len:
+            raise bad_request(f"truncate_prompt_tokens value ({keep}) is greater than "
+                              f"max_model_len ({self.max_model_len}). Please request a smaller "
+                              f"truncation size.", param="truncate_prompt_tokens")
+        return ids[-keep:]
 
     def _check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.tokenizer.vocab_size
@@ -537,31 +567,39 @@ class OpenAIServing:
                          prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
     # -- logprobs formatting ---------------------------------------------------------------
-    def _chat_logprobs(self, d: ChoiceDelta) -> list[ChatTokenLogprob]:
+    def _token_text(self, token_id: int, as_ids: bool) -> str:
+        """A logprob's token: its text, or (``return_tokens_as_token_ids``) ``token_id:N``."""
+        return f"token_id:{token_id}" if as_ids else self.tokenizer.token_text(token_id)
+
+    def _token_bytes(self, token_id: int, as_ids: bool) -> list[int]:
+        if as_ids:
+            return list(f"token_id:{token_id}".encode())
+        return list(self.tokenizer.token_bytes(token_id))
+
+    def _chat_logprobs(self, d: ChoiceDelta, as_ids: bool = False) -> list[ChatTokenLogprob]:
         assert d.logprobs is not None and d.top_logprobs is not None
-        tok = self.tokenizer
         out = []
         for token_id, lp, top in zip(d.token_ids, d.logprobs, d.top_logprobs):
             out.append(ChatTokenLogprob(
-                token=tok.token_text(token_id), logprob=_clamp(lp),
-                bytes=list(tok.token_bytes(token_id)),
-                top_logprobs=[TopLogprob(token=tok.token_text(t), logprob=_clamp(v),
-                                         bytes=list(tok.token_bytes(t))) for t, v in top]))
+                token=self._token_text(token_id, as_ids), logprob=_clamp(lp),
+                bytes=self._token_bytes(token_id, as_ids),
+                top_logprobs=[TopLogprob(token=self._token_text(t, as_ids), logprob=_clamp(v),
+                                         bytes=self._token_bytes(t, as_ids)) for t, v in top]))
         return out
 
-    def _completion_logprobs(self, d: ChoiceDelta, offset: int) -> tuple[CompletionLogprobs, int]:
+    def _completion_logprobs(self, d: ChoiceDelta, offset: int, as_ids: bool = False
+                             ) -> tuple[CompletionLogprobs, int]:
         assert d.logprobs is not None and d.top_logprobs is not None
-        tok = self.tokenizer
         out = CompletionLogprobs()
         for token_id, lp, top in zip(d.token_ids, d.logprobs, d.top_logprobs):
-            text = tok.token_text(token_id)
+            text = self._token_text(token_id, as_ids)
             out.tokens.append(text)
             out.token_logprobs.append(_clamp(lp))
             out.text_offset.append(offset)
             offset += len(text)
             alternatives: dict[str, float] = {}
             for t, v in top:  # two ids can share a text; keep the likelier
-                key = tok.token_text(t)
+                key = self._token_text(t, as_ids)
                 alternatives[key] = max(alternatives.get(key, _MIN_LOGPROB), _clamp(v))
             out.top_logprobs.append(alternatives)
         return out, offset
@@ -583,15 +621,20 @@ class OpenAIServing:
                             self.tool_calling)
         self.check_healthy()
         plan = self._fit_tools_to_template(plan, req.chat_template)
+        template_kwargs = req.chat_template_kwargs
+        if req.reasoning_effort is not None:  # vLLM hands it to the template
+            template_kwargs = {"reasoning_effort": req.reasoning_effort, **(template_kwargs or {})}
         prompt_ids = await self._encode_chat(
             req.messages, generic_tools=plan.system_tools,
             add_special_tokens=req.add_special_tokens,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message, tools=plan.template_tools,
-            documents=req.documents, chat_template_kwargs=req.chat_template_kwargs,
+            documents=req.documents, chat_template_kwargs=template_kwargs,
             chat_template=req.chat_template)
+        prompt_ids = self._truncate(prompt_ids, req.truncate_prompt_tokens)
         if not prompt_ids:
             raise bad_request("The rendered prompt is empty.", param="messages")
+        thinking = self.thinking(req.chat_template_kwargs, prompt_ids)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None \
@@ -604,19 +647,65 @@ class OpenAIServing:
         params = self._sampling_params(req, max_tokens, logprobs,
                                        {"logprobs": "top_logprobs", "max_tokens": max_param})
         params = self._with_tool_plan(params, plan)
+        if thinking is not None:
+            params = self._with_thinking(params, plan, req)
         self._check_context(len(prompt_ids), requested)
 
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        base, engine_base = self.base_request_id(request, req.request_id)
+        request_id = f"chatcmpl-{base}"
         grammar = await self._compile_grammar(params)
-        runs = self._make_runs(request_id, [prompt_ids], params,
+        runs = self._make_runs(f"chatcmpl-{engine_base}", [prompt_ids], params,
                                req.include_stop_str_in_output, arrival, grammar)
         fanout = await self._start(request, runs)
         if fanout is None:
             return Response(status_code=_CLIENT_CLOSED)
         if req.stream:
-            return _SSEResponse(self._chat_stream(req, request_id, fanout, [prompt_ids], plan),
+            return _SSEResponse(self._chat_stream(req, request_id, fanout, [prompt_ids], plan,
+                                                  thinking),
                                 fanout.close)
-        return await self._chat_full(req, request_id, fanout, [prompt_ids], plan)
+        return await self._chat_full(req, request_id, fanout, [prompt_ids], plan, thinking)
+
+    # -- reasoning (blink.dpu.reasoning) ------------------------------------------------------
+    def thinking(self, chat_template_kwargs: dict[str, Any] | None,
+                 prompt_ids: list[int]) -> Callable[[], ReasoningParser] | None:
+        """A maker of the per-choice reasoning parser, when ``--reasoning-parser`` is set and
+        this request's output holds reasoning (not with ``enable_thinking: false``)."""
+        cls = self.reasoning_parser
+        if cls is None or not cls.active(chat_template_kwargs):
+            return None
+        tail = self.tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False)
+        opened = prompt_opens_thinking(tail)
+        return lambda: cls(prompt_opens_thinking=opened)
+
+    def _with_thinking(self, params: SamplingParams, plan: ToolPlan, req: Any) -> SamplingParams:
+        """A reasoning parser needs the ``<think>`` tags decoded, and a grammar would hold
+        from the first token, where the reasoning is: refused by name."""
+        if params.structured_outputs is not None:
+            if plan.structured_outputs is not None:
+                param = "tool_choice"
+            else:
+                param = next((f for f in _GRAMMAR_FIELDS if getattr(req, f, None) is not None),
+                             "response_format")
+            raise bad_request(
+                f"{param} cannot be used with --reasoning-parser: the constraint would hold from "
+                f"the first token, where the model writes its reasoning (Blink cannot start a "
+                f"grammar at </think> yet). Turn thinking off for this request "
+                f"(chat_template_kwargs: {{\"enable_thinking\": false}} where the template has "
+                f"it) or serve without --reasoning-parser.", param=param)
+        tags = [self.tokenizer.special_token_id(t) for t in ("<think>", "</think>")]
+        if any(t is not None for t in tags) and params.skip_special_tokens:
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        return params
+
+    @staticmethod
+    def _echo_text(req: ChatCompletionRequest) -> str:
+        """vLLM's chat ``echo``: the last message's content when it is the assistant's."""
+        if not req.echo or not req.messages or req.messages[-1].role != "assistant":
+            return ""
+        content = req.messages[-1].content
+        if isinstance(content, list):
+            return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        return content or ""
 
     # -- tool calling (blink.dpu.tool_calling) ----------------------------------------------
     def _fit_tools_to_template(self, plan: ToolPlan, chat_template: str | None) -> ToolPlan:
@@ -662,7 +751,8 @@ class OpenAIServing:
 
     async def _chat_full(self, req: ChatCompletionRequest, request_id: str,
                          fanout: RequestFanout, prompts: list[list[int]],
-                         plan: ToolPlan) -> Response:
+                         plan: ToolPlan,
+                         thinking: Callable[[], ReasoningParser] | None = None) -> Response:
         n = len(fanout.runs)
         texts: list[list[str]] = [[] for _ in range(n)]
         logprobs: list[list[ChatTokenLogprob]] = [[] for _ in range(n)]
@@ -673,24 +763,34 @@ class OpenAIServing:
                 texts[d.index].append(d.text)
                 token_ids[d.index] += d.token_ids
                 if req.logprobs and d.token_ids:
-                    logprobs[d.index] += self._chat_logprobs(d)
+                    logprobs[d.index] += self._chat_logprobs(d, req.return_tokens_as_token_ids)
                 finish[d.index] = d.finish_reason or finish[d.index]
         except EngineError as e:
             raise engine_error_to_api(e) from None
         if fanout.disconnected:
             return Response(status_code=_CLIENT_CLOSED)
         want_ids = req.return_token_ids
+        echo = self._echo_text(req)
         messages = []
         for i in range(n):
             text, stream = "".join(texts[i]), plan.new_stream()
+            reasoning = None
+            if thinking is not None:
+                parser = thinking()
+                parser.feed(text, final=True)
+                text = parser.content
+                reasoning = (parser.reasoning or None) if req.include_reasoning else None
             if stream is None:
-                messages.append(AssistantMessage(content=text))
+                messages.append(AssistantMessage(content=echo + text, reasoning_content=reasoning,
+                                                 reasoning=reasoning))
                 continue
             stream.step(text, final=True)
             calls = stream.message_tool_calls()
+            content = stream.content or (None if calls else "")
             messages.append(AssistantMessage(
-                content=stream.content or (None if calls else ""),
-                tool_calls=[ToolCall.model_validate(c) for c in calls] or None))
+                content=echo + content if echo else content,
+                tool_calls=[ToolCall.model_validate(c) for c in calls] or None,
+                reasoning_content=reasoning, reasoning=reasoning))
             finish[i] = plan.finish_reason(finish[i], bool(calls))
         choices = [ChatCompletionChoice(
             index=i, message=messages[i],
@@ -704,7 +804,9 @@ class OpenAIServing:
 
     def _chat_stream(self, req: ChatCompletionRequest, request_id: str,
                      fanout: RequestFanout, prompts: list[list[int]],
-                     plan: ToolPlan) -> AsyncIterator[str]:
+                     plan: ToolPlan,
+                     thinking: Callable[[], ReasoningParser] | None = None
+                     ) -> AsyncIterator[str]:
         created = int(time.time())
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
@@ -731,26 +833,48 @@ class OpenAIServing:
                 yield chunk(ChatCompletionStreamChoice(
                     index=run.index, delta=DeltaMessage(role="assistant", content="")),
                     prompt_token_ids=run.prompt_ids if want_ids else None)
+            echo = self._echo_text(req)
+            if echo:  # vLLM: the echoed message is the first content
+                for run in fanout.runs:
+                    yield chunk(ChatCompletionStreamChoice(index=run.index,
+                                                           delta=DeltaMessage(content=echo)))
             tool_streams = {run.index: plan.new_stream() for run in fanout.runs}
+            reasoners = {run.index: thinking() for run in fanout.runs} if thinking else {}
             async for d in fanout.events():
-                lp = ChatChoiceLogprobs(content=self._chat_logprobs(d)) \
+                lp = ChatChoiceLogprobs(
+                    content=self._chat_logprobs(d, req.return_tokens_as_token_ids)) \
                     if req.logprobs and d.token_ids else None
-                delta, finish_reason = self._tool_delta(tool_streams[d.index], plan, d.text,
+                text, parts = d.text, []
+                if thinking is not None:
+                    reasoning, text = reasoners[d.index].feed(
+                        d.text, final=d.finish_reason is not None)
+                    if reasoning and req.include_reasoning:
+                        # reasoning deltas, then content deltas: never both in one chunk
+                        parts.append(DeltaMessage(reasoning_content=reasoning,
+                                                  reasoning=reasoning))
+                delta, finish_reason = self._tool_delta(tool_streams[d.index], plan, text,
                                                         d.finish_reason)
-                if not (delta.content or delta.tool_calls or finish_reason or lp
-                        or (want_ids and d.token_ids)):
-                    # Tokens whose text is still held back: nothing to send yet (unless the
-                    # client wants every token id, as vLLM sends them).
-                    continue
-                yield chunk(ChatCompletionStreamChoice(
-                    index=d.index, delta=delta, logprobs=lp, finish_reason=finish_reason,
-                    token_ids=d.token_ids if want_ids else None))
+                if delta.content or delta.tool_calls or finish_reason:
+                    parts.append(delta)
+                if not parts:
+                    if not (lp or (want_ids and d.token_ids)):
+                        # Tokens whose text is still held back: nothing to send yet (unless
+                        # the client wants every token id, as vLLM sends them).
+                        continue
+                    parts.append(delta)
+                for k, part in enumerate(parts):
+                    yield chunk(ChatCompletionStreamChoice(
+                        index=d.index, delta=part, logprobs=lp if k == 0 else None,
+                        finish_reason=finish_reason if k == len(parts) - 1 else None,
+                        token_ids=d.token_ids if want_ids and k == 0 else None))
 
         return self._framed_stream(fanout, chunks(), usage_chunk if include_usage else None)
 
     # -- /v1/completions -------------------------------------------------------------------
     async def _completion_prompts(self, req: CompletionRequest, max_tokens: int
-                                  ) -> list[list[int]]:
+                                  ) -> tuple[list[list[int]], list[str | None]]:
+        """The prompts' token ids (each truncated to ``truncate_prompt_tokens``), and their
+        texts as given (None for token ids or a truncated text: ``echo`` decodes those)."""
         prompt = req.prompt
         if isinstance(prompt, str):
             texts_or_ids: list[Any] = [prompt]
@@ -762,13 +886,19 @@ class OpenAIServing:
             raise bad_request("The prompt cannot be empty.", param="prompt")
         self._check_fanout(len(texts_or_ids), req.n)  # before any prompt is encoded
         prompts: list[list[int]] = []
+        texts: list[str | None] = []
+        keep = req.truncate_prompt_tokens
         for item in texts_or_ids:
             if isinstance(item, str):
                 if not item:
                     raise bad_request("The prompt cannot be empty.", param="prompt")
                 ids = await self._encode(item, req.add_special_tokens, "prompt")
+                whole = self._truncate(ids, keep)
+                texts.append(item if len(whole) == len(ids) else None)
+                ids = whole
             else:
-                ids = list(item)
+                ids = self._truncate(list(item), keep)
+                texts.append(None)
                 if len(ids) + max_tokens > self.max_model_len:  # before a per-id Python loop
                     raise errors.context_length_exceeded(self.max_model_len, len(ids),
                                                          max_tokens)
@@ -776,7 +906,15 @@ class OpenAIServing:
             if not ids:
                 raise bad_request("The prompt cannot be empty.", param="prompt")
             prompts.append(ids)
-        return prompts
+        return prompts, texts
+
+    def _echo_prompts(self, req: CompletionRequest, prompts: list[list[int]],
+                      texts: list[str | None]) -> list[str] | None:
+        """``echo``: each prompt's text, to put before its choices' text (None: no echo)."""
+        if not req.echo:
+            return None
+        return [t if t is not None else self.tokenizer.decode(
+            ids, skip_special_tokens=req.skip_special_tokens) for ids, t in zip(prompts, texts)]
 
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
@@ -784,25 +922,28 @@ class OpenAIServing:
         self._check_request(req)
         self.check_healthy()
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
-        prompts = await self._completion_prompts(req, max(max_tokens, 0))
+        prompts, texts = await self._completion_prompts(req, max(max_tokens, 0))
+        echo = self._echo_prompts(req, prompts, texts)
         params = self._sampling_params(req, max_tokens, req.logprobs, {})
         for ids in prompts:
             self._check_context(len(ids), max_tokens)
 
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        base, engine_base = self.base_request_id(request, req.request_id)
+        request_id = f"cmpl-{base}"
         grammar = await self._compile_grammar(params)
-        runs = self._make_runs(request_id, prompts, params, req.include_stop_str_in_output,
-                               arrival, grammar)
+        runs = self._make_runs(f"cmpl-{engine_base}", prompts, params,
+                               req.include_stop_str_in_output, arrival, grammar)
         fanout = await self._start(request, runs)
         if fanout is None:
             return Response(status_code=_CLIENT_CLOSED)
         if req.stream:
-            return _SSEResponse(self._completion_stream(req, request_id, fanout, prompts),
+            return _SSEResponse(self._completion_stream(req, request_id, fanout, prompts, echo),
                                 fanout.close)
-        return await self._completion_full(req, request_id, fanout, prompts)
+        return await self._completion_full(req, request_id, fanout, prompts, echo)
 
     async def _completion_full(self, req: CompletionRequest, request_id: str,
-                               fanout: RequestFanout, prompts: list[list[int]]) -> Response:
+                               fanout: RequestFanout, prompts: list[list[int]],
+                               echo: list[str] | None = None) -> Response:
         n = len(fanout.runs)
         texts: list[list[str]] = [[] for _ in range(n)]
         logprobs = [CompletionLogprobs() for _ in range(n)]
@@ -814,7 +955,8 @@ class OpenAIServing:
                 texts[d.index].append(d.text)
                 token_ids[d.index] += d.token_ids
                 if req.logprobs is not None and d.token_ids:
-                    part, offsets[d.index] = self._completion_logprobs(d, offsets[d.index])
+                    part, offsets[d.index] = self._completion_logprobs(
+                        d, offsets[d.index], req.return_tokens_as_token_ids)
                     acc = logprobs[d.index]
                     acc.tokens += part.tokens
                     acc.token_logprobs += part.token_logprobs
@@ -826,8 +968,9 @@ class OpenAIServing:
         if fanout.disconnected:
             return Response(status_code=_CLIENT_CLOSED)
         want_ids = req.return_token_ids
+        per_prompt = max(req.n, 1)
         choices = [CompletionChoice(
-            index=i, text="".join(texts[i]),
+            index=i, text=(echo[i // per_prompt] if echo else "") + "".join(texts[i]),
             logprobs=logprobs[i] if req.logprobs is not None else None,
             finish_reason=finish[i],
             prompt_token_ids=fanout.runs[i].prompt_ids if want_ids else None,
@@ -837,8 +980,8 @@ class OpenAIServing:
         return JSONResponse(body.model_dump(mode="json"))
 
     def _completion_stream(self, req: CompletionRequest, request_id: str,
-                           fanout: RequestFanout, prompts: list[list[int]]
-                           ) -> AsyncIterator[str]:
+                           fanout: RequestFanout, prompts: list[list[int]],
+                           echo: list[str] | None = None) -> AsyncIterator[str]:
         created = int(time.time())
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
@@ -847,6 +990,8 @@ class OpenAIServing:
         offsets = [0] * len(fanout.runs)
         want_ids = req.return_token_ids
         prompt_sent = [False] * len(fanout.runs)  # vLLM: prompt ids on a choice's first chunk
+        echo_sent = [not echo] * len(fanout.runs)  # echo: the prompt text leads the first chunk
+        per_prompt = max(req.n, 1)
 
         def usage_chunk() -> str:
             c = CompletionResponse(id=request_id, created=created, model=self.model_name,
@@ -857,8 +1002,14 @@ class OpenAIServing:
             async for d in fanout.events():
                 lp = None
                 if req.logprobs is not None and d.token_ids:
-                    lp, offsets[d.index] = self._completion_logprobs(d, offsets[d.index])
-                if not (d.text or d.finish_reason or lp or (want_ids and d.token_ids)):
+                    lp, offsets[d.index] = self._completion_logprobs(
+                        d, offsets[d.index], req.return_tokens_as_token_ids)
+                text = d.text
+                if not echo_sent[d.index]:
+                    assert echo is not None
+                    echo_sent[d.index] = True
+                    text = echo[d.index // per_prompt] + text
+                if not (text or d.finish_reason or lp or (want_ids and d.token_ids)):
                     continue  # tokens whose text is still held back: nothing to send yet
                 usage = self._usage(prompts, fanout.runs, req.n) if continuous else None
                 prompt_ids = None
@@ -868,7 +1019,7 @@ class OpenAIServing:
                 c = CompletionResponse(
                     id=request_id, created=created, model=self.model_name, usage=usage,
                     choices=[CompletionChoice(
-                        index=d.index, text=d.text, logprobs=lp, finish_reason=d.finish_reason,
+                        index=d.index, text=text, logprobs=lp, finish_reason=d.finish_reason,
                         prompt_token_ids=prompt_ids,
                         token_ids=d.token_ids if want_ids else None)])
                 yield _sse(c.model_dump_json(exclude=exclude))

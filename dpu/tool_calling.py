@@ -118,7 +118,9 @@ class ToolPlan:
         parser: ToolCallParser
         if self.choice == "auto":
             assert self.parser_class is not None
-            parser = self.parser_class()
+            # a parser that types arguments by the tools' schemas (qwen3_coder) gets them
+            parser = self.parser_class(self.template_tools or self.system_tools) \
+                if getattr(self.parser_class, "wants_tools", False) else self.parser_class()
         elif self.choice == "required":
             parser = RequiredToolParser()
         elif self.choice == "named":

@@ -108,7 +108,7 @@ def test_help_shows_defaults(capsys, flag):
     (["--dtype", "half"], "--dtype half: Blink's kernels run bfloat16 or float32"),
     (["--dtype", "float16"], "--dtype float16: Blink's kernels"),
     (["--generation-config", "vllm"], "--generation-config vllm: Blink always takes"),
-    (["--reasoning-parser", "deepseek_r1"], "--reasoning-parser deepseek_r1: Blink has no"),
+    (["--reasoning-parser", "granite"], "--reasoning-parser granite: Blink has the reasoning"),
     (["--structured-outputs-config", '{"backend": "xgrammar"}'],
      "--structured-outputs-config {\"backend\": \"xgrammar\"}: Blink's structured outputs"),
     (["--structured-outputs-config", "nope"], "--structured-outputs-config must be a JSON"),

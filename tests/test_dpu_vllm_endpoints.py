@@ -100,7 +100,7 @@ def test_responses_sampling_fields_reach_the_engine(app):
     ({"store": True}, "store"),
     ({"background": True}, "background"),
     ({"conversation": "conv_1"}, "conversation"),
-    ({"reasoning": {"effort": "low"}}, "reasoning"),
+    ({"reasoning": {"effort": "low", "summary": "auto"}}, "reasoning.summary"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format"),
     ({"text": {"format": {"type": "json_schema"}}}, "text.format"),
     ({"truncation": "auto"}, "truncation"),

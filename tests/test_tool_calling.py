@@ -713,3 +713,49 @@ def test_openai_sdk_responses_with_tools_and_parse(qwen_tok: Tokenizer) -> None:
              "arguments": call.arguments},
             {"type": "function_call_output", "call_id": call.call_id, "output": "21"}])
         assert parsed.output_parsed == Weather(temp_c=21)
+
+
+QWEN3_CODER_CALL = ("Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+                    "</parameter>\n</function>\n</tool_call>")
+
+
+@pytest.mark.parametrize("parser,output", [
+    ("pythonic", '[get_weather(city="Paris")]'),
+    ("llama4_pythonic", '<|python_start|>[get_weather(city="Paris")]<|python_end|>'),
+    ("qwen3_coder", QWEN3_CODER_CALL),
+])
+def test_pythonic_and_qwen3_coder_parsers_with_the_openai_client(
+        qwen_tok: Tokenizer, parser: str, output: str) -> None:
+    """The issue-33 parsers end to end: auto calls whole and streamed, and forced choices
+    (required, named) still constrained and read as JSON whatever the parser."""
+    engine = ScriptedEngine(qwen_tok, output)
+    app = create_app(engine, qwen_tok, model_name=MODEL, tool_calling=ToolCallingConfig(
+        enable_auto_tool_choice=True, tool_call_parser=parser))
+    content = "Let me check.\n" if parser == "qwen3_coder" else None
+    with serve_in_thread(app) as url:
+        client = _client(url)
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER_TOOL])
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == content
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) == {"city": "Paris"}
+        chunks = list(client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[WEATHER_TOOL], stream=True))
+        streamed = "".join(c.delta.content or "" for ch in chunks for c in ch.choices)
+        calls = [tc for ch in chunks for c in ch.choices for tc in (c.delta.tool_calls or [])]
+        assert streamed == (content or "") and len(calls) == 1
+        assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
+
+        engine.responder = lambda p, s: qwen_tok.encode(
+            '[{"name": "get_weather", "parameters": {"city": "Paris"}}]', add_special_tokens=False)
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER_TOOL],
+                                           tool_choice="required")
+        assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
+        engine.responder = lambda p, s: qwen_tok.encode('{"city": "Paris"}',
+                                                        add_special_tokens=False)
+        r = client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[WEATHER_TOOL],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == \
+            {"city": "Paris"}

@@ -12,8 +12,11 @@ from blink.dpu.tool_parsers import (
     TOOL_PARSERS,
     HermesToolParser,
     Llama3JsonToolParser,
+    Llama4PythonicToolParser,
     MistralToolParser,
     NamedToolParser,
+    PythonicToolParser,
+    Qwen3CoderToolParser,
     RequiredToolParser,
     ToolCallParser,
     ToolCallStream,
@@ -22,6 +25,15 @@ from blink.dpu.tool_parsers import (
 
 WEATHER = {"city": "Paris", "days": [1, 2], "opts": {"unit": "c", "note": "a \"}\" and ]"}}
 W = json.dumps(WEATHER)
+
+QWEN3_CODER_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "array"},
+                                         "opts": {"type": "object"}}}}},
+    {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "n": {"type": "integer"}, "flag": {"type": "boolean"}, "zip": {"type": "string"},
+        "x": {"type": ["string", "null"]}}}}},
+]
 
 # (parser factory, output text, expected content, expected [(name, arguments dict)])
 CASES: list[tuple[Any, str, str, list[tuple[str, Any]]]] = [
@@ -58,6 +70,32 @@ CASES: list[tuple[Any, str, str, list[tuple[str, Any]]]] = [
      '{"name": "g", "parameters": {}}]', "", [("get_weather", WEATHER), ("g", {})]),
     (RequiredToolParser, "not an array", "not an array", []),
     (lambda: NamedToolParser("get_weather"), f"  {W}\n", "", [("get_weather", WEATHER)]),
+    (PythonicToolParser, '[get_weather(city="Paris", days=[1, 2], opts={"unit": "c", '
+     '"note": "a \\"}\\" and ]"}), get_time()]', "",
+     [("get_weather", WEATHER), ("get_time", {})]),
+    (PythonicToolParser, "  [f(x=1, ok=True, none=None, s='q')]",
+     "", [("f", {"x": 1, "ok": True, "none": None, "s": "q"})]),
+    (PythonicToolParser, "The answer is [4].", "The answer is [4].", []),
+    (PythonicToolParser, "[1, 2]", "[1, 2]", []),
+    (PythonicToolParser, "[f(1)]", "[f(1)]", []),  # positional arguments: not a call
+    (PythonicToolParser, "[f(x=1)", "[f(x=1)", []),  # cut: content, as written
+    (Llama4PythonicToolParser, '<|python_start|>[get_weather(city="Paris")]<|python_end|>', "",
+     [("get_weather", {"city": "Paris"})]),
+    (Llama4PythonicToolParser, "<|python_st", "<|python_st", []),
+    (lambda: Qwen3CoderToolParser(QWEN3_CODER_TOOLS),
+     "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>"
+     "\n<parameter=days>\n[1, 2]\n</parameter>\n<parameter=opts>\n" + json.dumps(WEATHER["opts"])
+     + "\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n</function>"
+     "\n</tool_call>", "Let me check.\n", [("get_weather", WEATHER), ("get_time", {})]),
+    (lambda: Qwen3CoderToolParser(QWEN3_CODER_TOOLS),
+     "<tool_call><function=f><parameter=n>\n7\n</parameter><parameter=flag>true</parameter>"
+     "<parameter=zip>\n01234\n</parameter><parameter=x>null</parameter></function>",
+     "", [("f", {"n": 7, "flag": True, "zip": "01234", "x": None})]),
+    (Qwen3CoderToolParser, "<tool_call>\n<function=f>\n<parameter=a>\n1 < 2\n</parameter>\n"
+     "</function>\n</tool_call>", "", [("f", {"a": "1 < 2"})]),  # undeclared: text
+    (Qwen3CoderToolParser, "a <tool_call> no function </tool_call> b",
+     "a <tool_call> no function </tool_call>b", []),
+    (Qwen3CoderToolParser, "ends with a partial tag <tool_c", "ends with a partial tag <tool_c", []),
 ]
 
 
@@ -169,7 +207,8 @@ def test_mistral_ids_are_nine_alphanumerics() -> None:
 
 
 def test_registry_names() -> None:
-    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "generic"}
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "generic", "pythonic",
+                                 "llama4_pythonic", "qwen3_coder"}
 
 
 def test_required_schema_matches_vllms_shape() -> None:

@@ -25,16 +25,20 @@ from blink.dpu.tool_parsers.generic import (
 from blink.dpu.tool_parsers.hermes import HermesToolParser
 from blink.dpu.tool_parsers.llama3_json import Llama3JsonToolParser
 from blink.dpu.tool_parsers.mistral import MistralToolParser
+from blink.dpu.tool_parsers.pythonic import Llama4PythonicToolParser, PythonicToolParser
+from blink.dpu.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 from blink.dpu.tool_parsers.stream import ToolCallDelta, ToolCallStream, make_tool_call_id
 
 #: ``--tool-call-parser`` name → parser class
 TOOL_PARSERS: dict[str, type[ToolCallParser]] = {
     p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
+                        PythonicToolParser, Llama4PythonicToolParser, Qwen3CoderToolParser,
                         GenericToolParser)
 }
 
 __all__ = [
-    "TOOL_PARSERS", "GenericToolParser", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser",
+    "TOOL_PARSERS", "GenericToolParser", "HermesToolParser", "Llama3JsonToolParser",
+    "Llama4PythonicToolParser", "MistralToolParser", "PythonicToolParser", "Qwen3CoderToolParser",
     "NamedToolParser", "ParsedToolCall", "RequiredToolParser", "ToolCallDelta",
     "ToolCallParser", "ToolCallStream", "generic_messages", "generic_schema",
     "make_tool_call_id", "named_schema", "required_schema",
