@@ -26,7 +26,6 @@ DIRECT_READ_ALLOWED = {
     # to be read through blink.env once those land.
     "blink/engine/compiled.py": "pending", "blink/engine/gpu/base.py": "pending",
     "blink/engine/gpu/tier_b.py": "pending",
-    "kernels/": "pending (the kernels move to back-end folders)",
     "benchmarks/": "scripts: they set variables for the processes they start",
 }
 

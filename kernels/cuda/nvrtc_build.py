@@ -104,8 +104,10 @@ class Compiled:
 
 
 def _nvrtc_candidates() -> list[str]:
+    from blink import env as blink_env
+
     found: list[str] = []
-    env = os.environ.get("BLINK_NVRTC_LIB")
+    env = blink_env.get("BLINK_NVRTC_LIB")
     if env:
         found.append(env)
     roots = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *sys.path}
