@@ -26,6 +26,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed
 import test_scheduler as ts  # noqa: E402
+import test_scheduler_reference as tsr  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 from blink.engine.sched.scheduler import FUSED_STAGES, Scheduler  # noqa: E402
@@ -174,6 +175,23 @@ def test_prefix_primes_agree():
 test_random_workloads_keep_every_invariant = settings(
     max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])(
     given(ts.scenarios())(ts.test_random_workloads_keep_every_invariant.hypothesis.inner_test))
+
+
+# The per-request Python oracle (blink/engine/sched/reference.py), step by step, every stage
+# fused: the same rows, tokens per row, block counts, preemptions and finishes.
+@pytest.fixture
+def fused_oracle(monkeypatch):
+    monkeypatch.setattr(tsr, "Scheduler", functools.partial(Scheduler, fused=True))
+
+
+def test_fused_scheduler_agrees_with_the_python_reference(fused_oracle):
+    tsr.test_tiny_pool_agrees_step_by_step()
+    tsr.test_prefix_caching_agrees_while_nothing_is_evicted(0)
+
+
+test_random_workloads_agree_with_the_reference = pytest.mark.usefixtures("fused_oracle")(settings(
+    max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])(
+    given(ts.scenarios())(tsr.test_random_workloads_agree_with_the_reference.hypothesis.inner_test)))
 
 
 @pytest.mark.parametrize("loop", ["host", "device"])
