@@ -951,3 +951,24 @@ def test_row_windows_change_no_output(guards):
     out = run(reqs, _cfg(num_blocks=64, max_admit_per_step=3), n_slots=40, host_guards=guards)
     check_outcome(out)
     assert max(r.slot for r in reqs) >= 16, "the workload never left the first window"
+
+
+def test_state_row_shows_one_request():
+    """``EngineState.row(i)``: one request's fields, named, read back to the host."""
+    cfg = _cfg()
+    ring = make_ring(4, cfg.max_model_len, 4)
+    sched = Scheduler(cfg, ring_tensors(ring))
+    fe = Frontend(ring)
+    req = Req(prompt=[1, 2, 3, 4, 5, 6], max_tokens=3, stop_ids=(7,))
+    assert fe.submit(req)
+    batch = sched.schedule()
+    row = sched.state.row(req.slot)
+    assert (row.row, row.status, row.num_prompt, row.num_tokens, row.num_computed) == (req.slot, "RUNNING", 6, 6, 0)
+    assert row.tokens == req.prompt and len(row.blocks) == row.num_blocks == 2
+    assert row.sampling["max_tokens"] == 3 and row.sampling["stop_token_ids"][0] == 7
+    assert "RUNNING" in str(row) and "computed=0/6" in str(row)
+    sched.update(batch, *FakeModel(cfg, 4)(sched, batch))
+    row = sched.state.row(req.slot)
+    assert row.num_computed == 6 and row.num_tokens == 7 and row.tokens[:6] == req.prompt
+    empty = sched.state.row(3)
+    assert (empty.status, empty.tokens, empty.blocks) == ("EMPTY", [], [])
