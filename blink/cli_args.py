@@ -196,6 +196,12 @@ def _check_vllm_frontend_flags(args: argparse.Namespace) -> list[str]:
     if backend is not None and backend not in backends:
         raise BlinkError(f"--guided-decoding-backend {backend}: Blink's structured outputs run "
                          f"on llguidance; use auto or guidance, or drop the flag")
+    policy = getattr(args, "scheduling_policy", "fcfs")
+    if policy != "fcfs":
+        raise BlinkError(f"--scheduling-policy {policy}: Blink schedules first come, first served "
+                         f"(fcfs) only; it has no priority scheduling yet (a request with a "
+                         f"priority other than 0 gets a 400, as vLLM answers without it); use "
+                         f"fcfs or drop the flag")
     content_format = getattr(args, "chat_template_content_format", "auto")
     if content_format != "auto":
         raise BlinkError(f"--chat-template-content-format {content_format}: Blink detects the "

@@ -295,6 +295,10 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     _option("--guided-decoding-backend", default=None, metavar="NAME", group=VLLM_GROUP,
             vllm=SAME_AS_VLLM, forward=False, not_forwarded=_CHECKED_BY_SERVE,
             help="auto or guidance (llguidance, what Blink runs); others are refused"),
+    _option("--scheduling-policy", default="fcfs", metavar="fcfs", group=VLLM_GROUP,
+            vllm=SAME_AS_VLLM, forward=False, not_forwarded=_CHECKED_BY_SERVE,
+            help="fcfs only (first come, first served); 'priority' is refused: Blink has no "
+                 "priority scheduling yet, and requests with a priority other than 0 get a 400"),
     _option("--chat-template-content-format", default="auto", metavar="auto", group=VLLM_GROUP,
             vllm=SAME_AS_VLLM, forward=False, not_forwarded=_CHECKED_BY_SERVE,
             help="auto only: Blink detects the content format from the template"),

@@ -322,9 +322,11 @@ class CompletionRequest(_SamplingFields):
             return "suffix", "suffix is not supported"
         if self.prompt_embeds is not None:
             return "prompt_embeds", "prompt_embeds are not supported: send text or token ids"
-        if self.echo and self.logprobs is not None and not self._engine_field("prompt_logprobs"):
-            return "echo", ("echo together with logprobs needs the prompt's logprobs, which are "
-                            "not supported yet")
+        # Lifted once echo puts the prompt's logprobs (prompt_logprobs) before the answer's,
+        # as vLLM does; until then the logprobs would silently cover the answer only.
+        if self.echo and self.logprobs is not None:
+            return "echo", ("echo together with logprobs needs the prompt's logprobs in the "
+                            "answer, which is not supported yet")
         return None
 
 
