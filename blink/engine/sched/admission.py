@@ -1,6 +1,15 @@
 """Admission: cancellation, and WRITTEN ring slots taken into their engine rows (FCFS, up
 to ``max_admit_per_step`` per step, as many prompts as fit the copy window), with the
-prompt copied out of the arena and the sampling fields out of the slot."""
+prompt copied out of the arena and the sampling fields out of the slot.
+
+- Cancellation: a slot whose ``cancel`` word is set finishes with FINISH_ABORT this step.
+- Admission: up to ``max_admit_per_step`` WRITTEN slots, lowest arrival ticket first, as
+  long as their prompts fit the step's copy window (``admit_window_tokens``, at least one
+  max-length prompt, so the oldest always fits). The prompt is copied out of the circular
+  arena by one flat gather over the window, the sampling fields out of the slot, the stream
+  is reset, then the slot state becomes RUNNING. Empty prompts and prompts that leave no
+  room for one output token finish with FINISH_ERROR instead.
+"""
 from __future__ import annotations
 
 import torch

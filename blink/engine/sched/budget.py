@@ -1,6 +1,20 @@
 """Budget, blocks and preemption: which rows run this step, how many tokens each gets, the
 KV blocks they need, preemption by recompute when the pool is short, and the release of
-finished rows' blocks. Also the blocks' LRU stamps (the prefix cache evicts by them)."""
+finished rows' blocks. Also the blocks' LRU stamps (the prefix cache evicts by them).
+
+- Budget: rows in FCFS order each ask for all their uncomputed tokens; a cumulative sum over
+  the token budget gives each its share, the last one a partial chunk (chunked prefill mixed
+  with decode). Rows whose output stream is full are skipped (backpressure, nothing lost).
+- Blocks: let freed(k) = blocks referenced only by rows at FCFS positions >= k. The longest
+  prefix of rows whose new blocks fit in free + freed(k) is served (the next row gets what
+  is left); then the shortest newest-first suffix of rows whose blocks cover the deficit is
+  preempted by recompute: blocks released, ``num_computed = 0``, back to WAITING, tokens
+  kept. The oldest request can always progress (``num_blocks`` holds one max-length one).
+- Release: a finished (RELEASING) row's block references are dropped in a flat window of
+  ``release_window_blocks`` blocks per step, deepest first (rows past the window wait a
+  step); the row is EMPTY once it holds none, and only then can its slot's next request
+  be admitted.
+"""
 from __future__ import annotations
 
 import torch

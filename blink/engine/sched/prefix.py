@@ -1,6 +1,11 @@
 """Prefix cache hookup: the scheduler's side of :mod:`blink.engine.prefix_cache`. Lookup
 (in ``schedule``) gives newly admitted and preempted rows their longest verified cached
-prefix; register (in ``update``) enters the blocks a step filled."""
+prefix; register (in ``update``) enters the blocks a step filled.
+
+- Prefix cache: newly admitted (and preempted) rows take the longest verified cached prefix
+  of full blocks, never their last token (its logits are needed). Rows are looked up oldest
+  first, as many as fit one flat window of ``lookup_window_blocks`` blocks per step.
+"""
 from __future__ import annotations
 
 import torch

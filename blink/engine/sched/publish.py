@@ -2,7 +2,22 @@
 output streams (payload, fence, then ``produced``), finished rows publish their reason, a
 fence, then the FINISHED state word, and become RELEASING. Every ring write of the
 scheduler goes through the helpers here, so the order of payload, fence and word is in
-one file (tests/test_publish_order.py checks it)."""
+one file (tests/test_publish_order.py checks it).
+
+- Finish (in ``update``): stop/EOS (EOS unless ``ignore_eos``, both only once ``min_tokens``
+  outputs exist; the sampler gets them as ``suppress_ids`` before that), ``max_tokens``
+  (<= 0 means no limit), or ``max_model_len``. The finishing token is written to the stream.
+  A finished row publishes FINISHED at once and becomes RELEASING; the next ``schedule()``
+  drops its block references in a flat window of ``release_window_blocks`` blocks (rows past
+  the window wait a step), and only then can its slot's next request be admitted.
+
+Ring writes keep the protocol's order: stream payload before ``produced``, finish reason
+before the state word, with a system-scope fence between each payload and its word
+(``blink.kernels.system_fence``: consecutive kernels of a graph are ordered only for the
+GPU itself, not for a CPU or NIC reading the mapped ring over PCIe). The ``state`` word is
+the one word both sides write, so it is only ever written lane by lane with ``index_put_`` (lanes with nothing to publish go to the
+control block's scratch word), never rewritten wholesale with a masked select.
+"""
 from __future__ import annotations
 
 import torch

@@ -20,39 +20,15 @@ value on the host, or branches on one (the tests compile both with
 and inside a captured CUDA graph. The only Python branches are on the static config.
 
 Policy (vLLM V1's "no phases" model: a request is ``num_computed`` of ``num_tokens``):
+exactly :mod:`blink.engine.sched.reference`'s; each stage's file says its part.
 
-- Cancellation: a slot whose ``cancel`` word is set finishes with FINISH_ABORT this step.
-- Admission: up to ``max_admit_per_step`` WRITTEN slots, lowest arrival ticket first, as
-  long as their prompts fit the step's copy window (``admit_window_tokens``, at least one
-  max-length prompt, so the oldest always fits). The prompt is copied out of the circular
-  arena by one flat gather over the window, the sampling fields out of the slot, the stream
-  is reset, then the slot state becomes RUNNING. Empty prompts and prompts that leave no
-  room for one output token finish with FINISH_ERROR instead.
-- Prefix cache: newly admitted (and preempted) rows take the longest verified cached prefix
-  of full blocks, never their last token (its logits are needed). Rows are looked up oldest
-  first, as many as fit one flat window of ``lookup_window_blocks`` blocks per step.
-- Budget: rows in FCFS order each ask for all their uncomputed tokens; a cumulative sum over
-  the token budget gives each its share, the last one a partial chunk (chunked prefill mixed
-  with decode). Rows whose output stream is full are skipped (backpressure, nothing lost).
-- Blocks: let freed(k) = blocks referenced only by rows at FCFS positions >= k. The longest
-  prefix of rows whose new blocks fit in free + freed(k) is served (the next row gets what
-  is left); then the shortest newest-first suffix of rows whose blocks cover the deficit is
-  preempted by recompute: blocks released, ``num_computed = 0``, back to WAITING, tokens
-  kept. The oldest request can always progress (``num_blocks`` holds one max-length one).
-- Finish (in ``update``): stop/EOS (EOS unless ``ignore_eos``, both only once ``min_tokens``
-  outputs exist; the sampler gets them as ``suppress_ids`` before that), ``max_tokens``
-  (<= 0 means no limit), or ``max_model_len``. The finishing token is written to the stream.
-  A finished row publishes FINISHED at once and becomes RELEASING; the next ``schedule()``
-  drops its block references in a flat window of ``release_window_blocks`` blocks (rows past
-  the window wait a step), and only then can its slot's next request be admitted.
-
-Work per step is proportional to what is pending, not to slots x max_model_len: every window
-above is a fixed-shape flat gather/scatter over tokens or blocks (the shapes stay fixed, so a
+Work per step is proportional to what is pending, not to slots x max_model_len: every stage's
+window (the admission copy, the lookup, block assignment, release) is a fixed-shape flat gather/scatter over tokens or blocks (the shapes stay fixed, so a
 GPU graph keeps one shape), and the few O(slots x blocks-per-sequence) passes (preemption's
 "what would preempting free" scan) run only when a stage needs them. Each stage has a
-predicate that says whether it can change anything this step; with ``host_guards`` (the CPU loop, where reading a tensor is a plain memory read) a stage whose
-predicate is false is skipped. Skipping is exact: a stage with nothing to do is an identity.
-Captured graphs run every stage (``host_guards=False``); a device loop can gate the same
+predicate that says whether it can change anything this step; with ``host_guards`` (the CPU
+loop, where reading a tensor is a plain memory read) a stage whose predicate is false is
+skipped. Skipping is exact: a stage with nothing to do is an identity. Captured graphs run every stage (``host_guards=False``); a device loop can gate the same
 predicates with conditional graph nodes instead (docs/architecture.md, "Work per step").
 
 Row window: with ``host_guards`` a step works on rows [0, R) only, R the smallest of 16, 64,
@@ -63,12 +39,8 @@ the live requests, not the slot count (an almost idle engine costs the same at 6
 at 4096). Captured graphs run the whole table (R = S); a device loop can pick a graph per
 window size from the same on-device maximum, as it picks one per token bucket.
 
-Ring writes keep the protocol's order: stream payload before ``produced``, finish reason
-before the state word, with a system-scope fence between each payload and its word
-(``blink.kernels.system_fence``: consecutive kernels of a graph are ordered only for the
-GPU itself, not for a CPU or NIC reading the mapped ring over PCIe). The ``state`` word is the one word both sides write, so it is only
-ever written lane by lane with ``index_put_`` (lanes with nothing to publish go to the
-control block's scratch word), never rewritten wholesale with a masked select.
+Ring writes keep the protocol's order, with a system-scope fence between each payload and
+the word that publishes it (publish.py).
 """
 from __future__ import annotations
 
