@@ -22,10 +22,6 @@ DIRECT_READ = re.compile(r"(os\.environ|getenv)\b.*(\bBLINK_|[A-Z]_ENV\b)")
 DIRECT_READ_ALLOWED = {
     "blink/env.py": "the registry itself",
     "benchmarks/peers.py": "also runs as the transformers peer's server, without blink",
-    # Owned by other changes in flight (issue 31's kernel move, the GPU tiers, the runners):
-    # to be read through blink.env once those land.
-    "blink/engine/compiled.py": "pending", "blink/engine/gpu/base.py": "pending",
-    "blink/engine/gpu/tier_b.py": "pending",
     "benchmarks/": "scripts: they set variables for the processes they start",
 }
 

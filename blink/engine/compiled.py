@@ -37,6 +37,7 @@ import torch
 
 from blink.engine.sampler import Sampler, SamplerPlan, SamplingTensors
 from blink.engine.sched.state import bucket_for, geometric_buckets
+from blink import env as blink_env
 from blink.errors import BlinkError
 
 #: environment: "1" = run eager (the default of ``EngineConfig.enforce_eager``)
@@ -59,7 +60,7 @@ def enforce_eager_default() -> bool:
     (eager): on the CPUs measured so far the compiled steps were not faster than eager
     (docs/performance.md#compiled), and a first compiled start takes minutes.
     ``--compile`` (or ``BLINK_ENFORCE_EAGER=0``) opts in."""
-    return os.environ.get(ENFORCE_EAGER_ENV, "1").strip().lower() not in ("0", "false", "no")
+    return (blink_env.get(ENFORCE_EAGER_ENV) or "1").strip().lower() not in ("0", "false", "no")
 
 
 def compile_cache_dir(configured: str | os.PathLike | None = None) -> Path:
@@ -67,8 +68,8 @@ def compile_cache_dir(configured: str | os.PathLike | None = None) -> Path:
     ``$BLINK_COMPILE_CACHE_DIR``, else ``$XDG_CACHE_HOME/blink/inductor`` (``~/.cache``)."""
     if configured:
         return Path(configured).expanduser()
-    if os.environ.get(CACHE_DIR_ENV):
-        return Path(os.environ[CACHE_DIR_ENV]).expanduser()
+    if blink_env.get(CACHE_DIR_ENV):
+        return Path(blink_env.get(CACHE_DIR_ENV)).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "blink" / "inductor"
 

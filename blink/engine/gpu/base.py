@@ -20,6 +20,7 @@ from blink.engine.gpu.abi import LoopOptions
 from blink.engine.gpu.mapped_ring import MappedRing, PinnedRegion, map_pinned_ring, map_ring
 from blink.engine.gpu.plan import GraphPlan, plan_graphs
 from blink.engine.step import StepParts, model_phase
+from blink import env as blink_env
 from blink.errors import BlinkError
 from blink.ring import SLOT_FREE, RingLayout
 from blink.transport import Region
@@ -59,7 +60,7 @@ class GpuEngine(Engine):
                 raise BlinkError("simulate=True runs on CPU tensors only")
             # Captured graphs run every scheduler stage (no host reads between kernels).
             self.scheduler.host_guards = False
-            if os.environ.get("BLINK_FUSED_SCHEDULER", "") not in ("", "0"):
+            if blink_env.get("BLINK_FUSED_SCHEDULER", "") not in ("", "0"):
                 # Issue 32's fused Triton stages: opt-in until a GPU run has measured them.
                 self.scheduler.use_fused(True)
             self.plan: GraphPlan = plan_graphs(self.scheduler_config, self.ring_config.n_slots)

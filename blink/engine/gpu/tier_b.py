@@ -80,6 +80,7 @@ from blink.engine.gpu.mapped_ring import device_pointer
 from blink.engine.gpu.plan import GraphPlan
 from blink.engine.sched.scheduler import StepBatch
 from blink.engine.step import StepParts, model_phase
+from blink import env as blink_env
 from blink.errors import BlinkError
 from blink.ring import (
     C_ENGINE_STATE,
@@ -287,7 +288,7 @@ def _check(result: Any, what: str = "?", cu: Any = None) -> Any:
 def graph_dump_dir() -> Path:
     """Where a graph that fails to instantiate is written (``cuGraphDebugDotPrint``):
     ``$BLINK_GRAPH_DUMP_DIR``, else ``$OUT`` (the device tool's folder), else the temp dir."""
-    return Path(os.environ.get("BLINK_GRAPH_DUMP_DIR") or os.environ.get("OUT") or tempfile.gettempdir())
+    return Path(blink_env.get("BLINK_GRAPH_DUMP_DIR") or os.environ.get("OUT") or tempfile.gettempdir())
 
 
 def dedicated_stream(cu: Any, device: torch.device) -> tuple[Any, torch.cuda.ExternalStream]:
