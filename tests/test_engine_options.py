@@ -179,6 +179,29 @@ def test_every_vllm_flag_is_in_the_migration_table():
     assert not missing, f"not in {VLLM_MIGRATION_DOC}: {missing}"
 
 
+def test_ring_and_scheduler_configs_are_derived_from_the_engine_config():
+    """The sizes EngineConfig holds reach the ring's and the scheduler's configs through
+    EngineConfig.ring_config / scheduler_config, not restated at the call site."""
+    from blink.engine.engine import EngineConfig
+    from blink.ring import mask_words_for
+
+    config = engine_config_from_args(parse_args([
+        "engine", "--max-num-seqs", "8", "--max-logprobs", "3", "--block-size", "32",
+        "--max-num-batched-tokens", "256", "--structured-mask-timeout", "2", "--role", "decode"]))
+    ring = config.ring_config(max_model_len=1000, vocab_size=49152)
+    assert (ring.n_slots, ring.max_logprobs, ring.max_model_len) == (8, 3, 1000)
+    assert ring.mask_words == mask_words_for(49152) and ring.max_kv_blocks == 32  # ceil(1000/32)
+    sched = config.scheduler_config(num_blocks=64, max_model_len=1000, eos_token_ids=[2])
+    assert (sched.block_size, sched.num_blocks, sched.max_num_batched_tokens) == (32, 64, 256)
+    assert sched.mask_timeout_s == 2.0 and sched.eos_token_ids == (2,)
+    assert sched.enable_prefix_caching is False  # a decode engine's rows have no hash chain
+    both = EngineConfig(structured_outputs=False)
+    assert both.ring_config(max_model_len=64, vocab_size=100).mask_words == 0
+    assert both.ring_config(max_model_len=64, vocab_size=100).max_kv_blocks == 0
+    assert both.scheduler_config(num_blocks=8, max_model_len=64,
+                                 eos_token_ids=()).enable_prefix_caching is True
+
+
 def test_removed_flag_is_refused_by_serve_too():
     from blink.cli_args import check_vllm_flags
     from blink.errors import BlinkError
