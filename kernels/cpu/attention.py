@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from blink.kernels.cpu import pool as cpu_pool
+from blink.kernels.cpu import abi, pool as cpu_pool
 from blink.kernels.cpu.threads import kernel_threads
 from blink.shared.native_build import NativeBuildError, NativeLibrary
 
@@ -66,18 +66,12 @@ _MATH_FLAGS = ("-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-f
 
 
 def _declare(library: ctypes.CDLL) -> None:
+    abi.declare(library, abi.ATTENTION)
     cpu_pool.attach(library)  # calls that split run on the process's one pool
-    library.blink_has_avx512.restype = ctypes.c_int
     if not library.blink_has_avx512() and LIBRARY.switch() != "c":
         # measured 0.26-0.9x the torch path on an AVX2 build (docs/performance.md#cpu-attention)
         raise NativeBuildError("this CPU has no AVX-512, without which the kernel is slower than SDPA")
-    library.blink_paged_attention_tile_min_tokens.restype = ctypes.c_int
     library.tile_min_tokens = int(library.blink_paged_attention_tile_min_tokens())  # read per call
-    fn = library.blink_paged_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3
-                   + [ctypes.c_int] * 2 + [ctypes.c_int64] * 7
-                   + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int])
 
 
 LIBRARY = NativeLibrary(

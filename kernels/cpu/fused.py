@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from blink.kernels.cpu import pool as cpu_pool
+from blink.kernels.cpu import abi, pool as cpu_pool
 from blink.kernels.reference import (
     mask as mask_reference,
     layers as reference,
@@ -40,17 +40,9 @@ _SOURCE = Path(__file__).with_name("fused.c")
 #: than the reference in a build without AVX-512 (the SiLU); unset: automatic
 IMPL_ENV = "BLINK_CPU_FUSED"
 _BF16 = torch.bfloat16
-_P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_SIGNATURES = {
-    "blink_add_rms_norm": (None, [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _F32, ctypes.c_int]),
-    "blink_rope": (ctypes.c_int, [_P, _I64, _P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64,
-                                  ctypes.c_int]),
-    "blink_write_kv": (ctypes.c_int, [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int]),
-    "blink_silu_and_mul": (None, [_P, _I64, _P, _I64, _I64, ctypes.c_int]),
-    "blink_logsumexp_rows": (None, [_P, _I64, _P, _I64, _I64, ctypes.c_int]),
-    "blink_token_mask_rows": (None, [_P, _I64, _P, _I64, _I64, _P, _P, _P, _I64, _I64,
-                                     ctypes.c_int]),
-}
+#: the library's compute calls (their signatures: abi.FUSED)
+_KERNELS = ("blink_add_rms_norm", "blink_rope", "blink_write_kv", "blink_silu_and_mul",
+            "blink_logsumexp_rows", "blink_token_mask_rows")
 
 # No fused multiply-adds the reference does not do (the rotary embedding stays bit-exact);
 # no floating-point traps to keep, so the compiler may vectorise branches (exp's clamps).
@@ -58,14 +50,11 @@ _FLAGS = ("-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math")
 
 
 def _declare(library: ctypes.CDLL) -> None:
+    abi.declare(library, abi.FUSED)
     cpu_pool.attach(library)  # calls that split run on the process's one pool
-    for name, (restype, argtypes) in _SIGNATURES.items():
-        fn = getattr(library, name)
-        fn.restype, fn.argtypes = restype, argtypes
     # Without AVX-512 the SiLU's vector exp ran 1.8x slower than torch's (measured on an AVX2
     # build); the other ops stayed 1.4-2.7x faster. The exp-based ops (the SiLU, the
     # sampler's logsumexp) run only where the exp is vectorised.
-    library.blink_has_avx512.restype = ctypes.c_int
     library.vector_exp = bool(library.blink_has_avx512()) or LIBRARY.switch() == "c"
 
 
@@ -74,7 +63,7 @@ LIBRARY = NativeLibrary(
     fallback="the torch references run instead, slower for small steps",
     flags=("-O3", "-march=native", *_FLAGS), fallback_flags=("-O3", *_FLAGS),
     headers=(_SOURCE.with_name("kernels.h"),), env=IMPL_ENV, setup=_declare,
-    kernels=tuple(_SIGNATURES), queries=("blink_has_avx512",))
+    kernels=_KERNELS, queries=("blink_has_avx512",))
 
 
 def library() -> ctypes.CDLL | None:

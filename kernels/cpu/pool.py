@@ -12,6 +12,7 @@ import ctypes
 import logging
 from pathlib import Path
 
+from blink.kernels.cpu import abi
 from blink.shared.native_build import NativeLibrary
 
 log = logging.getLogger("blink.kernels")
@@ -20,7 +21,7 @@ _SOURCE = Path(__file__).with_name("pool.c")
 
 
 def _declare(library: ctypes.CDLL) -> None:
-    library.blink_pool_split.restype = ctypes.c_int
+    abi.declare(library, abi.POOL)
 
 
 LIBRARY = NativeLibrary(
@@ -31,8 +32,7 @@ LIBRARY = NativeLibrary(
 
 
 def attach(library: ctypes.CDLL) -> None:
-    """Give a kernel library (one that includes ``kernels.h``) the pool's entry point."""
+    """Give a kernel library (one that includes ``kernels.h``, declared from
+    :mod:`blink.kernels.cpu.abi`) the pool's entry point."""
     pool = LIBRARY.get()
-    library.blink_use_pool.argtypes = [ctypes.c_void_p]
-    library.blink_use_pool.restype = None
     library.blink_use_pool(None if pool is None else ctypes.cast(pool.blink_pool_split, ctypes.c_void_p).value)

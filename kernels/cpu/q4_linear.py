@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from blink.kernels.cpu import pool as cpu_pool
+from blink.kernels.cpu import abi, pool as cpu_pool
 from blink.kernels.cpu.threads import kernel_threads
 from blink.shared.native_build import NativeBuildError, NativeLibrary
 
@@ -43,19 +43,14 @@ _SOURCE = Path(__file__).with_name("q4_linear.c")
 IMPL_ENV = "BLINK_CPU_Q4"
 #: output columns per tile and input channels per scale (ggml's Q4 block)
 TILE, GROUP = 16, 32
-_P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 def _declare(library: ctypes.CDLL) -> None:
+    abi.declare(library, abi.Q4_LINEAR)
     cpu_pool.attach(library)  # calls that split run on the process's one pool
-    library.blink_q4_linear_supported.restype = ctypes.c_int
     if not library.blink_q4_linear_supported():
         raise NativeBuildError("this CPU (or its compiler, or the OS) offers no AMX")
-    library.blink_q4_linear_few_rows.restype = ctypes.c_int
     library.few_rows = int(library.blink_q4_linear_few_rows())  # read per call
-    for fn in (library.blink_q4_linear, library.blink_q8_linear, library.blink_q4_linear_gated):
-        fn.restype = ctypes.c_int
-        fn.argtypes = [_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int]
 
 
 # -march=native: the AMX and AVX-512 intrinsics exist only in a build for a CPU that has them

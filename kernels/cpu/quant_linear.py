@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from blink import env as blink_env
-from blink.kernels.cpu import pool as cpu_pool, q4_linear as cpu_q4_linear
+from blink.kernels.cpu import abi, pool as cpu_pool, q4_linear as cpu_q4_linear
 from blink.kernels.cpu.q4_linear import GROUP, IMPL_ENV, TILE, _b_tile_rows, _from_b_tile_rows, _is_fp16
 from blink.kernels.cpu.threads import kernel_threads
 from blink.shared.native_build import NativeBuildError, NativeLibrary
@@ -41,7 +41,6 @@ from blink.shared.native_build import NativeBuildError, NativeLibrary
 log = logging.getLogger("blink.kernels")
 
 _SOURCE = Path(__file__).with_name("quant_linear.c")
-_P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 #: the C kernel's format bits
 F_BITS8, F_GROUP16, F_FP32, F_M = 1, 2, 4, 8
@@ -56,13 +55,10 @@ VARIANTS = {
 
 def _declare(isa: int):
     def declare(library: ctypes.CDLL) -> None:
+        abi.declare(library, abi.QUANT_LINEAR)
         cpu_pool.attach(library)
-        library.blink_quant_linear_isa.restype = ctypes.c_int
         if library.blink_quant_linear_isa() != isa:
             raise NativeBuildError(f"the build has no {isa} path (compiler flags ignored?)")
-        library.blink_quant_linear.restype = ctypes.c_int
-        library.blink_quant_linear.argtypes = [_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int,
-                                               ctypes.c_int]
     return declare
 
 

@@ -1,0 +1,125 @@
+"""The C ABI of the CPU kernel libraries, declared once.
+
+One table per library (its ``.c`` source and the ``kernels.h`` it includes): every exported
+function's return type and its arguments, named as the C source names them, in order. ctypes
+trusts what it is told, so a table that disagrees with the C (one argument too few, an
+``int`` for an ``int64_t``) is a silent memory bug; ``tests/test_cpu_abi.py`` parses the C
+sources' exported definitions and checks each table against them: the functions, and each
+one's return type and arguments (count, order, names, types).
+
+Pointers are ``c_void_p`` whatever they point to (the wrappers pass ``tensor.data_ptr()``).
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+P, I64, INT, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+@dataclass(frozen=True)
+class Signature:
+    """One exported C function: its return type (None: void) and its ``(name, ctype)``
+    arguments in order."""
+
+    restype: type | None
+    args: tuple[tuple[str, type], ...] = ()
+
+    @property
+    def argtypes(self) -> list[type]:
+        return [ctype for _, ctype in self.args]
+
+
+def _args(spec: str, ctype: type) -> tuple[tuple[str, type], ...]:
+    """``"a b c"`` -> three arguments of one type (a run of the C's parameter list)."""
+    return tuple((name, ctype) for name in spec.split())
+
+
+#: what every library that includes kernels.h exports
+KERNELS_H: dict[str, Signature] = {
+    "blink_has_avx512": Signature(INT),
+    "blink_use_pool": Signature(None, _args("run", P)),
+}
+
+#: pool.c: the process's worker pool (only blink_pool_split's address is used: each kernel
+#: library gets it through blink_use_pool)
+POOL: dict[str, Signature] = {
+    **KERNELS_H,
+    "blink_pool_split": Signature(INT, _args("run args", P) + _args("items", I64) + _args("threads", INT)),
+}
+
+#: attention.c: the paged attention
+ATTENTION: dict[str, Signature] = {
+    **KERNELS_H,
+    "blink_paged_attention_tile_min_tokens": Signature(INT),
+    "blink_paged_attention": Signature(
+        INT,
+        _args("q", P) + _args("q_stride_t q_stride_h", I64) + _args("out k v", P)
+        + _args("q_bf16 kv_bf16", INT) + _args("T H KVH D block_size num_blocks rows", I64)
+        + _args("token_row positions query_start seq_lens tables", P)
+        + _args("table_stride table_cols", I64) + _args("scale", F32) + _args("threads", INT)),
+}
+
+#: fused.c: the eager forward's elementwise ops, the sampler's log-normaliser, the token mask
+FUSED: dict[str, Signature] = {
+    **KERNELS_H,
+    "blink_has_vector_ops": Signature(INT),
+    "blink_write_kv": Signature(
+        INT,
+        _args("k", P) + _args("k_stride", I64) + _args("v", P) + _args("v_stride", I64)
+        + _args("k_cache v_cache slot_mapping", P) + _args("tokens row slots", I64) + _args("threads", INT)),
+    "blink_add_rms_norm": Signature(
+        None,
+        _args("x", P) + _args("x_stride", I64) + _args("residual", P) + _args("res_stride", I64)
+        + _args("weight out residual_out", P) + _args("rows dim", I64) + _args("eps", F32)
+        + _args("threads", INT)),
+    "blink_rope": Signature(
+        INT,
+        _args("q", P) + _args("q_stride", I64) + _args("k", P) + _args("k_stride", I64)
+        + _args("positions cos_sin", P) + _args("max_positions", I64) + _args("out", P)
+        + _args("tokens H KVH D rotary_dim", I64) + _args("threads", INT)),
+    "blink_silu_and_mul": Signature(
+        None, _args("x", P) + _args("x_stride", I64) + _args("out", P) + _args("rows dim", I64) + _args("threads", INT)),
+    "blink_logsumexp_rows": Signature(
+        None, _args("x", P) + _args("x_stride", I64) + _args("out", P) + _args("rows cols", I64) + _args("threads", INT)),
+    "blink_token_mask_rows": Signature(
+        None,
+        _args("x", P) + _args("x_stride", I64) + _args("words", P) + _args("w_stride n_words", I64)
+        + _args("slot mode out", P) + _args("rows cols", I64) + _args("threads", INT)),
+}
+
+_LINEAR_ARGS = (_args("x", P) + _args("x_stride", I64) + _args("codes scales bias y", P)
+                + _args("y_stride M N K", I64))
+
+#: q4_linear.c: 4-bit (and 8-bit) projections on AMX
+Q4_LINEAR: dict[str, Signature] = {
+    **KERNELS_H,
+    "blink_q4_linear_supported": Signature(INT),
+    "blink_q4_linear_few_rows": Signature(INT),
+    "blink_q4_linear": Signature(INT, _LINEAR_ARGS + _args("threads", INT)),
+    "blink_q4_linear_gated": Signature(INT, _LINEAR_ARGS + _args("threads", INT)),
+    "blink_q8_linear": Signature(INT, _LINEAR_ARGS + _args("threads", INT)),
+}
+
+#: quant_linear.c: 4-/8-bit projections on AVX-512 BF16 or AVX2 (one source, two builds)
+QUANT_LINEAR: dict[str, Signature] = {
+    **KERNELS_H,
+    "blink_quant_linear_isa": Signature(INT),
+    "blink_quant_linear": Signature(INT, _LINEAR_ARGS + _args("format threads", INT)),
+}
+
+#: each library's source (beside this module) -> its table
+LIBRARIES: dict[str, dict[str, Signature]] = {
+    "pool.c": POOL,
+    "attention.c": ATTENTION,
+    "fused.c": FUSED,
+    "q4_linear.c": Q4_LINEAR,
+    "quant_linear.c": QUANT_LINEAR,
+}
+
+
+def declare(library: ctypes.CDLL, table: dict[str, Signature]) -> None:
+    """Set every function of ``table`` on ``library``: its restype and argtypes."""
+    for name, signature in table.items():
+        fn = getattr(library, name)
+        fn.restype, fn.argtypes = signature.restype, signature.argtypes
