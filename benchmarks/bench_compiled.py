@@ -62,7 +62,7 @@ def main() -> None:
             try:
                 for batch in args.batch:
                     results[eager, batch] = _run(llm, batch, args.prompt, args.tokens)
-                compiled = llm.engine.compiled
+                compiled = llm.engine.runner.compiled
                 refused = compiled.refused if compiled is not None else 0
             finally:
                 llm.close()

@@ -16,11 +16,16 @@ from __future__ import annotations
 
 import argparse
 import copy
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from blink.executor import ModelExecutor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from executor_helpers import build_metadata  # noqa: E402  (the step inputs, built on the host)
 
 
 def _prompt(n: int, seed: int, vocab: int) -> list[int]:
@@ -43,7 +48,7 @@ class BlinkEngine:
         return list(range(row * self.per_seq, (row + 1) * self.per_seq))
 
     def prefill(self) -> float:
-        ids, md, last = self.ex.build_metadata([(_prompt(self.args.prompt_len, 0, self.vocab), 0, self._blocks(0))])
+        ids, md, last = build_metadata(self.ex, [(_prompt(self.args.prompt_len, 0, self.vocab), 0, self._blocks(0))])
         t0 = time.perf_counter()
         self.ex.execute(ids, md, last)
         return self.args.prompt_len / (time.perf_counter() - t0)
@@ -53,11 +58,11 @@ class BlinkEngine:
         prompts = [_prompt(self.args.decode_prompt_len, 1 + i, self.vocab) for i in range(batch)]
         blocks = [self._blocks(i) for i in range(batch)]
         lens = [len(p) for p in prompts]
-        ids, md, last = self.ex.build_metadata([(p, 0, b) for p, b in zip(prompts, blocks)])
+        ids, md, last = build_metadata(self.ex, [(p, 0, b) for p, b in zip(prompts, blocks)])
         nxt = self.ex.execute(ids, md, last).argmax(-1).tolist()
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(n_new):
-            ids, md, last = self.ex.build_metadata([([t], n, b) for t, n, b in zip(nxt, lens, blocks)])
+            ids, md, last = build_metadata(self.ex, [([t], n, b) for t, n, b in zip(nxt, lens, blocks)])
             nxt = self.ex.execute(ids, md, last).argmax(-1).tolist()
             lens = [n + 1 for n in lens]
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0

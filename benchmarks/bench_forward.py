@@ -61,7 +61,9 @@ import argparse
 import contextlib
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 
 def _seqs(rows: list[tuple[int, int]], block_size: int) -> list[tuple[list[int], int, list[int]]]:
@@ -212,6 +214,9 @@ def main() -> None:
     from blink.kernels.ops import _CPU_FUSED_NAMES
     from blink.loader import open_model
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from executor_helpers import build_metadata  # the step inputs, built on the host
+
     torch_elementwise = {name: getattr(reference, name) for name in _CPU_FUSED_NAMES}
     reference_ops = SimpleNamespace(**{**vars(ops_for("cpu")), **torch_elementwise,
                                        "paged_attention": reference.paged_attention})
@@ -278,7 +283,7 @@ def main() -> None:
         for label, rows in shapes:
             call_args = {}
             for name, ex in execs.items():
-                ids, md, last = ex.build_metadata(_seqs(rows, ex.block_size))
+                ids, md, last = build_metadata(ex, _seqs(rows, ex.block_size))
                 call_args[name] = (ids, md, last)
                 _time(ex, call_args[name], 2)  # warm-up
             walls = {name: [] for name in execs}

@@ -3,7 +3,7 @@ loop's parts timed (wall time per step, mean over the run's steps).
 
 Parts: ``schedule`` (Scheduler.schedule), ``sampler_inputs``, ``forward``
 (ModelExecutor.execute), ``sample`` (Sampler), ``update`` (Scheduler.update), and ``step``
-(the whole ``run_step``, so ``step`` minus the parts is the step's own glue). The parts are
+(the whole ``Engine.step``, so ``step`` minus the parts is the step's own glue). The parts are
 timed by wrapping those methods for this process only; a warm-up request runs first.
 
     python -m benchmarks.bench_step_parts --threads 1 --batch 1 --tokens 64
@@ -56,7 +56,7 @@ def main() -> None:
     totals: dict[str, float] = collections.defaultdict(float)
     counts: collections.Counter = collections.Counter()
     undo = [_timed(owner, name, label, totals, counts) for owner, name, label in (
-        (engine_module, "run_step", "step"),  # the loop calls it by this name
+        (engine_module.Engine, "step", "step"),  # the loop's step, whichever its runner
         (Scheduler, "schedule", "schedule"), (Scheduler, "sampler_inputs", "sampler_inputs"),
         (Scheduler, "update", "update"), (ModelExecutor, "execute", "forward"),
         (Sampler, "__call__", "sample"))]

@@ -399,9 +399,12 @@ def prefill_logits(model: Path, device: str, dtype: Any, prompt: list[int]) -> A
 
     from blink.executor import ModelExecutor
 
+    sys.path.insert(0, str(REPO / "tests"))
+    from executor_helpers import build_metadata
+
     ex = ModelExecutor(str(model), dtype=dtype, device=device, num_blocks=8, max_model_len=128)
     try:
-        ids, md, _ = ex.build_metadata([(prompt, 0, list(range(8)))])
+        ids, md, _ = build_metadata(ex, [(prompt, 0, list(range(8)))])
         rows = torch.arange(len(prompt), device=ex.device)
         return ex.execute(ids, md, rows).float().cpu()
     finally:

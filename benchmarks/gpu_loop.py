@@ -324,8 +324,8 @@ def nonempty_steps(engine: Any) -> int | None:
     counter (read without waiting for the loop). None for the CPU loop."""
     if getattr(engine, "tier", None) == "B":
         return int(engine.loop_counters().get("steps", 0))
-    host_step = getattr(engine, "host_step", None)
-    return int(host_step.steps) if host_step is not None else None
+    runner = getattr(engine, "runner", None)
+    return int(runner.steps) if getattr(engine, "tier", None) == "A" and runner is not None else None
 
 
 def steady_client_main(spec_path: str) -> int:
@@ -583,7 +583,7 @@ def make_engine(EngineConfig: Any, model: Path, kwargs: dict[str, Any], loop: st
     """``create_engine`` for ``loop`` (cpu | host | device); started unless ``start`` is
     False (then requests can be written into the ring first). ``eager_gpu``: the CPU
     loop's step run eagerly on GPU tensors (no graphs). ``simulate``: the GPU loops' code
-    on CPU tensors (``create_engine(simulate=True)``; dry runs of the benchmarks).
+    on CPU tensors (``create_engine(simulation=HostSimulation())``; dry runs of the benchmarks).
 
     The benchmark's ring client is in this process (``in_process_frontend``): where the GPU
     refuses to register the shared-memory ring (gVisor), both tiers run over the engine's
@@ -593,7 +593,12 @@ def make_engine(EngineConfig: Any, model: Path, kwargs: dict[str, Any], loop: st
 
     cfg = EngineConfig(**{"model": str(model), "device": device, "dtype": "auto", **kwargs})
     t0 = time.monotonic()
-    engine = create_engine(cfg, loop, simulate=simulate and loop != "cpu", in_process_frontend=True)
+    simulation = None
+    if simulate and loop != "cpu":
+        from blink.engine.gpu.host_sim import HostSimulation
+
+        simulation = HostSimulation()
+    engine = create_engine(cfg, loop, simulation=simulation, in_process_frontend=True)
     if eager_gpu:
         engine.step = lambda: run_step(engine.parts)  # type: ignore[method-assign]
     engine.build_s = time.monotonic() - t0

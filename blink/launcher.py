@@ -61,8 +61,6 @@ from blink.threads.roles import set_thread_name
 from blink.threads.runtime import SNAPSHOT_ENV, load_thread_policy, start_thread_policy
 
 ENGINE_READY_PREFIX = "BLINK_ENGINE_READY "
-#: tests only: seconds a prefill engine waits between a prompt's KV and its ready word
-KV_READY_DELAY_ENV = "BLINK_TEST_KV_READY_DELAY_S"
 #: the engine's OpenMP wait policy unless $OMP_WAIT_POLICY is set (see run_engine)
 OMP_WAIT_POLICY_DEFAULT = "PASSIVE"
 FRONTEND_READY_PREFIX = "Blink frontend ready"
@@ -153,9 +151,6 @@ def run_engine(args: argparse.Namespace) -> int:
             extra={"engine_role": engine.config.role, "kv_peers": list(engine.config.kv_peers)},
         )
         engine.attach_kv_peers(secret)
-        if engine.kv_sender is not None and os.environ.get(KV_READY_DELAY_ENV):
-            # tests only: widen the window between the KV blocks and the ready word
-            engine.kv_sender.delay_before_ready_s = float(os.environ[KV_READY_DELAY_ENV])
         bound_host, bound_port = server.start()
         if standalone and secret_path is None:
             # No secret given: a fresh one, written where only this user can read it.

@@ -90,7 +90,7 @@ def test_full_cache_dir_is_met_once_said_once_and_cached_libraries_still_load(
 
 
 def test_full_compile_cache_runs_eager_said_once(tmp_path, monkeypatch, caplog):
-    from blink.engine import compiled, engine as engine_module
+    from blink.engine import compiled, runners
 
     real_statvfs = os.statvfs
     monkeypatch.setattr(compiled.os, "statvfs", lambda p: os.statvfs_result(
@@ -100,15 +100,14 @@ def test_full_compile_cache_runs_eager_said_once(tmp_path, monkeypatch, caplog):
     def no_compiling(*args, **kwargs):
         raise AssertionError("compiled despite a full compile cache")
 
-    monkeypatch.setattr(engine_module, "CompiledModelPhase", no_compiling)
-    stub = SimpleNamespace(
-        config=SimpleNamespace(enforce_eager=False, compile_cache_dir=str(tmp_path / "inductor")),
-        device=SimpleNamespace(type="cpu"), executor=SimpleNamespace(model=object()),
-        compiled=None)
+    monkeypatch.setattr(runners, "CompiledModelPhase", no_compiling)
+    parts = SimpleNamespace(executor=SimpleNamespace(model=object()), sampler=None)
+    made = [runners.CompiledRunner(parts, cache_dir=str(tmp_path / "inductor"), scheduler_buckets=(1,),
+                                   max_rows=1, suppress_width=1, max_logit_bias=0) for _ in range(2)]
     with caplog.at_level(logging.WARNING, logger="blink.engine"):
-        engine_module.Engine._compile(stub)
-        engine_module.Engine._compile(stub)  # a second engine in the process: said once
-    assert stub.compiled is None
+        for runner in made:  # a second engine in the process: said once
+            runner.prepare()
+    assert all(runner.compiled is None for runner in made)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "MiB free" in warnings[0] and "eager" in warnings[0], warnings
 

@@ -132,7 +132,7 @@ def _run_audited(model_dir: Path, loop: str, monkeypatch) -> tuple[CaptureAudit,
     monkeypatch.setattr(host_sim.EagerGraphApi, "segment",
                         lambda self, fn: orig_segment(self, audit(fn, mode)))
     monkeypatch.setattr(llm_module, "create_engine",
-                        lambda cfg, loop_=None, **_kw: create_engine(cfg, loop, simulate=True))
+                        lambda cfg, loop_=None, **_kw: create_engine(cfg, loop, simulation=host_sim.HostSimulation()))
     prompts, params = _workload()
     with llm_module.LLM(str(model_dir), **SMALL) as llm:
         # Two waves: the second finds the first wave's prefix blocks in the cache.

@@ -45,7 +45,7 @@ def _graphs() -> int:
 
 
 def test_compiled_greedy_matches_transformers_without_recompiles(compiled_llm):
-    phase = compiled_llm.engine.compiled
+    phase = compiled_llm.engine.runner.compiled
     assert phase is not None, "enforce_eager=False must compile on CPU"
     assert phase.token_buckets == (1, 2, 4) and phase.row_buckets == (1, 2)
     assert phase.layer.failed is None and phase.head.failed is None
@@ -77,7 +77,7 @@ def test_compiled_loop_enforces_structured_outputs(compiled_llm):
         timeout_s=120)
     for out in outs:
         assert re.fullmatch(rx, out.outputs[0].text), out.outputs[0].text
-    assert compiled_llm.engine.compiled.refused == 0
+    assert compiled_llm.engine.runner.compiled.refused == 0
 
 
 def test_compiled_steps_mask_only_the_constrained_rows(compiled_llm):

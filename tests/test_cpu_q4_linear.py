@@ -5,6 +5,9 @@ AMX, switched off) torch's int4 kernel takes over. The same for its 8-bit (Q8_0)
 a model's Q8_0 head on them."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -14,6 +17,9 @@ from gguf import GGMLQuantizationType as Q
 from blink.kernels.cpu import q4_linear as cpu_q4_linear
 from blink.loader.gguf_weights import unpack_q4, unpack_q8
 from blink.models import int4_linear
+
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
+from executor_helpers import build_metadata  # noqa: E402
 
 needs_amx = pytest.mark.skipif(not cpu_q4_linear.available(),
                                reason="the AMX kernel does not run here (no AMX, compiler or permission)")
@@ -277,8 +283,8 @@ def test_smollm2s_q8_head_runs_on_its_codes_unless_switched_off():
     if not on.packed_weights:
         pytest.skip("no native oneDNN bf16 here")
     assert on.q8_head and on.model.q8_head.bits == 8 and not off.q8_head
-    ids, md, last = on.build_metadata([([1, 2, 3, 4], 0, [0])])
-    a, b = on.execute(ids, md, last), off.execute(*off.build_metadata([([1, 2, 3, 4], 0, [0])]))
+    ids, md, last = build_metadata(on, [([1, 2, 3, 4], 0, [0])])
+    a, b = on.execute(ids, md, last), off.execute(*build_metadata(off, [([1, 2, 3, 4], 0, [0])]))
     assert not torch.equal(a, b)  # other weights (the file's, not their bf16 rounding)
     assert (a - b).abs().max() < 0.1 * b.abs().max()
 
@@ -356,11 +362,11 @@ def test_smollm2s_mlp_takes_the_gated_kernel_for_decode_steps_with_the_same_logi
 
     monkeypatch.setattr(Linear, "gated", counted)
     seqs = [([5 + i, 9, 2], 0, [i]) for i in range(4)]  # 4 rows x 3 tokens: 12 rows, few
-    fused = ex.execute(*ex.build_metadata(seqs))
+    fused = ex.execute(*build_metadata(ex, seqs))
     assert calls and all(calls)  # every layer's MLP
     monkeypatch.setattr(Linear, "gated", lambda self, x: None)
-    assert torch.equal(fused, ex.execute(*ex.build_metadata(seqs)))
+    assert torch.equal(fused, ex.execute(*build_metadata(ex, seqs)))
     monkeypatch.setattr(Linear, "gated", counted)
     calls.clear()
-    ex.execute(*ex.build_metadata([(list(range(1, 41)), 0, [0, 1, 2])]))  # 40 rows: many
+    ex.execute(*build_metadata(ex, [(list(range(1, 41)), 0, [0, 1, 2])]))  # 40 rows: many
     assert calls and not any(calls)

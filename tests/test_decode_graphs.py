@@ -4,11 +4,17 @@ row count and bucket; padding rows touch nothing but the scratch block; what can
 replayed is refused at the recording, and those steps stay eager."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from blink.kernels.cpu import fused as cpu_fused, graph as cpu_graph
 from blink.kernels.cpu.threads import kernel_threads, set_kernel_threads
+
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
+from executor_helpers import build_metadata  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -112,7 +118,7 @@ def _decode_step(ex, contexts: list[int], seed: int):
         seqs.append(([int(torch.randint(50, 40000, (), generator=g))], n, list(range(first, first + blocks))))
         first += blocks
     assert first <= ex.num_blocks
-    return ex.build_metadata(seqs)
+    return build_metadata(ex, seqs)
 
 
 def _fill_cache(ex, seed: int) -> None:
@@ -185,7 +191,7 @@ def test_other_kernel_threads_get_their_own_graph(executor):
 def test_steps_that_are_not_plain_decodes_stay_eager(executor):
     ex = executor
     graphs = ex.decode_graphs
-    prefill = ex.build_metadata([([5, 6, 7], 0, [0]), ([8], 4, [1])])
+    prefill = build_metadata(ex, [([5, 6, 7], 0, [0]), ([8], 4, [1])])
     assert not graphs.takes(prefill[0], prefill[1])  # a row of 3 new tokens
     big = _decode_step(ex, [3] * 33, 0)
     assert not graphs.takes(big[0], big[1])  # above the largest bucket
@@ -230,7 +236,7 @@ def test_a_model_with_torch_ops_between_its_kernels_stays_eager(tmp_path):
     ex = ModelExecutor(tiny_model_dir(tmp_path), dtype=torch.bfloat16, num_blocks=8, max_model_len=64)
     assert ex.decode_graphs is not None and ex.decode_graphs.record(4) == 0
     assert "computes with torch" in ex.decode_graphs.off_reason
-    step = ex.build_metadata([([3], 5, [0]), ([4], 9, [1])])
+    step = build_metadata(ex, [([3], 5, [0]), ([4], 9, [1])])
     assert not ex.decode_graphs.takes(step[0], step[1])
     assert ex.execute(*step).shape[0] == 2
 

@@ -7,7 +7,7 @@ prefill engine and the frontend as separate processes, driven with the official 
 - with ARK path selection on (``--fabric``: every KV transfer reserves a spine first; over
   loopback the port is reserved, not applied, and the log says so), all of the above holds;
 - SIGKILL of the decode engine while a request's KV is in flight (the prefill engine holds the
-  ready word back for a while, BLINK_TEST_KV_READY_DELAY_S) resumes the request on the prefill
+  ready word back for a while: tests/hooks/kv_ready_delay) resumes the request on the prefill
   engine with the same tokens; nothing is left held in the prefill engine (slots, KV blocks),
   and once the decode engine is back requests are disaggregated again.
 """
@@ -45,6 +45,8 @@ from blink.transport import connect, load_secret_file  # noqa: E402
 BLOCK = 8
 PROMPTS = ["The quick brown fox jumps", "Blink moves KV blocks with one-sided writes.", "hi"]
 MAX_TOKENS = 12
+#: a sitecustomize that makes prefill engines hold their ready words back a second
+KV_READY_DELAY_HOOK = Path(__file__).parent / "hooks" / "kv_ready_delay"
 
 
 def _flags(model: Path) -> list[str]:
@@ -101,12 +103,17 @@ def servers(tmp_path_factory):
                       "hash: {algorithm: crc32, seed: 3}\n"
                       f"senders: {{prefill-0: {{bus: '127.0.0.1:{bus_port}', leaf: 0}}}}\n"
                       "decode: [{leaf: 1}]\n")
-    os.environ["BLINK_TEST_KV_READY_DELAY_S"] = "1.0"  # read by the prefill engine only
+    # the prefill engine holds its ready words back (tests/hooks/kv_ready_delay/sitecustomize.py)
+    python_path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(KV_READY_DELAY_HOOK), python_path) if p)
     try:
         disagg = ServeProcess(*_flags(model), "--served-model-name", "m", "--disaggregated",
                               "--fabric", str(fabric), "--bootstrap-secret-file", secret_file, name="disagg-serve")
     finally:
-        del os.environ["BLINK_TEST_KV_READY_DELAY_S"]
+        if python_path is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = python_path
     colocated = ServeProcess(*_flags(model), "--served-model-name", "m", name="colocated-serve")
     try:
         colocated.wait_ready()

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from benchmarks import gpu_check, gpu_kernels, gpu_loop  # noqa: E402
 from blink.engine.gpu import base as gpu_base  # noqa: E402
-from blink.engine.gpu import tier_b  # noqa: E402
+from blink.engine.gpu import host_sim, tier_b  # noqa: E402
 from blink.engine.gpu.abi import HC_STOP, STOP_NOW  # noqa: E402
 from blink.errors import BlinkError  # noqa: E402
 from blink.kernels.reference import layers as ref  # noqa: E402
@@ -384,7 +384,7 @@ def test_steady_client_runs_in_its_own_process(tmp_path):
 
 
 def test_nonempty_steps_reads_each_tier():
-    a = types.SimpleNamespace(tier="A", host_step=types.SimpleNamespace(steps=7))
+    a = types.SimpleNamespace(tier="A", runner=types.SimpleNamespace(steps=7))
     b = types.SimpleNamespace(tier="B", loop_counters=lambda: {"steps": 5, "gate_calls": 9})
     assert gpu_loop.nonempty_steps(a) == 7 and gpu_loop.nonempty_steps(b) == 5
     assert gpu_loop.nonempty_steps(types.SimpleNamespace()) is None
@@ -467,7 +467,7 @@ def test_simulated_tier_b_destroys_its_graph_at_close(tmp_path):
 
     model = tiny_model_dir(tmp_path)
     eng = create_engine(EngineConfig(model=str(model), device="cpu", **dict(BASE, max_num_batched_tokens=64)),
-                        "device", simulate=True)
+                        "device", simulation=host_sim.HostSimulation())
     api, graph = eng.api, eng.loop.graph
     eng.close()
     assert api.destroyed == [graph]

@@ -2,7 +2,7 @@
 
 - Graph plan: which buckets get graphs, capture order, shared pool, rows per bucket, the
   host mirror of the device bucket index; bucket metadata are views (static buffers).
-- Tier A's step (HostGraphStep) over the eager runner, and tier B's graph built by the
+- Tier A's step (HostGraphStep) over the eager graph runner, and tier B's graph built by the
   same builder the CUDA path uses (recorded and interpreted on the host by EagerGraphApi,
   kernels run by their host models): both produce exactly the CPU loop's tokens, through
   the real ring, engine thread and ring client (LLM), greedy and seeded sampling, with
@@ -74,7 +74,7 @@ def _generate(model_dir: Path, loop: str, prompts, params, **overrides):
     """Outputs and the engine's counters, with ``loop`` in cpu | host | device (simulated)."""
     orig = llm_module.create_engine
     if loop != "cpu":
-        llm_module.create_engine = lambda cfg, _loop="auto", **_kw: create_engine(cfg, loop, simulate=True)
+        llm_module.create_engine = lambda cfg, _loop="auto", **_kw: create_engine(cfg, loop, simulation=host_sim.HostSimulation())
     try:
         with llm_module.LLM(str(model_dir), **{**SMALL, **overrides}) as llm:
             outs = llm.generate(prompts, params, timeout_s=120)
@@ -83,7 +83,7 @@ def _generate(model_dir: Path, loop: str, prompts, params, **overrides):
             if isinstance(engine, GpuEngine):
                 info["tier"] = engine.tier
                 if engine.tier == "A":
-                    info["replays"] = list(engine.host_step.runner.replays)
+                    info["replays"] = list(engine.runner.graphs.replays)
                 else:
                     info["counters"] = engine.loop_counters()
             return [[c.token_ids for c in o.outputs] for o in outs], info
@@ -168,7 +168,7 @@ def test_tier_a_and_tier_b_match_the_cpu_loop_seeded_sampling(model_dir):
 
 
 def test_conditional_loop_graph_structure(model_dir):
-    engine = create_engine(EngineConfig(model=str(model_dir), **SMALL), "device", simulate=True)
+    engine = create_engine(EngineConfig(model=str(model_dir), **SMALL), "device", simulation=host_sim.HostSimulation())
     try:
         loop, api = engine.loop, engine.api
         root = loop.exec
@@ -291,7 +291,7 @@ def test_gate_stop_and_drain():
 
 def test_tier_b_idles_then_stops_on_the_shutdown_word(model_dir):
     engine = create_engine(EngineConfig(model=str(model_dir), **SMALL), "device",
-                           simulate=True, options=abi.LoopOptions(poll_budget_ns=1_000_000))
+                           simulation=host_sim.HostSimulation(), options=abi.LoopOptions(poll_budget_ns=1_000_000))
     try:
         engine.start()
         hb = engine.ring.heartbeat
@@ -308,7 +308,7 @@ def test_tier_b_idles_then_stops_on_the_shutdown_word(model_dir):
 
 def test_tier_b_stop_now_and_drain(model_dir):
     for drain, reason in ((False, "stopped"), (True, "drained")):
-        engine = create_engine(EngineConfig(model=str(model_dir), **SMALL), "device", simulate=True)
+        engine = create_engine(EngineConfig(model=str(model_dir), **SMALL), "device", simulation=host_sim.HostSimulation())
         try:
             engine.start()
             engine.stop(drain=drain)

@@ -56,7 +56,7 @@ def test_a_failing_capture_is_ended_and_named(model_dir, monkeypatch):
     before = _segments()
     cfg = EngineConfig(model=str(model_dir), device="cpu", **SMALL)
     with pytest.raises(BlinkError, match=r"capturing bucket \d+ into tier B's graph failed: RuntimeError"):
-        factory.create_engine(cfg, "device", simulate=True)
+        factory.create_engine(cfg, "device", simulation=host_sim.HostSimulation())
     api = apis[-1]
     assert api.aborted_captures == 1 and api._capture is None  # the capture was ended
     assert _segments() <= before  # the failed engine left no shared-memory ring behind
@@ -146,5 +146,5 @@ def test_llm_over_the_in_process_ring_gives_the_loopback_tokens(model_dir, monke
     if loop == "device":
         real = factory.create_engine
         monkeypatch.setattr(llm_module, "create_engine",
-                            lambda cfg, _loop="auto", **kw: real(cfg, "device", simulate=True))
+                            lambda cfg, _loop="auto", **kw: real(cfg, "device", simulation=host_sim.HostSimulation()))
     assert run("inprocess") == run("loopback")

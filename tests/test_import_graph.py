@@ -211,6 +211,16 @@ def test_the_frontend_reaches_no_torch_side_module():
     assert not bad, "frontend modules that reach torch/triton/cupy:\n  " + "\n  ".join(bad)
 
 
+#: modules only tests and benchmarks import (the product is built without them)
+TEST_ONLY = {"blink.engine.gpu.host_sim"}
+
+
+def test_no_product_module_imports_test_only_code():
+    edges, _ = import_graph(type_checking=True)
+    bad = sorted(f"{m} -> {t}" for m, targets in edges.items() for t in targets & TEST_ONLY)
+    assert not bad, "product modules importing test-only code:\n  " + "\n  ".join(bad)
+
+
 def _plant(tmp_path: Path, files: dict[str, str]) -> Path:
     pkg = tmp_path / "blink"
     for rel, text in files.items():

@@ -19,6 +19,7 @@ from blink.kernels.cpu import q4_linear as cpu_q4_linear, quant_linear as cpu_qu
 from blink.models import int4_linear
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
+from executor_helpers import build_metadata  # noqa: E402
 from helpers_models import make_tiny_model  # noqa: E402
 from test_loader_gguf import export_to_gguf  # noqa: E402
 
@@ -74,8 +75,8 @@ def test_pack_refuses_a_shape_without_whole_groups():
 def _decode_logits(ex: ModelExecutor, rows: int) -> torch.Tensor:
     """Prefill ``rows`` prompts, then one decode token each; the decode logits."""
     prompts = [([3 + 5 * r + j for j in range(6)], 0, [r]) for r in range(rows)]
-    ex.execute(*ex.build_metadata(prompts))
-    return ex.execute(*ex.build_metadata([([7 + r], 6, [r]) for r in range(rows)]))
+    ex.execute(*build_metadata(ex, prompts))
+    return ex.execute(*build_metadata(ex, [([7 + r], 6, [r]) for r in range(rows)]))
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from blink.model_config import ModelConfig
 from blink.errors import ModelLoadError, UnsupportedModelError
 from blink.executor import ModelExecutor
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
+from executor_helpers import build_metadata  # noqa: E402
 from helpers_models import ARCHS, VOCAB, LocalModelFiles, make_tiny_model, model_files
 
 BLOCK = 4  # small, so every sequence spans several blocks
@@ -57,7 +58,7 @@ def test_prefill_of_three_sequences_in_one_batch(case):
     arch, hf, ex = case
     seqs = [_tokens(1, 11), _tokens(2, 5), _tokens(3, 17)]
     blocks = _blocks(3, 5)
-    ids, md, last = ex.build_metadata([(s, 0, b) for s, b in zip(seqs, blocks)])
+    ids, md, last = build_metadata(ex, [(s, 0, b) for s, b in zip(seqs, blocks)])
     logits = ex.execute(ids, md, torch.arange(len(ids)))
     want = torch.cat([_hf_logits(hf, s) for s in seqs])
     torch.testing.assert_close(logits, want, atol=ATOL, rtol=0)
@@ -70,13 +71,13 @@ def test_decode_step_by_step_through_the_paged_cache(case):
     full = [p + _tokens(10 + i, 10) for i, p in enumerate(prompts)]  # teacher-forced tokens
     blocks = _blocks(3, 5)
     want = [_hf_logits(hf, s) for s in full]
-    ids, md, last = ex.build_metadata([(p, 0, b) for p, b in zip(prompts, blocks)])
+    ids, md, last = build_metadata(ex, [(p, 0, b) for p, b in zip(prompts, blocks)])
     got = ex.execute(ids, md, last)
     for i, p in enumerate(prompts):
         torch.testing.assert_close(got[i], want[i][len(p) - 1], atol=ATOL, rtol=0)
     for step in range(10):
         batch = [([s[len(p) + step]], len(p) + step, b) for s, p, b in zip(full, prompts, blocks)]
-        ids, md, last = ex.build_metadata(batch)
+        ids, md, last = build_metadata(ex, batch)
         assert md.max_query_len == 1
         got = ex.execute(ids, md, last)
         for i, p in enumerate(prompts):
@@ -89,9 +90,9 @@ def test_chunked_prefill_attends_to_the_cached_prefix(case):
     other = _tokens(8, 6)  # a second sequence decoding in the same step as chunk 2
     b_seq, b_other = [3, 9, 1, 12, 7, 20], [5, 2]
     want_seq, want_other = _hf_logits(hf, seq), _hf_logits(hf, other)
-    ids, md, _ = ex.build_metadata([(seq[:9], 0, b_seq), (other[:5], 0, b_other)])
+    ids, md, _ = build_metadata(ex, [(seq[:9], 0, b_seq), (other[:5], 0, b_other)])
     ex.execute(ids, md, torch.arange(len(ids)))
-    ids, md, _ = ex.build_metadata([(seq[9:], 9, b_seq), (other[5:], 5, b_other)])
+    ids, md, _ = build_metadata(ex, [(seq[9:], 9, b_seq), (other[5:], 5, b_other)])
     got = ex.execute(ids, md, torch.arange(len(ids)))
     torch.testing.assert_close(got[:12], want_seq[9:], atol=ATOL, rtol=0)
     torch.testing.assert_close(got[12], want_other[5], atol=ATOL, rtol=0)
@@ -104,7 +105,7 @@ def _greedy(ex: ModelExecutor, prompts: list[list[int]], n_new: int) -> list[lis
     seqs = [list(p) for p in prompts]
     step = [(list(p), 0, b) for p, b in zip(prompts, blocks)]
     for _ in range(n_new):
-        ids, md, last = ex.build_metadata(step)
+        ids, md, last = build_metadata(ex, step)
         nxt = ex.execute(ids, md, last).argmax(-1).tolist()
         for s, t in zip(seqs, nxt):
             s.append(t)
@@ -131,7 +132,7 @@ def test_bf16_runs_and_stays_close(case, tiny_root):
     ex = ModelExecutor(model_files(tiny_root / arch), dtype=torch.bfloat16, block_size=BLOCK, num_blocks=32)
     assert ex.kv_caches[0][0].dtype == torch.bfloat16
     seqs = [_tokens(30, 13), _tokens(31, 4)]
-    ids, md, _ = ex.build_metadata([(s, 0, b) for s, b in zip(seqs, _blocks(2, 4))])
+    ids, md, _ = build_metadata(ex, [(s, 0, b) for s, b in zip(seqs, _blocks(2, 4))])
     got = ex.execute(ids, md, torch.arange(len(ids)))
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
     want = torch.cat([_hf_logits(hf, s) for s in seqs])
@@ -141,7 +142,7 @@ def test_bf16_runs_and_stays_close(case, tiny_root):
     assert agree >= 0.8, f"{arch}: bf16 top-1 agrees on only {agree:.0%} of tokens"
     # a one-token step takes the matrix-vector path (torch's kernel instead of oneDNN's)
     seq = seqs[1] + _tokens(32, 1)
-    ids, md, last = ex.build_metadata([(seq[-1:], len(seq) - 1, _blocks(2, 4)[1])])
+    ids, md, last = build_metadata(ex, [(seq[-1:], len(seq) - 1, _blocks(2, 4)[1])])
     step = ex.execute(ids, md, last)[0]
     want_step = _hf_logits(hf, seq)[-1]
     assert (step - want_step).abs().max() / want_step.abs().max() < 0.05

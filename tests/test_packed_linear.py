@@ -14,6 +14,7 @@ from blink.models import packed_linear
 from blink.models.decoder import Linear
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
+from executor_helpers import build_metadata  # noqa: E402
 from helpers_models import VOCAB, make_tiny_model, model_files
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -73,10 +74,10 @@ def test_executor_with_packed_weights_gives_the_plain_logits(arch, tiny_root):
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, VOCAB, (n,), generator=gen).tolist() for n in (9, 14)]
     for ex in (packed, plain):
-        ids, md, last = ex.build_metadata([(p, 0, [2 * i, 2 * i + 1, 2 * i + 8, 2 * i + 9])
+        ids, md, last = build_metadata(ex, [(p, 0, [2 * i, 2 * i + 1, 2 * i + 8, 2 * i + 9])
                                            for i, p in enumerate(prompts)])
         ex.result = ex.execute(ids, md, torch.arange(len(ids)))
-        ids, md, last = ex.build_metadata([([5], len(prompts[0]), [0, 1, 8, 9])])
+        ids, md, last = build_metadata(ex, [([5], len(prompts[0]), [0, 1, 8, 9])])
         ex.step = ex.execute(ids, md, last)  # a one-row step (plain: torch's own GEMV)
     scale = plain.result.abs().max()
     assert (packed.result - plain.result).abs().max() <= 0.02 * scale
@@ -99,13 +100,13 @@ def test_bf16_decode_row_gives_the_same_bits_alone_and_in_a_batch():
     ex = ModelExecutor(path, dtype=torch.bfloat16, num_blocks=16, max_model_len=256)
     prompts = [[100 + 3 * i + j for j in range(n)] for i, n in enumerate((20, 33, 9))]
     tables = [[4 * i + k for k in range(4)] for i in range(3)]
-    ids, md, _ = ex.build_metadata([(p[:-1], 0, t) for p, t in zip(prompts, tables)])
+    ids, md, _ = build_metadata(ex, [(p[:-1], 0, t) for p, t in zip(prompts, tables)])
     ex.execute(ids, md, torch.arange(len(ids)))  # fill the cache
     step = [(p[-1:], len(p) - 1, t) for p, t in zip(prompts, tables)]
-    ids, md, last = ex.build_metadata(step)
+    ids, md, last = build_metadata(ex, step)
     batched = ex.execute(ids, md, last)
     for row in range(3):
-        ids, md, last = ex.build_metadata([step[row]])
+        ids, md, last = build_metadata(ex, [step[row]])
         assert torch.equal(ex.execute(ids, md, last)[0], batched[row]), f"row {row}"
 
 

@@ -2,10 +2,16 @@
 continuations of the executor equal transformers' own GGUF load, token for token."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from blink.executor import ModelExecutor
+
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
+from executor_helpers import build_metadata  # noqa: E402
 
 PROMPTS = [
     "The capital of France is",
@@ -66,7 +72,7 @@ def test_greedy_continuations_match_transformers(executor, prompt_ids, hf_model)
     step = [(list(p), 0, b) for p, b in zip(prompt_ids, blocks)]
     first_logits = None
     for _ in range(N_NEW):
-        ids, md, last = executor.build_metadata(step)
+        ids, md, last = build_metadata(executor, step)
         logits = executor.execute(ids, md, last)
         first_logits = logits if first_logits is None else first_logits
         for seq, token in zip(seqs, logits.argmax(-1).tolist()):

@@ -1,7 +1,8 @@
-"""The engine: model executor + scheduler + sampler over a ring, driven by a device loop.
+"""The engine: model executor + scheduler + sampler over a ring, driven by the CPU loop.
 
-On CPU the device loop is an engine thread (``blink-loop``) that repeats
-``schedule → forward → sample → update`` over CPU tensors. Everything a request needs comes
+The CPU loop is an engine thread (``blink-loop``) that repeats ``schedule → forward → sample
+→ update`` over CPU tensors, one step per call of its step runner (:mod:`blink.engine.runners`:
+eager, CPU graphs or compiled; the GPU tiers subclass the engine with runners of their own). Everything a request needs comes
 from the ring and everything the engine produces goes back into it: the offline
 :class:`~blink.llm.LLM` and the HTTP frontend are both just ring clients.
 """
@@ -19,15 +20,16 @@ import torch
 
 from blink.model_config import ModelConfig
 from blink.dtypes import resolve_dtype
-from blink.engine.compiled import (
-    CompiledModelPhase,
-    compile_cache_dir,
-    configure_compile_cache,
-    enforce_eager_default,
-    usable_compile_cache,
-)
+from blink.engine.compiled import enforce_eager_default
 from blink.engine.kv_transfer import KVLayout, KVSender, share_kv_cache
-from blink.engine.step import StepParts, run_step
+from blink.engine.runners import (
+    CompiledRunner,
+    CpuGraphsRunner,
+    EagerRunner,
+    StepRunner,
+    choose_step_runner,
+)
+from blink.engine.step import StepParts
 from blink.engine.sampler import Sampler
 from blink.engine.sched.scheduler import Scheduler
 from blink.engine.sched.state import SchedulerConfig, ring_tensors
@@ -101,7 +103,7 @@ class EngineConfig:
     #: how long a stop with drain waits for requests in flight (every loop kind uses this one)
     drain_timeout_s: float = 30.0
     #: CPU loop: run eager instead of torch.compile'd steps (default: $BLINK_ENFORCE_EAGER,
-    #: else False; the test suite sets it). See blink.engine.compiled.
+    #: else True, i.e. eager unless --compile). See blink.engine.compiled.
     enforce_eager: bool = field(default_factory=enforce_eager_default)
     #: where compiled code is cached (None: $BLINK_COMPILE_CACHE_DIR, else ~/.cache/blink/inductor)
     compile_cache_dir: str | None = config_default("compile_cache_dir")
@@ -179,7 +181,7 @@ def _kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 
 class Engine:
-    """Loads the model, creates the ring region and runs the CPU device loop in a thread.
+    """Loads the model, creates the ring region and runs the CPU loop in a thread.
 
     ``start()`` returns once the loop runs (engine state READY). ``stop(drain=True)`` lets
     running requests finish (bounded by ``drain_timeout_s``) before the loop exits.
@@ -190,6 +192,8 @@ class Engine:
     supported_devices: tuple[str, ...] = ("cpu",)
     #: the loop thread's OS name (its role in blink.threads.roles; tier A and B have their own)
     loop_thread_name = "blink-loop"
+    #: its --loop value (tier A: host, tier B: device)
+    loop_flag = "cpu"
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -216,8 +220,6 @@ class Engine:
             self._build(config)
         finally:
             torch.set_num_threads(threads_before)
-        #: the CPU loop's compiled forward/sample (built on the loop thread; None = eager)
-        self.compiled: CompiledModelPhase | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._drain = True
@@ -225,6 +227,27 @@ class Engine:
         self.error: BaseException | None = None
         #: prefill role: sends finished prompts' KV (attach_kv_peers); None otherwise
         self.kv_sender = None
+        self.parts = StepParts(self.scheduler, self.executor, self.sampler)
+        #: how this engine runs its step (``runner_choice``, decided in ``_build``)
+        self.runner: StepRunner = self._make_runner()
+
+    def _make_runner(self) -> StepRunner:
+        """The CPU loop's step runner, as ``runner_choice`` says (its ``prepare`` runs on the
+        loop thread before READY)."""
+        name = self.runner_choice.name
+        max_rows = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        if name == "compiled":
+            return CompiledRunner(
+                self.parts, cache_dir=self.config.compile_cache_dir,
+                scheduler_buckets=self.scheduler_config.buckets, max_rows=max_rows,
+                # StepBatch.suppress_ids: stop ids + EOS ids (the scheduler pads no EOS to one -1);
+                # tests/test_compiled.py fails (a refused recompile) if this drifts from it.
+                suppress_width=self.ring_config.max_stop_ids + max(1, len(self.scheduler_config.eos_token_ids)),
+                max_logit_bias=self.ring_config.max_logit_bias,
+            )
+        if name == "cpu-graphs":
+            return CpuGraphsRunner(self.parts, max_rows)
+        return EagerRunner(self.parts)
 
     def _build(self, config: EngineConfig) -> None:
         """Model, KV cache, ring, scheduler and sampler (``__init__``'s work)."""
@@ -243,6 +266,10 @@ class Engine:
         if config.fabric_sender and not config.fabric:
             raise BlinkError("--fabric-sender needs --fabric FILE")
         null = is_null_model(config.model)  # --model null: no model work (control-plane benchmark)
+        choice = self.runner_choice = choose_step_runner(
+            loop=self.loop_flag, device=self.device.type, enforce_eager=config.enforce_eager,
+            cpu_graphs=config.cpu_graphs, has_model=not null)
+        log.info("step runner: %s (%s)", choice.name, choice.reason)
         files = open_null_model() if null else open_model(config.model)
         model_config = ModelConfig.from_hf(files.hf_config, files.source)
         dtype_name, why = config.dtype_choice(self.device, model_config.hf_dtype)
@@ -261,9 +288,10 @@ class Engine:
                 f"of max_model_len {max_len}: raise --kv-cache-memory/--kv-cache-tokens or lower "
                 f"--max-model-len"
             )
-        # A compiled step (CPU, not enforce_eager: see _compile) traces plain weights.
-        packing = {} if null else {"pack_weights": config.enforce_eager or self.device.type != "cpu",
-                                   "int4_decode": config.int4_decode, "cpu_graphs": config.cpu_graphs}
+        # A compiled step traces plain weights; only the cpu-graphs runner records graphs.
+        packing = {} if null else {"pack_weights": choice.name != "compiled",
+                                   "int4_decode": config.int4_decode,
+                                   "cpu_graphs": choice.name == "cpu-graphs"}
         self.executor = (NullExecutor if null else ModelExecutor)(
             files, dtype=dtype, device=self.device, block_size=config.block_size,
             num_blocks=num_blocks, max_model_len=max_len, **packing,
@@ -405,8 +433,7 @@ class Engine:
         control = self.ring.control
         try:
             self._prepare_native_kernels()
-            self._compile()
-            self._record_decode_graphs()
+            self.runner.prepare()
         except BaseException as exc:
             self.error = exc
             control[C_ENGINE_STATE] = ENGINE_FAILED
@@ -453,31 +480,6 @@ class Engine:
         finally:
             self._bump_heartbeat_per_layer(False)
 
-    def _compile(self) -> None:
-        """CPU loop, before READY: compile the step per bucket (unless ``enforce_eager``), on
-        this thread, with the loop's thread count (inductor generates the CPU kernels for it).
-        Compiler failures fall back to eager inside; only a bad cache directory raises."""
-        model = getattr(self.executor, "model", None)
-        if self.config.enforce_eager or self.device.type != "cpu" or model is None:
-            return  # GPU tiers capture graphs instead; the null model has nothing to compile
-        cache = compile_cache_dir(self.config.compile_cache_dir)
-        if not usable_compile_cache(cache, log):  # a full or read-only disk: eager, said once
-            return
-        configure_compile_cache(cache)
-        compiled = CompiledModelPhase(
-            self.executor,
-            self.sampler,
-            scheduler_buckets=self.scheduler_config.buckets,
-            max_rows=min(self.config.max_num_seqs, self.config.max_num_batched_tokens),
-            # StepBatch.suppress_ids: stop ids + EOS ids (the scheduler pads no EOS to one -1);
-            # tests/test_compiled.py fails (a refused recompile) if this drifts from it.
-            suppress_width=self.ring_config.max_stop_ids + max(1, len(self.scheduler_config.eos_token_ids)),
-            max_logit_bias=self.ring_config.max_logit_bias,
-        )
-        with torch.inference_mode():
-            compiled.warm()
-        self.compiled = compiled
-
     def _prepare_native_kernels(self) -> None:
         """CPU loop, before READY: build (or load from the cache) Blink's C kernels now, with
         a progress line, instead of in the first request's step; a library that cannot be
@@ -489,21 +491,6 @@ class Engine:
 
         prepare_libraries(log=log)
 
-    def _record_decode_graphs(self) -> None:
-        """CPU loop, eager, before READY: record the decode steps' CPU graphs
-        (:mod:`blink.decode_graphs`) for every row count up to ``max_num_seqs``, on this
-        thread with the loop's kernel threads, so that no step pays for a recording."""
-        graphs = getattr(self.executor, "decode_graphs", None)
-        if graphs is None or self.compiled is not None:
-            return
-        t0 = time.monotonic()
-        with torch.inference_mode():
-            recorded = graphs.record(min(self.config.max_num_seqs, self.config.max_num_batched_tokens))
-        if recorded:
-            log.info("decode steps of up to %d rows run on %d CPU graphs (recorded in %.1f s, %.0f MB; "
-                     "--cpu-graphs off: eager)", max(b for b, _ in graphs.graphs), recorded,
-                     time.monotonic() - t0, graphs.kept_bytes / 2**20)
-
     def _idle(self) -> bool:
         """Host-side check (CPU loop only) that no slot needs the engine: FREE slots and
         FINISHED slots waiting for the frontend to read them need no step."""
@@ -513,10 +500,9 @@ class Engine:
         return not self.scheduler.has_pending_release()  # finished rows' blocks still held
 
     def step(self) -> bool:
-        """One engine step. Returns False when nothing was scheduled."""
+        """One engine step, its runner's. Returns False when nothing was scheduled."""
         sender = self.kv_sender  # prefill role: KV streamed during the forward, ready after
-        ran = run_step(StepParts(self.scheduler, self.executor, self.sampler), self.compiled,
-                       on_scheduled=sender.before_forward if sender is not None else None)
+        ran = self.runner.run(sender.before_forward if sender is not None else None)
         if sender is not None:  # before the finished rows' blocks go
             sender.after_step()
         return ran

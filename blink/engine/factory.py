@@ -8,6 +8,7 @@ import torch
 
 from blink.engine.engine import Engine, EngineConfig
 from blink.engine.gpu.abi import LoopOptions
+from blink.engine.gpu.base import HostSimulation
 from blink.engine.gpu.checks import ring_registration_problem, tier_a_problems, tier_b_problems
 from blink.engine.gpu.tier_a import TierAEngine
 from blink.engine.gpu.tier_b import TierBEngine
@@ -16,7 +17,7 @@ from blink.errors import BlinkError
 log = logging.getLogger("blink.engine")
 
 
-def create_engine(config: EngineConfig, loop: str = "auto", *, simulate: bool = False,
+def create_engine(config: EngineConfig, loop: str = "auto", *, simulation: HostSimulation | None = None,
                   options: LoopOptions | None = None, in_process_frontend: bool = False) -> Engine:
     """The engine for ``--loop cpu|host|device|auto`` (``blink serve``, ``blink engine`` and
     ``LLM`` all come here).
@@ -27,7 +28,9 @@ def create_engine(config: EngineConfig, loop: str = "auto", *, simulate: bool = 
     in another process cannot reach the engine: with ``in_process_frontend`` (``LLM``) the
     ring moves to pinned memory of the engine's own (``transport="inprocess"``, logged);
     otherwise the engine refuses to start, saying so.
-    ``simulate`` (tests): the GPU loops' code on CPU tensors."""
+    ``simulation`` (tests, dry runs: :class:`blink.engine.gpu.host_sim.HostSimulation`): the
+    GPU loops' code on CPU tensors, the graphs replaced by its host stand-ins."""
+    simulate = simulation is not None
     if loop not in ("auto", "cpu", "host", "device"):
         raise BlinkError(f"unknown --loop {loop!r}")
     if loop == "cpu" and config.device == "auto":
@@ -44,7 +47,7 @@ def create_engine(config: EngineConfig, loop: str = "auto", *, simulate: bool = 
     if simulate:
         config = dataclasses.replace(config, device="cpu")
         tier = TierAEngine if loop == "host" else TierBEngine
-        return tier(config, simulate=True, options=options)
+        return tier(config, simulation=simulation, options=options)
     tier_a = tier_a_problems(device)
     if tier_a:
         raise BlinkError(f"--loop {loop} cannot start: " + "; ".join(tier_a))

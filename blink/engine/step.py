@@ -1,7 +1,8 @@
 """One engine step: schedule → forward → sample → update. Every loop runs this.
 
-``run_step`` is the CPU loop's step (``Engine.step``): ``scheduler.schedule()`` then
-:func:`model_phase` (forward → sampler → ``scheduler.update``). The GPU tiers capture exactly
+``run_step`` is the CPU loop's eager step (:mod:`blink.engine.runners` picks how an engine
+runs its step): ``scheduler.schedule()`` then :func:`model_phase` (forward → sampler →
+``scheduler.update``). The GPU tiers capture exactly
 these two calls into CUDA graphs: ``schedule()`` as the schedule graph, and ``model_phase``
 with capture-friendly options (``compact=False``: the bucket's fixed token count, all rows,
 no host-side sampler plan) as one graph per bucket. Being on the host, the CPU loop instead
@@ -10,6 +11,7 @@ removes padding: the tokens are the same.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -102,24 +104,31 @@ def model_phase(
     scheduler.update(batch, out.tokens, out.logprob, out.top_ids, out.top_logprobs, num_tokens=tokens)
 
 
-def run_step(parts: StepParts, compiled=None, on_scheduled=None) -> bool:
-    """One CPU-loop step (``Engine.step``). Returns False when nothing was scheduled.
-    ``compiled``: the loop's :class:`~blink.engine.compiled.CompiledModelPhase`, which runs
-    the model phase with compiled pieces padded to its buckets (None: eager).
-    ``on_scheduled(batch)``: host code between the schedule and the forward (the prefill
-    role's KV sender opens the step's layer-by-layer transfers there)."""
+def schedule_on_host(
+    parts: StepParts, on_scheduled: Callable[[StepBatch], None] | None = None
+) -> tuple[StepBatch, int, int] | None:
+    """A CPU-loop step's first half: ``schedule()``, then (batch, tokens, sample rows), or
+    None when nothing was scheduled. ``on_scheduled(batch)``: host code between the schedule
+    and the forward (the prefill role's KV sender opens the step's layer-by-layer transfers
+    there)."""
     batch = parts.scheduler.schedule()
     n = int(batch.num_scheduled_tokens)  # CPU loop: a plain memory read, not a device sync
     if n == 0:  # admissions/cancels may have happened, but there is nothing to compute
-        return False
+        return None
     if on_scheduled is not None:
         on_scheduled(batch)
     # At least one (padding) sample row: a step of prefill chunks only samples nothing,
     # and update() indexes the sampler outputs (an empty tensor cannot be indexed).
-    ns = max(int(batch.num_sample_rows), 1)
-    if compiled is not None:  # pads tokens and rows to its buckets, gathers its own inputs
-        compiled.run(parts, batch, tokens=n, rows=ns)
-        return True
+    return batch, n, max(int(batch.num_sample_rows), 1)
+
+
+def run_step(parts: StepParts, on_scheduled: Callable[[StepBatch], None] | None = None) -> bool:
+    """One eager CPU-loop step (:class:`blink.engine.runners.EagerRunner`). Returns False
+    when nothing was scheduled; ``on_scheduled`` as in :func:`schedule_on_host`."""
+    scheduled = schedule_on_host(parts, on_scheduled)
+    if scheduled is None:
+        return False
+    batch, n, ns = scheduled
     inputs = parts.scheduler.sampler_inputs(batch, ns)
     plan = SamplerPlan.from_features(inputs.features, inputs.suppress_ids)  # skip unused stages
     model_phase(parts, batch, tokens=n, rows=ns, compact=True, plan=plan, inputs=inputs)

@@ -2,15 +2,16 @@
 the capture audit, and a release that never unmaps a ring the GPU may still touch.
 
 Tier A (:mod:`blink.engine.gpu.tier_a`) and tier B (:mod:`blink.engine.gpu.tier_b`) are
-subclasses; each owns its loop. ``simulate=True`` runs a tier's own code on CPU tensors
-(tests): graphs become :mod:`blink.engine.gpu.host_sim`'s eager stand-ins.
+subclasses; each owns its loop and its step runner. A :class:`HostSimulation` given by the
+caller (tests and dry runs inject :class:`blink.engine.gpu.host_sim.HostSimulation`) runs a
+tier's own code on CPU tensors, the graphs replaced by its eager stand-ins.
 """
 from __future__ import annotations
 
 import logging
-import os
 import time
 import weakref
+from typing import Any, Protocol
 
 import torch
 
@@ -19,7 +20,8 @@ from blink.engine.engine import Engine, EngineConfig
 from blink.engine.gpu.abi import LoopOptions
 from blink.engine.gpu.mapped_ring import MappedRing, PinnedRegion, map_pinned_ring, map_ring
 from blink.engine.gpu.plan import GraphPlan, plan_graphs
-from blink.engine.step import StepParts, model_phase
+from blink.engine.runners import StepRunner
+from blink.engine.step import model_phase
 from blink import env as blink_env
 from blink.errors import BlinkError
 from blink.ring import SLOT_FREE, RingLayout
@@ -38,8 +40,20 @@ def device_loop_running() -> bool:
     return any(e._device_may_touch_ring() for e in list(_RUNNING_LOOPS))
 
 
+class HostSimulation(Protocol):
+    """The GPU graphs' stand-ins on the host, for running a tier on CPU tensors."""
+
+    def graph_runner(self) -> Any:
+        """Tier A's :class:`~blink.engine.gpu.tier_a.GraphRunner`."""
+        ...
+
+    def graph_api(self) -> Any:
+        """Tier B's :class:`~blink.engine.gpu.tier_b.GraphApi`."""
+        ...
+
+
 class GpuEngine(Engine):
-    """An engine whose loop runs CUDA graphs (or, with ``simulate``, their host stand-ins)."""
+    """An engine whose loop runs CUDA graphs (or, with a ``simulation``, their host stand-ins)."""
 
     supported_devices = ("cuda", "cpu")
     tier = "?"  # "A" | "B", set by the subclass
@@ -47,35 +61,40 @@ class GpuEngine(Engine):
     #: the ring's device mapping, set by ``_ring_tensors`` while ``Engine.__init__`` builds
     mapped: MappedRing | None = None
 
-    def __init__(self, config: EngineConfig, *, simulate: bool = False,
+    def __init__(self, config: EngineConfig, *, simulation: HostSimulation | None = None,
                  options: LoopOptions | None = None) -> None:
-        self.simulate = simulate
+        #: the graphs' host stand-ins (tests, dry runs); None: CUDA graphs
+        self.simulation = simulation
+        self.simulate = simulation is not None
         self.options = options or LoopOptions()
         self.exit_reason: str | None = None
         try:
-            super().__init__(config)
-            if self.device.type != "cuda" and not simulate:
-                raise BlinkError(f"--loop {self.loop_flag} needs a CUDA GPU (--device cuda); use --loop cpu")
-            if self.device.type == "cuda" and simulate:
-                raise BlinkError("simulate=True runs on CPU tensors only")
-            # Captured graphs run every scheduler stage (no host reads between kernels).
-            self.scheduler.host_guards = False
-            if blink_env.get("BLINK_FUSED_SCHEDULER", "") not in ("", "0"):
-                # Issue 32's fused Triton stages: opt-in until a GPU run has measured them.
-                self.scheduler.use_fused(True)
-            self.plan: GraphPlan = plan_graphs(self.scheduler_config, self.ring_config.n_slots)
-            self.parts = StepParts(self.scheduler, self.executor, self.sampler)
-            t0 = time.monotonic()
-            with torch.inference_mode():
-                self._build_graphs()
-            log.info("tier %s graphs for buckets %s built in %.1f s", self.tier, self.plan.buckets,
-                     time.monotonic() - t0)
+            super().__init__(config)  # ends with _make_runner: the tier's graphs
         except BaseException:
             if hasattr(self, "region"):
                 self._release_ring()  # a failed start leaves no registered ring or segment behind
             raise
 
-    def _build_graphs(self) -> None:
+    def _make_runner(self) -> StepRunner:
+        """The tier's runner, its graphs built (``Engine.__init__``'s last step)."""
+        if self.device.type != "cuda" and not self.simulate:
+            raise BlinkError(f"--loop {self.loop_flag} needs a CUDA GPU (--device cuda); use --loop cpu")
+        if self.device.type == "cuda" and self.simulate:
+            raise BlinkError("a host simulation runs on CPU tensors only")
+        # Captured graphs run every scheduler stage (no host reads between kernels).
+        self.scheduler.host_guards = False
+        if blink_env.get("BLINK_FUSED_SCHEDULER", "") not in ("", "0"):
+            # Issue 32's fused Triton stages: opt-in until a GPU run has measured them.
+            self.scheduler.use_fused(True)
+        self.plan: GraphPlan = plan_graphs(self.scheduler_config, self.ring_config.n_slots)
+        t0 = time.monotonic()
+        with torch.inference_mode():
+            runner = self._build_graphs()
+        log.info("tier %s graphs for buckets %s built in %.1f s", self.tier, self.plan.buckets,
+                 time.monotonic() - t0)
+        return runner
+
+    def _build_graphs(self) -> StepRunner:
         raise NotImplementedError
 
     # -- construction hooks (called by Engine.__init__)

@@ -10,6 +10,9 @@
   :func:`blink.engine.gpu.tier_b.build_conditional_loop` builds (the exact calls the CUDA
   build makes) and interprets it: WHILE/IF nodes, kernel nodes run by their models,
   captured segments run eagerly.
+- :class:`HostSimulation`: what a test or dry run hands the engine factory
+  (``create_engine(config, loop, simulation=HostSimulation())``). Nothing in the product
+  imports this module.
 """
 from __future__ import annotations
 
@@ -360,3 +363,14 @@ class EagerGraphApi:
                 done.add(id(node))
                 pending.remove(node)
         return iterations
+
+
+class HostSimulation:
+    """The GPU tiers on the host (:class:`blink.engine.gpu.base.HostSimulation`): tier A's
+    graphs run by :class:`EagerRunner`, tier B's by :class:`EagerGraphApi`."""
+
+    def graph_runner(self) -> EagerRunner:
+        return EagerRunner()
+
+    def graph_api(self) -> EagerGraphApi:
+        return EagerGraphApi()

@@ -15,8 +15,8 @@ from typing import Any, Callable, Protocol
 import torch
 
 from blink.engine.gpu.base import GpuEngine
-from blink.engine.gpu.host_sim import EagerRunner
 from blink.engine.gpu.plan import GraphPlan
+from blink.engine.runners import OnScheduled
 from blink.engine.sched.scheduler import StepBatch
 from blink.engine.step import StepParts, model_phase
 from blink.errors import BlinkError
@@ -32,38 +32,46 @@ class GraphRunner(Protocol):
 
 
 class HostGraphStep:
-    """Tier A's step: replay the schedule graph, read (tokens, bucket) on the host (the one
-    host read per step that tier A pays), replay that bucket's graph.
+    """Tier A's step runner (:class:`blink.engine.runners.StepRunner` ``tier-a``): replay the
+    schedule graph, read (tokens, bucket) on the host (the one host read per step that tier A
+    pays), replay that bucket's graph.
 
     The graphs are ``scheduler.schedule()`` and :func:`model_phase` with ``compact=False``:
-    the CPU loop's own functions, captured."""
+    the CPU loop's own functions, captured (at construction) by ``graphs``."""
 
-    def __init__(self, parts: StepParts, plan: GraphPlan, runner: GraphRunner) -> None:
-        self.parts, self.plan, self.runner = parts, plan, runner
+    name = "tier-a"
+
+    def __init__(self, parts: StepParts, plan: GraphPlan, graphs: GraphRunner) -> None:
+        self.parts, self.plan, self.graphs = parts, plan, graphs
         self.steps = 0
 
         def schedule() -> StepBatch:
             batch = parts.scheduler.schedule()
-            runner.publish_mailbox(batch.num_scheduled_tokens, batch.bucket_index)
+            graphs.publish_mailbox(batch.num_scheduled_tokens, batch.bucket_index)
             return batch
 
-        self.batch: StepBatch = runner.capture("schedule", schedule)
+        self.batch: StepBatch = graphs.capture("schedule", schedule)
         by_tokens = dict(zip(plan.buckets, plan.rows))
         for name in plan.capture_order[1:]:
             tokens = int(name.split(":")[1])
-            runner.capture(name, self._bucket_fn(tokens, by_tokens[tokens]))
+            graphs.capture(name, self._bucket_fn(tokens, by_tokens[tokens]))
 
     def _bucket_fn(self, tokens: int, rows: int) -> Callable[[], None]:
         def run() -> None:
             model_phase(self.parts, self.batch, tokens=tokens, rows=rows, compact=False, plan=None)
         return run
 
-    def step(self) -> bool:
-        self.runner.replay("schedule")
-        n, b = self.runner.read_mailbox()
+    def prepare(self) -> None:
+        pass  # captured at construction
+
+    def run(self, on_scheduled: OnScheduled | None = None) -> bool:
+        if on_scheduled is not None:  # the factory keeps the KV sender's role on the CPU loop
+            raise BlinkError("tier A runs no host code between its graphs")
+        self.graphs.replay("schedule")
+        n, b = self.graphs.read_mailbox()
         if n == 0:
             return False
-        self.runner.replay(GraphPlan.bucket_name(self.plan.buckets[b]))
+        self.graphs.replay(GraphPlan.bucket_name(self.plan.buckets[b]))
         self.steps += 1
         return True
 
@@ -118,20 +126,17 @@ class TierAEngine(GpuEngine):
     tier, loop_flag = "A", "host"
     loop_thread_name = "blink-hostloop"
 
-    def _build_graphs(self) -> None:
+    def _build_graphs(self) -> HostGraphStep:
         self.stream: torch.cuda.Stream | None = None
-        if self.simulate:
-            runner: GraphRunner = EagerRunner()
+        if self.simulation is not None:
+            graphs: GraphRunner = self.simulation.graph_runner()
         else:
-            cuda_runner = TorchCudaRunner(self.device)
-            self.stream = cuda_runner.stream
-            with torch.cuda.stream(cuda_runner.stream):
+            cuda_graphs = TorchCudaRunner(self.device)
+            self.stream = cuda_graphs.stream
+            with torch.cuda.stream(cuda_graphs.stream):
                 self._warmup()
-            runner = cuda_runner
-        self.host_step = HostGraphStep(self.parts, self.plan, runner)
-
-    def step(self) -> bool:
-        return self.host_step.step()
+            graphs = cuda_graphs
+        return HostGraphStep(self.parts, self.plan, graphs)
 
     def _run(self) -> None:
         if self.stream is None:

@@ -75,10 +75,10 @@ from blink.engine.gpu.abi import (
 )
 from blink.engine.gpu.base import _RUNNING_LOOPS, GpuEngine
 from blink.engine.gpu.cudart import cuda_bindings_driver
-from blink.engine.gpu.host_sim import EagerGraphApi
 from blink.engine.gpu.mapped_ring import device_pointer
 from blink.engine.gpu.plan import GraphPlan
 from blink.engine.sched.scheduler import StepBatch
+from blink.engine.runners import OnScheduled
 from blink.engine.step import StepParts, model_phase
 from blink import env as blink_env
 from blink.errors import BlinkError
@@ -111,8 +111,8 @@ _HUNG_AFTER_STOP_NOW_S = 3.0
 
 class GraphApi(Protocol):
     """What :func:`build_conditional_loop` needs from a graph library. Implemented over the
-    CUDA driver (:class:`CudaGraphApi`) and on the host
-    (:class:`EagerGraphApi`)."""
+    CUDA driver (:class:`CudaGraphApi`) and, for tests, on the host
+    (:class:`blink.engine.gpu.host_sim.EagerGraphApi`)."""
 
     def create_graph(self) -> Any: ...
     def conditional_handle(self, graph: Any, default: int) -> int: ...
@@ -537,6 +537,22 @@ class CudaGraphApi:
 # ------------------------------------------------------------------------------- engine
 
 
+class DeviceLoop:
+    """Tier B's step runner (:class:`blink.engine.runners.StepRunner` ``tier-b``): the steps
+    run inside the graph the engine launches once; the host runs none."""
+
+    name = "tier-b"
+
+    def __init__(self, loop: ConditionalLoop) -> None:
+        self.loop = loop
+
+    def prepare(self) -> None:
+        pass  # built at construction, launched by the engine's monitor thread
+
+    def run(self, on_scheduled: OnScheduled | None = None) -> bool:
+        raise BlinkError("tier B has no host step: its loop runs on the device")
+
+
 class TierBEngine(GpuEngine):
     """The engine with tier B's loop: one graph launch, then the host only watches it."""
 
@@ -544,10 +560,10 @@ class TierBEngine(GpuEngine):
     loop_thread_name = "blink-gpumon"
     loop: ConditionalLoop
 
-    def _build_graphs(self) -> None:
+    def _build_graphs(self) -> DeviceLoop:
         with torch.inference_mode(False):  # host-written words: normal tensors
-            if self.simulate:
-                self.api: Any = EagerGraphApi()
+            if self.simulation is not None:
+                self.api: Any = self.simulation.graph_api()
                 views = self.scheduler.ring
                 loop_state = torch.zeros(LS_WORDS, dtype=torch.int64)
                 host_ctl = torch.zeros(HC_WORDS, dtype=torch.int64)
@@ -566,9 +582,7 @@ class TierBEngine(GpuEngine):
             base = loop_params(views, self.ring_config.n_slots, self.options, self.drain_timeout_s)
             with torch.inference_mode():
                 self.loop = build_conditional_loop(self.api, self.parts, self.plan, base, loop_state, host_ctl)
-
-    def step(self) -> bool:
-        raise BlinkError("tier B has no host step: its loop runs on the device")
+        return DeviceLoop(self.loop)
 
     def stop(self, drain: bool = True) -> None:
         if hasattr(self, "loop"):

@@ -1,0 +1,168 @@
+"""How an engine runs its step: one :class:`StepRunner` per way, chosen once per engine.
+
+Five ways run the same step (:mod:`blink.engine.step`: schedule → forward → sample →
+update):
+
+- ``eager``: the CPU loop's Python step (:func:`blink.engine.step.run_step`);
+- ``cpu-graphs``: the eager step, whose decode steps replay recorded C kernel calls
+  (:mod:`blink.decode_graphs`; recorded before READY);
+- ``compiled``: ``--compile``, the model phase from ``torch.compile``'d pieces per bucket
+  (:mod:`blink.engine.compiled`; compiled before READY);
+- ``tier-a``: ``--loop host``, CUDA graphs the host replays
+  (:class:`blink.engine.gpu.tier_a.HostGraphStep`);
+- ``tier-b``: ``--loop device``, one graph launched once, no host step at all
+  (:class:`blink.engine.gpu.tier_b.DeviceLoop`).
+
+:func:`choose_step_runner` is the one place that decides, from the engine's config, its device
+and its loop; the engine names the choice in one start-log line (``step runner: NAME
+(why)``), builds the runner, calls :meth:`StepRunner.prepare` on its loop thread before
+READY, and then only :meth:`StepRunner.run` per step.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from blink.engine.compiled import (
+    CompiledModelPhase,
+    compile_cache_dir,
+    configure_compile_cache,
+    usable_compile_cache,
+)
+from blink.engine.step import StepParts, run_step, schedule_on_host
+
+log = logging.getLogger("blink.engine")
+
+#: ``on_scheduled(batch)``: host code between a step's schedule and its forward
+OnScheduled = Callable[[Any], None]
+
+RUNNER_NAMES = ("eager", "cpu-graphs", "compiled", "tier-a", "tier-b")
+
+
+class StepRunner(Protocol):
+    """One way to run the engine's step."""
+
+    #: one of :data:`RUNNER_NAMES`
+    name: str
+
+    def prepare(self) -> None:
+        """Before READY, on the loop thread: compile, record or capture what steps replay."""
+        ...
+
+    def run(self, on_scheduled: OnScheduled | None = None) -> bool:
+        """One step; False when nothing was scheduled. ``on_scheduled(batch)`` runs between
+        the schedule and the forward (host loops only: the prefill role's KV sender)."""
+        ...
+
+
+@dataclass(frozen=True)
+class RunnerChoice:
+    """Which runner an engine uses, and why (the start log says both)."""
+
+    name: str
+    reason: str
+
+
+def choose_step_runner(*, loop: str, device: str, enforce_eager: bool, cpu_graphs: bool,
+                       has_model: bool = True) -> RunnerChoice:
+    """The one decision: ``loop`` is the engine's loop (``cpu``, ``host``, ``device``),
+    ``device`` its device type, the flags its config's; ``has_model`` False for ``--model
+    null`` (no forward to compile or record)."""
+    if loop == "host":
+        return RunnerChoice("tier-a", "--loop host: the host replays the step's CUDA graphs")
+    if loop == "device":
+        return RunnerChoice("tier-b", "--loop device: one CUDA graph launched once, no host step")
+    if device != "cpu":
+        raise ValueError(f"the CPU loop runs on a CPU device, not {device}")
+    if not has_model:
+        return RunnerChoice("eager", "--model null: no forward to compile or record")
+    if not enforce_eager:
+        return RunnerChoice("compiled", "--compile: torch.compile'd layer and head per bucket")
+    if cpu_graphs:
+        return RunnerChoice("cpu-graphs", "eager CPU loop, --cpu-graphs auto: decode steps replay "
+                                          "recorded C kernel calls")
+    return RunnerChoice("eager", "--cpu-graphs off: every step runs the Python forward")
+
+
+class EagerRunner:
+    """The CPU loop's eager step."""
+
+    name = "eager"
+
+    def __init__(self, parts: StepParts) -> None:
+        self.parts = parts
+
+    def prepare(self) -> None:
+        pass
+
+    def run(self, on_scheduled: OnScheduled | None = None) -> bool:
+        return run_step(self.parts, on_scheduled)
+
+
+class CpuGraphsRunner(EagerRunner):
+    """The eager step whose decode steps replay their CPU graphs (the executor's
+    ``decode_graphs``, which :meth:`prepare` records for every row count up to ``max_rows``)."""
+
+    name = "cpu-graphs"
+
+    def __init__(self, parts: StepParts, max_rows: int) -> None:
+        super().__init__(parts)
+        self.max_rows = max_rows
+
+    def prepare(self) -> None:
+        """Record every bucket now, on the loop thread with its kernel threads, so that no
+        step pays for a recording."""
+        graphs = getattr(self.parts.executor, "decode_graphs", None)
+        if graphs is None:
+            return
+        t0 = time.monotonic()
+        with torch.inference_mode():
+            recorded = graphs.record(self.max_rows)
+        if recorded:
+            log.info("decode steps of up to %d rows run on %d CPU graphs (recorded in %.1f s, %.0f MB; "
+                     "--cpu-graphs off: eager)", max(b for b, _ in graphs.graphs), recorded,
+                     time.monotonic() - t0, graphs.kept_bytes / 2**20)
+
+
+class CompiledRunner:
+    """``--compile``: the model phase from compiled pieces padded to their buckets
+    (:class:`~blink.engine.compiled.CompiledModelPhase`). :meth:`prepare` compiles on the loop
+    thread (inductor generates the CPU kernels for its thread count); compiler failures fall
+    back to eager inside, and a compile cache that cannot take the code (said once) leaves
+    :attr:`compiled` None: every step then runs eager."""
+
+    name = "compiled"
+
+    def __init__(self, parts: StepParts, *, cache_dir: str | None, scheduler_buckets: tuple[int, ...],
+                 max_rows: int, suppress_width: int, max_logit_bias: int) -> None:
+        self.parts = parts
+        self.cache_dir = cache_dir
+        self.options = dict(scheduler_buckets=scheduler_buckets, max_rows=max_rows,
+                            suppress_width=suppress_width, max_logit_bias=max_logit_bias)
+        #: the compiled forward/sample, once prepared (None: eager)
+        self.compiled: CompiledModelPhase | None = None
+
+    def prepare(self) -> None:
+        cache = compile_cache_dir(self.cache_dir)
+        if not usable_compile_cache(cache, log):  # a full or read-only disk: eager, said once
+            return
+        configure_compile_cache(cache)
+        compiled = CompiledModelPhase(self.parts.executor, self.parts.sampler, **self.options)
+        with torch.inference_mode():
+            compiled.warm()
+        self.compiled = compiled
+
+    def run(self, on_scheduled: OnScheduled | None = None) -> bool:
+        if self.compiled is None:
+            return run_step(self.parts, on_scheduled)
+        scheduled = schedule_on_host(self.parts, on_scheduled)
+        if scheduled is None:
+            return False
+        batch, tokens, rows = scheduled
+        self.compiled.run(self.parts, batch, tokens=tokens, rows=rows)  # pads to its buckets
+        return True
