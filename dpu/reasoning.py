@@ -13,10 +13,14 @@ The parser is incremental (:meth:`ReasoningParser.feed`): each piece of output i
 into its reasoning part and its content part, holding back only text that may still be a
 tag, so a streamed answer and a whole one agree however the text was chunked. The content
 (whitespace right after ``</think>`` dropped) is what the tool-call parser then reads.
+
+A JSON constraint (structured outputs, a forced tool choice) starts after the reasoning
+(:func:`after_thinking`): the grammar lets the model think freely up to ``</think>``, then
+holds it to the schema.
 """
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from blink.dpu.tool_parsers.base import partial_prefix_len
 
@@ -46,6 +50,11 @@ class ReasoningParser:
     def active(cls, chat_template_kwargs: dict | None) -> bool:
         """Whether this request's output holds reasoning at all."""
         return True
+
+    @property
+    def opens_at_start(self) -> bool:
+        """The output is reasoning from its first token, without writing ``<think>``."""
+        return self._open
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         """Add a piece of output; returns (new reasoning, new content)."""
@@ -116,3 +125,27 @@ def prompt_opens_thinking(prompt_tail: str) -> bool:
     """Whether a rendered prompt ends inside an open ``<think>`` block."""
     i = prompt_tail.rfind(START)
     return i >= 0 and END not in prompt_tail[i:]
+
+
+def after_thinking(so: Any, special_id: Any, opened: bool) -> Any:
+    """A structured-output constraint ``so`` (a JSON schema or ``json_object``: structured
+    outputs, a forced tool choice) that starts after the reasoning: ``<think>`` (unless
+    ``opened``: the prompt or the parser's reading opens it), free text up to ``</think>`` (a
+    lazy lexeme: it ends at the first ``</think>``), optional whitespace, then ``so``'s JSON.
+    None for kinds this cannot wrap (regex, choice, Lark grammars, structural tags).
+    ``special_id(text)``: the token id of ``text`` when it is one special token."""
+    from blink.dpu.tool_calling import _lark_json, _literal
+    from blink.shared.structured_outputs import StructuredOutputs
+
+    if so.kind not in ("json", "json_object"):
+        return None
+    schema = so.schema_dict() if so.kind == "json" else {"type": "object"}
+    if not isinstance(schema, dict):
+        return None
+    opener = "" if opened else _literal(START, special_id) + " "
+    lark = (f"start: {opener}thinking answer | {opener}thinking SPACE answer\n"
+            f"thinking[lazy]: THOUGHT {_literal(END, special_id)}\n"
+            f"THOUGHT: /(.|\\n)*/\n"
+            f"SPACE: /[ \\t\\r\\n]+/\n"
+            f"answer: {_lark_json(schema)}\n")
+    return StructuredOutputs(grammar=lark)

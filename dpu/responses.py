@@ -311,8 +311,8 @@ class ResponsesServing:
         params = self._with_text_format(req, params)
         params = s._with_tool_plan(params, plan)
         if thinking is not None:
-            params = s._with_thinking(params, plan, SimpleNamespace(
-                response_format=req.chat_response_format()))
+            params = await s._thinking_params(params, plan, SimpleNamespace(
+                response_format=req.chat_response_format()), thinking)
         response_id = req.request_id or f"resp_{uuid.uuid4().hex}"
         grammar = await s._compile_grammar(params)
         engine_id = f"{response_id}-{uuid.uuid4().hex[:8]}" if req.request_id else response_id

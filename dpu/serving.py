@@ -81,7 +81,12 @@ from blink.dpu.protocol import (
     UsageInfo,
     ignored_fields_warning,
 )
-from blink.dpu.reasoning import REASONING_PARSERS, ReasoningParser, prompt_opens_thinking
+from blink.dpu.reasoning import (
+    REASONING_PARSERS,
+    ReasoningParser,
+    after_thinking,
+    prompt_opens_thinking,
+)
 from blink.dpu.tokenizer import Tokenizer
 from blink.dpu.tool_calling import (
     ToolCallingConfig, ToolPlan, plan_tools, validate_tools, with_response_format,
@@ -648,7 +653,7 @@ class OpenAIServing:
                                        {"logprobs": "top_logprobs", "max_tokens": max_param})
         params = self._with_tool_plan(params, plan)
         if thinking is not None:
-            params = self._with_thinking(params, plan, req)
+            params = await self._thinking_params(params, plan, req, thinking)
         self._check_context(len(prompt_ids), requested)
 
         base, engine_base = self.base_request_id(request, req.request_id)
@@ -674,24 +679,53 @@ class OpenAIServing:
         if cls is None or not cls.active(chat_template_kwargs):
             return None
         tail = self.tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False)
-        opened = prompt_opens_thinking(tail)
-        return lambda: cls(prompt_opens_thinking=opened)
+        return functools.partial(cls, prompt_opens_thinking=prompt_opens_thinking(tail))
 
-    def _with_thinking(self, params: SamplingParams, plan: ToolPlan, req: Any) -> SamplingParams:
-        """A reasoning parser needs the ``<think>`` tags decoded, and a grammar would hold
-        from the first token, where the reasoning is: refused by name."""
-        if params.structured_outputs is not None:
+    async def _thinking_params(self, params: SamplingParams, plan: ToolPlan, req: Any,
+                               thinking: Callable[[], ReasoningParser]) -> SamplingParams:
+        """:meth:`_with_thinking`, after checking that the request's own constraint needs no
+        final check: a schema keyword the grammar cannot enforce is checked on the whole
+        output, which here holds the reasoning too, so such a schema is refused by name."""
+        original = params.structured_outputs
+        out = self._with_thinking(params, plan, req, thinking)
+        if original is not None and out.structured_outputs is not original:
+            checked = await self._compile_grammar(params)
+            if checked is not None and checked.needs_final_check:
+                param = "tool_choice" if plan.structured_outputs is not None else next(
+                    (f for f in _GRAMMAR_FIELDS if getattr(req, f, None) is not None),
+                    "response_format")
+                raise bad_request(
+                    f"{param}: this JSON schema has keywords the grammar cannot enforce (checked "
+                    f"on the finished output), which Blink cannot check after the reasoning of "
+                    f"--reasoning-parser yet; drop those keywords or turn thinking off for this "
+                    f"request.", param=param)
+        return out
+
+    def _with_thinking(self, params: SamplingParams, plan: ToolPlan, req: Any,
+                       thinking: Callable[[], ReasoningParser]) -> SamplingParams:
+        """A reasoning parser needs the ``<think>`` tags decoded, and a grammar (structured
+        outputs, a forced tool choice) starts at ``</think>`` (:func:`after_thinking`); one
+        that cannot be put there is refused by name."""
+        so = params.structured_outputs
+        if so is not None:
+            wrapped = after_thinking(so, self.tokenizer.special_token_id,
+                                     thinking().opens_at_start)
+            if wrapped is not None:
+                params = dataclasses.replace(params, structured_outputs=wrapped)
+                so = None
+        if so is not None:
             if plan.structured_outputs is not None:
                 param = "tool_choice"
             else:
                 param = next((f for f in _GRAMMAR_FIELDS if getattr(req, f, None) is not None),
                              "response_format")
             raise bad_request(
-                f"{param} cannot be used with --reasoning-parser: the constraint would hold from "
-                f"the first token, where the model writes its reasoning (Blink cannot start a "
-                f"grammar at </think> yet). Turn thinking off for this request "
-                f"(chat_template_kwargs: {{\"enable_thinking\": false}} where the template has "
-                f"it) or serve without --reasoning-parser.", param=param)
+                f"{param} cannot be used with --reasoning-parser here: after the reasoning "
+                f"Blink can constrain the answer to a JSON schema or json_object, not to this "
+                f"kind of constraint (a regex, a choice, a grammar, tools together with a "
+                f"response format). Turn thinking off for this request (chat_template_kwargs: "
+                f"{{\"enable_thinking\": false}} where the template has it) or serve without "
+                f"--reasoning-parser.", param=param)
         tags = [self.tokenizer.special_token_id(t) for t in ("<think>", "</think>")]
         if any(t is not None for t in tags) and params.skip_special_tokens:
             params = dataclasses.replace(params, skip_special_tokens=False)

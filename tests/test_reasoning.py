@@ -1,9 +1,9 @@
 """Reasoning models (``--reasoning-parser``, blink.dpu.reasoning): the ``<think>`` text as
 ``reasoning_content`` / ``reasoning`` in chat answers (whole and streamed: reasoning deltas,
 then content deltas, never both in one chunk), ``reasoning`` items in /v1/responses, never in
-``content``; tool calls parsed from the content only; structured outputs refused by name
-while the model thinks; ``enable_thinking: false`` and ``reasoning_effort`` reach the
-template. Through the official openai client against a scripted fake engine, with tiny chat
+``content``; tool calls parsed from the content only; structured outputs and forced tool
+choices constrained from ``</think>`` on (other constraints refused by name);
+``enable_thinking: false`` and ``reasoning_effort`` reach the template. Through the official openai client against a scripted fake engine, with tiny chat
 templates that write the thinking block as Qwen3's and DeepSeek-R1's do."""
 from __future__ import annotations
 
@@ -114,11 +114,12 @@ def test_qwen3_enable_thinking_false_is_all_content() -> None:
     assert engine.prompts[-1].endswith("<think>\n\n</think>\n\n")  # the template saw it
     message = body["choices"][0]["message"]
     assert message["content"] == "The answer is 4." and "reasoning_content" not in message
-    # and a grammar is allowed then: the model does not think
+    # and a grammar holds from the first token then: the model does not think
     r = asyncio.run(asgi_request(app, "POST", "/v1/chat/completions", json={
         "messages": ASK, "chat_template_kwargs": {"enable_thinking": False},
-        "response_format": {"type": "json_object"}}))
+        "guided_regex": "a+"}))
     assert r.status_code == 200
+    assert list(engine.grammars.values())[-1] is not None
 
 
 def test_qwen3_without_think_tags_is_content_and_deepseek_without_end_is_reasoning() -> None:
@@ -163,18 +164,83 @@ def test_tool_calls_are_parsed_after_the_reasoning_only() -> None:
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
     ({"guided_choice": ["a", "b"]}, "guided_choice"),
-    ({"tools": [WEATHER_TOOL], "tool_choice": "required"}, "tool_choice"),
+    ({"guided_grammar": 'start: "a"'}, "guided_grammar"),
 ])
-def test_grammars_with_a_reasoning_parser_are_refused_by_name(extra: dict, param: str) -> None:
+def test_grammars_that_cannot_follow_the_reasoning_are_refused_by_name(extra: dict,
+                                                                       param: str) -> None:
     app, _ = _app(QWEN3_TEMPLATE, QWEN_OUT, "qwen3")
     r = asyncio.run(asgi_request(app, "POST", "/v1/chat/completions",
                                  json={"messages": ASK, **extra}))
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and "--reasoning-parser" in error["message"]
+
+
+def _accepts(grammar: Any, tok: Tokenizer, text: str) -> bool:
+    """Whether the compiled constraint lets ``text`` through, token by token, then EOS."""
+    masker = grammar.new_masker()
+    for t in tok.encode(text, add_special_tokens=False):
+        words = masker.mask()
+        if not (int(words[t // 32]) >> (t % 32)) & 1:
+            return False
+        masker.advance([t])
+    eos = tok.eos_token_ids[0]
+    return bool((int(masker.mask()[eos // 32]) >> (eos % 32)) & 1)
+
+
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}},
+          "required": ["answer"]}
+
+
+@pytest.mark.parametrize("parser,template,think", [
+    ("qwen3", QWEN3_TEMPLATE, "<think>\nTwo plus two {maybe}.\n</think>\n\n"),
+    ("deepseek_r1", DEEPSEEK_TEMPLATE, "Two plus two.\n</think>\n\n"),
+])
+def test_structured_outputs_start_after_the_reasoning(parser: str, template: str,
+                                                      think: str) -> None:
+    answer = '{"answer": 4}'
+    app, engine = _app(template, think + answer, parser)
+    rf = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    with serve_in_thread(app) as url:
+        client = _client(url)
+        r = client.chat.completions.create(model=MODEL, messages=ASK, response_format=rf)
+    message = r.choices[0].message
+    assert message.content == answer and "Two plus two" in message.reasoning_content
+    grammar = list(engine.grammars.values())[-1]
+    tok = engine.tok
+    assert _accepts(grammar, tok, think + answer)
+    assert _accepts(grammar, tok, think.replace("\n\n", "") + answer)  # no space: fine too
+    assert not _accepts(grammar, tok, think + '{"answer": "four"}')  # the schema holds
+    assert not _accepts(grammar, tok, answer)  # the reasoning comes first
+    assert not _accepts(grammar, tok, think + "The answer is 4.")
+    if parser == "qwen3":  # Qwen3 opens the block itself
+        assert not _accepts(grammar, tok, "Two plus two.</think>" + answer)
+
+
+def test_schema_needing_a_final_check_is_refused_with_reasoning() -> None:
+    app, _ = _app(QWEN3_TEMPLATE, QWEN_OUT, "qwen3")
+    rf = {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "array", "uniqueItems": True}}}
+    r = asyncio.run(asgi_request(app, "POST", "/v1/chat/completions",
+                                 json={"messages": ASK, "response_format": rf}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+
+
+def test_forced_tool_choice_after_the_reasoning() -> None:
+    output = '<think>Weather, so call it.</think>\n[{"name": "get_weather", "parameters": ' \
+             '{"city": "Paris"}}]'
+    app, engine = _app(QWEN3_TEMPLATE, output, "qwen3")
+    body = asyncio.run(asgi_request(app, "POST", "/v1/chat/completions", json={
+        "messages": ASK, "tools": [WEATHER_TOOL], "tool_choice": "required"})).json()
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", body
+    assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert choice["message"]["reasoning_content"] == "Weather, so call it."
+    grammar = list(engine.grammars.values())[-1]
+    assert _accepts(grammar, engine.tok, output)
+    assert not _accepts(grammar, engine.tok, output.split("\n", 1)[1])
 
 
 def test_reasoning_effort_reaches_the_template() -> None:
