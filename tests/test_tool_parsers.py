@@ -277,3 +277,39 @@ def test_any_calls_any_chunking(fmt: str, calls: list, spaced: bool, prefix: str
     content, got = _stream(_FACTORIES[fmt], pieces)
     assert content == lead
     assert [(c["name"], json.loads(c["arguments"])) for c in got] == calls
+
+
+_IDENT = st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True).filter(
+    lambda s: not __import__("keyword").iskeyword(s))
+_PY_CALLS = st.lists(st.tuples(_IDENT, st.dictionaries(_IDENT, _JSON, max_size=3)),
+                     min_size=1, max_size=3)
+# a parameter's text: anything but the tags that end it
+_PARAM_TEXT = _TRICKY.filter(lambda s: "</parameter" not in s and "<parameter=" not in s
+                             and "</function" not in s and not s.strip().lower() == "null")
+
+
+@settings(max_examples=100, deadline=None)
+@given(calls=_PY_CALLS, cuts=st.lists(st.integers(0, 10_000), max_size=12))
+def test_pythonic_any_calls_any_chunking(calls: list, cuts: list[int]) -> None:
+    text = "[" + ", ".join(f"{n}(" + ", ".join(f"{k}={v!r}" for k, v in a.items()) + ")"
+                           for n, a in calls) + "]"
+    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    content, got = _stream(PythonicToolParser, [text[a:b] for a, b in zip(bounds, bounds[1:])])
+    assert content == ""
+    assert [(c["name"], json.loads(c["arguments"])) for c in got] == calls
+
+
+@settings(max_examples=100, deadline=None)
+@given(calls=st.lists(st.tuples(_IDENT, st.dictionaries(_IDENT, _PARAM_TEXT, max_size=3)),
+                      min_size=1, max_size=3),
+       lead=_TRICKY, cuts=st.lists(st.integers(0, 10_000), max_size=12))
+def test_qwen3_coder_any_calls_any_chunking(calls: list, lead: str, cuts: list[int]) -> None:
+    lead = lead.replace("<", "")
+    text = lead + "".join(
+        f"<tool_call>\n<function={n}>\n" + "".join(f"<parameter={k}>\n{v}\n</parameter>\n"
+                                                   for k, v in a.items())
+        + "</function>\n</tool_call>\n" for n, a in calls)
+    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    content, got = _stream(Qwen3CoderToolParser, [text[a:b] for a, b in zip(bounds, bounds[1:])])
+    assert content == lead
+    assert [(c["name"], json.loads(c["arguments"])) for c in got] == calls
