@@ -29,11 +29,13 @@ ENOSPC_TEXT = os.strerror(28)  # "No space left on device"
 
 def _full_disk_compiler(tmp_path: Path, full: bool = True) -> tuple[Path, Path, Path]:
     """The system compiler until the disk is "full" (the returned flag file exists), then one
-    that fails like ld on a full disk, counting those calls in a file."""
+    that fails like ld on a full disk, counting those calls in a file (``--version``, which
+    writes nothing, always answers)."""
     calls, flag = tmp_path / "cc-calls", tmp_path / "disk-full"
     cc = tmp_path / "full-disk-cc"
     real = shutil.which("cc") or shutil.which("gcc")
-    cc.write_text(f"#!/bin/sh\nif [ -e {flag} ]; then\n  echo x >> {calls}\n"
+    cc.write_text(f"#!/bin/sh\nif [ \"$1\" = --version ]; then exec {real} --version; fi\n"  # (no disk needed)
+                  f"if [ -e {flag} ]; then\n  echo x >> {calls}\n"
                   f"  echo '/usr/bin/ld: final link failed: {ENOSPC_TEXT}' >&2\n  exit 1\n"
                   f"fi\nexec {real} \"$@\"\n")
     cc.chmod(0o755)

@@ -70,3 +70,54 @@ def test_native_library_decides_once_warns_once_and_honours_its_switch(sources, 
     monkeypatch.delenv("CC")
     monkeypatch.setenv("XDG_CACHE_HOME", str(source.parent / "cache"))
     assert missing.get() is None  # a missing symbol counts as a failed build
+
+
+def _fake_cc(folder, version: str):
+    """A compiler at a fixed path that reports ``version`` and hands everything else to cc."""
+    import os
+    import shutil
+    import stat
+
+    real = shutil.which("cc") or shutil.which("gcc")
+    script = folder / "fake-cc"
+    script.write_text(f'#!/bin/sh\nif [ "$1" = "--version" ]; then echo "{version}"; exit 0; fi\n'
+                      f'exec {real} "$@"\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    native_build.compiler_version.cache_clear()
+    os.environ["CC"] = str(script)
+    return script
+
+
+def test_the_compiler_version_is_in_the_cache_key(sources, monkeypatch):
+    """An upgraded compiler at the same path builds anew instead of loading the old build."""
+    source, header = sources
+    monkeypatch.setenv("CC", "")
+    _fake_cc(source.parent, "cc (Fake) 12.2.0")
+    try:
+        assert native_build.compiler_version(native_build.find_compiler()) == "cc (Fake) 12.2.0"
+        assert build_library(source, headers=(header,)).blink_answer() == 42
+        _fake_cc(source.parent, "cc (Fake) 13.1.0")
+        assert build_library(source, headers=(header,)).blink_answer() == 42
+        assert len(list(native_build.cache_dir().glob("answer-*.so"))) == 2
+    finally:
+        native_build.compiler_version.cache_clear()
+
+
+def test_a_library_that_needs_a_newer_compiler_says_so(sources, monkeypatch, caplog):
+    """A source whose compiler is too old: the warning names the requirement and the compiler
+    found (as the paged attention does for GCC < 12), then the fallback."""
+    source, header = sources
+    source.write_text('#error "needs GCC >= 99"\n')
+    monkeypatch.setenv("CC", "")
+    _fake_cc(source.parent, "cc (Fake) 11.4.0")
+    log = logging.getLogger("blink.test")
+    library = NativeLibrary(source, what="the answer", fallback="none instead", logger=log,
+                            headers=(header,), requires="GCC >= 99 or clang")
+    try:
+        with caplog.at_level("WARNING", logger="blink.test"):
+            assert library.get() is None
+    finally:
+        native_build.compiler_version.cache_clear()
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "it needs GCC >= 99 or clang, the C compiler here: cc (Fake) 11.4.0" in warning
+    assert warning.endswith("; none instead")

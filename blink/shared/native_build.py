@@ -1,12 +1,19 @@
 """Small C sources built into shared libraries at first use, cached once per machine.
 
-Blink ships a few C loops as source (the loopback transport's copy list, the CPU paged
-attention, the fused CPU elementwise ops) rather than prebuilt binaries: the wheel stays pure
-Python and each host builds for its own CPU. :func:`build_library` compiles a source with the system C compiler
-(``$CC``, else ``cc``, else ``gcc``) into ``$XDG_CACHE_HOME/blink`` (else ``~/.cache/blink``),
-named by a hash of the source, the compiler, the flags and, for ``-march=native`` builds, the
-CPU's feature flags (a home directory shared by different CPUs never loads a library built
-for another). The file is renamed into place atomically, so concurrent builders are safe.
+Blink ships its C loops as source rather than prebuilt binaries: the loopback transport's
+copy loop (``blink/transport/host_copy.c``) and the CPU kernels of ``kernels/cpu/`` (the
+worker pool, the paged attention, the fused elementwise ops, the 4-bit projections on AMX and
+on AVX-512/AVX2; each declared by a :class:`NativeLibrary` beside its source). The wheel stays
+pure Python and each host builds for its own CPU. :func:`build_library` compiles a source with
+the system C compiler (``$CC``, else ``cc``, else ``gcc``) into ``$XDG_CACHE_HOME/blink``
+(else ``~/.cache/blink``), named by a hash of the source, its headers, the compiler (its path
+and its version, :func:`compiler_version`: an upgraded compiler rebuilds), the flags and, for
+``-march=native`` builds, the CPU's feature flags (a home directory shared by different CPUs
+never loads a library built for another). A source may need more than C11 from its compiler
+(``requires``: the paged attention needs GCC >= 12 or clang, for ``__builtin_shufflevector``);
+where the compiler is older the build fails and the fallback's warning names the requirement
+and the compiler found. The file is renamed into place atomically, so concurrent builders
+are safe.
 Callers keep a torch or Python fallback for hosts without a compiler; :class:`NativeLibrary`
 is the build-once, load-once, warn-once wrapper they share, and :func:`prepare_libraries` builds
 (or loads) every declared library at once, which the CPU engine does before it reports ready.
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import hashlib
 import logging
 import os
@@ -104,6 +112,25 @@ def _cpu_flags() -> bytes:
     return platform.processor().encode()
 
 
+def find_compiler() -> str | None:
+    """The C compiler builds use: ``$CC``, else ``cc``, else ``gcc`` (None: none found)."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+@functools.lru_cache(maxsize=None)
+def compiler_version(compiler: str) -> str:
+    """The first line of ``compiler --version`` (e.g. ``cc (Debian 12.2.0-14) 12.2.0``, ``clang
+    version 17.0.6``), "" where it does not answer. Part of every build's cache key (an
+    upgraded compiler at the same path rebuilds) and of the fallback warning of a source that
+    needs a newer one. Asked once per compiler per process."""
+    try:
+        done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    lines = done.stdout.strip().splitlines() if done.returncode == 0 else []
+    return lines[0].strip() if lines else ""
+
+
 def build_library(source: Path, flags: Sequence[str] = ("-O2",),
                   fallback_flags: Sequence[str] | None = None,
                   headers: Sequence[Path] = ()) -> ctypes.CDLL:
@@ -112,7 +139,7 @@ def build_library(source: Path, flags: Sequence[str] = ("-O2",),
     are tried instead (e.g. without ``-march=native``, which some compilers reject).
     ``headers``: files the source includes, hashed into the name so that editing one
     rebuilds. Raises :class:`NativeBuildError`."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = find_compiler()
     if compiler is None:
         raise NativeBuildError("no C compiler ($CC, cc, gcc)")
     errors = []
@@ -130,8 +157,8 @@ def build_library(source: Path, flags: Sequence[str] = ("-O2",),
 
 def _built(source: Path, compiler: str, flags: list[str], headers: Sequence[Path]) -> Path:
     text = source.read_bytes()
-    key_parts = [text, *(h.read_bytes() for h in headers), compiler.encode(), " ".join(flags).encode(),
-                 platform.machine().encode()]
+    key_parts = [text, *(h.read_bytes() for h in headers), compiler.encode(),
+                 compiler_version(compiler).encode(), " ".join(flags).encode(), platform.machine().encode()]
     if any(flag.startswith(("-march=native", "-mcpu=native")) for flag in flags):
         key_parts.append(_cpu_flags())
     key = hashlib.sha256(b"\0".join(key_parts)).hexdigest()[:16]
@@ -208,18 +235,24 @@ class NativeLibrary:
     may be recorded and replayed later with the same arguments (they touch only memory their
     pointer arguments name, and every scalar argument they take is a shape or a constant,
     never a value read from the data); ``queries`` only report facts about the build or the
-    CPU, and are called through."""
+    CPU, and are called through.
+
+    ``requires``: what the source needs of its compiler beyond C11 (e.g. "GCC >= 12 or
+    clang"), said with the compiler found when the library is not available."""
 
     def __init__(self, source: Path, *, what: str, fallback: str, logger: logging.Logger,
                  flags: Sequence[str] = ("-O2",), fallback_flags: Sequence[str] | None = None,
                  headers: Sequence[Path] = (), env: str | None = None,
                  env_value: str | tuple[str, ...] = "torch",
                  setup: Callable[[ctypes.CDLL], None] | None = None,
-                 kernels: Sequence[str] = (), queries: Sequence[str] = ()) -> None:
+                 kernels: Sequence[str] = (), queries: Sequence[str] = (),
+                 requires: str | None = None) -> None:
         self.source, self.what, self.fallback, self.log = source, what, fallback, logger
         self.flags, self.fallback_flags, self.headers = tuple(flags), fallback_flags, tuple(headers)
         self.env, self.env_value, self.setup = env, env_value, setup
         self.kernels, self.queries = frozenset(kernels), frozenset(queries)
+        self.requires = requires
+        self.build_failed = False  # whether the failure was the build itself (not setup)
         self._lock = threading.Lock()
         self._state: list[ctypes.CDLL | None] = []  # [library or None] once decided
         #: why the library is not available (None: it is, or not decided yet)
@@ -258,7 +291,7 @@ class NativeLibrary:
         """Forget the decision: the next :meth:`get` builds or loads again (tests)."""
         with self._lock:
             self._state.clear()
-            self.failure = None
+            self.failure, self.build_failed = None, False
 
     def switch(self) -> str:
         """``$env`` as the library reads it (stripped, lower case; "" when unset or none)."""
@@ -267,6 +300,7 @@ class NativeLibrary:
     def _load(self, quiet: bool = False) -> ctypes.CDLL | None:
         if self.switched_off():
             return None
+        library = None
         try:
             library = build_library(self.source, self.flags, self.fallback_flags, self.headers)
             if self.setup is not None:
@@ -282,9 +316,20 @@ class NativeLibrary:
             return None
         except (NativeBuildError, AttributeError) as exc:
             self.failure = str(exc)
+            self.build_failed = library is None  # the compile (or the compiler) failed, not setup
             if not quiet:
-                self.log.warning("%s (%s) is not available (%s); %s", self.what, self.source.name, exc, self.fallback)
+                self.log.warning("%s", self.unavailable())
             return None
+
+    def unavailable(self) -> str:
+        """The warning line for a library that is not available: what, why, what it needs of
+        the compiler (with the one found) where it says, and what runs instead."""
+        needs = ""
+        if self.requires and self.build_failed:
+            compiler = find_compiler()
+            found = (compiler_version(compiler) or compiler) if compiler else "none found"
+            needs = f"; it needs {self.requires}, the C compiler here: {found}"
+        return f"{self.what} ({self.source.name}) is not available ({self.failure}{needs}); {self.fallback}"
 
 
 #: every NativeLibrary made in this process, in creation order (prepare_libraries' list)
@@ -322,6 +367,5 @@ def prepare_libraries(libraries: Sequence[NativeLibrary] | None = None,
                         fallbacks, took)
     else:
         for lib in failed:
-            log.warning("%s (%s) is not available (%s); %s", lib.what, lib.source.name,
-                        lib.failure, lib.fallback)
+            log.warning("%s", lib.unavailable())
     return {lib.source.name: lib.failure for lib in todo}

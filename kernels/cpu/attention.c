@@ -11,7 +11,8 @@
  * Semantics are the reference's (kernels/reference/layers.py paged_attention): token t of row r
  * (t inside r's span of query_start_loc) attends to positions j <= min(positions[t],
  * seq_lens[r] - 1); every other token (bucket padding, unused rows) gets zeros. Accumulation
- * is fp32 whatever the dtypes. Built at first use by kernels/cpu/attention.py.
+ * is fp32 whatever the dtypes. Built at first use by kernels/cpu/attention.py, with GCC >= 12
+ * or clang (reduce16's __builtin_shufflevector; an older GCC stops at an #error there).
  *
  * Prompt rows (at least TILE_MIN_TOKENS new tokens, bf16 queries and cache, a CPU with AMX):
  * the per-token pass reads the whole context once per token and does its products one key at
@@ -107,7 +108,13 @@ static inline void store16(void *base, int64_t index, vf f, int bf16) {
 
 /* r[j] = sum of v[j]'s lanes, j < 16: four levels of pairwise shuffles and adds (15 adds
  * for 16 keys instead of a horizontal sum per key). Each level halves every vector's
- * partial sums and packs two vectors into one, keeping the keys in order. */
+ * partial sums and packs two vectors into one, keeping the keys in order.
+ * __builtin_shufflevector: GCC >= 12 or clang. An older GCC stops here with the message
+ * below; the Python side then warns (naming the requirement and the compiler found) and
+ * runs the torch path. */
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 12
+#error "kernels/cpu/attention.c needs GCC >= 12 or clang (__builtin_shufflevector)"
+#endif
 static inline vf reduce16(vf v[W]) {
 #define LO1 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
 #define HI1 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31

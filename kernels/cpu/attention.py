@@ -79,7 +79,8 @@ LIBRARY = NativeLibrary(
     fallback="the torch path (SDPA over gathered blocks) serves every step",
     flags=("-O3", "-march=native", *_MATH_FLAGS), fallback_flags=("-O3", *_MATH_FLAGS),
     headers=(_SOURCE.with_name("kernels.h"),), env=IMPL_ENV, setup=_declare,
-    kernels=("blink_paged_attention",), queries=("blink_has_avx512", "blink_paged_attention_tile_min_tokens"))
+    kernels=("blink_paged_attention",), queries=("blink_has_avx512", "blink_paged_attention_tile_min_tokens"),
+    requires="GCC >= 12 or clang (__builtin_shufflevector)")
 
 
 def native_kernel() -> "ctypes._CFuncPtr | None":
