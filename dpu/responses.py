@@ -328,7 +328,7 @@ class ResponsesServing:
         try:
             async for d in fanout.events():
                 answer.add(d.text, s._chat_logprobs(d) if want_logprobs and d.token_ids else [],
-                           d.finish_reason)
+                           d.finish_reason, n_tokens=len(d.token_ids))
         except EngineError as e:
             raise engine_error_to_api(e) from None
         if fanout.disconnected:
@@ -366,7 +366,8 @@ class ResponsesServing:
         try:
             async for d in fanout.events():
                 lps = s._chat_logprobs(d) if answer.want_logprobs and d.token_ids else []
-                for kind, fields in answer.add(d.text, lps, d.finish_reason):
+                for kind, fields in answer.add(d.text, lps, d.finish_reason,
+                                               n_tokens=len(d.token_ids)):
                     yield event(kind, **fields)
             if fanout.disconnected:
                 return
@@ -453,6 +454,7 @@ class _Answer:
         self.message: _MessageItem | None = None  # the open message item
         self.reasoning = reasoning  # splits the thinking off (--reasoning-parser)
         self.thought: _ReasoningItem | None = None  # the open reasoning item
+        self.reasoning_tokens = 0
         self.made_calls = False
         self.finish_reason: str | None = None
         self.status = "in_progress"
@@ -544,12 +546,16 @@ class _Answer:
                    ("response.output_item.done", {"output_index": index, "item": item})]
         return events
 
-    def add(self, text: str, logprobs: list[Any], finish_reason: str | None) -> list[Event]:
+    def add(self, text: str, logprobs: list[Any], finish_reason: str | None,
+            n_tokens: int = 0) -> list[Event]:
         self.finish_reason = finish_reason or self.finish_reason
         lps = [lp.model_dump(mode="json") for lp in logprobs]
         events: list[Event] = []
         if self.reasoning is not None:
+            before = self.reasoning.ended
             thought, text = self.reasoning.feed(text, final=finish_reason is not None)
+            if thought or (self.reasoning.ended and not before and self.reasoning.reasoning):
+                self.reasoning_tokens += n_tokens  # the reasoning's tokens (and </think>'s)
             events += self._thinking(thought)
             if self.reasoning.ended or finish_reason is not None:
                 events += self._close_thinking()
@@ -577,7 +583,7 @@ class _Answer:
             "input_tokens": self.n_prompt,
             "input_tokens_details": {"cached_tokens": cached_tokens},
             "output_tokens": completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
             "total_tokens": self.n_prompt + completion_tokens,
         }
         return events

@@ -265,6 +265,8 @@ def test_responses_reasoning_items_whole_and_streamed() -> None:
         assert kinds == ["reasoning", "message"]
         assert r.output[0].content[0].text == "\nTwo plus two.\n"
         assert r.output_text == "The answer is 4."
+        details = r.usage.output_tokens_details
+        assert 0 < details.reasoning_tokens < r.usage.output_tokens
         events = list(client.responses.create(model=MODEL, input="What is 2+2?", stream=True))
     types = [e.type for e in events]
     first_text = types.index("response.output_text.delta")
