@@ -7,7 +7,12 @@ KV-cache write and gated activation are one C call each for bf16
 (:mod:`blink.kernels.cpu.fused`, the reference for anything else), so is the sampler's
 log-normaliser (``logsumexp_rows``, fp32), and the paged attention is
 :mod:`blink.kernels.cpu.attention`; on CUDA the Triton kernels replace the entries they
-implement. Model and sampler code never branch on which kernel they got.
+implement. Model and sampler code never branch on which kernel of this table they got.
+
+The projections (matmuls) are not in the table: their back-end depends on how each weight was
+loaded (packed for oneDNN, a copy on the checkpoint's 4-bit codes for a C kernel, plain), so
+the model chooses it once, at load (:meth:`blink.models.decoder.DecoderForCausalLM.matmul_backend`
+names the choice in one start-log line).
 
 ``compiled_cpu_ops()`` is the CPU table a compiled step uses: the references, which inductor
 traces and fuses, with attention as opaque custom ops.

@@ -85,6 +85,17 @@ def test_executor_with_packed_weights_gives_the_plain_logits(arch, tiny_root):
     assert (packed.result.argmax(-1) == plain.result.argmax(-1)).float().mean() >= 0.9
 
 
+def test_the_matmul_backend_chosen_at_load_is_named_in_one_line(tiny_root, caplog):
+    """The projections' back-end (not in ops_for's table: it depends on how each weight was
+    loaded) is said once at load, and matches what the load did."""
+    files = model_files(make_tiny_model("llama", tiny_root))
+    plain = ModelExecutor(files, dtype=torch.float32, block_size=4, num_blocks=32)
+    assert plain.model.matmul_backend() == "torch's linear on plain float32 weights"
+    bf16 = ModelExecutor(files, dtype=torch.bfloat16, block_size=4, num_blocks=32)
+    assert bf16.model.matmul_backend() == ("oneDNN on bfloat16 weights packed at load" if bf16.packed_weights
+                                           else "torch's linear on plain bfloat16 weights")
+
+
 @needs_packing
 def test_bf16_decode_row_gives_the_same_bits_alone_and_in_a_batch():
     """On the real SmolLM2 (plain weights fail this: a one-row step took another GEMV), a

@@ -296,17 +296,10 @@ class Engine:
             files, dtype=dtype, device=self.device, block_size=config.block_size,
             num_blocks=num_blocks, max_model_len=max_len, **packing,
         )
-        given, total = getattr(self.executor, "int4_projections", (0, 0))
-        if given:
-            kernels = ", ".join(
-                f"{count} on the {kernel} kernel for " + ("every step, without a bf16 copy" if rows is None
-                                                          else f"steps of at most {rows} tokens")
-                for (kernel, rows), count in getattr(self.executor, "int4_kernels", {}).items())
-            log.info("%d of %d projections run on the checkpoint's 4-bit codes "
-                     "(%s; --int4-decode off: always bf16)", given, total, kernels)
-        if getattr(self.executor, "q8_head", False):
-            log.info("the logits run on the head's own 8-bit (Q8_0) codes, on the AMX kernel, "
-                     "without a bf16 copy of the head (--int4-decode off: bf16)")
+        matmul_backend = getattr(getattr(self.executor, "model", None), "matmul_backend", None)
+        if matmul_backend is not None:  # chosen at load (blink.models.decoder); one line
+            coded = getattr(self.executor, "int4_projections", (0, 0))[0] or getattr(self.executor, "q8_head", False)
+            log.info("matmuls: %s%s", matmul_backend(), "; --int4-decode off: bf16 weights only" if coded else "")
         self.model_config = model_config
         self.max_model_len = self.executor.max_model_len
         self.source = str(files.source)

@@ -8,8 +8,11 @@ rotary dim, rope scaling, MoE layers, tied embeddings); the checkpoint layout di
 
 The forward pass works on a flattened batch: all sequences' new tokens side by side,
 described by an :class:`~blink.kernels.attention_metadata.AttentionMetadata`. Every op except the
-matmuls goes through ``blink.kernels.ops_for(device)``, so GPU kernels replace the torch
-references without this file changing. Nothing here loops over requests or reads a tensor
+projections goes through ``blink.kernels.ops_for(device)``, so GPU kernels replace the torch
+references without this file changing. The projections' back-end depends on how each weight
+was loaded, so it is chosen once, at load (:meth:`DecoderForCausalLM.use_packed_weights`,
+:meth:`~DecoderForCausalLM.use_int4_weights`, :meth:`~DecoderForCausalLM.use_q8_head`), and
+named in one start-log line (:meth:`DecoderForCausalLM.matmul_backend`). Nothing here loops over requests or reads a tensor
 value on the host.
 """
 from __future__ import annotations
@@ -403,6 +406,31 @@ class DecoderForCausalLM(nn.Module):
         for weight in weights:
             kernels[(weight.kernel, weight.max_rows)] = kernels.get((weight.kernel, weight.max_rows), 0) + 1
         return kernels
+
+    def matmul_backend(self) -> str:
+        """The projections' back-end as the load chose it, in one line (the engine's start log):
+        the weights' kernel (oneDNN on weights packed at load, else torch's linear), which
+        4-bit kernel takes how many projections on the checkpoint's codes and for which steps,
+        and the Q8_0 head. Every call of :class:`Linear` and :meth:`compute_logits` follows
+        this choice (only a 4-bit copy for small steps looks at the step's row count)."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        dtype = str(self.model.embed_tokens.weight.dtype).removeprefix("torch.")
+        if any(m.packed for m in linears):
+            parts = [f"oneDNN on {dtype} weights packed at load"]
+        else:
+            parts = [f"torch's linear on plain {dtype} weights"]
+        kernels = self.int4_kernels()
+        if kernels:
+            given = sum(kernels.values())
+            per_kernel = ", ".join(
+                f"{count} on the {kernel} kernel for "
+                + ("every step, without a bf16 copy" if rows is None else f"steps of at most {rows} tokens")
+                for (kernel, rows), count in kernels.items())
+            parts.append(f"{given} projections on the checkpoint's 4-bit codes ({per_kernel})")
+        if self.q8_head is not None:
+            parts.append(f"the logits of steps of at most {Q8_HEAD_MAX_ROWS} rows on the head's own "
+                         "8-bit (Q8_0) codes, on the AMX kernel")
+        return "; ".join(parts)
 
     def use_input_major_weights(self) -> None:
         """Store every projection weight (and a tied embedding) input-major in memory,
