@@ -18,6 +18,7 @@ import functools
 import itertools
 import json
 import logging
+import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -113,6 +114,8 @@ _INT64_SPAN = 2**64
 _UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-request-chat-template "
                        "is not set. Refused request with untrusted chat template.")
 _T = TypeVar("_T")
+#: a client's X-Request-Id names the answer when it is this tame (blink.dpu.app echoes it then)
+_TAME_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 #: the request fields that put a grammar on the output (named in the refusal with reasoning)
 _GRAMMAR_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
                    "guided_choice", "guided_grammar")
@@ -367,7 +370,10 @@ class OpenAIServing:
         as vLLM picks it: the client's ``X-Request-Id`` header, else the request's
         ``request_id`` field, else a new one; the engine's ids get a random part when the
         client chose, so two requests naming the same id never collide in the engine."""
-        given = request.headers.get("x-request-id") or field
+        header = request.headers.get("x-request-id")
+        if header is not None and not _TAME_ID.fullmatch(header):
+            header = None  # the answer's x-request-id is a new one then (blink.dpu.app)
+        given = header or field
         if not given:
             fresh = uuid.uuid4().hex
             return fresh, fresh

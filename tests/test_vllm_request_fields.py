@@ -331,3 +331,8 @@ def test_request_id_header_names_the_answer_as_in_vllm() -> None:
     for r in asyncio.run(twice()):
         assert r.status_code == 200 and r.json()["id"] == "chatcmpl-abc"
         assert r.headers["x-request-id"] == "abc"
+    # an id the server does not echo (not a plain token) does not name the answer either
+    r = asyncio.run(asgi_request(app, "POST", "/v1/completions",
+                                 headers={"x-request-id": "a b"},
+                                 json={"prompt": "x", "max_tokens": 1, "request_id": "mine"}))
+    assert r.json()["id"] == "cmpl-mine" and r.headers["x-request-id"] != "a b"
