@@ -336,3 +336,29 @@ def test_request_id_header_names_the_answer_as_in_vllm() -> None:
                                  headers={"x-request-id": "a b"},
                                  json={"prompt": "x", "max_tokens": 1, "request_id": "mine"}))
     assert r.json()["id"] == "cmpl-mine" and r.headers["x-request-id"] != "a b"
+
+
+def test_chat_echo_and_token_id_logprobs_when_streamed() -> None:
+    seen = _send("/v1/chat/completions", {
+        "messages": ASSISTANT_LAST, "add_generation_prompt": False,
+        "continue_final_message": True, "echo": True, "stream": True, "max_tokens": 3,
+        "logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True})
+    chunks = [json.loads(line[6:]) for line in seen.text.splitlines()
+              if line.startswith("data: {")]
+    deltas = [c["choices"][0] for c in chunks if c["choices"]]
+    texts = [d["delta"].get("content") for d in deltas if d["delta"].get("content")]
+    assert texts[0] == "Hi"  # the echoed message comes first, on its own
+    tokens = [t for d in deltas if d.get("logprobs") for t in d["logprobs"]["content"]]
+    assert tokens and all(t["token"].startswith("token_id:") for t in tokens)
+    assert all(a["token"].startswith("token_id:") for t in tokens for a in t["top_logprobs"])
+
+
+def test_include_reasoning_false_streams_no_reasoning() -> None:
+    tok = tiny_tokenizer()
+    engine = make_engine(tok, answer="<think>Hmm.</think>Hello")
+    app = create_app(engine, tok, model_name=MODEL, reasoning_parser="qwen3")
+    r = asyncio.run(asgi_request(app, "POST", "/v1/chat/completions", json={
+        "messages": MESSAGES, "stream": True, "include_reasoning": False}))
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert "reasoning" not in r.text
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "Hello"
