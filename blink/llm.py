@@ -199,6 +199,9 @@ class LLM:
         # seed, the stop ids with EOS) is checked against the ring's limits by the packing.
         one = copy.copy(params)
         one.n, one.seed, one.stop_token_ids = 1, seed, stop_ids
+        if one.bad_words and one.bad_words_token_ids is None:  # vLLM's update_from_tokenizer
+            one.update_from_tokenizer(
+                lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         fields = ring_fields(one, len(ids), self.max_model_len, self._ring.config)
         grammar = None
         if params.structured_outputs is not None:  # compiled once per constraint (cached)

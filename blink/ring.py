@@ -74,12 +74,13 @@ from typing import Any, Iterator
 import numpy as np
 
 from blink.errors import BlinkError
-from blink.shared.sampling_fields import SAMPLING_FIELDS, numpy_fields
+from blink.shared.sampling_fields import BAD_WORD_TOKENS, SAMPLING_FIELDS, numpy_fields
 
 MAGIC = int.from_bytes(b"BLINKRNG", "little")
-LAYOUT_VERSION = 6  # 2: the request record (one contiguous payload per slot); 3: grammar region
+LAYOUT_VERSION = 7  # 2: the request record (one contiguous payload per slot); 3: grammar region
 # (issue 15) or admitted_step (main); 4: both; 5: disaggregated prefill/decode (kv_* fields);
-# 6: per-slot token masks with an epoch word replace the grammar region (issue 30)
+# 6: per-slot token masks with an epoch word replace the grammar region (issue 30);
+# 7: allowed_token_ids, bad_words_ids and cache_salt in the request record (issue 33)
 ALIGN = 64
 
 # Control block word indices (all int64).
@@ -111,7 +112,9 @@ ALIGN = 64
     C_MAX_KV_BLOCKS,  # width of the kv block-id fields (0: no disaggregation)
     C_STAT_KV_BYTES_SENT,  # prefill role: KV bytes written into decode engines
     C_STAT_KV_TRANSFERS,  # prefill role: requests whose KV was sent
-) = range(27)
+    C_MAX_ALLOWED_TOKEN_IDS,  # width of the allowed_token_ids field
+    C_MAX_BAD_WORDS_TOKENS,  # width of the bad_words_ids field
+) = range(29)
 CONTROL_WORDS = 32
 #: Reserved for the engine: a write sink for its fixed-shape scatters into the slot state
 #: words (lanes with nothing to publish write here). The frontend never reads or writes it.
@@ -157,6 +160,10 @@ class RingConfig:
     max_logprobs: int = 20
     max_stop_ids: int = 16
     max_logit_bias: int = 32
+    #: width of allowed_token_ids (the most ids a request may allow)
+    max_allowed_token_ids: int = 128
+    #: width of bad_words_ids: rows of BAD_WORD_TOKENS entries, one banned sequence each
+    max_bad_words_tokens: int = 256
     max_model_len: int = 8192
     #: int32 words of one slot's token mask (:func:`mask_words_for` the model's logits
     #: width); 0 = no mask area (requests with a constraint are then refused)
@@ -170,6 +177,11 @@ class RingConfig:
             low = 0 if name.startswith("max_") or name == "mask_words" else 1
             if not isinstance(value, int) or value < low:
                 raise RingLayoutError(f"ring config: {name} must be a positive integer, got {value!r}")
+        if self.max_bad_words_tokens % BAD_WORD_TOKENS:
+            raise RingLayoutError(
+                f"ring config: max_bad_words_tokens must be a multiple of {BAD_WORD_TOKENS}, "
+                f"got {self.max_bad_words_tokens}"
+            )
         if self.arena_tokens < self.max_model_len:
             raise RingLayoutError(
                 f"ring config: arena_tokens ({self.arena_tokens}) must hold at least one prompt of "
@@ -383,6 +395,8 @@ class Ring:
         c[C_MAX_LOGPROBS] = cfg.max_logprobs
         c[C_MAX_STOP_IDS] = cfg.max_stop_ids
         c[C_MAX_LOGIT_BIAS] = cfg.max_logit_bias
+        c[C_MAX_ALLOWED_TOKEN_IDS] = cfg.max_allowed_token_ids
+        c[C_MAX_BAD_WORDS_TOKENS] = cfg.max_bad_words_tokens
         c[C_MAX_MODEL_LEN] = cfg.max_model_len
         c[C_MASK_WORDS] = cfg.mask_words
         c[C_MAX_KV_BLOCKS] = cfg.max_kv_blocks
@@ -422,6 +436,8 @@ def config_of_control(control: Any) -> RingConfig:
         max_logprobs=int(control[C_MAX_LOGPROBS]),
         max_stop_ids=int(control[C_MAX_STOP_IDS]),
         max_logit_bias=int(control[C_MAX_LOGIT_BIAS]),
+        max_allowed_token_ids=int(control[C_MAX_ALLOWED_TOKEN_IDS]),
+        max_bad_words_tokens=int(control[C_MAX_BAD_WORDS_TOKENS]),
         max_model_len=int(control[C_MAX_MODEL_LEN]),
         mask_words=int(control[C_MASK_WORDS]),
         max_kv_blocks=int(control[C_MAX_KV_BLOCKS]),

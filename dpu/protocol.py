@@ -50,7 +50,8 @@ IGNORED_FIELDS = "ignored_fields"
 #: ``blink.dpu.serving`` passes them on): ``prompt_logprobs``, ``allowed_token_ids``,
 #: ``bad_words``, ``cache_salt``. Until a name is listed here a request that sets it is refused
 #: with a 400 naming it (never accepted and ignored); whoever wires one adds its name.
-ENGINE_FIELDS: frozenset[str] = frozenset()
+#: ``prompt_logprobs`` is not wired yet (the engine keeps only the last position's logits).
+ENGINE_FIELDS: frozenset[str] = frozenset({"allowed_token_ids", "bad_words", "cache_salt"})
 
 
 def ignored_fields_warning(names: list[str]) -> str:
@@ -177,8 +178,8 @@ class _SamplingFields(_Request):
     max_repetition_pattern_size: int = 0
     min_repetition_pattern_size: int = 0
     repetition_min_count: int = 0
-    # engine-side fields (prompt_logprobs, allowed_token_ids, cache_salt): refused here until
-    # the engine implements them (see unsupported())
+    # engine-side fields: honoured once listed in ENGINE_FIELDS (allowed_token_ids: a sampler
+    # mask; cache_salt: prefix-cache isolation), refused by name until then (see unsupported())
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     cache_salt: str | None = None
@@ -271,7 +272,7 @@ class ChatCompletionRequest(_SamplingFields):
     prediction: dict[str, Any] | None = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None  # to the chat template
     include_reasoning: bool = True  # with --reasoning-parser: false leaves the reasoning out
-    bad_words: list[str] | None = None  # engine-side (refused until the engine has it)
+    bad_words: list[str] | None = None  # engine-side: a sampler mask (vLLM: chat requests)
 
     def unsupported(self) -> tuple[str, str] | None:
         base = super().unsupported()

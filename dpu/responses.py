@@ -109,7 +109,7 @@ class ResponsesRequest(_Request):
     request_id: str | None = None  # the response's id (vLLM)
     mm_processor_kwargs: dict[str, Any] | None = None  # refused: text-only models
     priority: int = 0  # refused unless 0: no priority scheduling
-    cache_salt: str | None = None  # refused until the engine has it (protocol.ENGINE_FIELDS)
+    cache_salt: str | None = None  # honoured once in protocol.ENGINE_FIELDS (prefix-cache isolation)
     enable_response_messages: bool = False  # refused: gpt-oss (harmony) only in vLLM
     previous_input_messages: list[Any] | None = None  # refused: nothing is stored
 

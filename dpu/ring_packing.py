@@ -21,7 +21,12 @@ from typing import Any, Mapping
 import numpy as np
 
 from blink.ring import RingConfig, request_record_dtype
-from blink.shared.sampling_fields import FIELDS_BY_NAME, SAMPLING_FIELDS
+from blink.shared.sampling_fields import (
+    FIELDS_BY_NAME,
+    SAMPLING_FIELDS,
+    bad_words_entries,
+    cache_salt_hash,
+)
 from blink.shared.sampling_params import SamplingParams, SamplingParamsError, draw_seed
 
 INT32_MAX = 2**31 - 1
@@ -31,10 +36,12 @@ _DEFAULTS: dict[str, Any] = {
     "min_tokens": 0, "ignore_eos": 0, "logprobs": 0, "top_k": 0, "temperature": 1.0,
     "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
     "frequency_penalty": 0.0, "seed": 0, "stop_token_ids": (), "logit_bias_ids": (),
-    "logit_bias_values": (), "constrained": 0,
+    "logit_bias_values": (), "constrained": 0, "allowed_token_ids": (), "bad_words_ids": (),
+    "cache_salt": 0,
 }
 #: What a vector field's capacity counts, for the error message.
-_UNITS = {"stop_token_ids": "ids", "logit_bias_ids": "entries", "logit_bias_values": "entries"}
+_UNITS = {"stop_token_ids": "ids", "logit_bias_ids": "entries", "logit_bias_values": "entries",
+          "allowed_token_ids": "ids", "bad_words_ids": "token entries"}
 
 
 class RingRequestError(SamplingParamsError):
@@ -122,6 +129,13 @@ def ring_fields(params: SamplingParams, prompt_len: int, max_model_len: int,
             f"max_model_len={max_model_len}"
         )
     max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - prompt_len
+    if params.bad_words and params.bad_words_token_ids is None:
+        raise RingRequestError("bad_words need the tokenizer: call "
+                               "SamplingParams.update_from_tokenizer first")
+    try:
+        bad_words = bad_words_entries(params.bad_words_token_ids, cfg.max_bad_words_tokens)
+    except ValueError as e:
+        raise RingRequestError(str(e)) from None
     return pack_sampling(
         cfg,
         max_tokens=min(max_tokens, INT32_MAX),
@@ -138,4 +152,7 @@ def ring_fields(params: SamplingParams, prompt_len: int, max_model_len: int,
         seed=params.seed if params.seed is not None else draw_seed(),
         stop_token_ids=params.stop_token_ids,
         logit_bias=params.logit_bias,
+        allowed_token_ids=params.allowed_token_ids or (),
+        bad_words_ids=bad_words,
+        cache_salt=cache_salt_hash(params.cache_salt),
     )

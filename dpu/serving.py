@@ -502,7 +502,14 @@ class OpenAIServing:
                 ignore_eos=req.ignore_eos, logprobs=logprobs, logit_bias=req.logit_bias,
                 skip_special_tokens=req.skip_special_tokens,
                 structured_outputs=structured_outputs_of(req),
+                # engine-side fields (protocol.ENGINE_FIELDS); not every request model has each
+                allowed_token_ids=getattr(req, "allowed_token_ids", None),
+                bad_words=getattr(req, "bad_words", None) or [],
+                cache_salt=getattr(req, "cache_salt", None),
             )
+            if params.bad_words:
+                params.update_from_tokenizer(
+                    lambda text: self.tokenizer.encode(text, add_special_tokens=False))
             params.check_vocab(self.tokenizer.vocab_size)
         except StructuredRequestError as e:
             raise bad_request(str(e), param=e.param) from None

@@ -100,14 +100,16 @@ def test_safe_lookalikes_are_not_flagged():
 def _workload() -> tuple[list[list[int]], list[SamplingParams]]:
     """Prompts sharing a 3-block prefix (prefix hits once the first ones are registered),
     long enough together to overflow the 32-block cache (preemption), with every sampler
-    stage on: penalties, seeds, top-k/p, min-p, logit bias, min_tokens, logprobs, and
-    structured outputs (the token-mask gate and mask: a regex row and a choice row)."""
+    stage on: penalties, seeds, top-k/p, min-p, logit bias, min_tokens, logprobs,
+    allowed_token_ids, bad_words, cache_salt, and structured outputs (the token-mask gate
+    and mask: a regex row and a choice row)."""
     shared = random_prompts(1, 48, 48, seed=7)[0]
     prompts = [shared + tail for tail in random_prompts(12, 8, 40, seed=3)]
     kinds = [
-        dict(temperature=0.0),
-        dict(temperature=0.8, seed=11, top_k=20, top_p=0.9),
-        dict(temperature=1.0, seed=5, min_p=0.05, repetition_penalty=1.3),
+        dict(temperature=0.0, bad_words=["ab", "c"]),
+        dict(temperature=0.8, seed=11, top_k=20, top_p=0.9, cache_salt="tenant"),
+        dict(temperature=1.0, seed=5, min_p=0.05, repetition_penalty=1.3,
+             allowed_token_ids=list(range(40, 140))),
         dict(temperature=0.7, seed=9, presence_penalty=0.5, frequency_penalty=0.4, logprobs=3),
         dict(temperature=0.0, logit_bias={65: 5.0, 66: -100.0}, min_tokens=4, logprobs=2),
         dict(temperature=0.9, seed=1, top_p=0.5, stop_token_ids=[3, 4], min_tokens=2),
@@ -147,6 +149,9 @@ def _run_audited(model_dir: Path, loop: str, monkeypatch) -> tuple[CaptureAudit,
     assert re.fullmatch("[a-z ]{5,60}", outs[1].outputs[0].text.removesuffix("\x00"))
     assert outs[6].outputs[0].text.removesuffix("\x00") in ("alpha", "beta")
     assert any(o.outputs[0].logprobs for o in outs)
+    # allowed_token_ids (rows 2 and 8) and the one-token bad word "c" (row 0)
+    assert all(40 <= t < 140 for i in (2, 8) for t in outs[i].outputs[0].token_ids)
+    assert all(ord("c") not in outs[i].outputs[0].token_ids for i in (0,))
     return mode, counters
 
 

@@ -49,7 +49,8 @@ CACHE_DIR_ENV = "BLINK_COMPILE_CACHE_DIR"
 # penalties, top logprobs or structured outputs (the API's defaults). Others run eager (the
 # same code; a constrained batch passes its token masks, which the compiled head does not take).
 _DEFAULTS = dict(any_filter=False, any_penalty=False, any_top_logprobs=False,
-                 any_logit_bias=False, any_suppress=False, any_constrained=False)
+                 any_logit_bias=False, any_suppress=False, any_constrained=False,
+                 any_allowed=False, any_bad_words=False)
 WARM_PLANS = (SamplerPlan(any_random=False, **_DEFAULTS), SamplerPlan(any_random=True, **_DEFAULTS))
 
 Progress = Callable[[str], None]
@@ -398,7 +399,8 @@ class CompiledModelPhase:
         index = batch.logits_indices[:R]
         inputs = scheduler.sampler_inputs(batch, R)  # padding rows: row 0's values, ignored
         plan = SamplerPlan.from_features(inputs.features[:rows], inputs.suppress_ids[:rows])
-        history = scheduler.token_history(batch, R) if plan.any_penalty else None
+        history = (scheduler.token_history(batch, R)
+                   if plan.any_penalty or plan.any_bad_words else None)
         args = (x.index_select(0, index), residual.index_select(0, index), inputs.sampling,
                 history, inputs.prompt_lens, inputs.total_lens, inputs.suppress_ids)
         with self._onednn(R):

@@ -10,6 +10,14 @@ The table is open addressing with a bounded probe window: slot ``key % H`` and t
 points back at it (``block_slot[b] == slot``), so evicting a block (reallocating it) or losing
 a parallel insert needs no table write: stale entries just stop matching.
 
+Tenants are isolated by ``cache_salt`` (a request field; 0 = unsalted): a block's key is
+``table_key(prefix hash) ^ salt`` of the request that registered it, so two requests of the
+same tokens but different salts look for different keys, block after block (vLLM puts the
+salt into the first block's hash, and the chain carries it). Equal tokens give equal prefix
+hashes, so their keys differ exactly when the salts do; different tokens are refused by the
+verification below whatever the keys: a salted request never reuses another salt's blocks,
+nor the unsalted ones, and unsalted requests never reuse salted blocks.
+
 A hash match is never trusted. A hit on block j of a request needs: the stored key matches,
 the stored tokens equal the request's tokens, and the block's recorded parent is exactly the
 block hit at j - 1 with the generation it had when the child was registered (a block's
@@ -60,6 +68,12 @@ def table_key(h: torch.Tensor) -> torch.Tensor:
 
     Module-level on purpose: the tests replace it with a constant to force collisions."""
     return (h[0] << 31) | h[1]
+
+
+def salted(key: torch.Tensor, salt: torch.Tensor) -> torch.Tensor:
+    """A table key under a request's ``cache_salt`` (int64 >= 0; 0 leaves the key as is):
+    both are below 2**63, so the result is too."""
+    return key ^ salt
 
 
 def token_terms(ids: torch.Tensor, positions: torch.Tensor, hc: HashConstants) -> torch.Tensor:
@@ -113,7 +127,7 @@ def lookup(
     incl = terms.cumsum(1)
     before = (incl - terms).gather(1, starts[k].unsqueeze(0).expand(2, -1))
     h = (incl - before) % p  # [2, W]
-    key = table_key(h)  # [W]
+    key = salted(table_key(h), st.sampling["cache_salt"][row])  # [W]
 
     probe = (key % H).unsqueeze(-1) + torch.arange(cfg.prefix_probes, device=dev)
     probe = probe % H  # [W, P]
@@ -190,7 +204,7 @@ def register(
     if not when(fills.any()):
         return
     j = positions // B
-    key = table_key(prefix)
+    key = salted(table_key(prefix), st.sampling["cache_salt"][rows])
     parent = torch.where(j > 0, st.block_table[rows, (j - 1).clamp(min=0)].long(), N)
 
     # Slot choice in the probe window. A key has at most one live entry. If it is anchored

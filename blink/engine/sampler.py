@@ -9,7 +9,10 @@ One call handles a whole batch whose rows use different parameters. Order (vLLM 
 1. raw logprobs: ``log_softmax(logits)`` of the model's logits, before anything below touches
    them (vLLM's default ``logprobs_mode="raw_logprobs"``). The chosen token's logprob and the
    top-N alternatives are read from these.
-2. logit bias (``logits[b, id] += value``), then ``suppress_ids`` set to -inf (the scheduler
+2. token masks of the request: tokens outside ``allowed_token_ids`` and the last token of a
+   ``bad_words`` sequence whose other tokens were just generated are set to -inf (vLLM v1
+   applies both after the raw logprobs, before the logits processors); then
+   logit bias (``logits[b, id] += value``), then ``suppress_ids`` set to -inf (the scheduler
    passes EOS/stop ids there while a request has fewer than ``min_tokens`` outputs).
 3. penalties: repetition over prompt + output tokens (positive logits divided by the penalty,
    non-positive multiplied), then ``- frequency * count`` and ``- presence * (count > 0)`` over
@@ -50,7 +53,9 @@ from blink.errors import BlinkError
 from blink.kernels import ops_for
 from blink.kernels.reference.sampling import argmax_rows
 from blink.engine.token_mask import MaskBatch
-from blink.shared.sampling_fields import SAMPLER_FIELDS
+from blink.shared.sampling_fields import BAD_WORD_TOKENS, SAMPLER_FIELDS, bad_words_entries
+from blink.shared.sampling_params import MAX_ALLOWED_TOKEN_IDS
+from blink.shared.sampling_params import MAX_BAD_WORDS_TOKENS as DEFAULT_BAD_WORDS_TOKENS
 
 _TORCH_DTYPES = {"<i4": torch.int32, "<i8": torch.int64, "<f4": torch.float32}
 
@@ -74,6 +79,9 @@ class SamplingTensors:
     seed               i64 [B]   always set: unseeded requests get :func:`draw_seed` at admission
     logit_bias_ids     i32 [B,K] token ids, -1 = padding
     logit_bias_values  f32 [B,K] added to the logits of ``logit_bias_ids``
+    allowed_token_ids  i32 [B,A] the only ids the row may sample, -1 = padding (none: any)
+    bad_words_ids      i32 [B,W] banned sequences, ``BAD_WORD_TOKENS`` entries per word,
+                                 right-aligned, -1 padded (W = words * BAD_WORD_TOKENS)
     """
 
     logprobs: torch.Tensor
@@ -87,14 +95,20 @@ class SamplingTensors:
     seed: torch.Tensor
     logit_bias_ids: torch.Tensor
     logit_bias_values: torch.Tensor
+    allowed_token_ids: torch.Tensor
+    bad_words_ids: torch.Tensor
 
     @classmethod
     def empty(
-        cls, batch: int, device: torch.device | str = "cpu", max_logit_bias: int = MAX_LOGIT_BIAS
+        cls, batch: int, device: torch.device | str = "cpu", max_logit_bias: int = MAX_LOGIT_BIAS,
+        max_allowed_token_ids: int = MAX_ALLOWED_TOKEN_IDS,
+        max_bad_words_tokens: int = DEFAULT_BAD_WORDS_TOKENS,
     ) -> "SamplingTensors":
         """``batch`` rows of neutral parameters (greedy, no filtering, no penalty, no bias):
         every field's ``pad`` value from the table."""
-        sizes = SimpleNamespace(max_logit_bias=max_logit_bias)
+        sizes = SimpleNamespace(max_logit_bias=max_logit_bias,
+                                max_allowed_token_ids=max_allowed_token_ids,
+                                max_bad_words_tokens=max_bad_words_tokens)
         return cls(**{
             f.name: torch.full((batch, *f.shape(sizes)), f.pad, dtype=_TORCH_DTYPES[f.dtype],
                                device=device)
@@ -108,13 +122,16 @@ class SamplingTensors:
         device: torch.device | str = "cpu",
         max_logit_bias: int = MAX_LOGIT_BIAS,
         seeds: Sequence[int | None] | None = None,
+        max_allowed_token_ids: int = MAX_ALLOWED_TOKEN_IDS,
+        max_bad_words_tokens: int = DEFAULT_BAD_WORDS_TOKENS,
     ) -> "SamplingTensors":
         """Host-side builder: one row per ``SamplingParams`` (a seed is drawn where none is given).
 
         ``seeds[i]``, when given, overrides ``params[i].seed`` (e.g. a seed the engine already
         drew for an unseeded request). Not for the per-step path: admission writes rows once.
         """
-        st = cls.empty(len(params), "cpu", max_logit_bias)
+        st = cls.empty(len(params), "cpu", max_logit_bias, max_allowed_token_ids,
+                       max_bad_words_tokens)
         for row, p in enumerate(params):
             st.set_row(row, p, seed=None if seeds is None else seeds[row])
         return st.to(device)
@@ -141,6 +158,16 @@ class SamplingTensors:
         self.logit_bias_ids[row] = torch.tensor(ids, dtype=torch.int32)
         self.logit_bias_values[row] = torch.tensor(values, dtype=torch.float32)
         self.logprobs[row] = params.logprobs or 0
+        allowed = list(params.allowed_token_ids or ())
+        if len(allowed) > self.allowed_token_ids.shape[1]:
+            raise SamplingParamsError(
+                f"allowed_token_ids has {len(allowed)} ids; this sampler holds "
+                f"{self.allowed_token_ids.shape[1]}"
+            )
+        self.allowed_token_ids[row] = -1
+        self.allowed_token_ids[row, : len(allowed)] = torch.tensor(allowed, dtype=torch.int32)
+        self.bad_words_ids[row] = torch.from_numpy(
+            pack_bad_words(params, self.bad_words_ids.shape[1])).to(torch.int32)
 
     def to(self, device: torch.device | str) -> "SamplingTensors":
         """A copy with every tensor on ``device``."""
@@ -200,6 +227,52 @@ def apply_suppress(logits: torch.Tensor, suppress_ids: torch.Tensor) -> torch.Te
     banned = torch.zeros(batch, vocab_size + 1, dtype=torch.bool, device=logits.device)
     banned = banned.scatter(1, ids, True)
     return logits.masked_fill(banned[:, :vocab_size], float("-inf"))
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, allowed_ids: torch.Tensor) -> torch.Tensor:
+    """Rows with any ``allowed_ids`` entry >= 0 keep only those ids' logits (the rest -inf);
+    rows whose entries are all padding (-1) are unchanged."""
+    batch, vocab_size = logits.shape
+    ids, valid = _row_mask(allowed_ids, vocab_size)
+    allowed = torch.zeros(batch, vocab_size + 1, dtype=torch.bool, device=logits.device)
+    allowed = allowed.scatter(1, ids, True)[:, :vocab_size]
+    restricted = valid.any(-1, keepdim=True)
+    return logits.masked_fill(restricted & ~allowed, float("-inf"))
+
+
+def bad_words_banned(
+    bad_words_ids: torch.Tensor, token_ids: torch.Tensor, prompt_lens: torch.Tensor,
+    total_lens: torch.Tensor,
+) -> torch.Tensor:
+    """int32 [B, words]: the token each ``bad_words_ids`` row bans this step, -1 for none.
+
+    A word's row holds its tokens right-aligned in ``BAD_WORD_TOKENS`` entries (-1 before
+    them). Its last token is banned when each earlier token equals the generated token at
+    the same distance from the end (output tokens only: vLLM matches the output, never the
+    prompt); a one-token word is always banned. ``token_ids`` [B, L]: prompt then output."""
+    batch, width = bad_words_ids.shape
+    n = BAD_WORD_TOKENS
+    words = bad_words_ids.view(batch, width // n, n)
+    last, before = words[:, :, n - 1], words[:, :, : n - 1]
+    # The row's last n - 1 tokens; positions before the output (or before 0) match nothing.
+    pos = total_lens.long().unsqueeze(-1) - (n - 1) + torch.arange(n - 1, device=words.device)
+    is_output = pos >= prompt_lens.long().unsqueeze(-1)
+    recent = token_ids.gather(1, pos.clamp(min=0, max=token_ids.shape[1] - 1))
+    recent = torch.where(is_output, recent.to(words.dtype), -2)
+    matched = ((before < 0) | (before == recent.unsqueeze(1))).all(-1) & (last >= 0)
+    return torch.where(matched, last, -1)
+
+
+def pack_bad_words(params: SamplingParams, width: int):
+    """``params.bad_words_token_ids`` as the ring's ``bad_words_ids`` entries (numpy int32
+    [width]): one right-aligned row of ``BAD_WORD_TOKENS`` per sequence. Host-side."""
+    if params.bad_words and params.bad_words_token_ids is None:
+        raise SamplingParamsError("bad_words need the tokenizer: call "
+                                  "SamplingParams.update_from_tokenizer first")
+    try:
+        return bad_words_entries(params.bad_words_token_ids, width)
+    except ValueError as e:
+        raise SamplingParamsError(str(e)) from None
 
 
 def token_counts(
@@ -267,6 +340,8 @@ class SamplerPlan:
     any_logit_bias: bool = True
     any_suppress: bool = True
     any_constrained: bool = True  # any row constrained by a structured-output token mask
+    any_allowed: bool = True  # any row with allowed_token_ids
+    any_bad_words: bool = True  # any row with bad_words
 
     @classmethod
     def of(cls, st: SamplingTensors, suppress_ids: torch.Tensor | None = None,
@@ -294,7 +369,7 @@ class SamplerPlan:
 
 #: The plan flags a row's feature word carries, bit i = _FEATURES[i] (any_suppress is per step).
 _FEATURES = ("any_random", "any_filter", "any_penalty", "any_top_logprobs", "any_logit_bias",
-             "any_constrained")
+             "any_constrained", "any_allowed", "any_bad_words")
 _BITS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -314,7 +389,8 @@ def row_features(fields) -> torch.Tensor:
     penalty = ((fields["repetition_penalty"] != 1) | (fields["presence_penalty"] != 0)
                | (fields["frequency_penalty"] != 0))
     used = (random, filtered, penalty, fields["logprobs"] > 0,
-            (fields["logit_bias_ids"] >= 0).any(-1), fields["constrained"] != 0)
+            (fields["logit_bias_ids"] >= 0).any(-1), fields["constrained"] != 0,
+            (fields["allowed_token_ids"] >= 0).any(-1), (fields["bad_words_ids"] >= 0).any(-1))
     word = torch.zeros_like(random, dtype=torch.int32)
     for i, flag in enumerate(used):
         word = word | (flag.to(torch.int32) << i)
@@ -396,6 +472,13 @@ class Sampler:
         raw_logits = logits
         log_norm = ops.logsumexp_rows(raw_logits)
 
+        if plan.any_allowed:
+            logits = apply_allowed_token_ids(logits, st.allowed_token_ids)
+        if plan.any_bad_words:
+            if token_ids is None:
+                raise ValueError("a batch with bad_words needs its token history (token_ids)")
+            logits = apply_suppress(
+                logits, bad_words_banned(st.bad_words_ids, token_ids, prompt_lens, total_lens))
         if plan.any_logit_bias:
             logits = apply_logit_bias(logits, st.logit_bias_ids, st.logit_bias_values)
         if suppress_ids is not None and plan.any_suppress:  # a host-side choice, not a tensor value

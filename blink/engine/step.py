@@ -83,7 +83,8 @@ def model_phase(
     md = compact_rows(batch, tokens) if compact else bucket_metadata(batch, tokens)
     logits = executor.execute(batch.input_ids[:tokens], md, batch.logits_indices[:rows])
     # The [rows, max_model_len] history only when a row has a penalty (graphs: always).
-    history = scheduler.token_history(batch, rows) if plan is None or plan.any_penalty else None
+    history = (scheduler.token_history(batch, rows)
+               if plan is None or plan.any_penalty or plan.any_bad_words else None)
     if inputs is None:
         inputs = scheduler.sampler_inputs(batch, rows)
     # CPU loop: no masks to gather when the plan has no constrained row; otherwise the

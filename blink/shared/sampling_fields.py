@@ -21,12 +21,20 @@ Ring conventions (what the frontend writes, the engine reads):
 - ``seed``: always set; a request without one gets a random 63-bit seed in the packing.
 - ``max_tokens``: always concrete (``max_model_len - prompt_len`` when the request gave none).
 - vectors (``stop_token_ids``, ``logit_bias_*``): ``pad`` in unused entries.
+- ``allowed_token_ids``: -1 padded; a row with any id >= 0 may sample only those ids.
+- ``bad_words_ids``: rows of ``BAD_WORD_TOKENS`` entries (``max_bad_words_tokens //
+  BAD_WORD_TOKENS`` rows), one banned token sequence per row, right-aligned and -1 padded on
+  the left: the row's last entry is masked when the entries before it equal the row's last
+  generated tokens (output tokens only, as vLLM); a one-token row is always masked.
+- ``cache_salt``: 0 = unsalted; else a 63-bit hash of the request's salt string, which enters
+  every prefix-cache key of the request's blocks and is checked on a hit.
 - ``constrained``: 1 when the frontend publishes a token mask for the request (the ring's
   mask area and ``mask_epoch``; the first mask is written before the record, so the slot's
   state word publishes both), 0 otherwise.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,10 +86,47 @@ SAMPLING_FIELDS: tuple[SamplingField, ...] = (
                   doc="token ids whose logits get a bias"),
     SamplingField("logit_bias_values", "<f4", width="max_logit_bias", pad=0.0,
                   doc="the bias added to logit_bias_ids' logits"),
+    SamplingField("allowed_token_ids", "<i4", width="max_allowed_token_ids", pad=-1,
+                  doc="the only ids the row may sample (-1 padded; none set: any id)"),
+    SamplingField("bad_words_ids", "<i4", width="max_bad_words_tokens", pad=-1,
+                  doc="banned token sequences, BAD_WORD_TOKENS entries per word, right-aligned"),
+    SamplingField("cache_salt", "<i8", sampler=False,
+                  doc="prefix-cache salt hash (0 = unsalted): blocks are shared only within a salt"),
     SamplingField("constrained", "<i4", sampler=False,
                   doc="1: the sampler masks the row with the slot's token mask from the ring's "
                       "mask area, once its mask_epoch equals the row's output count; 0 = free"),
 )
+
+#: Entries of one bad word's row in ``bad_words_ids``: a word of more tokens is refused.
+BAD_WORD_TOKENS = 8
+
+def bad_words_entries(sequences: Any, width: int, param: str = "bad_words") -> np.ndarray:
+    """The ``bad_words_ids`` entries (int32 [width]) of a request's banned token sequences:
+    each right-aligned in a row of ``BAD_WORD_TOKENS`` entries, -1 elsewhere. Raises
+    ValueError naming ``param`` when a sequence or their number does not fit."""
+    rows = width // BAD_WORD_TOKENS
+    out = np.full((rows, BAD_WORD_TOKENS), -1, dtype=np.int32)
+    sequences = [list(s) for s in sequences or ()]
+    if len(sequences) > rows:
+        raise ValueError(f"{param} gives {len(sequences)} token sequences (a word counts once, "
+                         f"or twice with its leading-space form); this engine holds {rows}")
+    for i, ids in enumerate(sequences):
+        if len(ids) > BAD_WORD_TOKENS:
+            raise ValueError(f"{param}: a word is {len(ids)} tokens long; at most "
+                             f"{BAD_WORD_TOKENS} tokens per word")
+        if ids:
+            out[i, BAD_WORD_TOKENS - len(ids):] = ids
+    return out.reshape(-1)
+
+
+def cache_salt_hash(salt: str | None) -> int:
+    """The ring's ``cache_salt`` of a request's salt string: 0 for none, else a non-zero
+    63-bit hash (BLAKE2b), the same on every frontend."""
+    if salt is None:
+        return 0
+    digest = hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") & (2**63 - 1)) | 1
+
 
 FIELDS_BY_NAME: dict[str, SamplingField] = {f.name: f for f in SAMPLING_FIELDS}
 #: The fields the sampler takes (SamplingTensors' attributes, in table order).

@@ -13,6 +13,12 @@ Semantics follow vLLM (``vllm.SamplingParams``):
 - ``logprobs=N`` asks for the chosen token's logprob plus the top-N alternatives; the values are
   vLLM's default "raw logprobs": the log-softmax of the model's logits before logit bias,
   penalties, temperature and filtering.
+- ``allowed_token_ids``: only these ids may be sampled; ``bad_words``: each word's token
+  sequence (encoded with and without a leading space, as vLLM does) is banned: its last token
+  is masked when the tokens before it were just generated (single-token words always). Both
+  are masks on the device, applied after the raw logprobs (vLLM v1's order).
+- ``cache_salt``: prefix-cache isolation; a salted request only shares KV blocks with requests
+  of the same salt.
 - ``seed=None`` does not mean "depends on the batch": the engine draws a random seed once per
   request (:func:`draw_seed`), so every request's tokens depend only on its own seed.
 """
@@ -25,9 +31,10 @@ import random
 import re
 import secrets
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Callable
 
 from blink.errors import BlinkError
+from blink.shared.sampling_fields import BAD_WORD_TOKENS
 from blink.shared.structured_outputs import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -36,6 +43,15 @@ logger = logging.getLogger(__name__)
 MAX_STOP_TOKEN_IDS = 16
 MAX_LOGIT_BIAS = 32
 MAX_LOGPROBS = 20
+#: allowed_token_ids: most ids one request may allow (the ring's ``max_allowed_token_ids``).
+MAX_ALLOWED_TOKEN_IDS = 128
+#: bad_words: most words one request may ban; each word's token sequences (with and without a
+#: leading space) must fit the ring's bad-word rows (:mod:`blink.shared.sampling_fields`).
+MAX_BAD_WORDS = 16
+MAX_BAD_WORD_CHARS = 256
+#: The ring's bad_words_ids width by default: MAX_BAD_WORDS words, each with its leading-space
+#: form, of at most 8 (``sampling_fields.BAD_WORD_TOKENS``) tokens.
+MAX_BAD_WORDS_TOKENS = 2 * MAX_BAD_WORDS * 8
 #: |logit_bias value| limit, as in the OpenAI API.
 MAX_LOGIT_BIAS_VALUE = 100.0
 #: stop strings: how many, and how long each may be. The frontend matches every one of them
@@ -138,6 +154,14 @@ class SamplingParams:
     #: A constraint the output must satisfy (JSON schema, regex, choice, any JSON object),
     #: enforced on the device by a token automaton; None = unconstrained.
     structured_outputs: StructuredOutputs | None = None
+    #: Only these token ids may be sampled (None: any).
+    allowed_token_ids: list[int] | None = None
+    #: Words whose token sequences may not be generated (vLLM's ``bad_words``).
+    bad_words: list[str] = field(default_factory=list)
+    #: ``bad_words`` as token sequences (:meth:`update_from_tokenizer`; None until then).
+    bad_words_token_ids: list[list[int]] | None = None
+    #: Prefix-cache isolation between tenants (None: the shared, unsalted cache).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         # Normalise the loose forms a JSON request carries before checking ranges.
@@ -149,7 +173,14 @@ class SamplingParams:
             self.stop_token_ids = []
         if self.logit_bias is None:
             self.logit_bias = {}
+        if self.bad_words is None:
+            self.bad_words = []
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         self.stop = list(self.stop)
+        self.bad_words = list(self.bad_words)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self.stop_token_ids = list(self.stop_token_ids)
         self.logit_bias = self._normalise_logit_bias(self.logit_bias)
         self.validate()
@@ -290,6 +321,32 @@ class SamplingParams:
                     f"[-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}], got {value}."
                 )
 
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise SamplingParamsError("allowed_token_ids is not None and empty!")
+            if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+                raise SamplingParamsError(
+                    f"allowed_token_ids can hold at most {MAX_ALLOWED_TOKEN_IDS} ids, "
+                    f"got {len(self.allowed_token_ids)}."
+                )
+            if any(t < 0 for t in self.allowed_token_ids):
+                raise SamplingParamsError(
+                    "allowed_token_ids must be non-negative token ids, got "
+                    f"{self.allowed_token_ids}."
+                )
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise SamplingParamsError(
+                f"bad_words can hold at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}."
+            )
+        if any(len(w) > MAX_BAD_WORD_CHARS for w in self.bad_words):
+            raise SamplingParamsError(
+                f"bad_words entries can be at most {MAX_BAD_WORD_CHARS} characters long."
+            )
+        if self.cache_salt is not None and not self.cache_salt:
+            raise SamplingParamsError(
+                "Parameter 'cache_salt' must be a non-empty string if provided."
+            )
+
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputs):
                 raise SamplingParamsError(
@@ -340,6 +397,19 @@ class SamplingParams:
             raise SamplingParamsError(
                 f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}."
             )
+        if self.allowed_token_ids is not None and not all(
+                _is_int(t) for t in self.allowed_token_ids):
+            raise SamplingParamsError(
+                f"allowed_token_ids must be a list of ints, got {self.allowed_token_ids!r}."
+            )
+        if not all(isinstance(w, str) for w in self.bad_words):
+            raise SamplingParamsError(
+                f"bad_words must be a list of strings, got {self.bad_words!r}."
+            )
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise SamplingParamsError(
+                f"cache_salt must be a string, got {self.cache_salt!r}."
+            )
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise :class:`SamplingParamsError` for token ids outside a ``vocab_size`` vocabulary.
@@ -358,6 +428,38 @@ class SamplingParams:
                     f"logit_bias contains token {token_id}, outside the vocabulary of "
                     f"{vocab_size} tokens."
                 )
+        for token_id in self.allowed_token_ids or ():
+            if token_id >= vocab_size:
+                raise SamplingParamsError(
+                    f"allowed_token_ids contains {token_id}, outside the vocabulary of "
+                    f"{vocab_size} tokens."
+                )
+        for ids in self.bad_words_token_ids or ():
+            if any(not 0 <= t < vocab_size for t in ids):
+                raise SamplingParamsError(
+                    f"bad_words contains token ids {ids}, outside the vocabulary of "
+                    f"{vocab_size} tokens."
+                )
+
+    def update_from_tokenizer(self, encode: Callable[[str], list[int]]) -> None:
+        """Resolve ``bad_words`` into ``bad_words_token_ids`` with ``encode`` (text -> ids,
+        no special tokens), as vLLM does: each word without its leading spaces, then with one
+        leading space where that gives a different first token in as many tokens (so the word
+        is banned at the start of the text and in the middle)."""
+        out: list[list[int]] = []
+        for word in self.bad_words:
+            plain = list(encode(word.lstrip()))
+            spaced = list(encode(" " + word.lstrip()))
+            if len(plain) > BAD_WORD_TOKENS:
+                raise SamplingParamsError(
+                    f"bad_words entries can be at most {BAD_WORD_TOKENS} tokens long; "
+                    f"{word!r} is {len(plain)} tokens."
+                )
+            if plain:
+                out.append(plain)
+            if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        self.bad_words_token_ids = out
 
     @classmethod
     def from_generation_config(

@@ -647,7 +647,7 @@ def _register_kernel(
     block_tokens_ptr, row_hash_ptr, pows_ptr, pows_stride, p0, p1,
     table_ptr, hash_table_ptr, block_slot_ptr, block_key_ptr, block_parent_ptr, block_parent_gen_ptr,
     block_gen_ptr, block_ref_ptr, last_used_ptr, insert_best_ptr, arrival_ptr, step_ptr,
-    excl_ptr, key_ptr, target_ptr, prio_ptr, parent_ptr,
+    excl_ptr, key_ptr, target_ptr, prio_ptr, parent_ptr, salt_ptr,
     S, N, B, M, H, P,
     BLOCK_T: tl.constexpr, P_P2: tl.constexpr, S_P2: tl.constexpr, COLLIDE: tl.constexpr,
 ):
@@ -690,6 +690,7 @@ def _register_kernel(
         key = (pre0 << 31) | pre1
         if COLLIDE:  # tests: every key collides (the reference's tests patch prefix_cache.table_key)
             key = key * 0
+        key = key ^ tl.load(salt_ptr + row, mask=tm, other=0)  # the row's cache_salt (prefix_cache.salted)
         tl.store(parent_ptr + t, key, mask=tm)  # the key, staged
     tl.debug_barrier()
     # The rows' hashes advance by their tokens' terms.
@@ -808,6 +809,7 @@ def register(st, batch, n: int, hc, scratch: RegisterScratch, *, num_blocks: int
             st.block_table_flat, st.hash_table, st.block_slot, st.block_key, st.block_parent, st.block_parent_gen,
             st.block_gen, st.block_ref, st.block_last_used, st.insert_best, st.arrival, st.step,
             scratch.excl, scratch.key, scratch.target, scratch.prio, scratch.parent,
+            st.sampling["cache_salt"],
             S, num_blocks, block_size, M, hash_table_size, probes,
             BLOCK_T=min(_p2(n), 512), P_P2=_p2(probes), S_P2=_p2(S), COLLIDE=COLLIDE_KEYS,
         )
@@ -843,7 +845,7 @@ def _lookup_kernel(
     tokens_ptr, tokens_stride, block_tokens_ptr, hash_table_ptr, block_slot_ptr, block_key_ptr,
     block_parent_ptr, block_parent_gen_ptr, block_gen_ptr, block_ref_ptr, last_used_ptr, table_ptr,
     step_ptr, counters_ptr, pows_ptr, pows_stride, p0, p1, cached_ptr, cached_stride,
-    rows_ptr, ends_ptr, take_ptr, nhit_ptr, incl_ptr, excl_ptr, blk_ptr, flag_ptr,
+    rows_ptr, ends_ptr, take_ptr, nhit_ptr, incl_ptr, excl_ptr, blk_ptr, flag_ptr, salt_ptr,
     S, K, W, N, B, M, H, P, table_sink,
     K_QUERIES: tl.constexpr, K_HITS: tl.constexpr, K_REJECTS: tl.constexpr,
     S_P2: tl.constexpr, BLOCK_W: tl.constexpr, B_P2: tl.constexpr, P_P2: tl.constexpr,
@@ -912,6 +914,8 @@ def _lookup_kernel(
         key = (h0 << 31) | h1
         if COLLIDE:
             key = key * 0
+        salt_row = tl.load(rows_ptr + k, mask=wm, other=0)
+        key = key ^ tl.load(salt_ptr + salt_row, mask=wm, other=0)  # prefix_cache.salted
         probe = ((key % H)[:, None] + kk[None, :]) % H
         qm = wm[:, None] & (kk[None, :] < P)
         cand = tl.load(hash_table_ptr + probe, mask=qm, other=N)
@@ -1013,7 +1017,7 @@ def lookup(st, ring_cached: torch.Tensor, hc, scratch: LookupScratch, *, K: int,
             st.block_table_flat, st.step, st.counters, pows, pows.stride(0), int(PRIMES[0]), int(PRIMES[1]),
             ring_cached, ring_cached.stride(0),
             scratch.rows, scratch.ends, scratch.take, scratch.nhit, scratch.incl, scratch.excl, scratch.blk,
-            scratch.flag,
+            scratch.flag, st.sampling["cache_salt"],
             S, K, window, num_blocks, block_size, M, hash_table_size, probes, st.block_table_flat.shape[0] - 1,
             **consts, S_P2=_p2(S), BLOCK_W=min(_p2(window), 256), B_P2=triton.next_power_of_2(block_size),
             P_P2=_p2(probes), SEARCH_STEPS=int(K).bit_length() + 1, S_BITS=int(_p2(S)).bit_length(),
