@@ -257,8 +257,8 @@ def choose_config(
     shape for head dim 128), or 32 rows for fp32, which has no tensor-core path. Whenever
     the busy (tile, KV head) programs cannot fill the GPU twice over and the context is
     long, the context is split, keeping >= 512 keys per split. These defaults compile
-    without register spills for sm_90 (see ``triton_compile_check``); they are not tuned
-    on a GPU yet (``benchmarks/gpu_kernels.py --sweep`` times the alternatives).
+    without register spills for sm_90 (see :mod:`blink.kernels.triton.compile_check`); they
+    are not tuned on a GPU yet (``benchmarks/gpu_kernels.py --sweep`` times the alternatives).
     """
     if max_query_len is not None:
         decode_like = max_query_len <= 4
