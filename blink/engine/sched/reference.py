@@ -300,19 +300,19 @@ class ReferenceScheduler:
         """Enter the blocks a step filled ((request, block index) pairs) into the cache. A key
         already cached whose block is still anchored (a first block, or its parent cached
         with the same content) keeps its block; an orphaned one is replaced. Two requests
-        filling the same key in one step: the older one's block is cached."""
-        B, taken = self.cfg.block_size, set()
+        filling the same key in one step: the older one's block is cached. All decided on the
+        cache as it was before the step's inserts (the tensor code inserts them at once)."""
+        B, inserts = self.cfg.block_size, {}
         for req, j in sorted(filled, key=lambda f: (f[0].arrival, f[1])):
-            key, block = tuple(req.tokens[: (j + 1) * B]), req.blocks[j]
+            key = tuple(req.tokens[: (j + 1) * B])
             old = self.cache.get(key)
-            if key in taken or (old is not None and self._anchored(old)):
-                continue
+            if key not in inserts and (old is None or not self._anchored(old)):
+                inserts[key] = (req.blocks[j], old, self._link(req.blocks[:j]))
+        for key, (block, old, link) in inserts.items():
             if old is not None:
                 self._uncache(old)
             self._uncache(block)
-            self.cache[key], self.key_of[block] = block, key
-            self.parent[block] = self._link(req.blocks[:j])
-            taken.add(key)
+            self.cache[key], self.key_of[block], self.parent[block] = block, key, link
 
     def _anchored(self, block: int) -> bool:
         up = self.parent[block]
