@@ -448,7 +448,8 @@ class Sampler:
         logits        f32 [B, V]  the model's last-position logits (other float dtypes upcast)
         st            per-row parameters, B rows
         token_ids     i32 [B, L]  prompt then output tokens so far, any padding past total_len;
-                                  may be None when the plan says no row has a penalty
+                                  may be None when the plan says no row has a penalty or
+                                  bad words
         prompt_lens   i32/i64 [B]
         total_lens    i32/i64 [B] prompt + output tokens so far
         step_counters i64 [B]     RNG counter per row; must differ between a row's draws (the
