@@ -326,6 +326,20 @@ class ToolCallParser:
             self.content += self._text[self._pos:end]
             self._pos = end
 
+    def _content_until(self, tag: str, final: bool) -> int:
+        """Content mode: emit the text before the next ``tag`` as content and return where
+        the tag starts (also remembered as ``_call_start``), or -1 when there is none yet
+        (a tail that could begin the tag is held back unless the output is ``final``)."""
+        text = self._text
+        i = text.find(tag, self._pos)
+        if i < 0:
+            keep = 0 if final else partial_prefix_len(text, self._pos, tag)
+            self._emit_content(len(text) - keep)
+            return -1
+        self._emit_content(i)
+        self._call_start = i
+        return i
+
     def _scan_call(self, final: bool, arg_keys: tuple[str, ...] = ("arguments", "parameters")
                    ) -> str:
         """Drive the call object starting at ``self._pos`` (a scanner is created on the first

@@ -9,7 +9,7 @@ after a block is dropped). A missing ``</tool_call>`` at the end of the output i
 """
 from __future__ import annotations
 
-from blink.dpu.tool_parsers.base import ToolCallParser, partial_prefix_len, skip_ws
+from blink.dpu.tool_parsers.base import ToolCallParser, skip_ws
 
 START = "<tool_call>"
 END = "</tool_call>"
@@ -28,13 +28,9 @@ class HermesToolParser(ToolCallParser):
         text = self._text
         while True:
             if self._mode == "content":
-                i = text.find(START, self._pos)
+                i = self._content_until(START, final)
                 if i < 0:
-                    keep = 0 if final else partial_prefix_len(text, self._pos, START)
-                    self._emit_content(len(text) - keep)
                     return
-                self._emit_content(i)
-                self._call_start = i
                 self._pos = skip_ws(text, i + len(START))
                 if self._pos >= len(text) and not final:
                     self._pos = i  # wait for the object (the tag is held back)

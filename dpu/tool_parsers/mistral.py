@@ -16,7 +16,6 @@ from blink.dpu.tool_parsers.base import (
     JsonValueSkipper,
     ParsedToolCall,
     ToolCallParser,
-    partial_prefix_len,
     skip_ws,
 )
 
@@ -46,13 +45,9 @@ class MistralToolParser(ToolCallParser):
         while True:
             mode = self._mode
             if mode == "content":
-                i = text.find(TOOL_CALLS, self._pos)
+                i = self._content_until(TOOL_CALLS, final)
                 if i < 0:
-                    keep = 0 if final else partial_prefix_len(text, self._pos, TOOL_CALLS)
-                    self._emit_content(len(text) - keep)
                     return
-                self._emit_content(i)
-                self._call_start = i
                 self._pos, self._mode = i + len(TOOL_CALLS), "open"
             elif mode == "open":
                 pos = skip_ws(text, self._pos)

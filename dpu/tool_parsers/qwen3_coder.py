@@ -27,7 +27,7 @@ import json
 import re
 from typing import Any
 
-from blink.dpu.tool_parsers.base import ParsedToolCall, ToolCallParser, partial_prefix_len, skip_ws
+from blink.dpu.tool_parsers.base import ParsedToolCall, ToolCallParser, skip_ws
 
 START = "<tool_call>"
 END = "</tool_call>"
@@ -108,13 +108,9 @@ class Qwen3CoderToolParser(ToolCallParser):
         text = self._text
         while True:
             if self._mode == "content":
-                i = text.find(START, self._pos)
+                i = self._content_until(START, final)
                 if i < 0:
-                    keep = 0 if final else partial_prefix_len(text, self._pos, START)
-                    self._emit_content(len(text) - keep)
                     return
-                self._emit_content(i)
-                self._call_start = i
                 self._mode = "call"
             elif self._mode == "call":
                 body_at = self._call_start + len(START)
