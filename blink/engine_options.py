@@ -204,8 +204,10 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
             help="most logprobs / top_logprobs a request may ask for (vLLM's flag; sizes "
                  "the ring's logprob columns)"),
     _option("--loop", default="auto", choices=["auto", "cpu", "host", "device"],
-            help="device loop: cpu (engine thread on CPU tensors), host (tier A: host "
-                 "launches CUDA graphs), device (tier B: no host call per step)"),
+            help="which loop drives the steps (where the model runs is --device): cpu "
+                 "(engine thread on CPU tensors), host (tier A: host launches CUDA graphs), "
+                 "device (tier B: the loop runs on the GPU, no host call per step); auto: "
+                 "cpu on a CPU, else tier B (tier A, with a warning, where B cannot run)"),
     _option("--threads", type=int, default=None, field="threads",
             help="torch intra-op threads for the CPU loop (default: blink serve: the "
                  "available cores minus one for the frontend, split between the "
