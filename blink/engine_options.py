@@ -27,6 +27,8 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from blink.shared.speculative_config import speculative_config_arg
+
 #: the argument groups the options go into (their titles, as ``--help`` shows them)
 MODEL_GROUP = "model and engine"
 VLLM_GROUP = "vLLM flags without a Blink feature"
@@ -248,6 +250,15 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     _option("--compile-cache-dir", default=None, metavar="DIR", field="compile_cache_dir",
             help="where compiled steps are cached between starts (default: "
                  "$BLINK_COMPILE_CACHE_DIR, else ~/.cache/blink/inductor)"),
+    _option("--speculative-config", default=None, metavar="JSON", field="speculative_config",
+            type=speculative_config_arg, vllm=SAME_AS_VLLM,
+            example='{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}',
+            help="speculative decoding, as vLLM spells it: '{\"method\": \"ngram\", "
+                 "\"num_speculative_tokens\": K, \"prompt_lookup_min\": a, \"prompt_lookup_max\": "
+                 "b}' drafts K tokens per decode row by prompt lookup (the latest earlier "
+                 "occurrence of the row's last b..a tokens) and verifies them in the same "
+                 "step; greedy and seeded outputs are the same as without it. Eager CPU loop "
+                 "only; 'draft_model' is refused (default: off)"),
     _option("--transport", default="loopback", choices=["loopback", "verbs"], field="transport",
             help="how the frontend reaches the ring: loopback (shared memory) or verbs (RDMA)"),
     # -- vllm serve's flags without a Blink feature: refused or noted (blink/cli_args.py) ----

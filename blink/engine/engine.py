@@ -32,10 +32,12 @@ from blink.engine.runners import (
 from blink.engine.step import StepParts
 from blink.engine.sampler import Sampler
 from blink.engine.sched.scheduler import Scheduler
+from blink.engine.speculative import SpecRunner, SpecScheduler
 from blink.engine.sched.state import SchedulerConfig, ring_tensors
 from blink.engine.token_mask import DEFAULT_MASK_TIMEOUT_S
 from blink.engine_options import DISAGG_ROLES, config_default
 from blink.errors import BlinkError
+from blink.shared.speculative_config import SpeculativeConfigError, parse_speculative_config
 from blink.kernels.cpu.threads import set_kernel_threads
 from blink.executor import ModelExecutor
 from blink.ring import (
@@ -123,6 +125,8 @@ class EngineConfig:
     #: blink.fabric.kv_paths) and which of its senders this engine is; None: ARK off
     fabric: str | None = config_default("fabric")
     fabric_sender: str | None = config_default("fabric_sender")
+    #: speculative decoding, vLLM's JSON (blink.shared.speculative_config); None: off
+    speculative_config: str | None = config_default("speculative_config")
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -247,6 +251,8 @@ class Engine:
             )
         if name == "cpu-graphs":
             return CpuGraphsRunner(self.parts, max_rows)
+        if self.speculative is not None:
+            return SpecRunner(self.parts)
         return EagerRunner(self.parts)
 
     def _build(self, config: EngineConfig) -> None:
@@ -265,10 +271,16 @@ class Engine:
             raise BlinkError("--fabric / --fabric-sender are for --role prefill (the KV senders)")
         if config.fabric_sender and not config.fabric:
             raise BlinkError("--fabric-sender needs --fabric FILE")
+        #: --speculative-config (blink.engine.speculative); None: off
+        try:
+            self.speculative = parse_speculative_config(config.speculative_config)
+        except SpeculativeConfigError as e:
+            raise BlinkError(str(e)) from None
         null = is_null_model(config.model)  # --model null: no model work (control-plane benchmark)
         choice = self.runner_choice = choose_step_runner(
             loop=self.loop_flag, device=self.device.type, enforce_eager=config.enforce_eager,
-            cpu_graphs=config.cpu_graphs, has_model=not null)
+            cpu_graphs=config.cpu_graphs, has_model=not null,
+            speculative=self.speculative is not None)
         log.info("step runner: %s (%s)", choice.name, choice.reason)
         files = open_null_model() if null else open_model(config.model)
         model_config = ModelConfig.from_hf(files.hf_config, files.source)
@@ -319,7 +331,12 @@ class Engine:
         self.scheduler_config = config.scheduler_config(
             num_blocks=num_blocks, max_model_len=self.max_model_len,
             eos_token_ids=model_config.eos_token_ids)
-        self.scheduler = Scheduler(self.scheduler_config, self._ring_tensors(), self.device)
+        if self.speculative is not None:
+            self.scheduler = SpecScheduler(self.scheduler_config, self._ring_tensors(), self.device,
+                                           spec=self.speculative)
+            log.info("speculative decoding: %s", self.speculative.to_json())
+        else:
+            self.scheduler = Scheduler(self.scheduler_config, self._ring_tensors(), self.device)
         self.sampler = Sampler(max_logprobs=max(self.ring_config.max_logprobs, 1))
 
     def _create_region(self, total_bytes: int) -> Region:

@@ -35,6 +35,7 @@ from blink.engine.compiled import (
     usable_compile_cache,
 )
 from blink.engine.step import StepParts, run_step, schedule_on_host
+from blink.errors import BlinkError
 
 log = logging.getLogger("blink.engine")
 
@@ -69,10 +70,21 @@ class RunnerChoice:
 
 
 def choose_step_runner(*, loop: str, device: str, enforce_eager: bool, cpu_graphs: bool,
-                       has_model: bool = True) -> RunnerChoice:
+                       has_model: bool = True, speculative: bool = False) -> RunnerChoice:
     """The one decision: ``loop`` is the engine's loop (``cpu``, ``host``, ``device``),
     ``device`` its device type, the flags its config's; ``has_model`` False for ``--model
-    null`` (no forward to compile or record)."""
+    null`` (no forward to compile or record); ``speculative``: --speculative-config is set
+    (the eager CPU loop only, so far: blink.engine.speculative)."""
+    if speculative:
+        if loop in ("host", "device"):
+            raise BlinkError(f"--speculative-config runs on the eager CPU loop only, not --loop {loop} "
+                             f"(the GPU tiers do not verify drafts yet)")
+        if device != "cpu":
+            raise ValueError(f"the CPU loop runs on a CPU device, not {device}")
+        if has_model and not enforce_eager:
+            raise BlinkError("--speculative-config runs on the eager CPU loop only, not with --compile")
+        return RunnerChoice("eager", "--speculative-config: the eager step with n-gram drafts "
+                                     "verified in the same forward (CPU graphs are not used)")
     if loop == "host":
         return RunnerChoice("tier-a", "--loop host: the host replays the step's CUDA graphs")
     if loop == "device":

@@ -1,0 +1,235 @@
+"""Speculative decoding with n-gram (prompt lookup) drafts, verified in the same step
+(issue 36; ``--speculative-config '{"method": "ngram", ...}'``). Eager CPU loop only.
+
+Per step:
+
+1. **Draft** (:meth:`SpecScheduler._draft`, before the token budget): every decode row
+   (RUNNING, only its last token uncomputed, no structured-output mask, no prefix lookup
+   pending) gets up to K tokens from :func:`blink.kernels.reference.ngram.ngram_propose`
+   over its own history in the tokens table. The draft is written after the row's tokens
+   and ``num_tokens`` grows by its length, so the unchanged budget, block and batch stages
+   treat the row as a short chunk of 1 + k positions writing KV into its own blocks (a
+   partial grant verifies a shorter draft). Right after the batch is built ``num_tokens``
+   is put back. The draft is capped so that it never passes ``max_model_len``, the row's
+   room in its output stream, or its ``max_tokens``.
+2. **Verify** (:func:`run_spec_step`): the forward returns logits at every position of a
+   drafting row (one sampler lane per position, ``j`` = 0..g-1) and at the last position of
+   the other sampling rows. Lane j is sampled exactly as the step that would produce that
+   token without speculation: its history includes the draft tokens before it, its
+   ``total_lens`` (penalties, min_tokens, the RNG counter) is n + j. The row publishes lane
+   tokens t_0..t_a, a the first lane whose token differs from the draft token it checks.
+   Greedy rows: a is the longest prefix where the draft equals the argmax, plus the bonus
+   token. Sampled rows: the draw at each position is the one the non-speculative step would
+   make (same seed and counter), so a seeded request gives the same tokens with and without
+   speculation; as a rule this is "accept draft x with probability p(x), else draw from p
+   without x, renormalised" — the rejection rule of the speculative sampling papers for a
+   point-mass (n-gram) draft (tests/test_spec_decode.py checks it with a chi-square test).
+3. **Publish**: the accepted tokens go through the ordinary publish stage one position at a
+   time (at most K + 1 passes), so stop ids, EOS, ``min_tokens``, ``max_tokens`` and
+   ``max_model_len`` finish the row exactly where they would without speculation, and
+   tokens after the finishing one are dropped. ``num_computed`` advances by the positions
+   whose KV is right (1 + accepted drafts); the rejected positions' KV is left behind the
+   row's length and overwritten later. The blocks allocated for them stay with the row
+   (used by its next steps, released with it), so block accounting stays exact.
+
+Rows that do not speculate in a step run exactly the normal step; a step with no drafting
+row *is* the normal step (:func:`blink.engine.step.run_step`'s path).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from blink.engine.sampler import SamplerPlan, SamplingTensors
+from blink.engine.sched.scheduler import Scheduler, StepBatch
+from blink.engine.sched.state import ROW_RELEASING, ROW_RUNNING
+from blink.engine.step import StepParts, compact_rows, model_phase
+from blink.kernels.reference.ngram import ngram_propose
+from blink.shared.sampling_fields import SAMPLER_FIELDS
+from blink.shared.speculative_config import SpeculativeConfig
+
+log = logging.getLogger("blink.engine")
+
+#: SpecScheduler.spec_counters' words (vLLM's spec_decode_* counters)
+SPEC_NUM_DRAFTS, SPEC_NUM_DRAFT_TOKENS, SPEC_NUM_ACCEPTED_TOKENS = 0, 1, 2
+
+
+class SpecScheduler(Scheduler):
+    """The scheduler with the draft stage (module docstring). Same state and policy; rows
+    that do not draft are scheduled exactly as by :class:`Scheduler`."""
+
+    def __init__(self, config, ring_tensors, device="cpu", *, spec: SpeculativeConfig,
+                 host_guards: bool | None = None) -> None:
+        super().__init__(config, ring_tensors, device, host_guards=host_guards)
+        self.spec = spec
+        #: this step's draft length per row (0: not drafting)
+        self.draft_len = torch.zeros(self.num_slots, dtype=torch.int64, device=self.device)
+        #: drafts, draft tokens, accepted draft tokens (vLLM's spec_decode_num_* counters)
+        self.spec_counters = torch.zeros(3, dtype=torch.int64, device=self.device)
+        #: accepted draft tokens per draft position (acceptance rate per position)
+        self.spec_accepted_per_pos = torch.zeros(spec.num_speculative_tokens, dtype=torch.int64,
+                                                 device=self.device)
+
+    def _allocate(self) -> torch.Tensor:
+        self._draft()
+        return super()._allocate()
+
+    def _build_batch(self, num_new: torch.Tensor) -> StepBatch:
+        batch = super()._build_batch(num_new)
+        st = self._w.state
+        st.num_tokens -= self.draft_len[: self._w.size]  # the drafts are not the row's tokens
+        return batch
+
+    def _draft(self) -> None:
+        w, cfg, spec = self._w, self.config, self.spec
+        st = w.state
+        self.draft_len.zero_()
+        K = spec.num_speculative_tokens
+        sp = st.sampling
+        decode = ((st.status == ROW_RUNNING) & (st.num_computed == st.num_tokens - 1) & ~st.needs_lookup
+                  & (sp["constrained"] == 0))
+        if not self._when(lambda: decode.any()):
+            return
+        n = st.num_tokens
+        room = self.stream_capacity - (w.ring["produced"] - w.ring["consumed"]) - 1
+        max_tokens = sp["max_tokens"].long()
+        left = torch.where(max_tokens > 0, max_tokens - (n - st.num_prompt) - 1, K)
+        cap = torch.minimum(torch.minimum(room, left), cfg.max_model_len - n).clamp(min=0, max=K)
+        draft, dlen = ngram_propose(st.tokens[:, : cfg.max_model_len], torch.where(decode, n, 0), K,
+                                    spec.prompt_lookup_min, spec.prompt_lookup_max)
+        dlen = torch.where(decode, torch.minimum(dlen, cap), 0)
+        j = torch.arange(K, device=n.device)
+        sink = st.tokens.shape[1] - 1
+        at = torch.where(j < dlen.unsqueeze(1), n.unsqueeze(1) + j, sink)
+        rows = w.rows.unsqueeze(1).expand_as(at)
+        st.tokens.index_put_((rows, at), draft.to(st.tokens.dtype))
+        st.num_tokens += dlen
+        self.draft_len[: w.size] = dlen
+
+
+def _lane_inputs(sched: SpecScheduler, lrow: torch.Tensor, j: torch.Tensor):
+    """The sampler's inputs of each lane: its row's fields, at position n + j."""
+    st = sched.state
+    sp = st.sampling
+    sampling = SamplingTensors(**{f.name: sp[f.name][lrow] for f in SAMPLER_FIELDS})
+    prompt_lens, total_lens = st.num_prompt[lrow], st.num_tokens[lrow] + j
+    eos = torch.where(sp["ignore_eos"][lrow].unsqueeze(1) != 0, -1, sched._eos.unsqueeze(0))
+    suppress = torch.cat([sp["stop_token_ids"][lrow].long(), eos], 1)
+    too_early = (total_lens - prompt_lens) < sp["min_tokens"][lrow]
+    suppress_ids = torch.where(too_early.unsqueeze(1), suppress, -1).to(torch.int32)
+    return sampling, prompt_lens, total_lens, suppress_ids, st.sampler_features[lrow]
+
+
+def run_spec_step(parts: StepParts, on_scheduled=None) -> bool:
+    """One eager CPU-loop step with speculation (module docstring). False when nothing
+    was scheduled."""
+    sched, executor, sampler = parts
+    batch = sched.schedule()
+    n = int(batch.num_scheduled_tokens)
+    if n == 0:
+        return False
+    if on_scheduled is not None:
+        on_scheduled(batch)
+    w = sched._w
+    st = w.state
+    S = w.size
+    k = sched.draft_len[:S]
+    num_new = batch.num_new_tokens
+    spec_row = (k > 0) & (num_new > 0)
+    if not bool(spec_row.any()):  # no row verifies a draft: the normal step
+        ns = max(int(batch.num_sample_rows), 1)
+        inputs = sched.sampler_inputs(batch, ns)
+        plan = SamplerPlan.from_features(inputs.features, inputs.suppress_ids)
+        model_phase(parts, batch, tokens=n, rows=ns, compact=True, plan=plan, inputs=inputs)
+        return True
+
+    # Lanes: every position of a drafting row, the last position of other sampling rows.
+    sampled = (num_new > 0) & (st.num_computed + num_new == st.num_tokens)
+    lanes_row = torch.where(spec_row, num_new, sampled.long())
+    lane_end = lanes_row.cumsum(0)
+    lane_start = lane_end - lanes_row
+    L = int(lane_end[-1])
+    lane = torch.arange(L, device=num_new.device)
+    lrow = torch.searchsorted(lane_end, lane, right=True)
+    j = lane - lane_start[lrow]
+    qsl = batch.attn.query_start_loc.long()
+    flat = qsl[lrow + 1] - lanes_row[lrow] + j
+
+    logits = executor.execute(batch.input_ids[:n], compact_rows(batch, n), flat)
+    sampling, prompt_lens, total_lens, suppress_ids, features = _lane_inputs(sched, lrow, j)
+    plan = SamplerPlan.from_features(features, suppress_ids)
+    history = (st.tokens[lrow, : sched.config.max_model_len]
+               if plan.any_penalty or plan.any_bad_words else None)
+    masks = None
+    if plan.any_constrained:  # constrained rows never draft: one lane each, at j = 0
+        masks = sched.token_masks(dataclasses.replace(batch, sample_rows=lrow), L, host_rows=True)
+    out = sampler(logits, sampling, history, prompt_lens, total_lens, total_lens, suppress_ids,
+                  plan=plan, masks=masks)
+    tok = out.tokens.long()
+
+    # Acceptance: lane j checks the draft token at position n + j (drafting rows only).
+    draft_tok = st.tokens[lrow, (st.num_tokens[lrow] + j).clamp(max=st.tokens.shape[1] - 1)].long()
+    match = spec_row[lrow] & (j < lanes_row[lrow] - 1) & (tok == draft_tok)
+    big = sched.spec.num_speculative_tokens + 1
+    first_miss = torch.full((S,), big, dtype=torch.int64, device=tok.device).scatter_reduce(
+        0, lrow, torch.where(match, big, j), "amin")
+    n_pub = torch.where(lanes_row > 0, first_miss + 1, 0)
+
+    # KV that is right: the row's last token and the accepted drafts.
+    valid_new = torch.where(spec_row, n_pub, num_new)
+    if sched.config.enable_prefix_caching:
+        from blink.engine import prefix_cache  # noqa: PLC0415
+
+        md = batch.attn
+        rows_t = md.token_seq_idx[:n]
+        pos = md.positions[:n]
+        valid = pos < (st.num_computed + valid_new)[rows_t]
+        prefix_cache.register(st, sched.config, batch.input_ids[:n], pos, rows_t, md.slot_mapping[:n],
+                              md.query_start_loc, valid, sched._hash,
+                              sched._stamp(sched.config.max_blocks_per_seq), sched._when)
+    st.num_computed += valid_new
+
+    accepted = torch.where(spec_row, n_pub - 1, 0)
+    sched.spec_counters += torch.stack([spec_row.sum(), torch.where(spec_row, lanes_row - 1, 0).sum(),
+                                        accepted.sum()])
+    pos_k = torch.arange(sched.spec.num_speculative_tokens, device=tok.device)
+    sched.spec_accepted_per_pos += (pos_k.unsqueeze(0) < accepted.unsqueeze(1)).sum(0)
+
+    # Publish position by position: the ordinary stage, so finishes cut the run exactly.
+    width = out.top_ids.shape[1]
+    for i in range(sched.spec.num_speculative_tokens + 1):
+        pub = (n_pub > i) & (st.status != ROW_RELEASING)
+        if not bool(pub.any()):
+            break
+        dest = torch.where(pub, pub.long().cumsum(0) - 1, S)
+        rows_i = torch.full((S + 1,), -1, dtype=torch.int64, device=tok.device).scatter(0, dest, w.rows)[:S]
+        li = (lane_start[rows_i.clamp(min=0)] + i).clamp(max=L - 1)
+        top_ids = out.top_ids[li] if width else out.top_ids[:S]
+        top_lp = out.top_logprobs[li] if width else out.top_logprobs[:S]
+        if not width:
+            top_ids = torch.empty(S, 0, dtype=torch.int64, device=tok.device)
+            top_lp = top_ids.float()
+        sched._publish_tokens(dataclasses.replace(batch, sample_rows=rows_i), out.tokens[li],
+                              out.logprob[li], top_ids, top_lp)
+    # A row that finished inside its accepted run: nothing past its last token is computed.
+    st.num_computed.copy_(torch.where(spec_row, torch.minimum(st.num_computed, st.num_tokens - 1),
+                                      st.num_computed))
+    sched._write_stats()
+    return True
+
+
+class SpecRunner:
+    """The eager CPU loop's step with speculation (``--speculative-config``)."""
+
+    name = "eager"
+
+    def __init__(self, parts: StepParts) -> None:
+        self.parts = parts
+
+    def prepare(self) -> None:
+        pass
+
+    def run(self, on_scheduled=None) -> bool:
+        return run_spec_step(self.parts, on_scheduled)

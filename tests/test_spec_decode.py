@@ -1,0 +1,296 @@
+"""Speculative decoding with n-gram drafts (issue 36, blink/engine/speculative.py).
+
+- the draft op (kernels/reference/ngram.py) against a plain-Python per-row rule on random
+  histories;
+- ``--speculative-config`` parsing: refusals name the field, draft_model by name;
+- exactness through the engine (tiny random Llama, fp32): greedy outputs token for token
+  the same as without speculation, on repetitive prompts (drafts hit) and random ones
+  (they miss), with stop ids and max_tokens inside accepted runs, under preemption, with
+  and without the prefix cache; seeded sampled outputs the same too; the KV pool whole at
+  quiescence; drafts were proposed and accepted (the counters);
+- the acceptance rule for sampled rows, statistically: a chi-square test on a small
+  vocabulary over many seeds (accept the point-mass draft x with probability p(x), else a
+  draw from p without x) that fails if the rule is wrong.
+"""
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
+from test_engine import BASE, make_llm, tiny_model_dir, wait_for  # noqa: E402
+
+from blink.engine.speculative import (  # noqa: E402
+    SPEC_NUM_ACCEPTED_TOKENS,
+    SPEC_NUM_DRAFT_TOKENS,
+    SPEC_NUM_DRAFTS,
+)
+from blink.errors import BlinkError  # noqa: E402
+from blink.kernels.reference.ngram import ngram_propose, ngram_propose_python  # noqa: E402
+from blink.shared.sampling_params import SamplingParams  # noqa: E402
+from blink.shared.speculative_config import (  # noqa: E402
+    SpeculativeConfigError,
+    parse_speculative_config,
+)
+
+SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+
+
+# ------------------------------------------------------------------------------ draft op
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ngram_propose_matches_python(seed):
+    rng = random.Random(seed)
+    R, L, K = 24, 48, rng.choice([1, 3, 5])
+    lo = rng.randint(1, 3)
+    hi = rng.randint(lo, 4)
+    vocab = rng.choice([2, 3, 5, 50])  # small vocabularies: many matches
+    histories = [[rng.randrange(vocab) for _ in range(rng.randint(0, L))] for _ in range(R)]
+    tokens = torch.full((R, L + 1), 7, dtype=torch.int32)  # garbage past each row's length
+    for r, h in enumerate(histories):
+        tokens[r, : len(h)] = torch.tensor(h, dtype=torch.int32)
+    lengths = torch.tensor([len(h) for h in histories])
+    draft, dlen = ngram_propose(tokens, lengths, K, lo, hi)
+    for r, h in enumerate(histories):
+        want = ngram_propose_python(h, K, lo, hi)
+        got = draft[r, : int(dlen[r])].tolist()
+        assert got == want, (r, h, lo, hi, K)
+        assert bool((draft[r, int(dlen[r]):] == 0).all())
+
+
+def test_ngram_latest_occurrence_longest_n():
+    h = [1, 2, 3, 9, 1, 2, 3, 8, 5, 2, 3]
+    # "2 3" occurs at 1 and 5; latest is 5 -> 8 5 2 3; the 3-gram "5 2 3" does not occur earlier
+    assert ngram_propose_python(h, 4, 1, 3) == [8, 5, 2, 3]
+    tokens = torch.tensor([h])
+    draft, n = ngram_propose(tokens, torch.tensor([len(h)]), 4, 1, 3)
+    assert draft[0, : int(n[0])].tolist() == [8, 5, 2, 3]
+
+
+# ------------------------------------------------------------------------------ config
+
+
+def test_config_parsing():
+    cfg = parse_speculative_config(SPEC)
+    assert (cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (4, 1, 3)
+    assert parse_speculative_config(None) is None
+    bad = {
+        '{"method": "draft_model", "model": "x", "num_speculative_tokens": 2}': "draft_model",
+        '{"method": "eagle", "num_speculative_tokens": 2}': "'method'",
+        '{"method": "ngram"}': "'num_speculative_tokens'",
+        '{"method": "ngram", "num_speculative_tokens": 0}': "'num_speculative_tokens'",
+        '{"method": "ngram", "num_speculative_tokens": "3"}': "'num_speculative_tokens'",
+        '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}':
+            "'prompt_lookup_min'",
+        '{"method": "ngram", "num_speculative_tokens": 2, "foo": 1}': "'foo'",
+        "not json": "not JSON",
+    }
+    for text, word in bad.items():
+        with pytest.raises(SpeculativeConfigError, match=word):
+            parse_speculative_config(text)
+
+
+def test_flag_declared_once_and_forwarded():
+    import argparse
+
+    from blink.engine_options import add_engine_options, engine_config_kwargs, forwarded_argv
+
+    p = argparse.ArgumentParser()
+    add_engine_options(p)
+    args = p.parse_args(["--speculative-config", SPEC])
+    assert engine_config_kwargs(args)["speculative_config"] == SPEC
+    argv = forwarded_argv(args)
+    assert argv[argv.index("--speculative-config") + 1] == SPEC
+    with pytest.raises(SystemExit):
+        p.parse_args(["--speculative-config", '{"method": "draft_model"}'])
+
+
+def test_gpu_tiers_and_compile_refuse():
+    from blink.engine.runners import choose_step_runner
+
+    for loop in ("host", "device"):
+        with pytest.raises(BlinkError, match="speculative-config"):
+            choose_step_runner(loop=loop, device="cuda", enforce_eager=True, cpu_graphs=False, speculative=True)
+    with pytest.raises(BlinkError, match="--compile"):
+        choose_step_runner(loop="cpu", device="cpu", enforce_eager=False, cpu_graphs=False, speculative=True)
+    assert choose_step_runner(loop="cpu", device="cpu", enforce_eager=True, cpu_graphs=True,
+                              speculative=True).name == "eager"
+
+
+# ------------------------------------------------------------------------------ engine
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return tiny_model_dir(tmp_path_factory.mktemp("spec_models"))
+
+
+def _repetitive(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        unit = [rng.randrange(256) for _ in range(rng.randint(3, 8))]
+        out.append((unit * 12)[: rng.randint(20, 60)])
+    return out
+
+
+def _random(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randint(3, 40))] for _ in range(n)]
+
+
+PROMPTS = _repetitive(1, 6) + _random(2, 4)
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def _pool_whole(llm) -> None:
+    sched = llm.engine.scheduler
+    wait_for(lambda: not sched.has_pending_release() and int((sched.state.block_ref > 0).sum()) == 0,
+             what="the KV pool whole again")
+    assert int(sched.state.num_blocks.sum()) == 0
+
+
+@pytest.fixture(scope="module")
+def plain(model_dir):
+    with make_llm(model_dir, cpu_graphs=False) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def spec(model_dir):
+    with make_llm(model_dir, speculative_config=SPEC) as engine:
+        yield engine
+
+
+def test_greedy_identical_and_drafts_accepted(plain, spec):
+    params = SamplingParams(max_tokens=40, **GREEDY)
+    want = plain.generate(PROMPTS, params, timeout_s=120)
+    before = spec.engine.scheduler.spec_counters.clone()
+    got = spec.generate(PROMPTS, params, timeout_s=120)
+    for p, w, g in zip(PROMPTS, want, got):
+        assert g.token_ids == w.token_ids, p
+        assert g.finish_reason == w.finish_reason == "length"
+    c = spec.engine.scheduler.spec_counters - before
+    assert int(c[SPEC_NUM_DRAFTS]) > 0 and int(c[SPEC_NUM_DRAFT_TOKENS]) >= int(c[SPEC_NUM_DRAFTS])
+    assert int(c[SPEC_NUM_ACCEPTED_TOKENS]) > 0, "no draft token was ever accepted"
+    # one at a time too (a batch of one is where speculation pays)
+    for i in (0, 7):
+        [g] = spec.generate([PROMPTS[i]], params, timeout_s=60)
+        assert g.token_ids == want[i].token_ids
+    _pool_whole(spec)
+
+
+def test_stop_ids_and_max_tokens_inside_accepted_runs(plain, spec):
+    base = plain.generate(PROMPTS[:6], SamplingParams(max_tokens=40, **GREEDY), timeout_s=120)
+    params = []
+    for b in base:  # stop at a token met mid-run, and max_tokens at odd places
+        params.append(SamplingParams(max_tokens=40, stop_token_ids=[b.token_ids[9]], **GREEDY))
+    for mt in (1, 2, 3, 5, 7, 13):
+        params.append(SamplingParams(max_tokens=mt, **GREEDY))
+    prompts = PROMPTS[:6] + PROMPTS[:6]
+    want = plain.generate(prompts, params, timeout_s=120)
+    got = spec.generate(prompts, params, timeout_s=120)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+        assert g.finish_reason == w.finish_reason
+    _pool_whole(spec)
+
+
+def test_seeded_sampling_identical(plain, spec):
+    params = [SamplingParams(temperature=0.7, seed=s, max_tokens=32, ignore_eos=True, logprobs=2)
+              for s in range(len(PROMPTS))]
+    want = plain.generate(PROMPTS, params, timeout_s=120)
+    got = spec.generate(PROMPTS, params, timeout_s=120)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+        # the accepted tokens' logprobs (and top-2) are the ones the plain step gives
+        for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
+    _pool_whole(spec)
+
+
+def test_penalties_bias_min_tokens_bad_words_identical(plain, spec):
+    """Sampler stages that read the row's history or output count: each lane sees the
+    draft tokens before it, so the result is the plain step's."""
+    params = []
+    for i, p in enumerate(PROMPTS):
+        params.append(SamplingParams(
+            max_tokens=30, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=False,
+            repetition_penalty=1.3 if i % 3 == 0 else 1.0, presence_penalty=0.5 if i % 3 == 1 else 0.0,
+            frequency_penalty=0.4 if i % 3 == 2 else 0.0, logit_bias={p[0]: 2.0, p[-1]: -1.0},
+            min_tokens=5, stop_token_ids=[p[1]], bad_words_token_ids=[[p[2], p[3]]] if len(p) > 3 else None))
+    want = plain.generate(PROMPTS, params, timeout_s=120)
+    got = spec.generate(PROMPTS, params, timeout_s=120)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+        assert g.finish_reason == w.finish_reason
+    _pool_whole(spec)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_greedy_identical_under_preemption(model_dir, prefix_caching):
+    prompts = PROMPTS * 2
+    params = SamplingParams(max_tokens=48, **GREEDY)
+    small = dict(max_model_len=128, kv_cache_tokens=160, enable_prefix_caching=prefix_caching)
+    with make_llm(model_dir, cpu_graphs=False, **small) as plain_llm:
+        want = plain_llm.generate(prompts, params, timeout_s=180)
+    with make_llm(model_dir, speculative_config=SPEC, **small) as spec_llm:
+        got = spec_llm.generate(prompts, params, timeout_s=180)
+        _pool_whole(spec_llm)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+
+
+def test_invalid_config_refused_by_engine(model_dir):
+    with pytest.raises(BlinkError, match="draft_model"):
+        make_llm(model_dir, speculative_config='{"method": "draft_model", "model": "x"}')
+
+
+# ------------------------------------------------------------------------------ sampling rule
+
+
+def test_acceptance_rule_chi_square():
+    """One sampled lane with a point-mass draft x: the engine's rule (draw t from p with the
+    lane's seed and counter; accept x iff t == x, else publish t) must give P(accept) = p(x)
+    and, when rejected, p without x renormalised; so the first published token ~ p. Checked
+    with chi-square statistics over many seeds; a wrong rule (e.g. always accepting the
+    draft, or resampling from p including x) fails."""
+    from blink.engine.sampler import Sampler, SamplingTensors
+
+    V, draws = 6, 6000
+    probs = torch.tensor([0.30, 0.05, 0.25, 0.10, 0.20, 0.10])
+    logits = probs.log().unsqueeze(0).expand(draws, V).contiguous()
+    x = 2  # the draft token
+    st = SamplingTensors.from_params([SamplingParams(temperature=1.0, seed=s) for s in range(draws)])
+    n = torch.full((draws,), 10, dtype=torch.int64)
+    history = torch.zeros(draws, 16, dtype=torch.int32)
+    out = Sampler(max_logprobs=1)(logits, st, history, n, n, n)
+    t = out.tokens.long()
+    accepted = t == x
+    first = torch.where(accepted, x, t)  # the published token at this position
+    counts = torch.bincount(first, minlength=V).double()
+    expect = probs.double() * draws
+    chi2 = float(((counts - expect) ** 2 / expect).sum())
+    assert chi2 < 20.5, f"chi-square {chi2:.1f} (5 dof, p=0.001) — published tokens are not ~ p"
+    # acceptance probability is p(x)
+    acc = float(accepted.double().mean())
+    assert abs(acc - 0.25) < 4 * (0.25 * 0.75 / draws) ** 0.5
+    # residual distribution: p without x renormalised
+    rej = torch.bincount(t[~accepted], minlength=V).double()
+    q = probs.clone().double()
+    q[x] = 0
+    q /= q.sum()
+    exp_r = q * float((~accepted).sum())
+    keep = q > 0
+    chi2_r = float((((rej - exp_r) ** 2)[keep] / exp_r[keep]).sum())
+    assert chi2_r < 18.5 and rej[x] == 0
+    # the same statistic catches a wrong rule: always accepting the draft
+    wrong = torch.full_like(first, x)
+    wrong_counts = torch.bincount(wrong, minlength=V).double()
+    assert float(((wrong_counts - expect) ** 2 / expect).sum()) > 1000
