@@ -32,7 +32,7 @@ FRONTEND_LIMIT_FLAGS = ("max_request_body_mb", "chat_template_timeout", "grammar
 FRONTEND_LIMIT_SWITCHES = ("trust_request_chat_template", "public_docs",
                            "enable_auto_tool_choice", "exclude_tools_when_tool_choice_none")
 #: flags handed on only when set
-FRONTEND_OPTIONAL_FLAGS = ("tool_call_parser", "reasoning_parser")
+FRONTEND_OPTIONAL_FLAGS = ("tool_call_parser", "reasoning_parser", "scheduling_policy")
 #: the HTTP server's connection bounds (blink.dpu.http_server), handed on when given
 FRONTEND_CONNECTION_FLAGS = ("http_header_timeout", "http_body_timeout", "max_connections")
 
@@ -196,12 +196,6 @@ def _check_vllm_frontend_flags(args: argparse.Namespace) -> list[str]:
     if backend is not None and backend not in backends:
         raise BlinkError(f"--guided-decoding-backend {backend}: Blink's structured outputs run "
                          f"on llguidance; use auto or guidance, or drop the flag")
-    policy = getattr(args, "scheduling_policy", "fcfs")
-    if policy != "fcfs":
-        raise BlinkError(f"--scheduling-policy {policy}: Blink schedules first come, first served "
-                         f"(fcfs) only; it has no priority scheduling yet (a request with a "
-                         f"priority other than 0 gets a 400, as vLLM answers without it); use "
-                         f"fcfs or drop the flag")
     content_format = getattr(args, "chat_template_content_format", "auto")
     if content_format != "auto":
         raise BlinkError(f"--chat-template-content-format {content_format}: Blink detects the "

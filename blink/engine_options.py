@@ -308,10 +308,13 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     _option("--guided-decoding-backend", default=None, metavar="NAME", group=VLLM_GROUP,
             vllm=SAME_AS_VLLM, forward=False, not_forwarded=_CHECKED_BY_SERVE,
             help="auto or guidance (llguidance, what Blink runs); others are refused"),
-    _option("--scheduling-policy", default="fcfs", metavar="fcfs", group=VLLM_GROUP,
-            vllm=SAME_AS_VLLM, forward=False, not_forwarded=_CHECKED_BY_SERVE,
-            help="fcfs only (first come, first served); 'priority' is refused: Blink has no "
-                 "priority scheduling yet, and requests with a priority other than 0 get a 400"),
+    _option("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+            field="scheduling_policy", vllm=SAME_AS_VLLM, example="priority",
+            help="fcfs (first come, first served; a request with a priority other than 0 "
+                 "gets a 400, as vLLM answers) or priority (vLLM's: the request field "
+                 "'priority', lower = sooner, then arrival, orders admission, the token "
+                 "budget and the KV blocks; the least urgent running requests are "
+                 "preempted first, also for a more urgent waiting one)"),
     _option("--chat-template-content-format", default="auto", metavar="auto", group=VLLM_GROUP,
             vllm=SAME_AS_VLLM, forward=False, not_forwarded=_CHECKED_BY_SERVE,
             help="auto only: Blink detects the content format from the template"),

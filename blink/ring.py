@@ -77,10 +77,11 @@ from blink.errors import BlinkError
 from blink.shared.sampling_fields import BAD_WORD_TOKENS, SAMPLING_FIELDS, numpy_fields
 
 MAGIC = int.from_bytes(b"BLINKRNG", "little")
-LAYOUT_VERSION = 7  # 2: the request record (one contiguous payload per slot); 3: grammar region
+LAYOUT_VERSION = 8  # 2: the request record (one contiguous payload per slot); 3: grammar region
 # (issue 15) or admitted_step (main); 4: both; 5: disaggregated prefill/decode (kv_* fields);
 # 6: per-slot token masks with an epoch word replace the grammar region (issue 30);
 # 7: allowed_token_ids, bad_words_ids and cache_salt in the request record (issue 33)
+# 8: priority in the request record (issue 33, --scheduling-policy priority)
 ALIGN = 64
 
 # Control block word indices (all int64).

@@ -287,6 +287,7 @@ def app_options(args: argparse.Namespace) -> dict[str, Any]:
         "public_docs": bool(args.public_docs),
         "tool_calling": tool_calling,
         "reasoning_parser": getattr(args, "reasoning_parser", None),
+        "scheduling_policy": getattr(args, "scheduling_policy", "fcfs") or "fcfs",
         "limits": RequestLimits(
             max_request_body_bytes=max(1, int(args.max_request_body_mb * (1 << 20))),
             chat_template_timeout_s=args.chat_template_timeout,
@@ -306,7 +307,8 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, *,
                tool_calling: ToolCallingConfig | None = None,
                access_log_skip: frozenset[str] = frozenset(),
                request_log: RequestLogConfig | None = None,
-               reasoning_parser: str | None = None) -> FastAPI:
+               reasoning_parser: str | None = None,
+               scheduling_policy: str = "fcfs") -> FastAPI:
     """Build the app. ``model_name`` (default ``engine.model_name``): the name, or the list of
     names (``--served-model-name a b``, as vLLM), requests may ask for; /v1/models lists them
     all and answers carry the first; ``api_key`` turns on Bearer authentication (for the API docs too,
@@ -315,7 +317,9 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, *,
     flags (``--enable-auto-tool-choice``, ``--tool-call-parser``); ``access_log_skip``: paths
     the access log leaves out; ``request_log``: per-request input/output logging
     (``--enable-log-requests``, :mod:`blink.dpu.request_log`); ``reasoning_parser``: a
-    :data:`blink.dpu.reasoning.REASONING_PARSERS` name (``--reasoning-parser``)."""
+    :data:`blink.dpu.reasoning.REASONING_PARSERS` name (``--reasoning-parser``);
+    ``scheduling_policy``: the engine's (``--scheduling-policy``): under ``priority`` a
+    request's ``priority`` reaches the engine, under ``fcfs`` a non-zero one is a 400."""
     names = ([model_name] if isinstance(model_name, str) else list(model_name or [])) or [
         engine.model_name]
     name = names[0]
@@ -329,6 +333,9 @@ def create_app(engine: EngineClient, tokenizer: Tokenizer, *,
             raise BlinkError(f"--reasoning-parser must be one of "
                              f"{', '.join(REASONING_PARSERS)}, got {reasoning_parser!r}")
         serving.reasoning_parser = REASONING_PARSERS[reasoning_parser]
+    if scheduling_policy not in ("fcfs", "priority"):
+        raise BlinkError(f"--scheduling-policy must be fcfs or priority, got {scheduling_policy!r}")
+    serving.priority_scheduling = scheduling_policy == "priority"
     responses = ResponsesServing(serving)
     docs_open = api_key is None or public_docs
     app = FastAPI(title="Blink", summary="OpenAI-compatible LLM serving (Blink frontend)",

@@ -37,7 +37,7 @@ _DEFAULTS: dict[str, Any] = {
     "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
     "frequency_penalty": 0.0, "seed": 0, "stop_token_ids": (), "logit_bias_ids": (),
     "logit_bias_values": (), "constrained": 0, "allowed_token_ids": (), "bad_words_ids": (),
-    "cache_salt": 0,
+    "cache_salt": 0, "priority": 0,
 }
 #: What a vector field's capacity counts, for the error message.
 _UNITS = {"stop_token_ids": "ids", "logit_bias_ids": "entries", "logit_bias_values": "entries",
@@ -155,4 +155,5 @@ def ring_fields(params: SamplingParams, prompt_len: int, max_model_len: int,
         allowed_token_ids=params.allowed_token_ids or (),
         bad_words_ids=bad_words,
         cache_salt=cache_salt_hash(params.cache_salt),
+        priority=params.priority,
     )

@@ -324,6 +324,9 @@ class OpenAIServing:
         self.tool_calling = tool_calling or ToolCallingConfig()
         #: ``--reasoning-parser``: the class splitting thinking from the answer (None: off)
         self.reasoning_parser: type[ReasoningParser] | None = None
+        #: --scheduling-policy priority: a request's ``priority`` reaches the engine (else a
+        #: non-zero one is a 400, as vLLM answers without priority scheduling)
+        self.priority_scheduling = False
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.model_name = model_name
@@ -391,9 +394,14 @@ class OpenAIServing:
 
     def _check_request(self, req: ChatCompletionRequest | CompletionRequest) -> None:
         self.check_model(req.model)
-        problem = req.unsupported()
+        # Under the priority policy the request's priority is honoured: checked without it.
+        problem = (req.model_copy(update={"priority": 0}) if self.priority_scheduling
+                   else req).unsupported()
         if problem is not None:
             raise bad_request(f"{problem[1]}.", param=problem[0])
+        if self.priority_scheduling and not -2**31 <= req.priority < 2**31:
+            raise bad_request(f"priority must be a 32-bit signed integer, got {req.priority}.",
+                              param="priority")
         # Before anything is built per choice: n=10**7 must cost nothing.
         if req.n > MAX_N:
             raise bad_request(f"n must be at most {MAX_N}, got {req.n}.", param="n")
@@ -506,6 +514,7 @@ class OpenAIServing:
                 allowed_token_ids=getattr(req, "allowed_token_ids", None),
                 bad_words=getattr(req, "bad_words", None) or [],
                 cache_salt=getattr(req, "cache_salt", None),
+                priority=req.priority if self.priority_scheduling else 0,
             )
             if params.bad_words:
                 params.update_from_tokenizer(

@@ -109,7 +109,6 @@ def test_help_shows_defaults(capsys, flag):
     (["--dtype", "float16"], "--dtype float16: Blink's kernels"),
     (["--generation-config", "vllm"], "--generation-config vllm: Blink always takes"),
     (["--reasoning-parser", "granite"], "--reasoning-parser granite: Blink has the reasoning"),
-    (["--scheduling-policy", "priority"], "--scheduling-policy priority: Blink schedules first"),
     (["--structured-outputs-config", '{"backend": "xgrammar"}'],
      "--structured-outputs-config {\"backend\": \"xgrammar\"}: Blink's structured outputs"),
     (["--structured-outputs-config", "nope"], "--structured-outputs-config must be a JSON"),

@@ -2,7 +2,8 @@
 (blink/engine/sched/reference.py): both driven by the same arrivals, cancels, stream reads
 and sampled tokens, and compared step by step: which rows run and how many tokens each gets,
 which rows sample, every row's status and token / computed / block counts, the free pool,
-preemptions, and every finish reason."""
+preemptions, and every finish reason. Both policies: fcfs (the default) and priority
+(``--scheduling-policy priority``: random request priorities)."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hst
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
 import test_scheduler as ts  # noqa: E402
@@ -70,9 +72,12 @@ def drive(reqs: list[ts.Req], cfg, n_slots: int = 4, stream_capacity: int = 4, r
             queue.append(pending.pop(0))
         while queue and fe.submit(queue[0]):
             req = queue.pop(0)
+            priority = getattr(req, "priority", 0)  # set on a ts.Req by the priority tests
+            ring.priority[req.slot] = priority  # (before the scheduler's next step reads the slot)
             by_req[id(req)] = r = reference.Request(
                 slot=req.slot, arrival=req.arrival, prompt=list(req.prompt), max_tokens=req.max_tokens,
-                min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop_ids=tuple(req.stop_ids))
+                min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop_ids=tuple(req.stop_ids),
+                priority=priority)
             ref.add(r)
         for req in reqs:
             if req.cancel_step == step and req.slot >= 0 and req.finish is None:
@@ -134,3 +139,53 @@ def test_prefix_caching_agrees_while_nothing_is_evicted(seed):
     reqs = ts._random_reqs(rng, 10, cfg.max_model_len, shared=16)
     sched, _ = drive(reqs, cfg, n_slots=int(rng.integers(1, 6)))
     assert int(sched.state.counters[K_PREFIX_HITS]) > 0 or seed  # seed 0 shares prefixes
+
+
+# ----------------------------------------------------------------------------- priority policy
+
+
+def _with_priorities(reqs: list[ts.Req], priorities) -> list[ts.Req]:
+    for req, p in zip(reqs, priorities):
+        req.priority = int(p)  # read by drive()
+    return reqs
+
+
+def test_priority_tiny_pool_agrees_step_by_step():
+    rng = np.random.default_rng(0)
+    cfg = ts._cfg(num_blocks=10, enable_prefix_caching=False, scheduling_policy="priority")
+    reqs = _with_priorities(ts._random_reqs(rng, 12, cfg.max_model_len), rng.integers(-3, 3, 12))
+    _, ref = drive(reqs, cfg)
+    assert ref.preemptions > 0
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ts.scenarios(), hst.lists(hst.integers(-3, 3), min_size=10, max_size=10))
+def test_priority_random_workloads_agree_with_the_reference(scenario, priorities):
+    """The property test's workloads under the priority policy with random priorities
+    (few values: many ties, so arrival breaks them): the two schedulers agree at every step."""
+    cfg, reqs, env, _ = scenario
+    cfg = dataclasses.replace(cfg, enable_prefix_caching=False, scheduling_policy="priority")
+    drive(_with_priorities(reqs, priorities), cfg, **env)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_priority_prefix_caching_agrees_while_nothing_is_evicted(seed):
+    rng = np.random.default_rng(100 + seed)
+    base = ts._cfg(max_admit_per_step=int(rng.integers(1, 4)), scheduling_policy="priority")
+    cfg = dataclasses.replace(base, num_blocks=12 * base.max_blocks_per_seq, prefix_probes=64)
+    reqs = _with_priorities(ts._random_reqs(rng, 10, cfg.max_model_len, shared=16), rng.integers(-2, 3, 10))
+    drive(reqs, cfg, n_slots=int(rng.integers(1, 6)))
+
+
+def test_priority_policy_with_zero_priorities_is_fcfs():
+    """Every priority 0: the priority policy schedules exactly as fcfs (same steps, same
+    preemptions)."""
+    rng = np.random.default_rng(3)
+    cfg = ts._cfg(num_blocks=10, enable_prefix_caching=False)
+    runs = []
+    for policy in ("fcfs", "priority"):
+        reqs = ts._random_reqs(np.random.default_rng(3), 12, cfg.max_model_len)
+        _, ref = drive(reqs, dataclasses.replace(cfg, scheduling_policy=policy))
+        runs.append((ref.preemptions, [(r.slot, r.arrival, r.finish, r.tokens) for r in ref.finished]))
+    assert runs[0] == runs[1]
+    del rng

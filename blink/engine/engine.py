@@ -85,6 +85,8 @@ class EngineConfig:
     #: the step's token budget (vLLM's default; docs/performance.md#token-budget)
     max_num_batched_tokens: int = config_default("max_num_batched_tokens")
     max_admit_per_step: int = 16
+    #: fcfs | priority (vLLM's --scheduling-policy; SchedulerConfig.scheduling_policy)
+    scheduling_policy: str = config_default("scheduling_policy")
     enable_prefix_caching: bool = config_default("enable_prefix_caching")
     stream_capacity: int = 64
     #: structured outputs: the ring gets a token-mask row per slot (off: constrained
@@ -176,6 +178,7 @@ class EngineConfig:
             enable_prefix_caching=self.enable_prefix_caching and self.role != "decode",
             eos_token_ids=list(eos_token_ids),
             mask_timeout_s=self.mask_timeout_s,
+            scheduling_policy=self.scheduling_policy,
         )
 
 

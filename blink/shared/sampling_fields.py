@@ -28,6 +28,9 @@ Ring conventions (what the frontend writes, the engine reads):
   generated tokens (output tokens only, as vLLM); a one-token row is always masked.
 - ``cache_salt``: 0 = unsalted; else a 63-bit hash of the request's salt string, which enters
   every prefix-cache key of the request's blocks and is checked on a hit.
+- ``priority``: the request's priority (int32; lower = more urgent, as vLLM). The engine
+  orders admission, the token budget, blocks and preemption by (priority, arrival) under
+  ``SchedulerConfig.scheduling_policy == "priority"`` and ignores it under fcfs.
 - ``constrained``: 1 when the frontend publishes a token mask for the request (the ring's
   mask area and ``mask_epoch``; the first mask is written before the record, so the slot's
   state word publishes both), 0 otherwise.
@@ -92,6 +95,9 @@ SAMPLING_FIELDS: tuple[SamplingField, ...] = (
                   doc="banned token sequences, BAD_WORD_TOKENS entries per word, right-aligned"),
     SamplingField("cache_salt", "<i8", sampler=False,
                   doc="prefix-cache salt hash (0 = unsalted): blocks are shared only within a salt"),
+    SamplingField("priority", "<i4", sampler=False,
+                  doc="scheduling priority under --scheduling-policy priority (vLLM's: lower "
+                      "value = served first, then arrival); always 0 under fcfs"),
     SamplingField("constrained", "<i4", sampler=False,
                   doc="1: the sampler masks the row with the slot's token mask from the ring's "
                       "mask area, once its mask_epoch equals the row's output count; 0 = free"),

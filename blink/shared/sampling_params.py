@@ -162,6 +162,9 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = None
     #: Prefix-cache isolation between tenants (None: the shared, unsalted cache).
     cache_salt: str | None = None
+    #: Scheduling priority (vLLM's request ``priority``: lower = served first), honoured
+    #: under ``--scheduling-policy priority``; a 32-bit signed integer.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         # Normalise the loose forms a JSON request carries before checking ranges.
@@ -409,6 +412,10 @@ class SamplingParams:
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise SamplingParamsError(
                 f"cache_salt must be a string, got {self.cache_salt!r}."
+            )
+        if not _is_int(self.priority) or not -2**31 <= self.priority < 2**31:
+            raise SamplingParamsError(
+                f"priority must be a 32-bit signed integer, got {self.priority!r}."
             )
 
     def check_vocab(self, vocab_size: int) -> None:

@@ -3,7 +3,8 @@ to ``max_admit_per_step`` per step, as many prompts as fit the copy window), wit
 prompt copied out of the arena and the sampling fields out of the slot.
 
 - Cancellation: a slot whose ``cancel`` word is set finishes with FINISH_ABORT this step.
-- Admission: up to ``max_admit_per_step`` WRITTEN slots, lowest arrival ticket first, as
+- Admission: up to ``max_admit_per_step`` WRITTEN slots, lowest arrival ticket first (under
+  the priority policy: lowest ``priority``, then arrival), as
   long as their prompts fit the step's copy window (``admit_window_tokens``, at least one
   max-length prompt, so the oldest always fits). The prompt is copied out of the circular
   arena by one flat gather over the window, the sampling fields out of the slot, the stream
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from blink.engine.sampler import row_features
+from blink.engine.sched.budget import queue_order
 from blink.engine.sched.state import (
     INT64_MAX,
     K_PROMPT_TOKENS,
@@ -78,8 +80,10 @@ class Admission:
         aborted = written & cancel
         candidate = written & ~cancel
         K = min(cfg.max_admit_per_step, S)
-        # Ascending arrival: the FCFS order of the candidates.
-        _, idx = torch.topk(torch.where(candidate, ring["arrival"], INT64_MAX), K, largest=False)
+        if cfg.scheduling_policy == "priority":  # (priority, arrival): the most urgent first
+            idx = queue_order(candidate, ring["arrival"], self._priority(ring))[:K]
+        else:  # ascending arrival: the FCFS order of the candidates
+            _, idx = torch.topk(torch.where(candidate, ring["arrival"], INT64_MAX), K, largest=False)
         plen_k = ring["prompt_len"][idx].long()
         ok_k = candidate[idx]
         valid_k = ok_k & (plen_k >= 1) & (plen_k < L)

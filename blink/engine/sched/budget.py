@@ -2,6 +2,9 @@
 KV blocks they need, preemption by recompute when the pool is short, and the release of
 finished rows' blocks. Also the blocks' LRU stamps (the prefix cache evicts by them).
 
+- Order: FCFS (arrival), or under ``scheduling_policy="priority"`` (priority, arrival):
+  "FCFS order" below means that order, so a more urgent row gets the budget and blocks
+  first and the least urgent (newest among equals) is preempted first.
 - Budget: rows in FCFS order each ask for all their uncomputed tokens; a cumulative sum over
   the token budget gives each its share, the last one a partial chunk (chunked prefill mixed
   with decode). Rows whose output stream is full are skipped (backpressure, nothing lost).
@@ -35,6 +38,18 @@ def ceil_div(x: torch.Tensor, d: int) -> torch.Tensor:
     return (x + d - 1) // d
 
 
+def queue_order(live: torch.Tensor, arrival: torch.Tensor, priority: torch.Tensor | None) -> torch.Tensor:
+    """The rows (or slots) sorted into the scheduling order: ascending arrival (fcfs,
+    ``priority`` None), or ascending (priority, arrival) (the priority policy: a stable sort
+    by arrival, then a stable sort by priority); rows not ``live`` last. Fixed shapes, no
+    branch on values."""
+    order = torch.argsort(torch.where(live, arrival, INT64_MAX), stable=True)
+    if priority is not None:
+        key = torch.where(live, priority.long(), INT64_MAX)[order]
+        order = order[torch.argsort(key, stable=True)]
+    return order
+
+
 class Budget:
     """The budget / allocation / preemption / release stage of
     :class:`blink.engine.sched.scheduler.Scheduler` (a mixin over its state and row window)."""
@@ -55,8 +70,9 @@ class Budget:
         schedulable = active & ~st.needs_lookup & room
         want = torch.where(schedulable, st.num_tokens - st.num_computed, 0)
 
-        # Position p in FCFS order (0 = oldest request); idle rows sort last.
-        order = torch.argsort(torch.where(active, st.arrival, INT64_MAX), stable=True)
+        # Position p in FCFS order (0 = oldest request; under the priority policy, the most
+        # urgent, then oldest: preemption takes the last positions); idle rows sort last.
+        order = queue_order(active, st.arrival, self._priority(st.sampling))
         # Releasing rows count as holding nothing here: they get no blocks, are never
         # preempted, and their blocks come back through _release_finished alone.
         nc = torch.where(active, st.num_computed, 0)[order]
@@ -75,6 +91,11 @@ class Budget:
             self._assign_blocks(need)
         st.status.masked_fill_(num_new > 0, ROW_RUNNING)
         return num_new
+
+    def _priority(self, fields: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The ``priority`` field (of the rows or of the ring's slots) when the priority
+        policy orders the queue, else None (fcfs)."""
+        return fields["priority"] if self.config.scheduling_policy == "priority" else None
 
     def _preempt(
         self,

@@ -22,7 +22,11 @@ Where a request lives:
   window per step; the slot's next request waits for the row to be EMPTY).
 - ``running``: the WAITING and RUNNING requests, oldest arrival first. Unlike nano-vllm,
   there is one queue: the token budget and the blocks go by arrival (FCFS), and a preempted
-  request keeps its place (it is recomputed from scratch, its tokens kept).
+  request keeps its place (it is recomputed from scratch, its tokens kept). Under
+  ``scheduling_policy="priority"`` the queue (admission included) is ordered by (priority,
+  arrival) instead (:meth:`ReferenceScheduler.key`), so a newly admitted urgent request is
+  served before, and may preempt, less urgent running ones; everything below that says
+  "oldest" / "youngest" means first / last in that order. Prefix lookups stay by arrival.
 
 Not modelled here: disaggregation's KV reservations (kv_reserve.py), the stream payloads
 (only their fill level, for backpressure), logprobs, and the hash table's limits (the prefix
@@ -56,6 +60,7 @@ class Request:
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_ids: tuple[int, ...] = ()
+    priority: int = 0  # under the priority policy: lower = served first (vLLM's)
     # Engine side.
     status: str = WAITING
     tokens: list[int] = field(default_factory=list)  # prompt + generated
@@ -111,11 +116,17 @@ class ReferenceScheduler:
             if req is not None and req.slot == slot and req.finish is None:
                 req.cancelled = True
 
+    def key(self, req: Request) -> tuple[int, ...]:
+        """The queue order: arrival (fcfs), or (priority, arrival) under the priority
+        policy (vLLM's: a lower priority value is served first, ties by arrival)."""
+        return (req.priority, req.arrival) if self.cfg.scheduling_policy == "priority" else (req.arrival,)
+
     @property
     def running(self) -> list[Request]:
-        """WAITING and RUNNING requests, oldest first (the FCFS order of budget and blocks)."""
+        """WAITING and RUNNING requests in queue order (:meth:`key`: oldest first under
+        fcfs), the order of budget and blocks; preemption takes them from the end."""
         live = [r for r in self.rows if r is not None and r.status in (WAITING, RUNNING)]
-        return sorted(live, key=lambda r: r.arrival)
+        return sorted(live, key=self.key)
 
     def num_free_blocks(self) -> int:
         return sum(1 for n in self.ref if n == 0)
@@ -169,13 +180,13 @@ class ReferenceScheduler:
             if req.cancelled:
                 self.waiting.remove(req)
                 self._done(req, FINISH_ABORT)
-        candidates = [r for r in ready if not r.cancelled][: min(cfg.max_admit_per_step, self.num_slots)]
+        candidates = sorted((r for r in ready if not r.cancelled), key=self.key)
         window = cfg.admit_window_tokens
-        for req in candidates:  # arrival order: ``waiting`` is
+        for req in candidates[: min(cfg.max_admit_per_step, self.num_slots)]:  # queue order
             valid = 1 <= len(req.prompt) < cfg.max_model_len
             need = len(req.prompt) if valid else 0
             if need > window:
-                break  # FCFS: nothing younger jumps the queue
+                break  # nothing later in the queue order jumps it
             window -= need
             self.waiting.remove(req)
             if not valid:

@@ -200,6 +200,11 @@ class Scheduler(Admission, KvReservation, PrefixHookup, Budget, Batching, Publis
         if set(stages) - set(FUSED_STAGES):
             raise BlinkError(f"unknown fused stage(s) {sorted(set(stages) - set(FUSED_STAGES))}; "
                              f"known: {', '.join(FUSED_STAGES)}")
+        if config.scheduling_policy != "fcfs" and {"admit", "allocate"} & set(stages):
+            raise BlinkError(f"--scheduling-policy {config.scheduling_policy} is not implemented "
+                             f"in the fused Triton scheduler (BLINK_FUSED_SCHEDULER, stages "
+                             f"admit/allocate, which order by arrival only); unset "
+                             f"BLINK_FUSED_SCHEDULER or use --scheduling-policy fcfs")
         self.fused = frozenset(stages)
         if self.fused:
             from blink.kernels.triton import (  # noqa: PLC0415 - Triton only when asked for

@@ -57,6 +57,9 @@ NUM_COUNTERS = 7
 
 INT64_MAX = 2**63 - 1
 
+#: SchedulerConfig.scheduling_policy values (vLLM's --scheduling-policy)
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 
 def geometric_buckets(first: int, factor: int, last: int) -> tuple[int, ...]:
     """``first, first*factor, ...`` below ``last``, then ``last`` itself."""
@@ -99,6 +102,9 @@ class SchedulerConfig:
     prefix_probes: probe window of the open-addressing prefix-cache table.
     mask_timeout_s: how long a constrained row waits at the sampling gate for the frontend's
         token mask before it finishes with an error (blink.engine.token_mask).
+    scheduling_policy: ``fcfs`` (arrival order) or ``priority`` (vLLM's: the request's
+        ``priority`` field first, lower = sooner, then arrival) for admission, the token
+        budget, blocks and preemption (the last in that order is preempted first).
     """
 
     block_size: int = 16
@@ -114,8 +120,12 @@ class SchedulerConfig:
     lookup_window_blocks: int | None = None
     release_window_blocks: int | None = None
     mask_timeout_s: float = 5.0
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise BlinkError(f"scheduler config: scheduling_policy must be one of "
+                             f"{', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
         for name in ("block_size", "num_blocks", "max_model_len", "max_num_batched_tokens",
                      "max_admit_per_step", "prefix_probes"):

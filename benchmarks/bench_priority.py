@@ -1,0 +1,200 @@
+"""Priority scheduling under saturation (issue 33 item 3): does a high-priority request keep
+its idle TTFT while low-priority streams saturate the engine, and do the low ones keep
+flowing?
+
+Against a server started with ``--scheduling-policy priority`` (Blink or vLLM)::
+
+    blink serve --model MODEL --scheduling-policy priority --port 8765 &
+    python -m benchmarks.bench_priority --base-url http://127.0.0.1:8765 \\
+        --low-streams 16 --high-requests 40 --result-json priority.json
+
+One run, three phases:
+
+1. idle: ``--high-requests`` high-priority requests, one at a time: their TTFT (P50/P99).
+2. saturated: ``--low-streams`` closed-loop low-priority streams (each sends its next request
+   when the last one ends) and, once they run, the same number of high-priority requests,
+   one every ``--high-interval`` seconds: their TTFT (P50/P99).
+3. the report: high-priority P99 TTFT saturated / idle (the issue's target: within 2x), and
+   the low-priority streams' output throughput (tokens/s) and completed requests while the
+   high ones ran (low-priority requests must keep finishing).
+
+Priorities are vLLM's: lower value = more urgent (``--high-priority`` 0, ``--low-priority``
+10 by default). ``--smoke`` shrinks everything for a correctness run (not a measurement).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+
+
+@dataclass
+class Result:
+    ttft_s: float | None = None  # None: no token came back
+    output_tokens: int = 0
+    ok: bool = False
+    error: str = ""
+
+
+@dataclass
+class Report:
+    idle_ttft_p50_s: float
+    idle_ttft_p99_s: float
+    saturated_ttft_p50_s: float
+    saturated_ttft_p99_s: float
+    p99_ratio: float  # saturated / idle: the issue's target is <= 2
+    low_tokens_per_s: float
+    low_completed: int
+    low_failed: int
+    high_failed: int
+    window_s: float
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def text(self) -> str:
+        return "\n".join([
+            f"high-priority TTFT idle:      P50 {self.idle_ttft_p50_s * 1e3:8.1f} ms  "
+            f"P99 {self.idle_ttft_p99_s * 1e3:8.1f} ms",
+            f"high-priority TTFT saturated: P50 {self.saturated_ttft_p50_s * 1e3:8.1f} ms  "
+            f"P99 {self.saturated_ttft_p99_s * 1e3:8.1f} ms",
+            f"P99 ratio saturated/idle:     {self.p99_ratio:.2f}x (target <= 2x)",
+            f"low-priority throughput:      {self.low_tokens_per_s:.1f} tokens/s, "
+            f"{self.low_completed} requests completed in {self.window_s:.1f} s "
+            f"({self.low_failed} failed)",
+            f"high-priority failures:       {self.high_failed}",
+        ])
+
+
+async def one_request(http: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
+                      priority: int) -> Result:
+    """One streamed completion; TTFT = time to the first chunk with text."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0.0, "stream": True, "priority": priority,
+            "stream_options": {"include_usage": True}}
+    res = Result()
+    t0 = time.perf_counter()
+    try:
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    res.output_tokens = int(chunk["usage"].get("completion_tokens", 0))
+                for choice in chunk.get("choices", []):
+                    if choice.get("text") and res.ttft_s is None:
+                        res.ttft_s = time.perf_counter() - t0
+        res.ok = res.ttft_s is not None
+    except httpx.HTTPError as e:
+        res.error = repr(e)
+    return res
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+async def run(http: httpx.AsyncClient, *, model: str, low_streams: int = 16,
+              high_requests: int = 40, high_interval_s: float = 0.5, prompt_words: int = 200,
+              low_max_tokens: int = 256, high_max_tokens: int = 16, low_priority: int = 10,
+              high_priority: int = 0, warmup_s: float = 2.0) -> Report:
+    """The three phases over ``http`` (any httpx client: a server's URL or an ASGI app)."""
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "light", "paper"]
+
+    def prompt() -> str:  # distinct prompts: no prefix-cache shortcut for the TTFT
+        return " ".join(rng.choice(words, prompt_words))
+
+    # 1. idle
+    idle = [await one_request(http, model, prompt(), high_max_tokens, high_priority)
+            for _ in range(high_requests)]
+    idle_ttft = [r.ttft_s for r in idle if r.ok]
+
+    # 2. saturated
+    stop = asyncio.Event()
+    low: list[Result] = []
+
+    async def low_stream() -> None:
+        while not stop.is_set():
+            low.append(await one_request(http, model, prompt(), low_max_tokens, low_priority))
+
+    streams = [asyncio.create_task(low_stream()) for _ in range(low_streams)]
+    await asyncio.sleep(warmup_s)  # the low streams fill the engine
+    start, done_before = time.perf_counter(), len(low)
+    tokens_before = sum(r.output_tokens for r in low)
+
+    async def high_at(delay: float) -> Result:
+        await asyncio.sleep(delay)
+        return await one_request(http, model, prompt(), high_max_tokens, high_priority)
+
+    high = await asyncio.gather(*(high_at(i * high_interval_s) for i in range(high_requests)))
+    window = time.perf_counter() - start
+    done = low[done_before:]
+    tokens = sum(r.output_tokens for r in low) - tokens_before
+    stop.set()
+    await asyncio.gather(*streams)
+    sat_ttft = [r.ttft_s for r in high if r.ok]
+    idle_p99, sat_p99 = _pct(idle_ttft, 99), _pct(sat_ttft, 99)
+    return Report(
+        idle_ttft_p50_s=_pct(idle_ttft, 50), idle_ttft_p99_s=idle_p99,
+        saturated_ttft_p50_s=_pct(sat_ttft, 50), saturated_ttft_p99_s=sat_p99,
+        p99_ratio=sat_p99 / idle_p99 if idle_p99 > 0 else float("nan"),
+        low_tokens_per_s=tokens / window if window > 0 else 0.0,
+        low_completed=sum(r.ok for r in done), low_failed=sum(not r.ok for r in done),
+        high_failed=sum(not r.ok for r in high) + sum(not r.ok for r in idle),
+        window_s=window,
+        config=dict(low_streams=low_streams, high_requests=high_requests,
+                    high_interval_s=high_interval_s, prompt_words=prompt_words,
+                    low_max_tokens=low_max_tokens, high_max_tokens=high_max_tokens,
+                    low_priority=low_priority, high_priority=high_priority))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8765")
+    p.add_argument("--model", default=None, help="the 'model' field (default: the server's first)")
+    p.add_argument("--low-streams", type=int, default=16)
+    p.add_argument("--high-requests", type=int, default=40)
+    p.add_argument("--high-interval", type=float, default=0.5, help="seconds between high requests")
+    p.add_argument("--prompt-words", type=int, default=200)
+    p.add_argument("--low-max-tokens", type=int, default=256)
+    p.add_argument("--high-max-tokens", type=int, default=16)
+    p.add_argument("--low-priority", type=int, default=10)
+    p.add_argument("--high-priority", type=int, default=0)
+    p.add_argument("--warmup", type=float, default=2.0, help="seconds of low load before measuring")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes: a correctness run only")
+    p.add_argument("--result-json", default=None)
+    a = p.parse_args(argv)
+    sizes = dict(low_streams=a.low_streams, high_requests=a.high_requests,
+                 high_interval_s=a.high_interval, prompt_words=a.prompt_words,
+                 low_max_tokens=a.low_max_tokens, high_max_tokens=a.high_max_tokens,
+                 warmup_s=a.warmup)
+    if a.smoke:
+        sizes = dict(low_streams=4, high_requests=3, high_interval_s=0.05, prompt_words=8,
+                     low_max_tokens=8, high_max_tokens=2, warmup_s=0.2)
+
+    async def go() -> Report:
+        async with httpx.AsyncClient(base_url=a.base_url, timeout=600) as http:
+            model = a.model or (await http.get("/v1/models")).json()["data"][0]["id"]
+            return await run(http, model=model, low_priority=a.low_priority,
+                             high_priority=a.high_priority, **sizes)
+
+    report = asyncio.run(go())
+    print(report.text())
+    if a.result_json:
+        with open(a.result_json, "w") as f:
+            json.dump(asdict(report), f, indent=1)
+    return 0 if report.high_failed == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
