@@ -108,7 +108,7 @@ class ResponsesRequest(_Request):
     service_tier: str | None = None  # accepted: bookkeeping, as in the chat API
     request_id: str | None = None  # the response's id (vLLM)
     mm_processor_kwargs: dict[str, Any] | None = None  # refused: text-only models
-    priority: int = 0  # refused unless 0: no priority scheduling
+    priority: int = 0  # honoured under --scheduling-policy priority, else refused unless 0
     cache_salt: str | None = None  # honoured once in protocol.ENGINE_FIELDS (prefix-cache isolation)
     enable_response_messages: bool = False  # refused: gpt-oss (harmony) only in vLLM
     previous_input_messages: list[Any] | None = None  # refused: nothing is stored
@@ -277,7 +277,11 @@ class ResponsesServing:
         arrival = time.monotonic()
         req = await s._parse(ResponsesRequest, await request.body())
         s.check_model(req.model)
-        problem = req.unsupported()
+        # Under --scheduling-policy priority the request's priority is honoured.
+        problem = (req.model_copy(update={"priority": 0}) if s.priority_scheduling
+                   else req).unsupported()
+        if problem is None and s.priority_scheduling and not -2**31 <= req.priority < 2**31:
+            problem = "priority", f"priority must be a 32-bit signed integer, got {req.priority}"
         if problem is not None:
             raise bad_request(f"{problem[1]}.", param=problem[0])
         messages = req.messages()

@@ -149,13 +149,34 @@ def test_frontend_fcfs_refuses_and_priority_accepts_the_field():
 
     r, _ = asyncio.run(post("fcfs", {"priority": 1}))
     assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
-    r, _ = asyncio.run(post("fcfs", {"priority": 0}))
+    r, engine = asyncio.run(post("fcfs", {"priority": 0}))
     assert r.status_code == 200
+    assert [params.priority for _, params in engine.submitted.values()] == [0]
     r, engine = asyncio.run(post("priority", {"priority": -3}))
     assert r.status_code == 200, r.text
-    seen = [params.priority for params in getattr(engine, "params_seen", [])]
-    assert not seen or seen == [-3]
+    assert [params.priority for _, params in engine.submitted.values()] == [-3]
     r, _ = asyncio.run(post("priority", {"priority": 2**40}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+
+
+def test_responses_api_takes_the_priority_under_the_priority_policy():
+    from dpu_helpers import make_engine, tiny_tokenizer
+
+    from blink.dpu.app import create_app
+
+    tok = tiny_tokenizer()
+
+    async def post(policy: str, priority: int) -> httpx.Response:
+        app = create_app(make_engine(tok), tok, scheduling_policy=policy)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t") as http:
+            return await http.post("/v1/responses", json={
+                "input": "hi", "max_output_tokens": 3, "store": False, "priority": priority})
+
+    r = asyncio.run(post("fcfs", 2))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+    assert asyncio.run(post("priority", 2)).status_code == 200
+    r = asyncio.run(post("priority", -2**40))
     assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
 
 
