@@ -77,11 +77,12 @@ from blink.errors import BlinkError
 from blink.shared.sampling_fields import BAD_WORD_TOKENS, SAMPLING_FIELDS, numpy_fields
 
 MAGIC = int.from_bytes(b"BLINKRNG", "little")
-LAYOUT_VERSION = 8  # 2: the request record (one contiguous payload per slot); 3: grammar region
+LAYOUT_VERSION = 9  # 2: the request record (one contiguous payload per slot); 3: grammar region
 # (issue 15) or admitted_step (main); 4: both; 5: disaggregated prefill/decode (kv_* fields);
 # 6: per-slot token masks with an epoch word replace the grammar region (issue 30);
 # 7: allowed_token_ids, bad_words_ids and cache_salt in the request record (issue 33)
 # 8: priority in the request record (issue 33, --scheduling-policy priority)
+# 9: 40 control words: the speculative decoding words (C_SPEC_TOKENS, C_STAT_SPEC_*; issue 36)
 ALIGN = 64
 
 # Control block word indices (all int64).
@@ -115,8 +116,12 @@ ALIGN = 64
     C_STAT_KV_TRANSFERS,  # prefill role: requests whose KV was sent
     C_MAX_ALLOWED_TOKEN_IDS,  # width of the allowed_token_ids field
     C_MAX_BAD_WORDS_TOKENS,  # width of the bad_words_ids field
-) = range(29)
-CONTROL_WORDS = 32
+    C_SPEC_TOKENS,  # --speculative-config's num_speculative_tokens (0: speculation off)
+    C_STAT_SPEC_DRAFTS,  # decode rows that verified a draft (vLLM's spec_decode_num_drafts)
+    C_STAT_SPEC_DRAFT_TOKENS,  # draft tokens verified
+    C_STAT_SPEC_ACCEPTED_TOKENS,  # draft tokens accepted
+) = range(33)
+CONTROL_WORDS = 40
 #: Reserved for the engine: a write sink for its fixed-shape scatters into the slot state
 #: words (lanes with nothing to publish write here). The frontend never reads or writes it.
 C_ENGINE_SCRATCH = CONTROL_WORDS - 1

@@ -119,6 +119,10 @@ class EngineStats(TypedDict):
     arena_total: NotRequired[int]
     kv_transfer_bytes: NotRequired[int]  # prefill engines: KV bytes written into decode engines
     kv_transfers: NotRequired[int]  # prefill engines: requests whose KV was sent
+    # speculative decoding (--speculative-config), vLLM's spec_decode_* counters:
+    spec_decode_num_drafts: NotRequired[int]
+    spec_decode_num_draft_tokens: NotRequired[int]
+    spec_decode_num_accepted_tokens: NotRequired[int]
 
 
 @runtime_checkable

@@ -110,6 +110,14 @@ class _EngineStatsCollector(Collector):
             yield self._counter("blink:kv_transfers",
                                 "Requests whose prompt KV a prefill engine sent to a decode engine.",
                                 s.get("kv_transfers", 0))
+        if "spec_decode_num_drafts" in s:  # --speculative-config (vLLM's names)
+            yield self._counter("blink:spec_decode_num_drafts",
+                                "Number of spec decoding drafts (decode rows that verified a draft).",
+                                s["spec_decode_num_drafts"])
+            yield self._counter("blink:spec_decode_num_draft_tokens",
+                                "Number of draft tokens.", s["spec_decode_num_draft_tokens"])
+            yield self._counter("blink:spec_decode_num_accepted_tokens",
+                                "Number of accepted tokens.", s["spec_decode_num_accepted_tokens"])
         if "heartbeat_age_s" in s:
             yield self._gauge("blink:engine_heartbeat_age_seconds",
                               "Seconds since the engine's heartbeat was last seen moving.",

@@ -47,6 +47,10 @@ from blink.ring import (
     C_STAT_WAITING,
     C_STAT_KV_BYTES_SENT,
     C_STAT_KV_TRANSFERS,
+    C_SPEC_TOKENS,
+    C_STAT_SPEC_ACCEPTED_TOKENS,
+    C_STAT_SPEC_DRAFT_TOKENS,
+    C_STAT_SPEC_DRAFTS,
 )
 
 logger = logging.getLogger(__name__)
@@ -467,6 +471,10 @@ class RingEngineClient:
             arena_total=self.ring.arena.capacity,
             **({"kv_transfer_bytes": int(c[C_STAT_KV_BYTES_SENT]),
                 "kv_transfers": int(c[C_STAT_KV_TRANSFERS])} if self.ring.config.max_kv_blocks else {}),
+            **({"spec_decode_num_drafts": int(c[C_STAT_SPEC_DRAFTS]),
+                "spec_decode_num_draft_tokens": int(c[C_STAT_SPEC_DRAFT_TOKENS]),
+                "spec_decode_num_accepted_tokens": int(c[C_STAT_SPEC_ACCEPTED_TOKENS])}
+               if c[C_SPEC_TOKENS] > 0 else {}),
         )
 
     def _heartbeat_age(self, heartbeat: int) -> float:

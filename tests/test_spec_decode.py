@@ -294,3 +294,43 @@ def test_acceptance_rule_chi_square():
     wrong = torch.full_like(first, x)
     wrong_counts = torch.bincount(wrong, minlength=V).double()
     assert float(((wrong_counts - expect) ** 2 / expect).sum()) > 1000
+
+
+# ------------------------------------------------------------------------------ metrics
+
+
+def test_counters_reach_ring_and_metrics(spec, plain):
+    """The scheduler's counters are mirrored into the ring's control block, and /metrics
+    shows them under vLLM's names (only when speculation is on)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from blink.dpu.metrics import _EngineStatsCollector
+    from blink.ring import C_SPEC_TOKENS, C_STAT_SPEC_ACCEPTED_TOKENS, C_STAT_SPEC_DRAFT_TOKENS, C_STAT_SPEC_DRAFTS
+
+    spec.generate(PROMPTS[:2], SamplingParams(max_tokens=16, **GREEDY), timeout_s=60)
+    c = spec._ring.engine_status().control
+    counters = spec.engine.scheduler.spec_counters
+    assert int(c[C_SPEC_TOKENS]) == 4
+    assert [int(c[w]) for w in (C_STAT_SPEC_DRAFTS, C_STAT_SPEC_DRAFT_TOKENS, C_STAT_SPEC_ACCEPTED_TOKENS)] == \
+        counters.tolist()
+    assert int(plain._ring.engine_status().control[C_SPEC_TOKENS]) == 0
+
+    base = dict(running=0, waiting=0, kv_usage=0.0, prefix_cache_queries=0, prefix_cache_hits=0, preemptions=0)
+
+    class Engine:
+        def __init__(self, extra):
+            self.extra = extra
+
+        def stats(self):
+            return {**base, **self.extra}
+
+    def scrape(extra) -> str:
+        reg = CollectorRegistry()
+        reg.register(_EngineStatsCollector(Engine(extra), "m"))
+        return generate_latest(reg).decode()
+
+    text = scrape(dict(spec_decode_num_drafts=3, spec_decode_num_draft_tokens=9, spec_decode_num_accepted_tokens=4))
+    assert 'blink:spec_decode_num_drafts_total{model_name="m"} 3.0' in text
+    assert 'blink:spec_decode_num_draft_tokens_total{model_name="m"} 9.0' in text
+    assert 'blink:spec_decode_num_accepted_tokens_total{model_name="m"} 4.0' in text
+    assert "spec_decode" not in scrape({})

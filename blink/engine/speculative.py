@@ -46,6 +46,7 @@ from blink.engine.sampler import SamplerPlan, SamplingTensors
 from blink.engine.sched.scheduler import Scheduler, StepBatch
 from blink.engine.sched.state import ROW_RELEASING, ROW_RUNNING
 from blink.engine.step import StepParts, compact_rows, model_phase
+from blink.ring import C_SPEC_TOKENS, C_STAT_SPEC_ACCEPTED_TOKENS, C_STAT_SPEC_DRAFT_TOKENS, C_STAT_SPEC_DRAFTS
 from blink.kernels.reference.ngram import ngram_propose
 from blink.shared.sampling_fields import SAMPLER_FIELDS
 from blink.shared.speculative_config import SpeculativeConfig
@@ -71,6 +72,14 @@ class SpecScheduler(Scheduler):
         #: accepted draft tokens per draft position (acceptance rate per position)
         self.spec_accepted_per_pos = torch.zeros(spec.num_speculative_tokens, dtype=torch.int64,
                                                  device=self.device)
+        # the ring's control words for /metrics (the frontend shows the counters when K > 0)
+        self._spec_words = torch.tensor([C_STAT_SPEC_DRAFTS, C_STAT_SPEC_DRAFT_TOKENS,
+                                         C_STAT_SPEC_ACCEPTED_TOKENS], device=self.device)
+        self.ring["control"][C_SPEC_TOKENS] = spec.num_speculative_tokens
+
+    def _write_stats(self) -> None:
+        super()._write_stats()
+        self.ring["control"][self._spec_words] = self.spec_counters
 
     def _allocate(self) -> torch.Tensor:
         self._draft()
@@ -97,7 +106,10 @@ class SpecScheduler(Scheduler):
         max_tokens = sp["max_tokens"].long()
         left = torch.where(max_tokens > 0, max_tokens - (n - st.num_prompt) - 1, K)
         cap = torch.minimum(torch.minimum(room, left), cfg.max_model_len - n).clamp(min=0, max=K)
-        draft, dlen = ngram_propose(st.tokens[:, : cfg.max_model_len], torch.where(decode, n, 0), K,
+        width = cfg.max_model_len
+        if self.host_guards:  # CPU loop: look only as far as the longest row (a plain memory read)
+            width = min(width, int(n.max()) + 1)
+        draft, dlen = ngram_propose(st.tokens[:, :width], torch.where(decode, n, 0), K,
                                     spec.prompt_lookup_min, spec.prompt_lookup_max)
         dlen = torch.where(decode, torch.minimum(dlen, cap), 0)
         j = torch.arange(K, device=n.device)
