@@ -54,6 +54,9 @@ def test_the_flag_reaches_the_scheduler_the_engine_children_and_the_frontend():
     assert child.scheduling_policy == "priority"
     front = frontend_args(args, "127.0.0.1:1")
     assert front[front.index("--scheduling-policy") + 1] == "priority"
+    from blink.dpu.app import app_options
+
+    assert app_options(parse_args(front))["scheduling_policy"] == "priority"  # the frontend's
     default = engine_config_from_args(parse_args(["serve"]))
     assert default.scheduling_policy == "fcfs"
     with pytest.raises(SystemExit):

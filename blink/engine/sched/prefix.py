@@ -12,6 +12,7 @@ import torch
 
 from blink.engine import prefix_cache
 from blink.engine.sched.batch import StepBatch
+from blink.engine.sched.budget import queue_order
 from blink.engine.sched.state import INT64_MAX, K_PREFIX_HITS, K_PREFIX_QUERIES, K_PREFIX_REJECTS
 
 
@@ -20,8 +21,9 @@ class PrefixHookup:
     (a mixin over its state and row window)."""
 
     def _lookup(self) -> None:
-        """Prefix-cache lookup for the oldest rows waiting for one, up to
-        ``max_admit_per_step`` rows and ``lookup_window_blocks`` blocks."""
+        """Prefix-cache lookup for the oldest rows waiting for one (under the priority policy
+        the most urgent first), up to ``max_admit_per_step`` rows and
+        ``lookup_window_blocks`` blocks."""
         w, cfg = self._w, self.config
         st = w.state
         K = min(cfg.max_admit_per_step, w.size)
@@ -31,7 +33,10 @@ class PrefixHookup:
                                 hash_table_size=cfg.hash_table_size, probes=cfg.prefix_probes,
                                 consts=self._lookup_consts)
             return
-        _, rows = torch.topk(torch.where(st.needs_lookup, st.arrival, INT64_MAX), K, largest=False)
+        if cfg.scheduling_policy == "priority":  # the queue order: the most urgent first
+            rows = queue_order(st.needs_lookup, st.arrival, self._priority(st.sampling))[:K]
+        else:
+            _, rows = torch.topk(torch.where(st.needs_lookup, st.arrival, INT64_MAX), K, largest=False)
         waiting = st.needs_lookup[rows]
         # Blocks a row may hit: all its full blocks but never its last token.
         eligible = torch.where(waiting, (st.num_tokens[rows] - 1) // cfg.block_size, 0)

@@ -26,7 +26,7 @@ Where a request lives:
   ``scheduling_policy="priority"`` the queue (admission included) is ordered by (priority,
   arrival) instead (:meth:`ReferenceScheduler.key`), so a newly admitted urgent request is
   served before, and may preempt, less urgent running ones; everything below that says
-  "oldest" / "youngest" means first / last in that order. Prefix lookups stay by arrival.
+  "oldest" / "youngest" means first / last in that order (prefix lookups included).
 
 Not modelled here: disaggregation's KV reservations (kv_reserve.py), the stream payloads
 (only their fill level, for backpressure), logprobs, and the hash table's limits (the prefix
@@ -201,7 +201,7 @@ class ReferenceScheduler:
         as many as fit ``lookup_window_blocks``) take the longest cached prefix of full
         blocks, never their last token (its logits are needed)."""
         cfg, B = self.cfg, self.cfg.block_size
-        pending = sorted((r for r in self.rows if r is not None and r.needs_lookup), key=lambda r: r.arrival)
+        pending = sorted((r for r in self.rows if r is not None and r.needs_lookup), key=self.key)
         window = cfg.lookup_window_blocks
         for req in pending[: min(cfg.max_admit_per_step, self.num_slots)]:
             eligible = (req.num_tokens - 1) // B

@@ -200,10 +200,10 @@ class Scheduler(Admission, KvReservation, PrefixHookup, Budget, Batching, Publis
         if set(stages) - set(FUSED_STAGES):
             raise BlinkError(f"unknown fused stage(s) {sorted(set(stages) - set(FUSED_STAGES))}; "
                              f"known: {', '.join(FUSED_STAGES)}")
-        if config.scheduling_policy != "fcfs" and {"admit", "allocate"} & set(stages):
+        if config.scheduling_policy != "fcfs" and stages:
             raise BlinkError(f"--scheduling-policy {config.scheduling_policy} is not implemented "
-                             f"in the fused Triton scheduler (BLINK_FUSED_SCHEDULER, stages "
-                             f"admit/allocate, which order by arrival only); unset "
+                             f"in the fused Triton scheduler (BLINK_FUSED_SCHEDULER: its admit, "
+                             f"lookup and allocate stages order by arrival only); unset "
                              f"BLINK_FUSED_SCHEDULER or use --scheduling-policy fcfs")
         self.fused = frozenset(stages)
         if self.fused:
