@@ -119,6 +119,8 @@ def test_gpu_tiers_and_compile_refuse():
     with pytest.raises(BlinkError, match="--compile"):
         choose_step_runner(loop="cpu", device="cpu", enforce_eager=False, cpu_graphs=False, speculative=True)
     assert choose_step_runner(loop="cpu", device="cpu", enforce_eager=True, cpu_graphs=True,
+                              speculative=True).name == "cpu-graphs"
+    assert choose_step_runner(loop="cpu", device="cpu", enforce_eager=True, cpu_graphs=False,
                               speculative=True).name == "eager"
 
 
@@ -168,6 +170,7 @@ def spec(model_dir):
 
 
 def test_greedy_identical_and_drafts_accepted(plain, spec):
+    assert type(spec.engine.runner).__name__ == "SpecCpuGraphsRunner"  # --cpu-graphs auto
     params = SamplingParams(max_tokens=40, **GREEDY)
     want = plain.generate(PROMPTS, params, timeout_s=120)
     before = spec.engine.scheduler.spec_counters.clone()

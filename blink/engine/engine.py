@@ -26,13 +26,15 @@ from blink.engine.runners import (
     CompiledRunner,
     CpuGraphsRunner,
     EagerRunner,
+    SpecCpuGraphsRunner,
+    SpecRunner,
     StepRunner,
     choose_step_runner,
 )
 from blink.engine.step import StepParts
 from blink.engine.sampler import Sampler
 from blink.engine.sched.scheduler import Scheduler
-from blink.engine.speculative import SpecRunner, SpecScheduler
+from blink.engine.speculative import SpecScheduler
 from blink.engine.sched.state import SchedulerConfig, ring_tensors
 from blink.engine.token_mask import DEFAULT_MASK_TIMEOUT_S
 from blink.engine_options import DISAGG_ROLES, config_default
@@ -253,6 +255,8 @@ class Engine:
                 max_logit_bias=self.ring_config.max_logit_bias,
             )
         if name == "cpu-graphs":
+            if self.speculative is not None:
+                return SpecCpuGraphsRunner(self.parts, max_rows)
             return CpuGraphsRunner(self.parts, max_rows)
         if self.speculative is not None:
             return SpecRunner(self.parts)

@@ -34,6 +34,7 @@ from blink.engine.compiled import (
     configure_compile_cache,
     usable_compile_cache,
 )
+from blink.engine.speculative import run_spec_step
 from blink.engine.step import StepParts, run_step, schedule_on_host
 from blink.errors import BlinkError
 
@@ -83,8 +84,12 @@ def choose_step_runner(*, loop: str, device: str, enforce_eager: bool, cpu_graph
             raise ValueError(f"the CPU loop runs on a CPU device, not {device}")
         if has_model and not enforce_eager:
             raise BlinkError("--speculative-config runs on the eager CPU loop only, not with --compile")
+        if has_model and cpu_graphs:
+            return RunnerChoice("cpu-graphs", "--speculative-config, --cpu-graphs auto: the eager step "
+                                              "with n-gram drafts verified in the same forward; steps "
+                                              "where no row drafts replay recorded C kernel calls")
         return RunnerChoice("eager", "--speculative-config: the eager step with n-gram drafts "
-                                     "verified in the same forward (CPU graphs are not used)")
+                                     "verified in the same forward")
     if loop == "host":
         return RunnerChoice("tier-a", "--loop host: the host replays the step's CUDA graphs")
     if loop == "device":
@@ -139,6 +144,22 @@ class CpuGraphsRunner(EagerRunner):
             log.info("decode steps of up to %d rows run on %d CPU graphs (recorded in %.1f s, %.0f MB; "
                      "--cpu-graphs off: eager)", max(b for b, _ in graphs.graphs), recorded,
                      time.monotonic() - t0, graphs.kept_bytes / 2**20)
+
+
+class SpecRunner(EagerRunner):
+    """``--speculative-config``: the eager step with n-gram drafts verified in the same
+    forward (:func:`blink.engine.speculative.run_spec_step`)."""
+
+    def run(self, on_scheduled: OnScheduled | None = None) -> bool:
+        return run_spec_step(self.parts, on_scheduled)
+
+
+class SpecCpuGraphsRunner(CpuGraphsRunner):
+    """``--speculative-config`` with CPU graphs: steps whose every row computes one token (no
+    row drafts) replay the recorded C kernel calls (the executor picks by the step's shape)."""
+
+    def run(self, on_scheduled: OnScheduled | None = None) -> bool:
+        return run_spec_step(self.parts, on_scheduled)
 
 
 class CompiledRunner:

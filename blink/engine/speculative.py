@@ -53,6 +53,8 @@ from blink.shared.speculative_config import SpeculativeConfig
 
 log = logging.getLogger("blink.engine")
 
+#: after a row's n-th wholly rejected draft in a row it skips 2**(n-1) steps, at most 2**5
+MAX_COOLDOWN_LOG2 = 5
 #: SpecScheduler.spec_counters' words (vLLM's spec_decode_* counters)
 SPEC_NUM_DRAFTS, SPEC_NUM_DRAFT_TOKENS, SPEC_NUM_ACCEPTED_TOKENS = 0, 1, 2
 
@@ -69,6 +71,11 @@ class SpecScheduler(Scheduler):
         self.draft_len = torch.zeros(self.num_slots, dtype=torch.int64, device=self.device)
         #: drafts, draft tokens, accepted draft tokens (vLLM's spec_decode_num_* counters)
         self.spec_counters = torch.zeros(3, dtype=torch.int64, device=self.device)
+        #: per row: drafts in a row that were wholly rejected, and the steps left before the
+        #: row drafts again (1, 2, 4, ... up to MAX_COOLDOWN after each such miss), so rows
+        #: whose drafts keep missing (text that does not repeat) stop paying for them
+        self.miss_streak = torch.zeros(self.num_slots, dtype=torch.int64, device=self.device)
+        self.cooldown = torch.zeros(self.num_slots, dtype=torch.int64, device=self.device)
         #: accepted draft tokens per draft position (acceptance rate per position)
         self.spec_accepted_per_pos = torch.zeros(spec.num_speculative_tokens, dtype=torch.int64,
                                                  device=self.device)
@@ -97,8 +104,13 @@ class SpecScheduler(Scheduler):
         self.draft_len.zero_()
         K = spec.num_speculative_tokens
         sp = st.sampling
-        decode = ((st.status == ROW_RUNNING) & (st.num_computed == st.num_tokens - 1) & ~st.needs_lookup
-                  & (sp["constrained"] == 0))
+        running = st.status == ROW_RUNNING
+        streak, cooldown = self.miss_streak[: w.size], self.cooldown[: w.size]
+        streak.masked_fill_(~running, 0)  # a new request (or a recompute) starts afresh
+        cooldown.masked_fill_(~running, 0)
+        decode = (running & (st.num_computed == st.num_tokens - 1) & ~st.needs_lookup
+                  & (sp["constrained"] == 0) & (cooldown == 0))
+        cooldown.sub_(1).clamp_(min=0)
         if not self._when(lambda: decode.any()):
             return
         n = st.num_tokens
@@ -204,6 +216,11 @@ def run_spec_step(parts: StepParts, on_scheduled=None) -> bool:
     st.num_computed += valid_new
 
     accepted = torch.where(spec_row, n_pub - 1, 0)
+    verified = spec_row & (lanes_row > 1)  # at least one draft token was checked
+    streak = sched.miss_streak[:S]
+    streak.copy_(torch.where(verified, torch.where(accepted == 0, streak + 1, 0), streak))
+    sched.cooldown[:S] = torch.where(verified & (accepted == 0),
+                                     (2 ** (streak - 1).clamp(min=0, max=MAX_COOLDOWN_LOG2)), sched.cooldown[:S])
     sched.spec_counters += torch.stack([spec_row.sum(), torch.where(spec_row, lanes_row - 1, 0).sum(),
                                         accepted.sum()])
     pos_k = torch.arange(sched.spec.num_speculative_tokens, device=tok.device)
@@ -230,18 +247,3 @@ def run_spec_step(parts: StepParts, on_scheduled=None) -> bool:
                                       st.num_computed))
     sched._write_stats()
     return True
-
-
-class SpecRunner:
-    """The eager CPU loop's step with speculation (``--speculative-config``)."""
-
-    name = "eager"
-
-    def __init__(self, parts: StepParts) -> None:
-        self.parts = parts
-
-    def prepare(self) -> None:
-        pass
-
-    def run(self, on_scheduled=None) -> bool:
-        return run_spec_step(self.parts, on_scheduled)
