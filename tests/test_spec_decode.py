@@ -236,6 +236,27 @@ def test_penalties_bias_min_tokens_bad_words_identical(plain, spec):
     _pool_whole(spec)
 
 
+def test_constrained_rows_do_not_speculate(plain, spec):
+    """A structured-output row (a token mask per step) never drafts; next to drafting rows it
+    is masked and sampled as without speculation, and the others stay exact."""
+    import re
+
+    from blink.shared.structured_outputs import StructuredOutputs
+
+    rx = "[a-d]{2,8}!"
+    params = [SamplingParams(max_tokens=12, temperature=0.0, structured_outputs=StructuredOutputs(regex=rx)),
+              SamplingParams(max_tokens=12, temperature=1.0, seed=3, structured_outputs=StructuredOutputs(regex=rx)),
+              SamplingParams(max_tokens=30, **GREEDY), SamplingParams(max_tokens=30, **GREEDY)]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3]]
+    want = plain.generate(prompts, params, timeout_s=120)
+    got = spec.generate(prompts, params, timeout_s=120)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+    for g in got[:2]:
+        assert re.fullmatch(rx, g.outputs[0].text.rstrip("\x00")), g.outputs[0].text
+    _pool_whole(spec)
+
+
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_greedy_identical_under_preemption(model_dir, prefix_caching):
     prompts = PROMPTS * 2
