@@ -22,7 +22,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
-from test_engine import BASE, make_llm, tiny_model_dir, wait_for  # noqa: E402
+from test_engine import Reference, assert_greedy, make_llm, tiny_model_dir, wait_for  # noqa: E402
 
 from blink.engine.speculative import (  # noqa: E402
     SPEC_NUM_ACCEPTED_TOKENS,
@@ -186,6 +186,16 @@ def test_greedy_identical_and_drafts_accepted(plain, spec):
         [g] = spec.generate([PROMPTS[i]], params, timeout_s=60)
         assert g.token_ids == want[i].token_ids
     _pool_whole(spec)
+
+
+def test_greedy_matches_transformers(spec):
+    """The parity check of tests/test_engine.py with speculation on: transformers' own greedy
+    continuation of the same fp32 model."""
+    ref = Reference()
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    prompts = PROMPTS[:3] + PROMPTS[7:]
+    for p, o in zip(prompts, spec.generate(prompts, params, timeout_s=120)):
+        assert_greedy(ref, p, o.token_ids, ref.greedy(p, 24))
 
 
 def test_stop_ids_and_max_tokens_inside_accepted_runs(plain, spec):
