@@ -288,8 +288,9 @@ class Engine:
             loop=self.loop_flag, device=self.device.type, enforce_eager=config.enforce_eager,
             cpu_graphs=config.cpu_graphs, has_model=not null,
             speculative=self.speculative is not None)
-        log.info("step runner: %s (%s)", choice.name, choice.reason)
         files = open_null_model() if null else open_model(config.model)
+        # said once the model is found, so a bad model name stays a one-line error
+        log.info("step runner: %s (%s)", choice.name, choice.reason)
         model_config = ModelConfig.from_hf(files.hf_config, files.source)
         dtype_name, why = config.dtype_choice(self.device, model_config.hf_dtype)
         dtype = getattr(torch, dtype_name)
