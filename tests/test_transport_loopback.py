@@ -86,7 +86,25 @@ class EngineProcess:
 
     def kill(self, sig: int) -> int:
         self.proc.send_signal(sig)
-        return self.proc.wait(timeout=10)
+        try:
+            return self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            # Seen once in a full run on a loaded machine, never alone: say what the child's
+            # signal state was (blocked? pending? caught?) and its threads, then fail.
+            status = self._proc_status()
+            raise AssertionError(f"the engine process outlived signal {sig} by 20 s:\n{status}") from None
+
+    def _proc_status(self) -> str:
+        try:
+            lines = Path(f"/proc/{self.proc.pid}/status").read_text().splitlines()
+            tasks = sorted(os.listdir(f"/proc/{self.proc.pid}/task"))
+        except OSError as e:
+            return f"(no /proc status: {e})"
+        keep = ("State", "Threads", "SigQ", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
+        blocked_here = sorted(sig.name for sig in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+        return "\n".join([*(ln for ln in lines if ln.split(":")[0] in keep), f"tasks: {tasks}",
+                          f"signals blocked in the test's thread (children inherit them): "
+                          f"{blocked_here}"])
 
     def close(self) -> None:
         if self.proc.poll() is None:
