@@ -82,7 +82,7 @@ LAYOUT_VERSION = 9  # 2: the request record (one contiguous payload per slot); 3
 # 6: per-slot token masks with an epoch word replace the grammar region (issue 30);
 # 7: allowed_token_ids, bad_words_ids and cache_salt in the request record (issue 33)
 # 8: priority in the request record (issue 33, --scheduling-policy priority)
-# 9: 40 control words: the speculative decoding words (C_SPEC_TOKENS, C_STAT_SPEC_*; issue 36)
+# 9: 56 control words: the speculative decoding words (C_SPEC_TOKENS, C_STAT_SPEC_*; issue 36)
 ALIGN = 64
 
 # Control block word indices (all int64).
@@ -121,7 +121,11 @@ ALIGN = 64
     C_STAT_SPEC_DRAFT_TOKENS,  # draft tokens verified
     C_STAT_SPEC_ACCEPTED_TOKENS,  # draft tokens accepted
 ) = range(33)
-CONTROL_WORDS = 40
+#: accepted draft tokens per draft position: words C_STAT_SPEC_ACCEPTED_PER_POS + i, i < K
+#: (vLLM's spec_decode_num_accepted_tokens_per_pos; K <= SPEC_POSITIONS)
+C_STAT_SPEC_ACCEPTED_PER_POS = 33
+SPEC_POSITIONS = 16
+CONTROL_WORDS = 56
 #: Reserved for the engine: a write sink for its fixed-shape scatters into the slot state
 #: words (lanes with nothing to publish write here). The frontend never reads or writes it.
 C_ENGINE_SCRATCH = CONTROL_WORDS - 1

@@ -123,6 +123,7 @@ class EngineStats(TypedDict):
     spec_decode_num_drafts: NotRequired[int]
     spec_decode_num_draft_tokens: NotRequired[int]
     spec_decode_num_accepted_tokens: NotRequired[int]
+    spec_decode_num_accepted_tokens_per_pos: NotRequired[list[int]]  # per draft position
 
 
 @runtime_checkable

@@ -118,6 +118,12 @@ class _EngineStatsCollector(Collector):
                                 "Number of draft tokens.", s["spec_decode_num_draft_tokens"])
             yield self._counter("blink:spec_decode_num_accepted_tokens",
                                 "Number of accepted tokens.", s["spec_decode_num_accepted_tokens"])
+            per_pos = CounterMetricFamily("blink:spec_decode_num_accepted_tokens_per_pos",
+                                          "Accepted tokens per draft position.",
+                                          labels=["model_name", "position"])
+            for position, value in enumerate(s.get("spec_decode_num_accepted_tokens_per_pos", [])):
+                per_pos.add_metric([*self._labels, str(position)], value)
+            yield per_pos
         if "heartbeat_age_s" in s:
             yield self._gauge("blink:engine_heartbeat_age_seconds",
                               "Seconds since the engine's heartbeat was last seen moving.",

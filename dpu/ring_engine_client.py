@@ -48,6 +48,7 @@ from blink.ring import (
     C_STAT_KV_BYTES_SENT,
     C_STAT_KV_TRANSFERS,
     C_SPEC_TOKENS,
+    C_STAT_SPEC_ACCEPTED_PER_POS,
     C_STAT_SPEC_ACCEPTED_TOKENS,
     C_STAT_SPEC_DRAFT_TOKENS,
     C_STAT_SPEC_DRAFTS,
@@ -473,7 +474,9 @@ class RingEngineClient:
                 "kv_transfers": int(c[C_STAT_KV_TRANSFERS])} if self.ring.config.max_kv_blocks else {}),
             **({"spec_decode_num_drafts": int(c[C_STAT_SPEC_DRAFTS]),
                 "spec_decode_num_draft_tokens": int(c[C_STAT_SPEC_DRAFT_TOKENS]),
-                "spec_decode_num_accepted_tokens": int(c[C_STAT_SPEC_ACCEPTED_TOKENS])}
+                "spec_decode_num_accepted_tokens": int(c[C_STAT_SPEC_ACCEPTED_TOKENS]),
+                "spec_decode_num_accepted_tokens_per_pos": [
+                    int(v) for v in c[C_STAT_SPEC_ACCEPTED_PER_POS: C_STAT_SPEC_ACCEPTED_PER_POS + int(c[C_SPEC_TOKENS])]]}
                if c[C_SPEC_TOKENS] > 0 else {}),
         )
 

@@ -79,6 +79,10 @@ def test_config_parsing():
     cfg = parse_speculative_config(SPEC)
     assert (cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (4, 1, 3)
     assert parse_speculative_config(None) is None
+    from blink.ring import SPEC_POSITIONS
+    from blink.shared.speculative_config import MAX_SPECULATIVE_TOKENS
+
+    assert MAX_SPECULATIVE_TOKENS <= SPEC_POSITIONS  # the ring's per-position words
     bad = {
         '{"method": "draft_model", "model": "x", "num_speculative_tokens": 2}': "draft_model",
         '{"method": "eagle", "num_speculative_tokens": 2}': "'method'",
@@ -339,7 +343,13 @@ def test_counters_reach_ring_and_metrics(spec, plain):
     from prometheus_client import CollectorRegistry, generate_latest
 
     from blink.dpu.metrics import _EngineStatsCollector
-    from blink.ring import C_SPEC_TOKENS, C_STAT_SPEC_ACCEPTED_TOKENS, C_STAT_SPEC_DRAFT_TOKENS, C_STAT_SPEC_DRAFTS
+    from blink.ring import (
+        C_SPEC_TOKENS,
+        C_STAT_SPEC_ACCEPTED_PER_POS,
+        C_STAT_SPEC_ACCEPTED_TOKENS,
+        C_STAT_SPEC_DRAFT_TOKENS,
+        C_STAT_SPEC_DRAFTS,
+    )
 
     spec.generate(PROMPTS[:2], SamplingParams(max_tokens=16, **GREEDY), timeout_s=60)
     c = spec._ring.engine_status().control
@@ -348,6 +358,9 @@ def test_counters_reach_ring_and_metrics(spec, plain):
     assert [int(c[w]) for w in (C_STAT_SPEC_DRAFTS, C_STAT_SPEC_DRAFT_TOKENS, C_STAT_SPEC_ACCEPTED_TOKENS)] == \
         counters.tolist()
     assert int(plain._ring.engine_status().control[C_SPEC_TOKENS]) == 0
+    per_pos = spec.engine.scheduler.spec_accepted_per_pos
+    assert [int(v) for v in c[C_STAT_SPEC_ACCEPTED_PER_POS: C_STAT_SPEC_ACCEPTED_PER_POS + 4]] == per_pos.tolist()
+    assert int(per_pos[0]) >= int(per_pos[-1]) and int(per_pos.sum()) == int(counters[2])
 
     base = dict(running=0, waiting=0, kv_usage=0.0, prefix_cache_queries=0, prefix_cache_hits=0, preemptions=0)
 
@@ -363,7 +376,9 @@ def test_counters_reach_ring_and_metrics(spec, plain):
         reg.register(_EngineStatsCollector(Engine(extra), "m"))
         return generate_latest(reg).decode()
 
-    text = scrape(dict(spec_decode_num_drafts=3, spec_decode_num_draft_tokens=9, spec_decode_num_accepted_tokens=4))
+    text = scrape(dict(spec_decode_num_drafts=3, spec_decode_num_draft_tokens=9, spec_decode_num_accepted_tokens=4,
+                       spec_decode_num_accepted_tokens_per_pos=[3, 1, 0]))
+    assert 'blink:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 1.0' in text
     assert 'blink:spec_decode_num_drafts_total{model_name="m"} 3.0' in text
     assert 'blink:spec_decode_num_draft_tokens_total{model_name="m"} 9.0' in text
     assert 'blink:spec_decode_num_accepted_tokens_total{model_name="m"} 4.0' in text

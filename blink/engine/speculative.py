@@ -46,7 +46,13 @@ from blink.engine.sampler import SamplerPlan, SamplingTensors
 from blink.engine.sched.scheduler import Scheduler, StepBatch
 from blink.engine.sched.state import ROW_RELEASING, ROW_RUNNING
 from blink.engine.step import StepParts, compact_rows, model_phase
-from blink.ring import C_SPEC_TOKENS, C_STAT_SPEC_ACCEPTED_TOKENS, C_STAT_SPEC_DRAFT_TOKENS, C_STAT_SPEC_DRAFTS
+from blink.ring import (
+    C_SPEC_TOKENS,
+    C_STAT_SPEC_ACCEPTED_PER_POS,
+    C_STAT_SPEC_ACCEPTED_TOKENS,
+    C_STAT_SPEC_DRAFT_TOKENS,
+    C_STAT_SPEC_DRAFTS,
+)
 from blink.kernels.reference.ngram import ngram_propose
 from blink.shared.sampling_fields import SAMPLER_FIELDS
 from blink.shared.speculative_config import SpeculativeConfig
@@ -72,7 +78,7 @@ class SpecScheduler(Scheduler):
         #: drafts, draft tokens, accepted draft tokens (vLLM's spec_decode_num_* counters)
         self.spec_counters = torch.zeros(3, dtype=torch.int64, device=self.device)
         #: per row: drafts in a row that were wholly rejected, and the steps left before the
-        #: row drafts again (1, 2, 4, ... up to MAX_COOLDOWN after each such miss), so rows
+        #: row drafts again (1, 2, 4, ... up to 2**MAX_COOLDOWN_LOG2 after each such miss), so rows
         #: whose drafts keep missing (text that does not repeat) stop paying for them
         self.miss_streak = torch.zeros(self.num_slots, dtype=torch.int64, device=self.device)
         self.cooldown = torch.zeros(self.num_slots, dtype=torch.int64, device=self.device)
@@ -80,13 +86,15 @@ class SpecScheduler(Scheduler):
         self.spec_accepted_per_pos = torch.zeros(spec.num_speculative_tokens, dtype=torch.int64,
                                                  device=self.device)
         # the ring's control words for /metrics (the frontend shows the counters when K > 0)
-        self._spec_words = torch.tensor([C_STAT_SPEC_DRAFTS, C_STAT_SPEC_DRAFT_TOKENS,
-                                         C_STAT_SPEC_ACCEPTED_TOKENS], device=self.device)
+        K = spec.num_speculative_tokens
+        self._spec_words = torch.tensor([C_STAT_SPEC_DRAFTS, C_STAT_SPEC_DRAFT_TOKENS, C_STAT_SPEC_ACCEPTED_TOKENS,
+                                         *range(C_STAT_SPEC_ACCEPTED_PER_POS, C_STAT_SPEC_ACCEPTED_PER_POS + K)],
+                                        device=self.device)
         self.ring["control"][C_SPEC_TOKENS] = spec.num_speculative_tokens
 
     def _write_stats(self) -> None:
         super()._write_stats()
-        self.ring["control"][self._spec_words] = self.spec_counters
+        self.ring["control"][self._spec_words] = torch.cat([self.spec_counters, self.spec_accepted_per_pos])
 
     def _allocate(self) -> torch.Tensor:
         self._draft()

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-#: the largest K a step verifies per row (a bound on the step's extra work)
+#: the largest K a step verifies per row (a bound on the step's extra work; also the ring's
+#: per-position acceptance words, blink.ring.SPEC_POSITIONS)
 MAX_SPECULATIVE_TOKENS = 16
 #: the longest n-gram looked up
 MAX_LOOKUP = 32
