@@ -61,6 +61,11 @@ def test_ngram_propose_matches_python(seed):
         got = draft[r, : int(dlen[r])].tolist()
         assert got == want, (r, h, lo, hi, K)
         assert bool((draft[r, int(dlen[r]):] == 0).all())
+    # a larger minimum n per row (rows whose drafts keep missing), passes below lo skipped too
+    row_min = torch.tensor([rng.randint(lo, hi) for _ in range(R)])
+    draft, dlen = ngram_propose(tokens, lengths, K, int(row_min.min()), hi, row_min)
+    for r, h in enumerate(histories):
+        assert draft[r, : int(dlen[r])].tolist() == ngram_propose_python(h, K, int(row_min[r]), hi), r
 
 
 def test_ngram_latest_occurrence_longest_n():

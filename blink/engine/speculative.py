@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import numpy as np
 import torch
 
 from blink.engine.sampler import SamplerPlan, SamplingTensors
@@ -59,7 +60,8 @@ from blink.shared.speculative_config import SpeculativeConfig
 
 log = logging.getLogger("blink.engine")
 
-#: after a row's n-th wholly rejected draft in a row it skips 2**(n-1) steps, at most 2**5
+#: after a row's n-th wholly rejected draft in a row it skips 2**(n-1) steps, at most 2**5,
+#: and drafts again only from an n-gram of at least prompt_lookup_min + n (at most _max)
 MAX_COOLDOWN_LOG2 = 5
 #: SpecScheduler.spec_counters' words (vLLM's spec_decode_* counters)
 SPEC_NUM_DRAFTS, SPEC_NUM_DRAFT_TOKENS, SPEC_NUM_ACCEPTED_TOKENS = 0, 1, 2
@@ -75,6 +77,9 @@ class SpecScheduler(Scheduler):
         self.spec = spec
         #: this step's draft length per row (0: not drafting)
         self.draft_len = torch.zeros(self.num_slots, dtype=torch.int64, device=self.device)
+        #: whether this step's draft stage wrote a draft (False: draft_len is all zeros, and
+        #: the step is the normal step without a read of draft_len)
+        self.drafted = False
         #: drafts, draft tokens, accepted draft tokens (vLLM's spec_decode_num_* counters)
         self.spec_counters = torch.zeros(3, dtype=torch.int64, device=self.device)
         #: per row: drafts in a row that were wholly rejected, and the steps left before the
@@ -82,6 +87,10 @@ class SpecScheduler(Scheduler):
         #: whose drafts keep missing (text that does not repeat) stop paying for them
         self.miss_streak = torch.zeros(self.num_slots, dtype=torch.int64, device=self.device)
         self.cooldown = torch.zeros(self.num_slots, dtype=torch.int64, device=self.device)
+        #: the CPU loop (host guards, CPU memory): numpy views of miss_streak and cooldown, for
+        #: the draft stage's host-side eligibility (:meth:`_eligible_host`); None otherwise
+        self._host_views = ((self.miss_streak.numpy(), self.cooldown.numpy())
+                            if self.host_guards and self.miss_streak.device.type == "cpu" else None)
         #: accepted draft tokens per draft position (acceptance rate per position)
         self.spec_accepted_per_pos = torch.zeros(spec.num_speculative_tokens, dtype=torch.int64,
                                                  device=self.device)
@@ -102,35 +111,53 @@ class SpecScheduler(Scheduler):
 
     def _build_batch(self, num_new: torch.Tensor) -> StepBatch:
         batch = super()._build_batch(num_new)
-        st = self._w.state
-        st.num_tokens -= self.draft_len[: self._w.size]  # the drafts are not the row's tokens
+        if self.drafted:
+            st = self._w.state
+            st.num_tokens -= self.draft_len[: self._w.size]  # the drafts are not the row's tokens
         return batch
 
     def _draft(self) -> None:
         w, cfg, spec = self._w, self.config, self.spec
         st = w.state
-        self.draft_len.zero_()
+        if self.drafted:  # draft_len is all zeros otherwise
+            self.draft_len.zero_()
+            self.drafted = False
         K = spec.num_speculative_tokens
-        sp = st.sampling
-        running = st.status == ROW_RUNNING
-        streak, cooldown = self.miss_streak[: w.size], self.cooldown[: w.size]
-        streak.masked_fill_(~running, 0)  # a new request (or a recompute) starts afresh
-        cooldown.masked_fill_(~running, 0)
-        decode = (running & (st.num_computed == st.num_tokens - 1) & ~st.needs_lookup
-                  & (sp["constrained"] == 0) & (cooldown == 0))
-        cooldown.sub_(1).clamp_(min=0)
-        if not self._when(lambda: decode.any()):
-            return
         n = st.num_tokens
+        width = cfg.max_model_len
+        lookup_min = spec.prompt_lookup_min
+        host = self.host_guards and self._host_views is not None
+        if host:  # the CPU loop: the same rule read on the host
+            streak_np, cooldown_np = self._host_views
+            decode_np = self._eligible_host(streak_np[: w.size], cooldown_np[: w.size])
+            if decode_np is None:
+                return
+            decode = torch.from_numpy(decode_np)
+            # rows whose drafts keep missing need longer matches (below); the passes for
+            # n-grams shorter than every drafting row's minimum are skipped
+            lookup_min = min(lookup_min + int(streak_np[: w.size][decode_np].min()), spec.prompt_lookup_max)
+            width = min(width, int(n.numpy()[decode_np].max()) + 1)  # only as far as the longest row
+        sp = st.sampling
+        streak, cooldown = self.miss_streak[: w.size], self.cooldown[: w.size]
+        if not host:
+            running = st.status == ROW_RUNNING
+            streak.masked_fill_(~running, 0)  # a new request (or a recompute) starts afresh
+            cooldown.masked_fill_(~running, 0)
+            decode = (running & (st.num_computed == st.num_tokens - 1) & ~st.needs_lookup
+                      & (sp["constrained"] == 0) & (cooldown == 0))
+            cooldown.sub_(1).clamp_(min=0)
+            if not self._when(lambda: decode.any()):
+                return
+        # Rows whose drafts keep missing need longer matches: min_n + the rows' wholly
+        # rejected drafts in a row, at most max_n (chance one-token matches in text that
+        # does not repeat stop costing verify steps; a row that copies matches long n-grams).
+        row_min_n = (spec.prompt_lookup_min + streak).clamp(max=spec.prompt_lookup_max)
         room = self.stream_capacity - (w.ring["produced"] - w.ring["consumed"]) - 1
         max_tokens = sp["max_tokens"].long()
         left = torch.where(max_tokens > 0, max_tokens - (n - st.num_prompt) - 1, K)
         cap = torch.minimum(torch.minimum(room, left), cfg.max_model_len - n).clamp(min=0, max=K)
-        width = cfg.max_model_len
-        if self.host_guards:  # CPU loop: look only as far as the longest row (a plain memory read)
-            width = min(width, int(n.max()) + 1)
         draft, dlen = ngram_propose(st.tokens[:, :width], torch.where(decode, n, 0), K,
-                                    spec.prompt_lookup_min, spec.prompt_lookup_max)
+                                    lookup_min, spec.prompt_lookup_max, row_min_n)
         dlen = torch.where(decode, torch.minimum(dlen, cap), 0)
         j = torch.arange(K, device=n.device)
         sink = st.tokens.shape[1] - 1
@@ -139,6 +166,42 @@ class SpecScheduler(Scheduler):
         st.tokens.index_put_((rows, at), draft.to(st.tokens.dtype))
         st.num_tokens += dlen
         self.draft_len[: w.size] = dlen
+        self.drafted = True
+
+    def _eligible_host(self, streak: np.ndarray, cooldown: np.ndarray) -> np.ndarray | None:
+        """The CPU loop's draft eligibility (the tensor rule of :meth:`_draft`, read on the
+        host from numpy views of the same memory, as plain ints: a step costs a few reads,
+        not dozens of small ops): decode rows (RUNNING, only the last token uncomputed, no
+        prefix lookup pending, unconstrained) out of back-off, whose last token occurred
+        earlier. Updates the back-off like the tensor rule. None when no row can draft."""
+        st = self._w.state
+        status, cool = st.status.tolist(), cooldown.tolist()
+        stale = [r for r, s in enumerate(status) if s != ROW_RUNNING and (cool[r] or streak[r])]
+        if stale:  # a new request (or a recompute) starts afresh
+            streak[stale] = 0
+            cooldown[stale] = 0
+            for r in stale:
+                cool[r] = 0
+        if any(cool):
+            np.maximum(cooldown - 1, 0, out=cooldown)
+        rows = [r for r, s in enumerate(status) if s == ROW_RUNNING and not cool[r]]
+        if not rows:
+            return None
+        n, computed = st.num_tokens.tolist(), st.num_computed.tolist()
+        lookup, constrained = st.needs_lookup.tolist(), st.sampling["constrained"].tolist()
+        tokens = st.tokens.numpy()
+        decode = np.zeros(len(status), dtype=bool)
+        for r in rows:
+            m = n[r]
+            if computed[r] != m - 1 or lookup[r] or constrained[r] or m < 2:
+                continue
+            # Every n-gram match ends with an earlier occurrence of the row's last token: a row
+            # whose last token did not occur before (most steps of text that does not repeat)
+            # cannot draft, and a step where no row can skips the lookup (the same drafts).
+            hist = tokens[r, :m]
+            if (hist[:-1] == hist[-1]).any():
+                decode[r] = True
+        return decode if decode.any() else None
 
 
 def _lane_inputs(sched: SpecScheduler, lrow: torch.Tensor, j: torch.Tensor):
@@ -167,10 +230,10 @@ def run_spec_step(parts: StepParts, on_scheduled=None) -> bool:
     w = sched._w
     st = w.state
     S = w.size
-    k = sched.draft_len[:S]
     num_new = batch.num_new_tokens
-    spec_row = (k > 0) & (num_new > 0)
-    if not bool(spec_row.any()):  # no row verifies a draft: the normal step
+    # no row verifies a draft (none drafted, or no drafting row was granted a token): the normal step
+    spec_row = (sched.draft_len[:S] > 0) & (num_new > 0) if sched.drafted else None
+    if spec_row is None or not bool(spec_row.any()):
         ns = max(int(batch.num_sample_rows), 1)
         inputs = sched.sampler_inputs(batch, ns)
         plan = SamplerPlan.from_features(inputs.features, inputs.suppress_ids)

@@ -16,14 +16,16 @@ import torch
 
 
 def ngram_propose(tokens: torch.Tensor, lengths: torch.Tensor, k: int, min_n: int,
-                  max_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  max_n: int, row_min_n: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Draft tokens for each row.
 
     tokens   int [R, L]   each row's prompt + output tokens, valid up to ``lengths``
     lengths  int64 [R]    tokens so far per row (0: nothing to draft)
     Returns ``(draft [R, k] int64, draft_len [R] int64)``: row r's draft is
     ``draft[r, :draft_len[r]]`` (0 when no n-gram of the sizes occurs earlier; at most the
-    tokens that follow the occurrence, which end before the row's last token)."""
+    tokens that follow the occurrence, which end before the row's last token).
+    ``row_min_n`` int64 [R] (optional): a larger ``min_n`` per row (the engine raises it for
+    rows whose drafts keep missing); sizes below it do not draft for that row."""
     R, L = tokens.shape
     dev = tokens.device
     n_tok = lengths.long()
@@ -39,7 +41,10 @@ def ngram_propose(tokens: torch.Tensor, lengths: torch.Tensor, k: int, min_n: in
         # an earlier occurrence: starts before the suffix does (so a token follows it)
         ok = same & (s.unsqueeze(0) < (n_tok - n).unsqueeze(1)) & (n_tok >= n + 1).unsqueeze(1)
         last = torch.where(ok, s.unsqueeze(0), -1).amax(1)
-        best = torch.where((best < 0) & (last >= 0), last + n, best)
+        take = (best < 0) & (last >= 0)
+        if row_min_n is not None:
+            take &= row_min_n <= n
+        best = torch.where(take, last + n, best)
     found = best >= 0
     draft_len = torch.where(found, torch.clamp(n_tok - best, max=k), 0)
     cols = best.clamp(min=0).unsqueeze(1) + torch.arange(k, device=dev)
