@@ -23,7 +23,7 @@ the acceptance rate (accepted / draft tokens) and the drafts verified; and wheth
 output is the same with and without speculation. Run on an idle machine:
 
     python -m benchmarks.bench_spec_decode [--model smollm2-135m] [--k 4] [--lookup 1 3]
-        [--streams 1 16] [--max-tokens 128] [--prompt-len 128] [--json out.json]
+        [--streams 1 16] [--max-tokens 128] [--prompt-len 128] [--repeats R] [--json out.json]
 
 ``--smoke``: a tiny random model (the tests' helper) and tiny sizes: a correctness run of
 this script, not a measurement.
@@ -81,19 +81,23 @@ def workload_params(workload: str, max_tokens: int):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def run_cell(llm, prompts, params) -> dict:
+def run_cell(llm, prompts, params, repeats: int = 1) -> dict:
+    """One batch of ``prompts``, ``repeats`` times: the median wall time, the counters' mean."""
     sched = llm.engine.scheduler
     before = sched.spec_counters.clone() if hasattr(sched, "spec_counters") else None
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, timeout_s=3600)
-    wall = time.perf_counter() - t0
+    walls = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, timeout_s=3600)
+        walls.append(time.perf_counter() - t0)
+    wall = statistics.median(walls)
     tokens = sum(len(o.token_ids) for o in outs)
     cell = {"streams": len(prompts), "output_tokens": tokens, "wall_s": round(wall, 3),
             "output_tok_s": round(tokens / wall, 2),
             # a stream's mean time per token (the batch runs together: wall / its tokens)
             "itl_ms_p50": round(1000 * statistics.median(wall / max(len(o.token_ids), 1) for o in outs), 2)}
     if before is not None:
-        drafts, draft_tokens, accepted = (sched.spec_counters - before).tolist()
+        drafts, draft_tokens, accepted = ((sched.spec_counters - before) / repeats).tolist()
         cell.update(drafts=drafts, draft_tokens=draft_tokens, accepted_tokens=accepted,
                     acceptance_rate=round(accepted / draft_tokens, 3) if draft_tokens else 0.0)
     return cell
@@ -108,6 +112,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=128, help="random workload's prompt length")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run each cell this many times and take the median wall time (a "
+                         "one-stream cell is one ~2 s request: one run moves by about 5%%)")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--smoke", action="store_true", help="tiny random model, tiny sizes (no measurement)")
     args = ap.parse_args(argv)
@@ -139,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
                         prompts = [p[-200:] for p in prompts]
                     params = workload_params(workload, args.max_tokens)
                     run_cell(llm, prompts[:1], workload_params(workload, 4))  # warm-up
-                    cell = run_cell(llm, prompts, params)
+                    cell = run_cell(llm, prompts, params, args.repeats)
                     cell.update(mode=mode, workload=workload)
                     results["cells"].append(cell)
                     print(json.dumps(cell), flush=True)
