@@ -9,7 +9,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 import httpx
 import uvicorn
@@ -88,6 +88,27 @@ async def asgi_request(app: Any, method: str, path: str, **kw: Any) -> httpx.Res
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
         return await client.request(method, path, **kw)
+
+
+@contextlib.asynccontextmanager
+async def ring_frontend(llm: Any, **app_options: Any) -> AsyncIterator[Any]:
+    """The frontend app (model name "tiny") over a ring client of its own on an offline
+    ``LLM``'s engine, as ``blink serve``'s frontend reaches it; closing it closes the client."""
+    from blink.dpu.ring_engine_client import RingEngineClient
+    from blink.dpu.ring_protocol import RingClient
+    from blink.transport import InProcessTransport, LoopbackTransport
+
+    region = llm.engine.region
+    transport = (InProcessTransport(region) if region.kind == "inprocess"
+                 else LoopbackTransport(region.name, region.total_bytes))
+    client = RingEngineClient(RingClient(transport), model_name="tiny",
+                              max_model_len=llm.max_model_len,
+                              poll_min_interval_s=1e-4, poll_max_interval_s=1e-3)
+    client.start()
+    try:
+        yield create_app(client, llm.tokenizer, model_name="tiny", **app_options)
+    finally:
+        await client.close()
 
 
 def _main(argv: list[str]) -> None:

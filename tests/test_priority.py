@@ -31,6 +31,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
 import test_scheduler as ts  # noqa: E402
+from dpu_helpers import ring_frontend  # noqa: E402
 from test_scheduler_reference import drive  # noqa: E402
 
 from blink.cli import parse_args  # noqa: E402
@@ -300,28 +301,13 @@ def test_benchmark_smoke(llm):
     timing is asserted)."""
     from benchmarks.bench_priority import run
 
-    from blink.dpu.app import create_app
-    from blink.dpu.ring_engine_client import RingEngineClient
-    from blink.dpu.ring_protocol import RingClient
-    from blink.transport import InProcessTransport, LoopbackTransport
-
     async def main():
-        region = llm.engine.region
-        transport = (InProcessTransport(region) if region.kind == "inprocess"
-                     else LoopbackTransport(region.name, region.total_bytes))
-        client = RingEngineClient(RingClient(transport), model_name="tiny",
-                                  max_model_len=llm.max_model_len,
-                                  poll_min_interval_s=1e-4, poll_max_interval_s=1e-3)
-        client.start()
-        try:
-            app = create_app(client, llm.tokenizer, model_name="tiny", scheduling_policy="priority")
+        async with ring_frontend(llm, scheduling_policy="priority") as app:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                          base_url="http://t", timeout=300) as http:
                 return await run(http, model="tiny", low_streams=4, high_requests=3,
                                  high_interval_s=0.02, prompt_words=4, low_max_tokens=6,
                                  high_max_tokens=2, warmup_s=0.1)
-        finally:
-            await client.close()
 
     report = asyncio.run(main())
     assert report.high_failed == 0 and report.low_failed == 0

@@ -9,7 +9,6 @@ banned token is the argmax.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,12 +18,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
+from dpu_helpers import ring_frontend  # noqa: E402
 from test_engine import GREEDY, make_llm, random_prompts, tiny_model_dir  # noqa: E402
 
-from blink.dpu.app import create_app  # noqa: E402
-from blink.dpu.ring_engine_client import RingEngineClient  # noqa: E402
 from blink.dpu.ring_packing import RingRequestError, ring_fields  # noqa: E402
-from blink.dpu.ring_protocol import RingClient  # noqa: E402
 from blink.engine.sampler import (  # noqa: E402
     Sampler,
     SamplerPlan,
@@ -35,7 +32,6 @@ from blink.engine.sampler import (  # noqa: E402
 from blink.ring import RingConfig  # noqa: E402
 from blink.shared.sampling_fields import BAD_WORD_TOKENS, bad_words_entries, cache_salt_hash  # noqa: E402
 from blink.shared.sampling_params import SamplingParams, SamplingParamsError  # noqa: E402
-from blink.transport import InProcessTransport, LoopbackTransport  # noqa: E402
 
 A = ord("a")
 PROMPTS = random_prompts(3, 8, 30, seed=33)
@@ -217,24 +213,9 @@ def test_engine_cache_salt_isolates_prefix_blocks(llm):
 # -------------------------------------------------------------------- through the HTTP app
 
 
-@contextlib.asynccontextmanager
-async def _frontend(llm: Any):
-    region = llm.engine.region
-    transport = (InProcessTransport(region) if region.kind == "inprocess"
-                 else LoopbackTransport(region.name, region.total_bytes))
-    client = RingEngineClient(RingClient(transport), model_name="tiny",
-                              max_model_len=llm.max_model_len,
-                              poll_min_interval_s=1e-4, poll_max_interval_s=1e-3)
-    client.start()
-    try:
-        yield create_app(client, llm.tokenizer, model_name="tiny")
-    finally:
-        await client.close()
-
-
 def _post(llm: Any, requests: list[tuple[str, dict[str, Any]]]) -> list[httpx.Response]:
     async def main() -> list[httpx.Response]:
-        async with _frontend(llm) as app:
+        async with ring_frontend(llm) as app:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                          base_url="http://t", timeout=120) as http:
                 return [await http.post(path, json=body) for path, body in requests]

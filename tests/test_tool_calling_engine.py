@@ -6,10 +6,8 @@ the HTTP app and the ring, greedy and sampled, streaming and not; and the openai
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +16,9 @@ import jsonschema
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
+from dpu_helpers import ring_frontend  # noqa: E402
 from test_engine import make_llm, tiny_model_dir  # noqa: E402
 
-from blink.dpu.app import create_app  # noqa: E402
-from blink.dpu.ring_engine_client import RingEngineClient  # noqa: E402
-from blink.dpu.ring_protocol import RingClient  # noqa: E402
-from blink.transport import InProcessTransport, LoopbackTransport  # noqa: E402
 
 EOS = 0  # NUL: never in JSON text
 # short (the tiny model has 256 positions); forced choices do not need the tools rendered
@@ -52,25 +47,9 @@ def llm(tmp_path_factory: Any) -> Any:
         yield engine
 
 
-@contextlib.asynccontextmanager
-async def _frontend(llm: Any) -> AsyncIterator[Any]:
-    """The frontend app over a ring client of our own (closing it closes its transport)."""
-    region = llm.engine.region
-    transport = (InProcessTransport(region) if region.kind == "inprocess"
-                 else LoopbackTransport(region.name, region.total_bytes))
-    client = RingEngineClient(RingClient(transport), model_name="tiny",
-                              max_model_len=llm.max_model_len,
-                              poll_min_interval_s=1e-4, poll_max_interval_s=1e-3)
-    client.start()
-    try:
-        yield create_app(client, llm.tokenizer, model_name="tiny")
-    finally:
-        await client.close()
-
-
 def _chat(llm: Any, bodies: list[dict[str, Any]]) -> list[httpx.Response]:
     async def main() -> list[httpx.Response]:
-        async with _frontend(llm) as app:
+        async with ring_frontend(llm) as app:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                          base_url="http://t", timeout=120) as http:
                 return [await http.post("/v1/chat/completions", json={
@@ -133,7 +112,7 @@ def test_openai_parse_with_a_pydantic_response_format(llm: Any) -> None:
         sunny: bool
 
     async def main() -> list[Any]:
-        async with _frontend(llm) as app:
+        async with ring_frontend(llm) as app:
             http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
                                      timeout=120)
             sdk = openai.AsyncOpenAI(base_url="http://t/v1", api_key="x", http_client=http,
