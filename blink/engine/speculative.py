@@ -46,7 +46,7 @@ import torch
 from blink.engine.sampler import SamplerPlan, SamplingTensors
 from blink.engine.sched.scheduler import Scheduler, StepBatch
 from blink.engine.sched.state import ROW_RELEASING, ROW_RUNNING
-from blink.engine.step import StepParts, compact_rows, model_phase
+from blink.engine.step import StepParts, compact_rows, eager_model_phase, schedule_on_host
 from blink.ring import (
     C_SPEC_TOKENS,
     C_STAT_SPEC_ACCEPTED_PER_POS,
@@ -221,12 +221,10 @@ def run_spec_step(parts: StepParts, on_scheduled=None) -> bool:
     """One eager CPU-loop step with speculation (module docstring). False when nothing
     was scheduled."""
     sched, executor, sampler = parts
-    batch = sched.schedule()
-    n = int(batch.num_scheduled_tokens)
-    if n == 0:
+    scheduled = schedule_on_host(parts, on_scheduled)
+    if scheduled is None:
         return False
-    if on_scheduled is not None:
-        on_scheduled(batch)
+    batch, n, _ = scheduled
     w = sched._w
     st = w.state
     S = w.size
@@ -234,10 +232,7 @@ def run_spec_step(parts: StepParts, on_scheduled=None) -> bool:
     # no row verifies a draft (none drafted, or no drafting row was granted a token): the normal step
     spec_row = (sched.draft_len[:S] > 0) & (num_new > 0) if sched.drafted else None
     if spec_row is None or not bool(spec_row.any()):
-        ns = max(int(batch.num_sample_rows), 1)
-        inputs = sched.sampler_inputs(batch, ns)
-        plan = SamplerPlan.from_features(inputs.features, inputs.suppress_ids)
-        model_phase(parts, batch, tokens=n, rows=ns, compact=True, plan=plan, inputs=inputs)
+        eager_model_phase(parts, *scheduled)
         return True
 
     # Lanes: every position of a drafting row, the last position of other sampling rows.

@@ -129,8 +129,13 @@ def run_step(parts: StepParts, on_scheduled: Callable[[StepBatch], None] | None 
     scheduled = schedule_on_host(parts, on_scheduled)
     if scheduled is None:
         return False
-    batch, n, ns = scheduled
-    inputs = parts.scheduler.sampler_inputs(batch, ns)
-    plan = SamplerPlan.from_features(inputs.features, inputs.suppress_ids)  # skip unused stages
-    model_phase(parts, batch, tokens=n, rows=ns, compact=True, plan=plan, inputs=inputs)
+    eager_model_phase(parts, *scheduled)
     return True
+
+
+def eager_model_phase(parts: StepParts, batch: StepBatch, tokens: int, rows: int) -> None:
+    """A scheduled CPU-loop step's second half, eager: the sampler's inputs and the plan of
+    the stages its rows use, then :func:`model_phase` (forward, sample, update)."""
+    inputs = parts.scheduler.sampler_inputs(batch, rows)
+    plan = SamplerPlan.from_features(inputs.features, inputs.suppress_ids)  # skip unused stages
+    model_phase(parts, batch, tokens=tokens, rows=rows, compact=True, plan=plan, inputs=inputs)
