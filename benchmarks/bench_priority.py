@@ -34,6 +34,8 @@ from typing import Any
 import httpx
 import numpy as np
 
+from benchmarks.serve_client import send_streaming_request
+
 
 @dataclass
 class Result:
@@ -73,30 +75,16 @@ class Report:
 
 async def one_request(http: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
                       priority: int) -> Result:
-    """One streamed completion; TTFT = time to the first chunk with text."""
+    """One streamed completion through the serving benchmark's client; TTFT = time to the
+    first chunk with text. A request fails on an HTTP error, an error chunk or a broken
+    stream."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
             "temperature": 0.0, "stream": True, "priority": priority,
             "stream_options": {"include_usage": True}}
-    res = Result()
-    t0 = time.perf_counter()
-    try:
-        async with http.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    res.output_tokens = int(chunk["usage"].get("completion_tokens", 0))
-                for choice in chunk.get("choices", []):
-                    if choice.get("text") and res.ttft_s is None:
-                        res.ttft_s = time.perf_counter() - t0
-        res.ok = res.ttft_s is not None
-    except httpx.HTTPError as e:
-        res.error = repr(e)
-    return res
+    out = await send_streaming_request(http, "/v1/completions", body, chat=False, prompt_len=0)
+    ok = out.success and out.chunks > 0
+    return Result(ttft_s=out.ttft if ok else None, output_tokens=out.output_tokens or 0, ok=ok,
+                  error=out.error)
 
 
 def _pct(values: list[float], q: float) -> float:
