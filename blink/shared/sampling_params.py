@@ -300,15 +300,7 @@ class SamplingParams:
                 f"stop strings can be at most {MAX_STOP_STRING_CHARS} characters long, got "
                 f"{max(len(s) for s in self.stop)}."
             )
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise SamplingParamsError(
-                f"stop_token_ids can hold at most {MAX_STOP_TOKEN_IDS} ids, "
-                f"got {len(self.stop_token_ids)}."
-            )
-        if any(t < 0 for t in self.stop_token_ids):
-            raise SamplingParamsError(
-                f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids}."
-            )
+        _check_token_ids("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS)
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise SamplingParamsError(
                 f"logit_bias can hold at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}."
@@ -327,16 +319,7 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 raise SamplingParamsError("allowed_token_ids is not None and empty!")
-            if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
-                raise SamplingParamsError(
-                    f"allowed_token_ids can hold at most {MAX_ALLOWED_TOKEN_IDS} ids, "
-                    f"got {len(self.allowed_token_ids)}."
-                )
-            if any(t < 0 for t in self.allowed_token_ids):
-                raise SamplingParamsError(
-                    "allowed_token_ids must be non-negative token ids, got "
-                    f"{self.allowed_token_ids}."
-                )
+            _check_token_ids("allowed_token_ids", self.allowed_token_ids, MAX_ALLOWED_TOKEN_IDS)
         if len(self.bad_words) > MAX_BAD_WORDS:
             raise SamplingParamsError(
                 f"bad_words can hold at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}."
@@ -490,3 +473,11 @@ class SamplingParams:
                 kwargs[name] = value
         kwargs.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kwargs)
+
+
+def _check_token_ids(name: str, ids: list[int], limit: int) -> None:
+    """A request's list of token ids: at most ``limit`` of them, none negative."""
+    if len(ids) > limit:
+        raise SamplingParamsError(f"{name} can hold at most {limit} ids, got {len(ids)}.")
+    if any(t < 0 for t in ids):
+        raise SamplingParamsError(f"{name} must be non-negative token ids, got {ids}.")
