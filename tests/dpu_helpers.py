@@ -111,6 +111,19 @@ async def ring_frontend(llm: Any, **app_options: Any) -> AsyncIterator[Any]:
         await client.close()
 
 
+def grammar_accepts(grammar: Any, tok: Tokenizer, text: str) -> bool:
+    """Whether a compiled constraint lets ``text`` through, token by token, and then lets
+    the output end (EOS allowed)."""
+    masker = grammar.new_masker()
+    for t in tok.encode(text, add_special_tokens=False):
+        words = masker.mask()
+        if not (int(words[t // 32]) >> (t % 32)) & 1:
+            return False
+        masker.advance([t])
+    eos = tok.eos_token_ids[0]
+    return bool((int(masker.mask()[eos // 32]) >> (eos % 32)) & 1)
+
+
 def _main(argv: list[str]) -> None:
     """Serve the fake-engine app on ``argv[0]`` (a port); ``argv[1]``: JSON create_app kwargs
     (``"limits"`` as a dict of RequestLimits fields; ``"connections"``, a dict of

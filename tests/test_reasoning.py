@@ -18,7 +18,13 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
 from fake_engine_client import FakeEngineClient  # noqa: E402
 
-from dpu_helpers import MODEL, asgi_request, serve_in_thread, tiny_tokenizer  # noqa: E402
+from dpu_helpers import (  # noqa: E402
+    MODEL,
+    asgi_request,
+    grammar_accepts,
+    serve_in_thread,
+    tiny_tokenizer,
+)
 
 from blink.dpu.app import app_options, create_app  # noqa: E402
 from blink.dpu.reasoning import REASONING_PARSERS, ReasoningParser  # noqa: E402
@@ -178,18 +184,6 @@ def test_grammars_that_cannot_follow_the_reasoning_are_refused_by_name(extra: di
     assert error["param"] == param and "--reasoning-parser" in error["message"]
 
 
-def _accepts(grammar: Any, tok: Tokenizer, text: str) -> bool:
-    """Whether the compiled constraint lets ``text`` through, token by token, then EOS."""
-    masker = grammar.new_masker()
-    for t in tok.encode(text, add_special_tokens=False):
-        words = masker.mask()
-        if not (int(words[t // 32]) >> (t % 32)) & 1:
-            return False
-        masker.advance([t])
-    eos = tok.eos_token_ids[0]
-    return bool((int(masker.mask()[eos // 32]) >> (eos % 32)) & 1)
-
-
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}},
           "required": ["answer"]}
 
@@ -210,13 +204,13 @@ def test_structured_outputs_start_after_the_reasoning(parser: str, template: str
     assert message.content == answer and "Two plus two" in message.reasoning_content
     grammar = list(engine.grammars.values())[-1]
     tok = engine.tok
-    assert _accepts(grammar, tok, think + answer)
-    assert _accepts(grammar, tok, think.replace("\n\n", "") + answer)  # no space: fine too
-    assert not _accepts(grammar, tok, think + '{"answer": "four"}')  # the schema holds
-    assert not _accepts(grammar, tok, answer)  # the reasoning comes first
-    assert not _accepts(grammar, tok, think + "The answer is 4.")
+    assert grammar_accepts(grammar, tok, think + answer)
+    assert grammar_accepts(grammar, tok, think.replace("\n\n", "") + answer)  # no space: fine too
+    assert not grammar_accepts(grammar, tok, think + '{"answer": "four"}')  # the schema holds
+    assert not grammar_accepts(grammar, tok, answer)  # the reasoning comes first
+    assert not grammar_accepts(grammar, tok, think + "The answer is 4.")
     if parser == "qwen3":  # Qwen3 opens the block itself
-        assert not _accepts(grammar, tok, "Two plus two.</think>" + answer)
+        assert not grammar_accepts(grammar, tok, "Two plus two.</think>" + answer)
 
 
 def test_schema_needing_a_final_check_is_refused_with_reasoning() -> None:
@@ -239,8 +233,8 @@ def test_forced_tool_choice_after_the_reasoning() -> None:
     assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert choice["message"]["reasoning_content"] == "Weather, so call it."
     grammar = list(engine.grammars.values())[-1]
-    assert _accepts(grammar, engine.tok, output)
-    assert not _accepts(grammar, engine.tok, output.split("\n", 1)[1])
+    assert grammar_accepts(grammar, engine.tok, output)
+    assert not grammar_accepts(grammar, engine.tok, output.split("\n", 1)[1])
 
 
 def test_reasoning_effort_reaches_the_template() -> None:

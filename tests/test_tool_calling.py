@@ -25,7 +25,13 @@ from blink.dpu.tool_parsers import generic_schema, required_schema
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
 from fake_engine_client import FakeEngineClient  # noqa: E402
 
-from dpu_helpers import MODEL, asgi_request, serve_in_thread, tiny_tokenizer  # noqa: E402
+from dpu_helpers import (  # noqa: E402
+    MODEL,
+    asgi_request,
+    grammar_accepts,
+    serve_in_thread,
+    tiny_tokenizer,
+)
 
 TEMPLATES = json.loads((Path(__file__).parent / "fixtures" / "tool_chat_templates.json")
                        .read_text())
@@ -548,19 +554,6 @@ ANSWER_SCHEMA = {"type": "object", "properties": {"temp_c": {"type": "integer"}}
 RF = {"type": "json_schema", "json_schema": {"name": "w", "schema": ANSWER_SCHEMA}}
 
 
-def _accepts(grammar: Any, tok: Tokenizer, text: str) -> bool:
-    """Whether the request's compiled constraint lets ``text`` through and then ends."""
-    masker = grammar.new_masker()
-    for t in tok.encode(text, add_special_tokens=False):
-        words = masker.mask()
-        if not (int(words[t // 32]) >> (t % 32)) & 1:
-            return False
-        masker.advance([t])
-    words = masker.mask()
-    eos = tok.eos_token_ids[0]
-    return bool((int(words[eos // 32]) >> (eos % 32)) & 1)
-
-
 @pytest.mark.parametrize("choice", ["auto", "required", "none"])
 def test_tools_and_response_format_together(qwen_tok: Tokenizer, choice: str) -> None:
     """OpenAI's meaning (openai-agents, pydantic-ai, LangChain create_agent and AutoGen send
@@ -575,17 +568,17 @@ def test_tools_and_response_format_together(qwen_tok: Tokenizer, choice: str) ->
     grammar = engine.grammars[rid]
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     answer = '{"temp_c": 21}'
-    can_call = _accepts(grammar, qwen_tok, call) if choice != "required" else None
+    can_call = grammar_accepts(grammar, qwen_tok, call) if choice != "required" else None
     if choice == "auto":
-        assert can_call and _accepts(grammar, qwen_tok, answer)
-        assert not _accepts(grammar, qwen_tok, "It is sunny.")
-        assert not _accepts(grammar, qwen_tok, '{"temp_c": "warm"}')
-        assert not _accepts(grammar, qwen_tok, call.replace('"city"', '"town"'))
+        assert can_call and grammar_accepts(grammar, qwen_tok, answer)
+        assert not grammar_accepts(grammar, qwen_tok, "It is sunny.")
+        assert not grammar_accepts(grammar, qwen_tok, '{"temp_c": "warm"}')
+        assert not grammar_accepts(grammar, qwen_tok, call.replace('"city"', '"town"'))
     elif choice == "required":
-        assert _accepts(grammar, qwen_tok, '[{"name": "get_weather", "parameters": {"city": "P"}}]')
-        assert not _accepts(grammar, qwen_tok, answer)
+        assert grammar_accepts(grammar, qwen_tok, '[{"name": "get_weather", "parameters": {"city": "P"}}]')
+        assert not grammar_accepts(grammar, qwen_tok, answer)
     else:
-        assert _accepts(grammar, qwen_tok, answer) and not can_call
+        assert grammar_accepts(grammar, qwen_tok, answer) and not can_call
 
 
 def test_tools_with_response_format_in_the_generic_format(qwen_tok: Tokenizer) -> None:
@@ -598,8 +591,8 @@ def test_tools_with_response_format_in_the_generic_format(qwen_tok: Tokenizer) -
                    "response_format": RF, "max_tokens": 64})
     assert r.status_code == 200, r.text
     (grammar,) = engine.grammars.values()
-    assert _accepts(grammar, qwen_tok, '{"response": {"temp_c": 21}}')
-    assert not _accepts(grammar, qwen_tok, '{"response": "sunny"}')
+    assert grammar_accepts(grammar, qwen_tok, '{"response": {"temp_c": 21}}')
+    assert not grammar_accepts(grammar, qwen_tok, '{"response": "sunny"}')
     message = r.json()["choices"][0]["message"]
     assert json.loads(message["content"]) == {"temp_c": 21} and not message.get("tool_calls")
 
@@ -677,16 +670,16 @@ def test_responses_text_format_and_tools_together(qwen_tok: Tokenizer) -> None:
     r = _responses(app, {"model": MODEL, "input": "Weather?", "text": {"format": fmt}})
     assert r.status_code == 200, r.text
     (grammar,) = engine.grammars.values()
-    assert _accepts(grammar, qwen_tok, '{"temp_c": 3}')
-    assert not _accepts(grammar, qwen_tok, "warm")
+    assert grammar_accepts(grammar, qwen_tok, '{"temp_c": 3}')
+    assert not grammar_accepts(grammar, qwen_tok, "warm")
     assert r.json()["text"]["format"]["type"] == "json_schema"
     engine.grammars.clear()
     r = _responses(app, {"model": MODEL, "input": "Weather?", "tools": [R_TOOL],
                          "text": {"format": fmt}})
     assert r.status_code == 200, r.text
     (grammar,) = engine.grammars.values()
-    assert _accepts(grammar, qwen_tok, '{"temp_c": 3}')
-    assert _accepts(grammar, qwen_tok, '<tool_call>\n{"name": "get_weather", "arguments": '
+    assert grammar_accepts(grammar, qwen_tok, '{"temp_c": 3}')
+    assert grammar_accepts(grammar, qwen_tok, '<tool_call>\n{"name": "get_weather", "arguments": '
                                        '{"city": "P"}}\n</tool_call>')
     assert r.json()["output"][0]["content"][0]["text"] == '{"temp_c": 21}'
 
