@@ -121,6 +121,15 @@ _GRAMMAR_FIELDS = ("response_format", "structured_outputs", "guided_json", "guid
                    "guided_choice", "guided_grammar")
 
 
+def _constraint_param(plan: ToolPlan, req: Any) -> str:
+    """The request field that put a grammar on the output (named when it is refused): the
+    tool choice, else the structured-output field the request set."""
+    if plan.structured_outputs is not None:
+        return "tool_choice"
+    return next((f for f in _GRAMMAR_FIELDS if getattr(req, f, None) is not None),
+                "response_format")
+
+
 class ClientDisconnected(Exception):
     """The HTTP client went away before the answer was ready."""
 
@@ -713,9 +722,7 @@ class OpenAIServing:
         if original is not None and out.structured_outputs is not original:
             checked = await self._compile_grammar(params)
             if checked is not None and checked.needs_final_check:
-                param = "tool_choice" if plan.structured_outputs is not None else next(
-                    (f for f in _GRAMMAR_FIELDS if getattr(req, f, None) is not None),
-                    "response_format")
+                param = _constraint_param(plan, req)
                 raise bad_request(
                     f"{param}: this JSON schema has keywords the grammar cannot enforce (checked "
                     f"on the finished output), which Blink cannot check after the reasoning of "
@@ -736,11 +743,7 @@ class OpenAIServing:
                 params = dataclasses.replace(params, structured_outputs=wrapped)
                 so = None
         if so is not None:
-            if plan.structured_outputs is not None:
-                param = "tool_choice"
-            else:
-                param = next((f for f in _GRAMMAR_FIELDS if getattr(req, f, None) is not None),
-                             "response_format")
+            param = _constraint_param(plan, req)
             raise bad_request(
                 f"{param} cannot be used with --reasoning-parser here: after the reasoning "
                 f"Blink can constrain the answer to a JSON schema or json_object, not to this "
