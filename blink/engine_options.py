@@ -205,6 +205,13 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
             vllm=SAME_AS_VLLM,
             help="most logprobs / top_logprobs a request may ask for (vLLM's flag; sizes "
                  "the ring's logprob columns)"),
+    _option("--prompt-logprobs-lanes", type=int, default=2, metavar="L",
+            field="prompt_logprob_lanes",
+            help="requests with prompt_logprobs (or completions' echo with logprobs) computed "
+                 "at once: each holds one ring lane of max_model_len x (max_logprobs + 1) "
+                 "entries while its prompt runs, and more wait for a free lane; 0 refuses "
+                 "them (the CPU loop only: the GPU loops, speculative decoding, --role "
+                 "prefill/decode and --model null always refuse; default: %(default)s)"),
     _option("--loop", default="auto", choices=["auto", "cpu", "host", "device"],
             help="which loop drives the steps (where the model runs is --device): cpu "
                  "(engine thread on CPU tensors), host (tier A: host launches CUDA graphs), "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -172,18 +172,36 @@ class ModelExecutor:
         input_ids: torch.Tensor,
         md: AttentionMetadata,
         logits_indices: torch.Tensor,
+        hidden_hook: Callable[[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]], None] | None = None,
     ) -> torch.Tensor:
         """Forward the step's tokens (writing their K/V into the cache) and return fp32
-        logits ``[len(logits_indices), vocab]`` for the selected token rows."""
+        logits ``[len(logits_indices), vocab]`` for the selected token rows.
+        ``hidden_hook(hidden, compute_logits)``: called with every token's final hidden state
+        and the head before the logits are taken (prompt logprobs,
+        :mod:`blink.engine.prompt_logprobs`); such a step runs eagerly."""
         graphs = self.decode_graphs
-        if graphs is not None and graphs.takes(input_ids, md):
+        if graphs is not None and hidden_hook is None and graphs.takes(input_ids, md):
             logits = graphs.run(input_ids, md, logits_indices)
             if logits is not None:
                 return logits
         single_row = input_ids.shape[0] == 1 and self._bf16_cpu
         with _onednn_disabled() if single_row else contextlib.nullcontext():
             hidden = self.model(input_ids, md, self.kv_caches)
+            if hidden_hook is not None:
+                hidden_hook(hidden, self.model.compute_logits)
             return self.model.compute_logits(hidden.index_select(0, logits_indices)).float()
+
+    @torch.inference_mode()
+    def fill_cache(self, input_ids: torch.Tensor, md: AttentionMetadata) -> None:
+        """Forward the step's tokens only to write their K/V into the cache (no logits: a
+        speculative draft model follows the target's steps this way, blink.engine.draft_model)."""
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.takes(input_ids, md):  # a graph computes its logits anyway
+            if graphs.run(input_ids, md, torch.zeros(1, dtype=torch.int64)) is not None:
+                return
+        single_row = input_ids.shape[0] == 1 and self._bf16_cpu
+        with _onednn_disabled() if single_row else contextlib.nullcontext():
+            self.model(input_ids, md, self.kv_caches)
 
 
 @contextlib.contextmanager

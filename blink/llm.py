@@ -48,6 +48,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    #: with ``SamplingParams.prompt_logprobs``: None for the first prompt token, then per
+    #: prompt position {token id: (logprob, rank)}, the prompt token first, then the top N
+    prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
 
     @property
     def text(self) -> str:
@@ -82,6 +85,7 @@ class _Choice:
     logprobs: list[dict[int, float]] | None = None
     num_cached: int = 0
     grammar: CompiledGrammar | None = None  # the structured-output automaton, if any
+    prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
 
     @property
     def finish_reason(self) -> str | None:
@@ -142,6 +146,7 @@ class LLM:
                 outputs=[CompletionOutput(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs,
                                           c.output.error) for c in mine],
                 num_cached_tokens=mine[0].num_cached if mine else 0,
+                prompt_logprobs=mine[0].prompt_logprobs if mine else None,
             ))
         return results
 
@@ -276,6 +281,8 @@ class LLM:
     def _consume(self, choice: _Choice, delta: EngineOutput) -> None:
         """The frontend's rules (:class:`~blink.dpu.output_processor.ChoiceText`) on a delta."""
         choice.num_cached = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            choice.prompt_logprobs = delta.prompt_logprobs
         if choice.output.finish_reason is not None:
             return
         out = choice.output.feed(list(delta.token_ids), delta.finished, delta.finish_reason)

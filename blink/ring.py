@@ -20,6 +20,9 @@ views on both sides:
                                             read by the sampler when the slot's mask_epoch
                                             matches the row's output count
     output streams  one array per field     token ring, produced counter, finish, logprobs
+    prompt-logprob  one array per field     L lanes x max_model_len positions: the logprob and
+    lanes           over [L, max_model_len]  rank of each prompt token, the top max_logprobs
+                                            (id, logprob) at each position (prompt_logprobs)
 
 Protocol (payload first, then the state word; readers read the state word first):
     frontend: slot FREE      -> writes the prompt into the arena and the slot's request record
@@ -36,6 +39,17 @@ Protocol (payload first, then the state word; readers read the state word first)
                                 read -> (cancel=0 if it was set) -> fence -> state=FREE
     frontend: cancel=1 at any time after WRITTEN; the engine finishes the request with
                                 FINISH_ABORT within one step.
+
+Prompt logprobs (``prompt_logprobs`` >= 0 in the request record; ``prompt_logprob_lanes`` =
+L > 0 in the control block, 0: the engine does not compute them):
+    frontend: a free lane l      -> request record prompt_logprob_lane = l (else -1); a request
+                                    asking for prompt logprobs waits for a lane as for a slot
+    engine:   each prefill chunk -> for every chunk position q whose next token q + 1 is a
+                                    prompt token: lane l's entries at position q + 1, while the
+                                    row has no output yet; all before the row's first token
+                                    is published (produced 0 -> 1)
+    frontend: produced >= 1      -> reads lane l's positions [1, prompt_len), frees the lane
+                                    (also when the request finishes without an output)
 
 Structured outputs (``constrained`` = 1 in the request record; docs/architecture.md,
 "Structured outputs"). The frontend follows the request's tokens with a grammar matcher and
@@ -77,12 +91,14 @@ from blink.errors import BlinkError
 from blink.shared.sampling_fields import BAD_WORD_TOKENS, SAMPLING_FIELDS, numpy_fields
 
 MAGIC = int.from_bytes(b"BLINKRNG", "little")
-LAYOUT_VERSION = 9  # 2: the request record (one contiguous payload per slot); 3: grammar region
+LAYOUT_VERSION = 10  # 2: the request record (one contiguous payload per slot); 3: grammar region
 # (issue 15) or admitted_step (main); 4: both; 5: disaggregated prefill/decode (kv_* fields);
 # 6: per-slot token masks with an epoch word replace the grammar region (issue 30);
 # 7: allowed_token_ids, bad_words_ids and cache_salt in the request record (issue 33)
 # 8: priority in the request record (issue 33, --scheduling-policy priority)
 # 9: 56 control words: the speculative decoding words (C_SPEC_TOKENS, C_STAT_SPEC_*; issue 36)
+# 10: prompt-logprob lanes (C_PROMPT_LOGPROB_LANES, the plp_* region, prompt_logprobs and
+# prompt_logprob_lane in the request record; issue 33)
 ALIGN = 64
 
 # Control block word indices (all int64).
@@ -125,6 +141,8 @@ ALIGN = 64
 #: (vLLM's spec_decode_num_accepted_tokens_per_pos; K <= SPEC_POSITIONS)
 C_STAT_SPEC_ACCEPTED_PER_POS = 33
 SPEC_POSITIONS = 16
+#: lanes of the prompt-logprob region (0: the engine computes no prompt logprobs)
+C_PROMPT_LOGPROB_LANES = C_STAT_SPEC_ACCEPTED_PER_POS + SPEC_POSITIONS
 CONTROL_WORDS = 56
 #: Reserved for the engine: a write sink for its fixed-shape scatters into the slot state
 #: words (lanes with nothing to publish write here). The frontend never reads or writes it.
@@ -181,10 +199,13 @@ class RingConfig:
     #: width of the kv block-id fields: the most KV blocks one prompt can have
     #: (ceil(max_model_len / block_size)); 0 = this engine takes no part in disaggregation
     max_kv_blocks: int = 0
+    #: lanes of the prompt-logprob region (each max_model_len positions x max_logprobs top
+    #: entries); 0 = the engine computes no prompt logprobs (requests asking are refused)
+    prompt_logprob_lanes: int = 0
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
-            low = 0 if name.startswith("max_") or name == "mask_words" else 1
+            low = 0 if name.startswith("max_") or name in ("mask_words", "prompt_logprob_lanes") else 1
             if not isinstance(value, int) or value < low:
                 raise RingLayoutError(f"ring config: {name} must be a positive integer, got {value!r}")
         if self.max_bad_words_tokens % BAD_WORD_TOKENS:
@@ -272,6 +293,19 @@ def _stream_fields(cfg: RingConfig) -> list[tuple[str, np.dtype, tuple[int, ...]
     ]
 
 
+def _prompt_logprob_fields(cfg: RingConfig) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
+    """The prompt-logprob lanes (leading dimension: the lanes, not the slots); position p of
+    a lane describes prompt token p (p >= 1) given the tokens before it."""
+    i32, f32 = np.dtype("<i4"), np.dtype("<f4")
+    lanes, m, n = max(cfg.prompt_logprob_lanes, 1), cfg.max_model_len, max(cfg.max_logprobs, 1)
+    return [
+        ("plp_logprob", f32, (lanes, m)),  # the prompt token's logprob
+        ("plp_rank", i32, (lanes, m)),  # its rank (1 + ids with a larger logprob, vLLM's)
+        ("plp_top_ids", i32, (lanes, m, n)),
+        ("plp_top_logprobs", f32, (lanes, m, n)),
+    ]
+
+
 @dataclass(frozen=True)
 class FieldSpec:
     name: str
@@ -353,11 +387,15 @@ class RingLayout:
         add("mask", np.dtype("<i4"), (cfg.n_slots, max(cfg.mask_words, 1)))
         for name, dtype, shape in _stream_fields(cfg):
             add(name, dtype, (cfg.n_slots, *shape))
+        lane_fields = _prompt_logprob_fields(cfg)
+        for name, dtype, shape in lane_fields:
+            add(name, dtype, shape)
         self.total_bytes = offset
-        #: the fields indexed by slot first (all but the control block and the arena), the
-        #: request record included
+        #: the fields indexed by slot first (all but the control block, the arena and the
+        #: prompt-logprob lanes), the request record included
+        not_slots = {"control", "arena", *(name for name, _, _ in lane_fields)}
         self.slot_fields: tuple[str, ...] = tuple(
-            name for name in self.fields if name not in ("control", "arena"))
+            name for name in self.fields if name not in not_slots)
 
     def __iter__(self) -> Iterator[FieldSpec]:
         return iter(self.fields.values())
@@ -410,6 +448,7 @@ class Ring:
         c[C_MAX_MODEL_LEN] = cfg.max_model_len
         c[C_MASK_WORDS] = cfg.mask_words
         c[C_MAX_KV_BLOCKS] = cfg.max_kv_blocks
+        c[C_PROMPT_LOGPROB_LANES] = cfg.prompt_logprob_lanes
         c[C_ENGINE_STATE] = ENGINE_STARTING
         for f in SAMPLING_FIELDS:  # neutral values (-1 padding for id vectors)
             if f.pad != 0:
@@ -451,6 +490,7 @@ def config_of_control(control: Any) -> RingConfig:
         max_model_len=int(control[C_MAX_MODEL_LEN]),
         mask_words=int(control[C_MASK_WORDS]),
         max_kv_blocks=int(control[C_MAX_KV_BLOCKS]),
+        prompt_logprob_lanes=int(control[C_PROMPT_LOGPROB_LANES]),
     )
 
 

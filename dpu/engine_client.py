@@ -93,6 +93,10 @@ class EngineOutput:
     #: finish_reason "error": what went wrong, when the ring client knows (a structured-output
     #: matcher's error, a mask that never reached the engine)
     error: str | None = None
+    #: the request's prompt logprobs (``SamplingParams.prompt_logprobs``), on the delta with
+    #: its first token only: None for the first prompt token, then per prompt position
+    #: {token id: (logprob, rank)}, the prompt token first, then the top N
+    prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
 
 
 class EngineStats(TypedDict):

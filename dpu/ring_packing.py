@@ -15,6 +15,7 @@ request id, arrival, prompt location, consumed = 0) and writes the whole record 
 """
 from __future__ import annotations
 
+import uuid
 from functools import lru_cache
 from typing import Any, Mapping
 
@@ -37,7 +38,7 @@ _DEFAULTS: dict[str, Any] = {
     "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
     "frequency_penalty": 0.0, "seed": 0, "stop_token_ids": (), "logit_bias_ids": (),
     "logit_bias_values": (), "constrained": 0, "allowed_token_ids": (), "bad_words_ids": (),
-    "cache_salt": 0, "priority": 0,
+    "cache_salt": 0, "priority": 0, "prompt_logprobs": -1, "prompt_logprob_lane": -1,
 }
 #: What a vector field's capacity counts, for the error message.
 _UNITS = {"stop_token_ids": "ids", "logit_bias_ids": "entries", "logit_bias_values": "entries",
@@ -108,7 +109,7 @@ def pack_sampling(cfg: RingConfig, *, logit_bias: Mapping[int, float] | None = N
             continue
         if f.bound is not None:
             bound = getattr(cfg, f.bound)
-            if value < 0:
+            if value < 0 and value != f.pad:  # (the pad: "off", e.g. prompt_logprobs -1)
                 raise RingRequestError(f"{f.name} must be non-negative, got {value}")
             if value > bound:
                 raise RingRequestError(f"{f.name} can be at most {bound} in this engine, got {value}")
@@ -154,6 +155,16 @@ def ring_fields(params: SamplingParams, prompt_len: int, max_model_len: int,
         logit_bias=params.logit_bias,
         allowed_token_ids=params.allowed_token_ids or (),
         bad_words_ids=bad_words,
-        cache_salt=cache_salt_hash(params.cache_salt),
+        cache_salt=_cache_salt(params),
         priority=params.priority,
+        prompt_logprobs=-1 if params.prompt_logprobs is None else params.prompt_logprobs,
     )
+
+
+def _cache_salt(params: SamplingParams) -> int:
+    """The ring's ``cache_salt``: a request with prompt logprobs gets a salt of its own (its
+    salt string, if any, and a random part), so the prefix cache never serves its positions,
+    which have no logits then (vLLM skips prefix-cache hits for such requests too)."""
+    if params.prompt_logprobs is None:
+        return cache_salt_hash(params.cache_salt)
+    return cache_salt_hash(f"{params.cache_salt or ''}\0prompt_logprobs:{uuid.uuid4().hex}")

@@ -187,6 +187,11 @@ class RingHandle:
     masker: TokenMasker | None = None  # structured outputs: follows the tokens, writes masks
     mask_error: str | None = None  # why its masks stopped (the request is being cancelled)
     kv_mode: int = KV_NONE  # KV_RESERVE: the first delta carries the reserved blocks
+    #: prompt logprobs: the ring lane the engine writes them into (-1: none asked) and the
+    #: top alternatives wanted; the lane is read and given back with the first token
+    plp_lane: int = -1
+    plp_top: int = 0
+    plp_prompt: list[int] = field(default_factory=list)  # (the arena is reused once claimed)
 
     @property
     def queue_time_s(self) -> float | None:
@@ -247,6 +252,8 @@ class RingClient:
         self._next_request_id = int(self._read_field("request_id", 0, n).max(initial=0)) + 1
         self.arena = ArenaAllocator(self.config.arena_tokens)
         self._free: list[int] = []
+        #: free prompt-logprob lanes (lowest first)
+        self._free_lanes: list[int] = list(range(self.config.prompt_logprob_lanes))
         self._adopt_slots()
 
     # -- low-level field access ----------------------------------------------------------
@@ -308,6 +315,10 @@ class RingClient:
                 # ever send its KV, so it is freed at once (force).
                 reserved = int(self._read_field("kv_mode", slot, slot + 1)[0]) == KV_RESERVE
                 self._write_field("cancel", slot, CANCEL_FORCE if reserved else CANCEL_REQUEST)
+                lane = int(self._read_field("prompt_logprob_lane", slot, slot + 1)[0])
+                if lane in self._free_lanes:  # the engine may write it until the slot finishes
+                    self._free_lanes.remove(lane)
+                    handle.plp_lane = lane
                 self._active[slot] = handle
                 if st == SLOT_WRITTEN:
                     written.append((
@@ -318,6 +329,7 @@ class RingClient:
             else:
                 raise RingProtocolError(f"slot {slot} has an unknown state word {st}")
         heapq.heapify(self._free)
+        heapq.heapify(self._free_lanes)
         if written:
             # Their prompts are still in the arena, waiting to be copied: start our allocator
             # after them and hold one range over all of them until the engine claims them.
@@ -417,9 +429,13 @@ class RingClient:
                 raise RingRequestError("this engine takes no part in disaggregation (--role both)")
             if kv.mode not in (KV_RESERVE, KV_SEND) or len(kv.blocks) > width:
                 raise RingRequestError(f"bad KV route {kv}")
+        wants_lane = int(sampling["prompt_logprobs"]) >= 0
+        if wants_lane and cfg.prompt_logprob_lanes == 0:
+            raise RingRequestError("this engine computes no prompt logprobs (no prompt-logprob "
+                                   "lanes in its ring)")
         with self._lock:
-            if not self._free:
-                return None
+            if not self._free or (wants_lane and not self._free_lanes):
+                return None  # a request with prompt logprobs waits for a lane as for a slot
             rng = self.arena.allocate(prompt.size)
             if rng is None:
                 self._refresh_claims()  # claimed prompts give their arena space back
@@ -446,6 +462,8 @@ class RingClient:
             record["prompt_len"] = prompt.size
             record["consumed"] = 0
             record["constrained"] = int(masker is not None)
+            lane = heapq.heappop(self._free_lanes) if wants_lane else -1
+            record["prompt_logprob_lane"] = lane
             if masker is not None:  # the first token's mask, then its epoch (0 outputs)
                 self._write_mask(slot, first_mask, 0)
             if kv is not None:
@@ -461,7 +479,9 @@ class RingClient:
             t.fence()
             self._write_field("state", slot, SLOT_WRITTEN)
             handle = RingHandle(slot, seq, request_id, int(record["logprobs"][0]), rng,
-                                masker=masker, kv_mode=KV_NONE if kv is None else kv.mode)
+                                masker=masker, kv_mode=KV_NONE if kv is None else kv.mode,
+                                plp_lane=lane, plp_top=max(int(record["prompt_logprobs"][0]), 0),
+                                plp_prompt=prompt.tolist() if wants_lane else [])
             self._active[slot] = handle
             return handle
 
@@ -611,6 +631,14 @@ class RingClient:
         tokens: list[int] = []
         logprobs: list[float] = []
         top: list[list[tuple[int, float]]] = []
+        prompt_logprobs = None
+        if h.plp_lane >= 0 and (n > 0 or finished):
+            # the first token publishes the whole lane (payload first); a request that ends
+            # without one has none to return, but its lane comes back too
+            if n > 0 and h.consumed == 0:
+                prompt_logprobs = self._read_prompt_logprobs(h)
+            heapq.heappush(self._free_lanes, h.plp_lane)
+            h.plp_lane = -1
         if n > 0:
             tokens = self._read_ring("tokens", slot, h.consumed, n).tolist()
             logprobs = self._read_ring("logprob", slot, h.consumed, n).tolist()
@@ -650,7 +678,35 @@ class RingClient:
             finish_reason=reason,  # type: ignore[arg-type]
             num_prompt_tokens=h.num_prompt_tokens, num_cached_tokens=h.num_cached_tokens,
             kv_reservation=reservation, error=h.mask_error if reason == "error" else None,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def _read_prompt_logprobs(self, h: RingHandle) -> list[dict[int, tuple[float, int]] | None]:
+        """The request's prompt logprobs from its lane: None for the first prompt token, then
+        per position {token id: (logprob, rank)}, the prompt token first, then the top
+        ``plp_top`` (vLLM's ``prompt_logprobs``)."""
+        prompt = h.plp_prompt
+        prompt_len = len(prompt)
+        lane, top = h.plp_lane, h.plp_top
+
+        def rows(name: str) -> np.ndarray:
+            spec = self._spec[name]
+            per_pos = spec.dtype.itemsize * int(np.prod(spec.shape[2:], dtype=np.int64))
+            raw = self.transport.read(spec.element_offset((lane, 1)), (prompt_len - 1) * per_pos)
+            return raw.view(spec.dtype).reshape((prompt_len - 1, *spec.shape[2:]))
+
+        out: list[dict[int, tuple[float, int]] | None] = [None]
+        if prompt_len < 2:
+            return out
+        chosen, ranks = rows("plp_logprob").tolist(), rows("plp_rank").tolist()
+        ids = rows("plp_top_ids")[:, :top].tolist() if top else None
+        lps = rows("plp_top_logprobs")[:, :top].tolist() if top else None
+        for i in range(prompt_len - 1):
+            entry = {prompt[i + 1]: (chosen[i], ranks[i])}
+            for k in range(top):
+                entry.setdefault(ids[i][k], (lps[i][k], k + 1))  # type: ignore[index]
+            out.append(entry)
+        return out
 
     def cancel(self, handle: RingHandle, force: bool = False) -> None:
         """Ask the engine to finish the request (FINISH_ABORT within one step). Idempotent;

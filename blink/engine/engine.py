@@ -23,6 +23,7 @@ from blink.dtypes import resolve_dtype
 from blink.engine.compiled import enforce_eager_default
 from blink.engine.kv_transfer import KVLayout, KVSender, share_kv_cache
 from blink.engine.runners import (
+    PROMPT_LOGPROB_RUNNERS,
     CompiledRunner,
     CpuGraphsRunner,
     EagerRunner,
@@ -100,6 +101,9 @@ class EngineConfig:
     #: most logprobs a request may ask for (vLLM's --max-logprobs): the ring's logprob columns
     max_logprobs: int = config_default("max_logprobs")
     #: loopback | verbs | inprocess (a frontend in this process: LLM)
+    #: ring lanes for prompt logprobs (--prompt-logprobs-lanes; 0: refused). The engine
+    #: gives the ring none where its step cannot compute them (:meth:`Engine._prompt_logprob_lanes`)
+    prompt_logprob_lanes: int = config_default("prompt_logprob_lanes")
     transport: str = config_default("transport")
     threads: int | None = config_default("threads")
     #: CPU loop: threads the CPU kernels may split one call over (the projections, attention,
@@ -153,9 +157,11 @@ class EngineConfig:
         disaggregation (the width of the ring's kv block-id fields); 0 for ``role`` both."""
         return 0 if self.role == "both" else -(-max_model_len // self.block_size)
 
-    def ring_config(self, *, max_model_len: int, vocab_size: int) -> RingConfig:
+    def ring_config(self, *, max_model_len: int, vocab_size: int,
+                    prompt_logprob_lanes: int = 0) -> RingConfig:
         """The ring's sizes for this engine; the model gives the resolved ``max_model_len``
-        and the logits' width (``vocab_size``, for the token masks)."""
+        and the logits' width (``vocab_size``, for the token masks); the engine the lanes for
+        prompt logprobs its step runner can fill (0: none)."""
         return RingConfig(
             n_slots=self.max_num_seqs,
             arena_tokens=max(4 * max_model_len, 1 << 18),
@@ -165,6 +171,7 @@ class EngineConfig:
             mask_words=mask_words_for(vocab_size) if self.structured_outputs else 0,
             max_kv_blocks=self.max_kv_blocks(max_model_len),
         )
+            prompt_logprob_lanes=prompt_logprob_lanes,
 
     def scheduler_config(self, *, num_blocks: int, max_model_len: int,
                          eos_token_ids: Sequence[int]) -> SchedulerConfig:
@@ -333,7 +340,8 @@ class Engine:
             self._kv_view = share_kv_cache(self.executor, self.kv_layout, self.kv_region.buffer)
 
         self.ring_config = config.ring_config(max_model_len=self.max_model_len,
-                                              vocab_size=model_config.vocab_size)
+                                              vocab_size=model_config.vocab_size,
+                                              prompt_logprob_lanes=self._prompt_logprob_lanes(null))
         self.region = self._create_region(RingLayout(self.ring_config).total_bytes)
         self.ring = Ring.create(self.region.buffer, self.ring_config)
         self.scheduler_config = config.scheduler_config(
@@ -356,6 +364,18 @@ class Engine:
         return ring_tensors(self.ring)
 
     # ---------------------------------------------------------------------------- lifecycle
+
+    def _prompt_logprob_lanes(self, null_model: bool) -> int:
+        """The ring's prompt-logprob lanes: --prompt-logprobs-lanes where this engine's step
+        computes them (the CPU loop's eager, cpu-graphs and compiled runners, one engine doing
+        prefill and decode, a real model, no speculative decoding: blink.engine.prompt_logprobs),
+        else 0, which makes the frontend refuse ``prompt_logprobs`` by name."""
+        lanes = self.config.prompt_logprob_lanes
+        if lanes < 0:
+            raise BlinkError(f"--prompt-logprobs-lanes must be at least 0, got {lanes}")
+        capable = (self.runner_choice.name in PROMPT_LOGPROB_RUNNERS and not null_model
+                   and self.speculative is None and self.config.role == "both")
+        return lanes if capable else 0
 
     def start(self) -> None:
         if self._thread is not None:

@@ -35,7 +35,8 @@ from blink.engine.compiled import (
     usable_compile_cache,
 )
 from blink.engine.speculative import run_spec_step
-from blink.engine.step import StepParts, run_step, schedule_on_host
+from blink.engine.prompt_logprobs import prompt_logprob_jobs
+from blink.engine.step import StepParts, eager_model_phase, run_step, schedule_on_host
 from blink.errors import BlinkError
 
 log = logging.getLogger("blink.engine")
@@ -44,6 +45,9 @@ log = logging.getLogger("blink.engine")
 OnScheduled = Callable[[Any], None]
 
 RUNNER_NAMES = ("eager", "cpu-graphs", "compiled", "tier-a", "tier-b")
+#: the runners whose steps compute prompt logprobs (blink.engine.prompt_logprobs: the CPU
+#: loop's host-side planning; a compiled step with such a row runs eagerly)
+PROMPT_LOGPROB_RUNNERS = ("eager", "cpu-graphs", "compiled")
 
 
 class StepRunner(Protocol):
@@ -199,3 +203,6 @@ class CompiledRunner:
         batch, tokens, rows = scheduled
         self.compiled.run(self.parts, batch, tokens=tokens, rows=rows)  # pads to its buckets
         return True
+        if prompt_logprob_jobs(self.parts.scheduler, batch):  # their hidden states: eager
+            eager_model_phase(self.parts, batch, tokens, rows)
+            return True

@@ -11,11 +11,13 @@ removes padding: the tokens are the same.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
+from blink.engine.prompt_logprobs import prompt_logprob_jobs, write_prompt_logprobs
 from blink.engine.sampler import Sampler, SamplerPlan
 from blink.engine.sched.scheduler import SamplerInputs, Scheduler, StepBatch
 from blink.kernels.attention_metadata import AttentionMetadata
@@ -81,7 +83,10 @@ def model_phase(
     inputs of the ``rows`` rows when the caller already gathered them (the CPU loop)."""
     scheduler, executor, sampler = parts
     md = compact_rows(batch, tokens) if compact else bucket_metadata(batch, tokens)
-    logits = executor.execute(batch.input_ids[:tokens], md, batch.logits_indices[:rows])
+    # CPU loop: rows asking for prompt logprobs get them from this step's hidden states.
+    jobs = prompt_logprob_jobs(scheduler, batch) if compact else []
+    hook = {"hidden_hook": functools.partial(write_prompt_logprobs, jobs, scheduler.ring)} if jobs else {}
+    logits = executor.execute(batch.input_ids[:tokens], md, batch.logits_indices[:rows], **hook)
     # The [rows, max_model_len] history only when a row has a penalty (graphs: always).
     history = (scheduler.token_history(batch, rows)
                if plan is None or plan.any_penalty or plan.any_bad_words else None)

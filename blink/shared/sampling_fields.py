@@ -31,6 +31,10 @@ Ring conventions (what the frontend writes, the engine reads):
 - ``priority``: the request's priority (int32; lower = more urgent, as vLLM). The engine
   orders admission, the token budget, blocks and preemption by (priority, arrival) under
   ``SchedulerConfig.scheduling_policy == "priority"`` and ignores it under fcfs.
+- ``prompt_logprobs``: -1 = off; N >= 0: the engine writes each prompt token's logprob and
+  rank plus the top N alternatives at each prompt position into lane
+  ``prompt_logprob_lane`` of the ring's prompt-logprob region (the frontend picks the lane;
+  -1 when off). See :mod:`blink.ring`, "Prompt logprobs".
 - ``constrained``: 1 when the frontend publishes a token mask for the request (the ring's
   mask area and ``mask_epoch``; the first mask is written before the record, so the slot's
   state word publishes both), 0 otherwise.
@@ -52,7 +56,8 @@ class SamplingField:
     dtype:   little-endian numpy dtype string of one entry (``<i4``, ``<i8``, ``<f4``)
     width:   None for one value per slot, else the :class:`~blink.ring.RingConfig` attribute
              giving the vector's length (its capacity, checked once by the packing)
-    bound:   None, or the RingConfig attribute a scalar may not exceed (checked by the packing)
+    bound:   None, or the RingConfig attribute a scalar may not exceed (checked by the packing;
+             the value must also be non-negative, or equal ``pad``)
     pad:     the neutral value: unused vector entries, empty engine rows, padding batch rows
     sampler: whether :class:`~blink.engine.sampler.SamplingTensors` carries it
     """
@@ -98,6 +103,11 @@ SAMPLING_FIELDS: tuple[SamplingField, ...] = (
     SamplingField("priority", "<i4", sampler=False,
                   doc="scheduling priority under --scheduling-policy priority (vLLM's: lower "
                       "value = served first, then arrival); always 0 under fcfs"),
+    SamplingField("prompt_logprobs", "<i4", bound="max_logprobs", pad=-1, sampler=False,
+                  doc="top alternatives wanted at each prompt position, -1 = no prompt logprobs"),
+    SamplingField("prompt_logprob_lane", "<i4", pad=-1, sampler=False,
+                  doc="the ring's prompt-logprob lane the engine writes them into (-1: none; "
+                      "the frontend's ring client assigns it)"),
     SamplingField("constrained", "<i4", sampler=False,
                   doc="1: the sampler masks the row with the slot's token mask from the ring's "
                       "mask area, once its mask_epoch equals the row's output count; 0 = free"),

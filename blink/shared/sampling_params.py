@@ -149,6 +149,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    #: vLLM's ``prompt_logprobs``: each prompt token's logprob and rank plus the top N at its
+    #: position (0: the prompt token's only); None = off. Such a request never reads the
+    #: prefix cache (its positions need logits).
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
     #: A constraint the output must satisfy (JSON schema, regex, choice, any JSON object),
@@ -287,6 +291,10 @@ class SamplingParams:
             raise SamplingParamsError(
                 f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}."
             )
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise SamplingParamsError(
+                f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}."
+            )
         if self.seed is not None and not _INT64_MIN <= self.seed <= _INT64_MAX:
             raise SamplingParamsError(f"seed must fit in a signed 64-bit integer, got {self.seed}.")
         if any(not s for s in self.stop):
@@ -358,7 +366,7 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_int(value):
                 raise SamplingParamsError(f"{name} must be an int, got {value!r}.")
-        for name in ("max_tokens", "seed", "logprobs"):
+        for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not _is_int(value):
                 raise SamplingParamsError(f"{name} must be an int or None, got {value!r}.")
