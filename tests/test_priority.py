@@ -133,6 +133,59 @@ def test_an_urgent_request_jumps_the_queue_and_preempts(policy):
         assert all(first[3] > first[i] for i in queued), first
 
 
+def _prefill_steps(reqs, cfg, **env) -> list[list[tuple[int, int, int]]]:
+    """Drive ``reqs`` (checked against the reference at every step) and return, per step,
+    the prompt tokens each prefilling row got: (priority, arrival, tokens), in queue order."""
+    from blink.engine.sched import reference
+
+    steps: list[list[tuple[int, int, int]]] = []
+    orig = reference.ReferenceScheduler.schedule
+
+    def schedule(self):
+        num_new = orig(self)
+        steps.append(sorted((r.priority, r.arrival, num_new[r.slot]) for r in self.rows
+                            if r is not None and num_new.get(r.slot) and r.num_computed < len(r.prompt)))
+        return num_new
+    reference.ReferenceScheduler.schedule = schedule
+    try:
+        drive(reqs, cfg, **env)
+    finally:
+        reference.ReferenceScheduler.schedule = orig
+    return steps
+
+
+@pytest.mark.parametrize("bound", [4, 64])
+def test_one_large_prefill_per_step_under_the_priority_policy(bound):
+    """The bench_priority pattern scaled down: 16 low-priority requests arrive together (the
+    closed-loop streams re-arriving after finishing in the same step), then an urgent one
+    while they prefill. With ``priority_other_prefill_tokens`` P (4; 64 is past the 64-token
+    budget: the bound never binds, the behaviour before it), every step carries the first
+    prefilling row's tokens plus at most P other prompt tokens, the urgent request prefills
+    whole in a step with at most P low-priority prompt tokens, and every request finishes."""
+    cfg = ts._cfg(num_blocks=400, max_model_len=64, max_num_batched_tokens=64, max_admit_per_step=17,
+                  enable_prefix_caching=False, scheduling_policy="priority",
+                  priority_other_prefill_tokens=bound)
+    rng = np.random.default_rng(2)
+    reqs = [ts.Req(prompt=rng.integers(1, ts.VOCAB, 12).tolist(), max_tokens=6, ignore_eos=True)
+            for _ in range(16)]
+    for r in reqs:
+        r.priority = 10
+    urgent = ts.Req(prompt=rng.integers(1, ts.VOCAB, 12).tolist(), max_tokens=2, ignore_eos=True,
+                    submit_step=2)
+    urgent.priority = 0
+    steps = _prefill_steps([*reqs, urgent], cfg, n_slots=17, stream_capacity=8)
+    assert all(r.finish is not None for r in [*reqs, urgent])
+    others = [sum(n for _, _, n in step[1:]) for step in steps]
+    urgent_steps = [step for step in steps if any(p == 0 for p, _, _ in step)]
+    assert len(urgent_steps) == 1 and urgent_steps[0][0][2] == 12, urgent_steps  # whole, first
+    low_beside_urgent = sum(n for p, _, n in urgent_steps[0] if p != 0)
+    if bound < cfg.max_num_batched_tokens:
+        assert max(others) <= bound, others
+        assert low_beside_urgent <= bound
+    else:  # unbounded: the step fills the budget with low-priority prompts (the old tail)
+        assert max(others) > 4 and low_beside_urgent > 4, (others, low_beside_urgent)
+
+
 # ----------------------------------------------------------------------------- the frontend
 
 

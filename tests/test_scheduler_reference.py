@@ -152,19 +152,22 @@ def _with_priorities(reqs: list[ts.Req], priorities) -> list[ts.Req]:
 
 def test_priority_tiny_pool_agrees_step_by_step():
     rng = np.random.default_rng(0)
-    cfg = ts._cfg(num_blocks=10, enable_prefix_caching=False, scheduling_policy="priority")
+    cfg = ts._cfg(num_blocks=10, enable_prefix_caching=False, scheduling_policy="priority",
+                  priority_other_prefill_tokens=3)
     reqs = _with_priorities(ts._random_reqs(rng, 12, cfg.max_model_len), rng.integers(-3, 3, 12))
     _, ref = drive(reqs, cfg)
     assert ref.preemptions > 0
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ts.scenarios(), hst.lists(hst.integers(-3, 3), min_size=10, max_size=10))
-def test_priority_random_workloads_agree_with_the_reference(scenario, priorities):
+@given(ts.scenarios(), hst.lists(hst.integers(-3, 3), min_size=10, max_size=10), hst.integers(1, 24))
+def test_priority_random_workloads_agree_with_the_reference(scenario, priorities, other_prefill):
     """The property test's workloads under the priority policy with random priorities
-    (few values: many ties, so arrival breaks them): the two schedulers agree at every step."""
+    (few values: many ties, so arrival breaks them) and prefill bounds (from 1 token to past
+    the budget): the two schedulers agree at every step."""
     cfg, reqs, env, _ = scenario
-    cfg = dataclasses.replace(cfg, enable_prefix_caching=False, scheduling_policy="priority")
+    cfg = dataclasses.replace(cfg, enable_prefix_caching=False, scheduling_policy="priority",
+                              priority_other_prefill_tokens=other_prefill)
     drive(_with_priorities(reqs, priorities), cfg, **env)
 
 
@@ -172,17 +175,19 @@ def test_priority_random_workloads_agree_with_the_reference(scenario, priorities
 def test_priority_prefix_caching_agrees_while_nothing_is_evicted(seed):
     """Prefix caching under the priority policy (lookups in the queue order too)."""
     rng = np.random.default_rng(100 + seed)
-    base = ts._cfg(max_admit_per_step=int(rng.integers(1, 4)), scheduling_policy="priority")
+    base = ts._cfg(max_admit_per_step=int(rng.integers(1, 4)), scheduling_policy="priority",
+                   priority_other_prefill_tokens=int(rng.integers(1, 8)))
     cfg = dataclasses.replace(base, num_blocks=12 * base.max_blocks_per_seq, prefix_probes=64)
     reqs = _with_priorities(ts._random_reqs(rng, 10, cfg.max_model_len, shared=16), rng.integers(-2, 3, 10))
     drive(reqs, cfg, n_slots=int(rng.integers(1, 6)))
 
 
 def test_priority_policy_with_zero_priorities_is_fcfs():
-    """Every priority 0: the priority policy schedules exactly as fcfs (same steps, same
-    preemptions)."""
+    """Every priority 0 and the prefill bound at the token budget (so it never binds): the
+    priority policy schedules exactly as fcfs (same steps, same preemptions)."""
     rng = np.random.default_rng(3)
     cfg = ts._cfg(num_blocks=10, enable_prefix_caching=False)
+    cfg = dataclasses.replace(cfg, priority_other_prefill_tokens=cfg.max_num_batched_tokens)
     runs = []
     for policy in ("fcfs", "priority"):
         reqs = ts._random_reqs(np.random.default_rng(3), 12, cfg.max_model_len)

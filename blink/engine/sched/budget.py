@@ -8,6 +8,10 @@ finished rows' blocks. Also the blocks' LRU stamps (the prefix cache evicts by t
 - Budget: rows in FCFS order each ask for all their uncomputed tokens; a cumulative sum over
   the token budget gives each its share, the last one a partial chunk (chunked prefill mixed
   with decode). Rows whose output stream is full are skipped (backpressure, nothing lost).
+  Under the priority policy the rows prefilling their prompt after the first one (in that
+  order) ask, together, for at most ``priority_other_prefill_tokens`` per step: no step
+  carries more than one large prefill, so an urgent arrival never waits behind a long
+  step of less urgent prefills, and its own step stays short.
 - Blocks: let freed(k) = blocks referenced only by rows at FCFS positions >= k. The longest
   prefix of rows whose new blocks fit in free + freed(k) is served (the next row gets what
   is left); then the shortest newest-first suffix of rows whose blocks cover the deficit is
@@ -79,6 +83,9 @@ class Budget:
         held = torch.where(active, st.num_blocks, 0)[order]
         asked = want[order]
 
+        if cfg.scheduling_policy == "priority":  # a static choice: no branch on values
+            prefilling = ((st.num_computed < st.num_prompt) & (want > 0))[order]
+            asked = self._cap_other_prefill(asked, prefilling)
         # Token budget: each position gets what is left after the older ones.
         grant = torch.minimum((cfg.max_num_batched_tokens - (asked.cumsum(0) - asked)).clamp(min=0), asked)
         need = (ceil_div(nc + grant, B) - held).clamp(min=0)
@@ -91,6 +98,18 @@ class Budget:
             self._assign_blocks(need)
         st.status.masked_fill_(num_new > 0, ROW_RUNNING)
         return num_new
+
+    def _cap_other_prefill(self, asked: torch.Tensor, prefilling: torch.Tensor) -> torch.Tensor:
+        """The priority policy's prefill bound (``priority_other_prefill_tokens``, P): of the
+        rows still prefilling their prompt, the first in queue order asks for all it needs;
+        the others, in queue order, share at most P tokens per step. A step's length is the
+        wait of any request arriving during it, so a step never carries more than one large
+        prefill (and the step in which an urgent request prefills carries at most P less
+        urgent prefill tokens). ``asked``, ``prefilling``: in queue order."""
+        other = prefilling & (prefilling.cumsum(0) > 1)
+        x = torch.where(other, asked, 0)
+        share = torch.minimum(x, (self.config.priority_other_prefill_tokens - (x.cumsum(0) - x)).clamp(min=0))
+        return torch.where(other, share, asked)
 
     def _priority(self, fields: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The ``priority`` field (of the rows or of the ring's slots) when the priority

@@ -220,18 +220,28 @@ class ReferenceScheduler:
 
     def _allocate(self) -> dict[int, int]:
         """Token budget, blocks, preemption. Each request, oldest first, asks for all its
-        uncomputed tokens (none if a lookup is pending or its output stream is full) and gets
-        what the budget has left (the last one a chunk). If the new blocks do not fit the free
-        pool: serve the longest oldest-first prefix that would fit if everything younger were
-        preempted (the request at the cut gets what is left), and preempt the shortest
-        youngest-first suffix whose blocks cover the deficit."""
+        uncomputed tokens (none if a lookup is pending or its output stream is full; under the
+        priority policy, a prompt being prefilled after the first one asks for at most what
+        is left of ``priority_other_prefill_tokens``) and gets what the budget has left (the
+        last one a chunk). If the new blocks do not fit the free pool: serve the longest
+        oldest-first prefix that would fit if everything younger were preempted (the request
+        at the cut gets what is left), and preempt the shortest youngest-first suffix whose
+        blocks cover the deficit."""
         cfg, B = self.cfg, self.cfg.block_size
         queue = self.running
         budget = cfg.max_num_batched_tokens
+        # Under the priority policy the prompts being prefilled after the first one (in queue
+        # order) share priority_other_prefill_tokens per step: one large prefill per step.
+        first_prefill, other_prefill = True, cfg.priority_other_prefill_tokens
         grant = []
         for req in queue:
             room = req.produced - req.consumed < self.stream_capacity
             want = req.num_tokens - req.num_computed if room and not req.needs_lookup else 0
+            if cfg.scheduling_policy == "priority" and want > 0 and req.num_computed < len(req.prompt):
+                if not first_prefill:
+                    want = min(want, other_prefill)
+                    other_prefill -= want
+                first_prefill = False
             grant.append(min(want, budget))
             budget -= grant[-1]
         held = [len(r.blocks) for r in queue]

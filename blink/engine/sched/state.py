@@ -105,6 +105,11 @@ class SchedulerConfig:
     scheduling_policy: ``fcfs`` (arrival order) or ``priority`` (vLLM's: the request's
         ``priority`` field first, lower = sooner, then arrival) for admission, the token
         budget, blocks and preemption (the last in that order is preempted first).
+    priority_other_prefill_tokens: under the priority policy, the prefill tokens per step of
+        the rows prefilling their prompt after the first one in that order, together (the
+        first asks for all it needs): one large prefill per step at most, so no step that
+        an urgent request waits for, or prefills in, is long with less urgent prefills.
+        Unused under fcfs.
     """
 
     block_size: int = 16
@@ -121,6 +126,7 @@ class SchedulerConfig:
     release_window_blocks: int | None = None
     mask_timeout_s: float = 5.0
     scheduling_policy: str = "fcfs"
+    priority_other_prefill_tokens: int = 64
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -128,7 +134,7 @@ class SchedulerConfig:
                              f"{', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
         for name in ("block_size", "num_blocks", "max_model_len", "max_num_batched_tokens",
-                     "max_admit_per_step", "prefix_probes"):
+                     "max_admit_per_step", "prefix_probes", "priority_other_prefill_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise BlinkError(f"scheduler config: {name} must be a positive integer, got {value!r}")
