@@ -68,6 +68,8 @@ class ChoiceRun:
         self._first_token_time: float | None = None
         self._admitted_at: float | None = None  # the engine's admission, in monotonic time
         self.num_cached_tokens = 0
+        #: the prompt's logprobs (EngineOutput.prompt_logprobs), once the first token came
+        self.prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
         self.engine_finished = False  # the engine side is done (no abort needed)
 
     @property
@@ -191,6 +193,8 @@ class ChoiceRun:
     def _process(self, out: EngineOutput) -> ChoiceDelta:
         now = time.monotonic()
         self.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.queue_time_s is not None:
             self.metrics.queue_time.observe(out.queue_time_s)
         if out.admitted_at is not None:

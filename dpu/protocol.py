@@ -50,8 +50,10 @@ IGNORED_FIELDS = "ignored_fields"
 #: ``blink.dpu.serving`` passes them on): ``prompt_logprobs``, ``allowed_token_ids``,
 #: ``bad_words``, ``cache_salt``. Until a name is listed here a request that sets it is refused
 #: with a 400 naming it (never accepted and ignored); whoever wires one adds its name.
-#: ``prompt_logprobs`` is not wired yet (the engine keeps only the last position's logits).
-ENGINE_FIELDS: frozenset[str] = frozenset({"allowed_token_ids", "bad_words", "cache_salt"})
+#: ``prompt_logprobs`` also needs an engine whose ring has prompt-logprob lanes (the serving
+#: layer refuses it by name otherwise: ``OpenAIServing.prompt_logprob_lanes``).
+ENGINE_FIELDS: frozenset[str] = frozenset({"allowed_token_ids", "bad_words", "cache_salt",
+                                           "prompt_logprobs"})
 
 
 def ignored_fields_warning(names: list[str]) -> str:
@@ -104,7 +106,7 @@ class _TokenIdsResponse(_Response):
     @model_serializer(mode="wrap")
     def _drop_unset_token_ids(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         out = handler(self)
-        for key in ("prompt_token_ids", "token_ids"):
+        for key in ("prompt_token_ids", "token_ids", "prompt_logprobs"):
             if key in out and out[key] is None:
                 del out[key]
         return out
@@ -179,7 +181,8 @@ class _SamplingFields(_Request):
     min_repetition_pattern_size: int = 0
     repetition_min_count: int = 0
     # engine-side fields: honoured once listed in ENGINE_FIELDS (allowed_token_ids: a sampler
-    # mask; cache_salt: prefix-cache isolation), refused by name until then (see unsupported())
+    # mask; cache_salt: prefix-cache isolation; prompt_logprobs: the engine's prompt-logprob
+    # lanes), refused by name until then (see unsupported())
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     cache_salt: str | None = None
@@ -323,12 +326,14 @@ class CompletionRequest(_SamplingFields):
             return "suffix", "suffix is not supported"
         if self.prompt_embeds is not None:
             return "prompt_embeds", "prompt_embeds are not supported: send text or token ids"
-        # Lifted once echo puts the prompt's logprobs (prompt_logprobs) before the answer's,
-        # as vLLM does; until then the logprobs would silently cover the answer only.
-        if self.echo and self.logprobs is not None:
-            return "echo", ("echo together with logprobs needs the prompt's logprobs in the "
-                            "answer, which is not supported yet")
         return None
+
+    def effective_prompt_logprobs(self) -> int | None:
+        """vLLM's rule: ``echo`` with ``logprobs`` asks for the prompt's logprobs too (they
+        lead the answer's), ``prompt_logprobs`` unless given is then ``logprobs``."""
+        if self.prompt_logprobs is None and self.echo and self.logprobs is not None:
+            return self.logprobs
+        return self.prompt_logprobs
 
 
 # -- responses ---------------------------------------------------------------------------
@@ -398,6 +403,20 @@ class ChatCompletionChoice(_TokenIdsResponse):
     token_ids: list[int] | None = None  # vLLM, with return_token_ids: the generated ids
 
 
+class PromptLogprob(_Response):
+    """One entry of vLLM's ``prompt_logprobs``: a token's logprob at a prompt position, its
+    rank (1 = the likeliest) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+#: vLLM's ``prompt_logprobs``: None for the first prompt token, then per position the prompt
+#: token and the top N, keyed by token id (a string in JSON)
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class ChatCompletionResponse(_TokenIdsResponse):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -406,6 +425,7 @@ class ChatCompletionResponse(_TokenIdsResponse):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     prompt_token_ids: list[int] | None = None  # vLLM, with return_token_ids
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM, with prompt_logprobs
 
 
 class DeltaFunctionCall(_Response):
@@ -483,6 +503,7 @@ class CompletionChoice(_TokenIdsResponse):
     finish_reason: str | None = None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM, with prompt_logprobs (not streamed)
 
 
 class CompletionResponse(_Response):

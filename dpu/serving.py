@@ -73,6 +73,8 @@ from blink.dpu.protocol import (
     DeltaToolCall,
     DetokenizeRequest,
     DetokenizeResponse,
+    PromptLogprob,
+    PromptLogprobs,
     PromptTokensDetails,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
@@ -310,6 +312,24 @@ def _clamp(logprob: float) -> float:
     return max(logprob, _MIN_LOGPROB)
 
 
+def _prompt_logprobs_of(req: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """The prompt logprobs a request asks for (completions: echo with logprobs asks too)."""
+    if isinstance(req, CompletionRequest):
+        return req.effective_prompt_logprobs()
+    return getattr(req, "prompt_logprobs", None)  # (the Responses API has none)
+
+
+def _prompt_logprob_lanes(engine: EngineClient) -> int:
+    """The engine's prompt-logprob lanes: its ``prompt_logprob_lanes`` (optional, as a test
+    double says), else its ring's; 0 for an engine client without one ring, such as the
+    disaggregated router (its decode engines compute none)."""
+    lanes = getattr(engine, "prompt_logprob_lanes", None)
+    if lanes is None:
+        config = getattr(getattr(engine, "ring", None), "config", None)
+        lanes = getattr(config, "prompt_logprob_lanes", 0)
+    return int(lanes or 0)
+
+
 def _sampling_param_name(exc: SamplingParamsError, renames: dict[str, str]) -> str | None:
     """SamplingParams messages start with the field name; map it to the request's name."""
     word = str(exc).split(" ", 1)[0]
@@ -336,6 +356,9 @@ class OpenAIServing:
         #: --scheduling-policy priority: a request's ``priority`` reaches the engine (else a
         #: non-zero one is a 400, as vLLM answers without priority scheduling)
         self.priority_scheduling = False
+        #: lanes of the engine's ring for prompt logprobs (0: the engine computes none, so
+        #: ``prompt_logprobs`` and completions' echo with logprobs are refused by name)
+        self.prompt_logprob_lanes = _prompt_logprob_lanes(engine)
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.model_name = model_name
@@ -411,9 +434,64 @@ class OpenAIServing:
         if self.priority_scheduling and not -2**31 <= req.priority < 2**31:
             raise bad_request(f"priority must be a 32-bit signed integer, got {req.priority}.",
                               param="priority")
+        self._check_prompt_logprobs(req)
         # Before anything is built per choice: n=10**7 must cost nothing.
         if req.n > MAX_N:
             raise bad_request(f"n must be at most {MAX_N}, got {req.n}.", param="n")
+
+    def _check_prompt_logprobs(self, req: ChatCompletionRequest | CompletionRequest) -> None:
+        """``prompt_logprobs`` (and completions' echo with logprobs, which asks for them):
+        refused by name where the engine computes none, and with ``stream`` as vLLM does
+        (except echo's, which lead a completions stream's logprobs)."""
+        wanted = _prompt_logprobs_of(req)
+        if wanted is None:
+            return
+        param = "prompt_logprobs" if req.prompt_logprobs is not None else "echo"
+        if self.prompt_logprob_lanes == 0:
+            raise bad_request(
+                f"{'prompt_logprobs are' if param == 'prompt_logprobs' else 'echo with logprobs needs the prompt logprobs, which are'} "
+                "not available on this engine: only the CPU loop computes them (not the GPU "
+                "loops, speculative decoding, disaggregated prefill/decode or --model null), "
+                "with --prompt-logprobs-lanes above 0.", param=param)
+        if req.prompt_logprobs is not None and req.stream:
+            raise bad_request("`prompt_logprobs` are not available when `stream=True`.",
+                              param="prompt_logprobs")
+
+    def _prompt_logprobs_json(self, plp: list[dict[int, tuple[float, int]] | None] | None
+                              ) -> PromptLogprobs | None:
+        """vLLM's ``prompt_logprobs`` of one request (the engine's per-position entries)."""
+        if plp is None:
+            return None
+        return [None if entry is None else {
+            t: PromptLogprob(logprob=_clamp(v), rank=rank,
+                             decoded_token=self.tokenizer.token_text(t))
+            for t, (v, rank) in entry.items()} for entry in plp]
+
+    def _echo_logprobs(self, prompt_ids: list[int],
+                       plp: list[dict[int, tuple[float, int]] | None] | None, top: int,
+                       as_ids: bool) -> tuple[CompletionLogprobs, int]:
+        """Completions' echo with logprobs: the prompt's part of ``logprobs`` (vLLM's: the
+        first token has none; each position's top_logprobs are the prompt token and the top
+        ``top``), and the text offset where the answer's part starts."""
+        out = CompletionLogprobs()
+        offset = 0
+        for i, token_id in enumerate(prompt_ids):
+            text = self._token_text(token_id, as_ids)
+            out.tokens.append(text)
+            out.text_offset.append(offset)
+            offset += len(text)
+            entry = plp[i] if plp is not None and i < len(plp) else None
+            if entry is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            out.token_logprobs.append(_clamp(entry[token_id][0]))
+            alternatives: dict[str, float] = {}
+            for t, (v, _) in list(entry.items())[: top + 1]:
+                key = self._token_text(t, as_ids)
+                alternatives[key] = max(alternatives.get(key, _MIN_LOGPROB), _clamp(v))
+            out.top_logprobs.append(alternatives)
+        return out, offset
 
     def _check_fanout(self, n_prompts: int, n: int) -> None:
         total = n_prompts * max(n, 1)
@@ -524,6 +602,7 @@ class OpenAIServing:
                 bad_words=getattr(req, "bad_words", None) or [],
                 cache_salt=getattr(req, "cache_salt", None),
                 priority=req.priority if self.priority_scheduling else 0,
+                prompt_logprobs=_prompt_logprobs_of(req),
             )
             if params.bad_words:
                 params.update_from_tokenizer(
@@ -858,7 +937,9 @@ class OpenAIServing:
             for i in range(n)]
         body = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=self._usage(prompts, fanout.runs, req.n),
-                                      prompt_token_ids=prompts[0] if want_ids else None)
+                                      prompt_token_ids=prompts[0] if want_ids else None,
+                                      prompt_logprobs=self._prompt_logprobs_json(
+                                          fanout.runs[0].prompt_logprobs))
         return JSONResponse(body.model_dump(mode="json"))
 
     def _chat_stream(self, req: ChatCompletionRequest, request_id: str,
@@ -1009,10 +1090,17 @@ class OpenAIServing:
         token_ids: list[list[int]] = [[] for _ in range(n)]
         offsets = [0] * n
         finish: list[str | None] = [None] * n
+        echo_logprobs = req.echo and req.logprobs is not None
         try:
             async for d in fanout.events():
                 texts[d.index].append(d.text)
                 token_ids[d.index] += d.token_ids
+                if echo_logprobs and d.token_ids and not logprobs[d.index].tokens:
+                    # the prompt's logprobs lead the answer's (they came with its first token)
+                    run = fanout.runs[d.index]
+                    logprobs[d.index], offsets[d.index] = self._echo_logprobs(
+                        run.prompt_ids, run.prompt_logprobs, req.logprobs or 0,
+                        req.return_tokens_as_token_ids)
                 if req.logprobs is not None and d.token_ids:
                     part, offsets[d.index] = self._completion_logprobs(
                         d, offsets[d.index], req.return_tokens_as_token_ids)
@@ -1033,7 +1121,9 @@ class OpenAIServing:
             logprobs=logprobs[i] if req.logprobs is not None else None,
             finish_reason=finish[i],
             prompt_token_ids=fanout.runs[i].prompt_ids if want_ids else None,
-            token_ids=token_ids[i] if want_ids else None) for i in range(n)]
+            token_ids=token_ids[i] if want_ids else None,
+            prompt_logprobs=self._prompt_logprobs_json(fanout.runs[i].prompt_logprobs))
+            for i in range(n)]
         body = CompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                   usage=self._usage(prompts, fanout.runs, req.n))
         return JSONResponse(body.model_dump(mode="json"))
@@ -1068,6 +1158,17 @@ class OpenAIServing:
                     assert echo is not None
                     echo_sent[d.index] = True
                     text = echo[d.index // per_prompt] + text
+                    if req.logprobs is not None:  # the prompt's logprobs lead the answer's
+                        run = fanout.runs[d.index]
+                        head, end = self._echo_logprobs(run.prompt_ids, run.prompt_logprobs,
+                                                        req.logprobs, req.return_tokens_as_token_ids)
+                        if lp is not None:
+                            head.tokens += lp.tokens
+                            head.token_logprobs += lp.token_logprobs
+                            head.top_logprobs += lp.top_logprobs
+                            head.text_offset += [o + end for o in lp.text_offset]
+                        offsets[d.index] += end
+                        lp = head
                 if not (text or d.finish_reason or lp or (want_ids and d.token_ids)):
                     continue  # tokens whose text is still held back: nothing to send yet
                 usage = self._usage(prompts, fanout.runs, req.n) if continuous else None

@@ -64,6 +64,8 @@ class FakeEngineClient:
         self.queue_time_s = queue_time_s
         self.vocab_size = vocab_size
         self.retry_after_s = retry_after_s
+        #: as the ring's: requests with prompt_logprobs are taken (0: the serving layer refuses)
+        self.prompt_logprob_lanes = 2
         self.full = False  # every submit raises EngineOverloadedError while set
         self.dead = False  # heartbeat stopped for good while set
         self.stalled = False  # heartbeat stale while set: unhealthy, streams wait
@@ -153,8 +155,12 @@ class FakeEngineClient:
                         break
                 if reason is not None:
                     self.finished[request_id] = reason
-                yield self._output(tokens, params, reason is not None, reason,
+                out = self._output(tokens, params, reason is not None, reason,
                                    len(prompt_ids), cached, first, admitted_at)
+                if first and tokens and params.prompt_logprobs is not None:
+                    out.prompt_logprobs = self._prompt_logprobs(list(prompt_ids),
+                                                                params.prompt_logprobs)
+                yield out
                 first = False
                 if reason is not None:
                     return
@@ -181,6 +187,18 @@ class FakeEngineClient:
             queue_time_s=self.queue_time_s if first else None,
             admitted_at=admitted_at if first else None,
         )
+
+    def _prompt_logprobs(self, prompt: list[int], top: int
+                         ) -> list[dict[int, tuple[float, int]] | None]:
+        """As the ring client returns them: None first, then per position the prompt token
+        (logprob -(i % 5) - 0.5, rank i % 3 + 1) and ``top`` alternatives (ids after it)."""
+        out: list[dict[int, tuple[float, int]] | None] = [None]
+        for i, t in enumerate(prompt[1:], 1):
+            entry = {t: (-(i % 5) - 0.5, i % 3 + 1)}
+            for k in range(top):
+                entry.setdefault((t + k + 1) % self.vocab_size, (-0.25 * (k + 1), k + 1))
+            out.append(entry)
+        return out
 
     async def abort(self, request_id: str) -> None:
         if request_id not in self.aborted:

@@ -333,7 +333,6 @@ BAD_REQUESTS = [
     ("/v1/completions", '{"prompt": ""}', 400, "prompt"),
     ("/v1/completions", '{"prompt": []}', 400, "prompt"),
     ("/v1/completions", '{"prompt": [999999]}', 400, "prompt"),
-    ("/v1/completions", '{"prompt": "x", "echo": true, "logprobs": 1}', 400, "echo"),
     ("/v1/completions", '{"prompt": "x", "priority": 1}', 400, "priority"),
     ("/v1/completions", '{"prompt": "x", "frequency_penalty": 3}', 400, "frequency_penalty"),
     ("/v1/completions", '{}', 400, "prompt"),

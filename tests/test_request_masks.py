@@ -226,21 +226,34 @@ def _post(llm: Any, requests: list[tuple[str, dict[str, Any]]]) -> list[httpx.Re
 def test_http_fields_honoured(llm):
     base = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
             "ignore_eos": True, "logit_bias": {str(A): 100}, "return_token_ids": True}
-    r_free, r_allowed, r_salt1, r_salt2, r_salt3, r_prompt_lp = _post(llm, [
+    r_free, r_allowed, r_salt1, r_salt2, r_salt3, r_prompt_lp, r_echo_lp = _post(llm, [
         ("/v1/completions", base),
         ("/v1/completions", {**base, "allowed_token_ids": [98, 99]}),
         ("/v1/completions", {**base, "prompt": PROMPTS[1] * 4, "cache_salt": "s1"}),
         ("/v1/completions", {**base, "prompt": PROMPTS[1] * 4, "cache_salt": "s1"}),
         ("/v1/completions", {**base, "prompt": PROMPTS[1] * 4, "cache_salt": "s2"}),
         ("/v1/completions", {**base, "prompt_logprobs": 1}),
+        ("/v1/completions", {**base, "echo": True, "logprobs": 1}),
     ])
-    for r in (r_free, r_allowed, r_salt1, r_salt2, r_salt3):
+    for r in (r_free, r_allowed, r_salt1, r_salt2, r_salt3, r_prompt_lp, r_echo_lp):
         assert r.status_code == 200, r.text
     ids = [r.json()["choices"][0]["token_ids"] for r in (r_free, r_allowed)]
     assert ids[0] == [A] * 8
     assert set(ids[1]) <= {98, 99}
-    # not computed yet: refused by name, never accepted and ignored
-    assert r_prompt_lp.status_code == 400 and r_prompt_lp.json()["error"]["param"] == "prompt_logprobs"
+    # the engine's prompt logprobs (tests/test_prompt_logprobs.py checks them against
+    # transformers), in vLLM's JSON; echo with logprobs puts them before the answer's
+    [want] = llm.generate([PROMPTS[0]], _greedy(max_tokens=1, prompt_logprobs=1), timeout_s=60)
+    got = r_prompt_lp.json()["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(PROMPTS[0])
+    for entry, ref in zip(got[1:], want.prompt_logprobs[1:]):
+        assert [int(k) for k in entry] == list(ref)
+        for k, (lp, rank) in ref.items():
+            assert abs(entry[str(k)]["logprob"] - lp) < 1e-6 and entry[str(k)]["rank"] == rank
+    echo_lp = r_echo_lp.json()["choices"][0]["logprobs"]
+    n = len(PROMPTS[0])
+    assert echo_lp["token_logprobs"][0] is None and len(echo_lp["tokens"]) == n + 8
+    assert [round(v, 5) for v in echo_lp["token_logprobs"][1:n]] == [
+        round(max(ref[t][0], -9999.0), 5) for ref, t in zip(want.prompt_logprobs[1:], PROMPTS[0][1:])]
     usage = [r.json()["usage"] for r in (r_salt1, r_salt2, r_salt3)]
     cached = [(u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for u in usage]
     assert cached[1] > 0 and cached[2] == 0, usage
