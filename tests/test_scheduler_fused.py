@@ -30,7 +30,9 @@ import test_scheduler_reference as tsr  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 from blink.engine.sched.scheduler import FUSED_STAGES, Scheduler  # noqa: E402
-from blink.engine.sched.state import K_PREEMPTIONS, K_PREFIX_HITS, ring_tensors  # noqa: E402
+from blink.engine.sampler import _FEATURES as FEATURES  # noqa: E402
+from blink.engine.sched.state import K_PREEMPTIONS, K_PREFIX_HITS, SAMPLING_FIELDS, ring_tensors  # noqa: E402
+from blink.shared.sampling_fields import SAMPLING_FIELDS as SAMPLING_FIELD_TABLE  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the Triton interpreter: ~2-3 minutes for the whole module
 
@@ -79,11 +81,47 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> 
 EXACT_STAGES = ("build_batch", "release", "stats", "publish", "register", "lookup", "admit", "cancel")
 
 
-@pytest.mark.parametrize("seed,pool,guards", [(0, 32, False), (1, 14, False), (2, 32, True)])
-def test_fused_stages_match_the_reference_step_by_step(seed, pool, guards):
+#: the sampling fields the tests' frontend writes for the workload itself (the rest are random
+#: in the workloads with random sampling records)
+_WORKLOAD_FIELDS = {"max_tokens", "min_tokens", "ignore_eos", "stop_token_ids", "logprobs"}
+
+
+class RandomSamplingFrontend(ts.Frontend):
+    """The tests' frontend, writing every other sampling field of SAMPLING_FIELDS at random
+    too (half of them their pad): penalties, seeds, filters, logit bias, allowed and bad
+    words, salts, constraints, and any field the table grows. Both sides of a comparison
+    draw the same values (one generator per side, same seed)."""
+
+    def __init__(self, ring, seed: int) -> None:
+        super().__init__(ring)
+        self.rng = np.random.default_rng(seed)
+
+    def submit(self, req) -> bool:
+        if not super().submit(req):
+            return False
+        for f in SAMPLING_FIELD_TABLE:
+            if f.name in _WORKLOAD_FIELDS:
+                continue
+            shape = f.shape(self.ring.config)
+            if self.rng.random() < 0.5:
+                value = np.full(shape, f.pad)
+            elif f.name == "cache_salt":
+                value = np.full(shape, self.rng.choice([0, 7]))  # salted and unsalted hits both
+            elif f.dtype == "<f4":
+                value = self.rng.choice([0.0, 0.5, 1.0, 1.5], size=shape)
+            elif f.dtype == "<i8":
+                value = self.rng.integers(0, 2**62, size=shape)
+            else:
+                value = self.rng.integers(-1, 3, size=shape) * self.rng.integers(1, 40, size=shape)
+            getattr(self.ring, f.name)[req.slot] = value
+        return True
+
+
+def _side_by_side(seed: int, pool: int, guards: bool, sampling: bool = False) -> list[Scheduler]:
     """The reference and the fused scheduler side by side over one workload (prefix hits,
-    preemption in the small pool, finishes and releases, cancels): every step's batch, the
-    whole engine state and the whole ring region are identical."""
+    preemption in the small pool, finishes and releases, cancels; with ``sampling``, random
+    sampling records): every step's batch, the whole engine state and the whole ring region
+    are identical. Returns the two schedulers (reference, fused)."""
     rng = np.random.default_rng(seed)
     cfg = ts._cfg(num_blocks=pool, max_admit_per_step=3)
     reqs = ts._random_reqs(rng, 10, cfg.max_model_len, shared=12)
@@ -93,7 +131,7 @@ def test_fused_stages_match_the_reference_step_by_step(seed, pool, guards):
     scheds = [Scheduler(cfg, ring_tensors(rings[0]), host_guards=guards),
               Scheduler(cfg, ring_tensors(rings[1]), host_guards=False, fused=EXACT_STAGES)]
     models = [ts.FakeModel(cfg, 4) for _ in range(2)]
-    fes = [ts.Frontend(r) for r in rings]
+    fes = [RandomSamplingFrontend(r, seed) if sampling else ts.Frontend(r) for r in rings]
     queues = [sorted(t, key=lambda r: r.submit_step) for t in twins]
     for step in range(400):
         if all(len(fe.done) == len(reqs) for fe in fes) and all(
@@ -124,6 +162,44 @@ def test_fused_stages_match_the_reference_step_by_step(seed, pool, guards):
     assert int(scheds[1].state.counters[K_PREFIX_HITS]) > 0
     if pool < 32:
         assert int(scheds[1].state.counters[K_PREEMPTIONS]) > 0
+    return scheds
+
+
+@pytest.mark.parametrize("seed,pool,guards", [(0, 32, False), (1, 14, False), (2, 32, True)])
+def test_fused_stages_match_the_reference_step_by_step(seed, pool, guards):
+    _side_by_side(seed, pool, guards)
+
+
+@pytest.mark.parametrize("seed,pool", [(3, 32), (4, 14)])
+def test_fused_admission_copies_random_sampling_records(seed, pool, monkeypatch):
+    """Random sampling records (every field of the table) through both admissions, step by
+    step (the state's sampling fields and feature words compared at every step); the
+    workload sets every feature bit of the sampler (penalties, seeds, logprobs, bias, ...)."""
+    seen = []
+    real = Scheduler._admit
+
+    def spy(self, *a, **k):
+        real(self, *a, **k)
+        seen.extend(self.state.sampler_features.tolist())
+
+    monkeypatch.setattr(Scheduler, "_admit", spy)
+    _side_by_side(seed, pool, False, sampling=True)
+    word = 0
+    for v in seen:
+        word |= v
+    assert word == (1 << len(FEATURES)) - 1, f"feature bits seen: {word:b}"
+
+
+def test_record_copy_covers_every_sampling_field():
+    """The admit kernel's copy table holds every word of every sampling field once (derived
+    from the state and the ring: a field added to SAMPLING_FIELDS is copied with no edit)."""
+    sched = Scheduler(ts._cfg(), ring_tensors(ts.make_ring(4, 32, 4, None)), fused=True)
+    st, table = sched.state, sched._admit_scratch.copy
+    words_per_row = sum(t[0].numel() * t.element_size() // 4 for t in st.sampling.values())
+    assert table.shape == (4, words_per_row)
+    assert {name for name, _ in SAMPLING_FIELDS} == {f.name for f in SAMPLING_FIELD_TABLE} == set(st.sampling)
+    dst = (table[0][None, :] + torch.arange(4)[:, None] * table[1][None, :]).flatten()
+    assert dst.unique().numel() == dst.numel() == 4 * words_per_row
 
 
 def test_fused_stages_are_selected():

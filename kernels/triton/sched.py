@@ -1028,6 +1028,64 @@ def lookup(st, ring_cached: torch.Tensor, hc, scratch: LookupScratch, *, K: int,
 # ----------------------------------------------------------------------------- admission
 
 
+#: the sampler's feature bits, in order (blink.engine.sampler._FEATURES, which the scheduler
+#: checks against this before it uses the admit kernel; kernels import no engine)
+FEATURES = ("any_random", "any_filter", "any_penalty", "any_top_logprobs", "any_logit_bias",
+            "any_constrained", "any_allowed", "any_bad_words")
+
+
+@triton.jit
+def _any_set(ptr, rows, m, width, V_P2: tl.constexpr):
+    """Per row: whether any of its ``width`` entries (an int32 [S, width] field) is >= 0."""
+    v = tl.arange(0, V_P2)
+    x = tl.load(ptr + rows[:, None] * width + v[None, :], mask=m[:, None] & (v[None, :] < width), other=-1)
+    return tl.max((x >= 0).to(tl.int32), 1) > 0
+
+
+@triton.jit
+def _admit_sampling(
+    idx_ptr, admit_ptr, K, words_ptr, record_ptr, copy_ptr, RW, features_ptr,
+    temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, rep_ptr, pres_ptr, freq_ptr, logprobs_ptr, constrained_ptr,
+    bias_ptr, n_bias, allowed_ptr, n_allowed, bad_ptr, n_bad,
+    K_P2: tl.constexpr, BLOCK_C: tl.constexpr, V_P2: tl.constexpr,
+):
+    """Admission's copy of the sampling fields (``torch.where(admit, ring[name], ...)`` for
+    each field of SAMPLING_FIELDS) and the rows' feature words
+    (:func:`blink.engine.sampler.row_features`), for the admitted rows among the K picked.
+    The copy is one gather over the record's words: ``copy_ptr`` [4, RW] holds, per word of a
+    row's record, its word in the flat sampling buffer (row 0: base, row 1: words per row)
+    and in the ring region (row 2: slot 0's word, row 3: words per slot)."""
+    kk = tl.arange(0, K_P2)
+    km = kk < K
+    row = tl.load(idx_ptr + kk, mask=km, other=0)
+    m = km & (tl.load(admit_ptr + row, mask=km, other=0) != 0)
+    for c0 in range(0, RW, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        cm = c < RW
+        dst0 = tl.load(copy_ptr + c, mask=cm, other=0)
+        dst_n = tl.load(copy_ptr + RW + c, mask=cm, other=0)
+        src0 = tl.load(copy_ptr + 2 * RW + c, mask=cm, other=0)
+        src_n = tl.load(copy_ptr + 3 * RW + c, mask=cm, other=0)
+        m2 = m[:, None] & cm[None, :]
+        v = tl.load(words_ptr + src0[None, :] + row[:, None] * src_n[None, :], mask=m2, other=0)
+        tl.store(record_ptr + dst0[None, :] + row[:, None] * dst_n[None, :], v, mask=m2)
+    tl.debug_barrier()
+    # The feature word, bit i = FEATURES[i] (row_features' rules).
+    temp = tl.load(temp_ptr + row, mask=m, other=0.0)
+    random = temp > 0
+    filtered = random & ((tl.load(top_k_ptr + row, mask=m, other=0) > 0) | (tl.load(top_p_ptr + row, mask=m, other=1.0) < 1)
+                         | (tl.load(min_p_ptr + row, mask=m, other=0.0) > 0))
+    penalty = ((tl.load(rep_ptr + row, mask=m, other=1.0) != 1) | (tl.load(pres_ptr + row, mask=m, other=0.0) != 0)
+               | (tl.load(freq_ptr + row, mask=m, other=0.0) != 0))
+    word = (random.to(tl.int32) | (filtered.to(tl.int32) << 1) | (penalty.to(tl.int32) << 2)
+            | ((tl.load(logprobs_ptr + row, mask=m, other=0) > 0).to(tl.int32) << 3)
+            | (_any_set(bias_ptr, row, m, n_bias, V_P2).to(tl.int32) << 4)
+            | ((tl.load(constrained_ptr + row, mask=m, other=0) != 0).to(tl.int32) << 5)
+            | (_any_set(allowed_ptr, row, m, n_allowed, V_P2).to(tl.int32) << 6)
+            | (_any_set(bad_ptr, row, m, n_bad, V_P2).to(tl.int32) << 7))
+    tl.store(features_ptr + row, word, mask=m)
+
+
 @triton.jit
 def _admit_kernel(
     slot_state_ptr, cancel_ptr, cancel_s, status_ptr, ring_arrival_ptr, arr_s, plen_ptr, plen_s,
@@ -1036,12 +1094,20 @@ def _admit_kernel(
     stream_seq_ptr, ss_s, produced_ptr, pr_s, finish_ptr, fr_s, nprompt_ptr, np_s, ncached_ptr, nc_s,
     admitted_ptr, ad_s,
     admit_ptr, publish_ptr, idx_ptr, ends_ptr, take_ptr,
+    words_ptr, record_ptr, copy_ptr, RW, features_ptr,
+    temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, rep_ptr, pres_ptr, freq_ptr, logprobs_ptr, constrained_ptr,
+    bias_ptr, n_bias, allowed_ptr, n_allowed, bad_ptr, n_bad,
     S, K, L, Wt,
     PREFIX_CACHING: tl.constexpr, K_PROMPT: tl.constexpr, K_STEPS: tl.constexpr, SLOT_WRITTEN: tl.constexpr,
     SLOT_RUNNING: tl.constexpr, SLOT_FINISHED: tl.constexpr, ROW_EMPTY: tl.constexpr, ROW_WAITING: tl.constexpr,
     FINISH_ABORT: tl.constexpr, FINISH_ERROR: tl.constexpr, FINISH_NONE: tl.constexpr,
     S_P2: tl.constexpr, BLOCK_T: tl.constexpr, SEARCH_STEPS: tl.constexpr, S_BITS: tl.constexpr,
+    K_P2: tl.constexpr, BLOCK_C: tl.constexpr, V_P2: tl.constexpr,
 ):
+    """:meth:`Scheduler._admit` (admission.py): the FCFS pick, the prompts out of the arena,
+    the rows' state and sampling record (every field, :func:`_admit_sampling`), the stream
+    reset and finish reasons; the state words' values into ``publish_ptr`` for
+    :func:`publish_words` after the fence."""
     p = tl.arange(0, S_P2)
     pm = p < S
     sstate = tl.load(slot_state_ptr + p, mask=pm, other=0)
@@ -1102,6 +1168,11 @@ def _admit_kernel(
         tl.store(needs_lookup_ptr + p, tl.zeros([S_P2], dtype=tl.int1) + 1, mask=admit)
     tl.store(counters_ptr + K_PROMPT, tl.load(counters_ptr + K_PROMPT) + tl.sum(tl.where(admit, plen, 0), 0))
     tl.store(admit_ptr + p, admit, mask=pm)
+    tl.debug_barrier()
+    _admit_sampling(idx_ptr, admit_ptr, K, words_ptr, record_ptr, copy_ptr, RW, features_ptr,
+                    temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, rep_ptr, pres_ptr, freq_ptr, logprobs_ptr,
+                    constrained_ptr, bias_ptr, n_bias, allowed_ptr, n_allowed, bad_ptr, n_bad,
+                    K_P2, BLOCK_C, V_P2)
     # Every slot leaving WRITTEN: the stream reset and finish reason (the state word after a fence).
     opened = admit | aborted | rejected
     reason = tl.where(aborted, FINISH_ABORT, tl.where(rejected, FINISH_ERROR, FINISH_NONE))
@@ -1125,21 +1196,56 @@ def _publish_words_kernel(value_ptr, words_ptr, word0, S, S_P2: tl.constexpr):
 
 
 class AdmitScratch:
-    def __init__(self, S: int, device: torch.device) -> None:
+    """The admit kernel's scratch (S rows) and its record-copy table, made once.
+
+    ``words``: the ring region as int32 words; ``copy`` [4, RW] int64: per word of a row's
+    sampling record, its word in ``sampling_words`` for row 0 (base) and the words per row,
+    its word in the region for slot 0 and the words per slot. Built from the tensors
+    themselves (any field the table holds, on any device)."""
+
+    def __init__(self, S: int, words: torch.Tensor, sampling_words: torch.Tensor,
+                 sampling: dict[str, torch.Tensor], ring: dict[str, torch.Tensor]) -> None:
+        device = sampling_words.device
+
         def z(n: int) -> torch.Tensor:
             return torch.zeros(n, dtype=torch.int64, device=device)
 
         self.publish, self.idx, self.ends, self.take = z(S), z(S), z(S), z(S)
         self.admit = torch.zeros(S, dtype=torch.bool, device=device)
+        self.words = words
+        self.copy = self.record_copy(words, sampling_words, sampling, ring).to(device)
+
+    @staticmethod
+    def record_copy(words: torch.Tensor, sampling_words: torch.Tensor, sampling: dict[str, torch.Tensor],
+                    ring: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The copy table (class docstring). Raises ValueError naming a field whose ring and
+        engine entries differ or that is not word-aligned in the ring."""
+        cols = []
+        for name, dst in sampling.items():
+            src = ring[name]
+            item = dst.element_size()
+            per_row = dst[0].numel() * item // 4
+            d0 = dst.data_ptr() - sampling_words.data_ptr()
+            s0 = src.data_ptr() - words.data_ptr()
+            s_n = src.stride(0) * item
+            if (src.dtype != dst.dtype or src.shape != dst.shape or d0 % 4 or s0 % 4 or s_n % 4
+                    or (src.dim() > 1 and src.stride(1) != 1)):
+                raise ValueError(f"sampling field {name}: the ring's entries ({src.dtype}, {tuple(src.shape)}) "
+                                 f"are not a word-aligned copy of the engine's ({dst.dtype}, {tuple(dst.shape)})")
+            for j in range(per_row):
+                cols.append((d0 // 4 + j, per_row, s0 // 4 + j, s_n // 4))
+        return torch.tensor(cols, dtype=torch.int64).reshape(-1, 4).T.contiguous()
 
 
 def admit(st, ring: dict, slot_state: torch.Tensor, scratch: AdmitScratch, *, K: int, max_model_len: int,
           window: int, prefix_caching: bool, consts: dict[str, int]) -> torch.Tensor:
-    """:meth:`Scheduler._admit`'s payload in one launch (without the sampling fields, which
-    the caller copies with the returned ``admit`` mask): FCFS pick, prompt copy, the rows'
-    state, the stream reset and finish reasons. :func:`publish_words` then writes the
-    state words (after the fence)."""
+    """:meth:`Scheduler._admit`'s payload in one launch: FCFS pick, prompt copy, the rows'
+    state, sampling fields (``scratch.copy``: :meth:`AdmitScratch.record_copy`) and feature
+    words, the stream reset and finish reasons. :func:`publish_words` then writes the state
+    words (after the fence). Returns the admitted rows' mask."""
     S = st.status.shape[0]
+    sp, copy = st.sampling, scratch.copy
+    widths = [sp[name].shape[1] for name in ("logit_bias_ids", "allowed_token_ids", "bad_words_ids")]
     f = {name: ring[name] for name in ("cancel", "arrival", "prompt_len", "prompt_offset", "seq", "stream_seq",
                                       "produced", "finish_reason", "num_prompt_tokens", "num_cached_tokens",
                                       "admitted_step")}
@@ -1153,9 +1259,14 @@ def admit(st, ring: dict, slot_state: torch.Tensor, scratch: AdmitScratch, *, K:
             f["finish_reason"], f["finish_reason"].stride(0), f["num_prompt_tokens"], f["num_prompt_tokens"].stride(0),
             f["num_cached_tokens"], f["num_cached_tokens"].stride(0), f["admitted_step"], f["admitted_step"].stride(0),
             scratch.admit, scratch.publish, scratch.idx, scratch.ends, scratch.take,
+            scratch.words, st.sampling_words, copy, copy.shape[1], st.sampler_features,
+            sp["temperature"], sp["top_k"], sp["top_p"], sp["min_p"], sp["repetition_penalty"],
+            sp["presence_penalty"], sp["frequency_penalty"], sp["logprobs"], sp["constrained"],
+            sp["logit_bias_ids"], widths[0], sp["allowed_token_ids"], widths[1], sp["bad_words_ids"], widths[2],
             S, K, max_model_len, window, PREFIX_CACHING=prefix_caching, **consts,
             S_P2=_p2(S), BLOCK_T=min(_p2(window), 1024), SEARCH_STEPS=int(K).bit_length() + 1,
-            S_BITS=int(_p2(S)).bit_length(),
+            S_BITS=int(_p2(S)).bit_length(), K_P2=_p2(K), BLOCK_C=min(_p2(copy.shape[1]), 128),
+            V_P2=_p2(max(widths)),
         )
     return scratch.admit
 

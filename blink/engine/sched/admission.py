@@ -61,18 +61,10 @@ class Admission:
         st, ring = w.state, w.ring
         S, L, Wt = w.size, cfg.max_model_len, cfg.admit_window_tokens
         if "admit" in self.fused and not self.kv_enabled:  # (KV reservations: the torch code)
-            admit = self._triton.admit(st, ring, slot_state, self._admit_scratch, K=min(cfg.max_admit_per_step, S),
-                                       max_model_len=L, window=Wt, prefix_caching=cfg.enable_prefix_caching,
-                                       consts=self._admit_consts)
-            # The sampling fields: one where() each, written in place (no conversion where the
-            # ring's dtype is the engine's).
-            masks = {1: admit}
-            for name, dtype in SAMPLING_FIELDS:
-                dst, src = st.sampling[name], ring[name]
-                if dst.dim() not in masks:
-                    masks[dst.dim()] = admit.view(S, *([1] * (dst.dim() - 1)))
-                torch.where(masks[dst.dim()], src if src.dtype == dtype else src.to(dtype), dst, out=dst)
-            torch.where(admit, row_features(st.sampling), st.sampler_features, out=st.sampler_features)
+            # One launch: the pick, the prompts, the rows, their sampling records and feature words.
+            self._triton.admit(st, ring, slot_state, self._admit_scratch, K=min(cfg.max_admit_per_step, S),
+                               max_model_len=L, window=Wt, prefix_caching=cfg.enable_prefix_caching,
+                               consts=self._admit_consts)
             self._fence()
             self._triton.publish_words(self._admit_scratch.publish, self._words, self._state_word0)
             return

@@ -49,6 +49,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from blink.engine import prefix_cache
+from blink.engine.sampler import _FEATURES as SAMPLER_FEATURES  # the fused admit kernel's check
 from blink.engine.sched.admission import Admission
 from blink.engine.sched.batch import Batching, SamplerInputs, StepBatch
 from blink.engine.sched.budget import Budget
@@ -222,7 +223,15 @@ class Scheduler(Admission, KvReservation, PrefixHookup, Budget, Batching, Publis
             self._register_scratch = triton_sched.RegisterScratch(config.max_num_batched_tokens, dev)
             self._lookup_scratch = triton_sched.LookupScratch(S, config.lookup_window_blocks, dev)
             self._lookup_consts = dict(K_QUERIES=K_PREFIX_QUERIES, K_HITS=K_PREFIX_HITS, K_REJECTS=K_PREFIX_REJECTS)
-            self._admit_scratch = triton_sched.AdmitScratch(S, dev)
+            if triton_sched.FEATURES != SAMPLER_FEATURES:
+                raise BlinkError(f"the fused admit kernel computes the sampler's feature bits "
+                                 f"{triton_sched.FEATURES}; the sampler now has {SAMPLER_FEATURES}: "
+                                 f"update _admit_sampling in kernels/triton/sched.py")
+            try:
+                self._admit_scratch = triton_sched.AdmitScratch(S, self._words, self.state.sampling_words,
+                                                                self.state.sampling, self.ring)
+            except ValueError as e:
+                raise BlinkError(f"fused admission: {e}") from None
             self._cancel_values = torch.zeros(S, dtype=torch.int64, device=dev)
             self._cancel_consts = dict(ROW_WAITING=ROW_WAITING, ROW_RUNNING=ROW_RUNNING, ROW_RELEASING=ROW_RELEASING,
                                        FINISH_ABORT=FINISH_ABORT, SLOT_FINISHED=SLOT_FINISHED)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -206,6 +207,25 @@ SAMPLING_FIELDS: tuple[tuple[str, torch.dtype], ...] = tuple(
 )
 
 
+def sampling_words(ring_cfg: RingConfig, device: torch.device | str = "cpu") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The rows' sampling fields in one allocation: a flat int32 buffer (every entry is 4 or
+    8 bytes) and each field's tensor, a contiguous [S, *shape] segment of it (8-byte fields
+    on an even word), filled with its pad. One buffer, so that admission copies every field
+    of a slot's record with one program (the fused scheduler), whatever the table holds."""
+    S, spans, words = ring_cfg.n_slots, [], 0
+    for f in TABLE:
+        n = S * math.prod(f.shape(ring_cfg)) * int(f.dtype[-1]) // 4
+        words += words % 2  # 8-byte alignment of every segment
+        spans.append((f, words, n))
+        words += n
+    buf = torch.zeros(max(words, 1), dtype=torch.int32, device=device)
+    fields = {}
+    for f, at, n in spans:
+        t = buf[at:at + n].view(_TORCH_DTYPES[f.dtype]).view(S, *f.shape(ring_cfg))
+        fields[f.name] = t.fill_(f.pad)
+    return buf, fields
+
+
 #: EngineState's fields with one entry per row (leading dimension S), ``sampling``'s aside
 _ROW_FIELDS = ("status", "arrival", "num_prompt", "num_tokens", "num_computed", "num_blocks",
                "needs_lookup", "row_hash", "tokens", "block_table", "sampler_features",
@@ -252,7 +272,8 @@ class EngineState:
       row_hash [S, 2] (int64 polynomial hash of tokens[:num_computed], two moduli),
       tokens [S, W] int32 (prompt + generated; column W-1 is a write sink),
       block_table [S, M] int32 (``num_blocks`` = no block), a view of block_table_flat
-      [S*M + 1] whose last entry is a write sink for flat scatters, sampling fields,
+      [S*M + 1] whose last entry is a write sink for flat scatters, sampling fields (segments
+      of one int32 buffer, ``sampling_words``),
       sampler_features (int32 feature word per row: the sampler stages it needs, written at
       admission, :func:`blink.engine.sampler.row_features`).
     Blocks [N+1] (entry N = scratch / write sink):
@@ -299,6 +320,8 @@ class EngineState:
     kv_route: torch.Tensor
     kv_dest_blocks: torch.Tensor
     step: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
+    #: the flat buffer every ``sampling`` tensor is a segment of (:func:`sampling_words`)
+    sampling_words: torch.Tensor | None = None
 
     def window(self, rows: int) -> "EngineState":
         """The same state with its per-row fields viewed for rows [0, rows) (the scheduler's
@@ -343,8 +366,7 @@ class EngineState:
         def full(shape, value, dtype):
             return torch.full(shape, value, dtype=dtype, device=device)
 
-        sampling = {f.name: full((S, *f.shape(ring_cfg)), f.pad, _TORCH_DTYPES[f.dtype])
-                    for f in TABLE}
+        words, sampling = sampling_words(ring_cfg, device)
         block_table_flat = full((S * M + 1,), N, torch.int32)
         return cls(
             status=full((S,), ROW_EMPTY, torch.int32),
@@ -374,6 +396,7 @@ class EngineState:
             kv_route=full((S, 4), 0, torch.int64),
             kv_dest_blocks=full((S, max(ring_cfg.max_kv_blocks, 1)), -1, torch.int32),
             step=full((), 0, torch.int64),
+            sampling_words=words,
         )
 
 
