@@ -89,7 +89,7 @@ def test_config_parsing():
 
     assert MAX_SPECULATIVE_TOKENS <= SPEC_POSITIONS  # the ring's per-position words
     bad = {
-        '{"method": "draft_model", "model": "x", "num_speculative_tokens": 2}': "draft_model",
+        '{"method": "draft_model", "num_speculative_tokens": 2}': "'model'",  # tests/test_spec_draft_model.py
         '{"method": "eagle", "num_speculative_tokens": 2}': "'method'",
         '{"method": "ngram"}': "'num_speculative_tokens'",
         '{"method": "ngram", "num_speculative_tokens": 0}': "'num_speculative_tokens'",
@@ -291,8 +291,8 @@ def test_greedy_identical_under_preemption(model_dir, prefix_caching):
 
 
 def test_invalid_config_refused_by_engine(model_dir):
-    with pytest.raises(BlinkError, match="draft_model"):
-        make_llm(model_dir, speculative_config='{"method": "draft_model", "model": "x"}')
+    with pytest.raises(BlinkError, match="draft_model 'model' 'x'"):  # no such file
+        make_llm(model_dir, speculative_config='{"method": "draft_model", "model": "x", "num_speculative_tokens": 2}')
 
 
 # ------------------------------------------------------------------------------ sampling rule

@@ -35,6 +35,7 @@ from blink.engine.runners import (
 from blink.engine.step import StepParts
 from blink.engine.sampler import Sampler
 from blink.engine.sched.scheduler import Scheduler
+from blink.engine.draft_model import DraftModel, check_draft_runner, draft_kv_bytes_per_token, open_draft
 from blink.engine.speculative import SpecScheduler
 from blink.engine.sched.state import SchedulerConfig, ring_tensors
 from blink.engine.token_mask import DEFAULT_MASK_TIMEOUT_S
@@ -100,10 +101,10 @@ class EngineConfig:
     mask_timeout_s: float = config_default("mask_timeout_s")
     #: most logprobs a request may ask for (vLLM's --max-logprobs): the ring's logprob columns
     max_logprobs: int = config_default("max_logprobs")
-    #: loopback | verbs | inprocess (a frontend in this process: LLM)
     #: ring lanes for prompt logprobs (--prompt-logprobs-lanes; 0: refused). The engine
     #: gives the ring none where its step cannot compute them (:meth:`Engine._prompt_logprob_lanes`)
     prompt_logprob_lanes: int = config_default("prompt_logprob_lanes")
+    #: loopback | verbs | inprocess (a frontend in this process: LLM)
     transport: str = config_default("transport")
     threads: int | None = config_default("threads")
     #: CPU loop: threads the CPU kernels may split one call over (the projections, attention,
@@ -170,8 +171,8 @@ class EngineConfig:
             max_model_len=max_model_len,
             mask_words=mask_words_for(vocab_size) if self.structured_outputs else 0,
             max_kv_blocks=self.max_kv_blocks(max_model_len),
-        )
             prompt_logprob_lanes=prompt_logprob_lanes,
+        )
 
     def scheduler_config(self, *, num_blocks: int, max_model_len: int,
                          eos_token_ids: Sequence[int]) -> SchedulerConfig:
@@ -295,7 +296,11 @@ class Engine:
             loop=self.loop_flag, device=self.device.type, enforce_eager=config.enforce_eager,
             cpu_graphs=config.cpu_graphs, has_model=not null,
             speculative=self.speculative is not None)
+        draft_model = self.speculative is not None and self.speculative.method == "draft_model"
+        if draft_model:
+            check_draft_runner(choice.name, role=config.role, null_target=null)
         files = open_null_model() if null else open_model(config.model)
+        draft_files = open_draft(self.speculative, files) if draft_model else None
         # said once the model is found, so a bad model name stays a one-line error
         log.info("step runner: %s (%s)", choice.name, choice.reason)
         model_config = ModelConfig.from_hf(files.hf_config, files.source)
@@ -307,7 +312,10 @@ class Engine:
         if config.kv_cache_tokens is not None:
             kv_tokens = config.kv_cache_tokens
         else:
-            kv_tokens = int(config.kv_cache_memory_gib * (1 << 30)) // _kv_bytes_per_token(model_config, dtype)
+            # a draft model's cache has as many blocks as the target's (blink.engine.draft_model)
+            per_token = _kv_bytes_per_token(model_config, dtype) + (
+                draft_kv_bytes_per_token(draft_files, dtype) if draft_files is not None else 0)
+            kv_tokens = int(config.kv_cache_memory_gib * (1 << 30)) // per_token
         num_blocks = kv_tokens // config.block_size
         if num_blocks * config.block_size < max_len:
             raise BlinkError(
@@ -348,22 +356,14 @@ class Engine:
             num_blocks=num_blocks, max_model_len=self.max_model_len,
             eos_token_ids=model_config.eos_token_ids)
         if self.speculative is not None:
+            drafter = (DraftModel(draft_files, self.executor, cpu_graphs=choice.name == "cpu-graphs")
+                       if draft_files is not None else None)
             self.scheduler = SpecScheduler(self.scheduler_config, self._ring_tensors(), self.device,
-                                           spec=self.speculative)
+                                           spec=self.speculative, drafter=drafter)
             log.info("speculative decoding: %s", self.speculative.to_json())
         else:
             self.scheduler = Scheduler(self.scheduler_config, self._ring_tensors(), self.device)
         self.sampler = Sampler(max_logprobs=max(self.ring_config.max_logprobs, 1))
-
-    def _create_region(self, total_bytes: int) -> Region:
-        """The memory the ring lives in (``--transport``; ``inprocess`` for ``LLM`` only)."""
-        return create_region(self.config.transport, total_bytes)
-
-    def _ring_tensors(self) -> dict[str, torch.Tensor]:
-        """The ring's fields as tensors the scheduler can use from ``self.device``."""
-        return ring_tensors(self.ring)
-
-    # ---------------------------------------------------------------------------- lifecycle
 
     def _prompt_logprob_lanes(self, null_model: bool) -> int:
         """The ring's prompt-logprob lanes: --prompt-logprobs-lanes where this engine's step
@@ -376,6 +376,16 @@ class Engine:
         capable = (self.runner_choice.name in PROMPT_LOGPROB_RUNNERS and not null_model
                    and self.speculative is None and self.config.role == "both")
         return lanes if capable else 0
+
+    def _create_region(self, total_bytes: int) -> Region:
+        """The memory the ring lives in (``--transport``; ``inprocess`` for ``LLM`` only)."""
+        return create_region(self.config.transport, total_bytes)
+
+    def _ring_tensors(self) -> dict[str, torch.Tensor]:
+        """The ring's fields as tensors the scheduler can use from ``self.device``."""
+        return ring_tensors(self.ring)
+
+    # ---------------------------------------------------------------------------- lifecycle
 
     def start(self) -> None:
         if self._thread is not None:

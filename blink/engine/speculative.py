@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -67,14 +68,45 @@ MAX_COOLDOWN_LOG2 = 5
 SPEC_NUM_DRAFTS, SPEC_NUM_DRAFT_TOKENS, SPEC_NUM_ACCEPTED_TOKENS = 0, 1, 2
 
 
+class Drafter(Protocol):
+    """Where a step's drafts come from (:class:`SpecScheduler`'s ``drafter``):
+    :class:`NgramDrafter` (prompt lookup) or :class:`blink.engine.draft_model.DraftModel`."""
+
+    #: drafts exist only where the row's last token occurred earlier (the CPU loop's host
+    #: eligibility then skips the other rows)
+    repeats_only: bool
+
+    def propose(self, tokens: torch.Tensor, lengths: torch.Tensor, k: int, lookup_min: int,
+                lookup_max: int, row_min_n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft stage: up to ``k`` tokens [S, k] and their count [S] per row (rows of
+        ``lengths`` 0 draft nothing); the n-gram arguments as :func:`ngram_propose`'s."""
+        ...
+
+    def before_forward(self, parts: StepParts, batch: Any, tokens: int) -> None:
+        """Every step, between the schedule and the target's forward of ``tokens`` positions."""
+        ...
+
+
+class NgramDrafter:
+    """Prompt lookup over the row's own history (:func:`ngram_propose`)."""
+
+    repeats_only = True
+    propose = staticmethod(ngram_propose)
+
+    def before_forward(self, parts: StepParts, batch: Any, tokens: int) -> None:
+        pass
+
+
 class SpecScheduler(Scheduler):
     """The scheduler with the draft stage (module docstring). Same state and policy; rows
     that do not draft are scheduled exactly as by :class:`Scheduler`."""
 
     def __init__(self, config, ring_tensors, device="cpu", *, spec: SpeculativeConfig,
-                 host_guards: bool | None = None) -> None:
+                 host_guards: bool | None = None, drafter: Drafter | None = None) -> None:
         super().__init__(config, ring_tensors, device, host_guards=host_guards)
         self.spec = spec
+        #: the draft stage's source of tokens (None: the n-gram lookup)
+        self.drafter: Drafter = drafter if drafter is not None else NgramDrafter()
         #: this step's draft length per row (0: not drafting)
         self.draft_len = torch.zeros(self.num_slots, dtype=torch.int64, device=self.device)
         #: whether this step's draft stage wrote a draft (False: draft_len is all zeros, and
@@ -156,8 +188,8 @@ class SpecScheduler(Scheduler):
         max_tokens = sp["max_tokens"].long()
         left = torch.where(max_tokens > 0, max_tokens - (n - st.num_prompt) - 1, K)
         cap = torch.minimum(torch.minimum(room, left), cfg.max_model_len - n).clamp(min=0, max=K)
-        draft, dlen = ngram_propose(st.tokens[:, :width], torch.where(decode, n, 0), K,
-                                    lookup_min, spec.prompt_lookup_max, row_min_n)
+        draft, dlen = self.drafter.propose(st.tokens[:, :width], torch.where(decode, n, 0), K,
+                                           lookup_min, spec.prompt_lookup_max, row_min_n)
         dlen = torch.where(decode, torch.minimum(dlen, cap), 0)
         j = torch.arange(K, device=n.device)
         sink = st.tokens.shape[1] - 1
@@ -199,7 +231,7 @@ class SpecScheduler(Scheduler):
             # whose last token did not occur before (most steps of text that does not repeat)
             # cannot draft, and a step where no row can skips the lookup (the same drafts).
             hist = tokens[r, :m]
-            if (hist[:-1] == hist[-1]).any():
+            if not self.drafter.repeats_only or (hist[:-1] == hist[-1]).any():
                 decode[r] = True
         return decode if decode.any() else None
 
@@ -225,6 +257,7 @@ def run_spec_step(parts: StepParts, on_scheduled=None) -> bool:
     if scheduled is None:
         return False
     batch, n, _ = scheduled
+    sched.drafter.before_forward(parts, batch, n)  # a draft model drafts (blink.engine.draft_model)
     w = sched._w
     st = w.state
     S = w.size

@@ -1,9 +1,15 @@
 """``--speculative-config``: speculative decoding's settings, as vLLM spells them (torch-free:
 the CLI checks the flag at parse time).
 
-Only ``{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": a,
-"prompt_lookup_max": b}`` runs (prompt lookup: blink.engine.speculative). ``draft_model``
-(vLLM's method of a second, small model) is refused by name: not built yet.
+Two methods run (eager CPU loop):
+
+- ``{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": a,
+  "prompt_lookup_max": b}``: prompt lookup (blink.engine.speculative);
+- ``{"method": "draft_model", "model": PATH, "num_speculative_tokens": K}``: a small model of
+  the target's tokenizer drafts K tokens greedily (blink.engine.draft_model). As in vLLM, a
+  ``model`` with no ``method`` means draft_model (``"model": "ngram"`` means ngram).
+
+Whether PATH exists and shares the target's vocabulary is checked when the engine loads it.
 """
 from __future__ import annotations
 
@@ -25,10 +31,16 @@ class SpeculativeConfigError(ValueError):
 class SpeculativeConfig:
     method: str
     num_speculative_tokens: int
+    #: ngram only (0 for draft_model)
     prompt_lookup_min: int
     prompt_lookup_max: int
+    #: draft_model only: the draft's GGUF file, directory or model name (None for ngram)
+    model: str | None = None
 
     def to_json(self) -> str:
+        if self.method == "draft_model":
+            return json.dumps({"method": self.method, "model": self.model,
+                               "num_speculative_tokens": self.num_speculative_tokens})
         return json.dumps({"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
                            "prompt_lookup_min": self.prompt_lookup_min,
                            "prompt_lookup_max": self.prompt_lookup_max})
@@ -65,12 +77,17 @@ def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | Non
         raise SpeculativeConfigError(f"--speculative-config: unknown field(s) {', '.join(map(repr, unknown))} "
                                      f"(known: {', '.join(sorted(known))})")
     method = obj.get("method")
-    if method == "draft_model" or (method is None and "model" in obj):
-        raise SpeculativeConfigError("--speculative-config: 'method' draft_model is not supported yet "
-                                     "(only 'ngram': prompt lookup)")
+    model = obj.get("model")
+    if method is None and model is not None:  # vLLM: a model without a method is a draft model
+        method = "ngram" if model in ("ngram", "[ngram]") else "draft_model"
+        if method == "ngram":
+            model = None
+    if method == "draft_model":
+        return _draft_model(obj, model)
     if method != "ngram":
-        raise SpeculativeConfigError(f"--speculative-config: 'method' must be 'ngram', got {method!r}")
-    if "model" in obj:
+        raise SpeculativeConfigError(f"--speculative-config: 'method' must be 'ngram' or 'draft_model', "
+                                     f"got {method!r}")
+    if model is not None:
         raise SpeculativeConfigError("--speculative-config: 'model' is for draft_model; ngram takes none")
     k = _int(obj, "num_speculative_tokens", None, 1, MAX_SPECULATIVE_TOKENS)
     # vLLM's defaults: each bound defaults to the other, both to 5
@@ -80,6 +97,17 @@ def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | Non
         raise SpeculativeConfigError(f"--speculative-config: 'prompt_lookup_min' ({lo}) must be at most "
                                      f"'prompt_lookup_max' ({hi})")
     return SpeculativeConfig("ngram", k, lo, hi)
+
+
+def _draft_model(obj: dict, model: object) -> SpeculativeConfig:
+    if not isinstance(model, str) or not model.strip():
+        raise SpeculativeConfigError("--speculative-config: draft_model needs 'model' (the draft's GGUF file, "
+                                     f"directory or model name), got {model!r}")
+    for name in ("prompt_lookup_min", "prompt_lookup_max"):
+        if name in obj:
+            raise SpeculativeConfigError(f"--speculative-config: '{name}' is for ngram; draft_model takes none")
+    k = _int(obj, "num_speculative_tokens", None, 1, MAX_SPECULATIVE_TOKENS)
+    return SpeculativeConfig("draft_model", k, 0, 0, model)
 
 
 def speculative_config_arg(text: str) -> str:
