@@ -6,7 +6,7 @@ Against a server started with ``--scheduling-policy priority`` (Blink or vLLM)::
 
     blink serve --model MODEL --scheduling-policy priority --port 8765 &
     python -m benchmarks.bench_priority --base-url http://127.0.0.1:8765 \\
-        --low-streams 16 --high-requests 40 --result-json priority.json
+        --low-streams 16 --high-requests 400 --result-json priority.json
 
 One run, three phases:
 
@@ -14,9 +14,15 @@ One run, three phases:
 2. saturated: ``--low-streams`` closed-loop low-priority streams (each sends its next request
    when the last one ends) and, once they run, the same number of high-priority requests,
    one every ``--high-interval`` seconds: their TTFT (P50/P99).
-3. the report: high-priority P99 TTFT saturated / idle (the issue's target: within 2x), and
+3. the report: high-priority P99 TTFT saturated / idle (the issue's target: within 2x) with
+   the sample counts and a 95% confidence interval for that ratio (:func:`p99_ratio_ci`), and
    the low-priority streams' output throughput (tokens/s) and completed requests while the
    high ones ran (low-priority requests must keep finishing).
+
+A P99 from n samples is an order statistic near the maximum: below ~370 samples not even the
+maximum bounds it from above with 97.5% confidence, so the interval's upper end is then
+infinite and the report says the target is not shown. Hence the default of 400 high requests
+(~200 s saturated at the default interval).
 
 Priorities are vLLM's: lower value = more urgent (``--high-priority`` 0, ``--low-priority``
 10 by default). ``--smoke`` shrinks everything for a correctness run (not a measurement).
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -57,7 +64,19 @@ class Report:
     low_failed: int
     high_failed: int
     window_s: float
+    idle_samples: int = 0  # high-priority TTFTs measured idle
+    saturated_samples: int = 0  # and saturated
+    p99_ratio_ci: tuple[float, float] = (float("nan"), float("nan"))  # 95%, p99_ratio_ci()
     config: dict[str, Any] = field(default_factory=dict)
+
+    def verdict(self) -> str:
+        """Whether the 95% interval shows the target (ratio <= 2), shows it missed, or neither."""
+        lo, hi = self.p99_ratio_ci
+        if hi <= TARGET_RATIO:
+            return "target shown"
+        if lo > TARGET_RATIO:
+            return "target missed"
+        return "not conclusive (more samples, --high-requests, narrow the interval)"
 
     def text(self) -> str:
         return "\n".join([
@@ -65,7 +84,9 @@ class Report:
             f"P99 {self.idle_ttft_p99_s * 1e3:8.1f} ms",
             f"high-priority TTFT saturated: P50 {self.saturated_ttft_p50_s * 1e3:8.1f} ms  "
             f"P99 {self.saturated_ttft_p99_s * 1e3:8.1f} ms",
-            f"P99 ratio saturated/idle:     {self.p99_ratio:.2f}x (target <= 2x)",
+            f"P99 ratio saturated/idle:     {self.p99_ratio:.2f}x (target <= {TARGET_RATIO:g}x); "
+            f"95% CI [{self.p99_ratio_ci[0]:.2f}, {self.p99_ratio_ci[1]:.2f}] from "
+            f"{self.idle_samples} idle / {self.saturated_samples} saturated samples: {self.verdict()}",
             f"low-priority throughput:      {self.low_tokens_per_s:.1f} tokens/s, "
             f"{self.low_completed} requests completed in {self.window_s:.1f} s "
             f"({self.low_failed} failed)",
@@ -87,12 +108,53 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: str, max_toke
                   error=out.error)
 
 
+TARGET_RATIO = 2.0  # the issue's target: saturated high-priority P99 TTFT within 2x of idle
+
+
 def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
+def _binom_cdf(k: int, n: int, p: float) -> float:
+    """P(Binomial(n, p) <= k)."""
+    if k < 0:
+        return 0.0
+    if k >= n:
+        return 1.0
+    return sum(math.exp(math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1)
+                        + i * math.log(p) + (n - i) * math.log1p(-p)) for i in range(k + 1))
+
+
+def quantile_bounds(values: list[float], q: float = 0.99, alpha: float = 0.025) -> tuple[float, float]:
+    """Distribution-free bounds for the ``q`` quantile from the sorted sample (order
+    statistics): the lower one is below it, the upper one above it, each with probability
+    at least ``1 - alpha`` (the count of samples below the quantile is Binomial(n, q)).
+    An end the sample cannot give (too few values) is -inf / inf."""
+    x, n = sorted(values), len(values)
+    # lower: X_(l) (1-based) <= quantile when at least l samples are below it
+    lo = max((rank for rank in range(1, n + 1) if 1.0 - _binom_cdf(rank - 1, n, q) >= 1.0 - alpha),
+             default=None)
+    # upper: X_(u) >= quantile when at most u - 1 samples are below it
+    hi = min((rank for rank in range(1, n + 1) if _binom_cdf(rank - 1, n, q) >= 1.0 - alpha),
+             default=None)
+    return (x[lo - 1] if lo else -math.inf), (x[hi - 1] if hi else math.inf)
+
+
+def p99_ratio_ci(idle: list[float], saturated: list[float]) -> tuple[float, float]:
+    """A 95% confidence interval for P99(saturated) / P99(idle): each P99 bounded from both
+    sides at 97.5% (:func:`quantile_bounds`), the ratio's ends from the opposite ends (so
+    the interval holds with at least 95% probability, without assuming a distribution)."""
+    if not idle or not saturated:
+        return float("nan"), float("nan")
+    idle_lo, idle_hi = quantile_bounds(idle)
+    sat_lo, sat_hi = quantile_bounds(saturated)
+    lo = sat_lo / idle_hi if idle_hi > 0 and sat_lo > -math.inf else 0.0
+    hi = sat_hi / idle_lo if idle_lo > 0 else math.inf
+    return lo, hi
+
+
 async def run(http: httpx.AsyncClient, *, model: str, low_streams: int = 16,
-              high_requests: int = 40, high_interval_s: float = 0.5, prompt_words: int = 200,
+              high_requests: int = 400, high_interval_s: float = 0.5, prompt_words: int = 200,
               low_max_tokens: int = 256, high_max_tokens: int = 16, low_priority: int = 10,
               high_priority: int = 0, warmup_s: float = 2.0) -> Report:
     """The three phases over ``http`` (any httpx client: a server's URL or an ASGI app)."""
@@ -139,7 +201,8 @@ async def run(http: httpx.AsyncClient, *, model: str, low_streams: int = 16,
         low_tokens_per_s=tokens / window if window > 0 else 0.0,
         low_completed=sum(r.ok for r in done), low_failed=sum(not r.ok for r in done),
         high_failed=sum(not r.ok for r in high) + sum(not r.ok for r in idle),
-        window_s=window,
+        window_s=window, idle_samples=len(idle_ttft), saturated_samples=len(sat_ttft),
+        p99_ratio_ci=p99_ratio_ci(idle_ttft, sat_ttft),
         config=dict(low_streams=low_streams, high_requests=high_requests,
                     high_interval_s=high_interval_s, prompt_words=prompt_words,
                     low_max_tokens=low_max_tokens, high_max_tokens=high_max_tokens,
@@ -151,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base-url", default="http://127.0.0.1:8765")
     p.add_argument("--model", default=None, help="the 'model' field (default: the server's first)")
     p.add_argument("--low-streams", type=int, default=16)
-    p.add_argument("--high-requests", type=int, default=40)
+    p.add_argument("--high-requests", type=int, default=400,
+                   help="high-priority requests per phase (400: enough for a bounded P99 interval)")
     p.add_argument("--high-interval", type=float, default=0.5, help="seconds between high requests")
     p.add_argument("--prompt-words", type=int, default=200)
     p.add_argument("--low-max-tokens", type=int, default=256)

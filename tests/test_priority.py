@@ -366,3 +366,25 @@ def test_benchmark_smoke(llm):
     assert report.high_failed == 0 and report.low_failed == 0
     assert report.idle_ttft_p99_s > 0 and report.saturated_ttft_p99_s > 0
     assert report.low_completed >= 0 and "P99 ratio" in report.text()
+    assert report.idle_samples == report.saturated_samples == 3
+    assert report.p99_ratio_ci[1] == float("inf") and "not conclusive" in report.text()
+
+
+def test_benchmark_p99_interval():
+    """bench_priority's P99 bounds (order statistics): with too few samples the upper end is
+    open (inf); with enough they bracket a known distribution's P99 in about 95% of draws
+    (exponential: P99 = ln 100); the ratio's interval brackets the true ratio."""
+    import math
+
+    from benchmarks.bench_priority import p99_ratio_ci, quantile_bounds
+
+    rng = np.random.default_rng(0)
+    assert quantile_bounds(list(rng.exponential(1, 200)))[1] == math.inf  # 1 - 0.99**200 < 0.975
+    true = math.log(100)
+    misses = 0
+    for _ in range(200):
+        lo, hi = quantile_bounds(list(rng.exponential(1, 400)))
+        misses += not lo <= true <= hi
+    assert misses <= 200 * 0.08, misses  # at most 5% expected
+    lo, hi = p99_ratio_ci(list(rng.exponential(1, 2000)), list(3 * rng.exponential(1, 2000)))
+    assert lo <= 3 <= hi and hi / lo < 1.5, (lo, hi)
