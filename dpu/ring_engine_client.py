@@ -11,6 +11,7 @@ request admission (:meth:`is_accepting`, :meth:`generate`) and the streams' erro
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import time
@@ -132,6 +133,8 @@ class RingEngineClient:
         self.idle_interval_s = idle_interval_s
         self.info: Any = None  # the bootstrap EngineInfo, when made by connect()
         self._inflight: dict[str, _Stream] = {}
+        #: requests waiting for a prompt-logprob lane, oldest first (only the first may take one)
+        self._lane_queue: collections.deque[object] = collections.deque()
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._peer_checked = 0.0
@@ -404,18 +407,30 @@ class RingEngineClient:
         fields = ring_fields(params, len(prompt_ids), self.max_model_len, self.ring.config)
         self.start()
         ring_id = self.ring.new_request_id()
-        deadline = time.monotonic() + self.submit_timeout_s
-        while True:
-            handle = self.ring.try_submit(ring_id, prompt_ids, fields, grammar=grammar, kv=kv)
-            if handle is not None:
-                break
-            if time.monotonic() >= deadline:
-                raise EngineOverloadedError(
-                    self.ring.full_message(len(prompt_ids), self.submit_timeout_s),
-                    retry_after_s=self.retry_after_s,
-                )
-            await asyncio.sleep(0.002)  # the poller frees slots meanwhile
-            self._check_accepting()
+        lane_ticket = self._wait_for_lane(params)
+        try:
+            deadline = time.monotonic() + self.submit_timeout_s
+            while True:
+                # prompt logprobs: the oldest waiter takes the next free lane, and the wait for
+                # one is not bounded (each holder gives its lane back with its first token)
+                if lane_ticket is not None and (self._lane_queue[0] is not lane_ticket
+                                                or not self.ring.free_lanes()):
+                    deadline = time.monotonic() + self.submit_timeout_s
+                else:
+                    handle = self.ring.try_submit(ring_id, prompt_ids, fields, grammar=grammar,
+                                                  kv=kv)
+                    if handle is not None:
+                        break
+                    if time.monotonic() >= deadline:
+                        raise EngineOverloadedError(
+                            self.ring.full_message(len(prompt_ids), self.submit_timeout_s),
+                            retry_after_s=self.retry_after_s,
+                        )
+                await asyncio.sleep(0.002)  # the poller frees slots (and lanes) meanwhile
+                self._check_accepting()
+        finally:
+            if lane_ticket is not None:  # submitted, given up or gone: the next waiter's turn
+                self._lane_queue.remove(lane_ticket)
         stream = _Stream(request_id, handle, params)
         if len(self.ring.active) == 1:
             self._watch.became_busy(time.monotonic())
@@ -441,6 +456,17 @@ class RingEngineClient:
                     del self._inflight[request_id]
                 if not self._watch.state.final:
                     self.ring.cancel(handle)
+
+    def _wait_for_lane(self, params: SamplingParams) -> object | None:
+        """A place in the queue for a prompt-logprob lane (None: the request needs none)."""
+        if params.prompt_logprobs is None:
+            return None
+        if self.ring.config.prompt_logprob_lanes == 0:  # (else it would wait forever)
+            raise RingRequestError("this engine computes no prompt logprobs (no prompt-logprob "
+                                   "lanes in its ring)")
+        ticket = object()
+        self._lane_queue.append(ticket)
+        return ticket
 
     async def abort(self, request_id: str, force: bool = False) -> None:
         """Cancel a request; ``force``: also a KV reservation whose KV has not landed (the

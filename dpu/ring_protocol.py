@@ -532,6 +532,11 @@ class RingClient:
             logger.warning("ring: request %d: %s", h.request_id, exc)
             self.cancel(h)
 
+    def free_lanes(self) -> int:
+        """Prompt-logprob lanes no request holds."""
+        with self._lock:
+            return len(self._free_lanes)
+
     def full_message(self, prompt_len: int, waited_s: float) -> str:
         what = "request slots" if not self._free else f"prompt-arena space for {prompt_len} tokens"
         return (

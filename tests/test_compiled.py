@@ -162,3 +162,21 @@ def test_cli_flags_reach_the_engine_config(monkeypatch):
     assert engine_config_from_args(build_parser().parse_args(["engine", "--compile"])).enforce_eager is False
     with pytest.raises(SystemExit):
         build_parser().parse_args(["engine", "--compile", "--enforce-eager"])
+
+
+def test_compiled_engine_computes_prompt_logprobs(compiled_llm):
+    """--compile: a step with a row asking for prompt logprobs runs eagerly (its hidden
+    states), chunked in 4-token steps; the values are transformers', and the compiled steps
+    around it neither recompile nor grow new graphs."""
+    from test_prompt_logprobs import check
+
+    phase = compiled_llm.engine.runner.compiled
+    assert compiled_llm.engine.ring_config.prompt_logprob_lanes > 0
+    graphs = _graphs()
+    prompts = random_prompts(2, 6, 13, seed=8)
+    outs = compiled_llm.generate(prompts, SamplingParams(max_tokens=3, prompt_logprobs=2, **GREEDY),
+                                 timeout_s=120)
+    ref = Reference()
+    for p, o in zip(prompts, outs):
+        check(ref, p, o.prompt_logprobs, 2)
+    assert phase.refused == 0 and _graphs() == graphs

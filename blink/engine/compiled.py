@@ -373,6 +373,14 @@ class CompiledModelPhase:
         single = tokens == 1 and self.executor._bf16_cpu
         return _onednn_disabled() if single else contextlib.nullcontext()
 
+    def attention_step(self, batch, tokens: int):
+        """The context an eager forward over ``batch``'s ``tokens`` tokens needs on this
+        model (its attention is the compiled step's op, which reads the step's metadata):
+        the CPU loop's eager steps under --compile (prompt logprobs)."""
+        from blink.engine.step import compact_rows
+
+        return self._attention_step(compact_rows(batch, tokens), tokens)
+
     def _attention_step(self, md, num_tokens: int):
         from blink.kernels.cpu.step_ops import attention_step
 

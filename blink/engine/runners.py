@@ -201,8 +201,11 @@ class CompiledRunner:
         if scheduled is None:
             return False
         batch, tokens, rows = scheduled
+        if prompt_logprob_jobs(self.parts.scheduler, batch):
+            # their hidden states: the eager forward, whose attention op (the compiled step's)
+            # takes the step's metadata from the compiled phase
+            with self.compiled.attention_step(batch, tokens):
+                eager_model_phase(self.parts, batch, tokens, rows)
+            return True
         self.compiled.run(self.parts, batch, tokens=tokens, rows=rows)  # pads to its buckets
         return True
-        if prompt_logprob_jobs(self.parts.scheduler, batch):  # their hidden states: eager
-            eager_model_phase(self.parts, batch, tokens, rows)
-            return True
