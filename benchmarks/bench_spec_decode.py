@@ -1,6 +1,7 @@
-"""Speculative decoding with n-gram drafts (issue 36): output tok/s, ITL and acceptance, with
-and without ``--speculative-config``, on a repetitive and a non-repetitive workload, in one
-run (the ratios are printed from the same run).
+"""Speculative decoding (issue 36): output tok/s, ITL and acceptance, with and without
+``--speculative-config``, on a repetitive and a non-repetitive workload, in one run (the
+ratios are printed from the same run). ``--method ngram`` (prompt lookup, the default) or
+``--method draft_model`` (a draft model, ``--draft``).
 
 Workloads (greedy, ``ignore_eos``):
 
@@ -17,13 +18,29 @@ Both modes run the engine as ``blink serve`` does by default (CPU graphs where t
 the plain decode steps replay them with speculation on as well).
 
 Each at 1 and 16 streams (``--streams``), speculation off and on. Per cell: output tok/s
-(generated tokens / wall time of the batch), ``itl_ms_p50`` (the median over the streams of
-wall time / the stream's tokens: the offline API gives no per-token timestamps, so no p99),
-the acceptance rate (accepted / draft tokens) and the drafts verified; and whether the greedy
-output is the same with and without speculation. Run on an idle machine:
+(generated tokens / wall time of the batch), ``tpot_ms_p50`` (the median over the streams of
+wall time / the stream's tokens), ``itl_ms_p50`` / ``itl_ms_p99`` (the time between
+consecutive engine steps that publish tokens, i.e. between a streaming client's chunks; a
+speculative step's accepted tokens arrive together; timed on the engine's loop thread, the
+prefill steps before a cell's first token left out), the acceptance rate (accepted / draft
+tokens) and the drafts verified; and whether the greedy output is the same with and without
+speculation. Run on an idle machine:
 
     python -m benchmarks.bench_spec_decode [--model smollm2-135m] [--k 4] [--lookup 1 3]
         [--streams 1 16] [--max-tokens 128] [--prompt-len 128] [--repeats R] [--json out.json]
+
+Draft model pairings (SmolLM2-135M is the only model here; ``--method draft_model``):
+
+- ``--draft self`` (the default): the target is the GGUF at full precision (dequantized to
+  the compute dtype: ``--int4-decode off``, in both modes) and the draft is the same file on
+  its 4-bit codes: cheaper per token, nearly the same predictions;
+- ``--draft layers:N``: the target stays on its codes and the draft is a copy of the target
+  GGUF cut to its first N layers (+ final norm and head, the codes as they are), written to
+  a temporary directory by this script;
+- ``--draft PATH``: any GGUF file or HF directory of the target's tokenizer.
+
+``--int4-decode on|off`` overrides the target's setting (both modes; default: off for
+``--draft self``, else on).
 
 ``--smoke``: a tiny random model (the tests' helper) and tiny sizes: a correctness run of
 this script, not a measurement.
@@ -81,21 +98,56 @@ def workload_params(workload: str, max_tokens: int):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def run_cell(llm, prompts, params, repeats: int = 1) -> dict:
-    """One batch of ``prompts``, ``repeats`` times: the median wall time, the counters' mean."""
+class StepTimer:
+    """Wraps the engine's step runner (the loop thread calls ``runner.run`` once per step):
+    the end time of every step that published tokens (the ring's produced counters moved),
+    i.e. when a streaming client gets a chunk."""
+
+    def __init__(self, llm) -> None:
+        self.runner = llm.engine.runner
+        self.produced = llm.engine.scheduler.ring["produced"]
+        self.inner = self.runner.run
+        self.ends: list[float] = []
+        self._last = int(self.produced.sum())
+        self.runner.run = self._run
+
+    def _run(self, *args, **kwargs):
+        ran = self.inner(*args, **kwargs)
+        produced = int(self.produced.sum())
+        if ran and produced != self._last:
+            self.ends.append(time.perf_counter())
+        self._last = produced
+        return ran
+
+
+def _percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else 0.0
+
+
+def run_cell(llm, prompts, params, repeats: int = 1, timer: StepTimer | None = None) -> dict:
+    """One batch of ``prompts``, ``repeats`` times: the median wall time, the counters' mean,
+    the ITL percentiles over every repeat's decode steps."""
     sched = llm.engine.scheduler
     before = sched.spec_counters.clone() if hasattr(sched, "spec_counters") else None
-    walls = []
+    walls, itls = [], []
     for _ in range(repeats):
+        if timer is not None:
+            timer.ends.clear()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, timeout_s=3600)
         walls.append(time.perf_counter() - t0)
+        if timer is not None:  # between publishing steps, from the first token on
+            itls += [b - a for a, b in zip(timer.ends, timer.ends[1:])]
     wall = statistics.median(walls)
     tokens = sum(len(o.token_ids) for o in outs)
     cell = {"streams": len(prompts), "output_tokens": tokens, "wall_s": round(wall, 3),
             "output_tok_s": round(tokens / wall, 2),
             # a stream's mean time per token (the batch runs together: wall / its tokens)
-            "itl_ms_p50": round(1000 * statistics.median(wall / max(len(o.token_ids), 1) for o in outs), 2)}
+            "tpot_ms_p50": round(1000 * statistics.median(wall / max(len(o.token_ids), 1) for o in outs), 2)}
+    if itls:
+        cell.update(itl_ms_p50=round(1000 * _percentile(itls, 0.5), 2),
+                    itl_ms_p99=round(1000 * _percentile(itls, 0.99), 2))
     if before is not None:
         drafts, draft_tokens, accepted = ((sched.spec_counters - before) / repeats).tolist()
         cell.update(drafts=drafts, draft_tokens=draft_tokens, accepted_tokens=accepted,
@@ -103,9 +155,53 @@ def run_cell(llm, prompts, params, repeats: int = 1) -> dict:
     return cell
 
 
+def truncated_gguf(model: str, layers: int, out_dir: Path) -> Path:
+    """A copy of ``model``'s GGUF file with only its first ``layers`` decoder layers (the
+    embedding, final norm, head, tokenizer and every other field as they are; the tensors'
+    codes copied byte for byte): a draft model of the same tokenizer."""
+    import gguf
+
+    from blink.loader import resolve_model
+
+    src = resolve_model(model)
+    if src.is_dir():
+        raise SystemExit("--draft layers:N cuts a GGUF file; the target is a directory")
+    reader = gguf.GGUFReader(src)
+    arch = str(reader.fields["general.architecture"].contents())
+    block_count = f"{arch}.block_count"
+    if layers < 1 or layers >= int(reader.fields[block_count].contents()):
+        raise SystemExit(f"--draft layers:N: N must be in [1, {int(reader.fields[block_count].contents()) - 1}]")
+    path = out_dir / f"{src.stem}-{layers}layers.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":  # the writer's own
+            continue
+        value = layers if name == block_count else field.contents()
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, value, vtype, sub_type=sub)
+    kept = [t for t in reader.tensors
+            if not (t.name.startswith("blk.") and int(t.name.split(".")[1]) >= layers)]
+    for t in kept:
+        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in kept:
+        writer.write_tensor_data(t.data)
+    writer.close()
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--method", choices=("ngram", "draft_model"), default="ngram")
+    ap.add_argument("--draft", default="self",
+                    help="draft_model: self (the target file on its 4-bit codes; the target at full "
+                         "precision), layers:N (the target cut to N layers), or a GGUF file / HF directory")
+    ap.add_argument("--int4-decode", choices=("on", "off"), default=None,
+                    help="the target's --int4-decode in both modes (default: off for --draft self, else on)")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--lookup", type=int, nargs=2, default=(1, 3), metavar=("MIN", "MAX"))
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 16])
@@ -130,13 +226,28 @@ def main(argv: list[str] | None = None) -> None:
         model = str(tiny_model_dir(Path(tempfile.mkdtemp())))
         args.max_tokens, args.prompt_len, args.streams = 12, 16, [1, 2]
         engine_kwargs.update(dtype="float32", max_model_len=256, kv_cache_tokens=4096, max_num_seqs=2)
-    spec = json.dumps({"method": "ngram", "num_speculative_tokens": args.k,
-                       "prompt_lookup_min": args.lookup[0], "prompt_lookup_max": args.lookup[1]})
-    results: dict = {"model": model, "speculative_config": spec, "cells": []}
+    if args.method == "ngram":
+        spec = json.dumps({"method": "ngram", "num_speculative_tokens": args.k,
+                           "prompt_lookup_min": args.lookup[0], "prompt_lookup_max": args.lookup[1]})
+    else:
+        draft = args.draft
+        if draft == "self":
+            draft = model
+        elif draft.startswith("layers:"):
+            draft = str(truncated_gguf(model, int(draft.split(":", 1)[1]), Path(tempfile.mkdtemp())))
+        spec = json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": args.k})
+        int4 = args.int4_decode or ("off" if args.draft == "self" else "on")
+        engine_kwargs["int4_decode"] = int4 == "on"
+    if args.int4_decode is not None:
+        engine_kwargs["int4_decode"] = args.int4_decode == "on"
+    mode_on = args.method
+    results: dict = {"model": model, "speculative_config": spec, "engine": {k: v for k, v in engine_kwargs.items()},
+                     "cells": []}
     outputs: dict = {}
-    for mode in ("off", "ngram"):
-        kwargs = dict(engine_kwargs, **({"speculative_config": spec} if mode == "ngram" else {}))
+    for mode in ("off", mode_on):
+        kwargs = dict(engine_kwargs, **({"speculative_config": spec} if mode != "off" else {}))
         with LLM(model, **kwargs) as llm:
+            timer = StepTimer(llm)
             vocab = llm.engine.model_config.vocab_size
             for workload in WORKLOADS:
                 for streams in args.streams:
@@ -146,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
                         prompts = [p[-200:] for p in prompts]
                     params = workload_params(workload, args.max_tokens)
                     run_cell(llm, prompts[:1], workload_params(workload, 4))  # warm-up
-                    cell = run_cell(llm, prompts, params, args.repeats)
+                    cell = run_cell(llm, prompts, params, args.repeats, timer)
                     cell.update(mode=mode, workload=workload)
                     results["cells"].append(cell)
                     print(json.dumps(cell), flush=True)
@@ -157,11 +268,13 @@ def main(argv: list[str] | None = None) -> None:
     for workload in WORKLOADS:
         for streams in args.streams:
             off = next(c for c in results["cells"] if (c["mode"], c["workload"], c["streams"]) == ("off", workload, streams))
-            on = next(c for c in results["cells"] if (c["mode"], c["workload"], c["streams"]) == ("ngram", workload, streams))
+            on = next(c for c in results["cells"] if (c["mode"], c["workload"], c["streams"]) == (mode_on, workload, streams))
             ratio = on["output_tok_s"] / off["output_tok_s"]
-            same = outputs[("off", workload, streams)] == outputs[("ngram", workload, streams)]
+            same = outputs[("off", workload, streams)] == outputs[(mode_on, workload, streams)]
             ratios[f"{workload}/{streams}"] = round(ratio, 3)
-            print(f"  {workload:10s} {streams:3d} streams: {ratio:.2f}x  (acceptance "
+            itl = "".join(f", {q} {on[q] / off[q]:.2f}x" for q in ("itl_ms_p50", "itl_ms_p99")
+                          if on.get(q) and off.get(q))
+            print(f"  {workload:10s} {streams:3d} streams: {ratio:.2f}x tok/s{itl}  (acceptance "
                   f"{on.get('acceptance_rate', 0):.2f}, output identical: {same})")
     results["ratios"] = ratios
     results["command"] = " ".join(["python -m benchmarks.bench_spec_decode", *(argv or sys.argv[1:])])

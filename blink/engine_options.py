@@ -264,9 +264,12 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  "\"num_speculative_tokens\": K, \"prompt_lookup_min\": a, \"prompt_lookup_max\": "
                  "b}' drafts K tokens per decode row by prompt lookup (the latest earlier "
                  "occurrence of the row's last b..a tokens) and verifies them in the same "
-                 "step; greedy and seeded outputs are the same as without it. CPU loop only "
-                 "(refused with --compile and the GPU loops); 'draft_model' is refused "
-                 "(default: off)"),
+                 "step; '{\"method\": \"draft_model\", \"model\": PATH, "
+                 "\"num_speculative_tokens\": K}' drafts them with a small model of the same "
+                 "tokenizer (a GGUF file or HF directory; greedy, K one-token steps, its own KV "
+                 "cache on the target's blocks). Greedy and seeded outputs are the same as "
+                 "without it. CPU loop only (refused with --compile and the GPU loops; "
+                 "draft_model also with --role prefill/decode) (default: off)"),
     _option("--transport", default="loopback", choices=["loopback", "verbs"], field="transport",
             help="how the frontend reaches the ring: loopback (shared memory) or verbs (RDMA)"),
     # -- vllm serve's flags without a Blink feature: refused or noted (blink/cli_args.py) ----
