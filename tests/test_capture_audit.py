@@ -167,6 +167,46 @@ def test_captured_step_holds_only_capturable_ops(model_dir, loop, monkeypatch):
     mode.check(f"tier {'A' if loop == 'host' else 'B'}'s captured step")
 
 
+SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+
+
+@pytest.mark.parametrize("loop", ["host", "device"])
+def test_captured_speculative_step_holds_only_capturable_ops(model_dir, loop, monkeypatch):
+    """--speculative-config on tier A/B: the draft stage in schedule() and the verify phase
+    (blink.engine.speculative.spec_model_phase) over repetitive prompts (drafts hit), greedy
+    and seeded sampled rows with logprobs and penalties, rows that finish inside an accepted
+    run (a stop id, max_tokens): no capture-unsafe op, and drafts were accepted."""
+    from test_spec_decode import _repetitive
+
+    mode = CaptureAudit()
+    orig_capture = host_sim.EagerRunner.capture
+    orig_segment = host_sim.EagerGraphApi.segment
+    monkeypatch.setattr(host_sim.EagerRunner, "capture",
+                        lambda self, name, fn: orig_capture(self, name, audit(fn, mode)))
+    monkeypatch.setattr(host_sim.EagerGraphApi, "segment",
+                        lambda self, fn: orig_segment(self, audit(fn, mode)))
+    monkeypatch.setattr(llm_module, "create_engine",
+                        lambda cfg, loop_=None, **_kw: create_engine(cfg, loop, simulation=host_sim.HostSimulation()))
+    prompts = _repetitive(4, 8)
+    params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0.8, seed=3, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, repetition_penalty=1.2),
+              SamplingParams(max_tokens=30, temperature=1.0, seed=5, top_k=20, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[prompts[4][2]]),
+              SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logit_bias={5: 2.0}),
+              SamplingParams(max_tokens=13, temperature=0.6, seed=9, ignore_eos=True)]
+    with llm_module.LLM(str(model_dir), **{**SMALL, "speculative_config": SPEC}) as llm:
+        outs = llm.generate(prompts, params, timeout_s=240)
+        counters = llm.engine.scheduler.spec_counters.tolist()
+    assert counters[2] > 0, f"no draft was accepted ({counters}): the workload must hit"
+    assert len(outs[5].token_ids) == 7 and len(outs[7].token_ids) == 13
+    seen = set(mode.ops)
+    for op in ("aten.cumprod.default", "aten.unfold.default", "aten.index_put_.default"):
+        assert op in seen, f"the audit did not see {op}: it did not run the speculative step"
+    mode.check(f"tier {'A' if loop == 'host' else 'B'}'s captured speculative step")
+
+
 def test_a_planted_python_tensor_in_schedule_fails_the_audit(model_dir, monkeypatch):
     orig = Scheduler.schedule
 
@@ -187,8 +227,9 @@ def test_a_planted_python_tensor_in_schedule_fails_the_audit(model_dir, monkeypa
 
 
 def _on_meta_step(engine: Engine) -> CaptureAudit:
-    """schedule() + the model phase of every bucket, as the graphs run them, with every
-    engine tensor on a meta device."""
+    """schedule() + the model phase of every bucket, as the graphs run them
+    (``graph_model_phase``: a speculative engine's verify phase), with every engine tensor
+    on a meta device."""
     plan = plan_graphs(engine.scheduler_config, engine.ring_config.n_slots)
     parts = step.StepParts(engine.scheduler, engine.executor, engine.sampler)
     engine.scheduler.host_guards = False  # as the graphs run it: every stage
@@ -198,12 +239,13 @@ def _on_meta_step(engine: Engine) -> CaptureAudit:
             batch = engine.scheduler.schedule()
             assert batch.input_ids.device.type == "meta"
             for tokens, rows in zip(plan.buckets, plan.rows):
-                step.model_phase(parts, batch, tokens=tokens, rows=rows, compact=False)
+                step.graph_model_phase(parts, batch, tokens=tokens, rows=rows)
     return mode
 
 
-def test_the_step_runs_over_meta_tensors(model_dir):
-    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", **SMALL))
+@pytest.mark.parametrize("speculative", [None, SPEC])
+def test_the_step_runs_over_meta_tensors(model_dir, speculative):
+    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", speculative_config=speculative, **SMALL))
     try:
         _on_meta_step(engine).check("the step over meta tensors")
     finally:

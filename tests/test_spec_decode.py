@@ -119,14 +119,16 @@ def test_flag_declared_once_and_forwarded():
         p.parse_args(["--speculative-config", '{"method": "draft_model"}'])
 
 
-def test_gpu_tiers_and_compile_refuse():
+def test_every_runner_takes_the_flag():
+    """Every runner verifies drafts now: the eager CPU loop (CPU graphs for steps with no
+    draft), --compile, and the GPU tiers (their captured verify phase)."""
     from blink.engine.runners import choose_step_runner
 
-    for loop in ("host", "device"):
-        with pytest.raises(BlinkError, match="speculative-config"):
-            choose_step_runner(loop=loop, device="cuda", enforce_eager=True, cpu_graphs=False, speculative=True)
-    with pytest.raises(BlinkError, match="--compile"):
-        choose_step_runner(loop="cpu", device="cpu", enforce_eager=False, cpu_graphs=False, speculative=True)
+    for loop, name in (("host", "tier-a"), ("device", "tier-b")):
+        assert choose_step_runner(loop=loop, device="cuda", enforce_eager=True, cpu_graphs=False,
+                                  speculative=True).name == name
+    assert choose_step_runner(loop="cpu", device="cpu", enforce_eager=False, cpu_graphs=False,
+                              speculative=True).name == "compiled"
     assert choose_step_runner(loop="cpu", device="cpu", enforce_eager=True, cpu_graphs=True,
                               speculative=True).name == "cpu-graphs"
     assert choose_step_runner(loop="cpu", device="cpu", enforce_eager=True, cpu_graphs=False,
@@ -286,6 +288,79 @@ def test_greedy_identical_under_preemption(model_dir, prefix_caching):
     with make_llm(model_dir, speculative_config=SPEC, **small) as spec_llm:
         got = spec_llm.generate(prompts, params, timeout_s=180)
         _pool_whole(spec_llm)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+
+
+def _tier_llm(model_dir, loop: str, **overrides):
+    """An LLM whose engine runs GPU tier ``loop`` (host: A, device: B) under the host
+    simulation (the captured functions run eager on CPU tensors)."""
+    from blink import llm as llm_module
+    from blink.engine.factory import create_engine
+    from blink.engine.gpu import host_sim
+
+    orig = llm_module.create_engine
+    llm_module.create_engine = lambda cfg, _loop="auto", **_kw: create_engine(
+        cfg, loop, simulation=host_sim.HostSimulation())
+    try:
+        return make_llm(model_dir, max_num_batched_tokens=64, device="cpu", **overrides)
+    finally:
+        llm_module.create_engine = orig
+
+
+@pytest.mark.parametrize("loop", ["host", "device"])
+def test_gpu_tiers_exact(model_dir, plain, loop):
+    """Tier A and B (simulated) verify drafts in the captured step (spec_model_phase: the
+    fixed [rows, K+1] lane grid): greedy token for token as without speculation, seeded
+    sampling the same, stop ids and max_tokens inside accepted runs; the KV pool whole."""
+    greedy = SamplingParams(max_tokens=32, **GREEDY)
+    seeded = [SamplingParams(temperature=0.7, seed=s, max_tokens=24, ignore_eos=True, logprobs=2)
+              for s in range(len(PROMPTS))]
+    base = plain.generate(PROMPTS[:6], greedy, timeout_s=120)
+    cut = [SamplingParams(max_tokens=40, stop_token_ids=[b.token_ids[9]], **GREEDY) for b in base]
+    cut += [SamplingParams(max_tokens=mt, **GREEDY) for mt in (1, 2, 3, 5, 7, 13)]
+    jobs = [(PROMPTS, greedy), (PROMPTS, seeded), (PROMPTS[:6] * 2, cut)]
+    wants = [plain.generate(p, q, timeout_s=120) for p, q in jobs]
+    with _tier_llm(model_dir, loop, speculative_config=SPEC) as llm:
+        assert llm.engine.runner.name == ("tier-a" if loop == "host" else "tier-b")
+        before = llm.engine.scheduler.spec_counters.clone()
+        for (prompts, params), want in zip(jobs, wants):
+            got = llm.generate(prompts, params, timeout_s=240)
+            for w, g in zip(want, got):
+                assert g.token_ids == w.token_ids
+                assert g.finish_reason == w.finish_reason
+        c = llm.engine.scheduler.spec_counters - before
+        assert int(c[SPEC_NUM_ACCEPTED_TOKENS]) > 0, "no draft token was ever accepted"
+        if loop == "host":
+            _pool_whole(llm)
+        else:  # tier B releases a finished row's blocks in its next step (none comes): only
+            # RELEASING rows hold blocks, exactly the ones they own
+            from blink.engine.sched.state import ROW_RELEASING, ROW_RUNNING, ROW_WAITING
+
+            st = llm.engine.scheduler.state
+            wait_for(lambda: not bool(((st.status == ROW_RUNNING) | (st.status == ROW_WAITING)).any()),
+                     what="no live row")
+            held = int(st.num_blocks[st.status == ROW_RELEASING].sum())
+            assert int((st.block_ref > 0).sum()) == held and int(st.num_blocks.sum()) == held
+
+
+def test_compiled_exact(model_dir, request):
+    """--compile with speculation: verify steps run the compiled layers (eager head and
+    sampler), the other steps the compiled step; greedy as without speculation, including
+    drafts cut by a 4-token budget."""
+    cache = Path(request.config.cache.mkdir("blink-inductor"))
+    small = dict(max_model_len=128, max_num_seqs=2, kv_cache_tokens=1024, max_num_batched_tokens=4)
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    prompts = PROMPTS[:3]
+    with make_llm(model_dir, cpu_graphs=False, **small) as llm:
+        want = llm.generate(prompts, params, timeout_s=120)
+    with make_llm(model_dir, enforce_eager=False, compile_cache_dir=str(cache), speculative_config=SPEC,
+                  **small) as llm:
+        assert llm.engine.runner.name == "compiled" and llm.engine.runner.compiled is not None
+        got = llm.generate(prompts, params, timeout_s=240)
+        assert int(llm.engine.scheduler.spec_counters[SPEC_NUM_DRAFTS]) > 0
+        assert llm.engine.runner.compiled.refused == 0
+        _pool_whole(llm)
     for w, g in zip(want, got):
         assert g.token_ids == w.token_ids
 

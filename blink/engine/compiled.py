@@ -389,21 +389,10 @@ class CompiledModelPhase:
     def run(self, parts, batch, *, tokens: int, rows: int) -> None:
         """Forward → sample → update for ``batch`` with ``tokens`` real tokens and ``rows``
         sample rows, padded to their buckets (the same tokens as ``step.model_phase``)."""
-        from blink.engine.step import compact_rows
-
         scheduler = parts.scheduler
-        T = bucket_for(tokens, self.token_buckets)
         R = bucket_for(rows, self.row_buckets)
-        model, ex = self.model, self.executor
-        md = _layer_metadata(batch.attn.slot_mapping[:T], batch.attn.positions[:T])
-        x = torch.nn.functional.embedding(batch.input_ids[:T], model.model.embed_tokens.weight)
-        residual = torch.zeros_like(x)  # x + 0 == x: layer 0 runs the same graph as the rest
-        on_layer = model.on_layer
-        with self._onednn(T), self._attention_step(compact_rows(batch, tokens), tokens):
-            for layer, kv_cache in zip(model.model.layers, ex.kv_caches):
-                x, residual = self.layer(layer, x, residual, md, kv_cache, model.cos_sin)
-                if on_layer is not None:
-                    on_layer()
+        model = self.model
+        x, residual = self.forward(batch, tokens)
         index = batch.logits_indices[:R]
         inputs = scheduler.sampler_inputs(batch, R)  # padding rows: row 0's values, ignored
         plan = SamplerPlan.from_features(inputs.features[:rows], inputs.suppress_ids[:rows])
@@ -421,6 +410,33 @@ class CompiledModelPhase:
                 out = _head_and_sample(model, self.sampler, plan, *args, masks=masks)
         scheduler.update(batch, out.tokens, out.logprob, out.top_ids, out.top_logprobs,
                          num_tokens=tokens)
+
+    def forward(self, batch, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compiled decoder layers over ``batch``'s ``tokens`` real tokens, padded to their
+        bucket: the last layer's (hidden, residual) [bucket, hidden]."""
+        from blink.engine.step import compact_rows
+
+        T = bucket_for(tokens, self.token_buckets)
+        model, ex = self.model, self.executor
+        md = _layer_metadata(batch.attn.slot_mapping[:T], batch.attn.positions[:T])
+        x = torch.nn.functional.embedding(batch.input_ids[:T], model.model.embed_tokens.weight)
+        residual = torch.zeros_like(x)  # x + 0 == x: layer 0 runs the same graph as the rest
+        on_layer = model.on_layer
+        with self._onednn(T), self._attention_step(compact_rows(batch, tokens), tokens):
+            for layer, kv_cache in zip(model.model.layers, ex.kv_caches):
+                x, residual = self.layer(layer, x, residual, md, kv_cache, model.cos_sin)
+                if on_layer is not None:
+                    on_layer()
+        return x, residual
+
+    def logits(self, batch, tokens: int, index: torch.Tensor) -> torch.Tensor:
+        """fp32 logits at the flat positions ``index``: the compiled layers, then the final
+        norm and LM head eager (a speculative verify step: its lanes are no row bucket)."""
+        model = self.model
+        x, residual = self.forward(batch, tokens)
+        hidden, _ = model.ops.fused_add_rms_norm(x.index_select(0, index), residual.index_select(0, index),
+                                                 model.model.norm.weight, model.config.rms_norm_eps)
+        return model.compute_logits(hidden).float()
 
     @property
     def refused(self) -> int:

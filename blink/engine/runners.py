@@ -79,21 +79,19 @@ def choose_step_runner(*, loop: str, device: str, enforce_eager: bool, cpu_graph
     """The one decision: ``loop`` is the engine's loop (``cpu``, ``host``, ``device``),
     ``device`` its device type, the flags its config's; ``has_model`` False for ``--model
     null`` (no forward to compile or record); ``speculative``: --speculative-config is set
-    (the eager CPU loop only, so far: blink.engine.speculative)."""
-    if speculative:
-        if loop in ("host", "device"):
-            raise BlinkError(f"--speculative-config runs on the eager CPU loop only, not --loop {loop} "
-                             f"(the GPU tiers do not verify drafts yet)")
+    (every runner verifies drafts: blink.engine.speculative)."""
+    if speculative and loop == "cpu" and (not has_model or enforce_eager):
         if device != "cpu":
             raise ValueError(f"the CPU loop runs on a CPU device, not {device}")
-        if has_model and not enforce_eager:
-            raise BlinkError("--speculative-config runs on the eager CPU loop only, not with --compile")
         if has_model and cpu_graphs:
             return RunnerChoice("cpu-graphs", "--speculative-config, --cpu-graphs auto: the eager step "
                                               "with n-gram drafts verified in the same forward; steps "
                                               "where no row drafts replay recorded C kernel calls")
         return RunnerChoice("eager", "--speculative-config: the eager step with n-gram drafts "
                                      "verified in the same forward")
+    # --speculative-config on the other runners: their step verifies the drafts too (tier A/B:
+    # the captured verify phase, blink.engine.speculative.spec_model_phase; --compile: the
+    # compiled layers, the head and sampler of a verify step eager)
     if loop == "host":
         return RunnerChoice("tier-a", "--loop host: the host replays the step's CUDA graphs")
     if loop == "device":
@@ -183,6 +181,8 @@ class CompiledRunner:
                             suppress_width=suppress_width, max_logit_bias=max_logit_bias)
         #: the compiled forward/sample, once prepared (None: eager)
         self.compiled: CompiledModelPhase | None = None
+        #: --speculative-config: steps that verify drafts run run_spec_step
+        self.speculative = hasattr(parts.scheduler, "verify_phase")
 
     def prepare(self) -> None:
         cache = compile_cache_dir(self.cache_dir)
@@ -196,7 +196,14 @@ class CompiledRunner:
 
     def run(self, on_scheduled: OnScheduled | None = None) -> bool:
         if self.compiled is None:
+            if self.speculative:
+                return run_spec_step(self.parts, on_scheduled)
             return run_step(self.parts, on_scheduled)
+        if self.speculative:  # verify steps: compiled layers (compiled.logits), eager head and sampler
+            compiled = self.compiled
+            return run_spec_step(
+                self.parts, on_scheduled, forward=compiled.logits,
+                normal=lambda batch, tokens, rows: compiled.run(self.parts, batch, tokens=tokens, rows=rows))
         scheduled = schedule_on_host(self.parts, on_scheduled)
         if scheduled is None:
             return False

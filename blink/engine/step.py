@@ -110,6 +110,17 @@ def model_phase(
     scheduler.update(batch, out.tokens, out.logprob, out.top_ids, out.top_logprobs, num_tokens=tokens)
 
 
+def graph_model_phase(parts: StepParts, batch: StepBatch, *, tokens: int, rows: int) -> None:
+    """The step's second half as the GPU tiers capture it (fixed shapes, every stage, no
+    host read): :func:`model_phase` with ``compact=False``, or, for a scheduler that verifies
+    drafts in the step (speculative decoding), its ``verify_phase`` (the same contract)."""
+    verify = getattr(parts.scheduler, "verify_phase", None)
+    if verify is not None:
+        verify(parts, batch, tokens=tokens, rows=rows)
+        return
+    model_phase(parts, batch, tokens=tokens, rows=rows, compact=False)
+
+
 def schedule_on_host(
     parts: StepParts, on_scheduled: Callable[[StepBatch], None] | None = None
 ) -> tuple[StepBatch, int, int] | None:

@@ -21,7 +21,7 @@ from blink.engine.gpu.abi import LoopOptions
 from blink.engine.gpu.mapped_ring import MappedRing, PinnedRegion, map_pinned_ring, map_ring
 from blink.engine.gpu.plan import GraphPlan, plan_graphs
 from blink.engine.runners import StepRunner
-from blink.engine.step import model_phase
+from blink.engine.step import graph_model_phase
 from blink import env as blink_env
 from blink.errors import BlinkError
 from blink.ring import SLOT_FREE, RingLayout
@@ -125,7 +125,7 @@ class GpuEngine(Engine):
         with audit:
             batch = self.scheduler.schedule()
             for tokens, rows in zip(self.plan.buckets, self.plan.rows):
-                model_phase(self.parts, batch, tokens=tokens, rows=rows, compact=False)
+                graph_model_phase(self.parts, batch, tokens=tokens, rows=rows)
         if self.device.type == "cuda":  # stream-scoped: never a device-wide synchronize
             torch.cuda.current_stream(self.device).synchronize()
         self.audit_violations = audit.violations

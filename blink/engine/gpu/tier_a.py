@@ -18,7 +18,7 @@ from blink.engine.gpu.base import GpuEngine
 from blink.engine.gpu.plan import GraphPlan
 from blink.engine.runners import OnScheduled
 from blink.engine.sched.scheduler import StepBatch
-from blink.engine.step import StepParts, model_phase
+from blink.engine.step import StepParts, graph_model_phase
 from blink.errors import BlinkError
 
 
@@ -36,7 +36,8 @@ class HostGraphStep:
     schedule graph, read (tokens, bucket) on the host (the one host read per step that tier A
     pays), replay that bucket's graph.
 
-    The graphs are ``scheduler.schedule()`` and :func:`model_phase` with ``compact=False``:
+    The graphs are ``scheduler.schedule()`` and :func:`graph_model_phase` (``model_phase`` with
+    ``compact=False``, or a speculative scheduler's verify phase):
     the CPU loop's own functions, captured (at construction) by ``graphs``."""
 
     name = "tier-a"
@@ -58,7 +59,7 @@ class HostGraphStep:
 
     def _bucket_fn(self, tokens: int, rows: int) -> Callable[[], None]:
         def run() -> None:
-            model_phase(self.parts, self.batch, tokens=tokens, rows=rows, compact=False, plan=None)
+            graph_model_phase(self.parts, self.batch, tokens=tokens, rows=rows)
         return run
 
     def prepare(self) -> None:

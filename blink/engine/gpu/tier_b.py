@@ -79,7 +79,7 @@ from blink.engine.gpu.mapped_ring import device_pointer
 from blink.engine.gpu.plan import GraphPlan
 from blink.engine.sched.scheduler import StepBatch
 from blink.engine.runners import OnScheduled
-from blink.engine.step import StepParts, model_phase
+from blink.engine.step import StepParts, graph_model_phase
 from blink import env as blink_env
 from blink.errors import BlinkError
 from blink.ring import (
@@ -178,7 +178,7 @@ def build_conditional_loop(
     for name in plan.capture_order[1:]:
         tokens = int(name.split(":")[1])
         with _capturing(api, bucket_graphs[tokens], f"bucket {tokens}"):
-            api.segment(lambda t=tokens: model_phase(parts, batch, tokens=t, rows=rows[t], compact=False))
+            api.segment(lambda t=tokens: graph_model_phase(parts, batch, tokens=t, rows=rows[t]))
             api.launch("blink_publish_fence", 1, 32, None)
 
     # The gate, ahead of the step in the WHILE body.
