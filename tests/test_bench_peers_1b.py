@@ -1,0 +1,136 @@
+"""The 1B-class peers benchmark and the threads benchmark (issue 35 items 3-4): the parts that
+run without servers -- prefill/decode split, ratios, weight bytes and FLOPs per token, the
+llama-server command, the model arguments, the arms, setup_peers.sh's ISA flags."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from benchmarks.bench_threads import Arm, arms_table, default_arms, model_work, parse_arms, summarize
+from benchmarks.peers import (build_parser, gguf_weight_bytes, peer_command, ratio_table,
+                              resolve_model_args, split_rates, split_table)
+from benchmarks.serve_metrics import RequestOutput, calculate_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _run(ttft: float, tpot: float, n_out: int = 9, prompt: int = 100, requests: int = 2) -> dict:
+    outs = [RequestOutput(success=True, prompt_len=prompt, output_tokens=n_out, ttft=ttft,
+                          itl=[tpot] * (n_out - 1), latency=ttft + tpot * (n_out - 1))
+            for _ in range(requests)]
+    return calculate_metrics(outs, duration_s=1.0)
+
+
+def test_split_rates_are_prompt_over_ttft_and_one_over_tpot():
+    sp = split_rates(_run(ttft=0.5, tpot=0.02))
+    assert sp["prefill_tok_s"] == pytest.approx(200.0)   # 100 tokens / 0.5 s
+    assert sp["decode_tok_s"] == pytest.approx(50.0)     # 1 / 20 ms
+
+
+def test_split_and_ratio_tables_blink_over_peer():
+    args = argparse.Namespace(concurrency=16, machine={"decode_limit_tok_s": 100.0})
+    rows = [{"peer": "blink", "status": "ok", "concurrent": _run(1.0, 0.05), "single": _run(0.1, 0.02)},
+            {"peer": "llamaserver", "status": "ok", "concurrent": _run(2.0, 0.1),
+             "single": _run(0.2, 0.04)},
+            {"peer": "vllm", "status": "skipped: not installed"}]
+    split = split_table(rows, args)
+    assert "| blink | 1 |" in split and "| 0.50 |" in split  # 50 tok/s decode / 100 limit
+    ratios = ratio_table(rows, args)
+    line = next(x for x in ratios.splitlines() if x.startswith("| llamaserver |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    # output tok/s equal (same tokens, same duration); P99 TTFT 1/2; ITL 1/2; prefill and decode 2x
+    assert cells[1:] == ["1.00", "0.50", "1.00", "0.50", "2.00", "2.00"]
+    assert "vllm" not in ratios
+
+
+def _tiny_gguf(path: Path, tied: bool) -> Path:
+    import numpy as np
+    gguf = pytest.importorskip("gguf")
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("token_embd.weight", np.zeros((10, 8), np.float32))   # 320 bytes, 80 params
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((8, 8), np.float32))  # 256 bytes, 64 params
+    w.add_tensor("output_norm.weight", np.zeros(8, np.float32))        # 32 bytes, a vector
+    if not tied:
+        w.add_tensor("output.weight", np.zeros((10, 8), np.float16))   # 160 bytes, 80 params
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_weight_bytes_and_flops_per_token(tmp_path, tied):
+    path = str(_tiny_gguf(tmp_path / "m.gguf", tied))
+    w = gguf_weight_bytes(path)
+    assert w["tied_head"] is tied
+    # tied: the embedding is the head (read whole); untied: the head instead, the embedding is a
+    # row lookup (left out)
+    assert w["bytes_per_token"] == (320 + 256 + 32 if tied else 160 + 256 + 32)
+    assert w["file_tensor_bytes"] == 608 + (0 if tied else 160)
+    assert model_work(path)["matmul_params"] == 80 + 64  # head (tied or not) + attn_q, no norm
+
+
+def test_model_1b_args_and_the_llama_server_command(tmp_path):
+    args = build_parser().parse_args(["--model-1b", str(tmp_path), "--quant", "Q4_1"])
+    with pytest.raises(SystemExit, match="no model-Q4_1.gguf"):
+        resolve_model_args(args)
+    (tmp_path / "model-Q4_1.gguf").write_bytes(b"")
+    args = build_parser().parse_args(["--model-1b", str(tmp_path), "--quant", "Q4_1", "--threads", "2"])
+    resolve_model_args(args)
+    assert args.gguf == str(tmp_path / "model-Q4_1.gguf") and args.hf_dir == str(tmp_path / "hf")
+    assert args.model_name == "llama-1b-shaped" and args.output_len == 64 and args.input_len == 128
+    argv, env, overrides = peer_command("llamaserver", 9000, args)
+    assert argv[0].endswith("llama.cpp/bin/llama-server") and not overrides
+    assert argv[argv.index("-np") + 1] == "16"
+    assert argv[argv.index("-c") + 1] == str(16 * (128 + 64 + 32))
+    assert "--cont-batching" in argv and argv[argv.index("-t") + 1] == "2"
+    assert argv[argv.index("-m") + 1] == args.gguf
+    smoke = build_parser().parse_args(["--smoke"])
+    resolve_model_args(smoke)
+    assert (smoke.concurrency, smoke.output_len, smoke.model_name) == (4, 8, "smollm2-135m")
+
+
+def test_threads_arms():
+    assert [a.name for a in default_arms(2)] == ["t1k2-passive", "t2k2-passive", "t1k1-passive",
+                                                 "t1k2-active", "t2k2-active"]
+    assert [a.name for a in default_arms(1)] == ["t1k1-passive", "t1k1-active"]
+    arm = parse_arms("t2k2-active")[0]
+    assert arm.serve_flags() == ["--threads", "2", "--kernel-threads", "2"]
+    assert arm.env() == {"OMP_WAIT_POLICY": "ACTIVE"}
+    for bad in ("t0k1-passive", "t1k1-spin", "t1k1-passive,t1k1-passive", ""):
+        with pytest.raises(SystemExit, match="--arms"):
+            parse_arms(bad)
+
+
+def test_threads_table_ratios_to_the_first_arm():
+    arms = [Arm(1, 2, "passive"), Arm(2, 2, "passive")]
+    rows = [{"arm": "t1k2-passive", "model": "1b", "status": "ok", "concurrent": _run(1.0, 0.1),
+             "single": _run(0.2, 0.04)},
+            {"arm": "t2k2-passive", "model": "1b", "status": "ok", "concurrent": _run(1.0, 0.1),
+             "single": _run(0.1, 0.04)},
+            {"arm": "t2k2-passive", "model": "1b", "status": "failed: x"}]
+    summary = summarize(rows, arms, "1b")
+    assert [s["repeats"] for s in summary] == [1, 1]
+    table = arms_table(summary, 16)
+    line = next(x for x in table.splitlines() if x.startswith("| t2k2-passive |") and "2.00" in x)
+    assert "| 2.00 | 1.00 | 1.00 |" in line  # prefill 2x, decode and output equal
+
+
+def test_setup_peers_isa_flags_follow_this_cpu():
+    script = REPO / "benchmarks" / "setup_peers.sh"
+    fn = subprocess.run(["sed", "-n", "/^ggml_isa_flags()/,/^}/p", str(script)],
+                        capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(["bash", "-c", fn + "\nggml_isa_flags"], capture_output=True, text=True,
+                         check=True).stdout.split()
+    flags = next((line.split(":", 1)[1].split() for line in
+                  Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), None)
+    if flags is None:
+        pytest.skip("no x86 flags in /proc/cpuinfo")
+    assert "-DGGML_NATIVE=OFF" in out
+    for cpu_flag, opt in (("avx2", "AVX2"), ("avx512f", "AVX512"), ("amx_int8", "AMX_INT8"), ("fma", "FMA")):
+        assert f"-DGGML_{opt}={'ON' if cpu_flag in flags else 'OFF'}" in out
