@@ -268,8 +268,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  "\"num_speculative_tokens\": K}' drafts them with a small model of the same "
                  "tokenizer (a GGUF file or HF directory; greedy, K one-token steps, its own KV "
                  "cache on the target's blocks). Greedy and seeded outputs are the same as "
-                 "without it. CPU loop only (refused with --compile and the GPU loops; "
-                 "draft_model also with --role prefill/decode) (default: off)"),
+                 "without it. ngram: every runner (the CPU loop, --compile, --loop host/device); "
+                 "draft_model: the eager CPU loop only (refused with --compile, the GPU loops "
+                 "and --role prefill/decode) (default: off)"),
     _option("--transport", default="loopback", choices=["loopback", "verbs"], field="transport",
             help="how the frontend reaches the ring: loopback (shared memory) or verbs (RDMA)"),
     # -- vllm serve's flags without a Blink feature: refused or noted (blink/cli_args.py) ----

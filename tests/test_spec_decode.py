@@ -365,6 +365,44 @@ def test_compiled_exact(model_dir, request):
         assert g.token_ids == w.token_ids
 
 
+def test_decode_engine_of_a_disaggregated_pair_speculates(model_dir):
+    """Disaggregation (docs/disaggregation.md): a decode engine with --speculative-config
+    takes the prompt's KV from a prefill engine and then drafts over the row's history
+    (prompt included); greedy outputs are the colocated plain engine's, drafts were
+    accepted, and both engines hold nothing at the end."""
+    from test_disaggregation import SECRET, _assert_nothing_held, _config, _disaggregated
+
+    from blink.dpu.ring_protocol import RingClient
+    from blink.engine.engine import Engine
+    from blink.transport import BootstrapServer, LoopbackTransport
+
+    decode = Engine(_config(model_dir, role="decode", speculative_config=SPEC))
+    server = BootstrapServer(decode.region, model_name="m", max_model_len=decode.max_model_len,
+                             tokenizer="t", secret=SECRET, kv_region=decode.kv_region,
+                             kv_layout=decode.kv_layout.to_dict(), extra={"engine_role": "decode"})
+    host, port = server.start()
+    prefill = Engine(_config(model_dir, role="prefill", kv_peers=(f"{host}:{port}",)))
+    prefill.attach_kv_peers(SECRET)
+    engines = {"decode": decode, "prefill": prefill}
+    try:
+        for e in (decode, prefill):
+            e.start()
+        engines["clients"] = {name: RingClient(LoopbackTransport(e.region.name, e.region.total_bytes))
+                              for name, e in (("decode", decode), ("prefill", prefill))}
+        with make_llm(model_dir, cpu_graphs=False, block_size=8) as plain_llm:
+            for prompt in PROMPTS[:4]:
+                want = plain_llm.generate([prompt], SamplingParams(max_tokens=20, **GREEDY), timeout_s=60)[0]
+                assert _disaggregated(engines, prompt, 20) == want.token_ids, prompt
+        assert int(decode.scheduler.spec_counters[SPEC_NUM_ACCEPTED_TOKENS]) > 0
+        _assert_nothing_held(engines)
+    finally:
+        for c in engines.get("clients", {}).values():
+            c.close()
+        server.stop()
+        for e in (prefill, decode):
+            e.close()
+
+
 def test_invalid_config_refused_by_engine(model_dir):
     with pytest.raises(BlinkError, match="draft_model 'model' 'x'"):  # no such file
         make_llm(model_dir, speculative_config='{"method": "draft_model", "model": "x", "num_speculative_tokens": 2}')
