@@ -11,8 +11,8 @@ request admission (:meth:`is_accepting`, :meth:`generate`) and the streams' erro
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -56,6 +56,22 @@ from blink.ring import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(order=True)
+class _Waiter:
+    """A request waiting in line for room in the ring (:meth:`RingEngineClient._submit_in_line`):
+    ordered by (priority, ticket), the engine's queue order. ``submit`` writes it into the
+    ring (None while there is no room); ``future`` gets its handle; past ``deadline`` without
+    room it gets the 503 of a full ring."""
+
+    priority: int
+    ticket: int
+    submit: Callable[[], RingHandle | None] = field(compare=False)
+    needs_lane: bool = field(compare=False)  # prompt logprobs: also a lane
+    prompt_len: int = field(compare=False)
+    deadline: float = field(compare=False)
+    future: asyncio.Future = field(compare=False)
 
 
 @dataclass(eq=False)
@@ -133,8 +149,9 @@ class RingEngineClient:
         self.idle_interval_s = idle_interval_s
         self.info: Any = None  # the bootstrap EngineInfo, when made by connect()
         self._inflight: dict[str, _Stream] = {}
-        #: requests waiting for a prompt-logprob lane, oldest first (only the first may take one)
-        self._lane_queue: collections.deque[object] = collections.deque()
+        #: requests waiting for room in the ring (served in (priority, ticket) order)
+        self._line: list[_Waiter] = []
+        self._tickets = itertools.count()
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._peer_checked = 0.0
@@ -297,17 +314,25 @@ class RingEngineClient:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="blink-ring-poller")
 
     async def _run(self) -> None:
+        try:
+            await self._poll()
+        finally:  # the engine is gone or the client closed: nobody serves the line now
+            reason = self._refusal(self.health) if self._watch.state.final else "the ring poller stopped"
+            self._fail_line(reason)
+
+    async def _poll(self) -> None:
         interval = self.poll_min_interval_s
         while not self._watch.state.final:
             try:
                 progressed = self._tick()
+                self._serve_line()
             except Exception as exc:  # noqa: BLE001 - a broken poller must not hang the streams
                 logger.exception("ring poller failed")
                 self._set(Observation.GONE, f"the ring poller failed: {exc}")
                 return
             if progressed:
                 interval = self.poll_min_interval_s
-            elif self.ring.active:
+            elif self.ring.active or self._line:
                 cap = self.mask_poll_max_interval_s if self.ring.masks_pending \
                     else self.poll_max_interval_s
                 interval = min(interval * 2, cap)
@@ -407,30 +432,9 @@ class RingEngineClient:
         fields = ring_fields(params, len(prompt_ids), self.max_model_len, self.ring.config)
         self.start()
         ring_id = self.ring.new_request_id()
-        lane_ticket = self._wait_for_lane(params)
-        try:
-            deadline = time.monotonic() + self.submit_timeout_s
-            while True:
-                # prompt logprobs: the oldest waiter takes the next free lane, and the wait for
-                # one is not bounded (each holder gives its lane back with its first token)
-                if lane_ticket is not None and (self._lane_queue[0] is not lane_ticket
-                                                or not self.ring.free_lanes()):
-                    deadline = time.monotonic() + self.submit_timeout_s
-                else:
-                    handle = self.ring.try_submit(ring_id, prompt_ids, fields, grammar=grammar,
-                                                  kv=kv)
-                    if handle is not None:
-                        break
-                    if time.monotonic() >= deadline:
-                        raise EngineOverloadedError(
-                            self.ring.full_message(len(prompt_ids), self.submit_timeout_s),
-                            retry_after_s=self.retry_after_s,
-                        )
-                await asyncio.sleep(0.002)  # the poller frees slots (and lanes) meanwhile
-                self._check_accepting()
-        finally:
-            if lane_ticket is not None:  # submitted, given up or gone: the next waiter's turn
-                self._lane_queue.remove(lane_ticket)
+        handle = await self._submit_in_line(
+            params, len(prompt_ids),
+            lambda: self.ring.try_submit(ring_id, prompt_ids, fields, grammar=grammar, kv=kv))
         stream = _Stream(request_id, handle, params)
         if len(self.ring.active) == 1:
             self._watch.became_busy(time.monotonic())
@@ -457,16 +461,93 @@ class RingEngineClient:
                 if not self._watch.state.final:
                     self.ring.cancel(handle)
 
-    def _wait_for_lane(self, params: SamplingParams) -> object | None:
-        """A place in the queue for a prompt-logprob lane (None: the request needs none)."""
-        if params.prompt_logprobs is None:
-            return None
-        if self.ring.config.prompt_logprob_lanes == 0:  # (else it would wait forever)
+    async def _submit_in_line(self, params: SamplingParams, prompt_len: int,
+                              submit: Callable[[], RingHandle | None]) -> RingHandle:
+        """Write a request into the ring (``submit``), waiting in line while there is no room
+        (every slot or the prompt arena taken; for prompt logprobs, every lane).
+
+        The line is in (priority, arrival) order, the engine's queue order (a request's
+        priority is 0 under fcfs, where the frontend refuses others: arrival order), and the
+        poller serves it after each tick (:meth:`_serve_line`): a more urgent request goes
+        before less urgent ones that came earlier, and nobody passes the head while it waits
+        for room (a long prompt waiting for arena space is not starved), except past a
+        request waiting for a prompt-logprob lane (the first one in line takes the next
+        free lane; that wait is not bounded: each holder gives its lane back with its first
+        token). A waiter whose caller is cancelled (the client left) leaves the line and
+        takes no slot; one left without room for ``submit_timeout_s`` gets the 503 a full
+        ring answers."""
+        needs_lane = params.prompt_logprobs is not None
+        if needs_lane and self.ring.config.prompt_logprob_lanes == 0:  # (else it would wait forever)
             raise RingRequestError("this engine computes no prompt logprobs (no prompt-logprob "
                                    "lanes in its ring)")
-        ticket = object()
-        self._lane_queue.append(ticket)
-        return ticket
+        if not self._line:  # nobody waits: no line to keep
+            handle = submit()
+            if handle is not None:
+                return handle
+        waiter = _Waiter(params.priority, next(self._tickets), submit, needs_lane, prompt_len,
+                         time.monotonic() + self.submit_timeout_s,
+                         asyncio.get_running_loop().create_future())
+        self._line.append(waiter)
+        assert self._wake is not None
+        self._wake.set()  # served at the next tick
+        try:
+            return await waiter.future
+        except BaseException:
+            future = waiter.future
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self.ring.cancel(future.result())  # room came as it left: the poller drains it
+            raise
+        finally:
+            if waiter in self._line:
+                self._line.remove(waiter)
+                self._wake.set()  # it may have held up the line
+
+    def _serve_line(self) -> None:
+        """Give room in the ring to the line (:meth:`_submit_in_line`), in its order, until
+        the first waiter it does not fit; time out the waiters past their deadline; fail
+        every waiter as a new request would while the engine does not accept any."""
+        if not self._line:
+            return
+        state = self.health
+        if not state.accepting:
+            self._fail_line(self._refusal(state))
+            return
+        now = time.monotonic()
+        self._line.sort()
+        lane_turn, room = True, True
+        for waiter in list(self._line):
+            future = waiter.future
+            if future.done():  # its caller left
+                self._line.remove(waiter)
+                continue
+            if waiter.needs_lane:
+                first, lane_turn = lane_turn, False
+                if not first or not self.ring.free_lanes():
+                    waiter.deadline = now + self.submit_timeout_s  # the lane wait is unbounded
+                    continue
+            try:
+                handle = waiter.submit() if room else None
+            except Exception as exc:  # noqa: BLE001 - its generate raises it (a bad request)
+                self._line.remove(waiter)
+                future.set_exception(exc)
+                continue
+            if handle is not None:
+                self._line.remove(waiter)
+                future.set_result(handle)
+                continue
+            room = False  # nobody behind it passes it
+            if now >= waiter.deadline:
+                self._line.remove(waiter)
+                future.set_exception(EngineOverloadedError(
+                    self.ring.full_message(waiter.prompt_len, self.submit_timeout_s),
+                    retry_after_s=self.retry_after_s))
+
+    def _fail_line(self, reason: str) -> None:
+        """Every waiter in line ends with :class:`EngineDeadError` (``reason``)."""
+        for waiter in self._line:
+            if not waiter.future.done():
+                waiter.future.set_exception(EngineDeadError(reason))
+        self._line.clear()
 
     async def abort(self, request_id: str, force: bool = False) -> None:
         """Cancel a request; ``force``: also a KV reservation whose KV has not landed (the
