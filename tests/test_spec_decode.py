@@ -308,12 +308,27 @@ def _tier_llm(model_dir, loop: str, **overrides):
         llm_module.create_engine = orig
 
 
+TIER_GREEDY = SamplingParams(max_tokens=32, **GREEDY)
+
+
+@pytest.fixture(scope="module")
+def eager_counts(model_dir):
+    """The CPU loop's spec counters (drafts, draft tokens, accepted; accepted per position)
+    for the greedy prompts on a fresh engine with the tiers' token budget."""
+    with make_llm(model_dir, max_num_batched_tokens=64, cpu_graphs=False, speculative_config=SPEC) as llm:
+        llm.generate(PROMPTS, TIER_GREEDY, timeout_s=120)
+        sched = llm.engine.scheduler
+        return sched.spec_counters.tolist(), sched.spec_accepted_per_pos.tolist()
+
+
 @pytest.mark.parametrize("loop", ["host", "device"])
-def test_gpu_tiers_exact(model_dir, plain, loop):
+def test_gpu_tiers_exact(model_dir, plain, eager_counts, loop):
     """Tier A and B (simulated) verify drafts in the captured step (spec_model_phase: the
     fixed [rows, K+1] lane grid): greedy token for token as without speculation, seeded
-    sampling the same, stop ids and max_tokens inside accepted runs; the KV pool whole."""
-    greedy = SamplingParams(max_tokens=32, **GREEDY)
+    sampling the same, stop ids and max_tokens inside accepted runs; the KV pool whole. The
+    counters equal the CPU loop's on the same greedy run: its host-side draft eligibility
+    and the captured tensor rule (back-off included: the random prompts' drafts miss) agree."""
+    greedy = TIER_GREEDY
     seeded = [SamplingParams(temperature=0.7, seed=s, max_tokens=24, ignore_eos=True, logprobs=2)
               for s in range(len(PROMPTS))]
     base = plain.generate(PROMPTS[:6], greedy, timeout_s=120)
@@ -324,11 +339,14 @@ def test_gpu_tiers_exact(model_dir, plain, loop):
     with _tier_llm(model_dir, loop, speculative_config=SPEC) as llm:
         assert llm.engine.runner.name == ("tier-a" if loop == "host" else "tier-b")
         before = llm.engine.scheduler.spec_counters.clone()
-        for (prompts, params), want in zip(jobs, wants):
+        for i, ((prompts, params), want) in enumerate(zip(jobs, wants)):
             got = llm.generate(prompts, params, timeout_s=240)
             for w, g in zip(want, got):
                 assert g.token_ids == w.token_ids
                 assert g.finish_reason == w.finish_reason
+            if i == 0:
+                sched = llm.engine.scheduler
+                assert (sched.spec_counters.tolist(), sched.spec_accepted_per_pos.tolist()) == eager_counts
         c = llm.engine.scheduler.spec_counters - before
         assert int(c[SPEC_NUM_ACCEPTED_TOKENS]) > 0, "no draft token was ever accepted"
         if loop == "host":
