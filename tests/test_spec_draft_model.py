@@ -118,11 +118,18 @@ def test_greedy_identical_with_drafts_accepted_and_rejected(plain, dirs):
             _pool_whole(spec)
 
 
-def test_target_as_its_own_draft_accepts_everything(plain, dirs):
+@pytest.mark.parametrize("budget", [512, 24])
+def test_target_as_its_own_draft_accepts_everything(plain, dirs, budget):
+    """Every draft token is the target's own greedy pick, so every one is accepted: the
+    draft's cache is right at every position it attends to. A 24-token budget chunks the
+    long prompt's prefill beside the other rows' drafting steps (the draft fills those
+    positions in its pass over the rows that do not draft)."""
+    prompts = PROMPTS[:4] + [(PROMPTS[7] * 8)[:150]]
     params = SamplingParams(max_tokens=24, **GREEDY)
-    want = plain.generate(PROMPTS[:4], params, timeout_s=120)
-    with make_llm(dirs["target"], cpu_graphs=False, speculative_config=_spec(dirs["target"], 4)) as spec:
-        got = spec.generate(PROMPTS[:4], params, timeout_s=120)
+    want = plain.generate(prompts, params, timeout_s=120)
+    with make_llm(dirs["target"], cpu_graphs=False, max_num_batched_tokens=budget,
+                  speculative_config=_spec(dirs["target"], 4)) as spec:
+        got = spec.generate(prompts, params, timeout_s=120)
         for w, g in zip(want, got):
             assert g.token_ids == w.token_ids
         c = _counters(spec)

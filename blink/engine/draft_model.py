@@ -11,19 +11,22 @@ schedule and the target's forward):
 - **Its own paged KV cache, on the target's block ids.** The draft's pool has as many blocks
   as the target's, and a row's block table and slot mapping serve both models (both cache the
   same token positions), so no second allocator exists and the prefix cache, preemption and
-  release hold for the draft's cache as they do for the target's. Every forward the target runs
-  (prefill chunks, decode steps, verify steps) the draft runs first over the same tokens and
-  metadata, writing only K/V (:meth:`~blink.executor.ModelExecutor.fill_cache`): at every slot
-  the draft's cache holds the draft's K/V of the token the target's cache holds there.
+  release hold for the draft's cache as they do for the target's. Every position the target
+  computes (prefill chunks, decode steps, verify steps) the draft computes first, with the
+  same token in the same slot (the rows that do not draft: one pass over their part of the
+  step, writing only K/V, :meth:`~blink.executor.ModelExecutor.fill_cache`; the drafting rows:
+  the drafting steps below): at every slot the draft's cache holds the draft's K/V of the
+  token the target's cache holds there.
 - **Draft stage** (:meth:`DraftModel.propose`, before the token budget): an eligible decode row
   (the n-gram's rules, without its "the last token occurred earlier" shortcut) asks for K
   draft positions; their tokens are placeholders, so the budget, block and batch stages
   reserve 1 + K positions (a partial grant: fewer) in the row's own blocks.
 - **Drafting** (:meth:`DraftModel.before_forward`, after the batch is built): for each row
-  granted g = 1 + k positions, k single-token greedy steps of the draft at positions n - 1 ..
-  n + k - 2, each on the batch's own slot of that position (whose block is reserved), write the
-  draft tokens d_0 .. d_{k-1} into the row's tokens and the batch's input ids. Then the
-  draft's pass over the whole step (above), then the target's verify.
+  granted g = 1 + k positions, g single-token greedy steps of the draft at positions n - 1 ..
+  n + k - 1, each on the batch's own slot of that position (whose block is reserved): the
+  first k write the draft tokens d_0 .. d_{k-1} into the row's tokens and the batch's input
+  ids, the last only writes d_{k-1}'s K/V (needed when every draft is accepted). Then the
+  draft's pass over the other rows' positions (above), then the target's verify.
 
 A greedy draft is a point-mass proposal, for which the verify rule of
 :mod:`blink.engine.speculative` is the rejection rule of the speculative sampling papers:
@@ -139,31 +142,63 @@ class DraftModel:
         draft = torch.zeros(S, k, dtype=torch.int64, device=lengths.device)
         return draft, torch.where(lengths > 0, k, 0)
 
+    def prepare(self, max_rows: int) -> None:
+        """Before READY, on the loop thread: record the draft's decode graphs for steps of up
+        to ``max_rows`` rows (its drafting steps replay them), so no step pays a recording."""
+        graphs = self.executor.decode_graphs
+        if graphs is not None:
+            with torch.inference_mode():
+                graphs.record(max_rows)
+
     @torch.inference_mode()
     def before_forward(self, parts: StepParts, batch: Any, tokens: int) -> None:
-        """Between the schedule and the target's forward: draft the granted positions of the
-        drafting rows, then run the step's ``tokens`` positions through the draft (its cache)."""
+        """Between the schedule and the target's forward of ``tokens`` positions: draft the
+        granted positions of the drafting rows, then run the other rows' positions through
+        the draft (its cache)."""
         sched = parts.scheduler
+        num_new = batch.num_new_tokens
         if sched.drafted:
             S = sched._w.size
-            steps = torch.where(sched.draft_len[:S] > 0, batch.num_new_tokens - 1, 0).clamp(min=0)
-            if bool((steps > 0).any()):
-                self._draft(sched._w.state, batch, steps)
+            drafting = (sched.draft_len[:S] > 0) & (num_new > 1)  # granted at least one draft position
+            if bool(drafting.any()):
+                self._draft(sched._w.state, batch, torch.where(drafting, num_new, 0))
+                rest = ~drafting & (num_new > 0)
+                if bool(rest.any()):
+                    self._fill_rows(batch, tokens, rest)
+                return
         self.executor.fill_cache(batch.input_ids[:tokens], compact_rows(batch, tokens))
 
+    def _fill_rows(self, batch: Any, tokens: int, rows_mask: torch.Tensor) -> None:
+        """The draft's K/V of the positions of the rows in ``rows_mask`` (the step's other rows)."""
+        md = batch.attn
+        rows = rows_mask.nonzero().squeeze(1)
+        flat = rows_mask[md.token_seq_idx[:tokens].long()].nonzero().squeeze(1)  # rows in order
+        counts = batch.num_new_tokens[rows]
+        qsl = torch.zeros(rows.shape[0] + 1, dtype=md.query_start_loc.dtype)
+        qsl[1:] = counts.cumsum(0)
+        remap = torch.zeros(rows_mask.shape[0], dtype=md.token_seq_idx.dtype)
+        remap[rows] = torch.arange(rows.shape[0], dtype=md.token_seq_idx.dtype)
+        seq_lens = md.seq_lens[rows]
+        self.executor.fill_cache(batch.input_ids[flat], AttentionMetadata(
+            slot_mapping=md.slot_mapping[flat], positions=md.positions[flat],
+            token_seq_idx=remap[md.token_seq_idx[flat].long()], query_start_loc=qsl, seq_lens=seq_lens,
+            block_tables=md.block_tables[rows], max_context=int(seq_lens.max()),
+            max_query_len=int(counts.max())))
+
     def _draft(self, st: Any, batch: Any, steps: torch.Tensor) -> None:
-        """``steps[r]`` greedy single-token steps for row r (its granted draft positions)."""
+        """``steps[r]`` (= 1 + k) greedy single-token steps for row r at its granted positions:
+        the first k give its draft tokens, the last writes the last draft token's K/V."""
         md = batch.attn
         rows = steps.nonzero().squeeze(1)
-        k = steps[rows]
+        g = steps[rows]
         start = md.query_start_loc.long()[rows]  # the row's last token: position n - 1
         base = st.num_tokens[rows]  # n (the drafts are not counted: SpecScheduler._build_batch)
         tok = batch.input_ids[start]
-        for i in range(int(k.max())):
+        for i in range(int(g.max())):
             if i:
-                keep = k > i
+                keep = g > i
                 if not bool(keep.all()):
-                    rows, k, start, base, tok = rows[keep], k[keep], start[keep], base[keep], tok[keep]
+                    rows, g, start, base, tok = rows[keep], g[keep], start[keep], base[keep], tok[keep]
             flat = start + i
             pos = md.positions[flat]
             R = rows.shape[0]
@@ -174,5 +209,12 @@ class DraftModel:
                 seq_lens=(pos + 1).to(md.seq_lens.dtype), block_tables=md.block_tables[rows],
                 max_context=int(pos.max()) + 1, max_query_len=1)
             tok = self.executor.execute(tok, step_md, torch.arange(R)).argmax(-1)
-            batch.input_ids[flat + 1] = tok
-            st.tokens[rows, base + i] = tok.to(st.tokens.dtype)
+            drafts = g > i + 1  # the rows whose step i gave a draft token (not their last step)
+            if not bool(drafts.all()):
+                if not bool(drafts.any()):
+                    break
+                keep_rows, keep_flat, keep_base, keep_tok = rows[drafts], flat[drafts], base[drafts], tok[drafts]
+            else:
+                keep_rows, keep_flat, keep_base, keep_tok = rows, flat, base, tok
+            batch.input_ids[keep_flat + 1] = keep_tok
+            st.tokens[keep_rows, keep_base + i] = keep_tok.to(st.tokens.dtype)

@@ -355,11 +355,12 @@ class Engine:
         self.scheduler_config = config.scheduler_config(
             num_blocks=num_blocks, max_model_len=self.max_model_len,
             eos_token_ids=model_config.eos_token_ids)
+        #: --speculative-config draft_model: the draft (blink.engine.draft_model); None otherwise
+        self.drafter = (DraftModel(draft_files, self.executor, cpu_graphs=choice.name == "cpu-graphs")
+                        if draft_files is not None else None)
         if self.speculative is not None:
-            drafter = (DraftModel(draft_files, self.executor, cpu_graphs=choice.name == "cpu-graphs")
-                       if draft_files is not None else None)
             self.scheduler = SpecScheduler(self.scheduler_config, self._ring_tensors(), self.device,
-                                           spec=self.speculative, drafter=drafter)
+                                           spec=self.speculative, drafter=self.drafter)
             log.info("speculative decoding: %s", self.speculative.to_json())
         else:
             self.scheduler = Scheduler(self.scheduler_config, self._ring_tensors(), self.device)
@@ -482,6 +483,8 @@ class Engine:
         try:
             self._prepare_native_kernels()
             self.runner.prepare()
+            if self.drafter is not None:  # a draft model's decode graphs, too
+                self.drafter.prepare(min(self.config.max_num_seqs, self.config.max_num_batched_tokens))
         except BaseException as exc:
             self.error = exc
             control[C_ENGINE_STATE] = ENGINE_FAILED
