@@ -324,6 +324,7 @@ def spec_model_phase(parts: StepParts, batch: StepBatch, *, tokens: int, rows: i
     second half as the GPU tiers capture it (fixed shapes per bucket: ``rows`` x (K + 1)
     lanes, every sampler stage, no host read; :func:`blink.engine.step.graph_model_phase`)."""
     sched, executor, sampler = parts
+    sched.drafter.before_forward(parts, batch, tokens)  # NgramDrafter: nothing
     grid = verify_grid(sched, batch, rows, tokens)
     lrow, j = _grid_inputs(sched, grid)
     logits = executor.execute(batch.input_ids[:tokens], bucket_metadata(batch, tokens), grid.flat.reshape(-1))
