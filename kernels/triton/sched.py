@@ -31,15 +31,19 @@ Stages (issue 32, part 1):
   window, the oldest request winning a contested slot, eviction);
 - ``lookup``: the prefix-cache lookup of the oldest waiting rows (hash per block, first live
   match, verification of tokens and the parent chain, the hits taken);
-- ``admit``: admission's FCFS pick, prompt gather out of the arena, the rows' state, the
-  stream reset and finish reasons; the state words after the fence (a second launch). The
-  sampling fields are still copied by the caller, field by field.
+- ``admit``: admission's FCFS pick, prompt gather out of the arena, the rows' state, their
+  sampling records (every field of SAMPLING_FIELDS: one gather over a table of word offsets
+  into ``EngineState.sampling_words``) and feature words, the stream reset and finish
+  reasons; the state words after the fence (a second launch).
 
 - ``cancel``: cancelled live rows finish with ABORT (finish reason, rows RELEASING), the
   state words after the fence (:func:`publish_words`).
 
 All but ``allocate`` reproduce the reference bit for bit (tests/test_scheduler_fused.py
 compares batch, state and ring step by step).
+
+Shared pieces (``@triton.jit`` helpers): :func:`_search` (the segment a flat lane belongs
+to), :func:`_segment_lane` (its index there), :func:`_fcfs_order` (rows by arrival, one sort).
 
 Launch grids and block sizes depend on shapes only and the wrappers never read a tensor
 value on the host, so the stages stay capturable. On CPU tensors they run under
@@ -61,6 +65,42 @@ def _p2(n: int) -> int:
     return max(16, triton.next_power_of_2(int(n)))
 
 
+@triton.jit
+def _search(ends_ptr, w, n, wm, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+    """searchsorted(ends[:n], w, right=True), clamped to n - 1, for each lane: the segment
+    (row, request) a flat lane belongs to, given the segments' inclusive ends."""
+    lo = tl.zeros([BLOCK], dtype=tl.int64)
+    hi = tl.zeros([BLOCK], dtype=tl.int64) + n
+    for _ in tl.static_range(STEPS):
+        mid = (lo + hi) // 2
+        e = tl.load(ends_ptr + mid, mask=(mid < n) & wm, other=0)
+        right = (e <= w) & (lo < hi)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(right | (lo >= hi), hi, mid)
+    return tl.minimum(lo, n - 1)
+
+
+@triton.jit
+def _segment_lane(ends_ptr, take_ptr, w, n, wm, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+    """Lane w of a flat window of n segments (segment k: ``take[k]`` lanes, ending before
+    ``ends[k]``): (k, the lane's index in segment k, segment k's first lane)."""
+    k = _search(ends_ptr, w, n, wm, BLOCK, STEPS)
+    start = tl.load(ends_ptr + k, mask=wm, other=0) - tl.load(take_ptr + k, mask=wm, other=0)
+    return k, w - start, start
+
+
+@triton.jit
+def _fcfs_order(live, arrival, lanes, lmask, S_BITS: tl.constexpr):
+    """FCFS order of the rows (``torch.topk`` of arrival over the live rows, ascending):
+    lane i holds the row at position i, the live rows by arrival (unique tickets) first,
+    then the others. One ``tl.sort`` of (arrival - oldest) << S_BITS | row; spans beyond
+    2**(61 - S_BITS) tickets clamp."""
+    lim = (1 << (61 - S_BITS)) - 1
+    oldest = tl.min(tl.where(live, arrival, _INT64_MAX), 0)
+    cls = tl.where(live, tl.minimum(tl.maximum(arrival - oldest, 0), lim), tl.where(lmask, lim + 1, lim + 2))
+    return tl.sort((cls << S_BITS) | lanes.to(tl.int64), 0) & ((1 << S_BITS) - 1)
+
+
 # --------------------------------------------------------------------------- batch build
 
 
@@ -73,6 +113,7 @@ def _build_batch_kernel(
     S, T, N, B, M, n_buckets,
     S_P2: tl.constexpr, BLOCK_T: tl.constexpr, NB_P2: tl.constexpr, SEARCH_STEPS: tl.constexpr,
 ):
+    """:meth:`Scheduler._build_batch` (batch.py): the step's flat token batch and the sampler's rows."""
     rows = tl.arange(0, S_P2)
     rmask = rows < S
     num_new = tl.load(num_new_ptr + rows, mask=rmask, other=0)
@@ -105,15 +146,7 @@ def _build_batch_kernel(
         t = t0 + tl.arange(0, BLOCK_T)
         tmask = t < T
         valid = t < total
-        lo = tl.zeros([BLOCK_T], dtype=tl.int64)
-        hi = tl.zeros([BLOCK_T], dtype=tl.int64) + S
-        for _ in tl.static_range(SEARCH_STEPS):
-            mid = (lo + hi) // 2
-            e = tl.load(qsl_ptr + 1 + mid, mask=(mid < S) & tmask, other=0).to(tl.int64)
-            right = (e <= t) & (lo < hi)
-            lo = tl.where(right, mid + 1, lo)
-            hi = tl.where(right | (lo >= hi), hi, mid)
-        row = tl.where(valid, tl.minimum(lo, S - 1), 0)
+        row = tl.where(valid, _search(qsl_ptr + 1, t, S, tmask, BLOCK_T, SEARCH_STEPS), 0)
         start = tl.load(qsl_ptr + row, mask=tmask, other=0).to(tl.int64)
         row_nc = tl.load(num_computed_ptr + row, mask=tmask, other=0)
         pos = tl.where(valid, row_nc + t - start, 0)
@@ -168,6 +201,8 @@ def _release_kernel(
     ROW_RELEASING: tl.constexpr, ROW_EMPTY: tl.constexpr,
     S_P2: tl.constexpr, BLOCK_W: tl.constexpr, SEARCH_STEPS: tl.constexpr,
 ):
+    """:meth:`Scheduler._release_finished` (budget.py): RELEASING rows drop their block references,
+    deepest first, in the release window."""
     rows = tl.arange(0, S_P2)
     rmask = rows < S
     status = tl.load(status_ptr + rows, mask=rmask, other=0)
@@ -184,15 +219,7 @@ def _release_kernel(
         lane = w0 + tl.arange(0, BLOCK_W)
         lmask = lane < W
         valid = (lane < total) & lmask
-        lo = tl.zeros([BLOCK_W], dtype=tl.int64)
-        hi = tl.zeros([BLOCK_W], dtype=tl.int64) + S
-        for _ in tl.static_range(SEARCH_STEPS):
-            mid = (lo + hi) // 2
-            e = tl.load(ends_ptr + mid, mask=(mid < S) & lmask, other=0)
-            right = (e <= lane) & (lo < hi)
-            lo = tl.where(right, mid + 1, lo)
-            hi = tl.where(right | (lo >= hi), hi, mid)
-        row = tl.minimum(lo, S - 1)
+        row = _search(ends_ptr, lane, S, lmask, BLOCK_W, SEARCH_STEPS)
         row_nb = tl.load(num_blocks_ptr + row, mask=lmask, other=0)
         row_end = tl.load(ends_ptr + row, mask=lmask, other=0)
         row_st = tl.load(status_ptr + row, mask=lmask, other=0)
@@ -244,6 +271,7 @@ def _stats_kernel(
     K_PROMPT: tl.constexpr, K_GENERATED: tl.constexpr,
     S_P2: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """:meth:`Scheduler._write_stats` (stats.py): the ring's gauges and counters."""
     rows = tl.arange(0, S_P2)
     rmask = rows < S
     status = tl.load(status_ptr + rows, mask=rmask, other=ROW_EMPTY)
@@ -296,6 +324,7 @@ def _allocate_kernel(
     S_P2: tl.constexpr, N_P2: tl.constexpr, BLOCK: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     S_BITS: tl.constexpr, N_BITS: tl.constexpr,
 ):
+    """:meth:`Scheduler._allocate` (budget.py): token budget, preemption by recompute, new blocks."""
     rows = tl.arange(0, S_P2)
     rmask = rows < S
     status = tl.load(status_ptr + rows, mask=rmask, other=0)
@@ -310,13 +339,8 @@ def _allocate_kernel(
     arrival = tl.load(arrival_ptr + rows, mask=rmask, other=0)
 
     # FCFS order: active rows by arrival (unique tickets), then the idle rows (their order
-    # among themselves changes nothing: they hold, ask and free nothing here). A sort of
-    # (arrival - oldest) << S_BITS | row; spans beyond 2**(62 - S_BITS) tickets clamp.
-    lim = (1 << (61 - S_BITS)) - 1
-    oldest = tl.min(tl.where(active, arrival, _INT64_MAX), 0)
-    rel = tl.minimum(tl.maximum(arrival - oldest, 0), lim)
-    cls = tl.where(active, rel, tl.where(rmask, lim + 1, lim + 2))
-    order = tl.sort((cls << S_BITS) | rows.to(tl.int64), 0) & ((1 << S_BITS) - 1)  # position -> row
+    # among themselves changes nothing: they hold, ask and free nothing here).
+    order = _fcfs_order(active, arrival, rows, rmask, S_BITS)  # position -> row
     tl.store(rank_ptr + order, rows.to(tl.int64), mask=rmask)  # row -> position
     tl.store(need_ptr + rows, want, mask=rmask)
     tl.debug_barrier()
@@ -430,15 +454,7 @@ def _allocate_kernel(
         j = j0 + tl.arange(0, BLOCK)
         jmask = j < J
         valid = (j < total) & jmask
-        lo = tl.zeros([BLOCK], dtype=tl.int64)
-        hi = tl.zeros([BLOCK], dtype=tl.int64) + S
-        for _ in tl.static_range(SEARCH_STEPS):
-            mid = (lo + hi) // 2
-            e = tl.load(ends_ptr + mid, mask=(mid < S) & jmask, other=0)
-            right = (e <= j) & (lo < hi)
-            lo = tl.where(right, mid + 1, lo)
-            hi = tl.where(right | (lo >= hi), hi, mid)
-        row = tl.minimum(lo, S - 1)
+        row = _search(ends_ptr, j, S, jmask, BLOCK, SEARCH_STEPS)
         row_need = tl.load(need_ptr + row, mask=jmask, other=0)
         col = tl.load(num_blocks_ptr + row, mask=jmask, other=0) + j - (tl.load(ends_ptr + row, mask=jmask, other=0)
                                                                         - row_need)
@@ -525,6 +541,8 @@ def _publish_payload_kernel(
     R, capacity, num_top,
     HAS_TOP: tl.constexpr, BLOCK_R: tl.constexpr, TOP_P2: tl.constexpr,
 ):
+    """:meth:`Scheduler._publish_tokens` (publish.py), before the first fence: the tokens table and
+    the stream payload."""
     i, r, tok, live, no_mask, valid = _lanes(sample_rows_ptr, tok_ptr, R, BLOCK_R)
     row_tokens = tl.load(num_tokens_ptr + r, mask=valid, other=0)
     tl.store(table_ptr + r * table_stride + row_tokens, tok.to(tl.int32), mask=live)
@@ -554,6 +572,8 @@ def _publish_finish_kernel(
     K_GENERATED: tl.constexpr, FINISH_STOP: tl.constexpr, FINISH_LENGTH: tl.constexpr,
     FINISH_ERROR: tl.constexpr, BLOCK_R: tl.constexpr, STOP_P2: tl.constexpr, S_P2: tl.constexpr,
 ):
+    """:meth:`Scheduler._publish_tokens` (publish.py), between the fences: ``produced``, the finish
+    checks and reasons."""
     i, r, tok, live, no_mask, valid = _lanes(sample_rows_ptr, tok_ptr, R, BLOCK_R)
     produced = tl.load(produced_ptr + r * produced_stride, mask=valid, other=0)
     tl.store(produced_ptr + r * produced_stride, produced + live.to(produced.dtype), mask=valid)
@@ -584,6 +604,8 @@ def _publish_finish_kernel(
 @triton.jit
 def _publish_state_kernel(done_ptr, words_ptr, word0, status_ptr, needs_lookup_ptr, S,
                           SLOT_FINISHED: tl.constexpr, ROW_RELEASING: tl.constexpr, S_P2: tl.constexpr):
+    """:meth:`Scheduler._publish_tokens` (publish.py), after the second fence: the FINISHED state
+    words, the rows RELEASING."""
     rows = tl.arange(0, S_P2)
     done = (tl.load(done_ptr + rows, mask=rows < S, other=0) != 0) & (rows < S)
     tl.store(words_ptr + word0 + rows, tl.zeros([S_P2], dtype=tl.int32) + SLOT_FINISHED, mask=done)
@@ -651,6 +673,8 @@ def _register_kernel(
     S, N, B, M, H, P,
     BLOCK_T: tl.constexpr, P_P2: tl.constexpr, S_P2: tl.constexpr, COLLIDE: tl.constexpr,
 ):
+    """:func:`blink.engine.prefix_cache.register` (``Scheduler._register``, prefix.py): the prefix-
+    cache insert of the step's filled blocks."""
     INT64_MIN: tl.constexpr = -(2**63)
     total = tl.load(total_ptr)
     # Pass 1: block tokens; per-token hash terms, their running sums (carried over chunks).
@@ -826,20 +850,6 @@ COLLIDE_KEYS = False
 
 
 @triton.jit
-def _search(ends_ptr, w, n, wm, BLOCK: tl.constexpr, STEPS: tl.constexpr):
-    """searchsorted(ends[:n], w, right=True), clamped to n - 1, for each lane."""
-    lo = tl.zeros([BLOCK], dtype=tl.int64)
-    hi = tl.zeros([BLOCK], dtype=tl.int64) + n
-    for _ in tl.static_range(STEPS):
-        mid = (lo + hi) // 2
-        e = tl.load(ends_ptr + mid, mask=(mid < n) & wm, other=0)
-        right = (e <= w) & (lo < hi)
-        lo = tl.where(right, mid + 1, lo)
-        hi = tl.where(right | (lo >= hi), hi, mid)
-    return tl.minimum(lo, n - 1)
-
-
-@triton.jit
 def _lookup_kernel(
     needs_ptr, arrival_ptr, num_tokens_ptr, num_prompt_ptr, num_blocks_ptr, num_computed_ptr, row_hash_ptr,
     tokens_ptr, tokens_stride, block_tokens_ptr, hash_table_ptr, block_slot_ptr, block_key_ptr,
@@ -851,16 +861,15 @@ def _lookup_kernel(
     S_P2: tl.constexpr, BLOCK_W: tl.constexpr, B_P2: tl.constexpr, P_P2: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, S_BITS: tl.constexpr, COLLIDE: tl.constexpr,
 ):
+    """:meth:`Scheduler._lookup` with :func:`blink.engine.prefix_cache.lookup` (prefix.py): the
+    oldest waiting rows take their longest verified cached prefix."""
     # The oldest K rows waiting for a lookup (FCFS: a sort of packed arrival keys; the rows
     # not waiting that fill the K lanes change nothing).
     p = tl.arange(0, S_P2)
     pm = p < S
     needs = (tl.load(needs_ptr + p, mask=pm, other=0) != 0) & pm
     arrival = tl.load(arrival_ptr + p, mask=pm, other=0)
-    lim = (1 << (61 - S_BITS)) - 1
-    oldest = tl.min(tl.where(needs, arrival, _INT64_MAX), 0)
-    cls = tl.where(needs, tl.minimum(tl.maximum(arrival - oldest, 0), lim), tl.where(pm, lim + 1, lim + 2))
-    row_k = tl.sort((cls << S_BITS) | p.to(tl.int64), 0) & ((1 << S_BITS) - 1)
+    row_k = _fcfs_order(needs, arrival, p, pm, S_BITS)
     km = p < K
     waiting = (tl.load(needs_ptr + row_k, mask=km, other=0) != 0) & km
     nt_k = tl.load(num_tokens_ptr + row_k, mask=km, other=0)
@@ -882,8 +891,7 @@ def _lookup_kernel(
     for w0 in range(0, W, BLOCK_W):
         w = w0 + tl.arange(0, BLOCK_W)
         wm = w < W
-        k = _search(ends_ptr, w, K, wm, BLOCK_W, SEARCH_STEPS)
-        j = w - (tl.load(ends_ptr + k, mask=wm, other=0) - tl.load(take_ptr + k, mask=wm, other=0))
+        k, j, start = _segment_lane(ends_ptr, take_ptr, w, K, wm, BLOCK_W, SEARCH_STEPS)
         valid = (w < total) & wm
         row = tl.load(rows_ptr + k, mask=wm, other=0)
         cols = tl.minimum(j[:, None] * B + c[None, :], M * B - 1)
@@ -906,11 +914,12 @@ def _lookup_kernel(
     for w0 in range(0, W, BLOCK_W):  # the prefix hash at each block's end; its first live match
         w = w0 + tl.arange(0, BLOCK_W)
         wm = w < W
-        k = _search(ends_ptr, w, K, wm, BLOCK_W, SEARCH_STEPS)
-        start = tl.load(ends_ptr + k, mask=wm, other=0) - tl.load(take_ptr + k, mask=wm, other=0)
+        k, j, start = _segment_lane(ends_ptr, take_ptr, w, K, wm, BLOCK_W, SEARCH_STEPS)
         valid = (w < total) & wm
         h0 = (tl.load(incl_ptr + w, mask=wm, other=0) - tl.load(excl_ptr + start, mask=wm, other=0)) % p0
         h1 = (tl.load(incl_ptr + W + w, mask=wm, other=0) - tl.load(excl_ptr + W + start, mask=wm, other=0)) % p1
+        tl.store(flag_ptr + w, h0, mask=wm)  # kept for the rows' hit hash
+        tl.store(flag_ptr + W + w, h1, mask=wm)
         key = (h0 << 31) | h1
         if COLLIDE:
             key = key * 0
@@ -925,21 +934,10 @@ def _lookup_kernel(
         blk = tl.sum(tl.where(kk[None, :] == first[:, None], cand, 0), 1)
         tl.store(blk_ptr + w, tl.where((first < P_P2) & valid, blk, N), mask=wm)
     tl.debug_barrier()
-    for w0 in range(0, W, BLOCK_W):  # the hashes kept for the rows' hit hash (excl is free now)
-        w = w0 + tl.arange(0, BLOCK_W)
-        wm = w < W
-        k = _search(ends_ptr, w, K, wm, BLOCK_W, SEARCH_STEPS)
-        start = tl.load(ends_ptr + k, mask=wm, other=0) - tl.load(take_ptr + k, mask=wm, other=0)
-        h0 = (tl.load(incl_ptr + w, mask=wm, other=0) - tl.load(excl_ptr + start, mask=wm, other=0)) % p0
-        h1 = (tl.load(incl_ptr + W + w, mask=wm, other=0) - tl.load(excl_ptr + W + start, mask=wm, other=0)) % p1
-        tl.store(flag_ptr + w, h0, mask=wm)
-        tl.store(flag_ptr + W + w, h1, mask=wm)
-    tl.debug_barrier()
     for w0 in range(0, W, BLOCK_W):  # verification: the tokens, the parent chain; first miss per row
         w = w0 + tl.arange(0, BLOCK_W)
         wm = w < W
-        k = _search(ends_ptr, w, K, wm, BLOCK_W, SEARCH_STEPS)
-        j = w - (tl.load(ends_ptr + k, mask=wm, other=0) - tl.load(take_ptr + k, mask=wm, other=0))
+        k, j, start = _segment_lane(ends_ptr, take_ptr, w, K, wm, BLOCK_W, SEARCH_STEPS)
         valid = (w < total) & wm
         row = tl.load(rows_ptr + k, mask=wm, other=0)
         blk = tl.load(blk_ptr + w, mask=wm, other=N)
@@ -963,8 +961,7 @@ def _lookup_kernel(
     for w0 in range(0, W, BLOCK_W):  # the hits: into the block table, a reference each
         w = w0 + tl.arange(0, BLOCK_W)
         wm = w < W
-        k = _search(ends_ptr, w, K, wm, BLOCK_W, SEARCH_STEPS)
-        j = w - (tl.load(ends_ptr + k, mask=wm, other=0) - tl.load(take_ptr + k, mask=wm, other=0))
+        k, j, start = _segment_lane(ends_ptr, take_ptr, w, K, wm, BLOCK_W, SEARCH_STEPS)
         valid = (w < total) & wm
         row = tl.load(rows_ptr + k, mask=wm, other=0)
         n_hit = tl.load(nhit_ptr + k, mask=wm, other=0)
@@ -1117,11 +1114,7 @@ def _admit_kernel(
     aborted = written & cancel
     candidate = written & ~cancel
     arr = tl.load(ring_arrival_ptr + p * arr_s, mask=pm, other=0)
-    # FCFS: the candidates by arrival (a sort of packed keys; non-candidates after them).
-    lim = (1 << (61 - S_BITS)) - 1
-    oldest = tl.min(tl.where(candidate, arr, _INT64_MAX), 0)
-    cls = tl.where(candidate, tl.minimum(tl.maximum(arr - oldest, 0), lim), tl.where(pm, lim + 1, lim + 2))
-    idx = tl.sort((cls << S_BITS) | p.to(tl.int64), 0) & ((1 << S_BITS) - 1)
+    idx = _fcfs_order(candidate, arr, p, pm, S_BITS)  # FCFS: the candidates by arrival first
     km = p < K
     ok_k = km & (tl.load(slot_state_ptr + idx, mask=km, other=0) == SLOT_WRITTEN) & (
         tl.load(status_ptr + idx, mask=km, other=-1) == ROW_EMPTY) & (
@@ -1145,8 +1138,7 @@ def _admit_kernel(
     for t0 in range(0, Wt, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         tm = t < Wt
-        k = _search(ends_ptr, t, K, tm, BLOCK_T, SEARCH_STEPS)
-        col = t - (tl.load(ends_ptr + k, mask=tm, other=0) - tl.load(take_ptr + k, mask=tm, other=0))
+        k, col, start = _segment_lane(ends_ptr, take_ptr, t, K, tm, BLOCK_T, SEARCH_STEPS)
         valid = (t < total) & tm
         row = tl.load(idx_ptr + k, mask=tm, other=0)
         src = tl.load(poff_ptr + row * poff_s, mask=valid, other=0) % A + col
@@ -1284,6 +1276,8 @@ def publish_words(values: torch.Tensor, words: torch.Tensor, word0: int) -> None
 def _cancel_kernel(cancel_ptr, cancel_s, status_ptr, needs_ptr, finish_ptr, finish_s, values_ptr, S,
                    ROW_WAITING: tl.constexpr, ROW_RUNNING: tl.constexpr, ROW_RELEASING: tl.constexpr,
                    FINISH_ABORT: tl.constexpr, SLOT_FINISHED: tl.constexpr, S_P2: tl.constexpr):
+    """:meth:`Scheduler._cancel` (admission.py): cancelled live rows finish with ABORT; the state
+    words' values for :func:`publish_words`."""
     p = tl.arange(0, S_P2)
     pm = p < S
     status = tl.load(status_ptr + p, mask=pm, other=-1)
