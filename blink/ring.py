@@ -300,7 +300,7 @@ def _prompt_logprob_fields(cfg: RingConfig) -> list[tuple[str, np.dtype, tuple[i
     lanes, m, n = max(cfg.prompt_logprob_lanes, 1), cfg.max_model_len, max(cfg.max_logprobs, 1)
     return [
         ("plp_logprob", f32, (lanes, m)),  # the prompt token's logprob
-        ("plp_rank", i32, (lanes, m)),  # its rank (1 + ids with a larger logprob, vLLM's)
+        ("plp_rank", i32, (lanes, m)),  # its rank: the ids at least as likely, itself included (vLLM's)
         ("plp_top_ids", i32, (lanes, m, n)),
         ("plp_top_logprobs", f32, (lanes, m, n)),
     ]
