@@ -48,11 +48,11 @@ def test_a_failing_capture_is_ended_and_named(model_dir, monkeypatch):
         orig_init(self)
         apis.append(self)
 
-    def broken_model_phase(parts, batch, *, tokens, rows, compact, plan=None):
+    def broken_model_phase(parts, batch, *, tokens, rows):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(host_sim.EagerGraphApi, "__init__", init)
-    monkeypatch.setattr(tier_b, "model_phase", broken_model_phase)
+    monkeypatch.setattr(tier_b, "graph_model_phase", broken_model_phase)
     before = _segments()
     cfg = EngineConfig(model=str(model_dir), device="cpu", **SMALL)
     with pytest.raises(BlinkError, match=r"capturing bucket \d+ into tier B's graph failed: RuntimeError"):
