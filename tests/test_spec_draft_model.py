@@ -177,6 +177,13 @@ def test_refusals(dirs, tmp_path):
     (other_vocab / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(BlinkError, match="vocab_size 300"):
         make_llm(dirs["target"], speculative_config=_spec(other_vocab))
+    short = tmp_path / "short"  # positions for fewer tokens than the target's max_model_len
+    shutil.copytree(dirs["small"], short)
+    cfg = json.loads((short / "config.json").read_text())
+    cfg["max_position_embeddings"] = 64
+    (short / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(BlinkError, match="draft_model 'model'.*max_model_len 256"):
+        make_llm(dirs["target"], speculative_config=_spec(short))
     other_tok = tmp_path / "tok"
     shutil.copytree(dirs["small"], other_tok)
     tok = json.loads(byte_tokenizer_json())
