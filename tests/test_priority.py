@@ -186,6 +186,21 @@ def test_one_large_prefill_per_step_under_the_priority_policy(bound):
         assert max(others) > 4 and low_beside_urgent > 4, (others, low_beside_urgent)
 
 
+def test_step_model_bound_cuts_the_tail_and_keeps_lows_flowing():
+    """benchmarks/priority_steps.py (bench_priority's workload on the reference policy with a
+    linear step cost): unbounded (the budget), an urgent request's worst wait is a step of
+    ~2048 re-arriving low-priority prompt tokens; with the default bound it is a step of one
+    prompt plus the bound, and the low streams produce as many tokens."""
+    from benchmarks.priority_steps import simulate
+
+    unbounded = simulate("priority", 2048, seconds=20)
+    bounded = simulate("priority", ts._cfg().priority_other_prefill_tokens, seconds=20)
+    idle = simulate("priority", 32, seconds=20, low_streams=0)
+    assert unbounded["max"] > 4 * idle["p99"]  # the old tail: one 2048-token step
+    assert bounded["max"] < 2.5 * idle["p99"], (bounded, idle)
+    assert bounded["low_tok_s"] >= 0.95 * unbounded["low_tok_s"] > 0 and bounded["low_done"] > 0
+
+
 # ----------------------------------------------------------------------------- the frontend
 
 

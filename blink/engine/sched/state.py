@@ -127,7 +127,7 @@ class SchedulerConfig:
     release_window_blocks: int | None = None
     mask_timeout_s: float = 5.0
     scheduling_policy: str = "fcfs"
-    priority_other_prefill_tokens: int = 64
+    priority_other_prefill_tokens: int = 32
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
