@@ -458,6 +458,8 @@ class Engine:
 
         bump.progress_only = True  # a replayed decode graph calls it once per step (blink.decode_graphs)
         model.on_layer = bump if on else None
+        if self.drafter is not None:  # a draft model's pass over a long prefill shows progress too
+            self.drafter.executor.model.on_layer = model.on_layer
 
     def _start_openmp_team(self) -> None:
         """CPU loop: set this thread's OpenMP team size and create the team now (one parallel
