@@ -19,8 +19,9 @@
 #         PEER_TIMEOUT (seconds per peer install, default 3600), BLINK_MODEL (default smollm2-135m),
 #         LLAMA_CPP_PYTHON (the llama-cpp-python sdist whose vendored llama.cpp `llamaserver` builds:
 #         a pip requirement such as llama-cpp-python==0.3.36, or a path to a downloaded .tar.gz;
-#         default: the newest sdist on the index), LLAMA_CMAKE_ARGS (extra cmake arguments,
-#         e.g. "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" to leave out AMX)
+#         default: the newest sdist on the index), LLAMA_AMX=1 (also build llama.cpp's AMX kernels
+#         where the CPU lists AMX; off by default, see ggml_isa_flags), LLAMA_CMAKE_ARGS (extra
+#         cmake arguments)
 #
 # A peer that fails to install is skipped with a note; its status lands in
 # $BLINK_PEERS_DIR/<name>/STATUS ("ok" or "failed: ...") and the log in $BLINK_PEERS_DIR/<name>.log.
@@ -76,6 +77,10 @@ install_llamacpp() {
 # The x86 instruction-set options of ggml's CPU backend for THIS machine, read from /proc/cpuinfo:
 # a fixed set (GGML_NATIVE=OFF) so the binary does not silently depend on -march=native, but one
 # that uses what this CPU has, as Blink's kernels do (chosen at load by the CPU's features).
+# AMX only with LLAMA_AMX=1: on the Xeon VMs here (amx_tile/amx_int8 in cpuinfo, where Blink's AMX
+# kernel runs) this llama.cpp's AMX backend dies with SIGILL at its first mat-mul (`tilezero` in
+# ggml_backend_amx_mul_mat, under gdb), so by default it gets the AVX-512/AVX2 kernels that the
+# CPUs without AMX (the target) run anyway.
 ggml_isa_flags() {
     local flags; flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
     local out="-DGGML_NATIVE=OFF" f opt
@@ -84,7 +89,8 @@ ggml_isa_flags() {
              avx512f:AVX512 avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16 \
              amx_tile:AMX_TILE amx_int8:AMX_INT8 amx_bf16:AMX_BF16; do
         opt="${f#*:}"; f="${f%%:*}"
-        case "$flags" in
+        case "$opt:${LLAMA_AMX:-0}:$flags" in
+            AMX_*:0:*) out="$out -DGGML_$opt=OFF" ;;
             *" $f "*) out="$out -DGGML_$opt=ON" ;;
             *) out="$out -DGGML_$opt=OFF" ;;
         esac

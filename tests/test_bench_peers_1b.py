@@ -125,12 +125,17 @@ def test_setup_peers_isa_flags_follow_this_cpu():
     script = REPO / "benchmarks" / "setup_peers.sh"
     fn = subprocess.run(["sed", "-n", "/^ggml_isa_flags()/,/^}/p", str(script)],
                         capture_output=True, text=True, check=True).stdout
-    out = subprocess.run(["bash", "-c", fn + "\nggml_isa_flags"], capture_output=True, text=True,
-                         check=True).stdout.split()
+    def isa(env: dict) -> list:
+        return subprocess.run(["bash", "-c", fn + "\nggml_isa_flags"], capture_output=True,
+                              text=True, check=True, env=env).stdout.split()
+
     flags = next((line.split(":", 1)[1].split() for line in
                   Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), None)
     if flags is None:
         pytest.skip("no x86 flags in /proc/cpuinfo")
+    out, amx = isa({"PATH": "/usr/bin:/bin"}), isa({"PATH": "/usr/bin:/bin", "LLAMA_AMX": "1"})
     assert "-DGGML_NATIVE=OFF" in out
-    for cpu_flag, opt in (("avx2", "AVX2"), ("avx512f", "AVX512"), ("amx_int8", "AMX_INT8"), ("fma", "FMA")):
+    for cpu_flag, opt in (("avx2", "AVX2"), ("avx512f", "AVX512"), ("fma", "FMA")):
         assert f"-DGGML_{opt}={'ON' if cpu_flag in flags else 'OFF'}" in out
+    assert "-DGGML_AMX_INT8=OFF" in out  # llama.cpp's AMX kernels only with LLAMA_AMX=1
+    assert f"-DGGML_AMX_INT8={'ON' if 'amx_int8' in flags else 'OFF'}" in amx
