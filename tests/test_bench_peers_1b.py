@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.bench_threads import Arm, arms_table, default_arms, model_work, parse_arms, summarize
-from benchmarks.peers import (build_parser, gguf_weight_bytes, peer_command, ratio_table,
+from benchmarks.peers import (build_parser, gguf_weight_bytes, no_amx_env, peer_command, ratio_table,
                               resolve_model_args, split_rates, split_table)
 from benchmarks.serve_metrics import RequestOutput, calculate_metrics
 
@@ -90,6 +90,12 @@ def test_model_1b_args_and_the_llama_server_command(tmp_path):
     assert argv[argv.index("-c") + 1] == str(16 * (128 + 64 + 32))
     assert "--cont-batching" in argv and argv[argv.index("-t") + 1] == "2"
     assert argv[argv.index("-m") + 1] == args.gguf
+    args.no_amx = True
+    _, env, _ = peer_command("blink", 9001, args)
+    assert env["BLINK_CPU_Q4"] in ("avx512", "avx2") and "AMX" not in env["ONEDNN_MAX_CPU_ISA"]
+    assert no_amx_env(["avx512_bf16", "amx_int8"]) == {"BLINK_CPU_Q4": "avx512",
+                                                        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
+    assert no_amx_env(["avx2"])["BLINK_CPU_Q4"] == "avx2"
     smoke = build_parser().parse_args(["--smoke"])
     resolve_model_args(smoke)
     assert (smoke.concurrency, smoke.output_len, smoke.model_name) == (4, 8, "smollm2-135m")
