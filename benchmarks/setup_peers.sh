@@ -176,7 +176,7 @@ convert_model() {
 }
 
 targets=("$@")
-[ ${#targets[@]} -eq 0 ] && targets=(model transformers llamacpp vllm)
+[ ${#targets[@]} -eq 0 ] && targets=(model transformers llamacpp llamaserver vllm)
 for t in "${targets[@]}"; do
     case "$t" in
         llamacpp) install_llamacpp ;;
