@@ -728,14 +728,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     from benchmarks.serve_datasets import load_tokenizer
 
+    names = [p.strip() for p in args.peers.split(",") if p.strip()]
+    for name in names:
+        if name not in ALL_PEERS:
+            raise SystemExit(f"unknown peer {name!r} (known: {', '.join(ALL_PEERS)})")
     resolve_model_args(args)
     tok = load_tokenizer(args.tokenizer)
     args.machine = machine_header(args)
     print(args.machine["text"], flush=True)
     rows = []
-    for i, name in enumerate(p.strip() for p in args.peers.split(",") if p.strip()):
-        if name not in ALL_PEERS:
-            raise SystemExit(f"unknown peer {name!r} (known: {', '.join(ALL_PEERS)})")
+    for i, name in enumerate(names):
         status = peer_status(name, Path(args.peers_dir))
         if status != "ok":
             print(f"== {name}: skipped: {status}")
