@@ -241,6 +241,15 @@ def peer_status(name: str, peers_dir: Path = PEERS_DIR) -> str:
     return status.read_text().strip()
 
 
+def llamaserver_threads(args: argparse.Namespace) -> int:
+    """llama-server's ``-t``/``-tb``: ``--llamaserver-threads``, else ``--threads``, else the cores
+    minus one, as ``blink serve``'s compute threads: llama.cpp's workers spin at every op's
+    barrier, so a core shared with the client stalls each op (on the 2-vCPU dev VM, SmolLM2-135M
+    Q4_1, one request, load ~3: 54.5 decode tok/s with -t 1, 3.5 with -t 2)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return args.llamaserver_threads or args.threads or max(1, cores - 1)
+
+
 def peer_command(name: str, port: int, args: argparse.Namespace) -> tuple[list[str], dict[str, str], dict[str, Any]]:
     """(argv, env, client overrides) that start peer ``name`` on ``port``."""
     d = Path(args.peers_dir)
@@ -257,6 +266,7 @@ def peer_command(name: str, port: int, args: argparse.Namespace) -> tuple[list[s
         # tokenizer that splits the random text differently); continuous batching; the same
         # threads for prompt and decode. No web UI (nothing to serve but the API).
         slots = max(1, args.concurrency)
+        threads = str(llamaserver_threads(args))
         return ([str(d / "llama.cpp/bin/llama-server"), "-m", args.gguf, "-a", args.model_name,
                  "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
                  "-c", str(slots * (args.input_len + output_len(args) + 32)), "--cont-batching",
@@ -691,6 +701,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--blink-args", default="", help="extra `blink serve` flags, one string")
     ap.add_argument("--vllm-args", default="", help="extra vLLM api_server flags, one string")
     ap.add_argument("--llamaserver-args", default="", help="extra llama-server flags, one string")
+    ap.add_argument("--llamaserver-threads", type=int, default=None,
+                    help="llama-server -t/-tb (default: --threads, else the cores minus one)")
     ap.add_argument("--no-amx", action="store_true",
                     help="a CPU without AMX on one that has it: blink (and vLLM) with "
                          "BLINK_CPU_Q4=avx512|avx2 and ONEDNN_MAX_CPU_ISA below AMX (the C "

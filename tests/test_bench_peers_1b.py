@@ -88,7 +88,10 @@ def test_model_1b_args_and_the_llama_server_command(tmp_path):
     assert argv[0].endswith("llama.cpp/bin/llama-server") and not overrides
     assert argv[argv.index("-np") + 1] == "16"
     assert argv[argv.index("-c") + 1] == str(16 * (128 + 64 + 32))
-    assert "--cont-batching" in argv and argv[argv.index("-t") + 1] == "2"
+    assert "--cont-batching" in argv and argv[argv.index("-t") + 1] == "2"  # --threads
+    args.llamaserver_threads = 3
+    argv, _, _ = peer_command("llamaserver", 9000, args)
+    assert argv[argv.index("-t") + 1] == argv[argv.index("-tb") + 1] == "3"
     assert argv[argv.index("-m") + 1] == args.gguf
     args.no_amx = True
     _, env, _ = peer_command("blink", 9001, args)
