@@ -35,7 +35,6 @@ from dpu_helpers import ring_frontend  # noqa: E402
 from test_scheduler_reference import drive  # noqa: E402
 
 from blink.cli import parse_args  # noqa: E402
-from blink.errors import BlinkError  # noqa: E402
 from blink.launcher import engine_child_argv, engine_config_from_args, frontend_args  # noqa: E402
 from blink.shared.sampling_params import SamplingParams, SamplingParamsError  # noqa: E402
 
@@ -62,17 +61,6 @@ def test_the_flag_reaches_the_scheduler_the_engine_children_and_the_frontend():
     assert default.scheduling_policy == "fcfs"
     with pytest.raises(SystemExit):
         parse_args(["serve", "--scheduling-policy", "lottery"])
-
-
-def test_the_fused_scheduler_refuses_the_priority_policy_by_name():
-    cfg = ts._cfg(scheduling_policy="priority")
-    ring = ts.make_ring(4, cfg.max_model_len, 4)
-    from blink.engine.sched.scheduler import Scheduler
-    from blink.engine.sched.state import ring_tensors
-
-    sched = Scheduler(cfg, ring_tensors(ring))
-    with pytest.raises(BlinkError, match="--scheduling-policy priority.*fused Triton scheduler"):
-        sched.use_fused(True)
 
 
 def test_priority_must_fit_32_bits():

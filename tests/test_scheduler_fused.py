@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is n
 import test_scheduler as ts  # noqa: E402
 import test_scheduler_reference as tsr  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as hst  # noqa: E402
 
 from blink.engine.sched.scheduler import FUSED_STAGES, Scheduler  # noqa: E402
 from blink.engine.sampler import _FEATURES as FEATURES  # noqa: E402
@@ -117,13 +118,14 @@ class RandomSamplingFrontend(ts.Frontend):
         return True
 
 
-def _side_by_side(seed: int, pool: int, guards: bool, sampling: bool = False) -> list[Scheduler]:
+def _side_by_side(seed: int, pool: int, guards: bool, sampling: bool = False, **cfg_kw) -> list[Scheduler]:
     """The reference and the fused scheduler side by side over one workload (prefix hits,
     preemption in the small pool, finishes and releases, cancels; with ``sampling``, random
     sampling records): every step's batch, the whole engine state and the whole ring region
-    are identical. Returns the two schedulers (reference, fused)."""
+    are identical. ``cfg_kw``: more of the scheduler's config (the priority policy). Returns
+    the two schedulers (reference, fused)."""
     rng = np.random.default_rng(seed)
-    cfg = ts._cfg(num_blocks=pool, max_admit_per_step=3)
+    cfg = ts._cfg(**{"num_blocks": pool, "max_admit_per_step": 3, **cfg_kw})
     reqs = ts._random_reqs(rng, 10, cfg.max_model_len, shared=12)
     reqs[3].cancel_step = 4
     twins = [copy.deepcopy(reqs) for _ in range(2)]
@@ -188,6 +190,16 @@ def test_fused_admission_copies_random_sampling_records(seed, pool, monkeypatch)
     for v in seen:
         word |= v
     assert word == (1 << len(FEATURES)) - 1, f"feature bits seen: {word:b}"
+
+
+@pytest.mark.parametrize("seed,pool,other_prefill", [(5, 32, 3), (7, 14, 64)])
+def test_fused_priority_policy_step_by_step(seed, pool, other_prefill):
+    """``--scheduling-policy priority`` (the random records carry random priorities; one
+    admission and one lookup per step, so their queue order decides): admit and lookup
+    order the queue by (priority, arrival) as the torch code does, step by step (the fused
+    allocator's order and prefill bound: the oracle tests below, every stage fused)."""
+    _side_by_side(seed, pool, False, sampling=True, scheduling_policy="priority", max_admit_per_step=1,
+                  priority_other_prefill_tokens=other_prefill)
 
 
 def test_record_copy_covers_every_sampling_field():
@@ -264,6 +276,17 @@ def test_fused_scheduler_agrees_with_the_python_reference(fused_oracle):
     tsr.test_tiny_pool_agrees_step_by_step()
     tsr.test_prefix_caching_agrees_while_nothing_is_evicted(0)
 
+
+def test_fused_priority_policy_agrees_with_the_python_reference(fused_oracle):
+    tsr.test_priority_tiny_pool_agrees_step_by_step()
+    tsr.test_priority_prefix_caching_agrees_while_nothing_is_evicted(1)
+    tsr.test_priority_policy_with_zero_priorities_is_fcfs()
+
+
+test_priority_random_workloads_agree_with_the_reference = pytest.mark.usefixtures("fused_oracle")(settings(
+    max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])(
+    given(ts.scenarios(), hst.lists(hst.integers(-3, 3), min_size=10, max_size=10), hst.integers(1, 24))(
+        tsr.test_priority_random_workloads_agree_with_the_reference.hypothesis.inner_test)))
 
 test_random_workloads_agree_with_the_reference = pytest.mark.usefixtures("fused_oracle")(settings(
     max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])(

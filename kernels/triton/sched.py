@@ -17,7 +17,8 @@ Stages (issue 32, part 1):
 - ``release``: RELEASING rows drop their block references, deepest block first, in the
   release window's lanes; rows left without a block become EMPTY;
 - ``stats``: the ring's gauges and counters;
-- ``allocate``: the token budget in FCFS order, preemption by recompute when the blocks do
+- ``allocate``: the token budget in queue order (FCFS, or (priority, arrival) under the
+  priority policy, whose bound on the other prompts' prefill it applies too), preemption by recompute when the blocks do
   not fit (the reference's freed(k) scan over the block table, then the newest-first
   suffix), and the new blocks from the free pool, never-cached first then least recently
   used. FCFS order and the free list are one ``tl.sort`` each of keys packed with their
@@ -43,7 +44,9 @@ All but ``allocate`` reproduce the reference bit for bit (tests/test_scheduler_f
 compares batch, state and ring step by step).
 
 Shared pieces (``@triton.jit`` helpers): :func:`_search` (the segment a flat lane belongs
-to), :func:`_segment_lane` (its index there), :func:`_fcfs_order` (rows by arrival, one sort).
+to), :func:`_segment_lane` (its index there), :func:`_fcfs_order` (rows by arrival, one sort)
+and :func:`_queue_order` (the same, or (priority, arrival) under the priority policy: admit,
+lookup and allocate order the queue with it, as the torch code's ``queue_order``).
 
 Launch grids and block sizes depend on shapes only and the wrappers never read a tensor
 value on the host, so the stages stay capturable. On CPU tensors they run under
@@ -99,6 +102,24 @@ def _fcfs_order(live, arrival, lanes, lmask, S_BITS: tl.constexpr):
     oldest = tl.min(tl.where(live, arrival, _INT64_MAX), 0)
     cls = tl.where(live, tl.minimum(tl.maximum(arrival - oldest, 0), lim), tl.where(lmask, lim + 1, lim + 2))
     return tl.sort((cls << S_BITS) | lanes.to(tl.int64), 0) & ((1 << S_BITS) - 1)
+
+
+@triton.jit
+def _queue_order(live, arrival, lanes, lmask, prio_ptr, prio_stride, S_BITS: tl.constexpr,
+                 PRIORITY: tl.constexpr):
+    """:func:`blink.engine.sched.budget.queue_order`: lane i holds the row at queue position
+    i, the live rows first. FCFS: by arrival (:func:`_fcfs_order`). The priority policy: by
+    (priority, arrival), a second sort of the FCFS order keyed by each row's priority (int32:
+    its span fits 33 bits), its FCFS position and the row."""
+    order = _fcfs_order(live, arrival, lanes, lmask, S_BITS)
+    if PRIORITY:
+        in_queue = lanes < tl.sum(live.to(tl.int32), 0)  # the live rows lead the FCFS order
+        prio = tl.load(prio_ptr + order * prio_stride, mask=in_queue, other=0).to(tl.int64)
+        least = tl.min(tl.where(in_queue, prio, _INT64_MAX), 0)
+        cls = tl.where(in_queue, prio - least, 1 << 33)
+        key = (cls << (2 * S_BITS)) | (lanes.to(tl.int64) << S_BITS) | order
+        order = tl.sort(key, 0) & ((1 << S_BITS) - 1)
+    return order
 
 
 # --------------------------------------------------------------------------- batch build
@@ -317,8 +338,9 @@ def _allocate_kernel(
     row_hash_ptr, produced_ptr, produced_stride, consumed_ptr, consumed_stride,
     block_ref_ptr, block_slot_ptr, last_used_ptr, block_gen_ptr, table_ptr, step_ptr, counters_ptr,
     rank_ptr, flag_ptr, need_ptr, first_user_ptr, per_pos_ptr, ends_ptr, free_list_ptr, num_new_ptr,
+    priority_ptr, num_prompt_ptr,
     S, N, M, B, budget, capacity, J, table_sink,
-    PREFIX_CACHING: tl.constexpr, K_PREEMPTIONS: tl.constexpr,
+    PREFIX_CACHING: tl.constexpr, K_PREEMPTIONS: tl.constexpr, PRIORITY: tl.constexpr, OTHER_PREFILL: tl.constexpr,
     ROW_WAITING: tl.constexpr, ROW_RUNNING: tl.constexpr, ROW_RELEASING: tl.constexpr,
     ROW_AWAITING_KV: tl.constexpr,
     S_P2: tl.constexpr, N_P2: tl.constexpr, BLOCK: tl.constexpr, SEARCH_STEPS: tl.constexpr,
@@ -338,9 +360,10 @@ def _allocate_kernel(
     want = tl.where(active & ~lookup & (produced - consumed < capacity), nt - nc_row, 0)
     arrival = tl.load(arrival_ptr + rows, mask=rmask, other=0)
 
-    # FCFS order: active rows by arrival (unique tickets), then the idle rows (their order
-    # among themselves changes nothing: they hold, ask and free nothing here).
-    order = _fcfs_order(active, arrival, rows, rmask, S_BITS)  # position -> row
+    # Queue order: active rows by arrival (unique tickets; the priority policy: by priority
+    # first), then the idle rows (their order among themselves changes nothing: they hold,
+    # ask and free nothing here).
+    order = _queue_order(active, arrival, rows, rmask, priority_ptr, 1, S_BITS, PRIORITY)  # position -> row
     tl.store(rank_ptr + order, rows.to(tl.int64), mask=rmask)  # row -> position
     tl.store(need_ptr + rows, want, mask=rmask)
     tl.debug_barrier()
@@ -350,6 +373,11 @@ def _allocate_kernel(
     nc_p = tl.where(act_p, tl.load(num_computed_ptr + order, mask=rmask, other=0), 0)
     held_p = tl.where(act_p, tl.load(num_blocks_ptr + order, mask=rmask, other=0), 0)
     asked = tl.load(need_ptr + order, mask=rmask, other=0)
+    if PRIORITY:  # Budget._cap_other_prefill: the prompts after the first share OTHER_PREFILL
+        prefilling = act_p & (nc_p < tl.load(num_prompt_ptr + order, mask=rmask, other=0)) & (asked > 0)
+        other = prefilling & (tl.cumsum(prefilling.to(tl.int64), 0) > 1)
+        x = tl.where(other, asked, 0)
+        asked = tl.where(other, tl.minimum(x, tl.maximum(OTHER_PREFILL - (tl.cumsum(x, 0) - x), 0)), asked)
 
     # Token budget in FCFS order; the blocks each position needs.
     grant = tl.minimum(tl.maximum(budget - (tl.cumsum(asked, 0) - asked), 0), asked)
@@ -504,7 +532,7 @@ def allocate(st, produced: torch.Tensor, consumed: torch.Tensor, scratch: AllocS
             st.block_ref, st.block_slot, st.block_last_used, st.block_gen, st.block_table_flat, st.step,
             st.counters,
             scratch.rank, scratch.flag, scratch.need, scratch.first_user, scratch.per_pos, scratch.ends,
-            scratch.free_list, scratch.num_new,
+            scratch.free_list, scratch.num_new, st.sampling["priority"], st.num_prompt,
             S, N, M, block_size, budget, capacity, window, st.block_table_flat.shape[0] - 1,
             PREFIX_CACHING=prefix_caching, **consts,
             S_P2=_p2(S), N_P2=_p2(N), BLOCK=256, SEARCH_STEPS=int(S).bit_length() + 1,
@@ -855,9 +883,9 @@ def _lookup_kernel(
     tokens_ptr, tokens_stride, block_tokens_ptr, hash_table_ptr, block_slot_ptr, block_key_ptr,
     block_parent_ptr, block_parent_gen_ptr, block_gen_ptr, block_ref_ptr, last_used_ptr, table_ptr,
     step_ptr, counters_ptr, pows_ptr, pows_stride, p0, p1, cached_ptr, cached_stride,
-    rows_ptr, ends_ptr, take_ptr, nhit_ptr, incl_ptr, excl_ptr, blk_ptr, flag_ptr, salt_ptr,
+    rows_ptr, ends_ptr, take_ptr, nhit_ptr, incl_ptr, excl_ptr, blk_ptr, flag_ptr, salt_ptr, priority_ptr,
     S, K, W, N, B, M, H, P, table_sink,
-    K_QUERIES: tl.constexpr, K_HITS: tl.constexpr, K_REJECTS: tl.constexpr,
+    K_QUERIES: tl.constexpr, K_HITS: tl.constexpr, K_REJECTS: tl.constexpr, PRIORITY: tl.constexpr,
     S_P2: tl.constexpr, BLOCK_W: tl.constexpr, B_P2: tl.constexpr, P_P2: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, S_BITS: tl.constexpr, COLLIDE: tl.constexpr,
 ):
@@ -869,7 +897,7 @@ def _lookup_kernel(
     pm = p < S
     needs = (tl.load(needs_ptr + p, mask=pm, other=0) != 0) & pm
     arrival = tl.load(arrival_ptr + p, mask=pm, other=0)
-    row_k = _fcfs_order(needs, arrival, p, pm, S_BITS)
+    row_k = _queue_order(needs, arrival, p, pm, priority_ptr, 1, S_BITS, PRIORITY)
     km = p < K
     waiting = (tl.load(needs_ptr + row_k, mask=km, other=0) != 0) & km
     nt_k = tl.load(num_tokens_ptr + row_k, mask=km, other=0)
@@ -1014,7 +1042,7 @@ def lookup(st, ring_cached: torch.Tensor, hc, scratch: LookupScratch, *, K: int,
             st.block_table_flat, st.step, st.counters, pows, pows.stride(0), int(PRIMES[0]), int(PRIMES[1]),
             ring_cached, ring_cached.stride(0),
             scratch.rows, scratch.ends, scratch.take, scratch.nhit, scratch.incl, scratch.excl, scratch.blk,
-            scratch.flag, st.sampling["cache_salt"],
+            scratch.flag, st.sampling["cache_salt"], st.sampling["priority"],
             S, K, window, num_blocks, block_size, M, hash_table_size, probes, st.block_table_flat.shape[0] - 1,
             **consts, S_P2=_p2(S), BLOCK_W=min(_p2(window), 256), B_P2=triton.next_power_of_2(block_size),
             P_P2=_p2(probes), SEARCH_STEPS=int(K).bit_length() + 1, S_BITS=int(_p2(S)).bit_length(),
@@ -1093,11 +1121,11 @@ def _admit_kernel(
     admit_ptr, publish_ptr, idx_ptr, ends_ptr, take_ptr,
     words_ptr, record_ptr, copy_ptr, RW, features_ptr,
     temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, rep_ptr, pres_ptr, freq_ptr, logprobs_ptr, constrained_ptr,
-    bias_ptr, n_bias, allowed_ptr, n_allowed, bad_ptr, n_bad,
+    bias_ptr, n_bias, allowed_ptr, n_allowed, bad_ptr, n_bad, ring_prio_ptr, prio_s,
     S, K, L, Wt,
     PREFIX_CACHING: tl.constexpr, K_PROMPT: tl.constexpr, K_STEPS: tl.constexpr, SLOT_WRITTEN: tl.constexpr,
     SLOT_RUNNING: tl.constexpr, SLOT_FINISHED: tl.constexpr, ROW_EMPTY: tl.constexpr, ROW_WAITING: tl.constexpr,
-    FINISH_ABORT: tl.constexpr, FINISH_ERROR: tl.constexpr, FINISH_NONE: tl.constexpr,
+    FINISH_ABORT: tl.constexpr, FINISH_ERROR: tl.constexpr, FINISH_NONE: tl.constexpr, PRIORITY: tl.constexpr,
     S_P2: tl.constexpr, BLOCK_T: tl.constexpr, SEARCH_STEPS: tl.constexpr, S_BITS: tl.constexpr,
     K_P2: tl.constexpr, BLOCK_C: tl.constexpr, V_P2: tl.constexpr,
 ):
@@ -1114,7 +1142,7 @@ def _admit_kernel(
     aborted = written & cancel
     candidate = written & ~cancel
     arr = tl.load(ring_arrival_ptr + p * arr_s, mask=pm, other=0)
-    idx = _fcfs_order(candidate, arr, p, pm, S_BITS)  # FCFS: the candidates by arrival first
+    idx = _queue_order(candidate, arr, p, pm, ring_prio_ptr, prio_s, S_BITS, PRIORITY)  # the candidates first
     km = p < K
     ok_k = km & (tl.load(slot_state_ptr + idx, mask=km, other=0) == SLOT_WRITTEN) & (
         tl.load(status_ptr + idx, mask=km, other=-1) == ROW_EMPTY) & (
@@ -1255,6 +1283,7 @@ def admit(st, ring: dict, slot_state: torch.Tensor, scratch: AdmitScratch, *, K:
             sp["temperature"], sp["top_k"], sp["top_p"], sp["min_p"], sp["repetition_penalty"],
             sp["presence_penalty"], sp["frequency_penalty"], sp["logprobs"], sp["constrained"],
             sp["logit_bias_ids"], widths[0], sp["allowed_token_ids"], widths[1], sp["bad_words_ids"], widths[2],
+            ring["priority"], ring["priority"].stride(0),
             S, K, max_model_len, window, PREFIX_CACHING=prefix_caching, **consts,
             S_P2=_p2(S), BLOCK_T=min(_p2(window), 1024), SEARCH_STEPS=int(K).bit_length() + 1,
             S_BITS=int(_p2(S)).bit_length(), K_P2=_p2(K), BLOCK_C=min(_p2(copy.shape[1]), 128),

@@ -201,11 +201,6 @@ class Scheduler(Admission, KvReservation, PrefixHookup, Budget, Batching, Publis
         if set(stages) - set(FUSED_STAGES):
             raise BlinkError(f"unknown fused stage(s) {sorted(set(stages) - set(FUSED_STAGES))}; "
                              f"known: {', '.join(FUSED_STAGES)}")
-        if config.scheduling_policy != "fcfs" and stages:
-            raise BlinkError(f"--scheduling-policy {config.scheduling_policy} is not implemented "
-                             f"in the fused Triton scheduler (BLINK_FUSED_SCHEDULER: its admit, "
-                             f"lookup and allocate stages order by arrival only); unset "
-                             f"BLINK_FUSED_SCHEDULER or use --scheduling-policy fcfs")
         self.fused = frozenset(stages)
         if self.fused:
             from blink.kernels.triton import (  # noqa: PLC0415 - Triton only when asked for
@@ -216,13 +211,16 @@ class Scheduler(Admission, KvReservation, PrefixHookup, Budget, Batching, Publis
             self._batch_out = triton_sched.BatchBuffers(S, config.max_num_batched_tokens, dev)
             self._scratch = torch.zeros(S, dtype=torch.int64, device=dev)
             self._alloc_scratch = triton_sched.AllocScratch(S, config.num_blocks, dev)
-            self._alloc_consts = dict(K_PREEMPTIONS=K_PREEMPTIONS, ROW_WAITING=ROW_WAITING,
+            priority = config.scheduling_policy == "priority"  # (priority, arrival) queue order
+            self._alloc_consts = dict(K_PREEMPTIONS=K_PREEMPTIONS, ROW_WAITING=ROW_WAITING, PRIORITY=priority,
+                                      OTHER_PREFILL=config.priority_other_prefill_tokens,
                                       ROW_RUNNING=ROW_RUNNING, ROW_RELEASING=ROW_RELEASING,
                                       ROW_AWAITING_KV=ROW_AWAITING_KV)
             self._done = torch.zeros(S, dtype=torch.int64, device=dev)
             self._register_scratch = triton_sched.RegisterScratch(config.max_num_batched_tokens, dev)
             self._lookup_scratch = triton_sched.LookupScratch(S, config.lookup_window_blocks, dev)
-            self._lookup_consts = dict(K_QUERIES=K_PREFIX_QUERIES, K_HITS=K_PREFIX_HITS, K_REJECTS=K_PREFIX_REJECTS)
+            self._lookup_consts = dict(K_QUERIES=K_PREFIX_QUERIES, K_HITS=K_PREFIX_HITS, K_REJECTS=K_PREFIX_REJECTS,
+                                       PRIORITY=priority)
             if triton_sched.FEATURES != SAMPLER_FEATURES:
                 raise BlinkError(f"the fused admit kernel computes the sampler's feature bits "
                                  f"{triton_sched.FEATURES}; the sampler now has {SAMPLER_FEATURES}: "
@@ -238,7 +236,7 @@ class Scheduler(Admission, KvReservation, PrefixHookup, Budget, Batching, Publis
             self._admit_consts = dict(
                 K_PROMPT=K_PROMPT_TOKENS, K_STEPS=K_STEPS, SLOT_WRITTEN=SLOT_WRITTEN, SLOT_RUNNING=SLOT_RUNNING,
                 SLOT_FINISHED=SLOT_FINISHED, ROW_EMPTY=ROW_EMPTY, ROW_WAITING=ROW_WAITING,
-                FINISH_ABORT=FINISH_ABORT, FINISH_ERROR=FINISH_ERROR, FINISH_NONE=FINISH_NONE)
+                FINISH_ABORT=FINISH_ABORT, FINISH_ERROR=FINISH_ERROR, FINISH_NONE=FINISH_NONE, PRIORITY=priority)
             self._publish_consts = {
                 "finish": dict(K_GENERATED=K_GENERATED_TOKENS, FINISH_STOP=FINISH_STOP,
                                FINISH_LENGTH=FINISH_LENGTH, FINISH_ERROR=FINISH_ERROR),
