@@ -103,7 +103,7 @@ def test_full_compile_cache_runs_eager_said_once(tmp_path, monkeypatch, caplog):
         raise AssertionError("compiled despite a full compile cache")
 
     monkeypatch.setattr(runners, "CompiledModelPhase", no_compiling)
-    parts = SimpleNamespace(executor=SimpleNamespace(model=object()), sampler=None)
+    parts = SimpleNamespace(executor=SimpleNamespace(model=object()), sampler=None, scheduler=None)
     made = [runners.CompiledRunner(parts, cache_dir=str(tmp_path / "inductor"), scheduler_buckets=(1,),
                                    max_rows=1, suppress_width=1, max_logit_bias=0) for _ in range(2)]
     with caplog.at_level(logging.WARNING, logger="blink.engine"):
