@@ -123,9 +123,9 @@ def _workload() -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, params
 
 
-def _run_audited(model_dir: Path, loop: str, monkeypatch) -> tuple[CaptureAudit, dict[str, int]]:
-    """The workload through LLM with tier ``loop`` simulated, every captured function
-    (tier A: runner captures and replays; tier B: the graph's torch segments) audited."""
+def _audit_tier(loop: str, monkeypatch) -> CaptureAudit:
+    """LLM's engines run tier ``loop`` simulated on CPU, with every captured function (tier A:
+    runner captures and replays; tier B: the graph's torch segments) audited into the result."""
     mode = CaptureAudit()
     orig_capture = host_sim.EagerRunner.capture
     orig_segment = host_sim.EagerGraphApi.segment
@@ -135,6 +135,13 @@ def _run_audited(model_dir: Path, loop: str, monkeypatch) -> tuple[CaptureAudit,
                         lambda self, fn: orig_segment(self, audit(fn, mode)))
     monkeypatch.setattr(llm_module, "create_engine",
                         lambda cfg, loop_=None, **_kw: create_engine(cfg, loop, simulation=host_sim.HostSimulation()))
+    return mode
+
+
+def _run_audited(model_dir: Path, loop: str, monkeypatch) -> tuple[CaptureAudit, dict[str, int]]:
+    """The workload through LLM with tier ``loop`` simulated, every captured function
+    (tier A: runner captures and replays; tier B: the graph's torch segments) audited."""
+    mode = _audit_tier(loop, monkeypatch)
     prompts, params = _workload()
     with llm_module.LLM(str(model_dir), **SMALL) as llm:
         # Two waves: the second finds the first wave's prefix blocks in the cache.
@@ -178,15 +185,7 @@ def test_captured_speculative_step_holds_only_capturable_ops(model_dir, loop, mo
     run (a stop id, max_tokens): no capture-unsafe op, and drafts were accepted."""
     from test_spec_decode import _repetitive
 
-    mode = CaptureAudit()
-    orig_capture = host_sim.EagerRunner.capture
-    orig_segment = host_sim.EagerGraphApi.segment
-    monkeypatch.setattr(host_sim.EagerRunner, "capture",
-                        lambda self, name, fn: orig_capture(self, name, audit(fn, mode)))
-    monkeypatch.setattr(host_sim.EagerGraphApi, "segment",
-                        lambda self, fn: orig_segment(self, audit(fn, mode)))
-    monkeypatch.setattr(llm_module, "create_engine",
-                        lambda cfg, loop_=None, **_kw: create_engine(cfg, loop, simulation=host_sim.HostSimulation()))
+    mode = _audit_tier(loop, monkeypatch)
     prompts = _repetitive(4, 8)
     params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=30, temperature=0.8, seed=3, ignore_eos=True, logprobs=2),
