@@ -264,13 +264,15 @@ def peer_command(name: str, port: int, args: argparse.Namespace) -> tuple[list[s
     if name == "llamaserver":
         # One slot per stream, each with room for a prompt and its output (+32 for a BOS and a
         # tokenizer that splits the random text differently); continuous batching; the same
-        # threads for prompt and decode. No web UI (nothing to serve but the API).
+        # threads for prompt and decode. An HTTP thread per stream (+2 for /health and
+        # /v1/models): its default follows the core count, and 16 streaming connections on two
+        # HTTP threads queue behind each other. No web UI (nothing to serve but the API).
         slots = max(1, args.concurrency)
         threads = str(llamaserver_threads(args))
         return ([str(d / "llama.cpp/bin/llama-server"), "-m", args.gguf, "-a", args.model_name,
                  "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
                  "-c", str(slots * (args.input_len + output_len(args) + 32)), "--cont-batching",
-                 "-t", threads, "-tb", threads, "--no-webui"] + shlex.split(args.llamaserver_args),
+                 "-t", threads, "-tb", threads, "--threads-http", str(slots + 2), "--no-webui"] + shlex.split(args.llamaserver_args),
                 {}, {})
     if name == "llamacpp":
         # llama-cpp-python's server runs one sequence at a time (no parallel slots) and by

@@ -87,6 +87,7 @@ def test_model_1b_args_and_the_llama_server_command(tmp_path):
     argv, env, overrides = peer_command("llamaserver", 9000, args)
     assert argv[0].endswith("llama.cpp/bin/llama-server") and not overrides
     assert argv[argv.index("-np") + 1] == "16"
+    assert argv[argv.index("--threads-http") + 1] == "18"
     assert argv[argv.index("-c") + 1] == str(16 * (128 + 64 + 32))
     assert "--cont-batching" in argv and argv[argv.index("-t") + 1] == "2"  # --threads
     args.llamaserver_threads = 3
