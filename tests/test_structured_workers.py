@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -32,13 +33,28 @@ def service():
     svc.close()
 
 
-def test_a_cancelled_compile_kills_its_worker(service):
+def test_a_cancelled_compile_kills_its_worker(service, monkeypatch):
+    # The compile holds its worker until its client has gone, so the cancel always comes
+    # while the worker compiles (a fixed sleep raced a compile of ~0.1 s on a quiet machine).
+    taken, release = threading.Event(), threading.Event()
+    take = service.workers._take
+
+    def take_then_hold():
+        worker = take()
+        taken.set()
+        release.wait(10)
+        return worker
+
+    monkeypatch.setattr(service.workers, "_take", take_then_hold)
+
     async def main():
         task = asyncio.ensure_future(service.compile_async(WIDE))
-        await asyncio.sleep(0.05)
+        while not taken.is_set():
+            await asyncio.sleep(0.005)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        release.set()
         deadline = time.monotonic() + 10
         while service.workers.killed == 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
