@@ -264,23 +264,12 @@ def llm(tmp_path_factory):
 
 
 def test_end_to_end_a_high_priority_request_goes_before_queued_low_ones(llm):
-    from blink.dpu.app import create_app
-    from blink.dpu.ring_engine_client import RingEngineClient
-    from blink.dpu.ring_protocol import RingClient
-    from blink.transport import InProcessTransport, LoopbackTransport
+    from dpu_helpers import ring_frontend
 
     async def main() -> tuple[dict[str, float], float, set[str], dict[str, str]]:
-        region = llm.engine.region
-        transport = (InProcessTransport(region) if region.kind == "inprocess"
-                     else LoopbackTransport(region.name, region.total_bytes))
-        client = RingEngineClient(RingClient(transport), model_name="tiny",
-                                  max_model_len=llm.max_model_len,
-                                  poll_min_interval_s=1e-4, poll_max_interval_s=1e-3)
-        client.start()
         first: dict[str, float] = {}
         finish: dict[str, str] = {}
-        try:
-            app = create_app(client, llm.tokenizer, model_name="tiny", scheduling_policy="priority")
+        async with ring_frontend(llm, scheduling_policy="priority") as app:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                          base_url="http://t", timeout=300) as http:
                 async def stream(name: str, priority: int, max_tokens: int) -> None:
@@ -307,8 +296,6 @@ def test_end_to_end_a_high_priority_request_goes_before_queued_low_ones(llm):
                 queued = {f"low{i}" for i in range(8)} - set(first)
                 await stream("high", 0, 4)
                 await asyncio.gather(*lows)
-        finally:
-            await client.close()
         return first, sent, queued, finish
 
     first, _, queued, finish = asyncio.run(main())
