@@ -16,6 +16,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -170,18 +171,21 @@ def test_greedy_identical_under_preemption(dirs, prefix_caching):
 def test_refusals(dirs, tmp_path):
     with pytest.raises(BlinkError, match="draft_model 'model'.*no such file"):
         make_llm(dirs["target"], speculative_config=_spec(tmp_path / "missing"))
-    other_vocab = tmp_path / "vocab"
-    shutil.copytree(dirs["small"], other_vocab)
-    cfg = json.loads((other_vocab / "config.json").read_text())
-    cfg["vocab_size"] = 300
-    (other_vocab / "config.json").write_text(json.dumps(cfg))
+
+    def small_with(name: str, **config: Any) -> Path:
+        """A copy of the small draft with ``config`` changed in its config.json."""
+        path = tmp_path / name
+        shutil.copytree(dirs["small"], path)
+        cfg = json.loads((path / "config.json").read_text())
+        cfg.update(config)
+        (path / "config.json").write_text(json.dumps(cfg))
+        return path
+
+    other_vocab = small_with("vocab", vocab_size=300)
     with pytest.raises(BlinkError, match="vocab_size 300"):
         make_llm(dirs["target"], speculative_config=_spec(other_vocab))
-    short = tmp_path / "short"  # positions for fewer tokens than the target's max_model_len
-    shutil.copytree(dirs["small"], short)
-    cfg = json.loads((short / "config.json").read_text())
-    cfg["max_position_embeddings"] = 64
-    (short / "config.json").write_text(json.dumps(cfg))
+    # positions for fewer tokens than the target's max_model_len
+    short = small_with("short", max_position_embeddings=64)
     with pytest.raises(BlinkError, match="draft_model 'model'.*max_model_len 256"):
         make_llm(dirs["target"], speculative_config=_spec(short))
     other_tok = tmp_path / "tok"
