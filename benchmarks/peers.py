@@ -490,12 +490,12 @@ def cpu_flags() -> dict[str, Any]:
 
 def no_amx_env(flags: Sequence[str]) -> dict[str, str]:
     """The environment that keeps AMX off on a CPU that has it, as docs/performance.md#quant-no-amx
-    measured a CPU without AMX: Blink's projections on the non-AMX kernel (``BLINK_CPU_Q4``:
-    AVX-512 BF16 where the CPU has it, else AVX2) and oneDNN (bf16 matmuls; vLLM's too) capped
-    below AMX. The C attention kernel's AMX tiles for prompt rows have no switch and stay."""
+    measured a CPU without AMX: Blink's C kernels as on a CPU without AMX (``BLINK_CPU_AMX=0``:
+    the projections on the non-AMX kernel the CPU's flags choose, AVX-512 BF16 where the CPU
+    has it, else AVX2; paged attention without AMX tiles or AMX scores) and oneDNN (bf16
+    matmuls; vLLM's too) capped below AMX."""
     avx512 = "avx512_bf16" in flags
-    return {"BLINK_CPU_Q4": "avx512" if avx512 else "avx2",
-            "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16" if avx512 else "AVX2"}
+    return {"BLINK_CPU_AMX": "0", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16" if avx512 else "AVX2"}
 
 
 def copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> dict[str, Any]:
@@ -706,10 +706,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--llamaserver-threads", type=int, default=None,
                     help="llama-server -t/-tb (default: --threads, else the cores minus one)")
     ap.add_argument("--no-amx", action="store_true",
-                    help="a CPU without AMX on one that has it: blink (and vLLM) with "
-                         "BLINK_CPU_Q4=avx512|avx2 and ONEDNN_MAX_CPU_ISA below AMX (the C "
-                         "attention kernel's AMX prompt tiles stay: no switch); llama-server is "
-                         "built without AMX unless LLAMA_AMX=1")
+                    help="a CPU without AMX on one that has it: blink with BLINK_CPU_AMX=0 (its "
+                         "C kernels, attention included, as on a CPU without AMX), blink and "
+                         "vLLM with ONEDNN_MAX_CPU_ISA below AMX; llama-server is built without "
+                         "AMX unless LLAMA_AMX=1")
     ap.add_argument("--smoke", action="store_true",
                     help="prove the pipeline: 4 streams, 4 requests (2 single-stream), 32 in / 8 "
                          "out, a short bandwidth probe; numbers mean nothing")

@@ -59,6 +59,12 @@ VARIABLES: tuple[EnvVar, ...] = (
            "CPU norms/SiLU/residual ops: torch = the references; c = every C op, also those "
            "slower than the reference in a build without AVX-512",
            ("blink.kernels.cpu.fused",), values=("torch", "c")),
+    EnvVar("BLINK_CPU_AMX", "bool", "1 (AMX where the CPU, the compiler and the OS have it)",
+           "0 = the CPU kernels act as on a CPU without AMX: paged attention without AMX tiles "
+           "or AMX scores (its per-token pass on AVX-512), 4-bit projections off the AMX kernel "
+           "(on the AVX-512 or AVX2 kernel the CPU's flags choose, as BLINK_CPU_Q4=avx512|avx2 "
+           "would); benchmarks/peers.py --no-amx sets it",
+           ("blink.kernels.cpu",)),
     EnvVar("BLINK_CPU_Q4", "choice", "chosen by the CPU's flags (AMX, else AVX-512 BF16, else AVX2)",
            "the kernel for projections on a GGUF file's quantized codes: torch = torch's int4 "
            "kernel / bf16 copy; avx512 or avx2 = that build of the non-AMX kernel (and the "

@@ -96,10 +96,10 @@ def test_model_1b_args_and_the_llama_server_command(tmp_path):
     assert argv[argv.index("-m") + 1] == args.gguf
     args.no_amx = True
     _, env, _ = peer_command("blink", 9001, args)
-    assert env["BLINK_CPU_Q4"] in ("avx512", "avx2") and "AMX" not in env["ONEDNN_MAX_CPU_ISA"]
-    assert no_amx_env(["avx512_bf16", "amx_int8"]) == {"BLINK_CPU_Q4": "avx512",
+    assert env["BLINK_CPU_AMX"] == "0" and "AMX" not in env["ONEDNN_MAX_CPU_ISA"]
+    assert no_amx_env(["avx512_bf16", "amx_int8"]) == {"BLINK_CPU_AMX": "0",
                                                         "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
-    assert no_amx_env(["avx2"])["BLINK_CPU_Q4"] == "avx2"
+    assert no_amx_env(["avx2"])["ONEDNN_MAX_CPU_ISA"] == "AVX2"
     smoke = build_parser().parse_args(["--smoke"])
     resolve_model_args(smoke)
     assert (smoke.concurrency, smoke.output_len, smoke.model_name) == (4, 8, "smollm2-135m")

@@ -297,3 +297,63 @@ def test_with_tiles_the_kernel_takes_prefills_too(rows):
     md = dataclasses.replace(md, max_context=max(c + n for c, n in rows),
                              max_query_len=max(n for c, n in rows))
     assert cpu_attention.prefer_native(md, md.slot_mapping.shape[0], 16, tile_min=8)
+
+
+NO_AMX_CC = """#!/bin/sh
+# the system compiler, building for this CPU less its AMX: what a CPU without AMX builds
+exec cc "$@" -mno-amx-tile -mno-amx-bf16 -mno-amx-int8
+"""
+
+
+@needs_tiles
+def test_amx_off_takes_the_path_of_a_cpu_without_amx(tmp_path, monkeypatch):
+    """``$BLINK_CPU_AMX=0`` on a CPU with AMX (benchmarks/peers.py --no-amx): no tiles, and
+    the same bits as the kernel built for this CPU less AMX (a CPU without AMX: every row on
+    the per-token pass, its scores on AVX-512), which differ from AMX's; within bf16's
+    tolerance of the reference. The start log says so; the 4-bit AMX kernel is off too."""
+    from blink.kernels.cpu import q4_linear as cpu_q4_linear
+
+    # prompts (tiles with AMX), an extend, decodes (AMX scores), padding
+    k_cache, v_cache, k_new, v_new, md, n_live = make_batch(
+        [(0, 64), (40, 24), (300, 1), (97, 1)], n_kv_heads=3, head_dim=64, block_size=16,
+        dtype=torch.bfloat16, pad_tokens=3)
+    ref.write_kv_cache(k_new, v_new, k_cache, v_cache, md.slot_mapping)
+    q = torch.randn(md.slot_mapping.shape[0], 9, 64, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+
+    def run() -> torch.Tensor:
+        return native_only(q, k_cache, v_cache, dataclasses.replace(md, step_cache=None), 0.125)
+
+    assert cpu_attention.tile_min_tokens() == 8 and "AMX tiles" in cpu_attention.describe()
+    with_amx = run()
+    monkeypatch.setenv("BLINK_CPU_AMX", "0")
+    cpu_attention.LIBRARY.reset()
+    assert cpu_attention.tile_min_tokens() == 0
+    assert "no AMX; $BLINK_CPU_AMX=0" in cpu_attention.describe()
+    amx_off = run()
+    cpu_q4_linear.LIBRARY.reset()
+    try:
+        assert not cpu_q4_linear.available()
+        assert "BLINK_CPU_AMX=0" in cpu_q4_linear.LIBRARY.failure
+    finally:
+        cpu_q4_linear.LIBRARY.reset()  # decides again under the real environment
+
+    wrapper = tmp_path / "cc-no-amx"
+    wrapper.write_text(NO_AMX_CC)
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # a fresh build cache
+    monkeypatch.delenv("BLINK_CPU_AMX")
+    cpu_attention.LIBRARY.reset()
+    try:
+        assert cpu_attention.tile_min_tokens() == 0
+        assert "no AMX)" in cpu_attention.describe()
+        without = run()
+    finally:
+        monkeypatch.undo()
+        cpu_attention.LIBRARY.reset()  # decides again under the real environment
+
+    assert torch.equal(amx_off, without)
+    assert not torch.equal(amx_off[:n_live], with_amx[:n_live])  # AMX's tiles round differently
+    expected = ref.paged_attention(q.float(), k_cache.float(), v_cache.float(), md, 0.125)
+    torch.testing.assert_close(amx_off[:n_live].float(), expected[:n_live], **TOL[torch.bfloat16])
+    assert torch.count_nonzero(amx_off[n_live:]) == 0

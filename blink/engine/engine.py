@@ -540,9 +540,12 @@ class Engine:
         (:func:`blink.shared.native_build.prepare_libraries`)."""
         if self.device.type != "cpu" or getattr(self.executor, "model", None) is None:
             return  # GPU tiers do not run them; the null model has no forward
+        from blink.kernels.cpu import attention as cpu_attention
         from blink.shared.native_build import prepare_libraries
 
         prepare_libraries(log=log)
+        # beside the matmuls' line: which attention kernel, and whether it may use AMX
+        log.info("attention: %s", cpu_attention.describe())
 
     def _idle(self) -> bool:
         """Host-side check (CPU loop only) that no slot needs the engine: FREE slots and

@@ -52,6 +52,7 @@ POOL: dict[str, Signature] = {
 ATTENTION: dict[str, Signature] = {
     **KERNELS_H,
     "blink_paged_attention_tile_min_tokens": Signature(INT),
+    "blink_paged_attention_allow_amx": Signature(None, _args("allowed", INT)),
     "blink_paged_attention": Signature(
         INT,
         _args("q", P) + _args("q_stride_t q_stride_h", I64) + _args("out k v", P)

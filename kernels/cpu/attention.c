@@ -74,6 +74,12 @@ typedef struct {
     int score_tiles; /* the per-token pass's scores on AMX (see attend_as) */
 } args_t;
 
+/* Whether this process lets the kernel use AMX where the build and the OS have it: 0 under
+ * $BLINK_CPU_AMX=0 (kernels/cpu/attention.py), which makes a CPU with AMX take the path a CPU
+ * without it takes: every row on the per-token pass, its scores on AVX-512, no tiles. */
+static int amx_allowed = 1;
+void blink_paged_attention_allow_amx(int allowed) { amx_allowed = allowed != 0; }
+
 
 /* 16 floats: one AVX-512 register, two AVX2 ones; the compiler lowers it for the host. */
 typedef float vf __attribute__((vector_size(64)));
@@ -203,10 +209,10 @@ static void configure_score_tiles(int64_t G) {
 
 /* Whether the per-token pass takes the AMX scores: bf16 queries and cache, whole 32-channel
  * tiles of at most 192 channels, blocks of whole 16-key tiles (a tile never reads past its
- * block), and AMX granted. */
+ * block), and AMX granted and allowed. */
 static int takes_score_tiles(const args_t *a) {
     return a->q_bf16 && a->kv_bf16 && a->D % 32 == 0 && a->D / 32 <= MAX_SCORE_TILES && a->block_size % 16 == 0
-           && blink_amx_granted();
+           && amx_allowed && blink_amx_granted();
 }
 #endif
 
@@ -573,8 +579,9 @@ static inline int takes_tiles(const args_t *a, int64_t r) {
 }
 
 /* The new-token count from which a row takes tiles; 0 where this build or process has no AMX
+ * (or may not use it: blink_paged_attention_allow_amx)
  * (kernels/cpu/attention.py's cost estimate reads it). */
-int blink_paged_attention_tile_min_tokens(void) { return blink_amx_granted() ? TILE_MIN_TOKENS : 0; }
+int blink_paged_attention_tile_min_tokens(void) { return amx_allowed && blink_amx_granted() ? TILE_MIN_TOKENS : 0; }
 #define HAVE_TILES 1
 #else
 int blink_paged_attention_tile_min_tokens(void) { return 0; }
@@ -646,7 +653,7 @@ int blink_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_h,
     tokens_t tokens = {&a, 0};
 #if HAVE_TILES
     int64_t count = 0, longest = 0; /* rows that take tiles, and the longest one's context */
-    if (blink_amx_granted() && q_bf16 && kv_bf16 && D % 32 == 0)
+    if (amx_allowed && blink_amx_granted() && q_bf16 && kv_bf16 && D % 32 == 0)
         for (int64_t r = 0; r < rows; r++)
             if (takes_tiles(&a, r)) {
                 count++;

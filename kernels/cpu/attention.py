@@ -7,7 +7,8 @@ Two implementations with the reference's contract (:func:`blink.kernels.referenc
   head) over the sequence's blocks, reading K/V where they lie in the cache, in its dtype,
   accumulating in fp32. On a CPU with AMX, prompt rows (:func:`tile_min_tokens` new tokens
   or more, bf16 queries and cache) take tiles of 16 queries instead: a flash-attention pass
-  whose products run on AMX (2.5-3x SDPA on SmolLM2's prefills). It serves the steps where a
+  whose products run on AMX (2.5-3x SDPA on SmolLM2's prefills). ``$BLINK_CPU_AMX=0``
+  (:func:`blink.kernels.cpu.amx_allowed`) turns AMX off, as on a CPU without it. It serves the steps where a
   cost estimate says it is faster (:func:`prefer_native`): decode and mixed steps, where the
   torch path's gathers and per-op costs were ~25% of a 16-row SmolLM2 step, and with tiles
   prefills too.
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from blink.kernels.cpu import abi, pool as cpu_pool
+from blink.kernels.cpu import abi, amx_allowed, pool as cpu_pool
 from blink.kernels.cpu.threads import kernel_threads
 from blink.shared.native_build import NativeBuildError, NativeLibrary
 
@@ -71,6 +72,8 @@ def _declare(library: ctypes.CDLL) -> None:
     if not library.blink_has_avx512() and LIBRARY.switch() != "c":
         # measured 0.26-0.9x the torch path on an AVX2 build (docs/performance.md#cpu-attention)
         raise NativeBuildError("this CPU has no AVX-512, without which the kernel is slower than SDPA")
+    # $BLINK_CPU_AMX=0: the path a CPU without AMX takes (no tiles, scores on AVX-512)
+    library.blink_paged_attention_allow_amx(int(amx_allowed()))
     library.tile_min_tokens = int(library.blink_paged_attention_tile_min_tokens())  # read per call
 
 
@@ -92,9 +95,24 @@ def native_kernel() -> "ctypes._CFuncPtr | None":
 
 def tile_min_tokens() -> int:
     """The new-token count from which a row takes the C kernel's AMX tiles (bf16 queries and
-    cache, head size a multiple of 32); 0 where the kernel has none (no AMX, or not built)."""
+    cache, head size a multiple of 32); 0 where the kernel has none (no AMX, ``$BLINK_CPU_AMX=0``,
+    or not built)."""
     library = LIBRARY.get()
     return 0 if library is None else library.tile_min_tokens
+
+
+def describe() -> str:
+    """The attention kernel this process runs, in a phrase for the engine's start log."""
+    library = LIBRARY.get()
+    if library is None:
+        return "the torch path (SDPA over gathered blocks)" + (
+            f" (${IMPL_ENV}=torch)" if LIBRARY.switched_off() else "")
+    avx = "AVX-512" if library.blink_has_avx512() else "without AVX-512"
+    if library.tile_min_tokens:
+        return (f"the C kernel ({avx}; AMX tiles for prompt rows of {library.tile_min_tokens}+ "
+                "new tokens) where its cost estimate wins, else SDPA")
+    why = "; $BLINK_CPU_AMX=0" if not amx_allowed() else ""
+    return f"the C kernel ({avx}, no AMX{why}) where its cost estimate wins, else SDPA"
 
 
 def _native_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

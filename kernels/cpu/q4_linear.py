@@ -22,7 +22,8 @@ step otherwise streams.
 Used where :func:`available` says the kernel was built with AMX for this CPU and the OS lets
 the process use it; otherwise that is said once in the log and torch's int4 kernel runs.
 ``$BLINK_CPU_Q4=torch`` turns it off (tests, diagnosis); ``avx512`` / ``avx2`` too, for the
-kernel a CPU without AMX runs (:mod:`blink.kernels.cpu.quant_linear`).
+kernel a CPU without AMX runs (:mod:`blink.kernels.cpu.quant_linear`), as does
+``$BLINK_CPU_AMX=0`` (:func:`blink.kernels.cpu.amx_allowed`), with the build the CPU's flags choose.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from blink.kernels.cpu import abi, pool as cpu_pool
+from blink.kernels.cpu import abi, amx_allowed, pool as cpu_pool
 from blink.kernels.cpu.threads import kernel_threads
 from blink.shared.native_build import NativeBuildError, NativeLibrary
 
@@ -50,6 +51,8 @@ def _declare(library: ctypes.CDLL) -> None:
     cpu_pool.attach(library)  # calls that split run on the process's one pool
     if not library.blink_q4_linear_supported():
         raise NativeBuildError("this CPU (or its compiler, or the OS) offers no AMX")
+    if not amx_allowed():
+        raise NativeBuildError("$BLINK_CPU_AMX=0: acting as a CPU without AMX")
     library.few_rows = int(library.blink_q4_linear_few_rows())  # read per call
 
 
