@@ -91,7 +91,7 @@ from blink.errors import BlinkError
 from blink.shared.sampling_fields import BAD_WORD_TOKENS, SAMPLING_FIELDS, numpy_fields
 
 MAGIC = int.from_bytes(b"BLINKRNG", "little")
-LAYOUT_VERSION = 10  # 2: the request record (one contiguous payload per slot); 3: grammar region
+LAYOUT_VERSION = 11  # 2: the request record (one contiguous payload per slot); 3: grammar region
 # (issue 15) or admitted_step (main); 4: both; 5: disaggregated prefill/decode (kv_* fields);
 # 6: per-slot token masks with an epoch word replace the grammar region (issue 30);
 # 7: allowed_token_ids, bad_words_ids and cache_salt in the request record (issue 33)
@@ -99,6 +99,7 @@ LAYOUT_VERSION = 10  # 2: the request record (one contiguous payload per slot); 
 # 9: 56 control words: the speculative decoding words (C_SPEC_TOKENS, C_STAT_SPEC_*; issue 36)
 # 10: prompt-logprob lanes (C_PROMPT_LOGPROB_LANES, the plp_* region, prompt_logprobs and
 # prompt_logprob_lane in the request record; issue 33)
+# 11: no prompt-logprob lane reserved when C_PROMPT_LOGPROB_LANES is 0 (was one)
 ALIGN = 64
 
 # Control block word indices (all int64).
@@ -297,7 +298,8 @@ def _prompt_logprob_fields(cfg: RingConfig) -> list[tuple[str, np.dtype, tuple[i
     """The prompt-logprob lanes (leading dimension: the lanes, not the slots); position p of
     a lane describes prompt token p (p >= 1) given the tokens before it."""
     i32, f32 = np.dtype("<i4"), np.dtype("<f4")
-    lanes, m, n = max(cfg.prompt_logprob_lanes, 1), cfg.max_model_len, max(cfg.max_logprobs, 1)
+    # 0 lanes (--prompt-logprobs-lanes 0, or an engine whose step computes none): 0 bytes
+    lanes, m, n = cfg.prompt_logprob_lanes, cfg.max_model_len, max(cfg.max_logprobs, 1)
     return [
         ("plp_logprob", f32, (lanes, m)),  # the prompt token's logprob
         ("plp_rank", i32, (lanes, m)),  # its rank: the ids at least as likely, itself included (vLLM's)

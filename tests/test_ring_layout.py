@@ -113,6 +113,22 @@ def test_fields_are_aligned_disjoint_and_inside_the_region():
     assert set(layout.fields) == set(layout.regions) | {s[2] for s in subs}
 
 
+def test_no_prompt_logprob_lanes_take_no_bytes():
+    """An engine without prompt-logprob lanes (--prompt-logprobs-lanes 0, or a step that
+    computes none) reserves none: its ring is exactly one lane (its four fields, each padded to
+    ALIGN) smaller than with one lane; the empty fields still view (shape [0, max_model_len])."""
+    plp = ("plp_logprob", "plp_rank", "plp_top_ids", "plp_top_logprobs")
+    layouts = [RingLayout(RingConfig(**SMALL, prompt_logprob_lanes=n)) for n in (0, 1, 2)]
+    m, top = SMALL["max_model_len"], SMALL["max_logprobs"]
+    lane = sum(-(-nbytes // ALIGN) * ALIGN for nbytes in (4 * m, 4 * m, 4 * m * top, 4 * m * top))
+    assert all(layouts[0].regions[name].nbytes == 0 for name in plp)
+    assert layouts[1].total_bytes - layouts[0].total_bytes == lane
+    assert sum(-(-layouts[1].regions[name].nbytes // ALIGN) * ALIGN for name in plp) == lane
+    assert layouts[2].total_bytes > layouts[1].total_bytes
+    ring = make_ring(**SMALL, prompt_logprob_lanes=0)
+    assert ring.plp_top_ids.shape == (0, m, top) and ring.plp_logprob.size == 0
+
+
 def test_element_offsets_match_the_numpy_views():
     ring = make_ring(**SMALL)
     t = MemoryTransport(ring.buffer)
