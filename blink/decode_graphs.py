@@ -2,7 +2,11 @@
 counterpart of the GPU tiers' per-bucket CUDA graphs.
 
 A step whose every row decodes one token (most steps of a serving load) runs the same C
-calls each time, only on other tokens, positions and KV blocks. Per bucket of token counts,
+calls each time, only on other tokens, positions and KV blocks. So does a speculative verify
+step (:mod:`blink.engine.speculative`), whose drafting rows carry their last token and the
+draft (up to K + 1 positions each): every C kernel reads the step's rows, positions and
+causal limits from the metadata buffers, so the same graph of T tokens serves any split of
+T tokens into rows (:attr:`DecodeGraphs.max_query_len`, raised by the speculative runner). Per bucket of token counts,
 :class:`DecodeGraphs` records the forward and the head once, on inputs it keeps in buffers of
 its own; each later step writes its inputs into those buffers (a few small copies) and
 replays the calls. The Python between the calls (module calls, checks, allocations, ctypes
@@ -14,6 +18,11 @@ A step of n rows runs the graph of the smallest bucket holding n; its extra rows
 kernel computes each row on its own, so the real rows get the eager step's bits, provided
 the padded step takes the kernel paths the eager one would: each row count at which a kernel
 changes path is a bucket edge (:data:`DECODE_BUCKETS`).
+
+A step of several positions per row replays only where the eager forward would take the
+same kernels: its attention on the C kernel (the eager step's cost estimate, which may choose
+SDPA for long contexts, is asked first), and its head on as many rows as the graph's, else the
+head runs eagerly on the rows asked for (a verify step whose rows are not all sampled lanes).
 
 Where the forward is not replayable (a torch op between the C calls: no AMX or no AVX-512
 here, another dtype, a model whose ops have no C kernel), the first recording says why in the
@@ -27,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from blink.kernels.cpu import graph as cpu_graph
+from blink.kernels.cpu import attention as cpu_attention, graph as cpu_graph
 from blink.kernels.cpu.threads import kernel_threads
 from blink.kernels.attention_metadata import AttentionMetadata
 
@@ -65,29 +74,68 @@ class DecodeGraphs:
         #: recording failed after smaller ones worked (a kernel that takes few rows only, e.g.
         #: the AVX2 4-bit one's 8: larger steps run bf16 through torch, and stay eager)
         self.max_tokens = DECODE_BUCKETS[-1]
+        #: the most new tokens per row a replayed step may have: 1 (decode steps) unless the
+        #: speculative runner raised it to K + 1 (verify steps: :meth:`allow_rows_of`)
+        self.max_query_len = 1
+
+    def allow_rows_of(self, positions: int) -> None:
+        """Let steps whose rows carry up to ``positions`` new tokens replay too (the
+        speculative runner: K + 1, a row's last token and its draft). Same graphs: the row
+        split is metadata the kernels read from the buffers."""
+        if positions < 1:
+            raise ValueError(f"positions must be at least 1, got {positions}")
+        self.max_query_len = max(self.max_query_len, positions)
 
     def takes(self, input_ids: torch.Tensor, md: AttentionMetadata) -> bool:
-        """Whether a graph runs this step: every row decodes one token (``max_query_len`` 1
-        and as many rows as tokens: the CPU loop's compacted metadata), at most the largest
-        bucket, and no per-layer callback needs calling."""
-        tokens = input_ids.shape[0]
-        return (self.off_reason is None and md.max_query_len == 1 and 0 < tokens <= self.max_tokens
-                and md.seq_lens.shape[0] == tokens and md.block_tables.shape[1] <= self.table_width
-                and progress_only(self.model.on_layer))
+        """Whether a graph runs this step (the CPU loop's compacted metadata: ``max_query_len``
+        set, only rows with tokens): at most the largest bucket, rows of at most
+        :attr:`max_query_len` new tokens, no per-layer callback to call, and for rows of
+        several tokens the C attention kernel as the eager step's choice."""
+        tokens, rows = input_ids.shape[0], md.seq_lens.shape[0]
+        if not (self.off_reason is None and md.max_query_len is not None
+                and 1 <= md.max_query_len <= self.max_query_len and 0 < tokens <= self.max_tokens
+                and 0 < rows <= tokens and md.query_start_loc.shape[0] == rows + 1
+                and md.block_tables.shape[1] <= self.table_width and progress_only(self.model.on_layer)):
+            return False
+        if md.max_query_len == 1:
+            return rows == tokens  # decode steps: the C kernel always wins the estimate
+        return self._eager_attention_is_native(md, tokens)
+
+    def _eager_attention_is_native(self, md: AttentionMetadata, tokens: int) -> bool:
+        """Whether the eager forward of this step takes the C attention kernel (the graphs'
+        recording did): its cost estimate, asked with the same arguments, may prefer SDPA for
+        rows of several tokens over long contexts, and SDPA's bits are not the kernel's."""
+        k_cache = self.kv_caches[0][0]
+        tiles = (self.embedding_dtype == k_cache.dtype == torch.bfloat16 and k_cache.shape[-1] % 32 == 0)
+        return cpu_attention.prefer_native(md, tokens, self.block_size,
+                                           cpu_attention.tile_min_tokens() if tiles else 0)
+
+    @property
+    def embedding_dtype(self) -> torch.dtype:
+        """The forward's dtype (its queries')."""
+        return self.model.model.embed_tokens.weight.dtype
 
     def run(self, input_ids: torch.Tensor, md: AttentionMetadata,
             logits_indices: torch.Tensor) -> torch.Tensor | None:
         """fp32 logits ``[len(logits_indices), vocab]`` of a step :meth:`takes`, its K/V written
         to the cache, as the eager forward returns them; None when the graph cannot be recorded
-        (the caller runs the step eagerly, and so do all later steps)."""
+        (the caller runs the step eagerly, and so do all later steps).
+
+        The head: replayed when the step asks for every token's logits (decode steps, verify
+        steps whose every token is a lane), else run eagerly on the rows asked for, as the
+        eager forward does (its kernels pick their path by row count: a bucket's head on all
+        its rows might take another path, and give other bits)."""
         tokens = input_ids.shape[0]
         graph = self._graph(next(b for b in DECODE_BUCKETS if b >= tokens))
         if graph is None:
             return None
-        logits = graph.replay(input_ids, md)
+        graph.replay_layers(input_ids, md)
         if self.model.on_layer is not None:
             self.model.on_layer()  # progress (progress_only): once for the step's layers
-        return logits.index_select(0, logits_indices).float()
+        if logits_indices.shape[0] == tokens:
+            graph.head.replay()
+            return graph.logits.index_select(0, logits_indices).float()
+        return self.model.compute_logits(graph.hidden.index_select(0, logits_indices)).float()
 
     def record(self, max_rows: int) -> int:
         """Record now every bucket a step of at most ``max_rows`` rows can use (the engine's
@@ -103,7 +151,7 @@ class DecodeGraphs:
     @property
     def kept_bytes(self) -> int:
         """Bytes the recorded graphs keep (their buffers, activations and logits)."""
-        return sum(g.graph.kept_bytes for g in self.graphs.values())
+        return sum(g.layers.kept_bytes + g.head.kept_bytes for g in self.graphs.values())
 
     def _graph(self, bucket: int) -> _DecodeGraph | None:
         """The bucket's graph for the current kernel thread count (one of the recorded
@@ -130,7 +178,8 @@ class DecodeGraphs:
 
 
 class _DecodeGraph:
-    """One bucket's graph and the buffers it reads its inputs from."""
+    """One bucket's graphs (the layers, then the head: a step may run its head eagerly on
+    fewer rows, :meth:`DecodeGraphs.run`) and the buffers they read their inputs from."""
 
     def __init__(self, graphs: DecodeGraphs, tokens: int) -> None:
         model, block_size = graphs.model, graphs.block_size
@@ -148,24 +197,27 @@ class _DecodeGraph:
                                seq_lens=self.seq_lens, block_tables=self.block_tables, max_query_len=1)
         with torch.inference_mode():
             self.embedded = model.embed(torch.zeros(tokens, dtype=torch.int64))  # any token: rewritten per step
-            with cpu_graph.record() as graph:
-                self.logits = model.compute_logits(model.run_layers(self.embedded, md, graphs.kv_caches))
-        self.graph = graph
+            with cpu_graph.record() as layers:
+                self.hidden = model.run_layers(self.embedded, md, graphs.kv_caches)
+            with cpu_graph.record() as head:
+                self.logits = model.compute_logits(self.hidden)
+        self.layers, self.head = layers, head
         self.seq_lens.zero_()
 
-    def replay(self, input_ids: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        """Write the step's inputs (its first n tokens and rows; the rest padding) and replay:
-        the bucket's bf16 logits, one row per token."""
-        n = input_ids.shape[0]
+    def replay_layers(self, input_ids: torch.Tensor, md: AttentionMetadata) -> None:
+        """Write the step's inputs (its n tokens and r <= n rows; the rest padding: tokens
+        past n are rows of their own with no context) and replay the layers into
+        :attr:`hidden` (then :attr:`head` replays into :attr:`logits`, one row per token)."""
+        n, r = input_ids.shape[0], md.seq_lens.shape[0]
         torch.index_select(self.embedding, 0, input_ids, out=self.embedded[:n])
         self.positions[:n].copy_(md.positions)
         self.positions[n:].zero_()
         self.slot_mapping[:n].copy_(md.slot_mapping)
         self.slot_mapping[n:].copy_(self.pad_slots[n:])
         self.token_seq_idx[:n].copy_(md.token_seq_idx)
-        self.query_start_loc[:n + 1].copy_(md.query_start_loc)
-        self.seq_lens[:n].copy_(md.seq_lens)
-        self.seq_lens[n:].zero_()
-        self.block_tables[:n, :md.block_tables.shape[1]].copy_(md.block_tables)
-        self.graph.replay()
-        return self.logits
+        self.query_start_loc[:r + 1].copy_(md.query_start_loc)
+        self.query_start_loc[r + 1:].fill_(n)  # rows past r: no tokens (and no context)
+        self.seq_lens[:r].copy_(md.seq_lens)
+        self.seq_lens[r:].zero_()
+        self.block_tables[:r, :md.block_tables.shape[1]].copy_(md.block_tables)
+        self.layers.replay()

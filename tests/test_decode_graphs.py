@@ -264,3 +264,115 @@ def test_llm_greedy_output_is_the_same_with_and_without_graphs():
                 assert sorted(b for b, _ in recorded.graphs) == [1, 2, 4]  # up to max_num_seqs
             outputs[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outputs[True] == outputs[False]
+
+
+# ------------------------------------------------------------------------------ verify steps
+
+
+@pytest.fixture
+def verify_graphs(executor):
+    """The executor's graphs taking rows of up to K + 1 = 5 positions (the speculative
+    runner's setting), put back afterwards."""
+    graphs = executor.decode_graphs
+    saved = graphs.max_query_len
+    graphs.allow_rows_of(5)
+    try:
+        yield executor
+    finally:
+        graphs.max_query_len = saved
+
+
+def _verify_step(ex, drafts: list[int], contexts: list[int], seed: int, lanes: str = "all"):
+    """A speculative verify step: row r holds ``contexts[r]`` tokens in the cache and computes
+    its last token and a draft of ``drafts[r]`` tokens (1 + drafts[r] positions). ``lanes``:
+    the logits asked for, "all" (every position, as a verify step of decode rows) or "first"
+    (each row's first position and the draft lanes of row 0 only)."""
+    g = torch.Generator().manual_seed(seed)
+    seqs, first = [], 0
+    for d, n in zip(drafts, contexts):
+        blocks = -(-(n + 1 + d) // ex.block_size)
+        seqs.append(([int(t) for t in torch.randint(50, 40000, (1 + d,), generator=g)], n,
+                     list(range(first, first + blocks))))
+        first += blocks
+    assert first <= ex.num_blocks
+    ids, md, _ = build_metadata(ex, seqs)
+    starts = md.query_start_loc.long()
+    if lanes == "all":
+        want = torch.arange(ids.shape[0])
+    else:
+        want = torch.cat([torch.arange(int(starts[1])), starts[1:-1]])
+    return ids, md, want
+
+
+# (drafts per row, contexts): one row, several, partial buckets, both sides of each bucket
+# edge, rows that do not draft beside rows that do, the 16- and 32-token edges
+VERIFY_STEPS = [
+    ([4], [37]),
+    ([2], [1]),
+    ([4, 0], [90, 17]),
+    ([0, 3, 1], [5, 64, 200]),
+    ([4, 4, 4], [30, 31, 32]),  # 15 tokens
+    ([4, 4, 4, 0], [70, 3, 150, 9]),  # 16
+    ([4, 4, 4, 1], [70, 3, 150, 9]),  # 17
+    ([0] * 12 + [4, 4, 4], [(11 * r) % 180 + 1 for r in range(15)]),  # 27
+    ([0] * 16 + [4, 4, 4, 4], [(13 * r) % 200 + 2 for r in range(20)]),  # 36: eager
+    ([0] * 12 + [4, 4, 4, 4, 0, 0, 0, 0], [(7 * r) % 200 + 1 for r in range(20)]),  # 32
+]
+
+
+@pytest.mark.parametrize("drafts,contexts", VERIFY_STEPS)
+@pytest.mark.parametrize("lanes", ["all", "first"])
+def test_a_replayed_verify_step_is_the_eager_step_to_the_bit(verify_graphs, drafts, contexts, lanes):
+    """Rows of several positions replay the same graphs: logits (every lane, or fewer rows
+    than tokens: the head then runs eagerly) and K/V as the eager forward's."""
+    ex = verify_graphs
+    _fill_cache(ex, len(drafts))
+    step = _verify_step(ex, drafts, contexts, sum(contexts), lanes)
+    if step[0].shape[0] > 32:  # above the largest bucket
+        assert not ex.decode_graphs.takes(step[0], step[1])
+        return
+    assert ex.decode_graphs.takes(step[0], step[1])
+    eager, replayed, eager_cache, graph_cache = _eager_and_graph(ex, step)
+    assert replayed.shape == eager.shape == (step[2].shape[0], ex.config.vocab_size)
+    assert torch.equal(replayed, eager)
+    for (ke, ve), (kg, vg) in zip(eager_cache, graph_cache):
+        assert torch.equal(ke, kg) and torch.equal(ve, vg)
+
+
+def test_verify_steps_after_decode_steps_in_one_bucket(verify_graphs):
+    """The row split is rewritten each replay: a verify step, a decode step, a verify step
+    of another split, all in bucket 8."""
+    ex = verify_graphs
+    for i, (drafts, contexts) in enumerate([([3, 3], [40, 80]), ([0] * 7, list(range(10, 80, 10))),
+                                            ([1, 4, 0], [99, 5, 60])]):
+        _fill_cache(ex, 300 + i)
+        eager, replayed, eager_cache, graph_cache = _eager_and_graph(ex, _verify_step(ex, drafts, contexts, i))
+        assert torch.equal(replayed, eager)
+        for (ke, ve), (kg, vg) in zip(eager_cache, graph_cache):
+            assert torch.equal(ke, kg) and torch.equal(ve, vg)
+
+
+def test_verify_steps_replay_only_where_the_eager_step_takes_the_c_attention(executor):
+    """Rows of several positions: only once allowed (the speculative runner), at most that
+    many per row, and not where the eager step's cost estimate picks SDPA (other bits)."""
+    ex = executor
+    graphs = ex.decode_graphs
+    short = _verify_step(ex, [4, 2], [40, 50], 0)
+    assert not graphs.takes(short[0], short[1])  # the default: decode steps only
+    saved = graphs.max_query_len
+    try:
+        graphs.allow_rows_of(3)
+        assert not graphs.takes(short[0], short[1])  # a row of 5 positions
+        graphs.allow_rows_of(5)
+        assert graphs.takes(short[0], short[1])
+        # three rows of 5 positions over ~240 keys each: the estimate prefers SDPA
+        from blink.kernels.cpu import attention as cpu_attention
+
+        long = _verify_step(ex, [4, 4, 4], [236, 236, 236], 0)
+        assert not cpu_attention.prefer_native(long[1], long[0].shape[0], ex.block_size,
+                                               cpu_attention.tile_min_tokens())
+        assert not graphs.takes(long[0], long[1])
+        with pytest.raises(ValueError, match="positions"):
+            graphs.allow_rows_of(0)
+    finally:
+        graphs.max_query_len = saved

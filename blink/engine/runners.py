@@ -85,8 +85,8 @@ def choose_step_runner(*, loop: str, device: str, enforce_eager: bool, cpu_graph
             raise ValueError(f"the CPU loop runs on a CPU device, not {device}")
         if has_model and cpu_graphs:
             return RunnerChoice("cpu-graphs", "--speculative-config, --cpu-graphs auto: the eager step "
-                                              "with n-gram drafts verified in the same forward; steps "
-                                              "where no row drafts replay recorded C kernel calls")
+                                              "with drafts verified in the same forward; decode and "
+                                              "verify steps replay recorded C kernel calls")
         return RunnerChoice("eager", "--speculative-config: the eager step with n-gram drafts "
                                      "verified in the same forward")
     # --speculative-config on the other runners: their step verifies the drafts too (tier A/B:
@@ -157,8 +157,16 @@ class SpecRunner(EagerRunner):
 
 
 class SpecCpuGraphsRunner(CpuGraphsRunner):
-    """``--speculative-config`` with CPU graphs: steps whose every row computes one token (no
-    row drafts) replay the recorded C kernel calls (the executor picks by the step's shape)."""
+    """``--speculative-config`` with CPU graphs: decode steps and verify steps (rows of up to
+    K + 1 positions: the last token and the draft) replay the recorded C kernel calls, the
+    same graphs per bucket of tokens (:meth:`blink.decode_graphs.DecodeGraphs.allow_rows_of`;
+    the executor picks by the step's shape), then the host-side accept and publish."""
+
+    def prepare(self) -> None:
+        graphs = getattr(self.parts.executor, "decode_graphs", None)
+        if graphs is not None:
+            graphs.allow_rows_of(self.parts.scheduler.spec.num_speculative_tokens + 1)
+        super().prepare()
 
     def run(self, on_scheduled: OnScheduled | None = None) -> bool:
         return run_spec_step(self.parts, on_scheduled)

@@ -1,6 +1,6 @@
 """Speculative decoding with n-gram (prompt lookup) drafts, verified in the same step
 (issue 36; ``--speculative-config '{"method": "ngram", ...}'``). Every step runner: the CPU
-loop (eager; CPU graphs replay the steps where no row drafts), ``--compile`` (verify steps:
+loop (eager; CPU graphs replay its decode and verify steps, blink.decode_graphs), ``--compile`` (verify steps:
 the compiled layers, then the head and sampler eager) and the GPU tiers, which capture the
 draft stage and the verify phase (:func:`spec_model_phase`) as tensor code with fixed shapes.
 

@@ -1,0 +1,118 @@
+"""Speculative verify steps on the CPU-graphs runner (issue 36): steps whose rows carry
+their last token and a draft replay the recorded decode graphs (blink.decode_graphs,
+``DecodeGraphs.allow_rows_of``), and what the engine produces is what it produces without
+graphs: greedy tokens, seeded samples and their logprobs, stops and ``max_tokens`` inside an
+accepted run, the KV pool whole at quiescence. The real model (SmolLM2 GGUF): the tiny
+random models of tests/test_spec_decode.py have no C kernels to record."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
+from test_loader_gguf import smollm_path  # noqa: E402
+from test_spec_decode import _pool_whole  # noqa: E402
+
+from blink.engine.speculative import SPEC_NUM_ACCEPTED_TOKENS, SPEC_NUM_DRAFTS  # noqa: E402
+from blink.llm import LLM  # noqa: E402
+from blink.shared.sampling_params import SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+K = 4
+SPEC = ('{"method": "ngram", "num_speculative_tokens": %d, "prompt_lookup_min": 1, '
+        '"prompt_lookup_max": 3}' % K)
+# text the model copies (drafts hit) and text it does not (drafts miss)
+PROMPTS = [
+    "Copy the list exactly: red, green, blue, red, green, blue, red, green, blue, red, green,",
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(a, b):\n",
+    "1 2 3 4 5 1 2 3 4 5 1 2 3 4 5 1 2 3",
+    "The capital of France is",
+]
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def _llm(graphs: bool) -> LLM:
+    return LLM(str(smollm_path()), max_num_seqs=4, max_model_len=256, cpu_graphs=graphs,
+               speculative_config=SPEC)
+
+
+@pytest.fixture(scope="module")
+def eager():
+    with _llm(False) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def graphs():
+    """The engine with graphs, its verify steps counted: the max_query_len of each step
+    the graphs replayed."""
+    with _llm(True) as llm:
+        recorded = llm.engine.executor.decode_graphs
+        if recorded is None or not recorded.graphs:
+            pytest.skip("decode steps run eagerly here")
+        assert type(llm.engine.runner).__name__ == "SpecCpuGraphsRunner"
+        assert recorded.max_query_len == K + 1
+        assert sorted(b for b, _ in recorded.graphs) == [1, 2, 4]  # no more graphs than without speculation
+        replayed: list[int] = []
+        run = recorded.run
+
+        def counted(input_ids, md, logits_indices):
+            out = run(input_ids, md, logits_indices)
+            if out is not None:
+                replayed.append(md.max_query_len)
+            return out
+
+        recorded.run = counted
+        llm.replayed = replayed
+        yield llm
+
+
+def _verify_replays(llm, before: int) -> int:
+    return sum(1 for q in llm.replayed[before:] if q > 1)
+
+
+def test_greedy_identical_and_verify_steps_replayed(eager, graphs):
+    params = SamplingParams(max_tokens=32, **GREEDY)
+    want = eager.generate(PROMPTS, params, timeout_s=300)
+    before, counters = len(graphs.replayed), graphs.engine.scheduler.spec_counters.clone()
+    got = graphs.generate(PROMPTS, params, timeout_s=300)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    c = graphs.engine.scheduler.spec_counters - counters
+    assert int(c[SPEC_NUM_DRAFTS]) > 0 and int(c[SPEC_NUM_ACCEPTED_TOKENS]) > 0
+    assert _verify_replays(graphs, before) > 0, "no verify step replayed a graph"
+    # one stream (where speculation pays): every verify step replays
+    before = len(graphs.replayed)
+    [g] = graphs.generate([PROMPTS[0]], params, timeout_s=120)
+    assert g.token_ids == want[0].token_ids
+    assert _verify_replays(graphs, before) > 0
+    _pool_whole(graphs)
+
+
+def test_stops_and_max_tokens_inside_accepted_runs(eager, graphs):
+    base = eager.generate(PROMPTS[:3], SamplingParams(max_tokens=32, **GREEDY), timeout_s=300)
+    params = [SamplingParams(max_tokens=32, stop_token_ids=[b.token_ids[9]], **GREEDY) for b in base]
+    params += [SamplingParams(max_tokens=mt, **GREEDY) for mt in (2, 5, 11)]
+    prompts = PROMPTS[:3] * 2
+    want = eager.generate(prompts, params, timeout_s=300)
+    got = graphs.generate(prompts, params, timeout_s=300)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+        assert g.finish_reason == w.finish_reason
+    _pool_whole(graphs)
+
+
+def test_seeded_sampling_and_logprobs_identical(eager, graphs):
+    params = [SamplingParams(temperature=0.8, seed=s, max_tokens=24, ignore_eos=True, logprobs=2)
+              for s in range(len(PROMPTS))]
+    want = eager.generate(PROMPTS, params, timeout_s=300)
+    before = len(graphs.replayed)
+    got = graphs.generate(PROMPTS, params, timeout_s=300)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+        # the accepted tokens' logprobs: the same bits in, the same values out
+        assert g.outputs[0].logprobs == w.outputs[0].logprobs
+    assert _verify_replays(graphs, before) > 0
+    _pool_whole(graphs)
