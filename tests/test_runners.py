@@ -26,6 +26,10 @@ def test_one_function_chooses_the_runner(loop, device, eager, graphs, model, wan
     choice = choose_step_runner(loop=loop, device=device, enforce_eager=eager, cpu_graphs=graphs,
                                 has_model=model)
     assert choice.name == want and choice.name in RUNNER_NAMES and choice.reason
+    assert not choice.speculative
+    spec = choose_step_runner(loop=loop, device=device, enforce_eager=eager, cpu_graphs=graphs,
+                              has_model=model, speculative=True)
+    assert spec.name == want and spec.speculative  # the choice names the speculative variant
 
 
 def test_the_engine_runs_its_chosen_runner_and_says_which(tmp_path, caplog):

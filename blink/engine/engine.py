@@ -249,9 +249,9 @@ class Engine:
         self.runner: StepRunner = self._make_runner()
 
     def _make_runner(self) -> StepRunner:
-        """The CPU loop's step runner, as ``runner_choice`` says (its ``prepare`` runs on the
-        loop thread before READY)."""
-        name = self.runner_choice.name
+        """The CPU loop's step runner, as ``runner_choice`` says, and only it (its speculative
+        variant included; its ``prepare`` runs on the loop thread before READY)."""
+        name, speculative = self.runner_choice.name, self.runner_choice.speculative
         max_rows = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
         if name == "compiled":
             return CompiledRunner(
@@ -263,12 +263,8 @@ class Engine:
                 max_logit_bias=self.ring_config.max_logit_bias,
             )
         if name == "cpu-graphs":
-            if self.speculative is not None:
-                return SpecCpuGraphsRunner(self.parts, max_rows)
-            return CpuGraphsRunner(self.parts, max_rows)
-        if self.speculative is not None:
-            return SpecRunner(self.parts)
-        return EagerRunner(self.parts)
+            return (SpecCpuGraphsRunner if speculative else CpuGraphsRunner)(self.parts, max_rows)
+        return (SpecRunner if speculative else EagerRunner)(self.parts)
 
     def _build(self, config: EngineConfig) -> None:
         """Model, KV cache, ring, scheduler and sampler (``__init__``'s work)."""
@@ -375,7 +371,7 @@ class Engine:
         if lanes < 0:
             raise BlinkError(f"--prompt-logprobs-lanes must be at least 0, got {lanes}")
         capable = (self.runner_choice.name in PROMPT_LOGPROB_RUNNERS and not null_model
-                   and self.speculative is None and self.config.role == "both")
+                   and not self.runner_choice.speculative and self.config.role == "both")
         return lanes if capable else 0
 
     def _create_region(self, total_bytes: int) -> Region:

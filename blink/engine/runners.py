@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -72,6 +72,10 @@ class RunnerChoice:
 
     name: str
     reason: str
+    #: --speculative-config: the runner verifies drafts; ``eager`` and ``cpu-graphs`` in their
+    #: speculative variants (:class:`SpecRunner`, :class:`SpecCpuGraphsRunner`), ``compiled``
+    #: and the GPU tiers in their own step
+    speculative: bool = False
 
 
 def choose_step_runner(*, loop: str, device: str, enforce_eager: bool, cpu_graphs: bool,
@@ -79,7 +83,16 @@ def choose_step_runner(*, loop: str, device: str, enforce_eager: bool, cpu_graph
     """The one decision: ``loop`` is the engine's loop (``cpu``, ``host``, ``device``),
     ``device`` its device type, the flags its config's; ``has_model`` False for ``--model
     null`` (no forward to compile or record); ``speculative``: --speculative-config is set
-    (every runner verifies drafts: blink.engine.speculative)."""
+    (every runner verifies drafts: blink.engine.speculative), which the choice carries
+    (:attr:`RunnerChoice.speculative`: the engine builds the variant from the choice alone)."""
+    choice = _choose(loop=loop, device=device, enforce_eager=enforce_eager, cpu_graphs=cpu_graphs,
+                     has_model=has_model, speculative=speculative)
+    return replace(choice, speculative=speculative)
+
+
+def _choose(*, loop: str, device: str, enforce_eager: bool, cpu_graphs: bool, has_model: bool,
+            speculative: bool) -> RunnerChoice:
+    """:func:`choose_step_runner`'s runner and reason."""
     if speculative and loop == "cpu" and (not has_model or enforce_eager):
         if device != "cpu":
             raise ValueError(f"the CPU loop runs on a CPU device, not {device}")
