@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from blink.kernels.cpu import q4_linear as cpu_q4_linear, quant_linear as q
+from blink.loader.gguf_weights import KScales
 
 FLAGS = q.cpu_flags()
 
@@ -40,7 +41,9 @@ FORMATS = {"q4_1": (4, 32, True, False), "q4_k": (4, 32, True, True), "q8_0": (8
 
 
 def weight(fmt: str, n: int, k: int, seed: int = 0):
-    """Random codes and scales of a format, as gguf_weights.QuantCodes holds them."""
+    """Random codes and scales of a format, as gguf_weights.QuantCodes holds them: (codes, d, m,
+    group, bits, k_scales), a K-quant's d an fp16 per super-block of 256 channels times a small
+    integer per group (its file scales in k_scales where k is whole super-blocks)."""
     bits, group, with_m, fp32 = FORMATS[fmt]
     g = torch.Generator().manual_seed(seed)
     if bits == 4:
@@ -51,14 +54,30 @@ def weight(fmt: str, n: int, k: int, seed: int = 0):
         codes = torch.randint(0, 32, (n, k), generator=g, dtype=torch.int8)
     else:
         codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
-    d = torch.rand(n, k // group, generator=g) * 0.05 + 0.001
-    m = -torch.rand(n, k // group, generator=g) * 0.3 if with_m else None
-    if fp32:  # a K-quant's d: an fp16 times a 6-bit scale
-        d = d.half().float() * torch.randint(1, 64, d.shape, generator=g).float()
-    else:
-        d = d.half().float()
-        m = None if m is None else m.half().float()
-    return codes, d, m, group, bits
+    if fp32:  # a K-quant's: fp16 d (dmin) per super-block times 6-bit sc (mn) or Q6_K's int8 sc
+        supers, nsub = -(-k // 256), 256 // group
+        wide = lambda v: v.float().repeat_interleave(nsub, 1)[:, : k // group]  # noqa: E731
+        d_super = (torch.rand(n, supers, generator=g) * 0.05 + 0.001).half()
+        low, high = (-128, 128) if fmt == "q6_k" else (1, 64)
+        sc = torch.randint(low, high, (n, k // group), generator=g, dtype=torch.int8)
+        sc[sc == 0] = 1
+        # (a wrong code at [n / 2, k / 2] must move its column past its rounding: tests below)
+        d_super[n // 2, k // 2 // 256] = 0.05
+        sc[n // 2, k // 2 // group] = high - 1
+        d = wide(d_super) * sc.float()
+        dmin = mn = m = None
+        if with_m:
+            dmin = (torch.rand(n, supers, generator=g) * 0.02 - 0.002).half()
+            mn = torch.randint(0, 64, (n, k // group), generator=g, dtype=torch.int8)
+            m = -wide(dmin) * mn.float()
+        return codes, d, m, group, bits, KScales(d_super, sc, dmin, mn) if k % 256 == 0 else None
+    d = (torch.rand(n, k // group, generator=g) * 0.05 + 0.001).half().float()
+    m = (-torch.rand(n, k // group, generator=g) * 0.3).half().float() if with_m else None
+    return codes, d, m, group, bits, None
+
+
+#: bits a code takes in the kernel's layout (Q6_K's and Q5_K's in 6)
+CODE_BITS = {"q4_1": 4, "q4_k": 4, "q8_0": 8, "q6_k": 6, "q5_k": 6}
 
 
 def close_to_exact(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tensor) -> None:
@@ -71,32 +90,44 @@ def close_to_exact(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tenso
     assert (got != exact).sum() <= max(2, 0.01 * got.numel())
 
 
+@pytest.mark.parametrize("k", [96, 512])
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_the_layout_holds_the_weights(fmt):
-    codes, d, m, group, bits = weight(fmt, 48, 96)
-    w = q.pack(codes, d, m, group, bits)
-    assert w is not None and w.bits == bits and w.group == group
-    want = codes.float().view(48, 96 // group, group) * d[..., None] + (0 if m is None else m[..., None])
-    assert torch.equal(q.dequantize(w), want.view(48, 96))
-    assert w.codes.numel() * w.codes.element_size() == 48 * 96 * bits // 8
-    assert bool(w.format & q.F_FP32) == FORMATS[fmt][3]  # fp16 scales where the file's are
+def test_the_layout_holds_the_weights(fmt, k):
+    codes, d, m, group, bits, k_scales = weight(fmt, 48, k)
+    w = q.pack(codes, d, m, group, bits, k_scales)
+    assert w is not None and w.bits == CODE_BITS[fmt] and w.group == group
+    want = codes.float().view(48, k // group, group) * d[..., None] + (0 if m is None else m[..., None])
+    assert torch.equal(q.dequantize(w), want.view(48, k))
+    assert w.codes.numel() * w.codes.element_size() == 48 * k * w.bits // 8
+    # fp16 scales where the file's are; a K-quant's file scales where k is whole super-blocks
+    assert bool(w.format & q.F_K) == (k_scales is not None) == (FORMATS[fmt][3] and k % 256 == 0)
+    assert bool(w.format & q.F_FP32) == (FORMATS[fmt][3] and k % 256 != 0)
+    if bits == 8:  # the 8-bit layout on request (benchmarks), the same weights
+        eight = q.pack(codes, d, m, group, bits, k_scales, six_bits=False)
+        assert eight.bits == 8 and torch.equal(q.dequantize(eight), want.view(48, k))
+    if k_scales is not None:  # scales the file's d and m do not give are refused
+        k_scales.sc[3, 1] += 1
+        with pytest.raises(ValueError, match="not its d and m"):
+            q.pack(codes, d, m, group, bits, k_scales)
 
 
 def test_pack_refuses_what_the_kernel_cannot_hold():
-    codes, d, m, group, bits = weight("q4_1", 48, 96)
+    codes, d, m, group, bits, _ = weight("q4_1", 48, 96)
     assert q.pack(codes[:40], d[:40], m[:40]) is None  # not whole tiles
     assert q.pack(codes[:, :80], d[:, :2], m[:, :2]) is None  # not whole groups
     assert q.pack(codes, d[:, :2], m) is None
     assert q.pack(codes + 16, d, m) is None  # not 4-bit codes
 
 
-# rows: one pass, passes of 8 with a partial last, two panels of 128
+# rows: one pass, passes of 8 with a partial last, two panels of 128; k: K-quants with fp32
+# scales per group (not whole super-blocks) and with the file's (512, 768)
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 33, 300])
-@pytest.mark.parametrize("n, k", [(16, 32), (48, 160), (80, 576)])
+@pytest.mark.parametrize("n, k", [(16, 32), (48, 160), (80, 576), (32, 512), (16, 768)])
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_kernel_matches_the_fp32_product(build, fmt, rows, n, k):
-    codes, d, m, group, bits = weight(fmt, n, k, seed=rows + n)
-    w = q.pack(codes, d, m, group, bits)
+    codes, d, m, group, bits, k_scales = weight(fmt, n, k, seed=rows + n)
+    w = q.pack(codes, d, m, group, bits, k_scales)
+    assert bool(w.format & q.F_K) == (k_scales is not None)
     torch.manual_seed(rows + n + k)
     x = torch.randn(rows, k).bfloat16()
     x[:, k // 2] = 2  # (the channel whose code is made wrong below)
@@ -108,8 +139,13 @@ def test_kernel_matches_the_fp32_product(build, fmt, rows, n, k):
     close_to_exact(got, want, x.float().abs() @ dense.abs().T + (0 if bias is None else bias.float().abs()))
     # the test can fail: one wrong code moves its column (and only it) by ~d |x| >> a bf16 step
     wrong = codes.clone()
-    wrong[n // 2, k // 2] ^= 8 if bits == 4 else 64
-    off = q.linear(x, [q.pack(wrong, d, m, group, bits)], bias).float()
+    if w.bits == 6:  # both planes: the low nibble's top bit and the 2 high bits
+        wrong[n // 2, k // 2] = ((wrong[n // 2, k // 2] + 32) ^ 56) - 32
+    else:
+        wrong[n // 2, k // 2] ^= 8 if bits == 4 else 64
+    bad = q.pack(wrong, d, m, group, bits, k_scales)
+    assert bad.format == w.format
+    off = q.linear(x, [bad], bias).float()
     assert (off[:, n // 2] - got[:, n // 2].float()).abs().max() > 0
     assert torch.equal(off[:, : n // 2], got[:, : n // 2].float())
 
@@ -117,18 +153,19 @@ def test_kernel_matches_the_fp32_product(build, fmt, rows, n, k):
 def test_parts_strided_rows_leading_dims_and_an_empty_step(build):
     """A fused projection whose parts are in different formats (Q4_K q, k and a Q6_K v) is one
     call per part into one output, the same bits as each part alone."""
-    parts = [q.pack(*weight("q4_k", 32, 64, seed=1)), q.pack(*weight("q6_k", 16, 64, seed=2)),
-             q.pack(*weight("q4_1", 48, 64, seed=3))]
+    parts = [q.pack(*weight("q4_k", 32, 256, seed=1)), q.pack(*weight("q6_k", 16, 256, seed=2)),
+             q.pack(*weight("q4_1", 48, 256, seed=3))]
+    assert [p.format & (q.F_K | q.F_BITS6) for p in parts] == [q.F_K, q.F_K | q.F_BITS6, 0]
     torch.manual_seed(0)
-    fused = torch.randn(3, 5, 3 * 64).bfloat16()
-    x = fused[..., 64:128]  # a view into a fused projection's output: rows 192 apart
+    fused = torch.randn(3, 5, 3 * 256).bfloat16()
+    x = fused[..., 256:512]  # a view into a fused projection's output: rows 768 apart
     bias = torch.randn(96).bfloat16()
     got = q.linear(x, parts, bias)
     assert got.shape == (3, 5, 96)
     assert torch.equal(got, q.linear(x.contiguous(), parts, bias))
     assert torch.equal(got[..., 32:48], q.linear(x, parts[1:2], bias[32:48]))
     assert torch.equal(got[..., 48:], q.linear(x, parts[2:], bias[48:]))
-    assert q.linear(torch.zeros(0, 64).bfloat16(), parts, None).shape == (0, 96)
+    assert q.linear(torch.zeros(0, 256).bfloat16(), parts, None).shape == (0, 96)
 
 
 @pytest.mark.parametrize("rows", [3, 40])
@@ -220,6 +257,12 @@ def random_blocks(qtype, rows: int, cols: int, seed: int = 0):
     return data.reshape(rows, -1)
 
 
+#: the kernel's bytes (codes and scales) over the file's: Q4_K's 6-bit sc/mn kept in a byte each
+#: (4.625 bits a weight, the file 4.5), Q6_K's the file's (6.5625), Q5_K's codes in 6 bits (6.625
+#: vs 5.5), Q4_0's m = -8d as a second fp16 (5 vs 4.5)
+FILE_BYTES_MARGIN = {"Q4_0": 1.12, "Q4_1": 1.0, "Q8_0": 1.0, "Q4_K": 1.03, "Q5_K": 1.21, "Q6_K": 1.0}
+
+
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_unpacked_codes_are_what_gguf_dequantizes_bit_for_bit(name):
     import gguf
@@ -237,20 +280,23 @@ def test_unpacked_codes_are_what_gguf_dequantizes_bit_for_bit(name):
     assert (codes.bits, codes.group) == {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q8_0": (8, 32), "Q4_K": (4, 32),
                                          "Q5_K": (8, 32), "Q6_K": (8, 16)}[name]
     # and the kernel's layout holds them (fp16 scales where the file's are)
-    w = q.pack(codes.codes, codes.d, codes.m, codes.group, codes.bits)
+    w = q.pack(codes.codes, codes.d, codes.m, codes.group, codes.bits, codes.k_scales)
     assert torch.equal(q.dequantize(w), want)
-    assert bool(w.format & q.F_FP32) == name.endswith("_K")
+    assert bool(w.format & q.F_K) == name.endswith("_K") and not w.format & q.F_FP32
+    # what a product reads is (about) the file's bytes: scales included
+    file_bytes = data.nbytes
+    assert w.nbytes() <= FILE_BYTES_MARGIN[name] * file_bytes, (w.nbytes(), file_bytes)
     # the test can fail: a block's bytes one off give other weights
     data[0, 5] ^= 0x11
     assert not torch.equal(unpack_codes(data, name, rows, cols).dequantize(), want)
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q6_k"])
+@pytest.mark.parametrize("fmt", ["q4_1", "q4_k", "q6_k"])
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(build, fmt):
     """A decode graph pads a step to its bucket, and a served row shares its step with others:
     each row is summed the same way whatever the step's row count."""
-    w = q.pack(*weight(fmt, 64, 576))
-    x = torch.randn(11, 576).bfloat16()
+    w = q.pack(*weight(fmt, 64, 768))
+    x = torch.randn(11, 768).bfloat16()
     alone = torch.cat([q.linear(x[i:i + 1], [w], None) for i in range(11)])
     for rows in (2, 5, 8, 11):
         assert torch.equal(q.linear(x[:rows], [w], None), alone[:rows])
@@ -267,7 +313,7 @@ def test_without_a_compiler_torchs_kernel_takes_the_weights(without_c_compiler, 
         with caplog.at_level("WARNING", logger="blink.kernels"):
             assert q.variant() is None
         assert any("K-quant" not in r.getMessage() and "not available" in r.getMessage() for r in caplog.records)
-        codes, d, m, _, _ = weight("q4_1", 64, 128)
+        codes, d, m, _, _, _ = weight("q4_1", 64, 128)
         packed = int4_linear.pack(codes, d, m + 8 * d)
         assert packed.kernel == "torch"
         with pytest.raises(RuntimeError, match="not available"):

@@ -239,7 +239,7 @@ def test_k_quants_mixed_in_fused_projections_and_a_tied_head_run_on_their_codes(
         given, total = ex.model.use_int4_weights(tensors)
         assert given == total  # every projection and the head
         layer = ex.model.model.layers[0]
-        assert [p.format & cpu_quant_linear.F_BITS8 for p in layer.self_attn.qkv_proj.int4.parts] == [0, 1]
+        assert [p.bits for p in layer.self_attn.qkv_proj.int4.parts] == [4, 6]  # Q6_K's codes in 6 bits
         assert len(layer.mlp.gate_up_proj.int4.parts) == 1 and ex.model.int4_head.kernel == build
         for e in (ex, plain):
             e.model.use_packed_weights()
@@ -323,6 +323,13 @@ def test_a_k_quant_gguf_runs_on_its_codes(k_quant_ggufs, monkeypatch, build, nam
         layers = ex.config.num_hidden_layers
         assert ex.int4_projections == (4 * layers + 1, 4 * layers + 1)
         assert ex.int4_kernels == {(build, int4_linear.NATIVE_MAX_ROWS[build]): 4 * layers + 1}
+        # on the file's own scales (F_K) and codes (Q5_K/Q6_K in 6 bits), the same weights
+        parts = [p for m in ex.model.modules() if getattr(m, "int4", None) is not None for p in m.int4.parts]
+        assert len(parts) == 4 * layers + 1 and all(p.format & cpu_quant_linear.F_K for p in parts)  # + the head
+        assert {p.bits for p in parts} == {4 if name == "Q4_K" else 6}
+        qkv = ex.model.model.layers[1].self_attn.qkv_proj.int4.parts
+        want = torch.cat([dense[f"model.layers.1.self_attn.{x}_proj.weight"] for x in "qkv"])
+        assert torch.equal(torch.cat([cpu_quant_linear.dequantize(p) for p in qkv], dim=0), want)
         fp32 = ModelExecutor(files, dtype=torch.float32, **kw)
         plain = ModelExecutor(files, dtype=torch.bfloat16, int4_decode=False, **kw)
         ref, a, b = (_decode_logits(e, 3) for e in (fp32, ex, plain))

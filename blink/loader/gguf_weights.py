@@ -78,6 +78,27 @@ QK_K = 256
 
 
 @dataclass
+class KScales:
+    """A K-quant's scales as its file holds them, for kernels that read those bytes rather than
+    one fp32 d (and m) per group: per super-block of 256 channels fp16 ``d`` (and ``dmin``), per
+    group a small integer scale ``sc`` (and min ``mn``); ``QuantCodes.d = d * sc`` and ``m =
+    -dmin * mn`` per group, each exact in fp32.
+
+    - Q4_K / Q5_K: 6-bit ``sc`` and ``mn`` (0..63) per group of 32, ``d`` and ``dmin``.
+    - Q6_K: int8 ``sc`` per group of 16, ``d``; no min."""
+
+    d: torch.Tensor  # float16 [N, K // 256]
+    sc: torch.Tensor  # int8 [N, K // group]
+    dmin: torch.Tensor | None = None  # float16 [N, K // 256]
+    mn: torch.Tensor | None = None  # int8 [N, K // group]
+
+    def rows(self, index: slice | torch.Tensor) -> "KScales":
+        """The same for some output rows."""
+        pick = lambda t: None if t is None else t[index]  # noqa: E731
+        return KScales(self.d[index], self.sc[index], pick(self.dmin), pick(self.mn))
+
+
+@dataclass
 class QuantCodes:
     """A 2-D tensor as its file's codes: ``w[n, k] = codes[n, k] * d[n, g] + m[n, g]`` (m None:
     0) with ``g = k // group``, in fp32 exactly the values gguf dequantizes (``d q`` is exact in
@@ -89,7 +110,8 @@ class QuantCodes:
       times its 6-bit min (groups of 32); Q5_K: the same with 5-bit codes 0..31 (held in int8).
     - Q6_K: codes q - 32 in -32..31 (int8), d = the super-block's d times the sub-block's int8
       scale, groups of 16.
-    ``bits``: 4 (codes uint8 0..15) or 8 (int8 codes)."""
+    ``bits``: 4 (codes uint8 0..15) or 8 (int8 codes). ``k_scales``: a K-quant's scales as the
+    file holds them (:class:`KScales`; None for Q4_0, Q4_1, Q8_0)."""
 
     qtype: str
     codes: torch.Tensor  # uint8 [N, K] (bits 4) or int8 [N, K] (bits 8)
@@ -97,6 +119,7 @@ class QuantCodes:
     m: torch.Tensor | None  # float32 [N, K // group] or None
     group: int
     bits: int
+    k_scales: KScales | None = None
 
     def dequantize(self) -> torch.Tensor:
         """The float32 ``[N, K]`` weight (gguf's own values, bit for bit)."""
@@ -109,7 +132,7 @@ class QuantCodes:
     def rows(self, index: slice | torch.Tensor) -> "QuantCodes":
         """The same for some output rows."""
         return QuantCodes(self.qtype, self.codes[index], self.d[index], None if self.m is None else self.m[index],
-                          self.group, self.bits)
+                          self.group, self.bits, None if self.k_scales is None else self.k_scales.rows(index))
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -156,7 +179,9 @@ def unpack_codes(data: np.ndarray, qtype_name: str, rows: int, cols: int) -> Qua
             qh = blocks[..., 16:48].reshape(rows, nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
             q = (q | ((qh & 0x01) << 4)).astype(np.int8)
         codes = np.ascontiguousarray(q.reshape(rows, cols))
-        return QuantCodes(qtype_name, t(codes), t(d_g), t(m_g), 32, 4 if qtype_name == "Q4_K" else 8)
+        k_scales = KScales(t(blocks[..., 0:2].copy().view(np.float16)[..., 0]), t(sc.astype(np.int8).reshape(rows, nb * 8)),
+                           t(blocks[..., 2:4].copy().view(np.float16)[..., 0]), t(mn.astype(np.int8).reshape(rows, nb * 8)))
+        return QuantCodes(qtype_name, t(codes), t(d_g), t(m_g), 32, 4 if qtype_name == "Q4_K" else 8, k_scales)
     if qtype_name == "Q6_K":
         blocks = data.reshape(rows, nb, 210)
         ql = blocks[..., 0:128].reshape(rows, nb, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
@@ -164,9 +189,10 @@ def unpack_codes(data: np.ndarray, qtype_name: str, rows: int, cols: int) -> Qua
         qh = blocks[..., 128:192].reshape(rows, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
         qh = (qh & 0x03).reshape(rows, nb, 8, 32)
         q = (ql | (qh << 4)).astype(np.int8) - np.int8(32)
-        scales = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
-        d_g = (_f16(blocks[..., 208:210])[..., None] * scales).reshape(rows, nb * 16)
-        return QuantCodes(qtype_name, t(np.ascontiguousarray(q.reshape(rows, cols))), t(d_g), None, 16, 8)
+        sc = blocks[..., 192:208].copy().view(np.int8)
+        d_g = (_f16(blocks[..., 208:210])[..., None] * sc.astype(np.float32)).reshape(rows, nb * 16)
+        k_scales = KScales(t(blocks[..., 208:210].copy().view(np.float16)[..., 0]), t(sc.reshape(rows, nb * 16)))
+        return QuantCodes(qtype_name, t(np.ascontiguousarray(q.reshape(rows, cols))), t(d_g), None, 16, 8, k_scales)
     raise ValueError(f"no codes for {qtype_name} tensors (only {', '.join(CODED_TYPES)})")
 
 
@@ -223,10 +249,8 @@ class GGUFWeights(GGUFFile):
         gives it, one at a time."""
         for entry, tensor, rows, cols in self._coded_tensors(qtypes):
             codes = unpack_codes(np.asarray(tensor.data), tensor.tensor_type.name, rows, cols)
-            if entry.permute_heads:
-                codes = QuantCodes(codes.qtype, *(None if x is None else _reverse_rope_permute(x, entry.permute_heads)
-                                                  .contiguous() for x in (codes.codes, codes.d, codes.m)),
-                                   codes.group, codes.bits)
+            if entry.permute_heads:  # a permutation of whole rows: codes and every scale alike
+                codes = codes.rows(_reverse_rope_permute(torch.arange(rows), entry.permute_heads))
             yield entry.hf_name, codes
 
     def _coded_tensors(self, qtypes: tuple[str, ...]) -> Iterator[tuple[Any, Any, int, int]]:

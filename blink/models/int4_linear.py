@@ -203,7 +203,7 @@ def pack_codes(segments: list) -> Int4Weight | None:
                 run.append(seg)
                 continue
             cat = lambda name: None if getattr(run[0], name) is None else torch.cat([getattr(s, name) for s in run])
-            part = cpu_quant_linear.pack(cat("codes"), cat("d"), cat("m"), run[0].group, run[0].bits)
+            part = cpu_quant_linear.pack(cat("codes"), cat("d"), cat("m"), run[0].group, run[0].bits, _k_scales(run))
             if part is None:
                 return None
             parts.append(part)
@@ -212,6 +212,16 @@ def pack_codes(segments: list) -> Int4Weight | None:
     if q4 and _torch_kernel_runs():
         return pack(*joined(), kernel="torch")
     return None
+
+
+def _k_scales(run: list):
+    """A run of K-quant segments' file scales, joined (:class:`blink.loader.gguf_weights.KScales`;
+    None unless every segment has them)."""
+    scales = [getattr(s, "k_scales", None) for s in run]
+    if any(k is None for k in scales):
+        return None
+    cat = lambda name: None if getattr(scales[0], name) is None else torch.cat([getattr(k, name) for k in scales])
+    return type(scales[0])(cat("d"), cat("sc"), cat("dmin"), cat("mn"))
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:

@@ -10,20 +10,30 @@
  * rows, and only Q4_0/Q4_1; K-quants were dequantized to bf16 at load.
  *
  * Formats (`format` bits, kernels/cpu/quant_linear.py's pack): every weight is
- * w = d q + m per group of 32 (or 16: F_GROUP16) input channels of one output column, d and m
- * fp16 (a Q4_0/Q4_1/Q8_0 file's own) or fp32 (F_FP32: K-quants, whose d is the super-block's
- * fp16 d times a 6- or 8-bit sub-block scale, exact in fp32), m absent where it is 0 (no F_M).
- * Codes are 4-bit (0..15: Q4_0, Q4_1, Q4_K) or 8-bit (F_BITS8, int8: Q8_0, Q6_K as q - 32,
- * Q5_K as 0..31). Layout: the AMX kernel's (q4_linear.c): output columns in tiles of 16,
- * channels in groups of 32; a (tile, group) is 16 rows of 32 words, row p holding channels 2p
- * and 2p + 1 of the 16 columns interleaved (word w: column w / 2, channel 2p + w % 2); 4-bit
- * codes as 4 x 32 16-bit words whose nibble i is row 4c + i's, 8-bit as one byte per word.
- * Scales per (tile, scale group): 16 d, then (F_M) 16 m, one per column.
+ * w = d q + m per group of 32 (or 16: F_GROUP16) input channels of one output column, m absent
+ * where it is 0 (no F_M). Scales: fp16 d and m (a Q4_0/Q4_1/Q8_0 file's own), fp32 (F_FP32:
+ * a K-quant whose k is not whole super-blocks: its d and m per group) or, for K-quants, the
+ * file's own (F_K): per super-block of 256 channels an fp16 d (and dmin), per group an int8
+ * scale sc (and min mn), d = d sc and m = -dmin mn formed here per group, exact in fp32 (11 x 8
+ * significant bits): ~0.6 bits a weight, where fp32 d and m per group took 2.
+ * Codes: 4-bit (0..15: Q4_0, Q4_1, Q4_K), 6-bit (F_BITS6: q + 32 for q in -32..31, Q6_K's
+ * q - 32 and Q5_K's 0..31) or 8-bit (F_BITS8, int8: Q8_0). A decode step reads what is here,
+ * so these are (about) the file's bytes: Q4_K 4.625 bits a weight (the file 4.5), Q6_K 6.5625
+ * (the file's).
+ * Layout: the AMX kernel's (q4_linear.c): output columns in tiles of 16, channels in groups of
+ * 32; a (tile, group) is 16 rows of 32 words, row p holding channels 2p and 2p + 1 of the 16
+ * columns interleaved (word w: column w / 2, channel 2p + w % 2); 4-bit codes as 4 x 32 16-bit
+ * words whose nibble i is row 4c + i's, 8-bit as one byte per word, 6-bit as the 4-bit layout
+ * of the low nibbles then 2 x 32 16-bit words whose bits 2j, 2j + 1 are row 8v + j's top 2 bits.
+ * Scales per (tile, scale group): 16 d, then (F_M) 16 m, one per column; F_K per (tile,
+ * super-block): 16 fp16 d, (F_M) 16 fp16 -dmin, per group 16 int8 sc, then (F_M) per group 16
+ * int8 mn.
  *
  * Arithmetic: no weight is rounded, the product is on gguf's fp32 weights (up to fp32 sum
  * order), as the AMX kernel's few-rows path:
  * - AVX-512: per group x . q by vdpbf16ps with the codes as exact bf16 (one 4-bit code row
- *   per vpermw of a shifted word vector, as q4_linear.c), 32 products per instruction,
+ *   per vpermw of a shifted word vector, as q4_linear.c; a 6-bit one per vpternlogd joining
+ *   the nibble and the top 2 bits and a vpermt2w), 32 products per instruction,
  *   then d (x . q) + m sum(x) in fp32. Up to 8 rows per pass share each unpacked row.
  * - AVX2: 8 columns at a time, x . q per group in fp32 FMAs on x's fp32 values and the codes
  *   as fp32 (exact), then d (x . q) + m sum(x).
@@ -41,7 +51,9 @@
 
 /* rows per pass over a tile: AVX-512 (32 registers) and AVX2 (16) */
 enum { TILE = 16, GROUP = 32, PAIRS = GROUP / 2, ROWS = 8, ROWS2 = 4 };
-enum { F_BITS8 = 1, F_GROUP16 = 2, F_FP32 = 4, F_M = 8 };
+enum { F_BITS8 = 1, F_GROUP16 = 2, F_FP32 = 4, F_M = 8, F_BITS6 = 16, F_K = 32 };
+/* channels per K-quant super-block */
+enum { SUPER = 256 };
 
 /* Rows of x a tile's codes meet before the next tile's (x's panel stays in L2). */
 enum { PANEL_ROWS = 128 };
@@ -53,7 +65,7 @@ typedef struct {
     const uint16_t *x;     /* [M, K] bf16, rows x_stride apart */
     int64_t x_stride;
     const uint8_t *codes;  /* [N / 16, K / 32, tile_bytes] */
-    const uint8_t *scales; /* [N / 16, K / group, 1 or 2, 16] fp16 or fp32 */
+    const uint8_t *scales; /* [N / 16, K / group, 1 or 2, 16] fp16 or fp32; F_K: see k_scales */
     const uint16_t *bias;  /* [N] bf16 or NULL */
     uint16_t *y;           /* [M, N] bf16, rows y_stride apart */
     int64_t y_stride;
@@ -63,11 +75,40 @@ typedef struct {
     const float *xf;       /* AVX2: [M, K] x in fp32 */
 } args_t;
 
-static inline int64_t tile_bytes(int format) { return format & F_BITS8 ? 512 : 256; }
+static inline int64_t tile_bytes(int format) { return format & F_BITS8 ? 512 : format & F_BITS6 ? 384 : 256; }
 static inline int64_t group_size(int format) { return format & F_GROUP16 ? 16 : 32; }
 /* bytes of one scale group's d (and m) for one tile */
 static inline int64_t scale_bytes(int format) {
     return (format & F_M ? 2 : 1) * TILE * (format & F_FP32 ? 4 : 2);
+}
+/* F_K: bytes of one (tile, super-block)'s scales: 16 fp16 d, (F_M) 16 fp16 -dmin, then per
+ * scale group 16 int8 sc, then (F_M) per scale group 16 int8 mn */
+static inline int64_t k_block_bytes(int format) {
+    return (format & F_M ? 2 : 1) * (2 * TILE + SUPER / group_size(format) * TILE);
+}
+/* Where scale group s of tile t keeps its parts: F_K: d16 (the super-block's fp16 d), sc (int8),
+ * and with F_M dm16 (fp16 -dmin), mn (int8); else d and m (fp16 or fp32) at *d16 / *dm16. */
+typedef struct { const uint8_t *d16, *dm16; const int8_t *sc, *mn; } scale_at_t;
+static inline scale_at_t scale_at(const args_t *a, int64_t t, int64_t s) {
+    const int format = a->format;
+    scale_at_t at = {0};
+    if (format & F_K) {
+        const int64_t nsub = SUPER / group_size(format), j = s % nsub;
+        const uint8_t *block = a->scales + (t * (a->K / SUPER) + s / nsub) * k_block_bytes(format);
+        at.d16 = block;
+        if (format & F_M) {
+            at.dm16 = block + 2 * TILE;
+            at.sc = (const int8_t *)(block + 4 * TILE) + j * TILE;
+            at.mn = (const int8_t *)(block + 4 * TILE) + (nsub + j) * TILE;
+        } else {
+            at.sc = (const int8_t *)(block + 2 * TILE) + j * TILE;
+        }
+    } else {
+        const int64_t sb = scale_bytes(format);
+        at.d16 = a->scales + (t * (a->K / group_size(format)) + s) * sb;
+        at.dm16 = at.d16 + sb / 2;
+    }
+    return at;
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
@@ -77,6 +118,27 @@ static inline __m512 load_scales16(const uint8_t *p, int fp32) {
     return fp32 ? _mm512_loadu_ps((const float *)p) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
 
+static inline __m512 int8x16(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+/* Scale group s of tile t: the 16 columns' d and (F_M) m in fp32; F_K: d = fp16 d * sc and
+ * m = -dmin * mn, each exact in fp32 (11 x 8 significant bits) */
+static inline void group_scales(const args_t *a, int64_t t, int64_t s, __m512 *d, __m512 *m) {
+    const scale_at_t at = scale_at(a, t, s);
+    if (a->format & F_K) {
+        *d = _mm512_mul_ps(load_scales16(at.d16, 0), int8x16(at.sc));
+        if (a->format & F_M) *m = _mm512_mul_ps(load_scales16(at.dm16, 0), int8x16(at.mn));
+    } else {
+        *d = load_scales16(at.d16, a->format & F_FP32);
+        if (a->format & F_M) *m = load_scales16(at.dm16, a->format & F_FP32);
+    }
+}
+
+/* bf16 code tables: 4-bit (vpermw, i & 15 at i), 6-bit (vpermt2w, i - 32 at i over two
+ * registers), and the mask of a word's low nibble */
+typedef struct { __m512i as_bf16, six_lo, six_hi, nibble; } luts_t;
+
 static inline __m512i pair_of(const uint16_t *x) { /* channels 2p, 2p + 1 in every 32-bit lane */
     int32_t v;
     memcpy(&v, x, sizeof v);
@@ -85,12 +147,11 @@ static inline __m512i pair_of(const uint16_t *x) { /* channels 2p, 2p + 1 in eve
 
 /* Rows [r0, r0 + R) x tile t (16 columns), R <= ROWS known at compile time once inlined. */
 static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int64_t t, int64_t r0, const int R,
-                                                            const int bits8, __m512i as_bf16) {
-    const int format = a->format, fp32 = format & F_FP32, with_m = format & F_M, g16 = format & F_GROUP16;
-    const int64_t groups = a->K / GROUP, tb = tile_bytes(format), sb = scale_bytes(format);
+                                                            const int bits, const luts_t *lut) {
+    const int format = a->format, with_m = format & F_M, g16 = format & F_GROUP16, bits8 = bits == 8;
+    const int64_t groups = a->K / GROUP, tb = tile_bytes(format);
     const int64_t sgroups = a->K / group_size(format), per = g16 ? 2 : 1;
     const uint8_t *codes = a->codes + t * groups * tb;
-    const uint8_t *scales = a->scales + t * sgroups * sb;
     const uint16_t *x = a->x + r0 * a->x_stride;
     const float *x_sums = with_m ? a->x_sums + r0 * sgroups : NULL;
     /* NACC running dots per row, pairs taking them in turn (a vdpbf16ps waits ~5 cycles for
@@ -106,9 +167,11 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
     }
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *gc = codes + g * tb;
-        if (bits8) {
+        if (bits != 4) {
             _mm_prefetch((const char *)gc + PREFETCH_BYTES + 256, _MM_HINT_T0);
             _mm_prefetch((const char *)gc + PREFETCH_BYTES + 320, _MM_HINT_T0);
+        }
+        if (bits8) {
             _mm_prefetch((const char *)gc + PREFETCH_BYTES + 384, _MM_HINT_T0);
             _mm_prefetch((const char *)gc + PREFETCH_BYTES + 448, _MM_HINT_T0);
         }
@@ -119,6 +182,8 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
                 const int c = 2 * h + c2; /* all unrolled: p % NACC picks a register */
                 _mm_prefetch((const char *)gc + c * 64 + PREFETCH_BYTES, _MM_HINT_T0);
                 __m512i words = bits8 ? _mm512_setzero_si512() : _mm512_loadu_si512(gc + c * 64);
+                /* 6-bit: the 2-bit plane, rows 8h .. 8h + 7 at bits 2 (p % 8) of each word */
+                const __m512i high = bits == 6 ? _mm512_loadu_si512(gc + 256 + h * 64) : _mm512_setzero_si512();
 #pragma GCC unroll 4
                 for (int i = 0; i < 4; i++) {
                     const int p = 4 * c + i;
@@ -129,9 +194,17 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
                         const __m512 hi = _mm512_cvtepi32_ps(
                             _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + TILE))));
                         b = _mm512_cvtne2ps_pbh(hi, lo); /* exact: |q| <= 128 */
+                    } else if (bits == 6) {
+                        /* index = the nibble | the row's 2 high bits at bits 4..5 (one vpternlogd:
+                         * nibble mask ? words : high); vpermt2w reads its low 6 bits: bf16(i - 32) */
+                        const int j = 4 * c2 + i, up = 4 - 2 * j;
+                        const __m512i hs = up > 0 ? _mm512_slli_epi16(high, up) : _mm512_srli_epi16(high, -up);
+                        const __m512i index = _mm512_ternarylogic_epi32(words, hs, lut->nibble, 0xE4);
+                        b = (__m512bh)_mm512_permutex2var_epi16(lut->six_lo, index, lut->six_hi);
+                        words = _mm512_srli_epi16(words, 4);
                     } else {
                         /* vpermw reads an index's low 5 bits: as_bf16 holds bf16(i & 15) at i */
-                        b = (__m512bh)_mm512_permutexvar_epi16(words, as_bf16);
+                        b = (__m512bh)_mm512_permutexvar_epi16(words, lut->as_bf16);
                         words = _mm512_srli_epi16(words, 4);
                     }
 #pragma GCC unroll 8
@@ -142,9 +215,9 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
             }
             if (g16 || h == 1) { /* a scale group ends: tot += d (x . q) + m sum(x) */
                 const int64_t s = g * per + (g16 ? h : 0);
-                const __m512 d = load_scales16(scales + s * sb, fp32);
+                __m512 d, m = _mm512_setzero_ps();
+                group_scales(a, t, s, &d, &m);
                 if (with_m) {
-                    const __m512 m = load_scales16(scales + s * sb + sb / 2, fp32);
 #pragma GCC unroll 8
                     for (int r = 0; r < R; r++)
                         tot[r] = _mm512_fmadd_ps(_mm512_set1_ps(x_sums[r * sgroups + s]), m, tot[r]);
@@ -167,12 +240,12 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
 
 #define CASE(R)                                                                                   \
     case R:                                                                                       \
-        if (bits8) tile_rows(a, t, r0, R, 1, as_bf16);                                            \
-        else tile_rows(a, t, r0, R, 0, as_bf16);                                                  \
+        if (a->format & F_BITS8) tile_rows(a, t, r0, R, 8, lut);                                  \
+        else if (a->format & F_BITS6) tile_rows(a, t, r0, R, 6, lut);                             \
+        else tile_rows(a, t, r0, R, 4, lut);                                                      \
         break;
 
-static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, __m512i as_bf16) {
-    const int bits8 = a->format & F_BITS8;
+static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, const luts_t *lut) {
     switch (rows) {
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
     }
@@ -182,19 +255,23 @@ static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, __m512i 
 static void *run_tiles(void *arg) {
     blink_part_t *p = (blink_part_t *)arg;
     const args_t *a = (const args_t *)p->args;
-    uint16_t lut[32] __attribute__((aligned(64)));
-    for (int i = 0; i < 32; i++) { /* bf16 of i & 15: the top half of the fp32's bits */
-        const float f = (float)(i & 15);
-        uint32_t bits;
-        memcpy(&bits, &f, sizeof bits);
-        lut[i] = (uint16_t)(bits >> 16);
+    uint16_t four[32] __attribute__((aligned(64))), six[64] __attribute__((aligned(64)));
+    for (int i = 0; i < 64; i++) { /* bf16 of i & 15 and of i - 32: the top half of the fp32's bits */
+        const float f4 = (float)(i & 15), f6 = (float)(i - 32);
+        uint32_t b4, b6;
+        memcpy(&b4, &f4, sizeof b4);
+        memcpy(&b6, &f6, sizeof b6);
+        if (i < 32) four[i] = (uint16_t)(b4 >> 16);
+        six[i] = (uint16_t)(b6 >> 16);
     }
-    const __m512i as_bf16 = _mm512_load_si512(lut);
+    const luts_t luts = {_mm512_load_si512(four), _mm512_load_si512(six), _mm512_load_si512(six + 32),
+                         _mm512_set1_epi32(0x000F000F)};
+    const luts_t *lut = &luts;
     for (int64_t p0 = 0; p0 < a->M; p0 += PANEL_ROWS) {
         const int64_t p1 = a->M - p0 < PANEL_ROWS ? a->M : p0 + PANEL_ROWS;
         for (int64_t t = p->lo; t < p->hi; t++)
             for (int64_t r0 = p0; r0 < p1; r0 += ROWS)
-                tile_pass(a, t, r0, (int)(p1 - r0 < ROWS ? p1 - r0 : ROWS), as_bf16);
+                tile_pass(a, t, r0, (int)(p1 - r0 < ROWS ? p1 - r0 : ROWS), lut);
     }
     return NULL;
 }
@@ -207,17 +284,34 @@ static inline __m256 load_scales8(const uint8_t *p, int fp32) {
     return fp32 ? _mm256_loadu_ps((const float *)p) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
 
+static inline __m256 int8x8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* Scale group s of tile t, columns 8 hc .. 8 hc + 7: d and (F_M) m in fp32 (as the AVX-512
+ * build's group_scales) */
+static inline void group_scales(const args_t *a, int64_t t, int64_t s, int hc, __m256 *d, __m256 *m) {
+    const scale_at_t at = scale_at(a, t, s);
+    if (a->format & F_K) {
+        *d = _mm256_mul_ps(load_scales8(at.d16 + hc * 16, 0), int8x8(at.sc + hc * 8));
+        if (a->format & F_M) *m = _mm256_mul_ps(load_scales8(at.dm16 + hc * 16, 0), int8x8(at.mn + hc * 8));
+    } else {
+        const int64_t esize = a->format & F_FP32 ? 4 : 2;
+        *d = load_scales8(at.d16 + hc * 8 * esize, a->format & F_FP32);
+        if (a->format & F_M) *m = load_scales8(at.dm16 + hc * 8 * esize, a->format & F_FP32);
+    }
+}
+
 /* Rows [r0, r0 + R) x columns 8 hc .. 8 hc + 7 of tile t, R <= ROWS2 known at compile time. */
 static inline __attribute__((always_inline)) void half_rows(const args_t *a, int64_t t, int hc, int64_t r0,
-                                                            const int R, const int bits8) {
-    const int format = a->format, fp32 = format & F_FP32, with_m = format & F_M, g16 = format & F_GROUP16;
-    const int64_t groups = a->K / GROUP, tb = tile_bytes(format), sb = scale_bytes(format);
-    const int64_t sgroups = a->K / group_size(format), per = g16 ? 2 : 1, esize = fp32 ? 4 : 2;
+                                                            const int R, const int bits) {
+    const int format = a->format, with_m = format & F_M, g16 = format & F_GROUP16, bits8 = bits == 8;
+    const int64_t groups = a->K / GROUP, tb = tile_bytes(format);
+    const int64_t sgroups = a->K / group_size(format), per = g16 ? 2 : 1;
     const uint8_t *codes = a->codes + t * groups * tb;
-    const uint8_t *scales = a->scales + t * sgroups * sb + hc * 8 * esize;
     const float *x = a->xf + r0 * a->K;
     const float *x_sums = with_m ? a->x_sums + r0 * sgroups : NULL;
-    const __m256i nibble = _mm256_set1_epi32(0x0F);
+    const __m256i nibble = _mm256_set1_epi32(0x0F), top2 = _mm256_set1_epi32(0x30), off = _mm256_set1_epi32(32);
     /* Per scale group x . q in NACC running sums per row (an FMA waits ~4 cycles for the one
      * before it on the same register; channels take them in turn), then tot += d (x . q) + m
      * sum(x): the same order whatever R, so a row's bits do not depend on the rows beside it */
@@ -240,6 +334,8 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
                 const int c = 2 * h + c2;
                 const __m256i words = bits8 ? _mm256_setzero_si256()
                                             : _mm256_loadu_si256((const __m256i *)(gc + c * 64 + hc * 32));
+                const __m256i high = bits == 6 ? _mm256_loadu_si256((const __m256i *)(gc + 256 + h * 64 + hc * 32))
+                                               : _mm256_setzero_si256();
 #pragma GCC unroll 4
                 for (int i = 0; i < 4; i++) {
                     const int p = 4 * c + i;
@@ -249,6 +345,15 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
                             _mm_loadu_si128((const __m128i *)(gc + p * 2 * TILE + hc * 16)));
                         even = _mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16);
                         odd = _mm256_srai_epi32(v, 16);
+                    } else if (bits == 6) { /* nibble | 2 high bits << 4, minus 32 */
+                        const int j = 4 * c2 + i, up = 4 - 2 * j;
+                        const __m256i hs = up > 0 ? _mm256_slli_epi32(high, up) : _mm256_srli_epi32(high, -up);
+                        even = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(words, 4 * i), nibble),
+                                               _mm256_and_si256(hs, top2));
+                        odd = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(words, 16 + 4 * i), nibble),
+                                              _mm256_and_si256(_mm256_srli_epi32(hs, 16), top2));
+                        even = _mm256_sub_epi32(even, off);
+                        odd = _mm256_sub_epi32(odd, off);
                     } else {
                         even = _mm256_and_si256(_mm256_srli_epi32(words, 4 * i), nibble);
                         odd = _mm256_and_si256(_mm256_srli_epi32(words, 16 + 4 * i), nibble);
@@ -264,9 +369,9 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
             }
             if (g16 || h == 1) { /* a scale group ends */
                 const int64_t s = g * per + (g16 ? h : 0);
-                const __m256 d = load_scales8(scales + s * sb, fp32);
+                __m256 d, m = _mm256_setzero_ps();
+                group_scales(a, t, s, hc, &d, &m);
                 if (with_m) {
-                    const __m256 m = load_scales8(scales + s * sb + sb / 2, fp32);
 #pragma GCC unroll 8
                     for (int r = 0; r < R; r++)
                         tot[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(x_sums + r * sgroups + s), m, tot[r]);
@@ -293,12 +398,12 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
 
 #define CASE(R)                                                                                   \
     case R:                                                                                       \
-        if (bits8) half_rows(a, t, hc, r0, R, 1);                                                 \
-        else half_rows(a, t, hc, r0, R, 0);                                                       \
+        if (a->format & F_BITS8) half_rows(a, t, hc, r0, R, 8);                                  \
+        else if (a->format & F_BITS6) half_rows(a, t, hc, r0, R, 6);                             \
+        else half_rows(a, t, hc, r0, R, 4);                                                      \
         break;
 
 static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows) {
-    const int bits8 = a->format & F_BITS8;
     for (int hc = 0; hc < 2; hc++) switch (rows) {
             CASE(1) CASE(2) CASE(3) CASE(4)
         }
@@ -345,7 +450,8 @@ static void group_sums(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K
 int blink_quant_linear(const uint16_t *x, int64_t x_stride, const void *codes, const void *scales,
                        const uint16_t *bias, uint16_t *y, int64_t y_stride, int64_t M, int64_t N, int64_t K,
                        int format, int threads) {
-    if (M < 1 || N % TILE || K % GROUP || x_stride < K || y_stride < N || format < 0 || format > 15)
+    if (M < 1 || N % TILE || K % GROUP || x_stride < K || y_stride < N || format < 0 || format > 63 ||
+        ((format & F_BITS8) && (format & F_BITS6)) || ((format & F_K) && (K % SUPER || (format & F_FP32))))
         return -2;
 #ifndef BLINK_QUANT_ISA
     (void)x; (void)codes; (void)scales; (void)bias; (void)y; (void)threads;

@@ -15,9 +15,12 @@ gguf's fp32 weights, no weight rounded (tests/test_cpu_quant_linear.py: the exac
 fp32 product in all but a few outputs in a thousand, one bf16 step off).
 
 Formats: ``w = d q + m`` per group of 32 (Q6_K: 16) input channels; 4-bit codes (Q4_0, Q4_1,
-Q4_K) or 8-bit (Q8_0, Q6_K, Q5_K); d and m fp16 where they are (Q4_0, Q4_1, Q8_0), else fp32
-(K-quants: the super-block's d times a sub-block scale). The layout is the AMX kernel's
-(:func:`blink.kernels.cpu.q4_linear._b_tile_rows`).
+Q4_K), 6-bit (Q6_K, Q5_K) or 8-bit (Q8_0); d and m fp16 where they are (Q4_0, Q4_1, Q8_0), a
+K-quant's as its file holds them (fp16 d and dmin per 256 channels, an int8 scale and min per
+group: ``F_K``), so a decode step reads about the file's bytes (Q4_K 4.625 bits a weight, the
+file 4.5; Q6_K the file's 6.5625). The layout is the AMX kernel's
+(:func:`blink.kernels.cpu.q4_linear._b_tile_rows`) for the 4- and 8-bit codes; that kernel
+takes only Q4_0/Q4_1 and keeps its own scales.
 
 ``$BLINK_CPU_Q4``: ``avx512`` or ``avx2`` picks that build (and keeps the AMX kernel off, so a
 CPU with AMX runs the path a CPU without it would), ``torch`` turns both off; unset, AMX where
@@ -43,7 +46,9 @@ log = logging.getLogger("blink.kernels")
 _SOURCE = Path(__file__).with_name("quant_linear.c")
 
 #: the C kernel's format bits
-F_BITS8, F_GROUP16, F_FP32, F_M = 1, 2, 4, 8
+F_BITS8, F_GROUP16, F_FP32, F_M, F_BITS6, F_K = 1, 2, 4, 8, 16, 32
+#: channels per K-quant super-block (F_K: one fp16 d and dmin per 256 channels)
+SUPER = 256
 
 #: build -> (compiler flags, /proc/cpuinfo flags it needs, what the C reports, its name in the log)
 VARIANTS = {
@@ -148,68 +153,136 @@ def available() -> bool:
 class QuantWeight:
     """One ``[n, k]`` projection (or a run of its output columns) in the kernel's layout."""
 
-    codes: torch.Tensor  # 4-bit: int16 [n / 16, k / 32, 4, 32]; 8-bit: int8 [n / 16, k / 32, 16, 32]
-    scales: torch.Tensor  # uint8: [n / 16, k / group, 1 or 2, 16] fp16 or fp32 d (then m)
+    codes: torch.Tensor  # 4-bit: int16 [n / 16, k / 32, 4, 32]; 6-bit: int16 [..., 6, 32]; 8-bit: int8 [..., 16, 32]
+    scales: torch.Tensor  # uint8: [n / 16, k / group, 1 or 2, 16] fp16 or fp32 d (then m); F_K: see pack
     n: int
     k: int
     format: int  # F_* bits
 
     @property
     def bits(self) -> int:
-        return 8 if self.format & F_BITS8 else 4
+        return 8 if self.format & F_BITS8 else 6 if self.format & F_BITS6 else 4
 
     @property
     def group(self) -> int:
         return 16 if self.format & F_GROUP16 else GROUP
 
     def nbytes(self) -> int:
+        """The bytes a product reads: codes and scales."""
         return self.codes.numel() * self.codes.element_size() + self.scales.numel()
 
 
+def _nibble_words(rows: torch.Tensor) -> torch.Tensor:
+    """B-tile rows of 4-bit values (int32 [n / 16, k / 32, 16, 32]) -> int16 [n / 16, k / 32, 4, 32]:
+    word w of vector c holds rows 4c .. 4c + 3's values at nibbles 0..3."""
+    rows = rows.reshape(*rows.shape[:2], GROUP // 8, 4, 2 * TILE)
+    words = rows[:, :, :, 0] | (rows[:, :, :, 1] << 4) | (rows[:, :, :, 2] << 8) | (rows[:, :, :, 3] << 12)
+    return words.to(torch.int16)
+
+
+def _k_scales(k_scales, n: int, k: int, group: int, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """A K-quant's file scales -> the kernel's F_K bytes: per (tile, super-block) the 16 columns'
+    fp16 d, (m) fp16 -dmin, then per group int8 sc x 16, then (m) int8 mn x 16. Raises
+    ValueError where they are not the same weights as ``d`` and ``m``."""
+    nsub, supers = SUPER // group, k // SUPER
+    sc = k_scales.sc.to(torch.int8)
+    with_m = m is not None
+    if (k_scales.d.shape != (n, supers) or sc.shape != (n, k // group) or with_m != (k_scales.mn is not None)
+            or not torch.equal(k_scales.d.float().repeat_interleave(nsub, 1) * sc.float(), d)
+            or (with_m and not torch.equal(-k_scales.dmin.float().repeat_interleave(nsub, 1)
+                                           * k_scales.mn.float(), m))):
+        raise ValueError(f"the K-quant scales of a [{n}, {k}] weight are not its d and m per group of {group}")
+
+    def halves(v: torch.Tensor) -> torch.Tensor:  # fp16 [n, supers] -> bytes [n / 16, supers, 32]
+        return v.to(torch.float16).view(n // TILE, TILE, supers).permute(0, 2, 1).contiguous().view(torch.uint8)
+
+    def ints(v: torch.Tensor) -> torch.Tensor:  # int8 [n, k / group] -> bytes [n / 16, supers, nsub * 16]
+        v = v.to(torch.int8).view(n // TILE, TILE, supers, nsub).permute(0, 2, 3, 1)
+        return v.contiguous().view(torch.uint8).reshape(n // TILE, supers, nsub * TILE)
+
+    parts = [halves(k_scales.d)] + ([halves(-k_scales.dmin)] if with_m else []) + [ints(sc)]
+    if with_m:
+        parts.append(ints(k_scales.mn))
+    return torch.cat(parts, dim=2).reshape(-1).contiguous()
+
+
 def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group: int = GROUP,
-         bits: int = 4) -> QuantWeight | None:
+         bits: int = 4, k_scales=None, six_bits: bool = True) -> QuantWeight | None:
     """``w[n, k] = codes[n, k] * d[n, k // group] + m[...]`` (m None: 0) -> the kernel's layout.
-    ``codes``: uint8 0..15 (``bits`` 4) or int8 (``bits`` 8); d and m float32. None where the
-    shape does not tile (n not a multiple of 16, k of 32, group not 16 or 32)."""
+    ``codes``: uint8 0..15 (``bits`` 4) or int8 (``bits`` 8; kept in 6 bits where they are in
+    -32..31, as Q6_K's and Q5_K's are); d and m float32. ``k_scales``: a K-quant's scales as its
+    file holds them (:class:`blink.loader.gguf_weights.KScales`, the same weights as d and m):
+    kept so (F_K, ~0.6 bits a weight instead of 1 or 2 for fp32 d and m per group) where k is
+    whole super-blocks. ``six_bits`` False keeps 8-bit codes in the 8-bit layout (benchmarks: the
+    layout before the 6-bit one). None where the shape does not tile (n not a multiple of 16, k
+    of 32, group not 16 or 32).
+
+    Layouts (per tile of 16 output columns and group of 32 channels, :func:`_b_tile_rows`' rows):
+    4-bit: 4 vectors of 32 int16 words, nibble i of vector c = row 4c + i; 8-bit: the rows' bytes;
+    6-bit (``code + 32``, 0..63): the 4-bit layout of its low nibbles, then 2 vectors of 32 int16
+    words whose bits 2j .. 2j + 1 of vector v are row 8v + j's high 2 bits (384 bytes)."""
     n, k = codes.shape
     if (n % TILE or k % GROUP or group not in (16, GROUP) or d.shape != (n, k // group)
             or (m is not None and m.shape != d.shape)):
         return None
-    fp32 = not (_is_fp16(d.float()) and (m is None or _is_fp16(m.float())))
-    fmt = (F_GROUP16 if group == 16 else 0) | (F_FP32 if fp32 else 0) | (F_M if m is not None else 0)
+    fmt = (F_GROUP16 if group == 16 else 0) | (F_M if m is not None else 0)
     if bits == 4:
         if codes.dtype != torch.uint8 or int(codes.max()) > 15:
             return None
-        rows = _b_tile_rows(codes.to(torch.int32)).reshape(n // TILE, k // GROUP, GROUP // 8, 4, 2 * TILE)
-        words = rows[:, :, :, 0] | (rows[:, :, :, 1] << 4) | (rows[:, :, :, 2] << 8) | (rows[:, :, :, 3] << 12)
-        packed = words.to(torch.int16).contiguous()
+        packed = _nibble_words(_b_tile_rows(codes.to(torch.int32))).contiguous()
     elif bits == 8:
         if codes.dtype not in (torch.int8, torch.uint8) or (codes.dtype == torch.uint8 and int(codes.max()) > 127):
             return None
-        packed = _b_tile_rows(codes.to(torch.int8)).contiguous()
-        fmt |= F_BITS8
+        if six_bits and int(codes.min()) >= -32 and int(codes.max()) <= 31:  # 6 bits hold them
+            rows = _b_tile_rows(codes.to(torch.int32) + 32)
+            high = (rows >> 4).reshape(n // TILE, k // GROUP, 2, 8, 2 * TILE)
+            words = sum(high[:, :, :, j] << (2 * j) for j in range(8)).to(torch.int16)
+            packed = torch.cat([_nibble_words(rows & 0x0F), words], dim=2).contiguous()
+            fmt |= F_BITS6
+        else:
+            packed = _b_tile_rows(codes.to(torch.int8)).contiguous()
+            fmt |= F_BITS8
     else:
         return None
+    if k_scales is not None and k % SUPER == 0:
+        return QuantWeight(packed, _k_scales(k_scales, n, k, group, d.float(), None if m is None else m.float()),
+                           n, k, fmt | F_K)
+    fp32 = not (_is_fp16(d.float()) and (m is None or _is_fp16(m.float())))
     parts = [d] if m is None else [d, m]
     values = torch.stack([p.float() for p in parts]).to(torch.float32 if fp32 else torch.float16)
     groups = k // group
     scales = values.view(len(parts), n // TILE, TILE, groups).permute(1, 3, 0, 2).contiguous()
-    return QuantWeight(packed, scales.view(torch.uint8).reshape(-1), n, k, fmt)
+    return QuantWeight(packed, scales.view(torch.uint8).reshape(-1), n, k, fmt | (F_FP32 if fp32 else 0))
 
 
 def dequantize(weight: QuantWeight) -> torch.Tensor:
     """The float32 ``[n, k]`` weight the kernel multiplies, ``d q + m``."""
     n, k = weight.n, weight.k
+
+    def nibbles(words: torch.Tensor) -> torch.Tensor:  # int16 [.., 4, 32] -> [.., 16, 32]
+        words = words.to(torch.int32) & 0xFFFF
+        return torch.stack([(words >> (4 * i)) & 0x0F for i in range(4)], dim=3).flatten(2, 3)
+
     if weight.bits == 4:
+        rows = nibbles(weight.codes)
+    elif weight.bits == 6:
         words = weight.codes.to(torch.int32) & 0xFFFF
-        rows = torch.stack([(words >> (4 * i)) & 0x0F for i in range(4)], dim=3)
+        high = torch.stack([(words[:, :, 4:] >> (2 * j)) & 3 for j in range(8)], dim=3).flatten(2, 3)
+        rows = nibbles(weight.codes[:, :, :4]) + (high << 4) - 32
     else:
         rows = weight.codes
     q = _from_b_tile_rows(rows, n, k).float()
     s = 2 if weight.format & F_M else 1
-    dtype = torch.float32 if weight.format & F_FP32 else torch.float16
     groups = k // weight.group
-    scales = weight.scales.view(dtype).float().view(n // TILE, groups, s, TILE).permute(2, 0, 3, 1).reshape(s, n, groups)
+    if weight.format & F_K:
+        supers, nsub = k // SUPER, SUPER // weight.group
+        blocks = weight.scales.view(n // TILE, supers, -1)
+        half = blocks[..., : 2 * TILE * s].contiguous().view(torch.float16).float().view(n // TILE, supers, s, TILE)
+        ints = blocks[..., 2 * TILE * s:].contiguous().view(torch.int8).float().view(n // TILE, supers, s, nsub, TILE)
+        scales = (half[:, :, :, None] * ints).permute(2, 0, 4, 1, 3).reshape(s, n, groups)
+    else:
+        dtype = torch.float32 if weight.format & F_FP32 else torch.float16
+        scales = weight.scales.view(dtype).float().view(n // TILE, groups, s, TILE).permute(2, 0, 3, 1).reshape(s, n, groups)
     w = q.view(n, groups, weight.group) * scales[0][..., None]
     if s == 2:
         w = w + scales[1][..., None]
