@@ -320,3 +320,18 @@ def test_without_a_compiler_torchs_kernel_takes_the_weights(without_c_compiler, 
             q.linear(torch.randn(1, 128).bfloat16(), [q.pack(codes, d, m)], None)
     finally:
         q.reset()
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k"])
+def test_the_file_scales_and_6_bit_codes_give_the_bits_of_fp32_scales_and_8_bit_codes(build, fmt):
+    """The compact layout (the file's scales, d * sc formed in the kernel, exact; Q6_K/Q5_K codes
+    in 6 bits) is the same product as the one it replaced (fp32 d and m per group, 8-bit codes),
+    bit for bit, at decode and prefill row counts, and reads about 2/3 of its bytes or less."""
+    codes, d, m, group, bits, k_scales = weight(fmt, 48, 512, seed=7)
+    compact = q.pack(codes, d, m, group, bits, k_scales)
+    before = q.pack(codes, d, m, group, bits, None, six_bits=False)
+    assert compact.format & q.F_K and not before.format & q.F_K and before.format & q.F_FP32
+    assert compact.nbytes() <= (0.78 if fmt == "q4_k" else 0.67) * before.nbytes()
+    x = torch.randn(40, 512).bfloat16()
+    for rows in (1, 3, 16, 40):
+        assert torch.equal(q.linear(x[:rows], [compact], None), q.linear(x[:rows], [before], None))
