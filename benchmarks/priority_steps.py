@@ -11,6 +11,13 @@ the same with no low streams. It shows how the step composition sets the tail::
 
     python -m benchmarks.priority_steps                      # fcfs, priority, several bounds
     python -m benchmarks.priority_steps --other-prefill 32   # one bound
+    python -m benchmarks.priority_steps --other-prefill 32 --urgent-window 0 16 256
+
+An arrival waits for the step in flight (it is submitted at the next step boundary, its
+TTFT counted from its arrival time). ``--urgent-window`` W: the scheduler's
+``priority_urgent_window_steps`` (while a more urgent priority was seen in the last W steps,
+a less urgent first prompt only shares the bound, so the step in flight is short too); 0
+models the rule before that register (a less urgent first prompt always prefills whole).
 
 Frontend, client and CPU contention are not modelled (bench_priority measures them).
 """
@@ -29,15 +36,22 @@ def simulate(policy: str, other_prefill: int, *, seconds: float = 100.0, low_str
              high_interval_ms: float = 500.0, prompt_tokens: tuple[int, int] = (195, 215),
              low_max_tokens: int = 256, high_max_tokens: int = 16,
              step_ms: tuple[float, float] = (8.0, 0.30), budget: int = 2048,
-             seed: int = 0) -> dict[str, float]:
-    """High-priority TTFTs (ms: P50, P99, max, count) and the low streams' finished requests
-    and output tokens per second over ``seconds`` of modelled time."""
+             urgent_window: int | None = None, seed: int = 0) -> dict[str, float]:
+    """High-priority TTFTs (ms: P50, P99, max, count), the low streams' finished requests
+    and output tokens per second over ``seconds`` of modelled time, and the steps run.
+    ``urgent_window``: ``priority_urgent_window_steps`` (None: the config's default; 0: no
+    urgency register, the rule before it)."""
+    extra = {} if urgent_window in (None, 0) else {"priority_urgent_window_steps": urgent_window}
     cfg = SchedulerConfig(block_size=16, num_blocks=8192, max_model_len=2048,
                           max_num_batched_tokens=budget, max_admit_per_step=16,
                           enable_prefix_caching=False, scheduling_policy=policy,
-                          priority_other_prefill_tokens=other_prefill)
+                          priority_other_prefill_tokens=other_prefill, **extra)
     high_slots = 32  # a high request lasts well under 32 intervals: a slot is free again
     ref = ReferenceScheduler(cfg, low_streams + high_slots, 1 << 30)
+    if urgent_window == 0:  # no register: no live request is ever less urgent than it
+        def no_register(queue: list[Request]) -> None:
+            ref.urgent_priority = 2**63 - 1
+        ref._track_urgent = no_register
     rng = np.random.default_rng(seed)
     arrivals = iter(range(1, 1 << 62))
     a, b = step_ms
@@ -53,8 +67,9 @@ def simulate(policy: str, other_prefill: int, *, seconds: float = 100.0, low_str
     t, next_high, n_high, seen = 0.0, 2000.0, 0, 0
     arrived: dict[int, float] = {}  # id(request) -> arrival time (ms), high ones
     ttft: list[float] = []
-    low_done = low_tokens = 0
+    low_done = low_tokens = steps = 0
     while t < seconds * 1000:
+        steps += 1
         if t >= next_high:
             arrived[id(submit(low_streams + n_high % high_slots, 0, high_max_tokens))] = next_high
             n_high, next_high = n_high + 1, next_high + high_interval_ms
@@ -78,7 +93,7 @@ def simulate(policy: str, other_prefill: int, *, seconds: float = 100.0, low_str
         seen = len(ref.finished)
     v = np.array(ttft) if ttft else np.array([float("nan")])
     return dict(p50=float(np.percentile(v, 50)), p99=float(np.percentile(v, 99)), max=float(v.max()),
-                n=len(ttft), low_done=low_done, low_tok_s=low_tokens / seconds)
+                n=len(ttft), low_done=low_done, low_tok_s=low_tokens / seconds, steps=steps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,15 +104,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-ms", type=float, nargs=2, default=(8.0, 0.30), metavar=("A", "B"))
     p.add_argument("--other-prefill", type=int, nargs="*", default=[2048, 64, 32, 16],
                    help="priority_other_prefill_tokens values to model (2048: no bound)")
+    p.add_argument("--urgent-window", type=int, nargs="*", default=[0, 256],
+                   help="priority_urgent_window_steps values to model (0: no urgency register)")
     a = p.parse_args(argv)
     kw = dict(seconds=a.seconds, high_interval_ms=a.high_interval_ms, step_ms=tuple(a.step_ms))
     idle = simulate("priority", 64, low_streams=0, **kw)
     print(f"idle: high TTFT P50 {idle['p50']:.1f} P99 {idle['p99']:.1f} ms")
-    for policy, other in [("fcfs", 64)] + [("priority", o) for o in a.other_prefill]:
-        r = simulate(policy, other, low_streams=a.low_streams, **kw)
-        print(f"{policy:8s} other_prefill={other:5d}: high TTFT P50 {r['p50']:6.1f} P99 {r['p99']:6.1f} "
-              f"max {r['max']:6.1f} ms (P99 / idle P99 {r['p99'] / idle['p99']:.2f}x, n={r['n']}); "
-              f"low: {r['low_done']} finished, {r['low_tok_s']:.0f} tok/s")
+    runs = [("fcfs", 64, 0)] + [("priority", o, w) for o in a.other_prefill for w in a.urgent_window]
+    for policy, other, window in runs:
+        r = simulate(policy, other, low_streams=a.low_streams, urgent_window=window, **kw)
+        print(f"{policy:8s} other_prefill={other:5d} urgent_window={window:4d}: high TTFT P50 {r['p50']:6.1f} "
+              f"P99 {r['p99']:6.1f} max {r['max']:6.1f} ms (P99 / idle P99 {r['p99'] / idle['p99']:.2f}x, "
+              f"n={r['n']}); low: {r['low_done']} finished, {r['low_tok_s']:.0f} tok/s; "
+              f"{r['steps'] / max(r['n'], 1):.0f} steps per urgent arrival")
     return 0
 
 

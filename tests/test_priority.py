@@ -2,12 +2,13 @@
 request field ``priority``, lower = served first, ties by arrival).
 
 - The flag: declared once (blink.engine_options), reaches the scheduler's config, the
-  ``blink engine`` children of ``blink serve`` and its frontend; the fused Triton scheduler
-  refuses it by name.
+  ``blink engine`` children of ``blink serve`` and its frontend.
 - The tensor-code scheduler (its agreement with the reference, step by step, is in
-  tests/test_scheduler_reference.py): a later, more urgent request is admitted and served
-  before queued less urgent ones and preempts the least urgent running row when blocks run
-  out.
+  tests/test_scheduler_reference.py; the fused one's in tests/test_scheduler_fused.py): a
+  later, more urgent request is admitted and served before queued less urgent ones and
+  preempts the least urgent running row when blocks run out; one large prefill per step;
+  while urgent work was seen in the last W steps a less urgent first prompt is capped too
+  (the urgency register), whole again after W steps; low prefills keep progressing.
 - The frontend: ``priority`` other than 0 is a 400 under fcfs, passed through the ring under
   priority (also a 400 when it does not fit 32 bits).
 - End to end through the app, the ring and the engine (tiny random model): with the engine
@@ -33,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds n
 import test_scheduler as ts  # noqa: E402
 from dpu_helpers import ring_frontend  # noqa: E402
 from test_scheduler_reference import drive  # noqa: E402
+
+tsr_drive = drive
 
 from blink.cli import parse_args  # noqa: E402
 from blink.launcher import engine_child_argv, engine_config_from_args, frontend_args  # noqa: E402
@@ -174,18 +177,96 @@ def test_one_large_prefill_per_step_under_the_priority_policy(bound):
         assert max(others) > 4 and low_beside_urgent > 4, (others, low_beside_urgent)
 
 
+def _urgency_cfg(**kw):
+    return ts._cfg(**{"num_blocks": 400, "max_model_len": 64, "max_num_batched_tokens": 64,
+                      "max_admit_per_step": 4, "enable_prefix_caching": False,
+                      "scheduling_policy": "priority", "priority_other_prefill_tokens": 4,
+                      "priority_urgent_window_steps": 6, **kw})
+
+
+def _req(priority: int, length: int, max_tokens: int, submit: int, rng) -> ts.Req:
+    req = ts.Req(prompt=rng.integers(1, ts.VOCAB, length).tolist(), max_tokens=max_tokens, ignore_eos=True,
+                 submit_step=submit)
+    req.priority = priority
+    return req
+
+
+@pytest.mark.parametrize("urgent", [True, False])
+def test_a_low_first_prompt_is_capped_while_urgent_was_seen_and_whole_after(urgent):
+    """The urgency register (window W = 6 steps, bound P = 4), step by step (drive checks
+    the tensor code against the reference): a low prompt A arrives with an urgent request U
+    at step 0; U prefills whole, and A, the first prefilling row once U is done, still gets
+    only P tokens per step while U was seen in the last W steps (the step in flight when the
+    next urgent request comes stays short). A low prompt C arriving once the register has
+    expired prefills whole in one step, as does A when no urgent request came at all (the
+    rule before the register: an all-low workload is unchanged)."""
+    rng = np.random.default_rng(4)
+    u = _req(0, 8, 2, 0, rng)
+    a = _req(10, 20, 30, 0, rng)
+    c = _req(10, 20, 2, 14, rng)
+    reqs = [u, a, c] if urgent else [a, c]
+    steps = _prefill_steps(reqs, _urgency_cfg(), n_slots=4, stream_capacity=64)
+    assert all(r.finish is not None for r in reqs)
+
+    def grants(req: ts.Req) -> list[tuple[int, int]]:  # (step, prompt tokens) of its prefill
+        return [(i, n) for i, step in enumerate(steps) for p, arr, n in step if arr == req.arrival]
+
+    if urgent:
+        assert grants(u) == [(0, 8)]  # whole, in the step that admits it
+        assert grants(a) == [(i, 4) for i in range(5)]  # capped at P while U was seen (steps 0-7)
+    else:
+        assert grants(a) == [(0, 20)]
+    assert grants(c) == [(14, 20)]  # no urgent work in the last W steps: whole
+
+
+def test_low_prefills_keep_progressing_while_urgent_work_keeps_arriving():
+    """No starvation: six low-priority prompts prefill while urgent requests arrive every
+    third step for 60 steps (the register never expires: W = 50). Every step in which a low
+    prompt is being prefilled grants low prefill tokens (the first capped row gets its share
+    every step), at most P of them, and every request finishes."""
+    rng = np.random.default_rng(5)
+    lows = [_req(10, int(rng.integers(24, 31)), 3, 0, rng) for _ in range(6)]
+    urgents = [_req(0, 4, 1, step, rng) for step in range(0, 60, 3)]
+    cfg = _urgency_cfg(priority_other_prefill_tokens=2, priority_urgent_window_steps=50)
+    from blink.engine.sched import reference
+
+    low_prefill: list[tuple[int, int]] = []  # per step: (low rows prefilling, their tokens)
+    orig = reference.ReferenceScheduler.schedule
+
+    def schedule(self):
+        num_new = orig(self)
+        rows = [r for r in self.running if r.priority == 10 and r.num_computed < len(r.prompt)]
+        low_prefill.append((len(rows), sum(num_new.get(r.slot, 0) for r in rows)))
+        return num_new
+    reference.ReferenceScheduler.schedule = schedule
+    try:
+        tsr_drive([*lows, *urgents], cfg, n_slots=8, stream_capacity=8)
+    finally:
+        reference.ReferenceScheduler.schedule = orig
+    assert all(r.finish is not None for r in [*lows, *urgents])
+    busy = [n for rows, n in low_prefill if rows]
+    assert len(busy) > 60 and all(1 <= n <= 2 for n in busy), low_prefill
+
+
 def test_step_model_bound_cuts_the_tail_and_keeps_lows_flowing():
     """benchmarks/priority_steps.py (bench_priority's workload on the reference policy with a
     linear step cost): unbounded (the budget), an urgent request's worst wait is a step of
-    ~2048 re-arriving low-priority prompt tokens; with the default bound it is a step of one
-    prompt plus the bound, and the low streams produce as many tokens."""
+    ~2048 re-arriving low-priority prompt tokens; with the bound but no urgency register, a
+    step of one low prompt plus the bound (then its own step: ~2x idle); with the register
+    (urgent work every 0.5 s, within the default window), a step of decode rows plus the
+    bound; and the low streams produce as many tokens."""
     from benchmarks.priority_steps import simulate
 
-    unbounded = simulate("priority", 2048, seconds=20)
-    bounded = simulate("priority", ts._cfg().priority_other_prefill_tokens, seconds=20)
+    bound = ts._cfg().priority_other_prefill_tokens
+    unbounded = simulate("priority", 2048, seconds=20, urgent_window=0)
+    no_register = simulate("priority", bound, seconds=20, urgent_window=0)
+    bounded = simulate("priority", bound, seconds=20)  # the default urgency window
     idle = simulate("priority", 32, seconds=20, low_streams=0)
     assert unbounded["max"] > 4 * idle["p99"]  # the old tail: one 2048-token step
-    assert bounded["max"] < 2.5 * idle["p99"], (bounded, idle)
+    # Without the register the step in flight can still be a whole low prompt (~2x idle);
+    # with it, only decode rows and P prompt tokens.
+    assert no_register["max"] > 1.8 * idle["p99"], (no_register, idle)
+    assert bounded["max"] < 1.7 * idle["p99"], (bounded, idle)
     assert bounded["low_tok_s"] >= 0.95 * unbounded["low_tok_s"] > 0 and bounded["low_done"] > 0
 
 

@@ -283,6 +283,15 @@ def test_fused_priority_policy_agrees_with_the_python_reference(fused_oracle):
     tsr.test_priority_policy_with_zero_priorities_is_fcfs()
 
 
+def test_fused_urgency_register_agrees_with_the_python_reference(fused_oracle, monkeypatch):
+    """The urgency register (set, aged, expired after W steps, set again) and the capped
+    first prompt, in the fused allocator, step by step against the reference."""
+    import test_priority as tp
+
+    tsr.test_priority_urgency_register_agrees_step_by_step(monkeypatch)
+    tp.test_a_low_first_prompt_is_capped_while_urgent_was_seen_and_whole_after(True)
+
+
 test_priority_random_workloads_agree_with_the_reference = pytest.mark.usefixtures("fused_oracle")(settings(
     max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])(
     given(ts.scenarios(), hst.lists(hst.integers(-3, 3), min_size=10, max_size=10), hst.integers(1, 24))(

@@ -22,6 +22,7 @@ import test_scheduler as ts  # noqa: E402
 from blink.engine.sched import reference  # noqa: E402
 from blink.engine.sched.scheduler import Scheduler  # noqa: E402
 from blink.engine.sched.state import (  # noqa: E402
+    INT64_MAX,
     K_PREEMPTIONS,
     K_PREFIX_HITS,
     ROW_EMPTY,
@@ -50,6 +51,9 @@ def _same_state(sched: Scheduler, ref: reference.ReferenceScheduler, what: str) 
     assert _rows(sched) == _ref_rows(ref), f"{what}: rows differ\n{_rows(sched)}\n{_ref_rows(ref)}"
     assert int((st.block_ref[:N] == 0).sum()) == ref.num_free_blocks(), f"{what}: free blocks differ"
     assert int(st.counters[K_PREEMPTIONS]) == ref.preemptions, f"{what}: preemptions differ"
+    # The priority policy's urgency register (inert under fcfs: never written).
+    urgent = INT64_MAX if ref.urgent_priority is None else ref.urgent_priority
+    assert (int(st.urgent_priority), int(st.urgent_age)) == (urgent, ref.urgent_age), f"{what}: urgency register"
 
 
 def drive(reqs: list[ts.Req], cfg, n_slots: int = 4, stream_capacity: int = 4, rate: int = 1 << 30,
@@ -160,15 +164,57 @@ def test_priority_tiny_pool_agrees_step_by_step():
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ts.scenarios(), hst.lists(hst.integers(-3, 3), min_size=10, max_size=10), hst.integers(1, 24))
-def test_priority_random_workloads_agree_with_the_reference(scenario, priorities, other_prefill):
+@given(ts.scenarios(), hst.lists(hst.integers(-3, 3), min_size=10, max_size=10), hst.integers(1, 24),
+       hst.integers(1, 12))
+def test_priority_random_workloads_agree_with_the_reference(scenario, priorities, other_prefill, window):
     """The property test's workloads under the priority policy with random priorities
-    (few values: many ties, so arrival breaks them) and prefill bounds (from 1 token to past
-    the budget): the two schedulers agree at every step."""
+    (few values: many ties, so arrival breaks them), prefill bounds (from 1 token to past
+    the budget) and urgency windows (short: the register expires within the workloads): the
+    two schedulers agree at every step, the urgency register included."""
     cfg, reqs, env, _ = scenario
     cfg = dataclasses.replace(cfg, enable_prefix_caching=False, scheduling_policy="priority",
-                              priority_other_prefill_tokens=other_prefill)
+                              priority_other_prefill_tokens=other_prefill,
+                              priority_urgent_window_steps=window)
     drive(_with_priorities(reqs, priorities), cfg, **env)
+
+
+def urgent_waves(window: int = 5) -> tuple[list[ts.Req], object]:
+    """Low-priority (10) requests with long prompts arriving throughout, and urgent (0) ones
+    in two waves far enough apart that the urgency register (window ``window``) expires
+    between them, then a priority-5 request once it has: the register is set, ages, expires
+    to the live rows' most urgent priority, is set again, and holds a middle level."""
+    rng = np.random.default_rng(7)
+    cfg = ts._cfg(num_blocks=40, max_model_len=32, max_num_batched_tokens=24, max_admit_per_step=3,
+                  enable_prefix_caching=False, scheduling_policy="priority",
+                  priority_other_prefill_tokens=3, priority_urgent_window_steps=window)
+    reqs = []
+    for submit, priority, length, max_tokens in [
+            (0, 10, 20, 10), (0, 10, 18, 10), (1, 0, 6, 2), (4, 10, 22, 6), (9, 10, 20, 4),
+            (24, 0, 5, 2), (26, 10, 21, 5), (40, 5, 19, 3), (41, 10, 20, 3)]:
+        req = ts.Req(prompt=rng.integers(1, ts.VOCAB, length).tolist(), max_tokens=max_tokens,
+                     ignore_eos=True, submit_step=submit)
+        req.priority = priority
+        reqs.append(req)
+    return reqs, cfg
+
+
+def test_priority_urgency_register_agrees_step_by_step(monkeypatch):
+    """The urgency register through urgent arrivals, ageing, expiry after W steps and a
+    new urgent wave (urgent_waves): the tensor code's register, tokens and blocks equal the
+    reference's at every step (drive compares the register too)."""
+    reqs, cfg = urgent_waves()
+    seen: list[tuple[int | None, int]] = []
+    orig = reference.ReferenceScheduler._track_urgent
+
+    def track(self, queue):
+        orig(self, queue)
+        seen.append((self.urgent_priority, self.urgent_age))
+    monkeypatch.setattr(reference.ReferenceScheduler, "_track_urgent", track)
+    drive(reqs, cfg, n_slots=5, stream_capacity=8)
+    levels = [p for p, _ in seen]
+    assert (0, cfg.priority_urgent_window_steps) in seen  # aged the whole window
+    first_expiry = levels.index(10, levels.index(0))
+    assert 0 in levels[first_expiry:] and 5 in levels  # set again, and a middle level
 
 
 @pytest.mark.parametrize("seed", range(8))

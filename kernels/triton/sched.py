@@ -18,7 +18,8 @@ Stages (issue 32, part 1):
   release window's lanes; rows left without a block become EMPTY;
 - ``stats``: the ring's gauges and counters;
 - ``allocate``: the token budget in queue order (FCFS, or (priority, arrival) under the
-  priority policy, whose bound on the other prompts' prefill it applies too), preemption by recompute when the blocks do
+  priority policy, whose bound on the other prompts' prefill and urgency register it
+  applies too), preemption by recompute when the blocks do
   not fit (the reference's freed(k) scan over the block table, then the newest-first
   suffix), and the new blocks from the free pool, never-cached first then least recently
   used. FCFS order and the free list are one ``tl.sort`` each of keys packed with their
@@ -338,9 +339,10 @@ def _allocate_kernel(
     row_hash_ptr, produced_ptr, produced_stride, consumed_ptr, consumed_stride,
     block_ref_ptr, block_slot_ptr, last_used_ptr, block_gen_ptr, table_ptr, step_ptr, counters_ptr,
     rank_ptr, flag_ptr, need_ptr, first_user_ptr, per_pos_ptr, ends_ptr, free_list_ptr, num_new_ptr,
-    priority_ptr, num_prompt_ptr,
+    priority_ptr, num_prompt_ptr, urgent_priority_ptr, urgent_age_ptr,
     S, N, M, B, budget, capacity, J, table_sink,
     PREFIX_CACHING: tl.constexpr, K_PREEMPTIONS: tl.constexpr, PRIORITY: tl.constexpr, OTHER_PREFILL: tl.constexpr,
+    URGENT_WINDOW: tl.constexpr,
     ROW_WAITING: tl.constexpr, ROW_RUNNING: tl.constexpr, ROW_RELEASING: tl.constexpr,
     ROW_AWAITING_KV: tl.constexpr,
     S_P2: tl.constexpr, N_P2: tl.constexpr, BLOCK: tl.constexpr, SEARCH_STEPS: tl.constexpr,
@@ -373,9 +375,22 @@ def _allocate_kernel(
     nc_p = tl.where(act_p, tl.load(num_computed_ptr + order, mask=rmask, other=0), 0)
     held_p = tl.where(act_p, tl.load(num_blocks_ptr + order, mask=rmask, other=0), 0)
     asked = tl.load(need_ptr + order, mask=rmask, other=0)
-    if PRIORITY:  # Budget._cap_other_prefill: the prompts after the first share OTHER_PREFILL
+    if PRIORITY:
+        # Budget._track_urgent: the urgency register (the most urgent priority seen among the
+        # live rows within the last URGENT_WINDOW steps, and its age).
+        seen = tl.min(tl.where(active, tl.load(priority_ptr + rows, mask=rmask, other=0).to(tl.int64),
+                               _INT64_MAX), 0)
+        urgent = tl.load(urgent_priority_ptr)
+        age = tl.load(urgent_age_ptr)
+        keep = (urgent < seen) & (age < URGENT_WINDOW)
+        urgent = tl.where(keep, urgent, seen)
+        tl.store(urgent_priority_ptr, urgent)
+        tl.store(urgent_age_ptr, tl.where(keep, age + 1, 0))
+        # Budget._cap_other_prefill: the prompts after the first share OTHER_PREFILL, and so
+        # does the first when it is less urgent than the register.
         prefilling = act_p & (nc_p < tl.load(num_prompt_ptr + order, mask=rmask, other=0)) & (asked > 0)
-        other = prefilling & (tl.cumsum(prefilling.to(tl.int64), 0) > 1)
+        less_urgent = tl.load(priority_ptr + order, mask=rmask, other=0).to(tl.int64) > urgent
+        other = prefilling & ((tl.cumsum(prefilling.to(tl.int64), 0) > 1) | less_urgent)
         x = tl.where(other, asked, 0)
         asked = tl.where(other, tl.minimum(x, tl.maximum(OTHER_PREFILL - (tl.cumsum(x, 0) - x), 0)), asked)
 
@@ -533,6 +548,7 @@ def allocate(st, produced: torch.Tensor, consumed: torch.Tensor, scratch: AllocS
             st.counters,
             scratch.rank, scratch.flag, scratch.need, scratch.first_user, scratch.per_pos, scratch.ends,
             scratch.free_list, scratch.num_new, st.sampling["priority"], st.num_prompt,
+            st.urgent_priority, st.urgent_age,
             S, N, M, block_size, budget, capacity, window, st.block_table_flat.shape[0] - 1,
             PREFIX_CACHING=prefix_caching, **consts,
             S_P2=_p2(S), N_P2=_p2(N), BLOCK=256, SEARCH_STEPS=int(S).bit_length() + 1,

@@ -11,7 +11,10 @@ finished rows' blocks. Also the blocks' LRU stamps (the prefix cache evicts by t
   Under the priority policy the rows prefilling their prompt after the first one (in that
   order) ask, together, for at most ``priority_other_prefill_tokens`` per step: no step
   carries more than one large prefill, so an urgent arrival never waits behind a long
-  step of less urgent prefills, and its own step stays short.
+  step of less urgent prefills, and its own step stays short. And while a more urgent
+  priority was seen in the last ``priority_urgent_window_steps`` steps (the state's
+  ``urgent_priority`` register), a less urgent first prompt shares that bound too: the
+  step in flight when the next urgent request arrives is short as well.
 - Blocks: let freed(k) = blocks referenced only by rows at FCFS positions >= k. The longest
   prefix of rows whose new blocks fit in free + freed(k) is served (the next row gets what
   is left); then the shortest newest-first suffix of rows whose blocks cover the deficit is
@@ -84,8 +87,10 @@ class Budget:
         asked = want[order]
 
         if cfg.scheduling_policy == "priority":  # a static choice: no branch on values
+            priority = st.sampling["priority"].long()
+            urgent = self._track_urgent(active, priority)
             prefilling = ((st.num_computed < st.num_prompt) & (want > 0))[order]
-            asked = self._cap_other_prefill(asked, prefilling)
+            asked = self._cap_other_prefill(asked, prefilling, priority[order] > urgent)
         # Token budget: each position gets what is left after the older ones.
         grant = torch.minimum((cfg.max_num_batched_tokens - (asked.cumsum(0) - asked)).clamp(min=0), asked)
         need = (ceil_div(nc + grant, B) - held).clamp(min=0)
@@ -99,14 +104,35 @@ class Budget:
         st.status.masked_fill_(num_new > 0, ROW_RUNNING)
         return num_new
 
-    def _cap_other_prefill(self, asked: torch.Tensor, prefilling: torch.Tensor) -> torch.Tensor:
+    def _track_urgent(self, active: torch.Tensor, priority: torch.Tensor) -> torch.Tensor:
+        """The priority policy's urgency register: ``urgent_priority``, the most urgent
+        (lowest) priority seen among the live rows within the last W
+        (``priority_urgent_window_steps``) steps, and ``urgent_age``, the steps since then.
+        A live row as urgent or more (re)sets it (age 0); otherwise it ages by one, and
+        after W steps it takes the live rows' most urgent priority now (INT64_MAX: none).
+        Afterwards the register is <= every live row's priority: a row is either at the
+        urgent level or less urgent. Branch-free: two 0-d writes. Returns the register."""
+        st = self._w.state
+        seen = torch.where(active, priority, INT64_MAX).min()
+        keep = (st.urgent_priority < seen) & (st.urgent_age < self.config.priority_urgent_window_steps)
+        st.urgent_priority.copy_(torch.where(keep, st.urgent_priority, seen))
+        st.urgent_age.copy_(torch.where(keep, st.urgent_age + 1, 0))
+        return st.urgent_priority
+
+    def _cap_other_prefill(self, asked: torch.Tensor, prefilling: torch.Tensor,
+                           less_urgent: torch.Tensor) -> torch.Tensor:
         """The priority policy's prefill bound (``priority_other_prefill_tokens``, P): of the
-        rows still prefilling their prompt, the first in queue order asks for all it needs;
-        the others, in queue order, share at most P tokens per step. A step's length is the
+        rows still prefilling their prompt, the first in queue order asks for all it needs
+        unless it is ``less_urgent`` than the urgency register (:meth:`_track_urgent`); the
+        others, in queue order, share at most P tokens per step. A step's length is the
         wait of any request arriving during it, so a step never carries more than one large
-        prefill (and the step in which an urgent request prefills carries at most P less
-        urgent prefill tokens). ``asked``, ``prefilling``: in queue order."""
-        other = prefilling & (prefilling.cumsum(0) > 1)
+        prefill, none of a less urgent prompt while urgent work was seen recently (the step
+        in flight when the next urgent request arrives is short), and the step in which an
+        urgent request prefills carries at most P less urgent prefill tokens. Every
+        prefilling row still progresses: the first capped one gets tokens every step the
+        budget reaches it (P >= 1) until its prompt is done. ``asked``, ``prefilling``, ``less_urgent``: in queue
+        order."""
+        other = prefilling & ((prefilling.cumsum(0) > 1) | less_urgent)
         x = torch.where(other, asked, 0)
         share = torch.minimum(x, (self.config.priority_other_prefill_tokens - (x.cumsum(0) - x)).clamp(min=0))
         return torch.where(other, share, asked)

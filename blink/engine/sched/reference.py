@@ -89,6 +89,11 @@ class ReferenceScheduler:
         self.rows: list[Request | None] = [None] * num_slots
         self.step = 0
         self.preemptions = 0
+        # The priority policy's urgency register (None: nothing seen): the most urgent
+        # priority seen among the live requests within the last priority_urgent_window_steps
+        # steps, and the steps since it was last seen (:meth:`_track_urgent`).
+        self.urgent_priority: int | None = None
+        self.urgent_age = 0
         self.finished: list[Request] = []  # in finishing order (aborted WRITTEN slots too)
         # Blocks: reference counts, and the LRU stamp of each (when it was last released or
         # hit, the tensor code's ``block_last_used``). A free block (ref 0) may still be cached.
@@ -223,7 +228,9 @@ class ReferenceScheduler:
         uncomputed tokens (none if a lookup is pending or its output stream is full; under the
         priority policy, a prompt being prefilled after the first one asks for at most what
         is left of ``priority_other_prefill_tokens``) and gets what the budget has left (the
-        last one a chunk). If the new blocks do not fit the free pool: serve the longest
+        last one a chunk; while a more urgent priority was seen within the last
+        ``priority_urgent_window_steps`` steps, a less urgent prompt shares that bound even
+        when it is the first). If the new blocks do not fit the free pool: serve the longest
         oldest-first prefix that would fit if everything younger were preempted (the request
         at the cut gets what is left), and preempt the shortest youngest-first suffix whose
         blocks cover the deficit."""
@@ -231,14 +238,17 @@ class ReferenceScheduler:
         queue = self.running
         budget = cfg.max_num_batched_tokens
         # Under the priority policy the prompts being prefilled after the first one (in queue
-        # order) share priority_other_prefill_tokens per step: one large prefill per step.
+        # order) share priority_other_prefill_tokens per step: one large prefill per step;
+        # so does the first one when it is less urgent than urgent work seen recently.
         first_prefill, other_prefill = True, cfg.priority_other_prefill_tokens
+        if cfg.scheduling_policy == "priority":
+            self._track_urgent(queue)
         grant = []
         for req in queue:
             room = req.produced - req.consumed < self.stream_capacity
             want = req.num_tokens - req.num_computed if room and not req.needs_lookup else 0
             if cfg.scheduling_policy == "priority" and want > 0 and req.num_computed < len(req.prompt):
-                if not first_prefill:
+                if not first_prefill or req.priority > self.urgent_priority:
                     want = min(want, other_prefill)
                     other_prefill -= want
                 first_prefill = False
@@ -266,6 +276,18 @@ class ReferenceScheduler:
             if g > 0:
                 req.status = RUNNING
         return {req.slot: g for req, g in zip(queue, grant) if g > 0}
+
+    def _track_urgent(self, queue: list[Request]) -> None:
+        """The urgency register: a live request as urgent as it or more (re)sets it; else it
+        ages a step, and once it has aged ``priority_urgent_window_steps`` steps it takes the
+        most urgent live priority now (None when nothing is live)."""
+        seen = min((r.priority for r in queue), default=None)
+        window = self.cfg.priority_urgent_window_steps
+        if self.urgent_priority is None or (seen is not None and seen <= self.urgent_priority) \
+                or self.urgent_age >= window:
+            self.urgent_priority, self.urgent_age = seen, 0
+        else:
+            self.urgent_age += 1
 
     def _cut(self, queue, grant, need, held, free):
         """The preemption decision (the blocks do not fit). Returns the new grants and the

@@ -214,6 +214,7 @@ class Scheduler(Admission, KvReservation, PrefixHookup, Budget, Batching, Publis
             priority = config.scheduling_policy == "priority"  # (priority, arrival) queue order
             self._alloc_consts = dict(K_PREEMPTIONS=K_PREEMPTIONS, ROW_WAITING=ROW_WAITING, PRIORITY=priority,
                                       OTHER_PREFILL=config.priority_other_prefill_tokens,
+                                      URGENT_WINDOW=config.priority_urgent_window_steps,
                                       ROW_RUNNING=ROW_RUNNING, ROW_RELEASING=ROW_RELEASING,
                                       ROW_AWAITING_KV=ROW_AWAITING_KV)
             self._done = torch.zeros(S, dtype=torch.int64, device=dev)

@@ -111,6 +111,14 @@ class SchedulerConfig:
         first asks for all it needs): one large prefill per step at most, so no step that
         an urgent request waits for, or prefills in, is long with less urgent prefills.
         Unused under fcfs.
+    priority_urgent_window_steps: under the priority policy, W: for how many steps the
+        most urgent priority seen among the live rows is remembered (``EngineState``'s
+        ``urgent_priority`` register). While it is, a prompt less urgent than it loses the
+        first prefill's privilege and only shares ``priority_other_prefill_tokens``: the step
+        an urgent arrival waits for (the one in flight) is short too, not a whole less urgent
+        prompt. W must span the gap between urgent arrivals (256 steps: over 2 s at a
+        10 ms step; bench_priority sends one every 0.5 s); with nothing urgent for W steps the
+        privilege returns, so an all-low workload prefills as before. Unused under fcfs.
     """
 
     block_size: int = 16
@@ -128,6 +136,7 @@ class SchedulerConfig:
     mask_timeout_s: float = 5.0
     scheduling_policy: str = "fcfs"
     priority_other_prefill_tokens: int = 32
+    priority_urgent_window_steps: int = 256
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -135,7 +144,8 @@ class SchedulerConfig:
                              f"{', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
         for name in ("block_size", "num_blocks", "max_model_len", "max_num_batched_tokens",
-                     "max_admit_per_step", "prefix_probes", "priority_other_prefill_tokens"):
+                     "max_admit_per_step", "prefix_probes", "priority_other_prefill_tokens",
+                     "priority_urgent_window_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise BlinkError(f"scheduler config: {name} must be a positive integer, got {value!r}")
@@ -287,6 +297,10 @@ class EngineState:
     Prefix table [H+1] int64: block id per slot, N = empty; slot H is a write sink.
     insert_best [H+1] int64: the table insert's per-slot scratch (all INT64_MIN between steps).
     counters [NUM_COUNTERS] int64 (K_*), step (0-d int64).
+    The priority policy's urgency register (0-d int64; inert under fcfs): urgent_priority,
+    the most urgent priority seen among the live rows within the last
+    ``priority_urgent_window_steps`` steps (INT64_MAX: none), and urgent_age, the steps
+    since it was last seen (``Budget._track_urgent``).
     Disaggregation (ring ``max_kv_blocks`` > 0, else width 1): kv_route [S, 4] int64 (mode,
     peer, slot, seq: KV_ROUTE_*) and kv_dest_blocks [S, max(max_kv_blocks, 1)] int32, copied
     from the request record at admission, so the KV sender never reads a slot the frontend may
@@ -319,6 +333,8 @@ class EngineState:
     counters: torch.Tensor
     kv_route: torch.Tensor
     kv_dest_blocks: torch.Tensor
+    urgent_priority: torch.Tensor
+    urgent_age: torch.Tensor
     step: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
     #: the flat buffer every ``sampling`` tensor is a segment of (:func:`sampling_words`)
     sampling_words: torch.Tensor | None = None
@@ -395,6 +411,8 @@ class EngineState:
             counters=full((NUM_COUNTERS,), 0, torch.int64),
             kv_route=full((S, 4), 0, torch.int64),
             kv_dest_blocks=full((S, max(ring_cfg.max_kv_blocks, 1)), -1, torch.int32),
+            urgent_priority=full((), INT64_MAX, torch.int64),
+            urgent_age=full((), 0, torch.int64),
             step=full((), 0, torch.int64),
             sampling_words=words,
         )
