@@ -3,7 +3,7 @@ compact layout, on a real GGUF file, in one process (interleaved A/B, best of ``
 
 "before": each K-quant group's d (and m) as fp32 (2 bits a weight of scales for Q4_K), Q6_K /
 Q5_K codes in 8 bits; "after": the file's own scales (fp16 d/dmin per 256 channels, int8 sc/mn
-per group) and 6-bit codes (:func:`blink.kernels.cpu.quant_linear.pack`). Both are the same
+per group) and 5-bit (Q5_K) / 6-bit (Q6_K) codes (:func:`blink.kernels.cpu.quant_linear.pack`). Both are the same
 weights: the script checks the outputs are the same bits.
 
 Projections as Blink runs them (qkv and gate/up fused, each run of one format a part; the tied
@@ -71,7 +71,7 @@ def _pack(segments: list[Any], compact: bool) -> list[Any]:
         if compact and run[0].k_scales is not None:
             from blink.models.int4_linear import _k_scales
             k_scales = _k_scales(run)
-        part = q.pack(cat("codes"), cat("d"), cat("m"), run[0].group, run[0].bits, k_scales, six_bits=compact)
+        part = q.pack(cat("codes"), cat("d"), cat("m"), run[0].group, run[0].bits, k_scales, narrow=compact)
         if part is None:
             raise SystemExit(f"the kernel does not take a {run[0].qtype} {tuple(run[0].codes.shape)} part")
         parts.append(part)

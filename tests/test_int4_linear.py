@@ -323,10 +323,10 @@ def test_a_k_quant_gguf_runs_on_its_codes(k_quant_ggufs, monkeypatch, build, nam
         layers = ex.config.num_hidden_layers
         assert ex.int4_projections == (4 * layers + 1, 4 * layers + 1)
         assert ex.int4_kernels == {(build, int4_linear.NATIVE_MAX_ROWS[build]): 4 * layers + 1}
-        # on the file's own scales (F_K) and codes (Q5_K/Q6_K in 6 bits), the same weights
+        # on the file's own scales (F_K) and codes (Q5_K in 5 bits, Q6_K in 6), the same weights
         parts = [p for m in ex.model.modules() if getattr(m, "int4", None) is not None for p in m.int4.parts]
         assert len(parts) == 4 * layers + 1 and all(p.format & cpu_quant_linear.F_K for p in parts)  # + the head
-        assert {p.bits for p in parts} == {4 if name == "Q4_K" else 6}
+        assert {p.bits for p in parts} == {{"Q4_K": 4, "Q5_K": 5, "Q6_K": 6}[name]}
         qkv = ex.model.model.layers[1].self_attn.qkv_proj.int4.parts
         want = torch.cat([dense[f"model.layers.1.self_attn.{x}_proj.weight"] for x in "qkv"])
         assert torch.equal(torch.cat([cpu_quant_linear.dequantize(p) for p in qkv], dim=0), want)

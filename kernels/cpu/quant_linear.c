@@ -16,15 +16,16 @@
  * file's own (F_K): per super-block of 256 channels an fp16 d (and dmin), per group an int8
  * scale sc (and min mn), d = d sc and m = -dmin mn formed here per group, exact in fp32 (11 x 8
  * significant bits): ~0.6 bits a weight, where fp32 d and m per group took 2.
- * Codes: 4-bit (0..15: Q4_0, Q4_1, Q4_K), 6-bit (F_BITS6: q + 32 for q in -32..31, Q6_K's
- * q - 32 and Q5_K's 0..31) or 8-bit (F_BITS8, int8: Q8_0). A decode step reads what is here,
- * so these are (about) the file's bytes: Q4_K 4.625 bits a weight (the file 4.5), Q6_K 6.5625
- * (the file's).
+ * Codes: 4-bit (0..15: Q4_0, Q4_1, Q4_K), 5-bit (F_BITS5: 0..31, Q5_K), 6-bit (F_BITS6: q + 32
+ * for q in -32..31, Q6_K's q - 32) or 8-bit (F_BITS8, int8: Q8_0). A decode step reads what is
+ * here, so these are (about) the file's bytes: Q4_K 4.625 bits a weight (the file 4.5), Q5_K
+ * 5.625 (5.5), Q6_K 6.5625 (the file's).
  * Layout: the AMX kernel's (q4_linear.c): output columns in tiles of 16, channels in groups of
  * 32; a (tile, group) is 16 rows of 32 words, row p holding channels 2p and 2p + 1 of the 16
  * columns interleaved (word w: column w / 2, channel 2p + w % 2); 4-bit codes as 4 x 32 16-bit
  * words whose nibble i is row 4c + i's, 8-bit as one byte per word, 6-bit as the 4-bit layout
- * of the low nibbles then 2 x 32 16-bit words whose bits 2j, 2j + 1 are row 8v + j's top 2 bits.
+ * of the low nibbles then 2 x 32 16-bit words whose bits 2j, 2j + 1 are row 8v + j's top 2 bits,
+ * 5-bit as the 4-bit layout then 32 16-bit words whose bit p is row p's top bit.
  * Scales per (tile, scale group): 16 d, then (F_M) 16 m, one per column; F_K per (tile,
  * super-block): 16 fp16 d, (F_M) 16 fp16 -dmin, per group 16 int8 sc, then (F_M) per group 16
  * int8 mn.
@@ -33,7 +34,8 @@
  * order), as the AMX kernel's few-rows path:
  * - AVX-512: per group x . q by vdpbf16ps with the codes as exact bf16 (one 4-bit code row
  *   per vpermw of a shifted word vector, as q4_linear.c; a 6-bit one per vpternlogd joining
- *   the nibble and the top 2 bits and a vpermt2w), 32 products per instruction,
+ *   the nibble and the top 2 bits and a vpermt2w; a 5-bit one the same with a vpermw), 32
+ *   products per instruction,
  *   then d (x . q) + m sum(x) in fp32. Up to 8 rows per pass share each unpacked row.
  * - AVX2: 8 columns at a time, x . q per group in fp32 FMAs on x's fp32 values and the codes
  *   as fp32 (exact), then d (x . q) + m sum(x).
@@ -51,7 +53,7 @@
 
 /* rows per pass over a tile: AVX-512 (32 registers) and AVX2 (16) */
 enum { TILE = 16, GROUP = 32, PAIRS = GROUP / 2, ROWS = 8, ROWS2 = 4 };
-enum { F_BITS8 = 1, F_GROUP16 = 2, F_FP32 = 4, F_M = 8, F_BITS6 = 16, F_K = 32 };
+enum { F_BITS8 = 1, F_GROUP16 = 2, F_FP32 = 4, F_M = 8, F_BITS6 = 16, F_K = 32, F_BITS5 = 64 };
 /* channels per K-quant super-block */
 enum { SUPER = 256 };
 
@@ -75,7 +77,9 @@ typedef struct {
     const float *xf;       /* AVX2: [M, K] x in fp32 */
 } args_t;
 
-static inline int64_t tile_bytes(int format) { return format & F_BITS8 ? 512 : format & F_BITS6 ? 384 : 256; }
+static inline int64_t tile_bytes(int format) {
+    return format & F_BITS8 ? 512 : format & F_BITS6 ? 384 : format & F_BITS5 ? 320 : 256;
+}
 static inline int64_t group_size(int format) { return format & F_GROUP16 ? 16 : 32; }
 /* bytes of one scale group's d (and m) for one tile */
 static inline int64_t scale_bytes(int format) {
@@ -137,7 +141,7 @@ static inline void group_scales(const args_t *a, int64_t t, int64_t s, __m512 *d
 
 /* bf16 code tables: 4-bit (vpermw, i & 15 at i), 6-bit (vpermt2w, i - 32 at i over two
  * registers), and the mask of a word's low nibble */
-typedef struct { __m512i as_bf16, six_lo, six_hi, nibble; } luts_t;
+typedef struct { __m512i as_bf16, six_lo, six_hi, nibble, five; } luts_t;
 
 static inline __m512i pair_of(const uint16_t *x) { /* channels 2p, 2p + 1 in every 32-bit lane */
     int32_t v;
@@ -167,10 +171,8 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
     }
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *gc = codes + g * tb;
-        if (bits != 4) {
-            _mm_prefetch((const char *)gc + PREFETCH_BYTES + 256, _MM_HINT_T0);
-            _mm_prefetch((const char *)gc + PREFETCH_BYTES + 320, _MM_HINT_T0);
-        }
+        if (bits != 4) _mm_prefetch((const char *)gc + PREFETCH_BYTES + 256, _MM_HINT_T0);
+        if (bits > 5) _mm_prefetch((const char *)gc + PREFETCH_BYTES + 320, _MM_HINT_T0);
         if (bits8) {
             _mm_prefetch((const char *)gc + PREFETCH_BYTES + 384, _MM_HINT_T0);
             _mm_prefetch((const char *)gc + PREFETCH_BYTES + 448, _MM_HINT_T0);
@@ -183,7 +185,9 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
                 _mm_prefetch((const char *)gc + c * 64 + PREFETCH_BYTES, _MM_HINT_T0);
                 __m512i words = bits8 ? _mm512_setzero_si512() : _mm512_loadu_si512(gc + c * 64);
                 /* 6-bit: the 2-bit plane, rows 8h .. 8h + 7 at bits 2 (p % 8) of each word */
-                const __m512i high = bits == 6 ? _mm512_loadu_si512(gc + 256 + h * 64) : _mm512_setzero_si512();
+                /* 5-bit: the 1-bit plane, row p's at bit p of each word */
+                const __m512i high = bits == 6 ? _mm512_loadu_si512(gc + 256 + h * 64)
+                                     : bits == 5 ? _mm512_loadu_si512(gc + 256) : _mm512_setzero_si512();
 #pragma GCC unroll 4
                 for (int i = 0; i < 4; i++) {
                     const int p = 4 * c + i;
@@ -201,6 +205,12 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
                         const __m512i hs = up > 0 ? _mm512_slli_epi16(high, up) : _mm512_srli_epi16(high, -up);
                         const __m512i index = _mm512_ternarylogic_epi32(words, hs, lut->nibble, 0xE4);
                         b = (__m512bh)_mm512_permutex2var_epi16(lut->six_lo, index, lut->six_hi);
+                        words = _mm512_srli_epi16(words, 4);
+                    } else if (bits == 5) { /* the nibble | the row's top bit at bit 4; vpermw: bf16(i) */
+                        const int up = 4 - p;
+                        const __m512i hs = up > 0 ? _mm512_slli_epi16(high, up) : _mm512_srli_epi16(high, -up);
+                        const __m512i index = _mm512_ternarylogic_epi32(words, hs, lut->nibble, 0xE4);
+                        b = (__m512bh)_mm512_permutexvar_epi16(index, lut->five);
                         words = _mm512_srli_epi16(words, 4);
                     } else {
                         /* vpermw reads an index's low 5 bits: as_bf16 holds bf16(i & 15) at i */
@@ -242,6 +252,7 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
     case R:                                                                                       \
         if (a->format & F_BITS8) tile_rows(a, t, r0, R, 8, lut);                                  \
         else if (a->format & F_BITS6) tile_rows(a, t, r0, R, 6, lut);                             \
+        else if (a->format & F_BITS5) tile_rows(a, t, r0, R, 5, lut);                             \
         else tile_rows(a, t, r0, R, 4, lut);                                                      \
         break;
 
@@ -255,17 +266,19 @@ static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, const lu
 static void *run_tiles(void *arg) {
     blink_part_t *p = (blink_part_t *)arg;
     const args_t *a = (const args_t *)p->args;
-    uint16_t four[32] __attribute__((aligned(64))), six[64] __attribute__((aligned(64)));
-    for (int i = 0; i < 64; i++) { /* bf16 of i & 15 and of i - 32: the top half of the fp32's bits */
-        const float f4 = (float)(i & 15), f6 = (float)(i - 32);
-        uint32_t b4, b6;
+    uint16_t four[32] __attribute__((aligned(64))), five[32] __attribute__((aligned(64))),
+        six[64] __attribute__((aligned(64)));
+    for (int i = 0; i < 64; i++) { /* bf16 of i & 15, i and i - 32: the top half of the fp32's bits */
+        const float f4 = (float)(i & 15), f5 = (float)i, f6 = (float)(i - 32);
+        uint32_t b4, b5, b6;
         memcpy(&b4, &f4, sizeof b4);
+        memcpy(&b5, &f5, sizeof b5);
         memcpy(&b6, &f6, sizeof b6);
-        if (i < 32) four[i] = (uint16_t)(b4 >> 16);
+        if (i < 32) four[i] = (uint16_t)(b4 >> 16), five[i] = (uint16_t)(b5 >> 16);
         six[i] = (uint16_t)(b6 >> 16);
     }
     const luts_t luts = {_mm512_load_si512(four), _mm512_load_si512(six), _mm512_load_si512(six + 32),
-                         _mm512_set1_epi32(0x000F000F)};
+                         _mm512_set1_epi32(0x000F000F), _mm512_load_si512(five)};
     const luts_t *lut = &luts;
     for (int64_t p0 = 0; p0 < a->M; p0 += PANEL_ROWS) {
         const int64_t p1 = a->M - p0 < PANEL_ROWS ? a->M : p0 + PANEL_ROWS;
@@ -311,7 +324,8 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
     const uint8_t *codes = a->codes + t * groups * tb;
     const float *x = a->xf + r0 * a->K;
     const float *x_sums = with_m ? a->x_sums + r0 * sgroups : NULL;
-    const __m256i nibble = _mm256_set1_epi32(0x0F), top2 = _mm256_set1_epi32(0x30), off = _mm256_set1_epi32(32);
+    const __m256i nibble = _mm256_set1_epi32(0x0F), top2 = _mm256_set1_epi32(0x30), off = _mm256_set1_epi32(32),
+                  bit4 = _mm256_set1_epi32(0x10);
     /* Per scale group x . q in NACC running sums per row (an FMA waits ~4 cycles for the one
      * before it on the same register; channels take them in turn), then tot += d (x . q) + m
      * sum(x): the same order whatever R, so a row's bits do not depend on the rows beside it */
@@ -334,8 +348,9 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
                 const int c = 2 * h + c2;
                 const __m256i words = bits8 ? _mm256_setzero_si256()
                                             : _mm256_loadu_si256((const __m256i *)(gc + c * 64 + hc * 32));
-                const __m256i high = bits == 6 ? _mm256_loadu_si256((const __m256i *)(gc + 256 + h * 64 + hc * 32))
-                                               : _mm256_setzero_si256();
+                const __m256i high = bits == 6   ? _mm256_loadu_si256((const __m256i *)(gc + 256 + h * 64 + hc * 32))
+                                     : bits == 5 ? _mm256_loadu_si256((const __m256i *)(gc + 256 + hc * 32))
+                                                 : _mm256_setzero_si256();
 #pragma GCC unroll 4
                 for (int i = 0; i < 4; i++) {
                     const int p = 4 * c + i;
@@ -354,6 +369,13 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
                                               _mm256_and_si256(_mm256_srli_epi32(hs, 16), top2));
                         even = _mm256_sub_epi32(even, off);
                         odd = _mm256_sub_epi32(odd, off);
+                    } else if (bits == 5) { /* nibble | top bit << 4 */
+                        const int up = 4 - p;
+                        const __m256i hs = up > 0 ? _mm256_slli_epi32(high, up) : _mm256_srli_epi32(high, -up);
+                        even = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(words, 4 * i), nibble),
+                                               _mm256_and_si256(hs, bit4));
+                        odd = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(words, 16 + 4 * i), nibble),
+                                              _mm256_and_si256(_mm256_srli_epi32(hs, 16), bit4));
                     } else {
                         even = _mm256_and_si256(_mm256_srli_epi32(words, 4 * i), nibble);
                         odd = _mm256_and_si256(_mm256_srli_epi32(words, 16 + 4 * i), nibble);
@@ -400,6 +422,7 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
     case R:                                                                                       \
         if (a->format & F_BITS8) half_rows(a, t, hc, r0, R, 8);                                  \
         else if (a->format & F_BITS6) half_rows(a, t, hc, r0, R, 6);                             \
+        else if (a->format & F_BITS5) half_rows(a, t, hc, r0, R, 5);                             \
         else half_rows(a, t, hc, r0, R, 4);                                                      \
         break;
 
@@ -450,8 +473,9 @@ static void group_sums(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K
 int blink_quant_linear(const uint16_t *x, int64_t x_stride, const void *codes, const void *scales,
                        const uint16_t *bias, uint16_t *y, int64_t y_stride, int64_t M, int64_t N, int64_t K,
                        int format, int threads) {
-    if (M < 1 || N % TILE || K % GROUP || x_stride < K || y_stride < N || format < 0 || format > 63 ||
-        ((format & F_BITS8) && (format & F_BITS6)) || ((format & F_K) && (K % SUPER || (format & F_FP32))))
+    if (M < 1 || N % TILE || K % GROUP || x_stride < K || y_stride < N || format < 0 || format > 127 ||
+        !!(format & F_BITS8) + !!(format & F_BITS6) + !!(format & F_BITS5) > 1 ||
+        ((format & F_K) && (K % SUPER || (format & F_FP32))))
         return -2;
 #ifndef BLINK_QUANT_ISA
     (void)x; (void)codes; (void)scales; (void)bias; (void)y; (void)threads;

@@ -15,10 +15,10 @@ gguf's fp32 weights, no weight rounded (tests/test_cpu_quant_linear.py: the exac
 fp32 product in all but a few outputs in a thousand, one bf16 step off).
 
 Formats: ``w = d q + m`` per group of 32 (Q6_K: 16) input channels; 4-bit codes (Q4_0, Q4_1,
-Q4_K), 6-bit (Q6_K, Q5_K) or 8-bit (Q8_0); d and m fp16 where they are (Q4_0, Q4_1, Q8_0), a
+Q4_K), 5-bit (Q5_K), 6-bit (Q6_K) or 8-bit (Q8_0); d and m fp16 where they are (Q4_0, Q4_1, Q8_0), a
 K-quant's as its file holds them (fp16 d and dmin per 256 channels, an int8 scale and min per
 group: ``F_K``), so a decode step reads about the file's bytes (Q4_K 4.625 bits a weight, the
-file 4.5; Q6_K the file's 6.5625). The layout is the AMX kernel's
+file 4.5; Q5_K 5.625, the file 5.5; Q6_K the file's 6.5625). The layout is the AMX kernel's
 (:func:`blink.kernels.cpu.q4_linear._b_tile_rows`) for the 4- and 8-bit codes; that kernel
 takes only Q4_0/Q4_1 and keeps its own scales.
 
@@ -46,7 +46,7 @@ log = logging.getLogger("blink.kernels")
 _SOURCE = Path(__file__).with_name("quant_linear.c")
 
 #: the C kernel's format bits
-F_BITS8, F_GROUP16, F_FP32, F_M, F_BITS6, F_K = 1, 2, 4, 8, 16, 32
+F_BITS8, F_GROUP16, F_FP32, F_M, F_BITS6, F_K, F_BITS5 = 1, 2, 4, 8, 16, 32, 64
 #: channels per K-quant super-block (F_K: one fp16 d and dmin per 256 channels)
 SUPER = 256
 
@@ -153,7 +153,7 @@ def available() -> bool:
 class QuantWeight:
     """One ``[n, k]`` projection (or a run of its output columns) in the kernel's layout."""
 
-    codes: torch.Tensor  # 4-bit: int16 [n / 16, k / 32, 4, 32]; 6-bit: int16 [..., 6, 32]; 8-bit: int8 [..., 16, 32]
+    codes: torch.Tensor  # 4-bit: int16 [n / 16, k / 32, 4, 32]; 5/6-bit: int16 [..., 5 / 6, 32]; 8-bit: int8 [..., 16, 32]
     scales: torch.Tensor  # uint8: [n / 16, k / group, 1 or 2, 16] fp16 or fp32 d (then m); F_K: see pack
     n: int
     k: int
@@ -161,7 +161,7 @@ class QuantWeight:
 
     @property
     def bits(self) -> int:
-        return 8 if self.format & F_BITS8 else 6 if self.format & F_BITS6 else 4
+        return 8 if self.format & F_BITS8 else 6 if self.format & F_BITS6 else 5 if self.format & F_BITS5 else 4
 
     @property
     def group(self) -> int:
@@ -207,20 +207,22 @@ def _k_scales(k_scales, n: int, k: int, group: int, d: torch.Tensor, m: torch.Te
 
 
 def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group: int = GROUP,
-         bits: int = 4, k_scales=None, six_bits: bool = True) -> QuantWeight | None:
+         bits: int = 4, k_scales=None, narrow: bool = True) -> QuantWeight | None:
     """``w[n, k] = codes[n, k] * d[n, k // group] + m[...]`` (m None: 0) -> the kernel's layout.
-    ``codes``: uint8 0..15 (``bits`` 4) or int8 (``bits`` 8; kept in 6 bits where they are in
-    -32..31, as Q6_K's and Q5_K's are); d and m float32. ``k_scales``: a K-quant's scales as its
+    ``codes``: uint8 0..15 (``bits`` 4) or int8 (``bits`` 8; kept in 5 bits where they are in
+    0..31 as Q5_K's, else in 6 where they are in -32..31 as Q6_K's); d and m float32. ``k_scales``: a K-quant's scales as its
     file holds them (:class:`blink.loader.gguf_weights.KScales`, the same weights as d and m):
     kept so (F_K, ~0.6 bits a weight instead of 1 or 2 for fp32 d and m per group) where k is
-    whole super-blocks. ``six_bits`` False keeps 8-bit codes in the 8-bit layout (benchmarks: the
-    layout before the 6-bit one). None where the shape does not tile (n not a multiple of 16, k
+    whole super-blocks. ``narrow`` False keeps 8-bit codes in the 8-bit layout (benchmarks: the
+    layout before the 5- and 6-bit ones). None where the shape does not tile (n not a multiple of 16, k
     of 32, group not 16 or 32).
 
     Layouts (per tile of 16 output columns and group of 32 channels, :func:`_b_tile_rows`' rows):
     4-bit: 4 vectors of 32 int16 words, nibble i of vector c = row 4c + i; 8-bit: the rows' bytes;
     6-bit (``code + 32``, 0..63): the 4-bit layout of its low nibbles, then 2 vectors of 32 int16
-    words whose bits 2j .. 2j + 1 of vector v are row 8v + j's high 2 bits (384 bytes)."""
+    words whose bits 2j .. 2j + 1 of vector v are row 8v + j's high 2 bits (384 bytes); 5-bit
+    (0..31): the 4-bit layout of the low nibbles, then 32 int16 words whose bit p is row p's
+    top bit (320 bytes)."""
     n, k = codes.shape
     if (n % TILE or k % GROUP or group not in (16, GROUP) or d.shape != (n, k // group)
             or (m is not None and m.shape != d.shape)):
@@ -233,7 +235,14 @@ def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group: in
     elif bits == 8:
         if codes.dtype not in (torch.int8, torch.uint8) or (codes.dtype == torch.uint8 and int(codes.max()) > 127):
             return None
-        if six_bits and int(codes.min()) >= -32 and int(codes.max()) <= 31:  # 6 bits hold them
+        low, high = int(codes.min()), int(codes.max())
+        if narrow and 0 <= low and high <= 31:  # 5 bits hold them
+            rows = _b_tile_rows(codes.to(torch.int32))
+            top = (rows >> 4).reshape(n // TILE, k // GROUP, 1, 16, 2 * TILE)
+            words = sum(top[:, :, :, p] << p for p in range(16)).to(torch.int16)
+            packed = torch.cat([_nibble_words(rows & 0x0F), words], dim=2).contiguous()
+            fmt |= F_BITS5
+        elif narrow and -32 <= low and high <= 31:  # 6 bits hold them
             rows = _b_tile_rows(codes.to(torch.int32) + 32)
             high = (rows >> 4).reshape(n // TILE, k // GROUP, 2, 8, 2 * TILE)
             words = sum(high[:, :, :, j] << (2 * j) for j in range(8)).to(torch.int16)
@@ -269,6 +278,10 @@ def dequantize(weight: QuantWeight) -> torch.Tensor:
         words = weight.codes.to(torch.int32) & 0xFFFF
         high = torch.stack([(words[:, :, 4:] >> (2 * j)) & 3 for j in range(8)], dim=3).flatten(2, 3)
         rows = nibbles(weight.codes[:, :, :4]) + (high << 4) - 32
+    elif weight.bits == 5:
+        words = weight.codes[:, :, 4].to(torch.int32) & 0xFFFF
+        top = torch.stack([(words >> p) & 1 for p in range(16)], dim=2)
+        rows = nibbles(weight.codes[:, :, :4]) + (top << 4)
     else:
         rows = weight.codes
     q = _from_b_tile_rows(rows, n, k).float()
