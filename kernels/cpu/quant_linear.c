@@ -55,7 +55,7 @@
 enum { TILE = 16, GROUP = 32, PAIRS = GROUP / 2, ROWS = 8, ROWS2 = 4 };
 enum { F_BITS8 = 1, F_GROUP16 = 2, F_FP32 = 4, F_M = 8, F_BITS6 = 16, F_K = 32, F_BITS5 = 64 };
 /* channels per K-quant super-block */
-enum { SUPER = 256 };
+enum { SUPER = 256 }; /* (a shift by 8 below) */
 
 /* Rows of x a tile's codes meet before the next tile's (x's panel stays in L2). */
 enum { PANEL_ROWS = 128 };
@@ -88,7 +88,7 @@ static inline int64_t scale_bytes(int format) {
 /* F_K: bytes of one (tile, super-block)'s scales: 16 fp16 d, (F_M) 16 fp16 -dmin, then per
  * scale group 16 int8 sc, then (F_M) per scale group 16 int8 mn */
 static inline int64_t k_block_bytes(int format) {
-    return (format & F_M ? 2 : 1) * (2 * TILE + SUPER / group_size(format) * TILE);
+    return (format & F_M ? 2 : 1) * (2 * TILE + (format & F_GROUP16 ? 16 : 8) * TILE); /* SUPER / group */
 }
 /* Where scale group s of tile t keeps its parts: F_K: d16 (the super-block's fp16 d), sc (int8),
  * and with F_M dm16 (fp16 -dmin), mn (int8); else d and m (fp16 or fp32) at *d16 / *dm16. */
@@ -96,9 +96,10 @@ typedef struct { const uint8_t *d16, *dm16; const int8_t *sc, *mn; } scale_at_t;
 static inline scale_at_t scale_at(const args_t *a, int64_t t, int64_t s) {
     const int format = a->format;
     scale_at_t at = {0};
-    if (format & F_K) {
-        const int64_t nsub = SUPER / group_size(format), j = s % nsub;
-        const uint8_t *block = a->scales + (t * (a->K / SUPER) + s / nsub) * k_block_bytes(format);
+    if (format & F_K) { /* (shifts: a division per group would cost as much as its products) */
+        const int log_nsub = format & F_GROUP16 ? 4 : 3;
+        const int64_t nsub = (int64_t)1 << log_nsub, j = s & (nsub - 1);
+        const uint8_t *block = a->scales + (t * (a->K >> 8) + (s >> log_nsub)) * k_block_bytes(format);
         at.d16 = block;
         if (format & F_M) {
             at.dm16 = block + 2 * TILE;
@@ -109,7 +110,7 @@ static inline scale_at_t scale_at(const args_t *a, int64_t t, int64_t s) {
         }
     } else {
         const int64_t sb = scale_bytes(format);
-        at.d16 = a->scales + (t * (a->K / group_size(format)) + s) * sb;
+        at.d16 = a->scales + (t * (a->K >> (format & F_GROUP16 ? 4 : 5)) + s) * sb;
         at.dm16 = at.d16 + sb / 2;
     }
     return at;
