@@ -23,6 +23,8 @@ A step of several positions per row replays only where the eager forward would t
 same kernels: its attention on the C kernel (the eager step's cost estimate, which may choose
 SDPA for long contexts, is asked first), and its head on as many rows as the graph's, else the
 head runs eagerly on the rows asked for (a verify step whose rows are not all sampled lanes).
+Verify steps of more than 32 tokens (16 rows of K + 1 = 5) have buckets of their own
+(:data:`VERIFY_BUCKETS`), recorded only for the speculative runner.
 
 Where the forward is not replayable (a torch op between the C calls: no AMX or no AVX-512
 here, another dtype, a model whose ops have no C kernel), the first recording says why in the
@@ -49,6 +51,15 @@ log = logging.getLogger("blink.executor")
 #: head's few-rows limit) and 32 (the 4-bit projections' and the Q8 head's), so both are edges:
 #: a padded step never crosses one. Larger decode steps stay eager.
 DECODE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32)
+#: Token counts above :data:`DECODE_BUCKETS` recorded for verify steps only (the speculative
+#: runner, :meth:`DecodeGraphs.allow_rows_of`: up to rows x (K + 1) tokens, never more than a
+#: step of ``max_num_seqs`` such rows; up to 16 rows of K = 4: each graph keeps its own
+#: activations, ~0.4 MB a token on SmolLM2-135M, so larger steps stay eager). Their layers replay where the projections take any row
+#: count on one kernel path (the 4-bit AMX kernel: the eager bits, tests/test_decode_graphs.py
+#: at each bucket's widest padding); where a kernel takes few rows only (the AVX-512 4-bit
+#: one's 32: bf16 through oneDNN above) the recording fails and those steps stay eager. The
+#: head above 32 rows is oneDNN's (a torch op): not recorded, it runs eagerly on the rows asked for.
+VERIFY_BUCKETS = (40, 48, 64, 80)
 
 
 def progress_only(on_layer: Callable[[], None] | None) -> bool:
@@ -70,7 +81,10 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], _DecodeGraph] = {}  # (bucket, kernel threads) -> graph
         #: why steps stay eager (the recording that failed), None while graphs are in use
         self.off_reason: str | None = None
-        #: the largest step a graph runs: below DECODE_BUCKETS[-1] where a larger bucket's
+        #: the token counts graphs are recorded for: DECODE_BUCKETS, then VERIFY_BUCKETS too
+        #: once :meth:`allow_rows_of` allowed rows of several tokens
+        self.buckets = DECODE_BUCKETS
+        #: the largest step a graph runs: below buckets[-1] where a larger bucket's
         #: recording failed after smaller ones worked (a kernel that takes few rows only, e.g.
         #: the AVX2 4-bit one's 8: larger steps run bf16 through torch, and stay eager)
         self.max_tokens = DECODE_BUCKETS[-1]
@@ -80,11 +94,17 @@ class DecodeGraphs:
 
     def allow_rows_of(self, positions: int) -> None:
         """Let steps whose rows carry up to ``positions`` new tokens replay too (the
-        speculative runner: K + 1, a row's last token and its draft). Same graphs: the row
-        split is metadata the kernels read from the buffers."""
+        speculative runner: K + 1, a row's last token and its draft), on the same graphs (the
+        row split is metadata the kernels read from the buffers) and on graphs of up to
+        ``VERIFY_BUCKETS[-1]`` tokens (:meth:`record` records those a step of its ``max_rows``
+        rows of ``positions`` tokens can reach). Call before recording."""
         if positions < 1:
             raise ValueError(f"positions must be at least 1, got {positions}")
         self.max_query_len = max(self.max_query_len, positions)
+        if positions > 1 and self.buckets == DECODE_BUCKETS:
+            self.buckets = DECODE_BUCKETS + VERIFY_BUCKETS
+            if self.max_tokens == DECODE_BUCKETS[-1]:  # (lower: a smaller bucket's recording failed)
+                self.max_tokens = VERIFY_BUCKETS[-1]
 
     def takes(self, input_ids: torch.Tensor, md: AttentionMetadata) -> bool:
         """Whether a graph runs this step (the CPU loop's compacted metadata: ``max_query_len``
@@ -122,36 +142,40 @@ class DecodeGraphs:
         (the caller runs the step eagerly, and so do all later steps).
 
         The head: replayed when the step asks for every token's logits (decode steps, verify
-        steps whose every token is a lane), else run eagerly on the rows asked for, as the
+        steps whose every token is a lane) and the bucket has a head graph, else run eagerly
+        on the rows asked for, as the
         eager forward does (its kernels pick their path by row count: a bucket's head on all
         its rows might take another path, and give other bits)."""
         tokens = input_ids.shape[0]
-        graph = self._graph(next(b for b in DECODE_BUCKETS if b >= tokens))
+        graph = self._graph(next(b for b in self.buckets if b >= tokens))
         if graph is None:
             return None
         graph.replay_layers(input_ids, md)
         if self.model.on_layer is not None:
             self.model.on_layer()  # progress (progress_only): once for the step's layers
-        if logits_indices.shape[0] == tokens:
+        if logits_indices.shape[0] == tokens and graph.head is not None:
             graph.head.replay()
             return graph.logits.index_select(0, logits_indices).float()
         return self.model.compute_logits(graph.hidden.index_select(0, logits_indices)).float()
 
     def record(self, max_rows: int) -> int:
-        """Record now every bucket a step of at most ``max_rows`` rows can use (the engine's
-        start, as the GPU loops capture theirs before serving), so no step pays for a
-        recording. Returns how many graphs exist (0: steps stay eager, see ``off_reason``)."""
-        for bucket in DECODE_BUCKETS:
+        """Record now every bucket a step of at most ``max_rows`` rows (of at most
+        :attr:`max_query_len` tokens each) can use (the engine's start, as the GPU loops
+        capture theirs before serving), so no step pays for a recording. Returns how many
+        graphs exist (0: steps stay eager, see ``off_reason``)."""
+        most = max_rows * self.max_query_len
+        for bucket in self.buckets:
             if self._graph(bucket) is None:
                 return 0 if self.off_reason is not None else len(self.graphs)
-            if bucket >= max_rows:
+            if bucket >= most:
                 break
         return len(self.graphs)
 
     @property
     def kept_bytes(self) -> int:
         """Bytes the recorded graphs keep (their buffers, activations and logits)."""
-        return sum(g.layers.kept_bytes + g.head.kept_bytes for g in self.graphs.values())
+        return sum(g.layers.kept_bytes + (g.head.kept_bytes if g.head is not None else 0)
+                   for g in self.graphs.values())
 
     def _graph(self, bucket: int) -> _DecodeGraph | None:
         """The bucket's graph for the current kernel thread count (one of the recorded
@@ -167,7 +191,7 @@ class DecodeGraphs:
                 smaller = [b for b, _ in self.graphs if b < bucket]
                 if smaller:  # the smaller buckets replay; larger steps stay eager
                     self.max_tokens = max(smaller)
-                    log.info("decode steps of more than %d rows run eagerly, not on CPU graphs: %s",
+                    log.info("steps of more than %d tokens run eagerly, not on CPU graphs: %s",
                              self.max_tokens, exc)
                 else:
                     self.off_reason = str(exc)
@@ -199,9 +223,17 @@ class _DecodeGraph:
             self.embedded = model.embed(torch.zeros(tokens, dtype=torch.int64))  # any token: rewritten per step
             with cpu_graph.record() as layers:
                 self.hidden = model.run_layers(self.embedded, md, graphs.kv_caches)
-            with cpu_graph.record() as head:
-                self.logits = model.compute_logits(self.hidden)
-        self.layers, self.head = layers, head
+            #: the head's graph; None above DECODE_BUCKETS (a verify bucket) where the head is
+            #: not replayable (oneDNN above 32 rows): it runs eagerly
+            self.head: cpu_graph.CpuGraph | None = None
+            try:
+                with cpu_graph.record() as head:
+                    self.logits = model.compute_logits(self.hidden)
+                self.head = head
+            except cpu_graph.GraphRecordingError:
+                if tokens <= DECODE_BUCKETS[-1]:
+                    raise
+        self.layers = layers
         self.seq_lens.zero_()
 
     def replay_layers(self, input_ids: torch.Tensor, md: AttentionMetadata) -> None:

@@ -274,12 +274,12 @@ def verify_graphs(executor):
     """The executor's graphs taking rows of up to K + 1 = 5 positions (the speculative
     runner's setting), put back afterwards."""
     graphs = executor.decode_graphs
-    saved = graphs.max_query_len
+    saved = graphs.max_query_len, graphs.buckets, graphs.max_tokens
     graphs.allow_rows_of(5)
     try:
         yield executor
     finally:
-        graphs.max_query_len = saved
+        graphs.max_query_len, graphs.buckets, graphs.max_tokens = saved
 
 
 def _verify_step(ex, drafts: list[int], contexts: list[int], seed: int, lanes: str = "all"):
@@ -315,8 +315,15 @@ VERIFY_STEPS = [
     ([4, 4, 4, 0], [70, 3, 150, 9]),  # 16
     ([4, 4, 4, 1], [70, 3, 150, 9]),  # 17
     ([0] * 12 + [4, 4, 4], [(11 * r) % 180 + 1 for r in range(15)]),  # 27
-    ([0] * 16 + [4, 4, 4, 4], [(13 * r) % 200 + 2 for r in range(20)]),  # 36: eager
     ([0] * 12 + [4, 4, 4, 4, 0, 0, 0, 0], [(7 * r) % 200 + 1 for r in range(20)]),  # 32
+    # the verify buckets (40 .. 80 tokens), each at its widest padding (one token above the
+    # bucket below: a kernel edge inside the bucket would show) and one full
+    ([0] * 13 + [4] * 4, [(13 * r) % 200 + 2 for r in range(17)]),  # 33
+    ([0] * 11 + [4] * 6, [(5 * r) % 150 + 30 for r in range(17)]),  # 41
+    ([4] * 9 + [3], [(17 * r) % 200 + 1 for r in range(10)]),  # 49
+    ([4] * 13, [(17 * r) % 200 + 1 for r in range(13)]),  # 65
+    ([0] * 5 + [4] * 15, [(3 * r) % 120 + 1 for r in range(20)]),  # 80 of 80
+    ([4] * 17, [(7 * r) % 100 + 1 for r in range(17)]),  # 85: eager
 ]
 
 
@@ -328,7 +335,7 @@ def test_a_replayed_verify_step_is_the_eager_step_to_the_bit(verify_graphs, draf
     ex = verify_graphs
     _fill_cache(ex, len(drafts))
     step = _verify_step(ex, drafts, contexts, sum(contexts), lanes)
-    if step[0].shape[0] > 32:  # above the largest bucket
+    if step[0].shape[0] > 80:  # above the largest bucket
         assert not ex.decode_graphs.takes(step[0], step[1])
         return
     assert ex.decode_graphs.takes(step[0], step[1])

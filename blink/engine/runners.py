@@ -156,9 +156,11 @@ class CpuGraphsRunner(EagerRunner):
         with torch.inference_mode():
             recorded = graphs.record(self.max_rows)
         if recorded:
-            log.info("decode steps of up to %d rows run on %d CPU graphs (recorded in %.1f s, %.0f MB; "
-                     "--cpu-graphs off: eager)", max(b for b, _ in graphs.graphs), recorded,
-                     time.monotonic() - t0, graphs.kept_bytes / 2**20)
+            log.info("%s steps of up to %d tokens run on %d CPU graphs (recorded in %.1f s, %.0f MB; "
+                     "--cpu-graphs off: eager)",
+                     "decode" if graphs.max_query_len == 1 else "decode and verify",
+                     max(b for b, _ in graphs.graphs), recorded, time.monotonic() - t0,
+                     graphs.kept_bytes / 2**20)
 
 
 class SpecRunner(EagerRunner):
