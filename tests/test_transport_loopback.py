@@ -103,8 +103,24 @@ class EngineProcess:
         keep = ("State", "Threads", "SigQ", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
         blocked_here = sorted(sig.name for sig in signal.pthread_sigmask(signal.SIG_BLOCK, []))
         return "\n".join([*(ln for ln in lines if ln.split(":")[0] in keep), f"tasks: {tasks}",
+                          *(self._task_status(t) for t in tasks),
                           f"signals blocked in the test's thread (children inherit them): "
                           f"{blocked_here}"])
+
+    def _task_status(self, tid: str) -> str:
+        """One thread of the child: its name, state, where it sleeps, its own mask and pending
+        signals (the mask is per thread: a signal blocked in the main thread goes to another,
+        and Python runs handlers only in the main thread, which a read() keeps asleep)."""
+        base = f"/proc/{self.proc.pid}/task/{tid}"
+        try:
+            fields = dict(ln.split(":", 1) for ln in Path(f"{base}/status").read_text().splitlines()
+                          if ":" in ln)
+            wchan = Path(f"{base}/wchan").read_text().strip()
+        except OSError as e:
+            return f"  task {tid}: (gone: {e})"
+        return (f"  task {tid} {fields.get('Name', '').strip()}: {fields.get('State', '').strip()}, "
+                f"wchan {wchan or '-'}, SigBlk {fields.get('SigBlk', '').strip()}, "
+                f"SigPnd {fields.get('SigPnd', '').strip()}")
 
     def close(self) -> None:
         if self.proc.poll() is None:
