@@ -36,7 +36,7 @@ def build(request, monkeypatch):
 
 
 #: (bits, group, with m, fp32 scales): Q4_1, Q4_0 (m = -8d), Q4_K, Q8_0, Q6_K, Q5_K
-FORMATS = {"q4_1": (4, 32, True, False), "q4_k": (4, 32, True, True), "q8_0": (8, 32, False, False),
+FORMATS = {"q4_1": (4, 32, True, False), "q4_0": (4, 32, True, False), "q4_k": (4, 32, True, True), "q8_0": (8, 32, False, False),
            "q6_k": (8, 16, False, True), "q5_k": (8, 32, True, True)}
 
 
@@ -73,11 +73,13 @@ def weight(fmt: str, n: int, k: int, seed: int = 0):
         return codes, d, m, group, bits, KScales(d_super, sc, dmin, mn) if k % 256 == 0 else None
     d = (torch.rand(n, k // group, generator=g) * 0.05 + 0.001).half().float()
     m = (-torch.rand(n, k // group, generator=g) * 0.3).half().float() if with_m else None
+    if fmt == "q4_0":  # (q - 8) d: m = -8d, which the kernel forms
+        m = -8 * d
     return codes, d, m, group, bits, None
 
 
 #: bits a code takes in the kernel's layout (Q6_K's in 6, Q5_K's in 5)
-CODE_BITS = {"q4_1": 4, "q4_k": 4, "q8_0": 8, "q6_k": 6, "q5_k": 5}
+CODE_BITS = {"q4_1": 4, "q4_0": 4, "q4_k": 4, "q8_0": 8, "q6_k": 6, "q5_k": 5}
 
 
 def close_to_exact(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tensor) -> None:
@@ -102,6 +104,7 @@ def test_the_layout_holds_the_weights(fmt, k):
     # fp16 scales where the file's are; a K-quant's file scales where k is whole super-blocks
     assert bool(w.format & q.F_K) == (k_scales is not None) == (FORMATS[fmt][3] and k % 256 == 0)
     assert bool(w.format & q.F_FP32) == (FORMATS[fmt][3] and k % 256 != 0)
+    assert bool(w.format & q.F_M8) == (fmt == "q4_0")
     if bits == 8:  # the 8-bit layout on request (benchmarks), the same weights
         eight = q.pack(codes, d, m, group, bits, k_scales, narrow=False)
         assert eight.bits == 8 and torch.equal(q.dequantize(eight), want.view(48, k))
@@ -260,9 +263,9 @@ def random_blocks(qtype, rows: int, cols: int, seed: int = 0):
 
 
 #: the kernel's bytes (codes and scales) over the file's: Q4_K's 6-bit sc/mn kept in a byte each
-#: (4.625 bits a weight, the file 4.5; Q5_K 5.625, the file 5.5), Q6_K's the file's (6.5625),
-#: Q4_0's m = -8d as a second fp16 (5 vs 4.5)
-FILE_BYTES_MARGIN = {"Q4_0": 1.12, "Q4_1": 1.0, "Q8_0": 1.0, "Q4_K": 1.03, "Q5_K": 1.03, "Q6_K": 1.0}
+#: (4.625 bits a weight, the file 4.5; Q5_K 5.625, the file 5.5), the others' the file's (Q4_0's
+#: m = -8d formed in the kernel)
+FILE_BYTES_MARGIN = {"Q4_0": 1.0, "Q4_1": 1.0, "Q8_0": 1.0, "Q4_K": 1.03, "Q5_K": 1.03, "Q6_K": 1.0}
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])

@@ -11,7 +11,7 @@
  *
  * Formats (`format` bits, kernels/cpu/quant_linear.py's pack): every weight is
  * w = d q + m per group of 32 (or 16: F_GROUP16) input channels of one output column, m absent
- * where it is 0 (no F_M). Scales: fp16 d and m (a Q4_0/Q4_1/Q8_0 file's own), fp32 (F_FP32:
+ * where it is 0 (no F_M), not stored where it is -8 d (F_M8 with F_M: Q4_0). Scales: fp16 d and m (a Q4_0/Q4_1/Q8_0 file's own), fp32 (F_FP32:
  * a K-quant whose k is not whole super-blocks: its d and m per group) or, for K-quants, the
  * file's own (F_K): per super-block of 256 channels an fp16 d (and dmin), per group an int8
  * scale sc (and min mn), d = d sc and m = -dmin mn formed here per group, exact in fp32 (11 x 8
@@ -53,7 +53,7 @@
 
 /* rows per pass over a tile: AVX-512 (32 registers) and AVX2 (16) */
 enum { TILE = 16, GROUP = 32, PAIRS = GROUP / 2, ROWS = 8, ROWS2 = 4 };
-enum { F_BITS8 = 1, F_GROUP16 = 2, F_FP32 = 4, F_M = 8, F_BITS6 = 16, F_K = 32, F_BITS5 = 64 };
+enum { F_BITS8 = 1, F_GROUP16 = 2, F_FP32 = 4, F_M = 8, F_BITS6 = 16, F_K = 32, F_BITS5 = 64, F_M8 = 128 };
 /* channels per K-quant super-block */
 enum { SUPER = 256 }; /* (a shift by 8 below) */
 
@@ -83,7 +83,7 @@ static inline int64_t tile_bytes(int format) {
 static inline int64_t group_size(int format) { return format & F_GROUP16 ? 16 : 32; }
 /* bytes of one scale group's d (and m) for one tile */
 static inline int64_t scale_bytes(int format) {
-    return (format & F_M ? 2 : 1) * TILE * (format & F_FP32 ? 4 : 2);
+    return (format & F_M && !(format & F_M8) ? 2 : 1) * TILE * (format & F_FP32 ? 4 : 2);
 }
 /* F_K: bytes of one (tile, super-block)'s scales: 16 fp16 d, (F_M) 16 fp16 -dmin, then per
  * scale group 16 int8 sc, then (F_M) per scale group 16 int8 mn */
@@ -136,7 +136,8 @@ static inline void group_scales(const args_t *a, int64_t t, int64_t s, __m512 *d
         if (a->format & F_M) *m = _mm512_mul_ps(load_scales16(at.dm16, 0), int8x16(at.mn));
     } else {
         *d = load_scales16(at.d16, a->format & F_FP32);
-        if (a->format & F_M) *m = load_scales16(at.dm16, a->format & F_FP32);
+        if (a->format & F_M8) *m = _mm512_mul_ps(*d, _mm512_set1_ps(-8.0f)); /* exact */
+        else if (a->format & F_M) *m = load_scales16(at.dm16, a->format & F_FP32);
     }
 }
 
@@ -312,7 +313,8 @@ static inline void group_scales(const args_t *a, int64_t t, int64_t s, int hc, _
     } else {
         const int64_t esize = a->format & F_FP32 ? 4 : 2;
         *d = load_scales8(at.d16 + hc * 8 * esize, a->format & F_FP32);
-        if (a->format & F_M) *m = load_scales8(at.dm16 + hc * 8 * esize, a->format & F_FP32);
+        if (a->format & F_M8) *m = _mm256_mul_ps(*d, _mm256_set1_ps(-8.0f)); /* exact */
+        else if (a->format & F_M) *m = load_scales8(at.dm16 + hc * 8 * esize, a->format & F_FP32);
     }
 }
 
@@ -474,7 +476,8 @@ static void group_sums(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K
 int blink_quant_linear(const uint16_t *x, int64_t x_stride, const void *codes, const void *scales,
                        const uint16_t *bias, uint16_t *y, int64_t y_stride, int64_t M, int64_t N, int64_t K,
                        int format, int threads) {
-    if (M < 1 || N % TILE || K % GROUP || x_stride < K || y_stride < N || format < 0 || format > 127 ||
+    if (M < 1 || N % TILE || K % GROUP || x_stride < K || y_stride < N || format < 0 || format > 255 ||
+        ((format & F_M8) && (!(format & F_M) || (format & F_K))) ||
         !!(format & F_BITS8) + !!(format & F_BITS6) + !!(format & F_BITS5) > 1 ||
         ((format & F_K) && (K % SUPER || (format & F_FP32))))
         return -2;

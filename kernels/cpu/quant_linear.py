@@ -14,7 +14,8 @@ Both multiply
 gguf's fp32 weights, no weight rounded (tests/test_cpu_quant_linear.py: the exactly rounded
 fp32 product in all but a few outputs in a thousand, one bf16 step off).
 
-Formats: ``w = d q + m`` per group of 32 (Q6_K: 16) input channels; 4-bit codes (Q4_0, Q4_1,
+Formats: ``w = d q + m`` per group of 32 (Q6_K: 16) input channels (Q4_0's m = -8d formed in
+the kernel, not stored); 4-bit codes (Q4_0, Q4_1,
 Q4_K), 5-bit (Q5_K), 6-bit (Q6_K) or 8-bit (Q8_0); d and m fp16 where they are (Q4_0, Q4_1, Q8_0), a
 K-quant's as its file holds them (fp16 d and dmin per 256 channels, an int8 scale and min per
 group: ``F_K``), so a decode step reads about the file's bytes (Q4_K 4.625 bits a weight, the
@@ -46,7 +47,7 @@ log = logging.getLogger("blink.kernels")
 _SOURCE = Path(__file__).with_name("quant_linear.c")
 
 #: the C kernel's format bits
-F_BITS8, F_GROUP16, F_FP32, F_M, F_BITS6, F_K, F_BITS5 = 1, 2, 4, 8, 16, 32, 64
+F_BITS8, F_GROUP16, F_FP32, F_M, F_BITS6, F_K, F_BITS5, F_M8 = 1, 2, 4, 8, 16, 32, 64, 128
 #: channels per K-quant super-block (F_K: one fp16 d and dmin per 256 channels)
 SUPER = 256
 
@@ -256,6 +257,9 @@ def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group: in
     if k_scales is not None and k % SUPER == 0:
         return QuantWeight(packed, _k_scales(k_scales, n, k, group, d.float(), None if m is None else m.float()),
                            n, k, fmt | F_K)
+    if m is not None and torch.equal(m.float(), -8 * d.float()):  # Q4_0: the kernel forms m = -8d
+        fmt |= F_M8
+        m = None
     fp32 = not (_is_fp16(d.float()) and (m is None or _is_fp16(m.float())))
     parts = [d] if m is None else [d, m]
     values = torch.stack([p.float() for p in parts]).to(torch.float32 if fp32 else torch.float16)
@@ -285,7 +289,7 @@ def dequantize(weight: QuantWeight) -> torch.Tensor:
     else:
         rows = weight.codes
     q = _from_b_tile_rows(rows, n, k).float()
-    s = 2 if weight.format & F_M else 1
+    s = 2 if weight.format & F_M and not weight.format & F_M8 else 1
     groups = k // weight.group
     if weight.format & F_K:
         supers, nsub = k // SUPER, SUPER // weight.group
@@ -299,6 +303,8 @@ def dequantize(weight: QuantWeight) -> torch.Tensor:
     w = q.view(n, groups, weight.group) * scales[0][..., None]
     if s == 2:
         w = w + scales[1][..., None]
+    elif weight.format & F_M8:
+        w = w + (-8 * scales[0])[..., None]
     return w.view(n, k)
 
 
