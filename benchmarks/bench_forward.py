@@ -33,7 +33,11 @@ per-call wall time and process CPU time of each, and their ratio.
 
 Shapes: ``decode B`` = B rows of one new token each over ``--context`` cached tokens (the
 logits of every row); ``prefill BxP`` = B rows of P new tokens (the logits of each row's last);
-``mixed BxP+D`` = both in one step, as a served step that admits prompts while others decode.
+``mixed BxP+D`` = both in one step, as a served step that admits prompts while others decode;
+``verify BxK[+D]`` = a speculative verify step: B rows of 1 + K new tokens (the last token and a
+draft) beside D decode rows, over ``--context`` cached tokens, the logits of every token (every
+position is a lane); with ``--before no-cpu-graphs`` the ``now`` executor replays them from the
+decode graphs as the speculative runner does (``DecodeGraphs.allow_rows_of``).
 
     python -m benchmarks.bench_forward --dtype bfloat16 float32 --decode 1 16 --prefill 16x128
     python -m benchmarks.bench_forward --before no-int4 --dtype bfloat16 --decode 1 4 8 16 --prefill
@@ -49,6 +53,8 @@ logits of every row); ``prefill BxP`` = B rows of P new tokens (the logits of ea
     python -m benchmarks.bench_forward --before bf16-head --dtype bfloat16 --decode 32 48 64 --prefill --q8-head-max-rows 64
     python -m benchmarks.bench_forward --before unfused-silu --dtype bfloat16 --decode 1 16 --prefill 4x128 1x512
     python -m benchmarks.bench_forward --before no-cpu-graphs --dtype bfloat16 --decode 1 4 8 16 32 --threads 1
+    python -m benchmarks.bench_forward --before no-cpu-graphs --dtype bfloat16 --decode --prefill \
+        --verify 1x4 4x4 4x4+12 8x4+8 16x4 --context 192 --threads 1
     python -m benchmarks.bench_forward --before q4-one-pass --dtype bfloat16 --decode --prefill 16x128 4x128 1x512
     python -m benchmarks.bench_forward --before q4-tile-parts --dtype bfloat16 --decode --prefill 16x128 4x128 1x128 \
         --threads 2
@@ -183,6 +189,9 @@ def main() -> None:
     p.add_argument("--mixed", nargs="*", default=[],
                    help="mixed steps, ROWSxTOKENS+DECODES: prompts beside decode rows (as a served "
                         "step that admits prompts while others decode)")
+    p.add_argument("--verify", nargs="*", default=[],
+                   help="speculative verify steps, ROWSxDRAFT[+DECODES]: rows of 1 + DRAFT tokens "
+                        "beside decode rows, every token's logits")
     p.add_argument("--context", type=int, default=128, help="cached tokens per decode row")
     p.add_argument("--steps", type=int, default=5, help="calls per timed round")
     p.add_argument("--rounds", type=int, default=5)
@@ -238,6 +247,11 @@ def main() -> None:
         prompts, decodes = spec.lower().split("+")
         rows, tokens = (int(v) for v in prompts.split("x"))
         shapes.append((f"mixed {spec}", [(tokens, 0)] * rows + [(1, args.context)] * int(decodes)))
+    for spec in args.verify:
+        drafting, _, decodes = spec.lower().partition("+")
+        rows, draft = (int(v) for v in drafting.split("x"))
+        shapes.append((f"verify {spec}", [(1 + draft, args.context)] * rows
+                       + [(1, args.context)] * int(decodes or 0)))
     need = max(sum(-(-(c + n) // 16) for n, c in rows) for _, rows in shapes)
     longest = max(c + n for _, rows in shapes for n, c in rows)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
@@ -284,6 +298,10 @@ def main() -> None:
             call_args = {}
             for name, ex in execs.items():
                 ids, md, last = build_metadata(ex, _seqs(rows, ex.block_size))
+                if label.startswith("verify"):
+                    last = torch.arange(ids.shape[0])  # every position is a lane
+                    if ex.decode_graphs is not None:  # as SpecCpuGraphsRunner (before recording)
+                        ex.decode_graphs.allow_rows_of(max(n for n, _ in rows))
                 call_args[name] = (ids, md, last)
                 _time(ex, call_args[name], 2)  # warm-up
             walls = {name: [] for name in execs}
