@@ -174,10 +174,12 @@ class QuantWeight:
 
 
 def _nibble_words(rows: torch.Tensor) -> torch.Tensor:
-    """B-tile rows of 4-bit values (int32 [n / 16, k / 32, 16, 32]) -> int16 [n / 16, k / 32, 4, 32]:
+    """B-tile rows of 4-bit values (uint8 [n / 16, k / 32, 16, 32]) -> int16 [n / 16, k / 32, 4, 32]:
     word w of vector c holds rows 4c .. 4c + 3's values at nibbles 0..3."""
     rows = rows.reshape(*rows.shape[:2], GROUP // 8, 4, 2 * TILE)
-    words = rows[:, :, :, 0] | (rows[:, :, :, 1] << 4) | (rows[:, :, :, 2] << 8) | (rows[:, :, :, 3] << 12)
+    words = rows[:, :, :, 0].to(torch.int32)
+    for i in range(1, 4):  # (a quarter of the codes widened at a time: a large head's load)
+        words |= rows[:, :, :, i].to(torch.int32) << (4 * i)
     return words.to(torch.int16)
 
 
@@ -232,21 +234,21 @@ def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group: in
     if bits == 4:
         if codes.dtype != torch.uint8 or int(codes.max()) > 15:
             return None
-        packed = _nibble_words(_b_tile_rows(codes.to(torch.int32))).contiguous()
+        packed = _nibble_words(_b_tile_rows(codes)).contiguous()
     elif bits == 8:
         if codes.dtype not in (torch.int8, torch.uint8) or (codes.dtype == torch.uint8 and int(codes.max()) > 127):
             return None
         low, high = int(codes.min()), int(codes.max())
         if narrow and 0 <= low and high <= 31:  # 5 bits hold them
-            rows = _b_tile_rows(codes.to(torch.int32))
+            rows = _b_tile_rows(codes.to(torch.uint8))
             top = (rows >> 4).reshape(n // TILE, k // GROUP, 1, 16, 2 * TILE)
-            words = sum(top[:, :, :, p] << p for p in range(16)).to(torch.int16)
+            words = sum(top[:, :, :, p].to(torch.int32) << p for p in range(16)).to(torch.int16)
             packed = torch.cat([_nibble_words(rows & 0x0F), words], dim=2).contiguous()
             fmt |= F_BITS5
         elif narrow and -32 <= low and high <= 31:  # 6 bits hold them
-            rows = _b_tile_rows(codes.to(torch.int32) + 32)
+            rows = _b_tile_rows((codes + 32).to(torch.uint8))
             high = (rows >> 4).reshape(n // TILE, k // GROUP, 2, 8, 2 * TILE)
-            words = sum(high[:, :, :, j] << (2 * j) for j in range(8)).to(torch.int16)
+            words = sum(high[:, :, :, j].to(torch.int32) << (2 * j) for j in range(8)).to(torch.int16)
             packed = torch.cat([_nibble_words(rows & 0x0F), words], dim=2).contiguous()
             fmt |= F_BITS6
         else:
