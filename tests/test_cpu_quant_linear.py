@@ -296,7 +296,7 @@ def test_unpacked_codes_are_what_gguf_dequantizes_bit_for_bit(name):
     assert not torch.equal(unpack_codes(data, name, rows, cols).dequantize(), want)
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q4_k", "q6_k"])
+@pytest.mark.parametrize("fmt", ["q4_1", "q4_0", "q4_k", "q5_k", "q6_k"])
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(build, fmt):
     """A decode graph pads a step to its bucket, and a served row shares its step with others:
     each row is summed the same way whatever the step's row count."""
