@@ -6,10 +6,10 @@ calls each time, only on other tokens, positions and KV blocks. So does a specul
 step (:mod:`blink.engine.speculative`), whose drafting rows carry their last token and the
 draft (up to K + 1 positions each): every C kernel reads the step's rows, positions and
 causal limits from the metadata buffers, so the same graph of T tokens serves any split of
-T tokens into rows (:attr:`DecodeGraphs.max_query_len`, raised by the speculative runner). Per bucket of token counts,
-:class:`DecodeGraphs` records the forward and the head once, on inputs it keeps in buffers of
-its own; each later step writes its inputs into those buffers (a few small copies) and
-replays the calls. The Python between the calls (module calls, checks, allocations, ctypes
+T tokens into rows (:attr:`DecodeGraphs.max_query_len`, raised by the speculative runner).
+Per bucket of token counts, :class:`DecodeGraphs` records the forward and the head once, on
+inputs it keeps in buffers of its own; each later step writes its inputs into those buffers
+(a few small copies) and replays the calls. The Python between the calls (module calls, checks, allocations, ctypes
 argument conversion) is gone: measured on SmolLM2-135M, 16 rows, one core, 36.4 ms eager
 against 26.5 ms for the same calls replayed (docs/performance.md#decode-graphs).
 
@@ -54,11 +54,12 @@ DECODE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32)
 #: Token counts above :data:`DECODE_BUCKETS` recorded for verify steps only (the speculative
 #: runner, :meth:`DecodeGraphs.allow_rows_of`: up to rows x (K + 1) tokens, never more than a
 #: step of ``max_num_seqs`` such rows; up to 16 rows of K = 4: each graph keeps its own
-#: activations, ~0.4 MB a token on SmolLM2-135M, so larger steps stay eager). Their layers replay where the projections take any row
-#: count on one kernel path (the 4-bit AMX kernel: the eager bits, tests/test_decode_graphs.py
-#: at each bucket's widest padding); where a kernel takes few rows only (the AVX-512 4-bit
-#: one's 32: bf16 through oneDNN above) the recording fails and those steps stay eager. The
-#: head above 32 rows is oneDNN's (a torch op): not recorded, it runs eagerly on the rows asked for.
+#: activations, ~0.4 MB a token on SmolLM2-135M, so larger steps stay eager). Their layers
+#: replay where the projections take any row count on one kernel path (the 4-bit AMX kernel:
+#: the eager bits, tests/test_decode_graphs.py at each bucket's widest padding); where a
+#: kernel takes few rows only (the AVX-512 4-bit one's 32: bf16 through oneDNN above) the
+#: recording fails and those steps stay eager. The head above 32 rows is oneDNN's (a torch
+#: op): not recorded, it runs eagerly on the rows asked for.
 VERIFY_BUCKETS = (40, 48, 64, 80)
 
 
@@ -126,14 +127,10 @@ class DecodeGraphs:
         recording did): its cost estimate, asked with the same arguments, may prefer SDPA for
         rows of several tokens over long contexts, and SDPA's bits are not the kernel's."""
         k_cache = self.kv_caches[0][0]
-        tiles = (self.embedding_dtype == k_cache.dtype == torch.bfloat16 and k_cache.shape[-1] % 32 == 0)
+        q_dtype = self.model.model.embed_tokens.weight.dtype  # the forward's dtype
+        tiles = q_dtype == k_cache.dtype == torch.bfloat16 and k_cache.shape[-1] % 32 == 0
         return cpu_attention.prefer_native(md, tokens, self.block_size,
                                            cpu_attention.tile_min_tokens() if tiles else 0)
-
-    @property
-    def embedding_dtype(self) -> torch.dtype:
-        """The forward's dtype (its queries')."""
-        return self.model.model.embed_tokens.weight.dtype
 
     def run(self, input_ids: torch.Tensor, md: AttentionMetadata,
             logits_indices: torch.Tensor) -> torch.Tensor | None:
@@ -143,9 +140,8 @@ class DecodeGraphs:
 
         The head: replayed when the step asks for every token's logits (decode steps, verify
         steps whose every token is a lane) and the bucket has a head graph, else run eagerly
-        on the rows asked for, as the
-        eager forward does (its kernels pick their path by row count: a bucket's head on all
-        its rows might take another path, and give other bits)."""
+        on the rows asked for, as the eager forward does (its kernels pick their path by row
+        count: a bucket's head on all its rows might take another path, and give other bits)."""
         tokens = input_ids.shape[0]
         graph = self._graph(next(b for b in self.buckets if b >= tokens))
         if graph is None:
