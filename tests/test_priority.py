@@ -248,6 +248,31 @@ def test_low_prefills_keep_progressing_while_urgent_work_keeps_arriving():
     assert len(busy) > 60 and all(1 <= n <= 2 for n in busy), low_prefill
 
 
+def test_compiled_steps_under_the_priority_policy_are_one_graph_each(monkeypatch):
+    """schedule() and update() under the priority policy (the queue order, the prefill
+    bound and the urgency register, which expires within the run: W = 3) trace as single
+    graphs (torch.compile fullgraph: no host sync, no branch on a tensor value) and give
+    every request its expected stream."""
+    import torch
+
+    orig = ts.Frontend.submit
+
+    def submit(self, req):
+        ok = orig(self, req)
+        if ok:
+            self.ring.priority[req.slot] = req.priority
+        return ok
+    monkeypatch.setattr(ts.Frontend, "submit", submit)
+    torch._dynamo.reset()
+    reqs = ts._random_reqs(np.random.default_rng(6), 6, 32, shared=12)
+    for i, req in enumerate(reqs):
+        req.priority, req.submit_step = (0, 4 * i) if i % 3 == 0 else (5, i)
+    cfg = ts._cfg(num_blocks=10, scheduling_policy="priority", priority_other_prefill_tokens=2,
+                  priority_urgent_window_steps=3)
+    out = ts.run(reqs, cfg, n_slots=3, stream_capacity=2, compile_steps=True, checks=False)
+    ts.check_outcome(out)
+
+
 def test_step_model_bound_cuts_the_tail_and_keeps_lows_flowing():
     """benchmarks/priority_steps.py (bench_priority's workload on the reference policy with a
     linear step cost): unbounded (the budget), an urgent request's worst wait is a step of

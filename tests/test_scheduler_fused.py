@@ -294,8 +294,8 @@ def test_fused_urgency_register_agrees_with_the_python_reference(fused_oracle, m
 
 test_priority_random_workloads_agree_with_the_reference = pytest.mark.usefixtures("fused_oracle")(settings(
     max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])(
-    given(ts.scenarios(), hst.lists(hst.integers(-3, 3), min_size=10, max_size=10), hst.integers(1, 24))(
-        tsr.test_priority_random_workloads_agree_with_the_reference.hypothesis.inner_test)))
+    given(ts.scenarios(), hst.lists(hst.integers(-3, 3), min_size=10, max_size=10), hst.integers(1, 24),
+          hst.integers(1, 12))(tsr.test_priority_random_workloads_agree_with_the_reference.hypothesis.inner_test)))
 
 test_random_workloads_agree_with_the_reference = pytest.mark.usefixtures("fused_oracle")(settings(
     max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])(
