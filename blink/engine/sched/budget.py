@@ -130,8 +130,8 @@ class Budget:
         in flight when the next urgent request arrives is short), and the step in which an
         urgent request prefills carries at most P less urgent prefill tokens. Every
         prefilling row still progresses: the first capped one gets tokens every step the
-        budget reaches it (P >= 1) until its prompt is done. ``asked``, ``prefilling``, ``less_urgent``: in queue
-        order."""
+        budget reaches it (P >= 1) until its prompt is done. ``asked``, ``prefilling``,
+        ``less_urgent``: in queue order."""
         other = prefilling & ((prefilling.cumsum(0) > 1) | less_urgent)
         x = torch.where(other, asked, 0)
         share = torch.minimum(x, (self.config.priority_other_prefill_tokens - (x.cumsum(0) - x)).clamp(min=0))
