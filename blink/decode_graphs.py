@@ -53,8 +53,8 @@ log = logging.getLogger("blink.executor")
 DECODE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32)
 #: Token counts above :data:`DECODE_BUCKETS` recorded for verify steps only (the speculative
 #: runner, :meth:`DecodeGraphs.allow_rows_of`: up to rows x (K + 1) tokens, never more than a
-#: step of ``max_num_seqs`` such rows; up to 16 rows of K = 4: each graph keeps its own
-#: activations, ~0.4 MB a token on SmolLM2-135M, so larger steps stay eager). Their layers
+#: step of ``max_num_seqs`` such rows; up to 16 rows of K = 4, where the eager attention's
+#: cost estimate mostly picks SDPA anyway: larger steps stay eager). Their layers
 #: replay where the projections take any row count on one kernel path (the 4-bit AMX kernel:
 #: the eager bits, tests/test_decode_graphs.py at each bucket's widest padding); where a
 #: kernel takes few rows only (the AVX-512 4-bit one's 32: bf16 through oneDNN above) the

@@ -249,12 +249,12 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
             to_field=_not_off,
             help="CPU loop, eager: steps whose every row decodes one token (up to 32 "
                  "rows) replay a graph of their C kernel calls, recorded at start per "
-                 "bucket of rows (~2 s, ~50 MB), as the GPU loops replay CUDA graphs: "
+                 "bucket of rows (~2 s, ~10 MB), as the GPU loops replay CUDA graphs: "
                  "the same logits without the Python between the calls (1.3x a 16-row "
                  "step, 1.7x a 1-row step on SmolLM2); auto: where every op of the "
                  "forward has a C kernel here (else the log says why not); off: every "
                  "step runs the Python forward; with --speculative-config also the "
-                 "steps that verify drafts, up to 80 tokens, from more graphs (~190 MB "
+                 "steps that verify drafts, up to 80 tokens, from more graphs (~14 MB "
                  "at 16 seqs, K 4, SmolLM2-135M) (default: %(default)s)"),
     _option("--compile-cache-dir", default=None, metavar="DIR", field="compile_cache_dir",
             help="where compiled steps are cached between starts (default: "

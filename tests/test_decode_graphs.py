@@ -42,6 +42,36 @@ def test_a_replay_recomputes_from_the_buffers_new_contents():
 
 
 @needs_fused
+def test_a_recording_reuses_memory_the_code_let_go_of():
+    """A buffer no tensor refers to any more serves a later allocation (as the eager
+    allocator's would: a graph keeps about one layer's activations, not every layer's); a
+    buffer still referred to is never handed out; the replay still computes the chain."""
+    x, w = torch.randn(4, 64).bfloat16(), torch.randn(64).bfloat16()
+
+    def chain(v):
+        for _ in range(4):
+            v = cpu_fused.rms_norm(v, w, 1e-5)
+        return v
+
+    with torch.inference_mode():
+        with cpu_graph.record() as graph:
+            a = cpu_fused.rms_norm(x, w, 1e-5)
+            b = cpu_fused.rms_norm(a, w, 1e-5)
+            a_at = a.data_ptr()
+            del a  # let go of
+            c = cpu_fused.rms_norm(b, w, 1e-5)
+            d = cpu_fused.rms_norm(c, w, 1e-5)
+        assert c.data_ptr() == a_at
+        assert len({x.data_ptr(), b.data_ptr(), c.data_ptr(), d.data_ptr()}) == 4
+        assert graph.kept_bytes == 3 * d.untyped_storage().nbytes()  # a's memory counted once
+        x.copy_(torch.randn(4, 64))
+        want = chain(x)
+        assert not torch.equal(d, want)
+        graph.replay()
+    assert torch.equal(d, want)
+
+
+@needs_fused
 def test_recording_refuses_torch_ops_that_compute():
     x = torch.randn(4, 64).bfloat16()
     weight = torch.ones(64).bfloat16()

@@ -13,7 +13,11 @@ writes each new step's inputs into those buffers, and replays.
 - every call into a kernel library's ``kernels`` (:class:`blink.shared.native_build.NativeLibrary`),
   with its arguments as passed;
 - every tensor the code allocates (the kernels' outputs and scratch), so that the addresses
-  the calls hold stay valid.
+  the calls hold stay valid. Memory the code has let go of (no tensor refers to it any more:
+  a layer's scratch once the next layer runs) is handed to the code's later allocations, as
+  the eager allocator would: the replay makes the same calls in the same order, so a buffer
+  is reused only after its last reader, and a graph keeps about one layer's activations
+  instead of every layer's.
 
 It refuses code it could not replay: a torch op that computes (anything but allocating
 uninitialised memory or taking a view) or a call into a library function that is neither a
@@ -57,7 +61,10 @@ class CpuGraph:
 
     def __init__(self) -> None:
         self.calls: list[_Call] = []
-        self._tensors: list[torch.Tensor] = []  # kept alive: the calls hold their addresses
+        # kept alive: the calls hold their addresses. Each is an alias of its own (not the
+        # tensor the code got), so that its storage's use count tells whether the code still
+        # refers to the memory (_unreferenced)
+        self._tensors: list[torch.Tensor] = []
 
     def replay(self) -> None:
         """Make the recorded calls again with the same arguments. A call that returns a
@@ -67,6 +74,21 @@ class CpuGraph:
             status = function(*args)
             if checked and status != 0:
                 raise RuntimeError(f"CPU graph replay: {name} failed with status {status}")
+
+    def _allocated(self, out: torch.Tensor) -> torch.Tensor:
+        """``out``, just allocated by the recorded code, on memory the graph keeps: the
+        smallest kept buffer the code no longer refers to that holds it, else its own."""
+        need = out.untyped_storage().nbytes()
+        best, best_bytes = None, None
+        for keep in self._tensors:
+            storage = keep.untyped_storage()
+            size = storage.nbytes()
+            if need <= size and (best_bytes is None or size < best_bytes) and _unreferenced(keep):
+                best, best_bytes = storage, size
+        if best is None:
+            self._tensors.append(out.detach())
+            return out
+        return out.set_(best, 0, out.size(), out.stride())
 
     @property
     def kept_bytes(self) -> int:
@@ -118,14 +140,26 @@ class _NoComputeMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in _ALLOCATIONS:
-            self.graph._tensors.append(out)
-            return out
+            return self.graph._allocated(out)
         inputs = {_storage(t) for t in _tensors_in((args, kwargs))} - {None}
         if not all(_storage(t) in inputs for t in _tensors_in(out)):
             # (an op whose schema says "view" may still copy: contiguous(), reshape() and to()
             # return their input only when no work is needed)
             raise GraphRecordingError(f"the recorded code computes with torch ({func})")
         return out
+
+
+# a storage's reference count (torch's private API; a torch without it: nothing is reused)
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _unreferenced(keep: torch.Tensor) -> bool:
+    """Whether only ``keep`` (a graph's own alias) refers to its storage: its use count is
+    one per tensor on it plus one for the storage's Python object (which asking makes). (A
+    bare storage object held without a tensor would not count: the recorded code holds none.)"""
+    if _USE_COUNT is None:
+        return False
+    return _USE_COUNT(keep.untyped_storage()._cdata) <= 2
 
 
 def _storage(t: torch.Tensor) -> int | None:
