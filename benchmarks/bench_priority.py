@@ -13,7 +13,9 @@ One run, three phases:
 1. idle: ``--high-requests`` high-priority requests, one at a time: their TTFT (P50/P99).
 2. saturated: ``--low-streams`` closed-loop low-priority streams (each sends its next request
    when the last one ends) and, once they run, the same number of high-priority requests,
-   one every ``--high-interval`` seconds: their TTFT (P50/P99).
+   one every ``--high-interval`` seconds: their TTFT (P50/P99). The low streams run in a child
+   process (``--low-in-process``: in the timing loop), so the loop that times the high
+   requests does no more work than in the idle phase.
 3. the report: high-priority P99 TTFT saturated / idle (the issue's target: within 2x) with
    the sample counts and a 95% confidence interval for that ratio (:func:`p99_ratio_ci`), and
    the low-priority streams' output throughput (tokens/s) and completed requests while the
@@ -33,10 +35,11 @@ import argparse
 import asyncio
 import json
 import math
+import multiprocessing
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import httpx
 import numpy as np
@@ -156,8 +159,14 @@ def p99_ratio_ci(idle: list[float], saturated: list[float]) -> tuple[float, floa
 async def run(http: httpx.AsyncClient, *, model: str, low_streams: int = 16,
               high_requests: int = 400, high_interval_s: float = 0.5, prompt_words: int = 200,
               low_max_tokens: int = 256, high_max_tokens: int = 16, low_priority: int = 10,
-              high_priority: int = 0, warmup_s: float = 2.0) -> Report:
-    """The three phases over ``http`` (any httpx client: a server's URL or an ASGI app)."""
+              high_priority: int = 0, warmup_s: float = 2.0, low_url: str | None = None) -> Report:
+    """The three phases over ``http`` (any httpx client: a server's URL or an ASGI app).
+
+    ``low_url``: run the low-priority streams in a child process against that URL, so the
+    event loop that times the high-priority requests does only that, as in the idle phase
+    (with the streams in the same loop, each high request's first chunk waits behind the
+    parsing of the low streams' chunks: client time the idle phase does not have). None:
+    every stream in this loop (what an ASGI app needs)."""
     rng = np.random.default_rng(0)
     words = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "light", "paper"]
 
@@ -170,28 +179,19 @@ async def run(http: httpx.AsyncClient, *, model: str, low_streams: int = 16,
     idle_ttft = [r.ttft_s for r in idle if r.ok]
 
     # 2. saturated
-    stop = asyncio.Event()
-    low: list[Result] = []
+    def highs() -> Awaitable[list[Result]]:
+        return _highs(http, model, prompt, high_requests, high_interval_s, high_max_tokens,
+                      high_priority)
 
-    async def low_stream() -> None:
-        while not stop.is_set():
-            low.append(await one_request(http, model, prompt(), low_max_tokens, low_priority))
-
-    streams = [asyncio.create_task(low_stream()) for _ in range(low_streams)]
-    await asyncio.sleep(warmup_s)  # the low streams fill the engine
-    start, done_before = time.perf_counter(), len(low)
-    tokens_before = sum(r.output_tokens for r in low)
-
-    async def high_at(delay: float) -> Result:
-        await asyncio.sleep(delay)
-        return await one_request(http, model, prompt(), high_max_tokens, high_priority)
-
-    high = await asyncio.gather(*(high_at(i * high_interval_s) for i in range(high_requests)))
-    window = time.perf_counter() - start
-    done = low[done_before:]
-    tokens = sum(r.output_tokens for r in low) - tokens_before
-    stop.set()
-    await asyncio.gather(*streams)
+    if low_url is None:
+        high, done, tokens, window = await _saturated_in_process(
+            http, model, prompt, low_streams=low_streams, low_max_tokens=low_max_tokens,
+            low_priority=low_priority, warmup_s=warmup_s, highs=highs)
+    else:
+        high, done, tokens, window = await _saturated_other_process(
+            low_url, model, low_streams=low_streams, prompt_words=prompt_words,
+            low_max_tokens=low_max_tokens, low_priority=low_priority, warmup_s=warmup_s,
+            highs=highs)
     sat_ttft = [r.ttft_s for r in high if r.ok]
     idle_p99, sat_p99 = _pct(idle_ttft, 99), _pct(sat_ttft, 99)
     return Report(
@@ -206,7 +206,89 @@ async def run(http: httpx.AsyncClient, *, model: str, low_streams: int = 16,
         config=dict(low_streams=low_streams, high_requests=high_requests,
                     high_interval_s=high_interval_s, prompt_words=prompt_words,
                     low_max_tokens=low_max_tokens, high_max_tokens=high_max_tokens,
-                    low_priority=low_priority, high_priority=high_priority))
+                    low_priority=low_priority, high_priority=high_priority,
+                    low_streams_in=("this process" if low_url is None else "a child process")))
+
+
+async def _highs(http: httpx.AsyncClient, model: str, prompt: Callable[[], str], n: int,
+                 interval_s: float, max_tokens: int, priority: int) -> list[Result]:
+    """``n`` high-priority requests, one every ``interval_s`` seconds (open loop)."""
+    async def high_at(delay: float) -> Result:
+        await asyncio.sleep(delay)
+        return await one_request(http, model, prompt(), max_tokens, priority)
+
+    return list(await asyncio.gather(*(high_at(i * interval_s) for i in range(n))))
+
+
+async def _saturated_in_process(http, model, prompt, *, low_streams, low_max_tokens, low_priority,
+                                warmup_s, highs):
+    """Phase 2 with the closed-loop low streams in this event loop: (high results, low
+    results finished in the window, their output tokens, window seconds)."""
+    stop = asyncio.Event()
+    low: list[Result] = []
+
+    async def low_stream() -> None:
+        while not stop.is_set():
+            low.append(await one_request(http, model, prompt(), low_max_tokens, low_priority))
+
+    streams = [asyncio.create_task(low_stream()) for _ in range(low_streams)]
+    await asyncio.sleep(warmup_s)  # the low streams fill the engine
+    start, done_before = time.perf_counter(), len(low)
+    tokens_before = sum(r.output_tokens for r in low)
+    high = await highs()
+    window = time.perf_counter() - start
+    done = low[done_before:]
+    tokens = sum(r.output_tokens for r in low) - tokens_before
+    stop.set()
+    await asyncio.gather(*streams)
+    return high, done, tokens, window
+
+
+def _low_load_main(url: str, model: str, streams: int, prompt_words: int, max_tokens: int,
+                   priority: int, stop: Any, out: Any) -> None:
+    """The child process of :func:`_saturated_other_process`: ``streams`` closed-loop
+    low-priority streams until ``stop`` is set; puts [(monotonic end time, Result)] on ``out``."""
+    rng = np.random.default_rng(1)
+    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "light", "paper"]
+
+    async def go() -> list[tuple[float, Result]]:
+        finished: list[tuple[float, Result]] = []
+        async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+            async def low_stream() -> None:
+                while not stop.is_set():
+                    r = await one_request(http, model, " ".join(rng.choice(words, prompt_words)),
+                                          max_tokens, priority)
+                    finished.append((time.monotonic(), r))
+            await asyncio.gather(*(low_stream() for _ in range(streams)))
+        return finished
+
+    out.put(asyncio.run(go()))
+
+
+async def _saturated_other_process(url, model, *, low_streams, prompt_words, low_max_tokens,
+                                   low_priority, warmup_s, highs):
+    """Phase 2 with the low streams in a child process (``run``'s ``low_url``); same return
+    as :func:`_saturated_in_process` (CLOCK_MONOTONIC is one clock for both processes)."""
+    ctx = multiprocessing.get_context("spawn")
+    stop, out = ctx.Event(), ctx.Queue()
+    child = ctx.Process(target=_low_load_main, daemon=True,
+                        args=(url, model, low_streams, prompt_words, low_max_tokens,
+                              low_priority, stop, out))
+    child.start()
+    try:
+        await asyncio.sleep(warmup_s)  # the low streams fill the engine
+        start = time.monotonic()
+        high = await highs()
+        end = time.monotonic()
+        stop.set()
+        finished = await asyncio.to_thread(out.get, True, 900)
+    finally:
+        stop.set()
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+    done = [r for t, r in finished if start < t <= end]
+    return high, done, sum(r.output_tokens for r in done), end - start
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--low-priority", type=int, default=10)
     p.add_argument("--high-priority", type=int, default=0)
     p.add_argument("--warmup", type=float, default=2.0, help="seconds of low load before measuring")
+    p.add_argument("--low-in-process", action="store_true",
+                   help="run the low-priority streams in the event loop that times the high ones "
+                        "(default: a child process, so that loop waits on nothing the idle phase lacks)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: a correctness run only")
     p.add_argument("--result-json", default=None)
     a = p.parse_args(argv)
@@ -238,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         async with httpx.AsyncClient(base_url=a.base_url, timeout=600) as http:
             model = a.model or (await http.get("/v1/models")).json()["data"][0]["id"]
             return await run(http, model=model, low_priority=a.low_priority,
-                             high_priority=a.high_priority, **sizes)
+                             high_priority=a.high_priority,
+                             low_url=None if a.low_in_process else a.base_url, **sizes)
 
     report = asyncio.run(go())
     print(report.text())
