@@ -58,18 +58,24 @@ def graphs():
         assert recorded.max_query_len == K + 1
         # the buckets a step of 4 rows of K + 1 tokens can use (without speculation: 1, 2, 4)
         assert sorted(b for b, _ in recorded.graphs) == [1, 2, 4, 8, 12, 16, 24]
-        replayed: list[int] = []
-        run = recorded.run
-
-        def counted(input_ids, md, logits_indices):
-            out = run(input_ids, md, logits_indices)
-            if out is not None:
-                replayed.append(md.max_query_len)
-            return out
-
-        recorded.run = counted
-        llm.replayed = replayed
+        llm.replayed = _count_replays(recorded)
         yield llm
+
+
+def _count_replays(recorded) -> list[int]:
+    """Wrap ``recorded.run`` so that each replayed step appends its ``max_query_len`` to the
+    returned list (> 1: a verify step)."""
+    replayed: list[int] = []
+    run = recorded.run
+
+    def counted(input_ids, md, logits_indices):
+        out = run(input_ids, md, logits_indices)
+        if out is not None:
+            replayed.append(md.max_query_len)
+        return out
+
+    recorded.run = counted
+    return replayed
 
 
 def _verify_replays(llm, before: int) -> int:
@@ -136,15 +142,7 @@ def test_draft_model_verify_steps_replay_the_target_graphs():
                 if target is None or not target.graphs:
                     pytest.skip("decode steps run eagerly here")
                 assert target.max_query_len == K + 1
-                run = target.run
-
-                def counted(input_ids, md, logits_indices):
-                    out = run(input_ids, md, logits_indices)
-                    if out is not None:
-                        replayed.append(md.max_query_len)
-                    return out
-
-                target.run = counted
+                replayed = _count_replays(target)
             outputs[graphs] = [o.token_ids for o in llm.generate(PROMPTS, params, timeout_s=300)]
             assert int(llm.engine.scheduler.spec_counters[SPEC_NUM_ACCEPTED_TOKENS]) > 0
             _pool_whole(llm)
