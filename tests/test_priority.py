@@ -124,18 +124,19 @@ def test_an_urgent_request_jumps_the_queue_and_preempts(policy):
         assert all(first[3] > first[i] for i in queued), first
 
 
-def _prefill_steps(reqs, cfg, **env) -> list[list[tuple[int, int, int]]]:
+def _grant_steps(reqs, cfg, **env) -> list[list[tuple[int, int, int, bool]]]:
     """Drive ``reqs`` (checked against the reference at every step) and return, per step,
-    the prompt tokens each prefilling row got: (priority, arrival, tokens), in queue order."""
+    the tokens each row got: (priority, arrival, tokens, prefilling its prompt), in queue
+    order."""
     from blink.engine.sched import reference
 
-    steps: list[list[tuple[int, int, int]]] = []
+    steps: list[list[tuple[int, int, int, bool]]] = []
     orig = reference.ReferenceScheduler.schedule
 
     def schedule(self):
         num_new = orig(self)
-        steps.append(sorted((r.priority, r.arrival, num_new[r.slot]) for r in self.rows
-                            if r is not None and num_new.get(r.slot) and r.num_computed < len(r.prompt)))
+        steps.append(sorted((r.priority, r.arrival, num_new[r.slot], r.num_computed < len(r.prompt))
+                            for r in self.rows if r is not None and num_new.get(r.slot)))
         return num_new
     reference.ReferenceScheduler.schedule = schedule
     try:
@@ -145,6 +146,11 @@ def _prefill_steps(reqs, cfg, **env) -> list[list[tuple[int, int, int]]]:
     return steps
 
 
+def _prefill_steps(reqs, cfg, **env) -> list[list[tuple[int, int, int]]]:
+    """:func:`_grant_steps`' prefilling rows only: (priority, arrival, prompt tokens)."""
+    return [[(p, arr, n) for p, arr, n, pre in step if pre] for step in _grant_steps(reqs, cfg, **env)]
+
+
 @pytest.mark.parametrize("bound", [4, 64])
 def test_one_large_prefill_per_step_under_the_priority_policy(bound):
     """The bench_priority pattern scaled down: 16 low-priority requests arrive together (the
@@ -152,7 +158,7 @@ def test_one_large_prefill_per_step_under_the_priority_policy(bound):
     while they prefill. With ``priority_other_prefill_tokens`` P (4; 64 is past the 64-token
     budget: the bound never binds, the behaviour before it), every step carries the first
     prefilling row's tokens plus at most P other prompt tokens, the urgent request prefills
-    whole in a step with at most P low-priority prompt tokens, and every request finishes."""
+    whole in a step with no low-priority row at all, and every request finishes."""
     cfg = ts._cfg(num_blocks=400, max_model_len=64, max_num_batched_tokens=64, max_admit_per_step=17,
                   enable_prefix_caching=False, scheduling_policy="priority",
                   priority_other_prefill_tokens=bound)
@@ -168,13 +174,11 @@ def test_one_large_prefill_per_step_under_the_priority_policy(bound):
     assert all(r.finish is not None for r in [*reqs, urgent])
     others = [sum(n for _, _, n in step[1:]) for step in steps]
     urgent_steps = [step for step in steps if any(p == 0 for p, _, _ in step)]
-    assert len(urgent_steps) == 1 and urgent_steps[0][0][2] == 12, urgent_steps  # whole, first
-    low_beside_urgent = sum(n for p, _, n in urgent_steps[0] if p != 0)
+    assert urgent_steps == [[(0, urgent.arrival, 12)]], urgent_steps  # whole, alone
     if bound < cfg.max_num_batched_tokens:
         assert max(others) <= bound, others
-        assert low_beside_urgent <= bound
-    else:  # unbounded: the step fills the budget with low-priority prompts (the old tail)
-        assert max(others) > 4 and low_beside_urgent > 4, (others, low_beside_urgent)
+    else:  # unbounded: a step fills the budget with low-priority prompts (the old tail)
+        assert max(others) > 4, others
 
 
 def _urgency_cfg(**kw):
@@ -195,7 +199,7 @@ def _req(priority: int, length: int, max_tokens: int, submit: int, rng) -> ts.Re
 def test_a_low_first_prompt_is_capped_while_urgent_was_seen_and_whole_after(urgent):
     """The urgency register (window W = 6 steps, bound P = 4), step by step (drive checks
     the tensor code against the reference): a low prompt A arrives with an urgent request U
-    at step 0; U prefills whole, and A, the first prefilling row once U is done, still gets
+    at step 0; U prefills whole and alone, and A, the first prefilling row once U is done, gets
     only P tokens per step while U was seen in the last W steps (the step in flight when the
     next urgent request comes stays short). A low prompt C arriving once the register has
     expired prefills whole in one step, as does A when no urgent request came at all (the
@@ -213,30 +217,67 @@ def test_a_low_first_prompt_is_capped_while_urgent_was_seen_and_whole_after(urge
 
     if urgent:
         assert grants(u) == [(0, 8)]  # whole, in the step that admits it
-        assert grants(a) == [(i, 4) for i in range(5)]  # capped at P while U was seen (steps 0-7)
+        # none in U's prefill step, then capped at P while U was seen (steps 0-7)
+        assert grants(a) == [(i, 4) for i in range(1, 6)]
     else:
         assert grants(a) == [(0, 20)]
     assert grants(c) == [(14, 20)]  # no urgent work in the last W steps: whole
 
 
+@pytest.mark.parametrize("prompt", [8, 100])
+def test_an_urgent_prompt_prefills_without_less_urgent_rows(prompt):
+    """Three low-priority requests decode (and a fourth prefills) when an urgent one arrives:
+    every step in which the urgent prompt prefills (one step; three chunks of the 40-token
+    budget for a 100-token prompt) carries it alone, no low decode or prefill row; every
+    other step serves the low rows, while the urgent one decodes too; all finish. A second
+    urgent request prefilling beside the first's decode shares its step with it (the rule
+    leaves out only less urgent rows), and with no priority difference (all 10) a prompt
+    prefills beside the decode rows as before."""
+    rng = np.random.default_rng(7)
+    for lows_priority in (10, 0):
+        lows = [_req(lows_priority, 6, 40, 0, rng) for _ in range(3)] + [_req(lows_priority, 30, 20, 5, rng)]
+        u1, u2 = _req(0, prompt, 12, 8, rng), _req(0, 6, 4, 9, rng)
+        reqs = [*lows, u1, u2]
+        cfg = _urgency_cfg(max_num_batched_tokens=40, max_model_len=128, max_admit_per_step=1)
+        steps = _grant_steps(reqs, cfg, n_slots=6, stream_capacity=64)
+        assert all(r.finish is not None for r in reqs)
+        arrivals = {r.arrival for r in lows}
+        prefill_u1 = [i for i, step in enumerate(steps) for _, arr, _, pre in step if arr == u1.arrival and pre]
+        if lows_priority == 10:
+            assert len(prefill_u1) == -(-prompt // 40), steps
+            for i in prefill_u1:
+                assert all(arr not in arrivals for _, arr, _, _ in steps[i]), steps[i]
+            decoding_u1 = [i for i, step in enumerate(steps) for _, arr, _, pre in step
+                           if arr == u1.arrival and not pre]
+            # once u1 decodes (and u2 has prefilled), the low rows are served beside it
+            assert any(arr in arrivals for i in decoding_u1[2:] for _, arr, _, _ in steps[i]), steps
+            assert any(arr == u2.arrival and pre for i in decoding_u1 for _, arr, _, pre in steps[i])
+        else:  # one priority: prompts prefill beside decode rows, as under fcfs
+            assert any(any(pre for *_, pre in step) and any(not pre for *_, pre in step) for step in steps)
+
+
 def test_low_prefills_keep_progressing_while_urgent_work_keeps_arriving():
     """No starvation: six low-priority prompts prefill while urgent requests arrive every
     third step for 60 steps (the register never expires: W = 50). Every step in which a low
-    prompt is being prefilled grants low prefill tokens (the first capped row gets its share
-    every step), at most P of them, and every request finishes."""
+    prompt is being prefilled and no urgent one is grants low prefill tokens (the first
+    capped row gets its share every such step), at most P of them; a step in which an urgent
+    prompt prefills grants the low rows nothing; and every request finishes."""
     rng = np.random.default_rng(5)
     lows = [_req(10, int(rng.integers(24, 31)), 3, 0, rng) for _ in range(6)]
     urgents = [_req(0, 4, 1, step, rng) for step in range(0, 60, 3)]
     cfg = _urgency_cfg(priority_other_prefill_tokens=2, priority_urgent_window_steps=50)
     from blink.engine.sched import reference
 
-    low_prefill: list[tuple[int, int]] = []  # per step: (low rows prefilling, their tokens)
+    low_prefill: list[tuple[int, int, bool]] = []  # per step: (low rows prefilling, their tokens,
+    # an urgent prompt prefilling)
     orig = reference.ReferenceScheduler.schedule
 
     def schedule(self):
         num_new = orig(self)
         rows = [r for r in self.running if r.priority == 10 and r.num_computed < len(r.prompt)]
-        low_prefill.append((len(rows), sum(num_new.get(r.slot, 0) for r in rows)))
+        urgent = any(r.priority == 0 and num_new.get(r.slot) and r.num_computed < len(r.prompt)
+                     for r in self.running)
+        low_prefill.append((len(rows), sum(num_new.get(r.slot, 0) for r in rows), urgent))
         return num_new
     reference.ReferenceScheduler.schedule = schedule
     try:
@@ -244,8 +285,9 @@ def test_low_prefills_keep_progressing_while_urgent_work_keeps_arriving():
     finally:
         reference.ReferenceScheduler.schedule = orig
     assert all(r.finish is not None for r in [*lows, *urgents])
-    busy = [n for rows, n in low_prefill if rows]
-    assert len(busy) > 60 and all(1 <= n <= 2 for n in busy), low_prefill
+    busy = [n for rows, n, urgent in low_prefill if rows and not urgent]
+    assert len(busy) > 30 and all(1 <= n <= 2 for n in busy), low_prefill
+    assert all(n == 0 for rows, n, urgent in low_prefill if urgent), low_prefill
 
 
 def test_compiled_steps_under_the_priority_policy_are_one_graph_each(monkeypatch):

@@ -284,12 +284,14 @@ def test_fused_priority_policy_agrees_with_the_python_reference(fused_oracle):
 
 
 def test_fused_urgency_register_agrees_with_the_python_reference(fused_oracle, monkeypatch):
-    """The urgency register (set, aged, expired after W steps, set again) and the capped
-    first prompt, in the fused allocator, step by step against the reference."""
+    """The urgency register (set, aged, expired after W steps, set again), the capped
+    first prompt and the urgent prompt's steps without less urgent rows (a chunked prompt
+    too), in the fused allocator, step by step against the reference."""
     import test_priority as tp
 
     tsr.test_priority_urgency_register_agrees_step_by_step(monkeypatch)
     tp.test_a_low_first_prompt_is_capped_while_urgent_was_seen_and_whole_after(True)
+    tp.test_an_urgent_prompt_prefills_without_less_urgent_rows(100)
 
 
 test_priority_random_workloads_agree_with_the_reference = pytest.mark.usefixtures("fused_oracle")(settings(

@@ -387,12 +387,16 @@ def _allocate_kernel(
         tl.store(urgent_priority_ptr, urgent)
         tl.store(urgent_age_ptr, tl.where(keep, age + 1, 0))
         # Budget._cap_other_prefill: the prompts after the first share OTHER_PREFILL, and so
-        # does the first when it is less urgent than the register.
+        # does the first when it is less urgent than the register; a step in which a row at
+        # the register's level prefills carries no less urgent row.
         prefilling = act_p & (nc_p < tl.load(num_prompt_ptr + order, mask=rmask, other=0)) & (asked > 0)
         less_urgent = tl.load(priority_ptr + order, mask=rmask, other=0).to(tl.int64) > urgent
         other = prefilling & ((tl.cumsum(prefilling.to(tl.int64), 0) > 1) | less_urgent)
         x = tl.where(other, asked, 0)
         asked = tl.where(other, tl.minimum(x, tl.maximum(OTHER_PREFILL - (tl.cumsum(x, 0) - x), 0)), asked)
+        # A step in which a row at the urgent level prefills carries no less urgent row.
+        urgent_prefill = tl.sum((prefilling & ~less_urgent).to(tl.int64), 0) > 0
+        asked = tl.where(less_urgent & urgent_prefill, 0, asked)
 
     # Token budget in FCFS order; the blocks each position needs.
     grant = tl.minimum(tl.maximum(budget - (tl.cumsum(asked, 0) - asked), 0), asked)

@@ -14,7 +14,10 @@ finished rows' blocks. Also the blocks' LRU stamps (the prefix cache evicts by t
   step of less urgent prefills, and its own step stays short. And while a more urgent
   priority was seen in the last ``priority_urgent_window_steps`` steps (the state's
   ``urgent_priority`` register), a less urgent first prompt shares that bound too: the
-  step in flight when the next urgent request arrives is short as well.
+  step in flight when the next urgent request arrives is short as well. In a step where
+  a row at the register's level prefills, the rows less urgent than it ask for nothing
+  (decode and prefill): the urgent prompt's step is as short as it alone (16 decode rows
+  beside a 256-token prompt cost a third more on a CPU); they lose only those steps.
 - Blocks: let freed(k) = blocks referenced only by rows at FCFS positions >= k. The longest
   prefix of rows whose new blocks fit in free + freed(k) is served (the next row gets what
   is left); then the shortest newest-first suffix of rows whose blocks cover the deficit is
@@ -128,14 +131,22 @@ class Budget:
         wait of any request arriving during it, so a step never carries more than one large
         prefill, none of a less urgent prompt while urgent work was seen recently (the step
         in flight when the next urgent request arrives is short), and the step in which an
-        urgent request prefills carries at most P less urgent prefill tokens. Every
-        prefilling row still progresses: the first capped one gets tokens every step the
-        budget reaches it (P >= 1) until its prompt is done. ``asked``, ``prefilling``,
-        ``less_urgent``: in queue order."""
+        urgent request prefills carries no less urgent row at all: in a step where a row at
+        the urgent level (not ``less_urgent``) prefills, the ``less_urgent`` rows ask for
+        nothing, decode included. Every prefilling row still progresses: the first capped
+        one gets tokens every step the budget reaches it (P >= 1) and no urgent prompt
+        prefills, until its prompt is done. ``asked``, ``prefilling``, ``less_urgent``: in
+        queue order."""
         other = prefilling & ((prefilling.cumsum(0) > 1) | less_urgent)
         x = torch.where(other, asked, 0)
         share = torch.minimum(x, (self.config.priority_other_prefill_tokens - (x.cumsum(0) - x)).clamp(min=0))
-        return torch.where(other, share, asked)
+        asked = torch.where(other, share, asked)
+        # A step in which a row at the urgent level prefills carries no less urgent row (decode
+        # or prefill): that step is the urgent request's TTFT, and less urgent rows beside its
+        # prompt lengthen it. They lose only these steps (one per urgent prompt that fits the
+        # budget). The less urgent rows sort after it, so the shares above are unchanged.
+        urgent_prefill = (prefilling & ~less_urgent).any()
+        return torch.where(less_urgent & urgent_prefill, 0, asked)
 
     def _priority(self, fields: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The ``priority`` field (of the rows or of the ring's slots) when the priority

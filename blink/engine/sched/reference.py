@@ -230,10 +230,11 @@ class ReferenceScheduler:
         is left of ``priority_other_prefill_tokens``) and gets what the budget has left (the
         last one a chunk; while a more urgent priority was seen within the last
         ``priority_urgent_window_steps`` steps, a less urgent prompt shares that bound even
-        when it is the first). If the new blocks do not fit the free pool: serve the longest
-        oldest-first prefix that would fit if everything younger were preempted (the request
-        at the cut gets what is left), and preempt the shortest youngest-first suffix whose
-        blocks cover the deficit."""
+        when it is the first; in a step where a request at that urgent level prefills, the
+        less urgent ones ask for nothing, decode included). If the new blocks do not fit the
+        free pool: serve the longest oldest-first prefix that would fit if everything younger
+        were preempted (the request at the cut gets what is left), and preempt the shortest
+        youngest-first suffix whose blocks cover the deficit."""
         cfg, B = self.cfg, self.cfg.block_size
         queue = self.running
         budget = cfg.max_num_batched_tokens
@@ -241,12 +242,17 @@ class ReferenceScheduler:
         # order) share priority_other_prefill_tokens per step: one large prefill per step;
         # so does the first one when it is less urgent than urgent work seen recently.
         first_prefill, other_prefill = True, cfg.priority_other_prefill_tokens
+        urgent_prefill = False
         if cfg.scheduling_policy == "priority":
             self._track_urgent(queue)
+            # A step in which a request at the urgent level prefills carries no less urgent one.
+            urgent_prefill = any(self._wants(r) > 0 and r.num_computed < len(r.prompt)
+                                 and r.priority <= self.urgent_priority for r in queue)
         grant = []
         for req in queue:
-            room = req.produced - req.consumed < self.stream_capacity
-            want = req.num_tokens - req.num_computed if room and not req.needs_lookup else 0
+            want = self._wants(req)
+            if urgent_prefill and req.priority > self.urgent_priority:
+                want = 0
             if cfg.scheduling_policy == "priority" and want > 0 and req.num_computed < len(req.prompt):
                 if not first_prefill or req.priority > self.urgent_priority:
                     want = min(want, other_prefill)
@@ -276,6 +282,12 @@ class ReferenceScheduler:
             if g > 0:
                 req.status = RUNNING
         return {req.slot: g for req, g in zip(queue, grant) if g > 0}
+
+    def _wants(self, req: Request) -> int:
+        """The tokens ``req`` asks for before the priority policy's bounds: all its uncomputed
+        ones, none if a lookup is pending or its output stream is full."""
+        room = req.produced - req.consumed < self.stream_capacity
+        return req.num_tokens - req.num_computed if room and not req.needs_lookup else 0
 
     def _track_urgent(self, queue: list[Request]) -> None:
         """The urgency register: a live request as urgent as it or more (re)sets it; else it

@@ -118,7 +118,10 @@ class SchedulerConfig:
         an urgent arrival waits for (the one in flight) is short too, not a whole less urgent
         prompt. W must span the gap between urgent arrivals (256 steps: over 2 s at a
         10 ms step; bench_priority sends one every 0.5 s); with nothing urgent for W steps the
-        privilege returns, so an all-low workload prefills as before. Unused under fcfs.
+        privilege returns, so an all-low workload prefills as before. And in a step where a
+        row at the register's level prefills, the rows less urgent than it get no tokens
+        (decode included): the urgent prompt's step is as short as it alone. Unused under
+        fcfs.
     """
 
     block_size: int = 16
