@@ -44,7 +44,7 @@ Per step:
 Rows that do not speculate in a step run exactly the normal step; on the CPU loop a step with
 no drafting row *is* the normal step (:func:`blink.engine.step.run_step`'s path).
 
-Back-off (per row, tensor state): a row whose draft is wholly rejected skips 1, 2, 4 .. 32
+Back-off (per row, tensor state): a row whose draft is wholly rejected skips 1, 4, 16, 64
 steps and then needs longer n-grams (``miss_streak``, ``cooldown``); the captured step keeps
 them in the same tensors. The CPU loop reads the draft eligibility on the host
 (:meth:`SpecScheduler._eligible_host`, the same rule) to skip the lookup when no row can draft.
@@ -76,9 +76,12 @@ from blink.shared.speculative_config import SpeculativeConfig
 
 log = logging.getLogger("blink.engine")
 
-#: after a row's n-th wholly rejected draft in a row it skips 2**(n-1) steps, at most 2**5,
-#: and drafts again only from an n-gram of at least prompt_lookup_min + n (at most _max)
-MAX_COOLDOWN_LOG2 = 5
+#: after a row's n-th wholly rejected draft in a row it skips 4**(n-1) steps, at most 2**6,
+#: and drafts again only from an n-gram of at least prompt_lookup_min + n (at most _max).
+#: Growing by 4 (not 2) halves the drafts a row that never hits still tries in its first
+#: hundred tokens (5 against 8): each is a verify step of K+1 tokens that costs ~1.7x a plain
+#: one on SmolLM2-135M (docs/performance.md#spec-decode, the sampled workload).
+MAX_COOLDOWN_LOG2 = 6
 #: SpecScheduler.spec_counters' words (vLLM's spec_decode_* counters)
 SPEC_NUM_DRAFTS, SPEC_NUM_DRAFT_TOKENS, SPEC_NUM_ACCEPTED_TOKENS = 0, 1, 2
 
@@ -130,7 +133,7 @@ class SpecScheduler(Scheduler):
         #: drafts, draft tokens, accepted draft tokens (vLLM's spec_decode_num_* counters)
         self.spec_counters = torch.zeros(3, dtype=torch.int64, device=self.device)
         #: per row: drafts in a row that were wholly rejected, and the steps left before the
-        #: row drafts again (1, 2, 4, ... up to 2**MAX_COOLDOWN_LOG2 after each such miss), so rows
+        #: row drafts again (1, 4, 16, ... up to 2**MAX_COOLDOWN_LOG2 after each such miss), so rows
         #: whose drafts keep missing (text that does not repeat) stop paying for them
         self.miss_streak = torch.zeros(self.num_slots, dtype=torch.int64, device=self.device)
         self.cooldown = torch.zeros(self.num_slots, dtype=torch.int64, device=self.device)
@@ -394,7 +397,7 @@ def accept_and_publish(sched: SpecScheduler, batch: StepBatch, grid: VerifyGrid,
     streak = sched.miss_streak[:S]
     streak.copy_(torch.where(verified, torch.where(accepted == 0, streak + 1, 0), streak))
     sched.cooldown[:S] = torch.where(verified & (accepted == 0),
-                                     (2 ** (streak - 1).clamp(min=0, max=MAX_COOLDOWN_LOG2)), sched.cooldown[:S])
+                                     (2 ** (2 * (streak - 1)).clamp(min=0, max=MAX_COOLDOWN_LOG2)), sched.cooldown[:S])
     sched.spec_counters += torch.stack([spec_row.sum(), torch.where(spec_row, lanes_row - 1, 0).sum(),
                                         accepted.sum()])
     pos_k = torch.arange(K1 - 1, device=dev)
