@@ -335,7 +335,7 @@ def test_amx_off_takes_the_path_of_a_cpu_without_amx(tmp_path, monkeypatch):
         assert not cpu_q4_linear.available()
         assert "BLINK_CPU_AMX=0" in cpu_q4_linear.LIBRARY.failure
     finally:
-        cpu_q4_linear.LIBRARY.reset()  # decides again under the real environment
+        cpu_q4_linear.LIBRARY.reset()
 
     wrapper = tmp_path / "cc-no-amx"
     wrapper.write_text(NO_AMX_CC)
@@ -351,6 +351,11 @@ def test_amx_off_takes_the_path_of_a_cpu_without_amx(tmp_path, monkeypatch):
     finally:
         monkeypatch.undo()
         cpu_attention.LIBRARY.reset()  # decides again under the real environment
+        # and the 4-bit kernel is decided again now, under the real environment: left undecided,
+        # it would be built by whichever later test first asks, maybe one without a C compiler
+        # (tests/conftest.py without_c_compiler), and stay unavailable for the rest of the run
+        cpu_q4_linear.LIBRARY.reset()
+        cpu_q4_linear.available()
 
     assert torch.equal(amx_off, without)
     assert not torch.equal(amx_off[:n_live], with_amx[:n_live])  # AMX's tiles round differently
