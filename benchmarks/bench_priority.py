@@ -111,6 +111,14 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: str, max_toke
                   error=out.error)
 
 
+_WORDS = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "light", "paper"]
+
+
+def random_prompt(rng: np.random.Generator, words: int) -> str:
+    """``words`` random words: distinct prompts, so no prefix-cache shortcut for the TTFT."""
+    return " ".join(rng.choice(_WORDS, words))
+
+
 TARGET_RATIO = 2.0  # the issue's target: saturated high-priority P99 TTFT within 2x of idle
 
 
@@ -168,10 +176,9 @@ async def run(http: httpx.AsyncClient, *, model: str, low_streams: int = 16,
     parsing of the low streams' chunks: client time the idle phase does not have). None:
     every stream in this loop (what an ASGI app needs)."""
     rng = np.random.default_rng(0)
-    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "light", "paper"]
 
-    def prompt() -> str:  # distinct prompts: no prefix-cache shortcut for the TTFT
-        return " ".join(rng.choice(words, prompt_words))
+    def prompt() -> str:
+        return random_prompt(rng, prompt_words)
 
     # 1. idle
     idle = [await one_request(http, model, prompt(), high_max_tokens, high_priority)
@@ -249,14 +256,13 @@ def _low_load_main(url: str, model: str, streams: int, prompt_words: int, max_to
     """The child process of :func:`_saturated_other_process`: ``streams`` closed-loop
     low-priority streams until ``stop`` is set; puts [(monotonic end time, Result)] on ``out``."""
     rng = np.random.default_rng(1)
-    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "light", "paper"]
 
     async def go() -> list[tuple[float, Result]]:
         finished: list[tuple[float, Result]] = []
         async with httpx.AsyncClient(base_url=url, timeout=600) as http:
             async def low_stream() -> None:
                 while not stop.is_set():
-                    r = await one_request(http, model, " ".join(rng.choice(words, prompt_words)),
+                    r = await one_request(http, model, random_prompt(rng, prompt_words),
                                           max_tokens, priority)
                     finished.append((time.monotonic(), r))
             await asyncio.gather(*(low_stream() for _ in range(streams)))
