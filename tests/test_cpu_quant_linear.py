@@ -1,8 +1,9 @@
 """The 4-bit / K-quant projection kernel for CPUs without AMX (blink.kernels.cpu.quant_linear),
-both of its builds (AVX-512 BF16, AVX2) on this CPU whatever else it has: its layout holds the
-file's exact weights, its products match an fp32 product on them to the last bf16 bit almost
-everywhere for every format, row count and shape it takes, the AVX2 build holds no AVX-512
-instruction, and ``$BLINK_CPU_Q4`` chooses the build (the AMX kernel off)."""
+each of its builds (AVX-512 VNNI, AVX-512 BF16, AVX2) this CPU runs whatever else it has: its
+layout holds the file's exact weights, its products match an fp32 product on them (of the int8
+build's quantized x, for its code parts) to the last bf16 bit almost everywhere for every
+format, row count and shape it takes, the AVX2 build holds no AVX-512 instruction, and
+``$BLINK_CPU_Q4`` chooses the build (the AMX kernel off)."""
 from __future__ import annotations
 
 import shutil
@@ -21,7 +22,7 @@ def runs(name: str) -> bool:
     return all(f in FLAGS for f in q.VARIANTS[name][1])
 
 
-@pytest.fixture(params=["avx512", "avx2"])
+@pytest.fixture(params=list(q.VARIANTS))
 def build(request, monkeypatch):
     """Each build in turn, chosen through ``$BLINK_CPU_Q4`` as a user would."""
     if not runs(request.param):
@@ -82,6 +83,19 @@ def weight(fmt: str, n: int, k: int, seed: int = 0):
 CODE_BITS = {"q4_1": 4, "q4_0": 4, "q4_k": 4, "q8_0": 8, "q6_k": 6, "q5_k": 5}
 
 
+def exact_product(build: str, fmt: str, x: torch.Tensor, codes, d, m, group: int,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 product the build computes: x @ (d q + m).T; the int8 build's (d q) part on
+    quantize_activations' x, its m part on x itself (Q4_0's -8d is in its code part)."""
+    n, k = codes.shape
+    q_centered = codes.float() - (8 if fmt == "q4_0" else 0)
+    scaled = (q_centered.view(n, k // group, group) * d[..., None]).view(n, k)
+    mins = None if m is None or fmt == "q4_0" else m.repeat_interleave(group, 1)
+    xq = q.quantized_x(x) if build == "avx512_vnni" else x.float()
+    want = xq @ scaled.T + (0 if mins is None else x.float() @ mins.T)
+    return want if bias is None else want + bias.float()
+
+
 def close_to_exact(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tensor) -> None:
     """``got`` (bf16) is ``want`` (fp32) rounded, up to one bf16 step where the fp32 sums'
     order puts it on a rounding edge, in 1% of the outputs at most (2 in a small product)."""
@@ -138,7 +152,7 @@ def test_kernel_matches_the_fp32_product(build, fmt, rows, n, k):
     got = q.linear(x, [w], bias)
     assert got.shape == (rows, n) and got.dtype == torch.bfloat16
     dense = q.dequantize(w)
-    want = torch.nn.functional.linear(x.float(), dense, None if bias is None else bias.float())
+    want = exact_product(build, fmt, x, codes, d, m, group, bias)
     close_to_exact(got, want, x.float().abs() @ dense.abs().T + (0 if bias is None else bias.float().abs()))
     # the test can fail: one wrong code moves its column (and only it) by ~d |x| >> a bf16 step
     wrong = codes.clone()
@@ -189,12 +203,14 @@ def test_threads_split_the_work_with_the_same_bits(build, rows):
 
 
 def test_the_builds_agree_and_the_avx2_one_has_no_avx512_instruction(monkeypatch):
-    if not (runs("avx512") and runs("avx2")):
-        pytest.skip("this CPU cannot run both builds")
-    w = q.pack(*weight("q6_k", 64, 256))
+    names = [name for name in q.VARIANTS if runs(name)]
+    if len(names) < 2:
+        pytest.skip("this CPU cannot run two builds")
+    codes, d, m, group, bits, k_scales = weight("q6_k", 64, 256)
+    w = q.pack(codes, d, m, group, bits, k_scales)
     x = torch.randn(4, 256).bfloat16()
     out = {}
-    for name in ("avx512", "avx2"):
+    for name in names:
         monkeypatch.setenv(cpu_q4_linear.IMPL_ENV, name)
         q.reset()
         assert q.variant() == name and not cpu_q4_linear.available()  # the AMX kernel stays off
@@ -202,12 +218,13 @@ def test_the_builds_agree_and_the_avx2_one_has_no_avx512_instruction(monkeypatch
         if shutil.which("objdump"):
             path = q.LIBRARIES[name].get()._name
             text = subprocess.run(["objdump", "-d", path], capture_output=True, text=True, check=True).stdout
-            assert ("zmm" in text) == (name == "avx512") and ("vdpbf16ps" in text) == (name == "avx512")
+            assert ("zmm" in text) == (name != "avx2") and ("vdpbf16ps" in text) == (name == "avx512")
+            assert ("vpdpbusd" in text) == (name == "avx512_vnni")
     monkeypatch.delenv(cpu_q4_linear.IMPL_ENV)
     q.reset()
     dense = q.dequantize(w)
-    for got in out.values():
-        close_to_exact(got, x.float() @ dense.T, x.float().abs() @ dense.abs().T)
+    for name, got in out.items():
+        close_to_exact(got, exact_product(name, "q6_k", x, codes, d, m, group), x.float().abs() @ dense.abs().T)
 
 
 def test_the_choice_is_said_once_and_torch_turns_it_off(monkeypatch, caplog):
@@ -224,7 +241,7 @@ def test_the_choice_is_said_once_and_torch_turns_it_off(monkeypatch, caplog):
         if chosen is None:
             pytest.skip("no build runs here")
         assert len(said) == 1 and q.VARIANTS[chosen][3] in said[0] and "chosen by the CPU's flags" in said[0]
-        assert chosen == ("avx512" if runs("avx512") else "avx2")
+        assert chosen == next(name for name in q.VARIANTS if runs(name))
     finally:
         q.reset()
 

@@ -86,9 +86,9 @@ def q4_gguf(tmp_path_factory):
 
 
 def _check_steps_on_the_codes(q4_gguf, rows: list[int], kernel_env: str | None, monkeypatch,
-                              exact_weights_up_to: int):
+                              exact_weights_up_to: int, times_bf16: float = 3):
     """Steps of ``rows`` tokens on the 4-bit copies are as close to the fp32 logits (on the same
-    dequantized values) as bf16 is; those of at most ``exact_weights_up_to`` rows differ from
+    dequantized values) as bf16 is (``times_bf16`` its error); those of at most ``exact_weights_up_to`` rows differ from
     the bf16 copy's (the kernel multiplies other weights than its bf16 rounding). Returns the
     executors."""
     files = open_model(q4_gguf)
@@ -118,7 +118,7 @@ def _check_steps_on_the_codes(q4_gguf, rows: list[int], kernel_env: str | None, 
         if n <= exact_weights_up_to:
             assert not torch.equal(a, b), n  # the int4 path ran
         err_int4, err_bf16 = (a - ref).abs().max().item(), (b - ref).abs().max().item()
-        assert err_int4 < max(3 * err_bf16, 0.05), (n, err_int4, err_bf16)
+        assert err_int4 < max(times_bf16 * err_bf16, 0.05), (n, err_int4, err_bf16)
     return with_int4, plain
 
 
@@ -144,6 +144,22 @@ def test_the_kernel_without_amx_runs_small_steps_on_the_codes_and_large_ones_on_
     for ex in (with_int4, plain):  # more tokens: the bf16 copy, bit for bit
         ex.kv_caches = [(k.zero_(), v.zero_()) for k, v in ex.kv_caches]
     assert torch.equal(_decode_logits(with_int4, top + 1), _decode_logits(plain, top + 1))
+
+
+def test_the_int8_build_runs_every_step_on_the_codes_without_a_bf16_copy(q4_gguf, monkeypatch):
+    """``$BLINK_CPU_Q4=avx512_vnni``: x quantized to int8 per group of 32 (llama.cpp's Q8_0
+    activations), every step on the codes, prefills too, and no bf16 copy kept. Its logits
+    are further from the fp32 forward's than bf16's: a group's int8 step is max|x| / 127
+    where bf16's is |x| / 128 (tests/test_cpu_quant_linear.py holds the kernel to the exact
+    product of its quantized x)."""
+    if not all(f in cpu_quant_linear.cpu_flags() for f in cpu_quant_linear.VARIANTS["avx512_vnni"][1]):
+        pytest.skip("this CPU cannot run the avx512_vnni build")
+    with_int4, plain = _check_steps_on_the_codes(q4_gguf, [1, 3, 40], "avx512_vnni", monkeypatch,
+                                                 exact_weights_up_to=40, times_bf16=12)
+    assert set(with_int4.int4_kernels) == {("avx512_vnni", None)}
+    for layer in with_int4.model.model.layers:  # the bf16 copies were dropped, not packed
+        assert layer.self_attn.qkv_proj.weight.numel() == 0 and layer.mlp.down_proj.weight.numel() == 0
+    assert with_int4.model.lm_head.weight.numel() == 0
 
 
 @needs_amx_kernel
@@ -299,7 +315,7 @@ def k_quant_ggufs(tmp_path_factory):
     return files
 
 
-@pytest.mark.parametrize("build", ["avx512", "avx2"])
+@pytest.mark.parametrize("build", list(cpu_quant_linear.VARIANTS))
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
 def test_a_k_quant_gguf_runs_on_its_codes(k_quant_ggufs, monkeypatch, build, name):
     """The file's K-quant codes, q/k rows un-permuted as iter_tensors un-permutes the weights,

@@ -55,7 +55,8 @@ AMX_MAX_ROWS: int | None = None
 #: Steps with at most this many tokens use the kernel for CPUs without AMX, per build.
 #: Measured over SmolLM2-135M's projections and head, one thread, against oneDNN's bf16
 #: product without AMX (benchmarks/bench_int4.py, docs/performance.md#quant-no-amx).
-NATIVE_MAX_ROWS = {"avx512": 32, "avx2": 8}
+#: The int8 build: every step (its cost grows ~8x slower with the rows than vdpbf16ps').
+NATIVE_MAX_ROWS = {"avx512_vnni": None, "avx512": 32, "avx2": 8}
 
 #: Input channels per scale/zero pair: ggml's Q4_0/Q4_1 block.
 GROUP = 32
@@ -63,7 +64,7 @@ GROUP = 32
 # The kernel's inner-K tiling argument for the packed layout (the CPU kernel takes 1).
 _INNER_K_TILES = 1
 
-Kernel = Literal["amx", "avx512", "avx2", "torch"]
+Kernel = Literal["amx", "avx512_vnni", "avx512", "avx2", "torch"]
 
 
 @dataclass
@@ -76,7 +77,7 @@ class Int4Weight:
     packed: torch.Tensor | None = None  # torch: uint8 [N, K // 2]
     scale_zero: torch.Tensor | None = None  # torch: bf16 [K // GROUP, N, 2]
     amx: cpu_q4_linear.Q4Weight | None = None  # amx
-    parts: list[cpu_quant_linear.QuantWeight] | None = None  # avx512 / avx2: runs of output columns
+    parts: list[cpu_quant_linear.QuantWeight] | None = None  # avx512_vnni / avx512 / avx2: runs of columns
 
     def takes(self, rows: int) -> bool:
         """Whether a step of ``rows`` tokens runs on this weight."""
@@ -162,7 +163,7 @@ def linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None,
     if gated:
         raise ValueError("only the AMX kernel applies the activation (see Int4Weight.gates)")
     if weight.parts is not None:
-        return cpu_quant_linear.linear(x, weight.parts, bias)
+        return cpu_quant_linear.linear(x, weight.parts, bias, build=weight.kernel)  # the build it was packed for
     lead = x.shape[:-1]
     y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), weight.packed, GROUP, weight.scale_zero)
     if bias is not None:

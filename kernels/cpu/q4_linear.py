@@ -64,7 +64,7 @@ LIBRARY = NativeLibrary(
     fallback="4-bit projections run on the AVX-512/AVX2 kernel (quant_linear.c) where the CPU has one, "
              "else on torch's int4 kernel for few rows and bf16 otherwise",
     flags=("-O3", "-march=native", "-ffp-contract=off"), headers=(_SOURCE.with_name("kernels.h"),), env=IMPL_ENV,
-    env_value=("torch", "avx512", "avx2"), setup=_declare, kernels=("blink_q4_linear", "blink_q8_linear", "blink_q4_linear_gated"),
+    env_value=("torch", "avx512_vnni", "avx512", "avx2"), setup=_declare, kernels=("blink_q4_linear", "blink_q8_linear", "blink_q4_linear_gated"),
     queries=("blink_q4_linear_supported", "blink_q4_linear_few_rows"))
 
 

@@ -73,8 +73,11 @@ typedef struct {
     int64_t y_stride;
     int64_t M, N, K;
     int format;
-    const float *x_sums;   /* [M, K / group]: each row's sum over each scale group (F_M) */
+    float *x_sums;         /* [M, K / group]: each row's sum over each scale group (F_M) */
     const float *xf;       /* AVX2: [M, K] x in fp32 */
+    int8_t *xq;            /* VNNI: [M, K] x's int8 codes, per group of 32 in the kernel's order */
+    float *xs;             /* VNNI: [M, K / 32] their scales */
+    int32_t *xoff;         /* VNNI: [M, K / group] off * sum(qx) per scale group */
 } args_t;
 
 static inline int64_t tile_bytes(int format) {
@@ -116,9 +119,9 @@ static inline scale_at_t scale_at(const args_t *a, int64_t t, int64_t s) {
     return at;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#define BLINK_QUANT_ISA 512
-
+#if defined(__AVX512F__) && defined(__AVX512BW__) && (defined(__AVX512BF16__) || defined(__AVX512VNNI__))
+#include <immintrin.h>
+/* (both AVX-512 builds) */
 static inline __m512 load_scales16(const uint8_t *p, int fp32) {
     return fp32 ? _mm512_loadu_ps((const float *)p) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
@@ -140,6 +143,221 @@ static inline void group_scales(const args_t *a, int64_t t, int64_t s, __m512 *d
         else if (a->format & F_M) *m = load_scales16(at.dm16, a->format & F_FP32);
     }
 }
+
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define BLINK_QUANT_ISA 8
+/* The int8 build (AVX-512 VNNI: Intel Cascade Lake / Ice Lake and later, AMD Zen 4 and 5).
+ *
+ * Why: on a Sapphire Rapids core vdpbf16ps retires one every 2 cycles (123 GFLOPS a core,
+ * measured), vpdpbusd two a cycle with twice the products each (~970 G int8 products and sums
+ * a second): 8x. So here x is quantized as llama.cpp quantizes its activations (Q8_0: per
+ * row and group of 32 channels, s = max|x| / 127, qx = round(x * (127 / max|x|)), ties to
+ * even) and each group's x . q is an exact int32 sum of the codes (as unsigned bytes u) times
+ * qx. The weight w = d (u - off) + m is not rounded: off (Q4_0 8, Q6_K 32, Q8_0 128 after a
+ * flip of the sign bit) comes off the int32 as off * sum(qx), and m multiplies the exact fp32
+ * sum(x) (not the quantized one):
+ *   y += (s * (sum(u qx) - off sum(qx))) * d + sum(x) * m      per scale group, in fp32.
+ * A row's bits do not depend on the rows beside it: its integer sums are exact in any order
+ * and its fp32 ones run group after group whatever the pass.
+ * Codes: the 4-bit layout's 64-byte vector c (rows 4c .. 4c + 3 of the tile, channels 8c ..
+ * 8c + 7) gives, masked to its low nibbles, each column's channels 8c, 8c + 4, 8c + 1, 8c + 5
+ * as the 4 bytes of its 32-bit lane, and shifted by 4 its channels 8c + 2, 8c + 6, 8c + 3,
+ * 8c + 7: x's codes are stored in that order (PERM4), so a lane meets its 4 channels' x in one
+ * broadcast 32-bit word. The 5- and 6-bit codes put their top bits at bits 4 (and 5) of each
+ * byte, two shifts and two vpternlogd a vector; 8-bit rows 2k, 2k + 1 become each column's
+ * channels 4k .. 4k + 3 with one vpermw (x in channel order). */
+
+/* channel of the group at position 8c + e of x's int8 codes: 4-bit layouts (5, 6 too) */
+static const int PERM4[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+
+static inline __m512 load_bf16x16_i(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline void store_bf16x16_i(uint16_t *p, __m512 v) { /* as f32_to_bf16: nearest even, NaN quiet */
+    const __m512i u = _mm512_castps_si512(v), top = _mm512_srli_epi32(u, 16);
+    const __m512i odd = _mm512_and_si512(top, _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(top, _mm512_set1_epi32(0x40)));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
+}
+
+/* the 5/6-bit top bits for one half (lo: bytes from the nibbles at shift 0, hi: at shift 4):
+ * bits a -> 4 of each word's low byte and b -> 12 of its high byte, shifted from H */
+static inline __m512i shift16(__m512i h, const int n) {
+    return n > 0 ? _mm512_slli_epi16(h, n) : n < 0 ? _mm512_srli_epi16(h, -n) : h;
+}
+
+/* off: what comes off each code before d (Q4_0 8, Q6_K 32, Q8_0 128), 0 where m holds the min */
+static inline int code_offset(int format) {
+    return format & F_BITS8 ? 128 : format & F_BITS6 ? 32 : format & F_M8 ? 8 : 0;
+}
+
+/* Rows [r0, r0 + R) x tile t (16 columns), R <= ROWS known at compile time once inlined. */
+static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int64_t t, int64_t r0, const int R,
+                                                            const int bits) {
+    const int format = a->format, with_m = (format & F_M) && !(format & F_M8), g16 = format & F_GROUP16;
+    const int off = code_offset(format);
+    const int64_t groups = a->K / GROUP, tb = tile_bytes(format);
+    const int64_t sgroups = a->K / group_size(format), per = g16 ? 2 : 1;
+    const uint8_t *codes = a->codes + t * groups * tb;
+    const int8_t *xq = a->xq + r0 * a->K;
+    const float *xs = a->xs + r0 * groups;
+    const int32_t *xoff = a->xoff + r0 * sgroups;
+    const float *x_sums = with_m ? a->x_sums + r0 * sgroups : NULL;
+    const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
+    const __m512i low_byte = _mm512_set1_epi16(0x00FF), top_mask = _mm512_set1_epi8(bits == 6 ? 0x30 : 0x10);
+    /* 8-bit: out word 2j = row 2k's word j, 2j + 1 = row 2k + 1's (column j, channels 4k .. 4k + 3) */
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    /* integer sums are exact in any order: two per row where few rows leave the adds waiting */
+    enum { NACC = 2 };
+    const int nacc = R > 4 ? 1 : NACC;
+    __m512i acc[ROWS][NACC];
+    __m512 tot[ROWS];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+        tot[r] = _mm512_setzero_ps();
+        acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *gc = codes + g * tb;
+        for (int line = 0; line < tb; line += 64) _mm_prefetch((const char *)gc + line + PREFETCH_BYTES, _MM_HINT_T0);
+        const int8_t *xg = xq + g * GROUP;
+        const __m512i high5 = bits == 5 ? _mm512_loadu_si512(gc + 256) : _mm512_setzero_si512();
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) { /* channels 16h .. 16h + 15 */
+            const __m512i high6 = bits == 6 ? _mm512_loadu_si512(gc + 256 + h * 64) : _mm512_setzero_si512();
+#pragma GCC unroll 2
+            for (int c2 = 0; c2 < 2; c2++) {
+                const int c = 2 * h + c2;
+                __m512i lo, hi;
+                if (bits == 8) {
+                    lo = _mm512_xor_si512(_mm512_permutexvar_epi16(interleave, _mm512_loadu_si512(gc + c * 128)), flip);
+                    hi = _mm512_xor_si512(_mm512_permutexvar_epi16(interleave, _mm512_loadu_si512(gc + c * 128 + 64)), flip);
+                } else {
+                    const __m512i v = _mm512_loadu_si512(gc + c * 64);
+                    lo = _mm512_and_si512(v, low4);
+                    hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                    if (bits == 6 || bits == 5) {
+                        /* lo's bytes are rows 4c (word's low byte) and 4c + 2 (high byte), hi's
+                         * 4c + 1 and 4c + 3; a row's top bits go to bit 4 (and 5) of its byte */
+                        const __m512i hb = bits == 6 ? high6 : high5;
+                        const int jb = bits == 6 ? 2 * (4 * c2) : 4 * c; /* row 4c's bit in hb */
+                        const int step = bits == 6 ? 2 : 1;              /* bits a row */
+                        const __m512i lo_top = _mm512_ternarylogic_epi32(
+                            shift16(hb, 4 - jb), shift16(hb, 12 - (jb + 2 * step)), low_byte, 0xE4);
+                        const __m512i hi_top = _mm512_ternarylogic_epi32(
+                            shift16(hb, 4 - (jb + step)), shift16(hb, 12 - (jb + 3 * step)), low_byte, 0xE4);
+                        lo = _mm512_ternarylogic_epi32(lo, lo_top, top_mask, 0xF8); /* lo | (top & mask) */
+                        hi = _mm512_ternarylogic_epi32(hi, hi_top, top_mask, 0xF8);
+                    }
+                }
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++) {
+                    int32_t w0, w1;
+                    memcpy(&w0, xg + r * a->K + 8 * c, 4);
+                    memcpy(&w1, xg + r * a->K + 8 * c + 4, 4);
+                    acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], lo, _mm512_set1_epi32(w0));
+                    acc[r][nacc - 1] = _mm512_dpbusd_epi32(acc[r][nacc - 1], hi, _mm512_set1_epi32(w1));
+                }
+            }
+            if (g16 || h == 1) { /* a scale group ends */
+                const int64_t s = g * per + (g16 ? h : 0);
+                __m512 d, m = _mm512_setzero_ps();
+                group_scales(a, t, s, &d, &m);
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++) {
+                    __m512i sum = nacc == 2 ? _mm512_add_epi32(acc[r][0], acc[r][1]) : acc[r][0];
+                    if (off) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(xoff[r * sgroups + s]));
+                    const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(xs[r * groups + g]));
+                    tot[r] = _mm512_fmadd_ps(part, d, tot[r]);
+                    if (with_m) tot[r] = _mm512_fmadd_ps(_mm512_set1_ps(x_sums[r * sgroups + s]), m, tot[r]);
+                    acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+                }
+            }
+        }
+    }
+    const __m512 bias = a->bias ? load_bf16x16_i(a->bias + t * TILE) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) store_bf16x16_i(a->y + (r0 + r) * a->y_stride + t * TILE, _mm512_add_ps(tot[r], bias));
+}
+
+#define CASE(R)                                                                                   \
+    case R:                                                                                       \
+        if (a->format & F_BITS8) tile_rows(a, t, r0, R, 8);                                       \
+        else if (a->format & F_BITS6) tile_rows(a, t, r0, R, 6);                                  \
+        else if (a->format & F_BITS5) tile_rows(a, t, r0, R, 5);                                  \
+        else tile_rows(a, t, r0, R, 4);                                                           \
+        break;
+
+static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows) {
+    switch (rows) {
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+    }
+}
+#undef CASE
+
+static void *run_tiles(void *arg) {
+    blink_part_t *p = (blink_part_t *)arg;
+    const args_t *a = (const args_t *)p->args;
+    for (int64_t p0 = 0; p0 < a->M; p0 += PANEL_ROWS) {
+        const int64_t p1 = a->M - p0 < PANEL_ROWS ? a->M : p0 + PANEL_ROWS;
+        for (int64_t t = p->lo; t < p->hi; t++)
+            for (int64_t r0 = p0; r0 < p1; r0 += ROWS) tile_pass(a, t, r0, (int)(p1 - r0 < ROWS ? p1 - r0 : ROWS));
+    }
+    return NULL;
+}
+
+/* Rows [lo, hi) of x -> their int8 codes (PERM4 order but for 8-bit codes), scales, off *
+ * sum(qx) per scale group and (F_M) exact fp32 sums per scale group (in channel order). */
+static void *quantize_rows(void *arg) {
+    blink_part_t *p = (blink_part_t *)arg;
+    const args_t *a = (const args_t *)p->args;
+    const int format = a->format, off = code_offset(format), sg = (int)group_size(format);
+    const int64_t K = a->K, groups = K / GROUP, sgroups = K / sg;
+    int perm[GROUP];
+    for (int i = 0; i < GROUP; i++) perm[i] = format & F_BITS8 ? i : (i & ~7) + PERM4[i & 7];
+    const __m512i idx_lo = _mm512_loadu_si512(perm), idx_hi = _mm512_loadu_si512(perm + 16);
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int64_t r = p->lo; r < p->hi; r++) {
+        const uint16_t *x = a->x + r * a->x_stride;
+        int8_t *q = a->xq + r * K;
+        for (int64_t g = 0; g < groups; g++) {
+            const __m512 v0 = load_bf16x16_i(x + g * GROUP), v1 = load_bf16x16_i(x + g * GROUP + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            a->xs[r * groups + g] = amax / 127.0f;
+            const __m512 scale = _mm512_set1_ps(inv);
+            const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(v0, idx_lo, v1), scale));
+            const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(v0, idx_hi, v1), scale));
+            _mm_storeu_si128((__m128i *)(q + g * GROUP), _mm512_cvtepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(q + g * GROUP + 16), _mm512_cvtepi32_epi8(q1));
+            if (off) { /* the scale groups' sums of qx (16: each half; the order keeps halves whole) */
+                const int s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
+                if (sg == 16) {
+                    a->xoff[r * sgroups + 2 * g] = off * s0;
+                    a->xoff[r * sgroups + 2 * g + 1] = off * s1;
+                } else {
+                    a->xoff[r * sgroups + g] = off * (s0 + s1);
+                }
+            }
+        }
+        if (format & F_M && !(format & F_M8))
+            for (int64_t s = 0; s < sgroups; s++) {
+                float sum = 0.0f;
+                for (int c = 0; c < sg; c++) sum += bf16_to_f32(x[s * sg + c]);
+                a->x_sums[r * sgroups + s] = sum;
+            }
+    }
+    return NULL;
+}
+
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define BLINK_QUANT_ISA 512
 
 /* bf16 code tables: 4-bit (vpermw, i & 15 at i), 6-bit (vpermt2w, i - 32 at i over two
  * registers), and the mask of a word's low nibble */
@@ -448,7 +666,7 @@ static void *run_tiles(void *arg) {
 }
 #endif
 
-/* Which instruction set this build uses: 512 (AVX-512 with BF16), 2 (AVX2), 0 (neither: the
+/* Which instruction set this build uses: 8 (AVX-512 VNNI, int8), 512 (AVX-512 with BF16), 2 (AVX2), 0 (neither: the
  * Python side does not use it). */
 int blink_quant_linear_isa(void) {
 #ifdef BLINK_QUANT_ISA
@@ -460,7 +678,7 @@ int blink_quant_linear_isa(void) {
 
 #ifdef BLINK_QUANT_ISA
 /* Each row's fp32 sum over each scale group (in channel order). */
-static void group_sums(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K, int64_t group, float *out) {
+static inline __attribute__((unused)) void group_sums(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K, int64_t group, float *out) {
     for (int64_t r = 0; r < M; r++)
         for (int64_t g = 0; g < K / group; g++) {
             float s = 0.0f;
@@ -486,6 +704,26 @@ int blink_quant_linear(const uint16_t *x, int64_t x_stride, const void *codes, c
     return -3;
 #else
     float *x_sums = NULL, *xf = NULL;
+    args_t a = {x, x_stride, (const uint8_t *)codes, (const uint8_t *)scales, bias, y, y_stride, M, N, K, format,
+                NULL, NULL, NULL, NULL, NULL};
+#if BLINK_QUANT_ISA == 8
+    /* x's codes, scales and sums in one block (the rows' quantization split over the threads) */
+    const int64_t sgroups = K / group_size(format);
+    const size_t sums_bytes = (size_t)(M * sgroups) * 4, scale_bytes_ = (size_t)(M * (K / GROUP)) * 4;
+    char *block = malloc(2 * sums_bytes + scale_bytes_ + (size_t)(M * K));
+    if (!block) return -4;
+    a.x_sums = (float *)block;
+    a.xoff = (int32_t *)(block + sums_bytes);
+    a.xs = (float *)(block + 2 * sums_bytes);
+    a.xq = (int8_t *)(block + 2 * sums_bytes + scale_bytes_);
+    int status = blink_run_parts(quantize_rows, &a, M, blink_threads_for(M * K, (int64_t)1 << 15, threads));
+    /* one thread per ~5-10 us of work at most: 256K products and sums per row pass */
+    if (status == 0)
+        status = blink_run_parts(run_tiles, &a, N / TILE,
+                                 blink_threads_for(((M + ROWS - 1) / ROWS) * N * K, (int64_t)1 << 18, threads));
+    free(block);
+    (void)x_sums; (void)xf;
+#else
     if (format & F_M) {
         x_sums = malloc((size_t)(M * (K / group_size(format))) * sizeof *x_sums);
         if (!x_sums) return -4;
@@ -503,11 +741,12 @@ int blink_quant_linear(const uint16_t *x, int64_t x_stride, const void *codes, c
     /* one thread per ~5-10 us of work at most: 64K weights per row pass */
     const int64_t passes = BLINK_QUANT_ISA == 2 ? (M + ROWS2 - 1) / ROWS2 : (M + ROWS - 1) / ROWS;
     threads = blink_threads_for(passes * N * K, (int64_t)1 << 16, threads);
-    args_t a = {x, x_stride, (const uint8_t *)codes, (const uint8_t *)scales, bias, y, y_stride, M, N, K, format,
-                x_sums, xf};
+    a.x_sums = x_sums;
+    a.xf = xf;
     const int status = blink_run_parts(run_tiles, &a, N / TILE, threads);
     free(x_sums);
     free(xf);
+#endif
     return status;
 #endif
 }

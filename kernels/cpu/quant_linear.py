@@ -6,13 +6,24 @@ the file's 4-bit codes are ~4x fewer than bf16, its 8-bit ones 2x. The AMX kerne
 EPYC/Ryzen, older Xeons, cloud VMs that hide it); there torch's int4 kernel read Q4_0/Q4_1
 codes for steps of few rows, and K-quants were dequantized to bf16 at load.
 
-Two builds of one source, chosen at load by the CPU's flags (:func:`variant`, said once in the
-log): ``avx512`` (AVX-512 F/BW/VL with BF16: per group of 32 channels ``x . q`` by vdpbf16ps on
-the codes as exact bf16, then ``d (x . q) + m sum(x)`` in fp32) and ``avx2`` (x86-64-v3, no
-AVX-512 instruction in that build: ``x . q`` in fp32 FMAs on x's fp32 values, then the same).
-Both multiply
-gguf's fp32 weights, no weight rounded (tests/test_cpu_quant_linear.py: the exactly rounded
-fp32 product in all but a few outputs in a thousand, one bf16 step off).
+Three builds of one source, the first the CPU's flags allow chosen at load (:func:`variant`,
+said once in the log):
+
+- ``avx512_vnni`` (AVX-512 F/BW/VL with VNNI: Intel Cascade Lake, Ice Lake and later, AMD
+  Zen 4 and 5): x quantized to int8 as llama.cpp quantizes its activations
+  (:func:`quantize_activations`: per row and group of 32 channels, scale max|x| / 127), each
+  group's ``x . q`` an exact int32 sum by vpdpbusd, then ``s d (sum(u qx) - off sum(qx)) + m
+  sum(x)`` in fp32 with the exact ``sum(x)``. Its cost grows ~8x slower with the rows than
+  vdpbf16ps' (two vpdpbusd a cycle with 64 products each, one vdpbf16ps every two with 32, on
+  Sapphire Rapids), so every step runs on it, prefills too, and no bf16 copy is kept.
+- ``avx512`` (AVX-512 F/BW/VL with BF16: per group of 32 channels ``x . q`` by vdpbf16ps on
+  the codes as exact bf16, then ``d (x . q) + m sum(x)`` in fp32) and ``avx2`` (x86-64-v3, no
+  AVX-512 instruction in that build: ``x . q`` in fp32 FMAs on x's fp32 values, then the
+  same): x as it is, for steps of few rows (a bf16 copy takes the others).
+
+All multiply gguf's fp32 weights, no weight rounded (tests/test_cpu_quant_linear.py: the
+exactly rounded fp32 product, of :func:`quantize_activations`' x for the int8 build, in all
+but a few outputs in a thousand, one bf16 step off).
 
 Formats: ``w = d q + m`` per group of 32 (Q6_K: 16) input channels (Q4_0's m = -8d formed in
 the kernel, not stored); 4-bit codes (Q4_0, Q4_1,
@@ -23,7 +34,7 @@ file 4.5; Q5_K 5.625, the file 5.5; Q6_K the file's 6.5625). The layout is the A
 (:func:`blink.kernels.cpu.q4_linear._b_tile_rows`) for the 4- and 8-bit codes; that kernel
 takes only Q4_0/Q4_1 and keeps its own scales.
 
-``$BLINK_CPU_Q4``: ``avx512`` or ``avx2`` picks that build (and keeps the AMX kernel off, so a
+``$BLINK_CPU_Q4``: ``avx512_vnni``, ``avx512`` or ``avx2`` picks that build (and keeps the AMX kernel off, so a
 CPU with AMX runs the path a CPU without it would), ``torch`` turns both off; unset, AMX where
 it runs (:mod:`blink.models.int4_linear`) and this kernel for what the AMX kernel does not take.
 """
@@ -53,6 +64,9 @@ SUPER = 256
 
 #: build -> (compiler flags, /proc/cpuinfo flags it needs, what the C reports, its name in the log)
 VARIANTS = {
+    "avx512_vnni": (("-O3", "-march=x86-64-v4", "-mavx512vnni", "-mtune=generic"),
+                    ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c"), 8,
+                    "AVX-512 VNNI (int8 activations)"),
     "avx512": (("-O3", "-march=x86-64-v4", "-mavx512bf16", "-mtune=generic"),
                ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma", "f16c"), 512, "AVX-512 BF16"),
     "avx2": (("-O3", "-march=x86-64-v3", "-mtune=generic"), ("avx2", "fma", "f16c"), 2, "AVX2"),
@@ -139,10 +153,30 @@ def _choose() -> str | None:
             continue
         if LIBRARIES[name].get() is not None:
             how = f"{IMPL_ENV}={wanted}" if wanted == name else "chosen by the CPU's flags"
-            log.info("4-bit and K-quant CPU projections: the %s kernel (%s, %s: %s; %s=avx512|avx2|torch "
+            log.info("4-bit and K-quant CPU projections: the %s kernel (%s, %s: %s; %s=avx512_vnni|avx512|avx2|torch "
                      "chooses)", VARIANTS[name][3], _SOURCE.name, how, " ".join(VARIANTS[name][1]), IMPL_ENV)
             return name
     return None
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the ``avx512_vnni`` build multiplies for ``x [..., k]``: per row and group of 32
+    channels, int8 codes ``round(x * (127 / max|x|))`` (ties to even; 0 where the group is 0)
+    and the scale ``max|x| / 127``, so ``x ~ codes * scale`` (llama.cpp's Q8_0 activations).
+    Returns (codes as float32 ``[..., k]``, scales float32 ``[..., k // 32]``), the same fp32
+    operations as the kernel's, so the same values."""
+    groups = x.float().reshape(*x.shape[:-1], x.shape[-1] // GROUP, GROUP)
+    amax = groups.abs().amax(-1, keepdim=True)
+    # (a tensor over a tensor: ``127.0 / amax`` is torch's reciprocal times 127, two roundings)
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    codes = torch.round(groups * inverse)
+    return codes.reshape(x.shape), (amax / 127.0).squeeze(-1)
+
+
+def quantized_x(x: torch.Tensor) -> torch.Tensor:
+    """``codes * scale`` of :func:`quantize_activations`, float32 like ``x``'s shape."""
+    codes, scales = quantize_activations(x)
+    return (codes.reshape(*x.shape[:-1], -1, GROUP) * scales[..., None]).reshape(x.shape)
 
 
 def available() -> bool:
