@@ -1,11 +1,11 @@
-"""Projections on a GGUF file's own 4-bit weights (CPU, bf16): every step with AMX,
-decode-sized ones elsewhere.
+"""Projections on a GGUF file's own 4-bit weights (CPU, bf16): every step with AMX or AVX-512
+VNNI, decode-sized ones elsewhere.
 
 A decode step reads every weight once and does little arithmetic with it, so on CPU it is
 bound by memory: SmolLM2-135M's bf16 projections stream ~210 MB per step (~23 ms on one
 core here, the same for 1 or 16 rows). When the checkpoint is a GGUF file with Q4_0/Q4_1
 tensors, each such projection keeps the file's 4-bit codes and per-group scales beside the
-bf16 copy (~4x fewer bytes), in the layout of one of two kernels:
+bf16 copy (~4x fewer bytes), in the layout of one of these kernels:
 
 - ``amx``: Blink's C kernel on AMX (:mod:`blink.kernels.cpu.q4_linear`; Intel Sapphire
   Rapids and later). AMX does the arithmetic, so its cost stays flat up to a decode batch:
@@ -15,20 +15,24 @@ bf16 copy (~4x fewer bytes), in the layout of one of two kernels:
   (1 x 128 to 16 x 128 tokens; docs/performance.md#cpu-prefill, docs/performance.md#int4).
   So every step uses it, and the
   projection's bf16 copy is not kept (:meth:`blink.models.decoder.Linear.pack`).
-- ``avx512`` / ``avx2``: Blink's C kernel for CPUs without AMX
-  (:mod:`blink.kernels.cpu.quant_linear`, the build the CPU's flags allow; AMD Zen 4, Xeons
-  whose AMX is hidden, AVX2 CPUs under ``--dtype bfloat16``), which also takes the K-quants
-  (Q4_K, Q5_K, Q6_K) and Q8_0 on their codes (:func:`pack_codes`), a fused projection's parts
-  each in its own format. Its cost grows with the rows (vdpbf16ps / FMAs), so steps of at most
-  :data:`NATIVE_MAX_ROWS` tokens use it and larger ones the packed bf16 copy.
+- ``avx512_vnni`` / ``avx512`` / ``avx2``: Blink's C kernel for CPUs without AMX
+  (:mod:`blink.kernels.cpu.quant_linear`, the first build the CPU's flags allow; AMD Zen 4,
+  Xeons whose AMX is hidden, AVX2 CPUs under ``--dtype bfloat16``), which also takes the
+  K-quants (Q4_K, Q5_K, Q6_K) and Q8_0 on their codes (:func:`pack_codes`), a fused
+  projection's parts each in its own format. ``avx512_vnni`` quantizes x to int8 per group of
+  32 channels, as llama.cpp does, and multiplies with vpdpbusd: its cost grows slowly enough
+  with the rows that every step uses it (3-3.5x the bf16 build's GFLOPS at 16-512 rows) and
+  no bf16 copy is kept. The bf16 and AVX2 builds multiply x as it is, at a cost that grows
+  with the rows (vdpbf16ps / FMAs), so steps of at most :data:`NATIVE_MAX_ROWS` tokens use
+  them and larger ones the packed bf16 copy.
 - ``torch``: torch's int4 weight-only GEMM (``torch._weight_int4pack_mm_for_cpu``, the
   kernel gpt-fast and torchao use on CPU), where neither C kernel runs: 3.7x faster than bf16
   at 1 row but slower beyond ~8, its arithmetic growing with the rows; steps of at most
   :data:`TORCH_MAX_ROWS` tokens use it.
 
-Steps beyond a weight's ``max_rows`` run the packed bf16 copy. Nothing is quantized here: the
-codes are the file's. The AMX kernel multiplies gguf's fp32 weights exactly (``d * q + m``)
-for steps of up to 32 rows and their bf16 rounding (the bf16 copy's values) for larger ones;
+Steps beyond a weight's ``max_rows`` run the packed bf16 copy. No weight is quantized here: the
+codes are the file's (the int8 build quantizes the activations, x). The AMX kernel multiplies
+gguf's fp32 weights exactly (``d * q + m``) for steps of up to 32 rows and their bf16 rounding (the bf16 copy's values) for larger ones;
 torch's kernel takes ``(q - 8) * scale + zero`` with ``zero = m + 8d`` and scales rounded to bf16.
 A row's logits therefore depend on whether its step took the 4-bit path (as in any engine
 whose kernels change with the batch); ``--int4-decode off`` keeps every step on bf16.
