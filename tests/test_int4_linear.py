@@ -133,13 +133,17 @@ def test_torch_kernel_runs_small_steps_on_the_codes_and_large_ones_on_bf16(q4_gg
     assert torch.equal(_decode_logits(with_int4, big), _decode_logits(plain, big))
 
 
-@pytest.mark.parametrize("build", ["avx512", "avx2"])
+@pytest.mark.parametrize("build", list(cpu_quant_linear.VARIANTS))
 def test_the_kernel_without_amx_runs_small_steps_on_the_codes_and_large_ones_on_bf16(q4_gguf, monkeypatch, build):
-    """``$BLINK_CPU_Q4=avx512|avx2``: what a CPU without AMX runs, whatever this one has."""
+    """``$BLINK_CPU_Q4=avx512|avx2``: what a CPU without AMX runs, whatever this one has;
+    ``avx512_vnni`` where oneDNN's bf16 product runs on AMX (K-quants on a CPU with AMX)."""
     if not all(f in cpu_quant_linear.cpu_flags() for f in cpu_quant_linear.VARIANTS[build][1]):
         pytest.skip(f"this CPU cannot run the {build} build")
-    top = int4_linear.NATIVE_MAX_ROWS[build]
-    with_int4, plain = _check_steps_on_the_codes(q4_gguf, [1, 3, top], build, monkeypatch, exact_weights_up_to=top)
+    monkeypatch.setattr(int4_linear, "onednn_amx", lambda: True)
+    top = int4_linear.native_max_rows(build)
+    assert top == (int4_linear.INT8_MAX_ROWS_BESIDE_AMX if build == "avx512_vnni" else int4_linear.NATIVE_MAX_ROWS[build])
+    with_int4, plain = _check_steps_on_the_codes(q4_gguf, [1, 3, top], build, monkeypatch, exact_weights_up_to=top,
+                                                 times_bf16=12 if build == "avx512_vnni" else 3)
     assert set(with_int4.int4_kernels) == {(build, top)}
     for ex in (with_int4, plain):  # more tokens: the bf16 copy, bit for bit
         ex.kv_caches = [(k.zero_(), v.zero_()) for k, v in ex.kv_caches]
@@ -154,6 +158,7 @@ def test_the_int8_build_runs_every_step_on_the_codes_without_a_bf16_copy(q4_gguf
     product of its quantized x)."""
     if not all(f in cpu_quant_linear.cpu_flags() for f in cpu_quant_linear.VARIANTS["avx512_vnni"][1]):
         pytest.skip("this CPU cannot run the avx512_vnni build")
+    monkeypatch.setattr(int4_linear, "onednn_amx", lambda: False)  # a CPU without AMX
     with_int4, plain = _check_steps_on_the_codes(q4_gguf, [1, 3, 40], "avx512_vnni", monkeypatch,
                                                  exact_weights_up_to=40, times_bf16=12)
     assert set(with_int4.int4_kernels) == {("avx512_vnni", None)}
@@ -338,7 +343,7 @@ def test_a_k_quant_gguf_runs_on_its_codes(k_quant_ggufs, monkeypatch, build, nam
             pytest.skip("no native oneDNN bf16 on this CPU")
         layers = ex.config.num_hidden_layers
         assert ex.int4_projections == (4 * layers + 1, 4 * layers + 1)
-        assert ex.int4_kernels == {(build, int4_linear.NATIVE_MAX_ROWS[build]): 4 * layers + 1}
+        assert ex.int4_kernels == {(build, int4_linear.native_max_rows(build)): 4 * layers + 1}
         # on the file's own scales (F_K) and codes (Q5_K in 5 bits, Q6_K in 6), the same weights
         parts = [p for m in ex.model.modules() if getattr(m, "int4", None) is not None for p in m.int4.parts]
         assert len(parts) == 4 * layers + 1 and all(p.format & cpu_quant_linear.F_K for p in parts)  # + the head
@@ -383,3 +388,21 @@ def test_without_onednn_bf16_the_avx2_kernel_still_runs_the_codes(q4_gguf, monke
     finally:
         monkeypatch.delenv(cpu_q4_linear.IMPL_ENV)
         cpu_quant_linear.reset()
+
+
+def test_onednn_on_amx_follows_the_cpu_and_the_switches(monkeypatch):
+    """Whether the int8 build leaves large steps to the bf16 copy: only where oneDNN's bf16
+    product can run on AMX (``$BLINK_CPU_AMX=0`` or ``$ONEDNN_MAX_CPU_ISA`` below AMX: not)."""
+    from blink.kernels.cpu import onednn_amx
+
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("BLINK_CPU_AMX", raising=False)
+    here = onednn_amx()
+    assert here == (here and "amx_bf16" in cpu_quant_linear.cpu_flags())  # never without the CPU's flag
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert not onednn_amx() and int4_linear.native_max_rows("avx512_vnni") is None
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
+    assert onednn_amx() == here
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setenv("BLINK_CPU_AMX", "0")
+    assert not onednn_amx()

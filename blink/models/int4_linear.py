@@ -22,7 +22,9 @@ bf16 copy (~4x fewer bytes), in the layout of one of these kernels:
   projection's parts each in its own format. ``avx512_vnni`` quantizes x to int8 per group of
   32 channels, as llama.cpp does, and multiplies with vpdpbusd: its cost grows slowly enough
   with the rows that every step uses it (3-3.5x the bf16 build's GFLOPS at 16-512 rows) and
-  no bf16 copy is kept. The bf16 and AVX2 builds multiply x as it is, at a cost that grows
+  no bf16 copy is kept, except where oneDNN's bf16 product runs on AMX (K-quants on a CPU
+  with AMX): there steps of more than :data:`INT8_MAX_ROWS_BESIDE_AMX` tokens run the bf16
+  copy. The bf16 and AVX2 builds multiply x as it is, at a cost that grows
   with the rows (vdpbf16ps / FMAs), so steps of at most :data:`NATIVE_MAX_ROWS` tokens use
   them and larger ones the packed bf16 copy.
 - ``torch``: torch's int4 weight-only GEMM (``torch._weight_int4pack_mm_for_cpu``, the
@@ -47,7 +49,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from blink.kernels.cpu import q4_linear as cpu_q4_linear, quant_linear as cpu_quant_linear
+from blink.kernels.cpu import onednn_amx, q4_linear as cpu_q4_linear, quant_linear as cpu_quant_linear
 
 #: Steps with at most this many tokens use torch's int4 kernel. Measured on SmolLM2-135M,
 #: one thread, Xeon with AMX: the decode step 1.6x faster at 4 rows, 1.1x at 6, 1.0x at 8.
@@ -59,8 +61,23 @@ AMX_MAX_ROWS: int | None = None
 #: Steps with at most this many tokens use the kernel for CPUs without AMX, per build.
 #: Measured over SmolLM2-135M's projections and head, one thread, against oneDNN's bf16
 #: product without AMX (benchmarks/bench_int4.py, docs/performance.md#quant-no-amx).
-#: The int8 build: every step (its cost grows ~8x slower with the rows than vdpbf16ps').
+#: The int8 build: every step (its cost grows ~8x slower with the rows than vdpbf16ps'), but
+#: beside oneDNN on AMX (:data:`INT8_MAX_ROWS_BESIDE_AMX`).
 NATIVE_MAX_ROWS = {"avx512_vnni": None, "avx512": 32, "avx2": 8}
+#: Where oneDNN's bf16 products run on AMX (a CPU with AMX and K-quant projections, which the
+#: AMX kernel does not take), the int8 build takes steps of at most this many tokens and the
+#: bf16 copy the others. Measured over SmolLM2-135M-shaped Q4_K/Q6_K projections, one
+#: thread, Xeon with AMX (benchmarks/bench_int4.py --k-quants): int8 / bf16 on AMX 1.13x as
+#: fast at 32 rows, 0.72x at 64, 0.46x at 128.
+INT8_MAX_ROWS_BESIDE_AMX = 32
+
+
+def native_max_rows(build: str) -> int | None:
+    """Steps of at most this many tokens run on ``build`` of the kernel without AMX (None:
+    every step, no bf16 copy kept)."""
+    if build == "avx512_vnni" and onednn_amx():
+        return INT8_MAX_ROWS_BESIDE_AMX
+    return NATIVE_MAX_ROWS[build]
 
 #: Input channels per scale/zero pair: ggml's Q4_0/Q4_1 block.
 GROUP = 32
@@ -150,7 +167,7 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     if native is not None:
         part = cpu_quant_linear.pack(codes, scale, zero - 8 * scale)
         if part is not None:
-            return Int4Weight(native, NATIVE_MAX_ROWS[native], parts=[part])
+            return Int4Weight(native, native_max_rows(native), parts=[part])
         if kernel == native:
             raise ValueError(f"the {native} kernel does not take this [{n}, {k}] weight (needs N % 16 == 0)")
     packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), _INNER_K_TILES)
@@ -213,7 +230,7 @@ def pack_codes(segments: list) -> Int4Weight | None:
                 return None
             parts.append(part)
             run = [seg]
-        return Int4Weight(native, NATIVE_MAX_ROWS[native], parts=parts)
+        return Int4Weight(native, native_max_rows(native), parts=parts)
     if q4 and _torch_kernel_runs():
         return pack(*joined(), kernel="torch")
     return None

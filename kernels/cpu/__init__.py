@@ -13,3 +13,26 @@ def amx_allowed() -> bool:
     takes (paged attention without AMX tiles or AMX scores, 4-bit projections off the AMX
     kernel), e.g. for ``benchmarks/peers.py --no-amx``. The one reading of the variable."""
     return blink_env.is_true(AMX_ENV, default=True)
+
+
+def onednn_amx() -> bool:
+    """Whether oneDNN's bf16 products (a packed bf16 copy's) run on AMX here: AMX allowed
+    (:func:`amx_allowed`), in the CPU's flags and granted to the process by the OS (torch
+    asks), and ``$ONEDNN_MAX_CPU_ISA`` (oneDNN's own cap) not below it. Decides which
+    steps the int8 projection kernel takes (:func:`blink.models.int4_linear.native_max_rows`)."""
+    import os
+
+    import torch
+
+    if not amx_allowed():
+        return False
+    try:
+        with open("/proc/cpuinfo") as info:
+            flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
+    except OSError:
+        return False
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    if "amx_bf16" not in flags or (cap not in ("", "ALL", "DEFAULT") and "AMX" not in cap):
+        return False
+    init = getattr(getattr(torch._C, "_cpu", None), "_init_amx", None)
+    return bool(init()) if init is not None else False
