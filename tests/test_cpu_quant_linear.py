@@ -85,14 +85,16 @@ CODE_BITS = {"q4_1": 4, "q4_0": 4, "q4_k": 4, "q8_0": 8, "q6_k": 6, "q5_k": 5}
 
 def exact_product(build: str, fmt: str, x: torch.Tensor, codes, d, m, group: int,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The fp32 product the build computes: x @ (d q + m).T; the int8 build's (d q) part on
-    quantize_activations' x, its m part on x itself (Q4_0's -8d is in its code part)."""
+    """The fp32 product the build computes: x @ (d q + m).T, an int8 build's on
+    quantize_activations' x (the whole weight: its m multiplies the sum of the rounded x)."""
     n, k = codes.shape
     q_centered = codes.float() - (8 if fmt == "q4_0" else 0)
     scaled = (q_centered.view(n, k // group, group) * d[..., None]).view(n, k)
     mins = None if m is None or fmt == "q4_0" else m.repeat_interleave(group, 1)
-    xq = q.quantized_x(x) if build == "avx512_vnni" else x.float()
-    want = xq @ scaled.T + (0 if mins is None else x.float() @ mins.T)
+    if build == "avx512_vnni":
+        want = q.quantized_x(x) @ (scaled + (0 if mins is None else mins)).T
+    else:
+        want = x.float() @ scaled.T + (0 if mins is None else x.float() @ mins.T)
     return want if bias is None else want + bias.float()
 
 

@@ -156,9 +156,10 @@ static inline void group_scales(const args_t *a, int64_t t, int64_t s, __m512 *d
  * row and group of 32 channels, s = max|x| / 127, qx = round(x * (127 / max|x|)), ties to
  * even) and each group's x . q is an exact int32 sum of the codes (as unsigned bytes u) times
  * qx. The weight w = d (u - off) + m is not rounded: off (Q4_0 8, Q6_K 32, Q8_0 128 after a
- * flip of the sign bit) comes off the int32 as off * sum(qx), and m multiplies the exact fp32
- * sum(x) (not the quantized one):
- *   y += (s * (sum(u qx) - off sum(qx))) * d + sum(x) * m      per scale group, in fp32
+ * flip of the sign bit) comes off the int32 as off * sum(qx), and m multiplies s sum(qx), the
+ * sum of the rounded x (not the exact sum(x): x's rounding errors must meet the whole,
+ * centred weight, as in llama.cpp's Q8_1):
+ *   y += (s * (sum(u qx) - off sum(qx))) * d + (s * sum(qx)) * m      per scale group, in fp32
  * (the int32 sum starts at -off sum(qx), a broadcast load: no instruction for it).
  * A row's bits do not depend on the rows beside it: its integer sums are exact in any order
  * and its fp32 ones run group after group whatever the pass.
@@ -169,6 +170,10 @@ static inline void group_scales(const args_t *a, int64_t t, int64_t s, __m512 *d
  * broadcast 32-bit word. The 5- and 6-bit codes put their top bits at bits 4 (and 5) of each
  * byte, two shifts and two vpternlogd a vector; 8-bit rows 2k, 2k + 1 become each column's
  * channels 4k .. 4k + 3 with one vpermw (x in channel order). */
+#define BLINK_QUANT_INT8 1
+#define BLINK_QUANT_INT8_ROWS ROWS
+/* one thread per ~5-10 us of work at most: 256K products and sums per row pass */
+#define BLINK_QUANT_INT8_PER_THREAD ((int64_t)1 << 18)
 
 /* channel of the group at position 8c + e of x's int8 codes: 4-bit layouts (5, 6 too) */
 static const int PERM4[8] = {0, 4, 1, 5, 2, 6, 3, 7};
@@ -342,11 +347,12 @@ static void *run_tiles(void *arg) {
 }
 
 /* Rows [lo, hi) of x -> their int8 codes (PERM4 order but for 8-bit codes), scales, -off *
- * sum(qx) per scale group and (F_M) fp32 sums per scale group (a fixed tree of the 16 lanes). */
+ * sum(qx) and (F_M) s sum(qx) per scale group. */
 static void *quantize_rows(void *arg) {
     blink_part_t *p = (blink_part_t *)arg;
     const args_t *a = (const args_t *)p->args;
     const int format = a->format, off = code_offset(format), sg = (int)group_size(format);
+    const int with_m = (format & F_M) && !(format & F_M8);
     const int64_t K = a->K, groups = K / GROUP, sgroups = K / sg;
     int perm[GROUP];
     for (int i = 0; i < GROUP; i++) perm[i] = format & F_BITS8 ? i : (i & ~7) + PERM4[i & 7];
@@ -365,22 +371,19 @@ static void *quantize_rows(void *arg) {
             const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(v0, idx_hi, v1), scale));
             _mm_storeu_si128((__m128i *)(q + g * GROUP), _mm512_cvtepi32_epi8(q0));
             _mm_storeu_si128((__m128i *)(q + g * GROUP + 16), _mm512_cvtepi32_epi8(q1));
-            if (off) { /* the scale groups' sums of qx (16: each half; the order keeps halves whole) */
-                const int s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
-                if (sg == 16) {
-                    a->xoff[r * sgroups + 2 * g] = -off * s0;
-                    a->xoff[r * sgroups + 2 * g + 1] = -off * s1;
-                } else {
-                    a->xoff[r * sgroups + g] = -off * (s0 + s1);
-                }
-            }
-            if (format & F_M && !(format & F_M8)) { /* x's own sums (channels 0..15 in v0, 16..31 in v1) */
-                if (sg == 16) {
-                    a->x_sums[r * sgroups + 2 * g] = _mm512_reduce_add_ps(v0);
-                    a->x_sums[r * sgroups + 2 * g + 1] = _mm512_reduce_add_ps(v1);
-                } else {
-                    a->x_sums[r * sgroups + g] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
-                }
+            /* the scale groups' sums of qx (16: each half; the order keeps halves whole): the
+             * offset's, and the min's as s sum(qx), the sum of the rounded x, so that x's
+             * rounding errors meet the whole weight d q + m, centred, as llama.cpp's Q8_1 sums
+             * do (m on the exact sum(x) measured 5-10x the error a layer on SmolLM2) */
+            const int s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
+            const float scale_back = amax / 127.0f;
+            if (sg == 16) {
+                if (off) a->xoff[r * sgroups + 2 * g] = -off * s0, a->xoff[r * sgroups + 2 * g + 1] = -off * s1;
+                if (with_m) a->x_sums[r * sgroups + 2 * g] = scale_back * (float)s0,
+                            a->x_sums[r * sgroups + 2 * g + 1] = scale_back * (float)s1;
+            } else {
+                if (off) a->xoff[r * sgroups + g] = -off * (s0 + s1);
+                if (with_m) a->x_sums[r * sgroups + g] = scale_back * (float)(s0 + s1);
             }
         }
     }

@@ -12,8 +12,9 @@ said once in the log):
 - ``avx512_vnni`` (AVX-512 F/BW/VL with VNNI: Intel Cascade Lake, Ice Lake and later, AMD
   Zen 4 and 5): x quantized to int8 as llama.cpp quantizes its activations
   (:func:`quantize_activations`: per row and group of 32 channels, scale max|x| / 127), each
-  group's ``x . q`` an exact int32 sum by vpdpbusd, then ``s d (sum(u qx) - off sum(qx)) + m
-  sum(x)`` in fp32 with the exact ``sum(x)``. Its cost grows ~8x slower with the rows than
+  group's ``x . q`` an exact int32 sum by vpdpbusd, then ``s d (sum(u qx) - off sum(qx)) + m s
+  sum(qx)`` in fp32 (the min on the sum of the rounded x, as llama.cpp's Q8_1: x's rounding
+  errors meet the whole, centred weight). Its cost grows ~8x slower with the rows than
   vdpbf16ps' (two vpdpbusd a cycle with 64 products each, one vdpbf16ps every two with 32, on
   Sapphire Rapids), so every step runs on it, prefills too, and no bf16 copy is kept.
 - ``avx512`` (AVX-512 F/BW/VL with BF16: per group of 32 channels ``x . q`` by vdpbf16ps on
