@@ -13,9 +13,13 @@ or ``--before torch-int4``).
 
     python -m benchmarks.bench_int4 --rows 1 2 4 8 16 32 64 --threads 1
 
-The kernels for CPUs without AMX (blink.kernels.cpu.quant_linear, both builds where the CPU
-runs them) are timed too; on a CPU with AMX ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`` keeps
-oneDNN's bf16 product off AMX, as on a CPU without it.
+The kernels for CPUs without AMX (blink.kernels.cpu.quant_linear, every build the CPU
+runs) are timed too; on a CPU with AMX ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`` keeps
+oneDNN's bf16 product off AMX, as on a CPU without it. Where oneDNN has no native bf16 (an
+AVX2 CPU, or ``ONEDNN_MAX_CPU_ISA=AVX2`` to act as one) the "bf16" column is the plain bf16
+weight through ``F.linear``, which is what the engine runs there (no packed copy):
+
+    ONEDNN_MAX_CPU_ISA=AVX2 python -m benchmarks.bench_int4 --rows 1 16 128 512 --threads 1 --k-quants
 """
 from __future__ import annotations
 
@@ -42,8 +46,10 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     cpu = torch.device("cpu")
-    if not (packed_linear.packing_available(torch.bfloat16, cpu) and int4_linear._torch_kernel_runs()):
-        raise SystemExit("this CPU/torch has no native oneDNN bf16 or no int4 CPU kernel")
+    if not int4_linear._torch_kernel_runs():
+        raise SystemExit("this CPU/torch has no int4 CPU kernel")
+    # without native oneDNN bf16 the engine keeps no packed copy: plain bf16 weights, F.linear
+    packed = packed_linear.packing_available(torch.bfloat16, cpu)
     kinds = ["bf16", "torch int4"] + (["amx"] if cpu_q4_linear.available() else [])
     flags = cpu_quant_linear.cpu_flags()
     kinds += [name for name, (_, needs, _, _) in cpu_quant_linear.VARIANTS.items()
@@ -57,7 +63,8 @@ def main() -> None:
         scale = (torch.rand(n, k // group) * 0.01 + 1e-3).half().float()
         zero = (-torch.rand(n, k // group) * 0.05).half().float() + 8 * scale  # Q4_1: m + 8d
         dense = int4_linear.dequantize(codes, scale, zero).to(torch.bfloat16)
-        weights = {"bf16": packed_linear.pack(dense), "torch int4": int4_linear.pack(codes, scale, zero, kernel="torch")}
+        weights = {"bf16": packed_linear.pack(dense) if packed else dense,
+                   "torch int4": int4_linear.pack(codes, scale, zero, kernel="torch")}
         if "amx" in kinds:
             weights["amx"] = int4_linear.pack(codes, scale, zero, kernel="amx")
         if args.k_quants and n == vocab:  # Q6_K: int8 q - 32, d per 16
@@ -73,14 +80,17 @@ def main() -> None:
 
     weights = [make(n, k) for _ in range(args.layers) for n, k in shapes] + [make(vocab, hidden)]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {len(weights)} projections; "
-          f"kernels: {', '.join(kinds)}", flush=True)
+          f"kernels: {', '.join(kinds)}; bf16: {'packed (oneDNN)' if packed else 'plain weights, F.linear'}",
+          flush=True)
 
     def step(rows: int, kind: str) -> float:
         xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (hidden, inter)}
         t0 = time.perf_counter()
         for by_kind, k in weights:
-            if kind == "bf16":
+            if kind == "bf16" and packed:
                 packed_linear.linear(xs[k], by_kind[kind], None)
+            elif kind == "bf16":
+                torch.nn.functional.linear(xs[k], by_kind[kind])
             elif kind in cpu_quant_linear.VARIANTS:
                 cpu_quant_linear.linear(xs[k], [by_kind[kind]], None, build=kind)
             else:

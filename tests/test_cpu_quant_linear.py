@@ -1,9 +1,10 @@
 """The 4-bit / K-quant projection kernel for CPUs without AMX (blink.kernels.cpu.quant_linear),
-each of its builds (AVX-512 VNNI, AVX-512 BF16, AVX2) this CPU runs whatever else it has: its
-layout holds the file's exact weights, its products match an fp32 product on them (of the int8
-build's quantized x, for its code parts) to the last bf16 bit almost everywhere for every
-format, row count and shape it takes, the AVX2 build holds no AVX-512 instruction, and
-``$BLINK_CPU_Q4`` chooses the build (the AMX kernel off)."""
+each of its builds (AVX-512 VNNI, AVX-512 BF16, AVX2 int8, AVX2) this CPU runs whatever else it
+has: its layout holds the file's exact weights, its products match an fp32 product on them (of
+the int8 builds' quantized x) to the last bf16 bit almost everywhere for every format, row
+count and shape it takes, extreme codes and activations included, the AVX2 builds hold no
+AVX-512 instruction, the two int8 builds give the same bits, and ``$BLINK_CPU_Q4`` chooses the
+build (the AMX kernel off)."""
 from __future__ import annotations
 
 import shutil
@@ -91,7 +92,7 @@ def exact_product(build: str, fmt: str, x: torch.Tensor, codes, d, m, group: int
     q_centered = codes.float() - (8 if fmt == "q4_0" else 0)
     scaled = (q_centered.view(n, k // group, group) * d[..., None]).view(n, k)
     mins = None if m is None or fmt == "q4_0" else m.repeat_interleave(group, 1)
-    if build == "avx512_vnni":
+    if build in q.INT8_BUILDS:
         want = q.quantized_x(x) @ (scaled + (0 if mins is None else mins)).T
     else:
         want = x.float() @ scaled.T + (0 if mins is None else x.float() @ mins.T)
@@ -204,7 +205,7 @@ def test_threads_split_the_work_with_the_same_bits(build, rows):
     assert torch.equal(one, two)
 
 
-def test_the_builds_agree_and_the_avx2_one_has_no_avx512_instruction(monkeypatch):
+def test_the_builds_agree_and_the_avx2_ones_have_no_avx512_instruction(monkeypatch):
     names = [name for name in q.VARIANTS if runs(name)]
     if len(names) < 2:
         pytest.skip("this CPU cannot run two builds")
@@ -220,13 +221,15 @@ def test_the_builds_agree_and_the_avx2_one_has_no_avx512_instruction(monkeypatch
         if shutil.which("objdump"):
             path = q.LIBRARIES[name].get()._name
             text = subprocess.run(["objdump", "-d", path], capture_output=True, text=True, check=True).stdout
-            assert ("zmm" in text) == (name != "avx2") and ("vdpbf16ps" in text) == (name == "avx512")
-            assert ("vpdpbusd" in text) == (name == "avx512_vnni")
+            assert ("zmm" in text) == (name not in ("avx2", "avx2_int8")) and ("vdpbf16ps" in text) == (name == "avx512")
+            assert ("vpdpbusd" in text) == (name == "avx512_vnni") and ("vpmaddubsw" in text) == (name == "avx2_int8")
     monkeypatch.delenv(cpu_q4_linear.IMPL_ENV)
     q.reset()
     dense = q.dequantize(w)
     for name, got in out.items():
         close_to_exact(got, exact_product(name, "q6_k", x, codes, d, m, group), x.float().abs() @ dense.abs().T)
+    if q.INT8_BUILDS <= set(out):  # the same integer sums and fp32 operations in the same order
+        assert torch.equal(out["avx512_vnni"], out["avx2_int8"])
 
 
 def test_the_choice_is_said_once_and_torch_turns_it_off(monkeypatch, caplog):
@@ -258,7 +261,7 @@ def test_a_build_the_cpu_cannot_run_is_not_used(monkeypatch, caplog):
         assert any("lacks avx512f" in r.getMessage() for r in caplog.records)
         monkeypatch.delenv(cpu_q4_linear.IMPL_ENV)
         q.reset()
-        assert q.variant() in ("avx2", None)  # by the flags: the AVX2 build
+        assert q.variant() in ("avx2_int8", None)  # by the flags: the AVX2 int8 build
     finally:
         q.reset()
 
@@ -313,6 +316,27 @@ def test_unpacked_codes_are_what_gguf_dequantizes_bit_for_bit(name):
     # the test can fail: a block's bytes one off give other weights
     data[0, 5] ^= 0x11
     assert not torch.equal(unpack_codes(data, name, rows, cols).dequantize(), want)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_extreme_codes_and_activations_stay_exact(build, fmt):
+    """Every code at its format's largest (or smallest) value against x whose quantized codes
+    are all +-127: the int8 builds' 16-bit pair sums (vpmaddubsw) and their sums in int16
+    reach their bounds and must not saturate or wrap (an 8-bit code as q + 128 would)."""
+    bits, group, _, _ = FORMATS[fmt]
+    low, high = {"q6_k": (-32, 31), "q5_k": (0, 31), "q8_0": (-128, 127)}.get(fmt, (0, 15))
+    n, k = 32, 512
+    codes, d, m, _, _, k_scales = weight(fmt, n, k, seed=3)
+    codes[: n // 2] = high  # columns all at the top, then all at the bottom, then alternating
+    codes[n // 2: 3 * n // 4] = low
+    codes[3 * n // 4:] = torch.where(torch.arange(k) % 2 == 0, high, low).to(codes.dtype)
+    w = q.pack(codes, d, m, group, bits, k_scales)
+    signs = torch.where(torch.arange(k) % 2 == 0, 1.0, -1.0)
+    x = torch.stack([torch.full((k,), 1.5), torch.full((k,), -0.75), 3.0 * signs, -signs]).bfloat16()
+    assert q.quantize_activations(x)[0].abs().eq(127).all()  # each group's codes all +-127
+    got = q.linear(x, [w], None)
+    dense = q.dequantize(w)
+    close_to_exact(got, exact_product(build, fmt, x, codes, d, m, group), x.float().abs() @ dense.abs().T)
 
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q4_0", "q4_k", "q5_k", "q6_k"])

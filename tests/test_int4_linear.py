@@ -135,33 +135,35 @@ def test_torch_kernel_runs_small_steps_on_the_codes_and_large_ones_on_bf16(q4_gg
 
 @pytest.mark.parametrize("build", list(cpu_quant_linear.VARIANTS))
 def test_the_kernel_without_amx_runs_small_steps_on_the_codes_and_large_ones_on_bf16(q4_gguf, monkeypatch, build):
-    """``$BLINK_CPU_Q4=avx512|avx2``: what a CPU without AMX runs, whatever this one has;
-    ``avx512_vnni`` where oneDNN's bf16 product runs on AMX (K-quants on a CPU with AMX)."""
+    """``$BLINK_CPU_Q4=avx512|avx2``: what a CPU without AMX runs, whatever this one has; the
+    int8 builds where oneDNN's bf16 product runs on AMX (K-quants on a CPU with AMX)."""
     if not all(f in cpu_quant_linear.cpu_flags() for f in cpu_quant_linear.VARIANTS[build][1]):
         pytest.skip(f"this CPU cannot run the {build} build")
     monkeypatch.setattr(int4_linear, "onednn_amx", lambda: True)
     top = int4_linear.native_max_rows(build)
-    assert top == (int4_linear.INT8_MAX_ROWS_BESIDE_AMX if build == "avx512_vnni" else int4_linear.NATIVE_MAX_ROWS[build])
+    int8 = build in cpu_quant_linear.INT8_BUILDS
+    assert top == (int4_linear.INT8_MAX_ROWS_BESIDE_AMX if int8 else int4_linear.NATIVE_MAX_ROWS[build])
     with_int4, plain = _check_steps_on_the_codes(q4_gguf, [1, 3, top], build, monkeypatch, exact_weights_up_to=top,
-                                                 times_bf16=12 if build == "avx512_vnni" else 3)
+                                                 times_bf16=12 if int8 else 3)
     assert set(with_int4.int4_kernels) == {(build, top)}
     for ex in (with_int4, plain):  # more tokens: the bf16 copy, bit for bit
         ex.kv_caches = [(k.zero_(), v.zero_()) for k, v in ex.kv_caches]
     assert torch.equal(_decode_logits(with_int4, top + 1), _decode_logits(plain, top + 1))
 
 
-def test_the_int8_build_runs_every_step_on_the_codes_without_a_bf16_copy(q4_gguf, monkeypatch):
-    """``$BLINK_CPU_Q4=avx512_vnni``: x quantized to int8 per group of 32 (llama.cpp's Q8_0
+@pytest.mark.parametrize("build", sorted(cpu_quant_linear.INT8_BUILDS))
+def test_the_int8_builds_run_every_step_on_the_codes_without_a_bf16_copy(q4_gguf, monkeypatch, build):
+    """``$BLINK_CPU_Q4=avx512_vnni|avx2_int8``: x quantized to int8 per group of 32 (llama.cpp's Q8_0
     activations), every step on the codes, prefills too, and no bf16 copy kept. Its logits
     are further from the fp32 forward's than bf16's: a group's int8 step is max|x| / 127
     where bf16's is |x| / 128 (tests/test_cpu_quant_linear.py holds the kernel to the exact
     product of its quantized x)."""
-    if not all(f in cpu_quant_linear.cpu_flags() for f in cpu_quant_linear.VARIANTS["avx512_vnni"][1]):
-        pytest.skip("this CPU cannot run the avx512_vnni build")
+    if not all(f in cpu_quant_linear.cpu_flags() for f in cpu_quant_linear.VARIANTS[build][1]):
+        pytest.skip(f"this CPU cannot run the {build} build")
     monkeypatch.setattr(int4_linear, "onednn_amx", lambda: False)  # a CPU without AMX
-    with_int4, plain = _check_steps_on_the_codes(q4_gguf, [1, 3, 40], "avx512_vnni", monkeypatch,
+    with_int4, plain = _check_steps_on_the_codes(q4_gguf, [1, 3, 40], build, monkeypatch,
                                                  exact_weights_up_to=40, times_bf16=12)
-    assert set(with_int4.int4_kernels) == {("avx512_vnni", None)}
+    assert set(with_int4.int4_kernels) == {(build, None)}
     for layer in with_int4.model.model.layers:  # the bf16 copies were dropped, not packed
         assert layer.self_attn.qkv_proj.weight.numel() == 0 and layer.mlp.down_proj.weight.numel() == 0
     assert with_int4.model.lm_head.weight.numel() == 0
@@ -401,6 +403,7 @@ def test_onednn_on_amx_follows_the_cpu_and_the_switches(monkeypatch):
     assert here == (here and "amx_bf16" in cpu_quant_linear.cpu_flags())  # never without the CPU's flag
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
     assert not onednn_amx() and int4_linear.native_max_rows("avx512_vnni") is None
+    assert int4_linear.native_max_rows("avx2_int8") is None
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
     assert onednn_amx() == here
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")

@@ -1,5 +1,5 @@
-"""Projections on a GGUF file's own 4-bit weights (CPU, bf16): every step with AMX or AVX-512
-VNNI, decode-sized ones elsewhere.
+"""Projections on a GGUF file's own 4-bit weights (CPU, bf16): every step with AMX or an int8
+build (AVX-512 VNNI, AVX2), decode-sized ones elsewhere.
 
 A decode step reads every weight once and does little arithmetic with it, so on CPU it is
 bound by memory: SmolLM2-135M's bf16 projections stream ~210 MB per step (~23 ms on one
@@ -15,25 +15,26 @@ bf16 copy (~4x fewer bytes), in the layout of one of these kernels:
   (1 x 128 to 16 x 128 tokens; docs/performance.md#cpu-prefill, docs/performance.md#int4).
   So every step uses it, and the
   projection's bf16 copy is not kept (:meth:`blink.models.decoder.Linear.pack`).
-- ``avx512_vnni`` / ``avx512`` / ``avx2``: Blink's C kernel for CPUs without AMX
-  (:mod:`blink.kernels.cpu.quant_linear`, the first build the CPU's flags allow; AMD Zen 4,
-  Xeons whose AMX is hidden, AVX2 CPUs under ``--dtype bfloat16``), which also takes the
+- ``avx512_vnni`` / ``avx512`` / ``avx2_int8`` / ``avx2``: Blink's C kernel for CPUs without
+  AMX (:mod:`blink.kernels.cpu.quant_linear`, the first build the CPU's flags allow; AMD Zen
+  4, Xeons whose AMX is hidden, AVX2 CPUs under ``--dtype bfloat16``), which also takes the
   K-quants (Q4_K, Q5_K, Q6_K) and Q8_0 on their codes (:func:`pack_codes`), a fused
-  projection's parts each in its own format. ``avx512_vnni`` quantizes x to int8 per group of
-  32 channels, as llama.cpp does, and multiplies with vpdpbusd: its cost grows slowly enough
-  with the rows that every step uses it (3-3.5x the bf16 build's GFLOPS at 16-512 rows) and
-  no bf16 copy is kept, except where oneDNN's bf16 product runs on AMX (K-quants on a CPU
-  with AMX): there steps of more than :data:`INT8_MAX_ROWS_BESIDE_AMX` tokens run the bf16
-  copy. The bf16 and AVX2 builds multiply x as it is, at a cost that grows
-  with the rows (vdpbf16ps / FMAs), so steps of at most :data:`NATIVE_MAX_ROWS` tokens use
-  them and larger ones the packed bf16 copy.
+  projection's parts each in its own format. The int8 builds (``avx512_vnni``,
+  ``avx2_int8``: :data:`blink.kernels.cpu.quant_linear.INT8_BUILDS`) quantize x to int8 per
+  group of 32 channels, as llama.cpp does, and multiply with vpdpbusd (AVX2: vpmaddubsw): their
+  cost grows slowly enough with the rows that every step uses them (VNNI: 3-3.5x the bf16
+  build's GFLOPS at 16-512 rows) and no bf16 copy is kept, except where oneDNN's bf16 product
+  runs on AMX (K-quants on a CPU with AMX): there steps of more than
+  :data:`INT8_MAX_ROWS_BESIDE_AMX` tokens run the bf16 copy. The bf16 and AVX2 builds multiply
+  x as it is, at a cost that grows with the rows (vdpbf16ps / FMAs), so steps of at most
+  :data:`NATIVE_MAX_ROWS` tokens use them and larger ones the packed bf16 copy.
 - ``torch``: torch's int4 weight-only GEMM (``torch._weight_int4pack_mm_for_cpu``, the
   kernel gpt-fast and torchao use on CPU), where neither C kernel runs: 3.7x faster than bf16
   at 1 row but slower beyond ~8, its arithmetic growing with the rows; steps of at most
   :data:`TORCH_MAX_ROWS` tokens use it.
 
 Steps beyond a weight's ``max_rows`` run the packed bf16 copy. No weight is quantized here: the
-codes are the file's (the int8 build quantizes the activations, x). The AMX kernel multiplies
+codes are the file's (the int8 builds quantize the activations, x). The AMX kernel multiplies
 gguf's fp32 weights exactly (``d * q + m``) for steps of up to 32 rows and their bf16 rounding (the bf16 copy's values) for larger ones;
 torch's kernel takes ``(q - 8) * scale + zero`` with ``zero = m + 8d`` and scales rounded to bf16.
 A row's logits therefore depend on whether its step took the 4-bit path (as in any engine
@@ -61,12 +62,16 @@ AMX_MAX_ROWS: int | None = None
 #: Steps with at most this many tokens use the kernel for CPUs without AMX, per build.
 #: Measured over SmolLM2-135M's projections and head, one thread, against oneDNN's bf16
 #: product without AMX (benchmarks/bench_int4.py, docs/performance.md#quant-no-amx).
-#: The int8 build: every step (its cost grows ~8x slower with the rows than vdpbf16ps'), but
-#: beside oneDNN on AMX (:data:`INT8_MAX_ROWS_BESIDE_AMX`).
-NATIVE_MAX_ROWS = {"avx512_vnni": None, "avx512": 32, "avx2": 8}
+#: The int8 builds: every step (VNNI: its cost grows ~8x slower with the rows than
+#: vdpbf16ps'; AVX2: vpmaddubsw multiplies 4x the products of an fp32 FMA, and an AVX2 CPU has
+#: no native bf16 for the bf16 copy; not yet timed on an AVX2 CPU: bench_int4 --k-quants under
+#: ONEDNN_MAX_CPU_ISA=AVX2 decides), but beside oneDNN on AMX (:data:`INT8_MAX_ROWS_BESIDE_AMX`).
+NATIVE_MAX_ROWS = {"avx512_vnni": None, "avx512": 32, "avx2_int8": None, "avx2": 8}
 #: Where oneDNN's bf16 products run on AMX (a CPU with AMX and K-quant projections, which the
-#: AMX kernel does not take), the int8 build takes steps of at most this many tokens and the
-#: bf16 copy the others. Measured over SmolLM2-135M-shaped Q4_K/Q6_K projections, one
+#: AMX kernel does not take), an int8 build takes steps of at most this many tokens and the
+#: bf16 copy the others (``avx2_int8`` runs there only when ``$BLINK_CPU_Q4`` asks: every
+#: CPU with AMX has AVX-512 VNNI, chosen first; it takes the VNNI build's bound). Measured
+#: on the VNNI build over SmolLM2-135M-shaped Q4_K/Q6_K projections, one
 #: thread, Xeon with AMX (benchmarks/bench_int4.py --k-quants): int8 / bf16 on AMX 1.13x as
 #: fast at 32 rows, 0.72x at 64, 0.46x at 128.
 INT8_MAX_ROWS_BESIDE_AMX = 32
@@ -75,7 +80,7 @@ INT8_MAX_ROWS_BESIDE_AMX = 32
 def native_max_rows(build: str) -> int | None:
     """Steps of at most this many tokens run on ``build`` of the kernel without AMX (None:
     every step, no bf16 copy kept)."""
-    if build == "avx512_vnni" and onednn_amx():
+    if build in cpu_quant_linear.INT8_BUILDS and onednn_amx():
         return INT8_MAX_ROWS_BESIDE_AMX
     return NATIVE_MAX_ROWS[build]
 
@@ -85,7 +90,7 @@ GROUP = 32
 # The kernel's inner-K tiling argument for the packed layout (the CPU kernel takes 1).
 _INNER_K_TILES = 1
 
-Kernel = Literal["amx", "avx512_vnni", "avx512", "avx2", "torch"]
+Kernel = Literal["amx", "avx512_vnni", "avx512", "avx2_int8", "avx2", "torch"]
 
 
 @dataclass
@@ -98,7 +103,7 @@ class Int4Weight:
     packed: torch.Tensor | None = None  # torch: uint8 [N, K // 2]
     scale_zero: torch.Tensor | None = None  # torch: bf16 [K // GROUP, N, 2]
     amx: cpu_q4_linear.Q4Weight | None = None  # amx
-    parts: list[cpu_quant_linear.QuantWeight] | None = None  # avx512_vnni / avx512 / avx2: runs of columns
+    parts: list[cpu_quant_linear.QuantWeight] | None = None  # the kernel without AMX's builds: runs of columns
 
     def takes(self, rows: int) -> bool:
         """Whether a step of ``rows`` tokens runs on this weight."""

@@ -1,8 +1,9 @@
 /* y = x @ W.T (+ bias) for bf16 x and a weight kept as a GGUF file's own codes, on CPUs
- * without AMX: one source, built twice by kernels/cpu/quant_linear.py, once for AVX-512
- * (-march=x86-64-v4 -mavx512bf16: Intel Cooper Lake / Sapphire Rapids with AMX hidden, AMD
- * Zen 4 and 5) and once for AVX2 (-march=x86-64-v3: no AVX-512 instruction in that build);
- * the Python side loads the one the CPU's flags allow.
+ * without AMX: one source, built four times by kernels/cpu/quant_linear.py (VARIANTS): for
+ * AVX-512 VNNI (int8 x), for AVX-512 BF16 (-march=x86-64-v4 -mavx512bf16: Intel Cooper Lake /
+ * Sapphire Rapids with AMX hidden, AMD Zen 4 and 5), for AVX2 with int8 x (-march=x86-64-v3
+ * -DBLINK_QUANT_INT8_AVX2) and for AVX2 (-march=x86-64-v3); neither AVX2 build holds an
+ * AVX-512 instruction. The Python side loads the first one the CPU's flags allow.
  *
  * Why: a decode step streams every projection weight once and does little arithmetic with
  * it, so its cost is the weight's bytes. The codes are ~4x fewer bytes than bf16 (8-bit
@@ -39,6 +40,9 @@
  *   then d (x . q) + m sum(x) in fp32. Up to 8 rows per pass share each unpacked row.
  * - AVX2: 8 columns at a time, x . q per group in fp32 FMAs on x's fp32 values and the codes
  *   as fp32 (exact), then d (x . q) + m sum(x).
+ * - The int8 builds (AVX-512 VNNI, AVX2 with -DBLINK_QUANT_INT8_AVX2) multiply x quantized to
+ *   int8 per group of 32 (llama.cpp's Q8_0 activations) in exact integer sums: see their
+ *   sections.
  * Every row count takes the same code (decode steps and prefills alike), rows in passes of 8
  * (AVX2: 4) over a tile whose codes stay in L1, x's rows from L2 in panels of PANEL_ROWS. Each
  * row is summed in the same order whatever the rows beside it: its bits do not depend on the
@@ -144,6 +148,34 @@ static inline void group_scales(const args_t *a, int64_t t, int64_t s, __m512 *d
     }
 }
 
+#endif
+
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && (defined(__AVX512BF16__) || defined(__AVX512VNNI__))) && \
+    defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+/* (both AVX2 builds) */
+static inline __m256 load_scales8(const uint8_t *p, int fp32) {
+    return fp32 ? _mm256_loadu_ps((const float *)p) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+static inline __m256 int8x8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* Scale group s of tile t, columns 8 hc .. 8 hc + 7: d and (F_M) m in fp32 (as the AVX-512
+ * builds' group_scales: the same values) */
+static inline void group_scales(const args_t *a, int64_t t, int64_t s, int hc, __m256 *d, __m256 *m) {
+    const scale_at_t at = scale_at(a, t, s);
+    if (a->format & F_K) {
+        *d = _mm256_mul_ps(load_scales8(at.d16 + hc * 16, 0), int8x8(at.sc + hc * 8));
+        if (a->format & F_M) *m = _mm256_mul_ps(load_scales8(at.dm16 + hc * 16, 0), int8x8(at.mn + hc * 8));
+    } else {
+        const int64_t esize = a->format & F_FP32 ? 4 : 2;
+        *d = load_scales8(at.d16 + hc * 8 * esize, a->format & F_FP32);
+        if (a->format & F_M8) *m = _mm256_mul_ps(*d, _mm256_set1_ps(-8.0f)); /* exact */
+        else if (a->format & F_M) *m = load_scales8(at.dm16 + hc * 8 * esize, a->format & F_FP32);
+    }
+}
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -543,32 +575,313 @@ static void *run_tiles(void *arg) {
     return NULL;
 }
 
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define BLINK_QUANT_ISA 2
+#elif defined(BLINK_QUANT_INT8_AVX2) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define BLINK_QUANT_ISA 28
+/* The AVX2 int8 build (x86-64-v3 with -DBLINK_QUANT_INT8_AVX2: no AVX-512 instruction; for
+ * CPUs with AVX2 but without AVX-512, Intel Haswell to Alder Lake, AMD Zen 1 to 3).
+ *
+ * Why: the AVX2 build's fp32 FMAs multiply 8 products an instruction, so its cost grows fast
+ * with the rows (it takes steps of few rows; a bf16 copy the others, which such a CPU
+ * multiplies without native bf16). vpmaddubsw multiplies 32 unsigned x signed byte pairs an
+ * instruction, summing neighbours into int16, and vpmaddwd with ones sums those into int32
+ * (llama.cpp's AVX2 dot products). So x is quantized as in the VNNI build (the same values:
+ * quantize_activations) and each group's x . q is an exact integer sum, then the same
+ * epilogue in the same fp32 order:
+ *   y += (s * (sum(u qx) - off sum(qx))) * d + (s * sum(qx)) * m      per scale group
+ * (the same values and roundings as the VNNI build: the two give the same bits).
+ * Exactness: vpmaddubsw saturates a pair's sum at int16, so the products stay within it: a
+ * pair of u qx is at most 2 * 15 * 127 = 3810 (4-bit), 7874 (5-bit), 16002 (6-bit, u <= 63),
+ * and pairs are summed in int16 (vpaddw) for 8, 4 and 2 of them (a scale group of 4-bit
+ * codes, 32 or 16 channels of 5-bit ones, 8 channels of 6-bit ones) before vpmaddwd widens
+ * them, never past 32767. 8-bit codes (Q8_0, q in -128..127) as u = q + 128 would
+ * saturate (255 * 127 * 2): they take llama.cpp's sign trick instead, vpmaddubsw(|q|,
+ * sign(qx, q)) = q qx with |q| <= 128 (a pair at most 32512), no offset, each widened alone.
+ * Codes: as the VNNI build, 8 columns a register (columns 8 hc .. 8 hc + 7 of a tile, one
+ * half after the other): the 4-bit layout's vector c masked to its low nibbles gives each
+ * column's channels 8c, 8c + 4, 8c + 1, 8c + 5 in its 32-bit lane, shifted by 4 its 8c + 2,
+ * 8c + 6, 8c + 3, 8c + 7 (x's codes in PERM4 order: one broadcast word a lane); 5/6-bit top
+ * bits shifted and masked into bits 4 (and 5) of each byte; 8-bit rows 2k, 2k + 1
+ * interleaved by vpermq + vpshufb into each column's channels 4k .. 4k + 3 (x in channel
+ * order). A row's bits do not depend on the rows beside it: its integer sums are exact in
+ * any order and its fp32 ones run group after group whatever the pass. */
+#define BLINK_QUANT_INT8 1
 
-static inline __m256 load_scales8(const uint8_t *p, int fp32) {
-    return fp32 ? _mm256_loadu_ps((const float *)p) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+/* rows per pass over a tile's half: 4 (a row holds its fp32 total, int32 and int16 sums) */
+enum { ROWS_I8 = 4 };
+#define BLINK_QUANT_INT8_ROWS ROWS_I8
+/* work per thread, in (passes x weights): a pass of 4 rows here costs about what the VNNI
+ * build's of 8 does at 2^18 */
+#define BLINK_QUANT_INT8_PER_THREAD ((int64_t)1 << 17)
+
+/* channel of the group at position 8c + e of x's int8 codes: 4-bit layouts (5, 6 too) */
+static const int PERM4[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+
+static inline __m256 load_bf16x8_i(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 
-static inline __m256 int8x8(const int8_t *p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+static inline int32_t sum8_epi32(__m256i v) {
+    const __m128i s4 = _mm_add_epi32(_mm256_extracti128_si256(v, 1), _mm256_castsi256_si128(v));
+    const __m128i s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+    return _mm_cvtsi128_si32(s2) + _mm_extract_epi32(s2, 1);
 }
 
-/* Scale group s of tile t, columns 8 hc .. 8 hc + 7: d and (F_M) m in fp32 (as the AVX-512
- * build's group_scales) */
-static inline void group_scales(const args_t *a, int64_t t, int64_t s, int hc, __m256 *d, __m256 *m) {
-    const scale_at_t at = scale_at(a, t, s);
-    if (a->format & F_K) {
-        *d = _mm256_mul_ps(load_scales8(at.d16 + hc * 16, 0), int8x8(at.sc + hc * 8));
-        if (a->format & F_M) *m = _mm256_mul_ps(load_scales8(at.dm16 + hc * 16, 0), int8x8(at.mn + hc * 8));
-    } else {
-        const int64_t esize = a->format & F_FP32 ? 4 : 2;
-        *d = load_scales8(at.d16 + hc * 8 * esize, a->format & F_FP32);
-        if (a->format & F_M8) *m = _mm256_mul_ps(*d, _mm256_set1_ps(-8.0f)); /* exact */
-        else if (a->format & F_M) *m = load_scales8(at.dm16 + hc * 8 * esize, a->format & F_FP32);
+static inline __m256i shift16(__m256i h, const int n) {
+    return n > 0 ? _mm256_slli_epi16(h, n) : n < 0 ? _mm256_srli_epi16(h, -n) : h;
+}
+
+/* 4 bytes of x's codes in every 32-bit lane: one vbroadcastss from memory (through memcpy and
+ * a scalar, GCC copied them to the stack first) */
+static inline __m256i broadcast4(const int8_t *p) {
+    return _mm256_castps_si256(_mm256_broadcast_ss((const float *)(const void *)p));
+}
+
+/* off: what comes off each code before d (Q4_0 8, Q6_K 32), 0 where m holds the min and for
+ * 8-bit codes (signed here: the sign trick) */
+static inline int code_offset(int format) {
+    return format & F_BITS8 ? 0 : format & F_BITS6 ? 32 : format & F_M8 ? 8 : 0;
+}
+
+/* Rows [r0, r0 + R) x columns 8 hc .. 8 hc + 7 of tile t; R <= ROWS_I8, bits and g16 (scale
+ * groups of 16) known at compile time once inlined; scales: the tile's fp32 d and m per scale
+ * group (tile_scales), NULL: formed here. */
+static inline __attribute__((always_inline)) void half_rows(const args_t *a, int64_t t, int hc, int64_t r0,
+                                                            const int R, const int bits, const int g16,
+                                                            const float *scales) {
+    const int format = a->format, with_m = (format & F_M) && !(format & F_M8), off = code_offset(format);
+    const int64_t groups = a->K / GROUP, tb = tile_bytes(format);
+    const int64_t sgroups = a->K / (g16 ? 16 : GROUP), per = g16 ? 2 : 1;
+    const uint8_t *codes = a->codes + t * groups * tb;
+    const int8_t *xq = a->xq + r0 * a->K;
+    const float *xs = a->xs + r0 * groups;
+    const int32_t *xoff = a->xoff + r0 * sgroups; /* -off sum(qx) per scale group */
+    const float *x_sums = with_m ? a->x_sums + r0 * sgroups : NULL;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i top_lo = _mm256_set1_epi16(bits == 6 ? 0x0030 : 0x0010),
+                  top_hi = _mm256_set1_epi16(bits == 6 ? 0x3000 : 0x1000);
+    /* 8-bit: in each 128-bit lane, words 0..3 of row 2k (its low 8 bytes) and of row 2k + 1
+     * (its high 8) interleaved: column j's channels 4k .. 4k + 3 in lane j */
+    const __m256i interleave = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15,
+                                                0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
+    /* vectors c (2 vpmaddubsw each) summed in int16 before vpmaddwd: see the exactness above */
+    const int chunk = bits == 4 ? 4 : bits == 5 ? 2 : 1;
+    __m256 tot[ROWS_I8];
+    __m256i acc16[ROWS_I8], acc32[ROWS_I8];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        tot[r] = _mm256_setzero_ps();
+        acc16[r] = acc32[r] = _mm256_setzero_si256();
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *gc = codes + g * tb;
+        if (hc == 0)
+            for (int line = 0; line < tb; line += 64) _mm_prefetch((const char *)gc + line + PREFETCH_BYTES, _MM_HINT_T0);
+        const int8_t *xg = xq + g * GROUP;
+        const __m256i high5 = bits == 5 ? _mm256_loadu_si256((const __m256i *)(gc + 256 + hc * 32)) : _mm256_setzero_si256();
+        int n16 = 0, n32 = 0; /* vectors c in acc16, widenings in acc32: constants once unrolled */
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) { /* channels 16h .. 16h + 15 */
+            const __m256i high6 = bits == 6 ? _mm256_loadu_si256((const __m256i *)(gc + 256 + h * 64 + hc * 32))
+                                            : _mm256_setzero_si256();
+#pragma GCC unroll 2
+            for (int c2 = 0; c2 < 2; c2++) {
+                const int c = 2 * h + c2;
+                __m256i lo, hi;
+                if (bits == 8) { /* rows 4c .. 4c + 3, this half's 16 bytes of each */
+                    const uint8_t *row = gc + 4 * c * 2 * TILE + hc * 16;
+                    const __m256i r01 = _mm256_inserti128_si256(
+                        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)row)),
+                        _mm_loadu_si128((const __m128i *)(row + 2 * TILE)), 1);
+                    const __m256i r23 = _mm256_inserti128_si256(
+                        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(row + 4 * TILE))),
+                        _mm_loadu_si128((const __m128i *)(row + 6 * TILE)), 1);
+                    lo = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(r01, 0xD8), interleave);
+                    hi = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(r23, 0xD8), interleave);
+                } else {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(gc + c * 64 + hc * 32));
+                    lo = _mm256_and_si256(v, low4);
+                    hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                    if (bits == 6 || bits == 5) {
+                        /* lo's bytes are rows 4c (word's low byte) and 4c + 2 (high byte), hi's
+                         * 4c + 1 and 4c + 3; a row's top bits go to bit 4 (and 5) of its byte */
+                        const __m256i hb = bits == 6 ? high6 : high5;
+                        const int jb = bits == 6 ? 2 * (4 * c2) : 4 * c; /* row 4c's bit in hb */
+                        const int step = bits == 6 ? 2 : 1;              /* bits a row */
+                        lo = _mm256_or_si256(lo, _mm256_or_si256(_mm256_and_si256(shift16(hb, 4 - jb), top_lo),
+                                                                 _mm256_and_si256(shift16(hb, 12 - (jb + 2 * step)), top_hi)));
+                        hi = _mm256_or_si256(hi, _mm256_or_si256(_mm256_and_si256(shift16(hb, 4 - (jb + step)), top_lo),
+                                                                 _mm256_and_si256(shift16(hb, 12 - (jb + 3 * step)), top_hi)));
+                    }
+                }
+                const __m256i ulo = bits == 8 ? _mm256_abs_epi8(lo) : lo, uhi = bits == 8 ? _mm256_abs_epi8(hi) : hi;
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) {
+                    __m256i x0 = broadcast4(xg + r * a->K + 8 * c), x1 = broadcast4(xg + r * a->K + 8 * c + 4);
+                    if (bits == 8) { /* |q| x sign(qx, q) = q qx; a pair fits int16, two may not */
+                        x0 = _mm256_sign_epi8(x0, lo);
+                        x1 = _mm256_sign_epi8(x1, hi);
+                        const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(ulo, x0), ones),
+                                                           _mm256_madd_epi16(_mm256_maddubs_epi16(uhi, x1), ones));
+                        acc32[r] = n32 ? _mm256_add_epi32(acc32[r], s) : s;
+                        __asm__("" : "+x"(acc32[r])); /* (below) */
+                    } else {
+                        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(ulo, x0), _mm256_maddubs_epi16(uhi, x1));
+                        acc16[r] = n16 ? _mm256_add_epi16(acc16[r], p) : p;
+                        /* the sum here, in a register: else GCC reassociates the integer adds to
+                         * the group's end and keeps every row's broadcast x on the stack until then */
+                        __asm__("" : "+x"(acc16[r]));
+                    }
+                }
+                const int group_end = c2 == 1 && (g16 || h == 1); /* a scale group ends */
+                if (bits == 8) {
+                    n32++;
+                } else if (++n16 == chunk || group_end) { /* widen: pairs of int16 into int32 */
+#pragma GCC unroll 4
+                    for (int r = 0; r < R; r++) {
+                        const __m256i s = _mm256_madd_epi16(acc16[r], ones);
+                        acc32[r] = n32 ? _mm256_add_epi32(acc32[r], s) : s;
+                    }
+                    n16 = 0;
+                    n32++;
+                }
+                if (group_end) {
+                    const int64_t s = g * per + (g16 ? h : 0);
+                    __m256 d, m = _mm256_setzero_ps();
+                    if (scales) { /* formed once for the tile's passes */
+                        d = _mm256_load_ps(scales + s * 2 * TILE + hc * 8);
+                        m = _mm256_load_ps(scales + s * 2 * TILE + TILE + hc * 8);
+                    } else { /* one pass (a decode step): formed here */
+                        group_scales(a, t, s, hc, &d, &m);
+                    }
+#pragma GCC unroll 4
+                    for (int r = 0; r < R; r++) {
+                        const __m256i sum = off ? _mm256_add_epi32(acc32[r], _mm256_set1_epi32(xoff[r * sgroups + s]))
+                                                : acc32[r];
+                        const __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(xs[r * groups + g]));
+                        tot[r] = _mm256_fmadd_ps(part, d, tot[r]);
+                        if (with_m) tot[r] = _mm256_fmadd_ps(_mm256_set1_ps(x_sums[r * sgroups + s]), m, tot[r]);
+                    }
+                    n32 = 0;
+                }
+            }
+        }
+    }
+    uint16_t *y = a->y + r0 * a->y_stride + t * TILE + hc * 8;
+    float bias[8] = {0};
+    if (a->bias)
+        for (int j = 0; j < 8; j++) bias[j] = bf16_to_f32(a->bias[t * TILE + hc * 8 + j]);
+    const __m256 b = _mm256_loadu_ps(bias);
+    for (int r = 0; r < R; r++) {
+        float out[8];
+        _mm256_storeu_ps(out, _mm256_add_ps(tot[r], b));
+        for (int j = 0; j < 8; j++) y[r * a->y_stride + j] = f32_to_bf16(out[j]);
     }
 }
+
+#define CASE(R)                                                                                   \
+    case R:                                                                                       \
+        if (a->format & F_BITS8) half_rows(a, t, hc, r0, R, 8, g16, scales);                      \
+        else if (a->format & F_BITS6) half_rows(a, t, hc, r0, R, 6, g16, scales);                 \
+        else if (a->format & F_BITS5) half_rows(a, t, hc, r0, R, 5, g16, scales);                 \
+        else half_rows(a, t, hc, r0, R, 4, g16, scales);                                          \
+        break;
+
+static void tile_pass_g(const args_t *a, int64_t t, int64_t r0, int rows, const int g16, const float *scales) {
+    for (int hc = 0; hc < 2; hc++) switch (rows) {
+            CASE(1) CASE(2) CASE(3) CASE(4)
+        }
+}
+#undef CASE
+
+static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, const float *scales) {
+    if (a->format & F_GROUP16) tile_pass_g(a, t, r0, rows, 1, scales);
+    else tile_pass_g(a, t, r0, rows, 0, scales);
+}
+
+/* A tile's d and m in fp32 for every scale group, 16 each (the rows' passes read them, formed once) */
+static void tile_scales(const args_t *a, int64_t t, float *out) {
+    const int64_t sgroups = a->K / group_size(a->format);
+    for (int64_t s = 0; s < sgroups; s++)
+        for (int hc = 0; hc < 2; hc++) {
+            __m256 d, m = _mm256_setzero_ps();
+            group_scales(a, t, s, hc, &d, &m);
+            _mm256_store_ps(out + s * 2 * TILE + hc * 8, d);
+            _mm256_store_ps(out + s * 2 * TILE + TILE + hc * 8, m);
+        }
+}
+
+static void *run_tiles(void *arg) {
+    blink_part_t *p = (blink_part_t *)arg;
+    const args_t *a = (const args_t *)p->args;
+    float *scales = aligned_alloc(32, (size_t)(a->K / group_size(a->format)) * 2 * TILE * sizeof(float));
+    if (!scales) {
+        p->status = -4;
+        return NULL;
+    }
+    for (int64_t p0 = 0; p0 < a->M; p0 += PANEL_ROWS) {
+        const int64_t p1 = a->M - p0 < PANEL_ROWS ? a->M : p0 + PANEL_ROWS;
+        const int one_pass = p1 - p0 <= ROWS_I8;
+        for (int64_t t = p->lo; t < p->hi; t++) {
+            if (!one_pass) tile_scales(a, t, scales);
+            for (int64_t r0 = p0; r0 < p1; r0 += ROWS_I8)
+                tile_pass(a, t, r0, (int)(p1 - r0 < ROWS_I8 ? p1 - r0 : ROWS_I8), one_pass ? NULL : scales);
+        }
+    }
+    free(scales);
+    return NULL;
+}
+
+/* Rows [lo, hi) of x -> their int8 codes (PERM4 order but for 8-bit codes), scales, -off *
+ * sum(qx) and (F_M) s sum(qx) per scale group: the VNNI build's values, the same fp32
+ * operations (amax, 127 / amax, x * that rounded to nearest even, amax / 127). */
+static void *quantize_rows(void *arg) {
+    blink_part_t *p = (blink_part_t *)arg;
+    const args_t *a = (const args_t *)p->args;
+    const int format = a->format, off = code_offset(format), sg = (int)group_size(format);
+    const int with_m = (format & F_M) && !(format & F_M8);
+    const int64_t K = a->K, groups = K / GROUP, sgroups = K / sg;
+    int perm[8];
+    for (int i = 0; i < 8; i++) perm[i] = format & F_BITS8 ? i : PERM4[i];
+    const __m256i idx = _mm256_loadu_si256((const __m256i *)perm);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undoes vpackssdw / vpacksswb's lanes */
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t r = p->lo; r < p->hi; r++) {
+        const uint16_t *x = a->x + r * a->x_stride;
+        int8_t *q = a->xq + r * K;
+        for (int64_t g = 0; g < groups; g++) {
+            __m256 v[4]; /* channels 8i .. 8i + 7 */
+            for (int i = 0; i < 4; i++) v[i] = load_bf16x8_i(x + g * GROUP + 8 * i);
+            const __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                             _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+            __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(top, 1), _mm256_castps256_ps128(top));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            a->xs[r * groups + g] = amax / 127.0f;
+            const __m256 scale = _mm256_set1_ps(inv);
+            __m256i qi[4];
+            for (int i = 0; i < 4; i++) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_permutevar8x32_ps(v[i], idx), scale));
+            const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+            _mm256_storeu_si256((__m256i *)(q + g * GROUP), _mm256_permutevar8x32_epi32(bytes, order));
+            if (off || with_m) { /* the scale groups' sums of qx (16: each half), as the VNNI build's */
+                const int32_t s0 = sum8_epi32(_mm256_add_epi32(qi[0], qi[1])), s1 = sum8_epi32(_mm256_add_epi32(qi[2], qi[3]));
+                const float scale_back = amax / 127.0f;
+                if (sg == 16) {
+                    if (off) a->xoff[r * sgroups + 2 * g] = -off * s0, a->xoff[r * sgroups + 2 * g + 1] = -off * s1;
+                    if (with_m) a->x_sums[r * sgroups + 2 * g] = scale_back * (float)s0,
+                                a->x_sums[r * sgroups + 2 * g + 1] = scale_back * (float)s1;
+                } else {
+                    if (off) a->xoff[r * sgroups + g] = -off * (s0 + s1);
+                    if (with_m) a->x_sums[r * sgroups + g] = scale_back * (float)(s0 + s1);
+                }
+            }
+        }
+    }
+    return NULL;
+}
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define BLINK_QUANT_ISA 2
 
 /* Rows [r0, r0 + R) x columns 8 hc .. 8 hc + 7 of tile t, R <= ROWS2 known at compile time. */
 static inline __attribute__((always_inline)) void half_rows(const args_t *a, int64_t t, int hc, int64_t r0,
@@ -700,8 +1013,8 @@ static void *run_tiles(void *arg) {
 }
 #endif
 
-/* Which instruction set this build uses: 8 (AVX-512 VNNI, int8), 512 (AVX-512 with BF16), 2 (AVX2), 0 (neither: the
- * Python side does not use it). */
+/* Which instruction set this build uses: 8 (AVX-512 VNNI, int8), 512 (AVX-512 with BF16), 28 (AVX2, int8), 2
+ * (AVX2), 0 (none: the Python side does not use it). */
 int blink_quant_linear_isa(void) {
 #ifdef BLINK_QUANT_ISA
     return BLINK_QUANT_ISA;
@@ -740,7 +1053,7 @@ int blink_quant_linear(const uint16_t *x, int64_t x_stride, const void *codes, c
     float *x_sums = NULL, *xf = NULL;
     args_t a = {x, x_stride, (const uint8_t *)codes, (const uint8_t *)scales, bias, y, y_stride, M, N, K, format,
                 NULL, NULL, NULL, NULL, NULL};
-#if BLINK_QUANT_ISA == 8
+#ifdef BLINK_QUANT_INT8
     /* x's codes, scales and sums in one block (the rows' quantization split over the threads) */
     const int64_t sgroups = K / group_size(format);
     const size_t sums_bytes = (size_t)(M * sgroups) * 4, scale_bytes_ = (size_t)(M * (K / GROUP)) * 4;
@@ -751,10 +1064,10 @@ int blink_quant_linear(const uint16_t *x, int64_t x_stride, const void *codes, c
     a.xs = (float *)(block + 2 * sums_bytes);
     a.xq = (int8_t *)(block + 2 * sums_bytes + scale_bytes_);
     int status = blink_run_parts(quantize_rows, &a, M, blink_threads_for(M * K, (int64_t)1 << 15, threads));
-    /* one thread per ~5-10 us of work at most: 256K products and sums per row pass */
     if (status == 0)
         status = blink_run_parts(run_tiles, &a, N / TILE,
-                                 blink_threads_for(((M + ROWS - 1) / ROWS) * N * K, (int64_t)1 << 18, threads));
+                                 blink_threads_for(((M + BLINK_QUANT_INT8_ROWS - 1) / BLINK_QUANT_INT8_ROWS) * N * K,
+                                                   BLINK_QUANT_INT8_PER_THREAD, threads));
     free(block);
     (void)x_sums; (void)xf;
 #else

@@ -6,7 +6,7 @@ the file's 4-bit codes are ~4x fewer than bf16, its 8-bit ones 2x. The AMX kerne
 EPYC/Ryzen, older Xeons, cloud VMs that hide it); there torch's int4 kernel read Q4_0/Q4_1
 codes for steps of few rows, and K-quants were dequantized to bf16 at load.
 
-Three builds of one source, the first the CPU's flags allow chosen at load (:func:`variant`,
+Four builds of one source, the first the CPU's flags allow chosen at load (:func:`variant`,
 said once in the log):
 
 - ``avx512_vnni`` (AVX-512 F/BW/VL with VNNI: Intel Cascade Lake, Ice Lake and later, AMD
@@ -17,13 +17,19 @@ said once in the log):
   errors meet the whole, centred weight). Its cost grows ~8x slower with the rows than
   vdpbf16ps' (two vpdpbusd a cycle with 64 products each, one vdpbf16ps every two with 32, on
   Sapphire Rapids), so every step runs on it, prefills too, and no bf16 copy is kept.
+- ``avx2_int8`` (x86-64-v3: AVX2, FMA, F16C, no AVX-512 instruction; Intel Haswell to Alder
+  Lake, AMD Zen 1 to 3): the same int8 arithmetic on 256-bit registers, each group's sum exact
+  by vpmaddubsw (32 byte products an instruction) and vpmaddwd: the ``avx512_vnni`` build's
+  bits. Every step runs on it, as on that build: the fp32 FMAs of ``avx2`` multiply 8 products
+  an instruction, and such a CPU has no native bf16 for the bf16 copy.
 - ``avx512`` (AVX-512 F/BW/VL with BF16: per group of 32 channels ``x . q`` by vdpbf16ps on
   the codes as exact bf16, then ``d (x . q) + m sum(x)`` in fp32) and ``avx2`` (x86-64-v3, no
   AVX-512 instruction in that build: ``x . q`` in fp32 FMAs on x's fp32 values, then the
-  same): x as it is, for steps of few rows (a bf16 copy takes the others).
+  same): x as it is, for steps of few rows (a bf16 copy takes the others); ``avx2`` runs
+  only where ``$BLINK_CPU_Q4`` asks for it (``avx2_int8`` runs on the same CPUs first).
 
 All multiply gguf's fp32 weights, no weight rounded (tests/test_cpu_quant_linear.py: the
-exactly rounded fp32 product, of :func:`quantize_activations`' x for the int8 build, in all
+exactly rounded fp32 product, of :func:`quantize_activations`' x for the int8 builds, in all
 but a few outputs in a thousand, one bf16 step off).
 
 Formats: ``w = d q + m`` per group of 32 (Q6_K: 16) input channels (Q4_0's m = -8d formed in
@@ -35,7 +41,7 @@ file 4.5; Q5_K 5.625, the file 5.5; Q6_K the file's 6.5625). The layout is the A
 (:func:`blink.kernels.cpu.q4_linear._b_tile_rows`) for the 4- and 8-bit codes; that kernel
 takes only Q4_0/Q4_1 and keeps its own scales.
 
-``$BLINK_CPU_Q4``: ``avx512_vnni``, ``avx512`` or ``avx2`` picks that build (and keeps the AMX kernel off, so a
+``$BLINK_CPU_Q4``: ``avx512_vnni``, ``avx512``, ``avx2_int8`` or ``avx2`` picks that build (and keeps the AMX kernel off, so a
 CPU with AMX runs the path a CPU without it would), ``torch`` turns both off; unset, AMX where
 it runs (:mod:`blink.models.int4_linear`) and this kernel for what the AMX kernel does not take.
 """
@@ -70,8 +76,12 @@ VARIANTS = {
                     "AVX-512 VNNI (int8 activations)"),
     "avx512": (("-O3", "-march=x86-64-v4", "-mavx512bf16", "-mtune=generic"),
                ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma", "f16c"), 512, "AVX-512 BF16"),
+    "avx2_int8": (("-O3", "-march=x86-64-v3", "-mtune=generic", "-DBLINK_QUANT_INT8_AVX2"), ("avx2", "fma", "f16c"), 28,
+                  "AVX2 (int8 activations)"),
     "avx2": (("-O3", "-march=x86-64-v3", "-mtune=generic"), ("avx2", "fma", "f16c"), 2, "AVX2"),
 }
+#: the builds that multiply x quantized to int8 (:func:`quantize_activations`), every step
+INT8_BUILDS = frozenset({"avx512_vnni", "avx2_int8"})
 
 
 def _declare(isa: int):
@@ -88,8 +98,9 @@ def _library(name: str) -> NativeLibrary:
     others = tuple(v for v in VARIANTS if v != name)
     return NativeLibrary(
         _SOURCE, what=f"4-bit CPU projections: the {label} kernel", logger=log,
-        fallback=("4-bit projections run on the AVX2 build if it loads, else " if name == "avx512" else
-                  "4-bit projections run on ") + "torch's int4 kernel for few rows and bf16 otherwise",
+        fallback=("4-bit projections run on the next build the CPU's flags allow if one loads, else "
+                  if name != list(VARIANTS)[-1] else "4-bit projections run on ")
+        + "torch's int4 kernel for few rows and bf16 otherwise",
         # -ffp-contract=off: the sums' order and roundings are the source's
         flags=(*flags, "-ffp-contract=off"), headers=(_SOURCE.with_name("kernels.h"),),
         env=IMPL_ENV, env_value=("torch", *others), setup=_declare(isa),
@@ -124,7 +135,7 @@ def forced() -> bool:
 
 
 def variant() -> str | None:
-    """The build that runs here (``avx512`` or ``avx2``), decided once and said once in the
+    """The build that runs here (a :data:`VARIANTS` name), decided once and said once in the
     log; None where neither runs (no compiler, a CPU without AVX2, ``$BLINK_CPU_Q4=torch``)."""
     if not _chosen:
         _chosen.append(_choose())
@@ -154,14 +165,14 @@ def _choose() -> str | None:
             continue
         if LIBRARIES[name].get() is not None:
             how = f"{IMPL_ENV}={wanted}" if wanted == name else "chosen by the CPU's flags"
-            log.info("4-bit and K-quant CPU projections: the %s kernel (%s, %s: %s; %s=avx512_vnni|avx512|avx2|torch "
-                     "chooses)", VARIANTS[name][3], _SOURCE.name, how, " ".join(VARIANTS[name][1]), IMPL_ENV)
+            log.info("4-bit and K-quant CPU projections: the %s kernel (%s, %s: %s; %s=%s|torch chooses)",
+                     VARIANTS[name][3], _SOURCE.name, how, " ".join(VARIANTS[name][1]), IMPL_ENV, "|".join(VARIANTS))
             return name
     return None
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the ``avx512_vnni`` build multiplies for ``x [..., k]``: per row and group of 32
+    """What the int8 builds (:data:`INT8_BUILDS`) multiply for ``x [..., k]``: per row and group of 32
     channels, int8 codes ``round(x * (127 / max|x|))`` (ties to even; 0 where the group is 0)
     and the scale ``max|x| / 127``, so ``x ~ codes * scale`` (llama.cpp's Q8_0 activations).
     Returns (codes as float32 ``[..., k]``, scales float32 ``[..., k // 32]``), the same fp32
