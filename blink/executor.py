@@ -52,8 +52,9 @@ class ModelExecutor:
     native bf16 plain) and a checkpoint that stores projections as codes (a GGUF file: Q4_0,
     Q4_1, Q8_0, K-quants), those projections run on the codes
     (:mod:`blink.models.int4_linear`; ~4x less memory traffic): every step with the AMX
-    kernel (and no bf16 copy is kept), decode-sized ones with the kernel without AMX
-    (AVX-512 BF16 or AVX2) or torch's int4 kernel;
+    kernel or an int8 build of the kernel without AMX (AVX-512 VNNI, AVX2), and then no bf16
+    copy is kept (packed or plain), decode-sized ones with its AVX-512 BF16 or AVX2 build or
+    torch's int4 kernel;
     ``int4_projections`` says how many got an int4 copy, ``int4_kernels`` which kernel and up
     to how many rows. The same switch, with the AMX kernel, computes the logits from a head
     the file stores as Q8_0 (SmolLM2's tied embedding; ~2x less traffic than bf16):
@@ -118,6 +119,8 @@ class ModelExecutor:
         if self.packed_weights:
             self.model.use_packed_weights()
             _return_freed_memory()  # the plain bf16 weights packing replaced or dropped
+        elif self.model.drop_unread_weights():  # no oneDNN bf16 (an AVX2 CPU), codes every step
+            _return_freed_memory()
         # Plain bf16 weights, one-token steps: torch's own matrix-vector kernel reads them
         # ~1.7x faster than oneDNN does (reordering the weight every call); from two rows up
         # oneDNN wins. Packed weights beat both.

@@ -364,29 +364,39 @@ def test_a_k_quant_gguf_runs_on_its_codes(k_quant_ggufs, monkeypatch, build, nam
         cpu_quant_linear.reset()
 
 
-def test_without_onednn_bf16_the_avx2_kernel_still_runs_the_codes(q4_gguf, monkeypatch):
+@pytest.mark.parametrize("build", ["avx2_int8", "avx2"])
+def test_without_onednn_bf16_the_avx2_kernels_still_run_the_codes(q4_gguf, monkeypatch, build):
     """An AVX2 CPU under --dtype bfloat16 packs no bf16 weights (oneDNN has no native bf16
-    there): decode-sized steps still run on the codes, larger ones on the plain bf16 weights."""
+    there): the int8 build runs every step on the codes, and no bf16 copy is kept; the fp32 one
+    decode-sized steps, larger ones on the plain bf16 weights."""
     from blink.models import packed_linear
 
-    if not all(f in cpu_quant_linear.cpu_flags() for f in cpu_quant_linear.VARIANTS["avx2"][1]):
-        pytest.skip("this CPU cannot run the avx2 build")
+    if not all(f in cpu_quant_linear.cpu_flags() for f in cpu_quant_linear.VARIANTS[build][1]):
+        pytest.skip(f"this CPU cannot run the {build} build")
     monkeypatch.setattr(packed_linear, "packing_available", lambda dtype, device: False)
-    monkeypatch.setenv(cpu_q4_linear.IMPL_ENV, "avx2")
+    monkeypatch.setattr(int4_linear, "onednn_amx", lambda: False)  # as on an AVX2 CPU
+    monkeypatch.setenv(cpu_q4_linear.IMPL_ENV, build)
     cpu_quant_linear.reset()
+    int8 = build in cpu_quant_linear.INT8_BUILDS
     try:
         files = open_model(q4_gguf)
         kw = dict(dtype=torch.bfloat16, num_blocks=64, max_model_len=64)
         ex, plain = ModelExecutor(files, **kw), ModelExecutor(files, int4_decode=False, **kw)
-        assert not ex.packed_weights and ex.int4_kernels == {("avx2", 8): sum(ex.int4_kernels.values())}
+        top = None if int8 else 8
+        assert not ex.packed_weights and ex.int4_kernels == {(build, top): sum(ex.int4_kernels.values())}
         assert ex.int4_projections[0] == ex.int4_projections[1] > 0
         fp32 = ModelExecutor(files, dtype=torch.float32, num_blocks=64, max_model_len=64)
         ref, a, b = (_decode_logits(e, 3) for e in (fp32, ex, plain))
         assert not torch.equal(a, b)
-        assert (a - ref).abs().max().item() < max(3 * (b - ref).abs().max().item(), 0.05)
+        assert (a - ref).abs().max().item() < max((12 if int8 else 3) * (b - ref).abs().max().item(), 0.05)
         for e in (ex, plain):
             e.kv_caches = [(k.zero_(), v.zero_()) for k, v in e.kv_caches]
-        assert torch.equal(_decode_logits(ex, 9), _decode_logits(plain, 9))  # beyond 8 rows: bf16
+        big_a, big_b = _decode_logits(ex, 9), _decode_logits(plain, 9)
+        if int8:  # every step on the codes: no bf16 copy kept
+            assert not torch.equal(big_a, big_b)
+            assert ex.model.model.layers[0].mlp.down_proj.weight.numel() == 0
+        else:  # beyond 8 rows: bf16
+            assert torch.equal(big_a, big_b)
     finally:
         monkeypatch.delenv(cpu_q4_linear.IMPL_ENV)
         cpu_quant_linear.reset()

@@ -70,11 +70,17 @@ class Linear(nn.Module):
         """Replace the weight by its oneDNN-packed form (the plain one is freed). Where the
         4-bit copy runs every step, the bf16 weight would never be read: it is dropped
         (an empty tensor) instead, saving 2 bytes per weight."""
-        if self.int4 is not None and self.int4.every_step:
-            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
-        else:
+        if not self.drop_unread_weight():
             self.weight = nn.Parameter(packed_linear.pack(self.weight), requires_grad=False)
         self.packed = True
+
+    def drop_unread_weight(self) -> bool:
+        """Free the bf16 weight (an empty tensor in its place) where the 4-bit copy runs every
+        step, so that nothing reads it. Returns whether it was dropped."""
+        if self.int4 is None or not self.int4.every_step:
+            return False
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+        return True
 
     def gated(self, x: torch.Tensor) -> torch.Tensor | None:
         """For a fused gate/up projection: ``silu(gate) * up`` in one call where its 4-bit AMX
@@ -316,6 +322,13 @@ class DecoderForCausalLM(nn.Module):
         head_on_int4 = self.int4_head is not None and self.int4_head.every_step
         if self.lm_head is None and self.packed_head is None and not head_on_int4:
             self.packed_head = packed_linear.pack(self.model.embed_tokens.weight)
+
+    def drop_unread_weights(self) -> int:
+        """Where the weights stay plain (no packing: oneDNN without native bf16, e.g. an AVX2
+        CPU), free the bf16 weight of every projection whose 4-bit copy runs every step (the
+        int8 kernel's), as :meth:`use_packed_weights` does. A tied embedding stays (the
+        lookup reads it). Returns how many were dropped."""
+        return sum(m.drop_unread_weight() for m in self.modules() if isinstance(m, Linear) and not m.packed)
 
     def use_int4_weights(self, q4_tensors: Iterable[tuple[str, Any]]) -> tuple[int, int]:
         """Give each projection whose every row the checkpoint stores as codes (``q4_tensors``:
