@@ -235,25 +235,31 @@ def test_an_urgent_prompt_prefills_without_less_urgent_rows(prompt):
     prefills beside the decode rows as before."""
     rng = np.random.default_rng(7)
     for lows_priority in (10, 0):
-        lows = [_req(lows_priority, 6, 40, 0, rng) for _ in range(3)] + [_req(lows_priority, 30, 20, 5, rng)]
-        u1, u2 = _req(0, prompt, 12, 8, rng), _req(0, 6, 4, 9, rng)
-        reqs = [*lows, u1, u2]
-        cfg = _urgency_cfg(max_num_batched_tokens=40, max_model_len=128, max_admit_per_step=1)
-        steps = _grant_steps(reqs, cfg, n_slots=6, stream_capacity=64)
-        assert all(r.finish is not None for r in reqs)
-        arrivals = {r.arrival for r in lows}
-        prefill_u1 = [i for i, step in enumerate(steps) for _, arr, _, pre in step if arr == u1.arrival and pre]
-        if lows_priority == 10:
-            assert len(prefill_u1) == -(-prompt // 40), steps
-            for i in prefill_u1:
-                assert all(arr not in arrivals for _, arr, _, _ in steps[i]), steps[i]
-            decoding_u1 = [i for i, step in enumerate(steps) for _, arr, _, pre in step
-                           if arr == u1.arrival and not pre]
-            # once u1 decodes (and u2 has prefilled), the low rows are served beside it
-            assert any(arr in arrivals for i in decoding_u1[2:] for _, arr, _, _ in steps[i]), steps
-            assert any(arr == u2.arrival and pre for i in decoding_u1 for _, arr, _, pre in steps[i])
-        else:  # one priority: prompts prefill beside decode rows, as under fcfs
-            assert any(any(pre for *_, pre in step) and any(not pre for *_, pre in step) for step in steps)
+        check_the_urgent_prompt_prefills_alone(prompt, lows_priority, rng)
+
+
+def check_the_urgent_prompt_prefills_alone(prompt: int, lows_priority: int, rng: np.random.Generator) -> None:
+    """test_an_urgent_prompt_prefills_without_less_urgent_rows's workload with the low rows at
+    ``lows_priority`` (10: less urgent than the prompt; 0: the same priority)."""
+    lows = [_req(lows_priority, 6, 40, 0, rng) for _ in range(3)] + [_req(lows_priority, 30, 20, 5, rng)]
+    u1, u2 = _req(0, prompt, 12, 8, rng), _req(0, 6, 4, 9, rng)
+    reqs = [*lows, u1, u2]
+    cfg = _urgency_cfg(max_num_batched_tokens=40, max_model_len=128, max_admit_per_step=1)
+    steps = _grant_steps(reqs, cfg, n_slots=6, stream_capacity=64)
+    assert all(r.finish is not None for r in reqs)
+    arrivals = {r.arrival for r in lows}
+    prefill_u1 = [i for i, step in enumerate(steps) for _, arr, _, pre in step if arr == u1.arrival and pre]
+    if lows_priority == 10:
+        assert len(prefill_u1) == -(-prompt // 40), steps
+        for i in prefill_u1:
+            assert all(arr not in arrivals for _, arr, _, _ in steps[i]), steps[i]
+        decoding_u1 = [i for i, step in enumerate(steps) for _, arr, _, pre in step
+                       if arr == u1.arrival and not pre]
+        # once u1 decodes (and u2 has prefilled), the low rows are served beside it
+        assert any(arr in arrivals for i in decoding_u1[2:] for _, arr, _, _ in steps[i]), steps
+        assert any(arr == u2.arrival and pre for i in decoding_u1 for _, arr, _, pre in steps[i])
+    else:  # one priority: prompts prefill beside decode rows, as under fcfs
+        assert any(any(pre for *_, pre in step) and any(not pre for *_, pre in step) for step in steps)
 
 
 def test_low_prefills_keep_progressing_while_urgent_work_keeps_arriving():
