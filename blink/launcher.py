@@ -194,10 +194,12 @@ def run_engine(args: argparse.Namespace) -> int:
 def serve_engine_threads(engines: int = 1) -> int:
     """``blink serve``'s default ``--threads`` per engine: the cores this process may use
     minus one, which the frontend (and, on a test box, the client) needs, shared by the
-    engines. Measured on a 2-core host, one engine, passive OpenMP waits, two runs each:
+    engines. Measured on a 2-core host, one engine, passive OpenMP waits: on SmolLM2-135M
     1 compute thread gave 1.25x the output tok/s of 2 at 16 streams and 1.34x single-stream
-    (docs/performance.md#threads). ``blink engine`` alone (its frontend elsewhere, as
-    on a DPU) and the offline ``LLM`` keep torch's default, every core."""
+    (2026-12-01); since the int8 projection kernel runs every step on the kernel pool, a
+    second thread gives 0.99x at 1B and 1.06x at 135M (one run), so the rule does not depend
+    on the model's size (docs/performance.md#threads). ``blink engine`` alone (its frontend
+    elsewhere, as on a DPU) and the offline ``LLM`` keep torch's default, every core."""
     return max(1, (_cores() - 1) // max(1, engines))
 
 
