@@ -357,32 +357,6 @@ static void tile_scales(const args_t *a, int64_t t, float *out) {
     }
 }
 
-static void *run_tiles(void *arg) {
-    blink_part_t *p = (blink_part_t *)arg;
-    const args_t *a = (const args_t *)p->args;
-    /* only where a panel takes several passes (a decode step's one pass forms them inline:
-     * no allocation on its path) */
-    float *scales = NULL;
-    if (a->M > ROWS) {
-        scales = aligned_alloc(64, (size_t)(a->K / group_size(a->format)) * 2 * TILE * sizeof(float));
-        if (!scales) {
-            p->status = -4;
-            return NULL;
-        }
-    }
-    for (int64_t p0 = 0; p0 < a->M; p0 += PANEL_ROWS) { /* (a larger int8 panel measured 0.95-0.98x) */
-        const int64_t p1 = a->M - p0 < PANEL_ROWS ? a->M : p0 + PANEL_ROWS;
-        const int one_pass = p1 - p0 <= ROWS;
-        for (int64_t t = p->lo; t < p->hi; t++) {
-            if (!one_pass) tile_scales(a, t, scales);
-            for (int64_t r0 = p0; r0 < p1; r0 += ROWS)
-                tile_pass(a, t, r0, (int)(p1 - r0 < ROWS ? p1 - r0 : ROWS), one_pass ? NULL : scales);
-        }
-    }
-    free(scales);
-    return NULL;
-}
-
 /* Rows [lo, hi) of x -> their int8 codes (PERM4 order but for 8-bit codes), scales, -off *
  * sum(qx) and (F_M) s sum(qx) per scale group. */
 static void *quantize_rows(void *arg) {
@@ -815,32 +789,6 @@ static void tile_scales(const args_t *a, int64_t t, float *out) {
         }
 }
 
-static void *run_tiles(void *arg) {
-    blink_part_t *p = (blink_part_t *)arg;
-    const args_t *a = (const args_t *)p->args;
-    /* only where a panel takes several passes (a decode step's one pass forms them inline:
-     * no allocation on its path) */
-    float *scales = NULL;
-    if (a->M > ROWS_I8) {
-        scales = aligned_alloc(32, (size_t)(a->K / group_size(a->format)) * 2 * TILE * sizeof(float));
-        if (!scales) {
-            p->status = -4;
-            return NULL;
-        }
-    }
-    for (int64_t p0 = 0; p0 < a->M; p0 += PANEL_ROWS) {
-        const int64_t p1 = a->M - p0 < PANEL_ROWS ? a->M : p0 + PANEL_ROWS;
-        const int one_pass = p1 - p0 <= ROWS_I8;
-        for (int64_t t = p->lo; t < p->hi; t++) {
-            if (!one_pass) tile_scales(a, t, scales);
-            for (int64_t r0 = p0; r0 < p1; r0 += ROWS_I8)
-                tile_pass(a, t, r0, (int)(p1 - r0 < ROWS_I8 ? p1 - r0 : ROWS_I8), one_pass ? NULL : scales);
-        }
-    }
-    free(scales);
-    return NULL;
-}
-
 /* Rows [lo, hi) of x -> their int8 codes (PERM4 order but for 8-bit codes), scales, -off *
  * sum(qx) and (F_M) s sum(qx) per scale group: the VNNI build's values, the same fp32
  * operations (amax, 127 / amax, x * that rounded to nearest even, amax / 127). */
@@ -1042,6 +990,36 @@ static inline __attribute__((unused)) void group_sums(const uint16_t *x, int64_t
             for (int64_t c = 0; c < group; c++) s += bf16_to_f32(x[r * x_stride + g * group + c]);
             out[r * (K / group) + g] = s;
         }
+}
+#endif
+
+#ifdef BLINK_QUANT_INT8
+/* The int8 builds' split of a call: per panel of PANEL_ROWS rows (a larger int8 panel measured
+ * 0.95-0.98x) and tile, the tile's scales formed once where the panel takes several passes of
+ * BLINK_QUANT_INT8_ROWS rows (a decode step's one pass forms them inline, allocating nothing),
+ * then the passes (each build's tile_scales and tile_pass). */
+static void *run_tiles(void *arg) {
+    blink_part_t *p = (blink_part_t *)arg;
+    const args_t *a = (const args_t *)p->args;
+    enum { R = BLINK_QUANT_INT8_ROWS };
+    float *scales = NULL;
+    if (a->M > R) {
+        scales = aligned_alloc(64, (size_t)(a->K / group_size(a->format)) * 2 * TILE * sizeof(float));
+        if (!scales) {
+            p->status = -4;
+            return NULL;
+        }
+    }
+    for (int64_t p0 = 0; p0 < a->M; p0 += PANEL_ROWS) {
+        const int64_t p1 = a->M - p0 < PANEL_ROWS ? a->M : p0 + PANEL_ROWS;
+        const int one_pass = p1 - p0 <= R;
+        for (int64_t t = p->lo; t < p->hi; t++) {
+            if (!one_pass) tile_scales(a, t, scales);
+            for (int64_t r0 = p0; r0 < p1; r0 += R) tile_pass(a, t, r0, (int)(p1 - r0 < R ? p1 - r0 : R), one_pass ? NULL : scales);
+        }
+    }
+    free(scales);
+    return NULL;
 }
 #endif
 
