@@ -67,6 +67,17 @@ enum { PANEL_ROWS = 128 };
 /* How far ahead the codes are prefetched (as q4_linear.c). */
 enum { PREFETCH_BYTES = 2048 };
 
+/* The int8 builds' passes over a tile of several passes prefetch the next tile's codes into L2,
+ * a share each (step bytes a group): the first pass alone would draw them from memory at the
+ * rate its products go, the bandwidth's limit on two cores at 8+ rows, while the others draw
+ * nothing (16 rows on a 1B's projections: 1.25x the time the weights take in L3). at: NULL
+ * where there is none (one pass, the last tile). */
+typedef struct { const uint8_t *at; int64_t step; } far_t;
+static inline __attribute__((unused)) void prefetch_far(far_t far, int64_t g) {
+    if (far.at)
+        for (int64_t b = 0; b < far.step; b += 64) __builtin_prefetch(far.at + g * far.step + b, 0, 2); /* into L2 */
+}
+
 typedef struct {
     const uint16_t *x;     /* [M, K] bf16, rows x_stride apart */
     int64_t x_stride;
@@ -236,7 +247,7 @@ static inline int code_offset(int format) {
 
 /* Rows [r0, r0 + R) x tile t (16 columns), R <= ROWS known at compile time once inlined. */
 static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int64_t t, int64_t r0, const int R,
-                                                            const int bits, const float *scales) {
+                                                            const int bits, const float *scales, far_t far) {
     const int format = a->format, with_m = (format & F_M) && !(format & F_M8), g16 = format & F_GROUP16;
     const int off = code_offset(format);
     const int64_t groups = a->K / GROUP, tb = tile_bytes(format);
@@ -265,6 +276,7 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *gc = codes + g * tb;
         for (int line = 0; line < tb; line += 64) _mm_prefetch((const char *)gc + line + PREFETCH_BYTES, _MM_HINT_T0);
+        prefetch_far(far, g);
         const int8_t *xg = xq + g * GROUP;
         const __m512i high5 = bits == 5 ? _mm512_loadu_si512(gc + 256) : _mm512_setzero_si512();
 #pragma GCC unroll 2
@@ -333,13 +345,13 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
 
 #define CASE(R)                                                                                   \
     case R:                                                                                       \
-        if (a->format & F_BITS8) tile_rows(a, t, r0, R, 8, scales);                               \
-        else if (a->format & F_BITS6) tile_rows(a, t, r0, R, 6, scales);                          \
-        else if (a->format & F_BITS5) tile_rows(a, t, r0, R, 5, scales);                          \
-        else tile_rows(a, t, r0, R, 4, scales);                                                   \
+        if (a->format & F_BITS8) tile_rows(a, t, r0, R, 8, scales, far);                          \
+        else if (a->format & F_BITS6) tile_rows(a, t, r0, R, 6, scales, far);                     \
+        else if (a->format & F_BITS5) tile_rows(a, t, r0, R, 5, scales, far);                     \
+        else tile_rows(a, t, r0, R, 4, scales, far);                                              \
         break;
 
-static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, const float *scales) {
+static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, const float *scales, far_t far) {
     switch (rows) {
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
     }
@@ -626,7 +638,7 @@ static inline int code_offset(int format) {
  * group (tile_scales), NULL: formed here. */
 static inline __attribute__((always_inline)) void half_rows(const args_t *a, int64_t t, int hc, int64_t r0,
                                                             const int R, const int bits, const int g16,
-                                                            const float *scales) {
+                                                            const float *scales, far_t far) {
     const int format = a->format, with_m = (format & F_M) && !(format & F_M8), off = code_offset(format);
     const int64_t groups = a->K / GROUP, tb = tile_bytes(format);
     const int64_t sgroups = a->K / (g16 ? 16 : GROUP), per = g16 ? 2 : 1;
@@ -653,8 +665,10 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
     }
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *gc = codes + g * tb;
-        if (hc == 0)
+        if (hc == 0) {
             for (int line = 0; line < tb; line += 64) _mm_prefetch((const char *)gc + line + PREFETCH_BYTES, _MM_HINT_T0);
+            prefetch_far(far, g);
+        }
         const int8_t *xg = xq + g * GROUP;
         const __m256i high5 = bits == 5 ? _mm256_loadu_si256((const __m256i *)(gc + 256 + hc * 32)) : _mm256_setzero_si256();
         int n16 = 0, n32 = 0; /* vectors c in acc16, widenings in acc32: constants once unrolled */
@@ -759,22 +773,23 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
 
 #define CASE(R)                                                                                   \
     case R:                                                                                       \
-        if (a->format & F_BITS8) half_rows(a, t, hc, r0, R, 8, g16, scales);                      \
-        else if (a->format & F_BITS6) half_rows(a, t, hc, r0, R, 6, g16, scales);                 \
-        else if (a->format & F_BITS5) half_rows(a, t, hc, r0, R, 5, g16, scales);                 \
-        else half_rows(a, t, hc, r0, R, 4, g16, scales);                                          \
+        if (a->format & F_BITS8) half_rows(a, t, hc, r0, R, 8, g16, scales, far);                 \
+        else if (a->format & F_BITS6) half_rows(a, t, hc, r0, R, 6, g16, scales, far);            \
+        else if (a->format & F_BITS5) half_rows(a, t, hc, r0, R, 5, g16, scales, far);            \
+        else half_rows(a, t, hc, r0, R, 4, g16, scales, far);                                     \
         break;
 
-static void tile_pass_g(const args_t *a, int64_t t, int64_t r0, int rows, const int g16, const float *scales) {
+static void tile_pass_g(const args_t *a, int64_t t, int64_t r0, int rows, const int g16, const float *scales,
+                        far_t far) {
     for (int hc = 0; hc < 2; hc++) switch (rows) {
             CASE(1) CASE(2) CASE(3) CASE(4)
         }
 }
 #undef CASE
 
-static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, const float *scales) {
-    if (a->format & F_GROUP16) tile_pass_g(a, t, r0, rows, 1, scales);
-    else tile_pass_g(a, t, r0, rows, 0, scales);
+static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, const float *scales, far_t far) {
+    if (a->format & F_GROUP16) tile_pass_g(a, t, r0, rows, 1, scales, far);
+    else tile_pass_g(a, t, r0, rows, 0, scales, far);
 }
 
 /* A tile's d and m in fp32 for every scale group, 16 each (the rows' passes read them, formed once) */
@@ -1012,10 +1027,22 @@ static void *run_tiles(void *arg) {
     }
     for (int64_t p0 = 0; p0 < a->M; p0 += PANEL_ROWS) {
         const int64_t p1 = a->M - p0 < PANEL_ROWS ? a->M : p0 + PANEL_ROWS;
-        const int one_pass = p1 - p0 <= R;
+        const int64_t passes = (p1 - p0 + R - 1) / R, groups = a->K / GROUP, tb = tile_bytes(a->format);
+        /* each pass prefetches its share of the next tile's codes (far_t) */
+        const int64_t share = (tb + passes - 1) / passes;
         for (int64_t t = p->lo; t < p->hi; t++) {
-            if (!one_pass) tile_scales(a, t, scales);
-            for (int64_t r0 = p0; r0 < p1; r0 += R) tile_pass(a, t, r0, (int)(p1 - r0 < R ? p1 - r0 : R), one_pass ? NULL : scales);
+            if (passes > 1) tile_scales(a, t, scales);
+            const uint8_t *next = passes > 1 && t + 1 < p->hi ? a->codes + (t + 1) * groups * tb : NULL;
+            if (next) { /* and the next tile's scales, whole (its tile_scales reads them at once) */
+                const int64_t sb = a->format & F_K ? (a->K >> 8) * k_block_bytes(a->format)
+                                                   : (a->K / group_size(a->format)) * scale_bytes(a->format);
+                for (int64_t b = 0; b < sb; b += 64) __builtin_prefetch(a->scales + (t + 1) * sb + b, 0, 2);
+            }
+            for (int64_t j = 0; j < passes; j++) {
+                const int64_t r0 = p0 + j * R;
+                const far_t far = {next ? next + j * groups * share : NULL, share};
+                tile_pass(a, t, r0, (int)(p1 - r0 < R ? p1 - r0 : R), passes > 1 ? scales : NULL, far);
+            }
         }
     }
     free(scales);
