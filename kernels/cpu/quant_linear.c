@@ -245,18 +245,26 @@ static inline int code_offset(int format) {
     return format & F_BITS8 ? 128 : format & F_BITS6 ? 32 : format & F_M8 ? 8 : 0;
 }
 
-/* Rows [r0, r0 + R) x tile t (16 columns), R <= ROWS known at compile time once inlined. */
+/* x's int8 codes, scales and per-scale-group sums are kept in blocks of ROWS rows, group by
+ * group (row i of block b, group g at ((b groups + g) ROWS + i) GROUP for the codes, at (b
+ * groups + g) ROWS + i for a scale, (b sgroups + s) ROWS + i for a sum): a pass (ROWS rows from
+ * a multiple of ROWS) reads each group's x at fixed offsets from one pointer, not at ROWS row
+ * addresses (the address arithmetic and its spilled registers were ~40% of the instructions). */
+static inline int64_t blocked(int64_t r, int64_t n, int64_t j) { return ((r / ROWS) * n + j) * ROWS + r % ROWS; }
+
+/* Rows [r0, r0 + R) x tile t (16 columns); r0 a multiple of ROWS. R <= ROWS, the code width,
+ * whether m is stored, the codes' offset and 16-channel scale groups are known at compile time
+ * once inlined (tile_pass' kinds), so the loop holds no test of the format. */
 static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int64_t t, int64_t r0, const int R,
-                                                            const int bits, const float *scales, far_t far) {
-    const int format = a->format, with_m = (format & F_M) && !(format & F_M8), g16 = format & F_GROUP16;
-    const int off = code_offset(format);
-    const int64_t groups = a->K / GROUP, tb = tile_bytes(format);
-    const int64_t sgroups = a->K / group_size(format), per = g16 ? 2 : 1;
+                                                            const int bits, const int with_m, const int off,
+                                                            const int g16, const float *scales, far_t far) {
+    const int64_t groups = a->K / GROUP, tb = tile_bytes(a->format);
+    const int64_t sgroups = a->K / (g16 ? 16 : GROUP), per = g16 ? 2 : 1;
     const uint8_t *codes = a->codes + t * groups * tb;
-    const int8_t *xq = a->xq + r0 * a->K;
-    const float *xs = a->xs + r0 * groups;
-    const int32_t *xoff = a->xoff + r0 * sgroups; /* -off sum(qx): each scale group's sum starts there */
-    const float *x_sums = with_m ? a->x_sums + r0 * sgroups : NULL;
+    const int8_t *xq = a->xq + blocked(r0, groups, 0) * GROUP; /* group g, row r: xq + (g ROWS + r) GROUP */
+    const float *xs = a->xs + blocked(r0, groups, 0);          /* xs[g ROWS + r] */
+    const int32_t *xoff = a->xoff + blocked(r0, sgroups, 0);   /* -off sum(qx): xoff[s ROWS + r] */
+    const float *x_sums = a->x_sums + blocked(r0, sgroups, 0); /* s sum(qx): x_sums[s ROWS + r] */
     const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
     const __m512i low_byte = _mm512_set1_epi16(0x00FF), top_mask = _mm512_set1_epi8(bits == 6 ? 0x30 : 0x10);
     /* 8-bit: out word 2j = row 2k's word j, 2j + 1 = row 2k + 1's (column j, channels 4k .. 4k + 3) */
@@ -270,14 +278,14 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
         tot[r] = _mm512_setzero_ps();
-        acc[r][0] = off ? _mm512_set1_epi32(xoff[r * sgroups]) : _mm512_setzero_si512();
+        acc[r][0] = off ? _mm512_set1_epi32(xoff[r]) : _mm512_setzero_si512();
         acc[r][1] = _mm512_setzero_si512();
     }
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *gc = codes + g * tb;
         for (int line = 0; line < tb; line += 64) _mm_prefetch((const char *)gc + line + PREFETCH_BYTES, _MM_HINT_T0);
         prefetch_far(far, g);
-        const int8_t *xg = xq + g * GROUP;
+        const int8_t *xg = xq + g * ROWS * GROUP;
         const __m512i high5 = bits == 5 ? _mm512_loadu_si512(gc + 256) : _mm512_setzero_si512();
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) { /* channels 16h .. 16h + 15 */
@@ -310,29 +318,31 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
 #pragma GCC unroll 8
                 for (int r = 0; r < R; r++) {
                     int32_t w0, w1;
-                    memcpy(&w0, xg + r * a->K + 8 * c, 4);
-                    memcpy(&w1, xg + r * a->K + 8 * c + 4, 4);
+                    memcpy(&w0, xg + r * GROUP + 8 * c, 4);
+                    memcpy(&w1, xg + r * GROUP + 8 * c + 4, 4);
                     acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], lo, _mm512_set1_epi32(w0));
                     acc[r][nacc - 1] = _mm512_dpbusd_epi32(acc[r][nacc - 1], hi, _mm512_set1_epi32(w1));
                 }
             }
             if (g16 || h == 1) { /* a scale group ends */
                 const int64_t s = g * per + (g16 ? h : 0);
+                /* the next scale group's sums start at its -off sum(qx) (the last group's start,
+                 * read again after the last, is not used) */
+                const int64_t s_next = s + 1 < sgroups ? s + 1 : s;
                 __m512 d, m = _mm512_setzero_ps();
                 if (scales) { /* formed once for the tile's passes */
                     d = _mm512_load_ps(scales + s * 2 * TILE);
-                    m = _mm512_load_ps(scales + s * 2 * TILE + TILE);
+                    if (with_m) m = _mm512_load_ps(scales + s * 2 * TILE + TILE);
                 } else { /* one pass (a decode step): formed here, no extra trip over them */
                     group_scales(a, t, s, &d, &m);
                 }
 #pragma GCC unroll 8
                 for (int r = 0; r < R; r++) {
                     const __m512i sum = nacc == 2 ? _mm512_add_epi32(acc[r][0], acc[r][1]) : acc[r][0];
-                    const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(xs[r * groups + g]));
+                    const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(xs[g * ROWS + r]));
                     tot[r] = _mm512_fmadd_ps(part, d, tot[r]);
-                    if (with_m) tot[r] = _mm512_fmadd_ps(_mm512_set1_ps(x_sums[r * sgroups + s]), m, tot[r]);
-                    /* the next scale group's sum starts at its -off sum(qx) (a broadcast load) */
-                    acc[r][0] = off && s + 1 < sgroups ? _mm512_set1_epi32(xoff[r * sgroups + s + 1]) : _mm512_setzero_si512();
+                    if (with_m) tot[r] = _mm512_fmadd_ps(_mm512_set1_ps(x_sums[s * ROWS + r]), m, tot[r]);
+                    acc[r][0] = off ? _mm512_set1_epi32(xoff[s_next * ROWS + r]) : _mm512_setzero_si512();
                     acc[r][1] = _mm512_setzero_si512();
                 }
             }
@@ -343,20 +353,33 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
     for (int r = 0; r < R; r++) store_bf16x16_i(a->y + (r0 + r) * a->y_stride + t * TILE, _mm512_add_ps(tot[r], bias));
 }
 
+/* The formats' kinds, each its own loop: (bits, m stored, the codes' offset, 16-channel groups) */
+#define KINDS(R)                                                                                   \
+    if (bits == 4 && with_m && !g16) tile_rows(a, t, r0, R, 4, 1, 0, 0, scales, far);  /* Q4_1, Q4_K */  \
+    else if (bits == 4 && !with_m && off == 8 && !g16) tile_rows(a, t, r0, R, 4, 0, 8, 0, scales, far); /* Q4_0 */ \
+    else if (bits == 6 && !with_m && off == 32 && g16) tile_rows(a, t, r0, R, 6, 0, 32, 1, scales, far); /* Q6_K */ \
+    else if (bits == 8 && !with_m && off == 128 && !g16) tile_rows(a, t, r0, R, 8, 0, 128, 0, scales, far); /* Q8_0 */ \
+    else if (bits == 5 && with_m && !g16) tile_rows(a, t, r0, R, 5, 1, 0, 0, scales, far); /* Q5_K */  \
+    else if (bits == 8) tile_rows(a, t, r0, R, 8, with_m, off, g16, scales, far);                     \
+    else if (bits == 6) tile_rows(a, t, r0, R, 6, with_m, off, g16, scales, far);                     \
+    else if (bits == 5) tile_rows(a, t, r0, R, 5, with_m, off, g16, scales, far);                     \
+    else tile_rows(a, t, r0, R, 4, with_m, off, g16, scales, far);
+
 #define CASE(R)                                                                                   \
     case R:                                                                                       \
-        if (a->format & F_BITS8) tile_rows(a, t, r0, R, 8, scales, far);                          \
-        else if (a->format & F_BITS6) tile_rows(a, t, r0, R, 6, scales, far);                     \
-        else if (a->format & F_BITS5) tile_rows(a, t, r0, R, 5, scales, far);                     \
-        else tile_rows(a, t, r0, R, 4, scales, far);                                              \
+        KINDS(R)                                                                                  \
         break;
 
 static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, const float *scales, far_t far) {
+    const int format = a->format, off = code_offset(format), g16 = !!(format & F_GROUP16);
+    const int with_m = (format & F_M) && !(format & F_M8);
+    const int bits = format & F_BITS8 ? 8 : format & F_BITS6 ? 6 : format & F_BITS5 ? 5 : 4;
     switch (rows) {
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
     }
 }
 #undef CASE
+#undef KINDS
 
 /* A tile's d and m in fp32 for every scale group, 16 each (the rows' passes read them, formed once) */
 static void tile_scales(const args_t *a, int64_t t, float *out) {
@@ -383,17 +406,17 @@ static void *quantize_rows(void *arg) {
     const __m512 sign = _mm512_set1_ps(-0.0f);
     for (int64_t r = p->lo; r < p->hi; r++) {
         const uint16_t *x = a->x + r * a->x_stride;
-        int8_t *q = a->xq + r * K;
+        int8_t *q = a->xq + blocked(r, groups, 0) * GROUP; /* group g at q + g ROWS GROUP */
         for (int64_t g = 0; g < groups; g++) {
             const __m512 v0 = load_bf16x16_i(x + g * GROUP), v1 = load_bf16x16_i(x + g * GROUP + 16);
             const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
             const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            a->xs[r * groups + g] = amax / 127.0f;
+            a->xs[blocked(r, groups, g)] = amax / 127.0f;
             const __m512 scale = _mm512_set1_ps(inv);
             const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(v0, idx_lo, v1), scale));
             const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(v0, idx_hi, v1), scale));
-            _mm_storeu_si128((__m128i *)(q + g * GROUP), _mm512_cvtepi32_epi8(q0));
-            _mm_storeu_si128((__m128i *)(q + g * GROUP + 16), _mm512_cvtepi32_epi8(q1));
+            _mm_storeu_si128((__m128i *)(q + g * ROWS * GROUP), _mm512_cvtepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(q + g * ROWS * GROUP + 16), _mm512_cvtepi32_epi8(q1));
             /* the scale groups' sums of qx (16: each half; the order keeps halves whole): the
              * offset's, and the min's as s sum(qx), the sum of the rounded x, so that x's
              * rounding errors meet the whole weight d q + m, centred, as llama.cpp's Q8_1 sums
@@ -401,12 +424,12 @@ static void *quantize_rows(void *arg) {
             const int s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
             const float scale_back = amax / 127.0f;
             if (sg == 16) {
-                if (off) a->xoff[r * sgroups + 2 * g] = -off * s0, a->xoff[r * sgroups + 2 * g + 1] = -off * s1;
-                if (with_m) a->x_sums[r * sgroups + 2 * g] = scale_back * (float)s0,
-                            a->x_sums[r * sgroups + 2 * g + 1] = scale_back * (float)s1;
+                if (off) a->xoff[blocked(r, sgroups, 2 * g)] = -off * s0, a->xoff[blocked(r, sgroups, 2 * g + 1)] = -off * s1;
+                if (with_m) a->x_sums[blocked(r, sgroups, 2 * g)] = scale_back * (float)s0,
+                            a->x_sums[blocked(r, sgroups, 2 * g + 1)] = scale_back * (float)s1;
             } else {
-                if (off) a->xoff[r * sgroups + g] = -off * (s0 + s1);
-                if (with_m) a->x_sums[r * sgroups + g] = scale_back * (float)(s0 + s1);
+                if (off) a->xoff[blocked(r, sgroups, g)] = -off * (s0 + s1);
+                if (with_m) a->x_sums[blocked(r, sgroups, g)] = scale_back * (float)(s0 + s1);
             }
         }
     }
@@ -1070,9 +1093,10 @@ int blink_quant_linear(const uint16_t *x, int64_t x_stride, const void *codes, c
                 NULL, NULL, NULL, NULL, NULL};
 #ifdef BLINK_QUANT_INT8
     /* x's codes, scales and sums in one block (the rows' quantization split over the threads) */
-    const int64_t sgroups = K / group_size(format);
-    const size_t sums_bytes = (size_t)(M * sgroups) * 4, scale_bytes_ = (size_t)(M * (K / GROUP)) * 4;
-    char *block = malloc(2 * sums_bytes + scale_bytes_ + (size_t)(M * K));
+    /* rows rounded up to a whole block of BLINK_QUANT_INT8_ROWS (the VNNI build's blocked layout) */
+    const int64_t sgroups = K / group_size(format), Mb = (M + ROWS - 1) / ROWS * ROWS;
+    const size_t sums_bytes = (size_t)(Mb * sgroups) * 4, scale_bytes_ = (size_t)(Mb * (K / GROUP)) * 4;
+    char *block = malloc(2 * sums_bytes + scale_bytes_ + (size_t)(Mb * K));
     if (!block) return -4;
     a.x_sums = (float *)block;
     a.xoff = (int32_t *)(block + sums_bytes);
