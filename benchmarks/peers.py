@@ -423,7 +423,8 @@ def markdown_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
             lines.append(f"| {r['peer']} | - | - | - | - | - | - | - | - | - | {r['status']} |")
             continue
         decode = 1000.0 / s["tpot_ms"]["median"] if s and s["tpot_ms"]["median"] > 0 else float("nan")
-        ok = f"{c['completed']}/{c['num_requests']} ok"
+        ok = f"{c['completed']}/{c['num_requests']} ok" + (
+            f", {c['resent_after_closed_connection']} sent again" if c.get("resent_after_closed_connection") else "")
         lines.append(
             f"| {r['peer']} | {c['output_throughput']:.1f} | {c['request_throughput']:.2f} | "
             f"{c['ttft_ms']['p50']:.0f} | {c['ttft_ms']['p99']:.0f} | {c['tpot_ms']['p50']:.1f} | "

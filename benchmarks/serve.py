@@ -327,7 +327,8 @@ def summary_line(m: dict[str, Any], label: str | None = None) -> str:
             f"out_tok/s={m['output_throughput']:.1f} "
             f"TTFT p50/p99={m['ttft_ms']['p50']:.0f}/{m['ttft_ms']['p99']:.0f}ms "
             f"TPOT p50/p99={m['tpot_ms']['p50']:.1f}/{m['tpot_ms']['p99']:.1f}ms "
-            f"ITL p99={m['itl_ms']['p99']:.1f}ms E2E p99={m['e2el_ms']['p99']:.0f}ms")
+            f"ITL p99={m['itl_ms']['p99']:.1f}ms E2E p99={m['e2el_ms']['p99']:.0f}ms"
+            + (f" resent={m['resent_after_closed_connection']}" if m.get("resent_after_closed_connection") else ""))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

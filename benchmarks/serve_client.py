@@ -16,6 +16,9 @@ import httpx
 
 from benchmarks.serve_metrics import RequestOutput
 
+#: times a request is sent again when a pooled connection was closed before any answer
+STALE_CONNECTION_RETRIES = 2
+
 
 class SSEParser:
     """Incremental parser of a ``text/event-stream`` body, fed line by line.
@@ -115,42 +118,56 @@ async def send_streaming_request(client: httpx.AsyncClient, url: str, payload: M
     last = st
     done_at: float | None = None
     usage: Mapping[str, Any] | None = None
-    try:
-        async with client.stream("POST", url, json=payload, headers=headers) as response:
-            if response.status_code != 200:
-                body = (await response.aread()).decode("utf-8", "replace")
-                out.error = f"HTTP {response.status_code}: {body[:500]}"
-                return out
-            async for line in response.aiter_lines():
-                data = parser.feed(line)
-                if data is None:
-                    continue
-                now = time.perf_counter()
-                if data.strip() == "[DONE]":
-                    done_at = now
-                    continue
-                obj = json.loads(data)
-                if "error" in obj and not obj.get("choices"):
-                    err = obj["error"]
-                    out.error = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+    # A server may close a pooled keep-alive connection as the next request goes out on it
+    # (llama-server's HTTP library does, now and then, at 16 streams): nothing was answered, so
+    # the request is sent again on a fresh connection (as browsers and requests' urllib3 do),
+    # counted in ``retries``, not failed.
+    for attempt in range(STALE_CONNECTION_RETRIES + 1):
+        answered = False
+        try:
+            async with client.stream("POST", url, json=payload, headers=headers) as response:
+                answered = True
+                if response.status_code != 200:
+                    body = (await response.aread()).decode("utf-8", "replace")
+                    out.error = f"HTTP {response.status_code}: {body[:500]}"
                     return out
-                if obj.get("usage"):
-                    usage = obj["usage"]
-                text = chunk_text(obj, chat)
-                if text:
-                    if out.chunks == 0:
-                        out.ttft = now - st
-                    else:
-                        out.itl.append(now - last)
-                    last = now
-                    out.chunks += 1
-                    text_parts.append(text)
-            tail = parser.close()
-            if tail is not None and tail.strip() == "[DONE]":
-                done_at = time.perf_counter()
-    except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
-        out.error = f"{type(exc).__name__}: {exc}"
-        return out
+                async for line in response.aiter_lines():
+                    data = parser.feed(line)
+                    if data is None:
+                        continue
+                    now = time.perf_counter()
+                    if data.strip() == "[DONE]":
+                        done_at = now
+                        continue
+                    obj = json.loads(data)
+                    if "error" in obj and not obj.get("choices"):
+                        err = obj["error"]
+                        out.error = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+                        return out
+                    if obj.get("usage"):
+                        usage = obj["usage"]
+                    text = chunk_text(obj, chat)
+                    if text:
+                        if out.chunks == 0:
+                            out.ttft = now - st
+                        else:
+                            out.itl.append(now - last)
+                        last = now
+                        out.chunks += 1
+                        text_parts.append(text)
+                tail = parser.close()
+                if tail is not None and tail.strip() == "[DONE]":
+                    done_at = time.perf_counter()
+            break
+        except httpx.RemoteProtocolError as exc:
+            if not answered and attempt < STALE_CONNECTION_RETRIES:
+                out.retries += 1
+                continue
+            out.error = f"{type(exc).__name__}: {exc}"
+            return out
+        except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
+            out.error = f"{type(exc).__name__}: {exc}"
+            return out
     out.latency = (done_at if done_at is not None else time.perf_counter()) - st
     out.generated_text = "".join(text_parts)
     if usage is not None:

@@ -50,6 +50,7 @@ class RequestOutput:
     error: str = ""
     start_time: float = 0.0         # perf_counter at send (for timelines)
     chunks: int = 0                 # text-carrying chunks received
+    retries: int = 0                # sends again after a pooled connection closed unanswered
 
 
 def percentile_label(p: float) -> str:
@@ -152,6 +153,7 @@ def calculate_metrics(
         "num_requests": len(outputs),
         "completed": completed,
         "failed": len(outputs) - completed,
+        "resent_after_closed_connection": sum(out.retries for out in outputs),
         "duration_s": duration_s,
         "total_input_tokens": total_input,
         "total_output_tokens": total_output,
@@ -182,6 +184,8 @@ def format_report(m: Mapping[str, Any], title: str = "Serving Benchmark Result")
         row("Max concurrency:", m["max_concurrency"], "{}")
     row("Successful requests:", m["completed"], "{}")
     row("Failed requests:", m["failed"], "{}")
+    if m.get("resent_after_closed_connection"):
+        row("Sent again (connection closed unanswered):", m["resent_after_closed_connection"], "{}")
     row("Benchmark duration (s):", m["duration_s"])
     row("Total input tokens:", m["total_input_tokens"], "{}")
     row("Total generated tokens:", m["total_output_tokens"], "{}")

@@ -14,8 +14,8 @@ import pytest
 
 from benchmarks.interference import ratios, ratio_table
 from benchmarks.serve import arrival_offsets
-from benchmarks.serve_client import (SSEParser, build_payload, chunk_text, parse_sse_lines,
-                                     send_streaming_request)
+from benchmarks.serve_client import (STALE_CONNECTION_RETRIES, SSEParser, build_payload, chunk_text,
+                                     parse_sse_lines, send_streaming_request)
 from benchmarks.serve_metrics import (RequestOutput, calculate_metrics, format_report,
                                       parse_goodput, percentile_label)
 
@@ -314,3 +314,52 @@ def test_ab_shifts_a_blink_arms_policy_by_the_harness_nice(tmp_path):
     assert nices == [5, 5, None, 19]  # -10 -> 5, 10 -> 25 clamped to 19
     assert _shift_policies("blink serve --thread-policy off", 15, str(tmp_path)).endswith("off")
     assert _shift_policies("vllm serve --port 9", 15, str(tmp_path)) == "vllm serve --port 9"
+
+
+def test_a_connection_closed_before_any_answer_is_sent_again_and_counted():
+    """llama-server now and then closes a pooled connection as the next request goes out on it:
+    the request is sent again (counted), not failed; a stream cut after its answer began fails,
+    and one that keeps being closed fails after the retries."""
+    sends = []
+
+    def handler(closes: int):
+        def handle(request: httpx.Request) -> httpx.Response:
+            sends.append(1)
+            if len(sends) <= closes:
+                raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+            return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                                  content=b'data: {"choices":[{"text":"hi"}]}\n\ndata: [DONE]\n\n')
+        return handle
+
+    async def go(closes: int):
+        sends.clear()
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler(closes))) as client:
+            payload = build_payload(model="m", prompt="p", max_tokens=1, chat=False)
+            return await send_streaming_request(client, "http://x/v1/completions", payload,
+                                                chat=False, prompt_len=1)
+
+    out = asyncio.run(go(1))
+    assert out.success and out.generated_text == "hi" and out.retries == 1 and len(sends) == 2
+    out = asyncio.run(go(STALE_CONNECTION_RETRIES + 1))
+    assert not out.success and "RemoteProtocolError" in out.error
+    assert len(sends) == STALE_CONNECTION_RETRIES + 1
+
+    async def cut_stream():
+        yield b'data: {"choices":[{"text":"hi"}]}\n\n'
+        raise httpx.RemoteProtocolError("peer closed connection")
+
+    async def go_cut():
+        sends.clear()
+
+        def handle(request):
+            sends.append(1)
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=cut_stream())
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handle)) as client:
+            payload = build_payload(model="m", prompt="p", max_tokens=1, chat=False)
+            return await send_streaming_request(client, "http://x/v1/completions", payload,
+                                                chat=False, prompt_len=1)
+
+    out = asyncio.run(go_cut())
+    assert not out.success and out.retries == 0 and len(sends) == 1
+    m = calculate_metrics([out, RequestOutput(success=True, prompt_len=1, output_tokens=1, retries=2)], 1.0)
+    assert m["resent_after_closed_connection"] == 2 and "Sent again" in format_report(m)
