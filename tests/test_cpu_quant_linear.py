@@ -232,6 +232,28 @@ def test_the_builds_agree_and_the_avx2_ones_have_no_avx512_instruction(monkeypat
         assert torch.equal(out["avx512_vnni"], out["avx2_int8"])
 
 
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_the_int8_builds_agree_for_every_format_and_row_count(monkeypatch, fmt):
+    """The int8 builds keep x in blocks of their own rows per pass (8 and 4) and a loop per
+    format kind: the same bits still, for each format and for row counts that end a block
+    partway, fill several and cross a panel of 128 (a wrong block offset reads another row's x)."""
+    if not all(runs(name) for name in q.INT8_BUILDS):
+        pytest.skip("this CPU cannot run both int8 builds")
+    w = q.pack(*weight(fmt, 48, 512))
+    torch.manual_seed(0)
+    x, bias = torch.randn(133, 512).bfloat16(), torch.randn(48).bfloat16()
+    out = {}
+    for name in sorted(q.INT8_BUILDS):
+        monkeypatch.setenv(cpu_q4_linear.IMPL_ENV, name)
+        q.reset()
+        assert q.variant() == name
+        out[name] = [q.linear(x[:rows], [w], bias) for rows in (1, 5, 9, 133)]
+    monkeypatch.delenv(cpu_q4_linear.IMPL_ENV)
+    q.reset()
+    for a, b in zip(*out.values()):
+        assert torch.equal(a, b)
+
+
 def test_the_choice_is_said_once_and_torch_turns_it_off(monkeypatch, caplog):
     monkeypatch.setenv(cpu_q4_linear.IMPL_ENV, "torch")
     q.reset()

@@ -78,6 +78,17 @@ static inline __attribute__((unused)) void prefetch_far(far_t far, int64_t g) {
         for (int64_t b = 0; b < far.step; b += 64) __builtin_prefetch(far.at + g * far.step + b, 0, 2); /* into L2 */
 }
 
+/* The int8 builds keep x's int8 codes, scales and per-scale-group sums in blocks of B rows (B:
+ * the build's rows per pass, BLINK_QUANT_INT8_ROWS: VNNI 8, AVX2 4), group by group (row i of
+ * block b, group g at ((b groups + g) B + i) GROUP for the codes, at (b groups + g) B + i for a
+ * scale, (b sgroups + s) B + i for a sum): a pass (B rows from a multiple of B: the panels start
+ * at multiples of PANEL_ROWS) reads each group's x at fixed offsets from one pointer, not at B
+ * row addresses (the address arithmetic and its spilled registers were ~40% of the VNNI
+ * build's instructions). */
+static inline __attribute__((unused)) int64_t blocked(int64_t r, int64_t n, int64_t j, const int64_t B) {
+    return ((r / B) * n + j) * B + r % B;
+}
+
 typedef struct {
     const uint16_t *x;     /* [M, K] bf16, rows x_stride apart */
     int64_t x_stride;
@@ -88,11 +99,12 @@ typedef struct {
     int64_t y_stride;
     int64_t M, N, K;
     int format;
-    float *x_sums;         /* [M, K / group]: each row's sum over each scale group (F_M) */
+    float *x_sums;         /* [M, K / group]: each row's sum over each scale group (F_M); int8
+                            * builds: s sum(qx), blocked */
     const float *xf;       /* AVX2: [M, K] x in fp32 */
-    int8_t *xq;            /* VNNI: [M, K] x's int8 codes, per group of 32 in the kernel's order */
-    float *xs;             /* VNNI: [M, K / 32] their scales */
-    int32_t *xoff;         /* VNNI: [M, K / group] off * sum(qx) per scale group */
+    int8_t *xq;            /* int8 builds: x's int8 codes, per group of 32 in the kernel's order, blocked */
+    float *xs;             /* int8 builds: their scales, one per group of 32, blocked */
+    int32_t *xoff;         /* int8 builds: -off * sum(qx) per scale group, blocked */
 } args_t;
 
 static inline int64_t tile_bytes(int format) {
@@ -245,13 +257,6 @@ static inline int code_offset(int format) {
     return format & F_BITS8 ? 128 : format & F_BITS6 ? 32 : format & F_M8 ? 8 : 0;
 }
 
-/* x's int8 codes, scales and per-scale-group sums are kept in blocks of ROWS rows, group by
- * group (row i of block b, group g at ((b groups + g) ROWS + i) GROUP for the codes, at (b
- * groups + g) ROWS + i for a scale, (b sgroups + s) ROWS + i for a sum): a pass (ROWS rows from
- * a multiple of ROWS) reads each group's x at fixed offsets from one pointer, not at ROWS row
- * addresses (the address arithmetic and its spilled registers were ~40% of the instructions). */
-static inline int64_t blocked(int64_t r, int64_t n, int64_t j) { return ((r / ROWS) * n + j) * ROWS + r % ROWS; }
-
 /* Rows [r0, r0 + R) x tile t (16 columns); r0 a multiple of ROWS. R <= ROWS, the code width,
  * whether m is stored, the codes' offset and 16-channel scale groups are known at compile time
  * once inlined (tile_pass' kinds), so the loop holds no test of the format. */
@@ -261,10 +266,10 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
     const int64_t groups = a->K / GROUP, tb = tile_bytes(a->format);
     const int64_t sgroups = a->K / (g16 ? 16 : GROUP), per = g16 ? 2 : 1;
     const uint8_t *codes = a->codes + t * groups * tb;
-    const int8_t *xq = a->xq + blocked(r0, groups, 0) * GROUP; /* group g, row r: xq + (g ROWS + r) GROUP */
-    const float *xs = a->xs + blocked(r0, groups, 0);          /* xs[g ROWS + r] */
-    const int32_t *xoff = a->xoff + blocked(r0, sgroups, 0);   /* -off sum(qx): xoff[s ROWS + r] */
-    const float *x_sums = a->x_sums + blocked(r0, sgroups, 0); /* s sum(qx): x_sums[s ROWS + r] */
+    const int8_t *xq = a->xq + blocked(r0, groups, 0, ROWS) * GROUP; /* group g, row r: xq + (g ROWS + r) GROUP */
+    const float *xs = a->xs + blocked(r0, groups, 0, ROWS);          /* xs[g ROWS + r] */
+    const int32_t *xoff = a->xoff + blocked(r0, sgroups, 0, ROWS);   /* -off sum(qx): xoff[s ROWS + r] */
+    const float *x_sums = a->x_sums + blocked(r0, sgroups, 0, ROWS); /* s sum(qx): x_sums[s ROWS + r] */
     const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
     const __m512i low_byte = _mm512_set1_epi16(0x00FF), top_mask = _mm512_set1_epi8(bits == 6 ? 0x30 : 0x10);
     /* 8-bit: out word 2j = row 2k's word j, 2j + 1 = row 2k + 1's (column j, channels 4k .. 4k + 3) */
@@ -406,12 +411,12 @@ static void *quantize_rows(void *arg) {
     const __m512 sign = _mm512_set1_ps(-0.0f);
     for (int64_t r = p->lo; r < p->hi; r++) {
         const uint16_t *x = a->x + r * a->x_stride;
-        int8_t *q = a->xq + blocked(r, groups, 0) * GROUP; /* group g at q + g ROWS GROUP */
+        int8_t *q = a->xq + blocked(r, groups, 0, ROWS) * GROUP; /* group g at q + g ROWS GROUP */
         for (int64_t g = 0; g < groups; g++) {
             const __m512 v0 = load_bf16x16_i(x + g * GROUP), v1 = load_bf16x16_i(x + g * GROUP + 16);
             const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
             const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            a->xs[blocked(r, groups, g)] = amax / 127.0f;
+            a->xs[blocked(r, groups, g, ROWS)] = amax / 127.0f;
             const __m512 scale = _mm512_set1_ps(inv);
             const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(v0, idx_lo, v1), scale));
             const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(v0, idx_hi, v1), scale));
@@ -424,12 +429,12 @@ static void *quantize_rows(void *arg) {
             const int s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
             const float scale_back = amax / 127.0f;
             if (sg == 16) {
-                if (off) a->xoff[blocked(r, sgroups, 2 * g)] = -off * s0, a->xoff[blocked(r, sgroups, 2 * g + 1)] = -off * s1;
-                if (with_m) a->x_sums[blocked(r, sgroups, 2 * g)] = scale_back * (float)s0,
-                            a->x_sums[blocked(r, sgroups, 2 * g + 1)] = scale_back * (float)s1;
+                if (off) a->xoff[blocked(r, sgroups, 2 * g, ROWS)] = -off * s0, a->xoff[blocked(r, sgroups, 2 * g + 1, ROWS)] = -off * s1;
+                if (with_m) a->x_sums[blocked(r, sgroups, 2 * g, ROWS)] = scale_back * (float)s0,
+                            a->x_sums[blocked(r, sgroups, 2 * g + 1, ROWS)] = scale_back * (float)s1;
             } else {
-                if (off) a->xoff[blocked(r, sgroups, g)] = -off * (s0 + s1);
-                if (with_m) a->x_sums[blocked(r, sgroups, g)] = scale_back * (float)(s0 + s1);
+                if (off) a->xoff[blocked(r, sgroups, g, ROWS)] = -off * (s0 + s1);
+                if (with_m) a->x_sums[blocked(r, sgroups, g, ROWS)] = scale_back * (float)(s0 + s1);
             }
         }
     }
@@ -617,10 +622,13 @@ static void *run_tiles(void *arg) {
  * bits shifted and masked into bits 4 (and 5) of each byte; 8-bit rows 2k, 2k + 1
  * interleaved by vpermq + vpshufb into each column's channels 4k .. 4k + 3 (x in channel
  * order). A row's bits do not depend on the rows beside it: its integer sums are exact in
- * any order and its fp32 ones run group after group whatever the pass. */
+ * any order and its fp32 ones run group after group whatever the pass.
+ * x's codes, scales and sums: in blocks of ROWS_I8 rows, group by group (blocked), so a pass
+ * reads each group's x at fixed offsets from one pointer; a loop per format kind (KINDS). */
 #define BLINK_QUANT_INT8 1
 
-/* rows per pass over a tile's half: 4 (a row holds its fp32 total, int32 and int16 sums) */
+/* rows per pass over a tile's half, and x's block (blocked): 4 (a row holds its fp32 total,
+ * int32 and int16 sums) */
 enum { ROWS_I8 = 4 };
 #define BLINK_QUANT_INT8_ROWS ROWS_I8
 /* work per thread, in (passes x weights): a pass of 4 rows here costs about what the VNNI
@@ -656,20 +664,22 @@ static inline int code_offset(int format) {
     return format & F_BITS8 ? 0 : format & F_BITS6 ? 32 : format & F_M8 ? 8 : 0;
 }
 
-/* Rows [r0, r0 + R) x columns 8 hc .. 8 hc + 7 of tile t; R <= ROWS_I8, bits and g16 (scale
- * groups of 16) known at compile time once inlined; scales: the tile's fp32 d and m per scale
- * group (tile_scales), NULL: formed here. */
+/* Rows [r0, r0 + R) x columns 8 hc .. 8 hc + 7 of tile t; r0 a multiple of ROWS_I8 (x in
+ * blocks of ROWS_I8 rows: blocked). R <= ROWS_I8, the code width, whether m is stored, the
+ * codes' offset and g16 (scale groups of 16) are known at compile time once inlined
+ * (tile_pass' kinds), so the loop holds no test of the format; scales: the tile's fp32 d and m
+ * per scale group (tile_scales), NULL: formed here. */
 static inline __attribute__((always_inline)) void half_rows(const args_t *a, int64_t t, int hc, int64_t r0,
-                                                            const int R, const int bits, const int g16,
-                                                            const float *scales, far_t far) {
-    const int format = a->format, with_m = (format & F_M) && !(format & F_M8), off = code_offset(format);
-    const int64_t groups = a->K / GROUP, tb = tile_bytes(format);
+                                                            const int R, const int bits, const int with_m,
+                                                            const int off, const int g16, const float *scales,
+                                                            far_t far) {
+    const int64_t groups = a->K / GROUP, tb = tile_bytes(a->format);
     const int64_t sgroups = a->K / (g16 ? 16 : GROUP), per = g16 ? 2 : 1;
     const uint8_t *codes = a->codes + t * groups * tb;
-    const int8_t *xq = a->xq + r0 * a->K;
-    const float *xs = a->xs + r0 * groups;
-    const int32_t *xoff = a->xoff + r0 * sgroups; /* -off sum(qx) per scale group */
-    const float *x_sums = with_m ? a->x_sums + r0 * sgroups : NULL;
+    const int8_t *xq = a->xq + blocked(r0, groups, 0, ROWS_I8) * GROUP; /* group g, row r: xq + (g ROWS_I8 + r) GROUP */
+    const float *xs = a->xs + blocked(r0, groups, 0, ROWS_I8);          /* xs[g ROWS_I8 + r] */
+    const int32_t *xoff = a->xoff + blocked(r0, sgroups, 0, ROWS_I8);   /* -off sum(qx): xoff[s ROWS_I8 + r] */
+    const float *x_sums = a->x_sums + blocked(r0, sgroups, 0, ROWS_I8); /* s sum(qx): x_sums[s ROWS_I8 + r] */
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const __m256i top_lo = _mm256_set1_epi16(bits == 6 ? 0x0030 : 0x0010),
                   top_hi = _mm256_set1_epi16(bits == 6 ? 0x3000 : 0x1000);
@@ -692,7 +702,7 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
             for (int line = 0; line < tb; line += 64) _mm_prefetch((const char *)gc + line + PREFETCH_BYTES, _MM_HINT_T0);
             prefetch_far(far, g);
         }
-        const int8_t *xg = xq + g * GROUP;
+        const int8_t *xg = xq + g * ROWS_I8 * GROUP;
         const __m256i high5 = bits == 5 ? _mm256_loadu_si256((const __m256i *)(gc + 256 + hc * 32)) : _mm256_setzero_si256();
         int n16 = 0, n32 = 0; /* vectors c in acc16, widenings in acc32: constants once unrolled */
 #pragma GCC unroll 2
@@ -732,7 +742,7 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
                 const __m256i ulo = bits == 8 ? _mm256_abs_epi8(lo) : lo, uhi = bits == 8 ? _mm256_abs_epi8(hi) : hi;
 #pragma GCC unroll 4
                 for (int r = 0; r < R; r++) {
-                    __m256i x0 = broadcast4(xg + r * a->K + 8 * c), x1 = broadcast4(xg + r * a->K + 8 * c + 4);
+                    __m256i x0 = broadcast4(xg + r * GROUP + 8 * c), x1 = broadcast4(xg + r * GROUP + 8 * c + 4);
                     if (bits == 8) { /* |q| x sign(qx, q) = q qx; a pair fits int16, two may not */
                         x0 = _mm256_sign_epi8(x0, lo);
                         x1 = _mm256_sign_epi8(x1, hi);
@@ -765,17 +775,17 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
                     __m256 d, m = _mm256_setzero_ps();
                     if (scales) { /* formed once for the tile's passes */
                         d = _mm256_load_ps(scales + s * 2 * TILE + hc * 8);
-                        m = _mm256_load_ps(scales + s * 2 * TILE + TILE + hc * 8);
+                        if (with_m) m = _mm256_load_ps(scales + s * 2 * TILE + TILE + hc * 8);
                     } else { /* one pass (a decode step): formed here */
                         group_scales(a, t, s, hc, &d, &m);
                     }
 #pragma GCC unroll 4
                     for (int r = 0; r < R; r++) {
-                        const __m256i sum = off ? _mm256_add_epi32(acc32[r], _mm256_set1_epi32(xoff[r * sgroups + s]))
+                        const __m256i sum = off ? _mm256_add_epi32(acc32[r], _mm256_set1_epi32(xoff[s * ROWS_I8 + r]))
                                                 : acc32[r];
-                        const __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(xs[r * groups + g]));
+                        const __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(xs[g * ROWS_I8 + r]));
                         tot[r] = _mm256_fmadd_ps(part, d, tot[r]);
-                        if (with_m) tot[r] = _mm256_fmadd_ps(_mm256_set1_ps(x_sums[r * sgroups + s]), m, tot[r]);
+                        if (with_m) tot[r] = _mm256_fmadd_ps(_mm256_set1_ps(x_sums[s * ROWS_I8 + r]), m, tot[r]);
                     }
                     n32 = 0;
                 }
@@ -794,26 +804,34 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
     }
 }
 
+/* The formats' kinds, each its own loop: (bits, m stored, the codes' offset, 16-channel groups);
+ * 8-bit codes take no offset here (the sign trick) */
+#define KINDS(R)                                                                                   \
+    if (bits == 4 && with_m && !g16) half_rows(a, t, hc, r0, R, 4, 1, 0, 0, scales, far); /* Q4_1, Q4_K */ \
+    else if (bits == 4 && !with_m && off == 8 && !g16) half_rows(a, t, hc, r0, R, 4, 0, 8, 0, scales, far); /* Q4_0 */ \
+    else if (bits == 6 && !with_m && off == 32 && g16) half_rows(a, t, hc, r0, R, 6, 0, 32, 1, scales, far); /* Q6_K */ \
+    else if (bits == 8 && !with_m && !off && !g16) half_rows(a, t, hc, r0, R, 8, 0, 0, 0, scales, far); /* Q8_0 */ \
+    else if (bits == 5 && with_m && !g16) half_rows(a, t, hc, r0, R, 5, 1, 0, 0, scales, far); /* Q5_K */ \
+    else if (bits == 8) half_rows(a, t, hc, r0, R, 8, with_m, off, g16, scales, far);                 \
+    else if (bits == 6) half_rows(a, t, hc, r0, R, 6, with_m, off, g16, scales, far);                 \
+    else if (bits == 5) half_rows(a, t, hc, r0, R, 5, with_m, off, g16, scales, far);                 \
+    else half_rows(a, t, hc, r0, R, 4, with_m, off, g16, scales, far);
+
 #define CASE(R)                                                                                   \
     case R:                                                                                       \
-        if (a->format & F_BITS8) half_rows(a, t, hc, r0, R, 8, g16, scales, far);                 \
-        else if (a->format & F_BITS6) half_rows(a, t, hc, r0, R, 6, g16, scales, far);            \
-        else if (a->format & F_BITS5) half_rows(a, t, hc, r0, R, 5, g16, scales, far);            \
-        else half_rows(a, t, hc, r0, R, 4, g16, scales, far);                                     \
+        KINDS(R)                                                                                  \
         break;
 
-static void tile_pass_g(const args_t *a, int64_t t, int64_t r0, int rows, const int g16, const float *scales,
-                        far_t far) {
+static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, const float *scales, far_t far) {
+    const int format = a->format, off = code_offset(format), g16 = !!(format & F_GROUP16);
+    const int with_m = (format & F_M) && !(format & F_M8);
+    const int bits = format & F_BITS8 ? 8 : format & F_BITS6 ? 6 : format & F_BITS5 ? 5 : 4;
     for (int hc = 0; hc < 2; hc++) switch (rows) {
             CASE(1) CASE(2) CASE(3) CASE(4)
         }
 }
 #undef CASE
-
-static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, const float *scales, far_t far) {
-    if (a->format & F_GROUP16) tile_pass_g(a, t, r0, rows, 1, scales, far);
-    else tile_pass_g(a, t, r0, rows, 0, scales, far);
-}
+#undef KINDS
 
 /* A tile's d and m in fp32 for every scale group, 16 each (the rows' passes read them, formed once) */
 static void tile_scales(const args_t *a, int64_t t, float *out) {
@@ -843,7 +861,7 @@ static void *quantize_rows(void *arg) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t r = p->lo; r < p->hi; r++) {
         const uint16_t *x = a->x + r * a->x_stride;
-        int8_t *q = a->xq + r * K;
+        int8_t *q = a->xq + blocked(r, groups, 0, ROWS_I8) * GROUP; /* group g at q + g ROWS_I8 GROUP */
         for (int64_t g = 0; g < groups; g++) {
             __m256 v[4]; /* channels 8i .. 8i + 7 */
             for (int i = 0; i < 4; i++) v[i] = load_bf16x8_i(x + g * GROUP + 8 * i);
@@ -853,22 +871,23 @@ static void *quantize_rows(void *arg) {
             m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
             const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
             const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            a->xs[r * groups + g] = amax / 127.0f;
+            a->xs[blocked(r, groups, g, ROWS_I8)] = amax / 127.0f;
             const __m256 scale = _mm256_set1_ps(inv);
             __m256i qi[4];
             for (int i = 0; i < 4; i++) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_permutevar8x32_ps(v[i], idx), scale));
             const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
-            _mm256_storeu_si256((__m256i *)(q + g * GROUP), _mm256_permutevar8x32_epi32(bytes, order));
+            _mm256_storeu_si256((__m256i *)(q + g * ROWS_I8 * GROUP), _mm256_permutevar8x32_epi32(bytes, order));
             if (off || with_m) { /* the scale groups' sums of qx (16: each half), as the VNNI build's */
                 const int32_t s0 = sum8_epi32(_mm256_add_epi32(qi[0], qi[1])), s1 = sum8_epi32(_mm256_add_epi32(qi[2], qi[3]));
                 const float scale_back = amax / 127.0f;
                 if (sg == 16) {
-                    if (off) a->xoff[r * sgroups + 2 * g] = -off * s0, a->xoff[r * sgroups + 2 * g + 1] = -off * s1;
-                    if (with_m) a->x_sums[r * sgroups + 2 * g] = scale_back * (float)s0,
-                                a->x_sums[r * sgroups + 2 * g + 1] = scale_back * (float)s1;
+                    if (off) a->xoff[blocked(r, sgroups, 2 * g, ROWS_I8)] = -off * s0,
+                             a->xoff[blocked(r, sgroups, 2 * g + 1, ROWS_I8)] = -off * s1;
+                    if (with_m) a->x_sums[blocked(r, sgroups, 2 * g, ROWS_I8)] = scale_back * (float)s0,
+                                a->x_sums[blocked(r, sgroups, 2 * g + 1, ROWS_I8)] = scale_back * (float)s1;
                 } else {
-                    if (off) a->xoff[r * sgroups + g] = -off * (s0 + s1);
-                    if (with_m) a->x_sums[r * sgroups + g] = scale_back * (float)(s0 + s1);
+                    if (off) a->xoff[blocked(r, sgroups, g, ROWS_I8)] = -off * (s0 + s1);
+                    if (with_m) a->x_sums[blocked(r, sgroups, g, ROWS_I8)] = scale_back * (float)(s0 + s1);
                 }
             }
         }
@@ -1093,8 +1112,9 @@ int blink_quant_linear(const uint16_t *x, int64_t x_stride, const void *codes, c
                 NULL, NULL, NULL, NULL, NULL};
 #ifdef BLINK_QUANT_INT8
     /* x's codes, scales and sums in one block (the rows' quantization split over the threads) */
-    /* rows rounded up to a whole block of BLINK_QUANT_INT8_ROWS (the VNNI build's blocked layout) */
-    const int64_t sgroups = K / group_size(format), Mb = (M + ROWS - 1) / ROWS * ROWS;
+    /* rows rounded up to a whole block of BLINK_QUANT_INT8_ROWS (the blocked layout) */
+    const int64_t sgroups = K / group_size(format),
+                  Mb = (M + BLINK_QUANT_INT8_ROWS - 1) / BLINK_QUANT_INT8_ROWS * BLINK_QUANT_INT8_ROWS;
     const size_t sums_bytes = (size_t)(Mb * sgroups) * 4, scale_bytes_ = (size_t)(Mb * (K / GROUP)) * 4;
     char *block = malloc(2 * sums_bytes + scale_bytes_ + (size_t)(Mb * K));
     if (!block) return -4;
