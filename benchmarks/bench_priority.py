@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import multiprocessing
@@ -126,14 +127,12 @@ def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def _binom_cdf(k: int, n: int, p: float) -> float:
-    """P(Binomial(n, p) <= k)."""
-    if k < 0:
-        return 0.0
-    if k >= n:
-        return 1.0
-    return sum(math.exp(math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1)
-                        + i * math.log(p) + (n - i) * math.log1p(-p)) for i in range(k + 1))
+def _binom_cdfs(n: int, p: float) -> list[float]:
+    """P(Binomial(n, p) <= k) for k = 0 .. n - 1: the point probabilities added up in one
+    pass (each value the same sum, term by term, as adding its own k + 1 terms)."""
+    return list(itertools.accumulate(
+        math.exp(math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1)
+                 + i * math.log(p) + (n - i) * math.log1p(-p)) for i in range(n)))
 
 
 def quantile_bounds(values: list[float], q: float = 0.99, alpha: float = 0.025) -> tuple[float, float]:
@@ -142,12 +141,11 @@ def quantile_bounds(values: list[float], q: float = 0.99, alpha: float = 0.025) 
     at least ``1 - alpha`` (the count of samples below the quantile is Binomial(n, q)).
     An end the sample cannot give (too few values) is -inf / inf."""
     x, n = sorted(values), len(values)
+    cdf = _binom_cdfs(n, q)  # cdf[rank - 1]: P(fewer than rank samples below the quantile)
     # lower: X_(l) (1-based) <= quantile when at least l samples are below it
-    lo = max((rank for rank in range(1, n + 1) if 1.0 - _binom_cdf(rank - 1, n, q) >= 1.0 - alpha),
-             default=None)
+    lo = max((rank for rank in range(1, n + 1) if 1.0 - cdf[rank - 1] >= 1.0 - alpha), default=None)
     # upper: X_(u) >= quantile when at most u - 1 samples are below it
-    hi = min((rank for rank in range(1, n + 1) if _binom_cdf(rank - 1, n, q) >= 1.0 - alpha),
-             default=None)
+    hi = min((rank for rank in range(1, n + 1) if cdf[rank - 1] >= 1.0 - alpha), default=None)
     return (x[lo - 1] if lo else -math.inf), (x[hi - 1] if hi else math.inf)
 
 
