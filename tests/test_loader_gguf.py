@@ -192,11 +192,8 @@ def smollm():
 
 
 @pytest.fixture(scope="module")
-def transformers_smollm():
-    from transformers import AutoModelForCausalLM
-
-    path = smollm_path()
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+def transformers_smollm(transformers_smollm2):
+    return transformers_smollm2  # transformers' load, shared with tests/test_smollm2_parity.py (conftest)
 
 
 def test_smollm_config_matches_transformers(smollm, transformers_smollm):

@@ -51,12 +51,8 @@ def prompt_ids(executor):
 
 
 @pytest.fixture(scope="module")
-def hf_model(model_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        model_path.parent, gguf_file=model_path.name, dtype=torch.float32
-    ).eval()
+def hf_model(transformers_smollm2):
+    return transformers_smollm2  # transformers' fp32 load of the same GGUF, shared with test_loader_gguf (conftest)
 
 
 def test_config_is_smollm2(executor):
