@@ -85,6 +85,12 @@ class Batching:
         query_start_loc = F.pad(ends, (1, 0))
         total = ends[-1]
         t = self._tok
+        if self.host_guards:
+            # CPU loop: the flat tensors only as long as the smallest bucket that holds the
+            # step (a decode step of one row: 8 lanes, not the budget's 2,048). Exact: the
+            # lanes cut off are padding, and every consumer slices the step's tokens or its
+            # bucket, never more. Graphs keep the fixed length T.
+            t = t[: cfg.bucket_for(int(total))]
         valid = t < total
         row = torch.where(valid, torch.searchsorted(ends, t, right=True).clamp(max=S - 1), 0)
         pos = torch.where(valid, st.num_computed[row] + t - query_start_loc[row], 0)

@@ -71,6 +71,7 @@ class PrefixHookup:
             md, n = batch.attn, num_tokens
             prefix_cache.register(
                 st, cfg, batch.input_ids[:n], md.positions[:n], md.token_seq_idx[:n],
-                md.slot_mapping[:n], md.query_start_loc, (self._tok < batch.num_scheduled_tokens)[:n],
+                md.slot_mapping[:n], md.query_start_loc,
+                (self._tok[: batch.input_ids.shape[0]] < batch.num_scheduled_tokens)[:n],
                 self._hash, self._stamp(self.config.max_blocks_per_seq), self._when,
             )
