@@ -126,3 +126,26 @@ def test_the_checker_sees_a_wrong_table():
 def test_a_function_pointer_parameter_is_a_pointer():
     text = "int blink_pool_split(void *(*run)(void *), const void *args, int64_t items, int threads) {}"
     assert exported(text) == [("blink_pool_split", abi.POOL["blink_pool_split"])]
+
+
+def test_replay_c_is_what_the_tables_generate():
+    """replay.c is generated (its thunks call each signature through its exact prototype):
+    after a table changes, `python -m blink.kernels.cpu.abi > kernels/cpu/replay.c`."""
+    assert (CPU_DIR / "replay.c").read_text() == abi.replay_source()
+
+
+def test_every_kernel_signature_has_a_replay_thunk():
+    """Each table's functions map to a thunk whose C prototype is its own: the generated
+    prototype, parsed back like the C sources, is the table's signature."""
+    text = abi.replay_source()
+    for i, (restype, argtypes) in enumerate(abi.replay_signatures()):
+        head = re.search(rf"static int64_t thunk_{i}\(.*?\n.*?\n    (?:return \(int64_t\))?\(\((\w+) \(\*\)\(([^)]*)\)\)fn\)", text)
+        assert head, i
+        ret, params = head.groups()
+        assert (None if ret == "void" else _CTYPES[ret]) is restype
+        parsed = [] if params == "void" else [ctypes.c_void_p if "*" in p else _CTYPES[p.strip()]
+                                              for p in params.split(",")]
+        assert parsed == list(argtypes)
+    for table in abi.LIBRARIES.values():
+        for signature in table.values():
+            assert (signature.restype, tuple(signature.argtypes)) in abi.replay_signatures()

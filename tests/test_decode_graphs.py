@@ -4,6 +4,7 @@ row count and bucket; padding rows touch nothing but the scratch block; what can
 replayed is refused at the recording, and those steps stay eager."""
 from __future__ import annotations
 
+import ctypes
 import sys
 from pathlib import Path
 
@@ -250,6 +251,82 @@ def test_a_replay_with_a_bad_block_id_raises(executor):
     md.block_tables[1, 0] = ex.num_blocks + 5  # outside the cache
     with pytest.raises(RuntimeError, match="blink_paged_attention failed"):
         ex.execute(ids, md, last)
+
+
+needs_replay_c = pytest.mark.skipif(cpu_graph.REPLAY.get() is None, reason="replay.c does not build here")
+
+
+@needs_replay_c
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_the_c_replay_makes_the_same_calls_as_the_python_one(executor, rows, monkeypatch):
+    """replay.c and the Python loop replay the same graphs to the same bits (logits and the
+    K/V written), and the C one is what runs when it builds: every call of the step in one."""
+    ex = executor
+    _fill_cache(ex, 300 + rows)
+    step = _decode_step(ex, [(11 * r + 5) % 180 + 1 for r in range(rows)], rows)
+    ex.decode_graphs.record(rows)
+    saved = [(k.clone(), v.clone()) for k, v in ex.kv_caches]
+    c_calls = []
+    real = cpu_graph.REPLAY.get()
+
+    class Counting:  # the library, with its one entry point counted
+        def blink_replay(self, *args):
+            c_calls.append(args[1])
+            return real.blink_replay(*args)
+
+    monkeypatch.setattr(cpu_graph.REPLAY, "get", lambda: Counting())
+    in_c = ex.execute(*step)
+    graph = ex.decode_graphs.graphs[(next(b for b in ex.decode_graphs.buckets if b >= rows), kernel_threads())]
+    assert c_calls == [len(graph.layers.calls), len(graph.head.calls)]  # every call, from C
+    c_cache = [(k.clone(), v.clone()) for k, v in ex.kv_caches]
+    for (k, v), (k0, v0) in zip(ex.kv_caches, saved):
+        k.copy_(k0)
+        v.copy_(v0)
+    monkeypatch.setattr(cpu_graph.REPLAY, "get", lambda: None)  # no compiler: the Python loop
+    in_python = ex.execute(*step)
+    assert torch.equal(in_c, in_python)
+    for (kc, vc), (kp, vp) in zip(c_cache, ex.kv_caches):
+        assert torch.equal(kc, kp) and torch.equal(vc, vp)
+
+
+@needs_replay_c
+def test_the_c_replay_stops_at_a_failed_call_and_names_it(executor):
+    """The bad block id of test_a_replay_with_a_bad_block_id_raises, replayed in C: the same
+    error, and no call after the failed one runs (the head's logits are not rewritten)."""
+    ex = executor
+    ids, md, last = _decode_step(ex, [40, 20], 1)
+    ex.execute(ids, md, last)  # recorded, replayed once
+    graph = ex.decode_graphs.graphs[(2, kernel_threads())]
+    with torch.inference_mode():
+        graph.logits.fill_(7.0)
+    md.block_tables[0, 1] = -3  # outside the cache
+    with pytest.raises(RuntimeError, match="blink_paged_attention failed with status -1"):
+        ex.execute(ids, md, last)
+    assert bool((graph.logits == 7.0).all())
+
+
+def test_recorded_arguments_convert_as_ctypes_converts_them():
+    """replay.c's arguments: what ctypes would pass for each declared type (an int truncated
+    to a C int, None as a null pointer); a value ctypes would refuse keeps the graph on the
+    Python loop."""
+    from blink.kernels.cpu import abi
+
+    assert cpu_graph._c_arg(abi.INT, 2**32 + 5).i == 5
+    assert cpu_graph._c_arg(abi.INT, -1).i == -1
+    assert cpu_graph._c_arg(abi.I64, -2**40).i == -2**40
+    assert cpu_graph._c_arg(abi.P, None).p is None
+    assert cpu_graph._c_arg(abi.P, ctypes.c_void_p(4096)).p == 4096
+    assert cpu_graph._c_arg(abi.P, 8192).p == 8192
+    assert cpu_graph._c_arg(abi.F32, 0.5).f == 0.5
+    assert cpu_graph._c_arg(abi.P, "text") is None
+    assert cpu_graph._c_arg(abi.I64, 1.5) is None
+    called = []
+    fn = ctypes.CFUNCTYPE(None, ctypes.c_char_p)(lambda text: called.append(text))
+    fn.argtypes = [ctypes.c_char_p]
+    graph = cpu_graph.CpuGraph()
+    graph.calls.append(cpu_graph._Call(fn, (b"x",), "blink_text", False))  # a signature replay.c lacks
+    graph.replay()
+    assert called == [b"x"] and graph._arrays is False
 
 
 def test_a_model_with_torch_ops_between_its_kernels_stays_eager(tmp_path):

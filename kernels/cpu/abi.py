@@ -109,6 +109,12 @@ QUANT_LINEAR: dict[str, Signature] = {
     "blink_quant_linear": Signature(INT, _LINEAR_ARGS + _args("format threads", INT)),
 }
 
+#: replay.c: a CPU graph's recorded calls made from C (blink.kernels.cpu.graph), its
+#: source generated from the tables above (:func:`replay_source`)
+REPLAY: dict[str, Signature] = {
+    "blink_replay": Signature(I64, _args("calls", P) + _args("n", I64) + _args("args status", P)),
+}
+
 #: each library's source (beside this module) -> its table
 LIBRARIES: dict[str, dict[str, Signature]] = {
     "pool.c": POOL,
@@ -116,6 +122,7 @@ LIBRARIES: dict[str, dict[str, Signature]] = {
     "fused.c": FUSED,
     "q4_linear.c": Q4_LINEAR,
     "quant_linear.c": QUANT_LINEAR,
+    "replay.c": REPLAY,
 }
 
 
@@ -124,3 +131,90 @@ def declare(library: ctypes.CDLL, table: dict[str, Signature]) -> None:
     for name, signature in table.items():
         fn = getattr(library, name)
         fn.restype, fn.argtypes = signature.restype, signature.argtypes
+
+
+# ------------------------------------------------------------------ replay.c, generated
+
+#: each ctype the tables use -> its C type and the blink_arg_t member that holds it
+_REPLAY_TYPES: dict[type, tuple[str, str]] = {P: ("void *", "p"), I64: ("int64_t", "i"),
+                                              INT: ("int", "i"), F32: ("float", "f")}
+
+
+def replay_signatures() -> list[tuple[type | None, tuple[type, ...]]]:
+    """Every distinct ``(restype, argtypes)`` of the tables' functions, in table order:
+    replay.c's thunk ``i`` calls a function of signature ``i`` (:func:`replay_source`)."""
+    found: list[tuple[type | None, tuple[type, ...]]] = []
+    for table in LIBRARIES.values():
+        for signature in table.values():
+            key = (signature.restype, tuple(signature.argtypes))
+            if key not in found:
+                found.append(key)
+    return found
+
+
+def replay_source() -> str:
+    """replay.c's text: one thunk per signature of :func:`replay_signatures` that calls a
+    function pointer through its exact prototype, and ``blink_replay``, which makes a CPU
+    graph's calls in order from arrays (kernels/cpu/graph.py builds them). Generated, so that
+    the prototypes cannot drift from these tables (which tests/test_cpu_abi.py checks against
+    the C); tests/test_cpu_abi.py also checks that replay.c is this text."""
+    thunks = []
+    for i, (restype, argtypes) in enumerate(replay_signatures()):
+        c_args = ", ".join(_REPLAY_TYPES[t][0] for t in argtypes) or "void"
+        values = ", ".join(f"a[{k}].{_REPLAY_TYPES[t][1]}" if t is not INT else f"(int)a[{k}].i"
+                           for k, t in enumerate(argtypes))
+        c_ret = "void" if restype is None else _REPLAY_TYPES[restype][0]
+        call = f"(({c_ret} (*)({c_args}))fn)({values})"
+        body = (f"{call};\n    return 0;" if restype is None
+                else f"return (int64_t)(intptr_t){call};" if restype is P else f"return (int64_t){call};")
+        thunks.append(f"static int64_t thunk_{i}(const void *fn, const blink_arg_t *a) {{\n"
+                      f"    (void)a;\n    {body}\n}}\n")
+    table = ",\n    ".join(f"thunk_{i}" for i in range(len(thunks)))
+    return f"""/* GENERATED from kernels/cpu/abi.py's tables by `python -m blink.kernels.cpu.abi > kernels/cpu/replay.c`:
+ * do not edit (tests/test_cpu_abi.py fails when this file is not what abi.replay_source() writes).
+ *
+ * A CPU graph's replay (kernels/cpu/graph.py) in C: the recorded kernel calls, made in order
+ * with the arguments recorded, in one call from Python instead of one ctypes call each (a
+ * decode step of SmolLM2-135M makes ~270). A call is a function pointer, the index of the
+ * thunk that calls it through its exact prototype (one per distinct signature in the tables),
+ * whether it returns a status (0: done), and where its arguments start in one array.
+ */
+#include <stdint.h>
+
+typedef union {{
+    void *p;
+    int64_t i; /* int64_t and int arguments (an int is passed as (int)i) */
+    float f;
+}} blink_arg_t;
+
+typedef struct {{
+    const void *fn;
+    int64_t thunk;   /* index in THUNKS */
+    int64_t checked; /* returns a status: nonzero stops the replay */
+    int64_t first;   /* its first argument's index in the arguments array */
+}} blink_call_t;
+
+{chr(10).join(thunks)}
+static int64_t (*const THUNKS[])(const void *, const blink_arg_t *) = {{
+    {table},
+}};
+
+/* Make calls[0..n) in order. Returns -1 when every call is done, else the index of the
+ * first call that returned a nonzero status (written to *status), after which none runs. */
+int64_t blink_replay(const void *calls, int64_t n, const void *args, void *status) {{
+    const blink_call_t *c = (const blink_call_t *)calls;
+    const blink_arg_t *a = (const blink_arg_t *)args;
+    for (int64_t i = 0; i < n; i++) {{
+        const int64_t s = THUNKS[c[i].thunk](c[i].fn, a + c[i].first);
+        if (c[i].checked && s != 0) {{
+            *(int64_t *)status = s;
+            return i;
+        }}
+    }}
+    return -1;
+}}
+"""
+
+
+if __name__ == "__main__":
+    print(replay_source(), end="")

@@ -27,17 +27,48 @@ eagerly instead.
 from __future__ import annotations
 
 import ctypes
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from blink.kernels.cpu import abi
 from blink.shared.native_build import NativeLibrary, recording_calls
 
 aten = torch.ops.aten
+log = logging.getLogger("blink.kernels")
+
+#: replay.c (generated from abi.py: ``python -m blink.kernels.cpu.abi``): a graph's calls made
+#: from C in one call. Without it (no compiler) the replay makes them from Python, one ctypes
+#: call each, with the same arguments in the same order.
+REPLAY = NativeLibrary(
+    Path(__file__).with_name("replay.c"), what="the CPU graphs' replay in C", logger=log,
+    fallback="CPU graphs make their calls from Python", flags=("-O2",),
+    setup=lambda library: abi.declare(library, abi.REPLAY), queries=("blink_replay",))
+#: the thunk of each (restype, argtypes) in replay.c
+_THUNKS = {signature: i for i, signature in enumerate(abi.replay_signatures())}
+
+
+class _CallArrays(NamedTuple):
+    """A graph's calls as replay.c's arrays (``blink_call_t[n]``, ``blink_arg_t[...]``)."""
+
+    calls: ctypes.Array
+    args: ctypes.Array
+    n: int
+
+
+class _CCall(ctypes.Structure):
+    _fields_ = [("fn", ctypes.c_void_p), ("thunk", ctypes.c_int64), ("checked", ctypes.c_int64),
+                ("first", ctypes.c_int64)]
+
+
+class _CArg(ctypes.Union):
+    _fields_ = [("p", ctypes.c_void_p), ("i", ctypes.c_int64), ("f", ctypes.c_float)]
 
 # Allocations of uninitialised memory: no values are computed, so nothing is lost by not
 # replaying them (the recording keeps the tensor they made).
@@ -65,15 +96,28 @@ class CpuGraph:
         # tensor the code got), so that its storage's use count tells whether the code still
         # refers to the memory (_unreferenced)
         self._tensors: list[torch.Tensor] = []
+        #: the calls as replay.c's arrays, made at the first replay; False: a call replay.c
+        #: cannot make (an argument of a type it does not take), which replays from Python
+        self._arrays: _CallArrays | bool | None = None
 
     def replay(self) -> None:
-        """Make the recorded calls again with the same arguments. A call that returns a
-        failure status (a block id outside the cache, a position outside the rotary table:
-        bad inputs written into the buffers) raises, as the eager code would have."""
-        for function, args, name, checked in self.calls:
-            status = function(*args)
-            if checked and status != 0:
-                raise RuntimeError(f"CPU graph replay: {name} failed with status {status}")
+        """Make the recorded calls again with the same arguments, from C in one call where
+        replay.c is built (else one ctypes call each). A call that returns a failure status
+        (a block id outside the cache, a position outside the rotary table: bad inputs
+        written into the buffers) raises, as the eager code would have; no later call runs."""
+        if self._arrays is None:
+            self._arrays = _call_arrays(self.calls)
+        arrays, library = self._arrays, REPLAY.get()
+        if not arrays or library is None:
+            for function, args, name, checked in self.calls:
+                status = function(*args)
+                if checked and status != 0:
+                    raise RuntimeError(f"CPU graph replay: {name} failed with status {status}")
+            return
+        status = ctypes.c_int64(0)
+        failed = library.blink_replay(arrays.calls, arrays.n, arrays.args, ctypes.byref(status))
+        if failed >= 0:
+            raise RuntimeError(f"CPU graph replay: {self.calls[failed].name} failed with status {status.value}")
 
     def _allocated(self, out: torch.Tensor) -> torch.Tensor:
         """``out``, just allocated by the recorded code, on memory the graph keeps: the
@@ -98,6 +142,42 @@ class CpuGraph:
             storage = t.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
         return sum(seen.values())
+
+
+def _call_arrays(calls: list[_Call]) -> _CallArrays | bool:
+    """``calls`` as replay.c's arrays: each function's address and thunk (by its declared
+    restype and argtypes), its arguments converted as ctypes would convert them for that
+    call. False where a call's signature or an argument is one replay.c does not take."""
+    arrays = (_CCall * max(len(calls), 1))()
+    args: list[_CArg] = []
+    for i, (function, values, _, checked) in enumerate(calls):
+        argtypes = tuple(function.argtypes or ())
+        thunk = _THUNKS.get((function.restype, argtypes))
+        if thunk is None or len(values) != len(argtypes):
+            return False
+        arrays[i] = _CCall(ctypes.cast(function, ctypes.c_void_p).value, thunk, int(checked), len(args))
+        for ctype, value in zip(argtypes, values):
+            arg = _c_arg(ctype, value)
+            if arg is None:
+                return False
+            args.append(arg)
+    return _CallArrays(arrays, (_CArg * max(len(args), 1))(*args), len(calls))
+
+
+def _c_arg(ctype: type, value: Any) -> _CArg | None:
+    """One recorded argument as replay.c takes it (ctypes' own conversion: a pointer from an
+    int, None or a c_void_p; an integer truncated to the C type; a float), or None."""
+    if ctype is abi.P:
+        if isinstance(value, ctypes.c_void_p):
+            value = value.value
+        if value is None or isinstance(value, int):
+            return _CArg(p=value or 0)
+        return None
+    if ctype in (abi.I64, abi.INT) and isinstance(value, int):
+        return _CArg(i=ctype(value).value)
+    if ctype is abi.F32 and isinstance(value, (int, float)):
+        return _CArg(f=value)
+    return None
 
 
 class _LibraryView:
