@@ -22,6 +22,9 @@ their CPU graphs (blink.decode_graphs; the other baselines compare eager with ea
 gate/up projection, which isolates the 4-bit kernel's gated epilogue; or ``--before
 one-kernel-thread``: today's forward with its C kernels on the calling thread alone, against
 them split over the kernel threads, torch's ``--threads``: blink.kernels.cpu.threads); or
+``--before python-replay``: today's forward with its decode graphs' calls made from Python, one
+ctypes call each, against replay.c making them in one call (both replay the same graphs:
+blink.kernels.cpu.graph); or
 ``--before q4-one-pass``: today's forward with the 4-bit kernel's many-rows products over all
 of K in one pass, without the streamed weight tiles, which isolates its K slabs
 (blink.kernels.cpu.q4_linear); or ``--before q4-tile-parts``: today's forward with the 4-bit
@@ -53,6 +56,8 @@ decode graphs as the speculative runner does (``DecodeGraphs.allow_rows_of``).
     python -m benchmarks.bench_forward --before bf16-head --dtype bfloat16 --decode 32 48 64 --prefill --q8-head-max-rows 64
     python -m benchmarks.bench_forward --before unfused-silu --dtype bfloat16 --decode 1 16 --prefill 4x128 1x512
     python -m benchmarks.bench_forward --before no-cpu-graphs --dtype bfloat16 --decode 1 4 8 16 32 --threads 1
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.bench_forward --before python-replay --dtype bfloat16 --decode 1 4 16 \
+        --context 192 --threads 2
     python -m benchmarks.bench_forward --before no-cpu-graphs --dtype bfloat16 --decode --prefill \
         --verify 1x4 4x4 4x4+12 8x4+8 16x4 --context 192 --threads 1
     python -m benchmarks.bench_forward --before q4-one-pass --dtype bfloat16 --decode --prefill 16x128 4x128 1x512
@@ -163,6 +168,23 @@ def _without_gated_epilogue(ex) -> None:
         module.gated = lambda x: None
 
 
+def _replayed_from_python(ex) -> None:
+    """``ex``'s decode graphs make their calls from Python (as without replay.c)."""
+    from blink.kernels.cpu import graph as cpu_graph
+
+    execute = ex.execute
+
+    def from_python(*args, **kwargs):
+        usual = cpu_graph.REPLAY.get()
+        cpu_graph.REPLAY._state[:] = [None]
+        try:
+            return execute(*args, **kwargs)
+        finally:
+            cpu_graph.REPLAY._state[:] = [usual]
+
+    ex.execute = from_python
+
+
 def _on_one_kernel_thread(ex) -> None:
     """``ex`` with its C kernels on the calling thread (its decode graphs recorded so: a graph
     is kept per kernel thread count)."""
@@ -203,7 +225,7 @@ def main() -> None:
     p.add_argument("--before", choices=["reference", "no-int4", "sdpa-attention", "torch-elementwise", "torch-int4",
                                              "attention-no-prefetch", "attention-no-tiles", "bf16-head",
                                              "unfused-silu", "no-cpu-graphs", "one-kernel-thread", "q4-one-pass",
-                                             "q4-tile-parts"],
+                                             "q4-tile-parts", "python-replay"],
                    default="reference",
                    help="the baseline: the reference forward, or today's without one feature (the int4 path, the C attention kernel, the C elementwise ops, ..., the decode steps' CPU graphs)")
     p.add_argument("--now-graphs", action="store_true",
@@ -263,13 +285,13 @@ def main() -> None:
                   "sdpa-attention": {}, "torch-elementwise": {}, "torch-int4": {},
                   "attention-no-prefetch": {}, "attention-no-tiles": {}, "bf16-head": {},
                   "unfused-silu": {}, "no-cpu-graphs": {}, "one-kernel-thread": {},
-                  "q4-one-pass": {}, "q4-tile-parts": {}}[args.before]
-        # Decode graphs in "now" only for no-cpu-graphs, and in both for one-kernel-thread (as
-        # served): the other baselines measure their feature eager against eager (a baseline
+                  "q4-one-pass": {}, "q4-tile-parts": {}, "python-replay": {}}[args.before]
+        # Decode graphs in "now" only for no-cpu-graphs, and in both for one-kernel-thread and
+        # python-replay (as served): the other baselines measure their feature eager against eager (a baseline
         # with torch ops would not be recorded).
-        graphs = args.before in ("no-cpu-graphs", "one-kernel-thread") or args.now_graphs
+        graphs = args.before in ("no-cpu-graphs", "one-kernel-thread", "python-replay") or args.now_graphs
         execs = {}
-        for name, kw in (("before", {**before, "cpu_graphs": args.before == "one-kernel-thread"}),
+        for name, kw in (("before", {**before, "cpu_graphs": args.before in ("one-kernel-thread", "python-replay")}),
                          ("now", {"cpu_graphs": graphs})):
             with _amx_int4_off(name == "before" and args.before == "torch-int4"):
                 execs[name] = ModelExecutor(files, dtype=dtype, num_blocks=need, max_model_len=longest, **kw)
@@ -292,6 +314,12 @@ def main() -> None:
             _without_gated_epilogue(execs["before"])
         elif args.before == "one-kernel-thread":
             _on_one_kernel_thread(execs["before"])
+        elif args.before == "python-replay":
+            from blink.kernels.cpu import graph as cpu_graph
+
+            if cpu_graph.REPLAY.get() is None:
+                raise SystemExit("--before python-replay: replay.c does not build here")
+            _replayed_from_python(execs["before"])
         elif args.before == "bf16-head":
             _with_bf16_head(execs["before"])
         for label, rows in shapes:

@@ -972,3 +972,28 @@ def test_state_row_shows_one_request():
     assert row.num_computed == 6 and row.num_tokens == 7 and row.tokens[:6] == req.prompt
     empty = sched.state.row(3)
     assert (empty.status, empty.tokens, empty.blocks) == ("EMPTY", [], [])
+
+
+@pytest.mark.parametrize("host_guards", [True, False])
+def test_a_host_step_builds_its_batch_over_the_smallest_bucket(host_guards):
+    """With host guards (the CPU loop) a step's flat tensors are as long as the smallest bucket
+    holding its tokens, not the whole budget: a prompt of 9 tokens -> 16 lanes, a decode step
+    of one row -> 8; the lanes past the step are padding as before. Graphs (no host guards)
+    keep the budget's T."""
+    cfg = _cfg(max_num_batched_tokens=64, buckets=(8, 16, 32, 64))
+    ring = make_ring(4, cfg.max_model_len, 8)
+    sched = Scheduler(cfg, ring_tensors(ring), host_guards=host_guards)
+    fe = Frontend(ring)
+    assert fe.submit(Req(prompt=list(range(1, 10)), max_tokens=4))
+    model = FakeModel(cfg, 4)
+    lengths = []
+    for _ in range(2):  # the prompt, then one decode step
+        batch = sched.schedule()
+        n = int(batch.num_scheduled_tokens)
+        lengths.append((n, batch.input_ids.shape[0], batch.attn.slot_mapping.shape[0]))
+        assert (batch.input_ids[n:] == 0).all()  # padding
+        assert (batch.attn.slot_mapping[n:] == cfg.num_blocks * cfg.block_size).all()  # the scratch block
+        sched.update(batch, *model(sched, batch))
+        fe.poll()
+    T = cfg.max_num_batched_tokens
+    assert lengths == ([(9, 16, 16), (1, 8, 8)] if host_guards else [(9, T, T), (1, T, T)])
