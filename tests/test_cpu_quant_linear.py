@@ -86,17 +86,18 @@ CODE_BITS = {"q4_1": 4, "q4_0": 4, "q4_k": 4, "q8_0": 8, "q6_k": 6, "q5_k": 5}
 
 def exact_product(build: str, fmt: str, x: torch.Tensor, codes, d, m, group: int,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The fp32 product the build computes: x @ (d q + m).T, an int8 build's on
-    quantize_activations' x (the whole weight: its m multiplies the sum of the rounded x)."""
+    """The product the build computes: x @ (d q + m).T, an int8 build's on
+    quantize_activations' x (the whole weight: its m multiplies the sum of the rounded x),
+    in float64: exact here (fp32 weights and x, sums of at most a few thousand products), so
+    that it does not depend on the order torch's fp32 matmul sums in on this CPU (on an AMD
+    EPYC it put 6-9 of 128 extreme outputs a rounding edge away from the exact ones)."""
     n, k = codes.shape
-    q_centered = codes.float() - (8 if fmt == "q4_0" else 0)
-    scaled = (q_centered.view(n, k // group, group) * d[..., None]).view(n, k)
-    mins = None if m is None or fmt == "q4_0" else m.repeat_interleave(group, 1)
-    if build in q.INT8_BUILDS:
-        want = q.quantized_x(x) @ (scaled + (0 if mins is None else mins)).T
-    else:
-        want = x.float() @ scaled.T + (0 if mins is None else x.float() @ mins.T)
-    return want if bias is None else want + bias.float()
+    q_centered = codes.double() - (8 if fmt == "q4_0" else 0)
+    scaled = (q_centered.view(n, k // group, group) * d.double()[..., None]).view(n, k)
+    mins = None if m is None or fmt == "q4_0" else m.double().repeat_interleave(group, 1)
+    xs = q.quantized_x(x).double() if build in q.INT8_BUILDS else x.double()
+    want = xs @ scaled.T + (0 if mins is None else xs @ mins.T)
+    return want if bias is None else want + bias.double()
 
 
 def close_to_exact(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tensor) -> None:

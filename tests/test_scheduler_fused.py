@@ -76,6 +76,25 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> 
         assert torch.equal(a[k], b[k]), f"{what} {k} differs:\n{a[k]}\n{b[k]}"
 
 
+#: StepBatch's flat per-token tensors and the value of each padding lane
+_FLAT_PADDING = {"input_ids": 0, "attn.positions": 0, "attn.token_seq_idx": 0}
+
+
+def _flat_to_common_length(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], cfg
+                           ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The batches' flat per-token tensors cut to the shorter one's length: with host guards
+    a step's are as long as the smallest bucket holding it, the fused (graph) ones the
+    budget's. The lanes cut off must be padding (scratch-block slots for the slot mapping)."""
+    pads = {**_FLAT_PADDING, "attn.slot_mapping": cfg.num_blocks * cfg.block_size}
+    a, b = dict(a), dict(b)
+    for name, pad in pads.items():
+        n = min(a[name].shape[0], b[name].shape[0])
+        for side in (a, b):
+            assert (side[name][n:] == pad).all(), f"{name}: a lane past the shorter batch is not padding"
+            side[name] = side[name][:n]
+    return a, b
+
+
 #: the fused stages that reproduce the reference bit for bit; the allocator picks, among
 #: equally old free blocks, the lowest id where torch.topk leaves the order unspecified (so
 #: block ids, and through LRU ties which cached block is evicted, may differ: never tokens)
@@ -147,7 +166,7 @@ def _side_by_side(seed: int, pool: int, guards: bool, sampling: bool = False, **
                 if req.cancel_step == step:
                     fe.cancel(req)
             batches.append(sched.schedule())
-        _same(_batch(batches[0]), _batch(batches[1]), f"step {step} batch")
+        _same(*_flat_to_common_length(_batch(batches[0]), _batch(batches[1]), cfg), f"step {step} batch")
         _same(_state(scheds[0]), _state(scheds[1]), f"step {step} state after schedule")
         for sched, batch, model, fe in zip(scheds, batches, models, fes):
             sched.update(batch, *model(sched, batch))
