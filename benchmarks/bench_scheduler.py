@@ -3,7 +3,8 @@ against the number of slots.
 
 No model: the step's logits are the null model's (one fixed token wins, as
 ``blink serve --model null``), so what is timed is the scheduler and the sampler alone, at
-the engine's default sizes (max_model_len 8192, block 16, budget 512). Two loads:
+the engine's default sizes (max_model_len 8192, block 16, the token budget
+``--max-num-batched-tokens`` defaults to: 2,048). Two loads:
 
 - ``one``: one request in steady-state decode, every other slot empty. The cost of an
   almost idle engine: it should not depend on the slot count (the target is <= 1 ms per
@@ -38,12 +39,14 @@ from blink.engine import prefix_cache
 from blink.engine.sampler import Sampler, SamplerPlan
 from blink.engine.sched.scheduler import Scheduler
 from blink.engine.sched.state import SchedulerConfig, ring_tensors
+from blink.engine_options import config_default
 from blink.ring import SLOT_WRITTEN, Ring, RingConfig, RingLayout
 
 PROMPT_LEN = 128
 MAX_MODEL_LEN = 8192
 BLOCK_SIZE = 16
-BUDGET = 512  # EngineConfig.max_num_batched_tokens
+#: EngineConfig.max_num_batched_tokens' default
+BUDGET = config_default("max_num_batched_tokens")
 #: the timing clock: this thread's CPU time by default (a shared machine's other load
 #: inflates wall time but hardly a thread's CPU time); ``--clock wall`` for wall time.
 CLOCK: Callable[[], float] = time.thread_time
