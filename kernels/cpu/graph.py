@@ -6,7 +6,8 @@ rotary embedding, KV-cache write, attention), and the Python around them (module
 argument checks, tensor allocation, ctypes conversions) cost ~10 of a 16-row step's 36 ms
 (measured: the same calls replayed from a list took 26.5 ms). Like a CUDA graph, a recording
 fixes every address and every shape: the caller records with inputs in buffers it keeps,
-writes each new step's inputs into those buffers, and replays.
+writes each new step's inputs into those buffers, and replays. The replay makes the calls
+from C in one call (``replay.c``, :data:`REPLAY`) where it builds, else from Python.
 
 :func:`record` runs the code once and keeps what the replay needs:
 
