@@ -128,17 +128,18 @@ def _built_with(module, define: str):
     return library
 
 
-def _with_library(ex, module, library) -> None:
-    """``ex.execute`` runs with ``library`` as ``module``'s C kernel, the others with the usual ones."""
+def _with_library(ex, native, library) -> None:
+    """``ex.execute`` runs with ``library`` (None: none, its fallback) as the NativeLibrary
+    ``native``'s, the others with the usual ones."""
     execute = ex.execute
 
     def swapped(*args, **kwargs):
-        usual = module.LIBRARY.get()
-        module.LIBRARY._state[:] = [library]
+        usual = native.get()
+        native._state[:] = [library]
         try:
             return execute(*args, **kwargs)
         finally:
-            module.LIBRARY._state[:] = [usual]
+            native._state[:] = [usual]
 
     ex.execute = swapped
 
@@ -166,23 +167,6 @@ def _without_gated_epilogue(ex) -> None:
         raise SystemExit("--before unfused-silu: no projection here runs the gated 4-bit kernel")
     for module in fused:
         module.gated = lambda x: None
-
-
-def _replayed_from_python(ex) -> None:
-    """``ex``'s decode graphs make their calls from Python (as without replay.c)."""
-    from blink.kernels.cpu import graph as cpu_graph
-
-    execute = ex.execute
-
-    def from_python(*args, **kwargs):
-        usual = cpu_graph.REPLAY.get()
-        cpu_graph.REPLAY._state[:] = [None]
-        try:
-            return execute(*args, **kwargs)
-        finally:
-            cpu_graph.REPLAY._state[:] = [usual]
-
-    ex.execute = from_python
 
 
 def _on_one_kernel_thread(ex) -> None:
@@ -302,14 +286,14 @@ def main() -> None:
         elif args.before == "torch-elementwise":
             execs["before"].model.use_ops(torch_ops)
         elif args.before == "attention-no-prefetch":
-            _with_library(execs["before"], cpu_attention, _built_with(cpu_attention, "PREFETCH=0"))
+            _with_library(execs["before"], cpu_attention.LIBRARY, _built_with(cpu_attention, "PREFETCH=0"))
         elif args.before == "attention-no-tiles":
-            _with_library(execs["before"], cpu_attention, _built_with(cpu_attention, "TILES=0"))
+            _with_library(execs["before"], cpu_attention.LIBRARY, _built_with(cpu_attention, "TILES=0"))
         elif args.before in ("q4-one-pass", "q4-tile-parts"):
             if not cpu_q4_linear.available():
                 raise SystemExit(f"--before {args.before}: the 4-bit AMX kernel does not run here")
             define = "SLABS=0" if args.before == "q4-one-pass" else "ROWS_PER_THREAD=1073741824"
-            _with_library(execs["before"], cpu_q4_linear, _built_with(cpu_q4_linear, define))
+            _with_library(execs["before"], cpu_q4_linear.LIBRARY, _built_with(cpu_q4_linear, define))
         elif args.before == "unfused-silu":
             _without_gated_epilogue(execs["before"])
         elif args.before == "one-kernel-thread":
@@ -319,7 +303,7 @@ def main() -> None:
 
             if cpu_graph.REPLAY.get() is None:
                 raise SystemExit("--before python-replay: replay.c does not build here")
-            _replayed_from_python(execs["before"])
+            _with_library(execs["before"], cpu_graph.REPLAY, None)  # the calls from Python
         elif args.before == "bf16-head":
             _with_bf16_head(execs["before"])
         for label, rows in shapes:
