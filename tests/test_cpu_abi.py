@@ -139,7 +139,8 @@ def test_every_kernel_signature_has_a_replay_thunk():
     prototype, parsed back like the C sources, is the table's signature."""
     text = abi.replay_source()
     for i, (restype, argtypes) in enumerate(abi.replay_signatures()):
-        head = re.search(rf"static int64_t thunk_{i}\(.*?\n.*?\n    (?:return \(int64_t\))?\(\((\w+) \(\*\)\(([^)]*)\)\)fn\)", text)
+        head = re.search(rf"static int64_t thunk_{i}\(.*?\n(?:    \(void\)a;\n)?    (?:return \(int64_t\))?"
+                         rf"\(\((\w+) \(\*\)\(([^)]*)\)\)fn\)", text)
         assert head, i
         ret, params = head.groups()
         assert (None if ret == "void" else _CTYPES[ret]) is restype

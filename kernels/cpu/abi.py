@@ -167,8 +167,9 @@ def replay_source() -> str:
         call = f"(({c_ret} (*)({c_args}))fn)({values})"
         body = (f"{call};\n    return 0;" if restype is None
                 else f"return (int64_t)(intptr_t){call};" if restype is P else f"return (int64_t){call};")
+        unused = "" if argtypes else "    (void)a;\n"  # a thunk of no arguments reads none
         thunks.append(f"static int64_t thunk_{i}(const void *fn, const blink_arg_t *a) {{\n"
-                      f"    (void)a;\n    {body}\n}}\n")
+                      f"{unused}    {body}\n}}\n")
     table = ",\n    ".join(f"thunk_{i}" for i in range(len(thunks)))
     return f"""/* GENERATED from kernels/cpu/abi.py's tables by `python -m blink.kernels.cpu.abi > kernels/cpu/replay.c`:
  * do not edit (tests/test_cpu_abi.py fails when this file is not what abi.replay_source() writes).

@@ -28,67 +28,55 @@ static int64_t thunk_0(const void *fn, const blink_arg_t *a) {
 }
 
 static int64_t thunk_1(const void *fn, const blink_arg_t *a) {
-    (void)a;
     ((void (*)(void *))fn)(a[0].p);
     return 0;
 }
 
 static int64_t thunk_2(const void *fn, const blink_arg_t *a) {
-    (void)a;
     return (int64_t)((int (*)(void *, void *, int64_t, int))fn)(a[0].p, a[1].p, a[2].i, (int)a[3].i);
 }
 
 static int64_t thunk_3(const void *fn, const blink_arg_t *a) {
-    (void)a;
     ((void (*)(int))fn)((int)a[0].i);
     return 0;
 }
 
 static int64_t thunk_4(const void *fn, const blink_arg_t *a) {
-    (void)a;
     return (int64_t)((int (*)(void *, int64_t, int64_t, void *, void *, void *, int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, void *, void *, void *, void *, void *, int64_t, int64_t, float, int))fn)(a[0].p, a[1].i, a[2].i, a[3].p, a[4].p, a[5].p, (int)a[6].i, (int)a[7].i, a[8].i, a[9].i, a[10].i, a[11].i, a[12].i, a[13].i, a[14].i, a[15].p, a[16].p, a[17].p, a[18].p, a[19].p, a[20].i, a[21].i, a[22].f, (int)a[23].i);
 }
 
 static int64_t thunk_5(const void *fn, const blink_arg_t *a) {
-    (void)a;
     return (int64_t)((int (*)(void *, int64_t, void *, int64_t, void *, void *, void *, int64_t, int64_t, int64_t, int))fn)(a[0].p, a[1].i, a[2].p, a[3].i, a[4].p, a[5].p, a[6].p, a[7].i, a[8].i, a[9].i, (int)a[10].i);
 }
 
 static int64_t thunk_6(const void *fn, const blink_arg_t *a) {
-    (void)a;
     ((void (*)(void *, int64_t, void *, int64_t, void *, void *, void *, int64_t, int64_t, float, int))fn)(a[0].p, a[1].i, a[2].p, a[3].i, a[4].p, a[5].p, a[6].p, a[7].i, a[8].i, a[9].f, (int)a[10].i);
     return 0;
 }
 
 static int64_t thunk_7(const void *fn, const blink_arg_t *a) {
-    (void)a;
     return (int64_t)((int (*)(void *, int64_t, void *, int64_t, void *, void *, int64_t, void *, int64_t, int64_t, int64_t, int64_t, int64_t, int))fn)(a[0].p, a[1].i, a[2].p, a[3].i, a[4].p, a[5].p, a[6].i, a[7].p, a[8].i, a[9].i, a[10].i, a[11].i, a[12].i, (int)a[13].i);
 }
 
 static int64_t thunk_8(const void *fn, const blink_arg_t *a) {
-    (void)a;
     ((void (*)(void *, int64_t, void *, int64_t, int64_t, int))fn)(a[0].p, a[1].i, a[2].p, a[3].i, a[4].i, (int)a[5].i);
     return 0;
 }
 
 static int64_t thunk_9(const void *fn, const blink_arg_t *a) {
-    (void)a;
     ((void (*)(void *, int64_t, void *, int64_t, int64_t, void *, void *, void *, int64_t, int64_t, int))fn)(a[0].p, a[1].i, a[2].p, a[3].i, a[4].i, a[5].p, a[6].p, a[7].p, a[8].i, a[9].i, (int)a[10].i);
     return 0;
 }
 
 static int64_t thunk_10(const void *fn, const blink_arg_t *a) {
-    (void)a;
     return (int64_t)((int (*)(void *, int64_t, void *, void *, void *, void *, int64_t, int64_t, int64_t, int64_t, int))fn)(a[0].p, a[1].i, a[2].p, a[3].p, a[4].p, a[5].p, a[6].i, a[7].i, a[8].i, a[9].i, (int)a[10].i);
 }
 
 static int64_t thunk_11(const void *fn, const blink_arg_t *a) {
-    (void)a;
     return (int64_t)((int (*)(void *, int64_t, void *, void *, void *, void *, int64_t, int64_t, int64_t, int64_t, int, int))fn)(a[0].p, a[1].i, a[2].p, a[3].p, a[4].p, a[5].p, a[6].i, a[7].i, a[8].i, a[9].i, (int)a[10].i, (int)a[11].i);
 }
 
 static int64_t thunk_12(const void *fn, const blink_arg_t *a) {
-    (void)a;
     return (int64_t)((int64_t (*)(void *, int64_t, void *, void *))fn)(a[0].p, a[1].i, a[2].p, a[3].p);
 }
 
