@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.bench_threads import Arm, arms_table, default_arms, model_work, parse_arms, summarize
-from benchmarks.peers import (build_parser, gguf_weight_bytes, no_amx_env, peer_command, ratio_table,
-                              resolve_model_args, split_rates, split_table)
+from benchmarks.peers import (build_parser, copy_bandwidth, gguf_weight_bytes, no_amx_env, peer_command,
+                              ratio_table, read_bandwidth, resolve_model_args, split_rates, split_table)
 from benchmarks.serve_metrics import RequestOutput, calculate_metrics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -31,19 +31,30 @@ def test_split_rates_are_prompt_over_ttft_and_one_over_tpot():
 
 
 def test_split_and_ratio_tables_blink_over_peer():
-    args = argparse.Namespace(concurrency=16, machine={"decode_limit_tok_s": 100.0})
+    args = argparse.Namespace(concurrency=16, machine={"decode_limit_tok_s": 100.0, "decode_read_limit_tok_s": 200.0})
     rows = [{"peer": "blink", "status": "ok", "concurrent": _run(1.0, 0.05), "single": _run(0.1, 0.02)},
             {"peer": "llamaserver", "status": "ok", "concurrent": _run(2.0, 0.1),
              "single": _run(0.2, 0.04)},
             {"peer": "vllm", "status": "skipped: not installed"}]
     split = split_table(rows, args)
-    assert "| blink | 1 |" in split and "| 0.50 |" in split  # 50 tok/s decode / 100 limit
+    blink_single = next(x for x in split.splitlines() if x.startswith("| blink | 1 |"))
+    assert blink_single.endswith("| 0.50 | 0.25 |")  # 50 tok/s decode / the 100 copy limit, / the 200 read limit
+    assert next(x for x in split.splitlines() if x.startswith("| blink | 16 |")).endswith("| - | - |")
+    no_read = split_table(rows, argparse.Namespace(concurrency=16, machine={"decode_limit_tok_s": 100.0}))
+    assert next(x for x in no_read.splitlines() if x.startswith("| blink | 1 |")).endswith("| 0.50 | - |")
     ratios = ratio_table(rows, args)
     line = next(x for x in ratios.splitlines() if x.startswith("| llamaserver |"))
     cells = [c.strip() for c in line.strip("|").split("|")]
     # output tok/s equal (same tokens, same duration); P99 TTFT 1/2; ITL 1/2; prefill and decode 2x
     assert cells[1:] == ["1.00", "0.50", "1.00", "0.50", "2.00", "2.00"]
     assert "vllm" not in ratios
+
+
+def test_read_bandwidth_is_a_rate_and_copy_counts_both_ways():
+    gbs = read_bandwidth(8 << 20, 2)
+    assert 0.1 < gbs < 10_000  # GB/s: bytes / seconds / 1e9, not bytes or seconds
+    copy = copy_bandwidth(8 << 20, 2)
+    assert copy["best_gbs"] == max(copy["numpy_1thread_gbs"], copy.get("torch_gbs", 0.0))
 
 
 def _tiny_gguf(path: Path, tied: bool) -> Path:
