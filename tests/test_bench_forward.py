@@ -111,3 +111,40 @@ def test_bench_step_parts_prints_every_part(tmp_path, monkeypatch, capsys):
     rows = {name: float(ms) for name, ms in cells}
     assert set(rows) == set(bench_step_parts.PARTS), out
     assert rows["forward"] > 0 and rows["step"] >= rows["forward"], out
+
+
+def test_bench_quant_source_times_two_versions_and_stops_on_different_bits(tmp_path, capsys):
+    """benchmarks/bench_quant_source.py: the checkout's quant_linear.c against a copy of itself
+    prints a row per row count; a version whose products differ by one bit stops the run
+    unless ``--allow-different-bits``; one that does not build stops it too."""
+    from gguf import GGMLQuantizationType as Q
+
+    from benchmarks import bench_quant_source
+    from blink.kernels.cpu import quant_linear as q
+    from test_loader_gguf import export_to_gguf
+
+    if q.variant() is None:
+        pytest.skip("no build of the kernel without AMX runs here")
+    model = export_to_gguf(make_tiny_model("llama", tmp_path), tmp_path / "q4_1.gguf", Q.Q4_1)
+    source = Path(q.__file__).with_name("quant_linear.c").read_text()
+    same, off_by_one, broken = tmp_path / "same.c", tmp_path / "off.c", tmp_path / "broken.c"
+    same.write_text(source)
+    tail = "    return status;\n#endif\n}"
+    assert source.count(tail) == 1
+    off_by_one.write_text(source.replace(tail, "    if (status == 0) y[0] ^= 1; /* one output bit */\n" + tail))
+    broken.write_text(source + "\n#error not a kernel\n")
+    base = ["--model", str(model), "--rows", "1", "3", "--rounds", "1"]
+    try:
+        bench_quant_source.main(["--before", str(same), *base])
+        rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 1 |", "| 3 |"))]
+        assert len(rows) == 2 and all(line.endswith("x |") for line in rows)
+        with pytest.raises(SystemExit, match="different bits at 1 rows"):
+            bench_quant_source.main(["--before", str(off_by_one), *base])
+        bench_quant_source.main(["--before", str(off_by_one), "--allow-different-bits", *base])
+        assert "note: different bits at 1 rows" in capsys.readouterr().out
+        with pytest.raises(SystemExit, match="does not build"):
+            bench_quant_source.main(["--before", str(broken), *base])
+    finally:  # the A/B's extra build leaves the kernel's registry as it was
+        q.VARIANTS.pop("before", None)
+        q.LIBRARIES.pop("before", None)
+        q.INT8_BUILDS = frozenset(q.INT8_BUILDS - {"before"})
