@@ -27,9 +27,9 @@ The header names the CPU's flags (avx2, avx512*, amx*), the GGUF's weight bytes 
 decoded token and this machine's measured copy bandwidth (numpy one thread, torch all threads):
 their quotient is the **memory-bandwidth limit** of batch-1 decode, against which each peer's
 single-stream decode is printed as a ratio. It also measures the **read bandwidth** (torch's
-parallel sum, all its threads: a decode step only reads its weights) and prints the decode rate
-it allows: on a VM whose copy counts (read + write, as STREAM) run above what its cores read,
-that is the rate no peer can pass.
+parallel sum, all its threads) and prints the decode rate it allows: a decode step reads its
+weights, so no peer passes that rate, up to how much the machine's bandwidth moves between the
+header's probe and the runs (on a shared VM it moved 29-49 GB/s within 20 minutes).
 
 The 1B-class model (``python -m benchmarks.make_1b_model`` writes it): ``--model-1b DIR`` serves
 ``DIR/model-<--quant>.gguf`` to blink and llama-server and ``DIR/hf`` to vLLM, with 128 in / 64
