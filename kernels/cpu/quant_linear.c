@@ -233,6 +233,9 @@ static inline void group_scales(const args_t *a, int64_t t, int64_t s, int hc, _
 /* channel of the group at position 8c + e of x's int8 codes: 4-bit layouts (5, 6 too) */
 static const int PERM4[8] = {0, 4, 1, 5, 2, 6, 3, 7};
 
+/* 4 of x's int8 codes read as one word (the vpdpbusd's broadcast operand in tile_rows) */
+typedef int32_t __attribute__((may_alias)) x_word;
+
 static inline __m512 load_bf16x16_i(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
@@ -323,9 +326,10 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
 #pragma GCC unroll 8
                 for (int r = 0; r < R; r++) {
                     /* x's 4 codes broadcast by the vpdpbusd itself ({1to16}): from the intrinsics
-                     * GCC emits a vpbroadcastd before each, half the loop's instructions (the
-                     * embedded broadcast measured 1.07-1.09x at 16-128 rows on Zen 4) */
-                    const int32_t *w = (const int32_t *)(const void *)(xg + r * GROUP + 8 * c);
+                     * GCC emits a vpbroadcastd before each one, as many instructions again as
+                     * the products (the embedded broadcast measured 1.06-1.09x at 16-128 rows on
+                     * Zen 4, the same bits) */
+                    const x_word *w = (const x_word *)(const void *)(xg + r * GROUP + 8 * c);
                     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc[r][0]) : "v"(lo), "m"(w[0]));
                     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc[r][nacc - 1]) : "v"(hi), "m"(w[1]));
                 }
