@@ -17,6 +17,7 @@ bytes' GB/s and now / before as a speed-up. Never run while anything else loads 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import tempfile
 import time
@@ -24,28 +25,39 @@ from pathlib import Path
 from typing import Any
 
 
-def _before_library(source: Path, build: str, workdir: Path) -> str:
-    """Register ``source`` as a build named ``before`` beside the checkout's ones (same flags,
-    header and checks as ``build``); returns its name."""
+def _before_library(source: Path, build: str, workdir: Path):
+    """``source`` built as the checkout's ``build`` is (that NativeLibrary's own flags, with a
+    copy of kernels.h beside it) and declared as it is declared; the A/B runs it in the
+    checkout's place (:func:`_running`)."""
     from blink.kernels.cpu import quant_linear as q
-    from blink.shared.native_build import NativeLibrary
+    from blink.shared.native_build import NativeBuildError, build_library
 
     copy = workdir / "quant_linear.c"
     shutil.copyfile(source, copy)
     shutil.copyfile(Path(q.__file__).with_name("kernels.h"), workdir / "kernels.h")
-    flags, needs, isa, label = q.VARIANTS[build]
-    name = "before"
-    q.VARIANTS[name] = (flags, needs, isa, f"{label} (before)")
-    q.LIBRARIES[name] = NativeLibrary(
-        copy, what=f"the {label} kernel from {source}", logger=q.log, fallback="nothing: the A/B stops",
-        flags=(*flags, "-ffp-contract=off"), headers=(copy.with_name("kernels.h"),), env=q.IMPL_ENV,
-        env_value=("torch",), setup=q._declare(isa), kernels=("blink_quant_linear",),
-        queries=("blink_quant_linear_isa",))
-    if build in q.INT8_BUILDS:
-        q.INT8_BUILDS = frozenset(q.INT8_BUILDS | {name})
-    if q.LIBRARIES[name].get() is None:
-        raise SystemExit(f"{source} does not build as the {build} kernel (see the log above)")
-    return name
+    try:
+        library = build_library(copy, q.LIBRARIES[build].flags, None, (workdir / "kernels.h",))
+        q._declare(q.VARIANTS[build][2])(library)
+    except (NativeBuildError, AttributeError) as exc:
+        raise SystemExit(f"{source} does not build as the {build} kernel: {exc}") from None
+    return library
+
+
+@contextlib.contextmanager
+def _running(build: str, library):
+    """``q.linear(..., build=build)`` runs ``library`` (None: the checkout's) inside the block."""
+    from blink.kernels.cpu import quant_linear as q
+
+    native = q.LIBRARIES[build]
+    if library is None:
+        yield
+        return
+    usual = native.get()
+    native._state[:] = [library]
+    try:
+        yield
+    finally:
+        native._state[:] = [usual]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -85,10 +97,11 @@ def main(argv: list[str] | None = None) -> None:
               f"({'all layers' if wanted is None else 'layers ' + args.layers} and the head)")
         torch.manual_seed(0)
         xs = {ps[0].k: torch.randn(max(args.rows), ps[0].k).bfloat16() for _, ps in weights}
-        names = {"before": before, "now": build}
+        libraries = {"before": before, "now": None}
 
         def run(which: str, rows: int) -> list[torch.Tensor]:
-            return [q.linear(xs[ps[0].k][:rows], ps, None, build=names[which]) for _, ps in weights]
+            with _running(build, libraries[which]):
+                return [q.linear(xs[ps[0].k][:rows], ps, None, build=build) for _, ps in weights]
 
         for rows in args.rows:
             if any(not torch.equal(a, b) for a, b in zip(run("before", rows), run("now", rows))):

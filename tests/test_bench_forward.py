@@ -134,17 +134,14 @@ def test_bench_quant_source_times_two_versions_and_stops_on_different_bits(tmp_p
     off_by_one.write_text(source.replace(tail, "    if (status == 0) y[0] ^= 1; /* one output bit */\n" + tail))
     broken.write_text(source + "\n#error not a kernel\n")
     base = ["--model", str(model), "--rows", "1", "3", "--rounds", "1"]
-    try:
-        bench_quant_source.main(["--before", str(same), *base])
-        rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 1 |", "| 3 |"))]
-        assert len(rows) == 2 and all(line.endswith("x |") for line in rows)
-        with pytest.raises(SystemExit, match="different bits at 1 rows"):
-            bench_quant_source.main(["--before", str(off_by_one), *base])
-        bench_quant_source.main(["--before", str(off_by_one), "--allow-different-bits", *base])
-        assert "note: different bits at 1 rows" in capsys.readouterr().out
-        with pytest.raises(SystemExit, match="does not build"):
-            bench_quant_source.main(["--before", str(broken), *base])
-    finally:  # the A/B's extra build leaves the kernel's registry as it was
-        q.VARIANTS.pop("before", None)
-        q.LIBRARIES.pop("before", None)
-        q.INT8_BUILDS = frozenset(q.INT8_BUILDS - {"before"})
+    usual = q.LIBRARIES[q.variant()].get()
+    bench_quant_source.main(["--before", str(same), *base])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 1 |", "| 3 |"))]
+    assert len(rows) == 2 and all(line.endswith("x |") for line in rows)
+    with pytest.raises(SystemExit, match="different bits at 1 rows"):
+        bench_quant_source.main(["--before", str(off_by_one), *base])
+    bench_quant_source.main(["--before", str(off_by_one), "--allow-different-bits", *base])
+    assert "note: different bits at 1 rows" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="does not build"):
+        bench_quant_source.main(["--before", str(broken), *base])
+    assert q.LIBRARIES[q.variant()].get() is usual  # the checkout's build is back in place
