@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--allow-different-bits", action="store_true",
                    help="time a change of arithmetic (else different outputs stop the run)")
     args = p.parse_args(argv)
+    if not args.before.is_file():
+        p.error(f"--before {args.before}: no such file")
 
     import torch
 

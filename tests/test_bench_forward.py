@@ -145,3 +145,6 @@ def test_bench_quant_source_times_two_versions_and_stops_on_different_bits(tmp_p
     with pytest.raises(SystemExit, match="does not build"):
         bench_quant_source.main(["--before", str(broken), *base])
     assert q.LIBRARIES[q.variant()].get() is usual  # the checkout's build is back in place
+    with pytest.raises(SystemExit):  # argparse's error, not a traceback
+        bench_quant_source.main(["--before", str(tmp_path / "missing.c"), *base])
+    assert "missing.c: no such file" in capsys.readouterr().err
