@@ -509,13 +509,7 @@ def copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> dict[str, Any]:
     import numpy as np
 
     def best(fn: Any) -> float:
-        fn()  # touch the pages
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return 2 * nbytes / min(times) / 1e9
+        return 2 * nbytes / _best_seconds(fn, repeats) / 1e9
 
     a = np.ones(nbytes // 8, dtype=np.float64)
     b = np.empty_like(a)
@@ -543,13 +537,19 @@ def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
     import torch
 
     data = torch.ones(nbytes // 4, dtype=torch.float32)
-    data.sum()  # touch the pages
+    return nbytes / _best_seconds(data.sum, repeats) / 1e9
+
+
+def _best_seconds(fn: Any, repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls of ``fn``, after one untimed call (it touches the
+    pages)."""
+    fn()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        data.sum()
+        fn()
         times.append(time.perf_counter() - t0)
-    return nbytes / min(times) / 1e9
+    return min(times)
 
 
 @functools.lru_cache(maxsize=8)
