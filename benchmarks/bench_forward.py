@@ -12,9 +12,9 @@ blink.kernels.cpu.fused; or ``--before torch-int4``: today's forward with the 4-
 torch's int4 kernel's layout (``$BLINK_CPU_Q4=torch`` while it loads), which isolates the AMX
 kernel, blink.kernels.cpu.q4_linear; or ``--before attention-no-prefetch``: today's forward
 with the C attention kernel built without its prefetch of the next KV block; or ``--before
-attention-no-tiles``: today's forward with the C attention kernel built without its AMX tiles
-for prompt rows, so that prefills take SDPA and mixed steps the per-token pass, as before
-them; or ``--before bf16-head``: today's forward with the logits from a packed bf16 copy of
+attention-no-tiles``: today's forward with the C attention kernel built without its tiles
+for prompt rows (AMX's and AVX-512's), so that prefills take SDPA and mixed steps the
+per-token pass, as before them; or ``--before bf16-head``: today's forward with the logits from a packed bf16 copy of
 a tied head that the file stores as Q8_0, which isolates the 8-bit head on the AMX kernel;
 or ``--before no-cpu-graphs``: today's forward eager, against decode steps replayed from
 their CPU graphs (blink.decode_graphs; the other baselines compare eager with eager); or

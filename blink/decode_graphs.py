@@ -128,9 +128,8 @@ class DecodeGraphs:
         rows of several tokens over long contexts, and SDPA's bits are not the kernel's."""
         k_cache = self.kv_caches[0][0]
         q_dtype = self.model.model.embed_tokens.weight.dtype  # the forward's dtype
-        tiles = q_dtype == k_cache.dtype == torch.bfloat16 and k_cache.shape[-1] % 32 == 0
-        return cpu_attention.prefer_native(md, tokens, self.block_size,
-                                           cpu_attention.tile_min_tokens() if tiles else 0)
+        tile_min, tile_ns = cpu_attention.prompt_tiles(q_dtype, k_cache.dtype, k_cache.shape[-1])
+        return cpu_attention.prefer_native(md, tokens, self.block_size, tile_min, tile_ns)
 
     def run(self, input_ids: torch.Tensor, md: AttentionMetadata,
             logits_indices: torch.Tensor) -> torch.Tensor | None:

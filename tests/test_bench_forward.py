@@ -29,7 +29,7 @@ def test_bench_forward_prints_before_and_now(tmp_path, monkeypatch, capsys):
 
 def test_bench_forward_mixed_steps_against_the_attention_without_tiles(tmp_path, monkeypatch, capsys):
     """``--mixed`` puts prompts and decode rows in one step; ``--before attention-no-tiles``
-    builds the C attention kernel without its AMX tiles (a build that works on any CPU)."""
+    builds the C attention kernel without its tiles (a build that works on any CPU)."""
     from benchmarks import bench_forward
 
     model = make_tiny_model("llama", tmp_path)

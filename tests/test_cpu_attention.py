@@ -2,8 +2,8 @@
 the reference, both of its paths (the C kernel and the SDPA one): decode, prefill, extend
 over a cached prefix, an unused row and padding in one step; GQA/MQA/MHA; fp32 and bf16;
 strided queries; the C kernel's threads; chunked tiles; the per-step memos; which path a
-step takes; a bad block id; the fallback without a compiler; the C kernel's AMX tiles for
-prompt rows."""
+step takes; a bad block id; the fallback without a compiler; the C kernel's tiles for prompt
+rows (AVX-512's on every AVX-512 CPU, AMX's where it has AMX)."""
 from __future__ import annotations
 
 import dataclasses
@@ -222,13 +222,24 @@ def _cpu_has_amx() -> bool:
     return " amx_bf16" in flags and " amx_tile" in flags and cpu_q4_linear.available()
 
 
-def test_the_kernel_has_tiles_where_the_cpu_has_amx():
-    """On a CPU with AMX that the OS grants, prompt rows take tiles from 8 new tokens;
-    elsewhere none do, and the tests below skip."""
-    if not _cpu_has_amx():
+def test_prompt_rows_take_tiles_on_every_avx512_cpu():
+    """Prompt rows take tiles from 8 new tokens wherever the kernel is built with AVX-512: AMX's
+    for bf16 queries and cache with whole 32-channel parts where the CPU has AMX (and the OS
+    grants it), AVX-512's for every other call, each with its figure for the cost estimate; a
+    build without AVX-512 has none."""
+    library = cpu_attention.LIBRARY.get()
+    if not library.blink_has_avx512():
         assert cpu_attention.tile_min_tokens() == 0
+        assert cpu_attention.prompt_tiles(torch.float32, torch.float32, 64) == (0, 0.0)
         return
-    assert cpu_attention.tile_min_tokens() == 8
+    amx = _cpu_has_amx()
+    assert cpu_attention.tile_min_tokens() == 8 and library.tiles_on_amx == amx
+    bf16, avx512 = torch.bfloat16, (8, cpu_attention._AVX512_TILE_NS_PER_VISIT)
+    assert cpu_attention.prompt_tiles(bf16, bf16, 64) == ((8, cpu_attention._TILE_NS_PER_VISIT) if amx else avx512)
+    assert cpu_attention.prompt_tiles(torch.float32, torch.float32, 64) == avx512
+    assert cpu_attention.prompt_tiles(bf16, torch.float32, 64) == avx512
+    assert cpu_attention.prompt_tiles(bf16, bf16, 48) == avx512  # not whole 32-channel parts
+    assert ("AMX tiles for bf16" if amx else "AVX-512 tiles for prompt rows of 8+") in cpu_attention.describe()
 
 
 needs_tiles = pytest.mark.skipif(not _cpu_has_amx(), reason="the tiles need AMX")
@@ -275,6 +286,71 @@ def test_amx_tiles_match_the_reference(rows, n_heads, n_kv_heads, head_dim, bloc
     assert torch.equal(two, out)
 
 
+def _avx512_build() -> bool:
+    return bool(cpu_attention.LIBRARY.get().blink_has_avx512())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,n_heads,n_kv_heads,head_dim,block_size", TILE_CASES)
+def test_avx512_tiles_match_the_reference(rows, n_heads, n_kv_heads, head_dim, block_size, dtype):
+    """Prompt rows on AVX-512's tiles (everything in fp32): within the dtype's tolerance of
+    the fp32 reference (fp32's 1e-5); in fp32 other bits than the per-token pass (the kernel
+    built without tiles) on the rows of 8+ new tokens, so the tiles ran (bf16 outputs may
+    round both to the same bits), and the same bits on the others; padding tokens exact
+    zeros; the same bits with two threads."""
+    if not _avx512_build():
+        pytest.skip("the kernel's tiles need AVX-512")
+    if dtype == torch.bfloat16 and cpu_attention.LIBRARY.get().tiles_on_amx and head_dim % 32 == 0:
+        pytest.skip("bf16 prompt rows take AMX's tiles on this CPU (test_amx_tiles_match_the_reference)")
+    from benchmarks.bench_forward import _built_with
+
+    k_cache, v_cache, k_new, v_new, md, n_live = make_batch(
+        rows, n_kv_heads=n_kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype, pad_tokens=3)
+    ref.write_kv_cache(k_new, v_new, k_cache, v_cache, md.slot_mapping)
+    T = md.slot_mapping.shape[0]
+    q = torch.randn(T, n_heads, head_dim, generator=torch.Generator().manual_seed(4)).to(dtype)
+    scale = head_dim**-0.5
+    expected = ref.paged_attention(q.float(), k_cache.float(), v_cache.float(), md, scale)
+    out = native_only(q, k_cache, v_cache, md, scale)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out[:n_live].float(), expected[:n_live], **TOL[dtype])
+    assert torch.count_nonzero(out[n_live:]) == 0
+
+    usual = cpu_attention.LIBRARY.get()
+    cpu_attention.LIBRARY._state[:] = [_built_with(cpu_attention, "TILES=0")]
+    try:
+        assert cpu_attention.tile_min_tokens() == 0
+        per_token = native_only(q, k_cache, v_cache, dataclasses.replace(md, step_cache=None), scale)
+    finally:
+        cpu_attention.LIBRARY._state[:] = [usual]
+    tokens = 0
+    for cached, new in rows:
+        span = slice(tokens, tokens + new)
+        if new >= 8:
+            if dtype == torch.float32:
+                assert not torch.equal(out[span], per_token[span]), (cached, new)
+        else:
+            assert torch.equal(out[span], per_token[span]), (cached, new)
+        tokens += new
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = native_only(q, k_cache, v_cache, dataclasses.replace(md, step_cache=None), scale)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(two, out)
+
+
+def test_avx512_tiles_reject_a_block_outside_the_cache():
+    if not _avx512_build():
+        pytest.skip("the kernel's tiles need AVX-512")
+    k_cache, v_cache, k_new, v_new, md, _ = make_batch([(0, 40)], n_kv_heads=1, head_dim=32,
+                                                        block_size=8, dtype=torch.float32)
+    md.block_tables[0, 3] = k_cache.shape[0] + 5
+    with pytest.raises(ValueError, match="outside the KV cache"):
+        native_only(torch.randn(40, 2, 32), k_cache, v_cache, md, 0.25)
+
+
 @needs_tiles
 def test_amx_tiles_reject_a_block_outside_the_cache():
     k_cache, v_cache, k_new, v_new, md, _ = make_batch([(0, 40)], n_kv_heads=1, head_dim=32,
@@ -285,18 +361,20 @@ def test_amx_tiles_reject_a_block_outside_the_cache():
         native_only(q, k_cache, v_cache, md, 0.25)
 
 
+@pytest.mark.parametrize("tile_ns", [cpu_attention._TILE_NS_PER_VISIT, cpu_attention._AVX512_TILE_NS_PER_VISIT],
+                         ids=["amx", "avx512"])
 @pytest.mark.parametrize("rows", [
     [(0, 128)], [(0, 128)] * 2, [(100, 1), (0, 512)], [(300, 1)] * 8 + [(1536, 512)], [(0, 2048)],
     [(1000, 24)] * 4, [(128, 1)] * 16,
 ])
-def test_with_tiles_the_kernel_takes_prefills_too(rows):
+def test_with_tiles_the_kernel_takes_prefills_too(rows, tile_ns):
     """With tiles for rows of 8 new tokens or more, the estimate gives the C kernel every
-    one of these steps, the prefills that SDPA took without them included (measured 1.7-3.2x
-    SDPA on SmolLM2's shapes, docs/performance.md#cpu-attention)."""
+    one of these steps, the prefills that SDPA took without them included (AMX's measured
+    1.7-3.2x SDPA on SmolLM2's shapes, AVX-512's 2.3-10x on Zen 4: docs/performance.md#cpu-attention)."""
     _, _, _, _, md, _ = make_batch(rows, n_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
     md = dataclasses.replace(md, max_context=max(c + n for c, n in rows),
                              max_query_len=max(n for c, n in rows))
-    assert cpu_attention.prefer_native(md, md.slot_mapping.shape[0], 16, tile_min=8)
+    assert cpu_attention.prefer_native(md, md.slot_mapping.shape[0], 16, tile_min=8, tile_ns_per_visit=tile_ns)
 
 
 NO_AMX_CC = """#!/bin/sh
@@ -307,9 +385,10 @@ exec cc "$@" -mno-amx-tile -mno-amx-bf16 -mno-amx-int8
 
 @needs_tiles
 def test_amx_off_takes_the_path_of_a_cpu_without_amx(tmp_path, monkeypatch):
-    """``$BLINK_CPU_AMX=0`` on a CPU with AMX (benchmarks/peers.py --no-amx): no tiles, and
-    the same bits as the kernel built for this CPU less AMX (a CPU without AMX: every row on
-    the per-token pass, its scores on AVX-512), which differ from AMX's; within bf16's
+    """``$BLINK_CPU_AMX=0`` on a CPU with AMX (benchmarks/peers.py --no-amx): AVX-512's tiles,
+    and the same bits as the kernel built for this CPU less AMX (a CPU without AMX: prompt rows
+    on AVX-512's tiles, the others on the per-token pass, its scores on AVX-512), which differ
+    from AMX's; within bf16's
     tolerance of the reference. The start log says so; the 4-bit AMX kernel is off too."""
     from blink.kernels.cpu import q4_linear as cpu_q4_linear
 
@@ -327,7 +406,7 @@ def test_amx_off_takes_the_path_of_a_cpu_without_amx(tmp_path, monkeypatch):
     with_amx = run()
     monkeypatch.setenv("BLINK_CPU_AMX", "0")
     cpu_attention.LIBRARY.reset()
-    assert cpu_attention.tile_min_tokens() == 0
+    assert cpu_attention.tile_min_tokens() == 8 and not cpu_attention.LIBRARY.get().tiles_on_amx
     assert "no AMX; $BLINK_CPU_AMX=0" in cpu_attention.describe()
     amx_off = run()
     cpu_q4_linear.LIBRARY.reset()
@@ -345,7 +424,7 @@ def test_amx_off_takes_the_path_of_a_cpu_without_amx(tmp_path, monkeypatch):
     monkeypatch.delenv("BLINK_CPU_AMX")
     cpu_attention.LIBRARY.reset()
     try:
-        assert cpu_attention.tile_min_tokens() == 0
+        assert cpu_attention.tile_min_tokens() == 8 and not cpu_attention.LIBRARY.get().tiles_on_amx
         assert "no AMX)" in cpu_attention.describe()
         without = run()
     finally:

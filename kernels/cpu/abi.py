@@ -52,6 +52,7 @@ POOL: dict[str, Signature] = {
 ATTENTION: dict[str, Signature] = {
     **KERNELS_H,
     "blink_paged_attention_tile_min_tokens": Signature(INT),
+    "blink_paged_attention_tiles_on_amx": Signature(INT),
     "blink_paged_attention_allow_amx": Signature(None, _args("allowed", INT)),
     "blink_paged_attention": Signature(
         INT,

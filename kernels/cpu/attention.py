@@ -5,19 +5,20 @@ Two implementations with the reference's contract (:func:`blink.kernels.referenc
 - **the C kernel** (``attention.c``, built once per machine at first use by
   :func:`blink.shared.native_build.build_library`): one online-softmax pass per (token, KV
   head) over the sequence's blocks, reading K/V where they lie in the cache, in its dtype,
-  accumulating in fp32. On a CPU with AMX, prompt rows (:func:`tile_min_tokens` new tokens
-  or more, bf16 queries and cache) take tiles of 16 queries instead: a flash-attention pass
-  whose products run on AMX (2.5-3x SDPA on SmolLM2's prefills). ``$BLINK_CPU_AMX=0``
-  (:func:`blink.kernels.cpu.amx_allowed`) turns AMX off, as on a CPU without it. It serves the steps where a
-  cost estimate says it is faster (:func:`prefer_native`): decode and mixed steps, where the
-  torch path's gathers and per-op costs were ~25% of a 16-row SmolLM2 step, and with tiles
-  prefills too.
+  accumulating in fp32. Prompt rows (:func:`tile_min_tokens` new tokens or more) take tiles
+  of 16 queries instead: a flash-attention pass over the row's context laid out once per KV
+  head, its products on AMX on a CPU with it (bf16 queries and cache: 2.5-3x SDPA on
+  SmolLM2's prefills), else in fp32 on AVX-512 (1.8-3.8x the per-token pass and 2.3-10x
+  SDPA at 16-2048 new tokens on Zen 4). ``$BLINK_CPU_AMX=0`` (:func:`blink.kernels.cpu.amx_allowed`) turns AMX off, as on a
+  CPU without it. It serves the steps where a cost estimate says it is faster
+  (:func:`prefer_native`): decode and mixed steps, where the torch path's gathers and per-op
+  costs were ~25% of a 16-row SmolLM2 step, and with tiles prefills too.
 - **the torch path** (:func:`sdpa_paged_attention`): the reference's tiling, but the gathered
   K/V stay in the cache's dtype and go straight to SDPA, whose CPU flash kernel accumulates
   in fp32 for bf16 anyway; the mask is made once per step in that dtype. Long prefills run
-  here (SDPA's blocked GEMMs beat a per-token loop there), as does everything when the C
-  kernel cannot be built (no compiler: said once in the log) or ``$BLINK_CPU_ATTENTION`` is
-  ``torch``.
+  here where the kernel has no tiles (a build without AVX-512: SDPA's blocked GEMMs beat a
+  per-token loop there), as does everything when the C kernel cannot be built (no compiler:
+  said once in the log) or ``$BLINK_CPU_ATTENTION`` is ``torch``.
 
 Both are tested against the reference in ``tests/test_cpu_attention.py``.
 """
@@ -54,6 +55,11 @@ IMPL_ENV = "BLINK_CPU_ATTENTION"
 _NATIVE_NS_PER_VISIT = 70.0
 # the C kernel's AMX tiles (prompt rows): 7-11 ns per (token, visible key) at 128-2048 tokens
 _TILE_NS_PER_VISIT = 10.0
+# its AVX-512 tiles (a CPU without AMX, or not bf16): 12-17 ns on SmolLM2's prompts of
+# 128-2048 tokens on two Zen 4 cores, where the per-token pass took 32-47 and SDPA 35-160 (both
+# slower there than the figures above, fitted on a Xeon, say; SDPA the most:
+# docs/performance.md#cpu-attention)
+_AVX512_TILE_NS_PER_VISIT = 16.0
 _SDPA_NS_PER_TILE_KEY = 190.0
 _SDPA_NS_PER_CELL = 11.0
 _SDPA_NS_PER_CALL = 50_000.0
@@ -75,6 +81,7 @@ def _declare(library: ctypes.CDLL) -> None:
     # $BLINK_CPU_AMX=0: the path a CPU without AMX takes (no tiles, scores on AVX-512)
     library.blink_paged_attention_allow_amx(int(amx_allowed()))
     library.tile_min_tokens = int(library.blink_paged_attention_tile_min_tokens())  # read per call
+    library.tiles_on_amx = bool(library.blink_paged_attention_tiles_on_amx())
 
 
 LIBRARY = NativeLibrary(
@@ -82,7 +89,8 @@ LIBRARY = NativeLibrary(
     fallback="the torch path (SDPA over gathered blocks) serves every step",
     flags=("-O3", "-march=native", *_MATH_FLAGS), fallback_flags=("-O3", *_MATH_FLAGS),
     headers=(_SOURCE.with_name("kernels.h"),), env=IMPL_ENV, setup=_declare,
-    kernels=("blink_paged_attention",), queries=("blink_has_avx512", "blink_paged_attention_tile_min_tokens"),
+    kernels=("blink_paged_attention",), queries=("blink_has_avx512", "blink_paged_attention_tile_min_tokens",
+                                                     "blink_paged_attention_tiles_on_amx"),
     requires="GCC >= 12 or clang (__builtin_shufflevector)")
 
 
@@ -94,11 +102,23 @@ def native_kernel() -> "ctypes._CFuncPtr | None":
 
 
 def tile_min_tokens() -> int:
-    """The new-token count from which a row takes the C kernel's AMX tiles (bf16 queries and
-    cache, head size a multiple of 32); 0 where the kernel has none (no AMX, ``$BLINK_CPU_AMX=0``,
-    or not built)."""
+    """The new-token count from which a row takes the C kernel's tiles (AMX's for bf16 queries
+    and cache with a head size a multiple of 32 on a CPU with AMX, else AVX-512's); 0 where the
+    kernel has none (a build without AVX-512, or not built)."""
     library = LIBRARY.get()
     return 0 if library is None else library.tile_min_tokens
+
+
+def prompt_tiles(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> tuple[int, float]:
+    """For a forward in ``dtype`` over a cache in ``cache_dtype``: the new-token count from
+    which a row takes the C kernel's tiles (0: none) and their cost per (token, visible key)
+    for :func:`prefer_native`: AMX's where they run (bf16, whole 32-channel parts, AMX
+    granted and allowed), else AVX-512's."""
+    library = LIBRARY.get()
+    if library is None or not library.tile_min_tokens:
+        return 0, 0.0
+    amx = library.tiles_on_amx and dtype == cache_dtype == torch.bfloat16 and head_dim % 32 == 0
+    return library.tile_min_tokens, _TILE_NS_PER_VISIT if amx else _AVX512_TILE_NS_PER_VISIT
 
 
 def describe() -> str:
@@ -107,12 +127,14 @@ def describe() -> str:
     if library is None:
         return "the torch path (SDPA over gathered blocks)" + (
             f" (${IMPL_ENV}=torch)" if LIBRARY.switched_off() else "")
-    avx = "AVX-512" if library.blink_has_avx512() else "without AVX-512"
-    if library.tile_min_tokens:
-        return (f"the C kernel ({avx}; AMX tiles for prompt rows of {library.tile_min_tokens}+ "
-                "new tokens) where its cost estimate wins, else SDPA")
-    why = "; $BLINK_CPU_AMX=0" if not amx_allowed() else ""
-    return f"the C kernel ({avx}, no AMX{why}) where its cost estimate wins, else SDPA"
+    if not library.blink_has_avx512():
+        return "the C kernel (without AVX-512) where its cost estimate wins, else SDPA"
+    rows = f"prompt rows of {library.tile_min_tokens}+ new tokens"
+    if library.tiles_on_amx:
+        tiles = f"AMX tiles for bf16 {rows}, AVX-512 tiles for the others"
+    else:
+        tiles = f"AVX-512 tiles for {rows}; no AMX" + ("; $BLINK_CPU_AMX=0" if not amx_allowed() else "")
+    return f"the C kernel ({tiles}) where its cost estimate wins, else SDPA"
 
 
 def _native_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -126,11 +148,12 @@ def _native_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             and v_cache.is_contiguous() and H % KVH == 0 and H // KVH <= _MAX_GROUP
             and D % 16 == 0 and D <= _MAX_HEAD_DIM and block_size <= _MAX_BLOCK):
         return False
-    tiles = q.dtype == k_cache.dtype == torch.bfloat16 and D % 32 == 0
-    return prefer_native(md, T, block_size, tile_min_tokens() if tiles else 0)
+    tile_min, tile_ns = prompt_tiles(q.dtype, k_cache.dtype, D)
+    return prefer_native(md, T, block_size, tile_min, tile_ns)
 
 
-def prefer_native(md: AttentionMetadata, T: int, block_size: int, tile_min: int = 0) -> bool:
+def prefer_native(md: AttentionMetadata, T: int, block_size: int, tile_min: int = 0,
+                  tile_ns_per_visit: float = _TILE_NS_PER_VISIT) -> bool:
     """Whether the C kernel's estimated cost is below the torch path's for this step (once per
     step, memoised in ``md.step_cache``). A host-side decision: this is the CPU loop, whose
     metadata lives in host memory; the GPU tiers run their own kernels.
@@ -138,8 +161,8 @@ def prefer_native(md: AttentionMetadata, T: int, block_size: int, tile_min: int 
     The C kernel's per-token pass goes over each token's visible keys, so it wins when most
     tokens are decodes; SDPA's blocked products win for prefills, whose tokens share one
     context, unless the kernel has tiles for them: rows of ``tile_min`` new tokens or more
-    (0: none; :func:`tile_min_tokens`) cost a fraction per key. The estimate replays the torch
-    path's tiling (:func:`_attention_plan`'s ``Qt``)."""
+    (0: none; :func:`prompt_tiles`) cost ``tile_ns_per_visit`` per key, a fraction. The
+    estimate replays the torch path's tiling (:func:`_attention_plan`'s ``Qt``)."""
     cache = md.step_cache
     if cache is not None and "cpu_attention_prefer_native" in cache:
         return cache["cpu_attention_prefer_native"]
@@ -157,7 +180,7 @@ def prefer_native(md: AttentionMetadata, T: int, block_size: int, tile_min: int 
     tiles = float((-(-n_new // Qt)).sum())
     L = -(-longest // block_size) * block_size
     native = (float(row_visits[~tiled].sum()) * _NATIVE_NS_PER_VISIT
-              + float(row_visits[tiled].sum()) * _TILE_NS_PER_VISIT)
+              + float(row_visits[tiled].sum()) * tile_ns_per_visit)
     sdpa = tiles * L * (_SDPA_NS_PER_TILE_KEY + Qt * _SDPA_NS_PER_CELL) + _SDPA_NS_PER_CALL
     choice = native <= sdpa
     if cache is not None:
