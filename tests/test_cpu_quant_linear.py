@@ -87,7 +87,8 @@ CODE_BITS = {"q4_1": 4, "q4_0": 4, "q4_k": 4, "q8_0": 8, "q6_k": 6, "q5_k": 5}
 def exact_product(build: str, fmt: str, x: torch.Tensor, codes, d, m, group: int,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """The product the build computes: x @ (d q + m).T, an int8 build's on
-    quantize_activations' x (the whole weight: its m multiplies the sum of the rounded x),
+    quantize_activations' x (per 256 channels for a K-quant with the file's scales, else 32;
+    the whole weight: its m multiplies the sum of the rounded x),
     in float64: exact here (fp32 weights and x, sums of at most a few thousand products), so
     that it does not depend on the order torch's fp32 matmul sums in on this CPU (on an AMD
     EPYC it put 6-9 of 128 extreme outputs a rounding edge away from the exact ones)."""
@@ -95,7 +96,8 @@ def exact_product(build: str, fmt: str, x: torch.Tensor, codes, d, m, group: int
     q_centered = codes.double() - (8 if fmt == "q4_0" else 0)
     scaled = (q_centered.view(n, k // group, group) * d.double()[..., None]).view(n, k)
     mins = None if m is None or fmt == "q4_0" else m.double().repeat_interleave(group, 1)
-    xs = q.quantized_x(x).double() if build in q.INT8_BUILDS else x.double()
+    k_quant = FORMATS[fmt][3] and k % q.SUPER == 0  # x per super-block (activation_group)
+    xs = q.quantized_x(x, q.SUPER if k_quant else q.GROUP).double() if build in q.INT8_BUILDS else x.double()
     want = xs @ scaled.T + (0 if mins is None else xs @ mins.T)
     return want if bias is None else want + bias.double()
 
@@ -397,12 +399,19 @@ def test_without_a_compiler_torchs_kernel_takes_the_weights(without_c_compiler, 
 def test_the_file_scales_and_6_bit_codes_give_the_bits_of_fp32_scales_and_8_bit_codes(build, fmt):
     """The compact layout (the file's scales, d * sc formed in the kernel, exact; Q6_K's codes in
     6 bits, Q5_K's in 5) is the same product as the one it replaced (fp32 d and m per group, 8-bit codes),
-    bit for bit, at decode and prefill row counts, and reads about 2/3 of its bytes or less."""
+    bit for bit, at decode and prefill row counts (the int8 builds: each the exact product on its
+    own x, per super-block on the file's scales: activation_group), and reads about 2/3 of its
+    bytes or less."""
     codes, d, m, group, bits, k_scales = weight(fmt, 48, 512, seed=7)
     compact = q.pack(codes, d, m, group, bits, k_scales)
     before = q.pack(codes, d, m, group, bits, None, narrow=False)
     assert compact.format & q.F_K and not before.format & q.F_K and before.format & q.F_FP32
     assert compact.nbytes() <= (0.78 if fmt == "q4_k" else 0.67) * before.nbytes()
     x = torch.randn(40, 512).bfloat16()
+    magnitude = x.float().abs() @ q.dequantize(compact).abs().T
     for rows in (1, 3, 16, 40):
-        assert torch.equal(q.linear(x[:rows], [compact], None), q.linear(x[:rows], [before], None))
+        got = q.linear(x[:rows], [compact], None)
+        if build in q.INT8_BUILDS:  # x per super-block on the file's scales, per 32 on fp32 ones
+            close_to_exact(got, exact_product(build, fmt, x[:rows], codes, d, m, group), magnitude[:rows])
+        else:
+            assert torch.equal(got, q.linear(x[:rows], [before], None))

@@ -41,8 +41,8 @@
  * - AVX2: 8 columns at a time, x . q per group in fp32 FMAs on x's fp32 values and the codes
  *   as fp32 (exact), then d (x . q) + m sum(x).
  * - The int8 builds (AVX-512 VNNI, AVX2 with -DBLINK_QUANT_INT8_AVX2) multiply x quantized to
- *   int8 per group of 32 (llama.cpp's Q8_0 activations) in exact integer sums: see their
- *   sections.
+ *   int8 per group of 32 (llama.cpp's Q8_0 activations; for K-quants on the file's scales per
+ *   super-block of 256, its Q8_K) in exact integer sums: see their sections.
  * Every row count takes the same code (decode steps and prefills alike), rows in passes of 8
  * (AVX2: 4) over a tile whose codes stay in L1, x's rows from L2 in panels of PANEL_ROWS. Each
  * row is summed in the same order whatever the rows beside it: its bits do not depend on the
@@ -100,10 +100,11 @@ typedef struct {
     int64_t M, N, K;
     int format;
     float *x_sums;         /* [M, K / group]: each row's sum over each scale group (F_M); int8
-                            * builds: s sum(qx), blocked */
+                            * builds: s sum(qx), blocked (F_K: sum(qx) alone, see k256) */
     const float *xf;       /* AVX2: [M, K] x in fp32 */
     int8_t *xq;            /* int8 builds: x's int8 codes, per group of 32 in the kernel's order, blocked */
-    float *xs;             /* int8 builds: their scales, one per group of 32, blocked */
+    float *xs;             /* int8 builds: their scales, one per group of 32 (F_K: the super-block's,
+                            * the same for its 8 groups), blocked */
     int32_t *xoff;         /* int8 builds: -off * sum(qx) per scale group, blocked */
 } args_t;
 
@@ -209,7 +210,8 @@ static inline void group_scales(const args_t *a, int64_t t, int64_t s, int hc, _
  * measured), vpdpbusd two a cycle with twice the products each (~970 G int8 products and sums
  * a second): 8x. So here x is quantized as llama.cpp quantizes its activations (Q8_0: per
  * row and group of 32 channels, s = max|x| / 127, qx = round(x * (127 / max|x|)), ties to
- * even) and each group's x . q is an exact int32 sum of the codes (as unsigned bytes u) times
+ * even; for K-quants on the file's scales per super-block of 256, as its Q8_K: tile_rows'
+ * k256) and each group's x . q is an exact int32 sum of the codes (as unsigned bytes u) times
  * qx. The weight w = d (u - off) + m is not rounded: off (Q4_0 8, Q6_K 32, Q8_0 128 after a
  * flip of the sign bit) comes off the int32 as off * sum(qx), and m multiplies s sum(qx), the
  * sum of the rounded x (not the exact sum(x): x's rounding errors must meet the whole,
@@ -261,11 +263,17 @@ static inline int code_offset(int format) {
 }
 
 /* Rows [r0, r0 + R) x tile t (16 columns); r0 a multiple of ROWS. R <= ROWS, the code width,
- * whether m is stored, the codes' offset and 16-channel scale groups are known at compile time
- * once inlined (tile_pass' kinds), so the loop holds no test of the format. */
+ * whether m is stored, the codes' offset, 16-channel scale groups and k256 are known at compile
+ * time once inlined (tile_pass' kinds), so the loop holds no test of the format.
+ * k256 (F_K: x's scale s per super-block of 256 channels, llama.cpp's Q8_K for K-quants): a
+ * super-block's groups add sum(u qx) d + sum(qx) m in units of s, times s once at its end, so a
+ * group's fp32 work per row is a convert and two FMAs instead of a convert, a multiply by its
+ * own s and two FMAs (1.10-1.15x at 16-128 rows on Zen 4, where that work was ~1/3 of the
+ * instructions; x's rounding per 256: performance.md#int8-accuracy). */
 static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int64_t t, int64_t r0, const int R,
                                                             const int bits, const int with_m, const int off,
-                                                            const int g16, const float *scales, far_t far) {
+                                                            const int g16, const int k256, const float *scales,
+                                                            far_t far) {
     const int64_t groups = a->K / GROUP, tb = tile_bytes(a->format);
     const int64_t sgroups = a->K / (g16 ? 16 : GROUP), per = g16 ? 2 : 1;
     const uint8_t *codes = a->codes + t * groups * tb;
@@ -282,10 +290,11 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
     enum { NACC = 2 };
     const int nacc = R > 4 ? 1 : NACC;
     __m512i acc[ROWS][NACC];
-    __m512 tot[ROWS];
+    __m512 tot[ROWS], block[ROWS]; /* block: k256's sum over the super-block so far, in units of x's scale */
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
         tot[r] = _mm512_setzero_ps();
+        block[r] = _mm512_setzero_ps();
         acc[r][0] = off ? _mm512_set1_epi32(xoff[r]) : _mm512_setzero_si512();
         acc[r][1] = _mm512_setzero_si512();
     }
@@ -349,12 +358,24 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
 #pragma GCC unroll 8
                 for (int r = 0; r < R; r++) {
                     const __m512i sum = nacc == 2 ? _mm512_add_epi32(acc[r][0], acc[r][1]) : acc[r][0];
-                    const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(xs[g * ROWS + r]));
-                    tot[r] = _mm512_fmadd_ps(part, d, tot[r]);
-                    if (with_m) tot[r] = _mm512_fmadd_ps(_mm512_set1_ps(x_sums[s * ROWS + r]), m, tot[r]);
+                    if (k256) { /* x's scale is the super-block's: applied once at its end */
+                        block[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), d, block[r]);
+                        if (with_m) block[r] = _mm512_fmadd_ps(_mm512_set1_ps(x_sums[s * ROWS + r]), m, block[r]);
+                    } else {
+                        const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(xs[g * ROWS + r]));
+                        tot[r] = _mm512_fmadd_ps(part, d, tot[r]);
+                        if (with_m) tot[r] = _mm512_fmadd_ps(_mm512_set1_ps(x_sums[s * ROWS + r]), m, tot[r]);
+                    }
                     acc[r][0] = off ? _mm512_set1_epi32(xoff[s_next * ROWS + r]) : _mm512_setzero_si512();
                     acc[r][1] = _mm512_setzero_si512();
                 }
+            }
+        }
+        if (k256 && (g & 7) == 7) { /* a super-block ends */
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                tot[r] = _mm512_fmadd_ps(block[r], _mm512_set1_ps(xs[g * ROWS + r]), tot[r]);
+                block[r] = _mm512_setzero_ps();
             }
         }
     }
@@ -365,15 +386,16 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
 
 /* The formats' kinds, each its own loop: (bits, m stored, the codes' offset, 16-channel groups) */
 #define KINDS(R)                                                                                   \
-    if (bits == 4 && with_m && !g16) tile_rows(a, t, r0, R, 4, 1, 0, 0, scales, far);  /* Q4_1, Q4_K */  \
-    else if (bits == 4 && !with_m && off == 8 && !g16) tile_rows(a, t, r0, R, 4, 0, 8, 0, scales, far); /* Q4_0 */ \
-    else if (bits == 6 && !with_m && off == 32 && g16) tile_rows(a, t, r0, R, 6, 0, 32, 1, scales, far); /* Q6_K */ \
-    else if (bits == 8 && !with_m && off == 128 && !g16) tile_rows(a, t, r0, R, 8, 0, 128, 0, scales, far); /* Q8_0 */ \
-    else if (bits == 5 && with_m && !g16) tile_rows(a, t, r0, R, 5, 1, 0, 0, scales, far); /* Q5_K */  \
-    else if (bits == 8) tile_rows(a, t, r0, R, 8, with_m, off, g16, scales, far);                     \
-    else if (bits == 6) tile_rows(a, t, r0, R, 6, with_m, off, g16, scales, far);                     \
-    else if (bits == 5) tile_rows(a, t, r0, R, 5, with_m, off, g16, scales, far);                     \
-    else tile_rows(a, t, r0, R, 4, with_m, off, g16, scales, far);
+    if (k256 && bits == 4 && with_m && !g16) tile_rows(a, t, r0, R, 4, 1, 0, 0, 1, scales, far);  /* Q4_K */ \
+    else if (k256 && bits == 6 && !with_m && off == 32 && g16) tile_rows(a, t, r0, R, 6, 0, 32, 1, 1, scales, far); /* Q6_K */ \
+    else if (k256 && bits == 5 && with_m && !g16) tile_rows(a, t, r0, R, 5, 1, 0, 0, 1, scales, far); /* Q5_K */ \
+    else if (bits == 4 && with_m && !g16) tile_rows(a, t, r0, R, 4, 1, 0, 0, 0, scales, far);  /* Q4_1 */  \
+    else if (bits == 4 && !with_m && off == 8 && !g16) tile_rows(a, t, r0, R, 4, 0, 8, 0, 0, scales, far); /* Q4_0 */ \
+    else if (bits == 8 && !with_m && off == 128 && !g16) tile_rows(a, t, r0, R, 8, 0, 128, 0, 0, scales, far); /* Q8_0 */ \
+    else if (bits == 8) tile_rows(a, t, r0, R, 8, with_m, off, g16, k256, scales, far);                     \
+    else if (bits == 6) tile_rows(a, t, r0, R, 6, with_m, off, g16, k256, scales, far);                     \
+    else if (bits == 5) tile_rows(a, t, r0, R, 5, with_m, off, g16, k256, scales, far);                     \
+    else tile_rows(a, t, r0, R, 4, with_m, off, g16, k256, scales, far);
 
 #define CASE(R)                                                                                   \
     case R:                                                                                       \
@@ -384,6 +406,7 @@ static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, const fl
     const int format = a->format, off = code_offset(format), g16 = !!(format & F_GROUP16);
     const int with_m = (format & F_M) && !(format & F_M8);
     const int bits = format & F_BITS8 ? 8 : format & F_BITS6 ? 6 : format & F_BITS5 ? 5 : 4;
+    const int k256 = !!(format & F_K);
     switch (rows) {
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
     }
@@ -408,7 +431,7 @@ static void *quantize_rows(void *arg) {
     blink_part_t *p = (blink_part_t *)arg;
     const args_t *a = (const args_t *)p->args;
     const int format = a->format, off = code_offset(format), sg = (int)group_size(format);
-    const int with_m = (format & F_M) && !(format & F_M8);
+    const int with_m = (format & F_M) && !(format & F_M8), k256 = !!(format & F_K);
     const int64_t K = a->K, groups = K / GROUP, sgroups = K / sg;
     int perm[GROUP];
     for (int i = 0; i < GROUP; i++) perm[i] = format & F_BITS8 ? i : (i & ~7) + PERM4[i & 7];
@@ -417,9 +440,16 @@ static void *quantize_rows(void *arg) {
     for (int64_t r = p->lo; r < p->hi; r++) {
         const uint16_t *x = a->x + r * a->x_stride;
         int8_t *q = a->xq + blocked(r, groups, 0, ROWS) * GROUP; /* group g at q + g ROWS GROUP */
+        float amax = 0.0f;
         for (int64_t g = 0; g < groups; g++) {
             const __m512 v0 = load_bf16x16_i(x + g * GROUP), v1 = load_bf16x16_i(x + g * GROUP + 16);
-            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+            if (!k256 || (g & 7) == 0) { /* per group, or (K-quants) per super-block of 8 groups */
+                __m512 top = _mm512_setzero_ps();
+                for (int64_t e = 0; e < (k256 ? 8 : 1); e++)
+                    top = _mm512_max_ps(top, _mm512_max_ps(_mm512_andnot_ps(sign, load_bf16x16_i(x + (g + e) * GROUP)),
+                                                           _mm512_andnot_ps(sign, load_bf16x16_i(x + (g + e) * GROUP + 16))));
+                amax = _mm512_reduce_max_ps(top);
+            }
             const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
             a->xs[blocked(r, groups, g, ROWS)] = amax / 127.0f;
             const __m512 scale = _mm512_set1_ps(inv);
@@ -432,7 +462,8 @@ static void *quantize_rows(void *arg) {
              * rounding errors meet the whole weight d q + m, centred, as llama.cpp's Q8_1 sums
              * do (m on the exact sum(x) measured 5-10x the error a layer on SmolLM2) */
             const int s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
-            const float scale_back = amax / 127.0f;
+            /* K-quants: the sums of qx alone, the super-block's scale applied after its groups */
+            const float scale_back = k256 ? 1.0f : amax / 127.0f;
             if (sg == 16) {
                 if (off) a->xoff[blocked(r, sgroups, 2 * g, ROWS)] = -off * s0, a->xoff[blocked(r, sgroups, 2 * g + 1, ROWS)] = -off * s1;
                 if (with_m) a->x_sums[blocked(r, sgroups, 2 * g, ROWS)] = scale_back * (float)s0,
@@ -676,8 +707,8 @@ static inline int code_offset(int format) {
  * per scale group (tile_scales), NULL: formed here. */
 static inline __attribute__((always_inline)) void half_rows(const args_t *a, int64_t t, int hc, int64_t r0,
                                                             const int R, const int bits, const int with_m,
-                                                            const int off, const int g16, const float *scales,
-                                                            far_t far) {
+                                                            const int off, const int g16, const int k256,
+                                                            const float *scales, far_t far) {
     const int64_t groups = a->K / GROUP, tb = tile_bytes(a->format);
     const int64_t sgroups = a->K / (g16 ? 16 : GROUP), per = g16 ? 2 : 1;
     const uint8_t *codes = a->codes + t * groups * tb;
@@ -694,11 +725,11 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
                                                 0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
     /* vectors c (2 vpmaddubsw each) summed in int16 before vpmaddwd: see the exactness above */
     const int chunk = bits == 4 ? 4 : bits == 5 ? 2 : 1;
-    __m256 tot[ROWS_I8];
+    __m256 tot[ROWS_I8], block[ROWS_I8]; /* block: as the VNNI build's (k256) */
     __m256i acc16[ROWS_I8], acc32[ROWS_I8];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
-        tot[r] = _mm256_setzero_ps();
+        tot[r] = block[r] = _mm256_setzero_ps();
         acc16[r] = acc32[r] = _mm256_setzero_si256();
     }
     for (int64_t g = 0; g < groups; g++) {
@@ -788,12 +819,24 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
                     for (int r = 0; r < R; r++) {
                         const __m256i sum = off ? _mm256_add_epi32(acc32[r], _mm256_set1_epi32(xoff[s * ROWS_I8 + r]))
                                                 : acc32[r];
-                        const __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(xs[g * ROWS_I8 + r]));
-                        tot[r] = _mm256_fmadd_ps(part, d, tot[r]);
-                        if (with_m) tot[r] = _mm256_fmadd_ps(_mm256_set1_ps(x_sums[s * ROWS_I8 + r]), m, tot[r]);
+                        if (k256) {
+                            block[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, block[r]);
+                            if (with_m) block[r] = _mm256_fmadd_ps(_mm256_set1_ps(x_sums[s * ROWS_I8 + r]), m, block[r]);
+                        } else {
+                            const __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(xs[g * ROWS_I8 + r]));
+                            tot[r] = _mm256_fmadd_ps(part, d, tot[r]);
+                            if (with_m) tot[r] = _mm256_fmadd_ps(_mm256_set1_ps(x_sums[s * ROWS_I8 + r]), m, tot[r]);
+                        }
                     }
                     n32 = 0;
                 }
+            }
+        }
+        if (k256 && (g & 7) == 7) { /* a super-block ends */
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                tot[r] = _mm256_fmadd_ps(block[r], _mm256_set1_ps(xs[g * ROWS_I8 + r]), tot[r]);
+                block[r] = _mm256_setzero_ps();
             }
         }
     }
@@ -812,15 +855,16 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
 /* The formats' kinds, each its own loop: (bits, m stored, the codes' offset, 16-channel groups);
  * 8-bit codes take no offset here (the sign trick) */
 #define KINDS(R)                                                                                   \
-    if (bits == 4 && with_m && !g16) half_rows(a, t, hc, r0, R, 4, 1, 0, 0, scales, far); /* Q4_1, Q4_K */ \
-    else if (bits == 4 && !with_m && off == 8 && !g16) half_rows(a, t, hc, r0, R, 4, 0, 8, 0, scales, far); /* Q4_0 */ \
-    else if (bits == 6 && !with_m && off == 32 && g16) half_rows(a, t, hc, r0, R, 6, 0, 32, 1, scales, far); /* Q6_K */ \
-    else if (bits == 8 && !with_m && !off && !g16) half_rows(a, t, hc, r0, R, 8, 0, 0, 0, scales, far); /* Q8_0 */ \
-    else if (bits == 5 && with_m && !g16) half_rows(a, t, hc, r0, R, 5, 1, 0, 0, scales, far); /* Q5_K */ \
-    else if (bits == 8) half_rows(a, t, hc, r0, R, 8, with_m, off, g16, scales, far);                 \
-    else if (bits == 6) half_rows(a, t, hc, r0, R, 6, with_m, off, g16, scales, far);                 \
-    else if (bits == 5) half_rows(a, t, hc, r0, R, 5, with_m, off, g16, scales, far);                 \
-    else half_rows(a, t, hc, r0, R, 4, with_m, off, g16, scales, far);
+    if (k256 && bits == 4 && with_m && !g16) half_rows(a, t, hc, r0, R, 4, 1, 0, 0, 1, scales, far); /* Q4_K */ \
+    else if (k256 && bits == 6 && !with_m && off == 32 && g16) half_rows(a, t, hc, r0, R, 6, 0, 32, 1, 1, scales, far); /* Q6_K */ \
+    else if (k256 && bits == 5 && with_m && !g16) half_rows(a, t, hc, r0, R, 5, 1, 0, 0, 1, scales, far); /* Q5_K */ \
+    else if (bits == 4 && with_m && !g16) half_rows(a, t, hc, r0, R, 4, 1, 0, 0, 0, scales, far); /* Q4_1 */ \
+    else if (bits == 4 && !with_m && off == 8 && !g16) half_rows(a, t, hc, r0, R, 4, 0, 8, 0, 0, scales, far); /* Q4_0 */ \
+    else if (bits == 8 && !with_m && !off && !g16) half_rows(a, t, hc, r0, R, 8, 0, 0, 0, 0, scales, far); /* Q8_0 */ \
+    else if (bits == 8) half_rows(a, t, hc, r0, R, 8, with_m, off, g16, k256, scales, far);                 \
+    else if (bits == 6) half_rows(a, t, hc, r0, R, 6, with_m, off, g16, k256, scales, far);                 \
+    else if (bits == 5) half_rows(a, t, hc, r0, R, 5, with_m, off, g16, k256, scales, far);                 \
+    else half_rows(a, t, hc, r0, R, 4, with_m, off, g16, k256, scales, far);
 
 #define CASE(R)                                                                                   \
     case R:                                                                                       \
@@ -831,6 +875,7 @@ static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, const fl
     const int format = a->format, off = code_offset(format), g16 = !!(format & F_GROUP16);
     const int with_m = (format & F_M) && !(format & F_M8);
     const int bits = format & F_BITS8 ? 8 : format & F_BITS6 ? 6 : format & F_BITS5 ? 5 : 4;
+    const int k256 = !!(format & F_K);
     for (int hc = 0; hc < 2; hc++) switch (rows) {
             CASE(1) CASE(2) CASE(3) CASE(4)
         }
@@ -857,7 +902,7 @@ static void *quantize_rows(void *arg) {
     blink_part_t *p = (blink_part_t *)arg;
     const args_t *a = (const args_t *)p->args;
     const int format = a->format, off = code_offset(format), sg = (int)group_size(format);
-    const int with_m = (format & F_M) && !(format & F_M8);
+    const int with_m = (format & F_M) && !(format & F_M8), k256 = !!(format & F_K);
     const int64_t K = a->K, groups = K / GROUP, sgroups = K / sg;
     int perm[8];
     for (int i = 0; i < 8; i++) perm[i] = format & F_BITS8 ? i : PERM4[i];
@@ -867,14 +912,19 @@ static void *quantize_rows(void *arg) {
     for (int64_t r = p->lo; r < p->hi; r++) {
         const uint16_t *x = a->x + r * a->x_stride;
         int8_t *q = a->xq + blocked(r, groups, 0, ROWS_I8) * GROUP; /* group g at q + g ROWS_I8 GROUP */
+        float amax = 0.0f;
         for (int64_t g = 0; g < groups; g++) {
             __m256 v[4]; /* channels 8i .. 8i + 7 */
             for (int i = 0; i < 4; i++) v[i] = load_bf16x8_i(x + g * GROUP + 8 * i);
-            const __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                             _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-            __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(top, 1), _mm256_castps256_ps128(top));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+            if (!k256 || (g & 7) == 0) { /* per group, or (K-quants) per super-block of 8 groups */
+                __m256 top = _mm256_setzero_ps();
+                for (int64_t e = 0; e < (k256 ? 8 : 1); e++)
+                    for (int i = 0; i < 4; i++)
+                        top = _mm256_max_ps(top, _mm256_andnot_ps(sign, load_bf16x8_i(x + (g + e) * GROUP + 8 * i)));
+                __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(top, 1), _mm256_castps256_ps128(top));
+                m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+                amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+            }
             const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
             a->xs[blocked(r, groups, g, ROWS_I8)] = amax / 127.0f;
             const __m256 scale = _mm256_set1_ps(inv);
@@ -884,7 +934,7 @@ static void *quantize_rows(void *arg) {
             _mm256_storeu_si256((__m256i *)(q + g * ROWS_I8 * GROUP), _mm256_permutevar8x32_epi32(bytes, order));
             if (off || with_m) { /* the scale groups' sums of qx (16: each half), as the VNNI build's */
                 const int32_t s0 = sum8_epi32(_mm256_add_epi32(qi[0], qi[1])), s1 = sum8_epi32(_mm256_add_epi32(qi[2], qi[3]));
-                const float scale_back = amax / 127.0f;
+                const float scale_back = k256 ? 1.0f : amax / 127.0f; /* as the VNNI build's */
                 if (sg == 16) {
                     if (off) a->xoff[blocked(r, sgroups, 2 * g, ROWS_I8)] = -off * s0,
                              a->xoff[blocked(r, sgroups, 2 * g + 1, ROWS_I8)] = -off * s1;
