@@ -21,7 +21,8 @@ bf16 copy (~4x fewer bytes), in the layout of one of these kernels:
   K-quants (Q4_K, Q5_K, Q6_K) and Q8_0 on their codes (:func:`pack_codes`), a fused
   projection's parts each in its own format. The int8 builds (``avx512_vnni``,
   ``avx2_int8``: :data:`blink.kernels.cpu.quant_linear.INT8_BUILDS`) quantize x to int8 per
-  group of 32 channels, as llama.cpp does, and multiply with vpdpbusd (AVX2: vpmaddubsw): their
+  group of 32 channels (K-quants: per super-block of 256), as llama.cpp does, and multiply
+  with vpdpbusd (AVX2: vpmaddubsw): their
   cost grows slowly enough with the rows that every step uses them (VNNI: 3-3.5x the bf16
   build's GFLOPS at 16-512 rows) and no bf16 copy is kept, except where oneDNN's bf16 product
   runs on AMX (K-quants on a CPU with AMX): there steps of more than

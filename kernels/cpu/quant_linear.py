@@ -11,7 +11,8 @@ said once in the log):
 
 - ``avx512_vnni`` (AVX-512 F/BW/VL with VNNI: Intel Cascade Lake, Ice Lake and later, AMD
   Zen 4 and 5): x quantized to int8 as llama.cpp quantizes its activations
-  (:func:`quantize_activations`: per row and group of 32 channels, scale max|x| / 127), each
+  (:func:`quantize_activations`: per row and group of 32 channels, or of 256 for K-quants on
+  the file's scales as its Q8_K, :func:`activation_group`; scale max|x| / 127), each
   group's ``x . q`` an exact int32 sum by vpdpbusd, then ``s d (sum(u qx) - off sum(qx)) + m s
   sum(qx)`` in fp32 (the min on the sum of the rounded x, as llama.cpp's Q8_1: x's rounding
   errors meet the whole, centred weight). Its cost grows ~8x slower with the rows than
