@@ -37,6 +37,16 @@ def native_only(q, k_cache, v_cache, md, scale):
     return cpu_attention.paged_attention(q, k_cache, v_cache, md, scale)
 
 
+def on_two_threads(q, k_cache, v_cache, md, scale):
+    """The C kernel's output with its work split over two threads."""
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        return native_only(q, k_cache, v_cache, dataclasses.replace(md, step_cache=None), scale)
+    finally:
+        torch.set_num_threads(previous)
+
+
 IMPLS = {"native": native_only, "sdpa": cpu_attention.sdpa_paged_attention}
 
 
@@ -277,13 +287,7 @@ def test_amx_tiles_match_the_reference(rows, n_heads, n_kv_heads, head_dim, bloc
     torch.testing.assert_close(out[:n_live].float(), expected[:n_live], **TOL[torch.bfloat16])
     torch.testing.assert_close(out[:n_live].float(), per_token[:n_live], **TOL[torch.bfloat16])
     assert torch.count_nonzero(out[n_live:]) == 0
-    previous = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        two = native_only(q, k_cache, v_cache, dataclasses.replace(md, step_cache=None), scale)
-    finally:
-        torch.set_num_threads(previous)
-    assert torch.equal(two, out)
+    assert torch.equal(on_two_threads(q, k_cache, v_cache, md, scale), out)
 
 
 def _avx512_build() -> bool:
@@ -332,13 +336,7 @@ def test_avx512_tiles_match_the_reference(rows, n_heads, n_kv_heads, head_dim, b
         else:
             assert torch.equal(out[span], per_token[span]), (cached, new)
         tokens += new
-    previous = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        two = native_only(q, k_cache, v_cache, dataclasses.replace(md, step_cache=None), scale)
-    finally:
-        torch.set_num_threads(previous)
-    assert torch.equal(two, out)
+    assert torch.equal(on_two_threads(q, k_cache, v_cache, md, scale), out)
 
 
 def test_avx512_tiles_reject_a_block_outside_the_cache():

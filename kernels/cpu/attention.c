@@ -419,6 +419,24 @@ static void query_limits(const args_t *a, int64_t r, int64_t t0, int64_t n, int3
     }
 }
 
+/* out = (acc^T / l)^T for the tile's valid queries [t0, t0 + 16) of head h, 16 channels at a
+ * time (acc: out^T, [channel][query], both tile kinds). */
+static void store_tile_out(const args_t *a, const float *acc, __m512 l, int64_t t0, int64_t h, const int valid[16]) {
+    const int64_t D = a->D;
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l);
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        __m512 rows[16];
+        for (int64_t d = 0; d < 16; d++) rows[d] = _mm512_mul_ps(_mm512_load_ps(acc + (d0 + d) * 16), inv);
+        transpose16x16(rows);
+        for (int64_t i = 0; i < 16; i++)
+            if (valid[i]) {
+                vf out;
+                memcpy(&out, &rows[i], sizeof out);
+                store16(a->out, ((t0 + i) * a->H + h) * D + d0, out, a->q_bf16);
+            }
+    }
+}
+
 /* Prompt rows on AVX-512 (any CPU with it; with AMX, rows that AMX's tiles do not take): the
  * per-token pass does one key at a time with a horizontal sum per 16 keys and an exp per key
  * and head (~110 ns per (token, key) on a 1B's prompts, 32 heads, two Zen 4 cores), and SDPA
@@ -532,18 +550,7 @@ static void attend_tile_f32(const args_t *a, int64_t r, int64_t h, int64_t t0, i
             for (int e = 0; e < 8; e++) _mm512_store_ps(acc + (d0 + e) * FQ, o[e]);
         }
     }
-    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l);
-    for (int64_t d0 = 0; d0 < D; d0 += 16) { /* out = (out^T / l)^T, 16 channels at a time */
-        __m512 rows[16];
-        for (int64_t d = 0; d < 16; d++) rows[d] = _mm512_mul_ps(_mm512_load_ps(acc + (d0 + d) * FQ), inv);
-        transpose16x16(rows);
-        for (int64_t i = 0; i < FQ; i++)
-            if (valid[i]) {
-                vf out;
-                memcpy(&out, &rows[i], sizeof out);
-                store16(a->out, ((t0 + i) * a->H + h) * D + d0, out, a->q_bf16);
-            }
-    }
+    store_tile_out(a, acc, l, t0, h, valid);
 }
 
 #if defined(BLINK_AMX)
@@ -675,14 +682,7 @@ static void attend_tile(const args_t *a, int64_t r, int64_t h, int64_t t0, int64
                                                                      _mm512_load_ps(product + d * QT)));
         }
     }
-    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l);
-    for (int64_t d0 = 0; d0 < D; d0 += 16) { /* out = (out^T / l)^T, 16 channels at a time */
-        __m512 r[16];
-        for (int64_t d = 0; d < 16; d++) r[d] = _mm512_mul_ps(_mm512_load_ps(acc + (d0 + d) * QT), inv);
-        transpose16x16(r);
-        for (int64_t i = 0; i < QT; i++)
-            if (valid[i]) store_bf16x16((uint16_t *)a->out + ((t0 + i) * a->H + h) * D + d0, r[i]);
-    }
+    store_tile_out(a, acc, l, t0, h, valid); /* (bf16 queries: store16 rounds as store_bf16x16) */
 }
 
 #endif /* BLINK_AMX */
