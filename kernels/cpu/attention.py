@@ -9,10 +9,11 @@ Two implementations with the reference's contract (:func:`blink.kernels.referenc
   of 16 queries instead: a flash-attention pass over the row's context laid out once per KV
   head, its products on AMX on a CPU with it (bf16 queries and cache: 2.5-3x SDPA on
   SmolLM2's prefills), else in fp32 on AVX-512 (1.8-3.8x the per-token pass and 2.3-10x
-  SDPA at 16-2048 new tokens on Zen 4). ``$BLINK_CPU_AMX=0`` (:func:`blink.kernels.cpu.amx_allowed`) turns AMX off, as on a
-  CPU without it. It serves the steps where a cost estimate says it is faster
-  (:func:`prefer_native`): decode and mixed steps, where the torch path's gathers and per-op
-  costs were ~25% of a 16-row SmolLM2 step, and with tiles prefills too.
+  SDPA at 16-2048 new tokens on Zen 4). ``$BLINK_CPU_AMX=0``
+  (:func:`blink.kernels.cpu.amx_allowed`) turns AMX off, as on a CPU without it. It serves
+  the steps where a cost estimate says it is faster (:func:`prefer_native`): decode and mixed
+  steps, where the torch path's gathers and per-op costs were ~25% of a 16-row SmolLM2 step,
+  and with tiles prefills too.
 - **the torch path** (:func:`sdpa_paged_attention`): the reference's tiling, but the gathered
   K/V stay in the cache's dtype and go straight to SDPA, whose CPU flash kernel accumulates
   in fp32 for bf16 anyway; the mask is made once per step in that dtype. Long prefills run
@@ -56,9 +57,9 @@ _NATIVE_NS_PER_VISIT = 70.0
 # the C kernel's AMX tiles (prompt rows): 7-11 ns per (token, visible key) at 128-2048 tokens
 _TILE_NS_PER_VISIT = 10.0
 # its AVX-512 tiles (a CPU without AMX, or not bf16): 12-17 ns on SmolLM2's prompts of
-# 128-2048 tokens on two Zen 4 cores, where the per-token pass took 32-47 and SDPA 35-160 (both
-# slower there than the figures above, fitted on a Xeon, say; SDPA the most:
-# docs/performance.md#cpu-attention)
+# 128-2048 tokens on two Zen 4 cores, where the per-token pass took 32-47 and SDPA 35-160: on
+# Zen 4 both ran slower than the figures here (fitted on a Xeon) say, SDPA the most
+# (docs/performance.md#cpu-attention)
 _AVX512_TILE_NS_PER_VISIT = 16.0
 _SDPA_NS_PER_TILE_KEY = 190.0
 _SDPA_NS_PER_CELL = 11.0
@@ -78,7 +79,7 @@ def _declare(library: ctypes.CDLL) -> None:
     if not library.blink_has_avx512() and LIBRARY.switch() != "c":
         # measured 0.26-0.9x the torch path on an AVX2 build (docs/performance.md#cpu-attention)
         raise NativeBuildError("this CPU has no AVX-512, without which the kernel is slower than SDPA")
-    # $BLINK_CPU_AMX=0: the path a CPU without AMX takes (no tiles, scores on AVX-512)
+    # $BLINK_CPU_AMX=0: the path a CPU without AMX takes (AVX-512's tiles, scores on AVX-512)
     library.blink_paged_attention_allow_amx(int(amx_allowed()))
     library.tile_min_tokens = int(library.blink_paged_attention_tile_min_tokens())  # read per call
     library.tiles_on_amx = bool(library.blink_paged_attention_tiles_on_amx())
