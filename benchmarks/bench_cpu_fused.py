@@ -60,32 +60,25 @@ def main() -> None:
             best = min(best, (time.perf_counter() - start) / args.calls)
         return best / elements * 1e9
 
-    def on(library, fn):
-        def call():
-            cpu_fused.LIBRARY._state[:] = [library]
-            return fn()
-        return call
-
     print(f"this build: vector ops {'yes' if lib.blink_has_vector_ops() else 'no'}; ns per element, one thread")
     print("| op | rows | this build | scalar build | torch reference | this / scalar |\n|---|---:|---:|---:|---:|---:|")
-    try:
-        for rows in args.rows:
-            h, res = torch.randn(rows, 576).bfloat16(), torch.randn(rows, 576).bfloat16()
-            weight, x = torch.randn(576).bfloat16(), (torch.randn(rows, 3072) * 4).bfloat16()
-            qkv = torch.randn(rows, 15, 64).bfloat16()
-            positions, cos_sin = torch.arange(rows) % 2048, reference.rope_cos_sin_cache(64, 2048, 10000.0)
-            cases = {"add+RMSNorm": (lambda: cpu_fused.fused_add_rms_norm(h, res, weight, 1e-5),
-                                     lambda: reference.fused_add_rms_norm(h, res, weight, 1e-5), rows * 576),
-                     "SiLU-mul": (lambda: cpu_fused.silu_and_mul(x), lambda: reference.silu_and_mul(x), rows * 1536),
-                     "rotary": (lambda: cpu_fused.apply_rope(qkv[:, :9], qkv[:, 9:12], positions, cos_sin),
-                                lambda: reference.apply_rope(qkv[:, :9], qkv[:, 9:12], positions, cos_sin),
-                                rows * 12 * 64)}
-            for name, (fused, ref, elements) in cases.items():
-                now, before = best_ns(on(lib, fused), elements), best_ns(on(scalar, fused), elements)
-                torch_ns = best_ns(ref, elements)
-                print(f"| {name} | {rows} | {now:.2f} | {before:.2f} | {torch_ns:.2f} | {before / now:.2f}x |", flush=True)
-    finally:
-        cpu_fused.LIBRARY._state[:] = [lib]
+    for rows in args.rows:
+        h, res = torch.randn(rows, 576).bfloat16(), torch.randn(rows, 576).bfloat16()
+        weight, x = torch.randn(576).bfloat16(), (torch.randn(rows, 3072) * 4).bfloat16()
+        qkv = torch.randn(rows, 15, 64).bfloat16()
+        positions, cos_sin = torch.arange(rows) % 2048, reference.rope_cos_sin_cache(64, 2048, 10000.0)
+        cases = {"add+RMSNorm": (lambda: cpu_fused.fused_add_rms_norm(h, res, weight, 1e-5),
+                                 lambda: reference.fused_add_rms_norm(h, res, weight, 1e-5), rows * 576),
+                 "SiLU-mul": (lambda: cpu_fused.silu_and_mul(x), lambda: reference.silu_and_mul(x), rows * 1536),
+                 "rotary": (lambda: cpu_fused.apply_rope(qkv[:, :9], qkv[:, 9:12], positions, cos_sin),
+                            lambda: reference.apply_rope(qkv[:, :9], qkv[:, 9:12], positions, cos_sin),
+                            rows * 12 * 64)}
+        for name, (fused, ref, elements) in cases.items():
+            now = best_ns(fused, elements)
+            with cpu_fused.LIBRARY.using(scalar):  # the scalar build in this one's place
+                before = best_ns(fused, elements)
+            torch_ns = best_ns(ref, elements)
+            print(f"| {name} | {rows} | {now:.2f} | {before:.2f} | {torch_ns:.2f} | {before / now:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -134,12 +134,8 @@ def _with_library(ex, native, library) -> None:
     execute = ex.execute
 
     def swapped(*args, **kwargs):
-        usual = native.get()
-        native._state[:] = [library]
-        try:
+        with native.using(library):
             return execute(*args, **kwargs)
-        finally:
-            native._state[:] = [usual]
 
     ex.execute = swapped
 

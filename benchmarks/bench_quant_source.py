@@ -28,7 +28,7 @@ from typing import Any
 def _before_library(source: Path, build: str, workdir: Path):
     """``source`` built as the checkout's ``build`` is (that NativeLibrary's own flags, with a
     copy of kernels.h beside it) and declared as it is declared; the A/B runs it in the
-    checkout's place (:func:`_running`)."""
+    checkout's place (its NativeLibrary's ``using``)."""
     from blink.kernels.cpu import quant_linear as q
     from blink.shared.native_build import NativeBuildError, build_library
 
@@ -41,23 +41,6 @@ def _before_library(source: Path, build: str, workdir: Path):
     except (NativeBuildError, AttributeError) as exc:
         raise SystemExit(f"{source} does not build as the {build} kernel: {exc}") from None
     return library
-
-
-@contextlib.contextmanager
-def _running(build: str, library):
-    """``q.linear(..., build=build)`` runs ``library`` (None: the checkout's) inside the block."""
-    from blink.kernels.cpu import quant_linear as q
-
-    native = q.LIBRARIES[build]
-    if library is None:
-        yield
-        return
-    usual = native.get()
-    native._state[:] = [library]
-    try:
-        yield
-    finally:
-        native._state[:] = [usual]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -99,10 +82,8 @@ def main(argv: list[str] | None = None) -> None:
               f"({'all layers' if wanted is None else 'layers ' + args.layers} and the head)")
         torch.manual_seed(0)
         xs = {ps[0].k: torch.randn(max(args.rows), ps[0].k).bfloat16() for _, ps in weights}
-        libraries = {"before": before, "now": None}
-
         def run(which: str, rows: int) -> list[torch.Tensor]:
-            with _running(build, libraries[which]):
+            with q.LIBRARIES[build].using(before) if which == "before" else contextlib.nullcontext():
                 return [q.linear(xs[ps[0].k][:rows], ps, None, build=build) for _, ps in weights]
 
         for rows in args.rows:

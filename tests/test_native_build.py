@@ -72,6 +72,24 @@ def test_native_library_decides_once_warns_once_and_honours_its_switch(sources, 
     assert missing.get() is None  # a missing symbol counts as a failed build
 
 
+def test_using_runs_another_build_in_the_block_and_puts_the_decision_back(sources):
+    """``using(other)``: :meth:`get` returns ``other`` (or None: the fallback) inside the block
+    and this library's own decision after it, an exception in the block too."""
+    source, header = sources
+    library = NativeLibrary(source, what="the answer", fallback="none", logger=logging.getLogger("blink.test"),
+                            headers=(header,))
+    own = library.get()
+    header.write_text("#define ANSWER 7\n")
+    other = build_library(source, headers=(header,))
+    with library.using(other):
+        assert library.get().blink_answer() == 7
+    assert library.get() is own and own.blink_answer() == 42
+    with pytest.raises(RuntimeError), library.using(None):
+        assert library.get() is None
+        raise RuntimeError("in the block")
+    assert library.get() is own
+
+
 def _fake_cc(folder, version: str):
     """A compiler at a fixed path that reports ``version`` and hands everything else to cc."""
     import os

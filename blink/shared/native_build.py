@@ -293,6 +293,21 @@ class NativeLibrary:
             self._state.clear()
             self.failure, self.build_failed = None, False
 
+    @contextmanager
+    def using(self, library: ctypes.CDLL | None) -> Iterator[None]:
+        """Inside the block :meth:`get` returns ``library`` (another build of this source, or
+        None: the fallback) instead of this one's decision, which is back after it (a
+        benchmark's A/B of two builds, tests)."""
+        self._decide(quiet=False)
+        with self._lock:
+            usual = self._state[:]
+            self._state[:] = [library]
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._state[:] = usual
+
     def switch(self) -> str:
         """``$env`` as the library reads it (stripped, lower case; "" when unset or none)."""
         return blink_env.choice(self.env) if self.env else ""
