@@ -335,22 +335,18 @@ def test_avx512_tiles_match_the_reference(rows, n_heads, n_kv_heads, head_dim, b
     assert torch.equal(on_two_threads(q, k_cache, v_cache, md, scale), out)
 
 
-def test_avx512_tiles_reject_a_block_outside_the_cache():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["avx512", "amx"])
+def test_tiles_reject_a_block_outside_the_cache(dtype):
+    """A prompt row's laid-out context meets a block id past the cache: an error, on either
+    kind of tiles (fp32: AVX-512's; bf16 on a CPU with AMX: AMX's)."""
     if not _avx512_build():
         pytest.skip("the kernel's tiles need AVX-512")
+    if dtype == torch.bfloat16 and not _cpu_has_amx():
+        pytest.skip("the tiles need AMX")
     k_cache, v_cache, k_new, v_new, md, _ = make_batch([(0, 40)], n_kv_heads=1, head_dim=32,
-                                                        block_size=8, dtype=torch.float32)
+                                                        block_size=8, dtype=dtype)
     md.block_tables[0, 3] = k_cache.shape[0] + 5
-    with pytest.raises(ValueError, match="outside the KV cache"):
-        native_only(torch.randn(40, 2, 32), k_cache, v_cache, md, 0.25)
-
-
-@needs_tiles
-def test_amx_tiles_reject_a_block_outside_the_cache():
-    k_cache, v_cache, k_new, v_new, md, _ = make_batch([(0, 40)], n_kv_heads=1, head_dim=32,
-                                                        block_size=8, dtype=torch.bfloat16)
-    md.block_tables[0, 3] = k_cache.shape[0] + 5
-    q = torch.randn(40, 2, 32).to(torch.bfloat16)
+    q = torch.randn(40, 2, 32).to(dtype)
     with pytest.raises(ValueError, match="outside the KV cache"):
         native_only(q, k_cache, v_cache, md, 0.25)
 

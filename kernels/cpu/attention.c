@@ -78,7 +78,6 @@ typedef struct {
     int64_t table_stride, table_cols;      /* table_cols: usable columns */
     float scale;
     int score_tiles; /* the per-token pass's scores on AMX (see attend_as) */
-    int64_t tile_min; /* rows of this many new tokens or more take tiles; 0: none */
 } args_t;
 
 /* Whether this process lets the kernel use AMX where the build and the OS have it: 0 under
@@ -731,21 +730,10 @@ static void *run_tile_part(void *arg) {
     return NULL;
 }
 
-/* Whether a call's prompt rows take AMX's tiles: bf16 queries and cache, whole 32-channel
- * parts, AMX built, granted and allowed; else AVX-512's. */
-static int tiles_on_amx(const args_t *a) {
-#if defined(BLINK_AMX)
-    return amx_allowed && blink_amx_granted() && a->q_bf16 && a->kv_bf16 && a->D % 32 == 0;
-#else
-    (void)a;
-    return 0;
-#endif
-}
-
-/* Whether row r takes tiles: a->tile_min new tokens or more. */
+/* Whether row r takes tiles (either kind): TILE_MIN_TOKENS new tokens or more. */
 static inline int takes_tiles(const args_t *a, int64_t r) {
     const int64_t n_new = a->query_start[r + 1] - a->query_start[r];
-    return a->tile_min > 0 && a->seq_lens[r] > 0 && n_new >= a->tile_min && a->query_start[r] >= 0
+    return a->seq_lens[r] > 0 && n_new >= TILE_MIN_TOKENS && a->query_start[r] >= 0
            && a->query_start[r + 1] <= a->T;
 }
 
@@ -760,6 +748,12 @@ int blink_paged_attention_tiles_on_amx(void) {
 #else
     return 0;
 #endif
+}
+
+/* Whether a call's prompt rows take AMX's tiles (bf16 queries and cache, whole 32-channel
+ * parts), else AVX-512's. */
+static int tiles_on_amx(const args_t *a) {
+    return blink_paged_attention_tiles_on_amx() && a->q_bf16 && a->kv_bf16 && a->D % 32 == 0;
 }
 #define HAVE_TILES 1
 #else
@@ -833,7 +827,6 @@ int blink_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_h,
     tokens_t tokens = {&a, 0};
 #if HAVE_TILES
     const int amx = tiles_on_amx(&a);
-    a.tile_min = TILE_MIN_TOKENS;
     int64_t count = 0, longest = 0; /* rows that take tiles, and the longest one's context */
     for (int64_t r = 0; r < rows; r++)
         if (takes_tiles(&a, r)) {
