@@ -444,8 +444,8 @@ static void *quantize_rows(void *arg) {
         for (int64_t g = 0; g < groups; g++) {
             const __m512 v0 = load_bf16x16_i(x + g * GROUP), v1 = load_bf16x16_i(x + g * GROUP + 16);
             if (!k256 || (g & 7) == 0) { /* per group, or (K-quants) per super-block of 8 groups */
-                __m512 top = _mm512_setzero_ps();
-                for (int64_t e = 0; e < (k256 ? 8 : 1); e++)
+                __m512 top = _mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1));
+                for (int64_t e = 1; e < (k256 ? 8 : 1); e++)
                     top = _mm512_max_ps(top, _mm512_max_ps(_mm512_andnot_ps(sign, load_bf16x16_i(x + (g + e) * GROUP)),
                                                            _mm512_andnot_ps(sign, load_bf16x16_i(x + (g + e) * GROUP + 16))));
                 amax = _mm512_reduce_max_ps(top);
@@ -917,8 +917,9 @@ static void *quantize_rows(void *arg) {
             __m256 v[4]; /* channels 8i .. 8i + 7 */
             for (int i = 0; i < 4; i++) v[i] = load_bf16x8_i(x + g * GROUP + 8 * i);
             if (!k256 || (g & 7) == 0) { /* per group, or (K-quants) per super-block of 8 groups */
-                __m256 top = _mm256_setzero_ps();
-                for (int64_t e = 0; e < (k256 ? 8 : 1); e++)
+                __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                           _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+                for (int64_t e = 1; e < (k256 ? 8 : 1); e++)
                     for (int i = 0; i < 4; i++)
                         top = _mm256_max_ps(top, _mm256_andnot_ps(sign, load_bf16x8_i(x + (g + e) * GROUP + 8 * i)));
                 __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(top, 1), _mm256_castps256_ps128(top));
