@@ -248,3 +248,22 @@ def test_lifecycle_context_manager(root):
         outs = llm.generate(PROMPTS, _greedy(max_tokens=3), timeout_s=60)
         assert [len(o.token_ids) for o in outs] == [3] * len(PROMPTS)
     assert not llm.engine.alive
+
+
+def test_a_script_that_never_closes_its_llm_exits_cleanly(root):
+    """``llm = LLM(...); llm.generate(...)`` and the end of the script, no ``close()``: the
+    engine's loop is stopped at exit, not killed mid-GIL by the interpreter's finalization,
+    which aborted the process ("terminate called without an active exception", SIGABRT) in
+    11 of 12 runs, with CPU graphs on or off."""
+    import subprocess
+
+    script = (
+        "from blink.llm import LLM\n"
+        "from blink.shared.sampling_params import SamplingParams\n"
+        f"llm = LLM({str(tiny_model_dir(root))!r}, **{BASE!r})\n"
+        f"out = llm.generate([[1, 2, 3]], SamplingParams(**{GREEDY!r}, max_tokens=2))\n"
+        "print(len(out[0].outputs[0].token_ids))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert (run.returncode, run.stdout.strip()) == (0, "2"), run.stderr[-2000:]
+    assert "terminate called" not in run.stderr

@@ -8,9 +8,11 @@ from the ring and everything the engine produces goes back into it: the offline
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import sys
 import threading
+import weakref
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -65,6 +67,19 @@ from blink.threads.telemetry import StepWaitMeter
 from blink.transport import Region, create_region
 
 log = logging.getLogger("blink.engine")
+
+#: engines whose loop thread is running, stopped at interpreter exit (see _stop_running_engines)
+_running_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_running_engines() -> None:
+    """Stop every running loop before the interpreter finalizes. A daemon loop thread still
+    running then is killed when it next takes the GIL, and the forced unwind through torch's
+    C++ frames aborts the process ("terminate called without an active exception", exit 134):
+    a script that makes an ``LLM`` and exits without ``close()`` would crash at its end."""
+    for engine in list(_running_engines):
+        engine.stop(drain=False)
 
 DEFAULT_MAX_MODEL_LEN = 8192
 
@@ -389,6 +404,7 @@ class Engine:
             return
         self._thread = threading.Thread(target=self._run, name=self.loop_thread_name, daemon=True)
         self._thread.start()
+        _running_engines.add(self)
         while self.ring.engine_state not in (ENGINE_READY, ENGINE_FAILED):
             time.sleep(0.001)
 
@@ -396,6 +412,7 @@ class Engine:
         """Stop the loop; with ``drain`` let requests in flight finish first."""
         self._drain = drain
         self._stop.set()
+        _running_engines.discard(self)
         if self._thread is not None:
             self._thread.join()
             self._thread = None
