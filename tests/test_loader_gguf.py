@@ -237,6 +237,23 @@ def test_smollm_dtype_and_writable(smollm):
     assert torch.allclose(fresh + 1.0, norm)
 
 
+def test_our_reader_reads_what_gguf_reads_without_memmap_slices():
+    """The reader behind every GGUF open (plain-ndarray slices: 2-3x faster on a vocabulary)
+    gives the same metadata values and tensor bytes as ``gguf.GGUFReader``."""
+    from blink.loader.gguf_file import GGUFFile
+
+    path = smollm_path()
+    ours, theirs = GGUFFile(path).reader, gguf.GGUFReader(path, "r")
+    assert type(ours.data) is np.ndarray and not ours.data.flags.writeable
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        assert ours.fields[key].contents() == field.contents(), key
+    assert len(ours.tensors) == len(theirs.tensors)
+    for mine, want in zip(ours.tensors, theirs.tensors):
+        assert (mine.name, mine.tensor_type, mine.data_offset) == (want.name, want.tensor_type, want.data_offset)
+        assert np.array_equal(mine.data, want.data), mine.name
+
+
 def test_progress_bar_goes_to_stderr(smollm, capsys):
     stream = smollm.iter_tensors(torch.float32)
     next(stream)
