@@ -109,8 +109,9 @@ def test_chunks_of_tiles_and_masks_made_per_chunk(dtype, monkeypatch):
 def test_native_strided_queries_threads_and_a_long_context(dtype):
     """q as the model passes it (a view of the fused QKV projection, rows strided), blocks
     of 32 keys (two 16-key score chunks each), contexts of thousands of keys, and the work
-    split over threads (the kernel starts threads above 2 x 64K token-key visits; this step
-    has 46 x 3001): the same as the reference."""
+    split over threads (the kernel splits from 2 x 2^16 score multiply-adds, token-key
+    visits x query heads x channels; this step has thousands of visits x 8 x 64): the same as
+    the reference."""
     rows = [(3000, 1), (0, 0), (700, 1), (0, 40), (300, 2)]
     k_cache, v_cache, k_new, v_new, md, n_live = make_batch(
         rows, n_kv_heads=2, head_dim=64, block_size=32, dtype=dtype, pad_tokens=2)
