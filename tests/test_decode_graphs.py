@@ -245,6 +245,32 @@ def test_steps_that_are_not_plain_decodes_stay_eager(executor):
         ex.model.on_layer = None
 
 
+def test_replayed_steps_leave_one_torch_thread_and_eager_steps_the_loops(executor):
+    """With ``eager_threads`` set (the engine's CPU loop), a replayed step sets this thread's
+    torch intra-op threads to one for the rest of the step (no OpenMP team spinning on the
+    kernels' cores), and an eager forward puts the loop's count back; unset, neither does."""
+    ex = executor
+    previous = torch.get_num_threads()
+    decode = _decode_step(ex, [30, 50], 3)
+    prefill = build_metadata(ex, [([5, 6, 7], 0, [0]), ([8], 4, [1])])
+    assert ex.decode_graphs.takes(decode[0], decode[1]) and not ex.decode_graphs.takes(prefill[0], prefill[1])
+    try:
+        torch.set_num_threads(2)
+        ex.execute(*decode)
+        assert torch.get_num_threads() == 2  # eager_threads unset: the caller's count stays
+        ex.eager_threads = 2
+        counts = []
+        for step in (decode, decode, prefill, decode):
+            ex.execute(*step)
+            counts.append(torch.get_num_threads())
+        assert counts == [1, 1, 2, 1]
+        ex.fill_cache(prefill[0], prefill[1])
+        assert torch.get_num_threads() == 2
+    finally:
+        ex.eager_threads = None
+        torch.set_num_threads(previous)
+
+
 def test_a_replay_with_a_bad_block_id_raises(executor):
     ex = executor
     ids, md, last = _decode_step(ex, [40, 20], 0)

@@ -481,6 +481,10 @@ class Engine:
         before = task_ids()
         torch.set_num_threads(self.loop_threads)  # this thread's OpenMP team (see __init__)
         set_kernel_threads(self.config.kernel_threads or self.loop_threads)
+        # replayed steps' torch ops on one thread, eager forwards on the team (ModelExecutor.eager_threads)
+        for executor in (self.executor, self.drafter.executor if self.drafter is not None else None):
+            if executor is not None and getattr(executor, "decode_graphs", None) is not None:
+                executor.eager_threads = self.loop_threads
         if self.loop_threads > 1:
             torch.ones(1 << 20).add_(1)  # big enough for at::parallel_for to use the team
         name_new_threads(before, "blink-omp-", self.loop_thread_name)
