@@ -150,8 +150,8 @@ class ModelExecutor:
         #: layers replay a CPU graph sets one thread, which the rest of the step keeps (the
         #: logits' copy, the sampler, the next schedule: small host ops). Their OpenMP team
         #: would otherwise spin after each op (libgomp's default active wait) on the cores
-        #: the kernels' pool needs for the next replay: measured on 2 cores, one-row decode
-        #: steps took 28-33 ms on a 1B (6.4-7.9 ms on SmolLM2) with the team at 2, 22.7 (4.7-4.9) at 1.
+        #: the kernels' pool needs for the next replay (one-row decode steps 1.1-1.5x faster on
+        #: 2 cores: docs/performance.md#replay-threads).
         self.eager_threads: int | None = None
 
     def _check_max_model_len(self, requested: int | None) -> int:
@@ -217,7 +217,6 @@ class ModelExecutor:
         single_row = input_ids.shape[0] == 1 and self._bf16_cpu
         with _onednn_disabled() if single_row else contextlib.nullcontext():
             self.model(input_ids, md, self.kv_caches)
-
 
     def _torch_threads(self, threads: int | None) -> None:
         """This thread's torch intra-op threads for what follows (see :attr:`eager_threads`)."""

@@ -12,9 +12,9 @@ import atexit
 import logging
 import sys
 import threading
-import weakref
 import time
 import traceback
+import weakref
 from dataclasses import dataclass, field
 from typing import Sequence
 

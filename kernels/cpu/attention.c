@@ -819,9 +819,9 @@ int blink_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_h,
     args_t a = {q, q_stride_t, q_stride_h, out, k, v, q_bf16, kv_bf16, T, H, KVH, D, block_size, num_blocks, rows,
                 token_row, positions, query_start, seq_lens, tables, table_stride, table_cols, scale};
     /* one thread per 2^16 multiply-adds of scores (key visits x query heads x channels) at
-     * most, ~20-40 us of work here: a one-row decode step of a 1B (32 heads of 64) splits from
-     * 64 cached keys (its attention 1.8x faster on two threads at 300), and a worker that is
-     * not running leaves its part to this thread (pool.c) */
+     * most, ~12-18 us of work on a Zen 4 core: a one-row decode step of a 1B (32 heads of 64)
+     * splits from 64 cached keys (its attention 1.8x faster on two threads at 300), and a
+     * worker that is not running leaves its part to this thread (pool.c) */
     threads = blink_threads_for(key_visits(query_start, seq_lens, rows) * H * D, (int64_t)1 << 16, threads);
 #if SCORE_TILES
     a.score_tiles = takes_score_tiles(&a);
