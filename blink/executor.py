@@ -219,8 +219,9 @@ class ModelExecutor:
             self.model(input_ids, md, self.kv_caches)
 
     def _torch_threads(self, threads: int | None) -> None:
-        """This thread's torch intra-op threads for what follows (see :attr:`eager_threads`)."""
-        if self.eager_threads is not None and threads is not None and torch.get_num_threads() != threads:
+        """This thread's torch intra-op threads for what follows, where :attr:`eager_threads`
+        is set (else nothing changes)."""
+        if self.eager_threads is not None and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
 
 
