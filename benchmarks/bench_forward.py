@@ -29,7 +29,9 @@ blink.kernels.cpu.graph); or
 of K in one pass, without the streamed weight tiles, which isolates its K slabs
 (blink.kernels.cpu.q4_linear); or ``--before q4-tile-parts``: today's forward with the 4-bit
 kernel's many-rows calls split over the kernel threads by output tiles only, never by rows
-(blink.kernels.cpu.q4_linear) and ``now`` the default one.
+(blink.kernels.cpu.q4_linear); or ``--before 4k-pages``: today's forward with its weights and KV
+cache left in torch's own 4 KB pages (``$BLINK_CPU_HUGE_PAGES=0``), against 2 MB pages
+(blink.huge_pages), both replaying decode graphs as served; and ``now`` the default one.
 For each dtype and shape the two are timed alternately, ``--rounds`` rounds of ``--steps``
 calls each, so a load spike on this shared machine hits both; the table gives the median
 per-call wall time and process CPU time of each, and their ratio.
@@ -63,6 +65,8 @@ decode graphs as the speculative runner does (``DecodeGraphs.allow_rows_of``).
     python -m benchmarks.bench_forward --before q4-one-pass --dtype bfloat16 --decode --prefill 16x128 4x128 1x512
     python -m benchmarks.bench_forward --before q4-tile-parts --dtype bfloat16 --decode --prefill 16x128 4x128 1x128 \
         --threads 2
+    python -m benchmarks.bench_forward --model /opt/blink-peers/models/llama-1b-shaped/model-Q4_K_M.gguf \
+        --before 4k-pages --dtype bfloat16 --decode 1 16 --prefill 1x128 --context 256 --threads 2
     python -m benchmarks.bench_forward --before one-kernel-thread --dtype bfloat16 --decode 1 16 --prefill 16x128 \
         --context 192 --threads 2
 """
@@ -92,6 +96,22 @@ def _time(ex, args_, steps: int) -> tuple[float, float]:
     for _ in range(steps):
         ex.execute(*args_)
     return (time.perf_counter() - w0) / steps, (time.process_time() - c0) / steps
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str | None):
+    """While it lasts, ``$name`` is ``value`` (None: as it was)."""
+    was = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if value is not None:
+            if was is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = was
 
 
 @contextlib.contextmanager
@@ -205,7 +225,7 @@ def main() -> None:
     p.add_argument("--before", choices=["reference", "no-int4", "sdpa-attention", "torch-elementwise", "torch-int4",
                                              "attention-no-prefetch", "attention-no-tiles", "bf16-head",
                                              "unfused-silu", "no-cpu-graphs", "one-kernel-thread", "q4-one-pass",
-                                             "q4-tile-parts", "python-replay"],
+                                             "q4-tile-parts", "python-replay", "4k-pages"],
                    default="reference",
                    help="the baseline: the reference forward, or today's without one feature (the int4 path, the C attention kernel, the C elementwise ops, ..., the decode steps' CPU graphs)")
     p.add_argument("--now-graphs", action="store_true",
@@ -265,15 +285,17 @@ def main() -> None:
                   "sdpa-attention": {}, "torch-elementwise": {}, "torch-int4": {},
                   "attention-no-prefetch": {}, "attention-no-tiles": {}, "bf16-head": {},
                   "unfused-silu": {}, "no-cpu-graphs": {}, "one-kernel-thread": {},
-                  "q4-one-pass": {}, "q4-tile-parts": {}, "python-replay": {}}[args.before]
+                  "q4-one-pass": {}, "q4-tile-parts": {}, "python-replay": {}, "4k-pages": {}}[args.before]
         # Decode graphs in "now" only for no-cpu-graphs, and in both for one-kernel-thread and
         # python-replay (as served): the other baselines measure their feature eager against eager (a baseline
         # with torch ops would not be recorded).
-        graphs = args.before in ("no-cpu-graphs", "one-kernel-thread", "python-replay") or args.now_graphs
+        served = ("one-kernel-thread", "python-replay", "4k-pages")
+        graphs = args.before in ("no-cpu-graphs", *served) or args.now_graphs
         execs = {}
-        for name, kw in (("before", {**before, "cpu_graphs": args.before in ("one-kernel-thread", "python-replay")}),
+        for name, kw in (("before", {**before, "cpu_graphs": args.before in served}),
                          ("now", {"cpu_graphs": graphs})):
-            with _amx_int4_off(name == "before" and args.before == "torch-int4"):
+            with _amx_int4_off(name == "before" and args.before == "torch-int4"), \
+                    _env("BLINK_CPU_HUGE_PAGES", "0" if name == "before" and args.before == "4k-pages" else None):
                 execs[name] = ModelExecutor(files, dtype=dtype, num_blocks=need, max_model_len=longest, **kw)
         if args.before == "reference":
             execs["before"].model.use_ops(reference_ops)

@@ -27,7 +27,9 @@ The header names the CPU's flags (avx2, avx512*, amx*), the GGUF's weight bytes 
 decoded token and this machine's measured copy bandwidth (numpy one thread, torch all threads):
 their quotient is the **memory-bandwidth limit** of batch-1 decode, against which each peer's
 single-stream decode is printed as a ratio. It also measures the **read bandwidth** (torch's
-parallel sum, all its threads) and prints the decode rate it allows: a decode step reads its
+parallel sum, all its threads, the better of 4 KB and 2 MB pages: blink keeps its weights in
+2 MB pages, llama.cpp reads its file's mapping in 4 KB ones) and prints the decode rate it
+allows: a decode step reads its
 weights, so no peer passes that rate, up to how much the machine's bandwidth moves between the
 header's probe and the runs (on a shared VM it moved 29-49 GB/s within 20 minutes).
 
@@ -529,14 +531,20 @@ def copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> dict[str, Any]:
     return out
 
 
-def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
+def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5, huge_pages: bool = False) -> float:
     """This machine's memory read bandwidth in GB/s: torch's parallel sum over an fp32 tensor of
     ``nbytes`` (bytes read per second, nothing written; all the threads torch uses), best of
-    ``repeats``. A batch-1 decode step reads its weights and writes little, so this bounds it
-    from above; ``copy_bandwidth`` can exceed it (it counts the written bytes too)."""
+    ``repeats``; ``huge_pages``: the tensor in 2 MB pages as blink keeps its weights
+    (:mod:`blink.huge_pages`; torch's own pages otherwise, 4 KB). A batch-1 decode step reads
+    its weights and writes little, so this bounds it from above; ``copy_bandwidth`` can exceed
+    it (it counts the written bytes too)."""
     import torch
 
     data = torch.ones(nbytes // 4, dtype=torch.float32)
+    if huge_pages:
+        from blink.huge_pages import HugePageArena
+
+        data = HugePageArena().place(data)
     return nbytes / _best_seconds(data.sum, repeats) / 1e9
 
 
@@ -584,7 +592,13 @@ def machine_header(args: argparse.Namespace) -> dict[str, Any]:
     cpu = cpu_flags()
     bw = copy_bandwidth(64 << 20, 2) if args.smoke else copy_bandwidth()
     try:
-        bw["read_gbs"] = read_bandwidth(64 << 20, 2) if args.smoke else read_bandwidth()
+        size, repeats = ((64 << 20), 2) if args.smoke else ((512 << 20), 5)
+        bw["read_4k_gbs"] = read_bandwidth(size, repeats)
+        try:
+            bw["read_2m_gbs"] = read_bandwidth(size, repeats, huge_pages=True)
+        except (ImportError, OSError):  # no blink here, or no mappings: 4 KB pages alone
+            pass
+        bw["read_gbs"] = max(bw["read_4k_gbs"], bw.get("read_2m_gbs", 0.0))
     except ImportError:  # no torch in this venv: the copy limit alone
         pass
     info: dict[str, Any] = {"cpu": cpu, "bandwidth": bw, "gguf": args.gguf}
@@ -594,7 +608,9 @@ def machine_header(args: argparse.Namespace) -> dict[str, Any]:
              f"copy bandwidth (read+write): {bw['numpy_1thread_gbs']:.1f} GB/s numpy 1 thread"
              + (f", {bw['torch_gbs']:.1f} GB/s torch {bw['torch_threads']} threads"
                 if "torch_gbs" in bw else "")
-             + (f"; read bandwidth {bw['read_gbs']:.1f} GB/s (torch's sum, all threads)"
+             + (f"; read bandwidth {bw['read_gbs']:.1f} GB/s (torch's sum, all threads; "
+                f"{bw['read_4k_gbs']:.1f} in 4 KB pages"
+                + (f", {bw['read_2m_gbs']:.1f} in 2 MB pages" if "read_2m_gbs" in bw else "") + ")"
                 if "read_gbs" in bw else "")]
     if args.gguf:
         w = gguf_weight_bytes(args.gguf)

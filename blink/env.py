@@ -74,6 +74,9 @@ VARIABLES: tuple[EnvVar, ...] = (
            "AMX kernel off)",
            ("blink.kernels.cpu.q4_linear", "blink.kernels.cpu.quant_linear"),
            values=("torch", "avx512_vnni", "avx512", "avx2_int8", "avx2")),
+    EnvVar("BLINK_CPU_HUGE_PAGES", "bool", "1 (where the kernel has transparent huge pages)",
+           "0 = the model's weights and KV cache stay in torch's own (4 KB) pages instead of "
+           "2 MB pages (blink.huge_pages)", ("blink.huge_pages",)),
     EnvVar("BLINK_NVRTC_LIB", "path", "the nvidia-cuda-nvrtc wheel's, else $CUDA_HOME's",
            "the NVRTC library that compiles the device loop's CUDA C",
            ("blink.kernels.cuda.nvrtc_build",)),

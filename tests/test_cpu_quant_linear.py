@@ -415,3 +415,30 @@ def test_the_file_scales_and_6_bit_codes_give_the_bits_of_fp32_scales_and_8_bit_
             close_to_exact(got, exact_product(build, fmt, x[:rows], codes, d, m, group), magnitude[:rows])
         else:
             assert torch.equal(got, q.linear(x[:rows], [before], None))
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_packing_some_rows_at_a_time_gives_the_whole_weights_layout(fmt, monkeypatch):
+    """``pack`` packs the codes 16 rows at a time here (a large head packs a few MB at a time):
+    the same layout, scales and format as in one piece."""
+    codes, d, m, group, bits, k_scales = weight(fmt, 48, 512, seed=3)
+    whole = q.pack(codes, d, m, group, bits, k_scales)
+    monkeypatch.setattr(q, "PACK_ROW_WEIGHTS", 16 * 512)
+    parts = q.pack(codes, d, m, group, bits, k_scales)
+    assert torch.equal(parts.codes, whole.codes) and torch.equal(parts.scales, whole.scales)
+    assert (parts.format, parts.codes.shape) == (whole.format, whole.codes.shape)
+    monkeypatch.setattr(q, "PACK_ROW_WEIGHTS", 1 << 40)  # the test can fail: other codes, other layout
+    other = codes.clone()
+    other[40] = other[41]
+    assert not torch.equal(q.pack(other, d, m, group, bits, k_scales).codes, whole.codes)
+
+
+def test_the_layout_is_chosen_from_every_row_not_the_first_ones(monkeypatch):
+    """Q6_K codes whose first rows all fit 5 bits keep the 6-bit layout of the whole tensor."""
+    codes, d, m, group, bits, k_scales = weight("q6_k", 48, 512, seed=4)
+    codes[:16] = codes[:16].abs().clamp(max=31)
+    monkeypatch.setattr(q, "PACK_ROW_WEIGHTS", 16 * 512)
+    w = q.pack(codes, d, m, group, bits, k_scales)
+    assert w.format & q.F_BITS6 and not w.format & q.F_BITS5
+    want = (codes.float().view(48, -1, group) * d[..., None]).view(48, 512)
+    assert torch.equal(q.dequantize(w), want)

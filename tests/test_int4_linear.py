@@ -423,3 +423,64 @@ def test_onednn_on_amx_follows_the_cpu_and_the_switches(monkeypatch):
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     monkeypatch.setenv("BLINK_CPU_AMX", "0")
     assert not onednn_amx()
+
+
+@pytest.mark.parametrize("build", sorted(cpu_quant_linear.INT8_BUILDS))
+def test_projections_every_step_runs_on_their_codes_are_never_dequantized(q4_gguf, monkeypatch, build):
+    """Where every step runs on a projection's codes (an int8 build), its bf16 weight is never
+    read: loading skips dequantizing and copying it, with the same logits as loading it and
+    dropping it after, and the norms and the embedding still loaded."""
+    from blink.loader.gguf_weights import GGUFWeights
+    from blink.models.decoder import DecoderForCausalLM
+
+    if not all(f in cpu_quant_linear.cpu_flags() for f in cpu_quant_linear.VARIANTS[build][1]):
+        pytest.skip(f"this CPU cannot run the {build} build")
+    monkeypatch.setattr(int4_linear, "onednn_amx", lambda: False)  # a CPU without AMX
+    monkeypatch.setenv(cpu_q4_linear.IMPL_ENV, build)
+    cpu_quant_linear.reset()
+    read: list[str] = []
+    dequantize = GGUFWeights._dequantize
+
+    def spy(self, index, *args):
+        read.append(self.reader.tensors[index].name)
+        return dequantize(self, index, *args)
+
+    monkeypatch.setattr(GGUFWeights, "_dequantize", spy)
+    kw = dict(dtype=torch.bfloat16, num_blocks=64, max_model_len=64)
+    try:
+        skipping = ModelExecutor(open_model(q4_gguf), **kw)
+        if not skipping.packed_weights:
+            pytest.skip("no native oneDNN bf16 on this CPU")
+        skipped_read, read[:] = list(read), []
+        monkeypatch.setattr(DecoderForCausalLM, "unread_plain_weights", lambda self: set())
+        loading = ModelExecutor(open_model(q4_gguf), **kw)
+    finally:
+        monkeypatch.delenv(cpu_q4_linear.IMPL_ENV)
+        cpu_quant_linear.reset()
+    layers = skipping.config.num_hidden_layers
+    assert skipping.int4_projections == (4 * layers + 1, 4 * layers + 1)
+    # 7 projection tensors a layer and the head are Q4_1; the embedding and the norms are read
+    assert len(read) - len(skipped_read) == 7 * layers + 1
+    assert "token_embd.weight" in skipped_read and "output_norm.weight" in skipped_read
+    assert not any(name.startswith(("blk.0.attn_q", "blk.0.ffn_down", "output.weight")) for name in skipped_read)
+    assert torch.equal(_decode_logits(skipping, 3), _decode_logits(loading, 3))
+
+
+def test_loading_checks_but_does_not_copy_a_tensor_for_an_unread_weight(tmp_path):
+    """``load_weights(unread=...)``: such a parameter counts as filled, a tensor given for it
+    is not copied, a missing other one is still an error."""
+    from blink.errors import ModelLoadError
+
+    files = open_model(make_tiny_model("llama", tmp_path))
+    ex = ModelExecutor(files, dtype=torch.float32, num_blocks=8, max_model_len=32, pack_weights=False)
+    model = ex.model
+    down = "model.layers.0.mlp.down_proj.weight"
+    assert model.parameter_of(down) == down and model.parameter_of("model.layers.0.self_attn.k_proj.weight") \
+        == "model.layers.0.self_attn.qkv_proj.weight"
+    before = model.get_parameter(down).detach().clone()
+    tensors = dict(files.iter_tensors(torch.float32, progress=False))
+    model.load_weights(((n, t + 1 if n == down else t) for n, t in tensors.items()), unread={down})
+    assert torch.equal(model.get_parameter(down), before)  # checked, not copied
+    model.load_weights(((n, t) for n, t in tensors.items() if n != down), unread={down})
+    with pytest.raises(ModelLoadError, match="missing weight"):
+        model.load_weights(((n, t) for n, t in tensors.items() if n != down))

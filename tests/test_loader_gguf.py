@@ -399,3 +399,25 @@ def test_quantized_tensors_keep_their_layout(tmp_path):
         original = np.asarray(other[gguf_name][0], dtype=np.float32)
         assert loaded[hf_name].shape == original.shape, hf_name
         np.testing.assert_allclose(loaded[hf_name].numpy(), original, atol=atol, err_msg=hf_name)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_coded_tensors_dequantize_some_rows_at_a_time_to_ggufs_values(name, monkeypatch):
+    """A coded 2-D tensor is dequantized through its codes a few rows at a time (here 5, a
+    last chunk of 3), straight into the asked dtype: gguf's fp32 values bit for bit, and their
+    bf16 rounding."""
+    import gguf
+
+    from blink.loader import gguf_weights
+    from test_cpu_quant_linear import random_blocks
+
+    qtype = gguf.GGMLQuantizationType[name]
+    rows, cols = 23, 512
+    data = random_blocks(qtype, rows, cols, seed=7)
+    want = torch.from_numpy(gguf.quants.dequantize(data, qtype).reshape(rows, cols).astype(np.float32))
+    monkeypatch.setattr(gguf_weights, "DEQUANTIZE_ROW_WEIGHTS", 5 * cols)
+    got = gguf_weights._dequantize_rows(data, name, rows, cols, torch.float32)
+    assert torch.equal(got, want)
+    assert torch.equal(gguf_weights._dequantize_rows(data, name, rows, cols, torch.bfloat16), want.bfloat16())
+    data[rows - 1, 9] ^= 0x22  # the test can fail: the last chunk's bytes count
+    assert not torch.equal(gguf_weights._dequantize_rows(data, name, rows, cols, torch.float32), want)

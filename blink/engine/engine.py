@@ -346,6 +346,9 @@ class Engine:
         if matmul_backend is not None:  # chosen at load (blink.models.decoder); one line
             coded = getattr(self.executor, "int4_projections", (0, 0))[0] or getattr(self.executor, "q8_head", False)
             log.info("matmuls: %s%s", matmul_backend(), "; --int4-decode off: bf16 weights only" if coded else "")
+        pages = getattr(self.executor, "pages", None)
+        if pages is not None and self.device.type == "cpu":
+            log.info("memory: %s", pages)
         self.model_config = model_config
         self.max_model_len = self.executor.max_model_len
         self.source = str(files.source)

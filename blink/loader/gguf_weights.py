@@ -2,7 +2,7 @@
 metadata, config and tokenizer the torch-free frontend reads too)."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,8 +199,10 @@ def unpack_codes(data: np.ndarray, qtype_name: str, rows: int, cols: int) -> Qua
 class GGUFWeights(GGUFFile):
     """:class:`GGUFFile` plus its tensors as HF-named torch tensors, one at a time."""
 
-    def iter_tensors(self, dtype: torch.dtype, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-        """Dequantized HF-named tensors in ``dtype``, one at a time."""
+    def iter_tensors(self, dtype: torch.dtype, progress: bool = True,
+                     skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Dequantized HF-named tensors in ``dtype``, one at a time; those whose HF name
+        ``skip`` is true for are not read (the caller takes them on their codes)."""
         from tqdm import tqdm
 
         # The stacked expert tensor of one layer is unpacked once and sliced per expert.
@@ -208,6 +210,9 @@ class GGUFWeights(GGUFFile):
         bar = tqdm(total=len(self._entries), desc="Loading weights", unit="tensor", disable=not progress)
         try:
             for entry in self._entries:
+                if skip is not None and skip(entry.hf_name):
+                    bar.update(1)
+                    continue
                 if entry.expert >= 0:
                     if stacked_index != entry.tensor_index:
                         stacked = self._dequantize(entry.tensor_index).to(dtype)
@@ -215,7 +220,7 @@ class GGUFWeights(GGUFFile):
                     tensor = stacked[entry.expert].clone()
                 else:
                     stacked_index, stacked = -1, None
-                    tensor = self._dequantize(entry.tensor_index)
+                    tensor = self._dequantize(entry.tensor_index, dtype)
                     if entry.permute_heads:
                         tensor = _reverse_rope_permute(tensor, entry.permute_heads)
                     tensor = tensor.to(dtype).contiguous()
@@ -263,12 +268,17 @@ class GGUFWeights(GGUFFile):
             cols, rows = (int(d) for d in tensor.shape.tolist())  # ggml order: [in, out]
             yield entry, tensor, rows, cols
 
-    def _dequantize(self, index: int) -> torch.Tensor:
-        """Tensor ``index`` as float32 in torch dimension order, in memory it owns."""
+    def _dequantize(self, index: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Tensor ``index`` in torch dimension order, in memory it owns: float32, or ``dtype``
+        for a 2-D tensor in one of :data:`CODED_TYPES` (its codes' values, gguf's bit for bit,
+        rounded once to ``dtype``)."""
         import gguf
 
         tensor = self.reader.tensors[index]
+        qtype = tensor.tensor_type.name
         try:
+            if qtype in CODED_TYPES and len(tensor.shape) == 2:
+                return _dequantize_rows(np.asarray(tensor.data), qtype, *(int(d) for d in reversed(tensor.shape.tolist())), dtype)
             values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except (ValueError, IndexError) as exc:
             raise ModelLoadError(self.path, f"cannot dequantize tensor {tensor.name}: {exc}") from None
@@ -278,6 +288,24 @@ class GGUFWeights(GGUFFile):
             values = values.copy()
         values = values.astype(np.float32, copy=False)
         return torch.from_numpy(values.reshape(shape))
+
+
+#: weights dequantized at a time by :func:`_dequantize_rows`: its fp32 temporaries stay a few MB
+#: (reused by the allocator) rather than several times a large embedding's size in fresh pages
+#: (gguf's numpy dequantization of a 1B model's Q6_K embedding took ~10 s, most of it that)
+DEQUANTIZE_ROW_WEIGHTS = 1 << 20
+
+
+def _dequantize_rows(data: np.ndarray, qtype_name: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """A 2-D tensor's blocks in one of :data:`CODED_TYPES` -> ``[rows, cols]`` in ``dtype``,
+    some rows at a time through :func:`unpack_codes` (gguf's values, bit for bit)."""
+    data = data.reshape(rows, -1)
+    out = torch.empty(rows, cols, dtype=dtype)
+    step = max(1, DEQUANTIZE_ROW_WEIGHTS // cols)
+    for row in range(0, rows, step):
+        part = data[row: row + step]
+        out[row: row + part.shape[0]] = unpack_codes(part, qtype_name, part.shape[0], cols).dequantize()
+    return out
 
 
 def _reverse_rope_permute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:

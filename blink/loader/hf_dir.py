@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -147,8 +147,10 @@ class SafetensorsWeights:
         """Every tensor name, shard by shard."""
         return [name for names in self._files.values() for name in names]
 
-    def iter_tensors(self, dtype: "torch.dtype", progress: bool = True) -> Iterator[tuple[str, "torch.Tensor"]]:
-        """Tensors one at a time; floating-point ones cast to ``dtype``."""
+    def iter_tensors(self, dtype: "torch.dtype", progress: bool = True,
+                     skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, "torch.Tensor"]]:
+        """Tensors one at a time; floating-point ones cast to ``dtype``; those whose name
+        ``skip`` is true for are not read."""
         from safetensors import SafetensorError, safe_open
         from tqdm import tqdm
 
@@ -158,6 +160,9 @@ class SafetensorsWeights:
                 try:
                     with safe_open(str(path), framework="pt") as handle:
                         for name in names:
+                            if skip is not None and skip(name):
+                                bar.update(1)
+                                continue
                             tensor = handle.get_tensor(name)
                             if tensor.is_floating_point() and tensor.dtype != dtype:
                                 tensor = tensor.to(dtype)

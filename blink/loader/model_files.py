@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 class _Weights(Protocol):
     def tensor_names(self) -> list[str]: ...
 
-    def iter_tensors(self, dtype: "torch.dtype", progress: bool = True) -> Iterator[tuple[str, "torch.Tensor"]]: ...
+    def iter_tensors(self, dtype: "torch.dtype", progress: bool = True,
+                     skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, "torch.Tensor"]]: ...
 
 
 @dataclass
@@ -58,13 +59,16 @@ class ModelFiles:
         """HF parameter names of every tensor ``iter_tensors`` yields, in the same order."""
         return self._weights.tensor_names()
 
-    def iter_tensors(self, dtype: "torch.dtype", progress: bool = True) -> Iterator[tuple[str, "torch.Tensor"]]:
+    def iter_tensors(self, dtype: "torch.dtype", progress: bool = True,
+                     skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, "torch.Tensor"]]:
         """``(hf_name, tensor)`` one at a time: dequantized, floating-point tensors in ``dtype``.
+        Tensors whose HF name ``skip`` is true for are neither read nor yielded (the executor
+        skips the projections it runs on their codes alone).
 
         Shows a "Loading weights" progress bar on stderr unless ``progress`` is False. Only the
         tensor being produced is held, never a second copy of the model.
         """
-        return self._weights.iter_tensors(dtype, progress=progress)
+        return self._weights.iter_tensors(dtype, progress=progress, skip=skip)
 
     def iter_q4_codes(self) -> Iterator[tuple[str, "Q4Codes"]]:
         """``(hf_name, codes)`` of the tensors stored as 4-bit Q4_0/Q4_1 codes (a GGUF file's;

@@ -445,6 +445,26 @@ class DecoderForCausalLM(nn.Module):
                          "8-bit (Q8_0) codes, on the AMX kernel")
         return "; ".join(parts)
 
+    def place_weights(self, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace every weight a step reads (the parameters, the copies on codes, the packed
+        and 8-bit heads) by ``place``'s copy of it, one tensor at a time (the executor moves them
+        to 2 MB pages, :mod:`blink.huge_pages`; ``place`` returns a tensor it cannot move, such
+        as oneDNN's opaque packed weights, as it is). Call it after packing, before any graph
+        records the weights' addresses."""
+        with torch.no_grad():
+            for param in self.parameters():
+                param.data = place(param.data)
+        for module in self.modules():
+            if isinstance(module, Linear) and module.int4 is not None:
+                module.int4 = int4_linear.placed(module.int4, place)
+        if self.int4_head is not None:
+            self.int4_head = int4_linear.placed(self.int4_head, place)
+        if self.q8_head is not None:
+            self.q8_head = dataclasses.replace(self.q8_head, codes=place(self.q8_head.codes),
+                                               scales=place(self.q8_head.scales))
+        if self.packed_head is not None:
+            self.packed_head = place(self.packed_head)
+
     def use_input_major_weights(self) -> None:
         """Store every projection weight (and a tied embedding) input-major in memory,
         keeping its [out, in] shape: on CPU, fp32 matrix-vector products read [in, out]
@@ -460,19 +480,39 @@ class DecoderForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ weight loading
 
+    def unread_plain_weights(self) -> set[str]:
+        """Names of the projection weights no step reads in their plain form: those whose
+        4-bit copy runs every step (:meth:`use_int4_weights`; packing or
+        :meth:`drop_unread_weights` drops them). A tied embedding is never one (the lookup
+        reads it)."""
+        return {f"{name}.weight" for name, module in self.named_modules()
+                if isinstance(module, Linear) and module.int4 is not None and module.int4.every_step}
+
+    def parameter_of(self, hf_name: str) -> str | None:
+        """The parameter an HF-named tensor fills (None: one ``load_weights`` ignores)."""
+        target = self._destination(hf_name, dict(self.named_parameters()), self.config.source or None)
+        return None if target is None else target[0]
+
     def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], source: str | Path | None = None
+        self, weights: Iterable[tuple[str, torch.Tensor]], source: str | Path | None = None,
+        unread: Iterable[str] = (),
     ) -> None:
         """Copy HF-named tensors into the (fused) parameters, one tensor at a time.
 
         Accepts q/k/v and gate/up either separate or fused, and MoE experts either per
         expert (``mlp.experts.{e}.gate_proj.weight``) or stacked (``mlp.experts.gate_up_proj``).
+        ``unread``: parameters no step reads (:meth:`unread_plain_weights`): they stay unfilled
+        until packing drops them, and ``weights`` may leave them out (what it gives for them is
+        checked, not copied).
         Raises :class:`ModelLoadError` naming the tensor on an unexpected name, a shape
         mismatch, a tensor given twice, or weights left missing at the end.
         """
         source = source if source is not None else self.config.source or None
         params = dict(self.named_parameters())
         filled = dict.fromkeys(params, 0)  # elements written per parameter
+        unread = set(unread)
+        for name in unread:
+            filled[name] = params[name].numel()
         seen: set[str] = set()
         for name, tensor in weights:
             target = self._destination(name, params, source)
@@ -484,6 +524,11 @@ class DecoderForCausalLM(nn.Module):
                     source,
                     f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}",
                 )
+            if pname in unread:
+                if name in seen:
+                    raise ModelLoadError(source, f"weight {name!r} is given twice")
+                seen.add(name)
+                continue
             filled[pname] += dst.numel()
             if name in seen or filled[pname] > params[pname].numel():
                 raise ModelLoadError(source, f"weight {name!r} is given twice (or overlaps a fused weight)")

@@ -45,7 +45,8 @@ whose kernels change with the batch); ``--int4-decode off`` keeps every step on 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -181,6 +182,17 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), _INNER_K_TILES)
     scale_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
     return Int4Weight("torch", TORCH_MAX_ROWS, packed=packed, scale_zero=scale_zero)
+
+
+def placed(weight: Int4Weight, place: Callable[[torch.Tensor], torch.Tensor]) -> Int4Weight:
+    """The same weight with each of its tensors replaced by ``place``'s copy (the model's
+    weights moved to 2 MB pages, :mod:`blink.huge_pages`)."""
+    maybe = lambda t: None if t is None else place(t)  # noqa: E731
+    return replace(weight, packed=maybe(weight.packed), scale_zero=maybe(weight.scale_zero),
+                   amx=None if weight.amx is None else replace(weight.amx, codes=place(weight.amx.codes),
+                                                               scales=place(weight.amx.scales)),
+                   parts=None if weight.parts is None else [replace(p, codes=place(p.codes), scales=place(p.scales))
+                                                            for p in weight.parts])
 
 
 def linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None,

@@ -265,6 +265,48 @@ def _k_scales(k_scales, n: int, k: int, group: int, d: torch.Tensor, m: torch.Te
     return torch.cat(parts, dim=2).reshape(-1).contiguous()
 
 
+#: output rows packed at a time: the packing's temporaries (int32 words, a few per code) stay
+#: a few MB, reused by the allocator, instead of several times a large head's size in fresh
+#: pages (a 1B model's Q6_K head packed whole took ~8 s, mostly first touches of new memory)
+PACK_ROW_WEIGHTS = 1 << 20
+
+
+def _code_layout(codes: torch.Tensor, bits: int, narrow: bool) -> int | None:
+    """The F_BITS* bits of the layout ``pack`` keeps ``codes`` in (0: the 4-bit one), from
+    the whole tensor's range; None where the codes do not fit ``bits``."""
+    if bits == 4:
+        return 0 if codes.dtype == torch.uint8 and int(codes.max()) <= 15 else None
+    if bits != 8 or codes.dtype not in (torch.int8, torch.uint8):
+        return None
+    low, high = int(codes.min()), int(codes.max())
+    if codes.dtype == torch.uint8 and high > 127:
+        return None
+    if narrow and 0 <= low and high <= 31:
+        return F_BITS5
+    if narrow and -32 <= low and high <= 31:
+        return F_BITS6
+    return F_BITS8
+
+
+def _packed_rows(codes: torch.Tensor, layout: int) -> torch.Tensor:
+    """Some output rows' codes (a multiple of 16) in ``layout`` (:func:`_code_layout`), as
+    ``pack`` describes the layouts."""
+    n, k = codes.shape
+    if layout == 0:
+        return _nibble_words(_b_tile_rows(codes))
+    if layout == F_BITS8:
+        return _b_tile_rows(codes.to(torch.int8))
+    if layout == F_BITS5:
+        rows = _b_tile_rows(codes.to(torch.uint8))
+        top = (rows >> 4).reshape(n // TILE, k // GROUP, 1, 16, 2 * TILE)
+        words = sum(top[:, :, :, p].to(torch.int32) << p for p in range(16)).to(torch.int16)
+        return torch.cat([_nibble_words(rows & 0x0F), words], dim=2)
+    rows = _b_tile_rows((codes + 32).to(torch.uint8))  # F_BITS6
+    high = (rows >> 4).reshape(n // TILE, k // GROUP, 2, 8, 2 * TILE)
+    words = sum(high[:, :, :, j].to(torch.int32) << (2 * j) for j in range(8)).to(torch.int16)
+    return torch.cat([_nibble_words(rows & 0x0F), words], dim=2)
+
+
 def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group: int = GROUP,
          bits: int = 4, k_scales=None, narrow: bool = True) -> QuantWeight | None:
     """``w[n, k] = codes[n, k] * d[n, k // group] + m[...]`` (m None: 0) -> the kernel's layout.
@@ -281,37 +323,22 @@ def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group: in
     6-bit (``code + 32``, 0..63): the 4-bit layout of its low nibbles, then 2 vectors of 32 int16
     words whose bits 2j .. 2j + 1 of vector v are row 8v + j's high 2 bits (384 bytes); 5-bit
     (0..31): the 4-bit layout of the low nibbles, then 32 int16 words whose bit p is row p's
-    top bit (320 bytes)."""
+    top bit (320 bytes). Every layout is tile-major, so the codes are packed
+    :data:`PACK_ROW_WEIGHTS` weights of whole tiles at a time into the one result."""
     n, k = codes.shape
     if (n % TILE or k % GROUP or group not in (16, GROUP) or d.shape != (n, k // group)
             or (m is not None and m.shape != d.shape)):
         return None
-    fmt = (F_GROUP16 if group == 16 else 0) | (F_M if m is not None else 0)
-    if bits == 4:
-        if codes.dtype != torch.uint8 or int(codes.max()) > 15:
-            return None
-        packed = _nibble_words(_b_tile_rows(codes)).contiguous()
-    elif bits == 8:
-        if codes.dtype not in (torch.int8, torch.uint8) or (codes.dtype == torch.uint8 and int(codes.max()) > 127):
-            return None
-        low, high = int(codes.min()), int(codes.max())
-        if narrow and 0 <= low and high <= 31:  # 5 bits hold them
-            rows = _b_tile_rows(codes.to(torch.uint8))
-            top = (rows >> 4).reshape(n // TILE, k // GROUP, 1, 16, 2 * TILE)
-            words = sum(top[:, :, :, p].to(torch.int32) << p for p in range(16)).to(torch.int16)
-            packed = torch.cat([_nibble_words(rows & 0x0F), words], dim=2).contiguous()
-            fmt |= F_BITS5
-        elif narrow and -32 <= low and high <= 31:  # 6 bits hold them
-            rows = _b_tile_rows((codes + 32).to(torch.uint8))
-            high = (rows >> 4).reshape(n // TILE, k // GROUP, 2, 8, 2 * TILE)
-            words = sum(high[:, :, :, j].to(torch.int32) << (2 * j) for j in range(8)).to(torch.int16)
-            packed = torch.cat([_nibble_words(rows & 0x0F), words], dim=2).contiguous()
-            fmt |= F_BITS6
-        else:
-            packed = _b_tile_rows(codes.to(torch.int8)).contiguous()
-            fmt |= F_BITS8
-    else:
+    layout = _code_layout(codes, bits, narrow)
+    if layout is None:
         return None
+    fmt = (F_GROUP16 if group == 16 else 0) | (F_M if m is not None else 0) | layout
+    step = max(TILE, PACK_ROW_WEIGHTS // k // TILE * TILE)
+    first = _packed_rows(codes[:step], layout)
+    packed = torch.empty((n // TILE, *first.shape[1:]), dtype=first.dtype)
+    packed[: first.shape[0]] = first
+    for row in range(step, n, step):
+        packed[row // TILE: (row + step) // TILE] = _packed_rows(codes[row: row + step], layout)
     if k_scales is not None and k % SUPER == 0:
         return QuantWeight(packed, _k_scales(k_scales, n, k, group, d.float(), None if m is None else m.float()),
                            n, k, fmt | F_K)
