@@ -123,7 +123,8 @@ class ModelExecutor:
             tensors = model.iter_tensors(dtype, skip=lambda name: self.model.parameter_of(name) in unread)
         else:
             tensors = model.iter_tensors(dtype)
-        self.model.load_weights(tensors, self.source, unread=unread)
+        # (a GGUF file's tensors are dequantized into memory of their own: taken, not copied)
+        self.model.load_weights(tensors, self.source, unread=unread, adopt=getattr(model, "kind", None) == "gguf")
         #: {(kernel, max rows) of the int4 copies: how many projections}
         self.int4_kernels = self.model.int4_kernels()
         if self.packed_weights:

@@ -484,3 +484,22 @@ def test_loading_checks_but_does_not_copy_a_tensor_for_an_unread_weight(tmp_path
     model.load_weights(((n, t) for n, t in tensors.items() if n != down), unread={down})
     with pytest.raises(ModelLoadError, match="missing weight"):
         model.load_weights(((n, t) for n, t in tensors.items() if n != down))
+
+
+def test_adopting_loads_take_whole_tensors_and_copy_parts(tmp_path):
+    """``load_weights(adopt=True)``: a whole parameter of the tensor's dtype is the tensor itself
+    (no copy); a fused parameter's parts, and a tensor of another dtype, are copied."""
+    files = open_model(make_tiny_model("llama", tmp_path))
+    ex = ModelExecutor(files, dtype=torch.float32, num_blocks=8, max_model_len=32, pack_weights=False)
+    model = ex.model
+    tensors = {n: t.clone() for n, t in files.iter_tensors(torch.float32, progress=False)}
+    model.load_weights(tensors.items(), adopt=True)
+    down, q = "model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.q_proj.weight"
+    assert model.get_parameter(down).data_ptr() == tensors[down].data_ptr()
+    qkv = model.get_parameter("model.layers.0.self_attn.qkv_proj.weight")
+    assert qkv.data_ptr() != tensors[q].data_ptr() and torch.equal(qkv[: tensors[q].shape[0]], tensors[q])
+    model.load_weights(((n, t.double()) for n, t in tensors.items()), adopt=True)  # another dtype: copied
+    assert model.get_parameter(down).dtype == torch.float32 and torch.equal(model.get_parameter(down), tensors[down])
+    fresh = {n: t.clone() for n, t in tensors.items()}
+    model.load_weights(fresh.items())  # not adopting: copies (into the adopted memory)
+    assert model.get_parameter(down).data_ptr() == tensors[down].data_ptr() != fresh[down].data_ptr()

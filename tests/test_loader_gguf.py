@@ -421,3 +421,26 @@ def test_coded_tensors_dequantize_some_rows_at_a_time_to_ggufs_values(name, monk
     assert torch.equal(gguf_weights._dequantize_rows(data, name, rows, cols, torch.bfloat16), want.bfloat16())
     data[rows - 1, 9] ^= 0x22  # the test can fail: the last chunk's bytes count
     assert not torch.equal(gguf_weights._dequantize_rows(data, name, rows, cols, torch.float32), want)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_codes_unpack_some_rows_at_a_time_as_in_one_piece(name, monkeypatch):
+    """``unpack_codes`` unpacks a few rows at a time into its result (here 5, a last chunk of 3):
+    every field as in one piece."""
+    import gguf
+
+    from blink.loader import gguf_weights
+    from test_cpu_quant_linear import random_blocks
+
+    rows, cols = 23, 512
+    data = random_blocks(gguf.GGMLQuantizationType[name], rows, cols, seed=11)
+    whole = gguf_weights.unpack_codes(data, name, rows, cols)
+    monkeypatch.setattr(gguf_weights, "UNPACK_ROW_WEIGHTS", 5 * cols)
+    parts = gguf_weights.unpack_codes(data, name, rows, cols)
+    fields = lambda c: [c.codes, c.d, c.m] + ([] if c.k_scales is None else  # noqa: E731
+                                               [c.k_scales.d, c.k_scales.sc, c.k_scales.dmin, c.k_scales.mn])
+    for a, b in zip(fields(whole), fields(parts)):
+        assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b))
+    assert (parts.qtype, parts.group, parts.bits) == (whole.qtype, whole.group, whole.bits)
+    data[rows - 1, 3] ^= 0x40  # the test can fail: the last chunk's bytes count
+    assert not torch.equal(gguf_weights.unpack_codes(data, name, rows, cols).dequantize(), whole.dequantize())

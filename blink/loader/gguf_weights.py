@@ -150,10 +150,45 @@ def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
+#: weights unpacked at a time by :func:`unpack_codes`: its numpy temporaries (several a code)
+#: stay a few MB instead of several times a large head's size in fresh pages
+UNPACK_ROW_WEIGHTS = 1 << 20
+
+
 def unpack_codes(data: np.ndarray, qtype_name: str, rows: int, cols: int) -> QuantCodes:
     """A 2-D tensor's blocks (``data``: uint8 [rows, bytes per row]) in one of
     :data:`CODED_TYPES` -> :class:`QuantCodes`, ggml's block layouts (as gguf.quants reads
-    them)."""
+    them), :data:`UNPACK_ROW_WEIGHTS` weights of rows at a time into the result."""
+    step = max(1, UNPACK_ROW_WEIGHTS // max(cols, 1))
+    if rows <= step:
+        return _unpack_rows(data, qtype_name, rows, cols)
+    data = data.reshape(rows, -1)
+    first = _unpack_rows(data[:step], qtype_name, step, cols)
+
+    def whole(part: torch.Tensor | None) -> torch.Tensor | None:  # the rows' tensor, first rows filled
+        if part is None:
+            return None
+        out = torch.empty((rows, *part.shape[1:]), dtype=part.dtype)
+        out[:step] = part
+        return out
+
+    k = first.k_scales
+    result = QuantCodes(first.qtype, whole(first.codes), whole(first.d), whole(first.m), first.group, first.bits,
+                        None if k is None else KScales(whole(k.d), whole(k.sc), whole(k.dmin), whole(k.mn)))
+    for row in range(step, rows, step):
+        part = _unpack_rows(data[row: row + step], qtype_name, min(step, rows - row), cols)
+        end = row + part.codes.shape[0]
+        pairs = [(result.codes, part.codes), (result.d, part.d), (result.m, part.m)]
+        if k is not None:
+            pairs += [(getattr(result.k_scales, f), getattr(part.k_scales, f)) for f in ("d", "sc", "dmin", "mn")]
+        for out, piece in pairs:
+            if out is not None:
+                out[row:end] = piece
+    return result
+
+
+def _unpack_rows(data: np.ndarray, qtype_name: str, rows: int, cols: int) -> QuantCodes:
+    """:func:`unpack_codes` on all the rows at once."""
     t = torch.from_numpy
     if qtype_name in ("Q4_0", "Q4_1"):
         q4 = unpack_q4(data, qtype_name, rows, cols)

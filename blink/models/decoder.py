@@ -446,14 +446,20 @@ class DecoderForCausalLM(nn.Module):
         return "; ".join(parts)
 
     def place_weights(self, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Replace every weight a step reads (the parameters, the copies on codes, the packed
-        and 8-bit heads) by ``place``'s copy of it, one tensor at a time (the executor moves them
+        """Replace every weight a step streams (the parameters, the copies on codes, the packed
+        and 8-bit heads; the embedding where it is also the only head) by ``place``'s copy of
+        it, one tensor at a time (the executor moves them
         to 2 MB pages, :mod:`blink.huge_pages`; ``place`` returns a tensor it cannot move, such
         as oneDNN's opaque packed weights, as it is). Call it after packing, before any graph
         records the weights' addresses."""
+        # The embedding is read a few rows a step, unless it is also the head with no other copy.
+        embedding = self.model.embed_tokens.weight
+        lookup_only = not (self.lm_head is None and self.q8_head is None and self.int4_head is None
+                           and self.packed_head is None)
         with torch.no_grad():
             for param in self.parameters():
-                param.data = place(param.data)
+                if not (lookup_only and param is embedding):
+                    param.data = place(param.data)
         for module in self.modules():
             if isinstance(module, Linear) and module.int4 is not None:
                 module.int4 = int4_linear.placed(module.int4, place)
@@ -495,7 +501,7 @@ class DecoderForCausalLM(nn.Module):
 
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], source: str | Path | None = None,
-        unread: Iterable[str] = (),
+        unread: Iterable[str] = (), adopt: bool = False,
     ) -> None:
         """Copy HF-named tensors into the (fused) parameters, one tensor at a time.
 
@@ -504,6 +510,10 @@ class DecoderForCausalLM(nn.Module):
         ``unread``: parameters no step reads (:meth:`unread_plain_weights`): they stay unfilled
         until packing drops them, and ``weights`` may leave them out (what it gives for them is
         checked, not copied).
+        ``adopt``: each tensor is the caller's to give away, in memory of its own (a GGUF
+        file's dequantized tensors; not safetensors', which may be views of the file): a
+        whole parameter of its dtype takes the tensor itself rather than a copy (a 1B
+        model's bf16 embedding: 0.5 GB less memory touched at load).
         Raises :class:`ModelLoadError` naming the tensor on an unexpected name, a shape
         mismatch, a tensor given twice, or weights left missing at the end.
         """
@@ -533,8 +543,13 @@ class DecoderForCausalLM(nn.Module):
             if name in seen or filled[pname] > params[pname].numel():
                 raise ModelLoadError(source, f"weight {name!r} is given twice (or overlaps a fused weight)")
             seen.add(name)
+            whole = params[pname]
             with torch.no_grad():
-                dst.copy_(tensor)
+                if (adopt and dst.shape == whole.shape and tensor.dtype == whole.dtype
+                        and tensor.device == whole.device and tensor.is_contiguous()):
+                    whole.data = tensor
+                else:
+                    dst.copy_(tensor)
         missing = [p for p, n in filled.items() if n < params[p].numel()]
         if missing:
             shown = ", ".join(self._hf_names(p, seen) for p in missing[:6])

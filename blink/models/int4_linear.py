@@ -228,10 +228,8 @@ def pack_codes(segments: list) -> Int4Weight | None:
     q4 = all(s.qtype in _Q4_TYPES for s in segments)
 
     def joined():
-        codes = torch.cat([s.codes for s in segments])
-        d = torch.cat([s.d for s in segments])
-        m = torch.cat([s.m for s in segments])
-        return codes, d, m + 8 * d  # (scale, zero) as gguf_weights.Q4Codes: zero = m + 8d
+        d = _joined(segments, "d")
+        return _joined(segments, "codes"), d, _joined(segments, "m") + 8 * d  # (scale, zero) as Q4Codes: zero = m + 8d
 
     if q4 and cpu_q4_linear.available():
         amx = cpu_q4_linear.pack(*joined())
@@ -244,8 +242,8 @@ def pack_codes(segments: list) -> Int4Weight | None:
             if seg is not None and seg.qtype == run[0].qtype:
                 run.append(seg)
                 continue
-            cat = lambda name: None if getattr(run[0], name) is None else torch.cat([getattr(s, name) for s in run])
-            part = cpu_quant_linear.pack(cat("codes"), cat("d"), cat("m"), run[0].group, run[0].bits, _k_scales(run))
+            part = cpu_quant_linear.pack(_joined(run, "codes"), _joined(run, "d"), _joined(run, "m"), run[0].group,
+                                         run[0].bits, _k_scales(run))
             if part is None:
                 return None
             parts.append(part)
@@ -256,14 +254,22 @@ def pack_codes(segments: list) -> Int4Weight | None:
     return None
 
 
+def _joined(parts: list, name: str) -> torch.Tensor | None:
+    """The parts' ``name`` tensors, one after another along the rows (one part's own tensor,
+    not a copy: a large head's codes are not copied again)."""
+    tensors = [getattr(part, name) for part in parts]
+    if tensors[0] is None:
+        return None
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
 def _k_scales(run: list):
     """A run of K-quant segments' file scales, joined (:class:`blink.loader.gguf_weights.KScales`;
     None unless every segment has them)."""
     scales = [getattr(s, "k_scales", None) for s in run]
     if any(k is None for k in scales):
         return None
-    cat = lambda name: None if getattr(scales[0], name) is None else torch.cat([getattr(k, name) for k in scales])
-    return type(scales[0])(cat("d"), cat("sc"), cat("dmin"), cat("mn"))
+    return type(scales[0])(*(_joined(scales, name) for name in ("d", "sc", "dmin", "mn")))
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
