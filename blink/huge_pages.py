@@ -91,7 +91,9 @@ class HugePageArena:
         if numel == 0:
             return torch.zeros(shape, dtype=dtype)
         out = self._take(numel * torch.empty((), dtype=dtype).element_size()).view(dtype).view(shape)
-        out.zero_()  # (a reused chunk's bytes are zero already; this also touches the pages now)
+        # Fresh mappings read as zeros already; writing them commits the memory now, as
+        # torch.zeros did, rather than on the step that first writes a block.
+        out.zero_()
         self.placed_bytes += out.numel() * out.element_size()
         return out
 
