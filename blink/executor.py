@@ -112,10 +112,16 @@ class ModelExecutor:
         # 1B Q4_K_M file: ~1 GB of bf16 writes and ~15 s of dequantizing saved). (Not only with
         # packed weights: an AVX2 CPU under --dtype bfloat16 has no oneDNN bf16, and its 4-bit
         # kernel then replaces plain bf16 GEMVs.)
+        # On CPU the weights and the KV cache go to 2 MB pages: a decode step streams them
+        # (blink.huge_pages: the kernels read them 1.1-1.5x as fast as from 4 KB pages); the
+        # codes are packed straight into them.
+        no_huge_pages = huge_pages.unavailable_reason() if self.device.type == "cpu" else "not on CPU"
+        arena = huge_pages.HugePageArena() if no_huge_pages is None else None
         unread: set[str] = set()
         if pack_weights and int4_decode and int4_linear.available(dtype, self.device):
             if iter_q4 is not None:
-                self.int4_projections = self.model.use_int4_weights(iter_q4())
+                self.int4_projections = self.model.use_int4_weights(
+                    iter_q4(), empty=None if arena is None else arena.empty)
                 unread = self.model.unread_plain_weights()
             if iter_q8 is not None:  # (the AMX kernel only: use_q8_head checks)
                 self.q8_head = self.model.use_q8_head(iter_q8())
@@ -145,11 +151,7 @@ class ModelExecutor:
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks  # the extra last block
         shape = (num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        # On CPU the weights and the KV cache go to 2 MB pages: a decode step streams them
-        # (blink.huge_pages: the kernels read them 1.1-1.5x as fast as from 4 KB pages).
-        no_huge_pages = huge_pages.unavailable_reason() if self.device.type == "cpu" else "not on CPU"
-        arena = huge_pages.HugePageArena() if no_huge_pages is None else None
-        if arena is not None:
+        if arena is not None:  # the rest of what a step streams
             self.model.place_weights(arena.place)
             _return_freed_memory()
         zeros = arena.zeros if arena is not None else (

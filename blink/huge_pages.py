@@ -60,22 +60,41 @@ def unavailable_reason() -> str | None:
 
 
 class HugePageArena:
-    """CPU tensors copied into private anonymous mappings marked ``MADV_HUGEPAGE``."""
+    """CPU tensors in private anonymous mappings marked ``MADV_HUGEPAGE``: copied there
+    (:meth:`place`) or made there (:meth:`empty`, :meth:`zeros`)."""
 
     def __init__(self) -> None:
         self._chunk: torch.Tensor | None = None  # uint8 view of the current chunk
         self._used = 0
+        self._spans: list[tuple[int, int]] = []  # (first, end) address of each mapping's bytes
         #: bytes placed so far
         self.placed_bytes = 0
 
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor in 2 MB pages (a weight packed straight into them: no copy
+        to make later, :meth:`place` returns it as it is)."""
+        numel = 1
+        for size in shape:
+            numel *= size
+        if numel == 0:
+            return torch.empty(shape, dtype=dtype)
+        out = self._take(numel * torch.empty((), dtype=dtype).element_size()).view(dtype).view(shape)
+        self.placed_bytes += out.numel() * out.element_size()
+        return out
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s memory is the arena's."""
+        address = tensor.data_ptr()
+        return any(first <= address < end for first, end in self._spans)
+
     def place(self, tensor: torch.Tensor) -> torch.Tensor:
         """A copy of ``tensor`` in 2 MB pages (the same shape, strides, dtype and values), or
-        ``tensor`` itself where it is not a plain CPU tensor laid out densely (oneDNN's opaque
-        packed weights, a view with gaps) or is empty."""
+        ``tensor`` itself where it is in them already, is empty, or is not a plain CPU tensor
+        laid out densely (oneDNN's opaque packed weights, a view with gaps)."""
         if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.numel() == 0:
             return tensor
         transposed = tensor.dim() == 2 and not tensor.is_contiguous() and tensor.t().is_contiguous()
-        if not (tensor.is_contiguous() or transposed):
+        if not (tensor.is_contiguous() or transposed) or self.holds(tensor):
             return tensor
         dense = tensor.t() if transposed else tensor
         out = self._take(dense.numel() * dense.element_size()).view(dense.dtype).view(dense.shape)
@@ -85,27 +104,25 @@ class HugePageArena:
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A zero-filled tensor in 2 MB pages (fresh mappings read as zeros)."""
-        numel = 1
-        for size in shape:
-            numel *= size
-        if numel == 0:
-            return torch.zeros(shape, dtype=dtype)
-        out = self._take(numel * torch.empty((), dtype=dtype).element_size()).view(dtype).view(shape)
+        out = self.empty(shape, dtype)
         # Fresh mappings read as zeros already; writing them commits the memory now, as
         # torch.zeros did, rather than on the step that first writes a block.
-        out.zero_()
-        self.placed_bytes += out.numel() * out.element_size()
-        return out
+        return out.zero_()
 
     def _take(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` fresh bytes, ALIGN-aligned, from the current chunk or a new mapping."""
         start = -(-self._used // ALIGN) * ALIGN
         if nbytes > CHUNK // 2:
-            return _mapping(nbytes)
+            return self._map(nbytes)
         if self._chunk is None or start + nbytes > self._chunk.numel():
-            self._chunk, start = _mapping(CHUNK), 0
+            self._chunk, start = self._map(CHUNK), 0
         self._used = start + nbytes
         return self._chunk[start:start + nbytes]
+
+    def _map(self, nbytes: int) -> torch.Tensor:
+        mapped = _mapping(nbytes)
+        self._spans.append((mapped.data_ptr(), mapped.data_ptr() + mapped.numel()))
+        return mapped
 
 
 def _mapping(nbytes: int) -> torch.Tensor:

@@ -442,3 +442,18 @@ def test_the_layout_is_chosen_from_every_row_not_the_first_ones(monkeypatch):
     assert w.format & q.F_BITS6 and not w.format & q.F_BITS5
     want = (codes.float().view(48, -1, group) * d[..., None]).view(48, 512)
     assert torch.equal(q.dequantize(w), want)
+
+
+def test_the_codes_go_where_the_caller_allocates_them():
+    """``pack(empty=...)``: the codes are packed into the caller's tensor (the executor's 2 MB
+    pages), the same layout as in torch's memory."""
+    codes, d, m, group, bits, k_scales = weight("q6_k", 48, 512, seed=5)
+    made = []
+
+    def empty(shape, dtype):
+        made.append(torch.full(shape, 7, dtype=dtype))
+        return made[-1]
+
+    w = q.pack(codes, d, m, group, bits, k_scales, empty=empty)
+    assert len(made) == 1 and w.codes.data_ptr() == made[0].data_ptr()
+    assert torch.equal(w.codes, q.pack(codes, d, m, group, bits, k_scales).codes)

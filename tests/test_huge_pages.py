@@ -61,10 +61,13 @@ def test_placed_tensors_keep_their_values_in_huge_page_mappings():
         assert not huge_page_eligible(small)
     assert arena.placed_bytes == sum(t.numel() * t.element_size() for t in placed)
     zeros = arena.zeros((4, 16, 2, 8), torch.bfloat16)
-    assert zeros.dtype == torch.bfloat16 and not zeros.any()
-    # what cannot be moved is given back as it is
+    assert zeros.dtype == torch.bfloat16 and not zeros.any() and arena.holds(zeros)
+    # what cannot be moved, or is there already, is given back as it is
     empty, gappy = torch.empty(0), torch.randn(8, 8)[:, ::2]
     assert arena.place(empty) is empty and arena.place(gappy) is gappy
+    made = arena.empty((5, 7), torch.int16)  # (a weight packed straight into the arena)
+    assert made.shape == (5, 7) and made.dtype == torch.int16 and arena.holds(made)
+    assert arena.place(made) is made and arena.place(placed[0]) is placed[0] and not arena.holds(small)
 
 
 @needs_thp

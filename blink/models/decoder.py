@@ -330,7 +330,9 @@ class DecoderForCausalLM(nn.Module):
         lookup reads it). Returns how many were dropped."""
         return sum(m.drop_unread_weight() for m in self.modules() if isinstance(m, Linear) and not m.packed)
 
-    def use_int4_weights(self, q4_tensors: Iterable[tuple[str, Any]]) -> tuple[int, int]:
+    def use_int4_weights(self, q4_tensors: Iterable[tuple[str, Any]],
+                         empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None
+                         ) -> tuple[int, int]:
         """Give each projection whose every row the checkpoint stores as codes (``q4_tensors``:
         ``(hf_name, codes)``, :class:`blink.loader.gguf_weights.QuantCodes` or the older
         :class:`~blink.loader.gguf_weights.Q4Codes`) a copy on those codes for the steps its
@@ -340,8 +342,9 @@ class DecoderForCausalLM(nn.Module):
         and Q6_K v make one copy; others keep the bf16 weight). A tied head the file stores as
         Q8_0 is left to :meth:`use_q8_head` where the AMX kernel runs. Call it before
         :meth:`use_packed_weights` (it locates rows in the plain weights), which drops the bf16
-        copy of each projection whose 4-bit copy runs every step. Returns (projections given
-        a copy on codes, projections in all)."""
+        copy of each projection whose 4-bit copy runs every step. ``empty``: the codes' memory,
+        as :func:`blink.models.int4_linear.pack_codes` takes it. Returns (projections given a
+        copy on codes, projections in all)."""
         from blink.loader.gguf_weights import QuantCodes
 
         params = dict(self.named_parameters())
@@ -378,7 +381,7 @@ class DecoderForCausalLM(nn.Module):
                 row += codes.codes.shape[0]
             if row != params[pname].shape[0]:
                 continue  # some rows are in another format
-            weight = int4_linear.pack_codes([codes for _, codes in found])
+            weight = int4_linear.pack_codes([codes for _, codes in found], empty=empty)
             if weight is None:
                 continue
             if pname == "model.embed_tokens.weight":

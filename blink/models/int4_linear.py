@@ -216,13 +216,15 @@ def linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None,
 _Q4_TYPES = ("Q4_0", "Q4_1")
 
 
-def pack_codes(segments: list) -> Int4Weight | None:
+def pack_codes(segments: list, empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None
+               ) -> Int4Weight | None:
     """One projection's output rows as the file stores them, in order (``segments``:
     :class:`blink.loader.gguf_weights.QuantCodes`, e.g. a fused qkv projection's q, k and v,
     the same K each) -> a weight for the best kernel that takes them all: the AMX kernel for
     Q4_0/Q4_1 where it runs, else the kernel without AMX (every format of
     :data:`blink.loader.gguf_weights.CODED_TYPES`, each run of rows in its own), else torch's
-    int4 kernel for Q4_0/Q4_1; None where none does (the bf16 copy runs)."""
+    int4 kernel for Q4_0/Q4_1; None where none does (the bf16 copy runs). ``empty(shape,
+    dtype)``: where the kernel without AMX's codes are allocated (default: torch's memory)."""
     if not segments or len({s.codes.shape[1] for s in segments}) != 1:
         return None
     q4 = all(s.qtype in _Q4_TYPES for s in segments)
@@ -243,7 +245,7 @@ def pack_codes(segments: list) -> Int4Weight | None:
                 run.append(seg)
                 continue
             part = cpu_quant_linear.pack(_joined(run, "codes"), _joined(run, "d"), _joined(run, "m"), run[0].group,
-                                         run[0].bits, _k_scales(run))
+                                         run[0].bits, _k_scales(run), empty=empty)
             if part is None:
                 return None
             parts.append(part)

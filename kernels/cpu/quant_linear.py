@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -308,7 +309,8 @@ def _packed_rows(codes: torch.Tensor, layout: int) -> torch.Tensor:
 
 
 def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group: int = GROUP,
-         bits: int = 4, k_scales=None, narrow: bool = True) -> QuantWeight | None:
+         bits: int = 4, k_scales=None, narrow: bool = True,
+         empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None) -> QuantWeight | None:
     """``w[n, k] = codes[n, k] * d[n, k // group] + m[...]`` (m None: 0) -> the kernel's layout.
     ``codes``: uint8 0..15 (``bits`` 4) or int8 (``bits`` 8; kept in 5 bits where they are in
     0..31 as Q5_K's, else in 6 where they are in -32..31 as Q6_K's); d and m float32. ``k_scales``: a K-quant's scales as its
@@ -324,7 +326,9 @@ def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group: in
     words whose bits 2j .. 2j + 1 of vector v are row 8v + j's high 2 bits (384 bytes); 5-bit
     (0..31): the 4-bit layout of the low nibbles, then 32 int16 words whose bit p is row p's
     top bit (320 bytes). Every layout is tile-major, so the codes are packed
-    :data:`PACK_ROW_WEIGHTS` weights of whole tiles at a time into the one result."""
+    :data:`PACK_ROW_WEIGHTS` weights of whole tiles at a time into the one result, which
+    ``empty(shape, dtype)`` allocates where given (the executor's 2 MB pages,
+    :mod:`blink.huge_pages`)."""
     n, k = codes.shape
     if (n % TILE or k % GROUP or group not in (16, GROUP) or d.shape != (n, k // group)
             or (m is not None and m.shape != d.shape)):
@@ -335,7 +339,8 @@ def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group: in
     fmt = (F_GROUP16 if group == 16 else 0) | (F_M if m is not None else 0) | layout
     step = max(TILE, PACK_ROW_WEIGHTS // k // TILE * TILE)
     first = _packed_rows(codes[:step], layout)
-    packed = torch.empty((n // TILE, *first.shape[1:]), dtype=first.dtype)
+    shape = (n // TILE, *first.shape[1:])
+    packed = empty(shape, first.dtype) if empty is not None else torch.empty(shape, dtype=first.dtype)
     packed[: first.shape[0]] = first
     for row in range(step, n, step):
         packed[row // TILE: (row + step) // TILE] = _packed_rows(codes[row: row + step], layout)
