@@ -33,6 +33,11 @@ allows: a decode step reads its
 weights, so no peer passes that rate, up to how much the machine's bandwidth moves between the
 header's probe and the runs (on a shared VM it moved 29-49 GB/s within 20 minutes).
 
+``--alternate-single ROUNDS`` then starts every peer at once and runs their single streams in
+turn, round by round, and prints each round's ratios and their medians: on a shared VM whose
+bandwidth moves by more than the margins from one minute to the next, the sequential runs'
+one-stream ratio says as much about the minutes as about the servers.
+
 The 1B-class model (``python -m benchmarks.make_1b_model`` writes it): ``--model-1b DIR`` serves
 ``DIR/model-<--quant>.gguf`` to blink and llama-server and ``DIR/hf`` to vLLM, with 128 in / 64
 out by default::
@@ -57,10 +62,12 @@ as a plain script inside the peer's venv.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
 import shlex
+import statistics
 import sys
 import threading
 import time
@@ -364,6 +371,66 @@ def run_peer(name: str, port: int, args: argparse.Namespace, tok: Any) -> dict[s
         row["status"] = f"failed: {exc}"
         print(f"{name} failed: {exc}\n{server.tail(15)}", file=sys.stderr)
     return row
+
+
+def run_alternating_single(names: list[str], args: argparse.Namespace, tok: Any) -> list[dict[str, Any]]:
+    """``--alternate-single N``: every peer in ``names`` serving at once (the others idle while
+    one runs), then N rounds of each one's single stream in turn (``--single-stream-prompts``
+    requests each): one-stream ratios from runs seconds apart, where the sequential runs are
+    minutes apart and a shared VM's bandwidth moves more than the margins between them
+    (docs/performance.md#peers-1b). Returns per round, per peer: output and decode tok/s, ITL p50."""
+    from benchmarks.interference import LaunchedServer
+    from benchmarks.serve import run_benchmark
+
+    rounds: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        served = {}
+        for i, name in enumerate(names):
+            port = args.port_base + len(ALL_PEERS) + i  # apart from the sequential runs' ports
+            argv, env, overrides = peer_command(name, port, args)
+            base_url = f"http://127.0.0.1:{port}"
+            log_path = Path(args.log_dir) / f"peer-{name}-alternating.log"
+            print(f"== {name} (alternating single streams): {' '.join(argv)}  (log {log_path})", flush=True)
+            stack.enter_context(LaunchedServer(argv, base_url, log_path, env=env,
+                                               ready_timeout_s=args.ready_timeout, cwd=args.log_dir))
+            served[name] = (base_url, overrides)
+        for index in range(args.alternate_single):
+            row: dict[str, Any] = {}
+            for name, (base_url, overrides) in served.items():
+                s_args = _client_args(args, base_url, concurrency=1, num=args.single_stream_prompts,
+                                      label=f"{name} single, round {index + 1}", overrides=overrides)
+                run = run_benchmark(s_args, tokenizer=tok)["runs"][0]
+                row[name] = {"output_tok_s": run["output_throughput"], "itl_p50_ms": run["itl_ms"]["p50"],
+                             "decode_tok_s": split_rates(run)["decode_tok_s"]}
+            rounds.append(row)
+    return rounds
+
+
+def alternating_table(rounds: list[dict[str, Any]]) -> str:
+    """Per round: each peer's single-stream output and decode tok/s, and blink's ÷ each other
+    peer's (decode, then output); the last line the medians over the rounds."""
+    if not rounds:
+        return ""
+    names = list(rounds[0])
+    others = [n for n in names if n != "blink"] if "blink" in names else []
+    head = ("| round | " + " | ".join(f"{n} out / decode tok/s" for n in names)
+            + "".join(f" | blink ÷ {n}, decode | blink ÷ {n}, out" for n in others) + " |")
+    lines = [head, "|---|" + "---:|" * (len(names) + 2 * len(others))]
+
+    def ratio(row: dict[str, Any], other: str, key: str) -> float:
+        return row["blink"][key] / row[other][key] if row[other][key] else float("nan")
+
+    for index, row in enumerate(rounds, 1):
+        cells = [f"{row[n]['output_tok_s']:.1f} / {row[n]['decode_tok_s']:.1f}" for n in names]
+        cells += [f"{ratio(row, o, key):.2f}" for o in others for key in ("decode_tok_s", "output_tok_s")]
+        lines.append(f"| {index} | " + " | ".join(cells) + " |")
+    median = statistics.median
+    cells = [f"{median([r[n]['output_tok_s'] for r in rounds]):.1f} / "
+             f"{median([r[n]['decode_tok_s'] for r in rounds]):.1f}" for n in names]
+    cells += [f"**{median([ratio(r, o, key) for r in rounds]):.2f}**" for o in others
+              for key in ("decode_tok_s", "output_tok_s")]
+    lines.append("| median | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _run_interfered(row: dict[str, Any], name: str, base_url: str, args: argparse.Namespace,
@@ -714,6 +781,10 @@ def full_report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     ratios = ratio_table(rows, args)
     if ratios:
         parts.append("Ratios, blink ÷ peer (throughput > 1 and latency < 1: blink ahead):\n\n" + ratios)
+    alternating = alternating_table(getattr(args, "alternating", None) or [])
+    if alternating:
+        parts.append(f"Single streams, the peers serving at once and run in turn, round by round "
+                     f"({args.single_stream_prompts} requests each):\n\n" + alternating)
     return "\n\n".join(p for p in parts if p)
 
 
@@ -749,6 +820,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"default 128 ({MODEL_1B_OUTPUT_LEN} with --model-1b)")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--single-stream-prompts", type=int, default=4)
+    ap.add_argument("--alternate-single", type=int, default=0, metavar="ROUNDS",
+                    help="then every peer serving at once, ROUNDS rounds of each one's single stream in "
+                         "turn (--single-stream-prompts requests each): one-stream ratios from runs "
+                         "seconds apart (0: off)")
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=None, help="server threads (default: all cores)")
@@ -819,6 +894,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         rows.append(run_peer(name, args.port_base + i, args, tok))
         _write_result(args, rows)  # after every peer: a stopped run keeps what it measured
+    if args.alternate_single > 0:
+        runnable = [r["peer"] for r in rows if r.get("status") == "ok"]
+        args.alternating = run_alternating_single(runnable, args, tok)
+        _write_result(args, rows)
     table = full_report(rows, args)
     print("\n" + table)
     if args.result_json:

@@ -160,3 +160,22 @@ def test_setup_peers_isa_flags_follow_this_cpu():
         assert f"-DGGML_{opt}={'ON' if cpu_flag in flags else 'OFF'}" in out
     assert "-DGGML_AMX_INT8=OFF" in out  # llama.cpp's AMX kernels only with LLAMA_AMX=1
     assert f"-DGGML_AMX_INT8={'ON' if 'amx_int8' in flags else 'OFF'}" in amx
+
+
+def test_alternating_single_streams_give_ratios_round_by_round_and_their_medians():
+    from benchmarks.peers import alternating_table
+
+    def peer(out, decode):
+        return {"output_tok_s": out, "decode_tok_s": decode, "itl_p50_ms": 1000 / decode}
+
+    rounds = [{"blink": peer(40, 44), "llamaserver": peer(40, 40)},
+              {"blink": peer(30, 33), "llamaserver": peer(20, 22)},
+              {"blink": peer(36, 36), "llamaserver": peer(40, 45)}]
+    table = alternating_table(rounds).splitlines()
+    assert table[0].startswith("| round | blink out / decode tok/s | llamaserver out / decode tok/s")
+    cells = lambda line: [c.strip() for c in line.strip("|").split("|")]  # noqa: E731
+    assert cells(table[2]) == ["1", "40.0 / 44.0", "40.0 / 40.0", "1.10", "1.00"]
+    assert cells(table[3])[3:] == ["1.50", "1.50"]
+    # medians of each column over the rounds: decode ratios 1.10, 1.50, 0.80 -> 1.10
+    assert cells(table[-1]) == ["median", "36.0 / 36.0", "40.0 / 40.0", "**1.10**", "**1.00**"]
+    assert alternating_table([]) == ""

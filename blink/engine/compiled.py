@@ -353,6 +353,11 @@ class CompiledModelPhase:
                 # guards it), so its steady-state entry is compiled here too.
                 with warming():
                     self.layer(*args)
+                    if i == 1:
+                        # And its entry for eager code (prompt-logprobs steps run the layers
+                        # eagerly, calling the kernel with eager code's dispatcher state, which
+                        # no entry above has: refused, such a step stopped the engine loop).
+                        _decoder_layer(*args)
         n = len(self.row_buckets)
         for i, rows in enumerate(self.row_buckets, 1):
             self.progress(f"compiling the sampler {i}/{n} ({rows} rows)… [{time.monotonic() - start:.0f} s]")

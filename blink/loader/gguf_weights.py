@@ -313,7 +313,8 @@ class GGUFWeights(GGUFFile):
         qtype = tensor.tensor_type.name
         try:
             if qtype in CODED_TYPES and len(tensor.shape) == 2:
-                return _dequantize_rows(np.asarray(tensor.data), qtype, *(int(d) for d in reversed(tensor.shape.tolist())), dtype)
+                cols, rows = (int(d) for d in tensor.shape.tolist())  # ggml order: [in, out]
+                return _dequantize_rows(np.asarray(tensor.data), qtype, rows, cols, dtype)
             values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except (ValueError, IndexError) as exc:
             raise ModelLoadError(self.path, f"cannot dequantize tensor {tensor.name}: {exc}") from None

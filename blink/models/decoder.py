@@ -451,10 +451,10 @@ class DecoderForCausalLM(nn.Module):
     def place_weights(self, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Replace every weight a step streams (the parameters, the copies on codes, the packed
         and 8-bit heads; the embedding where it is also the only head) by ``place``'s copy of
-        it, one tensor at a time (the executor moves them
-        to 2 MB pages, :mod:`blink.huge_pages`; ``place`` returns a tensor it cannot move, such
-        as oneDNN's opaque packed weights, as it is). Call it after packing, before any graph
-        records the weights' addresses."""
+        it, one tensor at a time (the executor moves them to 2 MB pages,
+        :mod:`blink.huge_pages`; ``place`` returns a tensor it cannot move, such as oneDNN's
+        opaque packed weights, as it is). Call it after packing, before any graph records the
+        weights' addresses."""
         # The embedding is read a few rows a step, unless it is also the head with no other copy.
         embedding = self.model.embed_tokens.weight
         lookup_only = not (self.lm_head is None and self.q8_head is None and self.int4_head is None
