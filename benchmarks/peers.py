@@ -896,7 +896,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         _write_result(args, rows)  # after every peer: a stopped run keeps what it measured
     if args.alternate_single > 0:
         runnable = [r["peer"] for r in rows if r.get("status") == "ok"]
-        args.alternating = run_alternating_single(runnable, args, tok)
+        try:
+            args.alternating = run_alternating_single(runnable, args, tok)
+        except (RuntimeError, TimeoutError, SystemExit, OSError) as exc:  # what was measured stays
+            print(f"alternating single streams failed: {exc}", file=sys.stderr)
         _write_result(args, rows)
     table = full_report(rows, args)
     print("\n" + table)
