@@ -321,6 +321,15 @@ class CompiledModelPhase:
                                                        self.attention_kernel)
 
         self.attend = attend
+
+        def attend_eager(q, k_cache, v_cache, md, scale):
+            # Eager code calls the kernel with another dispatcher state than the compiled layer
+            # does, which no compiled entry has (refused, it stopped the engine loop): the
+            # same tile code, uncompiled.
+            return cpu_paged_attention.paged_attention(q, k_cache, v_cache, md, scale,
+                                                       cpu_paged_attention.tile_attention)
+
+        self.attend_eager = attend_eager
         self.suppress_width = suppress_width  # StepBatch.suppress_ids' width
         self.max_logit_bias = max_logit_bias  # the ring's, the width of the bias fields
         self.warm_plans: set[tuple[int, SamplerPlan]] = set()
@@ -353,11 +362,6 @@ class CompiledModelPhase:
                 # guards it), so its steady-state entry is compiled here too.
                 with warming():
                     self.layer(*args)
-                    if i == 1:
-                        # And its entry for eager code (prompt-logprobs steps run the layers
-                        # eagerly, calling the kernel with eager code's dispatcher state, which
-                        # no entry above has: refused, such a step stopped the engine loop).
-                        _decoder_layer(*args)
         n = len(self.row_buckets)
         for i, rows in enumerate(self.row_buckets, 1):
             self.progress(f"compiling the sampler {i}/{n} ({rows} rows)… [{time.monotonic() - start:.0f} s]")
@@ -380,11 +384,13 @@ class CompiledModelPhase:
 
     def attention_step(self, batch, tokens: int):
         """The context an eager forward over ``batch``'s ``tokens`` tokens needs on this
-        model (its attention is the compiled step's op, which reads the step's metadata):
-        the CPU loop's eager steps under --compile (prompt logprobs)."""
+        model (its attention is the compiled step's op, which reads the step's metadata; here
+        with the tile code uncompiled): the CPU loop's eager steps under --compile (prompt
+        logprobs)."""
         from blink.engine.step import compact_rows
+        from blink.kernels.cpu.step_ops import attention_step
 
-        return self._attention_step(compact_rows(batch, tokens), tokens)
+        return attention_step(compact_rows(batch, tokens), tokens, self.attend_eager)
 
     def _attention_step(self, md, num_tokens: int):
         from blink.kernels.cpu.step_ops import attention_step
