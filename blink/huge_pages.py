@@ -4,12 +4,12 @@ Why: a one-row decode step reads every weight once, so it runs at the rate the c
 memory, and in 4 KB pages every 4 KB of that stream is a TLB miss and a page walk (two-level
 in a VM). Linux backs private anonymous memory marked ``MADV_HUGEPAGE`` with 2 MB pages where
 transparent huge pages are on ("always" or "madvise", the usual default); torch's allocator
-does not mark its memory, so the weights are copied into such mappings once, after loading.
+does not mark its memory, so the weights are packed or copied into such mappings once, at load.
 Measured on a Zen 4 VM (2 vCPUs), one process alternating the same 813 MB of a 1B model's
 Q4_K_M projections and head at one row: 20-28 GB/s from 4 KB pages against 26-40 GB/s from
 2 MB pages, 1.1-1.5x in each of 15 pairs (docs/performance.md#huge-pages).
 
-The weights are placed in chunks of :data:`CHUNK` bytes (a larger tensor gets its own
+They are placed in chunks of :data:`CHUNK` bytes (a larger tensor gets its own
 mapping); a chunk's untouched tail takes no memory. A mapping is unmapped when the last tensor
 in it is freed (``torch.frombuffer`` keeps it alive). ``$BLINK_CPU_HUGE_PAGES=0`` keeps
 torch's own memory.
