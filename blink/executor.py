@@ -126,7 +126,8 @@ class ModelExecutor:
             if iter_q8 is not None:  # (the AMX kernel only: use_q8_head checks)
                 self.q8_head = self.model.use_q8_head(iter_q8())
         if unread:  # (a model with codes has open_model's iter_tensors, which can skip)
-            tensors = model.iter_tensors(dtype, skip=lambda name: self.model.parameter_of(name) in unread)
+            params = dict(self.model.named_parameters())  # (once, not per tensor)
+            tensors = model.iter_tensors(dtype, skip=lambda name: self.model.parameter_of(name, params) in unread)
         else:
             tensors = model.iter_tensors(dtype)
         # (a GGUF file's tensors are dequantized into memory of their own: taken, not copied)

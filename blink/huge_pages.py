@@ -16,6 +16,7 @@ torch's own memory.
 """
 from __future__ import annotations
 
+import math
 import mmap
 import sys
 from pathlib import Path
@@ -73,14 +74,11 @@ class HugePageArena:
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor in 2 MB pages (a weight packed straight into them: no copy
         to make later, :meth:`place` returns it as it is)."""
-        numel = 1
-        for size in shape:
-            numel *= size
-        if numel == 0:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
-        out = self._take(numel * torch.empty((), dtype=dtype).element_size()).view(dtype).view(shape)
-        self.placed_bytes += out.numel() * out.element_size()
-        return out
+        self.placed_bytes += nbytes
+        return self._take(nbytes).view(dtype).view(shape)
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s memory is the arena's."""
@@ -97,9 +95,7 @@ class HugePageArena:
         if not (tensor.is_contiguous() or transposed) or self.holds(tensor):
             return tensor
         dense = tensor.t() if transposed else tensor
-        out = self._take(dense.numel() * dense.element_size()).view(dense.dtype).view(dense.shape)
-        out.copy_(dense)
-        self.placed_bytes += out.numel() * out.element_size()
+        out = self.empty(tuple(dense.shape), dense.dtype).copy_(dense)
         return out.t() if transposed else out
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

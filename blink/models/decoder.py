@@ -497,9 +497,11 @@ class DecoderForCausalLM(nn.Module):
         return {f"{name}.weight" for name, module in self.named_modules()
                 if isinstance(module, Linear) and module.int4 is not None and module.int4.every_step}
 
-    def parameter_of(self, hf_name: str) -> str | None:
-        """The parameter an HF-named tensor fills (None: one ``load_weights`` ignores)."""
-        target = self._destination(hf_name, dict(self.named_parameters()), self.config.source or None)
+    def parameter_of(self, hf_name: str, params: dict[str, nn.Parameter] | None = None) -> str | None:
+        """The parameter an HF-named tensor fills (None: one ``load_weights`` ignores);
+        ``params``: ``dict(self.named_parameters())`` when the caller asks for many names."""
+        params = dict(self.named_parameters()) if params is None else params
+        target = self._destination(hf_name, params, self.config.source or None)
         return None if target is None else target[0]
 
     def load_weights(
