@@ -5,6 +5,7 @@ engine's admission stamp (ring field ``admitted_step``) placed on the engine's s
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import time
@@ -185,6 +186,48 @@ def test_step_clock_interpolates_between_readings():
     assert clock.time_of(11) is None  # not reached yet
     clock.saw(3, 200.0)  # a restarted engine counts from 0 again
     assert clock.time_of(5) is None and clock.time_of(3) == 200.0
+
+
+def test_step_clock_cadence_is_the_recent_step_time():
+    clock = StepClock()
+    assert clock.cadence() is None
+    clock.saw(0, 10.0)
+    assert clock.cadence() is None  # one reading: no interval yet
+    for step in range(1, 9):
+        clock.saw(step, 10.0 + 0.025 * step)
+    assert clock.cadence() == (pytest.approx(10.2), pytest.approx(0.025))
+    clock.saw(9, 12.2)  # one 2 s step (a long prefill): the median stands
+    assert clock.cadence()[1] == pytest.approx(0.025)
+    clock.saw(19, 12.3)  # ten steps seen at once: 10 ms each, faster: taken at once
+    assert clock.cadence() == (12.3, pytest.approx(0.01))
+
+
+def _poller(clock: StepClock, *, active: bool = True, masks: bool = False, align: bool = True):
+    """What RingEngineClient._poll_delay reads, with the defaults' numbers."""
+    return SimpleNamespace(step_clock=clock, align_to_steps=align, align_min_step_s=2e-3,
+                           align_max_sleep_s=0.1, poll_min_interval_s=2e-4,
+                           ring=SimpleNamespace(active=[object()] if active else [], masks_pending=masks))
+
+
+def test_the_poller_sleeps_until_just_before_the_step_is_due():
+    clock = StepClock()
+    for step in range(5):
+        clock.saw(step, 1.0 + 0.02 * step)  # 20 ms steps; the count last moved at 1.08
+    delay = functools.partial(RingEngineClient._poll_delay, _poller(clock))
+    assert delay(2e-4, 1.0805) == pytest.approx(0.098 - 0.0805)  # asleep until due - 2 ms
+    assert delay(4e-4, 1.0985) == pytest.approx(0.02 / 40)  # fine ticks around due (1.10)
+    assert delay(8e-4, 1.1015) == pytest.approx(0.02 / 40)
+    assert delay(3.2e-3, 1.103) == 3.2e-3  # past due + 2 ms: a longer step, the backoff again
+    for off in (_poller(clock, align=False), _poller(clock, masks=True), _poller(clock, active=False)):
+        assert RingEngineClient._poll_delay(off, 2e-4, 1.0805) == 2e-4
+    fast = StepClock()
+    fast.saw(0, 1.0)
+    fast.saw(10, 1.01)  # 1 ms steps (a GPU loop): the backoff's ticks
+    assert RingEngineClient._poll_delay(_poller(fast), 2e-4, 1.0101) == 2e-4
+    slow = StepClock()
+    slow.saw(0, 1.0)
+    slow.saw(1, 3.0)  # 2 s steps: asleep 0.1 s at most at a time
+    assert RingEngineClient._poll_delay(_poller(slow), 2e-4, 3.0) == 0.1
 
 
 def test_admission_time_is_the_engines_step_not_the_poll():

@@ -23,6 +23,7 @@ from blink.dpu.ring_protocol import ArenaAllocator, RingClient, RingFullError
 from blink.shared.sampling_params import SamplingParams
 from blink.ring import (
     C_ENGINE_STATE,
+    C_STAT_STEPS,
     ENGINE_DRAINING,
     ENGINE_FAILED,
     ENGINE_READY,
@@ -423,6 +424,41 @@ def test_async_generate_many_concurrent_requests(setup):
 
     asyncio.run(main())
     assert setup.ring.state.tolist() == [SLOT_FREE] * 8
+
+
+def test_the_poller_sleeps_through_each_step_and_still_sees_every_token(setup):
+    """With steps of ~20 ms the poller aligned to the step clock ticks a few times per step
+    (asleep through the step, fine ticks around its end), far fewer than the backoff alone
+    (ticks every 0.1-1 ms here), and each token still arrives on its own, not in bursts."""
+    setup.engine.step_sleep_s = 0.02
+    setup.engine.start()
+
+    async def run(align: bool) -> tuple[float, int, int]:
+        ring = RingClient(LoopbackTransport(setup.region.name, setup.region.total_bytes))
+        client = RingEngineClient(ring, model_name="fake", poll_min_interval_s=1e-4,
+                                  poll_max_interval_s=1e-3, align_to_steps=align)
+        ticks = 0
+        tick = client._tick
+
+        def counted() -> bool:
+            nonlocal ticks
+            ticks += 1
+            return tick()
+
+        client._tick = counted
+        steps0 = int(setup.ring.control[C_STAT_STEPS])
+        out = await collect(client.generate("r", [5], SamplingParams(max_tokens=24)))
+        steps = int(setup.ring.control[C_STAT_STEPS]) - steps0
+        await client.close()
+        return ticks / steps, len(out), sum(len(o.token_ids) for o in out)
+
+    async def main():
+        aligned, deltas, tokens = await run(True)
+        assert tokens == 24 and deltas >= 20  # (a late tick may see two steps' tokens at once)
+        backoff, _, _ = await run(False)
+        assert aligned < backoff / 2 and aligned <= 6, (aligned, backoff)
+
+    asyncio.run(main())
 
 
 def test_async_abort_and_early_exit_free_the_slot(setup):
