@@ -322,6 +322,19 @@ def k_quant_ggufs(tmp_path_factory):
     return files
 
 
+def test_reading_and_packing_a_gguf_s_codes_show_progress(k_quant_ggufs, capfd):
+    """The codes' unpacking and packing (seconds at 1B, before the "Loading weights" bar)
+    show progress bars of their own on stderr; ``progress=False`` shows none."""
+    files = open_model(k_quant_ggufs["Q4_K"])
+    list(files.iter_quant_codes(progress=False))
+    assert "Reading quantized codes" not in capfd.readouterr().err
+    ex = ModelExecutor(files, dtype=torch.bfloat16, num_blocks=64, max_model_len=64)
+    err = capfd.readouterr().err
+    assert "Reading quantized codes" in err and "Loading weights" in err
+    if ex.int4_projections[0]:  # (a CPU whose kernels take the codes)
+        assert "Packing codes for the CPU kernels" in err
+
+
 @pytest.mark.parametrize("build", list(cpu_quant_linear.VARIANTS))
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
 def test_a_k_quant_gguf_runs_on_its_codes(k_quant_ggufs, monkeypatch, build, name):

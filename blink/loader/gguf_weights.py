@@ -11,6 +11,7 @@ import torch
 
 from blink.errors import ModelLoadError
 from blink.loader.gguf_file import GGUFFile
+from blink.shared.load_chunks import run_chunks
 
 
 #: values per block of ggml's 4-bit formats (Q4_0, Q4_1)
@@ -158,7 +159,8 @@ UNPACK_ROW_WEIGHTS = 1 << 20
 def unpack_codes(data: np.ndarray, qtype_name: str, rows: int, cols: int) -> QuantCodes:
     """A 2-D tensor's blocks (``data``: uint8 [rows, bytes per row]) in one of
     :data:`CODED_TYPES` -> :class:`QuantCodes`, ggml's block layouts (as gguf.quants reads
-    them), :data:`UNPACK_ROW_WEIGHTS` weights of rows at a time into the result."""
+    them), :data:`UNPACK_ROW_WEIGHTS` weights of rows at a time into the result, the chunks
+    side by side on the process's cores (:mod:`blink.shared.load_chunks`)."""
     step = max(1, UNPACK_ROW_WEIGHTS // max(cols, 1))
     if rows <= step:
         return _unpack_rows(data, qtype_name, rows, cols)
@@ -175,7 +177,8 @@ def unpack_codes(data: np.ndarray, qtype_name: str, rows: int, cols: int) -> Qua
     k = first.k_scales
     result = QuantCodes(first.qtype, whole(first.codes), whole(first.d), whole(first.m), first.group, first.bits,
                         None if k is None else KScales(whole(k.d), whole(k.sc), whole(k.dmin), whole(k.mn)))
-    for row in range(step, rows, step):
+
+    def unpack_chunk(row: int) -> None:  # its own rows of the result
         part = _unpack_rows(data[row: row + step], qtype_name, min(step, rows - row), cols)
         end = row + part.codes.shape[0]
         pairs = [(result.codes, part.codes), (result.d, part.d), (result.m, part.m)]
@@ -184,6 +187,8 @@ def unpack_codes(data: np.ndarray, qtype_name: str, rows: int, cols: int) -> Qua
         for out, piece in pairs:
             if out is not None:
                 out[row:end] = piece
+
+    run_chunks(unpack_chunk, range(step, rows, step))
     return result
 
 
@@ -283,15 +288,22 @@ class GGUFWeights(GGUFFile):
                 q8 = Q8Codes(*(_reverse_rope_permute(t, entry.permute_heads).contiguous() for t in (q8.codes, q8.scale)))
             yield entry.hf_name, q8
 
-    def iter_quant_codes(self, qtypes: tuple[str, ...] = CODED_TYPES) -> Iterator[tuple[str, QuantCodes]]:
+    def iter_quant_codes(self, qtypes: tuple[str, ...] = CODED_TYPES,
+                         progress: bool = True) -> Iterator[tuple[str, QuantCodes]]:
         """``(hf_name, codes)`` for every 2-D tensor the file stores in one of ``qtypes``
         (experts excluded; :class:`QuantCodes`), in the same row order as ``iter_tensors``
-        gives it, one at a time."""
-        for entry, tensor, rows, cols in self._coded_tensors(qtypes):
-            codes = unpack_codes(np.asarray(tensor.data), tensor.tensor_type.name, rows, cols)
-            if entry.permute_heads:  # a permutation of whole rows: codes and every scale alike
-                codes = codes.rows(_reverse_rope_permute(torch.arange(rows), entry.permute_heads))
-            yield entry.hf_name, codes
+        gives it, one at a time. Shows a "Reading quantized codes" progress bar on stderr
+        unless ``progress`` is False (a 1B file's codes take ~10 s to unpack)."""
+        from tqdm import tqdm
+
+        coded = list(self._coded_tensors(qtypes))
+        with tqdm(total=len(coded), desc="Reading quantized codes", unit="tensor", disable=not progress) as bar:
+            for entry, tensor, rows, cols in coded:
+                codes = unpack_codes(np.asarray(tensor.data), tensor.tensor_type.name, rows, cols)
+                if entry.permute_heads:  # a permutation of whole rows: codes and every scale alike
+                    codes = codes.rows(_reverse_rope_permute(torch.arange(rows), entry.permute_heads))
+                bar.update(1)
+                yield entry.hf_name, codes
 
     def _coded_tensors(self, qtypes: tuple[str, ...]) -> Iterator[tuple[Any, Any, int, int]]:
         """(entry, gguf tensor, rows, columns) of every 2-D non-expert tensor stored in one of

@@ -76,12 +76,13 @@ class ModelFiles:
         if isinstance(self._weights, GGUFWeights):
             yield from self._weights.iter_q4_codes()
 
-    def iter_quant_codes(self) -> Iterator[tuple[str, "QuantCodes"]]:
+    def iter_quant_codes(self, progress: bool = True) -> Iterator[tuple[str, "QuantCodes"]]:
         """``(hf_name, codes)`` of the tensors a GGUF file stores as codes the CPU kernels take
         (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; a Hugging Face directory has none): the same values
-        ``iter_tensors`` dequantizes."""
+        ``iter_tensors`` dequantizes ("Reading quantized codes" progress bar unless ``progress``
+        is False)."""
         if isinstance(self._weights, GGUFWeights):
-            yield from self._weights.iter_quant_codes()
+            yield from self._weights.iter_quant_codes(progress=progress)
 
     def iter_q8_codes(self) -> Iterator[tuple[str, "Q8Codes"]]:
         """``(hf_name, codes)`` of the tensors stored as 8-bit Q8_0 codes (a GGUF file's; a

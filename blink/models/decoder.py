@@ -331,8 +331,8 @@ class DecoderForCausalLM(nn.Module):
         return sum(m.drop_unread_weight() for m in self.modules() if isinstance(m, Linear) and not m.packed)
 
     def use_int4_weights(self, q4_tensors: Iterable[tuple[str, Any]],
-                         empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None
-                         ) -> tuple[int, int]:
+                         empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+                         progress: bool = True) -> tuple[int, int]:
         """Give each projection whose every row the checkpoint stores as codes (``q4_tensors``:
         ``(hf_name, codes)``, :class:`blink.loader.gguf_weights.QuantCodes` or the older
         :class:`~blink.loader.gguf_weights.Q4Codes`) a copy on those codes for the steps its
@@ -343,8 +343,9 @@ class DecoderForCausalLM(nn.Module):
         Q8_0 is left to :meth:`use_q8_head` where the AMX kernel runs. Call it before
         :meth:`use_packed_weights` (it locates rows in the plain weights), which drops the bf16
         copy of each projection whose 4-bit copy runs every step. ``empty``: the codes' memory,
-        as :func:`blink.models.int4_linear.pack_codes` takes it. Returns (projections given a
-        copy on codes, projections in all)."""
+        as :func:`blink.models.int4_linear.pack_codes` takes it; ``progress``: a "Packing codes"
+        progress bar on stderr (a 1B file's take ~10 s). Returns (projections given a copy on
+        codes, projections in all)."""
         from blink.loader.gguf_weights import QuantCodes
 
         params = dict(self.named_parameters())
@@ -371,8 +372,11 @@ class DecoderForCausalLM(nn.Module):
             full = params[pname]
             first_row = (dst.data_ptr() - full.data_ptr()) // (full.stride(0) * full.element_size())
             parts.setdefault(pname, []).append((first_row, codes))
+        from tqdm import tqdm
+
         given = 0
-        for pname, found in parts.items():
+        for pname, found in tqdm(parts.items(), desc="Packing codes for the CPU kernels", unit="weight",
+                                 disable=not progress or not parts):
             found.sort(key=lambda part: part[0])
             row = 0
             for first_row, codes in found:

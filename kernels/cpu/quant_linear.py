@@ -60,6 +60,7 @@ from blink import env as blink_env
 from blink.kernels.cpu import abi, pool as cpu_pool, q4_linear as cpu_q4_linear
 from blink.kernels.cpu.q4_linear import GROUP, IMPL_ENV, TILE, _b_tile_rows, _from_b_tile_rows, _is_fp16
 from blink.kernels.cpu.threads import kernel_threads
+from blink.shared.load_chunks import run_chunks
 from blink.shared.native_build import NativeBuildError, NativeLibrary
 
 log = logging.getLogger("blink.kernels")
@@ -326,9 +327,9 @@ def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group: in
     words whose bits 2j .. 2j + 1 of vector v are row 8v + j's high 2 bits (384 bytes); 5-bit
     (0..31): the 4-bit layout of the low nibbles, then 32 int16 words whose bit p is row p's
     top bit (320 bytes). Every layout is tile-major, so the codes are packed
-    :data:`PACK_ROW_WEIGHTS` weights of whole tiles at a time into the one result, which
-    ``empty(shape, dtype)`` allocates where given (the executor's 2 MB pages,
-    :mod:`blink.huge_pages`)."""
+    :data:`PACK_ROW_WEIGHTS` weights of whole tiles at a time (side by side on the process's
+    cores: :mod:`blink.shared.load_chunks`) into the one result, which ``empty(shape, dtype)``
+    allocates where given (the executor's 2 MB pages, :mod:`blink.huge_pages`)."""
     n, k = codes.shape
     if (n % TILE or k % GROUP or group not in (16, GROUP) or d.shape != (n, k // group)
             or (m is not None and m.shape != d.shape)):
@@ -342,8 +343,11 @@ def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group: in
     shape = (n // TILE, *first.shape[1:])
     packed = empty(shape, first.dtype) if empty is not None else torch.empty(shape, dtype=first.dtype)
     packed[: first.shape[0]] = first
-    for row in range(step, n, step):
+
+    def pack_chunk(row: int) -> None:  # its own tiles of the result
         packed[row // TILE: (row + step) // TILE] = _packed_rows(codes[row: row + step], layout)
+
+    run_chunks(pack_chunk, range(step, n, step))
     if k_scales is not None and k % SUPER == 0:
         return QuantWeight(packed, _k_scales(k_scales, n, k, group, d.float(), None if m is None else m.float()),
                            n, k, fmt | F_K)
