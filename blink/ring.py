@@ -82,6 +82,7 @@ Disaggregated prefill/decode (docs/disaggregation.md; ``max_kv_blocks`` > 0 enab
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 from typing import Any, Iterator
 
@@ -320,25 +321,29 @@ class FieldSpec:
     #: the record this field lives in (:data:`REQUEST`), None for a region of its own
     record: str | None = None
 
-    @property
+    # (computed once per field: the frontend's poller asks for them on every read)
+    @functools.cached_property
     def row_nbytes(self) -> int:
         """Bytes of one entry of the leading dimension."""
         return int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
 
-    @property
+    @functools.cached_property
     def row_stride(self) -> int:
         return self.row_nbytes if self.stride is None else self.stride
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         """Bytes the field spans, from entry 0 to the end of the last entry."""
         return (self.shape[0] - 1) * self.row_stride + self.row_nbytes
 
+    @functools.cached_property
+    def _strides(self) -> tuple[int, ...]:
+        return (self.row_stride, *c_strides(self.shape[1:], self.dtype.itemsize))
+
     def element_offset(self, index: tuple[int, ...] | int) -> int:
         """Byte offset of one element (or one row, given a shorter index) in the region."""
         index = (index,) if isinstance(index, int) else index
-        strides = (self.row_stride, *c_strides(self.shape[1:], self.dtype.itemsize))
-        return self.offset + sum(i * s for i, s in zip(index, strides))
+        return self.offset + sum(i * s for i, s in zip(index, self._strides))
 
 
 def c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
