@@ -13,8 +13,8 @@ the engine may run many steps (a GPU loop does); interpolation places the admiss
 that interval instead of at its end, where "the poller saw the slot leave WRITTEN" puts it.
 
 The same readings give the engine's **cadence** (:meth:`StepClock.cadence`): when the count
-last moved and the median time a step has taken lately, from which the poller predicts when
-the running step ends and sleeps until just before then.
+last moved and how long a step has taken lately, from which the poller predicts when the
+running step ends and sleeps until just before then.
 """
 from __future__ import annotations
 

@@ -293,7 +293,7 @@ class GGUFWeights(GGUFFile):
         """``(hf_name, codes)`` for every 2-D tensor the file stores in one of ``qtypes``
         (experts excluded; :class:`QuantCodes`), in the same row order as ``iter_tensors``
         gives it, one at a time. Shows a "Reading quantized codes" progress bar on stderr
-        unless ``progress`` is False (a 1B file's codes take ~10 s to unpack)."""
+        unless ``progress`` is False (a 1B file's codes take seconds to unpack)."""
         from tqdm import tqdm
 
         coded = list(self._coded_tensors(qtypes))

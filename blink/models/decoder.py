@@ -344,8 +344,10 @@ class DecoderForCausalLM(nn.Module):
         :meth:`use_packed_weights` (it locates rows in the plain weights), which drops the bf16
         copy of each projection whose 4-bit copy runs every step. ``empty``: the codes' memory,
         as :func:`blink.models.int4_linear.pack_codes` takes it; ``progress``: a "Packing codes"
-        progress bar on stderr (a 1B file's take ~10 s). Returns (projections given a copy on
+        progress bar on stderr (seconds at 1B). Returns (projections given a copy on
         codes, projections in all)."""
+        from tqdm import tqdm
+
         from blink.loader.gguf_weights import QuantCodes
 
         params = dict(self.named_parameters())
@@ -372,8 +374,6 @@ class DecoderForCausalLM(nn.Module):
             full = params[pname]
             first_row = (dst.data_ptr() - full.data_ptr()) // (full.stride(0) * full.element_size())
             parts.setdefault(pname, []).append((first_row, codes))
-        from tqdm import tqdm
-
         given = 0
         for pname, found in tqdm(parts.items(), desc="Packing codes for the CPU kernels", unit="weight",
                                  disable=not progress or not parts):
