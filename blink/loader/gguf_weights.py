@@ -346,13 +346,17 @@ DEQUANTIZE_ROW_WEIGHTS = 1 << 20
 
 def _dequantize_rows(data: np.ndarray, qtype_name: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
     """A 2-D tensor's blocks in one of :data:`CODED_TYPES` -> ``[rows, cols]`` in ``dtype``,
-    some rows at a time through :func:`unpack_codes` (gguf's values, bit for bit)."""
+    some rows at a time through :func:`unpack_codes` (gguf's values, bit for bit), the chunks
+    side by side on the process's cores as :func:`unpack_codes`' own."""
     data = data.reshape(rows, -1)
     out = torch.empty(rows, cols, dtype=dtype)
     step = max(1, DEQUANTIZE_ROW_WEIGHTS // cols)
-    for row in range(0, rows, step):
+
+    def dequantize_chunk(row: int) -> None:  # its own rows of ``out``
         part = data[row: row + step]
         out[row: row + part.shape[0]] = unpack_codes(part, qtype_name, part.shape[0], cols).dequantize()
+
+    run_chunks(dequantize_chunk, range(0, rows, step))
     return out
 
 

@@ -1,11 +1,13 @@
 """Load-time work over chunks of rows, side by side on the process's cores.
 
-A GGUF file's codes are unpacked (numpy) and packed into the CPU kernels' layout (torch) a
-few MB of rows at a time (:func:`blink.loader.gguf_weights.unpack_codes`,
+A GGUF file's codes are unpacked (numpy), packed into the CPU kernels' layout (torch) and,
+for tensors that stay plain, dequantized a few MB of rows at a time
+(:func:`blink.loader.gguf_weights.unpack_codes`, ``_dequantize_rows``,
 :func:`blink.kernels.cpu.quant_linear.pack`); each chunk writes its own rows of one result.
 numpy's and torch's element-wise ops release the GIL, so chunks run on several threads at
-once: a 1B Q4_K_M file's ~20 s of unpacking and packing on one core is spread over all of them
-(the engine loads before its step threads start, so nothing else needs the cores then).
+once: a 1B Q4_K_M file's ~11 s of unpacking and packing on one core (quiet, torch at one
+thread) took ~7.6 s on two (the engine loads before its step threads start, so nothing else
+needs the cores then; docs/performance.md#gguf-load).
 """
 from __future__ import annotations
 
