@@ -148,3 +148,58 @@ def test_bench_quant_source_times_two_versions_and_stops_on_different_bits(tmp_p
     with pytest.raises(SystemExit):  # argparse's error, not a traceback
         bench_quant_source.main(["--before", str(tmp_path / "missing.c"), *base])
     assert "missing.c: no such file" in capsys.readouterr().err
+
+
+def _q6k_projections_gguf(path: Path) -> Path:
+    """A GGUF holding one layer's projections and a head, all Q6_K (random blocks): what
+    benchmarks/bench_kquant_bytes.py's ``_projections`` reads, nothing more."""
+    import gguf
+
+    from test_cpu_quant_linear import random_blocks
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    shapes = {"attn_q": (256, 256), "attn_k": (256, 256), "attn_v": (256, 256), "attn_output": (256, 256),
+              "ffn_gate": (512, 256), "ffn_up": (512, 256), "ffn_down": (256, 512)}
+    for seed, (name, (rows, cols)) in enumerate(shapes.items()):
+        writer.add_tensor(f"blk.0.{name}.weight", random_blocks(gguf.GGMLQuantizationType.Q6_K, rows, cols, seed),
+                          raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+    writer.add_tensor("output.weight", random_blocks(gguf.GGMLQuantizationType.Q6_K, 512, 256, 9),
+                      raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_bench_quant_source_packs_the_befores_6_bit_planes_and_groups_rounds_by_read_bandwidth(tmp_path, capsys):
+    """bench_quant_source's ``--before-pos6``: the before version's weights in that 6-bit plane
+    order (the checkout's source reading another order gives other bits: the option takes
+    effect); ``--read-bands``: a table row per band of the plain read's GB/s, per projection
+    kind with ``--by-kind``; a malformed order is argparse's error, not a traceback."""
+    from benchmarks import bench_quant_source
+    from blink.kernels.cpu import quant_linear as q
+
+    if q.variant() is None:
+        pytest.skip("no build of the kernel without AMX runs here")
+    model = _q6k_projections_gguf(tmp_path / "q6k.gguf")
+    source = tmp_path / "same.c"
+    source.write_text(Path(q.__file__).with_name("quant_linear.c").read_text())
+    base = ["--before", str(source), "--model", str(model), "--rows", "1", "--rounds", "1"]
+    checkout = ",".join(str(b) for b in q.POS6)
+    other = ",".join(str(b) for b in range(0, 16, 2))
+    assert other != checkout
+    bench_quant_source.main([*base, "--before-pos6", checkout])
+    assert any(line.startswith("| 1 |") for line in capsys.readouterr().out.splitlines())
+    with pytest.raises(SystemExit, match="different bits at 1 rows"):
+        bench_quant_source.main([*base, "--before-pos6", other])
+    assert q.POS6 == tuple(int(b) for b in checkout.split(","))  # the packer's order is back
+    bench_quant_source.main([*base, "--read-bands", "0.5", "--read-mb", "8", "--by-kind"])
+    out = capsys.readouterr().out
+    bands = [line for line in out.splitlines() if line.startswith("| ") and "-" in line.split("|")[1]
+             and line.split("|")[1].strip()[0].isdigit()]
+    assert bands and all(line.endswith("x |") for line in bands), out
+    assert "head Q6_K" in out and "gate_up Q6_K" in out, out
+    with pytest.raises(SystemExit):
+        bench_quant_source.main([*base, "--before-pos6", "0,2,4"])
+    assert "not the 8 even bit positions" in capsys.readouterr().err

@@ -61,6 +61,12 @@ enum { F_BITS8 = 1, F_GROUP16 = 2, F_FP32 = 4, F_M = 8, F_BITS6 = 16, F_K = 32, 
 /* channels per K-quant super-block */
 enum { SUPER = 256 }; /* (a shift by 8 below) */
 
+/* The 6-bit layout's 2-bit planes (quant_linear.py's POS6): row 8h + j's high 2 bits at bit
+ * POS6[j] of each 16-bit word of plane h, so that byte b of the plane holds the high bits of
+ * byte b of nibble vectors 2h (its low nibble's at bits 0-1, its high nibble's at 2-3) and
+ * 2h + 1 (4-5, 6-7). */
+static const int POS6[8] = {0, 2, 8, 10, 4, 6, 12, 14};
+
 /* Rows of x a tile's codes meet before the next tile's (x's panel stays in L2). */
 enum { PANEL_ROWS = 128 };
 
@@ -224,9 +230,12 @@ static inline void group_scales(const args_t *a, int64_t t, int64_t s, int hc, _
  * 8c + 7) gives, masked to its low nibbles, each column's channels 8c, 8c + 4, 8c + 1, 8c + 5
  * as the 4 bytes of its 32-bit lane, and shifted by 4 its channels 8c + 2, 8c + 6, 8c + 3,
  * 8c + 7: x's codes are stored in that order (PERM4), so a lane meets its 4 channels' x in one
- * broadcast 32-bit word. The 5- and 6-bit codes put their top bits at bits 4 (and 5) of each
- * byte, two shifts and two vpternlogd a vector; 8-bit rows 2k, 2k + 1 become each column's
- * channels 4k .. 4k + 3 with one vpermw (x in channel order). */
+ * broadcast 32-bit word. The 6-bit codes' high bits go to bits 4-5 of each byte with one
+ * shift and one vpternlogd a vector (their planes' layout, POS6, was chosen for that: with
+ * two shifts and two more vpternlogd a vector, Q6_K's one-row products ran 1.23x slower from
+ * cache and 1.12-1.15x from memory on Zen 4), the 5-bit ones' top bit with two shifts and two
+ * vpternlogd; 8-bit rows 2k, 2k + 1 become each column's channels 4k .. 4k + 3 with one
+ * vpermw (x in channel order). */
 #define BLINK_QUANT_INT8 1
 #define BLINK_QUANT_INT8_ROWS ROWS
 /* one thread per ~5-10 us of work at most: 256K products and sums per row pass */
@@ -251,8 +260,7 @@ static inline void store_bf16x16_i(uint16_t *p, __m512 v) { /* as f32_to_bf16: n
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
 }
 
-/* the 5/6-bit top bits for one half (lo: bytes from the nibbles at shift 0, hi: at shift 4):
- * bits a -> 4 of each word's low byte and b -> 12 of its high byte, shifted from H */
+/* a 16-bit shift by n (left) or -n (right): the 5/6-bit planes' bits to bit 4 of their bytes */
 static inline __m512i shift16(__m512i h, const int n) {
     return n > 0 ? _mm512_slli_epi16(h, n) : n < 0 ? _mm512_srli_epi16(h, -n) : h;
 }
@@ -318,17 +326,20 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
                     const __m512i v = _mm512_loadu_si512(gc + c * 64);
                     lo = _mm512_and_si512(v, low4);
                     hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-                    if (bits == 6 || bits == 5) {
+                    if (bits == 6) {
+                        /* byte b of the plane holds the high bits of byte b of lo and hi
+                         * (POS6): one 16-bit shift puts each at bits 4-5 of its byte */
+                        lo = _mm512_ternarylogic_epi32(lo, shift16(high6, 4 - 4 * c2), top_mask, 0xF8); /* lo | (top & mask) */
+                        hi = _mm512_ternarylogic_epi32(hi, shift16(high6, 2 - 4 * c2), top_mask, 0xF8);
+                    } else if (bits == 5) {
                         /* lo's bytes are rows 4c (word's low byte) and 4c + 2 (high byte), hi's
-                         * 4c + 1 and 4c + 3; a row's top bits go to bit 4 (and 5) of its byte */
-                        const __m512i hb = bits == 6 ? high6 : high5;
-                        const int jb = bits == 6 ? 2 * (4 * c2) : 4 * c; /* row 4c's bit in hb */
-                        const int step = bits == 6 ? 2 : 1;              /* bits a row */
+                         * 4c + 1 and 4c + 3; a row's top bit goes to bit 4 of its byte */
+                        const int jb = 4 * c; /* row 4c's bit in high5 */
                         const __m512i lo_top = _mm512_ternarylogic_epi32(
-                            shift16(hb, 4 - jb), shift16(hb, 12 - (jb + 2 * step)), low_byte, 0xE4);
+                            shift16(high5, 4 - jb), shift16(high5, 12 - (jb + 2)), low_byte, 0xE4);
                         const __m512i hi_top = _mm512_ternarylogic_epi32(
-                            shift16(hb, 4 - (jb + step)), shift16(hb, 12 - (jb + 3 * step)), low_byte, 0xE4);
-                        lo = _mm512_ternarylogic_epi32(lo, lo_top, top_mask, 0xF8); /* lo | (top & mask) */
+                            shift16(high5, 4 - (jb + 1)), shift16(high5, 12 - (jb + 3)), low_byte, 0xE4);
+                        lo = _mm512_ternarylogic_epi32(lo, lo_top, top_mask, 0xF8);
                         hi = _mm512_ternarylogic_epi32(hi, hi_top, top_mask, 0xF8);
                     }
                 }
@@ -525,7 +536,7 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
                 const int c = 2 * h + c2; /* all unrolled: p % NACC picks a register */
                 _mm_prefetch((const char *)gc + c * 64 + PREFETCH_BYTES, _MM_HINT_T0);
                 __m512i words = bits8 ? _mm512_setzero_si512() : _mm512_loadu_si512(gc + c * 64);
-                /* 6-bit: the 2-bit plane, rows 8h .. 8h + 7 at bits 2 (p % 8) of each word */
+                /* 6-bit: the 2-bit plane, rows 8h .. 8h + 7 at bits POS6[p % 8] of each word */
                 /* 5-bit: the 1-bit plane, row p's at bit p of each word */
                 const __m512i high = bits == 6 ? _mm512_loadu_si512(gc + 256 + h * 64)
                                      : bits == 5 ? _mm512_loadu_si512(gc + 256) : _mm512_setzero_si512();
@@ -542,7 +553,7 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
                     } else if (bits == 6) {
                         /* index = the nibble | the row's 2 high bits at bits 4..5 (one vpternlogd:
                          * nibble mask ? words : high); vpermt2w reads its low 6 bits: bf16(i - 32) */
-                        const int j = 4 * c2 + i, up = 4 - 2 * j;
+                        const int up = 4 - POS6[4 * c2 + i];
                         const __m512i hs = up > 0 ? _mm512_slli_epi16(high, up) : _mm512_srli_epi16(high, -up);
                         const __m512i index = _mm512_ternarylogic_epi32(words, hs, lut->nibble, 0xE4);
                         b = (__m512bh)_mm512_permutex2var_epi16(lut->six_lo, index, lut->six_hi);
@@ -717,8 +728,8 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
     const int32_t *xoff = a->xoff + blocked(r0, sgroups, 0, ROWS_I8);   /* -off sum(qx): xoff[s ROWS_I8 + r] */
     const float *x_sums = a->x_sums + blocked(r0, sgroups, 0, ROWS_I8); /* s sum(qx): x_sums[s ROWS_I8 + r] */
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    const __m256i top_lo = _mm256_set1_epi16(bits == 6 ? 0x0030 : 0x0010),
-                  top_hi = _mm256_set1_epi16(bits == 6 ? 0x3000 : 0x1000);
+    const __m256i top_lo = _mm256_set1_epi16(0x0010), top_hi = _mm256_set1_epi16(0x1000); /* 5-bit */
+    const __m256i top_both = _mm256_set1_epi8(0x30);                                       /* 6-bit */
     /* 8-bit: in each 128-bit lane, words 0..3 of row 2k (its low 8 bytes) and of row 2k + 1
      * (its high 8) interleaved: column j's channels 4k .. 4k + 3 in lane j */
     const __m256i interleave = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15,
@@ -763,16 +774,17 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(gc + c * 64 + hc * 32));
                     lo = _mm256_and_si256(v, low4);
                     hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-                    if (bits == 6 || bits == 5) {
+                    if (bits == 6) { /* as the VNNI build's: one shift a vector (POS6) */
+                        lo = _mm256_or_si256(lo, _mm256_and_si256(shift16(high6, 4 - 4 * c2), top_both));
+                        hi = _mm256_or_si256(hi, _mm256_and_si256(shift16(high6, 2 - 4 * c2), top_both));
+                    } else if (bits == 5) {
                         /* lo's bytes are rows 4c (word's low byte) and 4c + 2 (high byte), hi's
-                         * 4c + 1 and 4c + 3; a row's top bits go to bit 4 (and 5) of its byte */
-                        const __m256i hb = bits == 6 ? high6 : high5;
-                        const int jb = bits == 6 ? 2 * (4 * c2) : 4 * c; /* row 4c's bit in hb */
-                        const int step = bits == 6 ? 2 : 1;              /* bits a row */
-                        lo = _mm256_or_si256(lo, _mm256_or_si256(_mm256_and_si256(shift16(hb, 4 - jb), top_lo),
-                                                                 _mm256_and_si256(shift16(hb, 12 - (jb + 2 * step)), top_hi)));
-                        hi = _mm256_or_si256(hi, _mm256_or_si256(_mm256_and_si256(shift16(hb, 4 - (jb + step)), top_lo),
-                                                                 _mm256_and_si256(shift16(hb, 12 - (jb + 3 * step)), top_hi)));
+                         * 4c + 1 and 4c + 3; a row's top bit goes to bit 4 of its byte */
+                        const int jb = 4 * c; /* row 4c's bit in high5 */
+                        lo = _mm256_or_si256(lo, _mm256_or_si256(_mm256_and_si256(shift16(high5, 4 - jb), top_lo),
+                                                                 _mm256_and_si256(shift16(high5, 12 - (jb + 2)), top_hi)));
+                        hi = _mm256_or_si256(hi, _mm256_or_si256(_mm256_and_si256(shift16(high5, 4 - (jb + 1)), top_lo),
+                                                                 _mm256_and_si256(shift16(high5, 12 - (jb + 3)), top_hi)));
                     }
                 }
                 const __m256i ulo = bits == 8 ? _mm256_abs_epi8(lo) : lo, uhi = bits == 8 ? _mm256_abs_epi8(hi) : hi;
@@ -1000,7 +1012,7 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
                         even = _mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16);
                         odd = _mm256_srai_epi32(v, 16);
                     } else if (bits == 6) { /* nibble | 2 high bits << 4, minus 32 */
-                        const int j = 4 * c2 + i, up = 4 - 2 * j;
+                        const int up = 4 - POS6[4 * c2 + i];
                         const __m256i hs = up > 0 ? _mm256_slli_epi32(high, up) : _mm256_srli_epi32(high, -up);
                         even = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(words, 4 * i), nibble),
                                                _mm256_and_si256(hs, top2));

@@ -71,6 +71,11 @@ _SOURCE = Path(__file__).with_name("quant_linear.c")
 F_BITS8, F_GROUP16, F_FP32, F_M, F_BITS6, F_K, F_BITS5, F_M8 = 1, 2, 4, 8, 16, 32, 64, 128
 #: channels per K-quant super-block (F_K: one fp16 d and dmin per 256 channels)
 SUPER = 256
+#: 6-bit layout: the bit of each 16-bit word of a 2-bit plane where row 8h + j's high 2 bits
+#: start (j = 0..7), so that each byte of the plane holds the high bits of the same byte of the
+#: nibble vectors 2h and 2h + 1 (lo, hi, lo, hi: bits 0, 2, 4, 6): one shift (or none) and one
+#: vpternlogd place a vector's high bits in the int8 build (quant_linear.c)
+POS6 = (0, 2, 8, 10, 4, 6, 12, 14)
 
 #: build -> (compiler flags, /proc/cpuinfo flags it needs, what the C reports, its name in the log)
 VARIANTS = {
@@ -305,7 +310,7 @@ def _packed_rows(codes: torch.Tensor, layout: int) -> torch.Tensor:
         return torch.cat([_nibble_words(rows & 0x0F), words], dim=2)
     rows = _b_tile_rows((codes + 32).to(torch.uint8))  # F_BITS6
     high = (rows >> 4).reshape(n // TILE, k // GROUP, 2, 8, 2 * TILE)
-    words = sum(high[:, :, :, j].to(torch.int32) << (2 * j) for j in range(8)).to(torch.int16)
+    words = sum(high[:, :, :, j].to(torch.int32) << POS6[j] for j in range(8)).to(torch.int16)
     return torch.cat([_nibble_words(rows & 0x0F), words], dim=2)
 
 
@@ -324,7 +329,8 @@ def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group: in
     Layouts (per tile of 16 output columns and group of 32 channels, :func:`_b_tile_rows`' rows):
     4-bit: 4 vectors of 32 int16 words, nibble i of vector c = row 4c + i; 8-bit: the rows' bytes;
     6-bit (``code + 32``, 0..63): the 4-bit layout of its low nibbles, then 2 vectors of 32 int16
-    words whose bits 2j .. 2j + 1 of vector v are row 8v + j's high 2 bits (384 bytes); 5-bit
+    words whose bits POS6[j] .. POS6[j] + 1 of vector v are row 8v + j's high 2 bits (384
+    bytes); 5-bit
     (0..31): the 4-bit layout of the low nibbles, then 32 int16 words whose bit p is row p's
     top bit (320 bytes). Every layout is tile-major, so the codes are packed
     :data:`PACK_ROW_WEIGHTS` weights of whole tiles at a time (side by side on the process's
@@ -374,7 +380,7 @@ def dequantize(weight: QuantWeight) -> torch.Tensor:
         rows = nibbles(weight.codes)
     elif weight.bits == 6:
         words = weight.codes.to(torch.int32) & 0xFFFF
-        high = torch.stack([(words[:, :, 4:] >> (2 * j)) & 3 for j in range(8)], dim=3).flatten(2, 3)
+        high = torch.stack([(words[:, :, 4:] >> POS6[j]) & 3 for j in range(8)], dim=3).flatten(2, 3)
         rows = nibbles(weight.codes[:, :, :4]) + (high << 4) - 32
     elif weight.bits == 5:
         words = weight.codes[:, :, 4].to(torch.int32) & 0xFFFF
