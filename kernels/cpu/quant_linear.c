@@ -231,10 +231,10 @@ static inline void group_scales(const args_t *a, int64_t t, int64_t s, int hc, _
  * as the 4 bytes of its 32-bit lane, and shifted by 4 its channels 8c + 2, 8c + 6, 8c + 3,
  * 8c + 7: x's codes are stored in that order (PERM4), so a lane meets its 4 channels' x in one
  * broadcast 32-bit word. The 6-bit codes' high bits go to bits 4-5 of each byte with one
- * shift and one vpternlogd a vector (their planes' layout, POS6, was chosen for that: with
- * two shifts and two more vpternlogd a vector, Q6_K's one-row products ran 1.23x slower from
- * cache and 1.12-1.15x from memory on Zen 4), the 5-bit ones' top bit with two shifts and two
- * vpternlogd; 8-bit rows 2k, 2k + 1 become each column's channels 4k .. 4k + 3 with one
+ * shift and one vpternlogd a vector (their planes' layout, POS6, was chosen for that: the
+ * order before it took two shifts and two vpternlogd a vector, and Q6_K's one-row products
+ * 1.23x the time from cache, 1.12-1.15x from memory, on Zen 4), the 5-bit ones' top bit with
+ * two shifts and two vpternlogd; 8-bit rows 2k, 2k + 1 become each column's channels 4k .. 4k + 3 with one
  * vpermw (x in channel order). */
 #define BLINK_QUANT_INT8 1
 #define BLINK_QUANT_INT8_ROWS ROWS
