@@ -14,11 +14,11 @@ them (:mod:`blink.huge_pages`). Never run while anything else loads the machine.
 ``--read-bands SECONDS``: on a VM whose memory bandwidth moves from second to second (the
 Zen 4 VM of sessions 36-42: a plain read of 2 MB pages at ~35 GB/s in some minutes and
 ~60 in others), a best time says little about a kernel that reads memory. For that long, each
-round reads ``--read-mb`` (512) MB of 2 MB pages (torch's sum, as ``benchmarks/peers.py`` measures the read
-bandwidth) and then runs both versions once at the first ``--rows``; rounds are grouped by
-that read's GB/s (tens), and per group the table gives each version's GB/s over the rounds
-(``--by-kind``: per projection kind and format too), so each version is set against what a
-plain read got in the same second.
+round reads ``--read-mb`` (512) MB of 2 MB pages (torch's sum, as ``benchmarks/peers.py``
+measures the read bandwidth) and then runs both versions once at the first ``--rows``; rounds
+are grouped by that read's GB/s (tens), and per group the table gives each version's GB/s over
+the rounds (``--by-kind``: per projection kind and format too), so each version is set against
+what a plain read got in the same second.
 
 ``--before-pos6``: the before version reads 6-bit codes in another plane order (a source from
 before quant_linear.py's ``POS6`` layout: ``0,2,4,6,8,10,12,14``), so its weights are packed
@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="the before version's 6-bit plane order (8 comma-separated bit positions; "
                         "default: the checkout's POS6)")
     p.add_argument("--read-bands", type=float, default=0.0, metavar="SECONDS",
-                   help="instead of best times: rounds of a plain 512 MB read then both versions at "
-                        "the first --rows, for this long, grouped by the read's GB/s")
+                   help="instead of best times: rounds of a plain read (--read-mb) then both versions "
+                        "at the first --rows, for this long, grouped by the read's GB/s")
     p.add_argument("--by-kind", action="store_true", help="with --read-bands: per projection kind too")
     p.add_argument("--read-mb", type=int, default=512, help="with --read-bands: the plain read's size")
     args = p.parse_args(argv)

@@ -234,8 +234,8 @@ static inline void group_scales(const args_t *a, int64_t t, int64_t s, int hc, _
  * shift and one vpternlogd a vector (their planes' layout, POS6, was chosen for that: the
  * order before it took two shifts and two vpternlogd a vector, and Q6_K's one-row products
  * 1.23x the time from cache, 1.12-1.15x from memory, on Zen 4), the 5-bit ones' top bit with
- * two shifts and two vpternlogd; 8-bit rows 2k, 2k + 1 become each column's channels 4k .. 4k + 3 with one
- * vpermw (x in channel order). */
+ * two shifts and two vpternlogd; 8-bit rows 2k, 2k + 1 become each column's channels 4k ..
+ * 4k + 3 with one vpermw (x in channel order). */
 #define BLINK_QUANT_INT8 1
 #define BLINK_QUANT_INT8_ROWS ROWS
 /* one thread per ~5-10 us of work at most: 256K products and sums per row pass */

@@ -330,9 +330,8 @@ def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group: in
     4-bit: 4 vectors of 32 int16 words, nibble i of vector c = row 4c + i; 8-bit: the rows' bytes;
     6-bit (``code + 32``, 0..63): the 4-bit layout of its low nibbles, then 2 vectors of 32 int16
     words whose bits POS6[j] .. POS6[j] + 1 of vector v are row 8v + j's high 2 bits (384
-    bytes); 5-bit
-    (0..31): the 4-bit layout of the low nibbles, then 32 int16 words whose bit p is row p's
-    top bit (320 bytes). Every layout is tile-major, so the codes are packed
+    bytes); 5-bit (0..31): the 4-bit layout of the low nibbles, then 32 int16 words whose bit p
+    is row p's top bit (320 bytes). Every layout is tile-major, so the codes are packed
     :data:`PACK_ROW_WEIGHTS` weights of whole tiles at a time (side by side on the process's
     cores: :mod:`blink.shared.load_chunks`) into the one result, which ``empty(shape, dtype)``
     allocates where given (the executor's 2 MB pages, :mod:`blink.huge_pages`)."""
