@@ -25,8 +25,8 @@
  * 32; a (tile, group) is 16 rows of 32 words, row p holding channels 2p and 2p + 1 of the 16
  * columns interleaved (word w: column w / 2, channel 2p + w % 2); 4-bit codes as 4 x 32 16-bit
  * words whose nibble i is row 4c + i's, 8-bit as one byte per word, 6-bit as the 4-bit layout
- * of the low nibbles then 2 x 32 16-bit words whose bits 2j, 2j + 1 are row 8v + j's top 2 bits,
- * 5-bit as the 4-bit layout then 32 16-bit words whose bit p is row p's top bit.
+ * of the low nibbles then 2 x 32 16-bit words whose bits POS6[j], POS6[j] + 1 are row 8v + j's
+ * top 2 bits (below), 5-bit as the 4-bit layout then 32 16-bit words whose bit p is row p's top bit.
  * Scales per (tile, scale group): 16 d, then (F_M) 16 m, one per column; F_K per (tile,
  * super-block): 16 fp16 d, (F_M) 16 fp16 -dmin, per group 16 int8 sc, then (F_M) per group 16
  * int8 mn.
