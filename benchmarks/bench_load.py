@@ -16,8 +16,11 @@ import json
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 from benchmarks.peers import _smollm2_gguf
+
+REPO = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
 import json, sys, time
@@ -30,21 +33,13 @@ from blink.kernels.cpu import quant_linear
 from blink.loader import gguf_weights
 from blink.executor import ModelExecutor
 from blink.loader import open_model
-parts = {"unpack": 0.0, "pack": 0.0}
-def timed(module, name, label):
-    inner = getattr(module, name)
-    def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            parts[label] += time.perf_counter() - t0
-    setattr(module, name, wrapper)
-timed(gguf_weights, "unpack_codes", "unpack")
-timed(quant_linear, "pack", "pack")
+from benchmarks.bench_offline import Timers
+timers = Timers()
+timers.wrap(gguf_weights, "unpack_codes", "unpack")
+timers.wrap(quant_linear, "pack", "pack")
 t0 = time.perf_counter()
 executor = ModelExecutor(open_model(sys.argv[1]), dtype=torch.bfloat16, num_blocks=256, max_model_len=4096)
-parts["load"] = time.perf_counter() - t0
+parts = {"load": time.perf_counter() - t0, "unpack": timers.total["unpack"], "pack": timers.total["pack"]}
 parts["workers"] = load_chunks.load_workers()
 print("RESULT " + json.dumps(parts))
 """
@@ -52,7 +47,7 @@ print("RESULT " + json.dumps(parts))
 
 def load_once(model: str, arm: str, threads: int) -> dict[str, float]:
     out = subprocess.run([sys.executable, "-c", CHILD, model, arm, str(threads)], capture_output=True, text=True,
-                         check=True)
+                         check=True, cwd=REPO)  # (the child imports benchmarks.bench_offline's Timers)
     line = next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
 

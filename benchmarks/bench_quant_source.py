@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
                     t0 = time.perf_counter()
                     out.append(q.linear(xs[ps[0].k][:rows], ps, None, build=build))
                     if seconds is not None:
-                        seconds[f"{kind} {'+'.join(_format_name(q, w.format) for w in ps)}"] += time.perf_counter() - t0
+                        seconds[_label(q, kind, ps)] += time.perf_counter() - t0
                 return out
 
         for rows in args.rows:
@@ -168,10 +168,12 @@ def main(argv: list[str] | None = None) -> None:
                   f"{nbytes / n / 1e9:.1f} | {b / n:.3f}x |")
 
 
-def _format_name(q: Any, fmt: int) -> str:
-    """A packed format's short name (Q4_K, Q6_K, ...) for the tables."""
-    bits = 8 if fmt & q.F_BITS8 else 6 if fmt & q.F_BITS6 else 5 if fmt & q.F_BITS5 else 4
-    return f"Q{bits}_K" if fmt & q.F_K else f"{bits}-bit"
+def _label(q: Any, kind: str, parts: list[Any]) -> str:
+    """A projection's row label in the tables: its kind and its parts' formats (Q4_K, Q6_K, ...)."""
+    def name(fmt: int) -> str:
+        bits = 8 if fmt & q.F_BITS8 else 6 if fmt & q.F_BITS6 else 5 if fmt & q.F_BITS5 else 4
+        return f"Q{bits}_K" if fmt & q.F_K else f"{bits}-bit"
+    return f"{kind} {'+'.join(name(w.format) for w in parts)}"
 
 
 def _read_bands(args: argparse.Namespace, run: Any, weights: list[tuple[str, list[Any]]], torch: Any) -> None:
@@ -184,7 +186,7 @@ def _read_bands(args: argparse.Namespace, run: Any, weights: list[tuple[str, lis
     rows = args.rows[0]
     sizes: dict[str, float] = collections.defaultdict(float)  # the labels run() times under
     for kind, ps in weights:
-        sizes[f"{kind} {'+'.join(_format_name(q, w.format) for w in ps)}"] += sum(w.nbytes() for w in ps)
+        sizes[_label(q, kind, ps)] += sum(w.nbytes() for w in ps)
     total = sum(sizes.values())
     bands: dict[int, dict[str, Any]] = {}
     end, rnd = time.monotonic() + args.read_bands, 0
