@@ -4,6 +4,7 @@ kernel may back with transparent huge pages, freed with their tensors, off by
 from __future__ import annotations
 
 import gc
+import mmap
 import sys
 from pathlib import Path
 
@@ -62,6 +63,9 @@ def test_placed_tensors_keep_their_values_in_huge_page_mappings():
     small = torch.randn(300, 70)
     big = torch.randint(-100, 100, (3000, 4096), dtype=torch.int8)  # its own mapping
     transposed = torch.randn(64, 48).t()  # input-major fp32 weights are stored so
+    # Memory the arena does not own keeps its mark. (torch's heap memory can carry one from
+    # before: numpy marks its large arrays' pages, which glibc may carve from the same heap.)
+    small_marked = advised_huge(small)
     placed = [arena.place(t) for t in (small, big, transposed)]
     for before, after in zip((small, big, transposed), placed):
         assert torch.equal(before, after) and after.dtype == before.dtype and after.stride() == before.stride()
@@ -69,7 +73,12 @@ def test_placed_tensors_keep_their_values_in_huge_page_mappings():
         if "THPeligible" in (mapping_of(after.data_ptr()) or {}):
             assert huge_page_eligible(after)
         assert advised_huge(after) in (True, None)
-    assert advised_huge(small) in (False, None)  # torch's own memory is not marked
+    assert advised_huge(small) == small_marked
+    # and the marking is the arena's mappings', not the process's: a fresh mapping has none
+    fresh = mmap.mmap(-1, 4 * huge_pages.HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    fresh_tensor = torch.frombuffer(fresh, dtype=torch.uint8)
+    assert advised_huge(fresh_tensor) in (False, None)
+    del fresh_tensor
     assert arena.placed_bytes == sum(t.numel() * t.element_size() for t in placed)
     zeros = arena.zeros((4, 16, 2, 8), torch.bfloat16)
     assert zeros.dtype == torch.bfloat16 and not zeros.any() and arena.holds(zeros)
