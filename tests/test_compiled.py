@@ -16,7 +16,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
-from test_engine import GREEDY, Reference, assert_greedy, random_prompts, tiny_model_dir  # noqa: E402
+from test_engine import GREEDY, Reference, assert_greedy, make_llm, random_prompts, tiny_model_dir  # noqa: E402
 
 from blink.engine import compiled  # noqa: E402
 from blink.llm import LLM  # noqa: E402
@@ -92,6 +92,32 @@ def test_compiled_steps_mask_only_the_constrained_rows(compiled_llm):
     assert outs[0].outputs[0].finish_reason == "stop" and re.fullmatch(rx, text), text
     free = compiled_llm.generate([[9, 4]], SamplingParams(max_tokens=6, **GREEDY), timeout_s=60)
     assert free[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+
+
+def test_compiled_speculation_is_exact(tmp_path_factory, cache_dir):
+    """--compile with speculation: verify steps run the compiled layers (eager head and
+    sampler), the other steps the compiled step; greedy as without speculation, including
+    drafts cut by a 4-token budget. In this file, after :func:`compiled_llm`, its layers and
+    heads are this process's already (no second compile)."""
+    from test_spec_decode import GREEDY as SPEC_GREEDY, PROMPTS as SPEC_PROMPTS, SPEC, _pool_whole
+
+    from blink.engine.speculative import SPEC_NUM_DRAFTS
+
+    model_dir = tiny_model_dir(tmp_path_factory.mktemp("spec_models"))
+    small = dict(max_model_len=128, max_num_seqs=2, kv_cache_tokens=1024, max_num_batched_tokens=4)
+    params = SamplingParams(max_tokens=24, **SPEC_GREEDY)
+    prompts = SPEC_PROMPTS[:3]
+    with make_llm(model_dir, cpu_graphs=False, **small) as llm:
+        want = llm.generate(prompts, params, timeout_s=120)
+    with make_llm(model_dir, enforce_eager=False, compile_cache_dir=str(cache_dir), speculative_config=SPEC,
+                  **small) as llm:
+        assert llm.engine.runner.name == "compiled" and llm.engine.runner.compiled is not None
+        got = llm.generate(prompts, params, timeout_s=240)
+        assert int(llm.engine.scheduler.spec_counters[SPEC_NUM_DRAFTS]) > 0
+        assert llm.engine.runner.compiled.refused == 0
+        _pool_whole(llm)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
 
 
 def test_compile_failure_falls_back_to_eager_with_one_warning(capsys):

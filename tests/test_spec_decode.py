@@ -368,27 +368,6 @@ def test_gpu_tiers_exact(model_dir, plain, eager_counts, loop):
             wait_for(only_releasing_rows_hold_blocks, what="blocks held by RELEASING rows only")
 
 
-def test_compiled_exact(model_dir, request):
-    """--compile with speculation: verify steps run the compiled layers (eager head and
-    sampler), the other steps the compiled step; greedy as without speculation, including
-    drafts cut by a 4-token budget."""
-    cache = Path(request.config.cache.mkdir("blink-inductor"))
-    small = dict(max_model_len=128, max_num_seqs=2, kv_cache_tokens=1024, max_num_batched_tokens=4)
-    params = SamplingParams(max_tokens=24, **GREEDY)
-    prompts = PROMPTS[:3]
-    with make_llm(model_dir, cpu_graphs=False, **small) as llm:
-        want = llm.generate(prompts, params, timeout_s=120)
-    with make_llm(model_dir, enforce_eager=False, compile_cache_dir=str(cache), speculative_config=SPEC,
-                  **small) as llm:
-        assert llm.engine.runner.name == "compiled" and llm.engine.runner.compiled is not None
-        got = llm.generate(prompts, params, timeout_s=240)
-        assert int(llm.engine.scheduler.spec_counters[SPEC_NUM_DRAFTS]) > 0
-        assert llm.engine.runner.compiled.refused == 0
-        _pool_whole(llm)
-    for w, g in zip(want, got):
-        assert g.token_ids == w.token_ids
-
-
 def test_decode_engine_of_a_disaggregated_pair_speculates(model_dir):
     """Disaggregation (docs/disaggregation.md): a decode engine with --speculative-config
     takes the prompt's KV from a prefill engine and then drafts over the row's history
