@@ -132,7 +132,7 @@ def test_draft_model_verify_steps_replay_the_target_graphs():
     (two fresh engines: the same requests meet the same prefix cache, so the same steps)."""
     path = str(smollm_path())
     spec = '{"method": "draft_model", "model": "%s", "num_speculative_tokens": %d}' % (path, K)
-    params = SamplingParams(max_tokens=24, **GREEDY)
+    params = SamplingParams(max_tokens=12, **GREEDY)
     outputs = {}
     for graphs in (False, True):
         with LLM(path, max_num_seqs=4, max_model_len=256, cpu_graphs=graphs, speculative_config=spec) as llm:
