@@ -40,6 +40,19 @@ _TEXT = (
 )
 
 
+def length_range(text: str) -> tuple[int, int]:
+    """``--prompt-len``/``--output-len``: "MIN,MAX" or "N" (MIN = MAX = N), positive."""
+    try:
+        parts = [int(x) for x in text.split(",")]
+    except ValueError:
+        parts = []
+    if len(parts) == 1:
+        parts *= 2
+    if len(parts) != 2 or not 0 < parts[0] <= parts[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: give MIN,MAX (0 < MIN <= MAX) or one length N")
+    return parts[0], parts[1]
+
+
 def make_requests(tokenizer, n: int, prompt_lens: tuple[int, int], out_lens: tuple[int, int],
                   seed: int) -> list[tuple[list[int], int]]:
     """``n`` (prompt token ids, output length) pairs; prompts are windows of real text."""
@@ -60,8 +73,8 @@ class Timers:
         self.total: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
 
-    def wrap(self, obj, name: str, label: str) -> None:
-        fn = getattr(obj, name)
+    def timed(self, fn, label: str):
+        """``fn`` with its wall time and calls added to ``label``."""
 
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
@@ -71,20 +84,13 @@ class Timers:
                 self.total[label] += time.perf_counter() - t0
                 self.calls[label] += 1
 
-        setattr(obj, name, timed)
+        return timed
 
-
-class _TimedSampler:
-    def __init__(self, sampler, timers: Timers) -> None:
-        self._sampler, self._timers = sampler, timers
-
-    def __call__(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return self._sampler(*args, **kwargs)
-        finally:
-            self._timers.total["engine: sampler"] += time.perf_counter() - t0
-            self._timers.calls["engine: sampler"] += 1
+    def wrap(self, obj, name: str, label: str):
+        """Time ``obj.name`` as ``label``; returns the undo."""
+        fn = getattr(obj, name)
+        setattr(obj, name, self.timed(fn, label))
+        return lambda: setattr(obj, name, fn)
 
 
 def thread_cpu() -> dict[int, tuple[str, float]]:
@@ -114,6 +120,7 @@ def cpu_by_role(before, after, loop_id: int) -> dict[str, float]:
 
 
 def bench_blink(args, requests) -> dict:
+    from blink.engine.sampler import Sampler
     from blink.llm import LLM
     from blink.shared.sampling_params import SamplingParams
     from blink.ring import C_STAT_STEPS
@@ -123,6 +130,7 @@ def bench_blink(args, requests) -> dict:
               max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype)
     load_s = time.perf_counter() - t0
     engine = llm.engine
+    restore = []
     try:
         params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in requests]
         llm.generate([p for p, _ in requests[:4]], [SamplingParams(temperature=0.0, max_tokens=4)] * 4)
@@ -134,7 +142,8 @@ def bench_blink(args, requests) -> dict:
             timers.wrap(engine.scheduler, "update", "engine: scheduler.update")
             timers.wrap(engine.scheduler, "token_history", "engine: token_history")
             timers.wrap(engine.executor, "execute", "engine: executor forward")
-            engine.sampler = _TimedSampler(engine.sampler, timers)
+            # the step holds the engine's sampler: time its class's call (this process only)
+            restore.append(timers.wrap(Sampler, "__call__", "engine: sampler"))
             timers.wrap(llm._ring, "poll_many", "client: ring poll_many")
             timers.wrap(llm._ring, "try_submit", "client: ring try_submit")
             timers.wrap(llm, "_consume", "client: detokenize/consume")
@@ -149,6 +158,8 @@ def bench_blink(args, requests) -> dict:
         steps = int(engine.ring.control[C_STAT_STEPS]) - steps0
     finally:
         llm.close()
+        for undo in restore:
+            undo()
     tokens = [o.token_ids for o in outs]
     assert all(len(t) == m for t, (_, m) in zip(tokens, requests)), "wrong output lengths"
     return dict(load_s=load_s, elapsed=elapsed, tokens=tokens, timers=timers, steps=steps, cpu=cpu,
@@ -199,8 +210,10 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--prompt-len", default="16,192", help="min,max prompt tokens")
-    parser.add_argument("--output-len", default="64,128", help="min,max output tokens")
+    parser.add_argument("--prompt-len", default="16,192", type=length_range,
+                        help="prompt tokens: MIN,MAX (each drawn in between) or N (all N)")
+    parser.add_argument("--output-len", default="64,128", type=length_range,
+                        help="output tokens: MIN,MAX or N")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -216,8 +229,7 @@ def main() -> None:
     from blink.dpu.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_pretrained(args.model)
-    prompt_lens = tuple(int(x) for x in args.prompt_len.split(","))
-    out_lens = tuple(int(x) for x in args.output_len.split(","))
+    prompt_lens, out_lens = args.prompt_len, args.output_len
     requests = make_requests(tokenizer, args.num_prompts, prompt_lens, out_lens, args.seed)
     n_prompt = sum(len(p) for p, _ in requests)
     n_out = sum(m for _, m in requests)

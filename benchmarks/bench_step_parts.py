@@ -12,29 +12,11 @@ timed by wrapping those methods for this process only; a warm-up request runs fi
 from __future__ import annotations
 
 import argparse
-import collections
 import time
-from collections.abc import Callable
-from typing import Any
+
+from benchmarks.bench_offline import Timers
 
 PARTS = ("step", "schedule", "sampler_inputs", "forward", "sample", "update")
-
-
-def _timed(owner: Any, name: str, label: str, totals: dict[str, float], counts: collections.Counter
-           ) -> Callable[[], None]:
-    """Wrap ``owner.name`` to add its wall time to ``totals[label]``; returns the undo."""
-    inner: Callable[..., Any] = getattr(owner, name)
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            totals[label] += time.perf_counter() - t0
-            counts[label] += 1
-
-    setattr(owner, name, wrapper)
-    return lambda: setattr(owner, name, inner)
 
 
 def main() -> None:
@@ -53,9 +35,9 @@ def main() -> None:
     from blink.llm import LLM
     from blink.shared.sampling_params import SamplingParams
 
-    totals: dict[str, float] = collections.defaultdict(float)
-    counts: collections.Counter = collections.Counter()
-    undo = [_timed(owner, name, label, totals, counts) for owner, name, label in (
+    timers = Timers()
+    totals, counts = timers.total, timers.calls
+    undo = [timers.wrap(owner, name, label) for owner, name, label in (
         (engine_module.Engine, "step", "step"),  # the loop's step, whichever its runner
         (Scheduler, "schedule", "schedule"), (Scheduler, "sampler_inputs", "sampler_inputs"),
         (Scheduler, "update", "update"), (ModelExecutor, "execute", "forward"),

@@ -202,3 +202,14 @@ def test_bench_quant_source_packs_the_befores_6_bit_planes_and_groups_rounds_by_
     with pytest.raises(SystemExit):
         bench_quant_source.main([*base, "--before-pos6", "0,2,4"])
     assert "not the 8 even bit positions" in capsys.readouterr().err
+
+
+def test_bench_offline_lengths_take_a_range_or_one_length():
+    import argparse
+
+    from benchmarks.bench_offline import length_range
+
+    assert length_range("16,192") == (16, 192) and length_range("32") == (32, 32)
+    for bad in ("5,2", "0", "x", "1,2,3", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            length_range(bad)
