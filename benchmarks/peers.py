@@ -36,7 +36,10 @@ header's probe and the runs (on a shared VM it moved 29-49 GB/s within 20 minute
 ``--alternate-single ROUNDS`` then starts every peer at once and runs their single streams in
 turn, round by round, and prints each round's ratios and their medians: on a shared VM whose
 bandwidth moves by more than the margins from one minute to the next, the sequential runs'
-one-stream ratio says as much about the minutes as about the servers.
+one-stream ratio says as much about the minutes as about the servers. With a GGUF it also
+reads 2 MB pages just before and after each peer's run (best of 3 sums each) and prints that
+run's decode against the read limit of those seconds: how close each server came to what
+the machine could read then, whichever minute it was.
 
 The 1B-class model (``python -m benchmarks.make_1b_model`` writes it): ``--model-1b DIR`` serves
 ``DIR/model-<--quant>.gguf`` to blink and llama-server and ``DIR/hf`` to vLLM, with 128 in / 64
@@ -394,16 +397,35 @@ def run_alternating_single(names: list[str], args: argparse.Namespace, tok: Any)
             stack.enter_context(LaunchedServer(argv, base_url, log_path, env=env,
                                                ready_timeout_s=args.ready_timeout, cwd=args.log_dir))
             served[name] = (base_url, overrides)
+        probe, bytes_per_token = _alternating_probe(args)
         for index in range(args.alternate_single):
             row: dict[str, Any] = {}
             for name, (base_url, overrides) in served.items():
                 s_args = _client_args(args, base_url, concurrency=1, num=args.single_stream_prompts,
                                       label=f"{name} single, round {index + 1}", overrides=overrides)
+                before = probe.gbs(3) if probe is not None else None
                 run = run_benchmark(s_args, tokenizer=tok)["runs"][0]
                 row[name] = {"output_tok_s": run["output_throughput"], "itl_p50_ms": run["itl_ms"]["p50"],
                              "decode_tok_s": split_rates(run)["decode_tok_s"]}
+                if probe is not None and before is not None:
+                    read_gbs = (before + probe.gbs(3)) / 2
+                    row[name]["read_gbs"] = read_gbs
+                    row[name]["of_read_limit"] = row[name]["decode_tok_s"] * bytes_per_token / (read_gbs * 1e9)
             rounds.append(row)
     return rounds
+
+
+def _alternating_probe(args: argparse.Namespace) -> tuple["ReadProbe | None", int]:
+    """The read probe of ``--alternate-single`` and the weight bytes a decoded token reads,
+    for a GGUF run on a machine with torch and blink (2 MB pages, as blink keeps its weights);
+    (None, 0) otherwise: the rounds then have no read column."""
+    if not args.gguf:
+        return None, 0
+    try:
+        probe = ReadProbe((64 << 20) if args.smoke else (512 << 20), huge_pages=True)
+    except (ImportError, OSError):
+        return None, 0
+    return probe, gguf_weight_bytes(args.gguf)["bytes_per_token"]
 
 
 def alternating_table(rounds: list[dict[str, Any]]) -> str:
@@ -413,9 +435,11 @@ def alternating_table(rounds: list[dict[str, Any]]) -> str:
         return ""
     names = list(rounds[0])
     others = [n for n in names if n != "blink"] if "blink" in names else []
+    read = all("read_gbs" in r[n] for r in rounds for n in names)
     head = ("| round | " + " | ".join(f"{n} out / decode tok/s" for n in names)
-            + "".join(f" | blink ÷ {n}, decode | blink ÷ {n}, out" for n in others) + " |")
-    lines = [head, "|---|" + "---:|" * (len(names) + 2 * len(others))]
+            + "".join(f" | blink ÷ {n}, decode | blink ÷ {n}, out" for n in others)
+            + ("".join(f" | {n} decode ÷ read limit (read GB/s)" for n in names) if read else "") + " |")
+    lines = [head, "|---|" + "---:|" * (len(names) + 2 * len(others) + (len(names) if read else 0))]
 
     def ratio(row: dict[str, Any], other: str, key: str) -> float:
         return row["blink"][key] / row[other][key] if row[other][key] else float("nan")
@@ -423,12 +447,17 @@ def alternating_table(rounds: list[dict[str, Any]]) -> str:
     for index, row in enumerate(rounds, 1):
         cells = [f"{row[n]['output_tok_s']:.1f} / {row[n]['decode_tok_s']:.1f}" for n in names]
         cells += [f"{ratio(row, o, key):.2f}" for o in others for key in ("decode_tok_s", "output_tok_s")]
+        if read:
+            cells += [f"{row[n]['of_read_limit']:.2f} ({row[n]['read_gbs']:.1f})" for n in names]
         lines.append(f"| {index} | " + " | ".join(cells) + " |")
     median = statistics.median
     cells = [f"{median([r[n]['output_tok_s'] for r in rounds]):.1f} / "
              f"{median([r[n]['decode_tok_s'] for r in rounds]):.1f}" for n in names]
     cells += [f"**{median([ratio(r, o, key) for r in rounds]):.2f}**" for o in others
               for key in ("decode_tok_s", "output_tok_s")]
+    if read:
+        cells += [f"**{median([r[n]['of_read_limit'] for r in rounds]):.2f}** "
+                  f"({median([r[n]['read_gbs'] for r in rounds]):.1f})" for n in names]
     lines.append("| median | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -607,12 +636,26 @@ def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5, huge_pages: bool =
     it (it counts the written bytes too)."""
     import torch
 
-    data = torch.ones(nbytes // 4, dtype=torch.float32)
-    if huge_pages:
-        from blink.huge_pages import HugePageArena
+    return ReadProbe(nbytes, huge_pages).gbs(repeats)
 
-        data = HugePageArena().place(data)
-    return nbytes / _best_seconds(data.sum, repeats) / 1e9
+
+class ReadProbe:
+    """:func:`read_bandwidth` on one tensor kept for repeated readings (``--alternate-single``
+    reads it beside each single-stream run: the VM's bandwidth moves from minute to minute)."""
+
+    def __init__(self, nbytes: int = 512 << 20, huge_pages: bool = False) -> None:
+        import torch
+
+        self.nbytes = nbytes
+        self.data = torch.ones(nbytes // 4, dtype=torch.float32)
+        if huge_pages:
+            from blink.huge_pages import HugePageArena
+
+            self.data = HugePageArena().place(self.data)
+
+    def gbs(self, repeats: int = 5) -> float:
+        """GB/s of the best of ``repeats`` sums (after an untimed one)."""
+        return self.nbytes / _best_seconds(self.data.sum, repeats) / 1e9
 
 
 def _best_seconds(fn: Any, repeats: int) -> float:

@@ -179,3 +179,29 @@ def test_alternating_single_streams_give_ratios_round_by_round_and_their_medians
     # medians of each column over the rounds: decode ratios 1.10, 1.50, 0.80 -> 1.10
     assert cells(table[-1]) == ["median", "36.0 / 36.0", "40.0 / 40.0", "**1.10**", "**1.00**"]
     assert alternating_table([]) == ""
+
+
+def test_alternating_rounds_with_read_probes_give_each_peers_share_of_the_read_limit():
+    from benchmarks.peers import alternating_table
+
+    def peer(decode, read_gbs, of_limit):
+        return {"output_tok_s": decode, "decode_tok_s": decode, "itl_p50_ms": 1000 / decode,
+                "read_gbs": read_gbs, "of_read_limit": of_limit}
+
+    rounds = [{"blink": peer(40, 36.0, 0.88), "llamaserver": peer(38, 35.0, 0.86)},
+              {"blink": peer(47, 60.0, 0.62), "llamaserver": peer(41, 62.0, 0.53)},
+              {"blink": peer(39, 35.5, 0.87), "llamaserver": peer(39, 36.5, 0.85)}]
+    table = alternating_table(rounds).splitlines()
+    cells = lambda line: [c.strip() for c in line.strip("|").split("|")]  # noqa: E731
+    assert cells(table[0])[-2:] == ["blink decode ÷ read limit (read GB/s)",
+                                    "llamaserver decode ÷ read limit (read GB/s)"]
+    assert len(cells(table[1])) == len(cells(table[0]))
+    assert cells(table[3])[-2:] == ["0.62 (60.0)", "0.53 (62.0)"]
+    assert cells(table[-1])[-2:] == ["**0.87** (36.0)", "**0.85** (36.5)"]
+
+
+def test_the_read_probe_reads_its_pages_again_and_again():
+    from benchmarks.peers import ReadProbe
+
+    probe = ReadProbe(8 << 20)
+    assert probe.gbs(2) > 0 and probe.gbs(1) > 0
