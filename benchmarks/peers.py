@@ -403,11 +403,11 @@ def run_alternating_single(names: list[str], args: argparse.Namespace, tok: Any)
             for name, (base_url, overrides) in served.items():
                 s_args = _client_args(args, base_url, concurrency=1, num=args.single_stream_prompts,
                                       label=f"{name} single, round {index + 1}", overrides=overrides)
-                before = probe.gbs(3) if probe is not None else None
+                before = probe.gbs(3) if probe is not None else 0.0
                 run = run_benchmark(s_args, tokenizer=tok)["runs"][0]
                 row[name] = {"output_tok_s": run["output_throughput"], "itl_p50_ms": run["itl_ms"]["p50"],
                              "decode_tok_s": split_rates(run)["decode_tok_s"]}
-                if probe is not None and before is not None:
+                if probe is not None:
                     read_gbs = (before + probe.gbs(3)) / 2
                     row[name]["read_gbs"] = read_gbs
                     row[name]["of_read_limit"] = row[name]["decode_tok_s"] * bytes_per_token / (read_gbs * 1e9)
