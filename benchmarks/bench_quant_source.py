@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
                                      "(--allow-different-bits to time them anyway)")
                 print(f"note: different bits at {rows} rows")
         if args.read_bands > 0:
-            _read_bands(args, run, weights, torch)
+            _read_bands(args, run, weights)
             return
         print("| rows | before ms | now ms | before GOPS | now GOPS | now GB/s | now / before |")
         print("|---:|---:|---:|---:|---:|---:|---:|")
@@ -176,13 +176,13 @@ def _label(q: Any, kind: str, parts: list[Any]) -> str:
     return f"{kind} {'+'.join(name(w.format) for w in parts)}"
 
 
-def _read_bands(args: argparse.Namespace, run: Any, weights: list[tuple[str, list[Any]]], torch: Any) -> None:
+def _read_bands(args: argparse.Namespace, run: Any, weights: list[tuple[str, list[Any]]]) -> None:
     """``--read-bands``: rounds of a plain read then both versions, grouped by the read's GB/s."""
-    from blink.huge_pages import HugePageArena
+    from benchmarks.peers import ReadProbe
     from blink.kernels.cpu import quant_linear as q
 
-    plain = HugePageArena().place(torch.ones(args.read_mb << 18))  # fp32 in 2 MB pages
-    plain.sum()
+    plain = ReadProbe(args.read_mb << 20, huge_pages=True)
+    plain.once()  # touches the pages
     rows = args.rows[0]
     sizes: dict[str, float] = collections.defaultdict(float)  # the labels run() times under
     for kind, ps in weights:
@@ -191,9 +191,7 @@ def _read_bands(args: argparse.Namespace, run: Any, weights: list[tuple[str, lis
     bands: dict[int, dict[str, Any]] = {}
     end, rnd = time.monotonic() + args.read_bands, 0
     while time.monotonic() < end:
-        t0 = time.perf_counter()
-        plain.sum()
-        read = plain.numel() * 4 / (time.perf_counter() - t0) / 1e9
+        read = plain.once()
         band = bands.setdefault(int(read // 10) * 10, {"rounds": 0, "read": 0.0, "before": collections.defaultdict(float),
                                                         "now": collections.defaultdict(float)})
         band["rounds"] += 1

@@ -641,7 +641,8 @@ def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5, huge_pages: bool =
 
 class ReadProbe:
     """:func:`read_bandwidth` on one tensor kept for repeated readings (``--alternate-single``
-    reads it beside each single-stream run: the VM's bandwidth moves from minute to minute)."""
+    reads it beside each single-stream run, ``bench_quant_source --read-bands`` before each
+    round: the VM's bandwidth moves from minute to minute)."""
 
     def __init__(self, nbytes: int = 512 << 20, huge_pages: bool = False) -> None:
         import torch
@@ -656,6 +657,12 @@ class ReadProbe:
     def gbs(self, repeats: int = 5) -> float:
         """GB/s of the best of ``repeats`` sums (after an untimed one)."""
         return self.nbytes / _best_seconds(self.data.sum, repeats) / 1e9
+
+    def once(self) -> float:
+        """GB/s of one sum (the caller touched the pages already: :meth:`gbs`, or a first call)."""
+        t0 = time.perf_counter()
+        self.data.sum()
+        return self.nbytes / (time.perf_counter() - t0) / 1e9
 
 
 def _best_seconds(fn: Any, repeats: int) -> float:
