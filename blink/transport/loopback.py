@@ -181,6 +181,9 @@ def _unlink_all(from_signal_handler: bool = False) -> None:
 
 
 def _on_fatal_signal(signum: int, frame: Any) -> None:
+    # CPython runs this in the main thread, the next time it executes bytecode: a process
+    # whose main thread sleeps in a blocking read() while the kernel hands the signal to
+    # another thread never gets here, so wait with timeouts (blink engine: stop.wait(0.2)).
     _unlink_all(from_signal_handler=True)
     # Die of the same signal, as the default action would have.
     signal.signal(signum, signal.SIG_DFL)
