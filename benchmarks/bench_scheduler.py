@@ -13,6 +13,10 @@ the engine's default sizes (max_model_len 8192, block 16, the token budget
 - ``all``: every slot decoding one token per step (all prompts prefilled, streams drained
   between steps): the work grows with the rows, as it should. The pool holds them all.
 
+``--flush-mb N`` reads N MB (a tensor's sum) before every timed step, untimed, as a forward
+streaming the weights does between two of the engine's steps: the control plane then runs on
+flushed caches, as it does in the engine (compare with ``--flush-mb 0``, the default).
+
 Per part: the scheduler's stages (inclusive wall time, median over the timed steps; a stage
 skipped by its host guard costs nothing), the sampler, and aten ops per step (counted with a
 dispatch mode: each is a kernel launch inside a GPU graph, a dispatcher call on CPU). Steps
@@ -20,7 +24,7 @@ run under ``torch.inference_mode()``, as in the engine's loop. Run:
 
     python -m benchmarks.bench_scheduler [--slots 64 256 1024 4096] [--load one all]
         [--threads 1] [--steps 30] [--no-prefix-caching] [--compile _build_batch,...]
-        [--json out.json]
+        [--flush-mb 200] [--json out.json]
 """
 from __future__ import annotations
 
@@ -151,7 +155,9 @@ def timed(acc: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable[
 
 @torch.inference_mode()  # as the engine's loop runs its steps (autograd's bookkeeping: ~15% more)
 def measure(slots: int, load: str, steps: int, num_blocks: int | None, prefix_caching: bool,
-            compiled: tuple[str, ...] = ()) -> dict[str, Any]:
+            compiled: tuple[str, ...] = (), flush: torch.Tensor | None = None) -> dict[str, Any]:
+    """One configuration's timings. ``flush``: a tensor read in full before every timed step
+    (untimed), so that the step runs on the caches a forward's weight stream leaves."""
     active = 1 if load == "one" else slots
     blocks = num_blocks if load == "one" else active * (PROMPT_LEN + 2 * steps + 64) // BLOCK_SIZE
     blocks = max(blocks, MAX_MODEL_LEN // BLOCK_SIZE)
@@ -177,6 +183,8 @@ def measure(slots: int, load: str, steps: int, num_blocks: int | None, prefix_ca
         step.times.clear()
         per_step = []
         for _ in range(steps):
+            if flush is not None:
+                flush.sum()  # outside the step's clock: only its effect on the caches counts
             before = dict(step.times)
             step()
             per_step.append(sum(step.times.values()) - sum(before.values()))
@@ -213,15 +221,21 @@ def main() -> None:
                              "_build_batch,_write_stats,sampler_inputs (to compare with eager)")
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                         help="thread CPU time (default) or wall time")
+    parser.add_argument("--flush-mb", type=int, default=0,
+                        help="read this many MB before every timed step, untimed (what a forward's "
+                             "weights do to the caches between the engine's steps; default 0: none)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
+    if args.flush_mb < 0:
+        parser.error("--flush-mb must be >= 0")
+    flush = torch.ones(args.flush_mb * 2**20 // 4) if args.flush_mb else None
     global CLOCK
     CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     print(f"CPU, {args.threads} thread(s), max_model_len {MAX_MODEL_LEN}, block {BLOCK_SIZE}, "
           f"budget max({BUDGET}, 2*rows), prefix caching {'off' if args.no_prefix_caching else 'on'}, "
           f"null-model logits over {VOCAB} tokens; {args.clock} time, mean of {args.steps} steps "
-          f"(median total too)")
+          f"(median total too)" + (f"; {args.flush_mb} MB read before each step" if flush is not None else ""))
     print(f"{'load':>4} {'slots':>6} {'schedule':>9} {'sample':>7} {'update':>7} {'step ms':>8} "
           f"{'median':>7} {'ops s+u':>7} {'ops smp':>7}  parts (ms, inclusive)")
     results = []
@@ -230,7 +244,7 @@ def main() -> None:
         for load in args.load:
             for slots in args.slots:
                 r = measure(slots, load, args.steps, args.num_blocks, not args.no_prefix_caching,
-                            tuple(n for n in args.compile.split(",") if n))
+                            tuple(n for n in args.compile.split(",") if n), flush)
                 results.append(r)
                 total = r["schedule_ms"] + r["sample_ms"] + r["update_ms"]
                 parts = " ".join(f"{k.strip('_')}={v:.2f}" for k, v in r["parts_ms"].items() if v >= 0.005)
