@@ -213,3 +213,32 @@ def test_bench_offline_lengths_take_a_range_or_one_length():
     for bad in ("5,2", "0", "x", "1,2,3", ""):
         with pytest.raises(argparse.ArgumentTypeError):
             length_range(bad)
+
+
+def test_bench_scheduler_reads_the_flush_between_steps_only(monkeypatch, capsys):
+    """benchmarks/bench_scheduler.py ``--flush-mb``: the flush tensor is read once before each
+    timed step, outside the step's clock, and the run prints its row; a negative size is
+    refused."""
+    import torch
+
+    from benchmarks import bench_scheduler
+
+    reads = []
+    real_sum = torch.Tensor.sum
+
+    def counting_sum(self, *args, **kwargs):
+        if self.numel() == 2**20 // 4:  # the 1 MB flush tensor (no scheduler tensor has this size)
+            reads.append(self.numel())
+        return real_sum(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "sum", counting_sum)
+    monkeypatch.setattr(sys, "argv", ["bench_scheduler", "--slots", "64", "--load", "one", "--steps", "3",
+                                      "--num-blocks", "512", "--flush-mb", "1"])
+    bench_scheduler.main()
+    out = capsys.readouterr().out
+    assert "1 MB read before each step" in out, out
+    assert len(reads) == 3, reads  # the timed steps only: not the warm-up, not the op count
+    assert any(line.split()[:2] == ["one", "64"] for line in out.splitlines()), out
+    monkeypatch.setattr(sys, "argv", ["bench_scheduler", "--flush-mb", "-1"])
+    with pytest.raises(SystemExit):
+        bench_scheduler.main()
