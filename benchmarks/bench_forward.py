@@ -31,7 +31,11 @@ of K in one pass, without the streamed weight tiles, which isolates its K slabs
 kernel's many-rows calls split over the kernel threads by output tiles only, never by rows
 (blink.kernels.cpu.q4_linear); or ``--before 4k-pages``: today's forward with its weights and KV
 cache left in torch's own 4 KB pages (``$BLINK_CPU_HUGE_PAGES=0``), against 2 MB pages
-(blink.huge_pages), both replaying decode graphs as served; and ``now`` the default one.
+(blink.huge_pages), both replaying decode graphs as served; or ``--before amx-every-step``:
+today's forward with every step of the AMX kernel's 4-bit projections on that kernel, against
+steps of few rows on the int8 VNNI build over the same codes
+(blink.models.int4_linear.INT8_MAX_ROWS_BESIDE_AMX_KERNEL), both replaying decode graphs as
+served; and ``now`` the default one.
 For each dtype and shape the two are timed alternately, ``--rounds`` rounds of ``--steps``
 calls each, so a load spike on this shared machine hits both; the table gives the median
 per-call wall time and process CPU time of each, and their ratio.
@@ -68,6 +72,8 @@ decode graphs as the speculative runner does (``DecodeGraphs.allow_rows_of``).
     python -m benchmarks.bench_forward --model /opt/blink-peers/models/llama-1b-shaped/model-Q4_K_M.gguf \
         --before 4k-pages --dtype bfloat16 --decode 1 16 --prefill 1x128 --context 256 --threads 2
     python -m benchmarks.bench_forward --before one-kernel-thread --dtype bfloat16 --decode 1 16 --prefill 16x128 \
+        --context 192 --threads 2
+    python -m benchmarks.bench_forward --before amx-every-step --dtype bfloat16 --decode 1 4 8 16 \
         --context 192 --threads 2
 """
 from __future__ import annotations
@@ -185,6 +191,21 @@ def _without_gated_epilogue(ex) -> None:
         module.gated = lambda x: None
 
 
+def _amx_every_step(ex) -> None:
+    """``ex``'s AMX kernel weights without their int8 view: every step on the AMX kernel."""
+    from dataclasses import replace
+
+    from blink.models.decoder import Linear
+
+    viewed = [m for m in ex.model.modules() if isinstance(m, Linear) and m.int4 is not None
+              and m.int4.int8_view is not None]
+    if not viewed:
+        raise SystemExit("--before amx-every-step: no projection here runs few rows on the int8 "
+                         "build beside the AMX kernel")
+    for module in viewed:
+        module.int4 = replace(module.int4, int8_view=None)
+
+
 def _on_one_kernel_thread(ex) -> None:
     """``ex`` with its C kernels on the calling thread (its decode graphs recorded so: a graph
     is kept per kernel thread count)."""
@@ -225,7 +246,7 @@ def main() -> None:
     p.add_argument("--before", choices=["reference", "no-int4", "sdpa-attention", "torch-elementwise", "torch-int4",
                                              "attention-no-prefetch", "attention-no-tiles", "bf16-head",
                                              "unfused-silu", "no-cpu-graphs", "one-kernel-thread", "q4-one-pass",
-                                             "q4-tile-parts", "python-replay", "4k-pages"],
+                                             "q4-tile-parts", "python-replay", "4k-pages", "amx-every-step"],
                    default="reference",
                    help="the baseline: the reference forward, or today's without one feature (the int4 path, the C attention kernel, the C elementwise ops, ..., the decode steps' CPU graphs)")
     p.add_argument("--now-graphs", action="store_true",
@@ -285,11 +306,12 @@ def main() -> None:
                   "sdpa-attention": {}, "torch-elementwise": {}, "torch-int4": {},
                   "attention-no-prefetch": {}, "attention-no-tiles": {}, "bf16-head": {},
                   "unfused-silu": {}, "no-cpu-graphs": {}, "one-kernel-thread": {},
-                  "q4-one-pass": {}, "q4-tile-parts": {}, "python-replay": {}, "4k-pages": {}}[args.before]
+                  "q4-one-pass": {}, "q4-tile-parts": {}, "python-replay": {}, "4k-pages": {},
+                  "amx-every-step": {}}[args.before]
         # Decode graphs in "now" only for no-cpu-graphs, and in both for one-kernel-thread and
         # python-replay (as served): the other baselines measure their feature eager against eager (a baseline
         # with torch ops would not be recorded).
-        served = ("one-kernel-thread", "python-replay", "4k-pages")
+        served = ("one-kernel-thread", "python-replay", "4k-pages", "amx-every-step")
         graphs = args.before in ("no-cpu-graphs", *served) or args.now_graphs
         execs = {}
         for name, kw in (("before", {**before, "cpu_graphs": args.before in served}),
@@ -324,6 +346,8 @@ def main() -> None:
             _with_library(execs["before"], cpu_graph.REPLAY, None)  # the calls from Python
         elif args.before == "bf16-head":
             _with_bf16_head(execs["before"])
+        elif args.before == "amx-every-step":
+            _amx_every_step(execs["before"])
         for label, rows in shapes:
             call_args = {}
             for name, ex in execs.items():

@@ -242,3 +242,18 @@ def test_bench_scheduler_reads_the_flush_between_steps_only(monkeypatch, capsys)
     monkeypatch.setattr(sys, "argv", ["bench_scheduler", "--flush-mb", "-1"])
     with pytest.raises(SystemExit):
         bench_scheduler.main()
+
+
+def test_bench_forward_amx_every_step_needs_a_viewed_weight(tmp_path, monkeypatch):
+    """``--before amx-every-step`` compares against the AMX kernel for every step: on a model
+    with no 4-bit AMX weight (the tiny HF one has none) it says so instead of timing two
+    identical forwards."""
+    from benchmarks import bench_forward
+
+    model = make_tiny_model("llama", tmp_path)
+    monkeypatch.setattr(sys, "argv", [
+        "bench_forward", "--model", str(model), "--before", "amx-every-step", "--dtype", "bfloat16",
+        "--decode", "1", "--context", "8", "--steps", "1", "--rounds", "1",
+    ])
+    with pytest.raises(SystemExit, match="no projection here runs few rows on the int8 build"):
+        bench_forward.main()

@@ -133,11 +133,31 @@ def test_threads_split_the_work_with_the_same_bits(rows):
 
 @needs_amx
 def test_the_int4_path_prefers_it_and_a_model_step_uses_it():
+    """Every step runs on the AMX weight; where the int8 VNNI build runs, steps of at most
+    INT8_MAX_ROWS_BESIDE_AMX_KERNEL tokens take it on the same codes and scales (a view: no
+    second copy, also once the weights are placed elsewhere), larger ones the AMX kernel."""
+    from blink.kernels.cpu import quant_linear as cpu_quant_linear
+
     codes, scale, zero = gguf_like(64, 128)
     weight = int4_linear.pack(codes, scale, zero)
     assert (weight.kernel, weight.max_rows) == ("amx", int4_linear.AMX_MAX_ROWS)
-    x = torch.randn(4, 128).bfloat16()
+    few, many = int4_linear.INT8_MAX_ROWS_BESIDE_AMX_KERNEL, int4_linear.INT8_MAX_ROWS_BESIDE_AMX_KERNEL + 1
+    x = torch.randn(many, 128).bfloat16()
     assert torch.equal(int4_linear.linear(x, weight, None), cpu_q4_linear.linear(x, weight.amx, None))
+    if cpu_quant_linear.variant() != "avx512_vnni":
+        assert weight.int8_view is None and weight.on_amx(1)
+        return
+    for w in (weight, int4_linear.placed(weight, lambda t: t.clone())):
+        view = w.int8_view
+        assert view.codes.data_ptr() == w.amx.codes.data_ptr()
+        assert view.scales.data_ptr() == w.amx.scales.data_ptr()
+        assert not w.on_amx(few) and w.on_amx(many)
+        got = int4_linear.linear(x[:few], w, None)
+        assert torch.equal(got, cpu_quant_linear.linear(x[:few], [view], None, build="avx512_vnni"))
+        assert not torch.equal(got, cpu_q4_linear.linear(x[:few], w.amx, None))  # int8 x: other bits
+    assert int4_linear.placed(weight, lambda t: t.clone()).amx.codes.data_ptr() != weight.amx.codes.data_ptr()
+    # the explicit kernel "amx" (benchmarks, tests): that kernel for every step
+    assert int4_linear.pack(codes, scale, zero, kernel="amx").int8_view is None
 
 
 def test_switched_off_the_torch_kernel_takes_the_weights(monkeypatch):
@@ -370,3 +390,12 @@ def test_smollm2s_mlp_takes_the_gated_kernel_for_decode_steps_with_the_same_logi
     calls.clear()
     ex.execute(*build_metadata(ex, [(list(range(1, 41)), 0, [0, 1, 2])]))  # 40 rows: many
     assert calls and not any(calls)
+
+
+def test_the_int8_bound_beside_amx_is_a_decode_graph_bucket():
+    """A decode step replays the graph of the smallest bucket holding it, with that bucket's
+    rows: the bound between the int8 build and the AMX kernel must be a bucket, or a step
+    just under it would run one kernel eager and the other replayed (other bits)."""
+    from blink.decode_graphs import DECODE_BUCKETS
+
+    assert int4_linear.INT8_MAX_ROWS_BESIDE_AMX_KERNEL in DECODE_BUCKETS

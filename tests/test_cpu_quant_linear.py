@@ -457,3 +457,22 @@ def test_the_codes_go_where_the_caller_allocates_them():
     w = q.pack(codes, d, m, group, bits, k_scales, empty=empty)
     assert len(made) == 1 and w.codes.data_ptr() == made[0].data_ptr()
     assert torch.equal(w.codes, q.pack(codes, d, m, group, bits, k_scales).codes)
+
+
+def test_the_amx_kernels_4_bit_weight_is_this_kernels_byte_for_byte():
+    """view_of_q4's premise: the AMX kernel's pack and this kernel's pack of one Q4_1 weight
+    (fp16 d and m) give the same codes and scales bytes, so the view is the weight this
+    kernel would have packed. No AMX needed: the packing is torch code."""
+    torch.manual_seed(3)
+    n, k = 48, 256
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    d = (torch.rand(n, k // 32) * 0.02).half().float()
+    m = (torch.randn(n, k // 32) * 0.05).half().float()
+    amx = cpu_q4_linear.pack(codes, d, m + 8 * d)  # (scale, zero) as the AMX kernel takes them
+    own = q.pack(codes, d, m)
+    view = q.view_of_q4(amx)
+    assert (view.n, view.k, view.format, view.bits, view.group) == (own.n, own.k, own.format, 4, 32)
+    assert view.codes.data_ptr() == amx.codes.data_ptr() and view.scales.data_ptr() == amx.scales.data_ptr()
+    assert torch.equal(view.codes.view(torch.uint8), own.codes.contiguous().view(torch.uint8))
+    assert torch.equal(view.scales, own.scales.contiguous().view(-1))
+    assert q.view_of_q4(cpu_q4_linear.pack_q8(torch.randint(-8, 8, (n, k), dtype=torch.int8), d)) is None

@@ -91,7 +91,7 @@ class Linear(nn.Module):
         core: the SiLU's vector work no longer hides behind the tile products)."""
         rows = x.shape[0]
         if (self.int4 is None or not self.int4.gates or not self.int4.takes(rows)
-                or rows > cpu_q4_linear.few_rows()):
+                or not self.int4.on_amx(rows) or rows > cpu_q4_linear.few_rows()):
             return None
         return int4_linear.linear(x, self.int4, self.bias, gated=True)
 
@@ -447,6 +447,10 @@ class DecoderForCausalLM(nn.Module):
                 + ("every step, without a bf16 copy" if rows is None else f"steps of at most {rows} tokens")
                 for (kernel, rows), count in kernels.items())
             parts.append(f"{given} projections on the checkpoint's 4-bit codes ({per_kernel})")
+            viewed = sum(1 for m in linears if m.int4 is not None and m.int4.int8_view is not None)
+            if viewed:
+                parts.append(f"steps of at most {int4_linear.INT8_MAX_ROWS_BESIDE_AMX_KERNEL} tokens take "
+                             f"{viewed} of the amx kernel's on the avx512_vnni kernel, on the same codes")
         if self.q8_head is not None:
             parts.append(f"the logits of steps of at most {Q8_HEAD_MAX_ROWS} rows on the head's own "
                          "8-bit (Q8_0) codes, on the AMX kernel")

@@ -14,7 +14,10 @@ bf16 copy (~4x fewer bytes), in the layout of one of these kernels:
   products: whole prefill steps on 2 threads 1.34-1.73x faster than on the packed bf16 copy
   (1 x 128 to 16 x 128 tokens; docs/performance.md#cpu-prefill, docs/performance.md#int4).
   So every step uses it, and the
-  projection's bf16 copy is not kept (:meth:`blink.models.decoder.Linear.pack`).
+  projection's bf16 copy is not kept (:meth:`blink.models.decoder.Linear.pack`); but steps
+  of at most :data:`INT8_MAX_ROWS_BESIDE_AMX_KERNEL` tokens run the same codes and scales on
+  the ``avx512_vnni`` build below (one useful row wastes a tile product: SmolLM2's one-row
+  decode forward 1.17x faster so).
 - ``avx512_vnni`` / ``avx512`` / ``avx2_int8`` / ``avx2``: Blink's C kernel for CPUs without
   AMX (:mod:`blink.kernels.cpu.quant_linear`, the first build the CPU's flags allow; AMD Zen
   4, Xeons whose AMX is hidden, AVX2 CPUs under ``--dtype bfloat16``), which also takes the
@@ -79,6 +82,15 @@ NATIVE_MAX_ROWS = {"avx512_vnni": None, "avx512": 32, "avx2_int8": None, "avx2":
 #: thread, Xeon with AMX (benchmarks/bench_int4.py --k-quants): int8 / bf16 on AMX 1.13x as
 #: fast at 32 rows, 0.72x at 64, 0.46x at 128.
 INT8_MAX_ROWS_BESIDE_AMX = 32
+#: Beside the AMX kernel (Q4_0/Q4_1 on a CPU with AMX), the int8 VNNI build takes steps of at
+#: most this many tokens, on the AMX weight's own codes and scales (viewed, no copy:
+#: :func:`blink.kernels.cpu.quant_linear.view_of_q4`): a tile product of one useful row
+#: wastes AMX, while vpdpbusd multiplies the row's int8 x as it is. Measured over
+#: SmolLM2-135M-shaped Q4_1 projections and head, Xeon with AMX, 2026-12-05
+#: (``benchmarks/bench_int4.py --rows 1 2 4 8 16 --threads 2``; ``--threads 1``): VNNI / AMX
+#: ms 5.9 / 7.8 at 1 row, 6.5 / 8.4 at 4, 7.4 / 11.7 at 8, 10.1 / 10.6 at 16 on two threads;
+#: 8.8 / 9.9 at 1, 11.2 / 12.3 at 8, 16.1 / 14.8 at 16 on one.
+INT8_MAX_ROWS_BESIDE_AMX_KERNEL = 8
 
 
 def native_max_rows(build: str) -> int | None:
@@ -108,10 +120,18 @@ class Int4Weight:
     scale_zero: torch.Tensor | None = None  # torch: bf16 [K // GROUP, N, 2]
     amx: cpu_q4_linear.Q4Weight | None = None  # amx
     parts: list[cpu_quant_linear.QuantWeight] | None = None  # the kernel without AMX's builds: runs of columns
+    #: beside ``amx``: its codes viewed for the int8 VNNI build, which takes steps of at most
+    #: :data:`INT8_MAX_ROWS_BESIDE_AMX_KERNEL` tokens (:meth:`on_amx`); None: AMX takes them all
+    int8_view: cpu_quant_linear.QuantWeight | None = None
 
     def takes(self, rows: int) -> bool:
         """Whether a step of ``rows`` tokens runs on this weight."""
         return self.max_rows is None or rows <= self.max_rows
+
+    def on_amx(self, rows: int) -> bool:
+        """Whether a step of ``rows`` tokens runs on the AMX kernel (else, where this weight
+        takes it, on the kernel without AMX)."""
+        return self.amx is not None and (self.int8_view is None or rows > INT8_MAX_ROWS_BESIDE_AMX_KERNEL)
 
     @property
     def every_step(self) -> bool:
@@ -160,15 +180,17 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
          kernel: Kernel | None = None) -> Int4Weight:
     """codes uint8 [N, K] (0..15), scale and zero float [N, K // GROUP] (``(q - 8) * scale +
     zero``, as :class:`blink.loader.gguf_weights.Q4Codes`) -> a weight for ``kernel``: by
-    default the AMX kernel where it runs and takes the weight, else torch's."""
+    default the AMX kernel where it runs and takes the weight (its few-row steps on the int8
+    VNNI build where that runs: :data:`INT8_MAX_ROWS_BESIDE_AMX_KERNEL`), else torch's;
+    ``"amx"``: the AMX kernel for every step."""
     n, k = codes.shape
     if k % GROUP or scale.shape != (n, k // GROUP) or zero.shape != scale.shape:
         raise ValueError(f"int4 weight [{n}, {k}] needs scale/zero [{n}, {k // GROUP}] "
                          f"(groups of {GROUP}), got {tuple(scale.shape)} / {tuple(zero.shape)}")
     if kernel in (None, "amx") and (kernel == "amx" or cpu_q4_linear.available()):
         amx = cpu_q4_linear.pack(codes, scale, zero)
-        if amx is not None:
-            return Int4Weight("amx", AMX_MAX_ROWS, amx=amx)
+        if amx is not None:  # kernel "amx": that kernel alone, every step (tests, benchmarks)
+            return _amx_weight(amx) if kernel is None else Int4Weight("amx", AMX_MAX_ROWS, amx=amx)
         if kernel == "amx":
             raise ValueError(f"the AMX kernel does not take this [{n}, {k}] weight "
                              f"(needs N % {cpu_q4_linear.TILE} == 0 and the file's fp16 scales)")
@@ -184,23 +206,37 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     return Int4Weight("torch", TORCH_MAX_ROWS, packed=packed, scale_zero=scale_zero)
 
 
+def _amx_weight(amx: cpu_q4_linear.Q4Weight) -> Int4Weight:
+    """An AMX kernel's weight, with its int8 view for steps of few rows where the int8 VNNI
+    build runs here (:data:`INT8_MAX_ROWS_BESIDE_AMX_KERNEL`)."""
+    view = cpu_quant_linear.view_of_q4(amx) if cpu_quant_linear.variant() == "avx512_vnni" else None
+    return Int4Weight("amx", AMX_MAX_ROWS, amx=amx, int8_view=view)
+
+
 def placed(weight: Int4Weight, place: Callable[[torch.Tensor], torch.Tensor]) -> Int4Weight:
     """The same weight with each of its tensors replaced by ``place``'s copy (the model's
-    weights moved to 2 MB pages, :mod:`blink.huge_pages`)."""
+    weights moved to 2 MB pages, :mod:`blink.huge_pages`); an int8 view is taken again of
+    the placed AMX weight (a view, not a second copy)."""
     maybe = lambda t: None if t is None else place(t)  # noqa: E731
-    return replace(weight, packed=maybe(weight.packed), scale_zero=maybe(weight.scale_zero),
-                   amx=None if weight.amx is None else replace(weight.amx, codes=place(weight.amx.codes),
-                                                               scales=place(weight.amx.scales)),
+    amx = None if weight.amx is None else replace(weight.amx, codes=place(weight.amx.codes),
+                                                  scales=place(weight.amx.scales))
+    return replace(weight, packed=maybe(weight.packed), scale_zero=maybe(weight.scale_zero), amx=amx,
                    parts=None if weight.parts is None else [replace(p, codes=place(p.codes), scales=place(p.scales))
-                                                            for p in weight.parts])
+                                                            for p in weight.parts],
+                   int8_view=None if weight.int8_view is None else cpu_quant_linear.view_of_q4(amx))
 
 
 def linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None,
            gated: bool = False) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for bf16 ``x [..., K]``; ``gated`` (where ``weight.gates``): a fused
-    gate/up projection's ``silu(gate) * up`` instead (:func:`blink.kernels.cpu.q4_linear.linear`)."""
+    gate/up projection's ``silu(gate) * up`` instead (:func:`blink.kernels.cpu.q4_linear.linear`;
+    only for steps on the AMX kernel, :meth:`Int4Weight.on_amx`)."""
     if weight.amx is not None:
-        return cpu_q4_linear.linear(x, weight.amx, bias, gated=gated)
+        if weight.on_amx(x.numel() // x.shape[-1]):
+            return cpu_q4_linear.linear(x, weight.amx, bias, gated=gated)
+        if gated:
+            raise ValueError("only the AMX kernel applies the activation (see Int4Weight.on_amx)")
+        return cpu_quant_linear.linear(x, [weight.int8_view], bias, build="avx512_vnni")
     if gated:
         raise ValueError("only the AMX kernel applies the activation (see Int4Weight.gates)")
     if weight.parts is not None:
@@ -236,7 +272,7 @@ def pack_codes(segments: list, empty: Callable[[tuple[int, ...], torch.dtype], t
     if q4 and cpu_q4_linear.available():
         amx = cpu_q4_linear.pack(*joined())
         if amx is not None:
-            return Int4Weight("amx", AMX_MAX_ROWS, amx=amx)
+            return _amx_weight(amx)
     native = cpu_quant_linear.variant()
     if native is not None:
         parts, run = [], [segments[0]]

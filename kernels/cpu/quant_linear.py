@@ -236,6 +236,17 @@ class QuantWeight:
         return self.codes.numel() * self.codes.element_size() + self.scales.numel()
 
 
+def view_of_q4(weight: cpu_q4_linear.Q4Weight) -> QuantWeight | None:
+    """The AMX kernel's 4-bit weight (:func:`blink.kernels.cpu.q4_linear.pack`: Q4_0/Q4_1
+    codes, fp16 d and m) as this kernel's, no copy: both keep the codes in
+    :func:`_b_tile_rows`' nibble words and d then m per (tile, group) as fp16, byte for byte
+    (tests/test_cpu_quant_linear.py packs the same weight both ways). None for its 8-bit
+    weights (their scales have no m)."""
+    if weight.bits != 4:
+        return None
+    return QuantWeight(weight.codes, weight.scales.view(torch.uint8).view(-1), weight.n, weight.k, F_M)
+
+
 def _nibble_words(rows: torch.Tensor) -> torch.Tensor:
     """B-tile rows of 4-bit values (uint8 [n / 16, k / 32, 16, 32]) -> int16 [n / 16, k / 32, 4, 32]:
     word w of vector c holds rows 4c .. 4c + 3's values at nibbles 0..3."""
