@@ -32,8 +32,8 @@ kernel's many-rows calls split over the kernel threads by output tiles only, nev
 (blink.kernels.cpu.q4_linear); or ``--before 4k-pages``: today's forward with its weights and KV
 cache left in torch's own 4 KB pages (``$BLINK_CPU_HUGE_PAGES=0``), against 2 MB pages
 (blink.huge_pages), both replaying decode graphs as served; or ``--before amx-every-step``:
-today's forward with every step of the AMX kernel's 4-bit projections on that kernel, against
-steps of few rows on the int8 VNNI build over the same codes
+today's forward with every step of the AMX kernel's projections (and Q8_0 head) on that kernel,
+against steps of few rows on the int8 VNNI build over the same codes
 (blink.models.int4_linear.INT8_MAX_ROWS_BESIDE_AMX_KERNEL), both replaying decode graphs as
 served; and ``now`` the default one.
 For each dtype and shape the two are timed alternately, ``--rounds`` rounds of ``--steps``
@@ -173,7 +173,7 @@ def _with_bf16_head(ex) -> None:
     model = ex.model
     if model.q8_head is None:
         raise SystemExit("--before bf16-head: this model's head does not run on Q8_0 codes here")
-    model.q8_head = None
+    model.q8_head = model.q8_head_int8 = None
     weight = model.model.embed_tokens.weight if model.lm_head is None else None
     if weight is None:
         raise SystemExit("--before bf16-head: only a tied head is rebuilt (its embedding holds the weights)")
@@ -199,11 +199,12 @@ def _amx_every_step(ex) -> None:
 
     viewed = [m for m in ex.model.modules() if isinstance(m, Linear) and m.int4 is not None
               and m.int4.int8_view is not None]
-    if not viewed:
+    if not viewed and ex.model.q8_head_int8 is None:
         raise SystemExit("--before amx-every-step: no projection here runs few rows on the int8 "
                          "build beside the AMX kernel")
     for module in viewed:
         module.int4 = replace(module.int4, int8_view=None)
+    ex.model.q8_head_int8 = None  # the Q8_0 head's few rows too
 
 
 def _on_one_kernel_thread(ex) -> None:

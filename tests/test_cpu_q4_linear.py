@@ -279,7 +279,14 @@ def test_a_tied_head_stored_as_q8_computes_small_steps_logits_on_its_codes(tmp_p
     dense = torch.from_numpy(gguf.quants.dequantize(data, Q.Q8_0).reshape(embed.shape).astype(np.float32))
     hidden = torch.randn(decoder.Q8_HEAD_MAX_ROWS, embed.shape[1]).bfloat16()
     want = torch.nn.functional.linear(hidden.float(), dense)
-    close_to_exact(model.compute_logits(hidden[:3]), want[:3], hidden[:3].float().abs() @ dense.abs().T)
+    # steps of more rows than the int8 build takes beside AMX: the AMX kernel's exact product
+    rows = slice(0, int4_linear.INT8_MAX_ROWS_BESIDE_AMX_KERNEL + 1)
+    close_to_exact(model.compute_logits(hidden[rows]), want[rows], hidden[rows].float().abs() @ dense.abs().T)
+    if model.q8_head_int8 is not None:  # fewer: the same codes on the int8 VNNI build
+        from blink.kernels.cpu import quant_linear as cpu_quant_linear
+
+        assert torch.equal(model.compute_logits(hidden[:3]),
+                           cpu_quant_linear.linear(hidden[:3], [model.q8_head_int8], None, build="avx512_vnni"))
     many = torch.randn(decoder.Q8_HEAD_MAX_ROWS + 1, embed.shape[1]).bfloat16()
     assert torch.equal(model.compute_logits(many), packed_linear.linear(many, model.packed_head, None))
 
@@ -307,6 +314,20 @@ def test_smollm2s_q8_head_runs_on_its_codes_unless_switched_off():
     a, b = on.execute(ids, md, last), off.execute(*build_metadata(off, [([1, 2, 3, 4], 0, [0])]))
     assert not torch.equal(a, b)  # other weights (the file's, not their bf16 rounding)
     assert (a - b).abs().max() < 0.1 * b.abs().max()
+    # few logits rows: the same codes on the int8 VNNI build where it runs beside the AMX kernel
+    from blink.kernels.cpu import quant_linear as cpu_quant_linear
+    from blink.models.int4_linear import INT8_MAX_ROWS_BESIDE_AMX_KERNEL as FEW
+
+    model = on.model
+    if not int4_linear.int8_beside_amx():
+        assert model.q8_head_int8 is None
+        return
+    view = model.q8_head_int8
+    assert view.codes.data_ptr() == model.q8_head.codes.data_ptr()  # placed in 2 MB pages, still shared
+    hidden = torch.randn(FEW + 1, model.model.embed_tokens.weight.shape[1]).bfloat16()
+    assert torch.equal(model.compute_logits(hidden[:FEW]),
+                       cpu_quant_linear.linear(hidden[:FEW], [view], None, build="avx512_vnni"))
+    assert torch.equal(model.compute_logits(hidden), cpu_q4_linear.linear(hidden, model.q8_head, None))
 
 
 @needs_amx

@@ -461,8 +461,9 @@ def test_the_codes_go_where_the_caller_allocates_them():
 
 def test_the_amx_kernels_4_bit_weight_is_this_kernels_byte_for_byte():
     """view_of_q4's premise: the AMX kernel's pack and this kernel's pack of one Q4_1 weight
-    (fp16 d and m) give the same codes and scales bytes, so the view is the weight this
-    kernel would have packed. No AMX needed: the packing is torch code."""
+    (fp16 d and m) give the same codes and scales bytes, and of one Q8_0 weight the same
+    codes, so the view is the weight this kernel would have packed. No AMX needed: the
+    packing is torch code."""
     torch.manual_seed(3)
     n, k = 48, 256
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
@@ -475,4 +476,10 @@ def test_the_amx_kernels_4_bit_weight_is_this_kernels_byte_for_byte():
     assert view.codes.data_ptr() == amx.codes.data_ptr() and view.scales.data_ptr() == amx.scales.data_ptr()
     assert torch.equal(view.codes.view(torch.uint8), own.codes.contiguous().view(torch.uint8))
     assert torch.equal(view.scales, own.scales.contiguous().view(-1))
-    assert q.view_of_q4(cpu_q4_linear.pack_q8(torch.randint(-8, 8, (n, k), dtype=torch.int8), d)) is None
+    # 8-bit (a Q8_0 head): the same codes, d alone copied (this kernel's 8-bit layout has no m)
+    codes8 = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    amx8, own8 = cpu_q4_linear.pack_q8(codes8, d), q.pack(codes8, d, None, bits=8, narrow=False)
+    view8 = q.view_of_q4(amx8)
+    assert (view8.format, view8.bits) == (own8.format, 8) and view8.codes.data_ptr() == amx8.codes.data_ptr()
+    assert torch.equal(view8.codes.view(torch.uint8), own8.codes.contiguous().view(torch.uint8))
+    assert torch.equal(view8.scales, own8.scales.contiguous().view(-1))

@@ -209,8 +209,15 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
 def _amx_weight(amx: cpu_q4_linear.Q4Weight) -> Int4Weight:
     """An AMX kernel's weight, with its int8 view for steps of few rows where the int8 VNNI
     build runs here (:data:`INT8_MAX_ROWS_BESIDE_AMX_KERNEL`)."""
-    view = cpu_quant_linear.view_of_q4(amx) if cpu_quant_linear.variant() == "avx512_vnni" else None
+    view = cpu_quant_linear.view_of_q4(amx) if int8_beside_amx() else None
     return Int4Weight("amx", AMX_MAX_ROWS, amx=amx, int8_view=view)
+
+
+def int8_beside_amx() -> bool:
+    """Whether the AMX kernel's few-row steps run on the int8 VNNI build here (it is the
+    build chosen for this CPU: every CPU with AMX has AVX-512 VNNI, unless ``$BLINK_CPU_Q4``
+    picked another)."""
+    return cpu_quant_linear.variant() == "avx512_vnni"
 
 
 def placed(weight: Int4Weight, place: Callable[[torch.Tensor], torch.Tensor]) -> Int4Weight:

@@ -236,15 +236,18 @@ class QuantWeight:
         return self.codes.numel() * self.codes.element_size() + self.scales.numel()
 
 
-def view_of_q4(weight: cpu_q4_linear.Q4Weight) -> QuantWeight | None:
-    """The AMX kernel's 4-bit weight (:func:`blink.kernels.cpu.q4_linear.pack`: Q4_0/Q4_1
-    codes, fp16 d and m) as this kernel's, no copy: both keep the codes in
-    :func:`_b_tile_rows`' nibble words and d then m per (tile, group) as fp16, byte for byte
-    (tests/test_cpu_quant_linear.py packs the same weight both ways). None for its 8-bit
-    weights (their scales have no m)."""
-    if weight.bits != 4:
-        return None
-    return QuantWeight(weight.codes, weight.scales.view(torch.uint8).view(-1), weight.n, weight.k, F_M)
+def view_of_q4(weight: cpu_q4_linear.Q4Weight) -> QuantWeight:
+    """The AMX kernel's weight (:mod:`blink.kernels.cpu.q4_linear`) as this kernel's, on the
+    same codes: both keep them in :func:`_b_tile_rows`' layout (4-bit: its nibble words;
+    8-bit: its bytes, this kernel's ``narrow=False`` layout), byte for byte
+    (tests/test_cpu_quant_linear.py packs the same weight both ways). 4-bit (Q4_0/Q4_1): its
+    fp16 d and m per (tile, group) too, no copy at all; 8-bit (Q8_0): a copy of its d alone
+    (1/16 of the codes' bytes), since this kernel's 8-bit layout has no m (the AMX kernel's
+    m there is 0, and reading it costs ~2x at 8 rows)."""
+    if weight.bits == 4:
+        return QuantWeight(weight.codes, weight.scales.view(torch.uint8).view(-1), weight.n, weight.k, F_M)
+    d = weight.scales[:, :, :1].contiguous()  # [n / 16, k / 32, 1, 16] fp16
+    return QuantWeight(weight.codes, d.view(torch.uint8).view(-1), weight.n, weight.k, F_BITS8)
 
 
 def _nibble_words(rows: torch.Tensor) -> torch.Tensor:
