@@ -173,7 +173,7 @@ def _with_bf16_head(ex) -> None:
     model = ex.model
     if model.q8_head is None:
         raise SystemExit("--before bf16-head: this model's head does not run on Q8_0 codes here")
-    model.q8_head = model.q8_head_int8 = None
+    model.q8_head = None
     weight = model.model.embed_tokens.weight if model.lm_head is None else None
     if weight is None:
         raise SystemExit("--before bf16-head: only a tied head is rebuilt (its embedding holds the weights)")
@@ -197,14 +197,17 @@ def _amx_every_step(ex) -> None:
 
     from blink.models.decoder import Linear
 
-    viewed = [m for m in ex.model.modules() if isinstance(m, Linear) and m.int4 is not None
+    model = ex.model
+    viewed = [m for m in model.modules() if isinstance(m, Linear) and m.int4 is not None
               and m.int4.int8_view is not None]
-    if not viewed and ex.model.q8_head_int8 is None:
+    head_viewed = model.q8_head is not None and model.q8_head.int8_view is not None
+    if not viewed and not head_viewed:
         raise SystemExit("--before amx-every-step: no projection here runs few rows on the int8 "
                          "build beside the AMX kernel")
     for module in viewed:
         module.int4 = replace(module.int4, int8_view=None)
-    ex.model.q8_head_int8 = None  # the Q8_0 head's few rows too
+    if head_viewed:  # the Q8_0 head's few rows too
+        model.q8_head = replace(model.q8_head, int8_view=None)
 
 
 def _on_one_kernel_thread(ex) -> None:

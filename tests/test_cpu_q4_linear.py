@@ -282,11 +282,11 @@ def test_a_tied_head_stored_as_q8_computes_small_steps_logits_on_its_codes(tmp_p
     # steps of more rows than the int8 build takes beside AMX: the AMX kernel's exact product
     rows = slice(0, int4_linear.INT8_MAX_ROWS_BESIDE_AMX_KERNEL + 1)
     close_to_exact(model.compute_logits(hidden[rows]), want[rows], hidden[rows].float().abs() @ dense.abs().T)
-    if model.q8_head_int8 is not None:  # fewer: the same codes on the int8 VNNI build
+    if model.q8_head.int8_view is not None:  # fewer: the same codes on the int8 VNNI build
         from blink.kernels.cpu import quant_linear as cpu_quant_linear
 
         assert torch.equal(model.compute_logits(hidden[:3]),
-                           cpu_quant_linear.linear(hidden[:3], [model.q8_head_int8], None, build="avx512_vnni"))
+                           cpu_quant_linear.linear(hidden[:3], [model.q8_head.int8_view], None, build="avx512_vnni"))
     many = torch.randn(decoder.Q8_HEAD_MAX_ROWS + 1, embed.shape[1]).bfloat16()
     assert torch.equal(model.compute_logits(many), packed_linear.linear(many, model.packed_head, None))
 
@@ -309,7 +309,7 @@ def test_smollm2s_q8_head_runs_on_its_codes_unless_switched_off():
     on, off = ModelExecutor(files, **kw), ModelExecutor(files, int4_decode=False, **kw)
     if not on.packed_weights:
         pytest.skip("no native oneDNN bf16 here")
-    assert on.q8_head and on.model.q8_head.bits == 8 and not off.q8_head
+    assert on.q8_head and on.model.q8_head.amx.bits == 8 and not off.q8_head
     ids, md, last = build_metadata(on, [([1, 2, 3, 4], 0, [0])])
     a, b = on.execute(ids, md, last), off.execute(*build_metadata(off, [([1, 2, 3, 4], 0, [0])]))
     assert not torch.equal(a, b)  # other weights (the file's, not their bf16 rounding)
@@ -320,14 +320,14 @@ def test_smollm2s_q8_head_runs_on_its_codes_unless_switched_off():
 
     model = on.model
     if not int4_linear.int8_beside_amx():
-        assert model.q8_head_int8 is None
+        assert model.q8_head.int8_view is None
         return
-    view = model.q8_head_int8
-    assert view.codes.data_ptr() == model.q8_head.codes.data_ptr()  # placed in 2 MB pages, still shared
+    view = model.q8_head.int8_view
+    assert view.codes.data_ptr() == model.q8_head.amx.codes.data_ptr()  # placed in 2 MB pages, still shared
     hidden = torch.randn(FEW + 1, model.model.embed_tokens.weight.shape[1]).bfloat16()
     assert torch.equal(model.compute_logits(hidden[:FEW]),
                        cpu_quant_linear.linear(hidden[:FEW], [view], None, build="avx512_vnni"))
-    assert torch.equal(model.compute_logits(hidden), cpu_q4_linear.linear(hidden, model.q8_head, None))
+    assert torch.equal(model.compute_logits(hidden), cpu_q4_linear.linear(hidden, model.q8_head.amx, None))
 
 
 @needs_amx

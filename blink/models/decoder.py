@@ -31,7 +31,7 @@ from torch import nn
 from blink.model_config import ModelConfig
 from blink.errors import ModelLoadError
 from blink.kernels import ops_for
-from blink.kernels.cpu import q4_linear as cpu_q4_linear, quant_linear as cpu_quant_linear
+from blink.kernels.cpu import q4_linear as cpu_q4_linear
 from blink.kernels.attention_metadata import AttentionMetadata
 from blink.kernels.reference.layers import rope_cos_sin_cache
 from blink.models import int4_linear, packed_linear
@@ -261,12 +261,10 @@ class DecoderForCausalLM(nn.Module):
         #: (:meth:`use_int4_weights`)
         self.int4_head: int4_linear.Int4Weight | None = None
         #: the head's own 8-bit (Q8_0) codes on the AMX kernel, for steps whose logits rows are
-        #: at most :data:`Q8_HEAD_MAX_ROWS` (:meth:`use_q8_head`)
-        self.q8_head: cpu_q4_linear.Q4Weight | None = None
-        #: its codes for the int8 VNNI build, which takes steps of at most
-        #: :data:`blink.models.int4_linear.INT8_MAX_ROWS_BESIDE_AMX_KERNEL` rows
-        #: (:func:`blink.kernels.cpu.quant_linear.view_of_q4`: the same codes, a copy of d)
-        self.q8_head_int8: cpu_quant_linear.QuantWeight | None = None
+        #: at most :data:`Q8_HEAD_MAX_ROWS` (:meth:`use_q8_head`); like the projections' AMX
+        #: weights, steps of few rows on the int8 VNNI build over the same codes (its
+        #: ``int8_view``: :data:`blink.models.int4_linear.INT8_MAX_ROWS_BESIDE_AMX_KERNEL`)
+        self.q8_head: int4_linear.Int4Weight | None = None
 
     def forward(
         self,
@@ -298,10 +296,8 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab] in the model dtype."""
-        if self.q8_head_int8 is not None and hidden.shape[0] <= int4_linear.INT8_MAX_ROWS_BESIDE_AMX_KERNEL:
-            return cpu_quant_linear.linear(hidden, [self.q8_head_int8], None, build="avx512_vnni")
-        if self.q8_head is not None and hidden.shape[0] <= Q8_HEAD_MAX_ROWS:
-            return cpu_q4_linear.linear(hidden, self.q8_head, None)
+        if self.q8_head is not None and self.q8_head.takes(hidden.shape[0]):
+            return int4_linear.linear(hidden, self.q8_head, None)
         if self.lm_head is not None:
             return self.lm_head(hidden)
         if self.int4_head is not None and self.int4_head.takes(hidden.shape[0]):
@@ -402,11 +398,6 @@ class DecoderForCausalLM(nn.Module):
         total = sum(isinstance(m, Linear) for m in self.modules()) + (self.lm_head is None)
         return given, total
 
-    def _view_q8_head(self) -> None:
-        """The Q8_0 head's int8 view where the int8 VNNI build runs beside the AMX kernel."""
-        self.q8_head_int8 = (cpu_quant_linear.view_of_q4(self.q8_head)
-                             if self.q8_head is not None and int4_linear.int8_beside_amx() else None)
-
     def use_q8_head(self, q8_tensors: Iterable[tuple[str, Any]]) -> bool:
         """Compute the logits from the head's own Q8_0 codes on the AMX kernel
         (:func:`blink.kernels.cpu.q4_linear.pack_q8`) where the checkpoint stores the head so
@@ -423,8 +414,8 @@ class DecoderForCausalLM(nn.Module):
             target = self._destination(name, params, self.config.source or None)
             if target is None or target[0] != head or tuple(q8.codes.shape) != tuple(params[head].shape):
                 continue
-            self.q8_head = cpu_q4_linear.pack_q8(q8.codes, q8.scale)
-            self._view_q8_head()
+            packed = cpu_q4_linear.pack_q8(q8.codes, q8.scale)
+            self.q8_head = None if packed is None else int4_linear.amx_weight(packed, Q8_HEAD_MAX_ROWS)
             return self.q8_head is not None
         return False
 
@@ -467,7 +458,7 @@ class DecoderForCausalLM(nn.Module):
             parts.append(f"the logits of steps of at most {Q8_HEAD_MAX_ROWS} rows on the head's own "
                          "8-bit (Q8_0) codes, on the AMX kernel"
                          + (f" (at most {int4_linear.INT8_MAX_ROWS_BESIDE_AMX_KERNEL} rows on the avx512_vnni "
-                            "kernel, on the same codes)" if self.q8_head_int8 is not None else ""))
+                            "kernel, on the same codes)" if self.q8_head.int8_view is not None else ""))
         return "; ".join(parts)
 
     def place_weights(self, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -491,11 +482,7 @@ class DecoderForCausalLM(nn.Module):
         if self.int4_head is not None:
             self.int4_head = int4_linear.placed(self.int4_head, place)
         if self.q8_head is not None:
-            self.q8_head = dataclasses.replace(self.q8_head, codes=place(self.q8_head.codes),
-                                               scales=place(self.q8_head.scales))
-            if self.q8_head_int8 is not None:
-                self._view_q8_head()
-                self.q8_head_int8 = dataclasses.replace(self.q8_head_int8, scales=place(self.q8_head_int8.scales))
+            self.q8_head = int4_linear.placed(self.q8_head, place)
         if self.packed_head is not None:
             self.packed_head = place(self.packed_head)
 

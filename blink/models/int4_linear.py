@@ -190,7 +190,7 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     if kernel in (None, "amx") and (kernel == "amx" or cpu_q4_linear.available()):
         amx = cpu_q4_linear.pack(codes, scale, zero)
         if amx is not None:  # kernel "amx": that kernel alone, every step (tests, benchmarks)
-            return _amx_weight(amx) if kernel is None else Int4Weight("amx", AMX_MAX_ROWS, amx=amx)
+            return amx_weight(amx) if kernel is None else Int4Weight("amx", AMX_MAX_ROWS, amx=amx)
         if kernel == "amx":
             raise ValueError(f"the AMX kernel does not take this [{n}, {k}] weight "
                              f"(needs N % {cpu_q4_linear.TILE} == 0 and the file's fp16 scales)")
@@ -206,11 +206,12 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     return Int4Weight("torch", TORCH_MAX_ROWS, packed=packed, scale_zero=scale_zero)
 
 
-def _amx_weight(amx: cpu_q4_linear.Q4Weight) -> Int4Weight:
-    """An AMX kernel's weight, with its int8 view for steps of few rows where the int8 VNNI
-    build runs here (:data:`INT8_MAX_ROWS_BESIDE_AMX_KERNEL`)."""
+def amx_weight(amx: cpu_q4_linear.Q4Weight, max_rows: int | None = AMX_MAX_ROWS) -> Int4Weight:
+    """An AMX kernel's weight (4-bit, or a Q8_0 head's 8-bit codes) for steps of at most
+    ``max_rows`` tokens, with its int8 view for steps of few rows where the int8 VNNI build
+    runs here (:data:`INT8_MAX_ROWS_BESIDE_AMX_KERNEL`)."""
     view = cpu_quant_linear.view_of_q4(amx) if int8_beside_amx() else None
-    return Int4Weight("amx", AMX_MAX_ROWS, amx=amx, int8_view=view)
+    return Int4Weight("amx", max_rows, amx=amx, int8_view=view)
 
 
 def int8_beside_amx() -> bool:
@@ -223,14 +224,24 @@ def int8_beside_amx() -> bool:
 def placed(weight: Int4Weight, place: Callable[[torch.Tensor], torch.Tensor]) -> Int4Weight:
     """The same weight with each of its tensors replaced by ``place``'s copy (the model's
     weights moved to 2 MB pages, :mod:`blink.huge_pages`); an int8 view is taken again of
-    the placed AMX weight (a view, not a second copy)."""
+    the placed AMX weight (a view, not a second copy; what it copies, an 8-bit weight's d,
+    is placed too)."""
     maybe = lambda t: None if t is None else place(t)  # noqa: E731
     amx = None if weight.amx is None else replace(weight.amx, codes=place(weight.amx.codes),
                                                   scales=place(weight.amx.scales))
     return replace(weight, packed=maybe(weight.packed), scale_zero=maybe(weight.scale_zero), amx=amx,
                    parts=None if weight.parts is None else [replace(p, codes=place(p.codes), scales=place(p.scales))
                                                             for p in weight.parts],
-                   int8_view=None if weight.int8_view is None else cpu_quant_linear.view_of_q4(amx))
+                   int8_view=None if weight.int8_view is None else _placed_view(amx, place))
+
+
+def _placed_view(amx: cpu_q4_linear.Q4Weight, place: Callable[[torch.Tensor], torch.Tensor]
+                 ) -> cpu_quant_linear.QuantWeight:
+    """The int8 view of an already placed AMX weight, its own scales (if any) placed too."""
+    view = cpu_quant_linear.view_of_q4(amx)
+    if view.scales.data_ptr() == amx.scales.data_ptr():
+        return view
+    return replace(view, scales=place(view.scales))
 
 
 def linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None,
@@ -279,7 +290,7 @@ def pack_codes(segments: list, empty: Callable[[tuple[int, ...], torch.dtype], t
     if q4 and cpu_q4_linear.available():
         amx = cpu_q4_linear.pack(*joined())
         if amx is not None:
-            return _amx_weight(amx)
+            return amx_weight(amx)
     native = cpu_quant_linear.variant()
     if native is not None:
         parts, run = [], [segments[0]]
