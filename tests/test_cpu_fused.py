@@ -1,7 +1,8 @@
 """The fused bf16 CPU ops (blink.kernels.cpu.fused, the eager CPU table's entries) against the
 torch references: the rotary embedding and the KV write bit for bit, the norms and SiLU to
 the bit but for rare one-step roundings; the layouts the model passes (strided rows, a view
-of the fused QKV, partial rotary); the sampler's logsumexp against torch's; what falls back
+of the fused QKV, partial rotary); the sampler's logsumexp against torch's, and its greedy
+argmax against torch.argmax; what falls back
 to the reference; the errors; the build fallback; and that a compiled step still gets the
 traceable references."""
 from __future__ import annotations
@@ -155,6 +156,54 @@ def test_logsumexp_rows_special_values_strides_and_threads():
         set_kernel_threads(before)
     assert torch.equal(cpu_fused.logsumexp_rows(big.double()),  # not fp32: the reference
                        torch.logsumexp(big.double(), -1, keepdim=True))
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 49152), (16, 49152), (3, 77), (2, 16), (4, 1), (1, 128256)])
+def test_argmax_logsumexp_rows(rows, cols):
+    """torch.argmax's index, and logsumexp_rows' bits (the greedy sampler's two values, one pass)."""
+    x = torch.randn(rows, cols, generator=_gen(15)) * 8
+    argmax, log_norm = cpu_fused.argmax_logsumexp_rows(x)
+    assert argmax.dtype == torch.int64 and argmax.shape == (rows,)
+    assert torch.equal(argmax, torch.argmax(x, -1))
+    assert torch.equal(argmax, sampling_reference.argmax_rows(x))
+    assert torch.equal(log_norm, cpu_fused.logsumexp_rows(x))
+
+
+def test_argmax_logsumexp_rows_ties_special_values_strides_and_threads():
+    """The first maximum whichever of the 16 lanes holds it (ties within a lane and across
+    lanes, in the masked tail), the first NaN, 0 for a row of -inf, the first of two +inf;
+    strided rows; a split over threads gives the one-thread results."""
+    x = torch.randn(9, 100, generator=_gen(16))
+    x[0, 37], x[0, 5] = 9.0, 9.0   # across lanes: the lower index
+    x[1, 3], x[1, 19] = 9.0, 9.0   # one lane (3 and 19 are 16 apart): the first
+    x[2, 99] = 9.0                 # in the masked tail (100 = 6 x 16 + 4)
+    x[3, 40], x[3, 8] = float("nan"), float("nan")
+    x[3, 2] = 1e30                 # a NaN wins over anything, the first NaN
+    x[4] = float("-inf")
+    x[5, 70], x[5, 60] = float("inf"), float("inf")
+    x[6, ::2] = float("-inf")
+    x[7] = 0.0                     # all equal: index 0
+    x[8, 64], x[8, 96] = 9.0, 9.0  # the same lane, the later one past a NaN-free prefix
+    argmax, log_norm = cpu_fused.argmax_logsumexp_rows(x)
+    assert argmax.tolist() == [5, 3, 99, 8, 0, 60, torch.argmax(x[6]).item(), 0, 64]
+    assert torch.equal(argmax, torch.argmax(x, -1))
+    torch.testing.assert_close(log_norm, cpu_fused.logsumexp_rows(x), rtol=0, atol=0, equal_nan=True)
+    wide = torch.randn(3, 200, generator=_gen(17))
+    argmax, _ = cpu_fused.argmax_logsumexp_rows(wide[:, 50:150])
+    assert torch.equal(argmax, torch.argmax(wide[:, 50:150], -1))
+    big = torch.randn(96, 49152, generator=_gen(18))  # enough to split
+    before = kernel_threads()
+    try:
+        set_kernel_threads(1)
+        one = cpu_fused.argmax_logsumexp_rows(big)
+        set_kernel_threads(2)
+        two = cpu_fused.argmax_logsumexp_rows(big)
+    finally:
+        set_kernel_threads(before)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    assert torch.equal(one[0], torch.argmax(big, -1))
+    double = cpu_fused.argmax_logsumexp_rows(big.double())  # not fp32: the reference
+    assert torch.equal(double[0], torch.argmax(big, -1))
 
 
 def test_what_falls_back_to_the_reference():

@@ -194,6 +194,27 @@ def test_a_replayed_decode_step_is_the_eager_step_to_the_bit(executor, rows):
         assert torch.equal(ke, kg) and torch.equal(ve, vg)
 
 
+def test_a_replayed_step_returns_the_logits_rows_it_was_asked_for_in_their_order(executor):
+    """Every token's logits in order (a decode step's indices, 0 .. n-1) is one copy of the
+    head's output; any other order of the same rows is gathered: row i is token indices[i]'s."""
+    ex = executor
+    _fill_cache(ex, 3)
+    ids, md, in_order = _decode_step(ex, [9, 40, 17, 3], 3)
+    assert torch.equal(in_order, torch.arange(4))
+    ex.decode_graphs.record(4)
+    assert ex.decode_graphs.takes(ids, md)
+    saved = [(k.clone(), v.clone()) for k, v in ex.kv_caches]
+    straight = ex.execute(ids, md, in_order)
+    for (k, v), (k0, v0) in zip(ex.kv_caches, saved):  # (the same step again: the same cache)
+        k.copy_(k0)
+        v.copy_(v0)
+    shuffled = torch.tensor([2, 0, 3, 1])
+    gathered = ex.execute(ids, md, shuffled)
+    assert straight.dtype == gathered.dtype == torch.float32
+    assert torch.equal(gathered, straight[shuffled])
+    assert straight.data_ptr() != ex.decode_graphs.graphs[min(ex.decode_graphs.graphs)].logits.data_ptr()
+
+
 def test_a_bucket_replays_steps_of_fewer_rows_after_more(executor):
     """Padding rows are reset each replay: 16 rows, then 13 (bucket 16 too), then 16 again."""
     ex = executor

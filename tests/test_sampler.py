@@ -566,9 +566,51 @@ def test_sampler_takes_its_filter_and_draw_from_the_op_table() -> None:
         return fn
 
     ops = SimpleNamespace(apply_top_k_top_p_min_p=spy("apply_top_k_top_p_min_p"), sample=spy("sample"),
-                          logsumexp_rows=spy("logsumexp_rows"))
+                          logsumexp_rows=spy("logsumexp_rows"), argmax_logsumexp_rows=spy("argmax_logsumexp_rows"))
     logits = _flat_logits(2, 50)
     params = [SamplingParams(temperature=0), SamplingParams(top_k=4, seed=3)]
     out = _run(logits, params, sampler=Sampler(ops=ops))
     assert calls == ["logsumexp_rows", "apply_top_k_top_p_min_p", "sample"]
     assert torch.equal(out.tokens, _run(logits, params).tokens)
+
+
+@pytest.mark.parametrize("params,path", [
+    ([SamplingParams(temperature=0)] * 3, ["argmax_logsumexp_rows"]),
+    ([SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=5, seed=2)],
+     ["argmax_logsumexp_rows", "apply_top_k_top_p_min_p", "sample"]),
+    ([SamplingParams(temperature=0), SamplingParams(temperature=0, repetition_penalty=1.3)],
+     ["logsumexp_rows"]),
+    ([SamplingParams(temperature=0, logit_bias={7: 5.0})], ["logsumexp_rows"]),
+])
+def test_a_plan_whose_logits_stay_raw_takes_the_greedy_tokens_from_the_log_normalisers_pass(params, path):
+    """The CPU loop's plan: no stage changes the logits (no penalty, bias, bad words, allowed
+    ids or suppressed ids), so the greedy tokens come from ``argmax_logsumexp_rows``, one pass
+    over the logits; otherwise ``logsumexp_rows`` and the argmax of the changed logits. The
+    tokens and logprobs are those of every stage run (SmolLM2's vocabulary size: the chunked
+    argmax's path)."""
+    from types import SimpleNamespace
+
+    from blink.engine.sampler import SamplerPlan
+    from blink.kernels import ops_for
+
+    calls: list[str] = []
+    cpu = ops_for("cpu")
+
+    def spy(name):
+        def fn(*args):
+            calls.append(name)
+            return getattr(cpu, name)(*args)
+        return fn
+
+    ops = SimpleNamespace(**{name: spy(name) for name in (
+        "apply_top_k_top_p_min_p", "sample", "logsumexp_rows", "argmax_logsumexp_rows")})
+    b, vocab = len(params), 49152
+    logits = _flat_logits(b, vocab, 5) * 4
+    token_ids = torch.randint(0, vocab, (b, 12), generator=torch.Generator().manual_seed(5)).int()
+    pl, tl = torch.full((b,), 6, dtype=torch.int32), torch.full((b,), 12, dtype=torch.int32)
+    counters = torch.arange(b, dtype=torch.int64)
+    st = SamplingTensors.from_params(params)
+    planned = Sampler(ops=ops)(logits, st, token_ids, pl, tl, counters, plan=SamplerPlan.of(st))
+    assert calls == path
+    full = Sampler()(logits, st, token_ids, pl, tl, counters)
+    assert torch.equal(planned.tokens, full.tokens) and torch.equal(planned.logprob, full.logprob)

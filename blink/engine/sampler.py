@@ -471,7 +471,14 @@ class Sampler:
                 logits, missing = masks.apply(ops, logits)
         # Raw logprobs are x - logsumexp(x): one reduction instead of a [B, V] log_softmax.
         raw_logits = logits
-        log_norm = ops.logsumexp_rows(raw_logits)
+        # A host-side choice: no stage below changes the logits, so the greedy tokens are the
+        # raw logits' argmax, taken in the log-normaliser's pass (plan None: every stage runs)
+        untouched = not (plan.any_allowed or plan.any_bad_words or plan.any_logit_bias or plan.any_penalty
+                         or (suppress_ids is not None and plan.any_suppress))
+        if untouched:
+            greedy_tokens, log_norm = ops.argmax_logsumexp_rows(raw_logits)
+        else:
+            log_norm = ops.logsumexp_rows(raw_logits)
 
         if plan.any_allowed:
             logits = apply_allowed_token_ids(logits, st.allowed_token_ids)
@@ -497,7 +504,8 @@ class Sampler:
                 st.frequency_penalty,
             )
 
-        greedy_tokens = argmax_rows(logits)
+        if not untouched:
+            greedy_tokens = argmax_rows(logits)
         tokens = greedy_tokens
         if plan.any_random:
             is_greedy = st.temperature <= 0

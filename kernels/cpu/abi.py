@@ -62,7 +62,7 @@ ATTENTION: dict[str, Signature] = {
         + _args("table_stride table_cols", I64) + _args("scale", F32) + _args("threads", INT)),
 }
 
-#: fused.c: the eager forward's elementwise ops, the sampler's log-normaliser, the token mask
+#: fused.c: the eager forward's elementwise ops, the sampler's log-normaliser (and greedy token), the token mask
 FUSED: dict[str, Signature] = {
     **KERNELS_H,
     "blink_has_vector_ops": Signature(INT),
@@ -84,6 +84,9 @@ FUSED: dict[str, Signature] = {
         None, _args("x", P) + _args("x_stride", I64) + _args("out", P) + _args("rows dim", I64) + _args("threads", INT)),
     "blink_logsumexp_rows": Signature(
         None, _args("x", P) + _args("x_stride", I64) + _args("out", P) + _args("rows cols", I64) + _args("threads", INT)),
+    "blink_argmax_logsumexp_rows": Signature(
+        None, _args("x", P) + _args("x_stride", I64) + _args("argmax out", P) + _args("rows cols", I64)
+        + _args("threads", INT)),
     "blink_token_mask_rows": Signature(
         None,
         _args("x", P) + _args("x_stride", I64) + _args("words", P) + _args("w_stride n_words", I64)

@@ -244,17 +244,37 @@ int blink_rope(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k
 
 /* log(sum_j e^x[j]) of one fp32 row, as torch.logsumexp: its max m, then m + log(sum e^(x - m))
  * (kernels.h's exp, 16 lanes). A NaN gives NaN, a row of -inf -inf, a +inf +inf (torch's
- * results); the sum's order is not torch's, so the last bit may differ. */
-static float logsumexp_row(const float *x, int64_t n) {
+ * results); the sum's order is not torch's, so the last bit may differ. With `argmax`, also
+ * the index torch.argmax gives (the first NaN, else the first maximum), found in the first
+ * pass over the row. */
+static float logsumexp_row(const float *x, int64_t n, int64_t *argmax) {
 #ifdef BLINK_VECTOR_OPS
     const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
-    __m512 top = minus_inf;
+    __m512 top = minus_inf, best = minus_inf; /* best: each lane's first maximum, at best_at */
+    __m512i best_at = _mm512_setzero_si512(), at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i step = _mm512_set1_epi32(16);
     __mmask16 nan = 0;
     for (int64_t j = 0; j < n; j += 16) {
         const __mmask16 live = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1u);
         const __m512 v = _mm512_mask_loadu_ps(minus_inf, live, x + j);
         nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
         top = _mm512_max_ps(top, v);
+        if (argmax != NULL) {
+            const __mmask16 above = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+            best = _mm512_mask_mov_ps(best, above, v);
+            best_at = _mm512_mask_mov_epi32(best_at, above, at);
+            at = _mm512_add_epi32(at, step);
+        }
+    }
+    if (argmax != NULL) {
+        if (nan) {
+            int64_t j = 0;
+            while (!isnan(x[j])) j++;
+            *argmax = j;
+        } else { /* the lowest index among the lanes holding the row's maximum */
+            const __mmask16 tied = _mm512_cmp_ps_mask(best, _mm512_set1_ps(_mm512_reduce_max_ps(best)), _CMP_EQ_OQ);
+            *argmax = _mm512_mask_reduce_min_epi32(tied, best_at);
+        }
     }
     if (nan) return NAN;
     const float m = _mm512_reduce_max_ps(top);
@@ -269,10 +289,18 @@ static float logsumexp_row(const float *x, int64_t n) {
     return m + logf(_mm512_reduce_add_ps(sum));
 #else
     float m = -INFINITY;
+    int64_t first = 0;
     for (int64_t j = 0; j < n; j++) {
-        if (isnan(x[j])) return NAN;
-        m = x[j] > m ? x[j] : m;
+        if (isnan(x[j])) {
+            if (argmax != NULL) *argmax = j;
+            return NAN;
+        }
+        if (x[j] > m) {
+            m = x[j];
+            first = j;
+        }
     }
+    if (argmax != NULL) *argmax = first;
     if (isinf(m)) return m;
     float sum = 0.0f;
     for (int64_t j = 0; j < n; j++) sum += exp_nonpositive(x[j] - m);
@@ -303,18 +331,28 @@ typedef struct {
     const float *x;
     int64_t x_stride, cols;
     float *out;
+    int64_t *argmax; /* NULL: the log-normaliser alone */
 } logsumexp_args_t;
 
 static void *logsumexp_part(void *arg) {
     blink_part_t *p = (blink_part_t *)arg;
     const logsumexp_args_t *a = (const logsumexp_args_t *)p->args;
-    for (int64_t r = p->lo; r < p->hi; r++) a->out[r] = logsumexp_row(a->x + r * a->x_stride, a->cols);
+    for (int64_t r = p->lo; r < p->hi; r++)
+        a->out[r] = logsumexp_row(a->x + r * a->x_stride, a->cols, a->argmax != NULL ? a->argmax + r : NULL);
     return NULL;
 }
 
 /* out[r] = logsumexp of fp32 row r (rows x_stride apart): the sampler's log-normaliser. */
 void blink_logsumexp_rows(const float *x, int64_t x_stride, float *out, int64_t rows, int64_t cols, int threads) {
-    const logsumexp_args_t a = {x, x_stride, cols, out};
+    const logsumexp_args_t a = {x, x_stride, cols, out, NULL};
+    blink_run_parts(logsumexp_part, &a, rows, blink_threads_for(rows * cols, 16 * ELEMENTS_PER_THREAD, threads));
+}
+
+/* blink_logsumexp_rows (the same bits in out) and argmax[r] = torch.argmax of row r, from the
+ * same first pass over the row: a greedy step's token and log-normaliser. */
+void blink_argmax_logsumexp_rows(const float *x, int64_t x_stride, int64_t *argmax, float *out, int64_t rows,
+                                 int64_t cols, int threads) {
+    const logsumexp_args_t a = {x, x_stride, cols, out, argmax};
     blink_run_parts(logsumexp_part, &a, rows, blink_threads_for(rows * cols, 16 * ELEMENTS_PER_THREAD, threads));
 }
 

@@ -42,7 +42,7 @@ IMPL_ENV = "BLINK_CPU_FUSED"
 _BF16 = torch.bfloat16
 #: the library's compute calls (their signatures: abi.FUSED)
 _KERNELS = ("blink_add_rms_norm", "blink_rope", "blink_write_kv", "blink_silu_and_mul",
-            "blink_logsumexp_rows", "blink_token_mask_rows")
+            "blink_logsumexp_rows", "blink_argmax_logsumexp_rows", "blink_token_mask_rows")
 
 # No fused multiply-adds the reference does not do (the rotary embedding stays bit-exact);
 # no floating-point traps to keep, so the compiler may vectorise branches (exp's clamps).
@@ -179,6 +179,23 @@ def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x.shape[0], 1), dtype=torch.float32)
     lib.blink_logsumexp_rows(x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0], x.shape[1], kernel_threads())
     return out
+
+
+def argmax_logsumexp_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`blink.kernels.reference.sampling.argmax_logsumexp_rows` (fp32 [B, V] -> int64
+    [B], fp32 [B, 1]): :func:`logsumexp_rows`' call and bits, the argmax taken in its first pass
+    over each row (torch's index: the first NaN, else the first maximum), where the reference
+    reads the logits twice more in four ops (a greedy step's sampler, blink.engine.sampler)."""
+    lib = LIBRARY.get()
+    if (lib is None or not lib.vector_exp or x.dtype is not torch.float32 or not x.is_cpu or x.ndim != 2
+            or x.stride(1) != 1 or x.shape[1] == 0 or x.shape[1] >= 2**31
+            or torch.compiler.is_compiling() or isinstance(x, FakeTensor)):  # (as logsumexp_rows)
+        return sampling_reference.argmax_logsumexp_rows(x)
+    argmax = torch.empty(x.shape[0], dtype=torch.int64)
+    out = torch.empty((x.shape[0], 1), dtype=torch.float32)
+    lib.blink_argmax_logsumexp_rows(x.data_ptr(), x.stride(0), argmax.data_ptr(), out.data_ptr(),
+                                    x.shape[0], x.shape[1], kernel_threads())
+    return argmax, out
 
 
 def apply_token_mask(logits: torch.Tensor, words: torch.Tensor, epoch: torch.Tensor,

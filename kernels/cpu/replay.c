@@ -64,19 +64,24 @@ static int64_t thunk_8(const void *fn, const blink_arg_t *a) {
 }
 
 static int64_t thunk_9(const void *fn, const blink_arg_t *a) {
-    ((void (*)(void *, int64_t, void *, int64_t, int64_t, void *, void *, void *, int64_t, int64_t, int))fn)(a[0].p, a[1].i, a[2].p, a[3].i, a[4].i, a[5].p, a[6].p, a[7].p, a[8].i, a[9].i, (int)a[10].i);
+    ((void (*)(void *, int64_t, void *, void *, int64_t, int64_t, int))fn)(a[0].p, a[1].i, a[2].p, a[3].p, a[4].i, a[5].i, (int)a[6].i);
     return 0;
 }
 
 static int64_t thunk_10(const void *fn, const blink_arg_t *a) {
-    return (int64_t)((int (*)(void *, int64_t, void *, void *, void *, void *, int64_t, int64_t, int64_t, int64_t, int))fn)(a[0].p, a[1].i, a[2].p, a[3].p, a[4].p, a[5].p, a[6].i, a[7].i, a[8].i, a[9].i, (int)a[10].i);
+    ((void (*)(void *, int64_t, void *, int64_t, int64_t, void *, void *, void *, int64_t, int64_t, int))fn)(a[0].p, a[1].i, a[2].p, a[3].i, a[4].i, a[5].p, a[6].p, a[7].p, a[8].i, a[9].i, (int)a[10].i);
+    return 0;
 }
 
 static int64_t thunk_11(const void *fn, const blink_arg_t *a) {
-    return (int64_t)((int (*)(void *, int64_t, void *, void *, void *, void *, int64_t, int64_t, int64_t, int64_t, int, int))fn)(a[0].p, a[1].i, a[2].p, a[3].p, a[4].p, a[5].p, a[6].i, a[7].i, a[8].i, a[9].i, (int)a[10].i, (int)a[11].i);
+    return (int64_t)((int (*)(void *, int64_t, void *, void *, void *, void *, int64_t, int64_t, int64_t, int64_t, int))fn)(a[0].p, a[1].i, a[2].p, a[3].p, a[4].p, a[5].p, a[6].i, a[7].i, a[8].i, a[9].i, (int)a[10].i);
 }
 
 static int64_t thunk_12(const void *fn, const blink_arg_t *a) {
+    return (int64_t)((int (*)(void *, int64_t, void *, void *, void *, void *, int64_t, int64_t, int64_t, int64_t, int, int))fn)(a[0].p, a[1].i, a[2].p, a[3].p, a[4].p, a[5].p, a[6].i, a[7].i, a[8].i, a[9].i, (int)a[10].i, (int)a[11].i);
+}
+
+static int64_t thunk_13(const void *fn, const blink_arg_t *a) {
     return (int64_t)((int64_t (*)(void *, int64_t, void *, void *))fn)(a[0].p, a[1].i, a[2].p, a[3].p);
 }
 
@@ -94,6 +99,7 @@ static int64_t (*const THUNKS[])(const void *, const blink_arg_t *) = {
     thunk_10,
     thunk_11,
     thunk_12,
+    thunk_13,
 };
 
 /* Make calls[0..n) in order. Returns -1 when every call is done, else the index of the

@@ -179,6 +179,13 @@ def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(x, dim=-1, keepdim=True)
 
 
+def argmax_logsumexp_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(argmax_rows(x), logsumexp_rows(x))``: a greedy step's tokens and log-normaliser when
+    no stage changes the logits in between (the sampler asks for both at once, so that a
+    kernel can take them in one pass)."""
+    return argmax_rows(x), logsumexp_rows(x)
+
+
 def sample(logits: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     """Draw one token per row from ``softmax(logits)`` with the counter-based RNG.
 
