@@ -394,6 +394,22 @@ def test_the_step_wait_meter_counts_steps_into_buckets():
         meter.end()
     snap = meter.snapshot()
     assert snap["count"] == 3 and sum(snap["counts"]) == 3 and snap["sum"] >= 0
+    # the file stays open, and it is the measuring thread's: another thread reads its own
+    fd = meter._file[0]
+    assert os.readlink(f"/proc/self/fd/{fd}").endswith(f"/task/{threading.get_native_id()}/schedstat")
+
+    def elsewhere():
+        meter.begin()
+        meter.end()
+        seen.append(os.readlink(f"/proc/self/fd/{meter._file[0]}"))
+
+    seen: list[str] = []
+    worker = threading.Thread(target=elsewhere)
+    worker.start()
+    worker.join()
+    assert seen[0].endswith(f"/task/{worker.native_id}/schedstat") and meter.snapshot()["count"] == 4
+    meter.close()
+    assert meter._file is None
 
 
 def test_prometheus_series_of_a_snapshot():

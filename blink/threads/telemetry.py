@@ -8,7 +8,7 @@ number of times the thread was put on a CPU ("runs"). ``/proc/PID/task/TID/statu
 often: voluntary switches per run >= 0.5 (:data:`INTERACTIVE_RATIO`).
 
 :class:`StepWaitMeter` measures the engine loop's own run-queue wait per step (two reads of
-``/proc/thread-self/schedstat``, ~10 us).
+``/proc/thread-self/schedstat``, the file kept open: ~1 us a step).
 """
 from __future__ import annotations
 
@@ -185,6 +185,9 @@ class StepWaitMeter:
     _start: int | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
     available: bool = True
+    #: the measured thread's schedstat file, kept open: a pread per reading (~0.5 us) instead
+    #: of an open, a read and a close (~8 us, twice a step); (fd, the thread it names)
+    _file: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         self.counts = [0] * (len(self.buckets) + 1)  # the last one: above every bound
@@ -193,14 +196,32 @@ class StepWaitMeter:
         except (OSError, ValueError):
             self.available = False  # no schedstat (not Linux, or not compiled in)
 
+    def _wait_ns(self) -> int:
+        """The calling thread's run-queue wait so far (its own file: thread-self is resolved
+        when it is opened, so another thread opens its own)."""
+        me = threading.get_ident()
+        if self._file is None or self._file[1] != me:
+            self.close()
+            self._file = (os.open("/proc/thread-self/schedstat", os.O_RDONLY), me)
+        return parse_schedstat(os.pread(self._file[0], 256, 0).decode())[1]
+
+    def close(self) -> None:
+        """Close the schedstat file (a later reading opens it again)."""
+        if self._file is not None:
+            os.close(self._file[0])
+            self._file = None
+
+    def __del__(self) -> None:
+        self.close()
+
     def begin(self) -> None:
         if self.available:
-            self._start = _thread_wait_ns()
+            self._start = self._wait_ns()
 
     def end(self) -> None:
         if self._start is None:
             return
-        waited = (_thread_wait_ns() - self._start) / 1e9
+        waited = (self._wait_ns() - self._start) / 1e9
         self._start = None
         with self._lock:
             self.counts[bisect.bisect_left(self.buckets, waited)] += 1
