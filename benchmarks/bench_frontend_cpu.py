@@ -16,11 +16,11 @@ medians. The idle server's engine and poller sleep meanwhile (each a few wakes a
     python -m benchmarks.bench_frontend_cpu --model /opt/blink-peers/models/llama-1b-shaped/model-Q4_K_M.gguf
     python -m benchmarks.bench_frontend_cpu --rounds 8 --tokens 256   # the embedded SmolLM2
 
-``--variants A:VAR=VALUE B:VAR=VALUE`` compares two other settings the same way (any BLINK_*
-variable the servers read at start), e.g. the kernel workers awake through the host step
-against asleep (docs/performance.md#stay-awake):
+``--variants A:VAR=VALUE B:VAR=VALUE`` compares two other settings the same way (any
+environment variable the servers read at start: BLINK_*, OMP_WAIT_POLICY), e.g. the engine's
+OpenMP waits spinning against passive (blink serve's default):
 
-    python -m benchmarks.bench_frontend_cpu --variants awake:BLINK_CPU_POOL_AWAKE_MS=10 asleep:BLINK_CPU_POOL_AWAKE_MS=0
+    python -m benchmarks.bench_frontend_cpu --variants active:OMP_WAIT_POLICY=ACTIVE passive:OMP_WAIT_POLICY=PASSIVE
 """
 from __future__ import annotations
 
@@ -82,8 +82,8 @@ def parse_variant(text: str) -> tuple[str, str, str]:
     """``NAME:VAR=VALUE`` -> (name, variable, value)."""
     name, sep, setting = text.partition(":")
     var, eq, value = setting.partition("=")
-    if not (sep and eq and name and var.startswith("BLINK_")):
-        raise argparse.ArgumentTypeError(f"a variant is NAME:BLINK_VAR=VALUE, not {text!r}")
+    if not (sep and eq and name and var.isidentifier()):
+        raise argparse.ArgumentTypeError(f"a variant is NAME:VAR=VALUE, not {text!r}")
     return name, var, value
 
 
