@@ -116,7 +116,8 @@ def main() -> None:
     p.add_argument("--port", type=int, default=8201, help="the first server's port (the second: +1)")
     p.add_argument("--variants", nargs=2, type=parse_variant, metavar="NAME:VAR=VALUE",
                    default=[parse_variant(v) for v in VARIANTS],
-                   help="the two servers' settings (default: %(default)s); ratios are the first's over the second's")
+                   help=f"the two servers' settings (default: {' '.join(VARIANTS)}); ratios are the first's "
+                        "over the second's")
     args = p.parse_args()
     if args.variants[0][0] == args.variants[1][0]:
         p.error("the two variants need different names")
