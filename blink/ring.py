@@ -332,6 +332,12 @@ class FieldSpec:
         return self.row_nbytes if self.stride is None else self.stride
 
     @functools.cached_property
+    def item_nbytes(self) -> int:
+        """Bytes of one entry of the second dimension (a stream field's token, a prompt
+        logprob lane's position): what the frontend reads per token."""
+        return int(np.prod(self.shape[2:], dtype=np.int64)) * self.dtype.itemsize
+
+    @functools.cached_property
     def nbytes(self) -> int:
         """Bytes the field spans, from entry 0 to the end of the last entry."""
         return (self.shape[0] - 1) * self.row_stride + self.row_nbytes
@@ -342,7 +348,8 @@ class FieldSpec:
 
     def element_offset(self, index: tuple[int, ...] | int) -> int:
         """Byte offset of one element (or one row, given a shorter index) in the region."""
-        index = (index,) if isinstance(index, int) else index
+        if isinstance(index, int):  # a slot's row: the poller's every read
+            return self.offset + index * self.row_stride
         return self.offset + sum(i * s for i, s in zip(index, self._strides))
 
 

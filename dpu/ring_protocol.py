@@ -282,7 +282,7 @@ class RingClient:
         spec = self._spec[name]
         cap = self.config.stream_capacity
         inner = spec.shape[2:]
-        entry = spec.dtype.itemsize * int(np.prod(inner, dtype=np.int64))
+        entry = spec.item_nbytes
         base = spec.element_offset(slot)
         off = start % cap
         first = min(count, cap - off)
@@ -696,7 +696,7 @@ class RingClient:
 
         def rows(name: str) -> np.ndarray:
             spec = self._spec[name]
-            per_pos = spec.dtype.itemsize * int(np.prod(spec.shape[2:], dtype=np.int64))
+            per_pos = spec.item_nbytes
             raw = self.transport.read(spec.element_offset((lane, 1)), (prompt_len - 1) * per_pos)
             return raw.view(spec.dtype).reshape((prompt_len - 1, *spec.shape[2:]))
 
