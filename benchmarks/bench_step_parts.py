@@ -8,6 +8,10 @@ timed by wrapping those methods for this process only; a warm-up request runs fi
 
     python -m benchmarks.bench_step_parts --threads 1 --batch 1 --tokens 64
     python -m benchmarks.bench_step_parts --threads 1 --batch 16 --tokens 64
+
+``--kernel-threads``: the C kernels' threads (default: the engine's, ``--threads``). ``blink
+serve`` on two cores runs its engine with ``--threads 1 --kernel-threads 2`` and passive
+OpenMP waits (``OMP_WAIT_POLICY=PASSIVE``): give the same to time what it serves.
 """
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--threads", type=int, default=None, help="engine compute threads (default: all cores)")
+    p.add_argument("--kernel-threads", type=int, default=None,
+                   help="the C kernels' threads (default: the engine's compute threads)")
     p.add_argument("--batch", type=int, default=1, help="prompts generated together")
     p.add_argument("--tokens", type=int, default=64, help="tokens generated per prompt")
     p.add_argument("--max-model-len", type=int, default=1024)
@@ -44,7 +50,7 @@ def main() -> None:
         (Sampler, "__call__", "sample"))]
     llm = None
     try:
-        llm = LLM(args.model, threads=args.threads, max_num_seqs=max(16, args.batch),
+        llm = LLM(args.model, threads=args.threads, kernel_threads=args.kernel_threads, max_num_seqs=max(16, args.batch),
                   max_model_len=args.max_model_len)
         params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
         llm.generate(["A warm-up prompt."], SamplingParams(max_tokens=4, temperature=0))
