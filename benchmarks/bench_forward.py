@@ -35,7 +35,10 @@ cache left in torch's own 4 KB pages (``$BLINK_CPU_HUGE_PAGES=0``), against 2 MB
 today's forward with every step of the AMX kernel's projections (and Q8_0 head) on that kernel,
 against steps of few rows on the int8 VNNI build over the same codes
 (blink.models.int4_linear.INT8_MAX_ROWS_BESIDE_AMX_KERNEL), both replaying decode graphs as
-served; and ``now`` the default one.
+served; or ``--before int8-coarse-split``: today's forward with the int8 VNNI build's calls
+split over the kernel threads only from 256K weights a row pass per thread (so a small
+projection such as SmolLM2's o_proj ran on one thread), against today's 64K, both replaying
+decode graphs as served; and ``now`` the default one.
 For each dtype and shape the two are timed alternately, ``--rounds`` rounds of ``--steps``
 calls each, so a load spike on this shared machine hits both; the table gives the median
 per-call wall time and process CPU time of each, and their ratio.
@@ -154,6 +157,18 @@ def _built_with(module, define: str):
     return library
 
 
+def _built_with_quant(native, define: str):
+    """The quant_linear build ``native`` (one of ``cpu_quant_linear.LIBRARIES``) built with
+    ``-D<define>``, declared as that module declares its builds."""
+    from blink.kernels.cpu import abi, pool as cpu_pool
+    from blink.shared.native_build import build_library
+
+    library = build_library(native.source, (*native.flags, f"-D{define}"), None, native.headers)
+    abi.declare(library, abi.QUANT_LINEAR)
+    cpu_pool.attach(library)
+    return library
+
+
 def _with_library(ex, native, library) -> None:
     """``ex.execute`` runs with ``library`` (None: none, its fallback) as the NativeLibrary
     ``native``'s, the others with the usual ones."""
@@ -250,7 +265,8 @@ def main() -> None:
     p.add_argument("--before", choices=["reference", "no-int4", "sdpa-attention", "torch-elementwise", "torch-int4",
                                              "attention-no-prefetch", "attention-no-tiles", "bf16-head",
                                              "unfused-silu", "no-cpu-graphs", "one-kernel-thread", "q4-one-pass",
-                                             "q4-tile-parts", "python-replay", "4k-pages", "amx-every-step"],
+                                             "q4-tile-parts", "python-replay", "4k-pages", "amx-every-step",
+                                             "int8-coarse-split"],
                    default="reference",
                    help="the baseline: the reference forward, or today's without one feature (the int4 path, the C attention kernel, the C elementwise ops, ..., the decode steps' CPU graphs)")
     p.add_argument("--now-graphs", action="store_true",
@@ -265,7 +281,7 @@ def main() -> None:
 
     from blink.executor import ModelExecutor
     from blink.kernels import ops_for
-    from blink.kernels.cpu import attention as cpu_attention, q4_linear as cpu_q4_linear
+    from blink.kernels.cpu import attention as cpu_attention, q4_linear as cpu_q4_linear, quant_linear as cpu_quant_linear
     from blink.kernels.reference import layers as reference
     from blink.kernels.ops import _CPU_FUSED_NAMES
     from blink.loader import open_model
@@ -311,11 +327,11 @@ def main() -> None:
                   "attention-no-prefetch": {}, "attention-no-tiles": {}, "bf16-head": {},
                   "unfused-silu": {}, "no-cpu-graphs": {}, "one-kernel-thread": {},
                   "q4-one-pass": {}, "q4-tile-parts": {}, "python-replay": {}, "4k-pages": {},
-                  "amx-every-step": {}}[args.before]
+                  "amx-every-step": {}, "int8-coarse-split": {}}[args.before]
         # Decode graphs in "now" only for no-cpu-graphs, and in both for one-kernel-thread and
         # python-replay (as served): the other baselines measure their feature eager against eager (a baseline
         # with torch ops would not be recorded).
-        served = ("one-kernel-thread", "python-replay", "4k-pages", "amx-every-step")
+        served = ("one-kernel-thread", "python-replay", "4k-pages", "amx-every-step", "int8-coarse-split")
         graphs = args.before in ("no-cpu-graphs", *served) or args.now_graphs
         execs = {}
         for name, kw in (("before", {**before, "cpu_graphs": args.before in served}),
@@ -352,6 +368,13 @@ def main() -> None:
             _with_bf16_head(execs["before"])
         elif args.before == "amx-every-step":
             _amx_every_step(execs["before"])
+        elif args.before == "int8-coarse-split":
+            build = cpu_quant_linear.variant()
+            if build != "avx512_vnni":
+                raise SystemExit(f"--before int8-coarse-split: the projections run the {build} build here, "
+                                 "not the AVX-512 VNNI one whose split it changes")
+            native = cpu_quant_linear.LIBRARIES[build]
+            _with_library(execs["before"], native, _built_with_quant(native, "BLINK_QUANT_INT8_PER_THREAD=((int64_t)1<<18)"))
         for label, rows in shapes:
             call_args = {}
             for name, ex in execs.items():

@@ -238,8 +238,14 @@ static inline void group_scales(const args_t *a, int64_t t, int64_t s, int hc, _
  * 4k + 3 with one vpermw (x in channel order). */
 #define BLINK_QUANT_INT8 1
 #define BLINK_QUANT_INT8_ROWS ROWS
-/* one thread per ~5-10 us of work at most: 256K products and sums per row pass */
-#define BLINK_QUANT_INT8_PER_THREAD ((int64_t)1 << 18)
+/* work per thread, in (passes x weights), at least: 64K products and sums a row pass, 40 KB of
+ * 4-bit codes and scales, ~3-4 us of one core's reads from memory at a decode step's one row
+ * (the weights come from memory there, not from cache). With 256K, SmolLM2's o_proj (576 x 576)
+ * ran on one thread: 20.7 -> 13.6 us a call on two, cold (docs/performance.md#int8-split);
+ * benchmarks/bench_forward.py --before int8-coarse-split builds the old value. */
+#ifndef BLINK_QUANT_INT8_PER_THREAD
+#define BLINK_QUANT_INT8_PER_THREAD ((int64_t)1 << 16)
+#endif
 
 /* channel of the group at position 8c + e of x's int8 codes: 4-bit layouts (5, 6 too) */
 static const int PERM4[8] = {0, 4, 1, 5, 2, 6, 3, 7};
