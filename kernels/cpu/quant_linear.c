@@ -685,7 +685,9 @@ static void *run_tiles(void *arg) {
 enum { ROWS_I8 = 4 };
 #define BLINK_QUANT_INT8_ROWS ROWS_I8
 /* work per thread, in (passes x weights): a pass of 4 rows here costs about what the VNNI
- * build's of 8 does at 2^18 */
+ * build's of 8 did at 2^18 (its value before small projections split at 2^16 there; a
+ * one-row pass over SmolLM2's o_proj already splits here: not measured on a CPU without
+ * AVX-512 since) */
 #define BLINK_QUANT_INT8_PER_THREAD ((int64_t)1 << 17)
 
 /* channel of the group at position 8c + e of x's int8 codes: 4-bit layouts (5, 6 too) */
