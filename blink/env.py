@@ -127,6 +127,8 @@ REGISTRY: dict[str, EnvVar] = {v.name: v for v in VARIABLES}
 #: ``BLINK_`` names in the code that are not environment variables
 NOT_ENVIRONMENT = {
     "BLINK_ENGINE_READY": "the line 'blink engine' prints on stdout when it serves",
+    "BLINK_QUANT_INT8_PER_THREAD": "a C macro of kernels/cpu/quant_linear.c, which "
+                                   "benchmarks/bench_forward.py --before int8-coarse-split builds with -D",
 }
 
 KINDS = (("user", "Knobs"), ("debug", "Diagnosis"), ("internal", "Set by blink serve for its "
