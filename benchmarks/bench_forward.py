@@ -146,26 +146,14 @@ def _amx_int4_off(off: bool):
         cpu_quant_linear.reset()
 
 
-def _built_with(module, define: str):
-    """``module``'s C kernel (cpu_attention, cpu_q4_linear) built with ``-D<define>``, and
-    declared as the module declares its own."""
-    from blink.shared.native_build import build_library
-
-    L = module.LIBRARY
-    library = build_library(L.source, (*L.flags, f"-D{define}"), None, L.headers)
-    module._declare(library)
-    return library
-
-
-def _built_with_quant(native, define: str):
-    """The quant_linear build ``native`` (one of ``cpu_quant_linear.LIBRARIES``) built with
-    ``-D<define>``, declared as that module declares its builds."""
-    from blink.kernels.cpu import abi, pool as cpu_pool
+def _built_with(native, define: str):
+    """The C kernel of the NativeLibrary ``native`` (``cpu_attention.LIBRARY``,
+    ``cpu_q4_linear.LIBRARY``, one of ``cpu_quant_linear.LIBRARIES``) built with
+    ``-D<define>``, and declared as its own build is (its ``setup``)."""
     from blink.shared.native_build import build_library
 
     library = build_library(native.source, (*native.flags, f"-D{define}"), None, native.headers)
-    abi.declare(library, abi.QUANT_LINEAR)
-    cpu_pool.attach(library)
+    native.setup(library)
     return library
 
 
@@ -346,14 +334,14 @@ def main() -> None:
         elif args.before == "torch-elementwise":
             execs["before"].model.use_ops(torch_ops)
         elif args.before == "attention-no-prefetch":
-            _with_library(execs["before"], cpu_attention.LIBRARY, _built_with(cpu_attention, "PREFETCH=0"))
+            _with_library(execs["before"], cpu_attention.LIBRARY, _built_with(cpu_attention.LIBRARY, "PREFETCH=0"))
         elif args.before == "attention-no-tiles":
-            _with_library(execs["before"], cpu_attention.LIBRARY, _built_with(cpu_attention, "TILES=0"))
+            _with_library(execs["before"], cpu_attention.LIBRARY, _built_with(cpu_attention.LIBRARY, "TILES=0"))
         elif args.before in ("q4-one-pass", "q4-tile-parts"):
             if not cpu_q4_linear.available():
                 raise SystemExit(f"--before {args.before}: the 4-bit AMX kernel does not run here")
             define = "SLABS=0" if args.before == "q4-one-pass" else "ROWS_PER_THREAD=1073741824"
-            _with_library(execs["before"], cpu_q4_linear.LIBRARY, _built_with(cpu_q4_linear, define))
+            _with_library(execs["before"], cpu_q4_linear.LIBRARY, _built_with(cpu_q4_linear.LIBRARY, define))
         elif args.before == "unfused-silu":
             _without_gated_epilogue(execs["before"])
         elif args.before == "one-kernel-thread":
@@ -374,7 +362,7 @@ def main() -> None:
                 raise SystemExit(f"--before int8-coarse-split: the projections run the {build} build here, "
                                  "not the AVX-512 VNNI one whose split it changes")
             native = cpu_quant_linear.LIBRARIES[build]
-            _with_library(execs["before"], native, _built_with_quant(native, "BLINK_QUANT_INT8_PER_THREAD=((int64_t)1<<18)"))
+            _with_library(execs["before"], native, _built_with(native, "BLINK_QUANT_INT8_PER_THREAD=((int64_t)1<<18)"))
         for label, rows in shapes:
             call_args = {}
             for name, ex in execs.items():

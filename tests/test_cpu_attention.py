@@ -321,7 +321,7 @@ def test_avx512_tiles_match_the_reference(rows, n_heads, n_kv_heads, head_dim, b
     torch.testing.assert_close(out[:n_live].float(), expected[:n_live], **TOL[dtype])
     assert torch.count_nonzero(out[n_live:]) == 0
 
-    with cpu_attention.LIBRARY.using(_built_with(cpu_attention, "TILES=0")):
+    with cpu_attention.LIBRARY.using(_built_with(cpu_attention.LIBRARY, "TILES=0")):
         assert cpu_attention.tile_min_tokens() == 0
         per_token = native_only(q, k_cache, v_cache, dataclasses.replace(md, step_cache=None), scale)
     tokens = 0

@@ -249,14 +249,12 @@ def linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None,
     """``x @ W.T (+ bias)`` for bf16 ``x [..., K]``; ``gated`` (where ``weight.gates``): a fused
     gate/up projection's ``silu(gate) * up`` instead (:func:`blink.kernels.cpu.q4_linear.linear`;
     only for steps on the AMX kernel, :meth:`Int4Weight.on_amx`)."""
-    if weight.amx is not None:
-        if weight.on_amx(x.numel() // x.shape[-1]):
-            return cpu_q4_linear.linear(x, weight.amx, bias, gated=gated)
-        if gated:
-            raise ValueError("only the AMX kernel applies the activation (see Int4Weight.on_amx)")
-        return cpu_quant_linear.linear(x, [weight.int8_view], bias, build="avx512_vnni")
+    if weight.amx is not None and weight.on_amx(x.numel() // x.shape[-1]):
+        return cpu_q4_linear.linear(x, weight.amx, bias, gated=gated)
     if gated:
-        raise ValueError("only the AMX kernel applies the activation (see Int4Weight.gates)")
+        raise ValueError("only the AMX kernel applies the activation (see Int4Weight.gates, Int4Weight.on_amx)")
+    if weight.amx is not None:  # few rows beside the AMX kernel: its int8 view
+        return cpu_quant_linear.linear(x, [weight.int8_view], bias, build="avx512_vnni")
     if weight.parts is not None:
         return cpu_quant_linear.linear(x, weight.parts, bias, build=weight.kernel)  # the build it was packed for
     lead = x.shape[:-1]
