@@ -15,6 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
 from test_loader_gguf import smollm_path  # noqa: E402
 from test_spec_decode import _pool_whole  # noqa: E402
+from llm_helpers import admit_each_call_at_once  # noqa: E402
 
 from blink.engine.speculative import SPEC_NUM_ACCEPTED_TOKENS, SPEC_NUM_DRAFTS  # noqa: E402
 from blink.llm import LLM  # noqa: E402
@@ -36,8 +37,10 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 def _llm(graphs: bool) -> LLM:
-    return LLM(str(smollm_path()), max_num_seqs=4, max_model_len=256, cpu_graphs=graphs,
-               speculative_config=SPEC)
+    """The engine under test; each generate() call's requests are admitted together (the
+    two engines batch alike, so they take the same kernel paths)."""
+    return admit_each_call_at_once(LLM(str(smollm_path()), max_num_seqs=4, max_model_len=256,
+                                       cpu_graphs=graphs, speculative_config=SPEC))
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +139,7 @@ def test_draft_model_verify_steps_replay_the_target_graphs():
     outputs = {}
     for graphs in (False, True):
         with LLM(path, max_num_seqs=4, max_model_len=256, cpu_graphs=graphs, speculative_config=spec) as llm:
+            admit_each_call_at_once(llm)
             target = llm.engine.executor.decode_graphs
             replayed: list[int] = []
             if graphs:
