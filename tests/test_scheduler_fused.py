@@ -260,6 +260,10 @@ _NOT_FOR_FUSED = {
     "test_row_windows_change_no_output",
     # the fused batch build is the graphs': the budget's T lanes, no bucket cut on the host
     "test_a_host_step_builds_its_batch_over_the_smallest_bucket",
+    # preemption and recompute in the fused allocator are checked step by step against the
+    # reference below (pool 14, preemptions asserted) and by the oracle's tiny pools; this
+    # workload adds only its length (~20 s in the interpreter)
+    "test_tiny_pool_preempts_and_recomputes",
 }
 for _name in dir(ts):
     if _name.startswith("test_") and _name not in _NOT_FOR_FUSED and callable(getattr(ts, _name)):
@@ -280,10 +284,10 @@ def test_prefix_primes_agree():
     assert triton_sched.PRIMES == prefix_cache.PRIMES
 
 
-# The property tests' random workloads: few examples, the interpreter is slow (~3 s each);
+# The property tests' random workloads: few examples, the interpreter is slow (~3-8 s each);
 # not derandomized, so successive runs try different workloads.
 test_random_workloads_keep_every_invariant = settings(
-    max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])(
+    max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow])(
     given(ts.scenarios())(ts.test_random_workloads_keep_every_invariant.hypothesis.inner_test))
 
 
