@@ -316,8 +316,8 @@ def main() -> None:
                   "unfused-silu": {}, "no-cpu-graphs": {}, "one-kernel-thread": {},
                   "q4-one-pass": {}, "q4-tile-parts": {}, "python-replay": {}, "4k-pages": {},
                   "amx-every-step": {}, "int8-coarse-split": {}}[args.before]
-        # Decode graphs in "now" only for no-cpu-graphs, and in both for one-kernel-thread and
-        # python-replay (as served): the other baselines measure their feature eager against eager (a baseline
+        # Decode graphs in "now" only for no-cpu-graphs, and in both for the baselines in `served`
+        # (as served): the other baselines measure their feature eager against eager (a baseline
         # with torch ops would not be recorded).
         served = ("one-kernel-thread", "python-replay", "4k-pages", "amx-every-step", "int8-coarse-split")
         graphs = args.before in ("no-cpu-graphs", *served) or args.now_graphs
