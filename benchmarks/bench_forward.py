@@ -38,7 +38,10 @@ against steps of few rows on the int8 VNNI build over the same codes
 served; or ``--before int8-coarse-split``: today's forward with the int8 VNNI build's calls
 split over the kernel threads only from 256K weights a row pass per thread (so a small
 projection such as SmolLM2's o_proj ran on one thread), against today's 64K, both replaying
-decode graphs as served; and ``now`` the default one.
+decode graphs as served; or ``--before int8-per-group-scales``: today's forward with the int8
+VNNI build's passes converting a K-quant super-block's fp16 scales again for each of its groups
+and shifting 4-bit codes' high nibbles down (both as before 2026-12-06: the same bits), both
+replaying decode graphs as served; and ``now`` the default one.
 For each dtype and shape the two are timed alternately, ``--rounds`` rounds of ``--steps``
 calls each, so a load spike on this shared machine hits both; the table gives the median
 per-call wall time and process CPU time of each, and their ratio.
@@ -146,13 +149,14 @@ def _amx_int4_off(off: bool):
         cpu_quant_linear.reset()
 
 
-def _built_with(native, define: str):
+def _built_with(native, define: str | tuple[str, ...]):
     """The C kernel of the NativeLibrary ``native`` (``cpu_attention.LIBRARY``,
     ``cpu_q4_linear.LIBRARY``, one of ``cpu_quant_linear.LIBRARIES``) built with
-    ``-D<define>``, and declared as its own build is (its ``setup``)."""
+    ``-D<define>`` (each of them, for several), and declared as its own build is (its ``setup``)."""
     from blink.shared.native_build import build_library
 
-    library = build_library(native.source, (*native.flags, f"-D{define}"), None, native.headers)
+    defines = (define,) if isinstance(define, str) else define
+    library = build_library(native.source, (*native.flags, *(f"-D{d}" for d in defines)), None, native.headers)
     native.setup(library)
     return library
 
@@ -254,7 +258,7 @@ def main() -> None:
                                              "attention-no-prefetch", "attention-no-tiles", "bf16-head",
                                              "unfused-silu", "no-cpu-graphs", "one-kernel-thread", "q4-one-pass",
                                              "q4-tile-parts", "python-replay", "4k-pages", "amx-every-step",
-                                             "int8-coarse-split"],
+                                             "int8-coarse-split", "int8-per-group-scales"],
                    default="reference",
                    help="the baseline: the reference forward, or today's without one feature (the int4 path, the C attention kernel, the C elementwise ops, ..., the decode steps' CPU graphs)")
     p.add_argument("--now-graphs", action="store_true",
@@ -315,11 +319,12 @@ def main() -> None:
                   "attention-no-prefetch": {}, "attention-no-tiles": {}, "bf16-head": {},
                   "unfused-silu": {}, "no-cpu-graphs": {}, "one-kernel-thread": {},
                   "q4-one-pass": {}, "q4-tile-parts": {}, "python-replay": {}, "4k-pages": {},
-                  "amx-every-step": {}, "int8-coarse-split": {}}[args.before]
+                  "amx-every-step": {}, "int8-coarse-split": {}, "int8-per-group-scales": {}}[args.before]
         # Decode graphs in "now" only for no-cpu-graphs, and in both for the baselines in `served`
         # (as served): the other baselines measure their feature eager against eager (a baseline
         # with torch ops would not be recorded).
-        served = ("one-kernel-thread", "python-replay", "4k-pages", "amx-every-step", "int8-coarse-split")
+        served = ("one-kernel-thread", "python-replay", "4k-pages", "amx-every-step", "int8-coarse-split",
+                  "int8-per-group-scales")
         graphs = args.before in ("no-cpu-graphs", *served) or args.now_graphs
         execs = {}
         for name, kw in (("before", {**before, "cpu_graphs": args.before in served}),
@@ -356,13 +361,15 @@ def main() -> None:
             _with_bf16_head(execs["before"])
         elif args.before == "amx-every-step":
             _amx_every_step(execs["before"])
-        elif args.before == "int8-coarse-split":
+        elif args.before in ("int8-coarse-split", "int8-per-group-scales"):
             build = cpu_quant_linear.variant()
             if build != "avx512_vnni":
-                raise SystemExit(f"--before int8-coarse-split: the projections run the {build} build here, "
-                                 "not the AVX-512 VNNI one whose split it changes")
+                raise SystemExit(f"--before {args.before}: the projections run the {build} build here, "
+                                 "not the AVX-512 VNNI one it changes")
             native = cpu_quant_linear.LIBRARIES[build]
-            _with_library(execs["before"], native, _built_with(native, "BLINK_QUANT_INT8_PER_THREAD=((int64_t)1<<18)"))
+            define = ("BLINK_QUANT_INT8_PER_THREAD=((int64_t)1<<18)" if args.before == "int8-coarse-split"
+                      else ("HIGH_NIBBLE_IN_PLACE=0", "HOIST_SUPER_SCALES=0"))
+            _with_library(execs["before"], native, _built_with(native, define))
         for label, rows in shapes:
             call_args = {}
             for name, ex in execs.items():

@@ -247,6 +247,20 @@ static inline void group_scales(const args_t *a, int64_t t, int64_t s, int hc, _
 #define BLINK_QUANT_INT8_PER_THREAD ((int64_t)1 << 16)
 #endif
 
+/* tile_rows' in-place high nibbles and, in one pass, a K-quant super-block's fp16 scales
+ * converted once for its groups (0: shifted down and converted per group, as before: the same
+ * bits; `benchmarks/bench_forward.py --before int8-per-group-scales` builds both so). From L2
+ * on a Xeon (1 thread, 1-2 rows) the nibbles made SmolLM2's Q4_1 projections 1.01-1.03x and a
+ * 1B's Q4_K o_proj 1.03-1.04x faster, the scales that o_proj 1.04-1.07x; from L3 or memory
+ * there, no change (the reads bound it). For cores whose products bound a decode step (AMD
+ * Zen 4's AVX-512 runs in two halves): not measured there. */
+#ifndef HIGH_NIBBLE_IN_PLACE
+#define HIGH_NIBBLE_IN_PLACE 1
+#endif
+#ifndef HOIST_SUPER_SCALES
+#define HOIST_SUPER_SCALES 1
+#endif
+
 /* channel of the group at position 8c + e of x's int8 codes: 4-bit layouts (5, 6 too) */
 static const int PERM4[8] = {0, 4, 1, 5, 2, 6, 3, 7};
 
@@ -303,6 +317,11 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
     /* integer sums are exact in any order: two per row where few rows leave the adds waiting */
     enum { NACC = 2 };
     const int nacc = R > 4 ? 1 : NACC;
+    /* With two sums a row, 4-bit codes' high nibbles stay in place: v & 0xF0 is 16 q, its
+     * products (at most 240 x 127) go to the second sum, which is then 16x its share exactly
+     * and is shifted back once per scale group: one instruction a code vector fewer (no
+     * shift) for one a group, the same integer sums (so the same bits at any rows). */
+    const int in_place = HIGH_NIBBLE_IN_PLACE && bits == 4 && nacc == 2;
     __m512i acc[ROWS][NACC];
     __m512 tot[ROWS], block[ROWS]; /* block: k256's sum over the super-block so far, in units of x's scale */
 #pragma GCC unroll 8
@@ -312,12 +331,22 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
         acc[r][0] = off ? _mm512_set1_epi32(xoff[r]) : _mm512_setzero_si512();
         acc[r][1] = _mm512_setzero_si512();
     }
+    /* one pass, k256: the super-block's fp16 d and -dmin in fp32, converted once for its 8
+     * groups (d = d sc and m = -dmin mn as group_scales forms them: the same bits) */
+    const int64_t k_bytes = k_block_bytes(a->format), nsub = g16 ? 16 : 8;
+    const uint8_t *super_at = NULL;
+    __m512 super_d = _mm512_setzero_ps(), super_m = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *gc = codes + g * tb;
         for (int line = 0; line < tb; line += 64) _mm_prefetch((const char *)gc + line + PREFETCH_BYTES, _MM_HINT_T0);
         prefetch_far(far, g);
         const int8_t *xg = xq + g * ROWS * GROUP;
         const __m512i high5 = bits == 5 ? _mm512_loadu_si512(gc + 256) : _mm512_setzero_si512();
+        if (HOIST_SUPER_SCALES && k256 && !scales && (g & 7) == 0) { /* a super-block starts (SUPER / GROUP groups) */
+            super_at = a->scales + (t * (a->K >> 8) + (g >> 3)) * k_bytes;
+            super_d = load_scales16(super_at, 0);
+            if (with_m) super_m = load_scales16(super_at + 2 * TILE, 0);
+        }
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) { /* channels 16h .. 16h + 15 */
             const __m512i high6 = bits == 6 ? _mm512_loadu_si512(gc + 256 + h * 64) : _mm512_setzero_si512();
@@ -331,7 +360,7 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
                 } else {
                     const __m512i v = _mm512_loadu_si512(gc + c * 64);
                     lo = _mm512_and_si512(v, low4);
-                    hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                    hi = in_place ? _mm512_andnot_si512(low4, v) : _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
                     if (bits == 6) {
                         /* byte b of the plane holds the high bits of byte b of lo and hi
                          * (POS6): one 16-bit shift puts each at bits 4-5 of its byte */
@@ -369,12 +398,17 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
                 if (scales) { /* formed once for the tile's passes */
                     d = _mm512_load_ps(scales + s * 2 * TILE);
                     if (with_m) m = _mm512_load_ps(scales + s * 2 * TILE + TILE);
+                } else if (HOIST_SUPER_SCALES && k256) { /* one pass: sc and mn of this group */
+                    const int8_t *sc = (const int8_t *)(super_at + (with_m ? 4 : 2) * TILE) + (s & (nsub - 1)) * TILE;
+                    d = _mm512_mul_ps(super_d, int8x16(sc));
+                    if (with_m) m = _mm512_mul_ps(super_m, int8x16(sc + nsub * TILE));
                 } else { /* one pass (a decode step): formed here, no extra trip over them */
                     group_scales(a, t, s, &d, &m);
                 }
 #pragma GCC unroll 8
                 for (int r = 0; r < R; r++) {
-                    const __m512i sum = nacc == 2 ? _mm512_add_epi32(acc[r][0], acc[r][1]) : acc[r][0];
+                    const __m512i sum = nacc == 1 ? acc[r][0]
+                                        : _mm512_add_epi32(acc[r][0], in_place ? _mm512_srai_epi32(acc[r][1], 4) : acc[r][1]);
                     if (k256) { /* x's scale is the super-block's: applied once at its end */
                         block[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), d, block[r]);
                         if (with_m) block[r] = _mm512_fmadd_ps(_mm512_set1_ps(x_sums[s * ROWS + r]), m, block[r]);
