@@ -39,9 +39,10 @@ served; or ``--before int8-coarse-split``: today's forward with the int8 VNNI bu
 split over the kernel threads only from 256K weights a row pass per thread (so a small
 projection such as SmolLM2's o_proj ran on one thread), against today's 64K, both replaying
 decode graphs as served; or ``--before int8-per-group-scales``: today's forward with the int8
-VNNI build's passes converting a K-quant super-block's fp16 scales again for each of its groups
-and shifting 4-bit codes' high nibbles down (both as before 2026-12-06: the same bits), both
-replaying decode graphs as served; and ``now`` the default one.
+builds' one-pass products converting a K-quant super-block's fp16 scales again for each of its
+groups and (VNNI) shifting 4-bit codes' high nibbles down (both as before 2026-12-06: the same
+bits), both replaying decode graphs as served (``BLINK_CPU_Q4=avx2_int8`` for the AVX2 build);
+and ``now`` the default one.
 For each dtype and shape the two are timed alternately, ``--rounds`` rounds of ``--steps``
 calls each, so a load spike on this shared machine hits both; the table gives the median
 per-call wall time and process CPU time of each, and their ratio.
@@ -363,9 +364,10 @@ def main() -> None:
             _amx_every_step(execs["before"])
         elif args.before in ("int8-coarse-split", "int8-per-group-scales"):
             build = cpu_quant_linear.variant()
-            if build != "avx512_vnni":
+            changed = ("avx512_vnni",) if args.before == "int8-coarse-split" else tuple(cpu_quant_linear.INT8_BUILDS)
+            if build not in changed:
                 raise SystemExit(f"--before {args.before}: the projections run the {build} build here, "
-                                 "not the AVX-512 VNNI one it changes")
+                                 f"not one it changes ({', '.join(changed)})")
             native = cpu_quant_linear.LIBRARIES[build]
             define = ("BLINK_QUANT_INT8_PER_THREAD=((int64_t)1<<18)" if args.before == "int8-coarse-split"
                       else ("HIGH_NIBBLE_IN_PLACE=0", "HOIST_SUPER_SCALES=0"))

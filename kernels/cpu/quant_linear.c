@@ -67,6 +67,13 @@ enum { SUPER = 256 }; /* (a shift by 8 below) */
  * 2h + 1 (4-5, 6-7). */
 static const int POS6[8] = {0, 2, 8, 10, 4, 6, 12, 14};
 
+/* The int8 builds' one pass (a decode step) over a K-quant: its super-block's fp16 d and -dmin
+ * converted once for the super-block's groups, not again for each (0: as before, the same bits;
+ * the VNNI build's section says what it measured). */
+#ifndef HOIST_SUPER_SCALES
+#define HOIST_SUPER_SCALES 1
+#endif
+
 /* Rows of x a tile's codes meet before the next tile's (x's panel stays in L2). */
 enum { PANEL_ROWS = 128 };
 
@@ -247,18 +254,15 @@ static inline void group_scales(const args_t *a, int64_t t, int64_t s, int hc, _
 #define BLINK_QUANT_INT8_PER_THREAD ((int64_t)1 << 16)
 #endif
 
-/* tile_rows' in-place high nibbles and, in one pass, a K-quant super-block's fp16 scales
- * converted once for its groups (0: shifted down and converted per group, as before: the same
- * bits; `benchmarks/bench_forward.py --before int8-per-group-scales` builds both so). From L2
- * on a Xeon (1 thread, 1-2 rows) the nibbles made SmolLM2's Q4_1 projections 1.01-1.03x and a
- * 1B's Q4_K o_proj 1.03-1.04x faster, the scales that o_proj 1.04-1.07x; from L3 or memory
- * there, no change (the reads bound it). For cores whose products bound a decode step (AMD
- * Zen 4's AVX-512 runs in two halves): not measured there. */
+/* tile_rows' in-place high nibbles and (both int8 builds) HOIST_SUPER_SCALES (0: shifted down
+ * and converted per group, as before: the same bits; `benchmarks/bench_forward.py --before
+ * int8-per-group-scales` builds both so). From L2 on a Xeon (1 thread, 1-2 rows) the nibbles
+ * made SmolLM2's Q4_1 projections 1.01-1.03x and a 1B's Q4_K o_proj 1.03-1.04x faster, the
+ * scales that o_proj 1.04-1.07x; from L3 or memory there, no change (the reads bound it). For
+ * cores whose products bound a decode step (AMD Zen 4's AVX-512 runs in two halves): not
+ * measured there. */
 #ifndef HIGH_NIBBLE_IN_PLACE
 #define HIGH_NIBBLE_IN_PLACE 1
-#endif
-#ifndef HOIST_SUPER_SCALES
-#define HOIST_SUPER_SCALES 1
 #endif
 
 /* channel of the group at position 8c + e of x's int8 codes: 4-bit layouts (5, 6 too) */
@@ -785,6 +789,11 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
         tot[r] = block[r] = _mm256_setzero_ps();
         acc16[r] = acc32[r] = _mm256_setzero_si256();
     }
+    /* one pass, k256: the super-block's d and -dmin of these 8 columns in fp32, converted once
+     * for its groups (as the VNNI build's tile_rows: the same bits) */
+    const int64_t k_bytes = k_block_bytes(a->format), nsub = g16 ? 16 : 8;
+    const uint8_t *super_at = NULL;
+    __m256 super_d = _mm256_setzero_ps(), super_m = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *gc = codes + g * tb;
         if (hc == 0) {
@@ -793,6 +802,11 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
         }
         const int8_t *xg = xq + g * ROWS_I8 * GROUP;
         const __m256i high5 = bits == 5 ? _mm256_loadu_si256((const __m256i *)(gc + 256 + hc * 32)) : _mm256_setzero_si256();
+        if (HOIST_SUPER_SCALES && k256 && !scales && (g & 7) == 0) { /* a super-block starts */
+            super_at = a->scales + (t * (a->K >> 8) + (g >> 3)) * k_bytes;
+            super_d = load_scales8(super_at + hc * 16, 0);
+            if (with_m) super_m = load_scales8(super_at + 2 * TILE + hc * 16, 0);
+        }
         int n16 = 0, n32 = 0; /* vectors c in acc16, widenings in acc32: constants once unrolled */
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) { /* channels 16h .. 16h + 15 */
@@ -866,6 +880,10 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
                     if (scales) { /* formed once for the tile's passes */
                         d = _mm256_load_ps(scales + s * 2 * TILE + hc * 8);
                         if (with_m) m = _mm256_load_ps(scales + s * 2 * TILE + TILE + hc * 8);
+                    } else if (HOIST_SUPER_SCALES && k256) { /* one pass: this group's sc and mn */
+                        const int8_t *sc = (const int8_t *)(super_at + (with_m ? 4 : 2) * TILE) + (s & (nsub - 1)) * TILE + hc * 8;
+                        d = _mm256_mul_ps(super_d, int8x8(sc));
+                        if (with_m) m = _mm256_mul_ps(super_m, int8x8(sc + nsub * TILE));
                     } else { /* one pass (a decode step): formed here */
                         group_scales(a, t, s, hc, &d, &m);
                     }
