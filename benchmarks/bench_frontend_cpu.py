@@ -9,7 +9,9 @@ poller either sleeps through each step by the step clock's cadence (the default:
 blink.dpu.ring_engine_client, ``_poll_delay``) or ticks on its backoff alone
 (``$BLINK_FRONTEND_POLL_ALIGN=0``: every 0.2-5 ms). For each variant the table gives the
 medians over its requests of: the frontend's and the engine's CPU time per streamed token
-(``/proc/PID/stat``, user + system), decode tok/s and the client's inter-token gaps (p50, p90);
+(``/proc/PID/stat``, user + system), this client's own CPU per token, how busy the three kept
+the cores (their CPU over the cores' time during a request), decode tok/s and the client's
+inter-token gaps (p50, p90);
 then the ratios aligned / backoff by round (frontend CPU per token, decode tok/s) and their
 medians. The idle server's engine and poller sleep meanwhile (each a few wakes a second).
 
@@ -98,11 +100,16 @@ def start_server(args: argparse.Namespace, variant: tuple[str, str, str], port: 
 def timed_request(base_url: str, model: str, pids: dict[str, int], tokens: int) -> dict[str, float]:
     """One single stream's numbers: CPU per token of each process, decode rate, gaps."""
     before = {role: cpu_seconds(pid) for role, pid in pids.items()}
+    client_before, wall_before = time.process_time(), time.perf_counter()
     stamps = stream_one(base_url, model, tokens, PROMPT)
+    client, wall = time.process_time() - client_before, time.perf_counter() - wall_before
     used = {role: cpu_seconds(pid) - before[role] for role, pid in pids.items()}
     gaps = sorted(b - a for a, b in zip(stamps, stamps[1:]))
     return {"frontend_ms": used["frontend"] / len(stamps) * 1e3,
             "engine_ms": used["engine"] / len(stamps) * 1e3,
+            "client_ms": client / len(stamps) * 1e3,
+            # the three processes' CPU over what the cores had during the request
+            "busy": (sum(used.values()) + client) / (wall * (os.cpu_count() or 1)),
             "decode_tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
             "itl_p50_ms": statistics.median(gaps) * 1e3,
             "itl_p90_ms": gaps[len(gaps) * 9 // 10] * 1e3}
@@ -151,10 +158,12 @@ def main() -> None:
                 server.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 server.kill()
-    keys = ("frontend_ms", "engine_ms", "decode_tok_s", "itl_p50_ms", "itl_p90_ms")
-    print(f"\n{args.model}: {args.rounds} rounds x {args.tokens} tokens, medians")
-    print("| variant | frontend CPU ms/token | engine CPU ms/token | decode tok/s | ITL p50 ms | ITL p90 ms |")
-    print("|---|---:|---:|---:|---:|---:|")
+    keys = ("frontend_ms", "engine_ms", "client_ms", "busy", "decode_tok_s", "itl_p50_ms", "itl_p90_ms")
+    print(f"\n{args.model}: {args.rounds} rounds x {args.tokens} tokens, medians; busy: the engine's, the "
+          f"frontend's and this client's CPU over the {os.cpu_count()} cores' time during a request")
+    print("| variant | frontend CPU ms/token | engine CPU ms/token | client CPU ms/token | busy | decode tok/s "
+          "| ITL p50 ms | ITL p90 ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, var, value in args.variants:
         print(f"| {name} ({var}={value}) | "
               + " | ".join(f"{statistics.median(r[k] for r in results[name]):.2f}" for k in keys) + " |")
