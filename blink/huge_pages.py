@@ -99,8 +99,17 @@ class HugePageArena:
         return out.t() if transposed else out
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A zero-filled tensor in 2 MB pages (fresh mappings read as zeros)."""
-        out = self.empty(shape, dtype)
+        """A zero-filled tensor in 2 MB pages of a mapping of its own (a KV cache), made as
+        ``torch.zeros`` makes one: no view, storage offset 0. (``--compile`` compiles the
+        paged attention kernel once for every layer's cache, and dynamo guards an input's
+        storage offset and dispatcher state: on views of the arena's chunks at their own
+        offsets, each layer's call would have compiled again, refused in steady state.)"""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes == 0:
+            return torch.zeros(shape, dtype=dtype)
+        self.placed_bytes += nbytes
+        storage = self._map(nbytes).untyped_storage()  # its own mapping: starts at its first byte
+        out = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
         # Fresh mappings read as zeros already; writing them commits the memory now, as
         # torch.zeros did, rather than on the step that first writes a block.
         return out.zero_()
@@ -126,10 +135,11 @@ def _mapping(nbytes: int) -> torch.Tensor:
     2 MB boundary and marked ``MADV_HUGEPAGE`` (a kernel that refuses keeps 4 KB pages)."""
     size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
     region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps ``region`` alive
-    offset = (-whole.data_ptr()) % HUGE_PAGE
+    start = torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr()
+    offset = (-start) % HUGE_PAGE
     try:
         region.madvise(mmap.MADV_HUGEPAGE, offset, size)
     except OSError:
         pass
-    return whole[offset:offset + nbytes]
+    # a tensor (no view) whose storage starts at the aligned byte; it keeps ``region`` alive
+    return torch.frombuffer(region, dtype=torch.uint8, offset=offset, count=nbytes)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -48,7 +49,7 @@ def test_compiled_greedy_matches_transformers_without_recompiles(compiled_llm):
     phase = compiled_llm.engine.runner.compiled
     assert phase is not None, "enforce_eager=False must compile on CPU"
     assert phase.token_buckets == (1, 2, 4) and phase.row_buckets == (1, 2)
-    assert phase.layer.failed is None and phase.head.failed is None
+    assert phase.layer.failed is None and phase.head.failed is None and phase.sample.failed is None
     assert phase.attention_kernel.failed is None
     graphs = _graphs()
     ref = Reference()
@@ -206,3 +207,46 @@ def test_compiled_engine_computes_prompt_logprobs(compiled_llm):
     for p, o in zip(prompts, outs):
         check(ref, p, o.prompt_logprobs, 2)
     assert phase.refused == 0 and _graphs() == graphs
+
+
+def test_the_compiled_sampler_draws_the_eager_samplers_tokens(compiled_llm):
+    """The sampler compiles with inductor options of its own (compiled.SAMPLER_COMPILE_OPTIONS,
+    for compile time): at every row bucket its seeded draws are the eager sampler's, row for
+    row, and its logprobs within fp32 rounding; every call here ran compiled (none refused)."""
+    phase = compiled_llm.engine.runner.compiled
+    plan = compiled.WARM_PLANS[1]
+    assert plan.any_random
+    refused = phase.sample.refused
+
+    def compare() -> None:
+        torch.manual_seed(0)
+        for rows in phase.row_buckets:
+            with torch.inference_mode(), phase._onednn(rows):  # as the engine's loop makes its tensors
+                x, residual, sampling, history, prompt_lens, total_lens, suppress = compiled._dummy_head_args(
+                    phase.executor, rows, phase.suppress_width, phase.max_logit_bias)
+                vocab = phase.head(phase.model, x, residual).shape[1]
+                for draw in range(25):
+                    sampling.temperature.fill_(0.7)
+                    sampling.seed.copy_(torch.arange(rows) + 100 * draw + 1)
+                    logits = torch.randn(rows, vocab) * 4
+                    args = (logits, sampling, history, prompt_lens, total_lens, suppress)
+                    got = phase.sample(phase.sampler, plan, *args)
+                    want = compiled._sample(phase.sampler, plan, *args)
+                    assert torch.equal(got.tokens, want.tokens), (rows, draw)
+                    torch.testing.assert_close(got.logprob, want.logprob, rtol=0, atol=1e-5)
+
+    # On a thread of its own, as the engine's loop: the compiled graphs guard thread-local
+    # state (whether a CPU graph is recording on this thread), which earlier tests set here.
+    failures: list[BaseException] = []
+    thread = threading.Thread(target=lambda: _collect(compare, failures))
+    thread.start()
+    thread.join(timeout=300)
+    assert not thread.is_alive() and not failures, failures
+    assert phase.sample.refused == refused, "a call ran eager: nothing was compared"
+
+
+def _collect(fn, failures: list[BaseException]) -> None:
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 - re-raised by the test on its own thread
+        failures.append(exc)

@@ -141,6 +141,10 @@ def test_the_executors_weights_and_kv_cache_move_and_give_the_same_logits(tmp_pa
     monkeypatch.setattr(huge_pages, "_mapping", real_mapping)
     assert kept.pages.endswith(f"({huge_pages.ENV}=0)") and mapped == []
     assert torch.equal(_decode_logits(moved), _decode_logits(kept))
+    # Each KV cache a tensor of its own, as torch.zeros makes one (no view, storage offset 0):
+    # --compile compiles the paged attention kernel once for every layer's cache, and dynamo
+    # guards an input's storage offset (views at their chunk's offsets recompiled per layer).
+    assert all(t._base is None and t.storage_offset() == 0 for pair in moved.kv_caches for t in pair)
     if "THPeligible" not in (mapping_of(moved.kv_caches[0][0].data_ptr()) or {}):
         return  # (a kernel without the field: the values above are what can be checked)
     assert huge_page_eligible(moved.kv_caches[0][0]) and advised_huge(moved.kv_caches[0][0]) in (True, None)

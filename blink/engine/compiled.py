@@ -4,9 +4,10 @@
 
 - one **decoder layer** per token bucket, shared by all layers (their weights are graph
   inputs, the code and shapes are the same), so a bucket costs one trace, not thirty;
-- the **head** (final norm, LM head, sampler) per sample-row bucket and sampler plan
-  (greedy, and random without filters or penalties, the two defaults; other plans run the
-  same code eager);
+- the **head** (final norm, LM head) per sample-row bucket, and the **sampler** per row bucket
+  and sampler plan (greedy, and random without filters or penalties, the two defaults; other
+  plans run the same code eager), with inductor options of its own
+  (:data:`SAMPLER_COMPILE_OPTIONS`: its compile time);
 - the **paged attention kernel** (:mod:`blink.kernels.cpu.paged_attention`) once, with
   dynamic shapes. Attention itself is an opaque custom op in the layer graph
   (:mod:`blink.kernels.cpu.step_ops`), because its work depends on the step's values.
@@ -75,9 +76,17 @@ def compile_cache_dir(configured: str | os.PathLike | None = None) -> Path:
     return Path(base) / "blink" / "inductor"
 
 
+#: the subdirectory of the compile cache this Blink reads and writes: a new one whenever what
+#: Blink hands compiled code changes in a way inductor's cache key misses. (When the KV caches
+#: became tensors of their own instead of views into 2 MB-page chunks, an entry of the views'
+#: kernel code loaded for the new caches and crashed the process: a segfault at start.)
+CACHE_LAYOUT = "layout-2"
+
+
 def configure_compile_cache(path: Path) -> None:
-    """Point inductor's persistent caches (FX graph cache, compiled kernels) at ``path``.
-    Must run before the first compilation of the process."""
+    """Point inductor's persistent caches (FX graph cache, compiled kernels) at ``path``'s
+    :data:`CACHE_LAYOUT` subdirectory. Must run before the first compilation of the process."""
+    path = path / CACHE_LAYOUT
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -270,16 +279,36 @@ def _decoder_layer(layer, x, residual, md, kv_cache, cos_sin):
     return layer(x, residual, md, kv_cache, cos_sin)
 
 
-def _head_and_sample(model, sampler: Sampler, plan: SamplerPlan, x, residual, sampling,
-                     history, prompt_lens, total_lens, suppress_ids, masks=None):
-    """Final norm, LM head and sampler for the sample rows: compiled per row bucket and
-    plan (the warm plans have no constrained row); a constrained batch runs it eager with
-    its token masks (``masks``, :class:`blink.engine.token_mask.MaskBatch`)."""
+def _head(model, x, residual):
+    """Final norm and LM head for the sample rows: their fp32 logits (compiled per row bucket)."""
     hidden, _ = model.ops.fused_add_rms_norm(x, residual, model.model.norm.weight,
                                              model.config.rms_norm_eps)
-    logits = model.compute_logits(hidden).float()
+    return model.compute_logits(hidden).float()
+
+
+def _sample(sampler: Sampler, plan: SamplerPlan, logits, sampling, history, prompt_lens, total_lens,
+            suppress_ids, masks=None):
+    """The sampler over the rows' logits: compiled per row bucket and plan (the warm plans have
+    no constrained row)."""
     return sampler(logits, sampling, history, prompt_lens, total_lens, total_lens,
                    suppress_ids, plan=plan, masks=masks)
+
+
+def _head_and_sample(model, sampler: Sampler, plan: SamplerPlan, x, residual, sampling,
+                     history, prompt_lens, total_lens, suppress_ids, masks=None):
+    """:func:`_head` then :func:`_sample`, eager: plans that are not warm, and a constrained
+    batch with its token masks (``masks``, :class:`blink.engine.token_mask.MaskBatch`)."""
+    return _sample(sampler, plan, _head(model, x, residual), sampling, history, prompt_lens,
+                   total_lens, suppress_ids, masks=masks)
+
+
+#: inductor options of the compiled sampler. Its C++ code generation inlined the Gumbel draw's
+#: per-row hash (four Murmur finalisers, ~60 ops) into the [rows, vocab] kernel and generated its
+#: loop body again and again: 23-30 s a random-plan graph on a Xeon (1-4 rows). Chains of more
+#: than 30 ops realised as their own buffers: 4-13 s, the same tokens and logprobs (1,000 draws,
+#: docs/performance.md#compiled-sampler). The head keeps the defaults: with this option over the
+#: whole head (norm, LM head and sampler in one graph) the tokens differed from eager ones.
+SAMPLER_COMPILE_OPTIONS = {"realize_opcount_threshold": 30}
 
 
 class CompiledModelPhase:
@@ -306,7 +335,8 @@ class CompiledModelPhase:
         self.row_buckets = row_buckets(max_rows)
         self.model.use_ops(compiled_cpu_ops())
         self.layer = compile_fn(_decoder_layer, "the decoder layer")
-        self.head = compile_fn(_head_and_sample, "the sampler")
+        self.head = compile_fn(_head, "the LM head")
+        self.sample = compile_fn(_sample, "the sampler", options=SAMPLER_COMPILE_OPTIONS)
         from blink.kernels.reference import layers as reference
 
         self.attention_kernel = compile_fn(
@@ -364,13 +394,17 @@ class CompiledModelPhase:
                     self.layer(*args)
         n = len(self.row_buckets)
         for i, rows in enumerate(self.row_buckets, 1):
-            self.progress(f"compiling the sampler {i}/{n} ({rows} rows)… [{time.monotonic() - start:.0f} s]")
-            for plan in WARM_PLANS:
-                args = _dummy_head_args(ex, rows, self.suppress_width, self.max_logit_bias)
-                with self._onednn(rows):
-                    if not self.head.warm(self.model, self.sampler, plan, *args):
+            self.progress(f"compiling the LM head and the sampler {i}/{n} ({rows} rows)… "
+                          f"[{time.monotonic() - start:.0f} s]")
+            x, residual, *sampler_args = _dummy_head_args(ex, rows, self.suppress_width, self.max_logit_bias)
+            with self._onednn(rows):  # as in run(): both calls inside it
+                if not self.head.warm(self.model, x, residual):
+                    break
+                logits = self.head(self.model, x, residual)
+                for plan in WARM_PLANS:
+                    if not self.sample.warm(self.sampler, plan, logits, *sampler_args):
                         break
-                self.warm_plans.add((rows, plan))
+                    self.warm_plans.add((rows, plan))
         self.warm_seconds = time.monotonic() - start
         self.progress(f"compiled in {self.warm_seconds:.1f} s (cache: {os.environ.get('TORCHINDUCTOR_CACHE_DIR')})")
 
@@ -413,7 +447,8 @@ class CompiledModelPhase:
                 history, inputs.prompt_lens, inputs.total_lens, inputs.suppress_ids)
         with self._onednn(R):
             if (R, plan) in self.warm_plans:
-                out = self.head(model, self.sampler, plan, *args)
+                logits = self.head(model, *args[:2])
+                out = self.sample(self.sampler, plan, logits, *args[2:])
             else:
                 # host_rows: only the constrained rows' logits are masked
                 masks = scheduler.token_masks(batch, R, host_rows=True) \
@@ -452,7 +487,7 @@ class CompiledModelPhase:
     @property
     def refused(self) -> int:
         """Steady-state calls that would have recompiled (ran eager instead); 0 when healthy."""
-        return self.layer.refused + self.head.refused + self.attention_kernel.refused
+        return self.layer.refused + self.head.refused + self.sample.refused + self.attention_kernel.refused
 
 
 def _refuse_eager_tiles(*args: Any) -> torch.Tensor:
