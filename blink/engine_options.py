@@ -234,8 +234,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  "docs/performance.md#compiled); kept for vLLM command lines"),
     _option("--compile", action="store_true", exclusive="eager",
             help="CPU loop: torch.compile the step per token bucket before serving "
-                 "(minutes at the first start, ~20 s from --compile-cache-dir after); "
-                 "also BLINK_ENFORCE_EAGER=0"),
+                 "(1-2 minutes at the first start, ~20 s from --compile-cache-dir after); "
+                 "slower than the default loop, whose C kernels and decode graphs it does not "
+                 "use (it traces plain weights): for experiments; also BLINK_ENFORCE_EAGER=0"),
     _option("--int4-decode", default="auto", choices=["auto", "off"], field="int4_decode",
             to_field=_not_off,
             help="CPU, bf16: when the model is a GGUF file with Q4_0/Q4_1 tensors, "
