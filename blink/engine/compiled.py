@@ -305,9 +305,9 @@ def _head_and_sample(model, sampler: Sampler, plan: SamplerPlan, x, residual, sa
 #: inductor options of the compiled sampler. Its C++ code generation inlined the Gumbel draw's
 #: per-row hash (four Murmur finalisers, ~60 ops) into the [rows, vocab] kernel and generated its
 #: loop body again and again: 23-30 s a random-plan graph on a Xeon (1-4 rows). Chains of more
-#: than 30 ops realised as their own buffers: 4-13 s, the same tokens and logprobs (1,000 draws,
-#: docs/performance.md#compiled-sampler). The head keeps the defaults: with this option over the
-#: whole head (norm, LM head and sampler in one graph) the tokens differed from eager ones.
+#: than 30 ops realised as their own buffers: 4-13 s, the same tokens and logprobs (4,200 draws
+#: at 1-64 rows, docs/performance.md#compiled-sampler). The head keeps the defaults: with this
+#: option over the whole head (norm, LM head and sampler in one graph) tokens differed from eager.
 SAMPLER_COMPILE_OPTIONS = {"realize_opcount_threshold": 30}
 
 
