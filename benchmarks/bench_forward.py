@@ -364,7 +364,7 @@ def main() -> None:
             _amx_every_step(execs["before"])
         elif args.before in ("int8-coarse-split", "int8-per-group-scales"):
             build = cpu_quant_linear.variant()
-            changed = ("avx512_vnni",) if args.before == "int8-coarse-split" else tuple(cpu_quant_linear.INT8_BUILDS)
+            changed = ("avx512_vnni",) if args.before == "int8-coarse-split" else tuple(sorted(cpu_quant_linear.INT8_BUILDS))
             if build not in changed:
                 raise SystemExit(f"--before {args.before}: the projections run the {build} build here, "
                                  f"not one it changes ({', '.join(changed)})")
