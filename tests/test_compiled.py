@@ -8,9 +8,9 @@ directory, so only a first run on a machine pays the full compile.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import re
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -237,16 +237,6 @@ def test_the_compiled_sampler_draws_the_eager_samplers_tokens(compiled_llm):
 
     # On a thread of its own, as the engine's loop: the compiled graphs guard thread-local
     # state (whether a CPU graph is recording on this thread), which earlier tests set here.
-    failures: list[BaseException] = []
-    thread = threading.Thread(target=lambda: _collect(compare, failures))
-    thread.start()
-    thread.join(timeout=300)
-    assert not thread.is_alive() and not failures, failures
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        pool.submit(compare).result(timeout=300)  # (re-raises its failure here)
     assert phase.sample.refused == refused, "a call ran eager: nothing was compared"
-
-
-def _collect(fn, failures: list[BaseException]) -> None:
-    try:
-        fn()
-    except BaseException as exc:  # noqa: BLE001 - re-raised by the test on its own thread
-        failures.append(exc)

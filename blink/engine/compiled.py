@@ -289,17 +289,10 @@ def _head(model, x, residual):
 def _sample(sampler: Sampler, plan: SamplerPlan, logits, sampling, history, prompt_lens, total_lens,
             suppress_ids, masks=None):
     """The sampler over the rows' logits: compiled per row bucket and plan (the warm plans have
-    no constrained row)."""
+    no constrained row); eager for other plans and for a constrained batch with its token masks
+    (``masks``, :class:`blink.engine.token_mask.MaskBatch`)."""
     return sampler(logits, sampling, history, prompt_lens, total_lens, total_lens,
                    suppress_ids, plan=plan, masks=masks)
-
-
-def _head_and_sample(model, sampler: Sampler, plan: SamplerPlan, x, residual, sampling,
-                     history, prompt_lens, total_lens, suppress_ids, masks=None):
-    """:func:`_head` then :func:`_sample`, eager: plans that are not warm, and a constrained
-    batch with its token masks (``masks``, :class:`blink.engine.token_mask.MaskBatch`)."""
-    return _sample(sampler, plan, _head(model, x, residual), sampling, history, prompt_lens,
-                   total_lens, suppress_ids, masks=masks)
 
 
 #: inductor options of the compiled sampler. Its C++ code generation inlined the Gumbel draw's
@@ -443,17 +436,18 @@ class CompiledModelPhase:
         plan = SamplerPlan.from_features(inputs.features[:rows], inputs.suppress_ids[:rows])
         history = (scheduler.token_history(batch, R)
                    if plan.any_penalty or plan.any_bad_words else None)
-        args = (x.index_select(0, index), residual.index_select(0, index), inputs.sampling,
-                history, inputs.prompt_lens, inputs.total_lens, inputs.suppress_ids)
+        rows_x, rows_residual = x.index_select(0, index), residual.index_select(0, index)
+        sampler_args = (inputs.sampling, history, inputs.prompt_lens, inputs.total_lens, inputs.suppress_ids)
         with self._onednn(R):
             if (R, plan) in self.warm_plans:
-                logits = self.head(model, *args[:2])
-                out = self.sample(self.sampler, plan, logits, *args[2:])
-            else:
+                logits = self.head(model, rows_x, rows_residual)
+                out = self.sample(self.sampler, plan, logits, *sampler_args)
+            else:  # eager: a plan that is not warm, or constrained rows with their token masks
                 # host_rows: only the constrained rows' logits are masked
                 masks = scheduler.token_masks(batch, R, host_rows=True) \
                     if plan.any_constrained else None
-                out = _head_and_sample(model, self.sampler, plan, *args, masks=masks)
+                logits = _head(model, rows_x, rows_residual)
+                out = _sample(self.sampler, plan, logits, *sampler_args, masks=masks)
         scheduler.update(batch, out.tokens, out.logprob, out.top_ids, out.top_logprobs,
                          num_tokens=tokens)
 
