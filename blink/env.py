@@ -59,6 +59,10 @@ VARIABLES: tuple[EnvVar, ...] = (
            "CPU norms/SiLU/residual ops: torch = the references; c = every C op, also those "
            "slower than the reference in a build without AVX-512",
            ("blink.kernels.cpu.fused",), values=("torch", "c")),
+    EnvVar("BLINK_CPU_SCHED", "choice", "c (where a C compiler is found)",
+           "the CPU loop's per-step scheduler stages (batch build, publishing the tokens, stats): "
+           "torch = the torch reference; c = the C stages (kernels/cpu/sched.c)",
+           ("blink.kernels.cpu.sched",), values=("torch", "c")),
     EnvVar("BLINK_CPU_AMX", "bool", "1 (AMX where the CPU, the compiler and the OS have it)",
            "0 = the CPU kernels act as on a CPU without AMX: paged attention without AMX tiles "
            "or AMX scores (its per-token pass on AVX-512), 4-bit projections off the AMX kernel "

@@ -1,7 +1,7 @@
 """``cache_salt`` in the scheduler's prefix cache (issue 33): requests of the same prompt share
 KV blocks only under the same salt; a salted request never hits another salt's blocks nor the
-unsalted ones, and the unsalted never hit salted ones. Through the torch stages and the fused
-Triton stages (``kernels/triton/sched.py``, under the interpreter), with real and with
+unsalted ones, and the unsalted never hit salted ones. Through the CPU loop's stages (C where
+they are), and the fused Triton stages (``kernels/triton/sched.py``, under the interpreter), with real and with
 forced-colliding keys (then verification alone keeps the salts apart)."""
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds n
 import test_scheduler as ts  # noqa: E402
 
 from blink.engine import prefix_cache  # noqa: E402
+from blink.kernels.cpu import sched as c_sched  # noqa: E402
 from blink.shared.sampling_fields import cache_salt_hash  # noqa: E402
 
 PROMPT = list(range(1, 18))  # 4 full blocks of 4 can hit (the last token is recomputed)
@@ -62,6 +63,7 @@ def test_salts_share_blocks_only_within_a_salt(fused, collide, monkeypatch):
         pytest.skip("the fused stages were imported without TRITON_INTERPRET=1")
     if collide:  # every key collides: only verification (tokens, parents) and the salt decide
         monkeypatch.setattr(prefix_cache, "table_key", lambda h: torch.zeros_like(h[0]))
+        monkeypatch.setattr(c_sched, "COLLIDE_KEYS", True)  # the CPU loop's C stages collide too
         if fused:
             from blink.kernels.triton import sched as triton_sched
 

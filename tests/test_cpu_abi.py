@@ -147,6 +147,7 @@ def test_every_kernel_signature_has_a_replay_thunk():
         parsed = [] if params == "void" else [ctypes.c_void_p if "*" in p else _CTYPES[p.strip()]
                                               for p in params.split(",")]
         assert parsed == list(argtypes)
-    for table in abi.LIBRARIES.values():
+    for source, table in abi.LIBRARIES.items():
         for signature in table.values():
-            assert (signature.restype, tuple(signature.argtypes)) in abi.replay_signatures()
+            recorded = (signature.restype, tuple(signature.argtypes)) in abi.replay_signatures()
+            assert recorded or source in abi.NOT_RECORDED

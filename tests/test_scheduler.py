@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from blink.engine import prefix_cache
+from blink.kernels.cpu import sched as c_sched
 from blink.engine.sched.scheduler import Scheduler, StepBatch
 from blink.engine.sched.state import (
     K_PREEMPTIONS,
@@ -387,11 +388,11 @@ def run(
 ) -> Outcome:
     """Drive requests through ring + scheduler + fake model until everything finished."""
     ring = make_ring(n_slots, cfg.max_model_len, stream_capacity, arena_tokens)
-    sched = Scheduler(cfg, ring_tensors(ring), host_guards=host_guards)
+    # compile_steps: as in a captured graph, every stage runs (no host guards)
+    sched = Scheduler(cfg, ring_tensors(ring), host_guards=host_guards and not compile_steps)
     model = model or FakeModel(cfg, n_slots)
     schedule, update = sched.schedule, sched.update
     if compile_steps:  # proof of no host sync / data-dependent Python control flow
-        sched.host_guards = False  # as in a captured graph: every stage runs
         schedule = torch.compile(schedule, fullgraph=True, backend="eager")
         update = torch.compile(update, fullgraph=True, backend="eager")
     fe = Frontend(ring, rate, stall_every)
@@ -560,6 +561,7 @@ def test_identical_prompts_share_blocks():
 def test_forced_hash_collisions_never_give_false_hits(monkeypatch):
     """Every key collides: only token-and-parent verified blocks may be used."""
     monkeypatch.setattr(prefix_cache, "table_key", lambda h: torch.zeros_like(h[0]))
+    monkeypatch.setattr(c_sched, "COLLIDE_KEYS", True)  # the CPU loop's C insert collides too
     reqs = _random_reqs(np.random.default_rng(3), 12, 32, shared=20)
     for i, r in enumerate(reqs):
         r.submit_step = 2 * i

@@ -113,11 +113,37 @@ QUANT_LINEAR: dict[str, Signature] = {
     "blink_quant_linear": Signature(INT, _LINEAR_ARGS + _args("format threads", INT)),
 }
 
+#: sched.c: the scheduler's per-step stages for the CPU loop (blink.kernels.cpu.sched)
+SCHED: dict[str, Signature] = {
+    "blink_sched_constants": Signature(INT, _args("values", P) + _args("n", I64)),
+    "blink_sched_build_batch": Signature(
+        I64,
+        _args("S T N B M host_lanes", I64) + _args("num_new num_computed num_tokens tokens", P)
+        + _args("tokens_stride", I64) + _args("block_table buckets", P) + _args("n_buckets", I64)
+        + _args("input_ids positions seq_idx slot_mapping query_start_loc seq_lens total_out bucket_out "
+                "sample_rows num_sample_rows logits_indices", P)),
+    "blink_sched_write_stats": Signature(
+        None,
+        _args("S N", I64) + _args("status ring_state", P) + _args("state_stride", I64)
+        + _args("block_ref counters control stat_words", P)),
+    "blink_sched_publish": Signature(
+        None, _args("R", I64) + _args("sample_rows out st ring done", P)),
+    "blink_sched_register": Signature(
+        I64, _args("n", I64) + _args("input_ids positions rows slot_mapping total pc fills_scratch", P)),
+    "blink_sched_allocate": Signature(I64, _args("a num_new", P)),
+    "blink_sched_sampler_inputs": Signature(
+        None, _args("R", I64) + _args("sample_rows", P) + _args("n_lanes n_fields", I64) + _args("fields sp", P)),
+}
+
 #: replay.c: a CPU graph's recorded calls made from C (blink.kernels.cpu.graph), its
 #: source generated from the tables above (:func:`replay_source`)
 REPLAY: dict[str, Signature] = {
     "blink_replay": Signature(I64, _args("calls", P) + _args("n", I64) + _args("args status", P)),
 }
+
+#: libraries no CPU graph records (the scheduler's stages act on the values they read), so
+#: replay.c needs no thunk for them
+NOT_RECORDED = frozenset({"sched.c"})
 
 #: each library's source (beside this module) -> its table
 LIBRARIES: dict[str, dict[str, Signature]] = {
@@ -127,6 +153,7 @@ LIBRARIES: dict[str, dict[str, Signature]] = {
     "q4_linear.c": Q4_LINEAR,
     "quant_linear.c": QUANT_LINEAR,
     "replay.c": REPLAY,
+    "sched.c": SCHED,
 }
 
 
@@ -148,7 +175,9 @@ def replay_signatures() -> list[tuple[type | None, tuple[type, ...]]]:
     """Every distinct ``(restype, argtypes)`` of the tables' functions, in table order:
     replay.c's thunk ``i`` calls a function of signature ``i`` (:func:`replay_source`)."""
     found: list[tuple[type | None, tuple[type, ...]]] = []
-    for table in LIBRARIES.values():
+    for source, table in LIBRARIES.items():
+        if source in NOT_RECORDED:
+            continue
         for signature in table.values():
             key = (signature.restype, tuple(signature.argtypes))
             if key not in found:

@@ -60,6 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
+from blink.kernels.batch_buffers import BatchBuffers
 from blink.kernels.triton import sched_count as triton_sched_count
 
 _INT64_MAX = tl.constexpr(2**63 - 1)
@@ -179,20 +180,6 @@ def _build_batch_kernel(
         tl.store(positions_ptr + t, pos, mask=tmask)
         tl.store(seq_idx_ptr + t, row, mask=tmask)
         tl.store(slot_mapping_ptr + t, slot, mask=tmask)
-
-
-class BatchBuffers:
-    """The step batch's tensors, allocated once (a captured graph's outputs live at fixed
-    addresses anyway; the CPU loop consumes a batch before the next step)."""
-
-    def __init__(self, S: int, T: int, device: torch.device) -> None:
-        def z(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        self.input_ids, self.positions, self.seq_idx, self.slot_mapping = z(T), z(T), z(T), z(T)
-        self.query_start_loc, self.seq_lens = z(S + 1, dtype=torch.int32), z(S, dtype=torch.int32)
-        self.total, self.bucket, self.num_sample_rows = z(), z(), z()
-        self.sample_rows, self.logits_indices = z(S), z(S)
 
 
 def build_batch(num_new: torch.Tensor, num_computed: torch.Tensor, num_tokens: torch.Tensor,

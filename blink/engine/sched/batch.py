@@ -81,6 +81,15 @@ class Batching:
             return StepBatch(input_ids=o.input_ids, attn=attn, num_scheduled_tokens=o.total,
                              bucket_index=o.bucket, num_new_tokens=num_new, sample_rows=o.sample_rows,
                              num_sample_rows=o.num_sample_rows, logits_indices=o.logits_indices)
+        if self._c is not None:  # the CPU loop: one C call (kernels/cpu/sched.c)
+            o = self._batch_out
+            n = self._c.build_batch(st, num_new, self._buckets, o, self.host_guards)
+            attn = AttentionMetadata(slot_mapping=o.slot_mapping[:n], positions=o.positions[:n],
+                                     token_seq_idx=o.seq_idx[:n], query_start_loc=o.query_start_loc[: S + 1],
+                                     seq_lens=o.seq_lens[:S], block_tables=st.block_table)
+            return StepBatch(input_ids=o.input_ids[:n], attn=attn, num_scheduled_tokens=o.total,
+                             bucket_index=o.bucket, num_new_tokens=num_new, sample_rows=o.sample_rows[:S],
+                             num_sample_rows=o.num_sample_rows, logits_indices=o.logits_indices[:S])
         ends = num_new.cumsum(0)
         query_start_loc = F.pad(ends, (1, 0))
         total = ends[-1]

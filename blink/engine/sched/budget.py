@@ -75,6 +75,11 @@ class Budget:
                 budget=cfg.max_num_batched_tokens, capacity=self.stream_capacity,
                 window=self._alloc_cols.shape[0], num_blocks=N, block_size=B,
                 prefix_caching=cfg.enable_prefix_caching, consts=self._alloc_consts)
+        if self._c is not None and cfg.scheduling_policy == "fcfs":  # the CPU loop: one C call
+            num_new = self._c.allocate(st, w.ring, budget=cfg.max_num_batched_tokens,
+                                       stream_capacity=self.stream_capacity)
+            if num_new is not None:  # (None: the blocks do not fit; the code below preempts)
+                return num_new
         active = self._active()
         room = (w.ring["produced"] - w.ring["consumed"]) < self.stream_capacity
         schedulable = active & ~st.needs_lookup & room
@@ -222,7 +227,9 @@ class Budget:
         order_key = torch.where(free, torch.where(cached, st.block_last_used[:N], -1), INT64_MAX)
         j = self._alloc_cols if lanes is None else lanes
         J = j.shape[0]
-        _, free_list = torch.topk(order_key, J, largest=False)  # ascending: the LRU order
+        # Ascending: the LRU order, the lowest id first among equals (a stable sort, where
+        # topk would leave ties unordered), so that every implementation picks the same blocks.
+        free_list = torch.sort(order_key, stable=True).indices[:J]
 
         ends = need.cumsum(0)
         row = torch.searchsorted(ends, j, right=True).clamp(max=w.size - 1)

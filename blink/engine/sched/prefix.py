@@ -67,6 +67,9 @@ class PrefixHookup:
             self._triton.register(st, batch, self._tok.shape[0] if num_tokens is None else num_tokens, self._hash,
                                   self._register_scratch, num_blocks=cfg.num_blocks, block_size=cfg.block_size,
                                   hash_table_size=cfg.hash_table_size, probes=cfg.prefix_probes)
+        elif self._c is not None:  # the CPU loop: one C call (kernels/cpu/sched.c)
+            n = batch.input_ids.shape[0] if num_tokens is None else min(num_tokens, batch.input_ids.shape[0])
+            self._c.register(st, batch, n, self._hash, hash_table_size=cfg.hash_table_size, probes=cfg.prefix_probes)
         else:
             md, n = batch.attn, num_tokens
             prefix_cache.register(

@@ -43,6 +43,11 @@ class Publish:
             self._triton.publish(self, batch, tokens, logprob, top_ids, top_logprobs, self._done,
                                  self._publish_consts)
             return
+        if self._c is not None:  # the CPU loop: one C call (kernels/cpu/sched.c), same order
+            self._c.publish(st, w.ring, self._words[self._state_word0: self._state_word0 + w.size],
+                            batch.sample_rows, tokens, logprob, top_ids, top_logprobs, self._done,
+                            stream_capacity=self.stream_capacity, num_top=self.num_top)
+            return
 
         # Lane i carries the sampler's output for sample row batch.sample_rows[i]. Padding
         # lanes repeat the last live lane (row, value and all), so every duplicate write

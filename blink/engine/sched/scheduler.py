@@ -44,7 +44,7 @@ the word that publishes it (publish.py).
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 
@@ -76,6 +76,7 @@ from blink.engine.sched.state import (
 )
 from blink.engine.sched.stats import STAT_WORDS, Stats
 from blink.errors import BlinkError
+from blink.kernels.batch_buffers import BatchBuffers
 from blink.kernels.system_fence import system_fence_for
 from blink.ring import (
     C_ENGINE_SCRATCH,
@@ -90,6 +91,9 @@ from blink.ring import (
     RingLayout,
     config_of_control,
 )
+
+if TYPE_CHECKING:
+    from blink.kernels.cpu.sched import CStages
 
 __all__ = ["FUSED_STAGES", "RowWindow", "SamplerInputs", "Scheduler", "StepBatch"]
 
@@ -125,11 +129,12 @@ class Scheduler(Admission, KvReservation, PrefixHookup, Budget, Batching, Publis
         device: torch.device | str = "cpu",
         host_guards: bool | None = None,
         fused: bool | tuple[str, ...] = False,
+        c_stages: bool | None = None,
     ) -> None:
         self.config = config
         self.device = torch.device(device)
-        #: skip stages with nothing to do by reading their predicate on the host (module
-        #: docstring); default: on CPU. Captured graphs need False (every stage runs).
+        self._c: CStages | None = None  # set below, once the state exists
+        # default: on CPU. Captured graphs need False (every stage runs).
         self.host_guards = self.device.type == "cpu" if host_guards is None else host_guards
         self.ring = ring_tensors
         # the sizes, read once from the control block (a host read at startup only)
@@ -190,6 +195,10 @@ class Scheduler(Admission, KvReservation, PrefixHookup, Budget, Batching, Publis
         #: tensor code for the stages they implement (see :meth:`use_fused`).
         self.fused: frozenset[str] = frozenset()
         self.use_fused(fused)
+        #: the CPU loop's C stages (blink.kernels.cpu.sched) for the stages run every step:
+        #: with host guards, no fused stage and the library built (``c_stages``: None = so,
+        #: False = never, True = required)
+        self._c = self._c_stages(c_stages)
 
     def use_fused(self, fused: bool | tuple[str, ...] = True) -> None:
         """Run the stages in ``fused`` (True: every stage in FUSED_STAGES; or some names) as
@@ -203,12 +212,14 @@ class Scheduler(Admission, KvReservation, PrefixHookup, Budget, Batching, Publis
                              f"known: {', '.join(FUSED_STAGES)}")
         self.fused = frozenset(stages)
         if self.fused:
+            self._c = None  # the fused stages replace the C ones
+        if self.fused:
             from blink.kernels.triton import (  # noqa: PLC0415 - Triton only when asked for
                 sched as triton_sched,
             )
 
             self._triton = triton_sched
-            self._batch_out = triton_sched.BatchBuffers(S, config.max_num_batched_tokens, dev)
+            self._batch_out = BatchBuffers(S, config.max_num_batched_tokens, dev)
             self._scratch = torch.zeros(S, dtype=torch.int64, device=dev)
             self._alloc_scratch = triton_sched.AllocScratch(S, config.num_blocks, dev)
             priority = config.scheduling_policy == "priority"  # (priority, arrival) queue order
@@ -247,6 +258,49 @@ class Scheduler(Admission, KvReservation, PrefixHookup, Budget, Batching, Publis
                 ROW_RELEASING=ROW_RELEASING, SLOT_WRITTEN=SLOT_WRITTEN, K_QUERIES=K_PREFIX_QUERIES,
                 K_HITS=K_PREFIX_HITS, K_PREEMPTIONS=K_PREEMPTIONS, K_STEPS=K_STEPS,
                 K_PROMPT=K_PROMPT_TOKENS, K_GENERATED=K_GENERATED_TOKENS)
+
+    @property
+    def host_guards(self) -> bool:
+        """Skip stages that have nothing to do, reading their predicates on the host (the
+        CPU loop); False for captured graphs, where every stage runs."""
+        return self._host_guards
+
+    @host_guards.setter
+    def host_guards(self, on: bool) -> None:
+        self._host_guards = on
+        if not on:
+            self._c = None  # the C stages run on the host: graphs capture the torch code
+
+    def _c_stages(self, wanted: bool | None) -> CStages | None:
+        """The C stages, or None: the torch code runs (module docstring)."""
+        if wanted is False or (wanted is None and (not self.host_guards or self.fused or self.device.type != "cpu")):
+            return None
+        if not self.host_guards or self.fused or self.device.type != "cpu":
+            raise BlinkError("the scheduler's C stages run on CPU tensors with host guards and no fused stage")
+        from blink.kernels.cpu import sched as c_sched  # noqa: PLC0415 - built on first use
+
+        library = c_sched.LIBRARY.get()
+        if library is None:
+            if wanted:
+                raise BlinkError(f"the scheduler's C stages are not available: {c_sched.LIBRARY.unavailable()}")
+            return None
+        config = self.config
+        consts = dict(ROW_EMPTY=ROW_EMPTY, ROW_WAITING=ROW_WAITING, ROW_RUNNING=ROW_RUNNING,
+                      ROW_RELEASING=ROW_RELEASING, SLOT_WRITTEN=SLOT_WRITTEN, SLOT_FINISHED=SLOT_FINISHED,
+                      FINISH_STOP=FINISH_STOP, FINISH_LENGTH=FINISH_LENGTH, FINISH_ERROR=FINISH_ERROR,
+                      K_PREFIX_QUERIES=K_PREFIX_QUERIES, K_PREFIX_HITS=K_PREFIX_HITS, K_PREEMPTIONS=K_PREEMPTIONS,
+                      K_STEPS=K_STEPS, K_PROMPT_TOKENS=K_PROMPT_TOKENS, K_GENERATED_TOKENS=K_GENERATED_TOKENS)
+        try:
+            stages = c_sched.CStages(library, consts, num_blocks=config.num_blocks, block_size=config.block_size,
+                                     max_model_len=config.max_model_len, eos=self._eos, stat_words=self._stat_words)
+        except ValueError as e:
+            raise BlinkError(f"the scheduler's C stages: {e}") from None
+        # Inference tensors, as the torch code's batch is in the engine loop (inference mode):
+        # the compiled CPU steps guard on their inputs' dispatch keys.
+        with torch.inference_mode():
+            self._batch_out = BatchBuffers(self.num_slots, config.max_num_batched_tokens, self.device)
+        self._done = torch.zeros(self.num_slots, dtype=torch.int64, device=self.device)
+        return stages
 
     # ------------------------------------------------------------------------------ step
 

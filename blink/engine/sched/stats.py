@@ -50,6 +50,9 @@ class Stats:
             self._triton.write_stats(st.status, w.ring["state"], st.block_ref, st.counters, self.ring["control"],
                                      self._stat_words, cfg.num_blocks, self._stat_consts)
             return
+        if self._c is not None:  # the CPU loop: one C call (kernels/cpu/sched.c)
+            self._c.write_stats(st, w.ring["state"], self.ring["control"])
+            return
         unadmitted = ((w.ring["state"] == SLOT_WRITTEN)
                       & ((st.status == ROW_EMPTY) | (st.status == ROW_RELEASING))).sum()
         c = st.counters

@@ -1,0 +1,297 @@
+"""The scheduler's per-step stages in C for the CPU loop (``sched.c``).
+
+Why: a decode step of SmolLM2-135M spends ~1.3 ms of its ~5.4 on the host's control plane,
+~300 torch calls on tensors of a few rows, a few microseconds of dispatch each whatever they
+compute. The stages that run every step (the batch build, publishing the sampled tokens,
+the stats) are one C call each here, over the scheduler's row window.
+
+The torch code of :mod:`blink.engine.sched` stays the reference and the path everywhere
+else (graphs, GPUs, a missing compiler, said once in the log; ``$BLINK_CPU_SCHED=torch``).
+``tests/test_scheduler_c.py`` runs the two side by side on the scheduler tests' workloads
+and compares every step's batch, the whole engine state and the whole ring region.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+
+import torch
+
+from blink.kernels.cpu import abi
+from blink.shared.native_build import NativeLibrary
+
+log = logging.getLogger("blink.kernels")
+
+#: the stages this library implements (names as the scheduler's ``fused`` stages)
+STAGES = ("build_batch", "stats", "publish", "register", "allocate")
+#: sched.c's constants, in its enum's order (the scheduler passes their values)
+CONSTANTS = ("ROW_EMPTY", "ROW_WAITING", "ROW_RUNNING", "ROW_RELEASING", "SLOT_WRITTEN", "SLOT_FINISHED",
+             "FINISH_STOP", "FINISH_LENGTH", "FINISH_ERROR", "K_PREFIX_QUERIES", "K_PREFIX_HITS",
+             "K_PREEMPTIONS", "K_STEPS", "K_PROMPT_TOKENS", "K_GENERATED_TOKENS")
+ENV = "BLINK_CPU_SCHED"
+#: tests only: every prefix key 0, so every lookup collides and verification alone decides
+#: (what the reference's tests force by replacing ``prefix_cache.table_key``)
+COLLIDE_KEYS = False
+_FILL_BYTES = 64  # sizeof(fill_t) in sched.c
+
+LIBRARY = NativeLibrary(
+    Path(__file__).with_name("sched.c"), what="the scheduler's stages in C", logger=log,
+    fallback="the scheduler's stages run as torch code", flags=("-O2",), env=ENV, env_value="torch",
+    setup=lambda library: abi.declare(library, abi.SCHED))
+
+
+class _RingStreams(ctypes.Structure):
+    _fields_ = [("produced", ctypes.c_void_p), ("produced_stride", ctypes.c_int64),
+                ("tokens", ctypes.c_void_p), ("tokens_s0", ctypes.c_int64), ("tokens_s1", ctypes.c_int64),
+                ("logprob", ctypes.c_void_p), ("logprob_s0", ctypes.c_int64), ("logprob_s1", ctypes.c_int64),
+                ("top_ids", ctypes.c_void_p), ("top_ids_s0", ctypes.c_int64), ("top_ids_s1", ctypes.c_int64),
+                ("top_logprobs", ctypes.c_void_p), ("top_logprobs_s0", ctypes.c_int64),
+                ("top_logprobs_s1", ctypes.c_int64),
+                ("finish_reason", ctypes.c_void_p), ("finish_stride", ctypes.c_int64),
+                ("state_words", ctypes.c_void_p), ("capacity", ctypes.c_int64), ("num_top", ctypes.c_int64)]
+
+
+class _Sampled(ctypes.Structure):
+    _fields_ = [("tokens", ctypes.c_void_p), ("tokens_are_64", ctypes.c_int64), ("logprob", ctypes.c_void_p),
+                ("top_ids", ctypes.c_void_p), ("top_ids_are_64", ctypes.c_int64),
+                ("top_logprobs", ctypes.c_void_p), ("top_stride", ctypes.c_int64), ("width", ctypes.c_int64)]
+
+
+class _Rows(ctypes.Structure):
+    _fields_ = [("num_tokens", ctypes.c_void_p), ("num_prompt", ctypes.c_void_p), ("tokens", ctypes.c_void_p),
+                ("tokens_stride", ctypes.c_int64), ("status", ctypes.c_void_p), ("needs_lookup", ctypes.c_void_p),
+                ("counters", ctypes.c_void_p), ("stop_ids", ctypes.c_void_p), ("stop_stride", ctypes.c_int64),
+                ("n_stop", ctypes.c_int64), ("ignore_eos", ctypes.c_void_p), ("min_tokens", ctypes.c_void_p),
+                ("max_tokens", ctypes.c_void_p), ("eos", ctypes.c_void_p), ("n_eos", ctypes.c_int64),
+                ("max_model_len", ctypes.c_int64)]
+
+
+class _Prefix(ctypes.Structure):
+    _fields_ = [("block_tokens", ctypes.c_void_p), ("row_hash", ctypes.c_void_p), ("pows", ctypes.c_void_p),
+                ("pows_len", ctypes.c_int64), ("block_table", ctypes.c_void_p), ("hash_table", ctypes.c_void_p),
+                ("block_slot", ctypes.c_void_p), ("block_key", ctypes.c_void_p), ("block_parent", ctypes.c_void_p),
+                ("block_parent_gen", ctypes.c_void_p), ("block_gen", ctypes.c_void_p), ("block_ref", ctypes.c_void_p),
+                ("block_last_used", ctypes.c_void_p), ("arrival", ctypes.c_void_p), ("cache_salt", ctypes.c_void_p),
+                ("step", ctypes.c_void_p), ("S", ctypes.c_int64), ("N", ctypes.c_int64), ("B", ctypes.c_int64),
+                ("M", ctypes.c_int64), ("H", ctypes.c_int64), ("probes", ctypes.c_int64), ("collide", ctypes.c_int64),
+                ("primes", ctypes.c_int64 * 2)]
+
+
+class _Alloc(ctypes.Structure):
+    _fields_ = [("status", ctypes.c_void_p), ("needs_lookup", ctypes.c_void_p), ("num_tokens", ctypes.c_void_p),
+                ("num_computed", ctypes.c_void_p), ("arrival", ctypes.c_void_p), ("num_blocks", ctypes.c_void_p),
+                ("produced", ctypes.c_void_p), ("consumed", ctypes.c_void_p), ("produced_stride", ctypes.c_int64),
+                ("consumed_stride", ctypes.c_int64), ("block_ref", ctypes.c_void_p), ("block_slot", ctypes.c_void_p),
+                ("block_last_used", ctypes.c_void_p), ("block_gen", ctypes.c_void_p), ("block_table", ctypes.c_void_p),
+                ("step", ctypes.c_void_p), ("S", ctypes.c_int64), ("N", ctypes.c_int64), ("B", ctypes.c_int64),
+                ("M", ctypes.c_int64), ("budget", ctypes.c_int64), ("capacity", ctypes.c_int64),
+                ("order", ctypes.c_void_p), ("grant", ctypes.c_void_p), ("need", ctypes.c_void_p),
+                ("free_list", ctypes.c_void_p)]
+
+
+def _check(tensor: torch.Tensor, dtype: torch.dtype, what: str, rows_contiguous: bool = True) -> None:
+    """The layouts sched.c reads: a refusal here is a change to the state's or the ring's
+    dtypes that sched.c has not followed."""
+    if tensor.dtype != dtype or tensor.device.type != "cpu" or (rows_contiguous and tensor.stride(-1) != 1):
+        raise ValueError(f"sched.c reads {what} as a CPU {dtype} with contiguous rows; it is "
+                         f"{tensor.dtype} on {tensor.device} with strides {tensor.stride()}")
+
+
+class CStages:
+    """The C stages bound to one scheduler's state and ring: the tensors' addresses are taken
+    once per row window (the state and the ring are never reallocated), so a step's call
+    passes only what changes. ``consts``: the values of :data:`CONSTANTS` by name."""
+
+    def __init__(self, library: ctypes.CDLL, consts: dict[str, int], *, num_blocks: int, block_size: int,
+                 max_model_len: int, eos: torch.Tensor, stat_words: torch.Tensor) -> None:
+        values = (ctypes.c_int64 * len(CONSTANTS))(*(consts[name] for name in CONSTANTS))
+        if library.blink_sched_constants(values, len(CONSTANTS)) != 0:
+            raise ValueError("sched.c's constants do not match sched.py's CONSTANTS")
+        self.lib, self.num_blocks, self.block_size, self.max_model_len = library, num_blocks, block_size, max_model_len
+        _check(eos, torch.int64, "the EOS ids")
+        _check(stat_words, torch.int64, "the stat words")
+        self.eos, self.stat_words = eos, stat_words
+        self._publish: dict[int, tuple[_Rows, _RingStreams]] = {}
+        self._prefix: dict[int, _Prefix] = {}
+        self._alloc: dict[int, tuple[_Alloc, torch.Tensor, torch.Tensor]] = {}
+        self._fills = torch.empty(0, dtype=torch.uint8)
+
+    # ------------------------------------------------------------------------ batch build
+
+    def build_batch(self, st, num_new: torch.Tensor, buckets: torch.Tensor, out, host_lanes: bool) -> int:
+        """:meth:`Scheduler._build_batch` into ``out`` (BatchBuffers) for the window's rows;
+        returns the flat lanes written (all T, or with ``host_lanes`` the step's bucket)."""
+        S, M = st.block_table.shape
+        lanes = self.lib.blink_sched_build_batch(
+            S, out.input_ids.shape[0], self.num_blocks, self.block_size, M, int(host_lanes),
+            num_new.data_ptr(), st.num_computed.data_ptr(), st.num_tokens.data_ptr(), st.tokens.data_ptr(),
+            st.tokens.stride(0), st.block_table.data_ptr(), buckets.data_ptr(), buckets.shape[0],
+            out.input_ids.data_ptr(), out.positions.data_ptr(), out.seq_idx.data_ptr(), out.slot_mapping.data_ptr(),
+            out.query_start_loc.data_ptr(), out.seq_lens.data_ptr(), out.total.data_ptr(), out.bucket.data_ptr(),
+            out.sample_rows.data_ptr(), out.num_sample_rows.data_ptr(), out.logits_indices.data_ptr())
+        if lanes < 0:
+            raise ValueError(f"{int(num_new.sum())} tokens exceed the largest bucket {int(buckets[-1])}")
+        return lanes
+
+    # ------------------------------------------------------------------------------ stats
+
+    def write_stats(self, st, ring_state: torch.Tensor, control: torch.Tensor) -> None:
+        """:meth:`Scheduler._write_stats` for the window's rows."""
+        self.lib.blink_sched_write_stats(
+            st.status.shape[0], self.num_blocks, st.status.data_ptr(), ring_state.data_ptr(), ring_state.stride(0),
+            st.block_ref.data_ptr(), st.counters.data_ptr(), control.data_ptr(), self.stat_words.data_ptr())
+
+    # ---------------------------------------------------------------------------- publish
+
+    def _publish_views(self, st, ring: dict[str, torch.Tensor], state_words: torch.Tensor,
+                       stream_capacity: int, num_top: int) -> tuple[_Rows, _RingStreams]:
+        S = st.status.shape[0]
+        views = self._publish.get(S)
+        if views is not None:
+            return views
+        sp = st.sampling
+        for name, tensor, dtype in (
+                ("num_tokens", st.num_tokens, torch.int64), ("num_prompt", st.num_prompt, torch.int64),
+                ("the tokens table", st.tokens, torch.int32), ("status", st.status, torch.int32),
+                ("needs_lookup", st.needs_lookup, torch.bool), ("counters", st.counters, torch.int64),
+                ("stop_token_ids", sp["stop_token_ids"], torch.int32), ("ignore_eos", sp["ignore_eos"], torch.int32),
+                ("min_tokens", sp["min_tokens"], torch.int32), ("max_tokens", sp["max_tokens"], torch.int32),
+                ("produced", ring["produced"], torch.int64), ("the stream tokens", ring["tokens"], torch.int32),
+                ("logprob", ring["logprob"], torch.float32), ("top_ids", ring["top_ids"], torch.int32),
+                ("top_logprobs", ring["top_logprobs"], torch.float32),
+                ("finish_reason", ring["finish_reason"], torch.int32), ("the state words", state_words, torch.int32)):
+            # sched.c indexes these by row (and channel) with their own strides
+            strided = name in ("produced", "finish_reason", "the stream tokens", "logprob")
+            _check(tensor, dtype, name, rows_contiguous=not strided)
+        stop = sp["stop_token_ids"]
+        rows = _Rows(st.num_tokens.data_ptr(), st.num_prompt.data_ptr(), st.tokens.data_ptr(), st.tokens.stride(0),
+                     st.status.data_ptr(), st.needs_lookup.data_ptr(), st.counters.data_ptr(), stop.data_ptr(),
+                     stop.stride(0), stop.shape[1], sp["ignore_eos"].data_ptr(), sp["min_tokens"].data_ptr(),
+                     sp["max_tokens"].data_ptr(), self.eos.data_ptr(), self.eos.shape[0], self.max_model_len)
+        top_ids, top_lps = ring["top_ids"], ring["top_logprobs"]
+        if top_ids.shape[-1] and (top_ids.shape[-1] != num_top or top_ids.stride(2) != 1 or top_lps.stride(2) != 1):
+            raise ValueError(f"sched.c writes {num_top} contiguous alternatives a position; the ring's "
+                             f"top_ids are {tuple(top_ids.shape)} with strides {top_ids.stride()}")
+        streams = _RingStreams(
+            ring["produced"].data_ptr(), ring["produced"].stride(0),
+            ring["tokens"].data_ptr(), *ring["tokens"].stride(),
+            ring["logprob"].data_ptr(), *ring["logprob"].stride(),
+            top_ids.data_ptr(), top_ids.stride(0), top_ids.stride(1),
+            top_lps.data_ptr(), top_lps.stride(0), top_lps.stride(1),
+            ring["finish_reason"].data_ptr(), ring["finish_reason"].stride(0),
+            state_words.data_ptr(), stream_capacity, num_top)
+        self._publish[S] = views = (rows, streams)
+        return views
+
+    def publish(self, st, ring: dict[str, torch.Tensor], state_words: torch.Tensor, sample_rows: torch.Tensor,
+                tokens: torch.Tensor, logprob: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor,
+                done: torch.Tensor, *, stream_capacity: int, num_top: int) -> None:
+        """:meth:`Scheduler._publish_tokens` for the window's rows (``state_words``: the
+        window's slot state words, int32 [S]; ``done``: int64 scratch of at least the rows)."""
+        rows, streams = self._publish_views(st, ring, state_words, stream_capacity, num_top)
+        R = min(tokens.shape[0], st.status.shape[0])
+        if tokens.dtype not in (torch.int32, torch.int64):
+            tokens = tokens.long()
+        logprob = logprob.float().contiguous()
+        width = top_ids.shape[1]
+        if width:
+            if top_ids.dtype not in (torch.int32, torch.int64):
+                top_ids = top_ids.long()
+            top_ids, top_logprobs = top_ids.contiguous(), top_logprobs.float().contiguous()
+        tokens = tokens.contiguous()
+        sampled = _Sampled(tokens.data_ptr(), tokens.dtype == torch.int64, logprob.data_ptr(),
+                           top_ids.data_ptr() if width else None, width and top_ids.dtype == torch.int64,
+                           top_logprobs.data_ptr() if width else None, top_ids.stride(0) if width else 0, width)
+        self.lib.blink_sched_publish(R, sample_rows.data_ptr(), ctypes.byref(sampled), ctypes.byref(rows),
+                                     ctypes.byref(streams), done.data_ptr())
+
+    # --------------------------------------------------------------- prefix-cache insert
+
+    def _prefix_views(self, st, hc, hash_table_size: int, probes: int) -> _Prefix:
+        S = st.status.shape[0]
+        view = self._prefix.get(S)
+        if view is not None:
+            view.collide = COLLIDE_KEYS
+            return view
+        for name, tensor, dtype in (
+                ("block_tokens", st.block_tokens, torch.int32), ("row_hash", st.row_hash, torch.int64),
+                ("the hash powers", hc.pows, torch.int64), ("block_table", st.block_table, torch.int32),
+                ("hash_table", st.hash_table, torch.int64), ("block_slot", st.block_slot, torch.int64),
+                ("block_key", st.block_key, torch.int64), ("block_parent", st.block_parent, torch.int64),
+                ("block_parent_gen", st.block_parent_gen, torch.int64), ("block_gen", st.block_gen, torch.int64),
+                ("block_ref", st.block_ref, torch.int32), ("block_last_used", st.block_last_used, torch.int64),
+                ("arrival", st.arrival, torch.int64), ("cache_salt", st.sampling["cache_salt"], torch.int64),
+                ("step", st.step, torch.int64)):
+            _check(tensor, dtype, name, rows_contiguous=tensor.dim() > 0)
+            if tensor.dim() > 1 and not tensor.is_contiguous():
+                raise ValueError(f"sched.c reads {name} as a contiguous table; its strides are {tensor.stride()}")
+        primes = hc.primes.flatten().tolist()
+        view = _Prefix(st.block_tokens.data_ptr(), st.row_hash.data_ptr(), hc.pows.data_ptr(), hc.pows.shape[1],
+                       st.block_table.data_ptr(), st.hash_table.data_ptr(), st.block_slot.data_ptr(),
+                       st.block_key.data_ptr(), st.block_parent.data_ptr(), st.block_parent_gen.data_ptr(),
+                       st.block_gen.data_ptr(), st.block_ref.data_ptr(), st.block_last_used.data_ptr(),
+                       st.arrival.data_ptr(), st.sampling["cache_salt"].data_ptr(), st.step.data_ptr(), S,
+                       self.num_blocks, self.block_size, st.block_table.shape[1], hash_table_size, probes,
+                       COLLIDE_KEYS, (ctypes.c_int64 * 2)(*primes))
+        self._prefix[S] = view
+        return view
+
+    def register(self, st, batch, n: int, hc, *, hash_table_size: int, probes: int) -> None:
+        """``prefix_cache.register`` for the first ``n`` lanes of ``batch`` (a StepBatch of
+        this window's rows): the step's tokens into their blocks, the rows' prefix hashes,
+        and the blocks it filled into the table."""
+        view = self._prefix_views(st, hc, hash_table_size, probes)
+        if self._fills.numel() < n * _FILL_BYTES:
+            self._fills = torch.empty(n * _FILL_BYTES, dtype=torch.uint8)
+        md = batch.attn
+        for name, tensor in (("input_ids", batch.input_ids), ("positions", md.positions),
+                             ("token_seq_idx", md.token_seq_idx), ("slot_mapping", md.slot_mapping),
+                             ("num_scheduled_tokens", batch.num_scheduled_tokens)):
+            _check(tensor, torch.int64, f"the batch's {name}", rows_contiguous=tensor.dim() > 0)
+        self.lib.blink_sched_register(n, batch.input_ids.data_ptr(), md.positions.data_ptr(),
+                                      md.token_seq_idx.data_ptr(), md.slot_mapping.data_ptr(),
+                                      batch.num_scheduled_tokens.data_ptr(), ctypes.byref(view),
+                                      self._fills.data_ptr())
+
+    # ------------------------------------------------------------------ budget and blocks
+
+    def _alloc_views(self, st, ring: dict[str, torch.Tensor], budget: int,
+                     stream_capacity: int) -> tuple[_Alloc, torch.Tensor, torch.Tensor]:
+        S = st.status.shape[0]
+        views = self._alloc.get(S)
+        if views is not None:
+            return views
+        for name, tensor, dtype in (
+                ("status", st.status, torch.int32), ("needs_lookup", st.needs_lookup, torch.bool),
+                ("num_tokens", st.num_tokens, torch.int64), ("num_computed", st.num_computed, torch.int64),
+                ("arrival", st.arrival, torch.int64), ("num_blocks", st.num_blocks, torch.int64),
+                ("produced", ring["produced"], torch.int64), ("consumed", ring["consumed"], torch.int64),
+                ("block_ref", st.block_ref, torch.int32), ("block_slot", st.block_slot, torch.int64),
+                ("block_last_used", st.block_last_used, torch.int64), ("block_gen", st.block_gen, torch.int64),
+                ("block_table", st.block_table, torch.int32), ("step", st.step, torch.int64)):
+            _check(tensor, dtype, name, rows_contiguous=name not in ("produced", "consumed", "step"))
+        # order, grant, need [S] and the free list [N]; num_new [S] (the step's, read by update())
+        scratch = torch.empty(3 * S + self.num_blocks, dtype=torch.int64)
+        with torch.inference_mode():  # as the torch code's, in the engine loop (compiled steps' guards)
+            num_new = torch.zeros(S, dtype=torch.int64)
+        view = _Alloc(st.status.data_ptr(), st.needs_lookup.data_ptr(), st.num_tokens.data_ptr(),
+                      st.num_computed.data_ptr(), st.arrival.data_ptr(), st.num_blocks.data_ptr(),
+                      ring["produced"].data_ptr(), ring["consumed"].data_ptr(), ring["produced"].stride(0),
+                      ring["consumed"].stride(0), st.block_ref.data_ptr(), st.block_slot.data_ptr(),
+                      st.block_last_used.data_ptr(), st.block_gen.data_ptr(), st.block_table.data_ptr(),
+                      st.step.data_ptr(), S, self.num_blocks, self.block_size, st.block_table.shape[1], budget,
+                      stream_capacity, scratch.data_ptr(), scratch[S:].data_ptr(), scratch[2 * S:].data_ptr(),
+                      scratch[3 * S:].data_ptr())
+        self._alloc[S] = views = (view, scratch, num_new)
+        return views
+
+    def allocate(self, st, ring: dict[str, torch.Tensor], *, budget: int, stream_capacity: int) -> torch.Tensor | None:
+        """:meth:`Scheduler._allocate` under the FCFS policy for the window's rows when the
+        step's new blocks fit the free pool: the tokens per row this step (a buffer the next
+        call rewrites). None, having changed nothing, when they do not fit (the caller runs
+        the torch code, which preempts)."""
+        view, _, num_new = self._alloc_views(st, ring, budget, stream_capacity)
+        if self.lib.blink_sched_allocate(ctypes.byref(view), num_new.data_ptr()):
+            return None
+        return num_new
