@@ -24,7 +24,10 @@ run under ``torch.inference_mode()``, as in the engine's loop. Run:
 
     python -m benchmarks.bench_scheduler [--slots 64 256 1024 4096] [--load one all]
         [--threads 1] [--steps 30] [--no-prefix-caching] [--compile _build_batch,...]
-        [--flush-mb 200] [--json out.json]
+        [--flush-mb 200] [--stages c|torch] [--json out.json]
+
+``--stages``: the CPU loop's per-step stages in C (``kernels/cpu/sched.c``, the default, as
+the engine runs them) or the torch reference code (``BLINK_CPU_SCHED=torch``).
 """
 from __future__ import annotations
 
@@ -54,6 +57,8 @@ BUDGET = config_default("max_num_batched_tokens")
 #: the timing clock: this thread's CPU time by default (a shared machine's other load
 #: inflates wall time but hardly a thread's CPU time); ``--clock wall`` for wall time.
 CLOCK: Callable[[], float] = time.thread_time
+#: the CPU loop's C stages (--stages c) or the torch code (--stages torch)
+C_STAGES = True
 VOCAB = 49152  # SmolLM2's, as the null model's logits
 NULL_TOKEN = 260
 STAGES = ("_finish", "_release_finished", "_admit", "_lookup", "_allocate", "_preempt",
@@ -86,7 +91,7 @@ def build(slots: int, active: int, num_blocks: int, prefix_caching: bool) -> tup
         enable_prefix_caching=prefix_caching,
         eos_token_ids=(0,),
     )
-    sched = Scheduler(cfg, ring_tensors(ring))
+    sched = Scheduler(cfg, ring_tensors(ring), c_stages=C_STAGES)
     rng = np.random.default_rng(0)
     ring.arena[: active * PROMPT_LEN] = rng.integers(1, 32000, active * PROMPT_LEN)
     for s in range(active):  # the frontend's writes: payload, then the state word
@@ -224,17 +229,20 @@ def main() -> None:
     parser.add_argument("--flush-mb", type=int, default=0,
                         help="read this many MB before every timed step, untimed (what a forward's "
                              "weights do to the caches between the engine's steps; default 0: none)")
+    parser.add_argument("--stages", choices=["c", "torch"], default="c",
+                        help="the per-step stages in C (default, as the CPU loop runs them) or the torch code")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     if args.flush_mb < 0:
         parser.error("--flush-mb must be >= 0")
     flush = torch.ones(args.flush_mb * 2**20 // 4) if args.flush_mb else None
-    global CLOCK
+    global CLOCK, C_STAGES
     CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
+    C_STAGES = args.stages == "c"
     torch.set_num_threads(args.threads)
     print(f"CPU, {args.threads} thread(s), max_model_len {MAX_MODEL_LEN}, block {BLOCK_SIZE}, "
           f"budget max({BUDGET}, 2*rows), prefix caching {'off' if args.no_prefix_caching else 'on'}, "
-          f"null-model logits over {VOCAB} tokens; {args.clock} time, mean of {args.steps} steps "
+          f"null-model logits over {VOCAB} tokens; {args.stages} stages; {args.clock} time, mean of {args.steps} steps "
           f"(median total too)" + (f"; {args.flush_mb} MB read before each step" if flush is not None else ""))
     print(f"{'load':>4} {'slots':>6} {'schedule':>9} {'sample':>7} {'update':>7} {'step ms':>8} "
           f"{'median':>7} {'ops s+u':>7} {'ops smp':>7}  parts (ms, inclusive)")

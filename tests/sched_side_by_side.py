@@ -12,6 +12,7 @@ import torch
 
 import test_scheduler as ts
 from blink.engine.sched.scheduler import Scheduler
+from blink.engine.step import compact_rows
 from blink.engine.sched.state import K_PREEMPTIONS, K_PREFIX_HITS, ring_tensors
 from blink.shared.sampling_fields import SAMPLING_FIELDS as SAMPLING_FIELD_TABLE
 
@@ -32,6 +33,18 @@ def _state(sched: Scheduler) -> dict[str, torch.Tensor]:
                  "block_parent_gen", "block_tokens", "hash_table", "insert_best"):
         out[name] = out[name][:-1]
     out.update({f"sampling.{k}": v for k, v in st.sampling.items()})
+    return out
+
+
+def _metadata(md) -> dict[str, torch.Tensor]:
+    out = {f.name: getattr(md, f.name) for f in dataclasses.fields(md) if isinstance(getattr(md, f.name), torch.Tensor)}
+    out.update(max_context=torch.tensor(md.max_context), max_query_len=torch.tensor(md.max_query_len))
+    return out
+
+
+def _sampler_inputs(inputs) -> dict[str, torch.Tensor]:
+    out = {f.name: getattr(inputs.sampling, f.name) for f in dataclasses.fields(inputs.sampling)}
+    out.update({name: getattr(inputs, name) for name in inputs._fields if name != "sampling"})
     return out
 
 
@@ -135,6 +148,13 @@ def side_by_side(seed: int, pool: int, reference: MakeScheduler, other: MakeSche
             batches.append(sched.schedule())
         _same(*_flat_to_common_length(_batch(batches[0]), _batch(batches[1]), cfg), f"step {step} batch")
         _same(_state(scheds[0]), _state(scheds[1]), f"step {step} state after schedule")
+        n = int(batches[0].num_scheduled_tokens)
+        if n:  # the CPU loop's compacted attention metadata
+            _same(*(_metadata(compact_rows(batch, n, sched)) for sched, batch in zip(scheds, batches)),
+                  f"step {step} compacted metadata")
+        for rows in (1, int(batches[0].num_sample_rows) or 1, scheds[0].num_slots):  # padded lanes too
+            _same(*(_sampler_inputs(sched.sampler_inputs(batch, rows)) for sched, batch in zip(scheds, batches)),
+                  f"step {step} sampler inputs of {rows} rows")
         for sched, batch, model, fe in zip(scheds, batches, models, fes):
             sched.update(batch, *model(sched, batch))
             fe.poll()

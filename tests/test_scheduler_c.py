@@ -10,13 +10,14 @@ import dataclasses
 import functools
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
 import test_scheduler as ts  # noqa: E402
-from sched_side_by_side import _same, _state, side_by_side  # noqa: E402
+from sched_side_by_side import _same, _sampler_inputs, _state, side_by_side  # noqa: E402
 
 from blink.engine import prefix_cache  # noqa: E402
 from blink.engine.sched.scheduler import Scheduler  # noqa: E402
@@ -135,3 +136,28 @@ def test_new_blocks_come_in_the_references_lru_order_ties_included(never_cached)
     expected = [10, 11, 6, 9] if never_cached else [6, 9, 1, 3]  # budget 16 tokens: 4 blocks
     assert c_state["block_table"][:4].tolist() == expected  # row 0's first blocks (flat table)
     _same(ref_state, c_state, "after the allocation")
+
+
+def test_the_sampler_inputs_suppress_stop_and_eos_ids_as_the_reference_does():
+    """Rows before and after ``min_tokens`` outputs, ignoring EOS or not, with stop ids; lanes
+    past the sample rows pad with row 0."""
+    cfg = ts._cfg()
+    out = []
+    for make in (REFERENCE, WITH_C):
+        sched = make(cfg, ring_tensors(ts.make_ring(4, cfg.max_model_len, 4)))
+        st, sp = sched.state, sched.state.sampling
+        st.num_prompt[:4] = torch.tensor([5, 5, 6, 7])
+        st.num_tokens[:4] = torch.tensor([6, 9, 8, 7])  # 1, 4, 2, 0 outputs
+        sp["min_tokens"][:4] = torch.tensor([3, 3, 0, 2], dtype=torch.int32)
+        sp["ignore_eos"][:4] = torch.tensor([1, 0, 0, 0], dtype=torch.int32)
+        sp["stop_token_ids"][:4] = torch.arange(4 * sp["stop_token_ids"].shape[1], dtype=torch.int32).view(4, -1)
+        sp["temperature"][:4] = torch.tensor([0.0, 0.5, 1.0, 1.5])
+        st.sampler_features[:4] = torch.tensor([1, 2, 4, 8], dtype=torch.int32)
+        batch = SimpleNamespace(sample_rows=torch.tensor([3, 0, 2, -1]))
+        out.append([_sampler_inputs(sched.sampler_inputs(batch, rows)) for rows in (2, 4, 6)])
+    for rows, ref, c in zip((2, 4, 6), *out):
+        _same(ref, c, f"{rows} rows")
+    suppress = out[1][2]["suppress_ids"]
+    assert (suppress[0, :-1] >= 0).all() and suppress[0, -1] >= 0  # row 3: 0 of 2 outputs, EOS too
+    assert (suppress[1, -1] == -1) and (suppress[1, 0] >= 0)  # row 0: too early, but ignores EOS
+    assert (suppress[2] == -1).all()  # row 2: min_tokens 0

@@ -28,10 +28,14 @@ class StepParts(NamedTuple):
     sampler: Sampler
 
 
-def compact_rows(batch: StepBatch, n: int) -> AttentionMetadata:
+def compact_rows(batch: StepBatch, n: int, scheduler: Scheduler | None = None) -> AttentionMetadata:
     """Host loops only: the step's metadata cut down to its ``n`` real tokens and the rows
     that have tokens this step, so the reference attention neither pads nor gathers idle
-    rows. (A captured graph keeps the fixed shapes instead: :func:`bucket_metadata`.)"""
+    rows. (A captured graph keeps the fixed shapes instead: :func:`bucket_metadata`.)
+    ``scheduler``: the batch's, whose C stages compact it in one call where it has them."""
+    compacted = None if scheduler is None else scheduler.compact_metadata(batch, n)
+    if compacted is not None:
+        return compacted
     md = batch.attn
     active = torch.nonzero(batch.num_new_tokens > 0).squeeze(1)
     remap = torch.zeros(batch.num_new_tokens.shape[0], dtype=torch.int64, device=active.device)
@@ -82,7 +86,7 @@ def model_phase(
     loop's host-side sampler plan, None (every stage) in graphs; ``inputs``: the sampler
     inputs of the ``rows`` rows when the caller already gathered them (the CPU loop)."""
     scheduler, executor, sampler = parts
-    md = compact_rows(batch, tokens) if compact else bucket_metadata(batch, tokens)
+    md = compact_rows(batch, tokens, scheduler) if compact else bucket_metadata(batch, tokens)
     # CPU loop: rows asking for prompt logprobs get them from this step's hidden states.
     jobs = prompt_logprob_jobs(scheduler, batch) if compact else []
     hook = {"hidden_hook": functools.partial(write_prompt_logprobs, jobs, scheduler.ring)} if jobs else {}

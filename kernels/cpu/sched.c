@@ -539,3 +539,37 @@ void blink_sched_sampler_inputs(int64_t R, const int64_t *sample_rows, int64_t n
             out[sp->n_stop + k] = too_early && sp->ignore_eos[r] == 0 ? (int32_t)sp->eos[k] : -1;
     }
 }
+
+/* --------------------------------------------------------------- compacted metadata */
+
+/* blink/engine/step.py's compact_rows: the step's attention metadata cut down to the rows
+ * with tokens this step (A of them, in row order) for its first n tokens: each token's row
+ * renumbered among them, their query starts (and the end), context lengths and block tables.
+ * Writes ``counts`` = (A, the longest context, the most new tokens of a row). */
+void blink_sched_compact(int64_t S, int64_t n, int64_t M, const int64_t *num_new, const int64_t *token_seq_idx,
+                         const int32_t *query_start_loc, const int32_t *seq_lens, const int32_t *block_table,
+                         int64_t *seq_idx_out, int32_t *query_start_out, int32_t *seq_lens_out,
+                         int32_t *tables_out, int64_t *remap, int64_t *counts) {
+    int64_t A = 0, max_context = 0, max_query = 0;
+    for (int64_t r = 0; r < S; r++) {
+        remap[r] = 0;
+        if (num_new[r] > max_query)
+            max_query = num_new[r];
+        if (num_new[r] <= 0)
+            continue;
+        remap[r] = A;
+        query_start_out[A] = query_start_loc[r];
+        seq_lens_out[A] = seq_lens[r];
+        if (seq_lens[r] > max_context)
+            max_context = seq_lens[r];
+        for (int64_t c = 0; c < M; c++)
+            tables_out[A * M + c] = block_table[r * M + c];
+        A++;
+    }
+    query_start_out[A] = query_start_loc[S];
+    for (int64_t t = 0; t < n; t++)
+        seq_idx_out[t] = remap[token_seq_idx[t]];
+    counts[0] = A;
+    counts[1] = max_context;
+    counts[2] = max_query;
+}

@@ -18,13 +18,14 @@ from pathlib import Path
 
 import torch
 
+from blink.kernels.attention_metadata import AttentionMetadata
 from blink.kernels.cpu import abi
 from blink.shared.native_build import NativeLibrary
 
 log = logging.getLogger("blink.kernels")
 
 #: the stages this library implements (names as the scheduler's ``fused`` stages)
-STAGES = ("build_batch", "stats", "publish", "register", "allocate")
+STAGES = ("build_batch", "stats", "publish", "register", "allocate", "sampler_inputs", "compact")
 #: sched.c's constants, in its enum's order (the scheduler passes their values)
 CONSTANTS = ("ROW_EMPTY", "ROW_WAITING", "ROW_RUNNING", "ROW_RELEASING", "SLOT_WRITTEN", "SLOT_FINISHED",
              "FINISH_STOP", "FINISH_LENGTH", "FINISH_ERROR", "K_PREFIX_QUERIES", "K_PREFIX_HITS",
@@ -104,7 +105,8 @@ class CStages:
     passes only what changes. ``consts``: the values of :data:`CONSTANTS` by name."""
 
     def __init__(self, library: ctypes.CDLL, consts: dict[str, int], *, num_blocks: int, block_size: int,
-                 max_model_len: int, eos: torch.Tensor, stat_words: torch.Tensor) -> None:
+                 max_model_len: int, eos: torch.Tensor, stat_words: torch.Tensor, rows: int, tokens: int,
+                 blocks_per_seq: int) -> None:
         values = (ctypes.c_int64 * len(CONSTANTS))(*(consts[name] for name in CONSTANTS))
         if library.blink_sched_constants(values, len(CONSTANTS)) != 0:
             raise ValueError("sched.c's constants do not match sched.py's CONSTANTS")
@@ -115,6 +117,13 @@ class CStages:
         self._publish: dict[int, tuple[_Rows, _RingStreams]] = {}
         self._prefix: dict[int, _Prefix] = {}
         self._alloc: dict[int, tuple[_Alloc, torch.Tensor, torch.Tensor]] = {}
+        self._gather: _SamplerGather | None = None
+        with torch.inference_mode():  # the compacted metadata (compact): as the torch code's, in the loop
+            self._compact = {"seq_idx": torch.zeros(tokens, dtype=torch.int64),
+                             "query_start_loc": torch.zeros(rows + 1, dtype=torch.int32),
+                             "seq_lens": torch.zeros(rows, dtype=torch.int32),
+                             "block_tables": torch.zeros(rows, blocks_per_seq, dtype=torch.int32),
+                             "remap": torch.zeros(rows, dtype=torch.int64), "counts": torch.zeros(3, dtype=torch.int64)}
         self._fills = torch.empty(0, dtype=torch.uint8)
 
     # ------------------------------------------------------------------------ batch build
@@ -295,3 +304,90 @@ class CStages:
         if self.lib.blink_sched_allocate(ctypes.byref(view), num_new.data_ptr()):
             return None
         return num_new
+
+    # ------------------------------------------------------------------ sampler's inputs
+
+    def sampler_inputs(self, st, names: tuple[str, ...], sample_rows: torch.Tensor, rows: int
+                       ) -> dict[str, torch.Tensor] | None:
+        """:meth:`Scheduler.sampler_inputs`' gathers for lanes [0, ``rows``) of
+        ``sample_rows`` (padding lanes read row 0): the sampling fields ``names`` and
+        ``num_prompt``, ``num_tokens``, ``sampler_features`` of ``st`` (the whole state) by
+        name, and ``suppress_ids``. Views of buffers the next call rewrites; None when
+        ``rows`` exceeds the table (the caller gathers with torch)."""
+        gather = self._gather
+        if gather is None:
+            gather = self._gather = _SamplerGather(st, names, self.eos)
+        if rows > gather.rows:
+            return None
+        self.lib.blink_sched_sampler_inputs(rows, sample_rows.data_ptr(), sample_rows.shape[0], len(gather.fields),
+                                            gather.fields, ctypes.byref(gather.suppress))
+        return gather.views(rows)
+
+
+    # ------------------------------------------------------------- compacted metadata
+
+    def compact(self, batch, n: int) -> AttentionMetadata | None:
+        """``blink.engine.step.compact_rows(batch, n)`` from one C call, into buffers the next
+        call rewrites; None for a batch it was not built for (the caller compacts with torch)."""
+        md, num_new, b = batch.attn, batch.num_new_tokens, self._compact
+        S, M = md.block_tables.shape
+        if (S > b["seq_lens"].shape[0] or n > b["seq_idx"].shape[0] or M != b["block_tables"].shape[1]
+                or md.token_seq_idx.dtype != torch.int64 or num_new.dtype != torch.int64
+                or md.query_start_loc.dtype != torch.int32 or md.seq_lens.dtype != torch.int32
+                or md.block_tables.dtype != torch.int32 or not md.block_tables.is_contiguous()):
+            return None
+        self.lib.blink_sched_compact(S, n, M, num_new.data_ptr(), md.token_seq_idx.data_ptr(),
+                                     md.query_start_loc.data_ptr(), md.seq_lens.data_ptr(), md.block_tables.data_ptr(),
+                                     b["seq_idx"].data_ptr(), b["query_start_loc"].data_ptr(), b["seq_lens"].data_ptr(),
+                                     b["block_tables"].data_ptr(), b["remap"].data_ptr(), b["counts"].data_ptr())
+        A, max_context, max_query = b["counts"].tolist()
+        return AttentionMetadata(slot_mapping=md.slot_mapping[:n], positions=md.positions[:n],
+                                 token_seq_idx=b["seq_idx"][:n], query_start_loc=b["query_start_loc"][: A + 1],
+                                 seq_lens=b["seq_lens"][:A], block_tables=b["block_tables"][:A],
+                                 max_context=max_context, max_query_len=max_query)
+
+
+class _Gather(ctypes.Structure):
+    _fields_ = [("src", ctypes.c_void_p), ("src_row_bytes", ctypes.c_int64), ("dst", ctypes.c_void_p),
+                ("row_bytes", ctypes.c_int64)]
+
+
+class _Suppress(ctypes.Structure):
+    _fields_ = [("num_prompt", ctypes.c_void_p), ("num_tokens", ctypes.c_void_p), ("stop_ids", ctypes.c_void_p),
+                ("stop_stride", ctypes.c_int64), ("n_stop", ctypes.c_int64), ("ignore_eos", ctypes.c_void_p),
+                ("min_tokens", ctypes.c_void_p), ("eos", ctypes.c_void_p), ("n_eos", ctypes.c_int64),
+                ("suppress", ctypes.c_void_p)]
+
+
+class _SamplerGather:
+    """The sampler inputs' buffers (the table's rows: a step samples at most that many) and
+    sched.c's descriptors of their sources, made once."""
+
+    def __init__(self, st, names: tuple[str, ...], eos: torch.Tensor) -> None:
+        sp = st.sampling
+        sources = {**{name: sp[name] for name in names}, "num_prompt": st.num_prompt,
+                   "num_tokens": st.num_tokens, "sampler_features": st.sampler_features}
+        self.rows = S = st.num_tokens.shape[0]
+        for name in ("stop_token_ids", "ignore_eos", "min_tokens"):
+            _check(sp[name], torch.int32, name)
+        for name, t in sources.items():
+            if t.dim() > 1 and not t[0].is_contiguous():
+                raise ValueError(f"sched.c copies {name}'s rows whole; its strides are {t.stride()}")
+        with torch.inference_mode():  # as the torch code's gathers in the engine loop
+            self.buffers = {name: torch.empty((S, *t.shape[1:]), dtype=t.dtype) for name, t in sources.items()}
+            stop = sp["stop_token_ids"]
+            self.buffers["suppress_ids"] = torch.empty((S, stop.shape[1] + eos.shape[0]), dtype=torch.int32)
+        self.fields = (_Gather * len(sources))(*(
+            _Gather(t.data_ptr(), t.stride(0) * t.element_size(), self.buffers[name].data_ptr(),
+                    t[0].numel() * t.element_size()) for name, t in sources.items()))
+        self.suppress = _Suppress(st.num_prompt.data_ptr(), st.num_tokens.data_ptr(), stop.data_ptr(), stop.stride(0),
+                                  stop.shape[1], sp["ignore_eos"].data_ptr(), sp["min_tokens"].data_ptr(),
+                                  eos.data_ptr(), eos.shape[0], self.buffers["suppress_ids"].data_ptr())
+        self._views: dict[int, dict[str, torch.Tensor]] = {}
+
+    def views(self, rows: int) -> dict[str, torch.Tensor]:
+        views = self._views.get(rows)
+        if views is None:
+            with torch.inference_mode():
+                views = self._views[rows] = {name: t[:rows] for name, t in self.buffers.items()}
+        return views

@@ -13,6 +13,8 @@ from blink.engine.token_mask import MaskBatch, mask_batch
 from blink.kernels.attention_metadata import AttentionMetadata
 from blink.shared.sampling_fields import SAMPLER_FIELDS
 
+_SAMPLER_NAMES = tuple(f.name for f in SAMPLER_FIELDS)
+
 
 @dataclass
 class StepBatch:
@@ -140,6 +142,16 @@ class Batching:
         """The sampler's inputs for the batch's first ``rows`` sample rows (a bucket's rows
         in a graph, the real count on the host)."""
         st = self.state
+        if self._c is not None:  # the CPU loop: one C call into buffers (kernels/cpu/sched.c)
+            gathered = self._c.sampler_inputs(st, _SAMPLER_NAMES, batch.sample_rows, rows)
+            if gathered is not None:
+                inputs = self._c_sampler_inputs.get(rows)
+                if inputs is None:  # views of the buffers: made once per row count
+                    inputs = self._c_sampler_inputs[rows] = SamplerInputs(
+                        SamplingTensors(**{name: gathered[name] for name in _SAMPLER_NAMES}),
+                        gathered["num_prompt"], gathered["num_tokens"], gathered["suppress_ids"],
+                        gathered["sampler_features"])
+                return inputs
         r = self.sample_rows(batch, rows).clamp(min=0)
         sp = st.sampling
         sampling = SamplingTensors(**{f.name: sp[f.name][r] for f in SAMPLER_FIELDS})
@@ -149,6 +161,11 @@ class Batching:
         too_early = (total_lens - prompt_lens) < sp["min_tokens"][r]
         suppress_ids = torch.where(too_early.unsqueeze(1), suppress, -1).to(torch.int32)
         return SamplerInputs(sampling, prompt_lens, total_lens, suppress_ids, st.sampler_features[r])
+
+    def compact_metadata(self, batch: StepBatch, n: int) -> AttentionMetadata | None:
+        """``blink.engine.step.compact_rows(batch, n)`` from one C call (the CPU loop's C
+        stages), or None: the caller compacts with torch."""
+        return None if self._c is None else self._c.compact(batch, n)
 
     def token_masks(self, batch: StepBatch, rows: int, host_rows: bool = False) -> MaskBatch:
         """The structured-output masks of the first ``rows`` sample rows

@@ -292,7 +292,9 @@ class Scheduler(Admission, KvReservation, PrefixHookup, Budget, Batching, Publis
                       K_STEPS=K_STEPS, K_PROMPT_TOKENS=K_PROMPT_TOKENS, K_GENERATED_TOKENS=K_GENERATED_TOKENS)
         try:
             stages = c_sched.CStages(library, consts, num_blocks=config.num_blocks, block_size=config.block_size,
-                                     max_model_len=config.max_model_len, eos=self._eos, stat_words=self._stat_words)
+                                     max_model_len=config.max_model_len, eos=self._eos, stat_words=self._stat_words,
+                                     rows=self.num_slots, tokens=config.max_num_batched_tokens,
+                                     blocks_per_seq=config.max_blocks_per_seq)
         except ValueError as e:
             raise BlinkError(f"the scheduler's C stages: {e}") from None
         # Inference tensors, as the torch code's batch is in the engine loop (inference mode):
@@ -300,6 +302,7 @@ class Scheduler(Admission, KvReservation, PrefixHookup, Budget, Batching, Publis
         with torch.inference_mode():
             self._batch_out = BatchBuffers(self.num_slots, config.max_num_batched_tokens, self.device)
         self._done = torch.zeros(self.num_slots, dtype=torch.int64, device=self.device)
+        self._c_sampler_inputs: dict[int, SamplerInputs] = {}  # by row count (batch.py)
         return stages
 
     # ------------------------------------------------------------------------------ step
