@@ -118,18 +118,19 @@ class RandomSamplingFrontend(ts.Frontend):
 
 
 def side_by_side(seed: int, pool: int, reference: MakeScheduler, other: MakeScheduler, sampling: bool = False,
-                 **cfg_kw) -> list[Scheduler]:
+                 slots: int = 4, requests: int = 10, **cfg_kw) -> list[Scheduler]:
     """``reference`` and ``other`` side by side over one workload (prefix hits,
     preemption in the small pool, finishes and releases, cancels; with ``sampling``, random
     sampling records): every step's batch, the whole engine state and the whole ring region
-    are identical. ``cfg_kw``: more of the scheduler's config (the priority policy). Returns
-    the two schedulers."""
+    are identical. ``slots``, ``requests``: the ring's slots and the workload's requests
+    (more slots than 16: several row windows). ``cfg_kw``: more of the scheduler's config
+    (the priority policy). Returns the two schedulers."""
     rng = np.random.default_rng(seed)
     cfg = ts._cfg(**{"num_blocks": pool, "max_admit_per_step": 3, **cfg_kw})
-    reqs = ts._random_reqs(rng, 10, cfg.max_model_len, shared=12)
+    reqs = ts._random_reqs(rng, requests, cfg.max_model_len, shared=12)
     reqs[3].cancel_step = 4
     twins = [copy.deepcopy(reqs) for _ in range(2)]
-    rings = [ts.make_ring(4, cfg.max_model_len, 4, None) for _ in range(2)]
+    rings = [ts.make_ring(slots, cfg.max_model_len, 4, None) for _ in range(2)]
     scheds = [reference(cfg, ring_tensors(rings[0])), other(cfg, ring_tensors(rings[1]))]
     models = [ts.FakeModel(cfg, 4) for _ in range(2)]
     fes = [RandomSamplingFrontend(r, seed) if sampling else ts.Frontend(r) for r in rings]

@@ -40,6 +40,14 @@ def test_c_stages_match_the_reference_step_by_step(seed, pool):
     side_by_side(seed, pool, REFERENCE, WITH_C)
 
 
+def test_c_stages_over_several_row_windows():
+    """20 slots, up to 40 requests at once: the row window grows past 16 rows (to 20) and
+    shrinks back; rows 16 and up are scheduled, finish and are released."""
+    scheds = side_by_side(9, 400, REFERENCE, WITH_C, slots=20, requests=40, max_admit_per_step=8,
+                          max_num_batched_tokens=64)
+    assert 20 in scheds[1]._windows and 16 in scheds[1]._windows
+
+
 def test_c_stages_with_every_prefix_key_colliding(monkeypatch):
     """Verification alone keeps the prefix cache right (the C insert's keys collide as the
     reference's do with ``table_key`` replaced)."""

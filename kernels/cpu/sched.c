@@ -573,3 +573,40 @@ void blink_sched_compact(int64_t S, int64_t n, int64_t M, const int64_t *num_new
     counts[1] = max_context;
     counts[2] = max_query;
 }
+
+/* ------------------------------------------------------------------ the step's guards */
+
+/* Scheduler.schedule's opening (scheduler.py): the step counters, the row window (the smallest
+ * of ``window_sizes`` holding every row not EMPTY and every slot the frontend has written;
+ * ``slot_state``: the step's snapshot of the state words) and the stage guards over it.
+ * ``out``: the window's size, then whether a live row is cancelled, a row is RELEASING, a
+ * WRITTEN slot has an EMPTY row, a row waits for its prefix lookup. */
+void blink_sched_begin_step(int64_t S, const int32_t *status, const int32_t *slot_state, const int32_t *cancel,
+                            int64_t cancel_stride, const uint8_t *needs_lookup, const int64_t *window_sizes,
+                            int64_t n_sizes, int64_t *step, int64_t *counters, int64_t *out) {
+    *step += 1;
+    counters[K[C_K_STEPS]] += 1;
+    int64_t last = -1;
+    for (int64_t r = 0; r < S; r++)
+        if (status[r] != K[C_ROW_EMPTY] || slot_state[r] == K[C_SLOT_WRITTEN])
+            last = r;
+    int64_t size = window_sizes[n_sizes - 1];
+    for (int64_t i = 0; i < n_sizes; i++)
+        if (window_sizes[i] >= last + 1) {
+            size = window_sizes[i];
+            break;
+        }
+    int64_t cancelled = 0, releasing = 0, admissible = 0, lookup = 0;
+    for (int64_t r = 0; r < size; r++) {
+        int32_t s = status[r];
+        cancelled |= cancel[r * cancel_stride] != 0 && (s == K[C_ROW_WAITING] || s == K[C_ROW_RUNNING]);
+        releasing |= s == K[C_ROW_RELEASING];
+        admissible |= slot_state[r] == K[C_SLOT_WRITTEN] && s == K[C_ROW_EMPTY];
+        lookup |= needs_lookup[r] != 0;
+    }
+    out[0] = size;
+    out[1] = cancelled;
+    out[2] = releasing;
+    out[3] = admissible;
+    out[4] = lookup;
+}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -25,7 +26,7 @@ from blink.shared.native_build import NativeLibrary
 log = logging.getLogger("blink.kernels")
 
 #: the stages this library implements (names as the scheduler's ``fused`` stages)
-STAGES = ("build_batch", "stats", "publish", "register", "allocate", "sampler_inputs", "compact")
+STAGES = ("begin_step", "build_batch", "stats", "publish", "register", "allocate", "sampler_inputs", "compact")
 #: sched.c's constants, in its enum's order (the scheduler passes their values)
 CONSTANTS = ("ROW_EMPTY", "ROW_WAITING", "ROW_RUNNING", "ROW_RELEASING", "SLOT_WRITTEN", "SLOT_FINISHED",
              "FINISH_STOP", "FINISH_LENGTH", "FINISH_ERROR", "K_PREFIX_QUERIES", "K_PREFIX_HITS",
@@ -40,6 +41,18 @@ LIBRARY = NativeLibrary(
     Path(__file__).with_name("sched.c"), what="the scheduler's stages in C", logger=log,
     fallback="the scheduler's stages run as torch code", flags=("-O2",), env=ENV, env_value="torch",
     setup=lambda library: abi.declare(library, abi.SCHED))
+
+
+class StepGuards(NamedTuple):
+    """What :meth:`CStages.begin_step` read: the row window's size and whether each guarded
+    stage of the schedule has work (a cancelled live row, a RELEASING row, a slot to admit, a
+    row waiting for its prefix lookup)."""
+
+    window: int
+    cancelled: bool
+    releasing: bool
+    admissible: bool
+    lookup: bool
 
 
 class _RingStreams(ctypes.Structure):
@@ -118,6 +131,7 @@ class CStages:
         self._prefix: dict[int, _Prefix] = {}
         self._alloc: dict[int, tuple[_Alloc, torch.Tensor, torch.Tensor]] = {}
         self._gather: _SamplerGather | None = None
+        self._begin: torch.Tensor | None = None
         with torch.inference_mode():  # the compacted metadata (compact): as the torch code's, in the loop
             self._compact = {"seq_idx": torch.zeros(tokens, dtype=torch.int64),
                              "query_start_loc": torch.zeros(rows + 1, dtype=torch.int32),
@@ -125,6 +139,26 @@ class CStages:
                              "block_tables": torch.zeros(rows, blocks_per_seq, dtype=torch.int32),
                              "remap": torch.zeros(rows, dtype=torch.int64), "counts": torch.zeros(3, dtype=torch.int64)}
         self._fills = torch.empty(0, dtype=torch.uint8)
+
+    # ------------------------------------------------------------------ the step's guards
+
+    def begin_step(self, st, slot_state: torch.Tensor, cancel: torch.Tensor, window_sizes: torch.Tensor
+                   ) -> StepGuards:
+        """:meth:`Scheduler.schedule`'s opening over the whole table ``st``: the step
+        counters, the row window and the stage guards (read by the host)."""
+        if self._begin is None:
+            for name, tensor, dtype in (("status", st.status, torch.int32), ("needs_lookup", st.needs_lookup, torch.bool),
+                                        ("the slot states", slot_state, torch.int32), ("cancel", cancel, torch.int32),
+                                        ("the window sizes", window_sizes, torch.int64)):
+                _check(tensor, dtype, name, rows_contiguous=name != "cancel")
+            self._begin = torch.zeros(5, dtype=torch.int64)
+        out = self._begin
+        self.lib.blink_sched_begin_step(st.status.shape[0], st.status.data_ptr(), slot_state.data_ptr(),
+                                        cancel.data_ptr(), cancel.stride(0), st.needs_lookup.data_ptr(),
+                                        window_sizes.data_ptr(), window_sizes.shape[0], st.step.data_ptr(),
+                                        st.counters.data_ptr(), out.data_ptr())
+        size, cancelled, releasing, admissible, lookup = out.tolist()
+        return StepGuards(size, bool(cancelled), bool(releasing), bool(admissible), bool(lookup))
 
     # ------------------------------------------------------------------------ batch build
 

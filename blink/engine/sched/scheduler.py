@@ -303,6 +303,7 @@ class Scheduler(Admission, KvReservation, PrefixHookup, Budget, Batching, Publis
             self._batch_out = BatchBuffers(self.num_slots, config.max_num_batched_tokens, self.device)
         self._done = torch.zeros(self.num_slots, dtype=torch.int64, device=self.device)
         self._c_sampler_inputs: dict[int, SamplerInputs] = {}  # by row count (batch.py)
+        self._window_sizes_t = torch.tensor(self._window_sizes, dtype=torch.int64)
         return stages
 
     # ------------------------------------------------------------------------------ step
@@ -311,23 +312,30 @@ class Scheduler(Admission, KvReservation, PrefixHookup, Budget, Batching, Publis
         """One step's control plane up to the forward pass: the stages in order, each skipped
         (host guards) when it has nothing to do. Returns the step's batch."""
         cfg, st0 = self.config, self.state
-        st0.step += 1
-        st0.counters[K_STEPS] += 1
         # Acquire: the slot state words are read once, then a fence, then any payload.
         slot_state = self.ring["state"].clone()
         self._fence()
-        w = self._w = self._window_for(slot_state)
+        # The CPU loop's C stages read the counters, the row window and the guards in one call.
+        g = None if self._c is None or self.kv_enabled else self._c.begin_step(
+            st0, slot_state, self.ring["cancel"], self._window_sizes_t)
+        if g is None:
+            st0.step += 1
+            st0.counters[K_STEPS] += 1
+        w = self._w = self._window_for(slot_state) if g is None else self._window(g.window)
         st, slot_state = w.state, slot_state[: w.size]
 
-        cancel = self._cancel()                                           # admission.py
-        if self._when(lambda: (st.status == ROW_RELEASING).any()):
-            self._release_finished()                                      # budget.py
-        if self._when(lambda: ((slot_state == SLOT_WRITTEN) & (st.status == ROW_EMPTY)).any()):
-            self._admit(slot_state, cancel)                               # admission.py
-        if self.kv_enabled and self._when(lambda: self._kv_ready().any()):
-            self._admit_kv_ready(cancel)                                  # kv_reserve.py
-        if cfg.enable_prefix_caching and self._when(lambda: st.needs_lookup.any()):
-            self._lookup()                                                # prefix.py
+        # A step where none of the four stages below has work (read at once, before any of them
+        # runs: each only creates work for those after it) skips them all.
+        if g is None or g.cancelled or g.releasing or g.admissible or g.lookup:
+            cancel = self._cancel()                                       # admission.py
+            if self._when(lambda: (st.status == ROW_RELEASING).any()):
+                self._release_finished()                                  # budget.py
+            if self._when(lambda: ((slot_state == SLOT_WRITTEN) & (st.status == ROW_EMPTY)).any()):
+                self._admit(slot_state, cancel)                           # admission.py
+            if self.kv_enabled and self._when(lambda: self._kv_ready().any()):
+                self._admit_kv_ready(cancel)                              # kv_reserve.py
+            if cfg.enable_prefix_caching and self._when(lambda: st.needs_lookup.any()):
+                self._lookup()                                            # prefix.py
         num_new = self._allocate()                                        # budget.py
         batch = self._build_batch(num_new)                                # batch.py
         # Every step ends with fresh stats: update() writes them after a forward; a step
