@@ -1,14 +1,23 @@
 """The scheduler's per-step stages in C for the CPU loop (``sched.c``).
 
-Why: a decode step of SmolLM2-135M spends ~1.3 ms of its ~5.4 on the host's control plane,
-~300 torch calls on tensors of a few rows, a few microseconds of dispatch each whatever they
-compute. The stages that run every step (the batch build, publishing the sampled tokens,
-the stats) are one C call each here, over the scheduler's row window.
+Why: a decode step of SmolLM2-135M spent ~1.4 ms of its ~5 on the host's control plane,
+~385 torch calls on tensors of a few rows, a few microseconds of dispatch each whatever they
+compute. The stages that run every step are one C call each here, over the scheduler's row
+window: the step's opening (counters, row window, admission-side guards), the FCFS token
+budget and new blocks (when they fit), the batch build, the prefix-cache insert, publishing
+the sampled tokens, the stats, the sampler's inputs and the compacted attention metadata
+(docs/performance.md#sched-c: the host's share 1.4 -> 0.45 ms a step).
 
 The torch code of :mod:`blink.engine.sched` stays the reference and the path everywhere
-else (graphs, GPUs, a missing compiler, said once in the log; ``$BLINK_CPU_SCHED=torch``).
-``tests/test_scheduler_c.py`` runs the two side by side on the scheduler tests' workloads
-and compares every step's batch, the whole engine state and the whole ring region.
+else (graphs, GPUs, the fused stages, preemption, the priority policy's allocation, the rarer
+stages, a missing compiler, said once in the log; ``$BLINK_CPU_SCHED=torch``).
+``tests/test_scheduler_c.py`` runs the two side by side on the scheduler tests' workloads and
+compares every step's batch, compacted metadata, sampler inputs, the whole engine state and
+the whole ring region.
+
+The C reads the state through ctypes structures that mirror its own (the same fields in the
+same order); each wrapper checks the dtypes and layouts it relies on once and refuses
+(ValueError) what it was not written for.
 """
 from __future__ import annotations
 
@@ -25,8 +34,6 @@ from blink.shared.native_build import NativeLibrary
 
 log = logging.getLogger("blink.kernels")
 
-#: the stages this library implements (names as the scheduler's ``fused`` stages)
-STAGES = ("begin_step", "build_batch", "stats", "publish", "register", "allocate", "sampler_inputs", "compact")
 #: sched.c's constants, in its enum's order (the scheduler passes their values)
 CONSTANTS = ("ROW_EMPTY", "ROW_WAITING", "ROW_RUNNING", "ROW_RELEASING", "SLOT_WRITTEN", "SLOT_FINISHED",
              "FINISH_STOP", "FINISH_LENGTH", "FINISH_ERROR", "K_PREFIX_QUERIES", "K_PREFIX_HITS",

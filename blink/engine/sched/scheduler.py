@@ -41,6 +41,11 @@ window size from the same on-device maximum, as it picks one per token bucket.
 
 Ring writes keep the protocol's order, with a system-scope fence between each payload and
 the word that publishes it (publish.py).
+
+The CPU loop (host guards) runs the stages of every step as C calls instead
+(``blink.kernels.cpu.sched``, chosen in :meth:`Scheduler._c_stages`: the step's opening, the
+FCFS budget and new blocks when they fit, the batch build, the prefix insert, publishing, the
+stats, the sampler's inputs, the compacted metadata); this torch code is their reference.
 """
 from __future__ import annotations
 
