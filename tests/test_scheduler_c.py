@@ -23,7 +23,8 @@ from blink.engine import prefix_cache  # noqa: E402
 from blink.engine.sched.scheduler import Scheduler  # noqa: E402
 from blink.engine.sched.state import ROW_WAITING, ring_tensors  # noqa: E402
 from blink.errors import BlinkError  # noqa: E402
-from blink.kernels.cpu import sched as c_sched  # noqa: E402
+from blink.kernels.cpu import abi, sched as c_sched  # noqa: E402
+from blink.shared.native_build import NativeBuildError, find_compiler  # noqa: E402
 
 REFERENCE = functools.partial(Scheduler, host_guards=True, c_stages=False)
 WITH_C = functools.partial(Scheduler, host_guards=True, c_stages=True)
@@ -31,8 +32,9 @@ WITH_C = functools.partial(Scheduler, host_guards=True, c_stages=True)
 
 @pytest.fixture(autouse=True)
 def library():
-    if c_sched.LIBRARY.get() is None:
-        pytest.skip(f"no C stages here: {c_sched.LIBRARY.unavailable()}")
+    if find_compiler() is None:
+        pytest.skip("no C compiler here: the scheduler runs its torch stages")
+    assert c_sched.LIBRARY.get() is not None, c_sched.LIBRARY.unavailable()  # built, and its layout checked
 
 
 @pytest.mark.parametrize("seed,pool", [(0, 32), (1, 14), (2, 32)])
@@ -169,3 +171,20 @@ def test_the_sampler_inputs_suppress_stop_and_eos_ids_as_the_reference_does():
     assert (suppress[0, :-1] >= 0).all() and suppress[0, -1] >= 0  # row 3: 0 of 2 outputs, EOS too
     assert (suppress[1, -1] == -1) and (suppress[1, 0] >= 0)  # row 0: too early, but ignores EOS
     assert (suppress[2] == -1).all()  # row 2: min_tokens 0
+
+
+def test_a_structure_that_drifted_from_its_ctypes_mirror_is_refused_at_load():
+    """sched.c's structures and sched.py's ctypes mirrors must agree in size: a field added
+    on one side only makes the library unavailable (the torch stages run), never a misread."""
+    real = c_sched.LIBRARY.get()
+
+    def sizes_with_one_more_field(out, n):
+        count = real.blink_sched_struct_sizes(out, n)
+        out[2] += 8  # blink_rows_t grew a field sched.py does not know
+        return count
+
+    stub = SimpleNamespace(**{name: (lambda *a: 0) for name in abi.SCHED})
+    stub.blink_sched_struct_sizes = sizes_with_one_more_field
+    with pytest.raises(NativeBuildError, match="differ from sched.py's ctypes mirrors"):
+        c_sched._setup(stub)
+    c_sched._setup(real)  # the real one agrees

@@ -116,6 +116,7 @@ QUANT_LINEAR: dict[str, Signature] = {
 #: sched.c: the scheduler's per-step stages for the CPU loop (blink.kernels.cpu.sched)
 SCHED: dict[str, Signature] = {
     "blink_sched_constants": Signature(INT, _args("values", P) + _args("n", I64)),
+    "blink_sched_struct_sizes": Signature(I64, _args("out", P) + _args("n", I64)),
     "blink_sched_build_batch": Signature(
         I64,
         _args("S T N B M host_lanes", I64) + _args("num_new num_computed num_tokens tokens", P)

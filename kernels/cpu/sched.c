@@ -610,3 +610,17 @@ void blink_sched_begin_step(int64_t S, const int32_t *status, const int32_t *slo
     out[3] = admissible;
     out[4] = lookup;
 }
+
+/* -------------------------------------------------------------------------- layout */
+
+/* The sizes of the structures sched.py mirrors with ctypes, in its order (a field added on
+ * one side only is refused at load, not misread). Returns how many it wrote. */
+int64_t blink_sched_struct_sizes(int64_t *out, int64_t n) {
+    const int64_t sizes[] = {
+        sizeof(blink_ring_streams_t), sizeof(blink_sampled_t), sizeof(blink_rows_t), sizeof(blink_prefix_t),
+        sizeof(fill_t), sizeof(blink_alloc_t), sizeof(blink_gather_t), sizeof(blink_suppress_t)};
+    const int64_t count = (int64_t)(sizeof(sizes) / sizeof(sizes[0]));
+    for (int64_t i = 0; i < n && i < count; i++)
+        out[i] = sizes[i];
+    return count;
+}

@@ -30,7 +30,7 @@ import torch
 
 from blink.kernels.attention_metadata import AttentionMetadata
 from blink.kernels.cpu import abi
-from blink.shared.native_build import NativeLibrary
+from blink.shared.native_build import NativeBuildError, NativeLibrary
 
 log = logging.getLogger("blink.kernels")
 
@@ -44,10 +44,6 @@ ENV = "BLINK_CPU_SCHED"
 COLLIDE_KEYS = False
 _FILL_BYTES = 64  # sizeof(fill_t) in sched.c
 
-LIBRARY = NativeLibrary(
-    Path(__file__).with_name("sched.c"), what="the scheduler's stages in C", logger=log,
-    fallback="the scheduler's stages run as torch code", flags=("-O2",), env=ENV, env_value="torch",
-    setup=lambda library: abi.declare(library, abi.SCHED))
 
 
 class StepGuards(NamedTuple):
@@ -109,6 +105,37 @@ class _Alloc(ctypes.Structure):
                 ("M", ctypes.c_int64), ("budget", ctypes.c_int64), ("capacity", ctypes.c_int64),
                 ("order", ctypes.c_void_p), ("grant", ctypes.c_void_p), ("need", ctypes.c_void_p),
                 ("free_list", ctypes.c_void_p)]
+
+
+class _Gather(ctypes.Structure):
+    _fields_ = [("src", ctypes.c_void_p), ("src_row_bytes", ctypes.c_int64), ("dst", ctypes.c_void_p),
+                ("row_bytes", ctypes.c_int64)]
+
+
+class _Suppress(ctypes.Structure):
+    _fields_ = [("num_prompt", ctypes.c_void_p), ("num_tokens", ctypes.c_void_p), ("stop_ids", ctypes.c_void_p),
+                ("stop_stride", ctypes.c_int64), ("n_stop", ctypes.c_int64), ("ignore_eos", ctypes.c_void_p),
+                ("min_tokens", ctypes.c_void_p), ("eos", ctypes.c_void_p), ("n_eos", ctypes.c_int64),
+                ("suppress", ctypes.c_void_p)]
+
+
+def _setup(library: ctypes.CDLL) -> None:
+    """Declare the functions and check that sched.c's structures are as large as their
+    ctypes mirrors below (a field added on one side only would be a silent misread)."""
+    abi.declare(library, abi.SCHED)
+    mirrors = (_RingStreams, _Sampled, _Rows, _Prefix, _FILL_BYTES, _Alloc, _Gather, _Suppress)
+    sizes = (ctypes.c_int64 * len(mirrors))()
+    count = library.blink_sched_struct_sizes(sizes, len(mirrors))
+    expected = [m if isinstance(m, int) else ctypes.sizeof(m) for m in mirrors]
+    if count != len(mirrors) or list(sizes) != expected:
+        raise NativeBuildError(f"sched.c's structures ({list(sizes)[:count]} bytes) differ from sched.py's "
+                               f"ctypes mirrors ({expected})")
+
+
+LIBRARY = NativeLibrary(
+    Path(__file__).with_name("sched.c"), what="the scheduler's stages in C", logger=log,
+    fallback="the scheduler's stages run as torch code", flags=("-O2",), env=ENV, env_value="torch",
+    setup=_setup)
 
 
 def _check(tensor: torch.Tensor, dtype: torch.dtype, what: str, rows_contiguous: bool = True) -> None:
@@ -386,18 +413,6 @@ class CStages:
                                  token_seq_idx=b["seq_idx"][:n], query_start_loc=b["query_start_loc"][: A + 1],
                                  seq_lens=b["seq_lens"][:A], block_tables=b["block_tables"][:A],
                                  max_context=max_context, max_query_len=max_query)
-
-
-class _Gather(ctypes.Structure):
-    _fields_ = [("src", ctypes.c_void_p), ("src_row_bytes", ctypes.c_int64), ("dst", ctypes.c_void_p),
-                ("row_bytes", ctypes.c_int64)]
-
-
-class _Suppress(ctypes.Structure):
-    _fields_ = [("num_prompt", ctypes.c_void_p), ("num_tokens", ctypes.c_void_p), ("stop_ids", ctypes.c_void_p),
-                ("stop_stride", ctypes.c_int64), ("n_stop", ctypes.c_int64), ("ignore_eos", ctypes.c_void_p),
-                ("min_tokens", ctypes.c_void_p), ("eos", ctypes.c_void_p), ("n_eos", ctypes.c_int64),
-                ("suppress", ctypes.c_void_p)]
 
 
 class _SamplerGather:
