@@ -3,11 +3,10 @@ the scheduler tests' own workloads, on CPU tensors under the Triton interpreter:
 streams (tokens, logprobs, alternatives, finish reasons) as the reference, every invariant
 the reference's tests check, the property test's random workloads included.
 
-The fused path works on the whole slot table (no row window). The batch build, the release
-and the stats reproduce the reference bit for bit (checked step by step, batch, state and
-ring, also in the captured configuration, ``host_guards=False``); the allocator may pick
-other block ids where the reference's order is unspecified (checked by the tokens and the
-block invariants of every workload)."""
+The fused path works on the whole slot table (no row window). Every fused stage reproduces
+the reference bit for bit (checked step by step, batch, state and ring, also in the captured
+configuration, ``host_guards=False``), the allocator included: both take the lowest id among
+equally old free blocks."""
 from __future__ import annotations
 
 import functools
@@ -45,10 +44,9 @@ def fused_scheduler(monkeypatch):
     monkeypatch.setattr(ts, "Scheduler", functools.partial(Scheduler, fused=True))
 
 
-#: the fused stages that reproduce the reference bit for bit; the allocator picks, among
-#: equally old free blocks, the lowest id where torch.topk leaves the order unspecified (so
-#: block ids, and through LRU ties which cached block is evicted, may differ: never tokens)
-EXACT_STAGES = ("build_batch", "release", "stats", "publish", "register", "lookup", "admit", "cancel")
+#: the fused stages compared with the reference step by step (all of them: the allocator and
+#: the reference's stable sort both take the lowest id among equally old free blocks)
+EXACT_STAGES = ("build_batch", "release", "stats", "publish", "register", "lookup", "admit", "cancel", "allocate")
 
 
 def _side_by_side(seed: int, pool: int, guards: bool, sampling: bool = False, **cfg_kw) -> list[Scheduler]:

@@ -24,8 +24,7 @@ Stages (issue 32, part 1):
   suffix), and the new blocks from the free pool, never-cached first then least recently
   used. FCFS order and the free list are one ``tl.sort`` each of keys packed with their
   row / block id, so the pool is sorted in one program: at most ``MAX_SORT_BLOCKS`` blocks.
-  Among equally old free blocks it takes the lowest id, where ``torch.topk`` leaves the
-  order unspecified: block ids may differ from the reference's, tokens never do.
+  Among equally old free blocks it takes the lowest id, as the reference's stable sort does.
 - ``publish``: ``update()``'s tokens table and stream payload; then (after the fence) the
   ``produced`` counters, the finish checks and finish reasons; then (after the fence) the
   FINISHED state words: three launches;
@@ -41,8 +40,8 @@ Stages (issue 32, part 1):
 - ``cancel``: cancelled live rows finish with ABORT (finish reason, rows RELEASING), the
   state words after the fence (:func:`publish_words`).
 
-All but ``allocate`` reproduce the reference bit for bit (tests/test_scheduler_fused.py
-compares batch, state and ring step by step).
+Every stage reproduces the reference bit for bit (tests/test_scheduler_fused.py compares
+batch, state and ring step by step).
 
 Shared pieces (``@triton.jit`` helpers): :func:`_search` (the segment a flat lane belongs
 to), :func:`_segment_lane` (its index there), :func:`_fcfs_order` (rows by arrival, one sort)

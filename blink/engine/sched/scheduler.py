@@ -139,7 +139,8 @@ class Scheduler(Admission, KvReservation, PrefixHookup, Budget, Batching, Publis
         self.config = config
         self.device = torch.device(device)
         self._c: CStages | None = None  # set below, once the state exists
-        # default: on CPU. Captured graphs need False (every stage runs).
+        # Skip stages with nothing to do (module docstring): on CPU by default; captured
+        # graphs need False (every stage runs).
         self.host_guards = self.device.type == "cpu" if host_guards is None else host_guards
         self.ring = ring_tensors
         # the sizes, read once from the control block (a host read at startup only)
@@ -218,7 +219,6 @@ class Scheduler(Admission, KvReservation, PrefixHookup, Budget, Batching, Publis
         self.fused = frozenset(stages)
         if self.fused:
             self._c = None  # the fused stages replace the C ones
-        if self.fused:
             from blink.kernels.triton import (  # noqa: PLC0415 - Triton only when asked for
                 sched as triton_sched,
             )
@@ -278,9 +278,10 @@ class Scheduler(Admission, KvReservation, PrefixHookup, Budget, Batching, Publis
 
     def _c_stages(self, wanted: bool | None) -> CStages | None:
         """The C stages, or None: the torch code runs (module docstring)."""
-        if wanted is False or (wanted is None and (not self.host_guards or self.fused or self.device.type != "cpu")):
+        usable = self.host_guards and not self.fused and self.device.type == "cpu"
+        if wanted is False or (wanted is None and not usable):
             return None
-        if not self.host_guards or self.fused or self.device.type != "cpu":
+        if not usable:
             raise BlinkError("the scheduler's C stages run on CPU tensors with host guards and no fused stage")
         from blink.kernels.cpu import sched as c_sched  # noqa: PLC0415 - built on first use
 
