@@ -45,7 +45,6 @@ COLLIDE_KEYS = False
 _FILL_BYTES = 64  # sizeof(fill_t) in sched.c
 
 
-
 class StepGuards(NamedTuple):
     """What :meth:`CStages.begin_step` read: the row window's size and whether each guarded
     stage of the schedule has work (a cancelled live row, a RELEASING row, a slot to admit, a
@@ -166,6 +165,7 @@ class CStages:
         self._alloc: dict[int, tuple[_Alloc, torch.Tensor, torch.Tensor]] = {}
         self._gather: _SamplerGather | None = None
         self._begin: torch.Tensor | None = None
+        self._checked: set[str] = set()  # stages whose layouts were checked (their first call)
         with torch.inference_mode():  # the compacted metadata (compact): as the torch code's, in the loop
             self._compact = {"seq_idx": torch.zeros(tokens, dtype=torch.int64),
                              "query_start_loc": torch.zeros(rows + 1, dtype=torch.int32),
@@ -200,6 +200,13 @@ class CStages:
         """:meth:`Scheduler._build_batch` into ``out`` (BatchBuffers) for the window's rows;
         returns the flat lanes written (all T, or with ``host_lanes`` the step's bucket)."""
         S, M = st.block_table.shape
+        if "build_batch" not in self._checked:
+            for name, tensor, dtype in (
+                    ("num_new", num_new, torch.int64), ("num_computed", st.num_computed, torch.int64),
+                    ("num_tokens", st.num_tokens, torch.int64), ("the tokens table", st.tokens, torch.int32),
+                    ("block_table", st.block_table, torch.int32), ("the buckets", buckets, torch.int64)):
+                _check(tensor, dtype, name)
+            self._checked.add("build_batch")
         lanes = self.lib.blink_sched_build_batch(
             S, out.input_ids.shape[0], self.num_blocks, self.block_size, M, int(host_lanes),
             num_new.data_ptr(), st.num_computed.data_ptr(), st.num_tokens.data_ptr(), st.tokens.data_ptr(),
@@ -215,6 +222,13 @@ class CStages:
 
     def write_stats(self, st, ring_state: torch.Tensor, control: torch.Tensor) -> None:
         """:meth:`Scheduler._write_stats` for the window's rows."""
+        if "stats" not in self._checked:
+            for name, tensor, dtype in (
+                    ("status", st.status, torch.int32), ("the slot states", ring_state, torch.int32),
+                    ("block_ref", st.block_ref, torch.int32), ("counters", st.counters, torch.int64),
+                    ("the control block", control, torch.int64)):
+                _check(tensor, dtype, name, rows_contiguous=name != "the slot states")
+            self._checked.add("stats")
         self.lib.blink_sched_write_stats(
             st.status.shape[0], self.num_blocks, st.status.data_ptr(), ring_state.data_ptr(), ring_state.stride(0),
             st.block_ref.data_ptr(), st.counters.data_ptr(), control.data_ptr(), self.stat_words.data_ptr())
@@ -322,10 +336,12 @@ class CStages:
         if self._fills.numel() < n * _FILL_BYTES:
             self._fills = torch.empty(n * _FILL_BYTES, dtype=torch.uint8)
         md = batch.attn
-        for name, tensor in (("input_ids", batch.input_ids), ("positions", md.positions),
-                             ("token_seq_idx", md.token_seq_idx), ("slot_mapping", md.slot_mapping),
-                             ("num_scheduled_tokens", batch.num_scheduled_tokens)):
-            _check(tensor, torch.int64, f"the batch's {name}", rows_contiguous=tensor.dim() > 0)
+        if "register" not in self._checked:  # (every batch of these stages is build_batch's buffers)
+            for name, tensor in (("input_ids", batch.input_ids), ("positions", md.positions),
+                                 ("token_seq_idx", md.token_seq_idx), ("slot_mapping", md.slot_mapping),
+                                 ("num_scheduled_tokens", batch.num_scheduled_tokens)):
+                _check(tensor, torch.int64, f"the batch's {name}", rows_contiguous=tensor.dim() > 0)
+            self._checked.add("register")
         self.lib.blink_sched_register(n, batch.input_ids.data_ptr(), md.positions.data_ptr(),
                                       md.token_seq_idx.data_ptr(), md.slot_mapping.data_ptr(),
                                       batch.num_scheduled_tokens.data_ptr(), ctypes.byref(view),
@@ -375,22 +391,27 @@ class CStages:
 
     # ------------------------------------------------------------------ sampler's inputs
 
-    def sampler_inputs(self, st, names: tuple[str, ...], sample_rows: torch.Tensor, rows: int
-                       ) -> dict[str, torch.Tensor] | None:
+    def sampler_inputs(self, st, names: tuple[str, ...], sample_rows: torch.Tensor, rows: int) -> bool:
         """:meth:`Scheduler.sampler_inputs`' gathers for lanes [0, ``rows``) of
-        ``sample_rows`` (padding lanes read row 0): the sampling fields ``names`` and
-        ``num_prompt``, ``num_tokens``, ``sampler_features`` of ``st`` (the whole state) by
-        name, and ``suppress_ids``. Views of buffers the next call rewrites; None when
-        ``rows`` exceeds the table (the caller gathers with torch)."""
+        ``sample_rows`` (padding lanes read row 0) into buffers the next call rewrites (their
+        views: :meth:`sampler_views`): the sampling fields ``names`` and ``num_prompt``,
+        ``num_tokens``, ``sampler_features`` of ``st`` (the whole state), and
+        ``suppress_ids``. False when ``rows`` exceeds the table (the caller gathers with
+        torch)."""
         gather = self._gather
         if gather is None:
             gather = self._gather = _SamplerGather(st, names, self.eos)
         if rows > gather.rows:
-            return None
+            return False
         self.lib.blink_sched_sampler_inputs(rows, sample_rows.data_ptr(), sample_rows.shape[0], len(gather.fields),
                                             gather.fields, ctypes.byref(gather.suppress))
-        return gather.views(rows)
+        return True
 
+    def sampler_views(self, rows: int) -> dict[str, torch.Tensor]:
+        """The first ``rows`` rows of the sampler inputs' buffers by name (as
+        :meth:`sampler_inputs` names them); the caller keeps them per row count."""
+        with torch.inference_mode():
+            return {name: t[:rows] for name, t in self._gather.buffers.items()}
 
     # ------------------------------------------------------------- compacted metadata
 
@@ -424,8 +445,10 @@ class _SamplerGather:
         sources = {**{name: sp[name] for name in names}, "num_prompt": st.num_prompt,
                    "num_tokens": st.num_tokens, "sampler_features": st.sampler_features}
         self.rows = S = st.num_tokens.shape[0]
-        for name in ("stop_token_ids", "ignore_eos", "min_tokens"):
+        for name in ("stop_token_ids", "ignore_eos", "min_tokens"):  # the suppress list reads these
             _check(sp[name], torch.int32, name)
+        _check(st.num_prompt, torch.int64, "num_prompt")
+        _check(st.num_tokens, torch.int64, "num_tokens")
         for name, t in sources.items():
             if t.dim() > 1 and not t[0].is_contiguous():
                 raise ValueError(f"sched.c copies {name}'s rows whole; its strides are {t.stride()}")
@@ -439,11 +462,3 @@ class _SamplerGather:
         self.suppress = _Suppress(st.num_prompt.data_ptr(), st.num_tokens.data_ptr(), stop.data_ptr(), stop.stride(0),
                                   stop.shape[1], sp["ignore_eos"].data_ptr(), sp["min_tokens"].data_ptr(),
                                   eos.data_ptr(), eos.shape[0], self.buffers["suppress_ids"].data_ptr())
-        self._views: dict[int, dict[str, torch.Tensor]] = {}
-
-    def views(self, rows: int) -> dict[str, torch.Tensor]:
-        views = self._views.get(rows)
-        if views is None:
-            with torch.inference_mode():
-                views = self._views[rows] = {name: t[:rows] for name, t in self.buffers.items()}
-        return views

@@ -143,10 +143,10 @@ class Batching:
         in a graph, the real count on the host)."""
         st = self.state
         if self._c is not None:  # the CPU loop: one C call into buffers (kernels/cpu/sched.c)
-            gathered = self._c.sampler_inputs(st, _SAMPLER_NAMES, batch.sample_rows, rows)
-            if gathered is not None:
+            if self._c.sampler_inputs(st, _SAMPLER_NAMES, batch.sample_rows, rows):
                 inputs = self._c_sampler_inputs.get(rows)
                 if inputs is None:  # views of the buffers: made once per row count
+                    gathered = self._c.sampler_views(rows)
                     inputs = self._c_sampler_inputs[rows] = SamplerInputs(
                         SamplingTensors(**{name: gathered[name] for name in _SAMPLER_NAMES}),
                         gathered["num_prompt"], gathered["num_tokens"], gathered["suppress_ids"],
