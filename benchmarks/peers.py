@@ -587,7 +587,27 @@ def cpu_flags() -> dict[str, Any]:
         pass
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"model": model, "cores": cores,
-            "flags": sorted(f for f in set(flags) if f.startswith(_FLAG_PREFIXES))}
+            "flags": sorted(f for f in set(flags) if f.startswith(_FLAG_PREFIXES)),
+            "last_level_cache_bytes": last_level_cache_bytes()}
+
+
+def last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
+    """The size of the largest data (or unified) cache the first CPU sees, from sysfs (``size``
+    as "491520K", "32M"); None where sysfs does not say."""
+    best = None
+    for index in sorted(root.glob("index*")):
+        try:
+            kind = (index / "type").read_text().strip()
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        if kind == "Instruction" or not text:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1].upper(), 1)
+        digits = text[:-1] if unit > 1 else text
+        if digits.isdigit():
+            best = max(best or 0, int(digits) * unit)
+    return best
 
 
 def no_amx_env(flags: Sequence[str]) -> dict[str, str]:
@@ -719,7 +739,10 @@ def machine_header(args: argparse.Namespace) -> dict[str, Any]:
     except ImportError:  # no torch in this venv: the copy limit alone
         pass
     info: dict[str, Any] = {"cpu": cpu, "bandwidth": bw, "gguf": args.gguf}
-    lines = [f"CPU: {cpu['model']}, {cpu['cores']} cores; flags: {' '.join(cpu['flags']) or '-'}"
+    llc = cpu.get("last_level_cache_bytes")
+    lines = [f"CPU: {cpu['model']}, {cpu['cores']} cores"
+             + (f", last-level cache {llc / 2**20:.0f} MB" if llc else "")
+             + f"; flags: {' '.join(cpu['flags']) or '-'}"
              + (f"; AMX kept off: {' '.join(f'{k}={v}' for k, v in no_amx_env(cpu['flags']).items())}"
                 if args.no_amx else ""),
              f"copy bandwidth (read+write): {bw['numpy_1thread_gbs']:.1f} GB/s numpy 1 thread"
@@ -747,6 +770,13 @@ def machine_header(args: argparse.Namespace) -> dict[str, Any]:
             lines.append(f"read-bandwidth limit of batch-1 decode: {read_limit:.1f} tok/s "
                          f"({bw['read_gbs']:.1f} GB/s / {w['bytes_per_token'] / 1e6:.1f} MB; "
                          f"{read_limit / limit:.2f} of the copy limit)")
+        if llc and w["bytes_per_token"] <= llc:
+            # the probes' 512 MB buffers (1 GB for the copy) mostly miss such a cache; the
+            # weights may not (measured on a 480 MB L3: docs/performance.md#peers-xeon-head)
+            lines.append(f"the weights read per token ({w['bytes_per_token'] / 1e6:.1f} MB) fit in "
+                         f"the {llc / 2**20:.0f} MB last-level cache: a decode step may read them "
+                         "faster than the bandwidths above (a ratio over 1 is possible), and how "
+                         "much of them stays cached moves with what else on the host uses it")
     info["text"] = "\n".join(lines)
     return info
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.bench_threads import Arm, arms_table, default_arms, model_work, parse_arms, summarize
-from benchmarks.peers import (build_parser, copy_bandwidth, gguf_weight_bytes, no_amx_env, peer_command,
-                              ratio_table, read_bandwidth, resolve_model_args, split_rates, split_table)
+from benchmarks.peers import (build_parser, copy_bandwidth, gguf_weight_bytes, last_level_cache_bytes,
+                              machine_header, no_amx_env, peer_command, ratio_table, read_bandwidth, resolve_model_args, split_rates, split_table)
 from benchmarks.serve_metrics import RequestOutput, calculate_metrics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,6 +72,29 @@ def _tiny_gguf(path: Path, tied: bool) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def test_last_level_cache_is_the_largest_data_cache(tmp_path):
+    for index, (kind, size) in enumerate([("Data", "48K"), ("Instruction", "64K"),
+                                          ("Unified", "2048K"), ("Unified", "491520K"),
+                                          ("Instruction", "2G"), ("Unified", "")]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "type").write_text(kind + "\n")
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    assert last_level_cache_bytes(tmp_path) == 491520 << 10
+    assert last_level_cache_bytes(tmp_path / "none") is None
+
+
+@pytest.mark.parametrize("llc", [None, 100, 1 << 30])
+def test_the_header_says_when_the_weights_fit_in_the_last_level_cache(tmp_path, monkeypatch, llc):
+    import benchmarks.peers as peers
+
+    monkeypatch.setattr(peers, "last_level_cache_bytes", lambda: llc)
+    args = argparse.Namespace(smoke=True, no_amx=False, gguf=str(_tiny_gguf(tmp_path / "m.gguf", True)),
+                              model_name="tiny")
+    text = machine_header(args)["text"]
+    assert ("last-level cache" in text) is (llc is not None)
+    assert ("fit in the" in text) is (llc == 1 << 30)  # 608 bytes a token fit in 1 GB, not in 100 bytes
 
 
 @pytest.mark.parametrize("tied", [True, False])
