@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 import test_scheduler as ts
+from blink.engine.sampler import SamplerPlan
 from blink.engine.sched.scheduler import Scheduler
 from blink.engine.step import compact_rows
 from blink.engine.sched.state import K_PREEMPTIONS, K_PREFIX_HITS, ring_tensors
@@ -43,8 +44,12 @@ def _metadata(md) -> dict[str, torch.Tensor]:
 
 
 def _sampler_inputs(inputs) -> dict[str, torch.Tensor]:
+    """The inputs' tensors; a plan the gather read on the way must be the one the torch code
+    reads from them."""
+    if inputs.plan is not None:
+        assert inputs.plan == SamplerPlan.from_features(inputs.features, inputs.suppress_ids)
     out = {f.name: getattr(inputs.sampling, f.name) for f in dataclasses.fields(inputs.sampling)}
-    out.update({name: getattr(inputs, name) for name in inputs._fields if name != "sampling"})
+    out.update({name: getattr(inputs, name) for name in inputs._fields if name not in ("sampling", "plan")})
     return out
 
 

@@ -35,6 +35,7 @@ on its own logits, parameters, history, seed and counter: never on the rest of t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 from types import SimpleNamespace
 from typing import NamedTuple, Sequence
@@ -365,6 +366,15 @@ class SamplerPlan:
         flags = dict(zip(_FEATURES, used))
         flags["any_suppress"] = suppress_ids is None or bool((suppress_ids >= 0).any())
         return cls(**flags)
+
+    @staticmethod
+    @functools.lru_cache(maxsize=None)  # 2^9 plans at most
+    def from_word(word: int, any_suppress: bool) -> "SamplerPlan":
+        """The plan :meth:`from_features` gives for rows whose feature words OR to ``word``
+        and of which ``any_suppress`` has a suppress id set: for a gather that combined them
+        as it copied the rows (``kernels/cpu/sched.c``), no torch call."""
+        return SamplerPlan(**{name: bool(word >> i & 1) for i, name in enumerate(_FEATURES)},
+                           any_suppress=any_suppress)
 
 
 #: The plan flags a row's feature word carries, bit i = _FEATURES[i] (any_suppress is per step).

@@ -157,5 +157,5 @@ def eager_model_phase(parts: StepParts, batch: StepBatch, tokens: int, rows: int
     """A scheduled CPU-loop step's second half, eager: the sampler's inputs and the plan of
     the stages its rows use, then :func:`model_phase` (forward, sample, update)."""
     inputs = parts.scheduler.sampler_inputs(batch, rows)
-    plan = SamplerPlan.from_features(inputs.features, inputs.suppress_ids)  # skip unused stages
+    plan = inputs.plan or SamplerPlan.from_features(inputs.features, inputs.suppress_ids)  # skip unused stages
     model_phase(parts, batch, tokens=tokens, rows=rows, compact=True, plan=plan, inputs=inputs)

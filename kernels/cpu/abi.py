@@ -139,7 +139,7 @@ SCHED: dict[str, Signature] = {
         None, _args("S n M", I64) + _args("num_new token_seq_idx query_start_loc seq_lens block_table seq_idx_out "
                                           "query_start_out seq_lens_out tables_out remap counts", P)),
     "blink_sched_sampler_inputs": Signature(
-        None, _args("R", I64) + _args("sample_rows", P) + _args("n_lanes n_fields", I64) + _args("fields sp", P)),
+        I64, _args("R", I64) + _args("sample_rows", P) + _args("n_lanes n_fields", I64) + _args("fields sp", P)),
 }
 
 #: replay.c: a CPU graph's recorded calls made from C (blink.kernels.cpu.graph), its

@@ -504,7 +504,8 @@ typedef struct {
     int64_t row_bytes;
 } blink_gather_t;
 
-/* What the suppress list reads (rows of the whole table) and where it goes ([R, n_stop + n_eos]). */
+/* What the suppress list reads (rows of the whole table) and where it goes ([R, n_stop + n_eos]);
+ * ``features``: the rows' sampler feature words (the plan's summary reads them). */
 typedef struct {
     const int64_t *num_prompt, *num_tokens;
     const int32_t *stop_ids;
@@ -513,15 +514,19 @@ typedef struct {
     const int64_t *eos;
     int64_t n_eos;
     int32_t *suppress;
+    const int32_t *features;
 } blink_suppress_t;
 
 /* Scheduler.sampler_inputs (batch.py): for lanes [0, R), the sample row's fields (the batch's
  * ``sample_rows``, of which ``n_lanes`` exist; missing or -1 lanes read row 0, as padding)
  * and its suppress list: the stop ids, then the EOS ids (-1 where the row ignores EOS), all
- * -1 once the row has ``min_tokens`` outputs. */
-void blink_sched_sampler_inputs(int64_t R, const int64_t *sample_rows, int64_t n_lanes, int64_t n_fields,
-                                const blink_gather_t *fields, const blink_suppress_t *sp) {
+ * -1 once the row has ``min_tokens`` outputs. Returns what SamplerPlan.from_features reads
+ * of these lanes: their feature words OR-ed, and 1 << 32 if any suppress id is set. */
+int64_t blink_sched_sampler_inputs(int64_t R, const int64_t *sample_rows, int64_t n_lanes, int64_t n_fields,
+                                   const blink_gather_t *fields, const blink_suppress_t *sp) {
     const int64_t width = sp->n_stop + sp->n_eos;
+    uint32_t features = 0;
+    int any_suppress = 0;
     for (int64_t i = 0; i < R; i++) {
         int64_t r = i < n_lanes && sample_rows[i] > 0 ? sample_rows[i] : 0;
         for (int64_t f = 0; f < n_fields; f++) {
@@ -537,7 +542,11 @@ void blink_sched_sampler_inputs(int64_t R, const int64_t *sample_rows, int64_t n
             out[k] = too_early ? sp->stop_ids[r * sp->stop_stride + k] : -1;
         for (int64_t k = 0; k < sp->n_eos; k++)
             out[sp->n_stop + k] = too_early && sp->ignore_eos[r] == 0 ? (int32_t)sp->eos[k] : -1;
+        for (int64_t k = 0; k < width && !any_suppress; k++)
+            any_suppress = out[k] >= 0;
+        features |= (uint32_t)sp->features[r];
     }
+    return (int64_t)features | (int64_t)any_suppress << 32;
 }
 
 /* --------------------------------------------------------------- compacted metadata */

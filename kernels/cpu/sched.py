@@ -115,7 +115,7 @@ class _Suppress(ctypes.Structure):
     _fields_ = [("num_prompt", ctypes.c_void_p), ("num_tokens", ctypes.c_void_p), ("stop_ids", ctypes.c_void_p),
                 ("stop_stride", ctypes.c_int64), ("n_stop", ctypes.c_int64), ("ignore_eos", ctypes.c_void_p),
                 ("min_tokens", ctypes.c_void_p), ("eos", ctypes.c_void_p), ("n_eos", ctypes.c_int64),
-                ("suppress", ctypes.c_void_p)]
+                ("suppress", ctypes.c_void_p), ("features", ctypes.c_void_p)]
 
 
 def _setup(library: ctypes.CDLL) -> None:
@@ -391,21 +391,21 @@ class CStages:
 
     # ------------------------------------------------------------------ sampler's inputs
 
-    def sampler_inputs(self, st, names: tuple[str, ...], sample_rows: torch.Tensor, rows: int) -> bool:
+    def sampler_inputs(self, st, names: tuple[str, ...], sample_rows: torch.Tensor, rows: int) -> int | None:
         """:meth:`Scheduler.sampler_inputs`' gathers for lanes [0, ``rows``) of
         ``sample_rows`` (padding lanes read row 0) into buffers the next call rewrites (their
         views: :meth:`sampler_views`): the sampling fields ``names`` and ``num_prompt``,
         ``num_tokens``, ``sampler_features`` of ``st`` (the whole state), and
-        ``suppress_ids``. False when ``rows`` exceeds the table (the caller gathers with
-        torch)."""
+        ``suppress_ids``. Returns the lanes' feature words OR-ed, plus ``1 << 32`` if any of
+        their suppress ids is set (what ``SamplerPlan.from_features`` reads); None when
+        ``rows`` exceeds the table (the caller gathers with torch)."""
         gather = self._gather
         if gather is None:
             gather = self._gather = _SamplerGather(st, names, self.eos)
         if rows > gather.rows:
-            return False
-        self.lib.blink_sched_sampler_inputs(rows, sample_rows.data_ptr(), sample_rows.shape[0], len(gather.fields),
-                                            gather.fields, ctypes.byref(gather.suppress))
-        return True
+            return None
+        return self.lib.blink_sched_sampler_inputs(rows, sample_rows.data_ptr(), sample_rows.shape[0],
+                                                   len(gather.fields), gather.fields, ctypes.byref(gather.suppress))
 
     def sampler_views(self, rows: int) -> dict[str, torch.Tensor]:
         """The first ``rows`` rows of the sampler inputs' buffers by name (as
@@ -449,6 +449,7 @@ class _SamplerGather:
             _check(sp[name], torch.int32, name)
         _check(st.num_prompt, torch.int64, "num_prompt")
         _check(st.num_tokens, torch.int64, "num_tokens")
+        _check(st.sampler_features, torch.int32, "sampler_features")
         for name, t in sources.items():
             if t.dim() > 1 and not t[0].is_contiguous():
                 raise ValueError(f"sched.c copies {name}'s rows whole; its strides are {t.stride()}")
@@ -461,4 +462,5 @@ class _SamplerGather:
                     t[0].numel() * t.element_size()) for name, t in sources.items()))
         self.suppress = _Suppress(st.num_prompt.data_ptr(), st.num_tokens.data_ptr(), stop.data_ptr(), stop.stride(0),
                                   stop.shape[1], sp["ignore_eos"].data_ptr(), sp["min_tokens"].data_ptr(),
-                                  eos.data_ptr(), eos.shape[0], self.buffers["suppress_ids"].data_ptr())
+                                  eos.data_ptr(), eos.shape[0], self.buffers["suppress_ids"].data_ptr(),
+                                  st.sampler_features.data_ptr())

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from blink.engine.sampler import SamplingTensors
+from blink.engine.sampler import SamplerPlan, SamplingTensors
 from blink.engine.token_mask import MaskBatch, mask_batch
 from blink.kernels.attention_metadata import AttentionMetadata
 from blink.shared.sampling_fields import SAMPLER_FIELDS
@@ -54,6 +54,8 @@ class SamplerInputs(NamedTuple):
     suppress_ids  int32 [R, max_stop_ids + n_eos]  ids banned while the row has fewer than
                   min_tokens outputs (-1 padded)
     features      int32 [R]  the rows' sampler feature words (``SamplerPlan.from_features``)
+    plan          the R rows' SamplerPlan where the gather read it on the way (the C
+                  stages), else None (``SamplerPlan.from_features`` reads it)
     """
 
     sampling: SamplingTensors
@@ -61,6 +63,7 @@ class SamplerInputs(NamedTuple):
     total_lens: torch.Tensor
     suppress_ids: torch.Tensor
     features: torch.Tensor
+    plan: SamplerPlan | None = None
 
 
 
@@ -143,7 +146,8 @@ class Batching:
         in a graph, the real count on the host)."""
         st = self.state
         if self._c is not None:  # the CPU loop: one C call into buffers (kernels/cpu/sched.c)
-            if self._c.sampler_inputs(st, _SAMPLER_NAMES, batch.sample_rows, rows):
+            summary = self._c.sampler_inputs(st, _SAMPLER_NAMES, batch.sample_rows, rows)
+            if summary is not None:
                 inputs = self._c_sampler_inputs.get(rows)
                 if inputs is None:  # views of the buffers: made once per row count
                     gathered = self._c.sampler_views(rows)
@@ -151,7 +155,7 @@ class Batching:
                         SamplingTensors(**{name: gathered[name] for name in _SAMPLER_NAMES}),
                         gathered["num_prompt"], gathered["num_tokens"], gathered["suppress_ids"],
                         gathered["sampler_features"])
-                return inputs
+                return inputs._replace(plan=SamplerPlan.from_word(summary & 0xFFFFFFFF, summary >> 32 != 0))
         r = self.sample_rows(batch, rows).clamp(min=0)
         sp = st.sampling
         sampling = SamplingTensors(**{f.name: sp[f.name][r] for f in SAMPLER_FIELDS})
