@@ -40,8 +40,10 @@ from e2e_helpers import (  # noqa: E402
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m"
+# Held streams must outlast the ring-full test's 2 s wait for a slot (and the reads after it)
+# at any decode speed: 400 tokens once took ~1.8 s on a fast minute, and a stream ended first.
 LONG = {"model": MODEL, "prompt": "Tell me a very long story about a dragon.",
-        "max_tokens": 400, "ignore_eos": True, "stream": True}
+        "max_tokens": 1900, "ignore_eos": True, "stream": True}
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +51,8 @@ def apart():
     # Small steps (chunked prefill of 64 tokens) keep the heartbeat lively on a busy machine
     # (the frontend reports a stall on /health after 5 s without one, and gives requests up
     # after 60 s).
-    engine = EngineProcess("--max-num-seqs", "2", "--max-model-len", "512",
-                           "--kv-cache-tokens", "2048", "--max-num-batched-tokens", "64",
+    engine = EngineProcess("--max-num-seqs", "2", "--max-model-len", "2048",
+                           "--kv-cache-tokens", "4096", "--max-num-batched-tokens", "64",
                            name="fail-engine")
     frontend = None
     try:
