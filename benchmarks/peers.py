@@ -428,18 +428,23 @@ def _alternating_probe(args: argparse.Namespace) -> tuple["ReadProbe | None", in
     return probe, gguf_weight_bytes(args.gguf)["bytes_per_token"]
 
 
-def alternating_table(rounds: list[dict[str, Any]]) -> str:
+def alternating_table(rounds: list[dict[str, Any]], copy_limit: float | None = None) -> str:
     """Per round: each peer's single-stream output and decode tok/s, and blink's ÷ each other
-    peer's (decode, then output); the last line the medians over the rounds."""
+    peer's (decode, then output); with ``copy_limit`` (the header's bandwidth limit, tok/s)
+    each peer's decode ÷ it (the issue's target: >= 0.77); with read probes, ÷ the read
+    limit of the round; the last line the medians over the rounds."""
     if not rounds:
         return ""
     names = list(rounds[0])
     others = [n for n in names if n != "blink"] if "blink" in names else []
     read = all("read_gbs" in r[n] for r in rounds for n in names)
+    copy = bool(copy_limit)
     head = ("| round | " + " | ".join(f"{n} out / decode tok/s" for n in names)
             + "".join(f" | blink ÷ {n}, decode | blink ÷ {n}, out" for n in others)
+            + ("".join(f" | {n} decode ÷ copy limit" for n in names) if copy else "")
             + ("".join(f" | {n} decode ÷ read limit (read GB/s)" for n in names) if read else "") + " |")
-    lines = [head, "|---|" + "---:|" * (len(names) + 2 * len(others) + (len(names) if read else 0))]
+    lines = [head, "|---|" + "---:|" * (len(names) + 2 * len(others) + (len(names) if copy else 0)
+                                      + (len(names) if read else 0))]
 
     def ratio(row: dict[str, Any], other: str, key: str) -> float:
         return row["blink"][key] / row[other][key] if row[other][key] else float("nan")
@@ -447,6 +452,8 @@ def alternating_table(rounds: list[dict[str, Any]]) -> str:
     for index, row in enumerate(rounds, 1):
         cells = [f"{row[n]['output_tok_s']:.1f} / {row[n]['decode_tok_s']:.1f}" for n in names]
         cells += [f"{ratio(row, o, key):.2f}" for o in others for key in ("decode_tok_s", "output_tok_s")]
+        if copy:
+            cells += [f"{row[n]['decode_tok_s'] / copy_limit:.2f}" for n in names]
         if read:
             cells += [f"{row[n]['of_read_limit']:.2f} ({row[n]['read_gbs']:.1f})" for n in names]
         lines.append(f"| {index} | " + " | ".join(cells) + " |")
@@ -455,6 +462,8 @@ def alternating_table(rounds: list[dict[str, Any]]) -> str:
              f"{median([r[n]['decode_tok_s'] for r in rounds]):.1f}" for n in names]
     cells += [f"**{median([ratio(r, o, key) for r in rounds]):.2f}**" for o in others
               for key in ("decode_tok_s", "output_tok_s")]
+    if copy:
+        cells += [f"**{median([r[n]['decode_tok_s'] for r in rounds]) / copy_limit:.2f}**" for n in names]
     if read:
         cells += [f"**{median([r[n]['of_read_limit'] for r in rounds]):.2f}** "
                   f"({median([r[n]['read_gbs'] for r in rounds]):.1f})" for n in names]
@@ -861,7 +870,8 @@ def full_report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     ratios = ratio_table(rows, args)
     if ratios:
         parts.append("Ratios, blink ÷ peer (throughput > 1 and latency < 1: blink ahead):\n\n" + ratios)
-    alternating = alternating_table(getattr(args, "alternating", None) or [])
+    alternating = alternating_table(getattr(args, "alternating", None) or [],
+                                    (getattr(args, "machine", None) or {}).get("decode_limit_tok_s"))
     if alternating:
         parts.append(f"Single streams, the peers serving at once and run in turn, round by round "
                      f"({args.single_stream_prompts} requests each):\n\n" + alternating)

@@ -202,6 +202,12 @@ def test_alternating_single_streams_give_ratios_round_by_round_and_their_medians
     # medians of each column over the rounds: decode ratios 1.10, 1.50, 0.80 -> 1.10
     assert cells(table[-1]) == ["median", "36.0 / 36.0", "40.0 / 40.0", "**1.10**", "**1.00**"]
     assert alternating_table([]) == ""
+    # with the header's copy limit: each peer's decode over it, per round and the median's
+    with_limit = alternating_table(rounds, copy_limit=50.0).splitlines()
+    assert with_limit[0].endswith("| blink decode ÷ copy limit | llamaserver decode ÷ copy limit |")
+    assert with_limit[1].count("---:") == 6
+    assert cells(with_limit[2])[5:] == ["0.88", "0.80"]
+    assert cells(with_limit[-1])[5:] == ["**0.72**", "**0.80**"]  # medians 36 and 40 tok/s
 
 
 def test_alternating_rounds_with_read_probes_give_each_peers_share_of_the_read_limit():
