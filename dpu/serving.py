@@ -1188,6 +1188,11 @@ class OpenAIServing:
         echo_sent = [not echo] * len(fanout.runs)  # echo: the prompt text leads the first chunk
         per_prompt = max(req.n, 1)
 
+        def chunk(choice: CompletionChoice, usage: UsageInfo | None = None) -> str:
+            c = CompletionResponse(id=request_id, created=created, model=self.model_name,
+                                   usage=usage, choices=[choice])
+            return _sse(c.model_dump_json(exclude=exclude))
+
         def usage_chunk() -> str:
             c = CompletionResponse(id=request_id, created=created, model=self.model_name,
                                    choices=[], usage=self._usage(prompts, fanout.runs, req.n))
@@ -1197,9 +1202,7 @@ class OpenAIServing:
         plain: dict[int, _TextChunk | None] = {}
         if not (req.logprobs is not None or want_ids or continuous):
             plain = {run.index: _TextChunk.from_rendering(
-                lambda text, i=run.index: _sse(CompletionResponse(
-                    id=request_id, created=created, model=self.model_name,
-                    choices=[CompletionChoice(index=i, text=text)]).model_dump_json(exclude=exclude)))
+                lambda text, i=run.index: chunk(CompletionChoice(index=i, text=text)))
                 for run in fanout.runs}
 
         async def chunks() -> AsyncIterator[str]:
@@ -1236,13 +1239,10 @@ class OpenAIServing:
                 if want_ids and not prompt_sent[d.index]:
                     prompt_sent[d.index] = True
                     prompt_ids = fanout.runs[d.index].prompt_ids
-                c = CompletionResponse(
-                    id=request_id, created=created, model=self.model_name, usage=usage,
-                    choices=[CompletionChoice(
-                        index=d.index, text=text, logprobs=lp, finish_reason=d.finish_reason,
-                        prompt_token_ids=prompt_ids,
-                        token_ids=d.token_ids if want_ids else None)])
-                yield _sse(c.model_dump_json(exclude=exclude))
+                yield chunk(CompletionChoice(
+                    index=d.index, text=text, logprobs=lp, finish_reason=d.finish_reason,
+                    prompt_token_ids=prompt_ids, token_ids=d.token_ids if want_ids else None),
+                    usage)
 
         return self._framed_stream(fanout, chunks(), usage_chunk if include_usage else None)
 
