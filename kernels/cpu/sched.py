@@ -174,6 +174,15 @@ class CStages:
                              "remap": torch.zeros(rows, dtype=torch.int64), "counts": torch.zeros(3, dtype=torch.int64)}
         self._fills = torch.empty(0, dtype=torch.uint8)
 
+    def _check_first(self, stage: str, *checks: tuple) -> None:
+        """On ``stage``'s first call only, :func:`_check` of each ``(what, tensor, dtype[,
+        rows_contiguous])``: the layouts it reads stay those of the state and buffers it was
+        built over."""
+        if stage not in self._checked:
+            for what, tensor, dtype, *contiguous in checks:
+                _check(tensor, dtype, what, *contiguous)
+            self._checked.add(stage)
+
     # ------------------------------------------------------------------ the step's guards
 
     def begin_step(self, st, slot_state: torch.Tensor, cancel: torch.Tensor, window_sizes: torch.Tensor
@@ -181,10 +190,9 @@ class CStages:
         """:meth:`Scheduler.schedule`'s opening over the whole table ``st``: the step
         counters, the row window and the stage guards (read by the host)."""
         if self._begin is None:
-            for name, tensor, dtype in (("status", st.status, torch.int32), ("needs_lookup", st.needs_lookup, torch.bool),
-                                        ("the slot states", slot_state, torch.int32), ("cancel", cancel, torch.int32),
-                                        ("the window sizes", window_sizes, torch.int64)):
-                _check(tensor, dtype, name, rows_contiguous=name != "cancel")
+            self._check_first("begin_step", ("status", st.status, torch.int32),
+                              ("needs_lookup", st.needs_lookup, torch.bool), ("the slot states", slot_state, torch.int32),
+                              ("cancel", cancel, torch.int32, False), ("the window sizes", window_sizes, torch.int64))
             self._begin = torch.zeros(5, dtype=torch.int64)
         out = self._begin
         self.lib.blink_sched_begin_step(st.status.shape[0], st.status.data_ptr(), slot_state.data_ptr(),
@@ -200,13 +208,10 @@ class CStages:
         """:meth:`Scheduler._build_batch` into ``out`` (BatchBuffers) for the window's rows;
         returns the flat lanes written (all T, or with ``host_lanes`` the step's bucket)."""
         S, M = st.block_table.shape
-        if "build_batch" not in self._checked:
-            for name, tensor, dtype in (
-                    ("num_new", num_new, torch.int64), ("num_computed", st.num_computed, torch.int64),
-                    ("num_tokens", st.num_tokens, torch.int64), ("the tokens table", st.tokens, torch.int32),
-                    ("block_table", st.block_table, torch.int32), ("the buckets", buckets, torch.int64)):
-                _check(tensor, dtype, name)
-            self._checked.add("build_batch")
+        self._check_first("build_batch", ("num_new", num_new, torch.int64),
+                          ("num_computed", st.num_computed, torch.int64), ("num_tokens", st.num_tokens, torch.int64),
+                          ("the tokens table", st.tokens, torch.int32), ("block_table", st.block_table, torch.int32),
+                          ("the buckets", buckets, torch.int64))
         lanes = self.lib.blink_sched_build_batch(
             S, out.input_ids.shape[0], self.num_blocks, self.block_size, M, int(host_lanes),
             num_new.data_ptr(), st.num_computed.data_ptr(), st.num_tokens.data_ptr(), st.tokens.data_ptr(),
@@ -222,13 +227,9 @@ class CStages:
 
     def write_stats(self, st, ring_state: torch.Tensor, control: torch.Tensor) -> None:
         """:meth:`Scheduler._write_stats` for the window's rows."""
-        if "stats" not in self._checked:
-            for name, tensor, dtype in (
-                    ("status", st.status, torch.int32), ("the slot states", ring_state, torch.int32),
-                    ("block_ref", st.block_ref, torch.int32), ("counters", st.counters, torch.int64),
-                    ("the control block", control, torch.int64)):
-                _check(tensor, dtype, name, rows_contiguous=name != "the slot states")
-            self._checked.add("stats")
+        self._check_first("stats", ("status", st.status, torch.int32), ("the slot states", ring_state, torch.int32, False),
+                          ("block_ref", st.block_ref, torch.int32), ("counters", st.counters, torch.int64),
+                          ("the control block", control, torch.int64))
         self.lib.blink_sched_write_stats(
             st.status.shape[0], self.num_blocks, st.status.data_ptr(), ring_state.data_ptr(), ring_state.stride(0),
             st.block_ref.data_ptr(), st.counters.data_ptr(), control.data_ptr(), self.stat_words.data_ptr())
@@ -336,12 +337,10 @@ class CStages:
         if self._fills.numel() < n * _FILL_BYTES:
             self._fills = torch.empty(n * _FILL_BYTES, dtype=torch.uint8)
         md = batch.attn
-        if "register" not in self._checked:  # (every batch of these stages is build_batch's buffers)
-            for name, tensor in (("input_ids", batch.input_ids), ("positions", md.positions),
-                                 ("token_seq_idx", md.token_seq_idx), ("slot_mapping", md.slot_mapping),
-                                 ("num_scheduled_tokens", batch.num_scheduled_tokens)):
-                _check(tensor, torch.int64, f"the batch's {name}", rows_contiguous=tensor.dim() > 0)
-            self._checked.add("register")
+        # (every batch of these stages is build_batch's buffers: checked once)
+        self._check_first("register", *((f"the batch's {name}", tensor, torch.int64, tensor.dim() > 0) for name, tensor in (
+            ("input_ids", batch.input_ids), ("positions", md.positions), ("token_seq_idx", md.token_seq_idx),
+            ("slot_mapping", md.slot_mapping), ("num_scheduled_tokens", batch.num_scheduled_tokens))))
         self.lib.blink_sched_register(n, batch.input_ids.data_ptr(), md.positions.data_ptr(),
                                       md.token_seq_idx.data_ptr(), md.slot_mapping.data_ptr(),
                                       batch.num_scheduled_tokens.data_ptr(), ctypes.byref(view),
