@@ -13,13 +13,14 @@ timed by wrapping those methods for this process only; a warm-up request runs fi
 serve`` on two cores runs its engine with ``--threads 1 --kernel-threads 2`` and passive
 OpenMP waits (``OMP_WAIT_POLICY=PASSIVE``): give the same to time what it serves.
 
-``--evict-mb N`` reads an N MB buffer before every step, untimed, so that each step finds the
-weights in memory rather than in the last-level cache: a machine whose cache holds the whole
-model (SmolLM2's ~97 MB in a 480 MB L3) times a step as one with a smaller cache (a Zen 4
-CCD's 32 MB) or a busy neighbour would not. Give it more than twice the cache
-(``lscpu | grep L3``).
+``--flush-mb N`` reads N MB (a tensor's sum) before every step, untimed, as
+``bench_scheduler --flush-mb`` does, so that each step finds the weights in memory rather than
+in the last-level cache: a machine whose cache holds the whole model (SmolLM2's ~97 MB in a
+480 MB L3) times a step as one with a smaller cache (a Zen 4 CCD's 32 MB) or a busy neighbour
+would not. Give it more than twice the cache (``lscpu | grep L3``); it empties the host's caches
+too, which a real host's L2 partly keeps.
 
-    python -m benchmarks.bench_step_parts --threads 1 --kernel-threads 2 --batch 1 --evict-mb 1536
+    python -m benchmarks.bench_step_parts --threads 1 --kernel-threads 2 --batch 1 --flush-mb 1536
 """
 from __future__ import annotations
 
@@ -40,9 +41,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1, help="prompts generated together")
     p.add_argument("--tokens", type=int, default=64, help="tokens generated per prompt")
     p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--evict-mb", type=int, default=0,
-                   help="read a buffer of this many MB before each step, untimed (0: none)")
+    p.add_argument("--flush-mb", type=int, default=0,
+                   help="read this many MB before each step, untimed (0: none)")
     args = p.parse_args()
+    if args.flush_mb < 0:
+        p.error("--flush-mb must be >= 0")
 
     import blink.engine.engine as engine_module
     from blink.engine.sampler import Sampler
@@ -58,21 +61,21 @@ def main() -> None:
         (Scheduler, "schedule", "schedule"), (Scheduler, "sampler_inputs", "sampler_inputs"),
         (Scheduler, "update", "update"), (ModelExecutor, "execute", "forward"),
         (Sampler, "__call__", "sample"))]
-    evicting = 0.0
-    if args.evict_mb > 0:
+    flush_seconds = 0.0
+    if args.flush_mb > 0:
         import torch
 
-        buffer = torch.ones(args.evict_mb << 17, dtype=torch.int64)  # MB of 8-byte words
+        flush = torch.ones(args.flush_mb << 17, dtype=torch.int64)  # MB of 8-byte words
         timed_step = engine_module.Engine.step
 
-        def evict_then_step(self, *a, **kw):
-            nonlocal evicting
+        def flush_then_step(self, *a, **kw):
+            nonlocal flush_seconds
             t = time.perf_counter()
-            buffer.sum()  # every line of the buffer read: the cache holds it, not the weights
-            evicting += time.perf_counter() - t
+            flush.sum()  # every line of it read: the cache holds it, not the weights
+            flush_seconds += time.perf_counter() - t
             return timed_step(self, *a, **kw)
 
-        engine_module.Engine.step = evict_then_step
+        engine_module.Engine.step = flush_then_step
         undo.append(lambda: setattr(engine_module.Engine, "step", timed_step))
     llm = None
     try:
@@ -82,11 +85,11 @@ def main() -> None:
         llm.generate(["A warm-up prompt."], SamplingParams(max_tokens=4, temperature=0))
         totals.clear()
         counts.clear()
-        evicting = 0.0
+        flush_seconds = 0.0
         prompts = [f"Request {i}: the sea and the wind." for i in range(args.batch)]
         t0 = time.perf_counter()
         llm.generate(prompts, params)
-        wall = time.perf_counter() - t0 - evicting
+        wall = time.perf_counter() - t0 - flush_seconds
     finally:
         if llm is not None:
             llm.close()
@@ -95,7 +98,7 @@ def main() -> None:
     steps = max(1, counts["step"])
     print(f"{args.model}: batch {args.batch}, {args.tokens} tokens each, {counts['step']} steps, "
           f"{wall / steps * 1e3:.2f} ms wall per step"
-          + (f" (each after reading {args.evict_mb} MB, not counted)" if args.evict_mb else ""))
+          + (f" (each after reading {args.flush_mb} MB, not counted)" if args.flush_mb else ""))
     print("| part | ms per step |\n|---|---:|")
     for part in PARTS:
         print(f"| {part} | {totals[part] / steps * 1e3:.2f} |")
