@@ -112,7 +112,8 @@ def parse_variant(text: str) -> Variant:
 def start_server(args: argparse.Namespace, variant: Variant, port: int) -> subprocess.Popen:
     """``blink serve`` with the variant's setting, on ``port``."""
     return subprocess.Popen([sys.executable, "-m", "blink.cli", "serve", args.model, "--port", str(port),
-                             *variant.serve_args], env=dict(os.environ, **variant.env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             *variant.serve_args], env=dict(os.environ, **variant.env),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def timed_request(base_url: str, model: str, pids: dict[str, int], tokens: int) -> dict[str, float]:
@@ -183,9 +184,8 @@ def main() -> None:
           "| ITL p50 ms | ITL p90 ms |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for variant in args.variants:
-        name = variant.name
-        print(f"| {name} ({variant.setting}) | "
-              + " | ".join(f"{statistics.median(r[k] for r in results[name]):.2f}" for k in keys) + " |")
+        print(f"| {variant.name} ({variant.setting}) | "
+              + " | ".join(f"{statistics.median(r[k] for r in results[variant.name]):.2f}" for k in keys) + " |")
     first, second = names
     for key, label in (("frontend_ms", "frontend CPU per token"), ("engine_ms", "engine CPU per token"),
                        ("decode_tok_s", "decode tok/s")):

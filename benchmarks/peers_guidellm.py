@@ -171,7 +171,8 @@ def target_lines(by_round: dict[str, list[float]], *, one_b: bool, concurrency: 
                 f"- {concurrency} streams, P99 TTFT blink / llama-server (< 1): "
                 + verdict(by_round["ttft_p99_n"], lambda v: v < 1.0),
                 "- 1 stream, output tok/s: " + verdict(by_round["out_1"], lambda v: v >= 1.2),
-                "- 1 stream, ITL p50 blink / llama-server (<= 1): " + verdict(by_round["itl_p50_1"], lambda v: v <= 1.0)]
+                "- 1 stream, ITL p50 blink / llama-server (<= 1): "
+                + verdict(by_round["itl_p50_1"], lambda v: v <= 1.0)]
     return [f"target: {TARGETS_135M}",
             "- 1 stream, output tok/s blink / llama-server: " + verdict(by_round["out_1"], lambda v: v >= 1.0),
             f"- {concurrency} streams: " + verdict(by_round["out_n"], lambda v: v >= 1.5)]
@@ -191,14 +192,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args, rest = build_parser().parse_known_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if min(args.rounds, args.requests_single, args.requests_concurrent) < 1:
+        parser.error("--rounds, --requests-single and --requests-concurrent must be at least 1")
     if "--peers" not in rest and not any(a.startswith("--peers=") for a in rest):
         rest = ["--peers", "blink,llamaserver", *rest]
     ns = peers.build_parser().parse_args(rest)
     peers.resolve_model_args(ns)
     names = [p.strip() for p in ns.peers.split(",") if p.strip()]
     if not Path(args.guidellm).is_file():
-        raise SystemExit(f"no guidellm at {args.guidellm} (bash benchmarks/setup_peers.sh guidellm, or --guidellm PATH)")
+        raise SystemExit(f"no guidellm at {args.guidellm} "
+                         "(bash benchmarks/setup_peers.sh guidellm, or --guidellm PATH)")
     for name in names:
         if name not in ("blink", "llamaserver", "vllm"):
             raise SystemExit(f"--peers: {name!r} is not one this script runs (blink, llamaserver, vllm)")
@@ -214,12 +219,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(ns.machine["text"], flush=True)
     rounds = []
     for r in range(args.rounds):
-        rounds.append(run_round(names if r % 2 == 0 else names[::-1], args, ns, r, tokenizer))
+        try:
+            rounds.append(run_round(names if r % 2 == 0 else names[::-1], args, ns, r, tokenizer))
+        except (RuntimeError, ValueError, TimeoutError, OSError) as exc:  # the rounds done still count
+            print(f"round {r} failed: {exc}", file=sys.stderr)
+            break
         if args.result_json:
             Path(args.result_json).write_text(json.dumps(
                 {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv, "machine": ns.machine,
                  "rounds": [{name: {str(k): v for k, v in by.items()} for name, by in rd.items()} for rd in rounds]},
                 indent=2, default=str))
+    if not rounds:
+        return 1
     print(f"\n{ns.model_name}, {ns.input_len} in / {ns.output_len} out, guidellm, medians over {len(rounds)} rounds:")
     print(table(rounds, ns.concurrency))
     print("\n".join(decode_lines(rounds, ns.machine.get("decode_limit_tok_s"))))

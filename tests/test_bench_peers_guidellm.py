@@ -79,3 +79,12 @@ def test_one_stream_decode_against_the_bandwidth_limit():
     assert blink == "- blink: one-stream decode 22.2 tok/s (1000 / ITL p50), 0.56 of the bandwidth limit (40.0 tok/s)"
     assert llama.startswith("- llamaserver: one-stream decode 12.5 tok/s") and "0.31 of" in llama
     assert decode_lines(rounds, None)[0] == "- blink: one-stream decode 22.2 tok/s (1000 / ITL p50)"
+
+
+@pytest.mark.parametrize("flag", ["--rounds", "--requests-single", "--requests-concurrent"])
+def test_counts_below_one_are_refused(flag, capsys):
+    from benchmarks.peers_guidellm import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([flag, "0"])
+    assert exit_info.value.code == 2 and "must be at least 1" in capsys.readouterr().err
