@@ -78,6 +78,15 @@ def read_guidellm(report: dict[str, Any]) -> dict[str, float]:
             "output_tokens_per_request": stat("output_token_count", "total_sum") / totals["successful"]}
 
 
+def short_output_note(numbers: dict[str, float], output_len: int) -> str:
+    """A warning where the server stopped requests short of the output length asked for (its
+    tok/s then compare unlike work), else nothing."""
+    got = numbers["output_tokens_per_request"]
+    if got >= 0.98 * output_len:
+        return ""
+    return f"; WARNING: {got:.1f} output tokens a request, not the {output_len} asked for"
+
+
 def _warm_up(base_url: str, model: str) -> None:
     """One short completion, so that no measured request pays a first call's costs."""
     body = json.dumps({"model": model, "prompt": "Warm up.", "max_tokens": 8}).encode()
@@ -114,7 +123,7 @@ def run_round(names: list[str], args: argparse.Namespace, ns: argparse.Namespace
                 results[name][streams] = numbers
                 print(f"   {streams:2d} streams: {numbers['output_tok_s']:.1f} output tok/s, TTFT p50 "
                       f"{numbers['ttft_p50_ms']:.0f} / p99 {numbers['ttft_p99_ms']:.0f} ms, ITL p50 "
-                      f"{numbers['itl_p50_ms']:.1f} ms", flush=True)
+                      f"{numbers['itl_p50_ms']:.1f} ms" + short_output_note(numbers, ns.output_len), flush=True)
     return results
 
 

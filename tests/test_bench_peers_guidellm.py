@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.peers_guidellm import decode_lines, guidellm_command, ratios, read_guidellm, table, target_lines
+from benchmarks.peers_guidellm import (decode_lines, guidellm_command, ratios, read_guidellm, short_output_note, table,
+                                       target_lines)
 
 
 def _stat(mean=0.0, median=0.0, p99=0.0, total=0.0):
@@ -88,3 +89,9 @@ def test_counts_below_one_are_refused(flag, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([flag, "0"])
     assert exit_info.value.code == 2 and "must be at least 1" in capsys.readouterr().err
+
+
+def test_a_run_short_of_its_output_length_is_named():
+    assert short_output_note(read_guidellm(_report(out_tokens=64)), 64) == ""
+    note = short_output_note(read_guidellm(_report(out_tokens=40)), 64)
+    assert note == "; WARNING: 40.0 output tokens a request, not the 64 asked for"
