@@ -41,6 +41,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1, help="prompts generated together")
     p.add_argument("--tokens", type=int, default=64, help="tokens generated per prompt")
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the engine's --dtype (default auto)")
     p.add_argument("--flush-mb", type=int, default=0,
                    help="read this many MB before each step, untimed (0: none)")
     args = p.parse_args()
@@ -80,7 +82,7 @@ def main() -> None:
     llm = None
     try:
         llm = LLM(args.model, threads=args.threads, kernel_threads=args.kernel_threads, max_num_seqs=max(16, args.batch),
-                  max_model_len=args.max_model_len)
+                  max_model_len=args.max_model_len, dtype=args.dtype)
         params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
         llm.generate(["A warm-up prompt."], SamplingParams(max_tokens=4, temperature=0))
         totals.clear()

@@ -83,6 +83,9 @@ PEERS_DIR = Path(os.environ.get("BLINK_PEERS_DIR", "/opt/blink-peers"))
 ALL_PEERS = ("blink", "llamaserver", "llamacpp", "vllm", "transformers")
 #: a peer's directory under PEERS_DIR where it is not the peer's name
 PEER_DIRS = {"llamaserver": "llama.cpp"}
+#: --isa CAP: the peers that can act as that CPU, and llama-server's build for it (setup_peers.sh)
+ISA_PEERS = ("blink", "llamaserver")
+ISA_PEER_DIRS = {"avx2": {"llamaserver": "llama.cpp-avx2"}}
 #: the 1B-class model's served name and its default output length (the issue's 128 in / 64 out)
 MODEL_1B_NAME = "llama-1b-shaped"
 MODEL_1B_OUTPUT_LEN = 64
@@ -247,13 +250,32 @@ def _smollm2_gguf() -> str | None:
     return None
 
 
-def peer_status(name: str, peers_dir: Path = PEERS_DIR) -> str:
+def peer_dir(name: str, isa: str | None = None) -> str:
+    """Peer ``name``'s directory under the peers' directory (``isa``: ``--isa``'s build of it)."""
+    return ISA_PEER_DIRS.get(isa or "", {}).get(name) or PEER_DIRS.get(name, name)
+
+
+def peer_status(name: str, peers_dir: Path = PEERS_DIR, isa: str | None = None) -> str:
     if name == "blink":
         return "ok"
-    status = peers_dir / PEER_DIRS.get(name, name) / "STATUS"
+    if isa and name not in ISA_PEERS:
+        return f"not run with --isa {isa} (only {', '.join(ISA_PEERS)} can act as that CPU)"
+    directory = peer_dir(name, isa)
+    status = peers_dir / directory / "STATUS"
     if not status.is_file():
-        return f"not installed (run: bash benchmarks/setup_peers.sh {name})"
+        target = name if directory == PEER_DIRS.get(name, name) else f"{name}-{isa}"
+        return f"not installed (run: bash benchmarks/setup_peers.sh {target})"
     return status.read_text().strip()
+
+
+def isa_env(isa: str | None) -> dict[str, str]:
+    """Blink's environment under ``--isa``: ``$BLINK_CPU_ISA`` (every choice its kernels make by
+    the CPU's flags, as on that CPU) and torch's own caps (blink.shared.cpu_features)."""
+    if not isa:
+        return {}
+    from blink.shared.cpu_features import CAPS, ISA_ENV
+
+    return {ISA_ENV: isa, **CAPS[isa].torch_env}
 
 
 def llamaserver_threads(args: argparse.Namespace) -> int:
@@ -270,12 +292,13 @@ def peer_command(name: str, port: int, args: argparse.Namespace) -> tuple[list[s
     d = Path(args.peers_dir)
     hf_dir = args.hf_dir
     threads = str(args.threads or os.cpu_count() or 1)
+    isa = getattr(args, "isa", None)
     amx_off = no_amx_env(cpu_flags()["flags"]) if args.no_amx else {}
     if name == "blink":
         return (["blink", "serve", "--port", str(port), "--model", args.gguf or args.model_name,
                  "--served-model-name", args.model_name, "--max-num-seqs", str(args.max_num_seqs),
                  "--max-model-len", str(args.max_model_len)] + shlex.split(args.blink_args),
-                amx_off, {})
+                {**amx_off, **isa_env(isa)}, {})
     if name == "llamaserver":
         # One slot per stream, each with room for a prompt and its output (+32 for a BOS and a
         # tokenizer that splits the random text differently); continuous batching; the same
@@ -284,7 +307,7 @@ def peer_command(name: str, port: int, args: argparse.Namespace) -> tuple[list[s
         # HTTP threads queue behind each other. No web UI (nothing to serve but the API).
         slots = max(1, args.concurrency)
         threads = str(llamaserver_threads(args))
-        return ([str(d / "llama.cpp/bin/llama-server"), "-m", args.gguf, "-a", args.model_name,
+        return ([str(d / peer_dir(name, isa) / "bin/llama-server"), "-m", args.gguf, "-a", args.model_name,
                  "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
                  "-c", str(slots * (args.input_len + output_len(args) + 32)), "--cont-batching",
                  "-t", threads, "-tb", threads, "--threads-http", str(slots + 2), "--no-webui"] + shlex.split(args.llamaserver_args),
@@ -753,7 +776,10 @@ def machine_header(args: argparse.Namespace) -> dict[str, Any]:
              + (f", last-level cache {llc / 2**20:.0f} MB" if llc else "")
              + f"; flags: {' '.join(cpu['flags']) or '-'}"
              + (f"; AMX kept off: {' '.join(f'{k}={v}' for k, v in no_amx_env(cpu['flags']).items())}"
-                if args.no_amx else ""),
+                if args.no_amx else "")
+             + (f"; acting as an {args.isa.upper()} CPU: blink with "
+                f"{' '.join(f'{k}={v}' for k, v in isa_env(args.isa).items())}, llama-server from "
+                f"{peer_dir('llamaserver', args.isa)}/" if getattr(args, "isa", None) else ""),
              f"copy bandwidth (read+write): {bw['numpy_1thread_gbs']:.1f} GB/s numpy 1 thread"
              + (f", {bw['torch_gbs']:.1f} GB/s torch {bw['torch_threads']} threads"
                 if "torch_gbs" in bw else "")
@@ -928,6 +954,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "C kernels, attention included, as on a CPU without AMX), blink and "
                          "vLLM with ONEDNN_MAX_CPU_ISA below AMX; llama-server is built without "
                          "AMX unless LLAMA_AMX=1")
+    ap.add_argument("--isa", choices=["avx2"], default=None,
+                    help="a smaller CPU on this one: avx2 = as on a CPU with AVX2 and no AVX-512, "
+                         "AVX-VNNI or AMX (AMD Zen 2/3, older Xeons): blink with BLINK_CPU_ISA=avx2 "
+                         "(its kernels' choices by the CPU's flags, --dtype auto's included) and torch's "
+                         "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2; llama-server built for AVX2 "
+                         "alone (setup_peers.sh llamaserver-avx2). Other peers are not run. The memory "
+                         "and cores stay this machine's")
     ap.add_argument("--smoke", action="store_true",
                     help="prove the pipeline: 4 streams, 4 requests (2 single-stream), 32 in / 8 "
                          "out, a short bandwidth probe; numbers mean nothing")
@@ -970,7 +1003,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(args.machine["text"], flush=True)
     rows = []
     for i, name in enumerate(names):
-        status = peer_status(name, Path(args.peers_dir))
+        status = peer_status(name, Path(args.peers_dir), args.isa)
         if status != "ok":
             print(f"== {name}: skipped: {status}")
             rows.append({"peer": name, "status": f"skipped: {status}"})

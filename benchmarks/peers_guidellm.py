@@ -216,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in names:
         if name not in ("blink", "llamaserver", "vllm"):
             raise SystemExit(f"--peers: {name!r} is not one this script runs (blink, llamaserver, vllm)")
-        status = peers.peer_status(name, Path(ns.peers_dir))  # ("ok" for blink)
+        status = peers.peer_status(name, Path(ns.peers_dir), ns.isa)  # ("ok" for blink)
         if status != "ok":
             raise SystemExit(f"{name}: {status}")
     tokenizer = ns.tokenizer if ns.model_1b else ns.hf_dir

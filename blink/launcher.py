@@ -35,6 +35,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from collections.abc import MutableMapping
 from typing import IO
 
 from blink.cli_args import (
@@ -51,6 +52,7 @@ from blink import env as blink_env
 from blink.engine_options import SHARED_SERVE_FLAGS, engine_config_kwargs, forwarded_argv
 from blink.errors import BlinkError
 from blink.logs import configure_logging
+from blink.shared import cpu_features
 from blink.supervision import (
     SUPERVISOR_PID_ENV,
     child_preexec,
@@ -101,6 +103,18 @@ def engine_secret(args: argparse.Namespace) -> tuple[bytes, Path | None, bool]:
     return generate_secret(), None, True
 
 
+def cap_torch_isa(environ: MutableMapping[str, str]) -> str | None:
+    """Under ``$BLINK_CPU_ISA``: torch's own ISA caps put in ``environ`` where unset (before
+    torch loads, so that its kernels act as on that CPU too); the start log's line, else None."""
+    cap = cpu_features.isa_cap()
+    if not cap:
+        return None
+    for name, value in cpu_features.torch_env().items():
+        environ.setdefault(name, value)
+    return (f"{cpu_features.ISA_ENV}={cap}: the CPU kernels act as on {cpu_features.CAPS[cap].means} "
+            f"(torch: {', '.join(f'{k}={environ[k]}' for k in cpu_features.torch_env())})")
+
+
 def run_engine(args: argparse.Namespace) -> int:
     """``blink engine``: load, create the ring, serve the bootstrap, run the loop until a signal."""
 
@@ -110,6 +124,9 @@ def run_engine(args: argparse.Namespace) -> int:
     # 1.85x the output tok/s of spinning workers quiet, 1.54x beside stress-ng (spinning is
     # ~15 % faster only on an idle dedicated host); docs/performance.md#threads.
     os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY_DEFAULT)
+    isa_note = cap_torch_isa(os.environ)
+    if isa_note:
+        engine_logger.info("%s", isa_note)
     host, port = parse_host_port(args.listen, "--listen")
     standalone = blink_env.get(SUPERVISOR_PID_ENV) is None
     for note in check_vllm_flags(args):  # blink serve checked them already; blink engine not

@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks.bench_threads import Arm, arms_table, default_arms, model_work, parse_arms, summarize
 from benchmarks.peers import (build_parser, copy_bandwidth, gguf_weight_bytes, last_level_cache_bytes,
-                              machine_header, no_amx_env, peer_command, ratio_table, read_bandwidth, resolve_model_args, split_rates, split_table)
+                              machine_header, no_amx_env, peer_command, peer_status, ratio_table, read_bandwidth, resolve_model_args, split_rates, split_table)
 from benchmarks.serve_metrics import RequestOutput, calculate_metrics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -134,6 +134,19 @@ def test_model_1b_args_and_the_llama_server_command(tmp_path):
     assert no_amx_env(["avx512_bf16", "amx_int8"]) == {"BLINK_CPU_AMX": "0",
                                                         "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
     assert no_amx_env(["avx2"])["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    # --isa avx2: blink as on an AVX2 CPU, llama-server's AVX2 build, the other peers not run
+    args.no_amx, args.isa = False, "avx2"
+    _, env, _ = peer_command("blink", 9001, args)
+    assert env == {"BLINK_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    argv, env, _ = peer_command("llamaserver", 9000, args)
+    assert argv[0].endswith("llama.cpp-avx2/bin/llama-server") and env == {}
+    assert peer_status("vllm", tmp_path, "avx2").startswith("not run with --isa avx2")
+    assert peer_status("llamaserver", tmp_path, "avx2") == (
+        "not installed (run: bash benchmarks/setup_peers.sh llamaserver-avx2)")
+    assert peer_status("llamaserver", tmp_path) == "not installed (run: bash benchmarks/setup_peers.sh llamaserver)"
+    (tmp_path / "llama.cpp-avx2").mkdir()
+    (tmp_path / "llama.cpp-avx2" / "STATUS").write_text("ok\n")
+    assert peer_status("llamaserver", tmp_path, "avx2") == "ok" and peer_status("blink", tmp_path, "avx2") == "ok"
     smoke = build_parser().parse_args(["--smoke"])
     resolve_model_args(smoke)
     assert (smoke.concurrency, smoke.output_len, smoke.model_name) == (4, 8, "smollm2-135m")

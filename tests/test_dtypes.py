@@ -141,3 +141,59 @@ def test_engine_uses_and_reports_the_choice(monkeypatch, caplog):
         assert engine.dtype == torch.float32
     finally:
         engine.close()
+
+
+# ------------------------------------------------- a quantized file on a CPU without native bf16
+
+AVX2_INT8 = "AVX2 (int8 activations)"
+
+
+def test_codes_every_step_make_auto_bf16_without_native_bf16(monkeypatch):
+    """The projections are int8 sums on their codes whatever the activations' dtype; float32
+    would dequantize every weight instead."""
+    monkeypatch.delenv(CPU_BF16_ENV, raising=False)
+    name, why = resolve_dtype("auto", "cpu", None, native_bf16=False, codes_kernel=AVX2_INT8)
+    assert name == "bfloat16" and AVX2_INT8 in why and "no native bf16" in why
+    assert resolve_dtype("auto", "cpu", None, native_bf16=False)[0] == "float32"  # no such kernel
+    assert resolve_dtype("auto", "cpu", "float32", native_bf16=False, codes_kernel=AVX2_INT8)[0] == "float32"
+    assert resolve_dtype("float32", "cpu", None, native_bf16=False, codes_kernel=AVX2_INT8)[0] == "float32"
+    monkeypatch.setenv(CPU_BF16_ENV, "0")  # the user's override wins
+    assert resolve_dtype("auto", "cpu", None, codes_kernel=AVX2_INT8)[0] == "float32"
+
+
+def test_engine_asks_for_the_codes_kernel_only_where_it_decides(monkeypatch):
+    """``_codes_kernel``: the SmolLM2 GGUF as on an AVX2 CPU (BLINK_CPU_ISA=avx2) names the AVX2
+    int8 build; not for --dtype given, a compiled step, --int4-decode off, a file without
+    codes or a CPU with native bf16."""
+    from blink.engine.engine import _codes_kernel
+    from blink.errors import ModelLoadError
+    from blink.kernels.cpu import quant_linear
+    from blink.loader import DEFAULT_MODEL, open_model
+    from blink.shared.native_build import find_compiler
+
+    try:
+        files = open_model(DEFAULT_MODEL)
+    except ModelLoadError as exc:
+        pytest.skip(str(exc))
+    if find_compiler() is None or "avx2" not in (dtypes.cpu_flags() or ()):
+        pytest.skip("needs a C compiler and an AVX2 CPU")
+    assert files.coded_tensor_count() > 0
+    monkeypatch.setenv("BLINK_CPU_ISA", "avx2")
+    quant_linear.reset()
+    try:
+        cpu = torch.device("cpu")
+        assert _codes_kernel(EngineConfig(), cpu, files, "cpu-graphs") == AVX2_INT8
+        assert _codes_kernel(EngineConfig(), cpu, files, "compiled") is None
+        assert _codes_kernel(EngineConfig(dtype="bfloat16"), cpu, files, "cpu-graphs") is None
+        assert _codes_kernel(EngineConfig(int4_decode=False), cpu, files, "cpu-graphs") is None
+
+        class NoCodes:
+            def coded_tensor_count(self) -> int:
+                return 0
+
+        assert _codes_kernel(EngineConfig(), cpu, NoCodes(), "cpu-graphs") is None
+        monkeypatch.setattr(dtypes, "cpu_flags", lambda: frozenset(ZEN4.split()))  # native bf16
+        assert _codes_kernel(EngineConfig(), cpu, files, "cpu-graphs") is None
+    finally:
+        monkeypatch.delenv("BLINK_CPU_ISA")
+        quant_linear.reset()

@@ -16,12 +16,12 @@ import time
 import traceback
 import weakref
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from blink.model_config import ModelConfig
-from blink.dtypes import resolve_dtype
+from blink.dtypes import cpu_has_native_bf16, resolve_dtype
 from blink.engine.compiled import enforce_eager_default
 from blink.engine.kv_transfer import KVLayout, KVSender, share_kv_cache
 from blink.engine.runners import (
@@ -164,9 +164,12 @@ class EngineConfig:
         CUDA and on CPUs with native bf16 unless the checkpoint is float32, else float32)."""
         return getattr(torch, self.dtype_choice(device, checkpoint_dtype)[0])
 
-    def dtype_choice(self, device: torch.device, checkpoint_dtype: str | None = None) -> tuple[str, str]:
-        """``(dtype name, why)``: :meth:`resolved_dtype` with the reason, for the start log."""
-        return resolve_dtype(self.dtype, device.type, checkpoint_dtype)
+    def dtype_choice(self, device: torch.device, checkpoint_dtype: str | None = None,
+                     codes_kernel: str | None = None) -> tuple[str, str]:
+        """``(dtype name, why)``: :meth:`resolved_dtype` with the reason, for the start log;
+        ``codes_kernel``: the kernel that takes the checkpoint's quantized projections on their
+        codes at every step (:func:`blink.dtypes.resolve_dtype`)."""
+        return resolve_dtype(self.dtype, device.type, checkpoint_dtype, codes_kernel=codes_kernel)
 
     def max_kv_blocks(self, max_model_len: int) -> int:
         """The most KV blocks one prompt can have when this engine takes part in
@@ -205,6 +208,21 @@ class EngineConfig:
             mask_timeout_s=self.mask_timeout_s,
             scheduling_policy=self.scheduling_policy,
         )
+
+
+def _codes_kernel(config: EngineConfig, device: torch.device, files: Any, runner: str) -> str | None:
+    """The kernel that would multiply this model's quantized projections on their codes at
+    every step, what ``--dtype auto`` asks on a CPU without native bf16; None where that is
+    not the question (--dtype given, not a CPU, native bf16), under ``--int4-decode off`` or
+    a compiled step (plain weights), for a file without codes, or where no kernel takes every
+    step here."""
+    count = getattr(files, "coded_tensor_count", None)
+    if (config.dtype != "auto" or device.type != "cpu" or not config.int4_decode or runner == "compiled"
+            or count is None or cpu_has_native_bf16()):
+        return None
+    from blink.models import int4_linear
+
+    return int4_linear.codes_every_step_kernel() if count() else None
 
 
 def _kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -315,7 +333,8 @@ class Engine:
         # said once the model is found, so a bad model name stays a one-line error
         log.info("step runner: %s (%s)", choice.name, choice.reason)
         model_config = ModelConfig.from_hf(files.hf_config, files.source)
-        dtype_name, why = config.dtype_choice(self.device, model_config.hf_dtype)
+        dtype_name, why = config.dtype_choice(self.device, model_config.hf_dtype,
+                                              _codes_kernel(config, self.device, files, choice.name))
         dtype = getattr(torch, dtype_name)
         self.dtype, self.dtype_reason = dtype, why
         log.info("dtype %s (%s)", dtype_name, why)

@@ -269,6 +269,11 @@ class GGUFWeights(GGUFFile):
         finally:
             bar.close()
 
+    def coded_tensor_count(self, qtypes: tuple[str, ...] = CODED_TYPES) -> int:
+        """How many 2-D tensors (experts excluded) the file stores in one of ``qtypes``: the
+        weights the CPU kernels can take on their codes (0: an F16/BF16/F32 file)."""
+        return sum(1 for _ in self._coded_tensors(qtypes))
+
     def iter_q4_codes(self) -> Iterator[tuple[str, Q4Codes]]:
         """``(hf_name, codes)`` for every 2-D tensor the file stores as Q4_0 or Q4_1 (experts
         excluded), in the same row order as ``iter_tensors`` gives it, one at a time."""

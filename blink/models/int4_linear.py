@@ -100,6 +100,17 @@ def native_max_rows(build: str) -> int | None:
         return INT8_MAX_ROWS_BESIDE_AMX
     return NATIVE_MAX_ROWS[build]
 
+def codes_every_step_kernel() -> str | None:
+    """The build of the kernel without AMX that multiplies every step of a file's quantized
+    projections on their codes here (an int8 build: :data:`NATIVE_MAX_ROWS` None), in the
+    start log's words; None where steps of some size take a bf16 copy instead (or no build
+    runs). What ``--dtype auto`` asks on a CPU without native bf16 (:func:`blink.dtypes.resolve_dtype`)."""
+    build = cpu_quant_linear.variant()
+    if build is None or native_max_rows(build) is not None:
+        return None
+    return cpu_quant_linear.VARIANTS[build][3]
+
+
 #: Input channels per scale/zero pair: ggml's Q4_0/Q4_1 block.
 GROUP = 32
 

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from blink import env as blink_env
+from blink.shared.cpu_features import march_flags
 
 
 class NativeBuildError(RuntimeError):
@@ -143,7 +144,9 @@ def build_library(source: Path, flags: Sequence[str] = ("-O2",),
     if compiler is None:
         raise NativeBuildError("no C compiler ($CC, cc, gcc)")
     errors = []
-    for attempt in ([list(flags)] + ([list(fallback_flags)] if fallback_flags is not None else [])):
+    # $BLINK_CPU_ISA: -march=native builds for the capped CPU instead (blink.shared.cpu_features)
+    attempts = [march_flags(flags)] + ([march_flags(fallback_flags)] if fallback_flags is not None else [])
+    for attempt in attempts:
         try:
             return ctypes.CDLL(str(_built(source, compiler, attempt, headers)))
         except CacheDirError:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from blink import env as blink_env
+from blink.shared import cpu_features
 
 #: "0": the kernels act as on a CPU without AMX (blink/env.py)
 AMX_ENV = "BLINK_CPU_AMX"
@@ -11,8 +12,10 @@ def amx_allowed() -> bool:
     """Whether the C kernels may use AMX where the CPU, the build and the OS have it: False
     under ``$BLINK_CPU_AMX=0``, which makes a CPU with AMX take the paths a CPU without it
     takes (paged attention without AMX tiles or AMX scores, 4-bit projections off the AMX
-    kernel), e.g. for ``benchmarks/peers.py --no-amx``. The one reading of the variable."""
-    return blink_env.is_true(AMX_ENV, default=True)
+    kernel), e.g. for ``benchmarks/peers.py --no-amx``. The one reading of the variable. False
+    too where the flags the kernels see have no ``amx_tile`` (:mod:`blink.shared.cpu_features`:
+    ``$BLINK_CPU_ISA=avx2`` leaves it out)."""
+    return blink_env.is_true(AMX_ENV, default=True) and "amx_tile" in (cpu_features.cpu_flags() or ())
 
 
 def onednn_amx() -> bool:
@@ -26,11 +29,7 @@ def onednn_amx() -> bool:
 
     if not amx_allowed():
         return False
-    try:
-        with open("/proc/cpuinfo") as info:
-            flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
-    except OSError:
-        return False
+    flags = cpu_features.cpu_flags() or frozenset()
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
     if "amx_bf16" not in flags or (cap not in ("", "ALL", "DEFAULT") and "AMX" not in cap):
         return False

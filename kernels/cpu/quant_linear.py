@@ -60,6 +60,7 @@ from blink import env as blink_env
 from blink.kernels.cpu import abi, pool as cpu_pool, q4_linear as cpu_q4_linear
 from blink.kernels.cpu.q4_linear import GROUP, IMPL_ENV, TILE, _b_tile_rows, _from_b_tile_rows, _is_fp16
 from blink.kernels.cpu.threads import kernel_threads
+from blink.shared import cpu_features
 from blink.shared.load_chunks import run_chunks
 from blink.shared.native_build import NativeBuildError, NativeLibrary
 
@@ -120,16 +121,10 @@ LIBRARIES = {name: _library(name) for name in VARIANTS}
 _chosen: list[str | None] = []  # [variant or None] once decided
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (``/proc/cpuinfo``; empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as the kernels see them (:func:`blink.shared.cpu_features.cpu_flags`:
+    ``$BLINK_CPU_ISA`` applied; empty where there is no ``/proc/cpuinfo``)."""
+    return cpu_features.cpu_flags() or frozenset()
 
 
 def switch() -> str:

@@ -1,0 +1,104 @@
+"""The CPU's feature flags as Blink's kernels see them: the one reading of ``/proc/cpuinfo``.
+
+Every choice made by the CPU's flags (``--dtype auto``'s native bf16, which build of the
+4-bit kernel runs, whether AMX is used, the ``-march=native`` builds of the C kernels) reads
+:func:`cpu_flags`, so that ``$BLINK_CPU_ISA`` can make all of them act as on a smaller CPU:
+
+* ``BLINK_CPU_ISA=avx2``: as on an x86 CPU with AVX2 and no AVX-512, AVX-VNNI or AMX (AMD Zen
+  2 and 3, Intel before Skylake-SP, many cloud VMs): those flags are left out of
+  :func:`cpu_flags`, ``-march=native`` builds are ``-march=x86-64-v3`` builds
+  (:func:`march_flags`), and the engine's torch is capped the same way
+  (:func:`torch_env`: ``ATEN_CPU_CAPABILITY=avx2``, ``ONEDNN_MAX_CPU_ISA=AVX2``, set by
+  ``blink engine`` before torch loads; an in-process ``blink.LLM`` needs them in its
+  environment before ``import torch``). For measuring that CPU's paths on a bigger one
+  (``benchmarks/peers.py --isa avx2``); the memory and the cores stay the bigger CPU's.
+
+Standard library only (the frontend reaches :mod:`blink.shared.native_build`).
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import NamedTuple
+
+from blink import env as blink_env
+from blink.errors import BlinkError
+
+#: caps the flags the kernels act on (blink/env.py)
+ISA_ENV = "BLINK_CPU_ISA"
+
+
+class Cap(NamedTuple):
+    """What one ``$BLINK_CPU_ISA`` value makes the kernels act as."""
+    #: the CPU it stands for, in the start log
+    means: str
+    #: prefixes of the flags it leaves out of :func:`cpu_flags`
+    dropped: tuple[str, ...]
+    #: the ``-march`` of its ``-march=native`` builds
+    march: str
+    #: torch's own caps (read when torch loads)
+    torch_env: dict[str, str]
+
+
+CAPS: dict[str, Cap] = {
+    "avx2": Cap("a CPU with AVX2 and no AVX-512, AVX-VNNI or AMX",
+                ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert"), "x86-64-v3",
+                {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}),
+}
+
+
+@functools.lru_cache(maxsize=4)
+def read_cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str] | None:
+    """The CPU's own feature flags (the ``flags`` lines of ``/proc/cpuinfo`` on x86 Linux, the
+    ``Features`` lines on Arm), or None where that file cannot be read (not Linux)."""
+    try:
+        text = Path(cpuinfo).read_text(errors="replace")
+    except OSError:
+        return None
+    flags: set[str] = set()
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return frozenset(flags)
+
+
+def isa_cap() -> str:
+    """``$BLINK_CPU_ISA`` checked ("" when unset). Raises :class:`BlinkError` for a value
+    that names no cap."""
+    cap = blink_env.choice(ISA_ENV)
+    if cap and cap not in CAPS:
+        raise BlinkError(f"{ISA_ENV}={cap!r}: use one of {', '.join(CAPS)} (or leave it unset)")
+    return cap
+
+
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str] | None:
+    """The flags the kernels act on: :func:`read_cpu_flags` less what ``$BLINK_CPU_ISA``
+    leaves out; None where there is no cpuinfo."""
+    flags = read_cpu_flags(cpuinfo)
+    cap = isa_cap()
+    if flags is None or not cap:
+        return flags
+    return frozenset(f for f in flags if not f.startswith(CAPS[cap].dropped))
+
+
+def march_flags(flags: tuple[str, ...] | list[str]) -> list[str]:
+    """A build's compiler flags with ``-march=native`` made the capped CPU's ``-march`` (and
+    ``-mtune=generic``) under ``$BLINK_CPU_ISA``; unchanged otherwise."""
+    cap = isa_cap()
+    if not cap:
+        return list(flags)
+    out: list[str] = []
+    for flag in flags:
+        if flag == "-march=native":
+            out += [f"-march={CAPS[cap].march}", "-mtune=generic"]
+        else:
+            out.append(flag)
+    return out
+
+
+def torch_env() -> dict[str, str]:
+    """torch's own ISA caps for ``$BLINK_CPU_ISA`` (empty when unset): what ``blink engine``
+    puts in its environment before torch loads, where the user has not set them."""
+    cap = isa_cap()
+    return dict(CAPS[cap].torch_env) if cap else {}
