@@ -53,11 +53,12 @@ VARIABLES: tuple[EnvVar, ...] = (
            "whether the CPU counts as having native bf16 for --dtype auto (0: float32 on CPU)",
            ("blink.dtypes",)),
     EnvVar("BLINK_CPU_ATTENTION", "choice", "automatic (by a cost estimate per step)",
-           "CPU paged attention: torch = always the torch path; c = always the C kernel",
+           "CPU paged attention: torch = always the torch path; c (the default where it builds) = "
+           "the C kernel where its cost estimate wins, else the torch path",
            ("blink.kernels.cpu.attention",), values=("torch", "c")),
     EnvVar("BLINK_CPU_FUSED", "choice", "automatic",
-           "CPU norms/SiLU/residual ops: torch = the references; c = every C op, also those "
-           "slower than the reference in a build without AVX-512",
+           "CPU norms/SiLU/residual ops: torch = the references; c (the default where it builds) "
+           "= the C ops",
            ("blink.kernels.cpu.fused",), values=("torch", "c")),
     EnvVar("BLINK_CPU_SCHED", "choice", "c (where a C compiler is found)",
            "the CPU loop's per-step scheduler stages (batch build, publishing the tokens, stats): "

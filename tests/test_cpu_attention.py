@@ -197,22 +197,25 @@ exec cc -mno-avx512f "$@"
 """
 
 
-def test_a_build_without_avx512_is_not_used_unless_forced(without_c_compiler, tmp_path, monkeypatch, caplog):
-    """Without AVX-512 the kernel measured slower than SDPA: by default it is refused (said
-    once), with ``c`` it runs, and correctly."""
+def test_a_build_without_avx512_runs_priced_as_measured(request, tmp_path, monkeypatch):
+    """Without AVX-512 (AVX2 code) the kernel runs, correctly, at its own cost a key: the
+    estimate sends batched decodes over long contexts and prompts to SDPA, and a decode graph
+    (whose attention is the kernel) takes one row over a short context but not 16 rows over
+    2048 keys. With AVX-512 a decode graph takes every decode step."""
+    for rows in ([(127, 1)], [(2047, 1)] * 16):
+        *_, md, _ = make_batch(rows, n_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
+        if cpu_attention.LIBRARY.get().blink_has_avx512():
+            assert cpu_attention.graph_takes_decode(dataclasses.replace(md, max_query_len=1, step_cache={}),
+                                                    len(rows), 16)
     wrapper = tmp_path / "cc-no-avx512"
     wrapper.write_text(NO_AVX512_CC)
     wrapper.chmod(0o755)
-    without_c_compiler(cpu_attention.LIBRARY)
+    request.getfixturevalue("without_c_compiler")(cpu_attention.LIBRARY)
     monkeypatch.setenv("CC", str(wrapper))
-    monkeypatch.delenv(cpu_attention.IMPL_ENV)
-    with caplog.at_level("WARNING", logger="blink.kernels"):
-        assert cpu_attention.native_kernel() is None
-    assert any("no AVX-512" in r.getMessage() for r in caplog.records)
-    monkeypatch.setenv(cpu_attention.IMPL_ENV, "c")
-    cpu_attention.LIBRARY.reset()
+    monkeypatch.delenv(cpu_attention.IMPL_ENV, raising=False)
     assert cpu_attention.native_kernel() is not None
-    assert cpu_attention.LIBRARY.get().blink_has_avx512() == 0
+    library = cpu_attention.LIBRARY.get()
+    assert library.blink_has_avx512() == 0 and library.ns_per_visit == cpu_attention._AVX2_NATIVE_NS_PER_VISIT
     k_cache, v_cache, k_new, v_new, md, n_live = make_batch(MIXED, n_kv_heads=2, head_dim=16,
                                                             block_size=4, dtype=torch.bfloat16)
     ref.write_kv_cache(k_new, v_new, k_cache, v_cache, md.slot_mapping)
@@ -220,6 +223,17 @@ def test_a_build_without_avx512_is_not_used_unless_forced(without_c_compiler, tm
     torch.testing.assert_close(native_only(q, k_cache, v_cache, md, 0.25)[:n_live].float(),
                                ref.paged_attention(q, k_cache, v_cache, md, 0.25)[:n_live].float(),
                                **TOL[torch.bfloat16])
+
+    def decide(rows):
+        *_, md, _ = make_batch(rows, n_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
+        md = dataclasses.replace(md, max_query_len=max(n for _, n in rows), step_cache={})
+        return (cpu_attention.graph_takes_decode(md, len(rows), 16),
+                cpu_attention.prefer_native(md, sum(n for _, n in rows), 16))
+
+    assert decide([(127, 1)]) == (True, True)
+    assert decide([(2047, 1)] * 16) == (False, False)
+    assert decide([(63, 1)] * 16) == (True, False)  # the graph's saved Python pays for the kernel
+    assert decide([(0, 512)])[1] is False  # a prompt: SDPA
 
 
 def _cpu_has_amx() -> bool:

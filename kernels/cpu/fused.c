@@ -142,6 +142,10 @@ static void silu_and_mul_row(const uint16_t *restrict gate, const uint16_t *rest
     for (; i + 16 <= dim; i += 16) {
         store_bf16x16(o + i, silu_times16(load_bf16x16(gate + i), load_bf16x16(up + i)));
     }
+#elif defined(BLINK_AVX2_EXP)
+    for (; i + 8 <= dim; i += 8) {
+        store_bf16x8(o + i, silu_times8(load_bf16x8(gate + i), load_bf16x8(up + i)));
+    }
 #endif
     for (; i < dim; i++) {
         float g = bf16_to_f32(gate[i]);
@@ -303,7 +307,16 @@ static float logsumexp_row(const float *x, int64_t n, int64_t *argmax) {
     if (argmax != NULL) *argmax = first;
     if (isinf(m)) return m;
     float sum = 0.0f;
-    for (int64_t j = 0; j < n; j++) sum += exp_nonpositive(x[j] - m);
+    int64_t j = 0;
+#if defined(BLINK_AVX2_EXP) /* 8 lanes (kernels.h's exp_nonpositive8) */
+    const __m256 shift = _mm256_set1_ps(m);
+    __m256 sums = _mm256_setzero_ps();
+    for (; j + 8 <= n; j += 8) sums = _mm256_add_ps(sums, exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(x + j), shift)));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, sums);
+    for (int i = 0; i < 8; i++) sum += lanes[i];
+#endif
+    for (; j < n; j++) sum += exp_nonpositive(x[j] - m);
     return m + logf(sum);
 #endif
 }

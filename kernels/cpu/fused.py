@@ -36,8 +36,11 @@ from blink.shared.native_build import NativeLibrary
 log = logging.getLogger("blink.kernels")
 
 _SOURCE = Path(__file__).with_name("fused.c")
-#: "torch": the references (tests, diagnosis); "c": every C op, also those that are slower
-#: than the reference in a build without AVX-512 (the SiLU); unset: automatic
+#: "torch": the references (tests, diagnosis); "c" or unset: the C ops. (A build without
+#: AVX-512 once kept the SiLU and the sampler's logsumexp on torch, whose exp was vectorised
+#: and theirs not; with kernels.h's 8-lane exp they run here too, and a decode step's graph,
+#: which records only C calls, then records on such a CPU: SmolLM2's one-row step 10.9 ->
+#: 4.8 ms on AVX2 code, docs/performance.md#avx2-cpus.)
 IMPL_ENV = "BLINK_CPU_FUSED"
 _BF16 = torch.bfloat16
 #: the library's compute calls (their signatures: abi.FUSED)
@@ -52,10 +55,6 @@ _FLAGS = ("-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math")
 def _declare(library: ctypes.CDLL) -> None:
     abi.declare(library, abi.FUSED)
     cpu_pool.attach(library)  # calls that split run on the process's one pool
-    # Without AVX-512 the SiLU's vector exp ran 1.8x slower than torch's (measured on an AVX2
-    # build); the other ops stayed 1.4-2.7x faster. The exp-based ops (the SiLU, the
-    # sampler's logsumexp) run only where the exp is vectorised.
-    library.vector_exp = bool(library.blink_has_avx512()) or LIBRARY.switch() == "c"
 
 
 LIBRARY = NativeLibrary(
@@ -157,7 +156,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """:func:`blink.kernels.reference.layers.silu_and_mul`."""
     lib = LIBRARY.get()
-    if lib is None or not lib.vector_exp or not _rows(x) or x.shape[1] % 2:
+    if lib is None or not _rows(x) or x.shape[1] % 2:
         return reference.silu_and_mul(x)
     rows, dim = x.shape[0], x.shape[1] // 2
     out = torch.empty((rows, dim), dtype=_BF16)
@@ -170,7 +169,7 @@ def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
     call with two passes over each row instead of torch's four ops and a [B, V] temporary
     (0.61 -> 0.31 ms for a 16-row step's SmolLM2 logits); the last bit may differ from torch's."""
     lib = LIBRARY.get()
-    if (lib is None or not lib.vector_exp or x.dtype is not torch.float32 or not x.is_cpu or x.ndim != 2
+    if (lib is None or x.dtype is not torch.float32 or not x.is_cpu or x.ndim != 2
             or x.stride(1) != 1 or x.shape[1] == 0
             # the sampler is also traced (a compiled step) and run over fake tensors (the
             # capture checks): the reference then, a C call needs real memory
@@ -187,7 +186,7 @@ def argmax_logsumexp_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     over each row (torch's index: the first NaN, else the first maximum), where the reference
     reads the logits twice more in four ops (a greedy step's sampler, blink.engine.sampler)."""
     lib = LIBRARY.get()
-    if (lib is None or not lib.vector_exp or x.dtype is not torch.float32 or not x.is_cpu or x.ndim != 2
+    if (lib is None or x.dtype is not torch.float32 or not x.is_cpu or x.ndim != 2
             or x.stride(1) != 1 or x.shape[1] == 0 or x.shape[1] >= 2**31
             or torch.compiler.is_compiling() or isinstance(x, FakeTensor)):  # (as logsumexp_rows)
         return sampling_reference.argmax_logsumexp_rows(x)
