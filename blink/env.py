@@ -76,8 +76,10 @@ VARIABLES: tuple[EnvVar, ...] = (
            "AVX-512, AVX-VNNI or AMX (AMD Zen 2/3, older Xeons): --dtype auto, the 4-bit kernel's "
            "build, AMX, and the C kernels' -march=native builds (-march=x86-64-v3); blink engine "
            "also sets torch's ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 where unset; "
-           "benchmarks/peers.py --isa avx2 sets it",
-           ("blink.shared.cpu_features", "blink.launcher"), values=("avx2",)),
+           "benchmarks/peers.py --isa avx2 sets it; avx512 = as on a CPU with AVX-512 and VNNI but "
+           "no BF16 or AMX (Cascade Lake, Ice Lake: -march=cascadelake, torch at avx512 / "
+           "AVX512_CORE_VNNI)",
+           ("blink.shared.cpu_features", "blink.launcher"), values=("avx2", "avx512")),
     EnvVar("BLINK_CPU_Q4", "choice", "chosen by the CPU's flags (AMX, else AVX-512 VNNI, else AVX-512 BF16, else AVX2 int8)",
            "the kernel for projections on a GGUF file's quantized codes: torch = torch's int4 "
            "kernel / bf16 copy; avx512_vnni (int8 activations), avx512, avx2_int8 (int8 activations) "

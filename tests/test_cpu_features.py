@@ -41,9 +41,18 @@ def test_avx2_leaves_out_avx512_vnni_and_amx(monkeypatch, cpuinfo):
     assert dtypes.cpu_has_native_bf16(cpu_flags(cpuinfo)) is False
 
 
+def test_avx512_leaves_out_bf16_and_amx(monkeypatch, cpuinfo):
+    monkeypatch.setenv(ISA_ENV, "avx512")
+    assert cpu_flags(cpuinfo) == frozenset({"fpu", "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw",
+                                            "avx512vl", "avx512_vnni"})
+    assert march_flags(["-march=native"]) == ["-march=cascadelake", "-mtune=generic"]
+    assert torch_env() == {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"}
+    assert dtypes.cpu_has_native_bf16(cpu_flags(cpuinfo)) is False
+
+
 def test_an_unknown_cap_is_a_readable_error(monkeypatch, cpuinfo):
     monkeypatch.setenv(ISA_ENV, "avx10")
-    with pytest.raises(BlinkError, match=f"{ISA_ENV}='avx10': use one of avx2"):
+    with pytest.raises(BlinkError, match=f"{ISA_ENV}='avx10': use one of avx2, avx512"):
         cpu_flags(cpuinfo)
 
 

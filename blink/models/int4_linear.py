@@ -100,6 +100,7 @@ def native_max_rows(build: str) -> int | None:
         return INT8_MAX_ROWS_BESIDE_AMX
     return NATIVE_MAX_ROWS[build]
 
+
 def codes_every_step_kernel() -> str | None:
     """The build of the kernel without AMX that multiplies every step of a file's quantized
     projections on their codes here (an int8 build: :data:`NATIVE_MAX_ROWS` None), in the

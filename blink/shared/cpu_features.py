@@ -10,8 +10,13 @@ Every choice made by the CPU's flags (``--dtype auto``'s native bf16, which buil
   (:func:`march_flags`), and the engine's torch is capped the same way
   (:func:`torch_env`: ``ATEN_CPU_CAPABILITY=avx2``, ``ONEDNN_MAX_CPU_ISA=AVX2``, set by
   ``blink engine`` before torch loads; an in-process ``blink.LLM`` needs them in its
-  environment before ``import torch``). For measuring that CPU's paths on a bigger one
-  (``benchmarks/peers.py --isa avx2``); the memory and the cores stay the bigger CPU's.
+  environment before ``import torch``).
+* ``BLINK_CPU_ISA=avx512``: as on a CPU with AVX-512 and VNNI but no BF16 or AMX (Intel
+  Cascade Lake and Ice Lake, most older cloud VMs): ``-march=cascadelake``, torch at
+  ``avx512`` / ``AVX512_CORE_VNNI``.
+
+For measuring those CPUs' paths on a bigger one (``benchmarks/peers.py --isa``); the memory and
+the cores stay the bigger CPU's.
 
 Standard library only (the frontend reaches :mod:`blink.shared.native_build`).
 """
@@ -44,6 +49,9 @@ CAPS: dict[str, Cap] = {
     "avx2": Cap("a CPU with AVX2 and no AVX-512, AVX-VNNI or AMX",
                 ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert"), "x86-64-v3",
                 {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}),
+    "avx512": Cap("a CPU with AVX-512 and VNNI but no BF16 or AMX (Cascade Lake, Ice Lake)",
+                  ("avx512_bf16", "avx512_fp16", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert"), "cascadelake",
+                  {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"}),
 }
 
 

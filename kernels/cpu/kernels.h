@@ -135,8 +135,8 @@ static inline __m256 silu_times8(__m256 g, __m256 u) {
 #endif
 
 /* Whether this build has AVX-512 (each library that includes this exports it): without it
- * the kernels' 16-float vectors are emulated on narrower registers and ran slower than the
- * torch paths (measured), so the Python side does not use them unless told to. */
+ * the kernels' 16-float vectors are emulated on narrower registers, and the paged attention's
+ * per-token pass ran 2.5x slower a key (kernels/cpu/attention.py prices it so). */
 int blink_has_avx512(void) {
 #if defined(__AVX512F__)
     return 1;
