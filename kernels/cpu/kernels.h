@@ -33,6 +33,15 @@ static inline float blink_fma(float a, float b, float c) {
 #endif
 }
 
+/* 2^f for f in [0, 1): the degree-6 polynomial's coefficients (highest first), shared by the
+ * scalar and vector exps below so that they stay operation for operation the same */
+#define EXP_C6 1.535336188319500e-4f
+#define EXP_C5 1.339887440266574e-3f
+#define EXP_C4 9.618437357674640e-3f
+#define EXP_C3 5.550332471162809e-2f
+#define EXP_C2 2.402264791363012e-1f
+#define EXP_C1 6.931472028550421e-1f
+
 /* exp(x) for x <= 0 in plain arithmetic (libm's expf is a call per element):
  * 2^(x log2 e) = 2^n * 2^f, 2^f by a degree-6 polynomial in multiply-adds; relative error
  * ~2e-7. Below -87 the result is clamped to exp(-87) ~ 1.6e-38, which no sum it enters can
@@ -42,12 +51,12 @@ static inline float exp_nonpositive(float x) {
     float t = x * 1.44269504088896341f;
     float n = floorf(t);
     float f = t - n; /* [0, 1) */
-    float p = 1.535336188319500e-4f;
-    p = blink_fma(p, f, 1.339887440266574e-3f);
-    p = blink_fma(p, f, 9.618437357674640e-3f);
-    p = blink_fma(p, f, 5.550332471162809e-2f);
-    p = blink_fma(p, f, 2.402264791363012e-1f);
-    p = blink_fma(p, f, 6.931472028550421e-1f);
+    float p = EXP_C6;
+    p = blink_fma(p, f, EXP_C5);
+    p = blink_fma(p, f, EXP_C4);
+    p = blink_fma(p, f, EXP_C3);
+    p = blink_fma(p, f, EXP_C2);
+    p = blink_fma(p, f, EXP_C1);
     p = blink_fma(p, f, 1.0f);
     uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
     float scale;
@@ -67,12 +76,12 @@ static inline __m512 exp_nonpositive16(__m512 x) {
     const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    __m512 p = _mm512_set1_ps(EXP_C6);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_C5));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_C4));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_C3));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_C2));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_C1));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
 }
@@ -91,12 +100,12 @@ static inline __m256 exp_nonpositive8(__m256 x) {
     const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
     const __m256 n = _mm256_floor_ps(t);
     const __m256 f = _mm256_sub_ps(t, n);
-    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+    __m256 p = _mm256_set1_ps(EXP_C6);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_C5));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_C4));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_C3));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_C2));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_C1));
     p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
     const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
