@@ -163,8 +163,8 @@ def test_codes_every_step_make_auto_bf16_without_native_bf16(monkeypatch):
 
 def test_engine_asks_for_the_codes_kernel_only_where_it_decides(monkeypatch):
     """``_codes_kernel``: the SmolLM2 GGUF as on an AVX2 CPU (BLINK_CPU_ISA=avx2) names the AVX2
-    int8 build; not for --dtype given, a compiled step, --int4-decode off, a file without
-    codes or a CPU with native bf16."""
+    int8 build; not for --dtype given, a compiled step, --int4-decode off, a file with a
+    matrix the kernels do not take (or none: an HF directory) or a CPU with native bf16."""
     from blink.engine.engine import _codes_kernel
     from blink.errors import ModelLoadError
     from blink.kernels.cpu import quant_linear
@@ -177,7 +177,7 @@ def test_engine_asks_for_the_codes_kernel_only_where_it_decides(monkeypatch):
         pytest.skip(str(exc))
     if find_compiler() is None or "avx2" not in (dtypes.cpu_flags() or ()):
         pytest.skip("needs a C compiler and an AVX2 CPU")
-    assert files.coded_tensor_count() > 0
+    assert files.uncoded_matrices() == []  # Q4_1 projections, the tied Q8_0 embedding/head
     monkeypatch.setenv("BLINK_CPU_ISA", "avx2")
     quant_linear.reset()
     try:
@@ -187,11 +187,17 @@ def test_engine_asks_for_the_codes_kernel_only_where_it_decides(monkeypatch):
         assert _codes_kernel(EngineConfig(dtype="bfloat16"), cpu, files, "cpu-graphs") is None
         assert _codes_kernel(EngineConfig(int4_decode=False), cpu, files, "cpu-graphs") is None
 
-        class NoCodes:
-            def coded_tensor_count(self) -> int:
-                return 0
+        class Files:
+            def __init__(self, uncoded):
+                self.uncoded = uncoded
 
-        assert _codes_kernel(EngineConfig(), cpu, NoCodes(), "cpu-graphs") is None
+            def uncoded_matrices(self):
+                return self.uncoded
+
+        assert _codes_kernel(EngineConfig(), cpu, Files(["model.layers.0.self_attn.q_proj.weight"]),
+                             "cpu-graphs") is None
+        assert _codes_kernel(EngineConfig(), cpu, Files(None), "cpu-graphs") is None  # an HF directory
+        assert _codes_kernel(EngineConfig(), cpu, Files([]), "cpu-graphs") == AVX2_INT8
         monkeypatch.setattr(dtypes, "cpu_flags", lambda: frozenset(ZEN4.split()))  # native bf16
         assert _codes_kernel(EngineConfig(), cpu, files, "cpu-graphs") is None
     finally:

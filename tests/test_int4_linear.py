@@ -322,6 +322,19 @@ def k_quant_ggufs(tmp_path_factory):
     return files
 
 
+def test_uncoded_matrices_name_the_products_no_kernel_takes_on_codes(k_quant_ggufs, tmp_path):
+    """What --dtype auto asks on a CPU without native bf16 (blink.engine.engine._codes_kernel): a
+    file whose every product the kernels take on codes (K-quant projections and head; the F32
+    embedding is a lookup, the head being its own tensor) has none; the same model in F32 names
+    every projection and the head; an HF directory has no codes at all (None)."""
+    assert open_model(k_quant_ggufs["Q4_K"]).uncoded_matrices() == []
+    hf = k_quant_ggufs["Q4_K"].parent / "hf"
+    uncoded = open_model(export_to_gguf(hf, tmp_path / "f32.gguf", Q.F32)).uncoded_matrices()
+    assert "model.layers.0.self_attn.q_proj.weight" in uncoded and "lm_head.weight" in uncoded
+    assert "model.embed_tokens.weight" not in uncoded and not any("norm" in name for name in uncoded)
+    assert open_model(hf).uncoded_matrices() is None
+
+
 def test_reading_and_packing_a_gguf_s_codes_show_progress(k_quant_ggufs, capfd):
     """The codes' unpacking and packing (seconds at 1B, before the "Loading weights" bar)
     show progress bars of their own on stderr; ``progress=False`` shows none."""

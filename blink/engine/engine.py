@@ -211,18 +211,23 @@ class EngineConfig:
 
 
 def _codes_kernel(config: EngineConfig, device: torch.device, files: Any, runner: str) -> str | None:
-    """The kernel that would multiply this model's quantized projections on their codes at
+    """The kernel that would multiply every product of this model on the file's codes at
     every step, what ``--dtype auto`` asks on a CPU without native bf16; None where that is
     not the question (--dtype given, not a CPU, native bf16), under ``--int4-decode off`` or
-    a compiled step (plain weights), for a file without codes, or where no kernel takes every
-    step here."""
-    count = getattr(files, "coded_tensor_count", None)
+    a compiled step (plain weights), for a file with matrices the kernels do not take (an HF
+    directory; F16, Q5_0, IQ* or expert tensors, which would run as bf16 products without
+    native bf16: float32 stays, not measured otherwise), or where no kernel takes every step
+    here."""
+    uncoded = getattr(files, "uncoded_matrices", None)
     if (config.dtype != "auto" or device.type != "cpu" or not config.int4_decode or runner == "compiled"
-            or count is None or cpu_has_native_bf16()):
+            or uncoded is None or cpu_has_native_bf16()):
+        return None
+    left = uncoded()
+    if left is None or left:
         return None
     from blink.models import int4_linear
 
-    return int4_linear.codes_every_step_kernel() if count() else None
+    return int4_linear.codes_every_step_kernel()
 
 
 def _kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:

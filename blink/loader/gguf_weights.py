@@ -269,10 +269,21 @@ class GGUFWeights(GGUFFile):
         finally:
             bar.close()
 
-    def coded_tensor_count(self, qtypes: tuple[str, ...] = CODED_TYPES) -> int:
-        """How many 2-D tensors (experts excluded) the file stores in one of ``qtypes``: the
-        weights the CPU kernels can take on their codes (0: an F16/BF16/F32 file)."""
-        return sum(1 for _ in self._coded_tensors(qtypes))
+    def uncoded_matrices(self, qtypes: tuple[str, ...] = CODED_TYPES) -> list[str]:
+        """HF names of the matrices a step multiplies that the file does not store in one of
+        ``qtypes`` (the CPU kernels' codes): experts, and 2-D tensors of other types (F16, Q5_0,
+        IQ*...); the token embedding counts where it is also the head (no ``lm_head``), else it
+        is a lookup. Empty: every product can run on the file's codes."""
+        names = {entry.hf_name for entry in self._entries}
+        tied = "lm_head.weight" not in names
+        uncoded = []
+        for entry in self._entries:
+            tensor = self.reader.tensors[entry.tensor_index]
+            if entry.hf_name == "model.embed_tokens.weight" and not tied:
+                continue
+            if entry.expert >= 0 or (len(tensor.shape) == 2 and tensor.tensor_type.name not in qtypes):
+                uncoded.append(entry.hf_name)
+        return uncoded
 
     def iter_q4_codes(self) -> Iterator[tuple[str, Q4Codes]]:
         """``(hf_name, codes)`` for every 2-D tensor the file stores as Q4_0 or Q4_1 (experts

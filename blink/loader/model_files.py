@@ -84,10 +84,11 @@ class ModelFiles:
         if isinstance(self._weights, GGUFWeights):
             yield from self._weights.iter_quant_codes(progress=progress)
 
-    def coded_tensor_count(self) -> int:
-        """How many tensors ``iter_quant_codes`` would yield (0: a Hugging Face directory, or a
-        GGUF file of F16/BF16/F32 tensors), without reading them."""
-        return self._weights.coded_tensor_count() if isinstance(self._weights, GGUFWeights) else 0
+    def uncoded_matrices(self) -> list[str] | None:
+        """A GGUF file's matrices that no CPU kernel takes on their codes
+        (:meth:`GGUFWeights.uncoded_matrices`; empty: every product can); None for a Hugging
+        Face directory (no codes)."""
+        return self._weights.uncoded_matrices() if isinstance(self._weights, GGUFWeights) else None
 
     def iter_q8_codes(self) -> Iterator[tuple[str, "Q8Codes"]]:
         """``(hf_name, codes)`` of the tensors stored as 8-bit Q8_0 codes (a GGUF file's; a
