@@ -11,9 +11,9 @@ The rule (:func:`resolve_dtype`):
   ``torch_dtype: float32`` (or ``dtype``) keeps float32: its author shipped full precision
   and rounding it would change its greedy outputs (vLLM's CPU backend downcasts those to
   bf16 too; Blink does not). A GGUF has no such field and is dequantised to bf16.
-* ``auto`` on a CPU without native bf16, for a checkpoint whose projections a CPU kernel here
-  multiplies on their codes at every step (a quantized GGUF with an int8 build of the kernel
-  without AMX: AVX-512 VNNI, AVX2): bfloat16 too. Those products are int8 sums whatever the
+* ``auto`` on a CPU without native bf16, for a checkpoint whose every product a CPU kernel here
+  multiplies on the file's codes at every step (a GGUF of Q4_0/Q4_1/Q8_0/K-quant matrices only,
+  with an int8 build of the kernel without AMX: AVX-512 VNNI, AVX2): bfloat16 too. Those products are int8 sums whatever the
   activations' dtype, and float32 would instead dequantize every weight to fp32 (8x a Q4
   file's bytes a token): SmolLM2-135M's Q4_1 decode step as on an AVX2 CPU
   (``BLINK_CPU_ISA=avx2``) 46.4 ms in float32, 11.5 in bf16 (docs/performance.md#avx2-cpus).
