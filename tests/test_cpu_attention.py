@@ -198,15 +198,9 @@ exec cc -mno-avx512f "$@"
 
 
 def test_a_build_without_avx512_runs_priced_as_measured(request, tmp_path, monkeypatch):
-    """Without AVX-512 (AVX2 code) the kernel runs, correctly, at its own cost a key: the
-    estimate sends batched decodes over long contexts and prompts to SDPA, and a decode graph
-    (whose attention is the kernel) takes one row over a short context but not 16 rows over
-    2048 keys. With AVX-512 a decode graph takes every decode step."""
-    for rows in ([(127, 1)], [(2047, 1)] * 16):
-        *_, md, _ = make_batch(rows, n_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
-        if cpu_attention.LIBRARY.get().blink_has_avx512():
-            assert cpu_attention.graph_takes_decode(dataclasses.replace(md, max_query_len=1, step_cache={}),
-                                                    len(rows), 16)
+    """Without AVX-512 (AVX2 code, 8-float vectors) the kernel runs, correctly, at its own cost a
+    key, without tiles: the estimate keeps decode steps on it (as decode graphs do) and sends
+    long prompts to SDPA."""
     wrapper = tmp_path / "cc-no-avx512"
     wrapper.write_text(NO_AVX512_CC)
     wrapper.chmod(0o755)
@@ -216,24 +210,24 @@ def test_a_build_without_avx512_runs_priced_as_measured(request, tmp_path, monke
     assert cpu_attention.native_kernel() is not None
     library = cpu_attention.LIBRARY.get()
     assert library.blink_has_avx512() == 0 and library.ns_per_visit == cpu_attention._AVX2_NATIVE_NS_PER_VISIT
-    k_cache, v_cache, k_new, v_new, md, n_live = make_batch(MIXED, n_kv_heads=2, head_dim=16,
-                                                            block_size=4, dtype=torch.bfloat16)
-    ref.write_kv_cache(k_new, v_new, k_cache, v_cache, md.slot_mapping)
-    q = torch.randn(md.slot_mapping.shape[0], 4, 16).to(torch.bfloat16)
-    torch.testing.assert_close(native_only(q, k_cache, v_cache, md, 0.25)[:n_live].float(),
-                               ref.paged_attention(q, k_cache, v_cache, md, 0.25)[:n_live].float(),
-                               **TOL[torch.bfloat16])
+    assert cpu_attention.tile_min_tokens() == 0
+    for dtype in (torch.bfloat16, torch.float32):
+        for head_dim in (16, 64):  # one and several 8-float vectors a head
+            k_cache, v_cache, k_new, v_new, md, n_live = make_batch(MIXED, n_kv_heads=2, head_dim=head_dim,
+                                                                    block_size=4, dtype=dtype)
+            ref.write_kv_cache(k_new, v_new, k_cache, v_cache, md.slot_mapping)
+            q = torch.randn(md.slot_mapping.shape[0], 4, head_dim).to(dtype)
+            torch.testing.assert_close(native_only(q, k_cache, v_cache, md, 0.25)[:n_live].float(),
+                                       ref.paged_attention(q, k_cache, v_cache, md, 0.25)[:n_live].float(),
+                                       **TOL[dtype])
 
-    def decide(rows):
+    def picks_native(rows):
         *_, md, _ = make_batch(rows, n_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
         md = dataclasses.replace(md, max_query_len=max(n for _, n in rows), step_cache={})
-        return (cpu_attention.graph_takes_decode(md, len(rows), 16),
-                cpu_attention.prefer_native(md, sum(n for _, n in rows), 16))
+        return cpu_attention.prefer_native(md, sum(n for _, n in rows), 16)
 
-    assert decide([(127, 1)]) == (True, True)
-    assert decide([(2047, 1)] * 16) == (False, False)
-    assert decide([(63, 1)] * 16) == (True, False)  # the graph's saved Python pays for the kernel
-    assert decide([(0, 512)])[1] is False  # a prompt: SDPA
+    assert picks_native([(127, 1)]) and picks_native([(2047, 1)] * 16) and picks_native([(4095, 1)])
+    assert not picks_native([(0, 512)]) and not picks_native([(300, 1)] * 8 + [(1536, 512)])
 
 
 def _cpu_has_amx() -> bool:

@@ -12,7 +12,7 @@
  * (t inside r's span of query_start_loc) attends to positions j <= min(positions[t],
  * seq_lens[r] - 1); every other token (bucket padding, unused rows) gets zeros. Accumulation
  * is fp32 whatever the dtypes. Built at first use by kernels/cpu/attention.py, with GCC >= 12
- * or clang (reduce16's __builtin_shufflevector; an older GCC stops at an #error there).
+ * or clang (reduce_lanes' __builtin_shufflevector; an older GCC stops at an #error there).
  *
  * Prompt rows (at least TILE_MIN_TOKENS new tokens): the per-token pass reads the whole
  * context once per token and does its products one key at a time (~65 ms of a 512-token
@@ -87,13 +87,20 @@ static int amx_allowed = 1;
 void blink_paged_attention_allow_amx(int allowed) { amx_allowed = allowed != 0; }
 
 
-/* 16 floats: one AVX-512 register, two AVX2 ones; the compiler lowers it for the host. */
-typedef float vf __attribute__((vector_size(64)));
-typedef uint32_t vu32 __attribute__((vector_size(64)));
-typedef uint16_t vu16 __attribute__((vector_size(32)));
-enum { W = 16 };
+/* W floats, one register: 16 with AVX-512, else 8 (an AVX2 register). With 16-float vectors an
+ * AVX2 build took two registers a vector, and the scores of W keys for a group of heads spilled
+ * from its 16: 5.4x the AVX-512 build's time a key at 16 rows over 2048 keys, 1.36x with 8
+ * (docs/performance.md#avx2-cpus). The compiler lowers them for the host. */
+#if defined(__AVX512F__)
+#define W 16
+#else
+#define W 8
+#endif
+typedef float vf __attribute__((vector_size(4 * W)));
+typedef uint32_t vu32 __attribute__((vector_size(4 * W)));
+typedef uint16_t vu16 __attribute__((vector_size(2 * W)));
 
-static inline vf load16(const void *base, int64_t index, int bf16) {
+static inline vf load_vec(const void *base, int64_t index, int bf16) {
     vf f;
     if (bf16) { /* bf16 is the top half of an fp32 */
         vu16 h;
@@ -106,7 +113,7 @@ static inline vf load16(const void *base, int64_t index, int bf16) {
     return f;
 }
 
-static inline void store16(void *base, int64_t index, vf f, int bf16) {
+static inline void store_vec(void *base, int64_t index, vf f, int bf16) {
     if (bf16) { /* round to nearest even; attention outputs are finite */
         vu32 u;
         memcpy(&u, &f, sizeof u);
@@ -118,16 +125,18 @@ static inline void store16(void *base, int64_t index, vf f, int bf16) {
     }
 }
 
-/* r[j] = sum of v[j]'s lanes, j < 16: four levels of pairwise shuffles and adds (15 adds
- * for 16 keys instead of a horizontal sum per key). Each level halves every vector's
- * partial sums and packs two vectors into one, keeping the keys in order.
+/* r[j] = sum of v[j]'s lanes, j < W: log2(W) levels of pairwise shuffles and adds (W - 1 adds
+ * for W keys instead of a horizontal sum per key). Each level halves every vector's partial
+ * sums and packs two vectors into one, keeping the keys in order.
  * __builtin_shufflevector: GCC >= 12 or clang. An older GCC stops here with the message
  * below; the Python side then warns (naming the requirement and the compiler found) and
  * runs the torch path. */
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 12
 #error "kernels/cpu/attention.c needs GCC >= 12 or clang (__builtin_shufflevector)"
 #endif
-static inline vf reduce16(vf v[W]) {
+#define PAIR(x, y, LO, HI) (__builtin_shufflevector(x, y, LO) + __builtin_shufflevector(x, y, HI))
+#if W == 16
+static inline vf reduce_lanes(vf v[W]) {
 #define LO1 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
 #define HI1 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
 #define LO2 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27
@@ -136,14 +145,27 @@ static inline vf reduce16(vf v[W]) {
 #define HI3 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31
 #define LO4 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
 #define HI4 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
-#define PAIR(x, y, LO, HI) (__builtin_shufflevector(x, y, LO) + __builtin_shufflevector(x, y, HI))
     vf a[8], b[4], c[2];
     for (int j = 0; j < 8; j++) a[j] = PAIR(v[2 * j], v[2 * j + 1], LO1, HI1);
     for (int j = 0; j < 4; j++) b[j] = PAIR(a[2 * j], a[2 * j + 1], LO2, HI2);
     for (int j = 0; j < 2; j++) c[j] = PAIR(b[2 * j], b[2 * j + 1], LO3, HI3);
     return PAIR(c[0], c[1], LO4, HI4);
-#undef PAIR
 }
+#else
+static inline vf reduce_lanes(vf v[W]) {
+#define LO1 0, 1, 2, 3, 8, 9, 10, 11
+#define HI1 4, 5, 6, 7, 12, 13, 14, 15
+#define LO2 0, 1, 4, 5, 8, 9, 12, 13
+#define HI2 2, 3, 6, 7, 10, 11, 14, 15
+#define LO3 0, 2, 4, 6, 8, 10, 12, 14
+#define HI3 1, 3, 5, 7, 9, 11, 13, 15
+    vf a[4], b[2];
+    for (int j = 0; j < 4; j++) a[j] = PAIR(v[2 * j], v[2 * j + 1], LO1, HI1);
+    for (int j = 0; j < 2; j++) b[j] = PAIR(a[2 * j], a[2 * j + 1], LO2, HI2);
+    return PAIR(b[0], b[1], LO3, HI3);
+}
+#endif
+#undef PAIR
 
 /* One block's step of the online softmax for one head: s[0, nk) (the block's scores; the
  * array has room for whole 16-lane chunks) becomes e^(s - new max), the running max m and
@@ -263,7 +285,7 @@ static inline __attribute__((always_inline)) int attend_as(const args_t *a, int6
     const vf zero = {0};
     for (int64_t i = 0; i < G; i++) {
         for (int64_t n = 0; n < NV; n++) {
-            q[i][n] = load16(a->q, t * a->q_stride_t + (g * G + i) * a->q_stride_h + n * W, a->q_bf16) * a->scale;
+            q[i][n] = load_vec(a->q, t * a->q_stride_t + (g * G + i) * a->q_stride_h + n * W, a->q_bf16) * a->scale;
             acc[i][n] = zero;
         }
         m[i] = -INFINITY;
@@ -327,12 +349,12 @@ static inline __attribute__((always_inline)) int attend_as(const args_t *a, int6
             }
         } else
 #endif
-        for (int64_t c0 = 0; c0 < nk; c0 += W) { /* scores, 16 keys at a time */
+        for (int64_t c0 = 0; c0 < nk; c0 += W) { /* scores, W keys at a time */
             int64_t nc = nk - c0 < W ? nk - c0 : W;
             for (int64_t jj = 0; jj < W; jj++) {
                 if (jj < nc) {
                     for (int64_t n = 0; n < NV; n++)
-                        key[n] = load16(a->k, first + (c0 + jj) * key_stride + n * W, kv_bf16);
+                        key[n] = load_vec(a->k, first + (c0 + jj) * key_stride + n * W, kv_bf16);
                 } else {
                     for (int64_t n = 0; n < NV; n++) key[n] = zero;
                 }
@@ -343,7 +365,7 @@ static inline __attribute__((always_inline)) int attend_as(const args_t *a, int6
                 }
             }
             for (int64_t i = 0; i < G; i++) {
-                vf sums = reduce16(dots[i]);
+                vf sums = reduce_lanes(dots[i]);
                 memcpy(&s[i][c0], &sums, sizeof sums);
             }
         }
@@ -352,7 +374,7 @@ static inline __attribute__((always_inline)) int attend_as(const args_t *a, int6
             for (int64_t n = 0; n < NV; n++) acc[i][n] *= correction;
         }
         for (int64_t jj = 0; jj < nk; jj++) { /* weighted values */
-            for (int64_t n = 0; n < NV; n++) key[n] = load16(a->v, first + jj * key_stride + n * W, kv_bf16);
+            for (int64_t n = 0; n < NV; n++) key[n] = load_vec(a->v, first + jj * key_stride + n * W, kv_bf16);
             for (int64_t i = 0; i < G; i++) {
                 float p = s[i][jj];
                 for (int64_t n = 0; n < NV; n++) acc[i][n] += p * key[n];
@@ -361,7 +383,7 @@ static inline __attribute__((always_inline)) int attend_as(const args_t *a, int6
     }
     for (int64_t i = 0; i < G; i++) {
         float inv = 1.0f / l[i];
-        for (int64_t n = 0; n < NV; n++) store16(a->out, out_base + i * D + n * W, acc[i][n] * inv, a->q_bf16);
+        for (int64_t n = 0; n < NV; n++) store_vec(a->out, out_base + i * D + n * W, acc[i][n] * inv, a->q_bf16);
     }
     return 0;
 }
@@ -444,7 +466,7 @@ static void store_tile_out(const args_t *a, const float *acc, __m512 l, int64_t 
             if (valid[i]) {
                 vf out;
                 memcpy(&out, &rows[i], sizeof out);
-                store16(a->out, ((t0 + i) * a->H + h) * D + d0, out, a->q_bf16);
+                store_vec(a->out, ((t0 + i) * a->H + h) * D + d0, out, a->q_bf16);
             }
     }
 }
@@ -466,7 +488,7 @@ enum { FQ = 16, FK = 16 };
 enum { TILE_MIN_TOKENS = 8 };
 
 static inline __m512 load16_ps(const void *base, int64_t index, int bf16) {
-    const vf f = load16(base, index, bf16);
+    const vf f = load_vec(base, index, bf16);
     __m512 r;
     memcpy(&r, &f, sizeof r);
     return r;
@@ -694,7 +716,7 @@ static void attend_tile(const args_t *a, int64_t r, int64_t h, int64_t t0, int64
                                                                      _mm512_load_ps(product + d * QT)));
         }
     }
-    store_tile_out(a, acc, l, t0, h, valid); /* (bf16 queries: store16 rounds as store_bf16x16) */
+    store_tile_out(a, acc, l, t0, h, valid); /* (bf16 queries: store_vec rounds as store_bf16x16) */
 }
 
 #endif /* BLINK_AMX */

@@ -54,17 +54,10 @@ IMPL_ENV = "BLINK_CPU_ATTENTION"
 # plus per (tile, query slot, key) for the blocked product, plus a fixed cost per call. Only
 # their ratio matters.
 _NATIVE_NS_PER_VISIT = 70.0
-# The per-token pass in a build without AVX-512 (its 16-float vectors spill from AVX2's 16
-# registers), in the units of the SDPA terms below: AVX2 code on the Xeon (BLINK_CPU_ISA=avx2,
-# two threads, docs/performance.md#avx2-cpus) took 175-180 ns a visit at 16 rows of 256-2048
-# cached keys, 2.5x the AVX-512 build, while SDPA's decode tiles took 82-90 ns a key where the
-# terms below (fitted on prefills) say 201; entered at 2.2x so that decode steps compare right.
-_AVX2_NATIVE_NS_PER_VISIT = 400.0
-# What a decode step's graph (blink.decode_graphs) saves a layer against the eager forward, in
-# the same units (2.2x): the Python and torch dispatch between its C calls, ~200 us a layer
-# (SmolLM2's one-row step on AVX2 code: eager, SDPA and the SiLU in torch, 10.9 ms; replayed
-# 4.8 ms; 30 layers).
-_GRAPH_NS_SAVED_PER_LAYER = 440_000.0
+# The per-token pass in a build without AVX-512 (8-float vectors, attention.c's W), in the same
+# units: 1.36x the AVX-512 build's time a key at 16 rows of 2048 cached keys, two threads, AVX2
+# code on the Xeon (BLINK_CPU_ISA=avx2; 1.5 against 1.1 ms a layer; docs/performance.md#avx2-cpus)
+_AVX2_NATIVE_NS_PER_VISIT = 100.0
 # the C kernel's AMX tiles (prompt rows): 7-11 ns per (token, visible key) at 128-2048 tokens
 _TILE_NS_PER_VISIT = 10.0
 # its AVX-512 tiles (a CPU without AMX, or not bf16): 12-17 ns on SmolLM2's prompts of
@@ -87,9 +80,8 @@ _MATH_FLAGS = ("-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-f
 def _declare(library: ctypes.CDLL) -> None:
     abi.declare(library, abi.ATTENTION)
     cpu_pool.attach(library)  # calls that split run on the process's one pool
-    # Without AVX-512 the per-token pass is ~2.5x slower a key (0.46-1.15x SDPA on decode
-    # steps, 0.06-0.19x on prefills, docs/performance.md#avx2-cpus): the estimate then prices
-    # it so, and decode graphs take a step only where its C calls, Python-free, still win.
+    # Without AVX-512 the per-token pass is slower a key and there are no tiles for prompt rows
+    # (docs/performance.md#avx2-cpus): the estimate prices it so.
     library.ns_per_visit = _NATIVE_NS_PER_VISIT if library.blink_has_avx512() else _AVX2_NATIVE_NS_PER_VISIT
     # $BLINK_CPU_AMX=0: the path a CPU without AMX takes (AVX-512's tiles, scores on AVX-512)
     library.blink_paged_attention_allow_amx(int(amx_allowed()))
@@ -141,8 +133,7 @@ def describe() -> str:
         return "the torch path (SDPA over gathered blocks)" + (
             f" (${IMPL_ENV}=torch)" if LIBRARY.switched_off() else "")
     if not library.blink_has_avx512():
-        return ("the C kernel (without AVX-512: no tiles) where its cost estimate wins, decode graphs' "
-                "steps included, else SDPA")
+        return "the C kernel (without AVX-512: no tiles) where its cost estimate wins, else SDPA"
     rows = f"prompt rows of {library.tile_min_tokens}+ new tokens"
     if library.tiles_on_amx:
         tiles = f"AMX tiles for bf16 {rows}, AVX-512 tiles for the others"
@@ -167,7 +158,7 @@ def _native_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def prefer_native(md: AttentionMetadata, T: int, block_size: int, tile_min: int = 0,
-                  tile_ns_per_visit: float = _TILE_NS_PER_VISIT, sdpa_extra_ns: float = 0.0) -> bool:
+                  tile_ns_per_visit: float = _TILE_NS_PER_VISIT) -> bool:
     """Whether the C kernel's estimated cost is below the torch path's for this step (once per
     step, memoised in ``md.step_cache``). A host-side decision: this is the CPU loop, whose
     metadata lives in host memory; the GPU tiers run their own kernels.
@@ -176,13 +167,10 @@ def prefer_native(md: AttentionMetadata, T: int, block_size: int, tile_min: int 
     tokens are decodes; SDPA's blocked products win for prefills, whose tokens share one
     context, unless the kernel has tiles for them: rows of ``tile_min`` new tokens or more
     (0: none; :func:`prompt_tiles`) cost ``tile_ns_per_visit`` per key, a fraction. The
-    estimate replays the torch path's tiling (:func:`_attention_plan`'s ``Qt``).
-    ``sdpa_extra_ns``: a cost a layer the torch path brings beside its own (a decode graph's
-    saved Python, :func:`graph_takes_decode`; memoised apart)."""
-    key = "cpu_attention_prefer_native" if not sdpa_extra_ns else "cpu_attention_graph_native"
+    estimate replays the torch path's tiling (:func:`_attention_plan`'s ``Qt``)."""
     cache = md.step_cache
-    if cache is not None and key in cache:
-        return cache[key]
+    if cache is not None and "cpu_attention_prefer_native" in cache:
+        return cache["cpu_attention_prefer_native"]
     starts = md.query_start_loc.numpy().astype(np.int64)
     n_new = starts[1:] - starts[:-1]
     context = md.seq_lens.numpy().astype(np.int64)
@@ -200,22 +188,11 @@ def prefer_native(md: AttentionMetadata, T: int, block_size: int, tile_min: int 
     per_visit = library.ns_per_visit if library is not None else _NATIVE_NS_PER_VISIT
     native = (float(row_visits[~tiled].sum()) * per_visit
               + float(row_visits[tiled].sum()) * tile_ns_per_visit)
-    sdpa = tiles * L * (_SDPA_NS_PER_TILE_KEY + Qt * _SDPA_NS_PER_CELL) + _SDPA_NS_PER_CALL + sdpa_extra_ns
+    sdpa = tiles * L * (_SDPA_NS_PER_TILE_KEY + Qt * _SDPA_NS_PER_CELL) + _SDPA_NS_PER_CALL
     choice = native <= sdpa
     if cache is not None:
-        cache[key] = choice
+        cache["cpu_attention_prefer_native"] = choice
     return choice
-
-
-def graph_takes_decode(md: AttentionMetadata, T: int, block_size: int) -> bool:
-    """Whether a decode step (one new token a row) should replay its graph, whose recorded
-    attention is the C kernel's: always where the kernel has AVX-512 (its per-token pass wins
-    a decode step's estimate), else where its cost stays below the torch path's plus the
-    Python the graph saves a layer (one row over short contexts, not 16 rows over 2048 keys)."""
-    library = LIBRARY.get()
-    if library is None or library.blink_has_avx512():
-        return True
-    return prefer_native(md, T, block_size, sdpa_extra_ns=_GRAPH_NS_SAVED_PER_LAYER)
 
 
 def _native_metadata(md: AttentionMetadata) -> tuple[torch.Tensor, ...]:
