@@ -757,6 +757,59 @@ static inline int code_offset(int format) {
     return format & F_BITS8 ? 0 : format & F_BITS6 ? 32 : format & F_M8 ? 8 : 0;
 }
 
+/* Vector c (rows 4c .. 4c + 3) of group g's codes `gc` for columns 8 hc .. 8 hc + 7, 4/5/6-bit
+ * codes: each column's channels 8c, 8c + 4, 8c + 1, 8c + 5 (lo) and 8c + 2, 8c + 6, 8c + 3,
+ * 8c + 7 (hi) as unsigned bytes u in its 32-bit lane, the 5/6-bit top bits in place. Once per
+ * pass over the tile (half_rows), or once for all of a panel's passes (tile_unpack). */
+static inline __attribute__((always_inline)) void unpack_vector(const uint8_t *gc, int hc, int c, const int bits,
+                                                                __m256i *lo_out, __m256i *hi_out) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m256i top_lo = _mm256_set1_epi16(0x0010), top_hi = _mm256_set1_epi16(0x1000); /* 5-bit */
+    const __m256i top_both = _mm256_set1_epi8(0x30);                                       /* 6-bit */
+    const int h = c / 2, c2 = c % 2;
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(gc + c * 64 + hc * 32));
+    __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    if (bits == 6) { /* as the VNNI build's: one shift a vector (POS6) */
+        const __m256i high6 = _mm256_loadu_si256((const __m256i *)(gc + 256 + h * 64 + hc * 32));
+        lo = _mm256_or_si256(lo, _mm256_and_si256(shift16(high6, 4 - 4 * c2), top_both));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(shift16(high6, 2 - 4 * c2), top_both));
+    } else if (bits == 5) {
+        /* lo's bytes are rows 4c (word's low byte) and 4c + 2 (high byte), hi's 4c + 1 and
+         * 4c + 3; a row's top bit goes to bit 4 of its byte */
+        const __m256i high5 = _mm256_loadu_si256((const __m256i *)(gc + 256 + hc * 32));
+        const int jb = 4 * c; /* row 4c's bit in high5 */
+        lo = _mm256_or_si256(lo, _mm256_or_si256(_mm256_and_si256(shift16(high5, 4 - jb), top_lo),
+                                                 _mm256_and_si256(shift16(high5, 12 - (jb + 2)), top_hi)));
+        hi = _mm256_or_si256(hi, _mm256_or_si256(_mm256_and_si256(shift16(high5, 4 - (jb + 1)), top_lo),
+                                                 _mm256_and_si256(shift16(high5, 12 - (jb + 3)), top_hi)));
+    }
+    *lo_out = lo;
+    *hi_out = hi;
+}
+
+/* bytes of one tile's unpacked codes (tile_unpack): per group, half and vector c, lo then hi */
+static inline int64_t unpacked_bytes(int64_t K) { return K / GROUP * 2 * 4 * 2 * 32; }
+
+/* Tile t's 4/5/6-bit codes unpacked once for a panel's passes (half_rows' `unpacked`): the
+ * unpacking (3 instructions a vector for 4-bit codes, 9 for 6-bit) is then not redone by
+ * every pass of ROWS_I8 rows, which read two vectors instead. */
+static void tile_unpack(const args_t *a, int64_t t, uint8_t *out) {
+    const int64_t groups = a->K / GROUP, tb = tile_bytes(a->format);
+    const int bits = a->format & F_BITS6 ? 6 : a->format & F_BITS5 ? 5 : 4;
+    const uint8_t *codes = a->codes + t * groups * tb;
+    for (int64_t g = 0; g < groups; g++)
+        for (int hc = 0; hc < 2; hc++)
+            for (int c = 0; c < 4; c++) {
+                __m256i lo, hi;
+                if (bits == 6) unpack_vector(codes + g * tb, hc, c, 6, &lo, &hi);
+                else if (bits == 5) unpack_vector(codes + g * tb, hc, c, 5, &lo, &hi);
+                else unpack_vector(codes + g * tb, hc, c, 4, &lo, &hi);
+                uint8_t *at = out + ((g * 2 + hc) * 4 + c) * 64;
+                _mm256_store_si256((__m256i *)at, lo);
+                _mm256_store_si256((__m256i *)(at + 32), hi);
+            }
+}
+
 /* Rows [r0, r0 + R) x columns 8 hc .. 8 hc + 7 of tile t; r0 a multiple of ROWS_I8 (x in
  * blocks of ROWS_I8 rows: blocked). R <= ROWS_I8, the code width, whether m is stored, the
  * codes' offset and g16 (scale groups of 16) are known at compile time once inlined
@@ -765,7 +818,8 @@ static inline int code_offset(int format) {
 static inline __attribute__((always_inline)) void half_rows(const args_t *a, int64_t t, int hc, int64_t r0,
                                                             const int R, const int bits, const int with_m,
                                                             const int off, const int g16, const int k256,
-                                                            const float *scales, far_t far) {
+                                                            const float *scales, far_t far,
+                                                            const uint8_t *unpacked) {
     const int64_t groups = a->K / GROUP, tb = tile_bytes(a->format);
     const int64_t sgroups = a->K / (g16 ? 16 : GROUP), per = g16 ? 2 : 1;
     const uint8_t *codes = a->codes + t * groups * tb;
@@ -773,9 +827,7 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
     const float *xs = a->xs + blocked(r0, groups, 0, ROWS_I8);          /* xs[g ROWS_I8 + r] */
     const int32_t *xoff = a->xoff + blocked(r0, sgroups, 0, ROWS_I8);   /* -off sum(qx): xoff[s ROWS_I8 + r] */
     const float *x_sums = a->x_sums + blocked(r0, sgroups, 0, ROWS_I8); /* s sum(qx): x_sums[s ROWS_I8 + r] */
-    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    const __m256i top_lo = _mm256_set1_epi16(0x0010), top_hi = _mm256_set1_epi16(0x1000); /* 5-bit */
-    const __m256i top_both = _mm256_set1_epi8(0x30);                                       /* 6-bit */
+    const __m256i ones = _mm256_set1_epi16(1);
     /* 8-bit: in each 128-bit lane, words 0..3 of row 2k (its low 8 bytes) and of row 2k + 1
      * (its high 8) interleaved: column j's channels 4k .. 4k + 3 in lane j */
     const __m256i interleave = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15,
@@ -801,7 +853,6 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
             prefetch_far(far, g);
         }
         const int8_t *xg = xq + g * ROWS_I8 * GROUP;
-        const __m256i high5 = bits == 5 ? _mm256_loadu_si256((const __m256i *)(gc + 256 + hc * 32)) : _mm256_setzero_si256();
         if (HOIST_SUPER_SCALES && k256 && !scales && (g & 7) == 0) { /* a super-block starts */
             super_at = a->scales + (t * (a->K >> 8) + (g >> 3)) * k_bytes;
             super_d = load_scales8(super_at + hc * 16, 0);
@@ -810,8 +861,6 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
         int n16 = 0, n32 = 0; /* vectors c in acc16, widenings in acc32: constants once unrolled */
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) { /* channels 16h .. 16h + 15 */
-            const __m256i high6 = bits == 6 ? _mm256_loadu_si256((const __m256i *)(gc + 256 + h * 64 + hc * 32))
-                                            : _mm256_setzero_si256();
 #pragma GCC unroll 2
             for (int c2 = 0; c2 < 2; c2++) {
                 const int c = 2 * h + c2;
@@ -826,22 +875,12 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
                         _mm_loadu_si128((const __m128i *)(row + 6 * TILE)), 1);
                     lo = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(r01, 0xD8), interleave);
                     hi = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(r23, 0xD8), interleave);
+                } else if (unpacked) { /* tile_unpack's, for every pass of the panel */
+                    const uint8_t *at = unpacked + ((g * 2 + hc) * 4 + c) * 64;
+                    lo = _mm256_load_si256((const __m256i *)at);
+                    hi = _mm256_load_si256((const __m256i *)(at + 32));
                 } else {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(gc + c * 64 + hc * 32));
-                    lo = _mm256_and_si256(v, low4);
-                    hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-                    if (bits == 6) { /* as the VNNI build's: one shift a vector (POS6) */
-                        lo = _mm256_or_si256(lo, _mm256_and_si256(shift16(high6, 4 - 4 * c2), top_both));
-                        hi = _mm256_or_si256(hi, _mm256_and_si256(shift16(high6, 2 - 4 * c2), top_both));
-                    } else if (bits == 5) {
-                        /* lo's bytes are rows 4c (word's low byte) and 4c + 2 (high byte), hi's
-                         * 4c + 1 and 4c + 3; a row's top bit goes to bit 4 of its byte */
-                        const int jb = 4 * c; /* row 4c's bit in high5 */
-                        lo = _mm256_or_si256(lo, _mm256_or_si256(_mm256_and_si256(shift16(high5, 4 - jb), top_lo),
-                                                                 _mm256_and_si256(shift16(high5, 12 - (jb + 2)), top_hi)));
-                        hi = _mm256_or_si256(hi, _mm256_or_si256(_mm256_and_si256(shift16(high5, 4 - (jb + 1)), top_lo),
-                                                                 _mm256_and_si256(shift16(high5, 12 - (jb + 3)), top_hi)));
-                    }
+                    unpack_vector(gc, hc, c, bits, &lo, &hi);
                 }
                 const __m256i ulo = bits == 8 ? _mm256_abs_epi8(lo) : lo, uhi = bits == 8 ? _mm256_abs_epi8(hi) : hi;
 #pragma GCC unroll 4
@@ -926,31 +965,38 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
 
 /* The formats' kinds, each its own loop: (bits, m stored, the codes' offset, 16-channel groups);
  * 8-bit codes take no offset here (the sign trick) */
-#define KINDS(R)                                                                                   \
-    if (k256 && bits == 4 && with_m && !g16) half_rows(a, t, hc, r0, R, 4, 1, 0, 0, 1, scales, far); /* Q4_K */ \
-    else if (k256 && bits == 6 && !with_m && off == 32 && g16) half_rows(a, t, hc, r0, R, 6, 0, 32, 1, 1, scales, far); /* Q6_K */ \
-    else if (k256 && bits == 5 && with_m && !g16) half_rows(a, t, hc, r0, R, 5, 1, 0, 0, 1, scales, far); /* Q5_K */ \
-    else if (bits == 4 && with_m && !g16) half_rows(a, t, hc, r0, R, 4, 1, 0, 0, 0, scales, far); /* Q4_1 */ \
-    else if (bits == 4 && !with_m && off == 8 && !g16) half_rows(a, t, hc, r0, R, 4, 0, 8, 0, 0, scales, far); /* Q4_0 */ \
-    else if (bits == 8 && !with_m && !off && !g16) half_rows(a, t, hc, r0, R, 8, 0, 0, 0, 0, scales, far); /* Q8_0 */ \
-    else if (bits == 8) half_rows(a, t, hc, r0, R, 8, with_m, off, g16, k256, scales, far);                 \
-    else if (bits == 6) half_rows(a, t, hc, r0, R, 6, with_m, off, g16, k256, scales, far);                 \
-    else if (bits == 5) half_rows(a, t, hc, r0, R, 5, with_m, off, g16, k256, scales, far);                 \
-    else half_rows(a, t, hc, r0, R, 4, with_m, off, g16, k256, scales, far);
+#define KINDS(R, U)                                                                                   \
+    if (k256 && bits == 4 && with_m && !g16) half_rows(a, t, hc, r0, R, 4, 1, 0, 0, 1, scales, far, U); /* Q4_K */ \
+    else if (k256 && bits == 6 && !with_m && off == 32 && g16) half_rows(a, t, hc, r0, R, 6, 0, 32, 1, 1, scales, far, U); /* Q6_K */ \
+    else if (k256 && bits == 5 && with_m && !g16) half_rows(a, t, hc, r0, R, 5, 1, 0, 0, 1, scales, far, U); /* Q5_K */ \
+    else if (bits == 4 && with_m && !g16) half_rows(a, t, hc, r0, R, 4, 1, 0, 0, 0, scales, far, U); /* Q4_1 */ \
+    else if (bits == 4 && !with_m && off == 8 && !g16) half_rows(a, t, hc, r0, R, 4, 0, 8, 0, 0, scales, far, U); /* Q4_0 */ \
+    else if (bits == 8 && !with_m && !off && !g16) half_rows(a, t, hc, r0, R, 8, 0, 0, 0, 0, scales, far, U); /* Q8_0 */ \
+    else if (bits == 8) half_rows(a, t, hc, r0, R, 8, with_m, off, g16, k256, scales, far, U);                 \
+    else if (bits == 6) half_rows(a, t, hc, r0, R, 6, with_m, off, g16, k256, scales, far, U);                 \
+    else if (bits == 5) half_rows(a, t, hc, r0, R, 5, with_m, off, g16, k256, scales, far, U);                 \
+    else half_rows(a, t, hc, r0, R, 4, with_m, off, g16, k256, scales, far, U);
 
-#define CASE(R)                                                                                   \
+#define CASE(R, U)                                                                                \
     case R:                                                                                       \
-        KINDS(R)                                                                                  \
+        KINDS(R, U)                                                                               \
         break;
 
-static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, const float *scales, far_t far) {
+static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, const float *scales, far_t far,
+                      const uint8_t *unpacked) {
     const int format = a->format, off = code_offset(format), g16 = !!(format & F_GROUP16);
     const int with_m = (format & F_M) && !(format & F_M8);
     const int bits = format & F_BITS8 ? 8 : format & F_BITS6 ? 6 : format & F_BITS5 ? 5 : 4;
     const int k256 = !!(format & F_K);
-    for (int hc = 0; hc < 2; hc++) switch (rows) {
-            CASE(1) CASE(2) CASE(3) CASE(4)
-        }
+    /* (a decode step's one pass: NULL, constant once inlined, so its loop holds no test of it) */
+    if (unpacked)
+        for (int hc = 0; hc < 2; hc++) switch (rows) {
+                CASE(1, unpacked) CASE(2, unpacked) CASE(3, unpacked) CASE(4, unpacked)
+            }
+    else
+        for (int hc = 0; hc < 2; hc++) switch (rows) {
+                CASE(1, NULL) CASE(2, NULL) CASE(3, NULL) CASE(4, NULL)
+            }
 }
 #undef CASE
 #undef KINDS
@@ -1188,8 +1234,16 @@ static void *run_tiles(void *arg) {
     const args_t *a = (const args_t *)p->args;
     enum { R = BLINK_QUANT_INT8_ROWS };
     float *scales = NULL;
+    uint8_t *unpacked = NULL; /* the AVX2 build's tile_unpack, for 4/5/6-bit codes */
     if (a->M > R) {
         scales = aligned_alloc(64, (size_t)(a->K / group_size(a->format)) * 2 * TILE * sizeof(float));
+#if BLINK_QUANT_ISA == 28
+        if (!(a->format & F_BITS8)) unpacked = aligned_alloc(64, (size_t)unpacked_bytes(a->K));
+        if (!(a->format & F_BITS8) && !unpacked) {
+            free(scales);
+            scales = NULL;
+        }
+#endif
         if (!scales) {
             p->status = -4;
             return NULL;
@@ -1202,6 +1256,9 @@ static void *run_tiles(void *arg) {
         const int64_t share = (tb + passes - 1) / passes;
         for (int64_t t = p->lo; t < p->hi; t++) {
             if (passes > 1) tile_scales(a, t, scales);
+#if BLINK_QUANT_ISA == 28
+            if (passes > 1 && unpacked) tile_unpack(a, t, unpacked);
+#endif
             const uint8_t *next = passes > 1 && t + 1 < p->hi ? a->codes + (t + 1) * groups * tb : NULL;
             if (next) { /* and the next tile's scales, whole (its tile_scales reads them at once) */
                 const int64_t sb = a->format & F_K ? (a->K >> 8) * k_block_bytes(a->format)
@@ -1211,11 +1268,17 @@ static void *run_tiles(void *arg) {
             for (int64_t j = 0; j < passes; j++) {
                 const int64_t r0 = p0 + j * R;
                 const far_t far = {next ? next + j * groups * share : NULL, share};
+#if BLINK_QUANT_ISA == 28
+                tile_pass(a, t, r0, (int)(p1 - r0 < R ? p1 - r0 : R), passes > 1 ? scales : NULL, far,
+                          passes > 1 ? unpacked : NULL);
+#else
                 tile_pass(a, t, r0, (int)(p1 - r0 < R ? p1 - r0 : R), passes > 1 ? scales : NULL, far);
+#endif
             }
         }
     }
     free(scales);
+    free(unpacked);
     return NULL;
 }
 #endif
