@@ -239,7 +239,9 @@ def test_the_builds_agree_and_the_avx2_ones_have_no_avx512_instruction(monkeypat
 def test_the_int8_builds_agree_for_every_format_and_row_count(monkeypatch, fmt):
     """The int8 builds keep x in blocks of their own rows per pass (8 and 4) and a loop per
     format kind: the same bits still, for each format and for row counts that end a block
-    partway, fill several and cross a panel of 128 (a wrong block offset reads another row's x)."""
+    partway, fill several and cross a panel of 128 (a wrong block offset reads another row's x),
+    with the tile's codes unpacked once for a panel's passes (68: 8 passes and a last of 4 in
+    the VNNI build; 133) or not (up to 9 rows), and a row's bits whichever its call took."""
     if not all(runs(name) for name in q.INT8_BUILDS):
         pytest.skip("this CPU cannot run both int8 builds")
     w = q.pack(*weight(fmt, 48, 512))
@@ -250,11 +252,14 @@ def test_the_int8_builds_agree_for_every_format_and_row_count(monkeypatch, fmt):
         monkeypatch.setenv(cpu_q4_linear.IMPL_ENV, name)
         q.reset()
         assert q.variant() == name
-        out[name] = [q.linear(x[:rows], [w], bias) for rows in (1, 5, 9, 133)]
+        out[name] = [q.linear(x[:rows], [w], bias) for rows in (1, 5, 9, 68, 133)]
     monkeypatch.delenv(cpu_q4_linear.IMPL_ENV)
     q.reset()
     for a, b in zip(*out.values()):
         assert torch.equal(a, b)
+    for calls in out.values():
+        for part in calls[:-1]:
+            assert torch.equal(part, calls[-1][:part.shape[0]])
 
 
 def test_the_choice_is_said_once_and_torch_turns_it_off(monkeypatch, caplog):

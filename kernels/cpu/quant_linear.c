@@ -294,6 +294,79 @@ static inline int code_offset(int format) {
     return format & F_BITS8 ? 128 : format & F_BITS6 ? 32 : format & F_M8 ? 8 : 0;
 }
 
+/* Vector c (rows 4c .. 4c + 3, channels 8c .. 8c + 7) of group g's codes `gc` as unsigned
+ * bytes u: 4/5/6-bit codes' low nibbles (lo) and high nibbles shifted down (hi), the 5/6-bit
+ * top bits in place; 8-bit codes' rows 2k, 2k + 1 interleaved, the sign bit flipped. Once per
+ * pass over the tile (tile_rows), or once for all of a panel's passes (tile_unpack). */
+static inline __attribute__((always_inline)) void unpack_vector(const uint8_t *gc, int c, const int bits,
+                                                                __m512i *lo_out, __m512i *hi_out) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
+    const __m512i low_byte = _mm512_set1_epi16(0x00FF), top_mask = _mm512_set1_epi8(bits == 6 ? 0x30 : 0x10);
+    /* 8-bit: out word 2j = row 2k's word j, 2j + 1 = row 2k + 1's (column j, channels 4k .. 4k + 3) */
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const int h = c / 2, c2 = c % 2;
+    __m512i lo, hi;
+    if (bits == 8) {
+        lo = _mm512_xor_si512(_mm512_permutexvar_epi16(interleave, _mm512_loadu_si512(gc + c * 128)), flip);
+        hi = _mm512_xor_si512(_mm512_permutexvar_epi16(interleave, _mm512_loadu_si512(gc + c * 128 + 64)), flip);
+    } else {
+        const __m512i v = _mm512_loadu_si512(gc + c * 64);
+        lo = _mm512_and_si512(v, low4);
+        hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        if (bits == 6) {
+            /* byte b of the plane holds the high bits of byte b of lo and hi (POS6): one
+             * 16-bit shift puts each at bits 4-5 of its byte */
+            const __m512i high6 = _mm512_loadu_si512(gc + 256 + h * 64);
+            lo = _mm512_ternarylogic_epi32(lo, shift16(high6, 4 - 4 * c2), top_mask, 0xF8); /* lo | (top & mask) */
+            hi = _mm512_ternarylogic_epi32(hi, shift16(high6, 2 - 4 * c2), top_mask, 0xF8);
+        } else if (bits == 5) {
+            /* lo's bytes are rows 4c (word's low byte) and 4c + 2 (high byte), hi's 4c + 1 and
+             * 4c + 3; a row's top bit goes to bit 4 of its byte */
+            const __m512i high5 = _mm512_loadu_si512(gc + 256);
+            const int jb = 4 * c; /* row 4c's bit in high5 */
+            const __m512i lo_top = _mm512_ternarylogic_epi32(shift16(high5, 4 - jb), shift16(high5, 12 - (jb + 2)),
+                                                             low_byte, 0xE4);
+            const __m512i hi_top = _mm512_ternarylogic_epi32(shift16(high5, 4 - (jb + 1)),
+                                                             shift16(high5, 12 - (jb + 3)), low_byte, 0xE4);
+            lo = _mm512_ternarylogic_epi32(lo, lo_top, top_mask, 0xF8);
+            hi = _mm512_ternarylogic_epi32(hi, hi_top, top_mask, 0xF8);
+        }
+    }
+    *lo_out = lo;
+    *hi_out = hi;
+}
+
+/* Whether a panel's passes read a tile's codes unpacked once (tile_unpack): every format here,
+ * from 8 passes (64 rows). A 1B's Q4_K_M layer and Q6_K head, two threads (Xeon, 2026-12-06):
+ * 1.10x at 64 rows, 1.14x at 128; at 2 passes 0.85x and at 4 0.98x (the unpacked tile's
+ * stores, and twice the bytes each pass loads, cost what the unpacking saved). */
+static inline int unpacks(int format) { (void)format; return 1; }
+enum { UNPACK_MIN_PASSES = 8 };
+
+/* bytes of one tile's unpacked codes (tile_unpack): per group and vector c, lo then hi */
+static inline int64_t unpacked_bytes(int64_t K) { return K / GROUP * 4 * 2 * 64; }
+
+/* Tile t's codes unpacked once for a panel's passes (tile_rows' `unpacked`): the unpacking (3
+ * instructions a vector for 4-bit codes, 7 for 6-bit, 4 for 8-bit) is then not redone by
+ * every pass of ROWS rows, which read two vectors instead. */
+static void tile_unpack(const args_t *a, int64_t t, uint8_t *out) {
+    const int64_t groups = a->K / GROUP, tb = tile_bytes(a->format);
+    const int bits = a->format & F_BITS8 ? 8 : a->format & F_BITS6 ? 6 : a->format & F_BITS5 ? 5 : 4;
+    const uint8_t *codes = a->codes + t * groups * tb;
+    for (int64_t g = 0; g < groups; g++)
+        for (int c = 0; c < 4; c++) {
+            __m512i lo, hi;
+            if (bits == 8) unpack_vector(codes + g * tb, c, 8, &lo, &hi);
+            else if (bits == 6) unpack_vector(codes + g * tb, c, 6, &lo, &hi);
+            else if (bits == 5) unpack_vector(codes + g * tb, c, 5, &lo, &hi);
+            else unpack_vector(codes + g * tb, c, 4, &lo, &hi);
+            uint8_t *at = out + (g * 4 + c) * 128;
+            _mm512_store_si512(at, lo);
+            _mm512_store_si512(at + 64, hi);
+        }
+}
+
 /* Rows [r0, r0 + R) x tile t (16 columns); r0 a multiple of ROWS. R <= ROWS, the code width,
  * whether m is stored, the codes' offset, 16-channel scale groups and k256 are known at compile
  * time once inlined (tile_pass' kinds), so the loop holds no test of the format.
@@ -305,7 +378,7 @@ static inline int code_offset(int format) {
 static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int64_t t, int64_t r0, const int R,
                                                             const int bits, const int with_m, const int off,
                                                             const int g16, const int k256, const float *scales,
-                                                            far_t far) {
+                                                            far_t far, const uint8_t *unpacked) {
     const int64_t groups = a->K / GROUP, tb = tile_bytes(a->format);
     const int64_t sgroups = a->K / (g16 ? 16 : GROUP), per = g16 ? 2 : 1;
     const uint8_t *codes = a->codes + t * groups * tb;
@@ -313,11 +386,7 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
     const float *xs = a->xs + blocked(r0, groups, 0, ROWS);          /* xs[g ROWS + r] */
     const int32_t *xoff = a->xoff + blocked(r0, sgroups, 0, ROWS);   /* -off sum(qx): xoff[s ROWS + r] */
     const float *x_sums = a->x_sums + blocked(r0, sgroups, 0, ROWS); /* s sum(qx): x_sums[s ROWS + r] */
-    const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
-    const __m512i low_byte = _mm512_set1_epi16(0x00FF), top_mask = _mm512_set1_epi8(bits == 6 ? 0x30 : 0x10);
-    /* 8-bit: out word 2j = row 2k's word j, 2j + 1 = row 2k + 1's (column j, channels 4k .. 4k + 3) */
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
     /* integer sums are exact in any order: two per row where few rows leave the adds waiting */
     enum { NACC = 2 };
     const int nacc = R > 4 ? 1 : NACC;
@@ -325,7 +394,7 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
      * products (at most 240 x 127) go to the second sum, which is then 16x its share exactly
      * and is shifted back once per scale group: one instruction a code vector fewer (no
      * shift) for one a group, the same integer sums (so the same bits at any rows). */
-    const int in_place = HIGH_NIBBLE_IN_PLACE && bits == 4 && nacc == 2;
+    const int in_place = HIGH_NIBBLE_IN_PLACE && bits == 4 && nacc == 2 && !unpacked;
     __m512i acc[ROWS][NACC];
     __m512 tot[ROWS], block[ROWS]; /* block: k256's sum over the super-block so far, in units of x's scale */
 #pragma GCC unroll 8
@@ -345,7 +414,6 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
         for (int line = 0; line < tb; line += 64) _mm_prefetch((const char *)gc + line + PREFETCH_BYTES, _MM_HINT_T0);
         prefetch_far(far, g);
         const int8_t *xg = xq + g * ROWS * GROUP;
-        const __m512i high5 = bits == 5 ? _mm512_loadu_si512(gc + 256) : _mm512_setzero_si512();
         if (HOIST_SUPER_SCALES && k256 && !scales && (g & 7) == 0) { /* a super-block starts (SUPER / GROUP groups) */
             super_at = a->scales + (t * (a->K >> 8) + (g >> 3)) * k_bytes;
             super_d = load_scales16(super_at, 0);
@@ -353,34 +421,20 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
         }
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) { /* channels 16h .. 16h + 15 */
-            const __m512i high6 = bits == 6 ? _mm512_loadu_si512(gc + 256 + h * 64) : _mm512_setzero_si512();
 #pragma GCC unroll 2
             for (int c2 = 0; c2 < 2; c2++) {
                 const int c = 2 * h + c2;
                 __m512i lo, hi;
-                if (bits == 8) {
-                    lo = _mm512_xor_si512(_mm512_permutexvar_epi16(interleave, _mm512_loadu_si512(gc + c * 128)), flip);
-                    hi = _mm512_xor_si512(_mm512_permutexvar_epi16(interleave, _mm512_loadu_si512(gc + c * 128 + 64)), flip);
-                } else {
+                if (unpacked) { /* tile_unpack's, for every pass of the panel */
+                    const uint8_t *at = unpacked + (g * 4 + c) * 128;
+                    lo = _mm512_load_si512(at);
+                    hi = _mm512_load_si512(at + 64);
+                } else if (in_place) { /* v & 0xF0: the high nibble in place (16 q) */
                     const __m512i v = _mm512_loadu_si512(gc + c * 64);
                     lo = _mm512_and_si512(v, low4);
-                    hi = in_place ? _mm512_andnot_si512(low4, v) : _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-                    if (bits == 6) {
-                        /* byte b of the plane holds the high bits of byte b of lo and hi
-                         * (POS6): one 16-bit shift puts each at bits 4-5 of its byte */
-                        lo = _mm512_ternarylogic_epi32(lo, shift16(high6, 4 - 4 * c2), top_mask, 0xF8); /* lo | (top & mask) */
-                        hi = _mm512_ternarylogic_epi32(hi, shift16(high6, 2 - 4 * c2), top_mask, 0xF8);
-                    } else if (bits == 5) {
-                        /* lo's bytes are rows 4c (word's low byte) and 4c + 2 (high byte), hi's
-                         * 4c + 1 and 4c + 3; a row's top bit goes to bit 4 of its byte */
-                        const int jb = 4 * c; /* row 4c's bit in high5 */
-                        const __m512i lo_top = _mm512_ternarylogic_epi32(
-                            shift16(high5, 4 - jb), shift16(high5, 12 - (jb + 2)), low_byte, 0xE4);
-                        const __m512i hi_top = _mm512_ternarylogic_epi32(
-                            shift16(high5, 4 - (jb + 1)), shift16(high5, 12 - (jb + 3)), low_byte, 0xE4);
-                        lo = _mm512_ternarylogic_epi32(lo, lo_top, top_mask, 0xF8);
-                        hi = _mm512_ternarylogic_epi32(hi, hi_top, top_mask, 0xF8);
-                    }
+                    hi = _mm512_andnot_si512(low4, v);
+                } else {
+                    unpack_vector(gc, c, bits, &lo, &hi);
                 }
 #pragma GCC unroll 8
                 for (int r = 0; r < R; r++) {
@@ -440,31 +494,39 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
 }
 
 /* The formats' kinds, each its own loop: (bits, m stored, the codes' offset, 16-channel groups) */
-#define KINDS(R)                                                                                   \
-    if (k256 && bits == 4 && with_m && !g16) tile_rows(a, t, r0, R, 4, 1, 0, 0, 1, scales, far);  /* Q4_K */ \
-    else if (k256 && bits == 6 && !with_m && off == 32 && g16) tile_rows(a, t, r0, R, 6, 0, 32, 1, 1, scales, far); /* Q6_K */ \
-    else if (k256 && bits == 5 && with_m && !g16) tile_rows(a, t, r0, R, 5, 1, 0, 0, 1, scales, far); /* Q5_K */ \
-    else if (bits == 4 && with_m && !g16) tile_rows(a, t, r0, R, 4, 1, 0, 0, 0, scales, far);  /* Q4_1 */  \
-    else if (bits == 4 && !with_m && off == 8 && !g16) tile_rows(a, t, r0, R, 4, 0, 8, 0, 0, scales, far); /* Q4_0 */ \
-    else if (bits == 8 && !with_m && off == 128 && !g16) tile_rows(a, t, r0, R, 8, 0, 128, 0, 0, scales, far); /* Q8_0 */ \
-    else if (bits == 8) tile_rows(a, t, r0, R, 8, with_m, off, g16, k256, scales, far);                     \
-    else if (bits == 6) tile_rows(a, t, r0, R, 6, with_m, off, g16, k256, scales, far);                     \
-    else if (bits == 5) tile_rows(a, t, r0, R, 5, with_m, off, g16, k256, scales, far);                     \
-    else tile_rows(a, t, r0, R, 4, with_m, off, g16, k256, scales, far);
+#define KINDS(R, U)                                                                                   \
+    if (k256 && bits == 4 && with_m && !g16) tile_rows(a, t, r0, R, 4, 1, 0, 0, 1, scales, far, U);  /* Q4_K */ \
+    else if (k256 && bits == 6 && !with_m && off == 32 && g16) tile_rows(a, t, r0, R, 6, 0, 32, 1, 1, scales, far, U); /* Q6_K */ \
+    else if (k256 && bits == 5 && with_m && !g16) tile_rows(a, t, r0, R, 5, 1, 0, 0, 1, scales, far, U); /* Q5_K */ \
+    else if (bits == 4 && with_m && !g16) tile_rows(a, t, r0, R, 4, 1, 0, 0, 0, scales, far, U);  /* Q4_1 */  \
+    else if (bits == 4 && !with_m && off == 8 && !g16) tile_rows(a, t, r0, R, 4, 0, 8, 0, 0, scales, far, U); /* Q4_0 */ \
+    else if (bits == 8 && !with_m && off == 128 && !g16) tile_rows(a, t, r0, R, 8, 0, 128, 0, 0, scales, far, U); /* Q8_0 */ \
+    else if (bits == 8) tile_rows(a, t, r0, R, 8, with_m, off, g16, k256, scales, far, U);                     \
+    else if (bits == 6) tile_rows(a, t, r0, R, 6, with_m, off, g16, k256, scales, far, U);                     \
+    else if (bits == 5) tile_rows(a, t, r0, R, 5, with_m, off, g16, k256, scales, far, U);                     \
+    else tile_rows(a, t, r0, R, 4, with_m, off, g16, k256, scales, far, U);
 
-#define CASE(R)                                                                                   \
+#define CASE(R, U)                                                                                \
     case R:                                                                                       \
-        KINDS(R)                                                                                  \
+        KINDS(R, U)                                                                               \
         break;
 
-static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, const float *scales, far_t far) {
+static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, const float *scales, far_t far,
+                      const uint8_t *unpacked) {
     const int format = a->format, off = code_offset(format), g16 = !!(format & F_GROUP16);
     const int with_m = (format & F_M) && !(format & F_M8);
     const int bits = format & F_BITS8 ? 8 : format & F_BITS6 ? 6 : format & F_BITS5 ? 5 : 4;
     const int k256 = !!(format & F_K);
-    switch (rows) {
-        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
-    }
+    /* (a decode step's one pass: NULL, constant once inlined, so its loop holds no test of it) */
+    if (unpacked)
+        switch (rows) {
+            CASE(1, unpacked) CASE(2, unpacked) CASE(3, unpacked) CASE(4, unpacked)
+            CASE(5, unpacked) CASE(6, unpacked) CASE(7, unpacked) CASE(8, unpacked)
+        }
+    else
+        switch (rows) {
+            CASE(1, NULL) CASE(2, NULL) CASE(3, NULL) CASE(4, NULL) CASE(5, NULL) CASE(6, NULL) CASE(7, NULL) CASE(8, NULL)
+        }
 }
 #undef CASE
 #undef KINDS
@@ -786,6 +848,13 @@ static inline __attribute__((always_inline)) void unpack_vector(const uint8_t *g
     *lo_out = lo;
     *hi_out = hi;
 }
+
+/* Whether a panel's passes read a tile's codes unpacked once (tile_unpack): 4/5/6-bit ones (the
+ * 8-bit ones' interleave is two instructions a vector, and their sign trick reads lo and hi) */
+static inline int unpacks(int format) { return !(format & F_BITS8); }
+/* from 4 passes (16 rows): the same 1B products, two threads, 1.10x at 16 rows, 1.21-1.25x at
+ * 64-128 (AVX2 code on the Xeon, 2026-12-06) */
+enum { UNPACK_MIN_PASSES = 4 };
 
 /* bytes of one tile's unpacked codes (tile_unpack): per group, half and vector c, lo then hi */
 static inline int64_t unpacked_bytes(int64_t K) { return K / GROUP * 2 * 4 * 2 * 32; }
@@ -1234,16 +1303,16 @@ static void *run_tiles(void *arg) {
     const args_t *a = (const args_t *)p->args;
     enum { R = BLINK_QUANT_INT8_ROWS };
     float *scales = NULL;
-    uint8_t *unpacked = NULL; /* the AVX2 build's tile_unpack, for 4/5/6-bit codes */
+    uint8_t *unpacked = NULL; /* tile_unpack's, where the build unpacks the format (unpacks) */
     if (a->M > R) {
         scales = aligned_alloc(64, (size_t)(a->K / group_size(a->format)) * 2 * TILE * sizeof(float));
-#if BLINK_QUANT_ISA == 28
-        if (!(a->format & F_BITS8)) unpacked = aligned_alloc(64, (size_t)unpacked_bytes(a->K));
-        if (!(a->format & F_BITS8) && !unpacked) {
-            free(scales);
-            scales = NULL;
+        if (unpacks(a->format) && (a->M + R - 1) / R >= UNPACK_MIN_PASSES) {
+            unpacked = aligned_alloc(64, (size_t)unpacked_bytes(a->K));
+            if (!unpacked) {
+                free(scales);
+                scales = NULL;
+            }
         }
-#endif
         if (!scales) {
             p->status = -4;
             return NULL;
@@ -1256,9 +1325,9 @@ static void *run_tiles(void *arg) {
         const int64_t share = (tb + passes - 1) / passes;
         for (int64_t t = p->lo; t < p->hi; t++) {
             if (passes > 1) tile_scales(a, t, scales);
-#if BLINK_QUANT_ISA == 28
-            if (passes > 1 && unpacked) tile_unpack(a, t, unpacked);
-#endif
+            /* unpacked once where enough passes share it (UNPACK_MIN_PASSES) */
+            const uint8_t *shared = passes >= UNPACK_MIN_PASSES ? unpacked : NULL;
+            if (shared) tile_unpack(a, t, unpacked);
             const uint8_t *next = passes > 1 && t + 1 < p->hi ? a->codes + (t + 1) * groups * tb : NULL;
             if (next) { /* and the next tile's scales, whole (its tile_scales reads them at once) */
                 const int64_t sb = a->format & F_K ? (a->K >> 8) * k_block_bytes(a->format)
@@ -1268,12 +1337,7 @@ static void *run_tiles(void *arg) {
             for (int64_t j = 0; j < passes; j++) {
                 const int64_t r0 = p0 + j * R;
                 const far_t far = {next ? next + j * groups * share : NULL, share};
-#if BLINK_QUANT_ISA == 28
-                tile_pass(a, t, r0, (int)(p1 - r0 < R ? p1 - r0 : R), passes > 1 ? scales : NULL, far,
-                          passes > 1 ? unpacked : NULL);
-#else
-                tile_pass(a, t, r0, (int)(p1 - r0 < R ? p1 - r0 : R), passes > 1 ? scales : NULL, far);
-#endif
+                tile_pass(a, t, r0, (int)(p1 - r0 < R ? p1 - r0 : R), passes > 1 ? scales : NULL, far, shared);
             }
         }
     }
