@@ -34,8 +34,8 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 from collections.abc import MutableMapping
+from pathlib import Path
 from typing import IO
 
 from blink.cli_args import (
