@@ -13,10 +13,11 @@ The rule (:func:`resolve_dtype`):
   bf16 too; Blink does not). A GGUF has no such field and is dequantised to bf16.
 * ``auto`` on a CPU without native bf16, for a checkpoint whose every product a CPU kernel here
   multiplies on the file's codes at every step (a GGUF of Q4_0/Q4_1/Q8_0/K-quant matrices only,
-  with an int8 build of the kernel without AMX: AVX-512 VNNI, AVX2): bfloat16 too. Those products are int8 sums whatever the
-  activations' dtype, and float32 would instead dequantize every weight to fp32 (8x a Q4
-  file's bytes a token): SmolLM2-135M's Q4_1 decode step as on an AVX2 CPU
-  (``BLINK_CPU_ISA=avx2``) 46.4 ms in float32, 11.5 in bf16 (docs/performance.md#avx2-cpus).
+  with an int8 build of the kernel without AMX: AVX-512 VNNI, AVX2): bfloat16 too. Those
+  products are int8 sums whatever the activations' dtype, and float32 would instead
+  dequantize every weight to fp32 (8x a Q4 file's bytes a token): SmolLM2-135M's Q4_1 decode
+  step as on an AVX2 CPU (``BLINK_CPU_ISA=avx2``) 44.6-45.2 ms in float32, 11.1-11.3 in bf16
+  (docs/performance.md#avx2-cpus).
 
 ``BLINK_CPU_BF16=0`` makes ``auto`` pick float32 on any CPU (``=1`` assumes native bf16
 where detection misses it). Nothing here imports torch: the frontend half imports the CLI

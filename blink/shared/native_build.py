@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from blink import env as blink_env
-from blink.shared.cpu_features import march_flags
+from blink.shared.cpu_features import march_flags, read_cpu_flags
 
 
 class NativeBuildError(RuntimeError):
@@ -103,14 +103,10 @@ def cache_dir() -> Path:
 
 
 def _cpu_flags() -> bytes:
-    try:
-        with open("/proc/cpuinfo", "rb") as info:
-            for line in info:
-                if line.startswith((b"flags", b"Features")):
-                    return line
-    except OSError:
-        pass
-    return platform.processor().encode()
+    """The CPU's own flags (not $BLINK_CPU_ISA's: a capped build is no -march=native build) for
+    the cache key of -march=native builds; the processor's name where there is no cpuinfo."""
+    flags = read_cpu_flags()
+    return " ".join(sorted(flags)).encode() if flags else platform.processor().encode()
 
 
 def find_compiler() -> str | None:

@@ -39,8 +39,8 @@ _SOURCE = Path(__file__).with_name("fused.c")
 #: "torch": the references (tests, diagnosis); "c" or unset: the C ops. (A build without
 #: AVX-512 once kept the SiLU and the sampler's logsumexp on torch, whose exp was vectorised
 #: and theirs not; with kernels.h's 8-lane exp they run here too, and a decode step's graph,
-#: which records only C calls, then records on such a CPU: SmolLM2's one-row step 10.9 ->
-#: 4.8 ms on AVX2 code, docs/performance.md#avx2-cpus.)
+#: which records only C calls, then records on such a CPU: SmolLM2's one-row step 11.1-11.3 ->
+#: 4.8-4.9 ms on AVX2 code, docs/performance.md#avx2-cpus.)
 IMPL_ENV = "BLINK_CPU_FUSED"
 _BF16 = torch.bfloat16
 #: the library's compute calls (their signatures: abi.FUSED)

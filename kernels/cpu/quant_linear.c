@@ -1305,15 +1305,12 @@ static void *run_tiles(void *arg) {
     float *scales = NULL;
     uint8_t *unpacked = NULL; /* tile_unpack's, where the build unpacks the format (unpacks) */
     if (a->M > R) {
+        const int unpack = unpacks(a->format) && (a->M + R - 1) / R >= UNPACK_MIN_PASSES;
         scales = aligned_alloc(64, (size_t)(a->K / group_size(a->format)) * 2 * TILE * sizeof(float));
-        if (unpacks(a->format) && (a->M + R - 1) / R >= UNPACK_MIN_PASSES) {
-            unpacked = aligned_alloc(64, (size_t)unpacked_bytes(a->K));
-            if (!unpacked) {
-                free(scales);
-                scales = NULL;
-            }
-        }
-        if (!scales) {
+        if (unpack) unpacked = aligned_alloc(64, (size_t)unpacked_bytes(a->K));
+        if (!scales || (unpack && !unpacked)) {
+            free(scales);
+            free(unpacked);
             p->status = -4;
             return NULL;
         }
