@@ -879,13 +879,16 @@ static void tile_unpack(const args_t *a, int64_t t, uint8_t *out) {
             }
 }
 
-/* Rows [r0, r0 + R) x columns 8 hc .. 8 hc + 7 of tile t; r0 a multiple of ROWS_I8 (x in
- * blocks of ROWS_I8 rows: blocked). R <= ROWS_I8, the code width, whether m is stored, the
+/* Rows [r0, r0 + R) x columns 8 hc .. 8 hc + 8 H - 1 of tile t (H halves: 1, or 2 from hc 0,
+ * the whole tile); r0 a multiple of ROWS_I8 (x in blocks of ROWS_I8 rows: blocked). With
+ * H = 2 (a decode step's one row) the halves share each group's x broadcasts, the loop and
+ * the prefetches: one pass over the tile instead of two (each column's arithmetic, and so its
+ * bits, the same). R <= ROWS_I8, H, the code width, whether m is stored, the
  * codes' offset and g16 (scale groups of 16) are known at compile time once inlined
  * (tile_pass' kinds), so the loop holds no test of the format; scales: the tile's fp32 d and m
  * per scale group (tile_scales), NULL: formed here. */
 static inline __attribute__((always_inline)) void half_rows(const args_t *a, int64_t t, int hc, int64_t r0,
-                                                            const int R, const int bits, const int with_m,
+                                                            const int R, const int H, const int bits, const int with_m,
                                                             const int off, const int g16, const int k256,
                                                             const float *scales, far_t far,
                                                             const uint8_t *unpacked) {
@@ -903,18 +906,20 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
                                                 0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
     /* vectors c (2 vpmaddubsw each) summed in int16 before vpmaddwd: see the exactness above */
     const int chunk = bits == 4 ? 4 : bits == 5 ? 2 : 1;
-    __m256 tot[ROWS_I8], block[ROWS_I8]; /* block: as the VNNI build's (k256) */
-    __m256i acc16[ROWS_I8], acc32[ROWS_I8];
+    __m256 tot[2][ROWS_I8], block[2][ROWS_I8]; /* [half]; block: as the VNNI build's (k256) */
+    __m256i acc16[2][ROWS_I8], acc32[2][ROWS_I8];
+#pragma GCC unroll 2
+    for (int e = 0; e < H; e++)
 #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-        tot[r] = block[r] = _mm256_setzero_ps();
-        acc16[r] = acc32[r] = _mm256_setzero_si256();
-    }
+        for (int r = 0; r < R; r++) {
+            tot[e][r] = block[e][r] = _mm256_setzero_ps();
+            acc16[e][r] = acc32[e][r] = _mm256_setzero_si256();
+        }
     /* one pass, k256: the super-block's d and -dmin of these 8 columns in fp32, converted once
      * for its groups (as the VNNI build's tile_rows: the same bits) */
     const int64_t k_bytes = k_block_bytes(a->format), nsub = g16 ? 16 : 8;
     const uint8_t *super_at = NULL;
-    __m256 super_d = _mm256_setzero_ps(), super_m = _mm256_setzero_ps();
+    __m256 super_d[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, super_m[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *gc = codes + g * tb;
         if (hc == 0) {
@@ -924,8 +929,11 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
         const int8_t *xg = xq + g * ROWS_I8 * GROUP;
         if (HOIST_SUPER_SCALES && k256 && !scales && (g & 7) == 0) { /* a super-block starts */
             super_at = a->scales + (t * (a->K >> 8) + (g >> 3)) * k_bytes;
-            super_d = load_scales8(super_at + hc * 16, 0);
-            if (with_m) super_m = load_scales8(super_at + 2 * TILE + hc * 16, 0);
+#pragma GCC unroll 2
+            for (int e = 0; e < H; e++) {
+                super_d[e] = load_scales8(super_at + (hc + e) * 16, 0);
+                if (with_m) super_m[e] = load_scales8(super_at + 2 * TILE + (hc + e) * 16, 0);
+            }
         }
         int n16 = 0, n32 = 0; /* vectors c in acc16, widenings in acc32: constants once unrolled */
 #pragma GCC unroll 2
@@ -933,79 +941,90 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
 #pragma GCC unroll 2
             for (int c2 = 0; c2 < 2; c2++) {
                 const int c = 2 * h + c2;
-                __m256i lo, hi;
-                if (bits == 8) { /* rows 4c .. 4c + 3, this half's 16 bytes of each */
-                    const uint8_t *row = gc + 4 * c * 2 * TILE + hc * 16;
-                    const __m256i r01 = _mm256_inserti128_si256(
-                        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)row)),
-                        _mm_loadu_si128((const __m128i *)(row + 2 * TILE)), 1);
-                    const __m256i r23 = _mm256_inserti128_si256(
-                        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(row + 4 * TILE))),
-                        _mm_loadu_si128((const __m128i *)(row + 6 * TILE)), 1);
-                    lo = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(r01, 0xD8), interleave);
-                    hi = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(r23, 0xD8), interleave);
-                } else if (unpacked) { /* tile_unpack's, for every pass of the panel */
-                    const uint8_t *at = unpacked + ((g * 2 + hc) * 4 + c) * 64;
-                    lo = _mm256_load_si256((const __m256i *)at);
-                    hi = _mm256_load_si256((const __m256i *)(at + 32));
-                } else {
-                    unpack_vector(gc, hc, c, bits, &lo, &hi);
+                __m256i lo[2], hi[2], ulo[2], uhi[2];
+#pragma GCC unroll 2
+                for (int e = 0; e < H; e++) {
+                    if (bits == 8) { /* rows 4c .. 4c + 3, this half's 16 bytes of each */
+                        const uint8_t *row = gc + 4 * c * 2 * TILE + (hc + e) * 16;
+                        const __m256i r01 = _mm256_inserti128_si256(
+                            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)row)),
+                            _mm_loadu_si128((const __m128i *)(row + 2 * TILE)), 1);
+                        const __m256i r23 = _mm256_inserti128_si256(
+                            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(row + 4 * TILE))),
+                            _mm_loadu_si128((const __m128i *)(row + 6 * TILE)), 1);
+                        lo[e] = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(r01, 0xD8), interleave);
+                        hi[e] = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(r23, 0xD8), interleave);
+                    } else if (unpacked) { /* tile_unpack's, for every pass of the panel */
+                        const uint8_t *at = unpacked + ((g * 2 + hc + e) * 4 + c) * 64;
+                        lo[e] = _mm256_load_si256((const __m256i *)at);
+                        hi[e] = _mm256_load_si256((const __m256i *)(at + 32));
+                    } else {
+                        unpack_vector(gc, hc + e, c, bits, &lo[e], &hi[e]);
+                    }
+                    ulo[e] = bits == 8 ? _mm256_abs_epi8(lo[e]) : lo[e];
+                    uhi[e] = bits == 8 ? _mm256_abs_epi8(hi[e]) : hi[e];
                 }
-                const __m256i ulo = bits == 8 ? _mm256_abs_epi8(lo) : lo, uhi = bits == 8 ? _mm256_abs_epi8(hi) : hi;
 #pragma GCC unroll 4
                 for (int r = 0; r < R; r++) {
-                    __m256i x0 = broadcast4(xg + r * GROUP + 8 * c), x1 = broadcast4(xg + r * GROUP + 8 * c + 4);
-                    if (bits == 8) { /* |q| x sign(qx, q) = q qx; a pair fits int16, two may not */
-                        x0 = _mm256_sign_epi8(x0, lo);
-                        x1 = _mm256_sign_epi8(x1, hi);
-                        const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(ulo, x0), ones),
-                                                           _mm256_madd_epi16(_mm256_maddubs_epi16(uhi, x1), ones));
-                        acc32[r] = n32 ? _mm256_add_epi32(acc32[r], s) : s;
-                        __asm__("" : "+x"(acc32[r])); /* (below) */
-                    } else {
-                        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(ulo, x0), _mm256_maddubs_epi16(uhi, x1));
-                        acc16[r] = n16 ? _mm256_add_epi16(acc16[r], p) : p;
-                        /* the sum here, in a register: else GCC reassociates the integer adds to
-                         * the group's end and keeps every row's broadcast x on the stack until then */
-                        __asm__("" : "+x"(acc16[r]));
+                    const __m256i x0 = broadcast4(xg + r * GROUP + 8 * c), x1 = broadcast4(xg + r * GROUP + 8 * c + 4);
+#pragma GCC unroll 2
+                    for (int e = 0; e < H; e++) {
+                        if (bits == 8) { /* |q| x sign(qx, q) = q qx; a pair fits int16, two may not */
+                            const __m256i s = _mm256_add_epi32(
+                                _mm256_madd_epi16(_mm256_maddubs_epi16(ulo[e], _mm256_sign_epi8(x0, lo[e])), ones),
+                                _mm256_madd_epi16(_mm256_maddubs_epi16(uhi[e], _mm256_sign_epi8(x1, hi[e])), ones));
+                            acc32[e][r] = n32 ? _mm256_add_epi32(acc32[e][r], s) : s;
+                            __asm__("" : "+x"(acc32[e][r])); /* (below) */
+                        } else {
+                            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(ulo[e], x0), _mm256_maddubs_epi16(uhi[e], x1));
+                            acc16[e][r] = n16 ? _mm256_add_epi16(acc16[e][r], p) : p;
+                            /* the sum here, in a register: else GCC reassociates the integer adds to
+                             * the group's end and keeps every row's broadcast x on the stack until then */
+                            __asm__("" : "+x"(acc16[e][r]));
+                        }
                     }
                 }
                 const int group_end = c2 == 1 && (g16 || h == 1); /* a scale group ends */
                 if (bits == 8) {
                     n32++;
                 } else if (++n16 == chunk || group_end) { /* widen: pairs of int16 into int32 */
+#pragma GCC unroll 2
+                    for (int e = 0; e < H; e++)
 #pragma GCC unroll 4
-                    for (int r = 0; r < R; r++) {
-                        const __m256i s = _mm256_madd_epi16(acc16[r], ones);
-                        acc32[r] = n32 ? _mm256_add_epi32(acc32[r], s) : s;
-                    }
+                        for (int r = 0; r < R; r++) {
+                            const __m256i s = _mm256_madd_epi16(acc16[e][r], ones);
+                            acc32[e][r] = n32 ? _mm256_add_epi32(acc32[e][r], s) : s;
+                        }
                     n16 = 0;
                     n32++;
                 }
                 if (group_end) {
                     const int64_t s = g * per + (g16 ? h : 0);
-                    __m256 d, m = _mm256_setzero_ps();
-                    if (scales) { /* formed once for the tile's passes */
-                        d = _mm256_load_ps(scales + s * 2 * TILE + hc * 8);
-                        if (with_m) m = _mm256_load_ps(scales + s * 2 * TILE + TILE + hc * 8);
-                    } else if (HOIST_SUPER_SCALES && k256) { /* one pass: this group's sc and mn */
-                        const int8_t *sc = (const int8_t *)(super_at + (with_m ? 4 : 2) * TILE) + (s & (nsub - 1)) * TILE + hc * 8;
-                        d = _mm256_mul_ps(super_d, int8x8(sc));
-                        if (with_m) m = _mm256_mul_ps(super_m, int8x8(sc + nsub * TILE));
-                    } else { /* one pass (a decode step): formed here */
-                        group_scales(a, t, s, hc, &d, &m);
-                    }
+#pragma GCC unroll 2
+                    for (int e = 0; e < H; e++) {
+                        __m256 d, m = _mm256_setzero_ps();
+                        if (scales) { /* formed once for the tile's passes */
+                            d = _mm256_load_ps(scales + s * 2 * TILE + (hc + e) * 8);
+                            if (with_m) m = _mm256_load_ps(scales + s * 2 * TILE + TILE + (hc + e) * 8);
+                        } else if (HOIST_SUPER_SCALES && k256) { /* one pass: this group's sc and mn */
+                            const int8_t *sc = (const int8_t *)(super_at + (with_m ? 4 : 2) * TILE) + (s & (nsub - 1)) * TILE + (hc + e) * 8;
+                            d = _mm256_mul_ps(super_d[e], int8x8(sc));
+                            if (with_m) m = _mm256_mul_ps(super_m[e], int8x8(sc + nsub * TILE));
+                        } else { /* one pass (a decode step): formed here */
+                            group_scales(a, t, s, hc + e, &d, &m);
+                        }
 #pragma GCC unroll 4
-                    for (int r = 0; r < R; r++) {
-                        const __m256i sum = off ? _mm256_add_epi32(acc32[r], _mm256_set1_epi32(xoff[s * ROWS_I8 + r]))
-                                                : acc32[r];
-                        if (k256) {
-                            block[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, block[r]);
-                            if (with_m) block[r] = _mm256_fmadd_ps(_mm256_set1_ps(x_sums[s * ROWS_I8 + r]), m, block[r]);
-                        } else {
-                            const __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(xs[g * ROWS_I8 + r]));
-                            tot[r] = _mm256_fmadd_ps(part, d, tot[r]);
-                            if (with_m) tot[r] = _mm256_fmadd_ps(_mm256_set1_ps(x_sums[s * ROWS_I8 + r]), m, tot[r]);
+                        for (int r = 0; r < R; r++) {
+                            const __m256i sum = off ? _mm256_add_epi32(acc32[e][r], _mm256_set1_epi32(xoff[s * ROWS_I8 + r]))
+                                                    : acc32[e][r];
+                            if (k256) {
+                                block[e][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, block[e][r]);
+                                if (with_m) block[e][r] = _mm256_fmadd_ps(_mm256_set1_ps(x_sums[s * ROWS_I8 + r]), m, block[e][r]);
+                            } else {
+                                const __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(xs[g * ROWS_I8 + r]));
+                                tot[e][r] = _mm256_fmadd_ps(part, d, tot[e][r]);
+                                if (with_m) tot[e][r] = _mm256_fmadd_ps(_mm256_set1_ps(x_sums[s * ROWS_I8 + r]), m, tot[e][r]);
+                            }
                         }
                     }
                     n32 = 0;
@@ -1013,42 +1032,46 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
             }
         }
         if (k256 && (g & 7) == 7) { /* a super-block ends */
+#pragma GCC unroll 2
+            for (int e = 0; e < H; e++)
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                tot[r] = _mm256_fmadd_ps(block[r], _mm256_set1_ps(xs[g * ROWS_I8 + r]), tot[r]);
-                block[r] = _mm256_setzero_ps();
-            }
+                for (int r = 0; r < R; r++) {
+                    tot[e][r] = _mm256_fmadd_ps(block[e][r], _mm256_set1_ps(xs[g * ROWS_I8 + r]), tot[e][r]);
+                    block[e][r] = _mm256_setzero_ps();
+                }
         }
     }
-    uint16_t *y = a->y + r0 * a->y_stride + t * TILE + hc * 8;
-    float bias[8] = {0};
-    if (a->bias)
-        for (int j = 0; j < 8; j++) bias[j] = bf16_to_f32(a->bias[t * TILE + hc * 8 + j]);
-    const __m256 b = _mm256_loadu_ps(bias);
-    for (int r = 0; r < R; r++) {
-        float out[8];
-        _mm256_storeu_ps(out, _mm256_add_ps(tot[r], b));
-        for (int j = 0; j < 8; j++) y[r * a->y_stride + j] = f32_to_bf16(out[j]);
+    for (int e = 0; e < H; e++) {
+        uint16_t *y = a->y + r0 * a->y_stride + t * TILE + (hc + e) * 8;
+        float bias[8] = {0};
+        if (a->bias)
+            for (int j = 0; j < 8; j++) bias[j] = bf16_to_f32(a->bias[t * TILE + (hc + e) * 8 + j]);
+        const __m256 b = _mm256_loadu_ps(bias);
+        for (int r = 0; r < R; r++) {
+            float out[8];
+            _mm256_storeu_ps(out, _mm256_add_ps(tot[e][r], b));
+            for (int j = 0; j < 8; j++) y[r * a->y_stride + j] = f32_to_bf16(out[j]);
+        }
     }
 }
 
 /* The formats' kinds, each its own loop: (bits, m stored, the codes' offset, 16-channel groups);
  * 8-bit codes take no offset here (the sign trick) */
-#define KINDS(R, U)                                                                                   \
-    if (k256 && bits == 4 && with_m && !g16) half_rows(a, t, hc, r0, R, 4, 1, 0, 0, 1, scales, far, U); /* Q4_K */ \
-    else if (k256 && bits == 6 && !with_m && off == 32 && g16) half_rows(a, t, hc, r0, R, 6, 0, 32, 1, 1, scales, far, U); /* Q6_K */ \
-    else if (k256 && bits == 5 && with_m && !g16) half_rows(a, t, hc, r0, R, 5, 1, 0, 0, 1, scales, far, U); /* Q5_K */ \
-    else if (bits == 4 && with_m && !g16) half_rows(a, t, hc, r0, R, 4, 1, 0, 0, 0, scales, far, U); /* Q4_1 */ \
-    else if (bits == 4 && !with_m && off == 8 && !g16) half_rows(a, t, hc, r0, R, 4, 0, 8, 0, 0, scales, far, U); /* Q4_0 */ \
-    else if (bits == 8 && !with_m && !off && !g16) half_rows(a, t, hc, r0, R, 8, 0, 0, 0, 0, scales, far, U); /* Q8_0 */ \
-    else if (bits == 8) half_rows(a, t, hc, r0, R, 8, with_m, off, g16, k256, scales, far, U);                 \
-    else if (bits == 6) half_rows(a, t, hc, r0, R, 6, with_m, off, g16, k256, scales, far, U);                 \
-    else if (bits == 5) half_rows(a, t, hc, r0, R, 5, with_m, off, g16, k256, scales, far, U);                 \
-    else half_rows(a, t, hc, r0, R, 4, with_m, off, g16, k256, scales, far, U);
+#define KINDS(R, H, U)                                                                                 \
+    if (k256 && bits == 4 && with_m && !g16) half_rows(a, t, hc, r0, R, H, 4, 1, 0, 0, 1, scales, far, U); /* Q4_K */ \
+    else if (k256 && bits == 6 && !with_m && off == 32 && g16) half_rows(a, t, hc, r0, R, H, 6, 0, 32, 1, 1, scales, far, U); /* Q6_K */ \
+    else if (k256 && bits == 5 && with_m && !g16) half_rows(a, t, hc, r0, R, H, 5, 1, 0, 0, 1, scales, far, U); /* Q5_K */ \
+    else if (bits == 4 && with_m && !g16) half_rows(a, t, hc, r0, R, H, 4, 1, 0, 0, 0, scales, far, U); /* Q4_1 */ \
+    else if (bits == 4 && !with_m && off == 8 && !g16) half_rows(a, t, hc, r0, R, H, 4, 0, 8, 0, 0, scales, far, U); /* Q4_0 */ \
+    else if (bits == 8 && !with_m && !off && !g16) half_rows(a, t, hc, r0, R, H, 8, 0, 0, 0, 0, scales, far, U); /* Q8_0 */ \
+    else if (bits == 8) half_rows(a, t, hc, r0, R, H, 8, with_m, off, g16, k256, scales, far, U);                 \
+    else if (bits == 6) half_rows(a, t, hc, r0, R, H, 6, with_m, off, g16, k256, scales, far, U);                 \
+    else if (bits == 5) half_rows(a, t, hc, r0, R, H, 5, with_m, off, g16, k256, scales, far, U);                 \
+    else half_rows(a, t, hc, r0, R, H, 4, with_m, off, g16, k256, scales, far, U);
 
 #define CASE(R, U)                                                                                \
     case R:                                                                                       \
-        KINDS(R, U)                                                                               \
+        KINDS(R, 1, U)                                                                            \
         break;
 
 static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, const float *scales, far_t far,
@@ -1062,9 +1085,12 @@ static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, const fl
         for (int hc = 0; hc < 2; hc++) switch (rows) {
                 CASE(1, unpacked) CASE(2, unpacked) CASE(3, unpacked) CASE(4, unpacked)
             }
-    else
+    else if (rows == 1) { /* a decode step's one row: both halves in one pass (half_rows' H) */
+        const int hc = 0;
+        KINDS(1, 2, NULL)
+    } else
         for (int hc = 0; hc < 2; hc++) switch (rows) {
-                CASE(1, NULL) CASE(2, NULL) CASE(3, NULL) CASE(4, NULL)
+                CASE(2, NULL) CASE(3, NULL) CASE(4, NULL)
             }
 }
 #undef CASE
