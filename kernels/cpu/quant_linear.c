@@ -768,8 +768,8 @@ static void *run_tiles(void *arg) {
  * them, never past 32767. 8-bit codes (Q8_0, q in -128..127) as u = q + 128 would
  * saturate (255 * 127 * 2): they take llama.cpp's sign trick instead, vpmaddubsw(|q|,
  * sign(qx, q)) = q qx with |q| <= 128 (a pair at most 32512), no offset, each widened alone.
- * Codes: as the VNNI build, 8 columns a register (columns 8 hc .. 8 hc + 7 of a tile, one
- * half after the other): the 4-bit layout's vector c masked to its low nibbles gives each
+ * Codes: as the VNNI build, 8 columns a register (columns 8 hc .. 8 hc + 7 of a tile, both
+ * halves side by side in a pass): the 4-bit layout's vector c masked to its low nibbles gives each
  * column's channels 8c, 8c + 4, 8c + 1, 8c + 5 in its 32-bit lane, shifted by 4 its 8c + 2,
  * 8c + 6, 8c + 3, 8c + 7 (x's codes in PERM4 order: one broadcast word a lane); 5/6-bit top
  * bits shifted and masked into bits 4 (and 5) of each byte; 8-bit rows 2k, 2k + 1
@@ -822,7 +822,7 @@ static inline int code_offset(int format) {
 /* Vector c (rows 4c .. 4c + 3) of group g's codes `gc` for columns 8 hc .. 8 hc + 7, 4/5/6-bit
  * codes: each column's channels 8c, 8c + 4, 8c + 1, 8c + 5 (lo) and 8c + 2, 8c + 6, 8c + 3,
  * 8c + 7 (hi) as unsigned bytes u in its 32-bit lane, the 5/6-bit top bits in place. Once per
- * pass over the tile (half_rows), or once for all of a panel's passes (tile_unpack). */
+ * pass over the tile (tile_rows), or once for all of a panel's passes (tile_unpack). */
 static inline __attribute__((always_inline)) void unpack_vector(const uint8_t *gc, int hc, int c, const int bits,
                                                                 __m256i *lo_out, __m256i *hi_out) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -859,7 +859,7 @@ enum { UNPACK_MIN_PASSES = 4 };
 /* bytes of one tile's unpacked codes (tile_unpack): per group, half and vector c, lo then hi */
 static inline int64_t unpacked_bytes(int64_t K) { return K / GROUP * 2 * 4 * 2 * 32; }
 
-/* Tile t's 4/5/6-bit codes unpacked once for a panel's passes (half_rows' `unpacked`): the
+/* Tile t's 4/5/6-bit codes unpacked once for a panel's passes (tile_rows' `unpacked`): the
  * unpacking (3 instructions a vector for 4-bit codes, 9 for 6-bit) is then not redone by
  * every pass of ROWS_I8 rows, which read two vectors instead. */
 static void tile_unpack(const args_t *a, int64_t t, uint8_t *out) {
@@ -879,16 +879,17 @@ static void tile_unpack(const args_t *a, int64_t t, uint8_t *out) {
             }
 }
 
-/* Rows [r0, r0 + R) x columns 8 hc .. 8 hc + 8 H - 1 of tile t (H halves: 1, or 2 from hc 0,
- * the whole tile); r0 a multiple of ROWS_I8 (x in blocks of ROWS_I8 rows: blocked). With
- * H = 2 (a decode step's one row) the halves share each group's x broadcasts, the loop and
- * the prefetches: one pass over the tile instead of two (each column's arithmetic, and so its
- * bits, the same). R <= ROWS_I8, H, the code width, whether m is stored, the
- * codes' offset and g16 (scale groups of 16) are known at compile time once inlined
- * (tile_pass' kinds), so the loop holds no test of the format; scales: the tile's fp32 d and m
- * per scale group (tile_scales), NULL: formed here. */
-static inline __attribute__((always_inline)) void half_rows(const args_t *a, int64_t t, int hc, int64_t r0,
-                                                            const int R, const int H, const int bits, const int with_m,
+/* Rows [r0, r0 + R) x the 16 columns of tile t, as two halves of 8 (AVX2's 8 int32 lanes:
+ * columns 8 hc .. 8 hc + 7) in one pass over the tile's groups, which share each group's x
+ * broadcasts, the loop and the prefetches (a pass per half, as before, was 1.3-1.4x slower at
+ * 1-4 rows and 1.12x at 16-128: benchmarks/bench_quant_source --build avx2_int8, AMD Zen 4
+ * capped to AVX2, 2026-12-06); r0 a multiple of ROWS_I8 (x in blocks of ROWS_I8 rows:
+ * blocked). R <= ROWS_I8, the code width, whether m is stored, the codes' offset and g16
+ * (scale groups of 16) are known at compile time once inlined (tile_pass' kinds), so the loop
+ * holds no test of the format; scales: the tile's fp32 d and m per scale group (tile_scales),
+ * NULL: formed here. */
+static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int64_t t, int64_t r0,
+                                                            const int R, const int bits, const int with_m,
                                                             const int off, const int g16, const int k256,
                                                             const float *scales, far_t far,
                                                             const uint8_t *unpacked) {
@@ -909,30 +910,28 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
     __m256 tot[2][ROWS_I8], block[2][ROWS_I8]; /* [half]; block: as the VNNI build's (k256) */
     __m256i acc16[2][ROWS_I8], acc32[2][ROWS_I8];
 #pragma GCC unroll 2
-    for (int e = 0; e < H; e++)
+    for (int hc = 0; hc < 2; hc++)
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
-            tot[e][r] = block[e][r] = _mm256_setzero_ps();
-            acc16[e][r] = acc32[e][r] = _mm256_setzero_si256();
+            tot[hc][r] = block[hc][r] = _mm256_setzero_ps();
+            acc16[hc][r] = acc32[hc][r] = _mm256_setzero_si256();
         }
-    /* one pass, k256: the super-block's d and -dmin of these 8 columns in fp32, converted once
-     * for its groups (as the VNNI build's tile_rows: the same bits) */
+    /* one pass, k256: the super-block's d and -dmin of each half's 8 columns in fp32, converted
+     * once for its groups (as the VNNI build's tile_rows: the same bits) */
     const int64_t k_bytes = k_block_bytes(a->format), nsub = g16 ? 16 : 8;
     const uint8_t *super_at = NULL;
     __m256 super_d[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, super_m[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *gc = codes + g * tb;
-        if (hc == 0) {
-            for (int line = 0; line < tb; line += 64) _mm_prefetch((const char *)gc + line + PREFETCH_BYTES, _MM_HINT_T0);
-            prefetch_far(far, g);
-        }
+        for (int line = 0; line < tb; line += 64) _mm_prefetch((const char *)gc + line + PREFETCH_BYTES, _MM_HINT_T0);
+        prefetch_far(far, g);
         const int8_t *xg = xq + g * ROWS_I8 * GROUP;
         if (HOIST_SUPER_SCALES && k256 && !scales && (g & 7) == 0) { /* a super-block starts */
             super_at = a->scales + (t * (a->K >> 8) + (g >> 3)) * k_bytes;
 #pragma GCC unroll 2
-            for (int e = 0; e < H; e++) {
-                super_d[e] = load_scales8(super_at + (hc + e) * 16, 0);
-                if (with_m) super_m[e] = load_scales8(super_at + 2 * TILE + (hc + e) * 16, 0);
+            for (int hc = 0; hc < 2; hc++) {
+                super_d[hc] = load_scales8(super_at + hc * 16, 0);
+                if (with_m) super_m[hc] = load_scales8(super_at + 2 * TILE + hc * 16, 0);
             }
         }
         int n16 = 0, n32 = 0; /* vectors c in acc16, widenings in acc32: constants once unrolled */
@@ -943,44 +942,44 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
                 const int c = 2 * h + c2;
                 __m256i lo[2], hi[2], ulo[2], uhi[2];
 #pragma GCC unroll 2
-                for (int e = 0; e < H; e++) {
+                for (int hc = 0; hc < 2; hc++) {
                     if (bits == 8) { /* rows 4c .. 4c + 3, this half's 16 bytes of each */
-                        const uint8_t *row = gc + 4 * c * 2 * TILE + (hc + e) * 16;
+                        const uint8_t *row = gc + 4 * c * 2 * TILE + hc * 16;
                         const __m256i r01 = _mm256_inserti128_si256(
                             _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)row)),
                             _mm_loadu_si128((const __m128i *)(row + 2 * TILE)), 1);
                         const __m256i r23 = _mm256_inserti128_si256(
                             _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(row + 4 * TILE))),
                             _mm_loadu_si128((const __m128i *)(row + 6 * TILE)), 1);
-                        lo[e] = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(r01, 0xD8), interleave);
-                        hi[e] = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(r23, 0xD8), interleave);
+                        lo[hc] = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(r01, 0xD8), interleave);
+                        hi[hc] = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(r23, 0xD8), interleave);
                     } else if (unpacked) { /* tile_unpack's, for every pass of the panel */
-                        const uint8_t *at = unpacked + ((g * 2 + hc + e) * 4 + c) * 64;
-                        lo[e] = _mm256_load_si256((const __m256i *)at);
-                        hi[e] = _mm256_load_si256((const __m256i *)(at + 32));
+                        const uint8_t *at = unpacked + ((g * 2 + hc) * 4 + c) * 64;
+                        lo[hc] = _mm256_load_si256((const __m256i *)at);
+                        hi[hc] = _mm256_load_si256((const __m256i *)(at + 32));
                     } else {
-                        unpack_vector(gc, hc + e, c, bits, &lo[e], &hi[e]);
+                        unpack_vector(gc, hc, c, bits, &lo[hc], &hi[hc]);
                     }
-                    ulo[e] = bits == 8 ? _mm256_abs_epi8(lo[e]) : lo[e];
-                    uhi[e] = bits == 8 ? _mm256_abs_epi8(hi[e]) : hi[e];
+                    ulo[hc] = bits == 8 ? _mm256_abs_epi8(lo[hc]) : lo[hc];
+                    uhi[hc] = bits == 8 ? _mm256_abs_epi8(hi[hc]) : hi[hc];
                 }
 #pragma GCC unroll 4
                 for (int r = 0; r < R; r++) {
                     const __m256i x0 = broadcast4(xg + r * GROUP + 8 * c), x1 = broadcast4(xg + r * GROUP + 8 * c + 4);
 #pragma GCC unroll 2
-                    for (int e = 0; e < H; e++) {
+                    for (int hc = 0; hc < 2; hc++) {
                         if (bits == 8) { /* |q| x sign(qx, q) = q qx; a pair fits int16, two may not */
                             const __m256i s = _mm256_add_epi32(
-                                _mm256_madd_epi16(_mm256_maddubs_epi16(ulo[e], _mm256_sign_epi8(x0, lo[e])), ones),
-                                _mm256_madd_epi16(_mm256_maddubs_epi16(uhi[e], _mm256_sign_epi8(x1, hi[e])), ones));
-                            acc32[e][r] = n32 ? _mm256_add_epi32(acc32[e][r], s) : s;
-                            __asm__("" : "+x"(acc32[e][r])); /* (below) */
+                                _mm256_madd_epi16(_mm256_maddubs_epi16(ulo[hc], _mm256_sign_epi8(x0, lo[hc])), ones),
+                                _mm256_madd_epi16(_mm256_maddubs_epi16(uhi[hc], _mm256_sign_epi8(x1, hi[hc])), ones));
+                            acc32[hc][r] = n32 ? _mm256_add_epi32(acc32[hc][r], s) : s;
+                            __asm__("" : "+x"(acc32[hc][r])); /* (below) */
                         } else {
-                            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(ulo[e], x0), _mm256_maddubs_epi16(uhi[e], x1));
-                            acc16[e][r] = n16 ? _mm256_add_epi16(acc16[e][r], p) : p;
+                            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(ulo[hc], x0), _mm256_maddubs_epi16(uhi[hc], x1));
+                            acc16[hc][r] = n16 ? _mm256_add_epi16(acc16[hc][r], p) : p;
                             /* the sum here, in a register: else GCC reassociates the integer adds to
                              * the group's end and keeps every row's broadcast x on the stack until then */
-                            __asm__("" : "+x"(acc16[e][r]));
+                            __asm__("" : "+x"(acc16[hc][r]));
                         }
                     }
                 }
@@ -989,11 +988,11 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
                     n32++;
                 } else if (++n16 == chunk || group_end) { /* widen: pairs of int16 into int32 */
 #pragma GCC unroll 2
-                    for (int e = 0; e < H; e++)
+                    for (int hc = 0; hc < 2; hc++)
 #pragma GCC unroll 4
                         for (int r = 0; r < R; r++) {
-                            const __m256i s = _mm256_madd_epi16(acc16[e][r], ones);
-                            acc32[e][r] = n32 ? _mm256_add_epi32(acc32[e][r], s) : s;
+                            const __m256i s = _mm256_madd_epi16(acc16[hc][r], ones);
+                            acc32[hc][r] = n32 ? _mm256_add_epi32(acc32[hc][r], s) : s;
                         }
                     n16 = 0;
                     n32++;
@@ -1001,29 +1000,29 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
                 if (group_end) {
                     const int64_t s = g * per + (g16 ? h : 0);
 #pragma GCC unroll 2
-                    for (int e = 0; e < H; e++) {
+                    for (int hc = 0; hc < 2; hc++) {
                         __m256 d, m = _mm256_setzero_ps();
                         if (scales) { /* formed once for the tile's passes */
-                            d = _mm256_load_ps(scales + s * 2 * TILE + (hc + e) * 8);
-                            if (with_m) m = _mm256_load_ps(scales + s * 2 * TILE + TILE + (hc + e) * 8);
+                            d = _mm256_load_ps(scales + s * 2 * TILE + hc * 8);
+                            if (with_m) m = _mm256_load_ps(scales + s * 2 * TILE + TILE + hc * 8);
                         } else if (HOIST_SUPER_SCALES && k256) { /* one pass: this group's sc and mn */
-                            const int8_t *sc = (const int8_t *)(super_at + (with_m ? 4 : 2) * TILE) + (s & (nsub - 1)) * TILE + (hc + e) * 8;
-                            d = _mm256_mul_ps(super_d[e], int8x8(sc));
-                            if (with_m) m = _mm256_mul_ps(super_m[e], int8x8(sc + nsub * TILE));
+                            const int8_t *sc = (const int8_t *)(super_at + (with_m ? 4 : 2) * TILE) + (s & (nsub - 1)) * TILE + hc * 8;
+                            d = _mm256_mul_ps(super_d[hc], int8x8(sc));
+                            if (with_m) m = _mm256_mul_ps(super_m[hc], int8x8(sc + nsub * TILE));
                         } else { /* one pass (a decode step): formed here */
-                            group_scales(a, t, s, hc + e, &d, &m);
+                            group_scales(a, t, s, hc, &d, &m);
                         }
 #pragma GCC unroll 4
                         for (int r = 0; r < R; r++) {
-                            const __m256i sum = off ? _mm256_add_epi32(acc32[e][r], _mm256_set1_epi32(xoff[s * ROWS_I8 + r]))
-                                                    : acc32[e][r];
+                            const __m256i sum = off ? _mm256_add_epi32(acc32[hc][r], _mm256_set1_epi32(xoff[s * ROWS_I8 + r]))
+                                                    : acc32[hc][r];
                             if (k256) {
-                                block[e][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, block[e][r]);
-                                if (with_m) block[e][r] = _mm256_fmadd_ps(_mm256_set1_ps(x_sums[s * ROWS_I8 + r]), m, block[e][r]);
+                                block[hc][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, block[hc][r]);
+                                if (with_m) block[hc][r] = _mm256_fmadd_ps(_mm256_set1_ps(x_sums[s * ROWS_I8 + r]), m, block[hc][r]);
                             } else {
                                 const __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(xs[g * ROWS_I8 + r]));
-                                tot[e][r] = _mm256_fmadd_ps(part, d, tot[e][r]);
-                                if (with_m) tot[e][r] = _mm256_fmadd_ps(_mm256_set1_ps(x_sums[s * ROWS_I8 + r]), m, tot[e][r]);
+                                tot[hc][r] = _mm256_fmadd_ps(part, d, tot[hc][r]);
+                                if (with_m) tot[hc][r] = _mm256_fmadd_ps(_mm256_set1_ps(x_sums[s * ROWS_I8 + r]), m, tot[hc][r]);
                             }
                         }
                     }
@@ -1033,23 +1032,23 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
         }
         if (k256 && (g & 7) == 7) { /* a super-block ends */
 #pragma GCC unroll 2
-            for (int e = 0; e < H; e++)
+            for (int hc = 0; hc < 2; hc++)
 #pragma GCC unroll 4
                 for (int r = 0; r < R; r++) {
-                    tot[e][r] = _mm256_fmadd_ps(block[e][r], _mm256_set1_ps(xs[g * ROWS_I8 + r]), tot[e][r]);
-                    block[e][r] = _mm256_setzero_ps();
+                    tot[hc][r] = _mm256_fmadd_ps(block[hc][r], _mm256_set1_ps(xs[g * ROWS_I8 + r]), tot[hc][r]);
+                    block[hc][r] = _mm256_setzero_ps();
                 }
         }
     }
-    for (int e = 0; e < H; e++) {
-        uint16_t *y = a->y + r0 * a->y_stride + t * TILE + (hc + e) * 8;
+    for (int hc = 0; hc < 2; hc++) {
+        uint16_t *y = a->y + r0 * a->y_stride + t * TILE + hc * 8;
         float bias[8] = {0};
         if (a->bias)
-            for (int j = 0; j < 8; j++) bias[j] = bf16_to_f32(a->bias[t * TILE + (hc + e) * 8 + j]);
+            for (int j = 0; j < 8; j++) bias[j] = bf16_to_f32(a->bias[t * TILE + hc * 8 + j]);
         const __m256 b = _mm256_loadu_ps(bias);
         for (int r = 0; r < R; r++) {
             float out[8];
-            _mm256_storeu_ps(out, _mm256_add_ps(tot[e][r], b));
+            _mm256_storeu_ps(out, _mm256_add_ps(tot[hc][r], b));
             for (int j = 0; j < 8; j++) y[r * a->y_stride + j] = f32_to_bf16(out[j]);
         }
     }
@@ -1057,21 +1056,21 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
 
 /* The formats' kinds, each its own loop: (bits, m stored, the codes' offset, 16-channel groups);
  * 8-bit codes take no offset here (the sign trick) */
-#define KINDS(R, H, U)                                                                                 \
-    if (k256 && bits == 4 && with_m && !g16) half_rows(a, t, hc, r0, R, H, 4, 1, 0, 0, 1, scales, far, U); /* Q4_K */ \
-    else if (k256 && bits == 6 && !with_m && off == 32 && g16) half_rows(a, t, hc, r0, R, H, 6, 0, 32, 1, 1, scales, far, U); /* Q6_K */ \
-    else if (k256 && bits == 5 && with_m && !g16) half_rows(a, t, hc, r0, R, H, 5, 1, 0, 0, 1, scales, far, U); /* Q5_K */ \
-    else if (bits == 4 && with_m && !g16) half_rows(a, t, hc, r0, R, H, 4, 1, 0, 0, 0, scales, far, U); /* Q4_1 */ \
-    else if (bits == 4 && !with_m && off == 8 && !g16) half_rows(a, t, hc, r0, R, H, 4, 0, 8, 0, 0, scales, far, U); /* Q4_0 */ \
-    else if (bits == 8 && !with_m && !off && !g16) half_rows(a, t, hc, r0, R, H, 8, 0, 0, 0, 0, scales, far, U); /* Q8_0 */ \
-    else if (bits == 8) half_rows(a, t, hc, r0, R, H, 8, with_m, off, g16, k256, scales, far, U);                 \
-    else if (bits == 6) half_rows(a, t, hc, r0, R, H, 6, with_m, off, g16, k256, scales, far, U);                 \
-    else if (bits == 5) half_rows(a, t, hc, r0, R, H, 5, with_m, off, g16, k256, scales, far, U);                 \
-    else half_rows(a, t, hc, r0, R, H, 4, with_m, off, g16, k256, scales, far, U);
+#define KINDS(R, U)                                                                                   \
+    if (k256 && bits == 4 && with_m && !g16) tile_rows(a, t, r0, R, 4, 1, 0, 0, 1, scales, far, U); /* Q4_K */ \
+    else if (k256 && bits == 6 && !with_m && off == 32 && g16) tile_rows(a, t, r0, R, 6, 0, 32, 1, 1, scales, far, U); /* Q6_K */ \
+    else if (k256 && bits == 5 && with_m && !g16) tile_rows(a, t, r0, R, 5, 1, 0, 0, 1, scales, far, U); /* Q5_K */ \
+    else if (bits == 4 && with_m && !g16) tile_rows(a, t, r0, R, 4, 1, 0, 0, 0, scales, far, U); /* Q4_1 */ \
+    else if (bits == 4 && !with_m && off == 8 && !g16) tile_rows(a, t, r0, R, 4, 0, 8, 0, 0, scales, far, U); /* Q4_0 */ \
+    else if (bits == 8 && !with_m && !off && !g16) tile_rows(a, t, r0, R, 8, 0, 0, 0, 0, scales, far, U); /* Q8_0 */ \
+    else if (bits == 8) tile_rows(a, t, r0, R, 8, with_m, off, g16, k256, scales, far, U);                 \
+    else if (bits == 6) tile_rows(a, t, r0, R, 6, with_m, off, g16, k256, scales, far, U);                 \
+    else if (bits == 5) tile_rows(a, t, r0, R, 5, with_m, off, g16, k256, scales, far, U);                 \
+    else tile_rows(a, t, r0, R, 4, with_m, off, g16, k256, scales, far, U);
 
 #define CASE(R, U)                                                                                \
     case R:                                                                                       \
-        KINDS(R, 1, U)                                                                            \
+        KINDS(R, U)                                                                               \
         break;
 
 static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, const float *scales, far_t far,
@@ -1082,16 +1081,9 @@ static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, const fl
     const int k256 = !!(format & F_K);
     /* (a decode step's one pass: NULL, constant once inlined, so its loop holds no test of it) */
     if (unpacked)
-        for (int hc = 0; hc < 2; hc++) switch (rows) {
-                CASE(1, unpacked) CASE(2, unpacked) CASE(3, unpacked) CASE(4, unpacked)
-            }
-    else if (rows == 1) { /* a decode step's one row: both halves in one pass (half_rows' H) */
-        const int hc = 0;
-        KINDS(1, 2, NULL)
-    } else
-        for (int hc = 0; hc < 2; hc++) switch (rows) {
-                CASE(2, NULL) CASE(3, NULL) CASE(4, NULL)
-            }
+        switch (rows) { CASE(1, unpacked) CASE(2, unpacked) CASE(3, unpacked) CASE(4, unpacked) }
+    else
+        switch (rows) { CASE(1, NULL) CASE(2, NULL) CASE(3, NULL) CASE(4, NULL) }
 }
 #undef CASE
 #undef KINDS
