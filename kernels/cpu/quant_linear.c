@@ -199,6 +199,20 @@ static inline __m256 int8x8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
+/* Rows [r0, r0 + R) of tile t's columns 8 hc .. 8 hc + 7 into y: tot[r] (+ bias) as bf16 */
+static inline void store_rows8(const args_t *a, int64_t t, int hc, int64_t r0, int R, const __m256 *tot) {
+    uint16_t *y = a->y + r0 * a->y_stride + t * TILE + hc * 8;
+    float bias[8] = {0};
+    if (a->bias)
+        for (int j = 0; j < 8; j++) bias[j] = bf16_to_f32(a->bias[t * TILE + hc * 8 + j]);
+    const __m256 b = _mm256_loadu_ps(bias);
+    for (int r = 0; r < R; r++) {
+        float out[8];
+        _mm256_storeu_ps(out, _mm256_add_ps(tot[r], b));
+        for (int j = 0; j < 8; j++) y[r * a->y_stride + j] = f32_to_bf16(out[j]);
+    }
+}
+
 /* Scale group s of tile t, columns 8 hc .. 8 hc + 7: d and (F_M) m in fp32 (as the AVX-512
  * builds' group_scales: the same values) */
 static inline void group_scales(const args_t *a, int64_t t, int64_t s, int hc, __m256 *d, __m256 *m) {
@@ -1040,18 +1054,7 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
                 }
         }
     }
-    for (int hc = 0; hc < 2; hc++) {
-        uint16_t *y = a->y + r0 * a->y_stride + t * TILE + hc * 8;
-        float bias[8] = {0};
-        if (a->bias)
-            for (int j = 0; j < 8; j++) bias[j] = bf16_to_f32(a->bias[t * TILE + hc * 8 + j]);
-        const __m256 b = _mm256_loadu_ps(bias);
-        for (int r = 0; r < R; r++) {
-            float out[8];
-            _mm256_storeu_ps(out, _mm256_add_ps(tot[hc][r], b));
-            for (int j = 0; j < 8; j++) y[r * a->y_stride + j] = f32_to_bf16(out[j]);
-        }
-    }
+    for (int hc = 0; hc < 2; hc++) store_rows8(a, t, hc, r0, R, tot[hc]);
 }
 
 /* The formats' kinds, each its own loop: (bits, m stored, the codes' offset, 16-channel groups);
@@ -1250,16 +1253,7 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
             }
         }
     }
-    uint16_t *y = a->y + r0 * a->y_stride + t * TILE + hc * 8;
-    float bias[8] = {0};
-    if (a->bias)
-        for (int j = 0; j < 8; j++) bias[j] = bf16_to_f32(a->bias[t * TILE + hc * 8 + j]);
-    const __m256 b = _mm256_loadu_ps(bias);
-    for (int r = 0; r < R; r++) {
-        float out[8];
-        _mm256_storeu_ps(out, _mm256_add_ps(tot[r], b));
-        for (int j = 0; j < 8; j++) y[r * a->y_stride + j] = f32_to_bf16(out[j]);
-    }
+    store_rows8(a, t, hc, r0, R, tot);
 }
 
 #define CASE(R)                                                                                   \
