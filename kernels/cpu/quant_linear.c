@@ -895,9 +895,9 @@ static void tile_unpack(const args_t *a, int64_t t, uint8_t *out) {
 
 /* Rows [r0, r0 + R) x the 16 columns of tile t, as two halves of 8 (AVX2's 8 int32 lanes:
  * columns 8 hc .. 8 hc + 7) in one pass over the tile's groups, which share each group's x
- * broadcasts, the loop and the prefetches (a pass per half, as before, was 1.3-1.4x slower at
- * 1-4 rows and 1.12x at 16-128: benchmarks/bench_quant_source --build avx2_int8, AMD Zen 4
- * capped to AVX2, 2026-12-06); r0 a multiple of ROWS_I8 (x in blocks of ROWS_I8 rows:
+ * broadcasts, the loop and the prefetches (a pass per half, as before, was 1.34-1.41x slower
+ * at 1-4 rows, 1.06x at 8 and 1.12-1.14x at 16-128: benchmarks/bench_quant_source --build
+ * avx2_int8, AMD Zen 4 capped to AVX2, docs/performance.md#avx2-zen4); r0 a multiple of ROWS_I8 (x in blocks of ROWS_I8 rows:
  * blocked). R <= ROWS_I8, the code width, whether m is stored, the codes' offset and g16
  * (scale groups of 16) are known at compile time once inlined (tile_pass' kinds), so the loop
  * holds no test of the format; scales: the tile's fp32 d and m per scale group (tile_scales),
