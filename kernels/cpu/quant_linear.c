@@ -259,6 +259,7 @@ static inline void group_scales(const args_t *a, int64_t t, int64_t s, int hc, _
  * 4k + 3 with one vpermw (x in channel order). */
 #define BLINK_QUANT_INT8 1
 #define BLINK_QUANT_INT8_ROWS ROWS
+#define BLINK_QUANT_INT8_ROW_CASES(U) CASE(1, U) CASE(2, U) CASE(3, U) CASE(4, U) CASE(5, U) CASE(6, U) CASE(7, U) CASE(8, U)
 /* work per thread, in (passes x weights), at least: 64K products and sums a row pass, 40 KB of
  * 4-bit codes and scales, ~3-4 us of one core's reads from memory at a decode step's one row
  * (the weights come from memory there, not from cache). With 256K, SmolLM2's o_proj (576 x 576)
@@ -507,43 +508,6 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
     for (int r = 0; r < R; r++) store_bf16x16_i(a->y + (r0 + r) * a->y_stride + t * TILE, _mm512_add_ps(tot[r], bias));
 }
 
-/* The formats' kinds, each its own loop: (bits, m stored, the codes' offset, 16-channel groups) */
-#define KINDS(R, U)                                                                                   \
-    if (k256 && bits == 4 && with_m && !g16) tile_rows(a, t, r0, R, 4, 1, 0, 0, 1, scales, far, U);  /* Q4_K */ \
-    else if (k256 && bits == 6 && !with_m && off == 32 && g16) tile_rows(a, t, r0, R, 6, 0, 32, 1, 1, scales, far, U); /* Q6_K */ \
-    else if (k256 && bits == 5 && with_m && !g16) tile_rows(a, t, r0, R, 5, 1, 0, 0, 1, scales, far, U); /* Q5_K */ \
-    else if (bits == 4 && with_m && !g16) tile_rows(a, t, r0, R, 4, 1, 0, 0, 0, scales, far, U);  /* Q4_1 */  \
-    else if (bits == 4 && !with_m && off == 8 && !g16) tile_rows(a, t, r0, R, 4, 0, 8, 0, 0, scales, far, U); /* Q4_0 */ \
-    else if (bits == 8 && !with_m && off == 128 && !g16) tile_rows(a, t, r0, R, 8, 0, 128, 0, 0, scales, far, U); /* Q8_0 */ \
-    else if (bits == 8) tile_rows(a, t, r0, R, 8, with_m, off, g16, k256, scales, far, U);                     \
-    else if (bits == 6) tile_rows(a, t, r0, R, 6, with_m, off, g16, k256, scales, far, U);                     \
-    else if (bits == 5) tile_rows(a, t, r0, R, 5, with_m, off, g16, k256, scales, far, U);                     \
-    else tile_rows(a, t, r0, R, 4, with_m, off, g16, k256, scales, far, U);
-
-#define CASE(R, U)                                                                                \
-    case R:                                                                                       \
-        KINDS(R, U)                                                                               \
-        break;
-
-static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, const float *scales, far_t far,
-                      const uint8_t *unpacked) {
-    const int format = a->format, off = code_offset(format), g16 = !!(format & F_GROUP16);
-    const int with_m = (format & F_M) && !(format & F_M8);
-    const int bits = format & F_BITS8 ? 8 : format & F_BITS6 ? 6 : format & F_BITS5 ? 5 : 4;
-    const int k256 = !!(format & F_K);
-    /* (a decode step's one pass: NULL, constant once inlined, so its loop holds no test of it) */
-    if (unpacked)
-        switch (rows) {
-            CASE(1, unpacked) CASE(2, unpacked) CASE(3, unpacked) CASE(4, unpacked)
-            CASE(5, unpacked) CASE(6, unpacked) CASE(7, unpacked) CASE(8, unpacked)
-        }
-    else
-        switch (rows) {
-            CASE(1, NULL) CASE(2, NULL) CASE(3, NULL) CASE(4, NULL) CASE(5, NULL) CASE(6, NULL) CASE(7, NULL) CASE(8, NULL)
-        }
-}
-#undef CASE
-#undef KINDS
 
 /* A tile's d and m in fp32 for every scale group, 16 each (the rows' passes read them, formed once) */
 static void tile_scales(const args_t *a, int64_t t, float *out) {
@@ -798,6 +762,7 @@ static void *run_tiles(void *arg) {
  * int32 and int16 sums) */
 enum { ROWS_I8 = 4 };
 #define BLINK_QUANT_INT8_ROWS ROWS_I8
+#define BLINK_QUANT_INT8_ROW_CASES(U) CASE(1, U) CASE(2, U) CASE(3, U) CASE(4, U)
 /* work per thread, in (passes x weights): a pass of 4 rows here costs about what the VNNI
  * build's of 8 did at 2^18 (its value before small projections split at 2^16 there; a
  * one-row pass over SmolLM2's o_proj already splits here: not measured on a CPU without
@@ -1057,39 +1022,6 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
     for (int hc = 0; hc < 2; hc++) store_rows8(a, t, hc, r0, R, tot[hc]);
 }
 
-/* The formats' kinds, each its own loop: (bits, m stored, the codes' offset, 16-channel groups);
- * 8-bit codes take no offset here (the sign trick) */
-#define KINDS(R, U)                                                                                   \
-    if (k256 && bits == 4 && with_m && !g16) tile_rows(a, t, r0, R, 4, 1, 0, 0, 1, scales, far, U); /* Q4_K */ \
-    else if (k256 && bits == 6 && !with_m && off == 32 && g16) tile_rows(a, t, r0, R, 6, 0, 32, 1, 1, scales, far, U); /* Q6_K */ \
-    else if (k256 && bits == 5 && with_m && !g16) tile_rows(a, t, r0, R, 5, 1, 0, 0, 1, scales, far, U); /* Q5_K */ \
-    else if (bits == 4 && with_m && !g16) tile_rows(a, t, r0, R, 4, 1, 0, 0, 0, scales, far, U); /* Q4_1 */ \
-    else if (bits == 4 && !with_m && off == 8 && !g16) tile_rows(a, t, r0, R, 4, 0, 8, 0, 0, scales, far, U); /* Q4_0 */ \
-    else if (bits == 8 && !with_m && !off && !g16) tile_rows(a, t, r0, R, 8, 0, 0, 0, 0, scales, far, U); /* Q8_0 */ \
-    else if (bits == 8) tile_rows(a, t, r0, R, 8, with_m, off, g16, k256, scales, far, U);                 \
-    else if (bits == 6) tile_rows(a, t, r0, R, 6, with_m, off, g16, k256, scales, far, U);                 \
-    else if (bits == 5) tile_rows(a, t, r0, R, 5, with_m, off, g16, k256, scales, far, U);                 \
-    else tile_rows(a, t, r0, R, 4, with_m, off, g16, k256, scales, far, U);
-
-#define CASE(R, U)                                                                                \
-    case R:                                                                                       \
-        KINDS(R, U)                                                                               \
-        break;
-
-static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, const float *scales, far_t far,
-                      const uint8_t *unpacked) {
-    const int format = a->format, off = code_offset(format), g16 = !!(format & F_GROUP16);
-    const int with_m = (format & F_M) && !(format & F_M8);
-    const int bits = format & F_BITS8 ? 8 : format & F_BITS6 ? 6 : format & F_BITS5 ? 5 : 4;
-    const int k256 = !!(format & F_K);
-    /* (a decode step's one pass: NULL, constant once inlined, so its loop holds no test of it) */
-    if (unpacked)
-        switch (rows) { CASE(1, unpacked) CASE(2, unpacked) CASE(3, unpacked) CASE(4, unpacked) }
-    else
-        switch (rows) { CASE(1, NULL) CASE(2, NULL) CASE(3, NULL) CASE(4, NULL) }
-}
-#undef CASE
-#undef KINDS
 
 /* A tile's d and m in fp32 for every scale group, 16 each (the rows' passes read them, formed once) */
 static void tile_scales(const args_t *a, int64_t t, float *out) {
@@ -1306,6 +1238,43 @@ static inline __attribute__((unused)) void group_sums(const uint16_t *x, int64_t
 #endif
 
 #ifdef BLINK_QUANT_INT8
+/* A pass of both int8 builds over tile t: their tile_rows with the format's kind known at compile
+ * time, each kind its own loop (bits, m stored, the codes' offset, 16-channel groups; an 8-bit
+ * code's offset is the build's own, code_offset: VNNI's u = q + 128, none with AVX2's sign
+ * trick), and the rows (1 to BLINK_QUANT_INT8_ROWS: the build's BLINK_QUANT_INT8_ROW_CASES). */
+#define KINDS(R, U)                                                                                   \
+    if (k256 && bits == 4 && with_m && !g16) tile_rows(a, t, r0, R, 4, 1, 0, 0, 1, scales, far, U);  /* Q4_K */ \
+    else if (k256 && bits == 6 && !with_m && off == 32 && g16) tile_rows(a, t, r0, R, 6, 0, 32, 1, 1, scales, far, U); /* Q6_K */ \
+    else if (k256 && bits == 5 && with_m && !g16) tile_rows(a, t, r0, R, 5, 1, 0, 0, 1, scales, far, U); /* Q5_K */ \
+    else if (bits == 4 && with_m && !g16) tile_rows(a, t, r0, R, 4, 1, 0, 0, 0, scales, far, U);  /* Q4_1 */  \
+    else if (bits == 4 && !with_m && off == 8 && !g16) tile_rows(a, t, r0, R, 4, 0, 8, 0, 0, scales, far, U); /* Q4_0 */ \
+    else if (bits == 8 && !with_m && off == q8_off && !g16) tile_rows(a, t, r0, R, 8, 0, q8_off, 0, 0, scales, far, U); /* Q8_0 */ \
+    else if (bits == 8) tile_rows(a, t, r0, R, 8, with_m, off, g16, k256, scales, far, U);                     \
+    else if (bits == 6) tile_rows(a, t, r0, R, 6, with_m, off, g16, k256, scales, far, U);                     \
+    else if (bits == 5) tile_rows(a, t, r0, R, 5, with_m, off, g16, k256, scales, far, U);                     \
+    else tile_rows(a, t, r0, R, 4, with_m, off, g16, k256, scales, far, U);
+
+#define CASE(R, U)                                                                                \
+    case R:                                                                                       \
+        KINDS(R, U)                                                                               \
+        break;
+
+static void tile_pass(const args_t *a, int64_t t, int64_t r0, int rows, const float *scales, far_t far,
+                      const uint8_t *unpacked) {
+    const int format = a->format, off = code_offset(format), g16 = !!(format & F_GROUP16);
+    const int with_m = (format & F_M) && !(format & F_M8);
+    const int bits = format & F_BITS8 ? 8 : format & F_BITS6 ? 6 : format & F_BITS5 ? 5 : 4;
+    const int k256 = !!(format & F_K);
+    const int q8_off = code_offset(F_BITS8); /* the build's, a constant once inlined */
+    /* (a decode step's one pass: NULL, constant once inlined, so its loop holds no test of it) */
+    if (unpacked)
+        switch (rows) { BLINK_QUANT_INT8_ROW_CASES(unpacked) }
+    else
+        switch (rows) { BLINK_QUANT_INT8_ROW_CASES(NULL) }
+}
+#undef CASE
+#undef KINDS
+
 /* The int8 builds' split of a call: per panel of PANEL_ROWS rows (a larger int8 panel measured
  * 0.95-0.98x) and tile, the tile's scales formed once where the panel takes several passes of
  * BLINK_QUANT_INT8_ROWS rows (a decode step's one pass forms them inline, allocating nothing),
