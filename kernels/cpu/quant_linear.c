@@ -1,9 +1,10 @@
 /* y = x @ W.T (+ bias) for bf16 x and a weight kept as a GGUF file's own codes, on CPUs
- * without AMX: one source, built four times by kernels/cpu/quant_linear.py (VARIANTS): for
+ * without AMX: one source, built five times by kernels/cpu/quant_linear.py (VARIANTS): for
  * AVX-512 VNNI (int8 x), for AVX-512 BF16 (-march=x86-64-v4 -mavx512bf16: Intel Cooper Lake /
  * Sapphire Rapids with AMX hidden, AMD Zen 4 and 5), for AVX2 with int8 x (-march=x86-64-v3
- * -DBLINK_QUANT_INT8_AVX2) and for AVX2 (-march=x86-64-v3); neither AVX2 build holds an
- * AVX-512 instruction. The Python side loads the first one the CPU's flags allow.
+ * -DBLINK_QUANT_INT8_AVX2), for AVX2 (-march=x86-64-v3) and for Arm with int8 x
+ * (-march=armv8.2-a+dotprod); neither AVX2 build holds an AVX-512 instruction. The Python side
+ * loads the first one the CPU's flags allow.
  *
  * Why: a decode step streams every projection weight once and does little arithmetic with
  * it, so its cost is the weight's bytes. The codes are ~4x fewer bytes than bf16 (8-bit
@@ -40,11 +41,11 @@
  *   then d (x . q) + m sum(x) in fp32. Up to 8 rows per pass share each unpacked row.
  * - AVX2: 8 columns at a time, x . q per group in fp32 FMAs on x's fp32 values and the codes
  *   as fp32 (exact), then d (x . q) + m sum(x).
- * - The int8 builds (AVX-512 VNNI, AVX2 with -DBLINK_QUANT_INT8_AVX2) multiply x quantized to
+ * - The int8 builds (AVX-512 VNNI, AVX2 with -DBLINK_QUANT_INT8_AVX2, Arm) multiply x quantized to
  *   int8 per group of 32 (llama.cpp's Q8_0 activations; for K-quants on the file's scales per
  *   super-block of 256, its Q8_K) in exact integer sums: see their sections.
  * Every row count takes the same code (decode steps and prefills alike), rows in passes of 8
- * (AVX2: 4) over a tile whose codes stay in L1, x's rows from L2 in panels of PANEL_ROWS. Each
+ * (AVX2, Arm: 4) over a tile whose codes stay in L1, x's rows from L2 in panels of PANEL_ROWS. Each
  * row is summed in the same order whatever the rows beside it: its bits do not depend on the
  * step's batch (as the AMX kernel's few-rows path, which CPU decode graphs rely on when they
  * pad a step).
@@ -1213,10 +1214,345 @@ static void *run_tiles(void *arg) {
     }
     return NULL;
 }
+#elif defined(__aarch64__) && defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
+#define BLINK_QUANT_ISA 82
+#include <arm_neon.h>
+/* The Arm int8 build (Armv8.2-A with the dot-product extension, -march=armv8.2-a+dotprod: Arm
+ * Neoverse N1 / V1 / N2 / V2 servers such as AWS Graviton 2-4, Ampere Altra, Google Axion;
+ * Apple M1 and later).
+ *
+ * Why: as on x86 without AMX, a decode step streams every weight once; sdot multiplies 16
+ * signed byte pairs an instruction into four int32 sums, so x is quantized to int8 as the x86
+ * int8 builds quantize it (quantize_activations' values) and each group's x . q is an exact
+ * int32 sum, then the same epilogue in the same fp32 order:
+ *   y += (s * (sum(u qx) - off sum(qx))) * d + (s * sum(qx)) * m      per scale group
+ * (k256: per super-block, as the VNNI build's tile_rows), so this build gives the x86 int8
+ * builds' bits (tests/test_cpu_quant_linear_arm.py runs it under qemu-user against them).
+ * Exactness: the codes as bytes (4/5/6-bit: u in 0..63; 8-bit: q itself, signed, no offset)
+ * times qx in -127..127, at most 32 x 63 x 127 a group: no int32 overflows, no saturation.
+ * Codes: the 4-bit layout's 64-byte vector c holds the tile's 16 columns in 32-bit lanes (as
+ * the VNNI build reads it), here four registers of 4 columns each (quads); masked to the low
+ * nibbles a lane holds its column's channels 8c, 8c + 4, 8c + 1, 8c + 5, shifted down by 4
+ * its 8c + 2, 8c + 6, 8c + 3, 8c + 7: x's codes in PERM4 order, so one 32-bit word of x,
+ * broadcast (ld1r), meets a lane's 4 codes in one sdot. 5/6-bit top bits shifted and masked
+ * into bits 4 (and 5) of each byte as the AVX2 int8 build does; 8-bit rows 4c, 4c + 1 (and
+ * 4c + 2, 4c + 3) zipped by 16-bit words into each column's channels in order.
+ * Speed: chosen by design, not measured (no Arm machine here; qemu-user's times say nothing
+ * about a core): rows per pass and the work per thread are the AVX2 int8 build's. */
+#define BLINK_QUANT_INT8 1
+
+/* rows per pass over a tile, and x's block (blocked) */
+enum { ROWS_A = 4 };
+#define BLINK_QUANT_INT8_ROWS ROWS_A
+#define BLINK_QUANT_INT8_ROW_CASES(U) CASE(1, U) CASE(2, U) CASE(3, U) CASE(4, U)
+/* work per thread, in (passes x weights): the AVX2 int8 build's (not measured on Arm) */
+#define BLINK_QUANT_INT8_PER_THREAD ((int64_t)1 << 17)
+
+/* channel of the group at position 8c + e of x's int8 codes: 4-bit layouts (5, 6 too) */
+static const int PERM4[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+
+/* 4 fp16 (or fp32) scales from p as fp32 */
+static inline float32x4_t load_scales4(const uint8_t *p, int fp32) {
+    if (fp32) return vld1q_f32((const float *)(const void *)p);
+    uint16x4_t h;
+    memcpy(&h, p, sizeof h);
+    return vcvt_f32_f16(vreinterpret_f16_u16(h));
+}
+
+/* 4 int8 as fp32 (a 4-byte load: the last quad's 4 bytes may end the buffer) */
+static inline float32x4_t int8x4(const int8_t *p) {
+    int32_t word;
+    memcpy(&word, p, sizeof word);
+    const int16x8_t wide = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(word)));
+    return vcvtq_f32_s32(vmovl_s16(vget_low_s16(wide)));
+}
+
+/* Scale group s of tile t, columns 4 q .. 4 q + 3: d and (F_M) m in fp32 (as the x86 builds'
+ * group_scales: the same values) */
+static inline void group_scales(const args_t *a, int64_t t, int64_t s, int q, float32x4_t *d, float32x4_t *m) {
+    const scale_at_t at = scale_at(a, t, s);
+    if (a->format & F_K) {
+        *d = vmulq_f32(load_scales4(at.d16 + q * 8, 0), int8x4(at.sc + q * 4));
+        if (a->format & F_M) *m = vmulq_f32(load_scales4(at.dm16 + q * 8, 0), int8x4(at.mn + q * 4));
+    } else {
+        const int64_t esize = a->format & F_FP32 ? 4 : 2;
+        *d = load_scales4(at.d16 + q * 4 * esize, a->format & F_FP32);
+        if (a->format & F_M8) *m = vmulq_f32(*d, vdupq_n_f32(-8.0f)); /* exact */
+        else if (a->format & F_M) *m = load_scales4(at.dm16 + q * 4 * esize, a->format & F_FP32);
+    }
+}
+
+/* off: what comes off each code before d (Q4_0 8, Q6_K 32), 0 where m holds the min and for
+ * 8-bit codes (signed here, as in the AVX2 int8 build) */
+static inline int code_offset(int format) {
+    return format & F_BITS8 ? 0 : format & F_BITS6 ? 32 : format & F_M8 ? 8 : 0;
+}
+
+/* a 16-bit shift by n (left) or -n (right) */
+static inline uint16x8_t shift16(uint16x8_t h, const int n) { return vshlq_u16(h, vdupq_n_s16((int16_t)n)); }
+/* an 8-bit shift by n (left) or -n (right) */
+static inline uint8x16_t shift8(uint8x16_t h, const int n) { return vshlq_u8(h, vdupq_n_s8((int8_t)n)); }
+
+/* Vector c of group g's codes `gc` as bytes, quad q (columns 4q .. 4q + 3): 4/5/6-bit codes'
+ * low nibbles (lo) and high nibbles (hi) as the VNNI build's unpack_vector gives them, the 5/6-bit
+ * top bits in place; 8-bit codes' rows 4c, 4c + 1 (lo) and 4c + 2, 4c + 3 (hi) zipped into each
+ * column's channels 8c .. 8c + 3 (8c + 4 .. 8c + 7), signed. */
+static inline __attribute__((always_inline)) void unpack_vector(const uint8_t *gc, int c, int q, const int bits,
+                                                                int8x16_t *lo_out, int8x16_t *hi_out) {
+    if (bits == 8) { /* row p at gc + 32 p; a column's two channels are a 16-bit word */
+        const uint16x4_t r0 = vreinterpret_u16_u8(vld1_u8(gc + (4 * c) * 32 + 8 * q));
+        const uint16x4_t r1 = vreinterpret_u16_u8(vld1_u8(gc + (4 * c + 1) * 32 + 8 * q));
+        const uint16x4_t r2 = vreinterpret_u16_u8(vld1_u8(gc + (4 * c + 2) * 32 + 8 * q));
+        const uint16x4_t r3 = vreinterpret_u16_u8(vld1_u8(gc + (4 * c + 3) * 32 + 8 * q));
+        const uint16x4x2_t z01 = vzip_u16(r0, r1), z23 = vzip_u16(r2, r3);
+        *lo_out = vreinterpretq_s8_u16(vcombine_u16(z01.val[0], z01.val[1]));
+        *hi_out = vreinterpretq_s8_u16(vcombine_u16(z23.val[0], z23.val[1]));
+        return;
+    }
+    const int h = c / 2, c2 = c % 2;
+    const uint8x16_t v = vld1q_u8(gc + c * 64 + q * 16);
+    uint8x16_t lo = vandq_u8(v, vdupq_n_u8(0x0F)), hi = vshrq_n_u8(v, 4);
+    if (bits == 6) { /* byte b of the plane holds the high bits of byte b of lo and hi (POS6) */
+        const uint8x16_t high6 = vld1q_u8(gc + 256 + h * 64 + q * 16), top = vdupq_n_u8(0x30);
+        lo = vorrq_u8(lo, vandq_u8(shift8(high6, 4 - 4 * c2), top));
+        hi = vorrq_u8(hi, vandq_u8(shift8(high6, 2 - 4 * c2), top));
+    } else if (bits == 5) {
+        /* lo's bytes are rows 4c (a word's low byte) and 4c + 2 (high byte), hi's 4c + 1 and
+         * 4c + 3; a row's top bit goes to bit 4 of its byte */
+        const uint16x8_t high5 = vreinterpretq_u16_u8(vld1q_u8(gc + 256 + q * 16));
+        const uint16x8_t top_lo = vdupq_n_u16(0x0010), top_hi = vdupq_n_u16(0x1000);
+        const int jb = 4 * c; /* row 4c's bit in high5 */
+        const uint16x8_t lo_top = vorrq_u16(vandq_u16(shift16(high5, 4 - jb), top_lo),
+                                            vandq_u16(shift16(high5, 12 - (jb + 2)), top_hi));
+        const uint16x8_t hi_top = vorrq_u16(vandq_u16(shift16(high5, 4 - (jb + 1)), top_lo),
+                                            vandq_u16(shift16(high5, 12 - (jb + 3)), top_hi));
+        lo = vorrq_u8(lo, vreinterpretq_u8_u16(lo_top));
+        hi = vorrq_u8(hi, vreinterpretq_u8_u16(hi_top));
+    }
+    *lo_out = vreinterpretq_s8_u8(lo);
+    *hi_out = vreinterpretq_s8_u8(hi);
+}
+
+/* Whether a panel's passes read a tile's codes unpacked once (tile_unpack): every format */
+static inline int unpacks(int format) { (void)format; return 1; }
+/* from 4 passes (16 rows), as the AVX2 int8 build's (not measured on Arm) */
+enum { UNPACK_MIN_PASSES = 4 };
+
+/* bytes of one tile's unpacked codes (tile_unpack): per group and vector c, lo then hi, 64 each */
+static inline int64_t unpacked_bytes(int64_t K) { return K / GROUP * 4 * 2 * 64; }
+
+/* Tile t's codes unpacked once for a panel's passes (tile_rows' `unpacked`) */
+static void tile_unpack(const args_t *a, int64_t t, uint8_t *out) {
+    const int64_t groups = a->K / GROUP, tb = tile_bytes(a->format);
+    const int bits = a->format & F_BITS8 ? 8 : a->format & F_BITS6 ? 6 : a->format & F_BITS5 ? 5 : 4;
+    const uint8_t *codes = a->codes + t * groups * tb;
+    for (int64_t g = 0; g < groups; g++)
+        for (int c = 0; c < 4; c++)
+            for (int q = 0; q < 4; q++) {
+                int8x16_t lo, hi;
+                if (bits == 8) unpack_vector(codes + g * tb, c, q, 8, &lo, &hi);
+                else if (bits == 6) unpack_vector(codes + g * tb, c, q, 6, &lo, &hi);
+                else if (bits == 5) unpack_vector(codes + g * tb, c, q, 5, &lo, &hi);
+                else unpack_vector(codes + g * tb, c, q, 4, &lo, &hi);
+                int8_t *at = (int8_t *)out + (g * 4 + c) * 128 + q * 16;
+                vst1q_s8(at, lo);
+                vst1q_s8(at + 64, hi);
+            }
+}
+
+/* Rows [r0, r0 + R) x the 16 columns of tile t (four quads); r0 a multiple of ROWS_A (x in
+ * blocks of ROWS_A rows: blocked). R <= ROWS_A, the code width, whether m is stored, the
+ * codes' offset, g16 and k256 are known at compile time once inlined (tile_pass' kinds), so
+ * the loop holds no test of the format; scales: the tile's fp32 d and m per scale group
+ * (tile_scales), NULL: formed here. As the VNNI build's tile_rows, operation for operation in
+ * fp32. */
+static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int64_t t, int64_t r0, const int R,
+                                                            const int bits, const int with_m, const int off,
+                                                            const int g16, const int k256, const float *scales,
+                                                            far_t far, const uint8_t *unpacked) {
+    const int64_t groups = a->K / GROUP, tb = tile_bytes(a->format);
+    const int64_t sgroups = a->K / (g16 ? 16 : GROUP), per = g16 ? 2 : 1;
+    const uint8_t *codes = a->codes + t * groups * tb;
+    const int8_t *xq = a->xq + blocked(r0, groups, 0, ROWS_A) * GROUP; /* group g, row r: xq + (g ROWS_A + r) GROUP */
+    const float *xs = a->xs + blocked(r0, groups, 0, ROWS_A);          /* xs[g ROWS_A + r] */
+    const int32_t *xoff = a->xoff + blocked(r0, sgroups, 0, ROWS_A);   /* -off sum(qx): xoff[s ROWS_A + r] */
+    const float *x_sums = a->x_sums + blocked(r0, sgroups, 0, ROWS_A); /* s sum(qx): x_sums[s ROWS_A + r] */
+    int32x4_t acc[ROWS_A][4];
+    float32x4_t tot[ROWS_A][4], block[ROWS_A][4]; /* block: k256's sum over the super-block so far */
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; q++) {
+            tot[r][q] = block[r][q] = vdupq_n_f32(0.0f);
+            acc[r][q] = vdupq_n_s32(off ? xoff[r] : 0);
+        }
+    /* one pass, k256: the super-block's fp16 d and -dmin in fp32, converted once for its groups */
+    const int64_t k_bytes = k_block_bytes(a->format), nsub = g16 ? 16 : 8;
+    const uint8_t *super_at = NULL;
+    float32x4_t super_d[4], super_m[4];
+    for (int q = 0; q < 4; q++) super_d[q] = super_m[q] = vdupq_n_f32(0.0f);
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *gc = codes + g * tb;
+        for (int line = 0; line < tb; line += 64) __builtin_prefetch(gc + line + PREFETCH_BYTES, 0, 3);
+        prefetch_far(far, g);
+        const int8_t *xg = xq + g * ROWS_A * GROUP;
+        if (HOIST_SUPER_SCALES && k256 && !scales && (g & 7) == 0) { /* a super-block starts */
+            super_at = a->scales + (t * (a->K >> 8) + (g >> 3)) * k_bytes;
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; q++) {
+                super_d[q] = load_scales4(super_at + q * 8, 0);
+                if (with_m) super_m[q] = load_scales4(super_at + 2 * TILE + q * 8, 0);
+            }
+        }
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) { /* channels 16h .. 16h + 15 */
+#pragma GCC unroll 2
+            for (int c2 = 0; c2 < 2; c2++) {
+                const int c = 2 * h + c2;
+                int8x16_t lo[4], hi[4];
+#pragma GCC unroll 4
+                for (int q = 0; q < 4; q++) {
+                    if (unpacked) { /* tile_unpack's, for every pass of the panel */
+                        const int8_t *at = (const int8_t *)unpacked + (g * 4 + c) * 128 + q * 16;
+                        lo[q] = vld1q_s8(at);
+                        hi[q] = vld1q_s8(at + 64);
+                    } else {
+                        unpack_vector(gc, c, q, bits, &lo[q], &hi[q]);
+                    }
+                }
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) {
+                    /* x's 4 codes of each half of the vector in every lane (ld1r) */
+                    const int8_t *xc = xg + r * GROUP + 8 * c;
+                    const int8x16_t x0 = vreinterpretq_s8_s32(vld1q_dup_s32((const int32_t *)(const void *)xc));
+                    const int8x16_t x1 = vreinterpretq_s8_s32(vld1q_dup_s32((const int32_t *)(const void *)(xc + 4)));
+#pragma GCC unroll 4
+                    for (int q = 0; q < 4; q++) acc[r][q] = vdotq_s32(vdotq_s32(acc[r][q], lo[q], x0), hi[q], x1);
+                }
+            }
+            if (g16 || h == 1) { /* a scale group ends */
+                const int64_t s = g * per + (g16 ? h : 0);
+                const int64_t s_next = s + 1 < sgroups ? s + 1 : s; /* (the last one's start is not used) */
+#pragma GCC unroll 4
+                for (int q = 0; q < 4; q++) {
+                    float32x4_t d, m = vdupq_n_f32(0.0f);
+                    if (scales) { /* formed once for the tile's passes */
+                        d = vld1q_f32(scales + s * 2 * TILE + q * 4);
+                        if (with_m) m = vld1q_f32(scales + s * 2 * TILE + TILE + q * 4);
+                    } else if (HOIST_SUPER_SCALES && k256) { /* one pass: this group's sc and mn */
+                        const int8_t *sc = (const int8_t *)(super_at + (with_m ? 4 : 2) * TILE) + (s & (nsub - 1)) * TILE + q * 4;
+                        d = vmulq_f32(super_d[q], int8x4(sc));
+                        if (with_m) m = vmulq_f32(super_m[q], int8x4(sc + nsub * TILE));
+                    } else { /* one pass (a decode step): formed here */
+                        group_scales(a, t, s, q, &d, &m);
+                    }
+#pragma GCC unroll 4
+                    for (int r = 0; r < R; r++) {
+                        const float32x4_t sum = vcvtq_f32_s32(acc[r][q]);
+                        if (k256) {
+                            block[r][q] = vfmaq_f32(block[r][q], sum, d);
+                            if (with_m) block[r][q] = vfmaq_f32(block[r][q], vdupq_n_f32(x_sums[s * ROWS_A + r]), m);
+                        } else {
+                            const float32x4_t part = vmulq_f32(sum, vdupq_n_f32(xs[g * ROWS_A + r]));
+                            tot[r][q] = vfmaq_f32(tot[r][q], part, d);
+                            if (with_m) tot[r][q] = vfmaq_f32(tot[r][q], vdupq_n_f32(x_sums[s * ROWS_A + r]), m);
+                        }
+                        acc[r][q] = vdupq_n_s32(off ? xoff[s_next * ROWS_A + r] : 0);
+                    }
+                }
+            }
+        }
+        if (k256 && (g & 7) == 7) { /* a super-block ends */
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+                for (int q = 0; q < 4; q++) {
+                    tot[r][q] = vfmaq_f32(tot[r][q], block[r][q], vdupq_n_f32(xs[g * ROWS_A + r]));
+                    block[r][q] = vdupq_n_f32(0.0f);
+                }
+        }
+    }
+    float bias[TILE] = {0};
+    if (a->bias)
+        for (int j = 0; j < TILE; j++) bias[j] = bf16_to_f32(a->bias[t * TILE + j]);
+    for (int r = 0; r < R; r++) {
+        float out[TILE];
+        for (int q = 0; q < 4; q++) vst1q_f32(out + 4 * q, vaddq_f32(tot[r][q], vld1q_f32(bias + 4 * q)));
+        uint16_t *y = a->y + (r0 + r) * a->y_stride + t * TILE;
+        for (int j = 0; j < TILE; j++) y[j] = f32_to_bf16(out[j]);
+    }
+}
+
+/* A tile's d and m in fp32 for every scale group, 16 each (the rows' passes read them, formed once) */
+static void tile_scales(const args_t *a, int64_t t, float *out) {
+    const int64_t sgroups = a->K / group_size(a->format);
+    for (int64_t s = 0; s < sgroups; s++)
+        for (int q = 0; q < 4; q++) {
+            float32x4_t d, m = vdupq_n_f32(0.0f);
+            group_scales(a, t, s, q, &d, &m);
+            vst1q_f32(out + s * 2 * TILE + q * 4, d);
+            vst1q_f32(out + s * 2 * TILE + TILE + q * 4, m);
+        }
+}
+
+/* Rows [lo, hi) of x -> their int8 codes (PERM4 order but for 8-bit codes), scales, -off *
+ * sum(qx) and (F_M) s sum(qx) per scale group: the x86 int8 builds' values, the same fp32
+ * operations (amax, 127 / amax, x * that rounded to nearest even, amax / 127). */
+static void *quantize_rows(void *arg) {
+    blink_part_t *p = (blink_part_t *)arg;
+    const args_t *a = (const args_t *)p->args;
+    const int format = a->format, off = code_offset(format), sg = (int)group_size(format);
+    const int with_m = (format & F_M) && !(format & F_M8), k256 = !!(format & F_K);
+    const int64_t K = a->K, groups = K / GROUP, sgroups = K / sg;
+    int perm[GROUP];
+    for (int i = 0; i < GROUP; i++) perm[i] = format & F_BITS8 ? i : (i & ~7) + PERM4[i & 7];
+    for (int64_t r = p->lo; r < p->hi; r++) {
+        const uint16_t *x = a->x + r * a->x_stride;
+        int8_t *q = a->xq + blocked(r, groups, 0, ROWS_A) * GROUP; /* group g at q + g ROWS_A GROUP */
+        float amax = 0.0f;
+        for (int64_t g = 0; g < groups; g++) {
+            if (!k256 || (g & 7) == 0) { /* per group, or (K-quants) per super-block of 8 groups */
+                float32x4_t top = vdupq_n_f32(0.0f);
+                for (int64_t c = 0; c < (k256 ? 8 : 1) * GROUP; c += 4) {
+                    const uint32x4_t bits = vshll_n_u16(vld1_u16(x + g * GROUP + c), 16);
+                    top = vmaxq_f32(top, vabsq_f32(vreinterpretq_f32_u32(bits)));
+                }
+                amax = vmaxvq_f32(top);
+            }
+            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            a->xs[blocked(r, groups, g, ROWS_A)] = amax / 127.0f;
+            float v[GROUP];
+            for (int i = 0; i < GROUP; i++) v[i] = bf16_to_f32(x[g * GROUP + perm[i]]);
+            int32x4_t qi[8];
+            for (int i = 0; i < 8; i++) qi[i] = vcvtnq_s32_f32(vmulq_f32(vld1q_f32(v + 4 * i), vdupq_n_f32(inv)));
+            for (int i = 0; i < 2; i++) { /* saturating narrowing, as vpackssdw / vpacksswb */
+                const int16x8_t w0 = vcombine_s16(vqmovn_s32(qi[4 * i]), vqmovn_s32(qi[4 * i + 1]));
+                const int16x8_t w1 = vcombine_s16(vqmovn_s32(qi[4 * i + 2]), vqmovn_s32(qi[4 * i + 3]));
+                vst1q_s8(q + g * ROWS_A * GROUP + 16 * i, vcombine_s8(vqmovn_s16(w0), vqmovn_s16(w1)));
+            }
+            if (off || with_m) { /* the scale groups' sums of qx (16: each half), as the x86 builds' */
+                const int32_t s0 = vaddvq_s32(vaddq_s32(vaddq_s32(qi[0], qi[1]), vaddq_s32(qi[2], qi[3])));
+                const int32_t s1 = vaddvq_s32(vaddq_s32(vaddq_s32(qi[4], qi[5]), vaddq_s32(qi[6], qi[7])));
+                const float scale_back = k256 ? 1.0f : amax / 127.0f;
+                if (sg == 16) {
+                    if (off) a->xoff[blocked(r, sgroups, 2 * g, ROWS_A)] = -off * s0,
+                             a->xoff[blocked(r, sgroups, 2 * g + 1, ROWS_A)] = -off * s1;
+                    if (with_m) a->x_sums[blocked(r, sgroups, 2 * g, ROWS_A)] = scale_back * (float)s0,
+                                a->x_sums[blocked(r, sgroups, 2 * g + 1, ROWS_A)] = scale_back * (float)s1;
+                } else {
+                    if (off) a->xoff[blocked(r, sgroups, g, ROWS_A)] = -off * (s0 + s1);
+                    if (with_m) a->x_sums[blocked(r, sgroups, g, ROWS_A)] = scale_back * (float)(s0 + s1);
+                }
+            }
+        }
+    }
+    return NULL;
+}
+
 #endif
 
 /* Which instruction set this build uses: 8 (AVX-512 VNNI, int8), 512 (AVX-512 with BF16), 28 (AVX2, int8), 2
- * (AVX2), 0 (none: the Python side does not use it). */
+ * (AVX2), 82 (Arm NEON with the dot-product extension, int8), 0 (none: the Python side does not use it). */
 int blink_quant_linear_isa(void) {
 #ifdef BLINK_QUANT_ISA
     return BLINK_QUANT_ISA;

@@ -6,7 +6,7 @@ the file's 4-bit codes are ~4x fewer than bf16, its 8-bit ones 2x. The AMX kerne
 EPYC/Ryzen, older Xeons, cloud VMs that hide it); there torch's int4 kernel read Q4_0/Q4_1
 codes for steps of few rows, and K-quants were dequantized to bf16 at load.
 
-Four builds of one source, the first the CPU's flags allow chosen at load (:func:`variant`,
+Five builds of one source, the first the CPU's flags allow chosen at load (:func:`variant`,
 said once in the log):
 
 - ``avx512_vnni`` (AVX-512 F/BW/VL with VNNI: Intel Cascade Lake, Ice Lake and later, AMD
@@ -28,6 +28,12 @@ said once in the log):
   AVX-512 instruction in that build: ``x . q`` in fp32 FMAs on x's fp32 values, then the
   same): x as it is, for steps of few rows (a bf16 copy takes the others); ``avx2`` runs
   only where ``$BLINK_CPU_Q4`` asks for it (``avx2_int8`` runs on the same CPUs first).
+- ``neon_dotprod`` (Armv8.2-A with the dot-product extension, ``asimddp`` in
+  ``/proc/cpuinfo``: Arm Neoverse servers such as AWS Graviton 2-4 and Ampere Altra, Apple M1
+  and later): the same int8 arithmetic by sdot (16 signed byte products into four int32
+  sums an instruction), the x86 int8 builds' bits. No Arm machine is at hand here:
+  tests/test_cpu_quant_linear_arm.py builds it with a cross compiler and runs it under
+  qemu-user against the x86 int8 build this machine runs; its speed is not measured.
 
 All multiply gguf's fp32 weights, no weight rounded (tests/test_cpu_quant_linear.py: the
 exactly rounded fp32 product, of :func:`quantize_activations`' x for the int8 builds, in all
@@ -42,7 +48,7 @@ file 4.5; Q5_K 5.625, the file 5.5; Q6_K the file's 6.5625). The layout is the A
 (:func:`blink.kernels.cpu.q4_linear._b_tile_rows`) for the 4- and 8-bit codes; that kernel
 takes only Q4_0/Q4_1 and keeps its own scales.
 
-``$BLINK_CPU_Q4``: ``avx512_vnni``, ``avx512``, ``avx2_int8`` or ``avx2`` picks that build (and keeps the AMX kernel off, so a
+``$BLINK_CPU_Q4``: ``avx512_vnni``, ``avx512``, ``avx2_int8``, ``avx2`` or ``neon_dotprod`` picks that build (and keeps the AMX kernel off, so a
 CPU with AMX runs the path a CPU without it would), ``torch`` turns both off; unset, AMX where
 it runs (:mod:`blink.models.int4_linear`) and this kernel for what the AMX kernel does not take.
 """
@@ -88,9 +94,13 @@ VARIANTS = {
     "avx2_int8": (("-O3", "-march=x86-64-v3", "-mtune=generic", "-DBLINK_QUANT_INT8_AVX2"), ("avx2", "fma", "f16c"), 28,
                   "AVX2 (int8 activations)"),
     "avx2": (("-O3", "-march=x86-64-v3", "-mtune=generic"), ("avx2", "fma", "f16c"), 2, "AVX2"),
+    # (-fno-schedule-insns: GCC schedules before register allocation on Arm, not on x86, and
+    # that pass took 71 of this build's 137 s with GCC 12; its effect on speed is not measured)
+    "neon_dotprod": (("-O3", "-march=armv8.2-a+dotprod", "-mtune=generic", "-fno-schedule-insns"),
+                     ("asimd", "asimddp"), 82, "Arm NEON dot product (int8 activations)"),
 }
 #: the builds that multiply x quantized to int8 (:func:`quantize_activations`), every step
-INT8_BUILDS = frozenset({"avx512_vnni", "avx2_int8"})
+INT8_BUILDS = frozenset({"avx512_vnni", "avx2_int8", "neon_dotprod"})
 
 
 def _declare(isa: int):
