@@ -161,6 +161,28 @@ static inline scale_at_t scale_at(const args_t *a, int64_t t, int64_t s) {
     return at;
 }
 
+/* The int8 builds' sums of row r's int8 x over group g (s0, s1: channels 0-15 and 16-31 of
+ * the group; the codes' order keeps those halves whole) per scale group (16 channels: each
+ * half), in blocks of B rows (blocked): -off sum(qx) for the codes' offset off, and (F_M) the
+ * min's s sum(qx), the sum of the rounded x, so that x's rounding errors meet the whole weight
+ * d q + m, centred, as llama.cpp's Q8_1 sums do (m on the exact sum(x) measured 5-10x the
+ * error a layer on SmolLM2); K-quants: sum(qx) alone, the super-block's scale applied after
+ * its groups. */
+static inline __attribute__((unused)) void store_x_sums(const args_t *a, int64_t r, int64_t g, int32_t s0, int32_t s1,
+                                                        float amax, int off, const int64_t B) {
+    const int format = a->format, with_m = (format & F_M) && !(format & F_M8);
+    const int64_t sg = group_size(format), sgroups = a->K / sg;
+    const float scale_back = format & F_K ? 1.0f : amax / 127.0f;
+    if (sg == 16) {
+        if (off) a->xoff[blocked(r, sgroups, 2 * g, B)] = -off * s0, a->xoff[blocked(r, sgroups, 2 * g + 1, B)] = -off * s1;
+        if (with_m) a->x_sums[blocked(r, sgroups, 2 * g, B)] = scale_back * (float)s0,
+                    a->x_sums[blocked(r, sgroups, 2 * g + 1, B)] = scale_back * (float)s1;
+    } else {
+        if (off) a->xoff[blocked(r, sgroups, g, B)] = -off * (s0 + s1);
+        if (with_m) a->x_sums[blocked(r, sgroups, g, B)] = scale_back * (float)(s0 + s1);
+    }
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && (defined(__AVX512BF16__) || defined(__AVX512VNNI__))
 #include <immintrin.h>
 /* (both AVX-512 builds) */
@@ -526,9 +548,8 @@ static void tile_scales(const args_t *a, int64_t t, float *out) {
 static void *quantize_rows(void *arg) {
     blink_part_t *p = (blink_part_t *)arg;
     const args_t *a = (const args_t *)p->args;
-    const int format = a->format, off = code_offset(format), sg = (int)group_size(format);
-    const int with_m = (format & F_M) && !(format & F_M8), k256 = !!(format & F_K);
-    const int64_t K = a->K, groups = K / GROUP, sgroups = K / sg;
+    const int format = a->format, off = code_offset(format), k256 = !!(format & F_K);
+    const int64_t groups = a->K / GROUP;
     int perm[GROUP];
     for (int i = 0; i < GROUP; i++) perm[i] = format & F_BITS8 ? i : (i & ~7) + PERM4[i & 7];
     const __m512i idx_lo = _mm512_loadu_si512(perm), idx_hi = _mm512_loadu_si512(perm + 16);
@@ -553,21 +574,7 @@ static void *quantize_rows(void *arg) {
             const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(v0, idx_hi, v1), scale));
             _mm_storeu_si128((__m128i *)(q + g * ROWS * GROUP), _mm512_cvtepi32_epi8(q0));
             _mm_storeu_si128((__m128i *)(q + g * ROWS * GROUP + 16), _mm512_cvtepi32_epi8(q1));
-            /* the scale groups' sums of qx (16: each half; the order keeps halves whole): the
-             * offset's, and the min's as s sum(qx), the sum of the rounded x, so that x's
-             * rounding errors meet the whole weight d q + m, centred, as llama.cpp's Q8_1 sums
-             * do (m on the exact sum(x) measured 5-10x the error a layer on SmolLM2) */
-            const int s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
-            /* K-quants: the sums of qx alone, the super-block's scale applied after its groups */
-            const float scale_back = k256 ? 1.0f : amax / 127.0f;
-            if (sg == 16) {
-                if (off) a->xoff[blocked(r, sgroups, 2 * g, ROWS)] = -off * s0, a->xoff[blocked(r, sgroups, 2 * g + 1, ROWS)] = -off * s1;
-                if (with_m) a->x_sums[blocked(r, sgroups, 2 * g, ROWS)] = scale_back * (float)s0,
-                            a->x_sums[blocked(r, sgroups, 2 * g + 1, ROWS)] = scale_back * (float)s1;
-            } else {
-                if (off) a->xoff[blocked(r, sgroups, g, ROWS)] = -off * (s0 + s1);
-                if (with_m) a->x_sums[blocked(r, sgroups, g, ROWS)] = scale_back * (float)(s0 + s1);
-            }
+            store_x_sums(a, r, g, _mm512_reduce_add_epi32(q0), _mm512_reduce_add_epi32(q1), amax, off, ROWS);
         }
     }
     return NULL;
@@ -1042,9 +1049,9 @@ static void tile_scales(const args_t *a, int64_t t, float *out) {
 static void *quantize_rows(void *arg) {
     blink_part_t *p = (blink_part_t *)arg;
     const args_t *a = (const args_t *)p->args;
-    const int format = a->format, off = code_offset(format), sg = (int)group_size(format);
-    const int with_m = (format & F_M) && !(format & F_M8), k256 = !!(format & F_K);
-    const int64_t K = a->K, groups = K / GROUP, sgroups = K / sg;
+    const int format = a->format, off = code_offset(format), k256 = !!(format & F_K);
+    const int with_m = (format & F_M) && !(format & F_M8);
+    const int64_t groups = a->K / GROUP;
     int perm[8];
     for (int i = 0; i < 8; i++) perm[i] = format & F_BITS8 ? i : PERM4[i];
     const __m256i idx = _mm256_loadu_si256((const __m256i *)perm);
@@ -1074,19 +1081,9 @@ static void *quantize_rows(void *arg) {
             for (int i = 0; i < 4; i++) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_permutevar8x32_ps(v[i], idx), scale));
             const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
             _mm256_storeu_si256((__m256i *)(q + g * ROWS_I8 * GROUP), _mm256_permutevar8x32_epi32(bytes, order));
-            if (off || with_m) { /* the scale groups' sums of qx (16: each half), as the VNNI build's */
-                const int32_t s0 = sum8_epi32(_mm256_add_epi32(qi[0], qi[1])), s1 = sum8_epi32(_mm256_add_epi32(qi[2], qi[3]));
-                const float scale_back = k256 ? 1.0f : amax / 127.0f; /* as the VNNI build's */
-                if (sg == 16) {
-                    if (off) a->xoff[blocked(r, sgroups, 2 * g, ROWS_I8)] = -off * s0,
-                             a->xoff[blocked(r, sgroups, 2 * g + 1, ROWS_I8)] = -off * s1;
-                    if (with_m) a->x_sums[blocked(r, sgroups, 2 * g, ROWS_I8)] = scale_back * (float)s0,
-                                a->x_sums[blocked(r, sgroups, 2 * g + 1, ROWS_I8)] = scale_back * (float)s1;
-                } else {
-                    if (off) a->xoff[blocked(r, sgroups, g, ROWS_I8)] = -off * (s0 + s1);
-                    if (with_m) a->x_sums[blocked(r, sgroups, g, ROWS_I8)] = scale_back * (float)(s0 + s1);
-                }
-            }
+            if (off || with_m) /* (store_x_sums) */
+                store_x_sums(a, r, g, sum8_epi32(_mm256_add_epi32(qi[0], qi[1])), sum8_epi32(_mm256_add_epi32(qi[2], qi[3])),
+                             amax, off, ROWS_I8);
         }
     }
     return NULL;
@@ -1501,9 +1498,9 @@ static void tile_scales(const args_t *a, int64_t t, float *out) {
 static void *quantize_rows(void *arg) {
     blink_part_t *p = (blink_part_t *)arg;
     const args_t *a = (const args_t *)p->args;
-    const int format = a->format, off = code_offset(format), sg = (int)group_size(format);
-    const int with_m = (format & F_M) && !(format & F_M8), k256 = !!(format & F_K);
-    const int64_t K = a->K, groups = K / GROUP, sgroups = K / sg;
+    const int format = a->format, off = code_offset(format), k256 = !!(format & F_K);
+    const int with_m = (format & F_M) && !(format & F_M8);
+    const int64_t groups = a->K / GROUP;
     int perm[GROUP];
     for (int i = 0; i < GROUP; i++) perm[i] = format & F_BITS8 ? i : (i & ~7) + PERM4[i & 7];
     for (int64_t r = p->lo; r < p->hi; r++) {
@@ -1530,20 +1527,9 @@ static void *quantize_rows(void *arg) {
                 const int16x8_t w1 = vcombine_s16(vqmovn_s32(qi[4 * i + 2]), vqmovn_s32(qi[4 * i + 3]));
                 vst1q_s8(q + g * ROWS_A * GROUP + 16 * i, vcombine_s8(vqmovn_s16(w0), vqmovn_s16(w1)));
             }
-            if (off || with_m) { /* the scale groups' sums of qx (16: each half), as the x86 builds' */
-                const int32_t s0 = vaddvq_s32(vaddq_s32(vaddq_s32(qi[0], qi[1]), vaddq_s32(qi[2], qi[3])));
-                const int32_t s1 = vaddvq_s32(vaddq_s32(vaddq_s32(qi[4], qi[5]), vaddq_s32(qi[6], qi[7])));
-                const float scale_back = k256 ? 1.0f : amax / 127.0f;
-                if (sg == 16) {
-                    if (off) a->xoff[blocked(r, sgroups, 2 * g, ROWS_A)] = -off * s0,
-                             a->xoff[blocked(r, sgroups, 2 * g + 1, ROWS_A)] = -off * s1;
-                    if (with_m) a->x_sums[blocked(r, sgroups, 2 * g, ROWS_A)] = scale_back * (float)s0,
-                                a->x_sums[blocked(r, sgroups, 2 * g + 1, ROWS_A)] = scale_back * (float)s1;
-                } else {
-                    if (off) a->xoff[blocked(r, sgroups, g, ROWS_A)] = -off * (s0 + s1);
-                    if (with_m) a->x_sums[blocked(r, sgroups, g, ROWS_A)] = scale_back * (float)(s0 + s1);
-                }
-            }
+            if (off || with_m) /* (store_x_sums) */
+                store_x_sums(a, r, g, vaddvq_s32(vaddq_s32(vaddq_s32(qi[0], qi[1]), vaddq_s32(qi[2], qi[3]))),
+                             vaddvq_s32(vaddq_s32(vaddq_s32(qi[4], qi[5]), vaddq_s32(qi[6], qi[7]))), amax, off, ROWS_A);
         }
     }
     return NULL;
