@@ -139,3 +139,29 @@ def test_a_library_that_needs_a_newer_compiler_says_so(sources, monkeypatch, cap
     (warning,) = [r.getMessage() for r in caplog.records]
     assert "it needs GCC >= 99 or clang, the C compiler here: cc (Fake) 11.4.0" in warning
     assert warning.endswith("; none instead")
+
+
+def test_prepare_leaves_a_build_the_process_will_not_use_unbuilt(sources, caplog):
+    """One build among several of a source (the CPU chooses one): prepare_libraries builds the
+    wanted one and neither builds nor warns about the others, which get() still builds."""
+    source, header = sources
+    log = logging.getLogger("blink.test")
+    used = NativeLibrary(source, what="the used build", fallback="x", logger=log, headers=(header,))
+    other = NativeLibrary(source, what="another CPU's build", fallback="x", logger=log, headers=(header,),
+                          flags=("-O2", "-fno-such-flag-anywhere"), wanted=lambda: False)
+    with caplog.at_level("INFO", logger="blink.test"):
+        report = native_build.prepare_libraries([used, other], log=log)
+    assert report == {"answer.c": None} and used.decided and not other.decided
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert other.get() is None and other.decided  # asked for: built (here it fails)
+
+
+def test_the_start_builds_only_the_quantized_kernels_build_the_cpu_runs(monkeypatch):
+    """quant_linear's five builds (the x86 ones and the Arm one): at start only the one
+    variant() chose is wanted; a CPU none runs on wants none."""
+    from blink.kernels.cpu import quant_linear
+
+    monkeypatch.setattr(quant_linear, "_chosen", ["avx2_int8"])
+    assert [n for n, lib in quant_linear.LIBRARIES.items() if lib.wanted()] == ["avx2_int8"]
+    monkeypatch.setattr(quant_linear, "_chosen", [None])
+    assert not any(lib.wanted() for lib in quant_linear.LIBRARIES.values())

@@ -237,7 +237,11 @@ class NativeLibrary:
     CPU, and are called through.
 
     ``requires``: what the source needs of its compiler beyond C11 (e.g. "GCC >= 12 or
-    clang"), said with the compiler found when the library is not available."""
+    clang"), said with the compiler found when the library is not available.
+
+    ``wanted``: whether this process will use the library (None: it will): one build among
+    several of a source that the CPU chooses from, which :func:`prepare_libraries` then leaves
+    unbuilt (:meth:`get` still builds it when asked: tests, benchmarks)."""
 
     def __init__(self, source: Path, *, what: str, fallback: str, logger: logging.Logger,
                  flags: Sequence[str] = ("-O2",), fallback_flags: Sequence[str] | None = None,
@@ -245,12 +249,12 @@ class NativeLibrary:
                  env_value: str | tuple[str, ...] = "torch",
                  setup: Callable[[ctypes.CDLL], None] | None = None,
                  kernels: Sequence[str] = (), queries: Sequence[str] = (),
-                 requires: str | None = None) -> None:
+                 requires: str | None = None, wanted: Callable[[], bool] | None = None) -> None:
         self.source, self.what, self.fallback, self.log = source, what, fallback, logger
         self.flags, self.fallback_flags, self.headers = tuple(flags), fallback_flags, tuple(headers)
         self.env, self.env_value, self.setup = env, env_value, setup
         self.kernels, self.queries = frozenset(kernels), frozenset(queries)
-        self.requires = requires
+        self.requires, self.wanted = requires, wanted
         self.build_failed = False  # whether the failure was the build itself (not setup)
         self._lock = threading.Lock()
         self._state: list[ctypes.CDLL | None] = []  # [library or None] once decided
@@ -355,15 +359,16 @@ def prepare_libraries(libraries: Sequence[NativeLibrary] | None = None,
     """Build or load ``libraries`` (default: every :class:`NativeLibrary` declared so far)
     now rather than at first use: a progress line before and one after, every fallback said
     in one warning. Returns {source name: why it is not available, or None}. Libraries
-    already decided, or switched off by their variable, are left as they are."""
+    already decided, switched off by their variable, or not wanted (another build of the same
+    source runs on this CPU) are left as they are."""
     log = log or logger
     todo = [lib for lib in (libraries if libraries is not None else list(_REGISTRY))
-            if not lib.decided and not lib.switched_off()]
+            if not lib.decided and not lib.switched_off() and (lib.wanted is None or lib.wanted())]
     if not todo:
         return {}
     t0 = time.monotonic()
     log.info("CPU kernels: building or loading %d C libraries (%s) in %s; the first start on "
-             "a machine compiles them (seconds)", len(todo),
+             "a machine compiles them, later ones load them", len(todo),
              ", ".join(lib.source.name for lib in todo), cache_dir())
     for lib in todo:
         lib._decide(quiet=True)

@@ -61,7 +61,7 @@ def _declare(library: ctypes.CDLL) -> None:
 # -ffp-contract=off: the gated epilogue's SiLU keeps fused.c's bits (kernels.h).
 LIBRARY = NativeLibrary(
     _SOURCE, what="4-bit CPU projections: the AMX kernel", logger=log,
-    fallback="4-bit projections run on the AVX-512/AVX2 kernel (quant_linear.c) where the CPU has one, "
+    fallback="4-bit projections run on the AVX-512/AVX2/Arm NEON kernel (quant_linear.c) where the CPU has one, "
              "else on torch's int4 kernel for few rows and bf16 otherwise",
     flags=("-O3", "-march=native", "-ffp-contract=off"), headers=(_SOURCE.with_name("kernels.h"),), env=IMPL_ENV,
     env_value=("torch", "avx512_vnni", "avx512", "avx2_int8", "avx2", "neon_dotprod"), setup=_declare, kernels=("blink_q4_linear", "blink_q8_linear", "blink_q4_linear_gated"),

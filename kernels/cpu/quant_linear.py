@@ -123,7 +123,8 @@ def _library(name: str) -> NativeLibrary:
         # -ffp-contract=off: the sums' order and roundings are the source's
         flags=(*flags, "-ffp-contract=off"), headers=(_SOURCE.with_name("kernels.h"),),
         env=IMPL_ENV, env_value=("torch", *others), setup=_declare(isa),
-        kernels=("blink_quant_linear",), queries=("blink_quant_linear_isa",))
+        kernels=("blink_quant_linear",), queries=("blink_quant_linear_isa",),
+        wanted=lambda: variant() == name)  # the others are not built at start (the CPU runs one)
 
 
 LIBRARIES = {name: _library(name) for name in VARIANTS}
