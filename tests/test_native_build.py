@@ -158,10 +158,12 @@ def test_prepare_leaves_a_build_the_process_will_not_use_unbuilt(sources, caplog
 
 def test_the_start_builds_only_the_quantized_kernels_build_the_cpu_runs(monkeypatch):
     """quant_linear's five builds (the x86 ones and the Arm one): at start only the one
-    variant() chose is wanted; a CPU none runs on wants none."""
+    variant() chose while the model loaded is wanted; a CPU none runs on, or a model without
+    quantized projections (no choice made), wants none."""
     from blink.kernels.cpu import quant_linear
 
     monkeypatch.setattr(quant_linear, "_chosen", ["avx2_int8"])
     assert [n for n, lib in quant_linear.LIBRARIES.items() if lib.wanted()] == ["avx2_int8"]
-    monkeypatch.setattr(quant_linear, "_chosen", [None])
-    assert not any(lib.wanted() for lib in quant_linear.LIBRARIES.values())
+    for chosen in ([None], []):
+        monkeypatch.setattr(quant_linear, "_chosen", chosen)
+        assert not any(lib.wanted() for lib in quant_linear.LIBRARIES.values())

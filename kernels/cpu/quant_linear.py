@@ -124,7 +124,9 @@ def _library(name: str) -> NativeLibrary:
         flags=(*flags, "-ffp-contract=off"), headers=(_SOURCE.with_name("kernels.h"),),
         env=IMPL_ENV, env_value=("torch", *others), setup=_declare(isa),
         kernels=("blink_quant_linear",), queries=("blink_quant_linear_isa",),
-        wanted=lambda: variant() == name)  # the others are not built at start (the CPU runs one)
+        # built at start only where the model's load chose it (the CPU runs one build; a model
+        # without quantized projections none)
+        wanted=lambda: _chosen == [name])
 
 
 LIBRARIES = {name: _library(name) for name in VARIANTS}
