@@ -239,9 +239,9 @@ class NativeLibrary:
     ``requires``: what the source needs of its compiler beyond C11 (e.g. "GCC >= 12 or
     clang"), said with the compiler found when the library is not available.
 
-    ``wanted``: whether this process will use the library (None: it will): one build among
-    several of a source that the CPU chooses from, which :func:`prepare_libraries` then leaves
-    unbuilt (:meth:`get` still builds it when asked: tests, benchmarks)."""
+    ``wanted``: whether this process will use the library (None: it will), e.g. one build among
+    several of a source that the CPU chooses from; :func:`prepare_libraries` leaves the
+    unwanted ones unbuilt (:meth:`get` still builds them when asked: tests, benchmarks)."""
 
     def __init__(self, source: Path, *, what: str, fallback: str, logger: logging.Logger,
                  flags: Sequence[str] = ("-O2",), fallback_flags: Sequence[str] | None = None,
@@ -359,8 +359,8 @@ def prepare_libraries(libraries: Sequence[NativeLibrary] | None = None,
     """Build or load ``libraries`` (default: every :class:`NativeLibrary` declared so far)
     now rather than at first use: a progress line before and one after, every fallback said
     in one warning. Returns {source name: why it is not available, or None}. Libraries
-    already decided, switched off by their variable, or not wanted (another build of the same
-    source runs on this CPU) are left as they are."""
+    already decided, switched off by their variable, or not wanted (``wanted``: a build this
+    process will not use) are left as they are."""
     log = log or logger
     todo = [lib for lib in (libraries if libraries is not None else list(_REGISTRY))
             if not lib.decided and not lib.switched_off() and (lib.wanted is None or lib.wanted())]
