@@ -142,7 +142,7 @@ logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(relativeCre
 arm = platform.machine() == "aarch64"
 # Blink from the checkout, laid out as pyproject's package-dir says (blink.dpu = dpu/,
 # blink.kernels = kernels/, ...), as an editable install would, without installing anything.
-REPO = os.environ["BLINK_REPO"]
+REPO = os.environ["SMOKE_REPO"]
 PKG_DIR = tomllib.load(open(f"{REPO}/pyproject.toml", "rb"))["tool"]["setuptools"]["package-dir"]
 class RepoFinder:
     @staticmethod
@@ -183,7 +183,7 @@ EOF
 
 say "4a. aarch64 under qemu (log: $WORK/arm.log)"
 t=$SECONDS
-env BLINK_REPO="$REPO" GRAVITON2_FEATURES="$GRAVITON2_FEATURES" ARM_PYTHON_WRAPPER="$ROOT/host-bin/python3.11" \
+env SMOKE_REPO="$REPO" GRAVITON2_FEATURES="$GRAVITON2_FEATURES" ARM_PYTHON_WRAPPER="$ROOT/host-bin/python3.11" \
     QEMU_LD_PREFIX="$ROOT" QEMU_CPU=neoverse-n1 PYTHONPATH="$ROOT/site" PYTHONPYCACHEPREFIX="$WORK/pycache-arm" \
     CC="$ROOT/host-bin/cc" XDG_CACHE_HOME="$WORK/arm-cache" \
     qemu-aarch64 "$PY" "$WORK/driver.py" "$GGUF" "$PROMPT" "$WORK/arm.json" > "$WORK/arm.log" 2>&1 \
@@ -192,7 +192,7 @@ echo "   took $((SECONDS - t)) s"
 
 say "4b. x86 natively (log: $WORK/x86.log)"
 t=$SECONDS
-env BLINK_REPO="$REPO" XDG_CACHE_HOME="$WORK/x86-cache" \
+env SMOKE_REPO="$REPO" XDG_CACHE_HOME="$WORK/x86-cache" \
     "$VENV/bin/python" "$WORK/driver.py" "$GGUF" "$PROMPT" "$WORK/x86.json" > "$WORK/x86.log" 2>&1 \
     || { tail -40 "$WORK/x86.log"; echo "== the x86 run FAILED"; exit 1; }
 echo "   took $((SECONDS - t)) s"
