@@ -45,8 +45,8 @@
 #   4a. the Arm run under qemu: 189 s cold (imports ~40 s, the neon_dotprod build ~70 s, CPU
 #       graph recording ~48 s, 16 tokens 5 s) / 106 s with the kernels cached
 #   4b. the x86 run: 112 s cold (its kernel builds) / 12 s
-#   6. blink serve, kernels cached: aarch64 under qemu ready in TODO s (requests TODO s);
-#      x86 ready in TODO s
+#   6. blink serve, kernels cached (a test run shared the 2 cores): aarch64 under qemu ready in
+#      110-131 s, the completion 6 s, the chat 8 s; x86 ready in 15 s. The whole rerun: ~5 min
 # Needs root (apt-get, SYSROOT, binfmt_misc, a mount namespace), qemu-user (qemu-user-binfmt's
 # registration is used where installed), gcc-aarch64-linux-gnu, curl, the x86 venv ($VENV),
 # free ports $ARM_PORT / $X86_PORT (18431, 18432).
@@ -276,11 +276,17 @@ def post(path, body):
         sys.exit(f"{path}: HTTP {e.code}: {e.read().decode(errors='replace')}")
     choice = reply["choices"][0]
     text = choice["text"] if "text" in choice else choice["message"]["content"]
+    lp = choice.get("logprobs") or {}
+    if "content" in lp:  # chat: per token its top_logprobs list; completions: per token a dict
+        top2 = [[[c["token"], round(c["logprob"], 3)] for c in pos["top_logprobs"]] for pos in lp["content"]]
+    else:
+        top2 = [sorted([[k, round(v, 3)] for k, v in d.items()], key=lambda c: -c[1]) for d in lp["top_logprobs"]]
     return dict(text=text, token_ids=choice.get("token_ids"), finish_reason=choice.get("finish_reason"),
-                seconds=round(time.time() - t, 1))
+                top2=top2, seconds=round(time.time() - t, 1))
 common = dict(model="smollm2-135m", max_tokens=16, temperature=0, return_token_ids=True)
-res = dict(completion=post("/v1/completions", dict(common, prompt=prompt)),
-           chat=post("/v1/chat/completions", dict(common, messages=[{"role": "user", "content": "What is the capital of France?"}])))
+res = dict(completion=post("/v1/completions", dict(common, prompt=prompt, logprobs=2)),
+           chat=post("/v1/chat/completions", dict(common, logprobs=True, top_logprobs=2,
+                     messages=[{"role": "user", "content": "What is the capital of France?"}])))
 print(json.dumps(res), flush=True)
 json.dump(res, open(out, "w"))
 EOF
@@ -348,5 +354,7 @@ for kind in ("completion", "chat"):
     for machine, r in (("aarch64", a), ("x86_64", b)):
         print(f"-- {kind}, {machine}: {r['text']!r} ({r['finish_reason']}, {r['seconds']} s)\n   ids {r['token_ids']}")
     print(f"-- {kind}: leading token ids that agree: {same} of {len(b['token_ids'])}; text equal: {a['text'] == b['text']}")
+    if same < min(len(a["top2"]), len(b["top2"])):  # a near-tie? the two best there, [token, logprob]
+        print(f"   at token {same} the top 2: aarch64 {a['top2'][same]}, x86_64 {b['top2'][same]}")
 print(f"-- served completion = the offline LLM.generate (4b): {arm['completion']['token_ids'] == offline['token_ids']}")
 EOF
