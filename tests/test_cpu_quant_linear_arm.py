@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from blink.kernels.cpu import quant_linear as q
+from blink.shared.native_build import compiler_version
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
 from quant_weights import FORMATS, close_to_exact, exact_product, weight  # noqa: E402
 
@@ -43,10 +44,12 @@ def arm_driver() -> Path:
     """The driver and the kernel, built for aarch64 with the flags the engine builds the
     ``neon_dotprod`` kernel with (the pool's copy of kernels.h's exported helpers renamed: each
     library that includes kernels.h defines them, and here both go in one binary). Kept in
-    ``$XDG_CACHE_HOME/blink/cross`` by the sources' and flags' hash: the build takes a minute."""
+    ``$XDG_CACHE_HOME/blink/cross`` by the hash of the compiler's version, the flags and the
+    sources: the build takes a minute."""
     flags = [*q.VARIANTS[BUILD][0], "-ffp-contract=off", "-pthread"]
     sources = [KERNELS / "quant_linear.c", KERNELS / "pool.c", KERNELS / "kernels.h", DRIVER]
-    key = hashlib.sha256(" ".join(flags).encode() + b"".join(p.read_bytes() for p in sources)).hexdigest()[:16]
+    key = hashlib.sha256((compiler_version(CC) or CC).encode() + " ".join(flags).encode()
+                         + b"".join(p.read_bytes() for p in sources)).hexdigest()[:16]
     out = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "blink" / "cross" / key
     binary = out / "quant_linear_main"
     if binary.exists():
