@@ -132,6 +132,40 @@ def test_native_strided_queries_threads_and_a_long_context(dtype):
         torch.set_num_threads(previous)
 
 
+# (query heads, KV heads, head size, block size): every group size 1-8 at heads of 64 and three
+# at 128 (the shapes the kernel's per-token pass has as constants), and around them a group of
+# 12, heads of 32 and 96 (the same pass with shapes read at run time) and of 80 (a head the
+# bf16 pairs' pass does not take: 80 is not a multiple of 32), over blocks of 8 to 128 keys.
+DECODE_SHAPES = [
+    (1, 1, 64, 16), (4, 2, 64, 16), (9, 3, 64, 16), (8, 2, 64, 8), (5, 1, 64, 16), (12, 2, 64, 48),
+    (14, 2, 64, 16), (8, 1, 64, 128), (2, 2, 128, 16), (32, 8, 128, 16), (8, 1, 128, 32),
+    (24, 2, 64, 16), (4, 2, 32, 16), (6, 2, 96, 16), (4, 2, 80, 16),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim,block_size", DECODE_SHAPES)
+def test_decode_rows_on_every_group_and_head_size(n_heads, n_kv_heads, head_dim, block_size, dtype):
+    """Decode rows (the per-token pass) against the reference in fp32 on the same inputs,
+    closer than the suite's bf16 bound: to bf16's rounding of the output. The bf16 pass on a
+    CPU with AVX512_BF16 cuts a token's keys into chunks of about 128 in whole blocks and
+    merges their softmax states: contexts of 4 keys (one chunk), 256 (two: 128 + 128 with
+    blocks of 16), 257 (three: 96 + 96 + 65) and 601 (five), beside an unused row."""
+    rows = [(255, 1), (0, 0), (256, 1), (600, 1), (3, 1)]
+    k_cache, v_cache, k_new, v_new, md, n_live = make_batch(
+        rows, n_kv_heads=n_kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype, pad_tokens=2)
+    ref.write_kv_cache(k_new, v_new, k_cache, v_cache, md.slot_mapping)
+    T = md.slot_mapping.shape[0]
+    q = torch.randn(T, n_heads, head_dim, generator=torch.Generator().manual_seed(4)).to(dtype)
+    scale = head_dim**-0.5
+    expected = ref.paged_attention(q.float(), k_cache.float(), v_cache.float(), md, scale)
+    out = native_only(q, k_cache, v_cache, md, scale)
+    # bf16: the output's rounding (2^-9 of a value) and fp32 sums in another order
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-4, rtol=4e-3)
+    torch.testing.assert_close(out[:n_live].float(), expected[:n_live], **tol)
+    assert torch.count_nonzero(out[n_live:]) == 0
+
+
 def test_native_rejects_a_block_outside_the_cache():
     k_cache, v_cache, k_new, v_new, md, _ = make_batch([(20, 1)], n_kv_heads=1, head_dim=16,
                                                         block_size=4, dtype=torch.float32)

@@ -36,6 +36,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
@@ -54,6 +55,13 @@
 #if !defined(BLINK_AMX)
 #undef SCORE_TILES
 #define SCORE_TILES 0
+#endif
+
+/* benchmarks/bench_forward.py --before attention-generic-decode builds with -DDECODE_CASES=0:
+ * the per-token pass with its group size read at run time and without the bf16 pairs' pass
+ * (attend_dpbf16_as), as before them */
+#ifndef DECODE_CASES
+#define DECODE_CASES 1
 #endif
 
 /* benchmarks/bench_forward.py --before attention-no-prefetch builds with -DPREFETCH=0 */
@@ -257,22 +265,29 @@ static int takes_score_tiles(const args_t *a) {
 }
 #endif
 
+/* The keys token t sees (0: padding or a token of no live row) and its row (*row). */
+static inline int64_t visible_keys(const args_t *a, int64_t t, int64_t *row) {
+    const int64_t r = a->token_row[t];
+    *row = r;
+    if (r < 0 || r >= a->rows || a->seq_lens[r] <= 0 || t < a->query_start[r] || t >= a->query_start[r + 1])
+        return 0;
+    int64_t limit = a->positions[t];
+    if (limit > a->seq_lens[r] - 1) limit = a->seq_lens[r] - 1;
+    return limit + 1 < a->table_cols * a->block_size ? limit + 1 : a->table_cols * a->block_size;
+}
+
 /* One (token, KV head): returns 0, or -1 when a block id is outside the cache. Inlined with
- * constant `kv_bf16` and `NV` (16-float vectors per head) by attend() below, so that the
- * inner loops have neither a dtype branch nor a loop count to read. */
+ * constant `kv_bf16`, `NV` (16-float vectors per head) and, for the usual group sizes, `GC`
+ * (query heads per KV head; 0: read from the shapes) by attend() below, so that the inner
+ * loops have neither a dtype branch nor a loop count to read and the queries and
+ * accumulators can live in registers (1.2-1.3x the per-token pass on Zen 4 with G constant;
+ * docs/performance.md#decode-attention). */
 static inline __attribute__((always_inline)) int attend_as(const args_t *a, int64_t t, int64_t g,
-                                                             const int kv_bf16, const int64_t NV) {
-    const int64_t D = NV * W, G = a->H / a->KVH, BS = a->block_size;
+                                                             const int kv_bf16, const int64_t NV, const int64_t GC) {
+    const int64_t D = NV * W, G = GC > 0 ? GC : a->H / a->KVH, BS = a->block_size;
     const int64_t out_base = (t * a->H + g * G) * D;
-    int64_t row = a->token_row[t];
-    int64_t n_keys = 0;
-    if (row >= 0 && row < a->rows && a->seq_lens[row] > 0
-        && t >= a->query_start[row] && t < a->query_start[row + 1]) {
-        int64_t limit = a->positions[t];
-        if (limit > a->seq_lens[row] - 1) limit = a->seq_lens[row] - 1;
-        n_keys = limit + 1;
-        if (n_keys > a->table_cols * BS) n_keys = a->table_cols * BS;
-    }
+    int64_t row;
+    const int64_t n_keys = visible_keys(a, t, &row);
     if (n_keys <= 0) { /* padding or an unused row: zeros, as the reference gives */
         size_t bytes = (size_t)(G * D) * (a->q_bf16 ? 2 : 4);
         memset((char *)a->out + out_base * (a->q_bf16 ? 2 : 4), 0, bytes);
@@ -388,21 +403,339 @@ static inline __attribute__((always_inline)) int attend_as(const args_t *a, int6
     return 0;
 }
 
-static int attend(const args_t *a, int64_t t, int64_t g) {
-    const int64_t NV = a->D / W;
-    if (a->kv_bf16) {
-        if (NV == 4) return attend_as(a, t, g, 1, 4);
-        if (NV == 8) return attend_as(a, t, g, 1, 8);
-        return attend_as(a, t, g, 1, NV);
+#if W == 16 && defined(__AVX512BF16__) && DECODE_CASES
+#define DPBF16_DECODE 1
+/* The per-token pass for bf16 queries over a bf16 cache on a CPU with AVX512_BF16 (and no AMX
+ * scores), in units of one token's chunk of keys for all its heads. A token's keys are cut into
+ * chunks of DECODE_CHUNK (whole blocks) whatever the step, so its bits depend on its own context
+ * only, never on the rows beside it or the thread count; a token of several chunks gets each
+ * chunk's softmax state (max, sum, weighted values) and a merge. Against attend_as:
+ * - units of (token, chunk) instead of (token, KV head): a one-row decode step of SmolLM2 (3 KV
+ *   heads) split 2:1 over two threads, and its KV head's rows were read 128 bytes every 384;
+ *   a unit walks its blocks' rows in order, every head, and prefetches the next block whole;
+ * - scores by vdpbf16ps on the raw bf16 pairs: K is not widened, and a key costs NP
+ *   instructions a head instead of 2 NP conversions plus 2 NP FMAs; the products are exact in
+ *   fp32 (bf16 x bf16), summed in fp32 in another order than attend_as', then scaled;
+ * - each key's 16 partial sums reduced with in-lane shuffles first (4 keys to one lane each per
+ *   128-bit block), then across blocks once per 16 keys;
+ * - the softmax once a chunk instead of once a block (16 keys);
+ * - V widened by interleaving zeros below its bf16 (one vpunpck a 16-channel vector): the
+ *   weighted values hold channels in that interleave's order, and the final vpackusdw of the
+ *   rounded halves restores it.
+ * docs/performance.md#decode-attention has the measurements. */
+#ifndef DECODE_CHUNK_KEYS
+#define DECODE_CHUNK_KEYS 128
+#endif
+enum { DECODE_CHUNK = 2 * DECODE_CHUNK_KEYS }; /* the most keys a chunk can have (below) */
+
+static inline int takes_tiles(const args_t *a, int64_t r); /* (below: the prompt rows' tiles) */
+
+static inline int takes_chunks(const args_t *a) {
+    return a->q_bf16 && a->kv_bf16 && a->D % 32 == 0 && !a->score_tiles;
+}
+
+typedef struct {
+    const args_t *a;
+    const int64_t *units;  /* [n][5]: token, first key, keys, the token's visible keys, its partials' slot (-1: none) */
+    float *partials;       /* [slots][H][2 + D]: a chunk's max, sum and weighted values per head */
+    const int64_t *merges; /* [m][2]: a token of several chunks: its first unit, its chunk count */
+} chunks_t;
+
+/* A token's chunks: as many as DECODE_CHUNK_KEYS keys make, the keys shared out evenly in
+ * whole blocks (so at most DECODE_CHUNK_KEYS + block_size - 1 <= DECODE_CHUNK a chunk). */
+static inline int64_t chunk_keys(int64_t n_keys, int64_t block_size) {
+    const int64_t chunks = (n_keys + DECODE_CHUNK_KEYS - 1) / DECODE_CHUNK_KEYS;
+    const int64_t keys = (n_keys + chunks - 1) / chunks;
+    return (keys + block_size - 1) / block_size * block_size;
+}
+
+/* Working memory of a part: the chunk's scores [H][DECODE_CHUNK + W] (room for whole 16-lane
+ * stores past its last key), then each head's max and sum. */
+static inline int64_t chunk_work_floats(const args_t *a) { return a->H * (DECODE_CHUNK + W) + 2 * a->H; }
+
+/* Weighted values (2 NP vectors in the interleave's order) times inv, rounded to bf16 (nearest
+ * even, as store_vec) and stored in channel order. */
+static inline __attribute__((always_inline)) void store_bf16_interleaved(uint16_t *out, const __m512 *acc, __m512 inv,
+                                                                           const int64_t NP) {
+    const __m512i half_ulp = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+    for (int64_t n = 0; n < NP; n++) {
+        __m512i halves[2];
+        for (int64_t h = 0; h < 2; h++) {
+            const __m512i u = _mm512_castps_si512(_mm512_mul_ps(acc[2 * n + h], inv));
+            halves[h] = _mm512_srli_epi32(
+                _mm512_add_epi32(_mm512_add_epi32(u, half_ulp), _mm512_and_si512(_mm512_srli_epi32(u, 16), one)), 16);
+        }
+        _mm512_storeu_si512(out + n * 32, _mm512_packus_epi32(halves[0], halves[1]));
     }
-    if (NV == 4) return attend_as(a, t, g, 0, 4);
-    if (NV == 8) return attend_as(a, t, g, 0, 8);
-    return attend_as(a, t, g, 0, NV);
+}
+
+/* One unit: token t's keys [c_first, c_first + chunk) of its n_keys, every head; the output
+ * (a token of one chunk) or the chunk's state into `partial` ([H][2 + D]). Inlined with
+ * constant `G` (query heads per KV head) and `NP` (32-channel parts per head) where usual. */
+static inline __attribute__((always_inline)) int attend_chunk_as(const args_t *a, int64_t t, int64_t c_first,
+                                                                   int64_t c_keys, int64_t n_keys, float *work,
+                                                                   float *partial, const int64_t G, const int64_t NP) {
+    const int64_t D = NP * 32, BS = a->block_size, KVH = a->KVH, H = KVH * G, SW = DECODE_CHUNK + W;
+    const int64_t key_stride = KVH * D; /* elements between consecutive slots */
+    const uint16_t *K = (const uint16_t *)a->k, *V = (const uint16_t *)a->v;
+    const uint16_t *q = (const uint16_t *)a->q + t * a->q_stride_t;
+    const int32_t *table = a->tables + a->token_row[t] * a->table_stride;
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512 scale = _mm512_set1_ps(a->scale);
+    float *s = work, *m = work + H * SW, *l = m + H;
+    for (int64_t j0 = c_first; j0 < c_first + c_keys; j0 += BS) { /* scores, block by block */
+        const int64_t block = table[j0 / BS];
+        if (block < 0 || block >= a->num_blocks) return -1;
+        const int64_t nk = c_first + c_keys - j0 < BS ? c_first + c_keys - j0 : BS;
+        if (PREFETCH && j0 + BS < n_keys) { /* the next block's K and V, every head: blocks lie
+                                             * anywhere, so the hardware prefetcher cannot guess */
+            const int64_t next = table[j0 / BS + 1];
+            if (next >= 0 && next < a->num_blocks)
+                for (int64_t byte = 0; byte < BS * key_stride * 2; byte += 64) {
+                    __builtin_prefetch((const char *)(K + next * BS * key_stride) + byte);
+                    __builtin_prefetch((const char *)(V + next * BS * key_stride) + byte);
+                }
+        }
+        for (int64_t g = 0; g < KVH; g++) {
+            const uint16_t *keys = K + block * BS * key_stride + g * D;
+            __m512bh qg[MAX_GROUP][MAX_HEAD_DIM / 32];
+            for (int64_t i = 0; i < G; i++)
+                for (int64_t n = 0; n < NP; n++)
+                    qg[i][n] = (__m512bh)_mm512_loadu_si512(q + (g * G + i) * a->q_stride_h + n * 32);
+            /* 16 keys at a time: the lanes past nk score zero keys; the next block's stores or
+             * the softmax's bound overwrite or ignore them */
+            for (int64_t c0 = 0; c0 < nk; c0 += W) {
+                __m512 quads[MAX_GROUP][4]; /* head i, keys 4k..4k+3: one lane each a 128-bit block */
+                for (int64_t k4 = 0; k4 < 4; k4++) {
+                    __m512 dot[MAX_GROUP][4];
+                    for (int64_t jj = 0; jj < 4; jj++) {
+                        const int64_t key = c0 + 4 * k4 + jj;
+                        __m512bh pairs[MAX_HEAD_DIM / 32];
+                        for (int64_t n = 0; n < NP; n++)
+                            pairs[n] = (__m512bh)(key < nk ? _mm512_loadu_si512(keys + key * key_stride + n * 32) : zero);
+                        for (int64_t i = 0; i < G; i++) {
+                            __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), qg[i][0], pairs[0]);
+                            for (int64_t n = 1; n < NP; n++) d = _mm512_dpbf16_ps(d, qg[i][n], pairs[n]);
+                            dot[i][jj] = d;
+                        }
+                    }
+                    for (int64_t i = 0; i < G; i++) {
+                        const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(dot[i][0], dot[i][1]),
+                                                        _mm512_unpackhi_ps(dot[i][0], dot[i][1]));
+                        const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(dot[i][2], dot[i][3]),
+                                                        _mm512_unpackhi_ps(dot[i][2], dot[i][3]));
+                        quads[i][k4] = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                                     _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+                    }
+                }
+                for (int64_t i = 0; i < G; i++) { /* across blocks: block k of the sums holds keys 4k..4k+3 */
+                    const __m512 lo = _mm512_add_ps(_mm512_shuffle_f32x4(quads[i][0], quads[i][1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                                    _mm512_shuffle_f32x4(quads[i][0], quads[i][1], _MM_SHUFFLE(3, 1, 3, 1)));
+                    const __m512 hi = _mm512_add_ps(_mm512_shuffle_f32x4(quads[i][2], quads[i][3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                                    _mm512_shuffle_f32x4(quads[i][2], quads[i][3], _MM_SHUFFLE(3, 1, 3, 1)));
+                    const __m512 sums = _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(2, 0, 2, 0)),
+                                                      _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(3, 1, 3, 1)));
+                    _mm512_storeu_ps(s + (g * G + i) * SW + j0 - c_first + c0, _mm512_mul_ps(sums, scale));
+                }
+            }
+        }
+    }
+    for (int64_t h = 0; h < H; h++) { /* the chunk's softmax, from nothing */
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+        softmax_block(s + h * SW, c_keys, &m[h], &l[h]);
+    }
+    for (int64_t g = 0; g < KVH; g++) { /* weighted values, a KV head at a time (its rows in L2 by now) */
+        __m512 acc[MAX_GROUP][MAX_HEAD_DIM / W];
+        for (int64_t i = 0; i < G; i++)
+            for (int64_t n = 0; n < 2 * NP; n++) acc[i][n] = _mm512_setzero_ps();
+        for (int64_t j0 = c_first; j0 < c_first + c_keys; j0 += BS) {
+            const int64_t nk = c_first + c_keys - j0 < BS ? c_first + c_keys - j0 : BS;
+            const uint16_t *values = V + table[j0 / BS] * BS * key_stride + g * D; /* block checked above */
+            for (int64_t jj = 0; jj < nk; jj++) {
+                __m512 value[MAX_HEAD_DIM / W];
+                for (int64_t n = 0; n < NP; n++) {
+                    const __m512i x = _mm512_loadu_si512(values + jj * key_stride + n * 32);
+                    value[2 * n] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, x));
+                    value[2 * n + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, x));
+                }
+                for (int64_t i = 0; i < G; i++) {
+                    const __m512 p = _mm512_set1_ps(s[(g * G + i) * SW + j0 - c_first + jj]);
+                    for (int64_t n = 0; n < 2 * NP; n++) acc[i][n] = _mm512_fmadd_ps(p, value[n], acc[i][n]);
+                }
+            }
+        }
+        for (int64_t i = 0; i < G; i++) {
+            const int64_t h = g * G + i;
+            if (partial == NULL) {
+                store_bf16_interleaved((uint16_t *)a->out + (t * a->H + h) * D, acc[i], _mm512_set1_ps(1.0f / l[h]), NP);
+            } else {
+                float *state = partial + h * (2 + D);
+                state[0] = m[h];
+                state[1] = l[h];
+                for (int64_t n = 0; n < 2 * NP; n++) _mm512_storeu_ps(state + 2 + n * W, acc[i][n]);
+            }
+        }
+    }
+    return 0;
+}
+
+static int attend_chunk(const args_t *a, const int64_t *unit, float *work, float *partial) {
+    const int64_t t = unit[0], c_first = unit[1], c_keys = unit[2], n_keys = unit[3];
+    if (n_keys <= 0) { /* padding or an unused row: zeros, as the reference gives */
+        memset((uint16_t *)a->out + t * a->H * a->D, 0, (size_t)(a->H * a->D) * 2);
+        return 0;
+    }
+    const int64_t G = a->H / a->KVH;
+#define CHUNK_CASE(GG, NPP) \
+    if (G == GG && a->D == 32 * NPP) return attend_chunk_as(a, t, c_first, c_keys, n_keys, work, partial, GG, NPP);
+    CHUNK_CASE(1, 2) CHUNK_CASE(2, 2) CHUNK_CASE(3, 2) CHUNK_CASE(4, 2)
+    CHUNK_CASE(5, 2) CHUNK_CASE(6, 2) CHUNK_CASE(7, 2) CHUNK_CASE(8, 2)
+    CHUNK_CASE(1, 4) CHUNK_CASE(2, 4) CHUNK_CASE(3, 4) CHUNK_CASE(4, 4)
+    CHUNK_CASE(5, 4) CHUNK_CASE(6, 4) CHUNK_CASE(7, 4) CHUNK_CASE(8, 4)
+#undef CHUNK_CASE
+    return attend_chunk_as(a, t, c_first, c_keys, n_keys, work, partial, G, a->D / 32);
+}
+
+static void *run_chunk_part(void *arg) {
+    blink_part_t *p = (blink_part_t *)arg;
+    const chunks_t *w = (const chunks_t *)p->args;
+    const args_t *a = w->a;
+    if (p->lo >= p->hi) return NULL;
+    float *work = malloc((size_t)chunk_work_floats(a) * sizeof(float));
+    if (!work) {
+        p->status = -4;
+        return NULL;
+    }
+    for (int64_t u = p->lo; u < p->hi; u++) {
+        const int64_t *unit = w->units + 5 * u;
+        float *partial = unit[4] >= 0 ? w->partials + unit[4] * a->H * (2 + a->D) : NULL;
+        if (attend_chunk(a, unit, work, partial) != 0) p->status = -1;
+    }
+    free(work);
+    return NULL;
+}
+
+/* A token of several chunks: each head's states combined (the largest max as the common
+ * scale), then divided by the sum and stored as bf16. */
+static void *run_merge_part(void *arg) {
+    blink_part_t *p = (blink_part_t *)arg;
+    const chunks_t *w = (const chunks_t *)p->args;
+    const args_t *a = w->a;
+    const int64_t D = a->D, NP = D / 32, stride = a->H * (2 + D);
+    for (int64_t item = p->lo; item < p->hi; item++) {
+        const int64_t *first = w->units + 5 * w->merges[2 * item];
+        const int64_t chunks = w->merges[2 * item + 1], t = first[0];
+        const float *states = w->partials + first[4] * stride; /* its chunks' slots are consecutive */
+        for (int64_t h = 0; h < a->H; h++) {
+            float top = -INFINITY;
+            for (int64_t c = 0; c < chunks; c++) top = states[c * stride + h * (2 + D)] > top ? states[c * stride + h * (2 + D)] : top;
+            __m512 acc[MAX_HEAD_DIM / W];
+            for (int64_t n = 0; n < 2 * NP; n++) acc[n] = _mm512_setzero_ps();
+            float sum = 0.0f;
+            for (int64_t c = 0; c < chunks; c++) {
+                const float *state = states + c * stride + h * (2 + D);
+                const float factor = exp_nonpositive(state[0] - top);
+                sum += state[1] * factor;
+                for (int64_t n = 0; n < 2 * NP; n++)
+                    acc[n] = _mm512_fmadd_ps(_mm512_loadu_ps(state + 2 + n * W), _mm512_set1_ps(factor), acc[n]);
+            }
+            store_bf16_interleaved((uint16_t *)a->out + (t * a->H + h) * D, acc, _mm512_set1_ps(1.0f / sum), NP);
+        }
+    }
+    return NULL;
+}
+
+/* The per-token pass in chunks (every token not done by tiles): returns 0, -1 (a block id
+ * outside the cache) or -4 (out of memory). */
+static int attend_in_chunks(const args_t *a, int tiles_done, int threads) {
+    int64_t n_units = 0, n_slots = 0, n_merges = 0;
+    for (int64_t t = 0; t < a->T; t++) {
+        int64_t row;
+        const int64_t n_keys = visible_keys(a, t, &row);
+        if (tiles_done && n_keys > 0 && takes_tiles(a, row)) continue;
+        const int64_t keys = n_keys > 0 ? chunk_keys(n_keys, a->block_size) : 1;
+        const int64_t chunks = n_keys > keys ? (n_keys + keys - 1) / keys : 1;
+        n_units += chunks;
+        if (chunks > 1) {
+            n_slots += chunks;
+            n_merges++;
+        }
+    }
+    if (n_units == 0) return 0;
+    int64_t *units = malloc((size_t)(5 * n_units + 2 * n_merges) * sizeof(int64_t));
+    float *partials = n_slots ? malloc((size_t)(n_slots * a->H * (2 + a->D)) * sizeof(float)) : NULL;
+    if (!units || (n_slots && !partials)) {
+        free(units);
+        free(partials);
+        return -4;
+    }
+    int64_t *merges = units + 5 * n_units;
+    for (int64_t t = 0, u = 0, slot = 0, mg = 0; t < a->T; t++) {
+        int64_t row;
+        const int64_t n_keys = visible_keys(a, t, &row);
+        if (tiles_done && n_keys > 0 && takes_tiles(a, row)) continue;
+        const int64_t keys = n_keys > 0 ? chunk_keys(n_keys, a->block_size) : 1;
+        const int64_t chunks = n_keys > keys ? (n_keys + keys - 1) / keys : 1;
+        if (chunks > 1) {
+            merges[2 * mg] = u;
+            merges[2 * mg + 1] = chunks;
+            mg++;
+        }
+        for (int64_t c = 0; c < chunks; c++, u++) {
+            int64_t *unit = units + 5 * u;
+            unit[0] = t;
+            unit[1] = c * keys;
+            unit[2] = n_keys - c * keys < keys ? n_keys - c * keys : keys;
+            unit[3] = n_keys;
+            unit[4] = chunks > 1 ? slot++ : -1;
+        }
+    }
+    const chunks_t work = {a, units, partials, merges};
+    int status = blink_run_parts(run_chunk_part, &work, n_units, threads);
+    if (status == 0 && n_merges > 0) status = blink_run_parts(run_merge_part, &work, n_merges, threads);
+    free(units);
+    free(partials);
+    return status;
+}
+#endif
+
+/* attend_as with the call's shapes as constants where they are usual ones (1-8 query heads
+ * per KV head, heads of 64 or 128 channels) and the build has the cases. */
+static int attend(const args_t *a, int64_t t, int64_t g) {
+    const int64_t NV = a->D / W, G = a->H / a->KVH;
+    (void)G; /* (unused where neither set of cases is compiled: an AVX2 build) */
+#if W == 16 && DECODE_CASES /* (an AVX2 build measured 1.0-1.3x with G constant: not worth its build's time) */
+#define GROUP_CASES(BF16, NVV) \
+    switch (G) { \
+    case 1: return attend_as(a, t, g, BF16, NVV, 1); \
+    case 2: return attend_as(a, t, g, BF16, NVV, 2); \
+    case 3: return attend_as(a, t, g, BF16, NVV, 3); \
+    case 4: return attend_as(a, t, g, BF16, NVV, 4); \
+    case 5: return attend_as(a, t, g, BF16, NVV, 5); \
+    case 6: return attend_as(a, t, g, BF16, NVV, 6); \
+    case 7: return attend_as(a, t, g, BF16, NVV, 7); \
+    case 8: return attend_as(a, t, g, BF16, NVV, 8); \
+    default: return attend_as(a, t, g, BF16, NVV, 0); \
+    }
+#else
+#define GROUP_CASES(BF16, NVV) return attend_as(a, t, g, BF16, NVV, 0);
+#endif
+    if (a->kv_bf16) {
+#if !defined(DPBF16_DECODE) /* (with it, bf16 takes attend_in_chunks but under AMX scores) */
+        if (NV * W == 64) GROUP_CASES(1, 64 / W)
+        if (NV * W == 128) GROUP_CASES(1, 128 / W)
+#endif
+        return attend_as(a, t, g, 1, NV, 0);
+    }
+    if (NV * W == 64) GROUP_CASES(0, 64 / W)
+    if (NV * W == 128) GROUP_CASES(0, 128 / W)
+    return attend_as(a, t, g, 0, NV, 0);
+#undef GROUP_CASES
 }
 
 
 #if TILES && defined(__AVX512F__)
-#include <stdlib.h>
 
 /* r[j][i] <- r[i][j] for a 16 x 16 block of 32-bit lanes: pairs of rows interleaved, then
  * pairs of pairs, then 128-bit lanes exchanged twice (64 shuffles). */
@@ -886,6 +1219,9 @@ int blink_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_h,
         if (status != 0) return status;
         tokens.tiles_done = 1;
     }
+#endif
+#if defined(DPBF16_DECODE)
+    if (takes_chunks(&a)) return attend_in_chunks(&a, tokens.tiles_done, threads);
 #endif
     return blink_run_parts(run_token_part, &tokens, T * KVH, threads);
 }
