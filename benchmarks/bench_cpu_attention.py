@@ -9,6 +9,13 @@ Each step shape is a mix of (cached tokens, new tokens) rows; both paths run the
 faster one.
 
     python -m benchmarks.bench_cpu_attention --threads 1
+
+``--against DEFINE`` adds the C kernel built with ``-DDEFINE`` (``DECODE_CASES=0``: its
+per-token pass as before 2026-12-07; ``PREFETCH=0``; ``TILES=0``), timed alternately with
+today's build in the same rounds, and its speed-up column (today's against it); ``--heads
+32 --kv-heads 8`` gives a Llama-3.2-1B's heads, ``--only decode`` the decode steps alone.
+
+    python -m benchmarks.bench_cpu_attention --threads 2 --against DECODE_CASES=0 --only decode
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ from pathlib import Path
 # step name -> rows of (cached, new)
 STEPS: dict[str, list[tuple[int, int]]] = {
     "decode 1 x 128 ctx": [(128, 1)],
+    "decode 1 x 1024": [(1023, 1)],
     "decode 16 x 128": [(128, 1)] * 16,
     "decode 16 x 256": [(255, 1)] * 16,
     "decode 16 x 2048": [(2047, 1)] * 16,
@@ -44,6 +52,9 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--against", metavar="DEFINE", default=None,
+                   help="also time the C kernel built with -DDEFINE (e.g. DECODE_CASES=0), alternating")
+    p.add_argument("--only", default=None, help="the steps whose name starts with this (e.g. decode)")
     args = p.parse_args()
 
     import torch
@@ -57,6 +68,14 @@ def main() -> None:
     if cpu_attention.native_kernel() is None:
         sys.exit("the C kernel did not build here (see the warning above)")
 
+    against = None
+    if args.against:
+        from blink.shared.native_build import build_library
+
+        native = cpu_attention.LIBRARY
+        against = build_library(native.source, (*native.flags, f"-D{args.against}"), None, native.headers)
+        native.setup(against)
+
     def best_ms(fn) -> float:
         for _ in range(3):
             fn()
@@ -68,12 +87,29 @@ def main() -> None:
             times.append((time.perf_counter() - start) / args.calls * 1e3)
         return min(times)
 
+    def best_ms_pair(fn) -> tuple[float, float]:
+        """fn with today's build and with the --against one, round by round, best of each."""
+        for _ in range(3):
+            fn()
+        times: tuple[list[float], list[float]] = ([], [])
+        for _ in range(args.rounds):
+            for which, library in enumerate((cpu_attention.LIBRARY.get(), against)):
+                with cpu_attention.LIBRARY.using(library):
+                    start = time.perf_counter()
+                    for _ in range(args.calls):
+                        fn()
+                    times[which].append((time.perf_counter() - start) / args.calls * 1e3)
+        return min(times[0]), min(times[1])
+
     print(f"torch {torch.__version__}, {args.threads} thread(s), heads {args.heads}/{args.kv_heads}, "
           f"head dim {args.head_dim}, bf16, block 16; the C kernel's tiles for rows of at least "
           f"{cpu_attention.tile_min_tokens() or '(none: no AMX)'} new tokens")
-    print("| step | C ms | SDPA path ms | C speed-up | the estimate picks | right |")
-    print("|---|---:|---:|---:|---|---|")
+    extra = f" | C -D{args.against} ms | C speed-up over it" if against is not None else ""
+    print(f"| step | C ms | SDPA path ms | C speed-up | the estimate picks | right{extra} |")
+    print("|---|---:|---:|---:|---|---|" + ("---:|---:|" if against is not None else ""))
     for name, rows in STEPS.items():
+        if args.only and not name.startswith(args.only):
+            continue
         k_cache, v_cache, _, _, md, _ = make_batch(rows, n_kv_heads=args.kv_heads, head_dim=args.head_dim,
                                                    block_size=16, dtype=torch.bfloat16)
         md = dataclasses.replace(md, max_context=max(c + n for c, n in rows),
@@ -85,13 +121,18 @@ def main() -> None:
         tiles = cpu_attention.tile_min_tokens() if args.head_dim % 32 == 0 else 0
         picks_native = cpu_attention.prefer_native(md, T, 16, tiles)
         forced = dataclasses.replace(md, step_cache={"cpu_attention_prefer_native": True})
-        native = best_ms(lambda: cpu_attention.paged_attention(q, k_cache, v_cache, forced, scale))
+        call = lambda: cpu_attention.paged_attention(q, k_cache, v_cache, forced, scale)  # noqa: E731
+        if against is not None:
+            native, before = best_ms_pair(call)
+            extra = f" | {before:.3f} | {before / native:.2f}x"
+        else:
+            native, extra = best_ms(call), ""
         # the step's plan and mask memoised, as the model's 30 layers share them
         memo = dataclasses.replace(md, step_cache={})
         sdpa = best_ms(lambda: cpu_attention.sdpa_paged_attention(q, k_cache, v_cache, memo, scale))
         right = (native <= sdpa) == picks_native
         print(f"| {name} | {native:.3f} | {sdpa:.3f} | {sdpa / native:.2f}x | "
-              f"{'C' if picks_native else 'SDPA'} | {'yes' if right else 'no'} |", flush=True)
+              f"{'C' if picks_native else 'SDPA'} | {'yes' if right else 'no'}{extra} |", flush=True)
 
 
 if __name__ == "__main__":
