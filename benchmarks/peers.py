@@ -37,9 +37,10 @@ header's probe and the runs (on a shared VM it moved 29-49 GB/s within 20 minute
 turn, round by round, and prints each round's ratios and their medians: on a shared VM whose
 bandwidth moves by more than the margins from one minute to the next, the sequential runs'
 one-stream ratio says as much about the minutes as about the servers. With a GGUF it also
-reads 2 MB pages just before and after each peer's run (best of 3 sums each) and prints that
-run's decode against the read limit of those seconds: how close each server came to what
-the machine could read then, whichever minute it was.
+reads 2 MB pages just before and after each peer's run (best of 3 sums each) and copies them
+(best of 3 copies each), and prints that run's decode against the read limit and the copy limit
+of those seconds: how close each server came to what the machine could read then, whichever
+minute it was (the header's copy limit, minutes earlier, can be from the VM's other level).
 
 The 1B-class model (``python -m benchmarks.make_1b_model`` writes it): ``--model-1b DIR`` serves
 ``DIR/model-<--quant>.gguf`` to blink and llama-server and ``DIR/hf`` to vLLM, with 128 in / 64
@@ -426,14 +427,17 @@ def run_alternating_single(names: list[str], args: argparse.Namespace, tok: Any)
             for name, (base_url, overrides) in served.items():
                 s_args = _client_args(args, base_url, concurrency=1, num=args.single_stream_prompts,
                                       label=f"{name} single, round {index + 1}", overrides=overrides)
-                before = probe.gbs(3) if probe is not None else 0.0
+                before = (probe.gbs(3), probe.copy_gbs(3)) if probe is not None else (0.0, 0.0)
                 run = run_benchmark(s_args, tokenizer=tok)["runs"][0]
                 row[name] = {"output_tok_s": run["output_throughput"], "itl_p50_ms": run["itl_ms"]["p50"],
                              "decode_tok_s": split_rates(run)["decode_tok_s"]}
                 if probe is not None:
-                    read_gbs = (before + probe.gbs(3)) / 2
-                    row[name]["read_gbs"] = read_gbs
-                    row[name]["of_read_limit"] = row[name]["decode_tok_s"] * bytes_per_token / (read_gbs * 1e9)
+                    # the bandwidth of these seconds (the mean of a probe before and after the run):
+                    # the header's, measured minutes earlier, can be from the VM's other level
+                    read_gbs, copy_gbs = (before[0] + probe.gbs(3)) / 2, (before[1] + probe.copy_gbs(3)) / 2
+                    decode_bytes = row[name]["decode_tok_s"] * bytes_per_token
+                    row[name].update(read_gbs=read_gbs, of_read_limit=decode_bytes / (read_gbs * 1e9),
+                                     copy_gbs=copy_gbs, of_copy_limit=decode_bytes / (copy_gbs * 1e9))
             rounds.append(row)
     return rounds
 
@@ -453,18 +457,21 @@ def _alternating_probe(args: argparse.Namespace) -> tuple["ReadProbe | None", in
 
 def alternating_table(rounds: list[dict[str, Any]], copy_limit: float | None = None) -> str:
     """Per round: each peer's single-stream output and decode tok/s, and blink's ÷ each other
-    peer's (decode, then output); with ``copy_limit`` (the header's bandwidth limit, tok/s)
-    each peer's decode ÷ it (the issue's target: >= 0.77); with read probes, ÷ the read
-    limit of the round; the last line the medians over the rounds."""
+    peer's (decode, then output); each peer's decode ÷ the copy limit (the issue's target: >=
+    0.77): of the round's own copy probe where the rounds have one, else of ``copy_limit``
+    (the header's bandwidth limit, tok/s); with read probes, ÷ the read limit of the round;
+    the last line the medians over the rounds."""
     if not rounds:
         return ""
     names = list(rounds[0])
     others = [n for n in names if n != "blink"] if "blink" in names else []
     read = all("read_gbs" in r[n] for r in rounds for n in names)
-    copy = bool(copy_limit)
+    copy_probed = all("copy_gbs" in r[n] for r in rounds for n in names)
+    copy = copy_probed or bool(copy_limit)
     head = ("| round | " + " | ".join(f"{n} out / decode tok/s" for n in names)
             + "".join(f" | blink ÷ {n}, decode | blink ÷ {n}, out" for n in others)
-            + ("".join(f" | {n} decode ÷ copy limit" for n in names) if copy else "")
+            + ("".join(f" | {n} decode ÷ copy limit" + (" (copy GB/s)" if copy_probed else "") for n in names)
+               if copy else "")
             + ("".join(f" | {n} decode ÷ read limit (read GB/s)" for n in names) if read else "") + " |")
     lines = [head, "|---|" + "---:|" * (len(names) + 2 * len(others) + (len(names) if copy else 0)
                                       + (len(names) if read else 0))]
@@ -475,7 +482,9 @@ def alternating_table(rounds: list[dict[str, Any]], copy_limit: float | None = N
     for index, row in enumerate(rounds, 1):
         cells = [f"{row[n]['output_tok_s']:.1f} / {row[n]['decode_tok_s']:.1f}" for n in names]
         cells += [f"{ratio(row, o, key):.2f}" for o in others for key in ("decode_tok_s", "output_tok_s")]
-        if copy:
+        if copy_probed:
+            cells += [f"{row[n]['of_copy_limit']:.2f} ({row[n]['copy_gbs']:.1f})" for n in names]
+        elif copy:
             cells += [f"{row[n]['decode_tok_s'] / copy_limit:.2f}" for n in names]
         if read:
             cells += [f"{row[n]['of_read_limit']:.2f} ({row[n]['read_gbs']:.1f})" for n in names]
@@ -485,7 +494,10 @@ def alternating_table(rounds: list[dict[str, Any]], copy_limit: float | None = N
              f"{median([r[n]['decode_tok_s'] for r in rounds]):.1f}" for n in names]
     cells += [f"**{median([ratio(r, o, key) for r in rounds]):.2f}**" for o in others
               for key in ("decode_tok_s", "output_tok_s")]
-    if copy:
+    if copy_probed:
+        cells += [f"**{median([r[n]['of_copy_limit'] for r in rounds]):.2f}** "
+                  f"({median([r[n]['copy_gbs'] for r in rounds]):.1f})" for n in names]
+    elif copy:
         cells += [f"**{median([r[n]['decode_tok_s'] for r in rounds]) / copy_limit:.2f}**" for n in names]
     if read:
         cells += [f"**{median([r[n]['of_read_limit'] for r in rounds]):.2f}** "
@@ -693,14 +705,16 @@ def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5, huge_pages: bool =
 
 class ReadProbe:
     """:func:`read_bandwidth` on one tensor kept for repeated readings (``--alternate-single``
-    reads it beside each single-stream run, ``bench_quant_source --read-bands`` before each
-    round: the VM's bandwidth moves from minute to minute)."""
+    reads it beside each single-stream run, and copies it, ``bench_quant_source --read-bands``
+    before each round: the VM's bandwidth moves from minute to minute)."""
 
     def __init__(self, nbytes: int = 512 << 20, huge_pages: bool = False) -> None:
         import torch
 
         self.nbytes = nbytes
+        self.huge_pages = huge_pages
         self.data = torch.ones(nbytes // 4, dtype=torch.float32)
+        self._copy_target: Any = None  # made at the first copy_gbs
         if huge_pages:
             from blink.huge_pages import HugePageArena
 
@@ -709,6 +723,20 @@ class ReadProbe:
     def gbs(self, repeats: int = 5) -> float:
         """GB/s of the best of ``repeats`` sums (after an untimed one)."""
         return self.nbytes / _best_seconds(self.data.sum, repeats) / 1e9
+
+    def copy_gbs(self, repeats: int = 5) -> float:
+        """Copy bandwidth (bytes read + written a second, as :func:`copy_bandwidth` counts them;
+        torch's parallel copy into a second tensor of the same size), best of ``repeats``."""
+        if self._copy_target is None:
+            import torch
+
+            self._copy_target = torch.empty_like(self.data)
+            if self.huge_pages:
+                from blink.huge_pages import HugePageArena
+
+                self._copy_target = HugePageArena().place(self._copy_target)
+        target = self._copy_target
+        return 2 * self.nbytes / _best_seconds(lambda: target.copy_(self.data), repeats) / 1e9
 
     def once(self) -> float:
         """GB/s of one sum (the caller touched the pages already: :meth:`gbs`, or a first call)."""

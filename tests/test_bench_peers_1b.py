@@ -242,8 +242,31 @@ def test_alternating_rounds_with_read_probes_give_each_peers_share_of_the_read_l
     assert cells(table[-1])[-2:] == ["**0.87** (36.0)", "**0.85** (36.5)"]
 
 
+def test_alternating_rounds_with_copy_probes_take_each_rounds_copy_limit():
+    """The copy limit of a round is its own probe's, not the header's (minutes earlier: the VM's
+    bandwidth moves between levels), per round and in the medians."""
+    from benchmarks.peers import alternating_table
+
+    def peer(decode, copy_gbs, of_limit):
+        return {"output_tok_s": decode, "decode_tok_s": decode, "itl_p50_ms": 1000 / decode,
+                "read_gbs": copy_gbs * 1.2, "of_read_limit": of_limit / 1.2,
+                "copy_gbs": copy_gbs, "of_copy_limit": of_limit}
+
+    rounds = [{"blink": peer(40, 30.0, 0.80), "llamaserver": peer(38, 31.0, 0.70)},
+              {"blink": peer(47, 50.0, 0.60), "llamaserver": peer(41, 52.0, 0.50)},
+              {"blink": peer(39, 29.0, 0.78), "llamaserver": peer(39, 33.0, 0.72)}]
+    table = alternating_table(rounds, copy_limit=50.0).splitlines()  # the header's: not used
+    cells = lambda line: [c.strip() for c in line.strip("|").split("|")]  # noqa: E731
+    assert cells(table[0])[5:7] == ["blink decode ÷ copy limit (copy GB/s)",
+                                    "llamaserver decode ÷ copy limit (copy GB/s)"]
+    assert len(cells(table[1])) == len(cells(table[0])) == 9
+    assert cells(table[3])[5:7] == ["0.60 (50.0)", "0.50 (52.0)"]
+    assert cells(table[-1])[5:7] == ["**0.78** (30.0)", "**0.70** (33.0)"]
+
+
 def test_the_read_probe_reads_its_pages_again_and_again():
     from benchmarks.peers import ReadProbe
 
     probe = ReadProbe(8 << 20)
     assert probe.gbs(2) > 0 and probe.gbs(1) > 0 and probe.once() > 0
+    assert probe.copy_gbs(2) > 0 and probe.copy_gbs(1) > 0  # its copy target made once, kept
