@@ -175,6 +175,18 @@ def test_native_rejects_a_block_outside_the_cache():
         native_only(q, k_cache, v_cache, md, 0.25)
 
 
+@pytest.mark.parametrize("context,bad_column", [(20, 0), (300, 9)])
+def test_native_rejects_a_block_outside_the_cache_in_bf16_chunks(context, bad_column):
+    """The bf16 decode pass (chunks of ~128 keys on a CPU with AVX512_BF16, the per-token pass
+    elsewhere) says so too: a bad block in a one-chunk context, and in the second of three."""
+    k_cache, v_cache, k_new, v_new, md, _ = make_batch([(context, 1)], n_kv_heads=3, head_dim=64,
+                                                        block_size=16, dtype=torch.bfloat16)
+    md.block_tables[0, bad_column] = k_cache.shape[0] + 5
+    q = torch.randn(1, 9, 64).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="outside the KV cache"):
+        native_only(q, k_cache, v_cache, md, 0.125)
+
+
 def test_shapes_the_kernel_does_not_take_go_to_sdpa():
     """A head size that is not a multiple of 16, or 17 query heads per KV head: the torch
     path serves them (same contract), no error."""

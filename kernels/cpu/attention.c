@@ -1174,8 +1174,8 @@ static int64_t key_visits(const int32_t *query_start, const int32_t *seq_lens, i
 
 /* Returns 0; -1 when a block id lies outside the cache; -2 for shapes this kernel does not
  * take (the caller checks them first, so this is a last guard); -4 out of memory (the tiles'
- * scratch). `threads` splits the (token, KV head) pairs, and the tile rows' (row, KV head)
- * pairs, when there are enough keys to pay for starting threads. */
+ * or the chunks' scratch). `threads` splits the (token, KV head) pairs (or the chunks), and
+ * the tile rows' (row, KV head) pairs, when there are enough keys to pay for starting threads. */
 int blink_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_h, void *out, const void *k, const void *v, int q_bf16,
                           int kv_bf16, int64_t T, int64_t H, int64_t KVH, int64_t D,
                           int64_t block_size, int64_t num_blocks, int64_t rows,

@@ -235,7 +235,8 @@ def paged_attention(
                     seq_lens.data_ptr(), tables.data_ptr(), tables.stride(0), tables.shape[1],
                     scale, kernel_threads())
     if status == -4:
-        raise MemoryError("paged attention: no memory for the prompt rows' laid-out K/V")
+        raise MemoryError("paged attention: no memory for the C kernel's scratch (the prompt rows' "
+                          "laid-out K/V, or the decode rows' chunk states)")
     if status != 0:
         raise ValueError("paged attention: a block table names a block outside the KV cache"
                          if status == -1 else "paged attention: shapes the C kernel does not take")
