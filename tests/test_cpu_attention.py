@@ -47,6 +47,19 @@ def on_two_threads(q, k_cache, v_cache, md, scale):
         torch.set_num_threads(previous)
 
 
+def native_against_fp32_reference(rows, n_heads, n_kv_heads, head_dim, block_size, dtype, pad_tokens):
+    """The C kernel on a random step over ``rows`` and the reference in fp32 on the same
+    inputs: (out, expected, live tokens, (q, k_cache, v_cache, md, scale))."""
+    k_cache, v_cache, k_new, v_new, md, n_live = make_batch(
+        rows, n_kv_heads=n_kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype, pad_tokens=pad_tokens)
+    ref.write_kv_cache(k_new, v_new, k_cache, v_cache, md.slot_mapping)
+    T = md.slot_mapping.shape[0]
+    q = torch.randn(T, n_heads, head_dim, generator=torch.Generator().manual_seed(4)).to(dtype)
+    scale = head_dim**-0.5
+    expected = ref.paged_attention(q.float(), k_cache.float(), v_cache.float(), md, scale)
+    return native_only(q, k_cache, v_cache, md, scale), expected, n_live, (q, k_cache, v_cache, md, scale)
+
+
 IMPLS = {"native": native_only, "sdpa": cpu_attention.sdpa_paged_attention}
 
 
@@ -152,14 +165,8 @@ def test_decode_rows_on_every_group_and_head_size(n_heads, n_kv_heads, head_dim,
     merges their softmax states: contexts of 4 keys (one chunk), 256 (two: 128 + 128 with
     blocks of 16), 257 (three: 96 + 96 + 65) and 601 (five), beside an unused row."""
     rows = [(255, 1), (0, 0), (256, 1), (600, 1), (3, 1)]
-    k_cache, v_cache, k_new, v_new, md, n_live = make_batch(
-        rows, n_kv_heads=n_kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype, pad_tokens=2)
-    ref.write_kv_cache(k_new, v_new, k_cache, v_cache, md.slot_mapping)
-    T = md.slot_mapping.shape[0]
-    q = torch.randn(T, n_heads, head_dim, generator=torch.Generator().manual_seed(4)).to(dtype)
-    scale = head_dim**-0.5
-    expected = ref.paged_attention(q.float(), k_cache.float(), v_cache.float(), md, scale)
-    out = native_only(q, k_cache, v_cache, md, scale)
+    out, expected, n_live, _ = native_against_fp32_reference(rows, n_heads, n_kv_heads, head_dim, block_size,
+                                                             dtype, pad_tokens=2)
     # bf16: the output's rounding (2^-9 of a value) and fp32 sums in another order
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-4, rtol=4e-3)
     torch.testing.assert_close(out[:n_live].float(), expected[:n_live], **tol)
@@ -363,14 +370,9 @@ def test_avx512_tiles_match_the_reference(rows, n_heads, n_kv_heads, head_dim, b
         pytest.skip("bf16 prompt rows take AMX's tiles on this CPU (test_amx_tiles_match_the_reference)")
     from benchmarks.bench_forward import _built_with
 
-    k_cache, v_cache, k_new, v_new, md, n_live = make_batch(
-        rows, n_kv_heads=n_kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype, pad_tokens=3)
-    ref.write_kv_cache(k_new, v_new, k_cache, v_cache, md.slot_mapping)
-    T = md.slot_mapping.shape[0]
-    q = torch.randn(T, n_heads, head_dim, generator=torch.Generator().manual_seed(4)).to(dtype)
-    scale = head_dim**-0.5
-    expected = ref.paged_attention(q.float(), k_cache.float(), v_cache.float(), md, scale)
-    out = native_only(q, k_cache, v_cache, md, scale)
+    out, expected, n_live, step = native_against_fp32_reference(rows, n_heads, n_kv_heads, head_dim, block_size,
+                                                                dtype, pad_tokens=3)
+    q, k_cache, v_cache, md, scale = step
     assert out.dtype == dtype
     torch.testing.assert_close(out[:n_live].float(), expected[:n_live], **TOL[dtype])
     assert torch.count_nonzero(out[n_live:]) == 0
