@@ -58,8 +58,8 @@
 #endif
 
 /* benchmarks/bench_forward.py --before attention-generic-decode builds with -DDECODE_CASES=0:
- * the per-token pass with its group size read at run time and without the bf16 pairs' pass
- * (attend_dpbf16_as), as before them */
+ * the per-token pass with its group size read at run time and without the bf16 chunks
+ * (attend_in_chunks), as before them */
 #ifndef DECODE_CASES
 #define DECODE_CASES 1
 #endif
@@ -702,11 +702,11 @@ static int attend_in_chunks(const args_t *a, int tiles_done, int threads) {
 }
 #endif
 
-/* attend_as with the call's shapes as constants where they are usual ones (1-8 query heads
- * per KV head, heads of 64 or 128 channels) and the build has the cases. */
+/* attend_as with the call's shapes as constants where they are usual ones: heads of 4 or 8
+ * vectors, and in AVX-512 builds 1-8 query heads per KV head (GROUP_CASES). */
 static int attend(const args_t *a, int64_t t, int64_t g) {
     const int64_t NV = a->D / W, G = a->H / a->KVH;
-    (void)G; /* (unused where neither set of cases is compiled: an AVX2 build) */
+    (void)G; /* (unused where GROUP_CASES is empty: an AVX2 build) */
 #if W == 16 && DECODE_CASES /* (an AVX2 build measured 1.0-1.3x with G constant: not worth its build's time) */
 #define GROUP_CASES(BF16, NVV) \
     switch (G) { \
@@ -718,20 +718,24 @@ static int attend(const args_t *a, int64_t t, int64_t g) {
     case 6: return attend_as(a, t, g, BF16, NVV, 6); \
     case 7: return attend_as(a, t, g, BF16, NVV, 7); \
     case 8: return attend_as(a, t, g, BF16, NVV, 8); \
-    default: return attend_as(a, t, g, BF16, NVV, 0); \
+    default: break; \
     }
 #else
-#define GROUP_CASES(BF16, NVV) return attend_as(a, t, g, BF16, NVV, 0);
+#define GROUP_CASES(BF16, NVV)
 #endif
     if (a->kv_bf16) {
 #if !defined(DPBF16_DECODE) /* (with it, bf16 takes attend_in_chunks but under AMX scores) */
-        if (NV * W == 64) GROUP_CASES(1, 64 / W)
-        if (NV * W == 128) GROUP_CASES(1, 128 / W)
+        if (NV == 4) { GROUP_CASES(1, 4) }
+        if (NV == 8) { GROUP_CASES(1, 8) }
 #endif
+        if (NV == 4) return attend_as(a, t, g, 1, 4, 0);
+        if (NV == 8) return attend_as(a, t, g, 1, 8, 0);
         return attend_as(a, t, g, 1, NV, 0);
     }
-    if (NV * W == 64) GROUP_CASES(0, 64 / W)
-    if (NV * W == 128) GROUP_CASES(0, 128 / W)
+    if (NV == 4) { GROUP_CASES(0, 4) }
+    if (NV == 8) { GROUP_CASES(0, 8) }
+    if (NV == 4) return attend_as(a, t, g, 0, 4, 0);
+    if (NV == 8) return attend_as(a, t, g, 0, 8, 0);
     return attend_as(a, t, g, 0, NV, 0);
 #undef GROUP_CASES
 }
