@@ -44,7 +44,7 @@ groups and (VNNI) shifting 4-bit codes' high nibbles down (both as before 2026-1
 bits), both replaying decode graphs as served (``BLINK_CPU_Q4=avx2_int8`` for the AVX2 build);
 or ``--before attention-generic-decode``: today's forward with the C attention kernel's per-token
 pass (decode rows) as before 2026-12-07, its group size read at run time and without the bf16
-pairs' pass (``-DDECODE_CASES=0``), both replaying decode graphs as served;
+chunks of ``vdpbf16ps`` scores (``-DDECODE_CASES=0``), both replaying decode graphs as served;
 and ``now`` the default one.
 For each dtype and shape the two are timed alternately, ``--rounds`` rounds of ``--steps``
 calls each, so a load spike on this shared machine hits both; the table gives the median
