@@ -33,6 +33,11 @@
  * G query heads' pairs laid out once per (token, KV head); the softmax and the product with V
  * stay on AVX-512 (V would need its key pairs interleaved first). 1.13-1.16x the attention of
  * a 16 x 192 decode step over 30 layers' caches (docs/performance.md#cpu-attention).
+ *
+ * Decode rows over a bf16 cache on a CPU with AVX512_BF16 and no AMX scores (attend_in_chunks):
+ * each token's keys in chunks of ~128, one unit of work per chunk for all its heads, scores
+ * by vdpbf16ps, the chunks' softmax states merged; 1.3-2.4x the per-token pass per layer on
+ * Zen 4 (docs/performance.md#decode-attention).
  */
 #include <math.h>
 #include <stdint.h>
