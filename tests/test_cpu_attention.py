@@ -182,6 +182,36 @@ def test_native_rejects_a_block_outside_the_cache():
         native_only(q, k_cache, v_cache, md, 0.25)
 
 
+@pytest.fixture(scope="module")
+def chunks_without_bf16_instructions():
+    """The kernel built for this CPU less AVX512_BF16 (as for Ice Lake or Skylake-X): its
+    decode chunks score with FMAs on widened K instead of vdpbf16ps."""
+    if not cpu_attention.LIBRARY.get().blink_has_avx512():
+        pytest.skip("the decode chunks are AVX-512 code")
+    from blink.shared.native_build import build_library
+
+    native = cpu_attention.LIBRARY
+    library = build_library(native.source, (*native.flags, "-mno-avx512bf16"), None, native.headers)
+    native.setup(library)
+    return library
+
+
+@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim,block_size",
+                         [(9, 3, 64, 16), (32, 8, 128, 16), (24, 2, 64, 8), (6, 2, 96, 48)])
+def test_decode_chunks_without_bf16_instructions(n_heads, n_kv_heads, head_dim, block_size,
+                                                 chunks_without_bf16_instructions):
+    """The same contract and bound as test_decode_rows_on_every_group_and_head_size, on the
+    build without AVX512_BF16, and within bf16's rounding of the build with it."""
+    rows = [(255, 1), (0, 0), (600, 1), (3, 1)]
+    with cpu_attention.LIBRARY.using(chunks_without_bf16_instructions):
+        out, expected, n_live, step = native_against_fp32_reference(
+            rows, n_heads, n_kv_heads, head_dim, block_size, torch.bfloat16, pad_tokens=2)
+    torch.testing.assert_close(out[:n_live].float(), expected[:n_live], atol=2e-4, rtol=4e-3)
+    assert torch.count_nonzero(out[n_live:]) == 0
+    this_cpu = native_only(*step)
+    torch.testing.assert_close(out[:n_live].float(), this_cpu[:n_live].float(), atol=2e-4, rtol=4e-3)
+
+
 @pytest.mark.parametrize("context,bad_column", [(20, 0), (300, 9)])
 def test_native_rejects_a_block_outside_the_cache_in_bf16_chunks(context, bad_column):
     """The bf16 decode pass (chunks of ~128 keys on a CPU with AVX512_BF16, the per-token pass

@@ -34,10 +34,10 @@
  * stay on AVX-512 (V would need its key pairs interleaved first). 1.13-1.16x the attention of
  * a 16 x 192 decode step over 30 layers' caches (docs/performance.md#cpu-attention).
  *
- * Decode rows over a bf16 cache on a CPU with AVX512_BF16 and no AMX scores (attend_in_chunks):
- * each token's keys in chunks of ~128, one unit of work per chunk for all its heads, scores
- * by vdpbf16ps, the chunks' softmax states merged; 1.3-2.4x the per-token pass per layer on
- * Zen 4 (docs/performance.md#decode-attention).
+ * Decode rows over a bf16 cache in AVX-512 builds without AMX scores (attend_in_chunks): each
+ * token's keys in chunks of ~128, one unit of work per chunk for all its heads, scores by
+ * vdpbf16ps where the CPU has AVX512_BF16 (else FMAs), the chunks' softmax states merged;
+ * 1.1-2.4x the per-token pass per layer on Zen 4 (docs/performance.md#decode-attention).
  */
 #include <math.h>
 #include <stdint.h>
@@ -408,9 +408,9 @@ static inline __attribute__((always_inline)) int attend_as(const args_t *a, int6
     return 0;
 }
 
-#if W == 16 && defined(__AVX512BF16__) && DECODE_CASES
-#define DPBF16_DECODE 1
-/* The per-token pass for bf16 queries over a bf16 cache on a CPU with AVX512_BF16 (and no AMX
+#if W == 16 && DECODE_CASES
+#define CHUNKED_DECODE 1
+/* The per-token pass for bf16 queries over a bf16 cache in AVX-512 builds (but under AMX
  * scores), in units of one token's chunk of keys for all its heads. A token's keys are cut into
  * chunks of about DECODE_CHUNK_KEYS (whole blocks, chunk_keys) by its own context length only,
  * so its bits never depend on the rows beside it or the thread count; a token of several chunks
@@ -418,9 +418,11 @@ static inline __attribute__((always_inline)) int attend_as(const args_t *a, int6
  * - units of (token, chunk) instead of (token, KV head): a one-row decode step of SmolLM2 (3 KV
  *   heads) split 2:1 over two threads; now a long context splits evenly, and a row's short
  *   context too from 129 keys (chunks of 256 measured no different);
- * - scores by vdpbf16ps on the raw bf16 pairs: K is not widened, and a key costs NP
- *   instructions a head instead of 2 NP conversions plus 2 NP FMAs; the products are exact in
- *   fp32 (bf16 x bf16), summed in fp32 in another order than attend_as', then scaled;
+ * - with AVX512_BF16, scores by vdpbf16ps on the raw bf16 pairs: K is not widened, and a key
+ *   costs NP instructions a head instead of 2 NP conversions plus 2 NP FMAs; the products are
+ *   exact in fp32 (bf16 x bf16), summed in fp32 in another order than attend_as', then scaled.
+ *   Without it (Ice Lake, Skylake-X), K widened as V is below and 2 NP FMAs a head, q widened
+ *   the same way once per block;
  * - each key's 16 partial sums reduced with in-lane shuffles first (4 keys to one lane each per
  *   128-bit block), then across blocks once per 16 keys;
  * - the softmax once a chunk instead of once a block (16 keys);
@@ -505,10 +507,20 @@ static inline __attribute__((always_inline)) int attend_chunk_as(const args_t *a
                 for (int64_t jj = 0; jj < BS; jj++)
                     for (int64_t byte = 0; byte < D * 2; byte += 64)
                         __builtin_prefetch((const char *)(K + (next * BS + jj) * key_stride + g * D) + byte);
+#if defined(__AVX512BF16__)
             __m512bh qg[MAX_GROUP][MAX_HEAD_DIM / 32];
             for (int64_t i = 0; i < G; i++)
                 for (int64_t n = 0; n < NP; n++)
                     qg[i][n] = (__m512bh)_mm512_loadu_si512(q + (g * G + i) * a->q_stride_h + n * 32);
+#else
+            __m512 qg[MAX_GROUP][MAX_HEAD_DIM / W]; /* widened in the order K is below */
+            for (int64_t i = 0; i < G; i++)
+                for (int64_t n = 0; n < NP; n++) {
+                    const __m512i x = _mm512_loadu_si512(q + (g * G + i) * a->q_stride_h + n * 32);
+                    qg[i][2 * n] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, x));
+                    qg[i][2 * n + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, x));
+                }
+#endif
             /* 16 keys at a time: the lanes past nk score zero keys; the next block's stores or
              * the softmax's bound overwrite or ignore them */
             for (int64_t c0 = 0; c0 < nk; c0 += W) {
@@ -517,6 +529,7 @@ static inline __attribute__((always_inline)) int attend_chunk_as(const args_t *a
                     __m512 dot[MAX_GROUP][4];
                     for (int64_t jj = 0; jj < 4; jj++) {
                         const int64_t key = c0 + 4 * k4 + jj;
+#if defined(__AVX512BF16__)
                         __m512bh pairs[MAX_HEAD_DIM / 32];
                         for (int64_t n = 0; n < NP; n++)
                             pairs[n] = (__m512bh)(key < nk ? _mm512_loadu_si512(keys + key * key_stride + n * 32) : zero);
@@ -525,6 +538,19 @@ static inline __attribute__((always_inline)) int attend_chunk_as(const args_t *a
                             for (int64_t n = 1; n < NP; n++) d = _mm512_dpbf16_ps(d, qg[i][n], pairs[n]);
                             dot[i][jj] = d;
                         }
+#else
+                        __m512 widened[MAX_HEAD_DIM / W];
+                        for (int64_t n = 0; n < NP; n++) {
+                            const __m512i x = key < nk ? _mm512_loadu_si512(keys + key * key_stride + n * 32) : zero;
+                            widened[2 * n] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, x));
+                            widened[2 * n + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, x));
+                        }
+                        for (int64_t i = 0; i < G; i++) {
+                            __m512 d = _mm512_mul_ps(qg[i][0], widened[0]);
+                            for (int64_t n = 1; n < 2 * NP; n++) d = _mm512_fmadd_ps(qg[i][n], widened[n], d);
+                            dot[i][jj] = d;
+                        }
+#endif
                     }
                     for (int64_t i = 0; i < G; i++) {
                         const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(dot[i][0], dot[i][1]),
@@ -708,37 +734,33 @@ static int attend_in_chunks(const args_t *a, int tiles_done, int threads) {
 #endif
 
 /* attend_as with the call's shapes as constants where they are usual ones: heads of 4 or 8
- * vectors, and in AVX-512 builds 1-8 query heads per KV head (GROUP_CASES). */
+ * vectors, and for fp32 in AVX-512 builds 1-8 query heads per KV head (GROUP_CASES). */
 static int attend(const args_t *a, int64_t t, int64_t g) {
     const int64_t NV = a->D / W, G = a->H / a->KVH;
     (void)G; /* (unused where GROUP_CASES is empty: an AVX2 build) */
 #if W == 16 && DECODE_CASES /* (an AVX2 build measured 1.0-1.3x with G constant: not worth its build's time) */
-#define GROUP_CASES(BF16, NVV) \
+#define GROUP_CASES(NVV) \
     switch (G) { \
-    case 1: return attend_as(a, t, g, BF16, NVV, 1); \
-    case 2: return attend_as(a, t, g, BF16, NVV, 2); \
-    case 3: return attend_as(a, t, g, BF16, NVV, 3); \
-    case 4: return attend_as(a, t, g, BF16, NVV, 4); \
-    case 5: return attend_as(a, t, g, BF16, NVV, 5); \
-    case 6: return attend_as(a, t, g, BF16, NVV, 6); \
-    case 7: return attend_as(a, t, g, BF16, NVV, 7); \
-    case 8: return attend_as(a, t, g, BF16, NVV, 8); \
+    case 1: return attend_as(a, t, g, 0, NVV, 1); \
+    case 2: return attend_as(a, t, g, 0, NVV, 2); \
+    case 3: return attend_as(a, t, g, 0, NVV, 3); \
+    case 4: return attend_as(a, t, g, 0, NVV, 4); \
+    case 5: return attend_as(a, t, g, 0, NVV, 5); \
+    case 6: return attend_as(a, t, g, 0, NVV, 6); \
+    case 7: return attend_as(a, t, g, 0, NVV, 7); \
+    case 8: return attend_as(a, t, g, 0, NVV, 8); \
     default: break; \
     }
 #else
-#define GROUP_CASES(BF16, NVV)
+#define GROUP_CASES(NVV)
 #endif
-    if (a->kv_bf16) {
-#if !defined(DPBF16_DECODE) /* (with it, bf16 takes attend_in_chunks but under AMX scores) */
-        if (NV == 4) { GROUP_CASES(1, 4) }
-        if (NV == 8) { GROUP_CASES(1, 8) }
-#endif
+    if (a->kv_bf16) { /* (AVX-512 builds: bf16 takes attend_in_chunks but under AMX scores) */
         if (NV == 4) return attend_as(a, t, g, 1, 4, 0);
         if (NV == 8) return attend_as(a, t, g, 1, 8, 0);
         return attend_as(a, t, g, 1, NV, 0);
     }
-    if (NV == 4) { GROUP_CASES(0, 4) }
-    if (NV == 8) { GROUP_CASES(0, 8) }
+    if (NV == 4) { GROUP_CASES(4) }
+    if (NV == 8) { GROUP_CASES(8) }
     if (NV == 4) return attend_as(a, t, g, 0, 4, 0);
     if (NV == 8) return attend_as(a, t, g, 0, 8, 0);
     return attend_as(a, t, g, 0, NV, 0);
@@ -1202,7 +1224,7 @@ int blink_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_h,
      * splits from 64 cached keys (its attention 1.8x faster on two threads at 300), and a
      * worker that is not running leaves its part to this thread (pool.c) */
     const int64_t score_work = key_visits(query_start, seq_lens, rows) * H * D;
-#if defined(DPBF16_DECODE)
+#if defined(CHUNKED_DECODE)
     const int threads_given = threads;
 #endif
     threads = blink_threads_for(score_work, (int64_t)1 << 16, threads);
@@ -1235,7 +1257,7 @@ int blink_paged_attention(const void *q, int64_t q_stride_t, int64_t q_stride_h,
         tokens.tiles_done = 1;
     }
 #endif
-#if defined(DPBF16_DECODE)
+#if defined(CHUNKED_DECODE)
     /* the chunks split from 2^14 multiply-adds a thread: a decode step's units read a cache the
      * weights have flushed, and two threads wait for it side by side (a one-row SmolLM2 layer at
      * 154 keys, 88K multiply-adds: 20 -> 13.5 us on Zen 4, the whole step's calls timed) */
