@@ -182,28 +182,36 @@ def test_native_rejects_a_block_outside_the_cache():
         native_only(q, k_cache, v_cache, md, 0.25)
 
 
-@pytest.fixture(scope="module")
-def chunks_without_bf16_instructions():
-    """The kernel built for this CPU less AVX512_BF16 (as for Ice Lake or Skylake-X): its
-    decode chunks score with FMAs on widened K instead of vdpbf16ps."""
-    if not cpu_attention.LIBRARY.get().blink_has_avx512():
-        pytest.skip("the decode chunks are AVX-512 code")
+@pytest.fixture(scope="module", params=["avx512-without-bf16", "avx2"])
+def chunks_elsewhere(request):
+    """The kernel built for another CPU than this one, where this one runs its code: AVX-512
+    less AVX512_BF16 (as for Ice Lake or Skylake-X: the decode chunks score with FMAs on
+    widened K instead of vdpbf16ps), and AVX2 (8-float vectors, as for Zen 2/3)."""
+    from blink.shared.cpu_features import read_cpu_flags
     from blink.shared.native_build import build_library
 
-    native = cpu_attention.LIBRARY
-    library = build_library(native.source, (*native.flags, "-mno-avx512bf16"), None, native.headers)
+    flags, native = read_cpu_flags() or frozenset(), cpu_attention.LIBRARY
+    if request.param == "avx2":
+        if not {"avx2", "fma"} <= flags:
+            pytest.skip("this CPU runs no AVX2 code")
+        build_flags = tuple("-march=x86-64-v3" if f == "-march=native" else f for f in native.flags)
+    else:
+        if "avx512f" not in flags:
+            pytest.skip("this CPU runs no AVX-512 code")
+        build_flags = (*native.flags, "-mno-avx512bf16")
+    library = build_library(native.source, build_flags, None, native.headers)
     native.setup(library)
+    assert bool(library.blink_has_avx512()) == (request.param != "avx2")
     return library
 
 
 @pytest.mark.parametrize("n_heads,n_kv_heads,head_dim,block_size",
                          [(9, 3, 64, 16), (32, 8, 128, 16), (24, 2, 64, 8), (6, 2, 96, 48)])
-def test_decode_chunks_without_bf16_instructions(n_heads, n_kv_heads, head_dim, block_size,
-                                                 chunks_without_bf16_instructions):
-    """The same contract and bound as test_decode_rows_on_every_group_and_head_size, on the
-    build without AVX512_BF16, and within bf16's rounding of the build with it."""
+def test_decode_chunks_on_other_builds(n_heads, n_kv_heads, head_dim, block_size, chunks_elsewhere):
+    """The same contract and bound as test_decode_rows_on_every_group_and_head_size on those
+    builds, and within bf16's rounding of this CPU's build."""
     rows = [(255, 1), (0, 0), (600, 1), (3, 1)]
-    with cpu_attention.LIBRARY.using(chunks_without_bf16_instructions):
+    with cpu_attention.LIBRARY.using(chunks_elsewhere):
         out, expected, n_live, step = native_against_fp32_reference(
             rows, n_heads, n_kv_heads, head_dim, block_size, torch.bfloat16, pad_tokens=2)
     torch.testing.assert_close(out[:n_live].float(), expected[:n_live], atol=2e-4, rtol=4e-3)

@@ -408,25 +408,26 @@ static inline __attribute__((always_inline)) int attend_as(const args_t *a, int6
     return 0;
 }
 
-#if W == 16 && DECODE_CASES
+#if (W == 16 || (defined(__AVX2__) && defined(__FMA__))) && DECODE_CASES
 #define CHUNKED_DECODE 1
-/* The per-token pass for bf16 queries over a bf16 cache in AVX-512 builds (but under AMX
- * scores), in units of one token's chunk of keys for all its heads. A token's keys are cut into
- * chunks of about DECODE_CHUNK_KEYS (whole blocks, chunk_keys) by its own context length only,
- * so its bits never depend on the rows beside it or the thread count; a token of several chunks
- * gets each chunk's softmax state (max, sum, weighted values) and a merge. Against attend_as:
+/* The per-token pass for bf16 queries over a bf16 cache in AVX-512 and AVX2 builds (but under
+ * AMX scores), in units of one token's chunk of keys for all its heads. A token's keys are cut
+ * into chunks of about DECODE_CHUNK_KEYS (whole blocks, chunk_keys) by its own context length
+ * only, so its bits never depend on the rows beside it or the thread count; a token of several
+ * chunks gets each chunk's softmax state (max, sum, weighted values) and a merge. Against
+ * attend_as:
  * - units of (token, chunk) instead of (token, KV head): a one-row decode step of SmolLM2 (3 KV
  *   heads) split 2:1 over two threads; now a long context splits evenly, and a row's short
  *   context too from 129 keys (chunks of 256 measured no different);
  * - with AVX512_BF16, scores by vdpbf16ps on the raw bf16 pairs: K is not widened, and a key
- *   costs NP instructions a head instead of 2 NP conversions plus 2 NP FMAs; the products are
+ *   costs NL instructions a head instead of 2 NL conversions plus 2 NL FMAs; the products are
  *   exact in fp32 (bf16 x bf16), summed in fp32 in another order than attend_as', then scaled.
- *   Without it (Ice Lake, Skylake-X), K widened as V is below and 2 NP FMAs a head, q widened
- *   the same way once per block;
- * - each key's 16 partial sums reduced with in-lane shuffles first (4 keys to one lane each per
- *   128-bit block), then across blocks once per 16 keys;
+ *   Without it (Ice Lake, Skylake-X, AVX2 CPUs), K widened as V is below and 2 NL FMAs a head,
+ *   q widened the same way once per block;
+ * - each key's W partial sums reduced with in-lane shuffles first (4 keys to one lane each per
+ *   128-bit block), then across blocks once per W keys;
  * - the softmax once a chunk instead of once a block (16 keys);
- * - V widened by interleaving zeros below its bf16 (one vpunpck a 16-channel vector): the
+ * - V widened by interleaving zeros below its bf16 (one vpunpck a W-channel vector): the
  *   weighted values hold channels in that interleave's order, and the final vpackusdw of the
  *   rounded halves restores it.
  * docs/performance.md#decode-attention has the measurements. */
@@ -435,18 +436,93 @@ static inline __attribute__((always_inline)) int attend_as(const args_t *a, int6
 #endif
 enum { DECODE_CHUNK = 2 * DECODE_CHUNK_KEYS }; /* the most keys a chunk can have (below) */
 
+/* The few operations the chunks take, on W-float vectors: a load of 2W bf16 (a "part"), widened
+ * to two vectors in the interleave's order (lanes 0-3 of each 128-bit block from the first
+ * half of that block's 8 bf16, lanes 4-7... as vpunpck*wd lays them out). */
+#if W == 16
+typedef __m512 cvec;
+typedef __m512i cvec_i;
+#define CV_ZERO_I() _mm512_setzero_si512()
+#define CV_LOAD_I(p) _mm512_loadu_si512(p)
+#define CV_WIDEN_LO(x) _mm512_castsi512_ps(_mm512_unpacklo_epi16(_mm512_setzero_si512(), x))
+#define CV_WIDEN_HI(x) _mm512_castsi512_ps(_mm512_unpackhi_epi16(_mm512_setzero_si512(), x))
+#define CV_ZERO() _mm512_setzero_ps()
+#define CV_SET1(f) _mm512_set1_ps(f)
+#define CV_LOAD(p) _mm512_loadu_ps(p)
+#define CV_STORE(p, v) _mm512_storeu_ps(p, v)
+#define CV_ADD(x, y) _mm512_add_ps(x, y)
+#define CV_MUL(x, y) _mm512_mul_ps(x, y)
+#define CV_FMA(x, y, z) _mm512_fmadd_ps(x, y, z)
+#define CV_UNPACKLO(x, y) _mm512_unpacklo_ps(x, y)
+#define CV_UNPACKHI(x, y) _mm512_unpackhi_ps(x, y)
+#define CV_SHUFFLE(x, y, imm) _mm512_shuffle_ps(x, y, imm)
+/* W keys' sums from their quads (quads[k]: keys 4k..4k+3, one lane each per 128-bit block) */
+static inline cvec sum_quads(const cvec quads[4]) {
+    const cvec lo = CV_ADD(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const cvec hi = CV_ADD(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return CV_ADD(_mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+/* a part's two vectors (scaled by inv) rounded to bf16 (nearest even, as store_vec) in channel order */
+static inline void store_part_bf16(uint16_t *out, cvec lo, cvec hi, cvec inv) {
+    const __m512i half_ulp = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+    const __m512i u = _mm512_castps_si512(CV_MUL(lo, inv)), v = _mm512_castps_si512(CV_MUL(hi, inv));
+    const __m512i ru = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, half_ulp), _mm512_and_si512(_mm512_srli_epi32(u, 16), one)), 16);
+    const __m512i rv = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(v, half_ulp), _mm512_and_si512(_mm512_srli_epi32(v, 16), one)), 16);
+    _mm512_storeu_si512(out, _mm512_packus_epi32(ru, rv));
+}
+#else
+typedef __m256 cvec;
+typedef __m256i cvec_i;
+#define CV_ZERO_I() _mm256_setzero_si256()
+#define CV_LOAD_I(p) _mm256_loadu_si256((const __m256i *)(p))
+#define CV_WIDEN_LO(x) _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), x))
+#define CV_WIDEN_HI(x) _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), x))
+#define CV_ZERO() _mm256_setzero_ps()
+#define CV_SET1(f) _mm256_set1_ps(f)
+#define CV_LOAD(p) _mm256_loadu_ps(p)
+#define CV_STORE(p, v) _mm256_storeu_ps(p, v)
+#define CV_ADD(x, y) _mm256_add_ps(x, y)
+#define CV_MUL(x, y) _mm256_mul_ps(x, y)
+#define CV_FMA(x, y, z) _mm256_fmadd_ps(x, y, z)
+#define CV_UNPACKLO(x, y) _mm256_unpacklo_ps(x, y)
+#define CV_UNPACKHI(x, y) _mm256_unpackhi_ps(x, y)
+#define CV_SHUFFLE(x, y, imm) _mm256_shuffle_ps(x, y, imm)
+static inline cvec sum_quads(const cvec quads[2]) {
+    return CV_ADD(_mm256_permute2f128_ps(quads[0], quads[1], 0x20), _mm256_permute2f128_ps(quads[0], quads[1], 0x31));
+}
+static inline void store_part_bf16(uint16_t *out, cvec lo, cvec hi, cvec inv) {
+    const __m256i half_ulp = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+    const __m256i u = _mm256_castps_si256(CV_MUL(lo, inv)), v = _mm256_castps_si256(CV_MUL(hi, inv));
+    const __m256i ru = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, half_ulp), _mm256_and_si256(_mm256_srli_epi32(u, 16), one)), 16);
+    const __m256i rv = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(v, half_ulp), _mm256_and_si256(_mm256_srli_epi32(v, 16), one)), 16);
+    _mm256_storeu_si256((__m256i *)out, _mm256_packus_epi32(ru, rv));
+}
+#endif
+#if W == 16 && defined(__AVX512BF16__)
+#define CHUNK_SCORES_DPBF16 1
+#endif
+
 static inline int takes_tiles(const args_t *a, int64_t r); /* (below: the prompt rows' tiles) */
 
 static inline int takes_chunks(const args_t *a) {
-    return a->q_bf16 && a->kv_bf16 && a->D % 32 == 0 && !a->score_tiles;
+    return a->q_bf16 && a->kv_bf16 && a->D % (2 * W) == 0 && !a->score_tiles;
 }
 
 typedef struct {
     const args_t *a;
-    const int64_t *units;  /* [n][5]: token, first key, keys, the token's visible keys, its partials' slot (-1: none) */
+    const int64_t *units;  /* [n][UNIT]: token, first key, keys, the token's visible keys, its
+                            * chunk's partials' slot (-1: none), first KV head, KV heads */
     float *partials;       /* [slots][H][2 + D]: a chunk's max, sum and weighted values per head */
-    const int64_t *merges; /* [m][2]: a token of several chunks: its first unit, its chunk count */
+    const int64_t *merges; /* [m][3]: a token of several chunks: the token, its first chunk's slot, its chunks */
 } chunks_t;
+enum { UNIT = 7 };
+
+/* KV heads a unit takes: two where there are 4 or more (an even count), so that a one-row step
+ * of a model with few, long-context chunks still splits evenly (a 1B's 8 KV heads at 300
+ * keys: 3 chunks, 12 units), else all of them. */
+static inline int64_t unit_kv_heads(int64_t KVH) { return KVH >= 4 && KVH % 2 == 0 ? 2 : KVH; }
 
 /* A token's chunks: as many as DECODE_CHUNK_KEYS keys make, the keys shared out evenly in
  * whole blocks (so at most DECODE_CHUNK_KEYS + block_size - 1 <= DECODE_CHUNK a chunk). */
@@ -456,46 +532,36 @@ static inline int64_t chunk_keys(int64_t n_keys, int64_t block_size) {
     return (keys + block_size - 1) / block_size * block_size;
 }
 
-/* Working memory of a part: the chunk's scores [H][DECODE_CHUNK + W] (room for whole 16-lane
+/* Working memory of a part: the chunk's scores [H][DECODE_CHUNK + W] (room for whole W-lane
  * stores past its last key), then each head's max and sum. */
 static inline int64_t chunk_work_floats(const args_t *a) { return a->H * (DECODE_CHUNK + W) + 2 * a->H; }
 
-/* Weighted values (2 NP vectors in the interleave's order) times inv, rounded to bf16 (nearest
- * even, as store_vec) and stored in channel order. */
-static inline __attribute__((always_inline)) void store_bf16_interleaved(uint16_t *out, const __m512 *acc, __m512 inv,
-                                                                           const int64_t NP) {
-    const __m512i half_ulp = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
-    for (int64_t n = 0; n < NP; n++) {
-        __m512i halves[2];
-        for (int64_t h = 0; h < 2; h++) {
-            const __m512i u = _mm512_castps_si512(_mm512_mul_ps(acc[2 * n + h], inv));
-            halves[h] = _mm512_srli_epi32(
-                _mm512_add_epi32(_mm512_add_epi32(u, half_ulp), _mm512_and_si512(_mm512_srli_epi32(u, 16), one)), 16);
-        }
-        _mm512_storeu_si512(out + n * 32, _mm512_packus_epi32(halves[0], halves[1]));
-    }
+/* Weighted values (2 NL vectors in the interleave's order) times inv, stored as bf16. */
+static inline __attribute__((always_inline)) void store_bf16_interleaved(uint16_t *out, const cvec *acc, cvec inv,
+                                                                           const int64_t NL) {
+    for (int64_t n = 0; n < NL; n++) store_part_bf16(out + n * 2 * W, acc[2 * n], acc[2 * n + 1], inv);
 }
 
-/* One unit: token t's keys [c_first, c_first + chunk) of its n_keys, every head; the output
+/* One unit: token t's keys [c_first, c_first + c_keys) of its n_keys, every head; the output
  * (a token of one chunk) or the chunk's state into `partial` ([H][2 + D]). Inlined with
- * constant `G` (query heads per KV head) and `NP` (32-channel parts per head) where usual. */
+ * constant `G` (query heads per KV head) and `NL` (parts of 2W channels per head) where usual. */
 static inline __attribute__((always_inline)) int attend_chunk_as(const args_t *a, int64_t t, int64_t c_first,
-                                                                   int64_t c_keys, int64_t n_keys, float *work,
-                                                                   float *partial, const int64_t G, const int64_t NP) {
-    const int64_t D = NP * 32, BS = a->block_size, KVH = a->KVH, H = KVH * G, SW = DECODE_CHUNK + W;
+                                                                   int64_t c_keys, int64_t n_keys, int64_t g_first,
+                                                                   int64_t g_end, float *work, float *partial,
+                                                                   const int64_t G, const int64_t NL) {
+    const int64_t D = NL * 2 * W, BS = a->block_size, KVH = a->KVH, H = KVH * G, SW = DECODE_CHUNK + W;
     const int64_t key_stride = KVH * D; /* elements between consecutive slots */
     const uint16_t *K = (const uint16_t *)a->k, *V = (const uint16_t *)a->v;
     const uint16_t *q = (const uint16_t *)a->q + t * a->q_stride_t;
     const int32_t *table = a->tables + a->token_row[t] * a->table_stride;
-    const __m512i zero = _mm512_setzero_si512();
-    const __m512 scale = _mm512_set1_ps(a->scale);
+    const cvec scale = CV_SET1(a->scale);
     float *s = work, *m = work + H * SW, *l = m + H;
     for (int64_t j0 = c_first; j0 < c_first + c_keys; j0 += BS) { /* scores, block by block */
         const int64_t block = table[j0 / BS];
         if (block < 0 || block >= a->num_blocks) return -1;
         const int64_t nk = c_first + c_keys - j0 < BS ? c_first + c_keys - j0 : BS;
         const int64_t next = j0 + BS < n_keys ? table[j0 / BS + 1] : -1;
-        for (int64_t g = 0; g < KVH; g++) {
+        for (int64_t g = g_first; g < g_end; g++) {
             const uint16_t *keys = K + block * BS * key_stride + g * D;
             /* the next block's K rows of this head (blocks lie anywhere: the hardware prefetcher
              * cannot guess the jump). Not V's, and not the whole block at once: on Zen 4 a
@@ -507,106 +573,96 @@ static inline __attribute__((always_inline)) int attend_chunk_as(const args_t *a
                 for (int64_t jj = 0; jj < BS; jj++)
                     for (int64_t byte = 0; byte < D * 2; byte += 64)
                         __builtin_prefetch((const char *)(K + (next * BS + jj) * key_stride + g * D) + byte);
-#if defined(__AVX512BF16__)
+#if defined(CHUNK_SCORES_DPBF16)
             __m512bh qg[MAX_GROUP][MAX_HEAD_DIM / 32];
             for (int64_t i = 0; i < G; i++)
-                for (int64_t n = 0; n < NP; n++)
+                for (int64_t n = 0; n < NL; n++)
                     qg[i][n] = (__m512bh)_mm512_loadu_si512(q + (g * G + i) * a->q_stride_h + n * 32);
 #else
-            __m512 qg[MAX_GROUP][MAX_HEAD_DIM / W]; /* widened in the order K is below */
+            cvec qg[MAX_GROUP][MAX_HEAD_DIM / W]; /* widened in the order K is below */
             for (int64_t i = 0; i < G; i++)
-                for (int64_t n = 0; n < NP; n++) {
-                    const __m512i x = _mm512_loadu_si512(q + (g * G + i) * a->q_stride_h + n * 32);
-                    qg[i][2 * n] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, x));
-                    qg[i][2 * n + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, x));
+                for (int64_t n = 0; n < NL; n++) {
+                    const cvec_i x = CV_LOAD_I(q + (g * G + i) * a->q_stride_h + n * 2 * W);
+                    qg[i][2 * n] = CV_WIDEN_LO(x);
+                    qg[i][2 * n + 1] = CV_WIDEN_HI(x);
                 }
 #endif
-            /* 16 keys at a time: the lanes past nk score zero keys; the next block's stores or
+            /* W keys at a time: the lanes past nk score zero keys; the next block's stores or
              * the softmax's bound overwrite or ignore them */
             for (int64_t c0 = 0; c0 < nk; c0 += W) {
-                __m512 quads[MAX_GROUP][4]; /* head i, keys 4k..4k+3: one lane each a 128-bit block */
-                for (int64_t k4 = 0; k4 < 4; k4++) {
-                    __m512 dot[MAX_GROUP][4];
+                cvec quads[MAX_GROUP][W / 4]; /* head i, keys 4k..4k+3: one lane each a 128-bit block */
+                for (int64_t k4 = 0; k4 < W / 4; k4++) {
+                    cvec dot[MAX_GROUP][4];
                     for (int64_t jj = 0; jj < 4; jj++) {
                         const int64_t key = c0 + 4 * k4 + jj;
-#if defined(__AVX512BF16__)
+#if defined(CHUNK_SCORES_DPBF16)
                         __m512bh pairs[MAX_HEAD_DIM / 32];
-                        for (int64_t n = 0; n < NP; n++)
-                            pairs[n] = (__m512bh)(key < nk ? _mm512_loadu_si512(keys + key * key_stride + n * 32) : zero);
+                        for (int64_t n = 0; n < NL; n++)
+                            pairs[n] = (__m512bh)(key < nk ? _mm512_loadu_si512(keys + key * key_stride + n * 32) : CV_ZERO_I());
                         for (int64_t i = 0; i < G; i++) {
                             __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), qg[i][0], pairs[0]);
-                            for (int64_t n = 1; n < NP; n++) d = _mm512_dpbf16_ps(d, qg[i][n], pairs[n]);
+                            for (int64_t n = 1; n < NL; n++) d = _mm512_dpbf16_ps(d, qg[i][n], pairs[n]);
                             dot[i][jj] = d;
                         }
 #else
-                        __m512 widened[MAX_HEAD_DIM / W];
-                        for (int64_t n = 0; n < NP; n++) {
-                            const __m512i x = key < nk ? _mm512_loadu_si512(keys + key * key_stride + n * 32) : zero;
-                            widened[2 * n] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, x));
-                            widened[2 * n + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, x));
+                        cvec widened[MAX_HEAD_DIM / W];
+                        for (int64_t n = 0; n < NL; n++) {
+                            const cvec_i x = key < nk ? CV_LOAD_I(keys + key * key_stride + n * 2 * W) : CV_ZERO_I();
+                            widened[2 * n] = CV_WIDEN_LO(x);
+                            widened[2 * n + 1] = CV_WIDEN_HI(x);
                         }
                         for (int64_t i = 0; i < G; i++) {
-                            __m512 d = _mm512_mul_ps(qg[i][0], widened[0]);
-                            for (int64_t n = 1; n < 2 * NP; n++) d = _mm512_fmadd_ps(qg[i][n], widened[n], d);
+                            cvec d = CV_MUL(qg[i][0], widened[0]);
+                            for (int64_t n = 1; n < 2 * NL; n++) d = CV_FMA(qg[i][n], widened[n], d);
                             dot[i][jj] = d;
                         }
 #endif
                     }
                     for (int64_t i = 0; i < G; i++) {
-                        const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(dot[i][0], dot[i][1]),
-                                                        _mm512_unpackhi_ps(dot[i][0], dot[i][1]));
-                        const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(dot[i][2], dot[i][3]),
-                                                        _mm512_unpackhi_ps(dot[i][2], dot[i][3]));
-                        quads[i][k4] = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
-                                                     _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+                        const cvec ab = CV_ADD(CV_UNPACKLO(dot[i][0], dot[i][1]), CV_UNPACKHI(dot[i][0], dot[i][1]));
+                        const cvec cd = CV_ADD(CV_UNPACKLO(dot[i][2], dot[i][3]), CV_UNPACKHI(dot[i][2], dot[i][3]));
+                        quads[i][k4] = CV_ADD(CV_SHUFFLE(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)), CV_SHUFFLE(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
                     }
                 }
-                for (int64_t i = 0; i < G; i++) { /* across blocks: block k of the sums holds keys 4k..4k+3 */
-                    const __m512 lo = _mm512_add_ps(_mm512_shuffle_f32x4(quads[i][0], quads[i][1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                                    _mm512_shuffle_f32x4(quads[i][0], quads[i][1], _MM_SHUFFLE(3, 1, 3, 1)));
-                    const __m512 hi = _mm512_add_ps(_mm512_shuffle_f32x4(quads[i][2], quads[i][3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                                    _mm512_shuffle_f32x4(quads[i][2], quads[i][3], _MM_SHUFFLE(3, 1, 3, 1)));
-                    const __m512 sums = _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(2, 0, 2, 0)),
-                                                      _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(3, 1, 3, 1)));
-                    _mm512_storeu_ps(s + (g * G + i) * SW + j0 - c_first + c0, _mm512_mul_ps(sums, scale));
-                }
+                for (int64_t i = 0; i < G; i++) /* across blocks: W keys' scores */
+                    CV_STORE(s + (g * G + i) * SW + j0 - c_first + c0, CV_MUL(sum_quads(quads[i]), scale));
             }
         }
     }
-    for (int64_t h = 0; h < H; h++) { /* the chunk's softmax, from nothing */
+    for (int64_t h = g_first * G; h < g_end * G; h++) { /* the chunk's softmax, from nothing */
         m[h] = -INFINITY;
         l[h] = 0.0f;
         softmax_block(s + h * SW, c_keys, &m[h], &l[h]);
     }
-    for (int64_t g = 0; g < KVH; g++) { /* weighted values, a KV head at a time (its rows in L2 by now) */
-        __m512 acc[MAX_GROUP][MAX_HEAD_DIM / W];
+    for (int64_t g = g_first; g < g_end; g++) { /* weighted values, a KV head at a time (its rows in L2 by now) */
+        cvec acc[MAX_GROUP][MAX_HEAD_DIM / W];
         for (int64_t i = 0; i < G; i++)
-            for (int64_t n = 0; n < 2 * NP; n++) acc[i][n] = _mm512_setzero_ps();
+            for (int64_t n = 0; n < 2 * NL; n++) acc[i][n] = CV_ZERO();
         for (int64_t j0 = c_first; j0 < c_first + c_keys; j0 += BS) {
             const int64_t nk = c_first + c_keys - j0 < BS ? c_first + c_keys - j0 : BS;
             const uint16_t *values = V + table[j0 / BS] * BS * key_stride + g * D; /* block checked above */
             for (int64_t jj = 0; jj < nk; jj++) {
-                __m512 value[MAX_HEAD_DIM / W];
-                for (int64_t n = 0; n < NP; n++) {
-                    const __m512i x = _mm512_loadu_si512(values + jj * key_stride + n * 32);
-                    value[2 * n] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, x));
-                    value[2 * n + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, x));
+                cvec value[MAX_HEAD_DIM / W];
+                for (int64_t n = 0; n < NL; n++) {
+                    const cvec_i x = CV_LOAD_I(values + jj * key_stride + n * 2 * W);
+                    value[2 * n] = CV_WIDEN_LO(x);
+                    value[2 * n + 1] = CV_WIDEN_HI(x);
                 }
                 for (int64_t i = 0; i < G; i++) {
-                    const __m512 p = _mm512_set1_ps(s[(g * G + i) * SW + j0 - c_first + jj]);
-                    for (int64_t n = 0; n < 2 * NP; n++) acc[i][n] = _mm512_fmadd_ps(p, value[n], acc[i][n]);
+                    const cvec p = CV_SET1(s[(g * G + i) * SW + j0 - c_first + jj]);
+                    for (int64_t n = 0; n < 2 * NL; n++) acc[i][n] = CV_FMA(p, value[n], acc[i][n]);
                 }
             }
         }
         for (int64_t i = 0; i < G; i++) {
             const int64_t h = g * G + i;
             if (partial == NULL) {
-                store_bf16_interleaved((uint16_t *)a->out + (t * a->H + h) * D, acc[i], _mm512_set1_ps(1.0f / l[h]), NP);
+                store_bf16_interleaved((uint16_t *)a->out + (t * a->H + h) * D, acc[i], CV_SET1(1.0f / l[h]), NL);
             } else {
                 float *state = partial + h * (2 + D);
                 state[0] = m[h];
                 state[1] = l[h];
-                for (int64_t n = 0; n < 2 * NP; n++) _mm512_storeu_ps(state + 2 + n * W, acc[i][n]);
+                for (int64_t n = 0; n < 2 * NL; n++) CV_STORE(state + 2 + n * W, acc[i][n]);
             }
         }
     }
@@ -614,20 +670,22 @@ static inline __attribute__((always_inline)) int attend_chunk_as(const args_t *a
 }
 
 static int attend_chunk(const args_t *a, const int64_t *unit, float *work, float *partial) {
-    const int64_t t = unit[0], c_first = unit[1], c_keys = unit[2], n_keys = unit[3];
+    const int64_t t = unit[0], c_first = unit[1], c_keys = unit[2], n_keys = unit[3], g0 = unit[5], g1 = g0 + unit[6];
     if (n_keys <= 0) { /* padding or an unused row: zeros, as the reference gives */
-        memset((uint16_t *)a->out + t * a->H * a->D, 0, (size_t)(a->H * a->D) * 2);
+        const int64_t heads = (g1 - g0) * (a->H / a->KVH);
+        memset((uint16_t *)a->out + (t * a->H + g0 * (a->H / a->KVH)) * a->D, 0, (size_t)(heads * a->D) * 2);
         return 0;
     }
     const int64_t G = a->H / a->KVH;
-#define CHUNK_CASE(GG, NPP) \
-    if (G == GG && a->D == 32 * NPP) return attend_chunk_as(a, t, c_first, c_keys, n_keys, work, partial, GG, NPP);
-    CHUNK_CASE(1, 2) CHUNK_CASE(2, 2) CHUNK_CASE(3, 2) CHUNK_CASE(4, 2)
-    CHUNK_CASE(5, 2) CHUNK_CASE(6, 2) CHUNK_CASE(7, 2) CHUNK_CASE(8, 2)
-    CHUNK_CASE(1, 4) CHUNK_CASE(2, 4) CHUNK_CASE(3, 4) CHUNK_CASE(4, 4)
-    CHUNK_CASE(5, 4) CHUNK_CASE(6, 4) CHUNK_CASE(7, 4) CHUNK_CASE(8, 4)
+    /* heads of 64 and 128 channels: 2 and 4 parts of 32 (AVX-512), 4 and 8 of 16 (AVX2) */
+#define CHUNK_CASE(GG, DD) \
+    if (G == GG && a->D == DD) return attend_chunk_as(a, t, c_first, c_keys, n_keys, g0, g1, work, partial, GG, DD / (2 * W));
+    CHUNK_CASE(1, 64) CHUNK_CASE(2, 64) CHUNK_CASE(3, 64) CHUNK_CASE(4, 64)
+    CHUNK_CASE(5, 64) CHUNK_CASE(6, 64) CHUNK_CASE(7, 64) CHUNK_CASE(8, 64)
+    CHUNK_CASE(1, 128) CHUNK_CASE(2, 128) CHUNK_CASE(3, 128) CHUNK_CASE(4, 128)
+    CHUNK_CASE(5, 128) CHUNK_CASE(6, 128) CHUNK_CASE(7, 128) CHUNK_CASE(8, 128)
 #undef CHUNK_CASE
-    return attend_chunk_as(a, t, c_first, c_keys, n_keys, work, partial, G, a->D / 32);
+    return attend_chunk_as(a, t, c_first, c_keys, n_keys, g0, g1, work, partial, G, a->D / (2 * W));
 }
 
 static void *run_chunk_part(void *arg) {
@@ -641,7 +699,7 @@ static void *run_chunk_part(void *arg) {
         return NULL;
     }
     for (int64_t u = p->lo; u < p->hi; u++) {
-        const int64_t *unit = w->units + 5 * u;
+        const int64_t *unit = w->units + UNIT * u;
         float *partial = unit[4] >= 0 ? w->partials + unit[4] * a->H * (2 + a->D) : NULL;
         if (attend_chunk(a, unit, work, partial) != 0) p->status = -1;
     }
@@ -655,25 +713,23 @@ static void *run_merge_part(void *arg) {
     blink_part_t *p = (blink_part_t *)arg;
     const chunks_t *w = (const chunks_t *)p->args;
     const args_t *a = w->a;
-    const int64_t D = a->D, NP = D / 32, stride = a->H * (2 + D);
+    const int64_t D = a->D, NL = D / (2 * W), stride = a->H * (2 + D);
     for (int64_t item = p->lo; item < p->hi; item++) {
-        const int64_t *first = w->units + 5 * w->merges[2 * item];
-        const int64_t chunks = w->merges[2 * item + 1], t = first[0];
-        const float *states = w->partials + first[4] * stride; /* its chunks' slots are consecutive */
+        const int64_t t = w->merges[3 * item], chunks = w->merges[3 * item + 2];
+        const float *states = w->partials + w->merges[3 * item + 1] * stride; /* its chunks' slots are consecutive */
         for (int64_t h = 0; h < a->H; h++) {
             float top = -INFINITY;
             for (int64_t c = 0; c < chunks; c++) top = states[c * stride + h * (2 + D)] > top ? states[c * stride + h * (2 + D)] : top;
-            __m512 acc[MAX_HEAD_DIM / W];
-            for (int64_t n = 0; n < 2 * NP; n++) acc[n] = _mm512_setzero_ps();
+            cvec acc[MAX_HEAD_DIM / W];
+            for (int64_t n = 0; n < 2 * NL; n++) acc[n] = CV_ZERO();
             float sum = 0.0f;
             for (int64_t c = 0; c < chunks; c++) {
                 const float *state = states + c * stride + h * (2 + D);
                 const float factor = exp_nonpositive(state[0] - top);
                 sum += state[1] * factor;
-                for (int64_t n = 0; n < 2 * NP; n++)
-                    acc[n] = _mm512_fmadd_ps(_mm512_loadu_ps(state + 2 + n * W), _mm512_set1_ps(factor), acc[n]);
+                for (int64_t n = 0; n < 2 * NL; n++) acc[n] = CV_FMA(CV_LOAD(state + 2 + n * W), CV_SET1(factor), acc[n]);
             }
-            store_bf16_interleaved((uint16_t *)a->out + (t * a->H + h) * D, acc, _mm512_set1_ps(1.0f / sum), NP);
+            store_bf16_interleaved((uint16_t *)a->out + (t * a->H + h) * D, acc, CV_SET1(1.0f / sum), NL);
         }
     }
     return NULL;
@@ -682,6 +738,7 @@ static void *run_merge_part(void *arg) {
 /* The per-token pass in chunks (every token not done by tiles): returns 0, -1 (a block id
  * outside the cache) or -4 (out of memory). */
 static int attend_in_chunks(const args_t *a, int tiles_done, int threads) {
+    const int64_t per_unit = unit_kv_heads(a->KVH), groups = a->KVH / per_unit;
     int64_t n_units = 0, n_slots = 0, n_merges = 0;
     for (int64_t t = 0; t < a->T; t++) {
         int64_t row;
@@ -689,21 +746,21 @@ static int attend_in_chunks(const args_t *a, int tiles_done, int threads) {
         if (tiles_done && n_keys > 0 && takes_tiles(a, row)) continue;
         const int64_t keys = n_keys > 0 ? chunk_keys(n_keys, a->block_size) : 1;
         const int64_t chunks = n_keys > keys ? (n_keys + keys - 1) / keys : 1;
-        n_units += chunks;
+        n_units += chunks * groups;
         if (chunks > 1) {
             n_slots += chunks;
             n_merges++;
         }
     }
     if (n_units == 0) return 0;
-    int64_t *units = malloc((size_t)(5 * n_units + 2 * n_merges) * sizeof(int64_t));
+    int64_t *units = malloc((size_t)(UNIT * n_units + 3 * n_merges) * sizeof(int64_t));
     float *partials = n_slots ? malloc((size_t)(n_slots * a->H * (2 + a->D)) * sizeof(float)) : NULL;
     if (!units || (n_slots && !partials)) {
         free(units);
         free(partials);
         return -4;
     }
-    int64_t *merges = units + 5 * n_units;
+    int64_t *merges = units + UNIT * n_units;
     for (int64_t t = 0, u = 0, slot = 0, mg = 0; t < a->T; t++) {
         int64_t row;
         const int64_t n_keys = visible_keys(a, t, &row);
@@ -711,17 +768,23 @@ static int attend_in_chunks(const args_t *a, int tiles_done, int threads) {
         const int64_t keys = n_keys > 0 ? chunk_keys(n_keys, a->block_size) : 1;
         const int64_t chunks = n_keys > keys ? (n_keys + keys - 1) / keys : 1;
         if (chunks > 1) {
-            merges[2 * mg] = u;
-            merges[2 * mg + 1] = chunks;
+            merges[3 * mg] = t;
+            merges[3 * mg + 1] = slot;
+            merges[3 * mg + 2] = chunks;
             mg++;
         }
-        for (int64_t c = 0; c < chunks; c++, u++) {
-            int64_t *unit = units + 5 * u;
-            unit[0] = t;
-            unit[1] = c * keys;
-            unit[2] = n_keys - c * keys < keys ? n_keys - c * keys : keys;
-            unit[3] = n_keys;
-            unit[4] = chunks > 1 ? slot++ : -1;
+        for (int64_t c = 0; c < chunks; c++) {
+            for (int64_t k = 0; k < groups; k++, u++) {
+                int64_t *unit = units + UNIT * u;
+                unit[0] = t;
+                unit[1] = c * keys;
+                unit[2] = n_keys - c * keys < keys ? n_keys - c * keys : keys;
+                unit[3] = n_keys;
+                unit[4] = chunks > 1 ? slot : -1;
+                unit[5] = k * per_unit;
+                unit[6] = per_unit;
+            }
+            if (chunks > 1) slot++;
         }
     }
     const chunks_t work = {a, units, partials, merges};
