@@ -34,10 +34,11 @@
  * stay on AVX-512 (V would need its key pairs interleaved first). 1.13-1.16x the attention of
  * a 16 x 192 decode step over 30 layers' caches (docs/performance.md#cpu-attention).
  *
- * Decode rows over a bf16 cache in AVX-512 builds without AMX scores (attend_in_chunks): each
- * token's keys in chunks of ~128, one unit of work per chunk for all its heads, scores by
- * vdpbf16ps where the CPU has AVX512_BF16 (else FMAs), the chunks' softmax states merged;
- * 1.1-2.4x the per-token pass per layer on Zen 4 (docs/performance.md#decode-attention).
+ * Decode rows over a bf16 cache in AVX-512 and AVX2 builds without AMX scores
+ * (attend_in_chunks): each token's keys in chunks of ~128, a unit of work per chunk for its
+ * heads, scores by vdpbf16ps where the CPU has AVX512_BF16 (else FMAs), the chunks' softmax
+ * states merged; 1.2-2.5x the per-token pass per layer on Zen 4, 1.2-1.4x built for AVX2
+ * (docs/performance.md#decode-attention).
  */
 #include <math.h>
 #include <stdint.h>
