@@ -417,9 +417,10 @@ static inline __attribute__((always_inline)) int attend_as(const args_t *a, int6
  * only, so its bits never depend on the rows beside it or the thread count; a token of several
  * chunks gets each chunk's softmax state (max, sum, weighted values) and a merge. Against
  * attend_as:
- * - units of (token, chunk) instead of (token, KV head): a one-row decode step of SmolLM2 (3 KV
- *   heads) split 2:1 over two threads; now a long context splits evenly, and a row's short
- *   context too from 129 keys (chunks of 256 measured no different);
+ * - units of (token, chunk, all its KV heads or two of 4+: unit_kv_heads) instead of (token, KV
+ *   head): a one-row decode step of SmolLM2 (3 KV heads) split 2:1 over two threads; now a long
+ *   context splits evenly, and a row's short context too from 129 keys (chunks of 256 measured
+ *   no different);
  * - with AVX512_BF16, scores by vdpbf16ps on the raw bf16 pairs: K is not widened, and a key
  *   costs NL instructions a head instead of 2 NL conversions plus 2 NL FMAs; the products are
  *   exact in fp32 (bf16 x bf16), summed in fp32 in another order than attend_as', then scaled.
