@@ -148,7 +148,8 @@ def test_native_strided_queries_threads_and_a_long_context(dtype):
 # (query heads, KV heads, head size, block size): every group size 1-8 at heads of 64 and three
 # at 128 (the shapes the kernel's per-token pass has as constants), and around them a group of
 # 12, heads of 32 and 96 (the same pass with shapes read at run time) and of 80 (a head the
-# bf16 pairs' pass does not take: 80 is not a multiple of 32), over blocks of 8 to 128 keys.
+# bf16 chunks of an AVX-512 build do not take: 80 is not a multiple of 32), over blocks of 8 to
+# 128 keys.
 DECODE_SHAPES = [
     (1, 1, 64, 16), (4, 2, 64, 16), (9, 3, 64, 16), (8, 2, 64, 8), (5, 1, 64, 16), (12, 2, 64, 48),
     (14, 2, 64, 16), (8, 1, 64, 128), (2, 2, 128, 16), (32, 8, 128, 16), (8, 1, 128, 32),
@@ -160,8 +161,8 @@ DECODE_SHAPES = [
 @pytest.mark.parametrize("n_heads,n_kv_heads,head_dim,block_size", DECODE_SHAPES)
 def test_decode_rows_on_every_group_and_head_size(n_heads, n_kv_heads, head_dim, block_size, dtype):
     """Decode rows (the per-token pass) against the reference in fp32 on the same inputs,
-    closer than the suite's bf16 bound: to bf16's rounding of the output. The bf16 pass on a
-    CPU with AVX512_BF16 cuts a token's keys into chunks of about 128 in whole blocks and
+    closer than the suite's bf16 bound: to bf16's rounding of the output. The bf16 pass of an
+    AVX-512 or AVX2 build cuts a token's keys into chunks of about 128 in whole blocks and
     merges their softmax states: contexts of 4 keys (one chunk), 256 (two: 128 + 128 with
     blocks of 16), 257 (three: 96 + 96 + 65) and 601 (five), beside an unused row."""
     rows = [(255, 1), (0, 0), (256, 1), (600, 1), (3, 1)]
@@ -222,7 +223,7 @@ def test_decode_chunks_on_other_builds(n_heads, n_kv_heads, head_dim, block_size
 
 @pytest.mark.parametrize("context,bad_column", [(20, 0), (300, 9)])
 def test_native_rejects_a_block_outside_the_cache_in_bf16_chunks(context, bad_column):
-    """The bf16 decode pass (chunks of ~128 keys on a CPU with AVX512_BF16, the per-token pass
+    """The bf16 decode pass (chunks of ~128 keys in AVX-512 and AVX2 builds, the per-token pass
     elsewhere) says so too: a bad block in a one-chunk context, and in the second of three."""
     k_cache, v_cache, k_new, v_new, md, _ = make_batch([(context, 1)], n_kv_heads=3, head_dim=64,
                                                         block_size=16, dtype=torch.bfloat16)
