@@ -515,11 +515,11 @@ static inline int takes_chunks(const args_t *a) {
 typedef struct {
     const args_t *a;
     const int64_t *units;  /* [n][UNIT]: token, first key, keys, the token's visible keys, its
-                            * chunk's partials' slot (-1: none), first KV head, KV heads */
+                            * chunk's partials' slot (-1: none), first KV head (of unit_kv_heads) */
     float *partials;       /* [slots][H][2 + D]: a chunk's max, sum and weighted values per head */
     const int64_t *merges; /* [m][3]: a token of several chunks: the token, its first chunk's slot, its chunks */
 } chunks_t;
-enum { UNIT = 7 };
+enum { UNIT = 6 };
 
 /* KV heads a unit takes: two where there are 4 or more (an even count), so that a one-row step
  * of a model with few, long-context chunks still splits evenly (a 1B's 8 KV heads at 300
@@ -672,13 +672,12 @@ static inline __attribute__((always_inline)) int attend_chunk_as(const args_t *a
 }
 
 static int attend_chunk(const args_t *a, const int64_t *unit, float *work, float *partial) {
-    const int64_t t = unit[0], c_first = unit[1], c_keys = unit[2], n_keys = unit[3], g0 = unit[5], g1 = g0 + unit[6];
+    const int64_t t = unit[0], c_first = unit[1], c_keys = unit[2], n_keys = unit[3], g0 = unit[5];
+    const int64_t g1 = g0 + unit_kv_heads(a->KVH), G = a->H / a->KVH;
     if (n_keys <= 0) { /* padding or an unused row: zeros, as the reference gives */
-        const int64_t heads = (g1 - g0) * (a->H / a->KVH);
-        memset((uint16_t *)a->out + (t * a->H + g0 * (a->H / a->KVH)) * a->D, 0, (size_t)(heads * a->D) * 2);
+        memset((uint16_t *)a->out + (t * a->H + g0 * G) * a->D, 0, (size_t)((g1 - g0) * G * a->D) * 2);
         return 0;
     }
-    const int64_t G = a->H / a->KVH;
     /* heads of 64 and 128 channels: 2 and 4 parts of 32 (AVX-512), 4 and 8 of 16 (AVX2) */
 #define CHUNK_CASE(GG, DD) \
     if (G == GG && a->D == DD) return attend_chunk_as(a, t, c_first, c_keys, n_keys, g0, g1, work, partial, GG, DD / (2 * W));
@@ -737,17 +736,22 @@ static void *run_merge_part(void *arg) {
     return NULL;
 }
 
+/* Token t's chunks (0: its row took tiles), its visible keys (*n_keys) and a chunk's keys (*keys). */
+static inline int64_t token_chunks(const args_t *a, int64_t t, int tiles_done, int64_t *n_keys, int64_t *keys) {
+    int64_t row;
+    *n_keys = visible_keys(a, t, &row);
+    if (tiles_done && *n_keys > 0 && takes_tiles(a, row)) return 0;
+    *keys = *n_keys > 0 ? chunk_keys(*n_keys, a->block_size) : 1;
+    return *n_keys > *keys ? (*n_keys + *keys - 1) / *keys : 1;
+}
+
 /* The per-token pass in chunks (every token not done by tiles): returns 0, -1 (a block id
  * outside the cache) or -4 (out of memory). */
 static int attend_in_chunks(const args_t *a, int tiles_done, int threads) {
     const int64_t per_unit = unit_kv_heads(a->KVH), groups = a->KVH / per_unit;
-    int64_t n_units = 0, n_slots = 0, n_merges = 0;
+    int64_t n_units = 0, n_slots = 0, n_merges = 0, n_keys, keys;
     for (int64_t t = 0; t < a->T; t++) {
-        int64_t row;
-        const int64_t n_keys = visible_keys(a, t, &row);
-        if (tiles_done && n_keys > 0 && takes_tiles(a, row)) continue;
-        const int64_t keys = n_keys > 0 ? chunk_keys(n_keys, a->block_size) : 1;
-        const int64_t chunks = n_keys > keys ? (n_keys + keys - 1) / keys : 1;
+        const int64_t chunks = token_chunks(a, t, tiles_done, &n_keys, &keys);
         n_units += chunks * groups;
         if (chunks > 1) {
             n_slots += chunks;
@@ -764,11 +768,7 @@ static int attend_in_chunks(const args_t *a, int tiles_done, int threads) {
     }
     int64_t *merges = units + UNIT * n_units;
     for (int64_t t = 0, u = 0, slot = 0, mg = 0; t < a->T; t++) {
-        int64_t row;
-        const int64_t n_keys = visible_keys(a, t, &row);
-        if (tiles_done && n_keys > 0 && takes_tiles(a, row)) continue;
-        const int64_t keys = n_keys > 0 ? chunk_keys(n_keys, a->block_size) : 1;
-        const int64_t chunks = n_keys > keys ? (n_keys + keys - 1) / keys : 1;
+        const int64_t chunks = token_chunks(a, t, tiles_done, &n_keys, &keys);
         if (chunks > 1) {
             merges[3 * mg] = t;
             merges[3 * mg + 1] = slot;
@@ -784,7 +784,6 @@ static int attend_in_chunks(const args_t *a, int tiles_done, int threads) {
                 unit[3] = n_keys;
                 unit[4] = chunks > 1 ? slot : -1;
                 unit[5] = k * per_unit;
-                unit[6] = per_unit;
             }
             if (chunks > 1) slot++;
         }
