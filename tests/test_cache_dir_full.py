@@ -125,8 +125,8 @@ ENGINE_SCRIPT = textwrap.dedent("""
                            loop="cpu")
     engine.start()  # returns at READY
     # (a build another CPU runs, e.g. quant_linear's Arm one here, is not wanted: not built)
-    print(json.dumps({"decided": [lib.decided or not (lib.wanted is None or lib.wanted()) for lib in _REGISTRY],
-                      "unwanted": sum(not (lib.wanted is None or lib.wanted()) for lib in _REGISTRY),
+    print(json.dumps({"decided": [lib.decided or not lib.is_wanted() for lib in _REGISTRY],
+                      "unwanted": sum(not lib.is_wanted() for lib in _REGISTRY),
                       "libraries": len(_REGISTRY)}), flush=True)
     engine.close()
 """)

@@ -272,6 +272,10 @@ class NativeLibrary:
         return self.switch() in ((self.env_value,) if isinstance(self.env_value, str)
                                  else self.env_value)
 
+    def is_wanted(self) -> bool:
+        """Whether this process will use the library (``wanted``; True where it has none)."""
+        return self.wanted is None or self.wanted()
+
     def get(self) -> ctypes.CDLL | None:
         """The loaded library, or None (the caller's fallback runs); on a thread that is
         recording native calls, the recorder's view of it."""
@@ -363,7 +367,7 @@ def prepare_libraries(libraries: Sequence[NativeLibrary] | None = None,
     process will not use) are left as they are."""
     log = log or logger
     todo = [lib for lib in (libraries if libraries is not None else list(_REGISTRY))
-            if not lib.decided and not lib.switched_off() and (lib.wanted is None or lib.wanted())]
+            if not lib.decided and not lib.switched_off() and lib.is_wanted()]
     if not todo:
         return {}
     t0 = time.monotonic()
