@@ -20,6 +20,7 @@ today's build in the same rounds, and its speed-up column (today's against it); 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 import time
@@ -76,30 +77,20 @@ def main() -> None:
         against = build_library(native.source, (*native.flags, f"-D{args.against}"), None, native.headers)
         native.setup(against)
 
-    def best_ms(fn) -> float:
+    def best_ms(fn, builds: tuple = (None,)) -> list[float]:
+        """fn's best ms a call with each of ``builds`` in turn as the C kernel (None: the one
+        loaded), round by round so that a slow second hits them all."""
         for _ in range(3):
             fn()
-        times = []
+        times: list[list[float]] = [[] for _ in builds]
         for _ in range(args.rounds):
-            start = time.perf_counter()
-            for _ in range(args.calls):
-                fn()
-            times.append((time.perf_counter() - start) / args.calls * 1e3)
-        return min(times)
-
-    def best_ms_pair(fn) -> tuple[float, float]:
-        """fn with today's build and with the --against one, round by round, best of each."""
-        for _ in range(3):
-            fn()
-        times: tuple[list[float], list[float]] = ([], [])
-        for _ in range(args.rounds):
-            for which, library in enumerate((cpu_attention.LIBRARY.get(), against)):
-                with cpu_attention.LIBRARY.using(library):
+            for which, library in enumerate(builds):
+                with cpu_attention.LIBRARY.using(library) if library is not None else contextlib.nullcontext():
                     start = time.perf_counter()
                     for _ in range(args.calls):
                         fn()
                     times[which].append((time.perf_counter() - start) / args.calls * 1e3)
-        return min(times[0]), min(times[1])
+        return [min(t) for t in times]
 
     print(f"torch {torch.__version__}, {args.threads} thread(s), heads {args.heads}/{args.kv_heads}, "
           f"head dim {args.head_dim}, bf16, block 16; the C kernel's tiles for rows of at least "
@@ -123,13 +114,13 @@ def main() -> None:
         forced = dataclasses.replace(md, step_cache={"cpu_attention_prefer_native": True})
         call = lambda: cpu_attention.paged_attention(q, k_cache, v_cache, forced, scale)  # noqa: E731
         if against is not None:
-            native, before = best_ms_pair(call)
+            native, before = best_ms(call, (None, against))
             extra = f" | {before:.3f} | {before / native:.2f}x"
         else:
-            native, extra = best_ms(call), ""
+            (native,), extra = best_ms(call), ""
         # the step's plan and mask memoised, as the model's 30 layers share them
         memo = dataclasses.replace(md, step_cache={})
-        sdpa = best_ms(lambda: cpu_attention.sdpa_paged_attention(q, k_cache, v_cache, memo, scale))
+        (sdpa,) = best_ms(lambda: cpu_attention.sdpa_paged_attention(q, k_cache, v_cache, memo, scale))
         right = (native <= sdpa) == picks_native
         print(f"| {name} | {native:.3f} | {sdpa:.3f} | {sdpa / native:.2f}x | "
               f"{'C' if picks_native else 'SDPA'} | {'yes' if right else 'no'}{extra} |", flush=True)
