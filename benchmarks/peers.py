@@ -713,12 +713,16 @@ class ReadProbe:
 
         self.nbytes = nbytes
         self.huge_pages = huge_pages
-        self.data = torch.ones(nbytes // 4, dtype=torch.float32)
+        self.data = self._placed(torch.ones(nbytes // 4, dtype=torch.float32))
         self._copy_target: Any = None  # made at the first copy_gbs
-        if huge_pages:
-            from blink.huge_pages import HugePageArena
 
-            self.data = HugePageArena().place(self.data)
+    def _placed(self, tensor: Any) -> Any:
+        """``tensor`` in 2 MB pages where the probe reads them (as blink keeps its weights)."""
+        if not self.huge_pages:
+            return tensor
+        from blink.huge_pages import HugePageArena
+
+        return HugePageArena().place(tensor)
 
     def gbs(self, repeats: int = 5) -> float:
         """GB/s of the best of ``repeats`` sums (after an untimed one)."""
@@ -730,11 +734,7 @@ class ReadProbe:
         if self._copy_target is None:
             import torch
 
-            self._copy_target = torch.empty_like(self.data)
-            if self.huge_pages:
-                from blink.huge_pages import HugePageArena
-
-                self._copy_target = HugePageArena().place(self._copy_target)
+            self._copy_target = self._placed(torch.empty_like(self.data))
         target = self._copy_target
         return 2 * self.nbytes / _best_seconds(lambda: target.copy_(self.data), repeats) / 1e9
 
