@@ -57,6 +57,14 @@ from blink.ring import (
 
 logger = logging.getLogger(__name__)
 
+#: The shortest step the poller sleeps through (``align_to_steps``). Shorter steps get the
+#: backoff's ticks: a GPU loop's (~1 ms), and a small model's on a CPU whose cores the frontend
+#: shares with the engine's kernels: SmolLM2-135M's 5-7 ms steps on two Zen 4 vCPUs decoded
+#: 0.88-0.94x as fast aligned (three A/B runs of benchmarks/bench_frontend_cpu, 2026-12-07),
+#: while a 1B's ~30 ms steps decoded as fast either way with 0.58x the frontend's CPU a token
+#: (docs/performance.md#frontend-poller).
+ALIGN_MIN_STEP_S = 10e-3
+
 
 @dataclass(order=True)
 class _Waiter:
@@ -147,7 +155,7 @@ class RingEngineClient:
         mask_poll_max_interval_s: float = 5e-4,
         idle_interval_s: float = 0.1,
         align_to_steps: bool = True,
-        align_min_step_s: float = 2e-3,
+        align_min_step_s: float = ALIGN_MIN_STEP_S,
         align_max_sleep_s: float = 0.1,
     ) -> None:
         check_engine_timeouts(heartbeat_timeout_s, engine_dead_timeout_s)
@@ -366,7 +374,7 @@ class RingEngineClient:
         stale), fine ticks (a fortieth of a step) until as long after it, and past that the
         backoff again (a longer step: a prefill, a larger batch). Not while a constrained
         request waits for its mask (the engine's step waits for this side then) nor for steps
-        shorter than ``align_min_step_s`` (a GPU loop's: the backoff's fine ticks fit them)."""
+        shorter than ``align_min_step_s`` (:data:`ALIGN_MIN_STEP_S`)."""
         if not self.align_to_steps or not self.ring.active or self.ring.masks_pending:
             return backoff
         cadence = self.step_clock.cadence()

@@ -25,7 +25,7 @@ from test_scheduler import make_ring as make_scheduler_ring  # noqa: E402
 
 from blink.dpu.app import create_app
 from blink.dpu.metrics import build_1_2_5_buckets
-from blink.dpu.ring_engine_client import RingEngineClient
+from blink.dpu.ring_engine_client import ALIGN_MIN_STEP_S, RingEngineClient
 from blink.dpu.ring_protocol import RingHandle
 from blink.dpu.step_clock import StepClock
 from blink.ring import C_STAT_STEPS, SLOT_WRITTEN
@@ -204,7 +204,7 @@ def test_step_clock_cadence_is_the_recent_step_time():
 
 def _poller(clock: StepClock, *, active: bool = True, masks: bool = False, align: bool = True):
     """What RingEngineClient._poll_delay reads, with the defaults' numbers."""
-    return SimpleNamespace(step_clock=clock, align_to_steps=align, align_min_step_s=2e-3,
+    return SimpleNamespace(step_clock=clock, align_to_steps=align, align_min_step_s=ALIGN_MIN_STEP_S,
                            align_max_sleep_s=0.1, poll_min_interval_s=2e-4,
                            ring=SimpleNamespace(active=[object()] if active else [], masks_pending=masks))
 
@@ -224,6 +224,10 @@ def test_the_poller_sleeps_until_just_before_the_step_is_due():
     fast.saw(0, 1.0)
     fast.saw(10, 1.01)  # 1 ms steps (a GPU loop): the backoff's ticks
     assert RingEngineClient._poll_delay(_poller(fast), 2e-4, 1.0101) == 2e-4
+    small = StepClock()
+    small.saw(0, 1.0)
+    small.saw(1, 1.005)  # 5 ms steps (a small model on a CPU shared with the frontend): the backoff's too
+    assert RingEngineClient._poll_delay(_poller(small), 4e-4, 1.0051) == 4e-4
     slow = StepClock()
     slow.saw(0, 1.0)
     slow.saw(1, 3.0)  # 2 s steps: asleep 0.1 s at most at a time
