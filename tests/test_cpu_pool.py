@@ -99,11 +99,12 @@ sys.path.insert(0, sys.argv[1])
 from test_cpu_q4_linear import gguf_like
 from blink.kernels.cpu import fused as cpu_fused, q4_linear as cpu_q4_linear
 from blink.kernels.cpu.threads import set_kernel_threads
+from blink.threads.roles import task_ids, task_name
 
 def workers(wait):
     # a worker names itself once it runs, which may be after the call (its part claimed here)
     for _ in range(500 if wait else 1):
-        names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+        names = [name for name in map(task_name, task_ids()) if name is not None]  # (a thread may end meanwhile)
         if any(name.startswith("blink-kern-") for name in names):
             break
         time.sleep(0.01)
