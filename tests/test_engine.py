@@ -42,6 +42,7 @@ from blink.ring import (  # noqa: E402
     ENGINE_FAILED,
     SLOT_FREE,
 )
+from blink.threads.roles import task_ids, task_name  # noqa: E402
 
 ARCH = "llama"
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -414,8 +415,7 @@ def _thread_stat(tid: int) -> tuple[str, float]:
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
 def test_loop_thread_named_and_idle_without_spinning(llm):
     llm.generate([SEEDED[0]], SamplingParams(max_tokens=4, **GREEDY), timeout_s=30)
-    names = {p.name: (p / "comm").read_text().strip() for p in Path("/proc/self/task").iterdir()}
-    assert "blink-loop" in names.values()
+    assert "blink-loop" in {task_name(tid) for tid in task_ids()}  # (None for a thread gone meanwhile)
     tid = llm.engine._thread.native_id
     comm, cpu0 = _thread_stat(tid)
     assert comm == "blink-loop"
