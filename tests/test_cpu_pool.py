@@ -94,7 +94,7 @@ def test_libraries_share_one_pool_and_concurrent_callers_are_right(kernel_thread
 
 
 _DECODE_SPLIT_CHILD = """
-import os, sys, time, torch
+import sys, time, torch
 sys.path.insert(0, sys.argv[1])
 from test_cpu_q4_linear import gguf_like
 from blink.kernels.cpu import fused as cpu_fused, q4_linear as cpu_q4_linear
