@@ -60,6 +60,10 @@ VARIABLES: tuple[EnvVar, ...] = (
            "CPU norms/SiLU/residual ops: torch = the references; c (the default where it builds) "
            "= the C ops",
            ("blink.kernels.cpu.fused",), values=("torch", "c")),
+    EnvVar("BLINK_CPU_SAMPLER", "choice", "automatic",
+           "the CPU sampler's seeded draw and top-k/top-p/min-p filter: torch = the references; "
+           "c (the default where it builds) = the C ops (kernels/cpu/sampling.c)",
+           ("blink.kernels.cpu.sampling",), values=("torch", "c")),
     EnvVar("BLINK_CPU_SCHED", "choice", "c (where a C compiler is found)",
            "the CPU loop's per-step scheduler stages (batch build, publishing the tokens, stats): "
            "torch = the torch reference; c = the C stages (kernels/cpu/sched.c)",

@@ -6,7 +6,8 @@ sampler's filter and seeded draw). On CPU the eager forward's norms, rotary embe
 KV-cache write and gated activation are one C call each for bf16
 (:mod:`blink.kernels.cpu.fused`, the reference for anything else), so is the sampler's
 log-normaliser (``logsumexp_rows``, fp32; ``argmax_logsumexp_rows`` with a greedy step's
-tokens from the same pass), and the paged attention is
+tokens from the same pass), so are its filter and seeded draw (:mod:`blink.kernels.cpu.sampling`),
+and the paged attention is
 :mod:`blink.kernels.cpu.attention`; on CUDA the Triton kernels replace the entries they
 implement. Model and sampler code never branch on which kernel of this table they got.
 
@@ -77,9 +78,11 @@ def ops_for(device: torch.device | str, *, triton: bool | None = None) -> Simple
         if use_triton:
             table.update(_triton_ops(required=triton is True))
         elif device_type == "cpu":
-            from blink.kernels.cpu import attention as cpu_attention, fused as cpu_fused
+            from blink.kernels.cpu import attention as cpu_attention, fused as cpu_fused, sampling as cpu_sampling
 
             table.update({name: getattr(cpu_fused, name) for name in _CPU_FUSED_NAMES})
+            table["apply_top_k_top_p_min_p"] = cpu_sampling.apply_top_k_top_p_min_p
+            table["sample"] = cpu_sampling.sample
             table["paged_attention"] = cpu_attention.paged_attention
             table["logsumexp_rows"] = cpu_fused.logsumexp_rows
             table["argmax_logsumexp_rows"] = cpu_fused.argmax_logsumexp_rows
@@ -101,6 +104,8 @@ def compiled_cpu_ops() -> SimpleNamespace:
         table.update({name: getattr(reference, name) for name in _CPU_FUSED_NAMES})  # traceable
         table["logsumexp_rows"] = sampling_reference.logsumexp_rows
         table["argmax_logsumexp_rows"] = sampling_reference.argmax_logsumexp_rows
+        table["apply_top_k_top_p_min_p"] = sampling_reference.apply_top_k_top_p_min_p
+        table["sample"] = sampling_reference.sample
         table["apply_token_mask"] = mask_reference.apply_token_mask
         table["write_kv_cache"] = cpu_step_ops.write_kv_cache
         table["paged_attention"] = cpu_step_ops.paged_attention

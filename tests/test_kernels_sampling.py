@@ -115,7 +115,11 @@ from blink.engine.sampler import Sampler, SamplerPlan, SamplingTensors  # noqa: 
 from blink.shared.sampling_params import SamplingParams  # noqa: E402
 from blink.kernels import ops_for  # noqa: E402
 
-REF_OPS = ops_for("cpu")
+CPU_OPS = ops_for("cpu")
+#: the CPU table with the torch references for the filter and the draw (the CPU table's own
+#: are their C twins, tests/test_cpu_sampling.py)
+REF_OPS = SimpleNamespace(**{**vars(CPU_OPS), "apply_top_k_top_p_min_p": ref.apply_top_k_top_p_min_p,
+                             "sample": ref.sample})
 
 
 def _triton_ops() -> SimpleNamespace:
@@ -129,18 +133,18 @@ def test_cuda_sampler_is_handed_the_triton_kernels():
     assert cuda.apply_top_k_top_p_min_p is triton_sampling.apply_top_k_top_p_min_p
     assert cuda.sample is triton_sampling.sample
     assert ops_for(torch.device("cuda", 1)) is cuda
-    assert REF_OPS.apply_top_k_top_p_min_p is ref.apply_top_k_top_p_min_p
-    assert REF_OPS.sample is ref.sample
+    assert CPU_OPS.apply_top_k_top_p_min_p is not triton_sampling.apply_top_k_top_p_min_p
+    assert CPU_OPS.sample is not triton_sampling.sample
     assert _triton_ops().sample is triton_sampling.sample  # forced, whatever the device
     assert Sampler(device="cuda").ops is cuda
     assert Sampler(device=torch.device("cuda", 0)).ops is cuda
-    assert Sampler(device="cpu").ops is REF_OPS
+    assert Sampler(device="cpu").ops is CPU_OPS
     # The engine builds Sampler(max_logprobs=...) without a device: the table then comes from
     # the logits' device at each call.
     default = Sampler(max_logprobs=4)
     assert default.ops is None
     assert default.ops_for(torch.device("cuda", 0)) is cuda
-    assert default.ops_for("cpu") is REF_OPS
+    assert default.ops_for("cpu") is CPU_OPS
 
 
 def _spy(ops: SimpleNamespace, calls: list[str]) -> SimpleNamespace:

@@ -548,14 +548,17 @@ def test_sampler_plan_skips_only_identity_stages(params: list[SamplingParams], s
 
 
 def test_sampler_takes_its_filter_and_draw_from_the_op_table() -> None:
-    """On CPU the op table holds the references; an explicit ``ops`` is what a call uses
-    (the Triton table on CUDA: tests/test_kernels_sampling.py)."""
+    """On CPU the op table holds the C filter and draw (their references' twins,
+    tests/test_cpu_sampling.py); an explicit ``ops`` is what a call uses (the Triton table on
+    CUDA: tests/test_kernels_sampling.py)."""
     from types import SimpleNamespace
 
     from blink.kernels import ops_for
+    from blink.kernels.cpu import sampling as cpu_sampling
 
     cpu = ops_for("cpu")
-    assert cpu.apply_top_k_top_p_min_p is ref.apply_top_k_top_p_min_p and cpu.sample is ref.sample
+    assert cpu.apply_top_k_top_p_min_p is cpu_sampling.apply_top_k_top_p_min_p
+    assert cpu.sample is cpu_sampling.sample
     assert Sampler(device="cpu").ops is cpu and Sampler().ops_for("cpu") is cpu
     calls: list[str] = []
 

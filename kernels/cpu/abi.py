@@ -93,6 +93,19 @@ FUSED: dict[str, Signature] = {
         + _args("slot mode out", P) + _args("rows cols", I64) + _args("threads", INT)),
 }
 
+#: sampling.c: the sampler's seeded draw and top-k / top-p / min-p filter (blink.kernels.cpu.sampling)
+SAMPLING: dict[str, Signature] = {
+    **KERNELS_H,
+    "blink_sample_rows": Signature(
+        None, _args("x", P) + _args("x_stride", I64) + _args("seeds counters out", P) + _args("rows cols", I64)
+        + _args("threads", INT)),
+    "blink_uniform_rows": Signature(None, _args("seeds counters out", P) + _args("rows cols", I64)),
+    "blink_gumbel_rows": Signature(None, _args("seeds counters out", P) + _args("rows cols", I64)),
+    "blink_filter_rows": Signature(
+        None, _args("x", P) + _args("x_stride", I64) + _args("top_k top_p min_p out status", P)
+        + _args("rows cols", I64) + _args("threads", INT)),
+}
+
 _LINEAR_ARGS = (_args("x", P) + _args("x_stride", I64) + _args("codes scales bias y", P)
                 + _args("y_stride M N K", I64))
 
@@ -148,9 +161,9 @@ REPLAY: dict[str, Signature] = {
     "blink_replay": Signature(I64, _args("calls", P) + _args("n", I64) + _args("args status", P)),
 }
 
-#: libraries no CPU graph records (the scheduler's stages act on the values they read), so
-#: replay.c needs no thunk for them
-NOT_RECORDED = frozenset({"sched.c"})
+#: libraries no CPU graph records (the scheduler's stages act on the values they read; the
+#: sampler runs eagerly after the forward's graph), so replay.c needs no thunk for them
+NOT_RECORDED = frozenset({"sched.c", "sampling.c"})
 
 #: each library's source (beside this module) -> its table
 LIBRARIES: dict[str, dict[str, Signature]] = {
@@ -160,6 +173,7 @@ LIBRARIES: dict[str, dict[str, Signature]] = {
     "q4_linear.c": Q4_LINEAR,
     "quant_linear.c": QUANT_LINEAR,
     "replay.c": REPLAY,
+    "sampling.c": SAMPLING,
     "sched.c": SCHED,
 }
 

@@ -1,0 +1,119 @@
+"""The sampler's seeded draw and top-k / top-p / min-p filter for fp32 CPU logits
+(``sampling.c``), under the reference names and signatures
+(:func:`blink.kernels.reference.sampling.sample`,
+:func:`blink.kernels.reference.sampling.apply_top_k_top_p_min_p`).
+
+Why: the references are torch code over the whole vocabulary: at one row of SmolLM2's 49152
+entries the draw took ~0.8 ms and the filter ~3.9 ms (a full sort), more than the forward they
+follow (docs/performance.md#cpu-sampler). ``sampling.c`` draws with the reference's RNG bits
+and scores only the entries that can win, and finds the filter's cut-offs from per-bucket counts
+and masses, sorting only the bucket that holds each cut.
+
+Same tokens and survivors as the reference except within rounding: two Gumbel scores within an
+ulp of the log, a mass within rounding of ``top_p``, ``exp(x - max)`` within rounding of
+``min_p`` (``tests/test_cpu_sampling.py`` holds them to the reference on cases without such
+near-ties, as ``tests/test_kernels_sampling.py`` holds the Triton twins). Anything else (other
+dtypes, a NaN or +inf logit in a filtered row, a missing compiler, said once in the log,
+``$BLINK_CPU_SAMPLER=torch``) runs the reference, so callers never need to know.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from blink.kernels.cpu import abi, pool as cpu_pool
+from blink.kernels.cpu.threads import kernel_threads
+from blink.kernels.reference import sampling as sampling_reference
+from blink.shared.native_build import NativeLibrary
+
+log = logging.getLogger("blink.kernels")
+
+_SOURCE = Path(__file__).with_name("sampling.c")
+#: "torch": the references (tests, diagnosis); "c" or unset: the C ops
+IMPL_ENV = "BLINK_CPU_SAMPLER"
+# -ffp-contract=off: the vector and scalar logs give the same bits (sampling.c)
+_FLAGS = ("-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math")
+
+
+def _declare(library) -> None:
+    abi.declare(library, abi.SAMPLING)
+    cpu_pool.attach(library)  # rows split over the process's one pool
+
+
+LIBRARY = NativeLibrary(
+    _SOURCE, what="the CPU sampler's draw and filter: the C library", logger=log,
+    fallback="the torch references run instead (~1-4 ms a sampled row at a 49K vocabulary)",
+    flags=("-O3", "-march=native", *_FLAGS), fallback_flags=("-O3", *_FLAGS),
+    headers=(_SOURCE.with_name("kernels.h"),), env=IMPL_ENV, setup=_declare,
+    queries=("blink_has_avx512",))
+
+
+def _usable(logits: torch.Tensor) -> bool:
+    """fp32 CPU [rows, vocab] with a contiguous vocabulary, outside tracing and fake tensors."""
+    return (logits.dtype is torch.float32 and logits.is_cpu and logits.ndim == 2 and logits.stride(1) == 1
+            and 0 < logits.shape[1] < 2**31 and not torch.compiler.is_compiling()
+            and not isinstance(logits, FakeTensor))
+
+
+def sample(logits: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """:func:`blink.kernels.reference.sampling.sample`: int64 [B], one draw per row of
+    ``softmax(logits)`` keyed by ``(seeds[b], counters[b])``."""
+    logits = logits.float()
+    lib = LIBRARY.get()
+    if lib is None or not _usable(logits):
+        return sampling_reference.sample(logits, seeds, counters)
+    rows = logits.shape[0]
+    seeds = seeds.to(torch.int64).contiguous()
+    counters = counters.to(torch.int64).contiguous()
+    out = torch.empty(rows, dtype=torch.int64)
+    lib.blink_sample_rows(logits.data_ptr(), logits.stride(0), seeds.data_ptr(), counters.data_ptr(),
+                          out.data_ptr(), rows, logits.shape[1], kernel_threads())
+    return out
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                            min_p: torch.Tensor) -> torch.Tensor:
+    """:func:`blink.kernels.reference.sampling.apply_top_k_top_p_min_p`: a new fp32 [B, V]
+    with what min-p, top-k and top-p remove set to -inf."""
+    lib = LIBRARY.get()
+    if lib is None or not _usable(logits):
+        return sampling_reference.apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
+    rows, cols = logits.shape
+    top_k = top_k.to(torch.int64).clamp(-1, cols).to(torch.int32).contiguous()
+    top_p = top_p.to(torch.float32).contiguous()
+    min_p = min_p.to(torch.float32).contiguous()
+    out = torch.empty((rows, cols), dtype=torch.float32)
+    status = torch.empty(rows, dtype=torch.int32)
+    lib.blink_filter_rows(logits.data_ptr(), logits.stride(0), top_k.data_ptr(), top_p.data_ptr(),
+                          min_p.data_ptr(), out.data_ptr(), status.data_ptr(), rows, cols, kernel_threads())
+    if bool(status.any()):  # a row with NaN or +inf logits: the reference's exact behaviour
+        return sampling_reference.apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
+    return out
+
+
+def uniform(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """:func:`blink.kernels.reference.sampling.uniform` from the C code's RNG (tests)."""
+    lib = _built()
+    seeds, counters = seeds.to(torch.int64).contiguous(), counters.to(torch.int64).contiguous()
+    out = torch.empty((seeds.shape[0], vocab_size), dtype=torch.float32)
+    lib.blink_uniform_rows(seeds.data_ptr(), counters.data_ptr(), out.data_ptr(), seeds.shape[0], vocab_size)
+    return out
+
+
+def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """:func:`blink.kernels.reference.sampling.gumbel_noise` as the C draw computes it (tests)."""
+    lib = _built()
+    seeds, counters = seeds.to(torch.int64).contiguous(), counters.to(torch.int64).contiguous()
+    out = torch.empty((seeds.shape[0], vocab_size), dtype=torch.float32)
+    lib.blink_gumbel_rows(seeds.data_ptr(), counters.data_ptr(), out.data_ptr(), seeds.shape[0], vocab_size)
+    return out
+
+
+def _built():
+    lib = LIBRARY.get()
+    if lib is None:
+        raise RuntimeError(f"{_SOURCE.name} is not available here: {LIBRARY.failure}")
+    return lib

@@ -1,0 +1,202 @@
+"""The CPU sampler's C filter and draw (kernels/cpu/sampling.c) against the torch references
+(:mod:`blink.kernels.reference.sampling`).
+
+Compared exactly: the RNG bits, the chosen tokens and the surviving logits. The cases avoid
+near-ties within rounding (two Gumbel scores within an ulp of the log; a mass within rounding of
+top_p), where the C code and the reference may differ by design; they do include exact ties
+(half-integer logits), which both must break the same way (lowest index first).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blink.engine.sampler import Sampler, SamplerPlan, SamplingTensors
+from blink.kernels import ops_for
+from blink.kernels.cpu import sampling as cpu_sampling
+from blink.kernels.reference import sampling as ref
+from blink.shared.sampling_params import SamplingParams
+
+if cpu_sampling.LIBRARY.get() is None:
+    pytest.skip(f"sampling.c is not available here: {cpu_sampling.LIBRARY.failure}", allow_module_level=True)
+
+NEG_INF = float("-inf")
+
+
+def _same_survivors(got: torch.Tensor, want: torch.Tensor) -> None:
+    kept, kept_ref = torch.isfinite(got), torch.isfinite(want)
+    rows = (kept != kept_ref).any(1).nonzero().flatten().tolist()
+    assert not rows, f"rows {rows} keep different entries"
+    assert torch.equal(got[kept], want[kept_ref])
+
+
+def test_uniform_bits_match_reference():
+    seeds = torch.tensor([0, 1, -5, 2**62 + 12345, -(2**63), 2**31], dtype=torch.int64)
+    counters = torch.tensor([0, 7, 2**40, 3, -1, 2**32 - 1], dtype=torch.int64)
+    assert torch.equal(cpu_sampling.uniform(seeds, counters, 1500), ref.uniform(seeds, counters, 1500))
+
+
+def test_gumbel_noise_within_rounding_of_torch_log():
+    """The C log (vector lanes and scalar tail alike) against torch's: a few 1e-7 apart."""
+    g = torch.Generator().manual_seed(1)
+    seeds = torch.randint(-(2**62), 2**62, (32,), generator=g)
+    counters = torch.arange(32, dtype=torch.int64) * 977
+    got, want = cpu_sampling.gumbel_noise(seeds, counters, 4099), ref.gumbel_noise(seeds, counters, 4099)
+    assert float((got - want).abs().max()) < 4e-6
+    assert float(got.max()) < 16.7 and float(got.min()) > -2.9  # the draw's pruning bound (GUMBEL_SPAN)
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 37, 300, 3001, 49152, 128256])
+def test_sample_matches_reference_tokens(vocab):
+    """Masked, unmasked, narrow and wide rows (the draw scores only entries that can win:
+    a wide row tests that bound), vocabularies below, between and above the 16-lane blocks."""
+    g = torch.Generator().manual_seed(vocab)
+    n_rows = 12
+    logits = torch.randn(n_rows, vocab, generator=g) * 2
+    logits[1] *= 20  # most entries far below the top: pruned
+    logits[2] /= 20  # all close: every entry a candidate
+    logits[::3, vocab // 2:] = NEG_INF
+    logits[4] = NEG_INF  # all masked: index 0, as torch.argmax of all -inf
+    seeds = torch.randint(-(2**62), 2**62, (n_rows,), generator=g)
+    counters = torch.arange(n_rows, dtype=torch.int64) * 1000 + 17
+    tokens = cpu_sampling.sample(logits, seeds, counters)
+    assert tokens.dtype == torch.int64
+    assert torch.equal(tokens, ref.sample(logits, seeds, counters))
+    if vocab >= 300:  # really keyed: another counter moves most draws
+        assert (cpu_sampling.sample(logits, seeds, counters + 1) != tokens).sum() >= n_rows // 3
+
+
+def test_sample_follows_torch_on_nan_and_inf():
+    """A NaN logit is taken (the first), as torch.argmax takes NaN for the maximum; +inf
+    scores +inf, so the first +inf wins."""
+    logits = torch.randn(3, 100)
+    logits[0, 50] = logits[0, 70] = float("nan")
+    logits[1, 7] = logits[1, 9] = float("inf")
+    logits[2, :] = NEG_INF
+    logits[2, 99] = 1.0
+    seeds = torch.tensor([1, 2, 3])
+    assert cpu_sampling.sample(logits, seeds, seeds).tolist() == ref.sample(logits, seeds, seeds).tolist() == [50, 7, 99]
+
+
+def test_sample_draws_from_the_softmax():
+    """Many draws of one row: the token frequencies follow softmax(logits) (a sampler that
+    kept the argmax, or a biased RNG, would fail)."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, NEG_INF, 0.5]]).repeat(4000, 1)
+    seeds = torch.full((4000,), 1234)
+    counters = torch.arange(4000)
+    counts = torch.bincount(cpu_sampling.sample(logits, seeds, counters), minlength=6).float() / 4000
+    expected = torch.softmax(logits[0], -1)
+    assert counts[4] == 0
+    assert float((counts - expected).abs().max()) < 0.03, (counts, expected)
+
+
+def _tied_case(seed: int, n_rows: int, vocab: int):
+    """Half-integer logits (many exact ties at the cuts, as bf16 logits upcast), a row without
+    ties, a row of equal values (+0.0 and -0.0), suppressed entries; top-k, top-p, min-p on
+    and off across rows."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-12, 13, (n_rows, vocab), generator=g).float() / 2
+    logits[0] = torch.randn(vocab, generator=g) * 3
+    logits[1, : vocab // 3] = NEG_INF
+    logits[2] = -0.0
+    logits[2, ::5] = 0.0
+    top_k = torch.randint(-1, 12, (n_rows,), generator=g, dtype=torch.int32)
+    top_k[3] = vocab + 10  # larger than the vocabulary: off
+    top_p = torch.rand(n_rows, generator=g) * 0.98 + 0.02
+    top_p[4] = 1.0
+    min_p = torch.where(torch.rand(n_rows, generator=g) < 0.5, torch.rand(n_rows, generator=g) * 0.5, 0.0)
+    return logits, top_k, top_p, min_p
+
+
+@pytest.mark.parametrize("seed,n_rows,vocab", [(0, 12, 300), (1, 8, 1000), (2, 6, 37), (3, 8, 4099), (4, 6, 49152)])
+def test_filter_matches_reference_on_ties(seed, n_rows, vocab):
+    logits, top_k, top_p, min_p = _tied_case(seed, n_rows, vocab)
+    out = cpu_sampling.apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
+    _same_survivors(out, ref.apply_top_k_top_p_min_p(logits, top_k, top_p, min_p))
+    assert (torch.isfinite(out).sum(1) < vocab).sum() >= n_rows // 2  # real cuts, not pass-through
+
+
+def test_filter_matches_reference_on_model_like_rows():
+    """Continuous logits at several spreads (a temperature's scale) with the usual settings:
+    the cut inside the first 8 nats (the entries listed on the way), beyond them (every
+    bucket counted), and a top-k whose k-th value is in the farthest bucket."""
+    g = torch.Generator().manual_seed(7)
+    vocab = 8192
+    spreads = [0.3, 1.0, 3.0, 10.0, 30.0]
+    settings = [(0, 0.9, 0.0), (50, 1.0, 0.0), (40, 0.95, 0.05), (0, 0.5, 0.1), (1000, 0.99, 0.0),
+                (0, 0.999, 0.0), (5000, 1.0, 0.0), (1, 0.9, 0.0)]
+    rows = [(s, k, p, m) for s in spreads for k, p, m in settings]
+    logits = torch.stack([torch.randn(vocab, generator=g) * s for s, *_ in rows])
+    top_k = torch.tensor([k for _, k, _, _ in rows], dtype=torch.int32)
+    top_p = torch.tensor([p for _, _, p, _ in rows])
+    min_p = torch.tensor([m for *_, m in rows])
+    out = cpu_sampling.apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
+    _same_survivors(out, ref.apply_top_k_top_p_min_p(logits, top_k, top_p, min_p))
+    kept = torch.isfinite(out).sum(1)
+    assert kept.min() >= 1 and kept.max() > 1000  # narrow and wide cuts both exercised
+
+
+def test_filter_cuts_beyond_the_near_buckets_and_in_the_far_one():
+    """A top entry and a plateau 10 nats below holding ~18% of the mass (the top-p cut falls
+    inside the plateau's tie, past the 8 nats listed on the way; with a top-k whose k-th value
+    is the plateau's, all of it tied); a top-k whose k-th value lies 40 nats down (the
+    farthest bucket)."""
+    vocab = 5000
+    logits = torch.full((3, vocab), -10.0)
+    logits[:, 123] = 0.0
+    logits[2, 200:] = -40.0
+    top_k = torch.tensor([0, 3000, 300], dtype=torch.int32)
+    top_p = torch.tensor([0.99, 0.97, 1.0])
+    min_p = torch.zeros(3)
+    out = cpu_sampling.apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
+    want = ref.apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
+    _same_survivors(out, want)
+    kept = torch.isfinite(out).sum(1).tolist()
+    assert 1 < kept[0] < vocab and 1 < kept[1] < vocab and kept[2] == vocab  # k-th = -40: ties all kept
+
+
+def test_filter_cut_inside_a_tie_keeps_lowest_indices():
+    """Eight equal logits, top_p = 0.3: the reference's stable sort keeps the first three."""
+    out = cpu_sampling.apply_top_k_top_p_min_p(torch.full((1, 8), 1.5), torch.tensor([0], dtype=torch.int32),
+                                               torch.tensor([0.3]), torch.tensor([0.0]))
+    assert torch.isfinite(out[0]).tolist() == [True] * 3 + [False] * 5
+
+
+def test_filter_leaves_nan_rows_to_the_reference_and_masks_all_masked_rows():
+    logits = torch.randn(3, 64)
+    logits[0, 5] = float("nan")
+    logits[1] = NEG_INF
+    logits[2, 9] = float("inf")
+    args = (torch.tensor([4, 4, 4], dtype=torch.int32), torch.tensor([0.5] * 3), torch.tensor([0.1] * 3))
+    got, want = cpu_sampling.apply_top_k_top_p_min_p(logits, *args), ref.apply_top_k_top_p_min_p(logits, *args)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+    assert torch.equal(got[got.isfinite()], want[want.isfinite()])
+    assert not torch.isfinite(got[1]).any()
+
+
+def test_the_cpu_sampler_uses_the_c_ops_and_keeps_the_references_tokens():
+    """The engine's Sampler on CPU logits: the table's C filter and draw, the same tokens as the
+    references over a batch mixing greedy, plain, filtered and penalised rows."""
+    cpu = ops_for("cpu")
+    assert cpu.sample is cpu_sampling.sample and cpu.apply_top_k_top_p_min_p is cpu_sampling.apply_top_k_top_p_min_p
+    from types import SimpleNamespace
+
+    reference = SimpleNamespace(**{**vars(cpu), "sample": ref.sample, "apply_top_k_top_p_min_p": ref.apply_top_k_top_p_min_p})
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1),
+              SamplingParams(temperature=0.7, top_p=0.9, seed=2), SamplingParams(temperature=0.8, top_k=40, seed=3),
+              SamplingParams(temperature=1.0, min_p=0.05, seed=4),
+              SamplingParams(temperature=0.6, top_k=20, top_p=0.95, min_p=0.02, seed=5, repetition_penalty=1.2)]
+    st = SamplingTensors.from_params(params)
+    g = torch.Generator().manual_seed(3)
+    b, vocab = len(params), 49152
+    token_ids = torch.randint(0, vocab, (b, 12), generator=g, dtype=torch.int32)
+    prompt, total = torch.full((b,), 4), torch.full((b,), 12)
+    drawn = 0
+    for step in range(4):
+        logits = torch.randn(b, vocab, generator=g) * 4
+        counters = total + 100 * step
+        got = Sampler(ops=cpu)(logits, st, token_ids, prompt, total, counters, plan=SamplerPlan.of(st))
+        want = Sampler(ops=reference)(logits, st, token_ids, prompt, total, counters, plan=SamplerPlan.of(st))
+        assert torch.equal(got.tokens, want.tokens)
+        drawn += int((got.tokens[1:] != logits[1:].argmax(-1)).sum())
+    assert drawn >= 4  # the rows really sample
