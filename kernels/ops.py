@@ -6,7 +6,8 @@ sampler's filter and seeded draw). On CPU the eager forward's norms, rotary embe
 KV-cache write and gated activation are one C call each for bf16
 (:mod:`blink.kernels.cpu.fused`, the reference for anything else), so is the sampler's
 log-normaliser (``logsumexp_rows``, fp32; ``argmax_logsumexp_rows`` with a greedy step's
-tokens from the same pass), so are its filter and seeded draw (:mod:`blink.kernels.cpu.sampling`),
+tokens from the same pass), so are its penalties, filter and seeded draw
+(:mod:`blink.kernels.cpu.sampling`),
 and the paged attention is
 :mod:`blink.kernels.cpu.attention`; on CUDA the Triton kernels replace the entries they
 implement. Model and sampler code never branch on which kernel of this table they got.
@@ -48,6 +49,7 @@ _OP_NAMES = (
 _CPU_FUSED_NAMES = ("rms_norm", "fused_add_rms_norm", "apply_rope", "silu_and_mul", "write_kv_cache")
 # The sampler's ops (blink.engine.sampler calls them through ``ops_for``).
 _SAMPLING_OP_NAMES = (
+    "apply_penalties",
     "apply_top_k_top_p_min_p",
     "sample",
     "logsumexp_rows",
@@ -81,6 +83,7 @@ def ops_for(device: torch.device | str, *, triton: bool | None = None) -> Simple
             from blink.kernels.cpu import attention as cpu_attention, fused as cpu_fused, sampling as cpu_sampling
 
             table.update({name: getattr(cpu_fused, name) for name in _CPU_FUSED_NAMES})
+            table["apply_penalties"] = cpu_sampling.apply_penalties
             table["apply_top_k_top_p_min_p"] = cpu_sampling.apply_top_k_top_p_min_p
             table["sample"] = cpu_sampling.sample
             table["paged_attention"] = cpu_attention.paged_attention
@@ -104,6 +107,7 @@ def compiled_cpu_ops() -> SimpleNamespace:
         table.update({name: getattr(reference, name) for name in _CPU_FUSED_NAMES})  # traceable
         table["logsumexp_rows"] = sampling_reference.logsumexp_rows
         table["argmax_logsumexp_rows"] = sampling_reference.argmax_logsumexp_rows
+        table["apply_penalties"] = sampling_reference.apply_penalties
         table["apply_top_k_top_p_min_p"] = sampling_reference.apply_top_k_top_p_min_p
         table["sample"] = sampling_reference.sample
         table["apply_token_mask"] = mask_reference.apply_token_mask

@@ -1,7 +1,8 @@
-"""The CPU sampler's C filter and draw (kernels/cpu/sampling.c) against the torch references
-(:mod:`blink.kernels.reference.sampling`).
+"""The CPU sampler's C penalties, filter and draw (kernels/cpu/sampling.c) against the torch
+references (:mod:`blink.kernels.reference.sampling`).
 
-Compared exactly: the RNG bits, the chosen tokens and the surviving logits. The cases avoid
+Compared exactly: the RNG bits, the penalised logits' bits, the chosen tokens and the surviving
+logits. The cases avoid
 near-ties within rounding (two Gumbel scores within an ulp of the log; a mass within rounding of
 top_p), where the C code and the reference may differ by design; they do include exact ties
 (half-integer logits), which both must break the same way (lowest index first).
@@ -174,14 +175,40 @@ def test_filter_leaves_nan_rows_to_the_reference_and_masks_all_masked_rows():
     assert not torch.isfinite(got[1]).any()
 
 
+def test_penalties_match_reference_bits():
+    """Repetition, frequency and presence penalties, positive, negative and off, over histories
+    with padding, out-of-vocabulary ids, repeats and prompt-only rows: the reference's bits,
+    -0.0 logits included (a negative penalty turns them +0.0 in the reference's arithmetic)."""
+    g = torch.Generator().manual_seed(0)
+    b, vocab, length = 7, 4099, 300
+    logits = torch.randn(b, vocab, generator=g) * 3
+    logits[0, :100] = -0.0
+    logits[2, 7] = NEG_INF
+    ids = torch.randint(-1, vocab + 5, (b, length), generator=g, dtype=torch.int32)
+    ids[:, 50:60] = 7
+    ids[1] = torch.randint(0, 20, (length,), generator=g)  # few distinct tokens, many repeats
+    prompt = torch.tensor([10, 0, 50, 100, 299, 5, 300])
+    total = torch.tensor([200, 300, 60, 250, 300, 3, 300])
+    rep = torch.tensor([1.2, 1.0, 0.8, 2.0, 1.1, 1.0, 1.3])
+    pres = torch.tensor([0.5, -0.3, 0.0, 1.0, 2.0, -2.0, 0.7])
+    freq = torch.tensor([-0.5, 0.3, 0.0, 1.5, -2.0, 0.1, 0.4])
+    for token_ids in (ids, ids.long(), ids[:, ::2]):  # int32, int64, strided
+        args = (logits, token_ids, prompt, total, rep, pres, freq)
+        got, want = cpu_sampling.apply_penalties(*args), ref.apply_penalties(*args)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert not torch.equal(got, logits)
+
+
 def test_the_cpu_sampler_uses_the_c_ops_and_keeps_the_references_tokens():
     """The engine's Sampler on CPU logits: the table's C filter and draw, the same tokens as the
     references over a batch mixing greedy, plain, filtered and penalised rows."""
     cpu = ops_for("cpu")
     assert cpu.sample is cpu_sampling.sample and cpu.apply_top_k_top_p_min_p is cpu_sampling.apply_top_k_top_p_min_p
+    assert cpu.apply_penalties is cpu_sampling.apply_penalties
     from types import SimpleNamespace
 
-    reference = SimpleNamespace(**{**vars(cpu), "sample": ref.sample, "apply_top_k_top_p_min_p": ref.apply_top_k_top_p_min_p})
+    reference = SimpleNamespace(**{**vars(cpu), "sample": ref.sample, "apply_top_k_top_p_min_p": ref.apply_top_k_top_p_min_p,
+                                   "apply_penalties": ref.apply_penalties})
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1),
               SamplingParams(temperature=0.7, top_p=0.9, seed=2), SamplingParams(temperature=0.8, top_k=40, seed=3),
               SamplingParams(temperature=1.0, min_p=0.05, seed=4),

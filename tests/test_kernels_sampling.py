@@ -116,10 +116,10 @@ from blink.shared.sampling_params import SamplingParams  # noqa: E402
 from blink.kernels import ops_for  # noqa: E402
 
 CPU_OPS = ops_for("cpu")
-#: the CPU table with the torch references for the filter and the draw (the CPU table's own
-#: are their C twins, tests/test_cpu_sampling.py)
+#: the CPU table with the torch references for the penalties, the filter and the draw (the CPU
+#: table's own are their C twins, tests/test_cpu_sampling.py)
 REF_OPS = SimpleNamespace(**{**vars(CPU_OPS), "apply_top_k_top_p_min_p": ref.apply_top_k_top_p_min_p,
-                             "sample": ref.sample})
+                             "sample": ref.sample, "apply_penalties": ref.apply_penalties})
 
 
 def _triton_ops() -> SimpleNamespace:

@@ -9,16 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st_
 
-from blink.engine.sampler import (
-    Sampler,
-    SamplerOutput,
-    SamplingTensors,
-    apply_penalties,
-    token_counts,
-)
+from blink.engine.sampler import Sampler, SamplerOutput, SamplingTensors
 from blink.shared.sampling_params import SamplingParams
 from blink.errors import BlinkError
 from blink.kernels.reference import sampling as ref
+from blink.kernels.reference.sampling import apply_penalties, token_counts
 
 NEG_INF = float("-inf")
 
@@ -548,7 +543,7 @@ def test_sampler_plan_skips_only_identity_stages(params: list[SamplingParams], s
 
 
 def test_sampler_takes_its_filter_and_draw_from_the_op_table() -> None:
-    """On CPU the op table holds the C filter and draw (their references' twins,
+    """On CPU the op table holds the C penalties, filter and draw (their references' twins,
     tests/test_cpu_sampling.py); an explicit ``ops`` is what a call uses (the Triton table on
     CUDA: tests/test_kernels_sampling.py)."""
     from types import SimpleNamespace
@@ -569,11 +564,12 @@ def test_sampler_takes_its_filter_and_draw_from_the_op_table() -> None:
         return fn
 
     ops = SimpleNamespace(apply_top_k_top_p_min_p=spy("apply_top_k_top_p_min_p"), sample=spy("sample"),
-                          logsumexp_rows=spy("logsumexp_rows"), argmax_logsumexp_rows=spy("argmax_logsumexp_rows"))
+                          logsumexp_rows=spy("logsumexp_rows"), argmax_logsumexp_rows=spy("argmax_logsumexp_rows"),
+                          apply_penalties=spy("apply_penalties"))
     logits = _flat_logits(2, 50)
     params = [SamplingParams(temperature=0), SamplingParams(top_k=4, seed=3)]
     out = _run(logits, params, sampler=Sampler(ops=ops))
-    assert calls == ["logsumexp_rows", "apply_top_k_top_p_min_p", "sample"]
+    assert calls == ["logsumexp_rows", "apply_penalties", "apply_top_k_top_p_min_p", "sample"]
     assert torch.equal(out.tokens, _run(logits, params).tokens)
 
 
@@ -582,7 +578,7 @@ def test_sampler_takes_its_filter_and_draw_from_the_op_table() -> None:
     ([SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=5, seed=2)],
      ["argmax_logsumexp_rows", "apply_top_k_top_p_min_p", "sample"]),
     ([SamplingParams(temperature=0), SamplingParams(temperature=0, repetition_penalty=1.3)],
-     ["logsumexp_rows"]),
+     ["logsumexp_rows", "apply_penalties"]),
     ([SamplingParams(temperature=0, logit_bias={7: 5.0})], ["logsumexp_rows"]),
 ])
 def test_a_plan_whose_logits_stay_raw_takes_the_greedy_tokens_from_the_log_normalisers_pass(params, path):
@@ -606,7 +602,7 @@ def test_a_plan_whose_logits_stay_raw_takes_the_greedy_tokens_from_the_log_norma
         return fn
 
     ops = SimpleNamespace(**{name: spy(name) for name in (
-        "apply_top_k_top_p_min_p", "sample", "logsumexp_rows", "argmax_logsumexp_rows")})
+        "apply_penalties", "apply_top_k_top_p_min_p", "sample", "logsumexp_rows", "argmax_logsumexp_rows")})
     b, vocab = len(params), 49152
     logits = _flat_logits(b, vocab, 5) * 4
     token_ids = torch.randint(0, vocab, (b, 12), generator=torch.Generator().manual_seed(5)).int()

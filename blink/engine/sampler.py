@@ -22,11 +22,13 @@ One call handles a whole batch whose rows use different parameters. Order (vLLM 
    the counter-based RNG of :mod:`blink.kernels.reference.sampling` keyed by (seed, counter).
 6. ``torch.where(temperature == 0, greedy, sampled)``: both paths are always computed.
 
-The filter and the seeded draw of step 5 are ``ops.apply_top_k_top_p_min_p`` and
-``ops.sample`` from :func:`blink.kernels.ops_for`: the torch references on CPU, the Triton
-kernels of :mod:`blink.kernels.triton.sampling` on CUDA (same rule, same RNG bits). The choice
-is made in one place, ``ops_for``; ``Sampler(ops=...)`` overrides it (tests pass the Triton table
-on CPU tensors under ``TRITON_INTERPRET=1``).
+The penalties of step 3, the filter and the seeded draw of step 5 are ``ops.apply_penalties``,
+``ops.apply_top_k_top_p_min_p`` and ``ops.sample`` from :func:`blink.kernels.ops_for`: C twins of
+the torch references (:mod:`blink.kernels.reference.sampling`) on CPU
+(:mod:`blink.kernels.cpu.sampling`), the Triton kernels of :mod:`blink.kernels.triton.sampling`
+on CUDA for the filter and the draw (same rule, same RNG bits). The choice is made in one place,
+``ops_for``; ``Sampler(ops=...)`` overrides it (tests pass the Triton table on CPU tensors under
+``TRITON_INTERPRET=1``).
 
 Nothing here reads a tensor value on the host or branches on one, so the call works under
 ``torch.compile(fullgraph=True)`` and inside a captured CUDA graph. A row's token depends only
@@ -52,7 +54,7 @@ from blink.shared.sampling_params import (
 )
 from blink.errors import BlinkError
 from blink.kernels import ops_for
-from blink.kernels.reference.sampling import argmax_rows
+from blink.kernels.reference.sampling import argmax_rows, row_mask as _row_mask
 from blink.engine.token_mask import MaskBatch
 from blink.shared.sampling_fields import BAD_WORD_TOKENS, SAMPLER_FIELDS, bad_words_entries
 from blink.shared.sampling_params import MAX_ALLOWED_TOKEN_IDS
@@ -199,16 +201,6 @@ class SamplerOutput(NamedTuple):
     top_logprobs: torch.Tensor
 
 
-def _row_mask(ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Map -1 padding and out-of-vocabulary ids to the spare column ``vocab_size``.
-
-    Returns (int64 ids safe for a [B, V+1] scatter, bool validity mask).
-    """
-    ids = ids.long()
-    valid = (ids >= 0) & (ids < vocab_size)
-    return torch.where(valid, ids, vocab_size), valid
-
-
 def apply_logit_bias(
     logits: torch.Tensor, bias_ids: torch.Tensor, bias_values: torch.Tensor
 ) -> torch.Tensor:
@@ -274,54 +266,6 @@ def pack_bad_words(params: SamplingParams, width: int):
         return bad_words_entries(params.bad_words_token_ids, width)
     except ValueError as e:
         raise SamplingParamsError(str(e)) from None
-
-
-def token_counts(
-    token_ids: torch.Tensor, start: torch.Tensor, end: torch.Tensor, vocab_size: int
-) -> torch.Tensor:
-    """f32 [B, V]: how often each token occurs in ``token_ids[b, start[b]:end[b]]``.
-
-    Positions outside the range, and ids outside [0, V), are counted in a spare column that is
-    dropped, so the shape is fixed whatever the lengths are.
-    """
-    batch, length = token_ids.shape
-    pos = torch.arange(length, device=token_ids.device)
-    ids, valid = _row_mask(token_ids, vocab_size)
-    in_range = (pos >= start.long().unsqueeze(-1)) & (pos < end.long().unsqueeze(-1)) & valid
-    ids = torch.where(in_range, ids, vocab_size)
-    counts = torch.zeros(batch, vocab_size + 1, dtype=torch.float32, device=token_ids.device)
-    counts = counts.scatter_add(1, ids, in_range.to(torch.float32))
-    return counts[:, :vocab_size]
-
-
-def apply_penalties(
-    logits: torch.Tensor,
-    token_ids: torch.Tensor,
-    prompt_lens: torch.Tensor,
-    total_lens: torch.Tensor,
-    repetition_penalty: torch.Tensor,
-    presence_penalty: torch.Tensor,
-    frequency_penalty: torch.Tensor,
-) -> torch.Tensor:
-    """vLLM's penalties, computed from ``token_ids`` [B, L] (prompt then output, padded).
-
-    Tokens seen anywhere in ``[0, total_len)`` get the repetition penalty: logit / r when the
-    logit is positive, logit * r otherwise. Then, with c = the token's count in the output
-    ``[prompt_len, total_len)``: ``logit -= frequency * c + presence * (c > 0)``.
-    """
-    vocab_size = logits.shape[-1]
-    zeros = torch.zeros_like(prompt_lens)
-    seen = token_counts(token_ids, zeros, total_lens, vocab_size) > 0
-    out_counts = token_counts(token_ids, prompt_lens, total_lens, vocab_size).to(logits.dtype)
-
-    r = repetition_penalty.to(logits.dtype).unsqueeze(-1)
-    penalised = torch.where(logits > 0, logits / r, logits * r)
-    logits = torch.where(seen, penalised, logits)
-    logits = logits - frequency_penalty.to(logits.dtype).unsqueeze(-1) * out_counts
-    logits = logits - presence_penalty.to(logits.dtype).unsqueeze(-1) * (out_counts > 0).to(
-        logits.dtype
-    )
-    return logits
 
 
 @dataclass(frozen=True)
@@ -504,7 +448,7 @@ class Sampler:
         if plan.any_penalty:
             if token_ids is None:
                 raise ValueError("a batch with penalties needs its token history (token_ids)")
-            logits = apply_penalties(
+            logits = ops.apply_penalties(
                 logits,
                 token_ids,
                 prompt_lens,

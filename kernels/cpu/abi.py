@@ -93,7 +93,8 @@ FUSED: dict[str, Signature] = {
         + _args("slot mode out", P) + _args("rows cols", I64) + _args("threads", INT)),
 }
 
-#: sampling.c: the sampler's seeded draw and top-k / top-p / min-p filter (blink.kernels.cpu.sampling)
+#: sampling.c: the sampler's penalties, seeded draw and top-k / top-p / min-p filter
+#: (blink.kernels.cpu.sampling)
 SAMPLING: dict[str, Signature] = {
     **KERNELS_H,
     "blink_sample_rows": Signature(
@@ -101,6 +102,10 @@ SAMPLING: dict[str, Signature] = {
         + _args("threads", INT)),
     "blink_uniform_rows": Signature(None, _args("seeds counters out", P) + _args("rows cols", I64)),
     "blink_gumbel_rows": Signature(None, _args("seeds counters out", P) + _args("rows cols", I64)),
+    "blink_penalties_rows": Signature(
+        None, _args("x", P) + _args("x_stride", I64) + _args("ids", P) + _args("ids_stride length", I64)
+        + _args("prompt_lens total_lens rep pres freq out status", P) + _args("rows cols", I64)
+        + _args("threads", INT)),
     "blink_filter_rows": Signature(
         None, _args("x", P) + _args("x_stride", I64) + _args("top_k top_p min_p out status", P)
         + _args("rows cols", I64) + _args("threads", INT)),

@@ -21,6 +21,9 @@
  * reference except where a mass lies within rounding of top_p or exp(x - max) within rounding of
  * min_p (the sums are added in another order, the exp is kernels.h's), as for the Triton twin.
  *
+ * The penalties (repetition, frequency, presence) change only the tokens of the row's history:
+ * the reference counts them in a [B, V] scatter and rewrites the whole vocabulary in ~10 ops.
+ *
  * Built by kernels/cpu/sampling.py with -ffp-contract=off: the vector and scalar logs below do
  * the same operations in the same order, so a lane and the scalar tail give the same bits.
  */
@@ -244,6 +247,81 @@ void blink_gumbel_rows(const int64_t *seeds, const int64_t *counters, float *out
 #endif
         for (; v < cols; v++) out[r * cols + v] = gumbel_of(key, (uint32_t)v);
     }
+}
+
+/* ---------------------------------------------------------------------------------- penalties */
+
+enum { SEEN = 1 << 30, COUNT = SEEN - 1 }; /* a token's mark: in the row's history; its count in the output */
+
+static __thread int32_t *tls_marks; /* one per vocabulary entry, all 0 between calls */
+static __thread int64_t tls_marks_n;
+
+/* One row of the reference's apply_penalties: every entry gets (x - f*0) - p*0 (the reference's
+ * arithmetic on tokens it does not touch: a -0.0 logit turns +0.0 under a negative penalty), and
+ * the history's tokens the penalties themselves. Reads only the row's history, not its vocabulary's
+ * worth of counts. Returns -1 without memory for the marks. */
+static int penalties_row(const float *x, float *out, int64_t n, const int32_t *ids, int64_t length, int64_t prompt,
+                         int64_t total, float rep, float pres, float freq) {
+    if (tls_marks_n < n) {
+        free(tls_marks);
+        tls_marks = (int32_t *)calloc((size_t)n, sizeof *tls_marks);
+        tls_marks_n = tls_marks == NULL ? 0 : n;
+        if (tls_marks == NULL) return -1;
+    }
+    int32_t *marks = tls_marks;
+    const float f0 = freq * 0.0f, p0 = pres * 0.0f;
+    for (int64_t v = 0; v < n; v++) out[v] = (x[v] - f0) - p0;
+    const int64_t end = total < length ? total : length;
+    for (int64_t t = 0; t < end; t++) {
+        const int32_t id = ids[t];
+        if (id < 0 || id >= n) continue; /* padding (-1) and ids outside the vocabulary */
+        marks[id] |= SEEN;
+        if (t >= prompt) marks[id]++;
+    }
+    for (int64_t t = 0; t < end; t++) {
+        const int32_t id = ids[t];
+        if (id < 0 || id >= n || marks[id] == 0) continue; /* done already */
+        float value = x[id];
+        value = value > 0.0f ? value / rep : value * rep;
+        const float count = (float)(marks[id] & COUNT);
+        value = value - freq * count;
+        value = value - pres * (count > 0.0f ? 1.0f : 0.0f);
+        out[id] = value;
+        marks[id] = 0;
+    }
+    return 0;
+}
+
+typedef struct {
+    const float *x;
+    int64_t x_stride, cols;
+    const int32_t *ids;
+    int64_t ids_stride, length;
+    const int64_t *prompt_lens, *total_lens;
+    const float *rep, *pres, *freq;
+    float *out;
+    int32_t *status;
+} penalties_args_t;
+
+static void *penalties_part(void *arg) {
+    blink_part_t *p = (blink_part_t *)arg;
+    const penalties_args_t *a = (const penalties_args_t *)p->args;
+    for (int64_t r = p->lo; r < p->hi; r++)
+        a->status[r] = penalties_row(a->x + r * a->x_stride, a->out + r * a->cols, a->cols, a->ids + r * a->ids_stride,
+                                     a->length, a->prompt_lens[r], a->total_lens[r], a->rep[r], a->pres[r], a->freq[r]);
+    return NULL;
+}
+
+/* out (rows x cols, contiguous) = the reference's apply_penalties of x (rows x_stride apart) with
+ * the token history ids (rows ids_stride apart, `length` each: prompt then output, -1 padding),
+ * prompt_lens, total_lens and the rows' repetition, presence and frequency penalties; status[r] =
+ * 0, or -1 where row r is left to the reference (no memory for its marks). */
+void blink_penalties_rows(const float *x, int64_t x_stride, const int32_t *ids, int64_t ids_stride, int64_t length,
+                          const int64_t *prompt_lens, const int64_t *total_lens, const float *rep, const float *pres,
+                          const float *freq, float *out, int32_t *status, int64_t rows, int64_t cols, int threads) {
+    const penalties_args_t a = {x, x_stride, cols, ids, ids_stride, length, prompt_lens, total_lens, rep, pres, freq,
+                                out, status};
+    blink_run_parts(penalties_part, &a, rows, blink_threads_for(rows, 1, threads));
 }
 
 /* ---------------------------------------------------------------------------------- the filter */

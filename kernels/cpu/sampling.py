@@ -1,13 +1,15 @@
-"""The sampler's seeded draw and top-k / top-p / min-p filter for fp32 CPU logits
+"""The sampler's penalties, seeded draw and top-k / top-p / min-p filter for fp32 CPU logits
 (``sampling.c``), under the reference names and signatures
-(:func:`blink.kernels.reference.sampling.sample`,
+(:func:`blink.kernels.reference.sampling.apply_penalties`,
+:func:`blink.kernels.reference.sampling.sample`,
 :func:`blink.kernels.reference.sampling.apply_top_k_top_p_min_p`).
 
 Why: the references are torch code over the whole vocabulary: at one row of SmolLM2's 49152
 entries the draw took ~0.8 ms and the filter ~3.9 ms (a full sort), more than the forward they
 follow (docs/performance.md#cpu-sampler). ``sampling.c`` draws with the reference's RNG bits
 and scores only the entries that can win, and finds the filter's cut-offs from per-bucket counts
-and masses, sorting only the bucket that holds each cut.
+and masses, sorting only the bucket that holds each cut. The penalties touch only the tokens of
+a row's history (the reference counts them over the vocabulary): the same bits.
 
 Same tokens and survivors as the reference except within rounding: two Gumbel scores within an
 ulp of the log, a mass within rounding of ``top_p``, ``exp(x - max)`` within rounding of
@@ -71,6 +73,34 @@ def sample(logits: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor) ->
     out = torch.empty(rows, dtype=torch.int64)
     lib.blink_sample_rows(logits.data_ptr(), logits.stride(0), seeds.data_ptr(), counters.data_ptr(),
                           out.data_ptr(), rows, logits.shape[1], kernel_threads())
+    return out
+
+
+def apply_penalties(logits: torch.Tensor, token_ids: torch.Tensor, prompt_lens: torch.Tensor,
+                    total_lens: torch.Tensor, repetition_penalty: torch.Tensor, presence_penalty: torch.Tensor,
+                    frequency_penalty: torch.Tensor) -> torch.Tensor:
+    """:func:`blink.kernels.reference.sampling.apply_penalties`: a new fp32 [B, V], the same
+    bits, reading each row's history instead of counting it over the vocabulary."""
+    lib = LIBRARY.get()
+    if (lib is None or not _usable(logits) or token_ids.ndim != 2 or token_ids.shape[0] != logits.shape[0]
+            or token_ids.dtype not in (torch.int32, torch.int64)):
+        return sampling_reference.apply_penalties(logits, token_ids, prompt_lens, total_lens, repetition_penalty,
+                                                  presence_penalty, frequency_penalty)
+    rows, cols = logits.shape
+    ids = token_ids.to(torch.int32)
+    if ids.stride(1) != 1:
+        ids = ids.contiguous()
+    prompt_lens, total_lens = (t.to(torch.int64).contiguous() for t in (prompt_lens, total_lens))
+    rep, pres, freq = (t.to(torch.float32).contiguous()
+                       for t in (repetition_penalty, presence_penalty, frequency_penalty))
+    out = torch.empty((rows, cols), dtype=torch.float32)
+    status = torch.empty(rows, dtype=torch.int32)
+    lib.blink_penalties_rows(logits.data_ptr(), logits.stride(0), ids.data_ptr(), ids.stride(0), ids.shape[1],
+                             prompt_lens.data_ptr(), total_lens.data_ptr(), rep.data_ptr(), pres.data_ptr(),
+                             freq.data_ptr(), out.data_ptr(), status.data_ptr(), rows, cols, kernel_threads())
+    if bool(status.any()):
+        return sampling_reference.apply_penalties(logits, token_ids, prompt_lens, total_lens, repetition_penalty,
+                                                  presence_penalty, frequency_penalty)
     return out
 
 

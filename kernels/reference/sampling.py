@@ -45,7 +45,8 @@ exactly (Gumbel-max), and is the log-domain form of vLLM's exponential race
 whole row is -inf. ``log`` may differ by an ulp between torch and a GPU kernel, so the two agree
 on the token unless two candidates' scores are within rounding of each other.
 
-Filtering: see :func:`apply_top_k_top_p_min_p` for the exact per-row rule.
+Filtering: see :func:`apply_top_k_top_p_min_p` for the exact per-row rule; penalties:
+:func:`apply_penalties` (vLLM's repetition, frequency and presence penalties).
 """
 
 from __future__ import annotations
@@ -145,6 +146,64 @@ def apply_top_k_top_p_min_p(
     keep_p = (top_p >= 1.0) | (before < top_p)
     s2 = s1.masked_fill(~keep_p, float("-inf"))
     return torch.empty_like(logits).scatter(-1, idx, s2)
+
+
+def row_mask(ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Map -1 padding and out-of-vocabulary ids to the spare column ``vocab_size``.
+
+    Returns (int64 ids safe for a [B, V+1] scatter, bool validity mask).
+    """
+    ids = ids.long()
+    valid = (ids >= 0) & (ids < vocab_size)
+    return torch.where(valid, ids, vocab_size), valid
+
+
+def token_counts(
+    token_ids: torch.Tensor, start: torch.Tensor, end: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """f32 [B, V]: how often each token occurs in ``token_ids[b, start[b]:end[b]]``.
+
+    Positions outside the range, and ids outside [0, V), are counted in a spare column that is
+    dropped, so the shape is fixed whatever the lengths are.
+    """
+    batch, length = token_ids.shape
+    pos = torch.arange(length, device=token_ids.device)
+    ids, valid = row_mask(token_ids, vocab_size)
+    in_range = (pos >= start.long().unsqueeze(-1)) & (pos < end.long().unsqueeze(-1)) & valid
+    ids = torch.where(in_range, ids, vocab_size)
+    counts = torch.zeros(batch, vocab_size + 1, dtype=torch.float32, device=token_ids.device)
+    counts = counts.scatter_add(1, ids, in_range.to(torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    prompt_lens: torch.Tensor,
+    total_lens: torch.Tensor,
+    repetition_penalty: torch.Tensor,
+    presence_penalty: torch.Tensor,
+    frequency_penalty: torch.Tensor,
+) -> torch.Tensor:
+    """vLLM's penalties, computed from ``token_ids`` [B, L] (prompt then output, padded).
+
+    Tokens seen anywhere in ``[0, total_len)`` get the repetition penalty: logit / r when the
+    logit is positive, logit * r otherwise. Then, with c = the token's count in the output
+    ``[prompt_len, total_len)``: ``logit -= frequency * c + presence * (c > 0)``.
+    """
+    vocab_size = logits.shape[-1]
+    zeros = torch.zeros_like(prompt_lens)
+    seen = token_counts(token_ids, zeros, total_lens, vocab_size) > 0
+    out_counts = token_counts(token_ids, prompt_lens, total_lens, vocab_size).to(logits.dtype)
+
+    r = repetition_penalty.to(logits.dtype).unsqueeze(-1)
+    penalised = torch.where(logits > 0, logits / r, logits * r)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - frequency_penalty.to(logits.dtype).unsqueeze(-1) * out_counts
+    logits = logits - presence_penalty.to(logits.dtype).unsqueeze(-1) * (out_counts > 0).to(
+        logits.dtype
+    )
+    return logits
 
 
 #: Chunk width of :func:`argmax_rows`' two-level search.
