@@ -310,6 +310,8 @@ def _sse(payload: str) -> str:
 
 
 _TEXT_MARK = "\x00blink-text\x00"
+#: marker numbers for a template's usage counts (``_TextChunk``): 13 digits no count reaches
+_NUMBER_MARK = 7_346_912_805_000
 
 
 class _TextChunk:
@@ -320,25 +322,40 @@ class _TextChunk:
     a marker for the text; afterwards a chunk is that rendering with the marker replaced by
     the new text serialized by pydantic-core (``to_json``, the encoder ``model_dump_json``
     uses, so the bytes are the same): the frontend's CPU per streamed token 0.46 -> 0.41 ms
-    (docs/performance.md#frontend-text-chunks).
+    (docs/performance.md#frontend-text-chunks). With ``continuous_usage_stats`` (guidellm
+    always asks for it) each chunk also carries the stream's usage, whose counts change from
+    chunk to chunk: they are rendered as marker numbers too and filled the same way (``str``
+    of an int, as pydantic writes one).
     """
 
-    def __init__(self, head: str, tail: str) -> None:
-        self._head, self._tail = head, tail
+    def __init__(self, pieces: tuple[str, ...], slots: tuple[int, ...]) -> None:
+        # pieces[0] value[slots[0]] pieces[1] value[slots[1]] ... pieces[-1]; value 0 the text
+        self._pieces, self._slots = pieces, slots
 
     @classmethod
-    def from_rendering(cls, render: Callable[[str], str]) -> _TextChunk | None:
-        """From ``render(text)``, the chunk's full rendering; None if the marker is not found
-        exactly once (then the caller renders every chunk)."""
-        mark = to_json(_TEXT_MARK).decode()
-        rendered = render(_TEXT_MARK)
-        if rendered.count(mark) != 1:
+    def from_rendering(cls, render: Callable[..., str], numbers: int = 0) -> _TextChunk | None:
+        """From ``render(text, *numbers)``, the chunk's full rendering; None if a marker is not
+        found exactly once (then the caller renders every chunk)."""
+        marks = [to_json(_TEXT_MARK).decode(), *(str(_NUMBER_MARK + i) for i in range(numbers))]
+        rendered = render(_TEXT_MARK, *(_NUMBER_MARK + i for i in range(numbers)))
+        if any(rendered.count(mark) != 1 for mark in marks):
             return None
-        head, _, tail = rendered.partition(mark)
-        return cls(head, tail)
+        pieces, slots, start = [], [], 0
+        for at, slot in sorted((rendered.index(mark), slot) for slot, mark in enumerate(marks)):
+            pieces.append(rendered[start:at])
+            slots.append(slot)
+            start = at + len(marks[slot])
+        pieces.append(rendered[start:])
+        return cls(tuple(pieces), tuple(slots))
 
-    def __call__(self, text: str) -> str:
-        return self._head + to_json(text).decode() + self._tail
+    def __call__(self, text: str, *numbers: int) -> str:
+        if not numbers:
+            return self._pieces[0] + to_json(text).decode() + self._pieces[1]
+        values = (to_json(text).decode(), *map(str, numbers))
+        out = [self._pieces[0]]
+        for slot, piece in zip(self._slots, self._pieces[1:]):
+            out += (values[slot], piece)
+        return "".join(out)
 
 
 def _clamp(logprob: float) -> float:
@@ -705,14 +722,22 @@ class OpenAIServing:
             raise engine_error_to_api(e) from None
         return fanout
 
-    def _usage(self, prompts: list[list[int]], runs: list[ChoiceRun], n: int) -> UsageInfo:
-        # A prompt counts once however many choices it has (as with OpenAI).
+    @staticmethod
+    def _usage_counts(prompts: list[list[int]], runs: list[ChoiceRun], n: int) -> tuple[int, int, int, int]:
+        """(prompt, completion, total, cached) tokens: a prompt counts once however many
+        choices it has (as with OpenAI)."""
         prompt_tokens = sum(len(p) for p in prompts)
         completion = sum(r.completion_tokens for r in runs)
         cached = sum(runs[p * n].num_cached_tokens for p in range(len(prompts)))
-        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion,
-                         total_tokens=prompt_tokens + completion,
+        return prompt_tokens, completion, prompt_tokens + completion, cached
+
+    @staticmethod
+    def _usage_of(prompt_tokens: int, completion: int, total: int, cached: int) -> UsageInfo:
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=total,
                          prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+    def _usage(self, prompts: list[list[int]], runs: list[ChoiceRun], n: int) -> UsageInfo:
+        return self._usage_of(*self._usage_counts(prompts, runs, n))
 
     # -- logprobs formatting ---------------------------------------------------------------
     def _token_text(self, token_id: int, as_ids: bool) -> str:
@@ -988,8 +1013,10 @@ class OpenAIServing:
         want_ids = req.return_token_ids
 
         def chunk(choice: ChatCompletionStreamChoice,
-                  prompt_token_ids: list[int] | None = None) -> str:
-            usage = self._usage(prompts, fanout.runs, req.n) if continuous else None
+                  prompt_token_ids: list[int] | None = None, counts: Sequence[int] = ()) -> str:
+            usage = None
+            if continuous:
+                usage = self._usage_of(*(counts or self._usage_counts(prompts, fanout.runs, req.n)))
             c = ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
                                     choices=[choice], usage=usage,
                                     prompt_token_ids=prompt_token_ids)
@@ -1013,19 +1040,22 @@ class OpenAIServing:
                                                            delta=DeltaMessage(content=echo)))
             tool_streams = {run.index: plan.new_stream() for run in fanout.runs}
             reasoners = {run.index: thinking() for run in fanout.runs} if thinking else {}
-            # chunks of text alone, while no parser, logprobs, ids or usage ride on them
+            # chunks of text alone (and the usage, with continuous usage stats), while no
+            # parser, logprobs or ids ride on them
             plain: dict[int, _TextChunk | None] = {}
-            if not (req.logprobs or want_ids or continuous or thinking is not None
+            if not (req.logprobs or want_ids or thinking is not None
                     or any(s is not None for s in tool_streams.values())):
                 plain = {run.index: _TextChunk.from_rendering(
-                    lambda text, i=run.index: chunk(ChatCompletionStreamChoice(
-                        index=i, delta=DeltaMessage(content=text))))
+                    lambda text, *counts, i=run.index: chunk(ChatCompletionStreamChoice(
+                        index=i, delta=DeltaMessage(content=text)), counts=counts),
+                    numbers=4 if continuous else 0)
                     for run in fanout.runs}
             async for d in fanout.events():
                 text_chunk = plain.get(d.index)
                 if text_chunk is not None and d.finish_reason is None:
                     if d.text:
-                        yield text_chunk(d.text)
+                        yield text_chunk(d.text, *(self._usage_counts(prompts, fanout.runs, req.n)
+                                                   if continuous else ()))
                     continue
                 lp = ChatChoiceLogprobs(
                     content=self._chat_logprobs(d, req.return_tokens_as_token_ids)) \
@@ -1198,11 +1228,14 @@ class OpenAIServing:
                                    choices=[], usage=self._usage(prompts, fanout.runs, req.n))
             return _sse(c.model_dump_json())
 
-        # chunks of text alone, while no logprobs, ids or usage ride on them
+        # chunks of text alone (and the usage, with continuous usage stats), while no logprobs
+        # or ids ride on them
         plain: dict[int, _TextChunk | None] = {}
-        if not (req.logprobs is not None or want_ids or continuous):
+        if not (req.logprobs is not None or want_ids):
             plain = {run.index: _TextChunk.from_rendering(
-                lambda text, i=run.index: chunk(CompletionChoice(index=i, text=text)))
+                lambda text, *counts, i=run.index: chunk(CompletionChoice(index=i, text=text),
+                                                         self._usage_of(*counts) if counts else None),
+                numbers=4 if continuous else 0)
                 for run in fanout.runs}
 
         async def chunks() -> AsyncIterator[str]:
@@ -1210,7 +1243,8 @@ class OpenAIServing:
                 text_chunk = plain.get(d.index)
                 if text_chunk is not None and echo_sent[d.index] and d.finish_reason is None:
                     if d.text:
-                        yield text_chunk(d.text)
+                        yield text_chunk(d.text, *(self._usage_counts(prompts, fanout.runs, req.n)
+                                                   if continuous else ()))
                     continue
                 lp = None
                 if req.logprobs is not None and d.token_ids:

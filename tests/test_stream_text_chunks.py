@@ -56,6 +56,30 @@ def test_text_chunk_is_the_models_rendering(text: str) -> None:
             assert chunk(text) == render(text)
 
 
+@pytest.mark.parametrize("counts", [(0, 0, 0, 0), (5, 1, 6, 0), (128, 4000, 4128, 96), (10**9, 7, 10**9 + 7, 3)])
+def test_text_chunk_with_usage_is_the_models_rendering(counts: tuple[int, int, int, int]) -> None:
+    """Continuous usage stats: the usage's four counts are filled into the template as the text is."""
+    from blink.dpu.protocol import PromptTokensDetails, UsageInfo
+
+    def usage(p: int, c: int, t: int, cached: int) -> UsageInfo:
+        return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=t,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+    def chat(t: str, *n: int) -> str:
+        return _sse(ChatCompletionChunk(id="chatcmpl-1", created=7, model="m", usage=usage(*n), choices=[
+            ChatCompletionStreamChoice(index=1, delta=DeltaMessage(content=t))]).model_dump_json())
+
+    def completion(t: str, *n: int) -> str:
+        return _sse(CompletionResponse(id="cmpl-1", created=7, model="m", usage=usage(*n), choices=[
+            CompletionChoice(index=0, text=t)]).model_dump_json())
+
+    for render in (chat, completion):
+        chunk = _TextChunk.from_rendering(render, numbers=4)
+        assert chunk is not None
+        for text in TEXTS[:4]:
+            assert chunk(text, *counts) == render(text, *counts)
+
+
 def test_a_marker_seen_twice_renders_every_chunk() -> None:
     """A rendering holding the marker elsewhere too (a model name could) gives no template."""
     mark = serving._TEXT_MARK
@@ -87,6 +111,7 @@ CASES = [
     ("/v1/completions", {}),
     ("/v1/completions", {"n": 2, "echo": True}),
     ("/v1/completions", {"stream_options": {"include_usage": True}}),
+    ("/v1/completions", {"n": 2, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
     ("/v1/completions", {"logprobs": 1}),
     ("/v1/completions", {"return_token_ids": True}),
 ]
@@ -115,18 +140,17 @@ def test_streams_are_the_same_with_and_without_templates(tok: Tokenizer, path: s
     used = []
     real = _TextChunk.__call__
 
-    def counting(self: _TextChunk, text: str) -> str:
+    def counting(self: _TextChunk, text: str, *counts: int) -> str:
         used.append(text)
-        return real(self, text)
+        return real(self, text, *counts)
 
     monkeypatch.setattr(_TextChunk, "__call__", counting)
     fast = stream()
-    monkeypatch.setattr(_TextChunk, "from_rendering", classmethod(lambda cls, render: None))
+    monkeypatch.setattr(_TextChunk, "from_rendering", classmethod(lambda cls, render, numbers=0: None))
     slow = stream()
     assert fast == slow
-    plain = not any(k in extra for k in ("logprobs", "return_token_ids")) \
-        and "continuous_usage_stats" not in str(extra)
-    assert bool(used) == plain  # the templates serve the plain streams, and only those
+    plain = not any(k in extra for k in ("logprobs", "return_token_ids"))
+    assert bool(used) == plain  # the templates serve the plain streams (usage too), and only those
     if plain:  # each choice's texts but the last (with the finish reason) and an echo's first
         texts = answer[1 if extra.get("echo") else 0:-1] * extra.get("n", 1)
         assert sorted("".join(used)) == sorted(texts)
