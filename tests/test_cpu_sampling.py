@@ -9,6 +9,9 @@ top_p), where the C code and the reference may differ by design; they do include
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -17,6 +20,9 @@ from blink.kernels import ops_for
 from blink.kernels.cpu import sampling as cpu_sampling
 from blink.kernels.reference import sampling as ref
 from blink.shared.sampling_params import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
+from sampling_cases import tied_filter_case  # noqa: E402
 
 if cpu_sampling.LIBRARY.get() is None:
     pytest.skip(f"sampling.c is not available here: {cpu_sampling.LIBRARY.failure}", allow_module_level=True)
@@ -91,27 +97,9 @@ def test_sample_draws_from_the_softmax():
     assert float((counts - expected).abs().max()) < 0.03, (counts, expected)
 
 
-def _tied_case(seed: int, n_rows: int, vocab: int):
-    """Half-integer logits (many exact ties at the cuts, as bf16 logits upcast), a row without
-    ties, a row of equal values (+0.0 and -0.0), suppressed entries; top-k, top-p, min-p on
-    and off across rows."""
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.randint(-12, 13, (n_rows, vocab), generator=g).float() / 2
-    logits[0] = torch.randn(vocab, generator=g) * 3
-    logits[1, : vocab // 3] = NEG_INF
-    logits[2] = -0.0
-    logits[2, ::5] = 0.0
-    top_k = torch.randint(-1, 12, (n_rows,), generator=g, dtype=torch.int32)
-    top_k[3] = vocab + 10  # larger than the vocabulary: off
-    top_p = torch.rand(n_rows, generator=g) * 0.98 + 0.02
-    top_p[4] = 1.0
-    min_p = torch.where(torch.rand(n_rows, generator=g) < 0.5, torch.rand(n_rows, generator=g) * 0.5, 0.0)
-    return logits, top_k, top_p, min_p
-
-
 @pytest.mark.parametrize("seed,n_rows,vocab", [(0, 12, 300), (1, 8, 1000), (2, 6, 37), (3, 8, 4099), (4, 6, 49152)])
 def test_filter_matches_reference_on_ties(seed, n_rows, vocab):
-    logits, top_k, top_p, min_p = _tied_case(seed, n_rows, vocab)
+    logits, top_k, top_p, min_p = tied_filter_case(seed, n_rows, vocab)
     out = cpu_sampling.apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
     _same_survivors(out, ref.apply_top_k_top_p_min_p(logits, top_k, top_p, min_p))
     assert (torch.isfinite(out).sum(1) < vocab).sum() >= n_rows // 2  # real cuts, not pass-through

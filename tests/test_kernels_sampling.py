@@ -8,6 +8,8 @@ cut-offs are common, which is where a selection-based filter could differ from a
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated
 
@@ -19,6 +21,9 @@ from blink.kernels.reference import sampling as ref
 
 triton_sampling = pytest.importorskip("blink.kernels.triton.sampling")
 from blink.kernels.triton.common import interpreting  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
+from sampling_cases import tied_filter_case  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
 if DEVICE == "cpu" and not interpreting():
@@ -34,25 +39,9 @@ def test_uniform_bits_match_reference():
     assert torch.equal(out, ref.uniform(seeds, counters, 1500))
 
 
-def _filter_case(seed: int, n_rows: int, vocab: int):
-    g = torch.Generator().manual_seed(seed)
-    # Half-integer logits in [-6, 6]: many exact ties, like bf16 logits upcast to fp32.
-    logits = torch.randint(-12, 13, (n_rows, vocab), generator=g).float() / 2
-    logits[0] = torch.randn(vocab, generator=g) * 3  # one row without ties
-    logits[1, : vocab // 3] = NEG_INF  # suppressed tokens
-    logits[2] = -0.0  # all equal (signed zero): every filter cuts inside one tie
-    logits[2, ::5] = 0.0
-    top_k = torch.randint(-1, 12, (n_rows,), generator=g, dtype=torch.int32)
-    top_k[3] = vocab + 10  # larger than the vocabulary: off
-    top_p = torch.rand(n_rows, generator=g) * 0.98 + 0.02
-    top_p[4] = 1.0
-    min_p = torch.where(torch.rand(n_rows, generator=g) < 0.5, torch.rand(n_rows, generator=g) * 0.5, 0.0)
-    return logits, top_k, top_p, min_p
-
-
 @pytest.mark.parametrize("seed,n_rows,vocab", [(0, 12, 300), (1, 8, 1000), (2, 6, 37)])
 def test_filter_matches_reference_exactly(seed, n_rows, vocab):
-    logits, top_k, top_p, min_p = _filter_case(seed, n_rows, vocab)
+    logits, top_k, top_p, min_p = tied_filter_case(seed, n_rows, vocab)
     out = triton_sampling.apply_top_k_top_p_min_p(
         logits.to(DEVICE), top_k.to(DEVICE), top_p.to(DEVICE), min_p.to(DEVICE)
     ).cpu()

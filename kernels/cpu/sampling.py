@@ -126,24 +126,20 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
 
 def uniform(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """:func:`blink.kernels.reference.sampling.uniform` from the C code's RNG (tests)."""
-    lib = _built()
-    seeds, counters = seeds.to(torch.int64).contiguous(), counters.to(torch.int64).contiguous()
-    out = torch.empty((seeds.shape[0], vocab_size), dtype=torch.float32)
-    lib.blink_uniform_rows(seeds.data_ptr(), counters.data_ptr(), out.data_ptr(), seeds.shape[0], vocab_size)
-    return out
+    return _per_entry("blink_uniform_rows", seeds, counters, vocab_size)
 
 
 def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """:func:`blink.kernels.reference.sampling.gumbel_noise` as the C draw computes it (tests)."""
-    lib = _built()
-    seeds, counters = seeds.to(torch.int64).contiguous(), counters.to(torch.int64).contiguous()
-    out = torch.empty((seeds.shape[0], vocab_size), dtype=torch.float32)
-    lib.blink_gumbel_rows(seeds.data_ptr(), counters.data_ptr(), out.data_ptr(), seeds.shape[0], vocab_size)
-    return out
+    return _per_entry("blink_gumbel_rows", seeds, counters, vocab_size)
 
 
-def _built():
+def _per_entry(function: str, seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """fp32 [B, vocab_size] of one of the library's per-entry functions of (seed, counter, v)."""
     lib = LIBRARY.get()
     if lib is None:
         raise RuntimeError(f"{_SOURCE.name} is not available here: {LIBRARY.failure}")
-    return lib
+    seeds, counters = seeds.to(torch.int64).contiguous(), counters.to(torch.int64).contiguous()
+    out = torch.empty((seeds.shape[0], vocab_size), dtype=torch.float32)
+    getattr(lib, function)(seeds.data_ptr(), counters.data_ptr(), out.data_ptr(), seeds.shape[0], vocab_size)
+    return out
