@@ -151,16 +151,40 @@ def test_filter_cut_inside_a_tie_keeps_lowest_indices():
     assert torch.isfinite(out[0]).tolist() == [True] * 3 + [False] * 5
 
 
-def test_filter_leaves_nan_rows_to_the_reference_and_masks_all_masked_rows():
-    logits = torch.randn(3, 64)
+def test_filter_passes_nan_and_inf_rows_through_and_masks_all_masked_rows():
+    """A row holding NaN or +inf is copied unfiltered (the reference masks all of it; the draw
+    then takes its first NaN or +inf, as torch.argmax would); a row of -inf stays -inf, as in the
+    reference; the other rows are filtered as the reference filters them."""
+    logits = torch.randn(4, 64)
     logits[0, 5] = float("nan")
     logits[1] = NEG_INF
     logits[2, 9] = float("inf")
-    args = (torch.tensor([4, 4, 4], dtype=torch.int32), torch.tensor([0.5] * 3), torch.tensor([0.1] * 3))
+    args = (torch.tensor([4] * 4, dtype=torch.int32), torch.tensor([0.5] * 4), torch.tensor([0.1] * 4))
     got, want = cpu_sampling.apply_top_k_top_p_min_p(logits, *args), ref.apply_top_k_top_p_min_p(logits, *args)
-    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
-    assert torch.equal(got[got.isfinite()], want[want.isfinite()])
-    assert not torch.isfinite(got[1]).any()
+    assert torch.equal(got[0].isnan(), logits[0].isnan()) and torch.equal(got[0, 6:], logits[0, 6:])
+    assert torch.equal(got[2], logits[2])
+    assert not torch.isfinite(got[1]).any() and not torch.isfinite(want[1]).any()
+    _same_survivors(got[3:], want[3:])
+    seeds = torch.tensor([1, 2, 3, 4])
+    assert cpu_sampling.sample(got, seeds, seeds)[:3].tolist() == [5, 0, 9]
+
+
+def test_no_wrapper_reads_a_tensor_on_the_host():
+    """The GPU tiers' capture audit runs the sampler's ops on CPU tensors: the C wrappers must
+    issue no op a graph cannot hold (a host read of a status, say)."""
+    from blink.engine.capture_audit import CaptureAudit
+
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 4099, generator=g)
+    ids = torch.randint(0, 4099, (3, 20), generator=g, dtype=torch.int32)
+    lens = torch.tensor([5, 20, 12])
+    rep, zeros, freq = torch.full((3,), 1.2), torch.zeros(3), torch.full((3,), 0.5)
+    top_k, top_p, keys = torch.tensor([5, 0, 40], dtype=torch.int32), torch.tensor([1.0, 0.9, 0.5]), torch.arange(3)
+    audit = CaptureAudit()
+    with audit:
+        cpu_sampling.apply_penalties(logits, ids, lens // 2, lens, rep, zeros, freq)
+        cpu_sampling.sample(cpu_sampling.apply_top_k_top_p_min_p(logits, top_k, top_p, zeros), keys, keys)
+    audit.check("the CPU sampler's C ops")
 
 
 def test_penalties_match_reference_bits():

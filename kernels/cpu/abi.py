@@ -100,14 +100,15 @@ SAMPLING: dict[str, Signature] = {
     "blink_sample_rows": Signature(
         None, _args("x", P) + _args("x_stride", I64) + _args("seeds counters out", P) + _args("rows cols", I64)
         + _args("threads", INT)),
+    "blink_sampling_reserve": Signature(INT, _args("n", I64) + _args("count", INT)),
     "blink_uniform_rows": Signature(None, _args("seeds counters out", P) + _args("rows cols", I64)),
     "blink_gumbel_rows": Signature(None, _args("seeds counters out", P) + _args("rows cols", I64)),
     "blink_penalties_rows": Signature(
         None, _args("x", P) + _args("x_stride", I64) + _args("ids", P) + _args("ids_stride length", I64)
-        + _args("prompt_lens total_lens rep pres freq out status", P) + _args("rows cols", I64)
+        + _args("prompt_lens total_lens rep pres freq out", P) + _args("rows cols", I64)
         + _args("threads", INT)),
     "blink_filter_rows": Signature(
-        None, _args("x", P) + _args("x_stride", I64) + _args("top_k top_p min_p out status", P)
+        None, _args("x", P) + _args("x_stride", I64) + _args("top_k top_p min_p out", P)
         + _args("rows cols", I64) + _args("threads", INT)),
 }
 

@@ -10,7 +10,8 @@
  * The draw: token = argmax(x[v] + g[v]) with Gumbel noise g = -log(-log(u)), u the counter-based
  * uniform. g lies in [-2.82, 16.64] (u in [2^-24, 1 - 2^-24]), so once one entry's score s is
  * known, an entry with x[v] < s - GUMBEL_SPAN cannot beat it: only the rows' top entries get a
- * hash and two logs. Same tokens as the reference except where two scores are within an ulp of
+ * hash and two logs (s: the top entry's score; a floor raised by every score found on the way
+ * saved nothing measurable: a 16-lane block is scored whole once one lane is near). Same tokens as the reference except where two scores are within an ulp of
  * the log (its log is Sleef's, this one Cephes' polynomial, both within ~1 ulp).
  *
  * The filter finds the reference's cut-offs without sorting the row: entries fall into buckets
@@ -28,6 +29,7 @@
  * the same operations in the same order, so a lane and the scalar tail give the same bits.
  */
 #include <math.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -170,8 +172,7 @@ static int64_t sample_row(const float *x, int64_t n, uint32_t key) {
         if (x[v] > x[top]) top = v;
     }
     if (isinf(x[top])) return top; /* all -inf: index 0; +inf: the first +inf scores +inf */
-    const float best_known = x[top] + gumbel_of(key, (uint32_t)top);
-    const float floor = best_known - GUMBEL_SPAN;
+    const float floor = x[top] + gumbel_of(key, (uint32_t)top) - GUMBEL_SPAN; /* entries below cannot win */
     float best = -INFINITY;
     int64_t best_at = top;
     int64_t v = 0;
@@ -249,26 +250,94 @@ void blink_gumbel_rows(const int64_t *seeds, const int64_t *counters, float *out
     }
 }
 
+/* ---------------------------------------------------------------------------------- scratch */
+
+typedef struct {
+    float x, e;
+    int32_t at;
+} entry_t;
+
+/* One part's per-entry facts for the filter and marks for the penalties. A slot per part that
+ * can run at once, grown by blink_sampling_reserve (called from Python when a call needs more:
+ * a larger vocabulary, more threads), so that the calls themselves never allocate: a fresh
+ * allocation a call would also fault its pages in again each time. */
+typedef struct {
+    int64_t capacity;
+    uint16_t *bucket;
+    float *weight;
+    int32_t *near; /* the filter's entries in buckets below FIRST, in index order */
+    entry_t *entries;
+    int32_t *marks; /* the penalties' marks, one per vocabulary entry, all 0 between calls */
+} scratch_t;
+
+static scratch_t slots[BLINK_MAX_THREADS];
+static int slot_busy[BLINK_MAX_THREADS];
+static int reserved_slots;
+
+static scratch_t *take_slot(int i) { /* waits while another part holds slot i */
+    while (__atomic_exchange_n(&slot_busy[i], 1, __ATOMIC_ACQUIRE)) sched_yield();
+    return &slots[i];
+}
+
+static void give_back(const scratch_t *s) { __atomic_store_n(&slot_busy[s - slots], 0, __ATOMIC_RELEASE); }
+
+/* A free slot (waiting for one if every reserved slot is taken: two engines' calls at once). */
+static scratch_t *claim(void) {
+    for (;;) {
+        const int n = __atomic_load_n(&reserved_slots, __ATOMIC_ACQUIRE);
+        for (int i = 0; i < n; i++)
+            if (!__atomic_exchange_n(&slot_busy[i], 1, __ATOMIC_ACQUIRE)) return &slots[i];
+        sched_yield();
+    }
+}
+
+static void release_memory(scratch_t *s) {
+    free(s->bucket);
+    free(s->weight);
+    free(s->near);
+    free(s->entries);
+    free(s->marks);
+    memset(s, 0, sizeof *s);
+}
+
+/* At least `count` slots (at most BLINK_MAX_THREADS) of at least `n` entries each. Returns 0, or
+ * -1 where memory ran out (the slots already there stay usable). */
+int blink_sampling_reserve(int64_t n, int count) {
+    if (count > BLINK_MAX_THREADS) count = BLINK_MAX_THREADS;
+    for (int i = 0; i < count; i++) {
+        scratch_t *s = take_slot(i);
+        int failed = 0;
+        if (s->capacity < n) {
+            release_memory(s);
+            s->bucket = (uint16_t *)malloc((size_t)n * sizeof *s->bucket);
+            s->weight = (float *)malloc((size_t)n * sizeof *s->weight);
+            s->near = (int32_t *)malloc((size_t)n * sizeof *s->near);
+            s->entries = (entry_t *)malloc((size_t)n * sizeof *s->entries);
+            s->marks = (int32_t *)calloc((size_t)n, sizeof *s->marks);
+            failed = s->bucket == NULL || s->weight == NULL || s->near == NULL || s->entries == NULL || s->marks == NULL;
+            if (failed)
+                release_memory(s);
+            else
+                s->capacity = n;
+        }
+        give_back(s);
+        if (failed) return -1;
+        if (i + 1 > __atomic_load_n(&reserved_slots, __ATOMIC_ACQUIRE))
+            __atomic_store_n(&reserved_slots, i + 1, __ATOMIC_RELEASE);
+    }
+    return 0;
+}
+
 /* ---------------------------------------------------------------------------------- penalties */
 
 enum { SEEN = 1 << 30, COUNT = SEEN - 1 }; /* a token's mark: in the row's history; its count in the output */
 
-static __thread int32_t *tls_marks; /* one per vocabulary entry, all 0 between calls */
-static __thread int64_t tls_marks_n;
-
 /* One row of the reference's apply_penalties: every entry gets (x - f*0) - p*0 (the reference's
  * arithmetic on tokens it does not touch: a -0.0 logit turns +0.0 under a negative penalty), and
  * the history's tokens the penalties themselves. Reads only the row's history, not its vocabulary's
- * worth of counts. Returns -1 without memory for the marks. */
-static int penalties_row(const float *x, float *out, int64_t n, const int32_t *ids, int64_t length, int64_t prompt,
-                         int64_t total, float rep, float pres, float freq) {
-    if (tls_marks_n < n) {
-        free(tls_marks);
-        tls_marks = (int32_t *)calloc((size_t)n, sizeof *tls_marks);
-        tls_marks_n = tls_marks == NULL ? 0 : n;
-        if (tls_marks == NULL) return -1;
-    }
-    int32_t *marks = tls_marks;
+ * worth of counts. `marks`: n zeros, zeros again on return. */
+static void penalties_row(const float *x, float *out, int64_t n, const int32_t *ids, int64_t length, int64_t prompt,
+                          int64_t total, float rep, float pres, float freq, int32_t *marks) {
     const float f0 = freq * 0.0f, p0 = pres * 0.0f;
     for (int64_t v = 0; v < n; v++) out[v] = (x[v] - f0) - p0;
     const int64_t end = total < length ? total : length;
@@ -289,7 +358,6 @@ static int penalties_row(const float *x, float *out, int64_t n, const int32_t *i
         out[id] = value;
         marks[id] = 0;
     }
-    return 0;
 }
 
 typedef struct {
@@ -300,27 +368,28 @@ typedef struct {
     const int64_t *prompt_lens, *total_lens;
     const float *rep, *pres, *freq;
     float *out;
-    int32_t *status;
 } penalties_args_t;
 
 static void *penalties_part(void *arg) {
     blink_part_t *p = (blink_part_t *)arg;
     const penalties_args_t *a = (const penalties_args_t *)p->args;
+    scratch_t *s = claim();
     for (int64_t r = p->lo; r < p->hi; r++)
-        a->status[r] = penalties_row(a->x + r * a->x_stride, a->out + r * a->cols, a->cols, a->ids + r * a->ids_stride,
-                                     a->length, a->prompt_lens[r], a->total_lens[r], a->rep[r], a->pres[r], a->freq[r]);
+        penalties_row(a->x + r * a->x_stride, a->out + r * a->cols, a->cols, a->ids + r * a->ids_stride, a->length,
+                      a->prompt_lens[r], a->total_lens[r], a->rep[r], a->pres[r], a->freq[r], s->marks);
+    give_back(s);
     return NULL;
 }
 
 /* out (rows x cols, contiguous) = the reference's apply_penalties of x (rows x_stride apart) with
  * the token history ids (rows ids_stride apart, `length` each: prompt then output, -1 padding),
- * prompt_lens, total_lens and the rows' repetition, presence and frequency penalties; status[r] =
- * 0, or -1 where row r is left to the reference (no memory for its marks). */
+ * prompt_lens, total_lens and the rows' repetition, presence and frequency penalties. Needs
+ * blink_sampling_reserve(cols, threads) first. */
 void blink_penalties_rows(const float *x, int64_t x_stride, const int32_t *ids, int64_t ids_stride, int64_t length,
                           const int64_t *prompt_lens, const int64_t *total_lens, const float *rep, const float *pres,
-                          const float *freq, float *out, int32_t *status, int64_t rows, int64_t cols, int threads) {
+                          const float *freq, float *out, int64_t rows, int64_t cols, int threads) {
     const penalties_args_t a = {x, x_stride, cols, ids, ids_stride, length, prompt_lens, total_lens, rep, pres, freq,
-                                out, status};
+                                out};
     blink_run_parts(penalties_part, &a, rows, blink_threads_for(rows, 1, threads));
 }
 
@@ -344,50 +413,10 @@ static inline int bucket_of(float top, float x) {
 /* exp(x - top) as min-p and top-p see it: kernels.h's exp; 0 for -inf (the reference's exp) */
 static inline float weight_of(float top, float x) { return x == -INFINITY ? 0.0f : exp_nonpositive(x - top); }
 
-typedef struct {
-    float x, e;
-    int32_t at;
-} entry_t;
-
 static int by_value_then_index(const void *pa, const void *pb) { /* descending value, ascending index */
     const entry_t *a = (const entry_t *)pa, *b = (const entry_t *)pb;
     if (a->x != b->x) return a->x > b->x ? -1 : 1;
     return (a->at > b->at) - (a->at < b->at);
-}
-
-/* A row's per-entry facts, kept between the filter's passes (one per thread, grown to the
- * vocabulary once: a fresh allocation a call would fault its pages in again each time). */
-typedef struct {
-    int64_t capacity;
-    uint16_t *bucket;
-    float *weight;
-    int32_t *near; /* the entries in buckets below FIRST, in index order */
-    entry_t *entries;
-} scratch_t;
-
-static __thread scratch_t tls_scratch;
-
-static scratch_t *scratch_for(int64_t n) {
-    scratch_t *s = &tls_scratch;
-    if (s->capacity >= n) return s;
-    free(s->bucket);
-    free(s->weight);
-    free(s->near);
-    free(s->entries);
-    s->bucket = (uint16_t *)malloc((size_t)n * sizeof *s->bucket);
-    s->weight = (float *)malloc((size_t)n * sizeof *s->weight);
-    s->near = (int32_t *)malloc((size_t)n * sizeof *s->near);
-    s->entries = (entry_t *)malloc((size_t)n * sizeof *s->entries);
-    if (s->bucket == NULL || s->weight == NULL || s->near == NULL || s->entries == NULL) {
-        free(s->bucket);
-        free(s->weight);
-        free(s->near);
-        free(s->entries);
-        memset(s, 0, sizeof *s);
-        return NULL;
-    }
-    s->capacity = n;
-    return s;
 }
 
 /* The entries of bucket b that pass x >= floor and weight >= min_p, sorted (value descending,
@@ -404,9 +433,10 @@ static int64_t collect(const float *x, int64_t n, const scratch_t *s, int64_t n_
     return m;
 }
 
-/* One row of the reference's apply_top_k_top_p_min_p. Returns 0, or -1 for a row this code
- * leaves to the reference (a NaN or +inf logit, or no memory for the scratch). */
-static int filter_row(const float *x, float *out, int64_t n, int64_t top_k, float top_p, float min_p) {
+/* One row of the reference's apply_top_k_top_p_min_p, with a slot of n entries. A row holding a
+ * NaN or +inf is copied unfiltered (the reference's sort and softmax give it no meaning either:
+ * it masks every entry; the draw then takes the first NaN or +inf, as torch.argmax would). */
+static void filter_row(const float *x, float *out, int64_t n, int64_t top_k, float top_p, float min_p, scratch_t *s) {
     float top = -INFINITY;
     int any_nan = 0;
     int64_t v = 0;
@@ -425,13 +455,14 @@ static int filter_row(const float *x, float *out, int64_t n, int64_t top_k, floa
         any_nan |= isnan(x[v]);
         if (x[v] > top) top = x[v];
     }
-    if (any_nan || top == INFINITY) return -1;
+    if (any_nan || top == INFINITY) {
+        memcpy(out, x, (size_t)n * sizeof *out);
+        return;
+    }
     if (top == -INFINITY) { /* the reference: exp(-inf - -inf) is NaN, which no min_p keeps */
         for (v = 0; v < n; v++) out[v] = -INFINITY;
-        return 0;
+        return;
     }
-    scratch_t *s = scratch_for(n);
-    if (s == NULL) return -1;
 
     /* Each entry's bucket and weight; the near list; the mass min-p keeps. */
     int64_t n_near = 0;
@@ -562,7 +593,6 @@ static int filter_row(const float *x, float *out, int64_t n, int64_t top_k, floa
         }
         out[v] = keep ? x[v] : -INFINITY;
     }
-    return 0;
 }
 
 typedef struct {
@@ -571,23 +601,23 @@ typedef struct {
     const int32_t *top_k;
     const float *top_p, *min_p;
     float *out;
-    int32_t *status;
 } filter_args_t;
 
 static void *filter_part(void *arg) {
     blink_part_t *p = (blink_part_t *)arg;
     const filter_args_t *a = (const filter_args_t *)p->args;
+    scratch_t *s = claim();
     for (int64_t r = p->lo; r < p->hi; r++)
-        a->status[r] = filter_row(a->x + r * a->x_stride, a->out + r * a->cols, a->cols, a->top_k[r], a->top_p[r],
-                                  a->min_p[r]);
+        filter_row(a->x + r * a->x_stride, a->out + r * a->cols, a->cols, a->top_k[r], a->top_p[r], a->min_p[r], s);
+    give_back(s);
     return NULL;
 }
 
 /* out (rows x cols, contiguous) = the reference's apply_top_k_top_p_min_p of x (rows x_stride
- * apart, cols < 2^31); status[r] = 0, or -1 where row r is left to the reference (a NaN or +inf
- * logit, or no memory for the scratch). */
+ * apart, cols < 2^31; a row holding NaN or +inf copied unfiltered). Needs
+ * blink_sampling_reserve(cols, threads) first. */
 void blink_filter_rows(const float *x, int64_t x_stride, const int32_t *top_k, const float *top_p, const float *min_p,
-                       float *out, int32_t *status, int64_t rows, int64_t cols, int threads) {
-    const filter_args_t a = {x, x_stride, cols, top_k, top_p, min_p, out, status};
+                       float *out, int64_t rows, int64_t cols, int threads) {
+    const filter_args_t a = {x, x_stride, cols, top_k, top_p, min_p, out};
     blink_run_parts(filter_part, &a, rows, blink_threads_for(rows, 1, threads));
 }

@@ -14,13 +14,16 @@ a row's history (the reference counts them over the vocabulary): the same bits.
 Same tokens and survivors as the reference except within rounding: two Gumbel scores within an
 ulp of the log, a mass within rounding of ``top_p``, ``exp(x - max)`` within rounding of
 ``min_p`` (``tests/test_cpu_sampling.py`` holds them to the reference on cases without such
-near-ties, as ``tests/test_kernels_sampling.py`` holds the Triton twins). Anything else (other
-dtypes, a NaN or +inf logit in a filtered row, a missing compiler, said once in the log,
-``$BLINK_CPU_SAMPLER=torch``) runs the reference, so callers never need to know.
+near-ties, as ``tests/test_kernels_sampling.py`` holds the Triton twins). A filtered row holding
+a NaN or +inf logit is passed through unfiltered (the reference masks all of it). Anything else
+(other dtypes, a missing compiler, said once in the log, ``$BLINK_CPU_SAMPLER=torch``) runs the
+reference, so callers never need to know. No wrapper reads a tensor's value on the host: the
+GPU tiers' capture audit runs them on CPU tensors.
 """
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 import torch
@@ -51,6 +54,26 @@ LIBRARY = NativeLibrary(
     flags=("-O3", "-march=native", *_FLAGS), fallback_flags=("-O3", *_FLAGS),
     headers=(_SOURCE.with_name("kernels.h"),), env=IMPL_ENV, setup=_declare,
     queries=("blink_has_avx512",))
+
+
+#: (entries, slots) that sampling.c's scratch holds, process-wide: grown, never shrunk
+_reserved = [0, 0]
+_reserve_lock = threading.Lock()
+
+
+def _reserve(lib, cols: int) -> int:
+    """The kernel threads a call may use, once the library's scratch holds a vocabulary of
+    ``cols`` for each of them (grown here, on the host, so that the calls never allocate; no
+    tensor is read, so this is safe inside a graph's capture audit)."""
+    threads = kernel_threads()
+    if cols > _reserved[0] or threads > _reserved[1]:
+        with _reserve_lock:
+            cols, count = max(cols, _reserved[0]), max(threads, _reserved[1])
+            if lib.blink_sampling_reserve(cols, count) != 0:
+                raise MemoryError(f"the CPU sampler's scratch for a vocabulary of {cols} on {count} threads "
+                                  f"(~{26 * cols * count >> 20} MB) could not be allocated")
+            _reserved[:] = [cols, count]
+    return threads
 
 
 def _usable(logits: torch.Tensor) -> bool:
@@ -94,13 +117,10 @@ def apply_penalties(logits: torch.Tensor, token_ids: torch.Tensor, prompt_lens: 
     rep, pres, freq = (t.to(torch.float32).contiguous()
                        for t in (repetition_penalty, presence_penalty, frequency_penalty))
     out = torch.empty((rows, cols), dtype=torch.float32)
-    status = torch.empty(rows, dtype=torch.int32)
+    threads = _reserve(lib, cols)
     lib.blink_penalties_rows(logits.data_ptr(), logits.stride(0), ids.data_ptr(), ids.stride(0), ids.shape[1],
                              prompt_lens.data_ptr(), total_lens.data_ptr(), rep.data_ptr(), pres.data_ptr(),
-                             freq.data_ptr(), out.data_ptr(), status.data_ptr(), rows, cols, kernel_threads())
-    if bool(status.any()):
-        return sampling_reference.apply_penalties(logits, token_ids, prompt_lens, total_lens, repetition_penalty,
-                                                  presence_penalty, frequency_penalty)
+                             freq.data_ptr(), out.data_ptr(), rows, cols, threads)
     return out
 
 
@@ -116,11 +136,9 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
     top_p = top_p.to(torch.float32).contiguous()
     min_p = min_p.to(torch.float32).contiguous()
     out = torch.empty((rows, cols), dtype=torch.float32)
-    status = torch.empty(rows, dtype=torch.int32)
+    threads = _reserve(lib, cols)
     lib.blink_filter_rows(logits.data_ptr(), logits.stride(0), top_k.data_ptr(), top_p.data_ptr(),
-                          min_p.data_ptr(), out.data_ptr(), status.data_ptr(), rows, cols, kernel_threads())
-    if bool(status.any()):  # a row with NaN or +inf logits: the reference's exact behaviour
-        return sampling_reference.apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
+                          min_p.data_ptr(), out.data_ptr(), rows, cols, threads)
     return out
 
 
