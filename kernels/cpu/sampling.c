@@ -1,6 +1,7 @@
-/* The sampler's seeded draw and its top-k / top-p / min-p filter for fp32 CPU logits: the C
- * twins of kernels/reference/sampling.py's `sample` and `apply_top_k_top_p_min_p` (the rule and
- * the RNG bits are specified there; kernels/triton/sampling.py is the GPU twin).
+/* The sampler's penalties, seeded draw and top-k / top-p / min-p filter for fp32 CPU logits: the
+ * C twins of kernels/reference/sampling.py's `apply_penalties`, `sample` and
+ * `apply_top_k_top_p_min_p` (the rules and the RNG bits are specified there;
+ * kernels/triton/sampling.py is the GPU twin of the draw and the filter).
  *
  * Why: the references are torch code over the whole vocabulary. At one row of SmolLM2's 49152
  * entries the draw (a hash in ~20 int64 ops, two logs) took ~0.8 ms and the filter (a full stable
@@ -11,8 +12,9 @@
  * uniform. g lies in [-2.82, 16.64] (u in [2^-24, 1 - 2^-24]), so once one entry's score s is
  * known, an entry with x[v] < s - GUMBEL_SPAN cannot beat it: only the rows' top entries get a
  * hash and two logs (s: the top entry's score; a floor raised by every score found on the way
- * saved nothing measurable: a 16-lane block is scored whole once one lane is near). Same tokens as the reference except where two scores are within an ulp of
- * the log (its log is Sleef's, this one Cephes' polynomial, both within ~1 ulp).
+ * saved nothing measurable: a 16-lane block is scored whole once one lane is near). Same tokens
+ * as the reference except where two scores are within an ulp of the log (its log is Sleef's,
+ * this one Cephes' polynomial, both within ~1 ulp).
  *
  * The filter finds the reference's cut-offs without sorting the row: entries fall into buckets
  * of 1/64 nat below the row's maximum (2048 of them: 32 nats; then one bucket for everything
@@ -297,28 +299,27 @@ static void release_memory(scratch_t *s) {
     free(s->near);
     free(s->entries);
     free(s->marks);
-    memset(s, 0, sizeof *s);
 }
 
 /* At least `count` slots (at most BLINK_MAX_THREADS) of at least `n` entries each. Returns 0, or
- * -1 where memory ran out (the slots already there stay usable). */
+ * -1 where memory ran out (every slot keeps what it had, so the slots already reserved stay
+ * usable at their size). */
 int blink_sampling_reserve(int64_t n, int count) {
     if (count > BLINK_MAX_THREADS) count = BLINK_MAX_THREADS;
     for (int i = 0; i < count; i++) {
         scratch_t *s = take_slot(i);
         int failed = 0;
         if (s->capacity < n) {
-            release_memory(s);
-            s->bucket = (uint16_t *)malloc((size_t)n * sizeof *s->bucket);
-            s->weight = (float *)malloc((size_t)n * sizeof *s->weight);
-            s->near = (int32_t *)malloc((size_t)n * sizeof *s->near);
-            s->entries = (entry_t *)malloc((size_t)n * sizeof *s->entries);
-            s->marks = (int32_t *)calloc((size_t)n, sizeof *s->marks);
-            failed = s->bucket == NULL || s->weight == NULL || s->near == NULL || s->entries == NULL || s->marks == NULL;
-            if (failed)
-                release_memory(s);
-            else
-                s->capacity = n;
+            scratch_t grown = {n,
+                               (uint16_t *)malloc((size_t)n * sizeof(uint16_t)),
+                               (float *)malloc((size_t)n * sizeof(float)),
+                               (int32_t *)malloc((size_t)n * sizeof(int32_t)),
+                               (entry_t *)malloc((size_t)n * sizeof(entry_t)),
+                               (int32_t *)calloc((size_t)n, sizeof(int32_t))};
+            failed = grown.bucket == NULL || grown.weight == NULL || grown.near == NULL || grown.entries == NULL
+                     || grown.marks == NULL;
+            release_memory(failed ? &grown : s);
+            if (!failed) *s = grown;
         }
         give_back(s);
         if (failed) return -1;
