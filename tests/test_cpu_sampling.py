@@ -239,3 +239,14 @@ def test_the_cpu_sampler_uses_the_c_ops_and_keeps_the_references_tokens():
         assert torch.equal(got.tokens, want.tokens)
         drawn += int((got.tokens[1:] != logits[1:].argmax(-1)).sum())
     assert drawn >= 4  # the rows really sample
+
+
+def test_a_scratch_that_cannot_grow_is_a_clear_error_and_leaves_the_old_one():
+    """Growing the scratch past what memory holds raises MemoryError naming it; the scratch
+    already reserved keeps serving calls."""
+    logits, top_k, top_p, min_p = tied_filter_case(5, 6, 300)
+    cpu_sampling.apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)  # reserves what these need
+    with pytest.raises(MemoryError, match="CPU sampler's scratch"):
+        cpu_sampling._reserve(cpu_sampling.LIBRARY.get(), 2**45)  # past any address space
+    _same_survivors(cpu_sampling.apply_top_k_top_p_min_p(logits, top_k, top_p, min_p),
+                    ref.apply_top_k_top_p_min_p(logits, top_k, top_p, min_p))
