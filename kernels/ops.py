@@ -6,8 +6,8 @@ sampler's filter and seeded draw). On CPU the eager forward's norms, rotary embe
 KV-cache write and gated activation are one C call each for bf16
 (:mod:`blink.kernels.cpu.fused`, the reference for anything else), so is the sampler's
 log-normaliser (``logsumexp_rows``, fp32; ``argmax_logsumexp_rows`` with a greedy step's
-tokens from the same pass), so are its penalties, filter and seeded draw
-(:mod:`blink.kernels.cpu.sampling`),
+tokens from the same pass), so are its penalties, filter and seeded draw and the prompt
+logprobs' per-position numbers (:mod:`blink.kernels.cpu.sampling`),
 and the paged attention is
 :mod:`blink.kernels.cpu.attention`; on CUDA the Triton kernels replace the entries they
 implement. Model and sampler code never branch on which kernel of this table they got.
@@ -54,6 +54,7 @@ _SAMPLING_OP_NAMES = (
     "sample",
     "logsumexp_rows",
     "argmax_logsumexp_rows",
+    "prompt_logprobs",
 )
 # Structured outputs: the sampling gate and the token mask (the sampler calls them through
 # ``ops_for``; blink.engine.token_mask).
@@ -86,6 +87,7 @@ def ops_for(device: torch.device | str, *, triton: bool | None = None) -> Simple
             table["apply_penalties"] = cpu_sampling.apply_penalties
             table["apply_top_k_top_p_min_p"] = cpu_sampling.apply_top_k_top_p_min_p
             table["sample"] = cpu_sampling.sample
+            table["prompt_logprobs"] = cpu_sampling.prompt_logprobs
             table["paged_attention"] = cpu_attention.paged_attention
             table["logsumexp_rows"] = cpu_fused.logsumexp_rows
             table["argmax_logsumexp_rows"] = cpu_fused.argmax_logsumexp_rows
@@ -110,6 +112,7 @@ def compiled_cpu_ops() -> SimpleNamespace:
         table["apply_penalties"] = sampling_reference.apply_penalties
         table["apply_top_k_top_p_min_p"] = sampling_reference.apply_top_k_top_p_min_p
         table["sample"] = sampling_reference.sample
+        table["prompt_logprobs"] = sampling_reference.prompt_logprobs
         table["apply_token_mask"] = mask_reference.apply_token_mask
         table["write_kv_cache"] = cpu_step_ops.write_kv_cache
         table["paged_attention"] = cpu_step_ops.paged_attention

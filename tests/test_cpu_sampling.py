@@ -250,3 +250,22 @@ def test_a_scratch_that_cannot_grow_is_a_clear_error_and_leaves_the_old_one():
         cpu_sampling._reserve(cpu_sampling.LIBRARY.get(), 2**45)  # past any address space
     _same_survivors(cpu_sampling.apply_top_k_top_p_min_p(logits, top_k, top_p, min_p),
                     ref.apply_top_k_top_p_min_p(logits, top_k, top_p, min_p))
+
+
+@pytest.mark.parametrize("vocab,rows,top_n", [(49152, 40, 5), (4099, 17, 20), (37, 5, 37), (100, 3, 0)])
+def test_prompt_logprobs_match_reference(vocab, rows, top_n):
+    """The target's logprob within fp32 rounding of torch's log-softmax; its rank exact on
+    logits in 1/64 steps (ties: each side ranks equal logits equally; a continuous logit within
+    an ulp of the target's could rank either way); the top N's ids and values on continuous
+    logits (no ties among the top)."""
+    g = torch.Generator().manual_seed(vocab + top_n)
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    stepped = (torch.randn(rows, vocab, generator=g) * 3 * 64).round() / 64
+    got, want = cpu_sampling.prompt_logprobs(stepped, targets, top_n), ref.prompt_logprobs(stepped, targets, top_n)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    assert got[1].dtype == torch.int64 and torch.equal(got[1], want[1])
+    smooth = torch.randn(rows, vocab, generator=g) * 3
+    got, want = cpu_sampling.prompt_logprobs(smooth, targets, top_n), ref.prompt_logprobs(smooth, targets, top_n)
+    assert got[2].shape == want[2].shape == (rows, top_n) and torch.equal(got[3], want[3])
+    torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-5)
+    assert (got[1] - want[1]).abs().max() <= 1

@@ -7,7 +7,8 @@ positions that sample. For a row whose request asks for prompt logprobs (``promp
 positions of the step's chunk whose next token is a prompt token; the executor hands the
 step's hidden states to :func:`write_prompt_logprobs` (its ``hidden_hook``), which applies
 the head to them in sub-blocks of :data:`BLOCK_POSITIONS` rows (never a [chunk, vocab] fp32
-tensor at once), takes the fp32 log-softmax, and writes into the row's ring lane
+tensor at once), takes the fp32 log-softmax's numbers (``ops_for(device).prompt_logprobs``:
+on CPU one C call a block), and writes into the row's ring lane
 (``prompt_logprob_lane``; :mod:`blink.ring`, "Prompt logprobs") at position q + 1: the
 logprob of prompt token q + 1, its rank (1 + the ids with a larger logprob, ties counted
 against it, as vLLM) and the top N (id, logprob). All before ``scheduler.update`` publishes
@@ -25,6 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+
+from blink.kernels import ops_for
 
 #: positions whose logits one sub-block holds ([BLOCK_POSITIONS, vocab] fp32: 25 MB at a
 #: 49k vocabulary)
@@ -81,14 +84,14 @@ def write_prompt_logprobs(jobs: list[PromptLogprobJob], ring: dict[str, torch.Te
         for off in range(0, job.count, BLOCK_POSITIONS):
             k = min(BLOCK_POSITIONS, job.count - off)
             h = hidden[job.flat + off : job.flat + off + k]
-            logprobs = torch.log_softmax(compute_logits(h).float(), dim=-1)
-            target = job.targets[off : off + k].to(logprobs.device)
-            chosen = logprobs.gather(1, target.unsqueeze(1))
-            rank = (logprobs >= chosen).sum(1)  # vLLM: ids at least as likely, itself included
+            logits = compute_logits(h).float()
+            target = job.targets[off : off + k].to(logits.device)
+            # vLLM's numbers: the target's logprob, its rank (ids at least as likely, itself
+            # included), the top N (ops_for: one C call per block on CPU)
+            chosen, rank, values, ids = ops_for(logits.device).prompt_logprobs(logits, target, job.top_n)
             at = slice(job.first + off, job.first + off + k)
-            ring["plp_logprob"][job.lane, at] = chosen.squeeze(1).to(ring["plp_logprob"].device)
+            ring["plp_logprob"][job.lane, at] = chosen.to(ring["plp_logprob"].device)
             ring["plp_rank"][job.lane, at] = rank.to(torch.int32).to(ring["plp_rank"].device)
             if job.top_n > 0:
-                values, ids = logprobs.topk(job.top_n, dim=1)
                 ring["plp_top_ids"][job.lane, at, : job.top_n] = ids.to(torch.int32).cpu()
                 ring["plp_top_logprobs"][job.lane, at, : job.top_n] = values.cpu()

@@ -93,14 +93,17 @@ FUSED: dict[str, Signature] = {
         + _args("slot mode out", P) + _args("rows cols", I64) + _args("threads", INT)),
 }
 
-#: sampling.c: the sampler's penalties, seeded draw and top-k / top-p / min-p filter
-#: (blink.kernels.cpu.sampling)
+#: sampling.c: the sampler's penalties, seeded draw and top-k / top-p / min-p filter, and the
+#: prompt logprobs' per-position numbers (blink.kernels.cpu.sampling)
 SAMPLING: dict[str, Signature] = {
     **KERNELS_H,
     "blink_sample_rows": Signature(
         None, _args("x", P) + _args("x_stride", I64) + _args("seeds counters out", P) + _args("rows cols", I64)
         + _args("threads", INT)),
     "blink_sampling_reserve": Signature(INT, _args("n", I64) + _args("count", INT)),
+    "blink_prompt_logprobs_rows": Signature(
+        None, _args("x", P) + _args("x_stride", I64) + _args("targets", P) + _args("top_n", I64)
+        + _args("chosen rank top_lp top_ids", P) + _args("rows cols", I64) + _args("threads", INT)),
     "blink_uniform_rows": Signature(None, _args("seeds counters out", P) + _args("rows cols", I64)),
     "blink_gumbel_rows": Signature(None, _args("seeds counters out", P) + _args("rows cols", I64)),
     "blink_penalties_rows": Signature(

@@ -142,6 +142,28 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
     return out
 
 
+def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor,
+                    top_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`blink.kernels.reference.sampling.prompt_logprobs`: one pass for the log-normaliser
+    and one for the target's rank and the top ``top_n`` a position, where the reference
+    materialises the [k, V] log-softmax and reads it three more times. The logprobs within a
+    few fp32 ulps of torch's (the sum's order and exp differ), the rank and top ids counted on
+    them."""
+    lib = LIBRARY.get()
+    rows = logits.shape[0]
+    if lib is None or not _usable(logits) or targets.shape != (rows,) or top_n < 0 or top_n > logits.shape[1]:
+        return sampling_reference.prompt_logprobs(logits, targets, top_n)
+    targets = targets.to(torch.int64).contiguous()
+    chosen = torch.empty(rows, dtype=torch.float32)
+    rank = torch.empty(rows, dtype=torch.int64)
+    top_lp = torch.empty((rows, top_n), dtype=torch.float32)
+    top_ids = torch.empty((rows, top_n), dtype=torch.int64)
+    lib.blink_prompt_logprobs_rows(logits.data_ptr(), logits.stride(0), targets.data_ptr(), top_n, chosen.data_ptr(),
+                                   rank.data_ptr(), top_lp.data_ptr(), top_ids.data_ptr(), rows, logits.shape[1],
+                                   kernel_threads())
+    return chosen, rank, top_lp, top_ids
+
+
 def uniform(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """:func:`blink.kernels.reference.sampling.uniform` from the C code's RNG (tests)."""
     return _per_entry("blink_uniform_rows", seeds, counters, vocab_size)

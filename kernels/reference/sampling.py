@@ -206,6 +206,20 @@ def apply_penalties(
     return logits
 
 
+def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor,
+                    top_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompt logprobs at k positions (vLLM's ``prompt_logprobs``): from fp32 logits [k, V] and
+    each position's next prompt token ``targets`` (int64 [k]), the fp32 log-softmax's value at
+    the target (``chosen`` [k]), its rank (int64 [k]: how many logprobs are at least as large,
+    itself included, as vLLM counts), and the ``top_n`` largest logprobs (fp32 [k, top_n]) with
+    their ids (int64 [k, top_n]), largest first."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(1, targets.unsqueeze(1))
+    rank = (logprobs >= chosen).sum(1)
+    values, ids = logprobs.topk(top_n, dim=1)
+    return chosen.squeeze(1), rank, values, ids
+
+
 #: Chunk width of :func:`argmax_rows`' two-level search.
 ARGMAX_CHUNK = 64
 
