@@ -254,6 +254,20 @@ void blink_gumbel_rows(const int64_t *seeds, const int64_t *counters, float *out
 
 /* ---------------------------------------------------------------------------------- prompt logprobs */
 
+/* Keeps `value` (entry `index`) among the top_n largest so far, top_lp descending (an equal value
+ * after the ones there: entries come in index order, so ties keep the lower index first). */
+static inline void keep_top(float value, int64_t index, int64_t top_n, int64_t *filled, float *top_lp,
+                            int64_t *top_ids) {
+    if (top_n == 0 || (*filled == top_n && !(value > top_lp[top_n - 1]))) return;
+    int64_t j = *filled < top_n ? (*filled)++ : top_n - 1;
+    for (; j > 0 && value > top_lp[j - 1]; j--) {
+        top_lp[j] = top_lp[j - 1];
+        top_ids[j] = top_ids[j - 1];
+    }
+    top_lp[j] = value;
+    top_ids[j] = index;
+}
+
 /* One prompt position of the reference's prompt_logprobs: lp = (x - max) - log(sum e^(x - max))
  * as torch's log_softmax takes it (kernels.h's exp: the sum's last bits may differ), the target's
  * lp, its rank (how many lp are >= it, itself included) and the top_n largest lp with their ids
@@ -297,18 +311,9 @@ static void prompt_logprob_row(const float *x, int64_t n, int64_t target, int64_
             __mmask16 above = top_n == 0       ? (__mmask16)0
                               : filled < top_n ? (__mmask16)0xFFFF
                                                : _mm512_cmp_ps_mask(lps, _mm512_set1_ps(top_lp[top_n - 1]), _CMP_GT_OQ);
-            while (above) {
+            for (; above; above &= above - 1) {
                 const int lane = __builtin_ctz(above);
-                above &= above - 1;
-                const float value = (x[v + lane] - top) - log_sum;
-                if (filled == top_n && !(value > top_lp[top_n - 1])) continue;
-                int64_t j = filled < top_n ? filled++ : top_n - 1;
-                for (; j > 0 && value > top_lp[j - 1]; j--) {
-                    top_lp[j] = top_lp[j - 1];
-                    top_ids[j] = top_ids[j - 1];
-                }
-                top_lp[j] = value;
-                top_ids[j] = v + lane;
+                keep_top((x[v + lane] - top) - log_sum, v + lane, top_n, &filled, top_lp, top_ids);
             }
         }
     }
@@ -316,14 +321,7 @@ static void prompt_logprob_row(const float *x, int64_t n, int64_t target, int64_
     for (; v < n; v++) {
         const float value = (x[v] - top) - log_sum;
         at_least += value >= lp;
-        if (top_n == 0 || (filled == top_n && !(value > top_lp[top_n - 1]))) continue;
-        int64_t j = filled < top_n ? filled++ : top_n - 1;
-        for (; j > 0 && value > top_lp[j - 1]; j--) {
-            top_lp[j] = top_lp[j - 1];
-            top_ids[j] = top_ids[j - 1];
-        }
-        top_lp[j] = value;
-        top_ids[j] = v;
+        keep_top(value, v, top_n, &filled, top_lp, top_ids);
     }
     *rank = at_least;
 }
