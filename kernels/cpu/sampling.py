@@ -1,15 +1,17 @@
-"""The sampler's penalties, seeded draw and top-k / top-p / min-p filter for fp32 CPU logits
-(``sampling.c``), under the reference names and signatures
-(:func:`blink.kernels.reference.sampling.apply_penalties`,
+"""The sampler's penalties, seeded draw and top-k / top-p / min-p filter, and the prompt
+logprobs' per-position numbers, for fp32 CPU logits (``sampling.c``), under the reference names
+and signatures (:func:`blink.kernels.reference.sampling.apply_penalties`,
 :func:`blink.kernels.reference.sampling.sample`,
-:func:`blink.kernels.reference.sampling.apply_top_k_top_p_min_p`).
+:func:`blink.kernels.reference.sampling.apply_top_k_top_p_min_p`,
+:func:`blink.kernels.reference.sampling.prompt_logprobs`).
 
 Why: the references are torch code over the whole vocabulary: at one row of SmolLM2's 49152
 entries the draw took ~0.8 ms and the filter ~3.9 ms (a full sort), more than the forward they
 follow (docs/performance.md#cpu-sampler). ``sampling.c`` draws with the reference's RNG bits
 and scores only the entries that can win, and finds the filter's cut-offs from per-bucket counts
 and masses, sorting only the bucket that holds each cut. The penalties touch only the tokens of
-a row's history (the reference counts them over the vocabulary): the same bits.
+a row's history (the reference counts them over the vocabulary): the same bits. The prompt
+logprobs never materialise a block's log-softmax (two passes a position, not five).
 
 Same tokens and survivors as the reference except within rounding: two Gumbel scores within an
 ulp of the log, a mass within rounding of ``top_p``, ``exp(x - max)`` within rounding of
@@ -49,8 +51,8 @@ def _declare(library) -> None:
 
 
 LIBRARY = NativeLibrary(
-    _SOURCE, what="the CPU sampler's draw and filter: the C library", logger=log,
-    fallback="the torch references run instead (~1-4 ms a sampled row at a 49K vocabulary)",
+    _SOURCE, what="the CPU sampler's penalties, filter and draw and the prompt logprobs: the C library",
+    logger=log, fallback="the torch references run instead (~1-4 ms a sampled row at a 49K vocabulary)",
     flags=("-O3", "-march=native", *_FLAGS), fallback_flags=("-O3", *_FLAGS),
     headers=(_SOURCE.with_name("kernels.h"),), env=IMPL_ENV, setup=_declare,
     queries=("blink_has_avx512",))
