@@ -269,3 +269,44 @@ def test_prompt_logprobs_match_reference(vocab, rows, top_n):
     assert got[2].shape == want[2].shape == (rows, top_n) and torch.equal(got[3], want[3])
     torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-5)
     assert (got[1] - want[1]).abs().max() <= 1
+
+
+@pytest.fixture(scope="module")
+def avx2_build():
+    """sampling.c built for an AVX2 CPU (x86-64-v3: Zen 2/3, Haswell to Skylake client), whose
+    loops are the scalar ones, where this CPU runs AVX-512."""
+    from blink.shared.cpu_features import read_cpu_flags
+    from blink.shared.native_build import build_library
+
+    if not {"avx2", "fma"} <= (read_cpu_flags() or frozenset()):
+        pytest.skip("this CPU runs no AVX2 code")
+    native = cpu_sampling.LIBRARY
+    library = build_library(native.source, tuple("-march=x86-64-v3" if f == "-march=native" else f
+                                                  for f in native.flags), None, native.headers)
+    native.setup(library)
+    assert library.blink_has_avx512() == 0
+    return library
+
+
+def test_the_avx2_build_matches_the_references(avx2_build):
+    """The scalar loops against the same references: RNG bits, tokens, survivors, penalised
+    bits, prompt logprobs."""
+    g = torch.Generator().manual_seed(11)
+    seeds, counters = torch.randint(-(2**62), 2**62, (6,), generator=g), torch.arange(6) * 7
+    logits = torch.randn(6, 3001, generator=g) * 3
+    logits[::2, 1500:] = NEG_INF
+    ids = torch.randint(-1, 3001, (6, 40), generator=g, dtype=torch.int32)
+    lens, rep, pres = torch.full((6,), 40), torch.full((6,), 1.3), torch.full((6,), -0.4)
+    tied = tied_filter_case(12, 8, 4099)
+    with cpu_sampling.LIBRARY.using(avx2_build):
+        assert torch.equal(cpu_sampling.uniform(seeds, counters, 700), ref.uniform(seeds, counters, 700))
+        assert torch.equal(cpu_sampling.sample(logits, seeds, counters), ref.sample(logits, seeds, counters))
+        _same_survivors(cpu_sampling.apply_top_k_top_p_min_p(*tied), ref.apply_top_k_top_p_min_p(*tied))
+        got = cpu_sampling.apply_penalties(logits, ids, lens // 2, lens, rep, pres, pres)
+        assert torch.equal(got.view(torch.int32),
+                           ref.apply_penalties(logits, ids, lens // 2, lens, rep, pres, pres).view(torch.int32))
+        stepped = (torch.randn(5, 49152, generator=g) * 3 * 64).round() / 64
+        targets = torch.randint(0, 49152, (5,), generator=g)
+        got, want = cpu_sampling.prompt_logprobs(stepped, targets, 4), ref.prompt_logprobs(stepped, targets, 4)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[1], want[1])

@@ -282,7 +282,7 @@ static void prompt_logprob_row(const float *x, int64_t n, int64_t target, int64_
     top = _mm512_reduce_max_ps(tops);
 #endif
     for (; v < n; v++) top = x[v] > top ? x[v] : top;
-    float sum = 0.0f;
+    double sum = 0.0; /* a double where the terms come one by one: a float summed 49K terms to ~1e-4 */
     v = 0;
 #if defined(__AVX512F__)
     {
@@ -294,7 +294,7 @@ static void prompt_logprob_row(const float *x, int64_t n, int64_t target, int64_
     }
 #endif
     for (; v < n; v++) sum += exp_nonpositive(x[v] - top);
-    const float log_sum = logf(sum);
+    const float log_sum = logf((float)sum);
     const float lp = (x[target] - top) - log_sum;
     *chosen = lp;
 

@@ -58,8 +58,9 @@ LIBRARY = NativeLibrary(
     queries=("blink_has_avx512",))
 
 
-#: (entries, slots) that sampling.c's scratch holds, process-wide: grown, never shrunk
-_reserved = [0, 0]
+#: per loaded build of sampling.c (its handle): the (entries, slots) its scratch holds, grown,
+#: never shrunk
+_reserved: dict[int, tuple[int, int]] = {}
 _reserve_lock = threading.Lock()
 
 
@@ -68,13 +69,15 @@ def _reserve(lib, cols: int) -> int:
     ``cols`` for each of them (grown here, on the host, so that the calls never allocate; no
     tensor is read, so this is safe inside a graph's capture audit)."""
     threads = kernel_threads()
-    if cols > _reserved[0] or threads > _reserved[1]:
+    held_cols, held_count = _reserved.get(lib._handle, (0, 0))
+    if cols > held_cols or threads > held_count:
         with _reserve_lock:
-            cols, count = max(cols, _reserved[0]), max(threads, _reserved[1])
+            held_cols, held_count = _reserved.get(lib._handle, (0, 0))
+            cols, count = max(cols, held_cols), max(threads, held_count)
             if lib.blink_sampling_reserve(cols, count) != 0:
                 raise MemoryError(f"the CPU sampler's scratch for a vocabulary of {cols} on {count} threads "
                                   f"(~{26 * cols * count >> 20} MB) could not be allocated")
-            _reserved[:] = [cols, count]
+            _reserved[lib._handle] = (cols, count)
     return threads
 
 
