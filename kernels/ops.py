@@ -6,8 +6,8 @@ sampler's filter and seeded draw). On CPU the eager forward's norms, rotary embe
 KV-cache write and gated activation are one C call each for bf16
 (:mod:`blink.kernels.cpu.fused`, the reference for anything else), so is the sampler's
 log-normaliser (``logsumexp_rows``, fp32; ``argmax_logsumexp_rows`` with a greedy step's
-tokens from the same pass), so are its penalties, filter and seeded draw and the prompt
-logprobs' per-position numbers (:mod:`blink.kernels.cpu.sampling`),
+tokens from the same pass), so are its penalties, filter, seeded draw and top logprobs' selection
+and the prompt logprobs' per-position numbers (:mod:`blink.kernels.cpu.sampling`),
 and the paged attention is
 :mod:`blink.kernels.cpu.attention`; on CUDA the Triton kernels replace the entries they
 implement. Model and sampler code never branch on which kernel of this table they got.
@@ -55,6 +55,7 @@ _SAMPLING_OP_NAMES = (
     "logsumexp_rows",
     "argmax_logsumexp_rows",
     "prompt_logprobs",
+    "top_rows",
 )
 # Structured outputs: the sampling gate and the token mask (the sampler calls them through
 # ``ops_for``; blink.engine.token_mask).
@@ -88,6 +89,7 @@ def ops_for(device: torch.device | str, *, triton: bool | None = None) -> Simple
             table["apply_top_k_top_p_min_p"] = cpu_sampling.apply_top_k_top_p_min_p
             table["sample"] = cpu_sampling.sample
             table["prompt_logprobs"] = cpu_sampling.prompt_logprobs
+            table["top_rows"] = cpu_sampling.top_rows
             table["paged_attention"] = cpu_attention.paged_attention
             table["logsumexp_rows"] = cpu_fused.logsumexp_rows
             table["argmax_logsumexp_rows"] = cpu_fused.argmax_logsumexp_rows
@@ -113,6 +115,7 @@ def compiled_cpu_ops() -> SimpleNamespace:
         table["apply_top_k_top_p_min_p"] = sampling_reference.apply_top_k_top_p_min_p
         table["sample"] = sampling_reference.sample
         table["prompt_logprobs"] = sampling_reference.prompt_logprobs
+        table["top_rows"] = sampling_reference.top_rows
         table["apply_token_mask"] = mask_reference.apply_token_mask
         table["write_kv_cache"] = cpu_step_ops.write_kv_cache
         table["paged_attention"] = cpu_step_ops.paged_attention

@@ -220,8 +220,8 @@ def test_the_cpu_sampler_uses_the_c_ops_and_keeps_the_references_tokens():
     from types import SimpleNamespace
 
     reference = SimpleNamespace(**{**vars(cpu), "sample": ref.sample, "apply_top_k_top_p_min_p": ref.apply_top_k_top_p_min_p,
-                                   "apply_penalties": ref.apply_penalties})
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1),
+                                   "apply_penalties": ref.apply_penalties, "top_rows": ref.top_rows})
+    params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=1.0, seed=1),
               SamplingParams(temperature=0.7, top_p=0.9, seed=2), SamplingParams(temperature=0.8, top_k=40, seed=3),
               SamplingParams(temperature=1.0, min_p=0.05, seed=4),
               SamplingParams(temperature=0.6, top_k=20, top_p=0.95, min_p=0.02, seed=5, repetition_penalty=1.2)]
@@ -237,6 +237,7 @@ def test_the_cpu_sampler_uses_the_c_ops_and_keeps_the_references_tokens():
         got = Sampler(ops=cpu)(logits, st, token_ids, prompt, total, counters, plan=SamplerPlan.of(st))
         want = Sampler(ops=reference)(logits, st, token_ids, prompt, total, counters, plan=SamplerPlan.of(st))
         assert torch.equal(got.tokens, want.tokens)
+        assert torch.equal(got.top_ids, want.top_ids) and torch.equal(got.top_logprobs, want.top_logprobs)
         drawn += int((got.tokens[1:] != logits[1:].argmax(-1)).sum())
     assert drawn >= 4  # the rows really sample
 
@@ -310,3 +311,22 @@ def test_the_avx2_build_matches_the_references(avx2_build):
         got, want = cpu_sampling.prompt_logprobs(stepped, targets, 4), ref.prompt_logprobs(stepped, targets, 4)
         torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
         assert torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("rows,vocab,k", [(1, 49152, 20), (16, 4099, 5), (3, 37, 37), (2, 100, 0)])
+def test_top_rows_match_torch_topk(rows, vocab, k):
+    """The sampler's top logprobs' selection: torch.topk's values, and its ids wherever the
+    values differ (masked entries included); among equal values (the -inf of masked entries, a
+    row of ties) the ids in index order, where torch's order is its own."""
+    g = torch.Generator().manual_seed(rows * vocab + k)
+    x = torch.randn(rows, vocab, generator=g) * 3
+    x[0, : vocab // 2] = NEG_INF
+    got, want = cpu_sampling.top_rows(x, k), ref.top_rows(x, k)
+    finite = torch.isfinite(want[0])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1][finite], want[1][finite])
+    for r in range(rows):  # the masked entries taken: the same ones, in index order
+        masked = got[1][r][~finite[r]]
+        assert sorted(masked.tolist()) == sorted(want[1][r][~finite[r]].tolist()) == masked.tolist()
+    tied = torch.zeros(1, vocab)
+    values, ids = cpu_sampling.top_rows(tied, k)
+    assert torch.equal(values, ref.top_rows(tied, k)[0]) and ids.tolist() == [list(range(k))]

@@ -108,7 +108,8 @@ CPU_OPS = ops_for("cpu")
 #: the CPU table with the torch references for the penalties, the filter and the draw (the CPU
 #: table's own are their C twins, tests/test_cpu_sampling.py)
 REF_OPS = SimpleNamespace(**{**vars(CPU_OPS), "apply_top_k_top_p_min_p": ref.apply_top_k_top_p_min_p,
-                             "sample": ref.sample, "apply_penalties": ref.apply_penalties})
+                             "sample": ref.sample, "apply_penalties": ref.apply_penalties,
+                             "top_rows": ref.top_rows})
 
 
 def _triton_ops() -> SimpleNamespace:

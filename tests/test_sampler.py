@@ -565,11 +565,11 @@ def test_sampler_takes_its_filter_and_draw_from_the_op_table() -> None:
 
     ops = SimpleNamespace(apply_top_k_top_p_min_p=spy("apply_top_k_top_p_min_p"), sample=spy("sample"),
                           logsumexp_rows=spy("logsumexp_rows"), argmax_logsumexp_rows=spy("argmax_logsumexp_rows"),
-                          apply_penalties=spy("apply_penalties"))
+                          apply_penalties=spy("apply_penalties"), top_rows=spy("top_rows"))
     logits = _flat_logits(2, 50)
     params = [SamplingParams(temperature=0), SamplingParams(top_k=4, seed=3)]
     out = _run(logits, params, sampler=Sampler(ops=ops))
-    assert calls == ["logsumexp_rows", "apply_penalties", "apply_top_k_top_p_min_p", "sample"]
+    assert calls == ["logsumexp_rows", "apply_penalties", "apply_top_k_top_p_min_p", "sample", "top_rows"]
     assert torch.equal(out.tokens, _run(logits, params).tokens)
 
 

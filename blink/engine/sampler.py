@@ -478,7 +478,7 @@ class Sampler:
             none = torch.empty(logits.shape[0], 0, dtype=torch.int64, device=logits.device)
             return SamplerOutput(tokens, logprob, none, none.float())
         k = min(self.max_logprobs, raw_logits.shape[-1])
-        top_values, top_ids = torch.topk(raw_logits, k, dim=-1)
+        top_values, top_ids = ops.top_rows(raw_logits, k)
         top_logprobs = top_values - log_norm
         top_logprobs = F.pad(top_logprobs, (0, self.max_logprobs - k), value=float("-inf"))
         top_ids = F.pad(top_ids, (0, self.max_logprobs - k), value=-1)

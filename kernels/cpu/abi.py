@@ -101,6 +101,9 @@ SAMPLING: dict[str, Signature] = {
         None, _args("x", P) + _args("x_stride", I64) + _args("seeds counters out", P) + _args("rows cols", I64)
         + _args("threads", INT)),
     "blink_sampling_reserve": Signature(INT, _args("n", I64) + _args("count", INT)),
+    "blink_top_rows": Signature(
+        None, _args("x", P) + _args("x_stride k", I64) + _args("values ids", P) + _args("rows cols", I64)
+        + _args("threads", INT)),
     "blink_prompt_logprobs_rows": Signature(
         None, _args("x", P) + _args("x_stride", I64) + _args("targets", P) + _args("top_n", I64)
         + _args("chosen rank top_lp top_ids", P) + _args("rows cols", I64) + _args("threads", INT)),

@@ -354,6 +354,50 @@ void blink_prompt_logprobs_rows(const float *x, int64_t x_stride, const int64_t 
     blink_run_parts(prompt_part, &a, rows, blink_threads_for(rows * cols, 1 << 16, threads));
 }
 
+/* ---------------------------------------------------------------------------------- top k */
+
+/* The k largest of one fp32 row with their ids, largest first (ties: the lower index first): the
+ * sampler's top logprobs, from its raw logits. */
+static void top_row(const float *x, int64_t n, int64_t k, float *values, int64_t *ids) {
+    int64_t filled = 0, v = 0;
+#if defined(__AVX512F__)
+    for (; v + 16 <= n; v += 16) {
+        const __m512 xs = _mm512_loadu_ps(x + v);
+        __mmask16 above = k == 0       ? (__mmask16)0
+                          : filled < k ? (__mmask16)0xFFFF
+                                       : _mm512_cmp_ps_mask(xs, _mm512_set1_ps(values[k - 1]), _CMP_GT_OQ);
+        for (; above; above &= above - 1) {
+            const int lane = __builtin_ctz(above);
+            keep_top(x[v + lane], v + lane, k, &filled, values, ids);
+        }
+    }
+#endif
+    for (; v < n; v++) keep_top(x[v], v, k, &filled, values, ids);
+}
+
+typedef struct {
+    const float *x;
+    int64_t x_stride, cols, k;
+    float *values;
+    int64_t *ids;
+} top_args_t;
+
+static void *top_part(void *arg) {
+    blink_part_t *p = (blink_part_t *)arg;
+    const top_args_t *a = (const top_args_t *)p->args;
+    for (int64_t r = p->lo; r < p->hi; r++)
+        top_row(a->x + r * a->x_stride, a->cols, a->k, a->values + r * a->k, a->ids + r * a->k);
+    return NULL;
+}
+
+/* values, ids (rows x k, contiguous) = torch.topk of each fp32 row of x (rows x_stride apart, a
+ * row without NaN; k <= cols): the k largest, largest first, ties in index order. */
+void blink_top_rows(const float *x, int64_t x_stride, int64_t k, float *values, int64_t *ids, int64_t rows,
+                    int64_t cols, int threads) {
+    const top_args_t a = {x, x_stride, cols, k, values, ids};
+    blink_run_parts(top_part, &a, rows, blink_threads_for(rows * cols, 1 << 16, threads));
+}
+
 /* ---------------------------------------------------------------------------------- scratch */
 
 typedef struct {

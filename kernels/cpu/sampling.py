@@ -1,8 +1,9 @@
-"""The sampler's penalties, seeded draw and top-k / top-p / min-p filter, and the prompt
-logprobs' per-position numbers, for fp32 CPU logits (``sampling.c``), under the reference names
-and signatures (:func:`blink.kernels.reference.sampling.apply_penalties`,
+"""The sampler's penalties, seeded draw, top-k / top-p / min-p filter and top logprobs'
+selection, and the prompt logprobs' per-position numbers, for fp32 CPU logits (``sampling.c``),
+under the reference names and signatures (:func:`blink.kernels.reference.sampling.apply_penalties`,
 :func:`blink.kernels.reference.sampling.sample`,
 :func:`blink.kernels.reference.sampling.apply_top_k_top_p_min_p`,
+:func:`blink.kernels.reference.sampling.top_rows`,
 :func:`blink.kernels.reference.sampling.prompt_logprobs`).
 
 Why: the references are torch code over the whole vocabulary: at one row of SmolLM2's 49152
@@ -167,6 +168,20 @@ def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor,
                                    rank.data_ptr(), top_lp.data_ptr(), top_ids.data_ptr(), rows, logits.shape[1],
                                    kernel_threads())
     return chosen, rank, top_lp, top_ids
+
+
+def top_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`blink.kernels.reference.sampling.top_rows` (``torch.topk``): the same values and
+    ids (ties in index order), one pass a row with a threshold in registers."""
+    lib = LIBRARY.get()
+    if lib is None or not _usable(x) or not 0 <= k <= x.shape[1]:
+        return sampling_reference.top_rows(x, k)
+    rows = x.shape[0]
+    values = torch.empty((rows, k), dtype=torch.float32)
+    ids = torch.empty((rows, k), dtype=torch.int64)
+    lib.blink_top_rows(x.data_ptr(), x.stride(0), k, values.data_ptr(), ids.data_ptr(), rows, x.shape[1],
+                       kernel_threads())
+    return values, ids
 
 
 def uniform(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:

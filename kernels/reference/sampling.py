@@ -206,6 +206,12 @@ def apply_penalties(
     return logits
 
 
+def top_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.topk(x, k, dim=-1)`` of a [B, V] float tensor: the k largest values of each row,
+    largest first, and their ids (int64): the sampler's top logprobs from its raw logits."""
+    return torch.topk(x, k, dim=-1)
+
+
 def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor,
                     top_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Prompt logprobs at k positions (vLLM's ``prompt_logprobs``): from fp32 logits [k, V] and
