@@ -252,7 +252,7 @@ void blink_gumbel_rows(const int64_t *seeds, const int64_t *counters, float *out
     }
 }
 
-/* ---------------------------------------------------------------------------------- prompt logprobs */
+/* ---------------------------------------------------------------------------------- top k */
 
 /* Keeps `value` (entry `index`) among the top_n largest so far, top_lp descending (an equal value
  * after the ones there: entries come in index order, so ties keep the lower index first). */
@@ -267,94 +267,6 @@ static inline void keep_top(float value, int64_t index, int64_t top_n, int64_t *
     top_lp[j] = value;
     top_ids[j] = index;
 }
-
-/* One prompt position of the reference's prompt_logprobs: lp = (x - max) - log(sum e^(x - max))
- * as torch's log_softmax takes it (kernels.h's exp: the sum's last bits may differ), the target's
- * lp, its rank (how many lp are >= it, itself included) and the top_n largest lp with their ids
- * (value descending, then index ascending). */
-static void prompt_logprob_row(const float *x, int64_t n, int64_t target, int64_t top_n, float *chosen, int64_t *rank,
-                               float *top_lp, int64_t *top_ids) {
-    float top = -INFINITY;
-    int64_t v = 0;
-#if defined(__AVX512F__)
-    __m512 tops = _mm512_set1_ps(-INFINITY);
-    for (; v + 16 <= n; v += 16) tops = _mm512_max_ps(tops, _mm512_loadu_ps(x + v));
-    top = _mm512_reduce_max_ps(tops);
-#endif
-    for (; v < n; v++) top = x[v] > top ? x[v] : top;
-    double sum = 0.0; /* a double where the terms come one by one: a float summed 49K terms to ~1e-4 */
-    v = 0;
-#if defined(__AVX512F__)
-    {
-        const __m512 shift = _mm512_set1_ps(top);
-        __m512 sums = _mm512_setzero_ps();
-        for (; v + 16 <= n; v += 16)
-            sums = _mm512_add_ps(sums, exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(x + v), shift)));
-        sum = _mm512_reduce_add_ps(sums);
-    }
-#endif
-    for (; v < n; v++) sum += exp_nonpositive(x[v] - top);
-    const float log_sum = logf((float)sum);
-    const float lp = (x[target] - top) - log_sum;
-    *chosen = lp;
-
-    int64_t at_least = 0, filled = 0;
-    v = 0;
-#if defined(__AVX512F__)
-    {
-        const __m512 shift = _mm512_set1_ps(top), log_sum16 = _mm512_set1_ps(log_sum), lp16 = _mm512_set1_ps(lp);
-        for (; v + 16 <= n; v += 16) {
-            const __m512 xs = _mm512_loadu_ps(x + v);
-            const __m512 lps = _mm512_sub_ps(_mm512_sub_ps(xs, shift), log_sum16);
-            at_least += __builtin_popcount(_mm512_cmp_ps_mask(lps, lp16, _CMP_GE_OQ));
-            /* the top_n: lanes above the smallest kept value (any lane while there are fewer) */
-            __mmask16 above = top_n == 0       ? (__mmask16)0
-                              : filled < top_n ? (__mmask16)0xFFFF
-                                               : _mm512_cmp_ps_mask(lps, _mm512_set1_ps(top_lp[top_n - 1]), _CMP_GT_OQ);
-            for (; above; above &= above - 1) {
-                const int lane = __builtin_ctz(above);
-                keep_top((x[v + lane] - top) - log_sum, v + lane, top_n, &filled, top_lp, top_ids);
-            }
-        }
-    }
-#endif
-    for (; v < n; v++) {
-        const float value = (x[v] - top) - log_sum;
-        at_least += value >= lp;
-        keep_top(value, v, top_n, &filled, top_lp, top_ids);
-    }
-    *rank = at_least;
-}
-
-typedef struct {
-    const float *x;
-    int64_t x_stride, cols, top_n;
-    const int64_t *targets;
-    float *chosen;
-    int64_t *rank;
-    float *top_lp;
-    int64_t *top_ids;
-} prompt_args_t;
-
-static void *prompt_part(void *arg) {
-    blink_part_t *p = (blink_part_t *)arg;
-    const prompt_args_t *a = (const prompt_args_t *)p->args;
-    for (int64_t r = p->lo; r < p->hi; r++)
-        prompt_logprob_row(a->x + r * a->x_stride, a->cols, a->targets[r], a->top_n, a->chosen + r, a->rank + r,
-                           a->top_lp + r * a->top_n, a->top_ids + r * a->top_n);
-    return NULL;
-}
-
-/* Rows of the reference's prompt_logprobs: fp32 logits x (rows x_stride apart), targets[r] in
- * [0, cols); chosen[r], rank[r] and the top_n (top_lp, top_ids: rows x top_n, contiguous). */
-void blink_prompt_logprobs_rows(const float *x, int64_t x_stride, const int64_t *targets, int64_t top_n, float *chosen,
-                                int64_t *rank, float *top_lp, int64_t *top_ids, int64_t rows, int64_t cols,
-                                int threads) {
-    const prompt_args_t a = {x, x_stride, cols, top_n, targets, chosen, rank, top_lp, top_ids};
-    blink_run_parts(prompt_part, &a, rows, blink_threads_for(rows * cols, 1 << 16, threads));
-}
-
-/* ---------------------------------------------------------------------------------- top k */
 
 /* The k largest of one fp32 row with their ids, largest first (ties: the lower index first): the
  * sampler's top logprobs, from its raw logits. */
@@ -396,6 +308,85 @@ void blink_top_rows(const float *x, int64_t x_stride, int64_t k, float *values, 
                     int64_t cols, int threads) {
     const top_args_t a = {x, x_stride, cols, k, values, ids};
     blink_run_parts(top_part, &a, rows, blink_threads_for(rows * cols, 1 << 16, threads));
+}
+
+/* ---------------------------------------------------------------------------------- prompt logprobs */
+
+/* One prompt position of the reference's prompt_logprobs: lp = (x - max) - log(sum e^(x - max))
+ * as torch's log_softmax takes it (kernels.h's exp: the sum's last bits may differ), the target's
+ * lp, its rank (how many lp are >= it, itself included) and the top_n largest lp with their ids
+ * (value descending, then index ascending; equal logprobs from different logits: the larger
+ * logit first). */
+static void prompt_logprob_row(const float *x, int64_t n, int64_t target, int64_t top_n, float *chosen, int64_t *rank,
+                               float *top_lp, int64_t *top_ids) {
+    float top = -INFINITY;
+    int64_t v = 0;
+#if defined(__AVX512F__)
+    __m512 tops = _mm512_set1_ps(-INFINITY);
+    for (; v + 16 <= n; v += 16) tops = _mm512_max_ps(tops, _mm512_loadu_ps(x + v));
+    top = _mm512_reduce_max_ps(tops);
+#endif
+    for (; v < n; v++) top = x[v] > top ? x[v] : top;
+    double sum = 0.0; /* a double where the terms come one by one: a float summed 49K terms to ~1e-4 */
+    v = 0;
+#if defined(__AVX512F__)
+    {
+        const __m512 shift = _mm512_set1_ps(top);
+        __m512 sums = _mm512_setzero_ps();
+        for (; v + 16 <= n; v += 16)
+            sums = _mm512_add_ps(sums, exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(x + v), shift)));
+        sum = _mm512_reduce_add_ps(sums);
+    }
+#endif
+    for (; v < n; v++) sum += exp_nonpositive(x[v] - top);
+    const float log_sum = logf((float)sum);
+    const float lp = (x[target] - top) - log_sum;
+    *chosen = lp;
+
+    int64_t at_least = 0;
+    v = 0;
+#if defined(__AVX512F__)
+    {
+        const __m512 shift = _mm512_set1_ps(top), log_sum16 = _mm512_set1_ps(log_sum), lp16 = _mm512_set1_ps(lp);
+        for (; v + 16 <= n; v += 16) {
+            const __m512 lps = _mm512_sub_ps(_mm512_sub_ps(_mm512_loadu_ps(x + v), shift), log_sum16);
+            at_least += __builtin_popcount(_mm512_cmp_ps_mask(lps, lp16, _CMP_GE_OQ));
+        }
+    }
+#endif
+    for (; v < n; v++) at_least += (x[v] - top) - log_sum >= lp;
+    /* the top_n by logit are the top_n by logprob (x -> (x - top) - log_sum never reorders) */
+    top_row(x, n, top_n, top_lp, top_ids);
+    for (int64_t j = 0; j < top_n; j++) top_lp[j] = (top_lp[j] - top) - log_sum;
+    *rank = at_least;
+}
+
+typedef struct {
+    const float *x;
+    int64_t x_stride, cols, top_n;
+    const int64_t *targets;
+    float *chosen;
+    int64_t *rank;
+    float *top_lp;
+    int64_t *top_ids;
+} prompt_args_t;
+
+static void *prompt_part(void *arg) {
+    blink_part_t *p = (blink_part_t *)arg;
+    const prompt_args_t *a = (const prompt_args_t *)p->args;
+    for (int64_t r = p->lo; r < p->hi; r++)
+        prompt_logprob_row(a->x + r * a->x_stride, a->cols, a->targets[r], a->top_n, a->chosen + r, a->rank + r,
+                           a->top_lp + r * a->top_n, a->top_ids + r * a->top_n);
+    return NULL;
+}
+
+/* Rows of the reference's prompt_logprobs: fp32 logits x (rows x_stride apart), targets[r] in
+ * [0, cols); chosen[r], rank[r] and the top_n (top_lp, top_ids: rows x top_n, contiguous). */
+void blink_prompt_logprobs_rows(const float *x, int64_t x_stride, const int64_t *targets, int64_t top_n, float *chosen,
+                                int64_t *rank, float *top_lp, int64_t *top_ids, int64_t rows, int64_t cols,
+                                int threads) {
+    const prompt_args_t a = {x, x_stride, cols, top_n, targets, chosen, rank, top_lp, top_ids};
+    blink_run_parts(prompt_part, &a, rows, blink_threads_for(rows * cols, 1 << 16, threads));
 }
 
 /* ---------------------------------------------------------------------------------- scratch */
