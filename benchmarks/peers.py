@@ -1031,12 +1031,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in names:
         if name not in ALL_PEERS:
             raise SystemExit(f"unknown peer {name!r} (known: {', '.join(ALL_PEERS)})")
+    if not (0.0 <= args.temperature <= 2.0 and 0.0 < args.top_p <= 1.0):
+        raise SystemExit("--temperature must be in [0, 2] and --top-p in (0, 1]")
+    if args.top_p < 1.0 and args.temperature == 0:
+        raise SystemExit("--top-p needs --temperature above 0 (a greedy request has no top_p to apply)")
     resolve_model_args(args)
     tok = load_tokenizer(args.tokenizer)
     args.machine = machine_header(args)
     print(args.machine["text"], flush=True)
-    if not (0.0 <= args.temperature <= 2.0 and 0.0 < args.top_p <= 1.0):
-        raise SystemExit("--temperature must be in [0, 2] and --top-p in (0, 1]")
     print("requests: " + (f"sampled, temperature {args.temperature}, top_p {args.top_p} (the rest each server's "
                           "default)" if args.temperature > 0 else "greedy (temperature 0)"), flush=True)
     rows = []
