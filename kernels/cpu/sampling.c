@@ -159,6 +159,50 @@ static inline __m512 gumbel16(uint32_t key, uint32_t v) {
 }
 #endif
 
+/* ---------------------------------------------------------------------------------- a row's maximum */
+
+/* The largest entry of a row (-inf for an empty or all -inf row; a NaN does not count) and
+ * whether it holds a NaN: the first pass of the draw, the filter and the prompt logprobs. */
+static float row_max(const float *x, int64_t n, int *any_nan) {
+    float top = -INFINITY;
+    int nan = 0;
+    int64_t v = 0;
+#if defined(__AVX512F__)
+    __m512 tops = _mm512_set1_ps(-INFINITY);
+    __mmask16 nans = 0;
+    for (; v + 16 <= n; v += 16) {
+        const __m512 xs = _mm512_loadu_ps(x + v);
+        nans |= _mm512_cmp_ps_mask(xs, xs, _CMP_UNORD_Q);
+        tops = _mm512_max_ps(xs, tops); /* a NaN lane of xs keeps tops' (vmaxps returns its second operand) */
+    }
+    nan = nans != 0;
+    top = _mm512_reduce_max_ps(tops);
+#endif
+    for (; v < n; v++) {
+        nan |= isnan(x[v]);
+        if (x[v] > top) top = x[v];
+    }
+    *any_nan = nan;
+    return top;
+}
+
+/* The first index v with x[v] == value (or, for a NaN value, the first NaN); n if none. */
+static int64_t first_at(const float *x, int64_t n, float value) {
+    int64_t v = 0;
+    const int want_nan = isnan(value);
+#if defined(__AVX512F__)
+    const __m512 target = _mm512_set1_ps(value);
+    for (; v + 16 <= n; v += 16) {
+        const __m512 xs = _mm512_loadu_ps(x + v);
+        const __mmask16 hit = want_nan ? _mm512_cmp_ps_mask(xs, xs, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(xs, target, _CMP_EQ_OQ);
+        if (hit) return v + __builtin_ctz(hit);
+    }
+#endif
+    for (; v < n; v++)
+        if (want_nan ? isnan(x[v]) : x[v] == value) return v;
+    return n;
+}
+
 /* ---------------------------------------------------------------------------------- the draw */
 
 /* The largest Gumbel noise this code computes (u = 1 - 2^-24: 16.636), with room for rounding:
@@ -168,11 +212,10 @@ static inline __m512 gumbel16(uint32_t key, uint32_t v) {
 /* The reference's sample() of one row: argmax(x + g), the first index among equal scores; a
  * NaN logit wins (the first one), as torch.argmax takes NaN for the maximum. */
 static int64_t sample_row(const float *x, int64_t n, uint32_t key) {
-    int64_t top = 0;
-    for (int64_t v = 0; v < n; v++) { /* the first maximum (or NaN): a score to beat */
-        if (isnan(x[v])) return v;
-        if (x[v] > x[top]) top = v;
-    }
+    int any_nan;
+    const float largest = row_max(x, n, &any_nan);
+    if (any_nan) return first_at(x, n, NAN);
+    const int64_t top = first_at(x, n, largest); /* the first maximum: a score to beat */
     if (isinf(x[top])) return top; /* all -inf: index 0; +inf: the first +inf scores +inf */
     const float floor = x[top] + gumbel_of(key, (uint32_t)top) - GUMBEL_SPAN; /* entries below cannot win */
     float best = -INFINITY;
@@ -319,16 +362,10 @@ void blink_top_rows(const float *x, int64_t x_stride, int64_t k, float *values, 
  * logit first). */
 static void prompt_logprob_row(const float *x, int64_t n, int64_t target, int64_t top_n, float *chosen, int64_t *rank,
                                float *top_lp, int64_t *top_ids) {
-    float top = -INFINITY;
+    int any_nan;
+    const float top = row_max(x, n, &any_nan); /* a NaN makes the sum and every logprob NaN, as torch's */
     int64_t v = 0;
-#if defined(__AVX512F__)
-    __m512 tops = _mm512_set1_ps(-INFINITY);
-    for (; v + 16 <= n; v += 16) tops = _mm512_max_ps(tops, _mm512_loadu_ps(x + v));
-    top = _mm512_reduce_max_ps(tops);
-#endif
-    for (; v < n; v++) top = x[v] > top ? x[v] : top;
     double sum = 0.0; /* a double where the terms come one by one: a float summed 49K terms to ~1e-4 */
-    v = 0;
 #if defined(__AVX512F__)
     {
         const __m512 shift = _mm512_set1_ps(top);
@@ -575,24 +612,9 @@ static int64_t collect(const float *x, int64_t n, const scratch_t *s, int64_t n_
  * NaN or +inf is copied unfiltered (the reference's sort and softmax give it no meaning either:
  * it masks every entry; the draw then takes the first NaN or +inf, as torch.argmax would). */
 static void filter_row(const float *x, float *out, int64_t n, int64_t top_k, float top_p, float min_p, scratch_t *s) {
-    float top = -INFINITY;
-    int any_nan = 0;
-    int64_t v = 0;
-#if defined(__AVX512F__)
-    __m512 tops = _mm512_set1_ps(-INFINITY);
-    __mmask16 nan = 0;
-    for (; v + 16 <= n; v += 16) {
-        const __m512 xs = _mm512_loadu_ps(x + v);
-        nan |= _mm512_cmp_ps_mask(xs, xs, _CMP_UNORD_Q);
-        tops = _mm512_max_ps(tops, xs);
-    }
-    any_nan = nan != 0;
-    top = _mm512_reduce_max_ps(tops);
-#endif
-    for (; v < n; v++) {
-        any_nan |= isnan(x[v]);
-        if (x[v] > top) top = x[v];
-    }
+    int any_nan;
+    const float top = row_max(x, n, &any_nan);
+    int64_t v;
     if (any_nan || top == INFINITY) {
         memcpy(out, x, (size_t)n * sizeof *out);
         return;
