@@ -23,6 +23,10 @@ import re
 import time
 from typing import Any
 
+#: the x86 builds of quant_linear.c (its VARIANTS' keys but the Arm one; a literal, so that
+#: --help imports no torch: tests/test_benchmarks_cli.py holds it to VARIANTS)
+X86_BUILDS = ["avx512_vnni", "avx512", "avx2_vnni", "avx2_int8", "avx2"]
+
 
 def _projections(path: str) -> list[tuple[str, int, list[Any], int]]:
     """(kind, layer, segments as QuantCodes, file bytes) per projection Blink runs, model order."""
@@ -82,7 +86,7 @@ def _pack(segments: list[Any], compact: bool) -> list[Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="a GGUF file (K-quants: Q4_K_M, Q5_K_M, Q6_K)")
-    p.add_argument("--build", default=None, choices=["avx512_vnni", "avx512", "avx2_int8", "avx2"], help="default: the CPU's")
+    p.add_argument("--build", default=None, choices=X86_BUILDS, help="default: the CPU's")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--rows", type=int, nargs="*", default=[16, 128], help="row counts timed for GFLOPS")

@@ -20,6 +20,10 @@ are grouped by that read's GB/s (tens), and per group the table gives each versi
 the rounds (``--by-kind``: per projection kind and format too), so each version is set against
 what a plain read got in the same second.
 
+``--before-build BUILD``: the before version built as another build (by default of the
+checkout's own source), e.g. ``--build avx2_vnni --before-build avx2_int8``: what a CPU gains
+from one build over another on the same packed weights.
+
 ``--before-pos6``: the before version reads 6-bit codes in another plane order (a source from
 before quant_linear.py's ``POS6`` layout: ``0,2,4,6,8,10,12,14``), so its weights are packed
 in that order.
@@ -43,6 +47,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bench_kquant_bytes import X86_BUILDS
+
+#: the checkout's source (--before-build's default before version)
+SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "cpu" / "quant_linear.c"
+
 
 def _before_library(source: Path, build: str, workdir: Path):
     """``source`` built as the checkout's ``build`` is (that NativeLibrary's own flags, with a
@@ -64,10 +73,14 @@ def _before_library(source: Path, build: str, workdir: Path):
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--before", required=True, type=Path, help="the other version of quant_linear.c")
+    p.add_argument("--before", type=Path, default=None,
+                   help="the other version of quant_linear.c (default with --before-build: the checkout's)")
     p.add_argument("--model", required=True, help="a GGUF file whose projections the kernel takes")
-    p.add_argument("--build", default=None, choices=["avx512_vnni", "avx512", "avx2_int8", "avx2"],
-                   help="default: the one this CPU runs")
+    p.add_argument("--build", default=None, choices=X86_BUILDS, help="default: the one this CPU runs")
+    p.add_argument("--before-build", default=None, choices=X86_BUILDS,
+                   help="build the before version as this build instead of --build's (two builds of one "
+                        "source: e.g. --build avx2_vnni --before-build avx2_int8; both int8 builds, or "
+                        "neither, so that the bits agree)")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 128])
     p.add_argument("--threads", type=int, default=1, help="kernel threads (default 1: the least noisy)")
     p.add_argument("--rounds", type=int, default=6)
@@ -85,6 +98,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--by-kind", action="store_true", help="with --read-bands: per projection kind too")
     p.add_argument("--read-mb", type=int, default=512, help="with --read-bands: the plain read's size")
     args = p.parse_args(argv)
+    if args.before is None:
+        if args.before_build is None:
+            p.error("--before is required (or --before-build, to time another build of the checkout's source)")
+        args.before = SOURCE
     if not args.before.is_file():
         p.error(f"--before {args.before}: no such file")
     if args.before_pos6 is not None:
@@ -109,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     set_kernel_threads(args.threads)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="blink-ab-") as tmp:
-        before = _before_library(args.before, build, Path(tmp))
+        before = _before_library(args.before, args.before_build or build, Path(tmp))
         wanted = None if args.layers == "all" else {int(x) for x in args.layers.split(",")}
         projections = [(kind, segments) for kind, layer, segments, _ in _projections(args.model)
                        if wanted is None or layer in wanted or layer == -1]
@@ -129,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.before_pos6 is not None:
             before_weights = packed(args.before_pos6)
         sets = {"before": before_weights, "now": weights}
-        print(f"build {build}, {args.threads} thread(s), {len(weights)} projections "
+        print(f"build {build}{f' (before: {args.before_build})' if args.before_build else ''}, {args.threads} thread(s), {len(weights)} projections "
               f"({'all layers' if wanted is None else 'layers ' + args.layers} and the head)")
         torch.manual_seed(0)
         xs = {ps[0].k: torch.randn(max(args.rows), ps[0].k).bfloat16() for _, ps in weights}

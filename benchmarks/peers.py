@@ -86,7 +86,7 @@ ALL_PEERS = ("blink", "llamaserver", "llamacpp", "vllm", "transformers")
 PEER_DIRS = {"llamaserver": "llama.cpp"}
 #: --isa CAP: the peers that can act as that CPU, and llama-server's build for it (setup_peers.sh)
 ISA_PEERS = ("blink", "llamaserver")
-ISA_PEER_DIRS = {"avx2": {"llamaserver": "llama.cpp-avx2"}}
+ISA_PEER_DIRS = {"avx2": {"llamaserver": "llama.cpp-avx2"}, "avx2_vnni": {"llamaserver": "llama.cpp-avx2_vnni"}}
 #: the 1B-class model's served name and its default output length (the issue's 128 in / 64 out)
 MODEL_1B_NAME = "llama-1b-shaped"
 MODEL_1B_OUTPUT_LEN = 64
@@ -988,13 +988,15 @@ def build_parser() -> argparse.ArgumentParser:
                          "C kernels, attention included, as on a CPU without AMX), blink and "
                          "vLLM with ONEDNN_MAX_CPU_ISA below AMX; llama-server is built without "
                          "AMX unless LLAMA_AMX=1")
-    ap.add_argument("--isa", choices=["avx2"], default=None,
+    ap.add_argument("--isa", choices=sorted(ISA_PEER_DIRS), default=None,
                     help="a smaller CPU on this one: avx2 = as on a CPU with AVX2 and no AVX-512, "
                          "AVX-VNNI or AMX (AMD Zen 2/3, older Xeons): blink with BLINK_CPU_ISA=avx2 "
                          "(its kernels' choices by the CPU's flags, --dtype auto's included) and torch's "
                          "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2; llama-server built for AVX2 "
-                         "alone (setup_peers.sh llamaserver-avx2). Other peers are not run. The memory "
-                         "and cores stay this machine's")
+                         "alone (setup_peers.sh llamaserver-avx2). avx2_vnni = the same with AVX-VNNI "
+                         "(Alder Lake and later client cores, Sierra Forest): BLINK_CPU_ISA=avx2_vnni, "
+                         "llama-server with GGML_AVX_VNNI (setup_peers.sh llamaserver-avx2_vnni). Other "
+                         "peers are not run. The memory and cores stay this machine's")
     ap.add_argument("--smoke", action="store_true",
                     help="prove the pipeline: 4 streams, 4 requests (2 single-stream), 32 in / 8 "
                          "out, a short bandwidth probe; numbers mean nothing")

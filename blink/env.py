@@ -71,8 +71,8 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("BLINK_CPU_AMX", "bool", "1 (AMX where the CPU, the compiler and the OS have it)",
            "0 = the CPU kernels act as on a CPU without AMX: paged attention without AMX tiles "
            "or AMX scores (its per-token pass on AVX-512), 4-bit projections off the AMX kernel "
-           "(on the AVX-512 VNNI, AVX-512 BF16, AVX2 int8, AVX2 or Arm NEON kernel the CPU's flags "
-           "choose, as BLINK_CPU_Q4=avx512_vnni|avx512|avx2_int8|avx2|neon_dotprod "
+           "(on the AVX-512 VNNI, AVX-512 BF16, AVX-VNNI, AVX2 int8, AVX2 or Arm NEON kernel the CPU's "
+           "flags choose, as BLINK_CPU_Q4=avx512_vnni|avx512|avx2_vnni|avx2_int8|avx2|neon_dotprod "
            "would); benchmarks/peers.py --no-amx sets it",
            ("blink.kernels.cpu",)),
     EnvVar("BLINK_CPU_ISA", "choice", "the CPU's own flags",
@@ -80,18 +80,21 @@ VARIABLES: tuple[EnvVar, ...] = (
            "AVX-512, AVX-VNNI or AMX (AMD Zen 2/3, older Xeons): --dtype auto, the 4-bit kernel's "
            "build, AMX, and the C kernels' -march=native builds (-march=x86-64-v3); blink engine "
            "also sets torch's ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 where unset; "
-           "benchmarks/peers.py --isa avx2 sets it; avx512 = as on a CPU with AVX-512 and VNNI but "
+           "benchmarks/peers.py --isa avx2 sets it; avx2_vnni = as on a CPU with AVX2 and AVX-VNNI "
+           "but no AVX-512 or AMX (Alder Lake and later client cores, Sierra Forest: -march=x86-64-v3 "
+           "-mavxvnni, torch at avx2 / AVX2_VNNI); avx512 = as on a CPU with AVX-512 and VNNI but "
            "no BF16 or AMX (Cascade Lake, Ice Lake: -march=cascadelake, torch at avx512 / "
            "AVX512_CORE_VNNI)",
-           ("blink.shared.cpu_features", "blink.launcher"), values=("avx2", "avx512")),
-    EnvVar("BLINK_CPU_Q4", "choice", "chosen by the CPU's flags (AMX, else AVX-512 VNNI, else AVX-512 BF16, else AVX2 int8; Arm: NEON dot product)",
+           ("blink.shared.cpu_features", "blink.launcher"), values=("avx2", "avx2_vnni", "avx512")),
+    EnvVar("BLINK_CPU_Q4", "choice", "chosen by the CPU's flags (AMX, else AVX-512 VNNI, else AVX-512 BF16, else AVX2 with AVX-VNNI, else AVX2 int8; Arm: NEON dot product)",
            "the kernel for projections on a GGUF file's quantized codes: torch = torch's int4 "
-           "kernel / bf16 copy; avx512_vnni (int8 activations), avx512, avx2_int8 (int8 activations), "
+           "kernel / bf16 copy; avx512_vnni (int8 activations), avx512, avx2_vnni (AVX2 with AVX-VNNI, int8 "
+           "activations), avx2_int8 (int8 activations), "
            "avx2 or neon_dotprod (Arm, int8 activations) = that build of the "
            "non-AMX kernel (and the "
            "AMX kernel off)",
            ("blink.kernels.cpu.q4_linear", "blink.kernels.cpu.quant_linear"),
-           values=("torch", "avx512_vnni", "avx512", "avx2_int8", "avx2", "neon_dotprod")),
+           values=("torch", "avx512_vnni", "avx512", "avx2_vnni", "avx2_int8", "avx2", "neon_dotprod")),
     EnvVar("BLINK_CPU_HUGE_PAGES", "bool", "1 (where the kernel has transparent huge pages)",
            "0 = the model's weights and KV cache stay in torch's own (4 KB) pages instead of "
            "2 MB pages (blink.huge_pages)", ("blink.huge_pages",)),

@@ -150,6 +150,33 @@ def test_bench_quant_source_times_two_versions_and_stops_on_different_bits(tmp_p
     assert "missing.c: no such file" in capsys.readouterr().err
 
 
+
+def test_bench_quant_source_times_two_builds_of_the_checkouts_source(tmp_path, capsys):
+    """``--before-build``: the checkout's source built as another int8 build on the same packed
+    weights (the same bits: the run goes through), named in the header; without ``--before`` or
+    ``--before-build`` argparse says what is missing. Its build lists are quant_linear's."""
+    from gguf import GGMLQuantizationType as Q
+
+    from benchmarks import bench_kquant_bytes, bench_quant_source
+    from blink.kernels.cpu import quant_linear as q
+    from test_loader_gguf import export_to_gguf
+
+    assert bench_kquant_bytes.X86_BUILDS == [name for name in q.VARIANTS if name != "neon_dotprod"]
+    flags = q.cpu_flags() or frozenset()
+    int8 = [name for name in q.VARIANTS if name in q.INT8_BUILDS and all(f in flags for f in q.VARIANTS[name][1])
+            and name != "neon_dotprod"]
+    if len(int8) < 2 or any(q.LIBRARIES[name].get() is None for name in int8[:2]):
+        pytest.skip("this CPU runs fewer than two x86 int8 builds")
+    model = export_to_gguf(make_tiny_model("llama", tmp_path), tmp_path / "q4_1.gguf", Q.Q4_1)
+    bench_quant_source.main(["--build", int8[0], "--before-build", int8[1], "--model", str(model),
+                             "--rows", "1", "5", "--rounds", "1"])
+    out = capsys.readouterr().out
+    assert f"build {int8[0]} (before: {int8[1]})" in out
+    assert len([line for line in out.splitlines() if line.startswith(("| 1 |", "| 5 |"))]) == 2, out
+    with pytest.raises(SystemExit):
+        bench_quant_source.main(["--model", str(model)])
+    assert "--before is required" in capsys.readouterr().err
+
 def _q6k_projections_gguf(path: Path) -> Path:
     """A GGUF holding one layer's projections and a head, all Q6_K (random blocks): what
     benchmarks/bench_kquant_bytes.py's ``_projections`` reads, nothing more."""

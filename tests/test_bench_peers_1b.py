@@ -147,6 +147,15 @@ def test_model_1b_args_and_the_llama_server_command(tmp_path):
     (tmp_path / "llama.cpp-avx2").mkdir()
     (tmp_path / "llama.cpp-avx2" / "STATUS").write_text("ok\n")
     assert peer_status("llamaserver", tmp_path, "avx2") == "ok" and peer_status("blink", tmp_path, "avx2") == "ok"
+    # --isa avx2_vnni: the same with AVX-VNNI, against llama-server's AVX-VNNI build
+    args.isa = "avx2_vnni"
+    _, env, _ = peer_command("blink", 9001, args)
+    assert env == {"BLINK_CPU_ISA": "avx2_vnni", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI"}
+    argv, _, _ = peer_command("llamaserver", 9000, args)
+    assert argv[0].endswith("llama.cpp-avx2_vnni/bin/llama-server")
+    assert peer_status("llamaserver", tmp_path, "avx2_vnni") == (
+        "not installed (run: bash benchmarks/setup_peers.sh llamaserver-avx2_vnni)")
+    assert build_parser().parse_args(["--isa", "avx2_vnni"]).isa == "avx2_vnni"
     smoke = build_parser().parse_args(["--smoke"])
     resolve_model_args(smoke)
     assert (smoke.concurrency, smoke.output_len, smoke.model_name) == (4, 8, "smollm2-135m")
@@ -182,8 +191,8 @@ def test_setup_peers_isa_flags_follow_this_cpu():
     script = REPO / "benchmarks" / "setup_peers.sh"
     fn = subprocess.run(["sed", "-n", "/^ggml_isa_flags()/,/^}/p", str(script)],
                         capture_output=True, text=True, check=True).stdout
-    def isa(env: dict) -> list:
-        return subprocess.run(["bash", "-c", fn + "\nggml_isa_flags"], capture_output=True,
+    def isa(env: dict, cap: str = "") -> list:
+        return subprocess.run(["bash", "-c", fn + f"\nggml_isa_flags {cap}"], capture_output=True,
                               text=True, check=True, env=env).stdout.split()
 
     flags = next((line.split(":", 1)[1].split() for line in
@@ -196,6 +205,10 @@ def test_setup_peers_isa_flags_follow_this_cpu():
         assert f"-DGGML_{opt}={'ON' if cpu_flag in flags else 'OFF'}" in out
     assert "-DGGML_AMX_INT8=OFF" in out  # llama.cpp's AMX kernels only with LLAMA_AMX=1
     assert f"-DGGML_AMX_INT8={'ON' if 'amx_int8' in flags else 'OFF'}" in amx
+    # the capped builds: AVX2 alone, and AVX2 with AVX-VNNI where this CPU has it
+    plain, vnni = isa({"PATH": "/usr/bin:/bin"}, "avx2"), isa({"PATH": "/usr/bin:/bin"}, "avx2_vnni")
+    assert "-DGGML_AVX512=OFF" in plain and "-DGGML_AVX512=OFF" in vnni and "-DGGML_AVX_VNNI=OFF" in plain
+    assert f"-DGGML_AVX_VNNI={'ON' if 'avx_vnni' in flags else 'OFF'}" in vnni
 
 
 def test_alternating_single_streams_give_ratios_round_by_round_and_their_medians():

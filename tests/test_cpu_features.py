@@ -50,9 +50,17 @@ def test_avx512_leaves_out_bf16_and_amx(monkeypatch, cpuinfo):
     assert dtypes.cpu_has_native_bf16(cpu_flags(cpuinfo)) is False
 
 
+def test_avx2_vnni_keeps_avx_vnni_and_leaves_out_avx512_and_amx(monkeypatch, cpuinfo):
+    monkeypatch.setenv(ISA_ENV, "avx2_vnni")
+    assert cpu_flags(cpuinfo) == frozenset({"fpu", "sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni"})
+    assert march_flags(["-O3", "-march=native"]) == ["-O3", "-march=x86-64-v3", "-mavxvnni", "-mtune=generic"]
+    assert torch_env() == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI"}
+    assert dtypes.cpu_has_native_bf16(cpu_flags(cpuinfo)) is False
+
+
 def test_an_unknown_cap_is_a_readable_error(monkeypatch, cpuinfo):
     monkeypatch.setenv(ISA_ENV, "avx10")
-    with pytest.raises(BlinkError, match=f"{ISA_ENV}='avx10': use one of avx2, avx512"):
+    with pytest.raises(BlinkError, match=f"{ISA_ENV}='avx10': use one of avx2, avx2_vnni, avx512"):
         cpu_flags(cpuinfo)
 
 
@@ -95,6 +103,10 @@ def test_the_kernels_choices_follow_the_cap(monkeypatch):
         chosen = quant_linear.variant()
         if "avx2" in flags and shutil.which(os.environ.get("CC", "cc")):
             assert chosen in ("avx2_int8", "avx2")
+        monkeypatch.setenv(ISA_ENV, "avx2_vnni")  # the AVX-VNNI build where the CPU has it
+        quant_linear.reset()
+        if "avx_vnni" in (read_cpu_flags() or ()) and shutil.which(os.environ.get("CC", "cc")):
+            assert quant_linear.variant() == "avx2_vnni"
     finally:
         monkeypatch.delenv(ISA_ENV)
         quant_linear.reset()

@@ -154,7 +154,7 @@ def test_the_kernel_without_amx_runs_small_steps_on_the_codes_and_large_ones_on_
 
 @pytest.mark.parametrize("build", sorted(cpu_quant_linear.INT8_BUILDS & set(MACHINE_BUILDS)))
 def test_the_int8_builds_run_every_step_on_the_codes_without_a_bf16_copy(q4_gguf, monkeypatch, build):
-    """``$BLINK_CPU_Q4=avx512_vnni|avx2_int8``: x quantized to int8 per group of 32 (llama.cpp's Q8_0
+    """``$BLINK_CPU_Q4=avx512_vnni|avx2_vnni|avx2_int8``: x quantized to int8 per group of 32 (llama.cpp's Q8_0
     activations), every step on the codes, prefills too, and no bf16 copy kept. Its logits
     are further from the fp32 forward's than bf16's: a group's int8 step is max|x| / 127
     where bf16's is |x| / 128 (tests/test_cpu_quant_linear.py holds the kernel to the exact
@@ -395,7 +395,7 @@ def test_a_k_quant_gguf_runs_on_its_codes(k_quant_ggufs, monkeypatch, build, nam
         cpu_quant_linear.reset()
 
 
-@pytest.mark.parametrize("build", ["avx2_int8", "avx2"])
+@pytest.mark.parametrize("build", ["avx2_vnni", "avx2_int8", "avx2"])
 def test_without_onednn_bf16_the_avx2_kernels_still_run_the_codes(q4_gguf, monkeypatch, build):
     """An AVX2 CPU under --dtype bfloat16 packs no bf16 weights (oneDNN has no native bf16
     there): the int8 build runs every step on the codes, and no bf16 copy is kept; the fp32 one

@@ -18,15 +18,15 @@ bf16 copy (~4x fewer bytes), in the layout of one of these kernels:
   of at most :data:`INT8_MAX_ROWS_BESIDE_AMX_KERNEL` tokens run the same codes and scales on
   the ``avx512_vnni`` build below (one useful row wastes a tile product: with its projections
   so, SmolLM2's one-row decode forward is 1.17x faster; with its Q8_0 head too, 1.24x).
-- ``avx512_vnni`` / ``avx512`` / ``avx2_int8`` / ``avx2`` / ``neon_dotprod``: Blink's C kernel
+- ``avx512_vnni`` / ``avx512`` / ``avx2_vnni`` / ``avx2_int8`` / ``avx2`` / ``neon_dotprod``: Blink's C kernel
   for CPUs without AMX (:mod:`blink.kernels.cpu.quant_linear`, the first build the CPU's flags
   allow; AMD Zen 4, Xeons whose AMX is hidden, AVX2 CPUs, Arm CPUs with the dot-product
   extension), which also takes the
   K-quants (Q4_K, Q5_K, Q6_K) and Q8_0 on their codes (:func:`pack_codes`), a fused
   projection's parts each in its own format. The int8 builds (``avx512_vnni``,
-  ``avx2_int8``, ``neon_dotprod``: :data:`blink.kernels.cpu.quant_linear.INT8_BUILDS`)
+  ``avx2_vnni``, ``avx2_int8``, ``neon_dotprod``: :data:`blink.kernels.cpu.quant_linear.INT8_BUILDS`)
   quantize x to int8 per group of 32 channels (K-quants: per super-block of 256), as
-  llama.cpp does, and multiply with vpdpbusd (AVX2: vpmaddubsw; Arm: sdot): their
+  llama.cpp does, and multiply with vpdpbusd (AVX-VNNI: its 256-bit one; AVX2: vpmaddubsw; Arm: sdot): their
   cost grows slowly enough with the rows that every step uses them (VNNI: 3-3.5x the bf16
   build's GFLOPS at 16-512 rows) and no bf16 copy is kept, except where oneDNN's bf16 product
   runs on AMX (K-quants on a CPU with AMX): there steps of more than
@@ -74,7 +74,7 @@ AMX_MAX_ROWS: int | None = None
 #: --k-quants under ONEDNN_MAX_CPU_ISA=AVX2, faster than the fp32 build at 1 to 512 rows,
 #: 1.9-2.1x from 16, and 6.9-7.1x the plain bf16 weights from 128), but beside oneDNN on AMX
 #: (:data:`INT8_MAX_ROWS_BESIDE_AMX`).
-NATIVE_MAX_ROWS = {"avx512_vnni": None, "avx512": 32, "avx2_int8": None, "avx2": 8, "neon_dotprod": None}
+NATIVE_MAX_ROWS = {"avx512_vnni": None, "avx512": 32, "avx2_vnni": None, "avx2_int8": None, "avx2": 8, "neon_dotprod": None}
 #: Where oneDNN's bf16 products run on AMX (a CPU with AMX and K-quant projections, which the
 #: AMX kernel does not take), an int8 build takes steps of at most this many tokens and the
 #: bf16 copy the others (``avx2_int8`` runs there only when ``$BLINK_CPU_Q4`` asks: every
@@ -119,7 +119,7 @@ GROUP = 32
 # The kernel's inner-K tiling argument for the packed layout (the CPU kernel takes 1).
 _INNER_K_TILES = 1
 
-Kernel = Literal["amx", "avx512_vnni", "avx512", "avx2_int8", "avx2", "neon_dotprod", "torch"]
+Kernel = Literal["amx", "avx512_vnni", "avx512", "avx2_vnni", "avx2_int8", "avx2", "neon_dotprod", "torch"]
 
 
 @dataclass

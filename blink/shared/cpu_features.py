@@ -11,6 +11,9 @@ Every choice made by the CPU's flags (``--dtype auto``'s native bf16, which buil
   (:func:`torch_env`: ``ATEN_CPU_CAPABILITY=avx2``, ``ONEDNN_MAX_CPU_ISA=AVX2``, set by
   ``blink engine`` before torch loads; an in-process ``blink.LLM`` needs them in its
   environment before ``import torch``).
+* ``BLINK_CPU_ISA=avx2_vnni``: as on an x86 CPU with AVX2 and AVX-VNNI but no AVX-512 or AMX
+  (Intel Alder Lake and later client cores, Xeon 6 E-cores: Sierra Forest): ``-march=x86-64-v3
+  -mavxvnni``, torch at ``avx2`` / ``AVX2_VNNI``.
 * ``BLINK_CPU_ISA=avx512``: as on a CPU with AVX-512 and VNNI but no BF16 or AMX (Intel
   Cascade Lake and Ice Lake, most older cloud VMs): ``-march=cascadelake``, torch at
   ``avx512`` / ``AVX512_CORE_VNNI``.
@@ -39,18 +42,21 @@ class Cap(NamedTuple):
     means: str
     #: prefixes of the flags it leaves out of :func:`cpu_flags`
     dropped: tuple[str, ...]
-    #: the ``-march`` of its ``-march=native`` builds
-    march: str
+    #: what its ``-march=native`` builds are built with instead
+    march: tuple[str, ...]
     #: torch's own caps (read when torch loads)
     torch_env: dict[str, str]
 
 
 CAPS: dict[str, Cap] = {
     "avx2": Cap("a CPU with AVX2 and no AVX-512, AVX-VNNI or AMX",
-                ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert"), "x86-64-v3",
+                ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert"), ("-march=x86-64-v3",),
                 {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}),
+    "avx2_vnni": Cap("a CPU with AVX2 and AVX-VNNI but no AVX-512 or AMX (Alder Lake and later client cores, "
+                     "Sierra Forest)", ("avx512", "amx"), ("-march=x86-64-v3", "-mavxvnni"),
+                     {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI"}),
     "avx512": Cap("a CPU with AVX-512 and VNNI but no BF16 or AMX (Cascade Lake, Ice Lake)",
-                  ("avx512_bf16", "avx512_fp16", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert"), "cascadelake",
+                  ("avx512_bf16", "avx512_fp16", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert"), ("-march=cascadelake",),
                   {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"}),
 }
 
@@ -91,15 +97,15 @@ def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str] | None:
 
 
 def march_flags(flags: tuple[str, ...] | list[str]) -> list[str]:
-    """A build's compiler flags with ``-march=native`` made the capped CPU's ``-march`` (and
-    ``-mtune=generic``) under ``$BLINK_CPU_ISA``; unchanged otherwise."""
+    """A build's compiler flags with ``-march=native`` made the capped CPU's ``-march`` (with its
+    extensions, and ``-mtune=generic``) under ``$BLINK_CPU_ISA``; unchanged otherwise."""
     cap = isa_cap()
     if not cap:
         return list(flags)
     out: list[str] = []
     for flag in flags:
         if flag == "-march=native":
-            out += [f"-march={CAPS[cap].march}", "-mtune=generic"]
+            out += [*CAPS[cap].march, "-mtune=generic"]
         else:
             out.append(flag)
     return out

@@ -22,7 +22,7 @@ step otherwise streams.
 Used where :func:`available` says the kernel was built with AMX for this CPU and the OS lets
 the process use it; otherwise that is said once in the log and torch's int4 kernel runs.
 ``$BLINK_CPU_Q4=torch`` turns it off (tests, diagnosis); a build's name (``avx512_vnni``, ``avx512``,
-``avx2_int8``, ``avx2``, ``neon_dotprod``) too, for that build of the kernel a CPU without AMX runs (:mod:`blink.kernels.cpu.quant_linear`), as does
+``avx2_vnni``, ``avx2_int8``, ``avx2``, ``neon_dotprod``) too, for that build of the kernel a CPU without AMX runs (:mod:`blink.kernels.cpu.quant_linear`), as does
 ``$BLINK_CPU_AMX=0`` (:func:`blink.kernels.cpu.amx_allowed`), with the build the CPU's flags choose.
 """
 from __future__ import annotations
@@ -64,7 +64,7 @@ LIBRARY = NativeLibrary(
     fallback="4-bit projections run on the AVX-512/AVX2/Arm NEON kernel (quant_linear.c) where the CPU has one, "
              "else on torch's int4 kernel for few rows and bf16 otherwise",
     flags=("-O3", "-march=native", "-ffp-contract=off"), headers=(_SOURCE.with_name("kernels.h"),), env=IMPL_ENV,
-    env_value=("torch", "avx512_vnni", "avx512", "avx2_int8", "avx2", "neon_dotprod"), setup=_declare, kernels=("blink_q4_linear", "blink_q8_linear", "blink_q4_linear_gated"),
+    env_value=("torch", "avx512_vnni", "avx512", "avx2_vnni", "avx2_int8", "avx2", "neon_dotprod"), setup=_declare, kernels=("blink_q4_linear", "blink_q8_linear", "blink_q4_linear_gated"),
     queries=("blink_q4_linear_supported", "blink_q4_linear_few_rows"))
 
 

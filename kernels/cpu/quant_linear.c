@@ -1,9 +1,10 @@
 /* y = x @ W.T (+ bias) for bf16 x and a weight kept as a GGUF file's own codes, on CPUs
- * without AMX: one source, built five times by kernels/cpu/quant_linear.py (VARIANTS): for
+ * without AMX: one source, built six times by kernels/cpu/quant_linear.py (VARIANTS): for
  * AVX-512 VNNI (int8 x), for AVX-512 BF16 (-march=x86-64-v4 -mavx512bf16: Intel Cooper Lake /
- * Sapphire Rapids with AMX hidden, AMD Zen 4 and 5), for AVX2 with int8 x (-march=x86-64-v3
- * -DBLINK_QUANT_INT8_AVX2), for AVX2 (-march=x86-64-v3) and for Arm with int8 x
- * (-march=armv8.2-a+dotprod); neither AVX2 build holds an AVX-512 instruction. The Python side
+ * Sapphire Rapids with AMX hidden, AMD Zen 4 and 5), for AVX2 with AVX-VNNI and int8 x
+ * (-march=x86-64-v3 -mavxvnni -DBLINK_QUANT_INT8_AVX2 -DBLINK_QUANT_AVX_VNNI), for AVX2 with
+ * int8 x (-march=x86-64-v3 -DBLINK_QUANT_INT8_AVX2), for AVX2 (-march=x86-64-v3) and for Arm
+ * with int8 x (-march=armv8.2-a+dotprod); no AVX2 build holds an AVX-512 instruction. The Python side
  * loads the first one the CPU's flags allow.
  *
  * Why: a decode step streams every projection weight once and does little arithmetic with
@@ -41,7 +42,7 @@
  *   then d (x . q) + m sum(x) in fp32. Up to 8 rows per pass share each unpacked row.
  * - AVX2: 8 columns at a time, x . q per group in fp32 FMAs on x's fp32 values and the codes
  *   as fp32 (exact), then d (x . q) + m sum(x).
- * - The int8 builds (AVX-512 VNNI, AVX2 with -DBLINK_QUANT_INT8_AVX2, Arm) multiply x quantized to
+ * - The int8 builds (AVX-512 VNNI, AVX2 with -DBLINK_QUANT_INT8_AVX2 with or without AVX-VNNI, Arm) multiply x quantized to
  *   int8 per group of 32 (llama.cpp's Q8_0 activations; for K-quants on the file's scales per
  *   super-block of 256, its Q8_K) in exact integer sums: see their sections.
  * Every row count takes the same code (decode steps and prefills alike), rows in passes of 8
@@ -734,7 +735,21 @@ static void *run_tiles(void *arg) {
 }
 
 #elif defined(BLINK_QUANT_INT8_AVX2) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(BLINK_QUANT_AVX_VNNI) && defined(__AVXVNNI__)
+/* With AVX-VNNI (-mavxvnni -DBLINK_QUANT_AVX_VNNI: Intel Alder Lake and later client cores,
+ * Xeon 6 E-cores (Sierra Forest), AMD Zen 5; the 256-bit VEX vpdpbusd, no AVX-512): each
+ * vpmaddubsw + vpaddw (+ a share of vpmaddwd) becomes one vpdpbusd, which sums the 4 byte
+ * products of a lane straight into int32 without saturating; 8-bit codes keep the sign trick
+ * (|q| <= 128 as unsigned bytes). The integer sums are exact either way: this build gives the
+ * other int8 builds' bits. */
+#define BLINK_QUANT_ISA 29
+#define AVX_VNNI 1
+static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#else
 #define BLINK_QUANT_ISA 28
+#define AVX_VNNI 0
+static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { (void)u; (void)s; return acc; } /* (not reached) */
+#endif
 /* The AVX2 int8 build (x86-64-v3 with -DBLINK_QUANT_INT8_AVX2: no AVX-512 instruction; for
  * CPUs with AVX2 but without AVX-512, Intel Haswell to Alder Lake, AMD Zen 1 to 3).
  *
@@ -955,7 +970,15 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
                     const __m256i x0 = broadcast4(xg + r * GROUP + 8 * c), x1 = broadcast4(xg + r * GROUP + 8 * c + 4);
 #pragma GCC unroll 2
                     for (int hc = 0; hc < 2; hc++) {
-                        if (bits == 8) { /* |q| x sign(qx, q) = q qx; a pair fits int16, two may not */
+                        if (AVX_VNNI) { /* u qx summed into int32 by the instruction itself */
+                            const __m256i xa = bits == 8 ? _mm256_sign_epi8(x0, lo[hc]) : x0;
+                            const __m256i xb = bits == 8 ? _mm256_sign_epi8(x1, hi[hc]) : x1;
+                            /* a vector's two products from zero, then one add: a running sum
+                             * through every vpdpbusd would wait on its latency (0.79x at 16 rows) */
+                            const __m256i s = dpbusd(dpbusd(_mm256_setzero_si256(), ulo[hc], xa), uhi[hc], xb);
+                            acc32[hc][r] = n32 ? _mm256_add_epi32(acc32[hc][r], s) : s;
+                            __asm__("" : "+x"(acc32[hc][r])); /* (below) */
+                        } else if (bits == 8) { /* |q| x sign(qx, q) = q qx; a pair fits int16, two may not */
                             const __m256i s = _mm256_add_epi32(
                                 _mm256_madd_epi16(_mm256_maddubs_epi16(ulo[hc], _mm256_sign_epi8(x0, lo[hc])), ones),
                                 _mm256_madd_epi16(_mm256_maddubs_epi16(uhi[hc], _mm256_sign_epi8(x1, hi[hc])), ones));
@@ -971,7 +994,7 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
                     }
                 }
                 const int group_end = c2 == 1 && (g16 || h == 1); /* a scale group ends */
-                if (bits == 8) {
+                if (AVX_VNNI || bits == 8) {
                     n32++;
                 } else if (++n16 == chunk || group_end) { /* widen: pairs of int16 into int32 */
 #pragma GCC unroll 2
@@ -1537,7 +1560,8 @@ static void *quantize_rows(void *arg) {
 
 #endif
 
-/* Which instruction set this build uses: 8 (AVX-512 VNNI, int8), 512 (AVX-512 with BF16), 28 (AVX2, int8), 2
+/* Which instruction set this build uses: 8 (AVX-512 VNNI, int8), 512 (AVX-512 with BF16), 28 (AVX2, int8), 29
+ * (AVX2 with AVX-VNNI, int8), 2
  * (AVX2), 82 (Arm NEON with the dot-product extension, int8), 0 (none: the Python side does not use it). */
 int blink_quant_linear_isa(void) {
 #ifdef BLINK_QUANT_ISA

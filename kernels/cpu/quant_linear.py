@@ -6,7 +6,7 @@ the file's 4-bit codes are ~4x fewer than bf16, its 8-bit ones 2x. The AMX kerne
 EPYC/Ryzen, older Xeons, cloud VMs that hide it); there torch's int4 kernel read Q4_0/Q4_1
 codes for steps of few rows, and K-quants were dequantized to bf16 at load.
 
-Five builds of one source, the first the CPU's flags allow chosen at load (:func:`variant`,
+Six builds of one source, the first the CPU's flags allow chosen at load (:func:`variant`,
 said once in the log):
 
 - ``avx512_vnni`` (AVX-512 F/BW/VL with VNNI: Intel Cascade Lake, Ice Lake and later, AMD
@@ -23,6 +23,12 @@ said once in the log):
   by vpmaddubsw (32 byte products an instruction) and vpmaddwd: the ``avx512_vnni`` build's
   bits. Every step runs on it, as on that build: the fp32 FMAs of ``avx2`` multiply 8 products
   an instruction, and such a CPU has no native bf16 for the bf16 copy.
+- ``avx2_vnni`` (``avx2_int8`` with AVX-VNNI, ``avx_vnni`` in ``/proc/cpuinfo``, still no
+  AVX-512 instruction: Intel Alder Lake and later client cores, Xeon 6 E-cores (Sierra
+  Forest)): the 256-bit vpdpbusd sums a vector's byte products into int32 in one instruction
+  where ``avx2_int8`` takes vpmaddubsw, vpaddw and a share of vpmaddwd; the same bits, chosen
+  before ``avx2_int8``. On Zen 5 capped to it (no CPU without AVX-512 is at hand) 1.13-1.19x
+  ``avx2_int8``'s products at 1 to 128 rows, one thread (docs/performance.md#avx-vnni).
 - ``avx512`` (AVX-512 F/BW/VL with BF16: per group of 32 channels ``x . q`` by vdpbf16ps on
   the codes as exact bf16, then ``d (x . q) + m sum(x)`` in fp32) and ``avx2`` (x86-64-v3, no
   AVX-512 instruction in that build: ``x . q`` in fp32 FMAs on x's fp32 values, then the
@@ -48,7 +54,7 @@ file 4.5; Q5_K 5.625, the file 5.5; Q6_K the file's 6.5625). The layout is the A
 (:func:`blink.kernels.cpu.q4_linear._b_tile_rows`) for the 4- and 8-bit codes; that kernel
 takes only Q4_0/Q4_1 and keeps its own scales.
 
-``$BLINK_CPU_Q4``: ``avx512_vnni``, ``avx512``, ``avx2_int8``, ``avx2`` or ``neon_dotprod`` picks that build (and keeps the AMX kernel off, so a
+``$BLINK_CPU_Q4``: ``avx512_vnni``, ``avx512``, ``avx2_vnni``, ``avx2_int8``, ``avx2`` or ``neon_dotprod`` picks that build (and keeps the AMX kernel off, so a
 CPU with AMX runs the path a CPU without it would), ``torch`` turns both off; unset, AMX where
 it runs (:mod:`blink.models.int4_linear`) and this kernel for what the AMX kernel does not take.
 """
@@ -91,6 +97,8 @@ VARIANTS = {
                     "AVX-512 VNNI (int8 activations)"),
     "avx512": (("-O3", "-march=x86-64-v4", "-mavx512bf16", "-mtune=generic"),
                ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma", "f16c"), 512, "AVX-512 BF16"),
+    "avx2_vnni": (("-O3", "-march=x86-64-v3", "-mavxvnni", "-mtune=generic", "-DBLINK_QUANT_INT8_AVX2",
+                   "-DBLINK_QUANT_AVX_VNNI"), ("avx2", "fma", "f16c", "avx_vnni"), 29, "AVX2 with AVX-VNNI (int8 activations)"),
     "avx2_int8": (("-O3", "-march=x86-64-v3", "-mtune=generic", "-DBLINK_QUANT_INT8_AVX2"), ("avx2", "fma", "f16c"), 28,
                   "AVX2 (int8 activations)"),
     "avx2": (("-O3", "-march=x86-64-v3", "-mtune=generic"), ("avx2", "fma", "f16c"), 2, "AVX2"),
@@ -100,7 +108,7 @@ VARIANTS = {
                      ("asimd", "asimddp"), 82, "Arm NEON dot product (int8 activations)"),
 }
 #: the builds that multiply x quantized to int8 (:func:`quantize_activations`), every step
-INT8_BUILDS = frozenset({"avx512_vnni", "avx2_int8", "neon_dotprod"})
+INT8_BUILDS = frozenset({"avx512_vnni", "avx2_vnni", "avx2_int8", "neon_dotprod"})
 
 
 def _declare(isa: int):
