@@ -751,7 +751,8 @@ static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_
 static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { (void)u; (void)s; return acc; } /* (not reached) */
 #endif
 /* The AVX2 int8 build (x86-64-v3 with -DBLINK_QUANT_INT8_AVX2: no AVX-512 instruction; for
- * CPUs with AVX2 but without AVX-512, Intel Haswell to Alder Lake, AMD Zen 1 to 3).
+ * CPUs with AVX2 but without AVX-512, Intel Haswell to Comet Lake, AMD Zen 1 to 3; with
+ * -mavxvnni -DBLINK_QUANT_AVX_VNNI the AVX-VNNI build above, for Alder Lake and later).
  *
  * Why: the AVX2 build's fp32 FMAs multiply 8 products an instruction, so its cost grows fast
  * with the rows (it takes steps of few rows; a bf16 copy the others, which such a CPU

@@ -18,7 +18,7 @@ said once in the log):
   errors meet the whole, centred weight). Its cost grows ~8x slower with the rows than
   vdpbf16ps' (two vpdpbusd a cycle with 64 products each, one vdpbf16ps every two with 32, on
   Sapphire Rapids), so every step runs on it, prefills too, and no bf16 copy is kept.
-- ``avx2_int8`` (x86-64-v3: AVX2, FMA, F16C, no AVX-512 instruction; Intel Haswell to Alder
+- ``avx2_int8`` (x86-64-v3: AVX2, FMA, F16C, no AVX-512 instruction; Intel Haswell to Comet
   Lake, AMD Zen 1 to 3): the same int8 arithmetic on 256-bit registers, each group's sum exact
   by vpmaddubsw (32 byte products an instruction) and vpmaddwd: the ``avx512_vnni`` build's
   bits. Every step runs on it, as on that build: the fp32 FMAs of ``avx2`` multiply 8 products
