@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 #: the x86 builds of quant_linear.c (its VARIANTS' keys but the Arm one; a literal, so that
-#: --help imports no torch: tests/test_benchmarks_cli.py holds it to VARIANTS)
+#: --help imports no torch: tests/test_bench_forward.py holds it to VARIANTS)
 X86_BUILDS = ["avx512_vnni", "avx512", "avx2_vnni", "avx2_int8", "avx2"]
 
 

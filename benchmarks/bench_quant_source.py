@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.before_pos6 is not None:
             before_weights = packed(args.before_pos6)
         sets = {"before": before_weights, "now": weights}
-        print(f"build {build}{f' (before: {args.before_build})' if args.before_build else ''}, {args.threads} thread(s), {len(weights)} projections "
+        before_build = f" (before: {args.before_build})" if args.before_build else ""
+        print(f"build {build}{before_build}, {args.threads} thread(s), {len(weights)} projections "
               f"({'all layers' if wanted is None else 'layers ' + args.layers} and the head)")
         torch.manual_seed(0)
         xs = {ps[0].k: torch.randn(max(args.rows), ps[0].k).bfloat16() for _, ps in weights}

@@ -43,7 +43,7 @@ class Cap(NamedTuple):
     #: prefixes of the flags it leaves out of :func:`cpu_flags`
     dropped: tuple[str, ...]
     #: what its ``-march=native`` builds are built with instead
-    march: tuple[str, ...]
+    native_flags: tuple[str, ...]
     #: torch's own caps (read when torch loads)
     torch_env: dict[str, str]
 
@@ -105,7 +105,7 @@ def march_flags(flags: tuple[str, ...] | list[str]) -> list[str]:
     out: list[str] = []
     for flag in flags:
         if flag == "-march=native":
-            out += [*CAPS[cap].march, "-mtune=generic"]
+            out += [*CAPS[cap].native_flags, "-mtune=generic"]
         else:
             out.append(flag)
     return out
