@@ -22,6 +22,7 @@ from blink.cli_args import (
 )
 from blink import env as blink_env
 from blink.errors import BlinkError
+from blink.gc_freeze import freeze_startup_heap
 from blink.logs import configure_logging
 from blink.supervision import raise_open_files_limit, watch_supervisor
 from blink.threads.roles import set_thread_name
@@ -112,6 +113,7 @@ async def _serve(args: argparse.Namespace, addresses: list[tuple[str, int]]) -> 
         while not server.started and not serve_task.done():
             await asyncio.sleep(0.05)
         if server.started:
+            freeze_startup_heap(logger, "frontend")  # (blink.gc_freeze)
             scheme = "https" if args.ssl_certfile else "http"
             print(f"Blink frontend ready: {scheme}://{args.host}:{args.port}"
                   f"{args.root_path or ''}/v1 (model {model_name!r}, engine {engines_text})",

@@ -51,6 +51,7 @@ from blink.cli_args import (
 from blink import env as blink_env
 from blink.engine_options import SHARED_SERVE_FLAGS, engine_config_kwargs, forwarded_argv
 from blink.errors import BlinkError
+from blink.gc_freeze import freeze_startup_heap
 from blink.logs import configure_logging
 from blink.shared import cpu_features
 from blink.supervision import (
@@ -180,6 +181,7 @@ def run_engine(args: argparse.Namespace) -> int:
                 "--bootstrap-secret-file %s", "written to" if secret_created else "read from",
                 secret_path, secret_path)
         engine.start()
+        freeze_startup_heap(engine_logger, "engine")  # no full collection scans the model (blink.gc_freeze)
         print(f"{ENGINE_READY_PREFIX}{bound_host}:{bound_port}", flush=True)
         engine_logger.info(
             "role %s, model %r (%s), dtype %s (%s), max_model_len %d, %d KV blocks of %d, "

@@ -9,6 +9,7 @@ the server with SIGTERM and checks that nothing is left behind.
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import sys
 from pathlib import Path
@@ -114,6 +115,16 @@ def test_models_health_and_metrics(client, server):
     assert httpx.get(f"{server.base_url}/health").status_code == 200  # no key needed
     metrics = read_metrics(server.base_url)  # no key needed
     assert "blink:num_requests_running" in metrics and "blink:kv_cache_usage_perc" in metrics
+
+
+def test_both_processes_freeze_their_start_up_heaps(server):
+    """blink.gc_freeze: the engine (after its load) and the frontend (once serving) say how many
+    objects left the garbage collector's scans; a loaded engine holds tens of thousands."""
+    log = server.log()
+    counts = {what: int(n) for what, n in
+              re.findall(r"(engine|frontend): (\d+) start-up objects moved out of the garbage collector", log)}
+    assert set(counts) == {"engine", "frontend"}, server.tail()
+    assert counts["engine"] > 10_000 and counts["frontend"] > 1_000, counts
 
 
 def test_api_key_required_but_health_open(server):
