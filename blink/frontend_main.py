@@ -9,7 +9,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import resource
 import signal
 
@@ -46,8 +45,6 @@ def _server_class():
 
 
 async def _serve(args: argparse.Namespace, addresses: list[tuple[str, int]]) -> None:
-    import uvicorn
-
     _Server = _server_class()
     from blink.dpu.app import app_options, create_app
     from blink.dpu.http_server import uvicorn_config
