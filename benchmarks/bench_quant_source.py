@@ -49,9 +49,6 @@ from typing import Any
 
 from benchmarks.bench_kquant_bytes import X86_BUILDS
 
-#: the checkout's source (--before-build's default before version)
-SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "cpu" / "quant_linear.c"
-
 
 def _before_library(source: Path, build: str, workdir: Path):
     """``source`` built as the checkout's ``build`` is (that NativeLibrary's own flags, with a
@@ -98,11 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--by-kind", action="store_true", help="with --read-bands: per projection kind too")
     p.add_argument("--read-mb", type=int, default=512, help="with --read-bands: the plain read's size")
     args = p.parse_args(argv)
-    if args.before is None:
-        if args.before_build is None:
-            p.error("--before is required (or --before-build, to time another build of the checkout's source)")
-        args.before = SOURCE
-    if not args.before.is_file():
+    if args.before is None and args.before_build is None:
+        p.error("--before is required (or --before-build, to time another build of the checkout's source)")
+    if args.before is not None and not args.before.is_file():
         p.error(f"--before {args.before}: no such file")
     if args.before_pos6 is not None:
         try:
@@ -126,7 +121,8 @@ def main(argv: list[str] | None = None) -> None:
     set_kernel_threads(args.threads)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="blink-ab-") as tmp:
-        before = _before_library(args.before, args.before_build or build, Path(tmp))
+        # (--before-build alone: the checkout's own source, the one quant_linear.py builds)
+        before = _before_library(args.before or q._SOURCE, args.before_build or build, Path(tmp))
         wanted = None if args.layers == "all" else {int(x) for x in args.layers.split(",")}
         projections = [(kind, segments) for kind, layer, segments, _ in _projections(args.model)
                        if wanted is None or layer in wanted or layer == -1]
