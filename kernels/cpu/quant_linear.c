@@ -80,11 +80,13 @@ static const int POS6[8] = {0, 2, 8, 10, 4, 6, 12, 14};
 enum { PANEL_ROWS = 128 };
 
 /* How far ahead the codes are prefetched: 6 KB (2 KB, q4_linear.c's distance, until
- * 2026-12-07). One row over a 1B's projections, two threads, AMD Zen 5: the VNNI build's Q6_K
- * ones 1.03-1.18x faster, its Q4_K ones 0.98-1.08x (faster where more than ~60 GB/s is to be
- * had), the avx2_int8 and avx512 builds' 1.04-1.24x over all; SmolLM2's smaller ones
- * 0.99-1.01x; 16 and 128 rows 1.00-1.01x (docs/performance.md#prefetch-distance). The Arm
- * build takes the same distance, not measured on an Arm CPU either way. */
+ * 2026-12-07: one-row passes then read a 1B's Q6_K head at 0.67 of a plain read, waiting on
+ * memory). One row over the 1B's projections, two threads, AMD Zen 5, 6 KB against 2 KB: the
+ * VNNI build's Q6_K ones 1.03-1.06x at 40-60 GB/s and more above, its Q4_K ones 0.95-1.19x by
+ * band (ahead above ~60 GB/s), Q5_K and Q8_0 1.02-1.21x, the avx2_int8 and avx512 builds'
+ * 1.04-1.24x over all; SmolLM2's 1.00x; 16-128 rows 1.00-1.01x
+ * (docs/performance.md#prefetch-distance). The Arm build takes the same distance, not measured
+ * on an Arm CPU either way. */
 enum { PREFETCH_BYTES = 6144 };
 
 /* The int8 builds' passes over a tile of several passes prefetch the next tile's codes into L2,
