@@ -153,7 +153,10 @@ def test_disconnect_mid_stream_frees_slot_and_kv(frontend):
 
 def test_nonstreaming_request_closed_during_prefill(frontend):
     url = frontend.base_url
-    prompt = "word " * 450  # a prefill long enough to still be running when we leave
+    # a prefill long enough to still be running when we leave at 0.3 s: ~1,800 tokens in
+    # 64-token chunks (--max-num-batched-tokens), ~2 s on two Zen 5 cores, where 450 tokens
+    # and 40 more decoded took 0.30 s, the timeout's own length (CI failed on it once)
+    prompt = "word " * 1800
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{url}/v1/completions", timeout=httpx.Timeout(60, read=0.3),
                    json={"model": MODEL, "prompt": prompt, "max_tokens": 40,
