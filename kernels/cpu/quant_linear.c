@@ -79,14 +79,12 @@ static const int POS6[8] = {0, 2, 8, 10, 4, 6, 12, 14};
 /* Rows of x a tile's codes meet before the next tile's (x's panel stays in L2). */
 enum { PANEL_ROWS = 128 };
 
-/* How far ahead the codes are prefetched: 6 KB (2 KB, q4_linear.c's distance, until
- * 2026-12-07: one-row passes then read a 1B's Q6_K head at 0.67 of a plain read, waiting on
- * memory). One row over the 1B's projections, two threads, AMD Zen 5, 6 KB against 2 KB: the
- * VNNI build's Q6_K ones 1.03-1.06x at 40-60 GB/s and more above, its Q4_K ones 0.95-1.19x by
- * band (ahead above ~60 GB/s), Q5_K and Q8_0 1.02-1.21x, the avx2_int8 and avx512 builds'
- * 1.04-1.24x over all; SmolLM2's 1.00x; 16-128 rows 1.00-1.01x
- * (docs/performance.md#prefetch-distance). The Arm build takes the same distance, not measured
- * on an Arm CPU either way. */
+/* How far ahead the codes are prefetched: 6 KB. At 2 KB (q4_linear.c's distance) a one-row
+ * pass read a 1B's Q6_K head at 0.67 of a plain read of the same bytes, waiting on memory. One
+ * row, two threads, AMD Zen 5, 6 KB against 2 KB: the avx2_int8 and avx512 builds 1.04-1.24x,
+ * the VNNI build's Q5_K, Q6_K and Q8_0 projections 1.02-1.21x and its Q4_K ones 0.95-1.19x by
+ * the memory's speed, SmolLM2 and 16-128 rows level (docs/performance.md#prefetch-distance).
+ * The Arm build takes the same distance, not measured on an Arm CPU either way. */
 enum { PREFETCH_BYTES = 6144 };
 
 /* The int8 builds' passes over a tile of several passes prefetch the next tile's codes into L2,
