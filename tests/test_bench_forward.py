@@ -150,7 +150,6 @@ def test_bench_quant_source_times_two_versions_and_stops_on_different_bits(tmp_p
     assert "missing.c: no such file" in capsys.readouterr().err
 
 
-
 def test_bench_quant_source_times_two_builds_of_the_checkouts_source(tmp_path, capsys):
     """``--before-build``: the checkout's source built as another int8 build on the same packed
     weights (the same bits: the run goes through), named in the header; without ``--before`` or
@@ -176,6 +175,7 @@ def test_bench_quant_source_times_two_builds_of_the_checkouts_source(tmp_path, c
     with pytest.raises(SystemExit):
         bench_quant_source.main(["--model", str(model)])
     assert "--before is required" in capsys.readouterr().err
+
 
 def _q6k_projections_gguf(path: Path) -> Path:
     """A GGUF holding one layer's projections and a head, all Q6_K (random blocks): what
