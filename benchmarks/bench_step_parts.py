@@ -3,8 +3,12 @@ loop's parts timed (wall time per step, mean over the run's steps).
 
 Parts: ``schedule`` (Scheduler.schedule), ``sampler_inputs``, ``forward``
 (ModelExecutor.execute), ``sample`` (Sampler), ``update`` (Scheduler.update), and ``step``
-(the whole ``Engine.step``, so ``step`` minus the parts is the step's own glue). The parts are
-timed by wrapping those methods for this process only; a warm-up request runs first.
+(the whole ``Engine.step``, so ``step`` minus the parts is the step's own glue). ``replay``
+(CpuGraph.replay, inside ``forward``): the C kernel calls of the steps replayed from CPU graphs
+(a decode step's layers and head), so ``step`` minus ``replay`` is the host's Python and torch
+work of a decode step, during which the kernels' other threads wait; the header's wall per
+step minus ``step`` is the engine loop's own between steps. The parts are timed by wrapping
+those methods for this process only; a warm-up request runs first.
 
     python -m benchmarks.bench_step_parts --threads 1 --batch 1 --tokens 64
     python -m benchmarks.bench_step_parts --threads 1 --batch 16 --tokens 64
@@ -29,7 +33,7 @@ import time
 
 from benchmarks.bench_offline import Timers
 
-PARTS = ("step", "schedule", "sampler_inputs", "forward", "sample", "update")
+PARTS = ("step", "schedule", "sampler_inputs", "forward", "replay", "sample", "update")
 
 
 def main() -> None:
@@ -53,6 +57,7 @@ def main() -> None:
     from blink.engine.sampler import Sampler
     from blink.engine.sched.scheduler import Scheduler
     from blink.executor import ModelExecutor
+    from blink.kernels.cpu.graph import CpuGraph
     from blink.llm import LLM
     from blink.shared.sampling_params import SamplingParams
 
@@ -62,7 +67,7 @@ def main() -> None:
         (engine_module.Engine, "step", "step"),  # the loop's step, whichever its runner
         (Scheduler, "schedule", "schedule"), (Scheduler, "sampler_inputs", "sampler_inputs"),
         (Scheduler, "update", "update"), (ModelExecutor, "execute", "forward"),
-        (Sampler, "__call__", "sample"))]
+        (CpuGraph, "replay", "replay"), (Sampler, "__call__", "sample"))]
     flush_seconds = 0.0
     if args.flush_mb > 0:
         import torch
