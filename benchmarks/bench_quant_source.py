@@ -50,10 +50,11 @@ from typing import Any
 from benchmarks.bench_kquant_bytes import X86_BUILDS
 
 
-def _before_library(source: Path, build: str, workdir: Path):
+def before_library(source: Path, build: str, workdir: Path):
     """``source`` built as the checkout's ``build`` is (that NativeLibrary's own flags, with a
     copy of kernels.h beside it) and declared as it is declared; the A/B runs it in the
-    checkout's place (its NativeLibrary's ``using``)."""
+    checkout's place (its NativeLibrary's ``using``; benchmarks/bench_step_source.py in the
+    recorded calls of whole decode steps)."""
     from blink.kernels.cpu import quant_linear as q
     from blink.shared.native_build import NativeBuildError, build_library
 
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="blink-ab-") as tmp:
         # (--before-build alone: the checkout's own source, the one quant_linear.py builds)
-        before = _before_library(args.before or q._SOURCE, args.before_build or build, Path(tmp))
+        before = before_library(args.before or q._SOURCE, args.before_build or build, Path(tmp))
         wanted = None if args.layers == "all" else {int(x) for x in args.layers.split(",")}
         projections = [(kind, segments) for kind, layer, segments, _ in _projections(args.model)
                        if wanted is None or layer in wanted or layer == -1]

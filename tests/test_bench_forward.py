@@ -113,6 +113,43 @@ def test_bench_step_parts_prints_every_part(tmp_path, monkeypatch, capsys):
     assert rows["forward"] > 0 and rows["step"] >= rows["forward"] >= rows["replay"], out
 
 
+def test_bench_step_source_times_whole_steps_and_stops_on_different_tokens(tmp_path, capsys):
+    """benchmarks/bench_step_source.py: the checkout's quant_linear.c against a copy of itself in
+    the replayed calls of whole decode steps prints both versions and a ratio a round; a version
+    whose products differ (an exponent bit of each product's first output) generates other
+    tokens and stops the run (which only happens if the graphs' calls were retargeted)."""
+    from gguf import GGMLQuantizationType as Q
+
+    from benchmarks import bench_step_source
+    from blink.kernels.cpu import quant_linear as q
+    from test_loader_gguf import export_to_gguf
+
+    if q.variant() is None:
+        pytest.skip("no build of the kernel without AMX runs here")
+    model = export_to_gguf(make_tiny_model("llama", tmp_path), tmp_path / "q4_1.gguf", Q.Q4_1)
+    source = Path(q.__file__).with_name("quant_linear.c").read_text()
+    tail = "    return status;\n#endif\n}"
+    assert source.count(tail) == 1
+    same, changed = tmp_path / "same.c", tmp_path / "changed.c"
+    same.write_text(source)
+    changed.write_text(source.replace(tail, "    if (status == 0) y[0] ^= 0x4000; /* an exponent bit */\n" + tail))
+    base = ["--model", str(model), "--rounds", "2", "--tokens", "4", "--prompt-words", "2",
+            "--max-model-len", "64", "--kernel-threads", "1"]
+    usual = q.LIBRARIES[q.variant()].get()
+    bench_step_source.main(["--before", str(same), *base])
+    out = capsys.readouterr().out
+    assert "calls of the kernel, 2 rounds of 4 tokens" in out, out
+    assert [line.split("|")[1].strip() for line in out.splitlines() if line.startswith(("| before", "| now"))] == [
+        "before", "now"], out
+    assert len(out.split("now / before: median ")[1].split("rounds ")[1].split()) == 2, out
+    with pytest.raises(SystemExit, match="generated different tokens"):
+        bench_step_source.main(["--before", str(changed), *base])
+    assert q.LIBRARIES[q.variant()].get() is usual
+    with pytest.raises(SystemExit):  # argparse's error, not a traceback
+        bench_step_source.main(["--before", str(tmp_path / "missing.c"), *base])
+    assert "missing.c: no such file" in capsys.readouterr().err
+
+
 def test_bench_quant_source_times_two_versions_and_stops_on_different_bits(tmp_path, capsys):
     """benchmarks/bench_quant_source.py: the checkout's quant_linear.c against a copy of itself
     prints a row per row count; a version whose products differ by one bit stops the run

@@ -1,0 +1,114 @@
+"""Whole decode steps, two versions of quant_linear.c, in one process.
+
+``bench_quant_source`` times the projections alone; a change can also move what it does not
+time: the norms, attention and host work between the projections, whose data a kernel's
+loads and prefetches may push out of the caches. Here one ``LLM`` generates greedily with its
+decode steps replayed from their CPU graphs, and the graphs' recorded calls of the 4-bit
+kernel point at the checkout's build or at ``--before`` (built with the same flags,
+``bench_quant_source.before_library``) in alternate rounds, each round timing the same request
+(``--tokens`` tokens after a prompt of ``--prompt-words`` words) once with each, the order
+reversed every other round, so that the VM's minute-to-minute memory speed falls on both.
+Greedy outputs must be the same tokens (else the run stops, unless
+``--allow-different-bits``). It prints each version's median ms a token and now / before by
+round.
+
+Run it first with the checkout's own source as ``--before``: the spread of that A/A run is
+what a difference must exceed (on the 2-vCPU VMs, +-8% a round). ``blink serve`` on two cores
+runs the engine with one compute thread, two kernel threads and passive OpenMP waits, as the
+defaults here do:
+
+    git show HEAD:kernels/cpu/quant_linear.c > /tmp/before.c
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.bench_step_source --before /tmp/before.c
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.bench_step_source --before /tmp/before.c \\
+        --model /opt/blink-peers/models/llama-1b-shaped/model-Q4_K_M.gguf --tokens 64 --rounds 8
+
+Another build than the CPU's own: ``BLINK_CPU_Q4=avx2_int8`` (both versions are built as it).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+#: the recorded kernel calls that go to one version or the other
+KERNELS = frozenset({"blink_quant_linear"})
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--before", type=Path, required=True, help="the other version of quant_linear.c")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--threads", type=int, default=1, help="engine compute threads (default 1, as served on 2 cores)")
+    p.add_argument("--kernel-threads", type=int, default=2, help="the C kernels' threads (default 2)")
+    p.add_argument("--rounds", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=256, help="tokens generated per timed request")
+    p.add_argument("--prompt-words", type=int, default=20, help="the prompt: this many 5-word sentences")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--allow-different-bits", action="store_true",
+                   help="time a change of arithmetic (else different tokens stop the run)")
+    args = p.parse_args(argv)
+    if not args.before.is_file():
+        p.error(f"--before {args.before}: no such file")
+    if args.rounds < 1 or args.tokens < 1 or args.prompt_words < 1:
+        p.error("--rounds, --tokens and --prompt-words must be at least 1")
+
+    from benchmarks.bench_quant_source import before_library
+    from blink.kernels.cpu import quant_linear as q
+    from blink.llm import LLM
+    from blink.shared.sampling_params import SamplingParams
+
+    build = q.variant()
+    now = None if build is None else q.LIBRARIES[build].get()
+    if now is None:
+        raise SystemExit("no build of the kernel without AMX runs here")
+    llm = LLM(args.model, threads=args.threads, kernel_threads=args.kernel_threads,
+              max_model_len=args.max_model_len)
+    try:
+        decode_graphs = llm.engine.executor.decode_graphs
+        graphs = [graph for bucket in (decode_graphs.graphs.values() if decode_graphs is not None else ())
+                  for graph in (bucket.layers, bucket.head) if graph is not None]
+        calls = sum(call.name in KERNELS for graph in graphs for call in graph.calls)
+        if calls == 0:
+            raise SystemExit("no decode step replays a call of quant_linear.c here (CPU graphs off, or "
+                             "the model's projections run on another kernel): nothing to compare")
+        with tempfile.TemporaryDirectory(prefix="blink-ab-") as tmp:
+            before = before_library(args.before, build, Path(tmp))
+            versions = {"before": before, "now": now}
+            prompt = "The sea and the wind. " * args.prompt_words
+            params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
+            ms: dict[str, list[float]] = {"before": [], "now": []}
+            print(f"{args.model}: build {build}, {len(graphs)} CPU graphs, {calls} calls of the kernel, "
+                  f"{args.rounds} rounds of {args.tokens} tokens", flush=True)
+            try:
+                for r in range(args.rounds):
+                    tokens = {}
+                    for name in (("before", "now") if r % 2 == 0 else ("now", "before")):
+                        for graph in graphs:
+                            graph.retarget(versions[name], KERNELS)
+                        llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0))  # untimed
+                        t0 = time.perf_counter()
+                        out = llm.generate([prompt], params)[0]
+                        ms[name].append((time.perf_counter() - t0) / args.tokens * 1e3)
+                        tokens[name] = list(out.outputs[0].token_ids)
+                    if tokens["before"] != tokens["now"]:
+                        if not args.allow_different_bits:
+                            raise SystemExit(f"round {r}: the two versions generated different tokens "
+                                             "(--allow-different-bits to time them anyway)")
+                        print(f"note: round {r} generated different tokens")
+            finally:
+                for graph in graphs:  # the checkout's build again, before its temporary twin goes
+                    graph.retarget(now, KERNELS)
+    finally:
+        llm.close()
+    ratios = [b / n for b, n in zip(ms["before"], ms["now"])]
+    print("| version | median ms a token | fastest |\n|---|---:|---:|")
+    for name in ("before", "now"):
+        print(f"| {name} | {statistics.median(ms[name]):.3f} | {min(ms[name]):.3f} |")
+    print(f"now / before: median {statistics.median(ratios):.3f}x, rounds "
+          + " ".join(f"{x:.3f}" for x in ratios))
+
+
+if __name__ == "__main__":
+    main()
