@@ -87,6 +87,18 @@ enum { PANEL_ROWS = 128 };
  * The Arm build takes the same distance, not measured on an Arm CPU either way. */
 enum { PREFETCH_BYTES = 6144 };
 
+/* The codes' prefetch: non-temporal on x86 (PREFETCHNTA). A step reads each code once, and with
+ * the usual hint its stream pushed out of the caches what the step reads again (the activations,
+ * the norms' weights, the KV cache, the host's work between the kernel calls). SmolLM2 decode
+ * steps, AMD Zen 5, two threads, against _MM_HINT_T0: the avx512_vnni, avx2_int8 and avx512
+ * builds 1.05-1.07x, avx2 1.01x; the 1B's steps, the products alone and 16-128 rows level
+ * (docs/performance.md#codes-prefetch-hint). Arm keeps its usual hint (no Arm CPU measured). */
+#if defined(__x86_64__) || defined(__i386__)
+#define PREFETCH_CODES(p) _mm_prefetch((const char *)(p), _MM_HINT_NTA)
+#else
+#define PREFETCH_CODES(p) __builtin_prefetch((p), 0, 3)
+#endif
+
 /* The int8 builds' passes over a tile of several passes prefetch the next tile's codes into L2,
  * a share each (step bytes a group): the first pass alone would draw them from memory at the
  * rate its products go, the bandwidth's limit on two cores at 8+ rows, while the others draw
@@ -455,7 +467,7 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
     __m512 super_d = _mm512_setzero_ps(), super_m = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *gc = codes + g * tb;
-        for (int line = 0; line < tb; line += 64) _mm_prefetch((const char *)gc + line + PREFETCH_BYTES, _MM_HINT_T0);
+        for (int line = 0; line < tb; line += 64) PREFETCH_CODES(gc + line + PREFETCH_BYTES);
         prefetch_far(far, g);
         const int8_t *xg = xq + g * ROWS * GROUP;
         if (HOIST_SUPER_SCALES && k256 && !scales && (g & 7) == 0) { /* a super-block starts (SUPER / GROUP groups) */
@@ -621,18 +633,18 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
     }
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *gc = codes + g * tb;
-        if (bits != 4) _mm_prefetch((const char *)gc + PREFETCH_BYTES + 256, _MM_HINT_T0);
-        if (bits > 5) _mm_prefetch((const char *)gc + PREFETCH_BYTES + 320, _MM_HINT_T0);
+        if (bits != 4) PREFETCH_CODES(gc + PREFETCH_BYTES + 256);
+        if (bits > 5) PREFETCH_CODES(gc + PREFETCH_BYTES + 320);
         if (bits8) {
-            _mm_prefetch((const char *)gc + PREFETCH_BYTES + 384, _MM_HINT_T0);
-            _mm_prefetch((const char *)gc + PREFETCH_BYTES + 448, _MM_HINT_T0);
+            PREFETCH_CODES(gc + PREFETCH_BYTES + 384);
+            PREFETCH_CODES(gc + PREFETCH_BYTES + 448);
         }
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) { /* pairs 8h .. 8h + 7 */
 #pragma GCC unroll 2
             for (int c2 = 0; c2 < 2; c2++) {
                 const int c = 2 * h + c2; /* all unrolled: p % NACC picks a register */
-                _mm_prefetch((const char *)gc + c * 64 + PREFETCH_BYTES, _MM_HINT_T0);
+                PREFETCH_CODES(gc + c * 64 + PREFETCH_BYTES);
                 __m512i words = bits8 ? _mm512_setzero_si512() : _mm512_loadu_si512(gc + c * 64);
                 /* 6-bit: the 2-bit plane, rows 8h .. 8h + 7 at bits POS6[p % 8] of each word */
                 /* 5-bit: the 1-bit plane, row p's at bit p of each word */
@@ -931,7 +943,7 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
     __m256 super_d[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, super_m[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *gc = codes + g * tb;
-        for (int line = 0; line < tb; line += 64) _mm_prefetch((const char *)gc + line + PREFETCH_BYTES, _MM_HINT_T0);
+        for (int line = 0; line < tb; line += 64) PREFETCH_CODES(gc + line + PREFETCH_BYTES);
         prefetch_far(far, g);
         const int8_t *xg = xq + g * ROWS_I8 * GROUP;
         if (HOIST_SUPER_SCALES && k256 && !scales && (g & 7) == 0) { /* a super-block starts */
@@ -1146,7 +1158,7 @@ static inline __attribute__((always_inline)) void half_rows(const args_t *a, int
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *gc = codes + g * tb;
         if (hc == 0)
-            for (int line = 0; line < tb; line += 64) _mm_prefetch((const char *)gc + line + PREFETCH_BYTES, _MM_HINT_T0);
+            for (int line = 0; line < tb; line += 64) PREFETCH_CODES(gc + line + PREFETCH_BYTES);
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) { /* pairs 8h .. 8h + 7 */
 #pragma GCC unroll 2
@@ -1419,7 +1431,7 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
     for (int q = 0; q < 4; q++) super_d[q] = super_m[q] = vdupq_n_f32(0.0f);
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *gc = codes + g * tb;
-        for (int line = 0; line < tb; line += 64) __builtin_prefetch(gc + line + PREFETCH_BYTES, 0, 3);
+        for (int line = 0; line < tb; line += 64) PREFETCH_CODES(gc + line + PREFETCH_BYTES);
         prefetch_far(far, g);
         const int8_t *xg = xq + g * ROWS_A * GROUP;
         if (HOIST_SUPER_SCALES && k256 && !scales && (g & 7) == 0) { /* a super-block starts */
