@@ -89,10 +89,11 @@ enum { PREFETCH_BYTES = 6144 };
 
 /* The codes' prefetch: non-temporal on x86 (PREFETCHNTA). A step reads each code once, and with
  * the usual hint its stream pushed out of the caches what the step reads again (the activations,
- * the norms' weights, the KV cache, the host's work between the kernel calls). SmolLM2 decode
- * steps, AMD Zen 5, two threads, against _MM_HINT_T0: the avx512_vnni, avx2_int8 and avx512
- * builds 1.05-1.10x, avx2 1.01x; the 1B's steps, the products alone and 16-128 rows level
- * (docs/performance.md#codes-prefetch-hint). Arm keeps its usual hint (no Arm CPU measured). */
+ * the norms' weights, the KV cache, the host's work between the kernel calls). Decode steps on
+ * AMD Zen 5, two threads, against _MM_HINT_T0: SmolLM2's 1.05-1.10x on the avx512_vnni,
+ * avx2_int8 and avx512 builds (avx2 1.01x), the 1B's 1.05x on avx512_vnni (level on the others);
+ * the products alone and 16-128 rows level (docs/performance.md#codes-prefetch-hint). Arm keeps
+ * its usual hint (no Arm CPU measured). */
 #if defined(__x86_64__) || defined(__i386__)
 #define PREFETCH_CODES(p) _mm_prefetch((const char *)(p), _MM_HINT_NTA)
 #else
