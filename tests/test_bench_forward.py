@@ -136,7 +136,12 @@ def test_bench_step_source_times_whole_steps_and_stops_on_different_tokens(tmp_p
     base = ["--model", str(model), "--rounds", "2", "--tokens", "4", "--prompt-words", "2",
             "--max-model-len", "64", "--kernel-threads", "1"]
     usual = q.LIBRARIES[q.variant()].get()
-    bench_step_source.main(["--before", str(same), *base])
+    try:
+        bench_step_source.main(["--before", str(same), *base])
+    except SystemExit as exc:  # e.g. a CPU whose decode steps take another kernel
+        if "no decode step replays a call of quant_linear.c" in str(exc):
+            pytest.skip(str(exc))
+        raise
     out = capsys.readouterr().out
     assert "calls of the kernel, 2 rounds of 4 tokens" in out, out
     assert [line.split("|")[1].strip() for line in out.splitlines() if line.startswith(("| before", "| now"))] == [
