@@ -120,18 +120,15 @@ class CpuGraph:
         if failed >= 0:
             raise RuntimeError(f"CPU graph replay: {self.calls[failed].name} failed with status {status.value}")
 
-    def retarget(self, library: ctypes.CDLL, names: frozenset[str] | set[str]) -> int:
+    def retarget(self, library: ctypes.CDLL, names: frozenset[str] | set[str]) -> None:
         """Point the recorded calls of the kernels ``names`` at ``library``'s functions of the
         same names (another build of the same source, declared alike), the arguments kept: a
         benchmark's A/B of two versions of a kernel in whole replayed steps. Retargeting at
-        the first library undoes it. Returns how many calls now go to ``library``."""
-        moved = 0
+        the first library undoes it."""
         for i, call in enumerate(self.calls):
             if call.name in names:
                 self.calls[i] = call._replace(function=getattr(library, call.name))
-                moved += 1
         self._arrays = None  # replay.c's arrays hold the old addresses: made again at the next replay
-        return moved
 
     def _allocated(self, out: torch.Tensor) -> torch.Tensor:
         """``out``, just allocated by the recorded code, on memory the graph keeps: the
