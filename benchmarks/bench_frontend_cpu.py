@@ -1,18 +1,19 @@
-"""The frontend's CPU per streamed token, its ring poller aligned to the engine's steps against
-its backoff alone, in one run: two ``blink serve`` up at once, one per variant, and the same
+"""The frontend's CPU per streamed token, its ring poller woken by the engine's doorbell against
+its timers alone, in one run: two ``blink serve`` up at once, one per variant, and the same
 single-stream request sent to each in turn, round by round (A B, then B A), so that the
 machine's minute-to-minute drift hits both.
 
 The frontend shares the host's cores with the engine's kernels (two cores here: both run
 the kernels during a step), so every ms of CPU it takes per token is taken from a step. Its
-poller either sleeps through each step by the step clock's cadence (the default:
-blink.dpu.ring_engine_client, ``_poll_delay``) or ticks on its backoff alone
-(``$BLINK_FRONTEND_POLL_ALIGN=0``: every 0.2-5 ms). For each variant the table gives the
+poller either ticks when the engine rings its doorbell after a step (the default on one host:
+blink.transport.doorbell) or on its timers (``$BLINK_FRONTEND_DOORBELL=0``: asleep through
+each step by the step clock's cadence for steps of 10 ms or more, else its backoff, every
+0.2-5 ms; ``$BLINK_FRONTEND_POLL_ALIGN=0`` the backoff alone). For each variant the table gives the
 medians over its requests of: the frontend's and the engine's CPU time per streamed token
 (``/proc/PID/stat``, user + system), this client's own CPU per token, how busy the three kept
 the cores (their CPU over the cores' time during a request), decode tok/s and the client's
 inter-token gaps (p50, p90);
-then the ratios aligned / backoff by round (frontend CPU per token, decode tok/s) and their
+then the ratios bell / timers by round (frontend CPU per token, decode tok/s) and their
 medians. The idle server's engine and poller sleep meanwhile (each a few wakes a second).
 
     python -m benchmarks.bench_frontend_cpu --model /opt/blink-peers/models/llama-1b-shaped/model-Q4_K_M.gguf
@@ -50,8 +51,8 @@ from typing import NamedTuple
 from benchmarks.peers import _smollm2_gguf
 from benchmarks.serve import wait_for_server
 
-#: the default pair: the poller aligned to the steps against its backoff alone
-VARIANTS = ("aligned:BLINK_FRONTEND_POLL_ALIGN=1", "backoff:BLINK_FRONTEND_POLL_ALIGN=0")
+#: the default pair: the poller woken by the engine's doorbell against its timers alone
+VARIANTS = ("bell:BLINK_FRONTEND_DOORBELL=1", "timers:BLINK_FRONTEND_DOORBELL=0")
 PROMPT = "The sea and the wind " * 20
 
 

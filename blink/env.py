@@ -98,9 +98,14 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("BLINK_CPU_HUGE_PAGES", "bool", "1 (where the kernel has transparent huge pages)",
            "0 = the model's weights and KV cache stay in torch's own (4 KB) pages instead of "
            "2 MB pages (blink.huge_pages)", ("blink.huge_pages",)),
+    EnvVar("BLINK_FRONTEND_DOORBELL", "bool", "1 (on)",
+           "0 = the frontend asks its engine for no doorbell (blink.transport.doorbell): its ring "
+           "poller ticks on its timers alone, as with an engine on another host (the A/B of "
+           "benchmarks/bench_frontend_cpu.py)",
+           ("blink.frontend_main",), kind="debug"),
     EnvVar("BLINK_FRONTEND_POLL_ALIGN", "bool", "1 (on)",
-           "0 = the frontend's ring poller ticks on its backoff alone instead of sleeping "
-           "through each engine step (the A/B of benchmarks/bench_frontend_cpu.py)",
+           "0 = the frontend's ring poller, where it has no doorbell (an engine on another host), "
+           "ticks on its backoff alone instead of sleeping through each engine step",
            ("blink.frontend_main",), kind="debug"),
     EnvVar("BLINK_NVRTC_LIB", "path", "the nvidia-cuda-nvrtc wheel's, else $CUDA_HOME's",
            "the NVRTC library that compiles the device loop's CUDA C",

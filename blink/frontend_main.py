@@ -61,6 +61,7 @@ async def _serve(args: argparse.Namespace, addresses: list[tuple[str, int]]) -> 
                 heartbeat_timeout_s=args.heartbeat_timeout,
                 engine_dead_timeout_s=args.engine_dead_timeout,
                 align_to_steps=blink_env.is_true("BLINK_FRONTEND_POLL_ALIGN", default=True),
+                doorbell=blink_env.is_true("BLINK_FRONTEND_DOORBELL", default=True),
             )
 
         # The first attach must work (a wrong address or secret is a start-up error); after

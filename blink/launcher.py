@@ -167,6 +167,7 @@ def run_engine(args: argparse.Namespace) -> int:
             kv_region=engine.kv_region,
             kv_layout=engine.kv_layout.to_dict() if engine.kv_layout is not None else None,
             extra={"engine_role": engine.config.role, "kv_peers": list(engine.config.kv_peers)},
+            on_doorbell=(lambda bell: setattr(engine, "doorbell", bell)) if engine.rings_doorbell else None,
         )
         engine.attach_kv_peers(secret)
         bound_host, bound_port = server.start()

@@ -34,6 +34,7 @@ from blink.dpu.ring_protocol import KvRoute, RingClient, RingHandle
 from blink.dpu.step_clock import StepClock
 from blink.shared.sampling_params import SamplingParams
 from blink.errors import BlinkError
+from blink.transport.doorbell import FIELD as doorbell_field, DoorbellListener, supported as doorbell_supported
 from blink.ring import (
     C_HEARTBEAT,
     C_STAT_KV_BLOCKS_TOTAL,
@@ -56,6 +57,10 @@ from blink.ring import (
 )
 
 logger = logging.getLogger(__name__)
+
+#: With a doorbell, the poller's tick while requests run and no bell rang: a safety net only
+#: (the engine rings after every step), so it is long; the heartbeat watch needs seconds.
+DOORBELL_FALLBACK_S = 0.02
 
 #: The shortest step the poller sleeps through (``align_to_steps``). Shorter steps get the
 #: backoff's ticks: a GPU loop's (~1 ms), and a small model's on a CPU whose cores the frontend
@@ -93,6 +98,17 @@ class _Stream:
     queue_time_reported: bool = False
 
 
+def _doorbell_listener() -> DoorbellListener | None:
+    """A doorbell to offer the engine, where this OS has one (Linux) and it can be bound."""
+    if not doorbell_supported():
+        return None
+    try:
+        return DoorbellListener()
+    except OSError as exc:
+        logger.warning("no doorbell for the engine to ring (%s): the ring poller keeps its timers", exc)
+        return None
+
+
 def _wake_up(sleeper: asyncio.Future[None] | None) -> None:
     """End the poller's sleep (its timer or a nudge, whichever comes first)."""
     if sleeper is not None and not sleeper.done():
@@ -112,7 +128,10 @@ class RingEngineClient:
     move (the step clock's cadence, :meth:`_poll_delay`), then ticks finely around that time,
     so a 25 ms decode step costs ~3 ticks instead of ~9, and the token is seen within a fine
     tick of being written (on a host whose cores all run the engine's kernels, every tick
-    takes CPU from them). It also
+    takes CPU from them). With a ``doorbell`` (a frontend on the engine's host whose engine
+    rings it after each step: :mod:`blink.transport.doorbell`) it ticks when the bell rings,
+    and otherwise only every ``doorbell_fallback_s`` while requests run, in place of both
+    (not while a constrained request waits for its mask, or a request waits for room). It also
     watches the engine and keeps its :attr:`health` (see :mod:`blink.dpu.engine_health`), which
     tells a slow engine from a dead one:
 
@@ -157,6 +176,8 @@ class RingEngineClient:
         align_to_steps: bool = True,
         align_min_step_s: float = ALIGN_MIN_STEP_S,
         align_max_sleep_s: float = 0.1,
+        doorbell: DoorbellListener | None = None,
+        doorbell_fallback_s: float = DOORBELL_FALLBACK_S,
     ) -> None:
         check_engine_timeouts(heartbeat_timeout_s, engine_dead_timeout_s)
         self.ring = ring
@@ -173,6 +194,10 @@ class RingEngineClient:
         self.align_to_steps = align_to_steps
         self.align_min_step_s = align_min_step_s
         self.align_max_sleep_s = align_max_sleep_s
+        #: the engine rings this after each step (None: no bell, the timers alone); the client
+        #: owns it and closes it with itself
+        self.doorbell = doorbell
+        self.doorbell_fallback_s = doorbell_fallback_s
         self.info: Any = None  # the bootstrap EngineInfo, when made by connect()
         self._inflight: dict[str, _Stream] = {}
         #: requests waiting for room in the ring (served in (priority, ticket) order)
@@ -195,25 +220,40 @@ class RingEngineClient:
     @classmethod
     async def connect(cls, host: str, port: int, *, secret: bytes | None = None,
                       expect_transport: str | None = None, connect_timeout_s: float = 10.0,
-                      **kwargs: Any) -> "RingEngineClient":
+                      doorbell: bool = True, **kwargs: Any) -> "RingEngineClient":
         """Bootstrap with the engine at ``host:port`` (authenticating with ``secret``), attach
         the ring, return a client. The client holds the engine's one frontend lease until
-        :meth:`close`."""
+        :meth:`close`. ``doorbell``: ask the engine to ring a doorbell after each step (kept
+        where the engine will: its host's loopback transport, a loop with host steps)."""
         from blink.transport.bootstrap import connect
 
-        info, transport = await asyncio.to_thread(
-            connect, host, port, secret=secret, timeout_s=connect_timeout_s,
-            expect_transport=expect_transport,
-        )
+        listener = _doorbell_listener() if doorbell else None
+        try:
+            info, transport = await asyncio.to_thread(
+                connect, host, port, secret=secret, timeout_s=connect_timeout_s,
+                expect_transport=expect_transport, doorbell=listener.name if listener is not None else None,
+            )
+        except BaseException:
+            if listener is not None:
+                listener.close()
+            raise
+        if listener is not None and info.connection.get(doorbell_field) is not True:
+            listener.close()  # an engine on another host, or one with no host step
+            listener = None
         try:
             ring = RingClient(transport)
         except BaseException:
             transport.close()
+            if listener is not None:
+                listener.close()
             raise
         try:
-            client = cls(ring, model_name=info.model_name, max_model_len=info.max_model_len, **kwargs)
+            client = cls(ring, model_name=info.model_name, max_model_len=info.max_model_len,
+                         doorbell=listener, **kwargs)
         except BaseException:
             ring.close()
+            if listener is not None:
+                listener.close()
             raise
         client.info = info
         return client
@@ -337,7 +377,16 @@ class RingEngineClient:
     def start(self) -> None:
         """Start the poller task (done by the first generate; call it to watch an idle engine)."""
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="blink-ring-poller")
+            loop = asyncio.get_running_loop()
+            if self.doorbell is not None:
+                loop.add_reader(self.doorbell.fileno(), self._on_doorbell)
+            self._task = loop.create_task(self._run(), name="blink-ring-poller")
+
+    def _on_doorbell(self) -> None:
+        """The engine ended a step: read its bells, tick now."""
+        if self.doorbell is not None:
+            self.doorbell.drain()
+        self._nudge()
 
     async def _run(self) -> None:
         try:
@@ -375,6 +424,8 @@ class RingEngineClient:
         backoff again (a longer step: a prefill, a larger batch). Not while a constrained
         request waits for its mask (the engine's step waits for this side then) nor for steps
         shorter than ``align_min_step_s`` (:data:`ALIGN_MIN_STEP_S`)."""
+        if self.doorbell is not None and self.ring.active and not self.ring.masks_pending and not self._line:
+            return self.doorbell_fallback_s  # the bell says when a step ended
         if not self.align_to_steps or not self.ring.active or self.ring.masks_pending:
             return backoff
         cadence = self.step_clock.cadence()
@@ -662,6 +713,12 @@ class RingEngineClient:
         self._nudge()
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
+        if self.doorbell is not None:
+            try:
+                asyncio.get_running_loop().remove_reader(self.doorbell.fileno())
+            except (RuntimeError, ValueError):  # no running loop; or already closed
+                pass
+            self.doorbell.close()
         self.ring.close()
 
 

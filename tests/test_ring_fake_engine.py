@@ -60,6 +60,8 @@ class FakeEngine:
         self.ring = ring
         self.token_fn = token_fn
         self.step_sleep_s = step_sleep_s
+        #: a blink.transport.doorbell.Doorbell the loop rings after each step (None: none)
+        self.doorbell = None
         self.tokens_per_step = tokens_per_step
         self.cached_tokens = cached_tokens
         self.paused = False  # heartbeat and work stop (a hung engine)
@@ -93,6 +95,8 @@ class FakeEngine:
         while not self._stop.is_set():
             if not self.paused:
                 self.step()
+                if self.doorbell is not None:  # as the engine's loop rings after each step
+                    self.doorbell.ring()
             time.sleep(self.step_sleep_s)
 
     def step(self) -> None:

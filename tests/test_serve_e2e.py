@@ -117,6 +117,17 @@ def test_models_health_and_metrics(client, server):
     assert "blink:num_requests_running" in metrics and "blink:kv_cache_usage_perc" in metrics
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the doorbell is a Linux abstract socket")
+def test_the_engine_rings_its_frontends_doorbell(server, client):
+    """blink serve's frontend and engine share a host: the engine rings the frontend's
+    doorbell after each step (blink.transport.doorbell), and streams arrive as always."""
+    assert re.search(r"bootstrap: frontend \S+ \(pid \d+\) attached, its doorbell rung after each step",
+                     server.log()), server.tail()
+    chunks = client.completions.create(model=MODEL, prompt="Hello", max_tokens=N_TOKENS, stream=True,
+                                       temperature=0)
+    assert sum(1 for c in chunks if c.choices and c.choices[0].text) >= 1
+
+
 def test_both_processes_freeze_their_start_up_heaps(server):
     """blink.gc_freeze: the engine (after its load) and the frontend (once serving) say how many
     objects left the garbage collector's scans; a loaded engine holds tens of thousands."""

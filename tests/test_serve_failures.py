@@ -211,6 +211,9 @@ def test_next_start_leaves_no_segment_and_sigint_stops_serve(engine):
     """After the SIGKILL above, a new engine start leaves no segment of the dead engine; then
     Ctrl-C (SIGINT) of ``blink serve`` stops both children and leaves nothing behind."""
     dead = engine.pid
+    if pid_alive(dead):  # pytest -n: the test above ran in another worker, with its own engine
+        engine.proc.send_signal(signal.SIGKILL)
+        engine.proc.wait(10)
     assert not pid_alive(dead)
     server = ServeProcess("--model", "null", "--max-model-len", "256", "--max-num-seqs", "8",
                           "--kv-cache-tokens", "4096", name="null-serve")

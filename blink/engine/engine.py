@@ -65,6 +65,7 @@ from blink.threads.roles import name_new_threads, set_thread_name, task_ids
 from blink.threads.runtime import current_runtime
 from blink.threads.telemetry import StepWaitMeter
 from blink.transport import Region, create_region
+from blink.transport.doorbell import Doorbell
 
 log = logging.getLogger("blink.engine")
 
@@ -249,6 +250,9 @@ class Engine:
     loop_thread_name = "blink-loop"
     #: its --loop value (tier A: host, tier B: device)
     loop_flag = "cpu"
+    #: whether the loop rings the frontend's doorbell after each step (:attr:`doorbell`): a
+    #: host loop does; a device loop has no host step to ring it after
+    rings_doorbell = True
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -282,6 +286,9 @@ class Engine:
         self.error: BaseException | None = None
         #: prefill role: sends finished prompts' KV (attach_kv_peers); None otherwise
         self.kv_sender = None
+        #: the attached frontend's doorbell, rung after every step of the loop (set by the
+        #: bootstrap server while a frontend on this host holds the lease: blink.transport.doorbell)
+        self.doorbell: Doorbell | None = None
         self.parts = StepParts(self.scheduler, self.executor, self.sampler)
         #: how this engine runs its step (``runner_choice``, decided in ``_build``)
         self.runner: StepRunner = self._make_runner()
@@ -563,6 +570,9 @@ class Engine:
                     step_wait.begin()
                     progressed = self.step()
                     step_wait.end()
+                    bell = self.doorbell
+                    if bell is not None:  # tokens, finishes or admissions for the frontend to read
+                        bell.ring()
                     if progressed:
                         idle_sleep = 0.0
                     else:

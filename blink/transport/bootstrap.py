@@ -4,7 +4,7 @@ Messages are JSON objects, each preceded by its length (4 bytes, big-endian). On
 
     frontend -> engine   {"type": "hello", "layout_version": V, "client": ..., "pid": ...,
                           "role": "frontend" | "monitor" | "kv_writer" | "kv_region",
-                          "nonce": Nf}
+                          "nonce": Nf[, "doorbell": name]}
     engine -> frontend   {"type": "challenge", "nonce": Ne, "proof": HMAC(secret, Nf, Ne)}
     frontend -> engine   {"type": "auth", "proof": HMAC(secret, Ne, Nf)}
     engine -> frontend   {"type": "welcome", "layout_version", "transport", "total_bytes",
@@ -17,6 +17,10 @@ so the secret never crosses the wire and a proof cannot be replayed. Until the f
 checks out the engine sends nothing but the challenge (a nonce and its own proof) or a refusal:
 no region name, RDMA address or rkey, model or tokenizer path. The frontend checks the
 engine's proof too, so it never writes prompts into an impostor's memory.
+
+A frontend on the engine's host may name a doorbell in its hello (:mod:`blink.transport.doorbell`):
+an engine that serves the loopback transport rings it after each step for the lease holder,
+and its welcome carries ``doorbell: true``.
 
 Transport fields: loopback ``region_name``; verbs ``addr``, ``rkey``, ``memory`` and the
 engine queue pair's ``qp_num``, ``psn``, ``lid``, ``gid``, ``mtu``. Verbs then takes one more
@@ -61,9 +65,11 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from blink.ring import LAYOUT_VERSION
+from blink.transport import doorbell as doorbells
 from blink.transport.framing import recv_message, send_message
 from blink.transport.auth import (
     check_secret,
@@ -184,13 +190,17 @@ class BootstrapServer:
         kv_layout: dict[str, Any] | None = None,
         extra: dict[str, Any] | None = None,
         max_unauthenticated: int = MAX_UNAUTHENTICATED,
+        on_doorbell: Callable[[doorbells.Doorbell | None], None] | None = None,
     ) -> None:
         """``secret``: the bootstrap secret peers must prove they know; None generates one
         (read it back from :attr:`secret`), so a server is never open to everyone.
         ``timeout_s``: the deadline of a whole handshake; ``max_unauthenticated``: peers in
         the handshake at once (a new one closes the oldest).
         ``kv_region``/``kv_layout``: a decode engine's KV-cache region, offered to ``kv_writer``
-        peers (prefill engines). ``extra``: fields every welcome carries (``engine_role``...)."""
+        peers (prefill engines). ``extra``: fields every welcome carries (``engine_role``...).
+        ``on_doorbell``: given the lease holder's :class:`~blink.transport.doorbell.Doorbell`
+        when a frontend on this host asks for one (loopback only), and None when its lease
+        ends; None: no doorbell is offered."""
         self.kv_region = kv_region
         self.kv_layout = kv_layout or {}
         self.extra = dict(extra or {})
@@ -221,6 +231,7 @@ class BootstrapServer:
         self._lock = threading.Lock()
         #: the attached frontend's lease: (connection, "addr (pid N)") while one is attached
         self._lease: tuple[socket.socket, str] | None = None
+        self.on_doorbell = on_doorbell
 
     @property
     def attached(self) -> str | None:
@@ -377,13 +388,37 @@ class BootstrapServer:
 
     def _release_lease(self, conn: socket.socket) -> None:
         with self._lock:
-            if self._lease is not None and self._lease[0] is conn:
+            held = self._lease is not None and self._lease[0] is conn
+            if held:
                 self._lease = None
+        if held and self.on_doorbell is not None:
+            self.on_doorbell(None)  # nobody left to wake
+
+    def _doorbell_for(self, hello: dict[str, Any], who: str) -> bool:
+        """Hand the engine the lease holder's doorbell, if it asked for one and it can have
+        one (this host's frontend: the loopback transport). Whether it got it (the welcome
+        says so); a name that is not a listener's is said in the log and ignored."""
+        name = hello.get(doorbells.FIELD)
+        if name is None or self.on_doorbell is None or self.region.kind != "loopback":
+            return False
+        if not doorbells.valid_name(name):
+            logger.warning("bootstrap: frontend %s sent %r as its doorbell, which is no doorbell's "
+                           "name; its ring poller keeps its timers", who, name)
+            return False
+        try:
+            bell = doorbells.Doorbell(name)
+        except OSError as exc:
+            logger.warning("bootstrap: cannot reach frontend %s's doorbell (%s); its ring poller "
+                           "keeps its timers", who, exc)
+            return False
+        self.on_doorbell(bell)
+        return True
 
     def _serve_peer(self, conn: socket.socket, peer: str) -> None:
         set_thread_name("blink-bs-peer")
         session: Any = None
         role = "frontend"
+        rung = False
         with self._lock:
             self._peers.add(conn)
         # One deadline for the whole handshake, whatever the peer trickles.
@@ -424,6 +459,9 @@ class BootstrapServer:
             assert region is not None
             offer, session = region.session_offer(hello)
             offer = {**self.extra, **offer}
+            rung = role == "frontend" and self._doorbell_for(hello, who)
+            if rung:
+                offer[doorbells.FIELD] = True
             if role in ("kv_writer", "kv_region"):
                 offer["kv_layout"] = self.kv_layout
             info = EngineInfo(
@@ -442,7 +480,8 @@ class BootstrapServer:
                              peer=f"frontend {peer}")
             with self._lock:
                 self.accepted += 1
-            logger.info("bootstrap: %s %s attached", role, who)
+            logger.info("bootstrap: %s %s attached%s", role, who,
+                        ", its doorbell rung after each step" if rung else "")
             if role != "frontend" and session is None:
                 return
             # The lease (and a verbs session) lives as long as the connection: wait for the
@@ -494,6 +533,7 @@ def connect(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     layout_version: int = LAYOUT_VERSION,
     expect_transport: str | None = None,
+    doorbell: str | None = None,
     **transport_options: Any,
 ) -> tuple[EngineInfo, Transport]:
     """Handshake with the engine at ``host:port`` and open the transport it offers.
@@ -504,6 +544,9 @@ def connect(
     engine's "kv_writer" (the ring, no lease) and "kv_region" (the decode engine's KV region
     instead of its ring, no lease).
     ``expect_transport`` ("loopback"/"verbs"), when given, must match what the engine serves.
+    ``doorbell``: a :class:`~blink.transport.doorbell.DoorbellListener`'s name for the engine
+    to ring after each step (a frontend on the engine's host; the welcome's ``doorbell`` says
+    whether it will).
     ``transport_options`` go to the verbs transport (device, port, gid_index).
     """
     if role not in ROLES:
@@ -525,6 +568,7 @@ def connect(
         send_message(sock, {
             "type": "hello", "layout_version": layout_version,
             "client": "blink-frontend", "pid": os.getpid(), "role": role, "nonce": nonce,
+            **({doorbells.FIELD: doorbell} if doorbell is not None else {}),
         })
         reply = recv_message(sock, f"engine {where}", deadline=deadline)
         if reply["type"] == "refused":

@@ -557,6 +557,7 @@ class TierBEngine(GpuEngine):
     """The engine with tier B's loop: one graph launch, then the host only watches it."""
 
     tier, loop_flag = "B", "device"
+    rings_doorbell = False  # no host step to ring it after: the frontend keeps its timers
     loop_thread_name = "blink-gpumon"
     loop: ConditionalLoop
 
