@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -94,6 +94,7 @@ class DecodeGraphs:
         self.max_query_len = 1
         #: 0, 1, 2, ...: the logits indices of a step that wants every token's logits in order
         self._in_order = torch.arange(max(DECODE_BUCKETS + VERIFY_BUCKETS))
+        self._in_order_views: dict[int, torch.Tensor] = {}
 
     def allow_rows_of(self, positions: int) -> None:
         """Let steps whose rows carry up to ``positions`` new tokens replay too (the
@@ -152,11 +153,19 @@ class DecodeGraphs:
             self.model.on_layer()  # progress (progress_only): once for the step's layers
         if logits_indices.shape[0] == tokens and graph.head is not None:
             graph.head.replay()
-            if logits_indices.dtype == torch.int64 and torch.equal(logits_indices, self._in_order[:tokens]):
+            if logits_indices.dtype == torch.int64 and torch.equal(logits_indices, self._in_order_of(tokens)):
                 # every token's logits in order (a decode step's): one copy, no gather
-                return graph.logits[:tokens].to(torch.float32, copy=True)
+                logits = graph.logits if graph.logits.shape[0] == tokens else graph.logits[:tokens]
+                return logits.to(torch.float32, copy=True)
             return graph.logits.index_select(0, logits_indices).float()
         return self.model.compute_logits(graph.hidden.index_select(0, logits_indices)).float()
+
+    def _in_order_of(self, tokens: int) -> torch.Tensor:
+        """0, 1, ..., tokens - 1 (a view made once per count)."""
+        view = self._in_order_views.get(tokens)
+        if view is None:
+            view = self._in_order_views[tokens] = self._in_order[:tokens]
+        return view
 
     def record(self, max_rows: int) -> int:
         """Record now every bucket a step of at most ``max_rows`` rows (of at most
@@ -201,6 +210,18 @@ class DecodeGraphs:
         return graph
 
 
+class _StepInputs(NamedTuple):
+    """Views of one bucket's input buffers for a step's shape (:meth:`_DecodeGraph.replay_layers`)."""
+
+    embedded: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    token_seq_idx: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+
+
 class _DecodeGraph:
     """One bucket's graphs (the layers, then the head: a step may run its head eagerly on
     fewer rows, :meth:`DecodeGraphs.run`) and the buffers they read their inputs from."""
@@ -235,21 +256,33 @@ class _DecodeGraph:
                     raise
         self.layers = layers
         self.seq_lens.zero_()
+        self._inputs: dict[tuple[int, int, int], _StepInputs] = {}
 
     def replay_layers(self, input_ids: torch.Tensor, md: AttentionMetadata) -> None:
         """Write the step's inputs (its n tokens and r <= n rows; the rest padding: tokens
         past n are rows of their own with no context) and replay the layers into
         :attr:`hidden` (then :attr:`head` replays into :attr:`logits`, one row per token)."""
-        n, r = input_ids.shape[0], md.seq_lens.shape[0]
-        torch.index_select(self.embedding, 0, input_ids, out=self.embedded[:n])
-        self.positions[:n].copy_(md.positions)
-        self.positions[n:].zero_()
-        self.slot_mapping[:n].copy_(md.slot_mapping)
-        self.slot_mapping[n:].copy_(self.pad_slots[n:])
-        self.token_seq_idx[:n].copy_(md.token_seq_idx)
-        self.query_start_loc[:r + 1].copy_(md.query_start_loc)
-        self.query_start_loc[r + 1:].fill_(n)  # rows past r: no tokens (and no context)
-        self.seq_lens[:r].copy_(md.seq_lens)
-        self.seq_lens[r:].zero_()
-        self.block_tables[:r, :md.block_tables.shape[1]].copy_(md.block_tables)
+        n, r, width = input_ids.shape[0], md.seq_lens.shape[0], md.block_tables.shape[1]
+        views = self._inputs.get((n, r, width))
+        if views is None:
+            views = self._inputs[(n, r, width)] = self._input_views(n, r, width)
+        torch.index_select(self.embedding, 0, input_ids, out=views.embedded)
+        views.positions.copy_(md.positions)
+        views.slot_mapping.copy_(md.slot_mapping)
+        views.token_seq_idx.copy_(md.token_seq_idx)
+        views.query_start_loc.copy_(md.query_start_loc)
+        views.seq_lens.copy_(md.seq_lens)
+        views.block_tables.copy_(md.block_tables)
+        if n < self.positions.shape[0]:  # padding tokens: position 0, K/V into the scratch block
+            self.positions[n:].zero_()
+            self.slot_mapping[n:].copy_(self.pad_slots[n:])
+        if r < self.seq_lens.shape[0]:  # rows past r: no tokens (and no context)
+            self.query_start_loc[r + 1:].fill_(n)
+            self.seq_lens[r:].zero_()
         self.layers.replay()
+
+    def _input_views(self, n: int, r: int, width: int) -> _StepInputs:
+        """The buffers' parts a step of n tokens, r rows and block tables ``width`` wide
+        writes: made once per shape (each slice is a torch call on the host's step)."""
+        return _StepInputs(self.embedded[:n], self.positions[:n], self.slot_mapping[:n], self.token_seq_idx[:n],
+                           self.query_start_loc[:r + 1], self.seq_lens[:r], self.block_tables[:r, :width])

@@ -200,7 +200,6 @@ class ModelExecutor:
             )
         return requested
 
-    @torch.inference_mode()
     def execute(
         self,
         input_ids: torch.Tensor,
@@ -212,7 +211,11 @@ class ModelExecutor:
         logits ``[len(logits_indices), vocab]`` for the selected token rows.
         ``hidden_hook(hidden, compute_logits)``: called with every token's final hidden state
         and the head before the logits are taken (prompt logprobs,
-        :mod:`blink.engine.prompt_logprobs`); such a step runs eagerly."""
+        :mod:`blink.engine.prompt_logprobs`); such a step runs eagerly. In inference mode
+        (entered here unless the caller, the engine's loop, already is)."""
+        if not torch.is_inference_mode_enabled():
+            with torch.inference_mode():
+                return self.execute(input_ids, md, logits_indices, hidden_hook)
         graphs = self.decode_graphs
         if graphs is not None and hidden_hook is None and graphs.takes(input_ids, md):
             self._torch_threads(1)

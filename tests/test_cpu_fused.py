@@ -159,13 +159,18 @@ def test_logsumexp_rows_special_values_strides_and_threads():
 
 @pytest.mark.parametrize("rows,cols", [(1, 49152), (16, 49152), (3, 77), (2, 16), (4, 1), (1, 128256)])
 def test_argmax_logsumexp_rows(rows, cols):
-    """torch.argmax's index, and logsumexp_rows' bits (the greedy sampler's two values, one pass)."""
+    """torch.argmax's index, logsumexp_rows' bits and the index's logprob as the reference takes
+    it (the greedy sampler's three values, one pass)."""
     x = torch.randn(rows, cols, generator=_gen(15)) * 8
-    argmax, log_norm = cpu_fused.argmax_logsumexp_rows(x)
+    argmax, log_norm, logprob = cpu_fused.argmax_logsumexp_rows(x)
     assert argmax.dtype == torch.int64 and argmax.shape == (rows,)
     assert torch.equal(argmax, torch.argmax(x, -1))
     assert torch.equal(argmax, sampling_reference.argmax_rows(x))
     assert torch.equal(log_norm, cpu_fused.logsumexp_rows(x))
+    assert logprob.dtype == torch.float32 and logprob.shape == (rows,)
+    assert torch.equal(logprob, (x.gather(-1, argmax.unsqueeze(-1)) - log_norm).squeeze(-1))
+    ref = sampling_reference.argmax_logsumexp_rows(x)  # the same three, from torch
+    assert torch.equal(ref[0], argmax) and torch.equal(ref[2], (x.gather(-1, argmax.unsqueeze(-1)) - ref[1]).squeeze(-1))
 
 
 def test_argmax_logsumexp_rows_ties_special_values_strides_and_threads():
@@ -183,12 +188,14 @@ def test_argmax_logsumexp_rows_ties_special_values_strides_and_threads():
     x[6, ::2] = float("-inf")
     x[7] = 0.0                     # all equal: index 0
     x[8, 64], x[8, 96] = 9.0, 9.0  # the same lane, the later one past a NaN-free prefix
-    argmax, log_norm = cpu_fused.argmax_logsumexp_rows(x)
+    argmax, log_norm, logprob = cpu_fused.argmax_logsumexp_rows(x)
     assert argmax.tolist() == [5, 3, 99, 8, 0, 60, torch.argmax(x[6]).item(), 0, 64]
     assert torch.equal(argmax, torch.argmax(x, -1))
     torch.testing.assert_close(log_norm, cpu_fused.logsumexp_rows(x), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(logprob, (x.gather(-1, argmax.unsqueeze(-1)) - log_norm).squeeze(-1),
+                               rtol=0, atol=0, equal_nan=True)  # NaN and -inf rows as torch has them
     wide = torch.randn(3, 200, generator=_gen(17))
-    argmax, _ = cpu_fused.argmax_logsumexp_rows(wide[:, 50:150])
+    argmax, _, _ = cpu_fused.argmax_logsumexp_rows(wide[:, 50:150])
     assert torch.equal(argmax, torch.argmax(wide[:, 50:150], -1))
     big = torch.randn(96, 49152, generator=_gen(18))  # enough to split
     before = kernel_threads()
@@ -199,7 +206,7 @@ def test_argmax_logsumexp_rows_ties_special_values_strides_and_threads():
         two = cpu_fused.argmax_logsumexp_rows(big)
     finally:
         set_kernel_threads(before)
-    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1]) and torch.equal(one[2], two[2])
     assert torch.equal(one[0], torch.argmax(big, -1))
     double = cpu_fused.argmax_logsumexp_rows(big.double())  # not fp32: the reference
     assert torch.equal(double[0], torch.argmax(big, -1))
@@ -285,7 +292,7 @@ def test_without_avx512_every_op_runs_in_c_with_the_same_bits(request, tmp_path,
         assert torch.equal(out, silu_here)
     torch.testing.assert_close(cpu_fused.logsumexp_rows(rows), torch.logsumexp(rows, -1, keepdim=True),
                                rtol=1e-6, atol=1e-5)
-    argmax, lse = cpu_fused.argmax_logsumexp_rows(rows)
+    argmax, lse, _ = cpu_fused.argmax_logsumexp_rows(rows)
     assert torch.equal(argmax, rows.argmax(-1))
     cos_sin = reference.rope_cos_sin_cache(16, 8, 10000.0)
     q = torch.randn(2, 2, 16, generator=_gen(9)).to(BF16)

@@ -546,6 +546,7 @@ class Engine:
         self._bump_heartbeat_per_layer(True)
         control[C_ENGINE_STATE] = ENGINE_READY
         idle_sleep = 0.0
+        progressed = False  # the last step ran something
         drain_deadline: float | None = None
         try:
             with torch.inference_mode():
@@ -562,7 +563,9 @@ class Engine:
                         elif time.monotonic() > drain_deadline:
                             log.warning("drain timed out with requests still in flight")
                             break
-                    if self._idle():
+                    # (Not right after a step that ran: a step is the idle check's cost, and
+                    # then only when the work just ended.)
+                    if not progressed and self._idle():
                         # Nothing to do: back off (no busy spin).
                         idle_sleep = min(max(idle_sleep * 2, 5e-5), 5e-3)
                         time.sleep(idle_sleep)

@@ -418,7 +418,8 @@ class Sampler:
         """
         plan = plan or _FULL_PLAN
         ops = self.ops_for(logits.device)
-        logits = logits.float()
+        if logits.dtype != torch.float32:
+            logits = logits.float()
         missing = None
         if masks is not None and plan.any_constrained:  # host-side choices
             if masks.rows is None or masks.rows.numel():
@@ -429,8 +430,9 @@ class Sampler:
         # raw logits' argmax, taken in the log-normaliser's pass (plan None: every stage runs)
         untouched = not (plan.any_allowed or plan.any_bad_words or plan.any_logit_bias or plan.any_penalty
                          or (suppress_ids is not None and plan.any_suppress))
+        greedy_logprob = None  # the greedy tokens' logprobs, where the argmax's pass gave them
         if untouched:
-            greedy_tokens, log_norm = ops.argmax_logsumexp_rows(raw_logits)
+            greedy_tokens, log_norm, greedy_logprob = ops.argmax_logsumexp_rows(raw_logits)
         else:
             log_norm = ops.logsumexp_rows(raw_logits)
 
@@ -470,7 +472,10 @@ class Sampler:
             sampled_tokens = ops.sample(scaled, st.seed, step_counters)
             tokens = torch.where(is_greedy, greedy_tokens, sampled_tokens)
 
-        logprob = (raw_logits.gather(-1, tokens.unsqueeze(-1)) - log_norm).squeeze(-1)
+        if tokens is greedy_tokens and greedy_logprob is not None:  # (the same values, taken in one pass)
+            logprob = greedy_logprob
+        else:
+            logprob = (raw_logits.gather(-1, tokens.unsqueeze(-1)) - log_norm).squeeze(-1)
         if missing is not None:  # not sampled: the scheduler finishes these rows with an error
             tokens = torch.where(missing, -1, tokens)
         # A vocabulary smaller than N (tiny test models) leaves the tail as padding.

@@ -133,14 +133,14 @@ def schedule_on_host(
     and the forward (the prefill role's KV sender opens the step's layer-by-layer transfers
     there)."""
     batch = parts.scheduler.schedule()
-    n = int(batch.num_scheduled_tokens)  # CPU loop: a plain memory read, not a device sync
+    n, sample_rows = parts.scheduler.host_counts(batch)  # CPU loop: plain memory reads, not a device sync
     if n == 0:  # admissions/cancels may have happened, but there is nothing to compute
         return None
     if on_scheduled is not None:
         on_scheduled(batch)
     # At least one (padding) sample row: a step of prefill chunks only samples nothing,
     # and update() indexes the sampler outputs (an empty tensor cannot be indexed).
-    return batch, n, max(int(batch.num_sample_rows), 1)
+    return batch, n, max(sample_rows, 1)
 
 
 def run_step(parts: StepParts, on_scheduled: Callable[[StepBatch], None] | None = None) -> bool:

@@ -85,7 +85,7 @@ FUSED: dict[str, Signature] = {
     "blink_logsumexp_rows": Signature(
         None, _args("x", P) + _args("x_stride", I64) + _args("out", P) + _args("rows cols", I64) + _args("threads", INT)),
     "blink_argmax_logsumexp_rows": Signature(
-        None, _args("x", P) + _args("x_stride", I64) + _args("argmax out", P) + _args("rows cols", I64)
+        None, _args("x", P) + _args("x_stride", I64) + _args("argmax out logprob", P) + _args("rows cols", I64)
         + _args("threads", INT)),
     "blink_token_mask_rows": Signature(
         None,

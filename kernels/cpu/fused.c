@@ -345,27 +345,32 @@ typedef struct {
     int64_t x_stride, cols;
     float *out;
     int64_t *argmax; /* NULL: the log-normaliser alone */
+    float *logprob;  /* with argmax: x[argmax] - out, the greedy token's logprob */
 } logsumexp_args_t;
 
 static void *logsumexp_part(void *arg) {
     blink_part_t *p = (blink_part_t *)arg;
     const logsumexp_args_t *a = (const logsumexp_args_t *)p->args;
-    for (int64_t r = p->lo; r < p->hi; r++)
-        a->out[r] = logsumexp_row(a->x + r * a->x_stride, a->cols, a->argmax != NULL ? a->argmax + r : NULL);
+    for (int64_t r = p->lo; r < p->hi; r++) {
+        const float *x = a->x + r * a->x_stride;
+        a->out[r] = logsumexp_row(x, a->cols, a->argmax != NULL ? a->argmax + r : NULL);
+        if (a->logprob != NULL) a->logprob[r] = x[a->argmax[r]] - a->out[r]; /* the sampler's gather - log_norm */
+    }
     return NULL;
 }
 
 /* out[r] = logsumexp of fp32 row r (rows x_stride apart): the sampler's log-normaliser. */
 void blink_logsumexp_rows(const float *x, int64_t x_stride, float *out, int64_t rows, int64_t cols, int threads) {
-    const logsumexp_args_t a = {x, x_stride, cols, out, NULL};
+    const logsumexp_args_t a = {x, x_stride, cols, out, NULL, NULL};
     blink_run_parts(logsumexp_part, &a, rows, blink_threads_for(rows * cols, 16 * ELEMENTS_PER_THREAD, threads));
 }
 
 /* blink_logsumexp_rows (the same bits in out) and argmax[r] = torch.argmax of row r, from the
- * same first pass over the row: a greedy step's token and log-normaliser. */
-void blink_argmax_logsumexp_rows(const float *x, int64_t x_stride, int64_t *argmax, float *out, int64_t rows,
-                                 int64_t cols, int threads) {
-    const logsumexp_args_t a = {x, x_stride, cols, out, argmax};
+ * same first pass over the row, and logprob[r] = x[argmax[r]] - out[r] (fp32, as the sampler's
+ * gather and subtraction): a greedy step's token, log-normaliser and the token's logprob. */
+void blink_argmax_logsumexp_rows(const float *x, int64_t x_stride, int64_t *argmax, float *out, float *logprob,
+                                 int64_t rows, int64_t cols, int threads) {
+    const logsumexp_args_t a = {x, x_stride, cols, out, argmax, logprob};
     blink_run_parts(logsumexp_part, &a, rows, blink_threads_for(rows * cols, 16 * ELEMENTS_PER_THREAD, threads));
 }
 

@@ -180,11 +180,13 @@ def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def argmax_logsumexp_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def argmax_logsumexp_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`blink.kernels.reference.sampling.argmax_logsumexp_rows` (fp32 [B, V] -> int64
-    [B], fp32 [B, 1]): :func:`logsumexp_rows`' call and bits, the argmax taken in its first pass
-    over each row (torch's index: the first NaN, else the first maximum), where the reference
-    reads the logits twice more in four ops (a greedy step's sampler, blink.engine.sampler)."""
+    [B], fp32 [B, 1], fp32 [B]): :func:`logsumexp_rows`' call and bits, the argmax taken in its
+    first pass over each row (torch's index: the first NaN, else the first maximum), and the
+    argmax's logprob (its logit minus the log-normaliser), where the reference reads the logits
+    twice more and takes the logprob in four more ops (a greedy step's sampler,
+    blink.engine.sampler)."""
     lib = LIBRARY.get()
     if (lib is None or x.dtype is not torch.float32 or not x.is_cpu or x.ndim != 2
             or x.stride(1) != 1 or x.shape[1] == 0 or x.shape[1] >= 2**31
@@ -192,9 +194,10 @@ def argmax_logsumexp_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return sampling_reference.argmax_logsumexp_rows(x)
     argmax = torch.empty(x.shape[0], dtype=torch.int64)
     out = torch.empty((x.shape[0], 1), dtype=torch.float32)
+    logprob = torch.empty(x.shape[0], dtype=torch.float32)
     lib.blink_argmax_logsumexp_rows(x.data_ptr(), x.stride(0), argmax.data_ptr(), out.data_ptr(),
-                                    x.shape[0], x.shape[1], kernel_threads())
-    return argmax, out
+                                    logprob.data_ptr(), x.shape[0], x.shape[1], kernel_threads())
+    return argmax, out, logprob
 
 
 def apply_token_mask(logits: torch.Tensor, words: torch.Tensor, epoch: torch.Tensor,

@@ -64,7 +64,7 @@ static int64_t thunk_8(const void *fn, const blink_arg_t *a) {
 }
 
 static int64_t thunk_9(const void *fn, const blink_arg_t *a) {
-    ((void (*)(void *, int64_t, void *, void *, int64_t, int64_t, int))fn)(a[0].p, a[1].i, a[2].p, a[3].p, a[4].i, a[5].i, (int)a[6].i);
+    ((void (*)(void *, int64_t, void *, void *, void *, int64_t, int64_t, int))fn)(a[0].p, a[1].i, a[2].p, a[3].p, a[4].p, a[5].i, a[6].i, (int)a[7].i);
     return 0;
 }
 

@@ -22,6 +22,7 @@ same order); each wrapper checks the dtypes and layouts it relies on once and re
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 from pathlib import Path
 from typing import NamedTuple
@@ -172,6 +173,10 @@ class CStages:
                              "seq_lens": torch.zeros(rows, dtype=torch.int32),
                              "block_tables": torch.zeros(rows, blocks_per_seq, dtype=torch.int32),
                              "remap": torch.zeros(rows, dtype=torch.int64), "counts": torch.zeros(3, dtype=torch.int64)}
+        # The host reads the small results through numpy views (a tensor's tolist() is two
+        # torch calls), and a step's compacted metadata is views made once per shape.
+        self._counts = self._compact["counts"].numpy()
+        self._compacted: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, AttentionMetadata]] = {}
         self._fills = torch.empty(0, dtype=torch.uint8)
 
     def _check_first(self, stage: str, *checks: tuple) -> None:
@@ -194,12 +199,13 @@ class CStages:
                               ("needs_lookup", st.needs_lookup, torch.bool), ("the slot states", slot_state, torch.int32),
                               ("cancel", cancel, torch.int32, False), ("the window sizes", window_sizes, torch.int64))
             self._begin = torch.zeros(5, dtype=torch.int64)
+            self._begin_words = self._begin.numpy()
         out = self._begin
         self.lib.blink_sched_begin_step(st.status.shape[0], st.status.data_ptr(), slot_state.data_ptr(),
                                         cancel.data_ptr(), cancel.stride(0), st.needs_lookup.data_ptr(),
                                         window_sizes.data_ptr(), window_sizes.shape[0], st.step.data_ptr(),
                                         st.counters.data_ptr(), out.data_ptr())
-        size, cancelled, releasing, admissible, lookup = out.tolist()
+        size, cancelled, releasing, admissible, lookup = self._begin_words.tolist()
         return StepGuards(size, bool(cancelled), bool(releasing), bool(admissible), bool(lookup))
 
     # ------------------------------------------------------------------------ batch build
@@ -285,7 +291,9 @@ class CStages:
         R = min(tokens.shape[0], st.status.shape[0])
         if tokens.dtype not in (torch.int32, torch.int64):
             tokens = tokens.long()
-        logprob = logprob.float().contiguous()
+        if logprob.dtype != torch.float32:
+            logprob = logprob.float()
+        logprob = logprob.contiguous()
         width = top_ids.shape[1]
         if width:
             if top_ids.dtype not in (torch.int32, torch.int64):
@@ -428,11 +436,16 @@ class CStages:
                                      md.query_start_loc.data_ptr(), md.seq_lens.data_ptr(), md.block_tables.data_ptr(),
                                      b["seq_idx"].data_ptr(), b["query_start_loc"].data_ptr(), b["seq_lens"].data_ptr(),
                                      b["block_tables"].data_ptr(), b["remap"].data_ptr(), b["counts"].data_ptr())
-        A, max_context, max_query = b["counts"].tolist()
-        return AttentionMetadata(slot_mapping=md.slot_mapping[:n], positions=md.positions[:n],
-                                 token_seq_idx=b["seq_idx"][:n], query_start_loc=b["query_start_loc"][: A + 1],
-                                 seq_lens=b["seq_lens"][:A], block_tables=b["block_tables"][:A],
-                                 max_context=max_context, max_query_len=max_query)
+        A, max_context, max_query = self._counts.tolist()
+        cached = self._compacted.get((n, A))
+        if cached is None or cached[0] is not md.slot_mapping or cached[1] is not md.positions:
+            views = AttentionMetadata(
+                slot_mapping=md.slot_mapping[:n], positions=md.positions[:n], token_seq_idx=b["seq_idx"][:n],
+                query_start_loc=b["query_start_loc"][: A + 1], seq_lens=b["seq_lens"][:A],
+                block_tables=b["block_tables"][:A])
+            # (keyed by the batch's views too: the C batch's are made once per shape)
+            cached = self._compacted[(n, A)] = (md.slot_mapping, md.positions, views)
+        return dataclasses.replace(cached[2], max_context=max_context, max_query_len=max_query)
 
 
 class _SamplerGather:

@@ -258,11 +258,13 @@ def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(x, dim=-1, keepdim=True)
 
 
-def argmax_logsumexp_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(argmax_rows(x), logsumexp_rows(x))``: a greedy step's tokens and log-normaliser when
-    no stage changes the logits in between (the sampler asks for both at once, so that a
-    kernel can take them in one pass)."""
-    return argmax_rows(x), logsumexp_rows(x)
+def argmax_logsumexp_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(argmax_rows(x), logsumexp_rows(x), the argmax's logprob)``: a greedy step's tokens,
+    log-normaliser and the tokens' logprobs ([B]: their logits minus the log-normaliser) when no
+    stage changes the logits in between (the sampler asks for all at once, so that a kernel can
+    take them in one pass)."""
+    tokens, log_norm = argmax_rows(x), logsumexp_rows(x)
+    return tokens, log_norm, (x.gather(-1, tokens.unsqueeze(-1)) - log_norm).squeeze(-1)
 
 
 def sample(logits: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:

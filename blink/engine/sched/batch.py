@@ -89,12 +89,19 @@ class Batching:
         if self._c is not None:  # the CPU loop: one C call (kernels/cpu/sched.c)
             o = self._batch_out
             n = self._c.build_batch(st, num_new, self._buckets, o, self.host_guards)
-            attn = AttentionMetadata(slot_mapping=o.slot_mapping[:n], positions=o.positions[:n],
-                                     token_seq_idx=o.seq_idx[:n], query_start_loc=o.query_start_loc[: S + 1],
-                                     seq_lens=o.seq_lens[:S], block_tables=st.block_table)
-            return StepBatch(input_ids=o.input_ids[:n], attn=attn, num_scheduled_tokens=o.total,
-                             bucket_index=o.bucket, num_new_tokens=num_new, sample_rows=o.sample_rows[:S],
-                             num_sample_rows=o.num_sample_rows, logits_indices=o.logits_indices[:S])
+            # The batch is views of the buffers the call wrote: the same ones for every step of
+            # n lanes in this window, made once (each slice is a torch call, and the host's
+            # torch calls are what a small model's decode step waits for).
+            batch = self._c_batches.get((n, S))
+            if batch is None or batch.num_new_tokens is not num_new or batch.attn.block_tables is not st.block_table:
+                attn = AttentionMetadata(slot_mapping=o.slot_mapping[:n], positions=o.positions[:n],
+                                         token_seq_idx=o.seq_idx[:n], query_start_loc=o.query_start_loc[: S + 1],
+                                         seq_lens=o.seq_lens[:S], block_tables=st.block_table)
+                batch = self._c_batches[(n, S)] = StepBatch(
+                    input_ids=o.input_ids[:n], attn=attn, num_scheduled_tokens=o.total, bucket_index=o.bucket,
+                    num_new_tokens=num_new, sample_rows=o.sample_rows[:S], num_sample_rows=o.num_sample_rows,
+                    logits_indices=o.logits_indices[:S])
+            return batch
         ends = num_new.cumsum(0)
         query_start_loc = F.pad(ends, (1, 0))
         total = ends[-1]

@@ -309,6 +309,9 @@ class Scheduler(Admission, KvReservation, PrefixHookup, Budget, Batching, Publis
             self._batch_out = BatchBuffers(self.num_slots, config.max_num_batched_tokens, self.device)
         self._done = torch.zeros(self.num_slots, dtype=torch.int64, device=self.device)
         self._c_sampler_inputs: dict[int, SamplerInputs] = {}  # by row count (batch.py)
+        self._c_batches: dict[tuple[int, int], StepBatch] = {}  # by (lanes, window) (batch.py)
+        # the step's token and sample-row counts, read by the host through numpy (host_counts)
+        self._c_counts = (self._batch_out.total.numpy(), self._batch_out.num_sample_rows.numpy())
         self._window_sizes_t = torch.tensor(self._window_sizes, dtype=torch.int64)
         return stages
 
@@ -346,9 +349,19 @@ class Scheduler(Admission, KvReservation, PrefixHookup, Budget, Batching, Publis
         batch = self._build_batch(num_new)                                # batch.py
         # Every step ends with fresh stats: update() writes them after a forward; a step
         # that schedules nothing (no update) writes them here.
-        if self._when(lambda: batch.num_scheduled_tokens == 0):
+        nothing = (self.host_counts(batch)[0] == 0 if self._c is not None  # (C stages: host guards)
+                   else self._when(lambda: batch.num_scheduled_tokens == 0))
+        if nothing:
             self._write_stats()                                           # stats.py
         return batch
+
+    def host_counts(self, batch: StepBatch) -> tuple[int, int]:
+        """(tokens, sample rows) of a scheduled batch, read on the host (the CPU loop): from
+        the C stages' buffers without a torch call where they built it."""
+        if self._c is not None and batch.num_scheduled_tokens is self._batch_out.total:
+            total, sample_rows = self._c_counts
+            return int(total), int(sample_rows)
+        return int(batch.num_scheduled_tokens), int(batch.num_sample_rows)
 
     def update(
         self,
