@@ -51,12 +51,12 @@ class PromptLogprobJob:
 def prompt_logprob_jobs(scheduler: Any, batch: Any) -> list[PromptLogprobJob]:
     """The step's prompt-logprob work (host reads: the CPU loop only); [] when no row of the
     step asks for prompt logprobs, after one small check."""
-    st = scheduler.state
     num_new = batch.num_new_tokens
     S = num_new.shape[0]
-    want = st.sampling["prompt_logprobs"][:S]
-    if S == 0 or int(want.max()) < 0:  # no row asks: 3 torch calls instead of 10
+    if not scheduler.wants_prompt_logprobs(S):  # no row asks: a numpy read, no torch call
         return []
+    st = scheduler.state
+    want = st.sampling["prompt_logprobs"][:S]
     rows = (want >= 0) & (num_new > 0) & (st.num_tokens[:S] == st.num_prompt[:S])
     if not bool(rows.any()):
         return []

@@ -175,6 +175,7 @@ class Scheduler(Admission, KvReservation, PrefixHookup, Budget, Batching, Publis
         self._slot_fields = frozenset(layout.slot_fields)
         self._window_sizes = geometric_buckets(16, 4, S)
         self._windows: dict[int, RowWindow] = {}
+        self._prompt_logprobs_words = None  # numpy view of the state's column (wants_prompt_logprobs)
         self._w = self._window(S)
         self._cols = torch.arange(M, device=dev)
         self._tok = torch.arange(config.max_num_batched_tokens, device=dev)
@@ -354,6 +355,18 @@ class Scheduler(Admission, KvReservation, PrefixHookup, Budget, Batching, Publis
         if nothing:
             self._write_stats()                                           # stats.py
         return batch
+
+    def wants_prompt_logprobs(self, rows: int) -> bool:
+        """Whether any of the first ``rows`` rows asks for prompt logprobs: a host read (the
+        CPU loop's), through a numpy view of the state's column where it is on the CPU."""
+        if rows <= 0:
+            return False
+        column = self.state.sampling["prompt_logprobs"]
+        if column.device.type != "cpu":
+            return bool((column[:rows] >= 0).any())
+        if self._prompt_logprobs_words is None:
+            self._prompt_logprobs_words = column.numpy()  # (the state is never reallocated)
+        return int(self._prompt_logprobs_words[:rows].max()) >= 0
 
     def host_counts(self, batch: StepBatch) -> tuple[int, int]:
         """(tokens, sample rows) of a scheduled batch, read on the host (the CPU loop): from
