@@ -240,6 +240,11 @@ class RingEngineClient:
         if listener is not None and info.connection.get(doorbell_field) is not True:
             listener.close()  # an engine on another host, or one with no host step
             listener = None
+        logger.info("engine %s:%d: %s", host, port,
+                    "the ring poller wakes at its doorbell, rung after each engine step" if listener is not None
+                    else "the ring poller ticks on its timers (no doorbell: %s)" % (
+                        "$BLINK_FRONTEND_DOORBELL=0" if not doorbell else "not on Linux" if not doorbell_supported()
+                        else "the engine rings none (another host, or a loop with no host step)"))
         try:
             ring = RingClient(transport)
         except BaseException:
