@@ -548,7 +548,8 @@ def test_a_replayed_decode_step_makes_few_torch_calls_on_the_host():
     time (a SmolLM2-135M step spent ~0.45 ms of its ~2.5 in host work,
     docs/performance.md#host-torch-calls). The scheduler's batch and compacted metadata and the
     graph's input buffers are views made once per shape, the greedy logprob comes from the
-    argmax's pass: a change that brings a torch call per step back fails here."""
+    argmax's pass (20 calls a step then; ~60 before): a change that brings most of them back
+    fails here."""
     import sys
     from pathlib import Path
 

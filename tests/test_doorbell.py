@@ -10,14 +10,13 @@ from pathlib import Path
 import pytest
 
 from blink.dpu.ring_engine_client import RingEngineClient
-from blink.ring import C_STAT_STEPS, Ring, RingConfig, RingLayout
-from blink.shared.sampling_params import SamplingParams
-from blink.transport import BootstrapServer, LoopbackRegion, connect
+from blink.transport import BootstrapServer, connect
 from blink.transport import doorbell as doorbells
 from blink.transport.doorbell import Doorbell, DoorbellListener
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
-from test_ring_client import Setup  # noqa: E402
+from test_bootstrap_hostile import region  # noqa: E402,F401 - the fixture
+from test_ring_client import Setup, ticks_and_steps  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not doorbells.supported(), reason="abstract UNIX sockets are Linux's")
 
@@ -53,19 +52,8 @@ def test_only_a_listeners_name_is_a_doorbell(name):
         Doorbell(name)  # type: ignore[arg-type]
 
 
-CFG = RingConfig(n_slots=4, arena_tokens=64, stream_capacity=4, max_model_len=32)
-
-
-@pytest.fixture
-def region():
-    region = LoopbackRegion(RingLayout(CFG).total_bytes)
-    Ring.create(region.buffer, CFG)
-    yield region
-    region.close()
-
-
 def start_server(region, **kw) -> BootstrapServer:
-    server = BootstrapServer(region, model_name="m", max_model_len=32, tokenizer="t", timeout_s=2.0, **kw)
+    server = BootstrapServer(region, model_name="m", max_model_len=256, tokenizer="t", timeout_s=2.0, **kw)
     server.start()
     return server
 
@@ -125,26 +113,12 @@ def test_the_poller_ticks_on_each_bell_and_not_on_its_timers():
     setup.engine.start()
 
     async def main():
-        ring = setup.client
-        client = RingEngineClient(ring, model_name="fake", poll_min_interval_s=1e-4, poll_max_interval_s=1e-3,
-                                  doorbell=listener, doorbell_fallback_s=5.0)
-        ticks = 0
-        tick = client._tick
-
-        def counted() -> bool:
-            nonlocal ticks
-            ticks += 1
-            return tick()
-
-        client._tick = counted
-        steps0 = int(setup.ring.control[C_STAT_STEPS])
-        out = [o async for o in client.generate("r", [5], SamplingParams(max_tokens=12))]
-        steps = int(setup.ring.control[C_STAT_STEPS]) - steps0
-        await client.close()
-        return out, ticks, steps
+        client = RingEngineClient(setup.client, model_name="fake", poll_min_interval_s=1e-4,
+                                  poll_max_interval_s=1e-3, doorbell=listener, doorbell_fallback_s=5.0)
+        return await ticks_and_steps(setup, client, 12)
 
     try:
-        out, ticks, steps = asyncio.run(main())
+        ticks, out, steps = asyncio.run(main())
     finally:
         setup.close()
     assert sum(len(o.token_ids) for o in out) == 12

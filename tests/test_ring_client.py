@@ -426,6 +426,25 @@ def test_async_generate_many_concurrent_requests(setup):
     assert setup.ring.state.tolist() == [SLOT_FREE] * 8
 
 
+async def ticks_and_steps(setup, client: RingEngineClient, max_tokens: int) -> tuple[int, list, int]:
+    """One request of ``max_tokens`` through ``client`` (closed after): the poller's ticks,
+    the outputs and the engine's steps meanwhile."""
+    ticks = 0
+    tick = client._tick
+
+    def counted() -> bool:
+        nonlocal ticks
+        ticks += 1
+        return tick()
+
+    client._tick = counted
+    steps0 = int(setup.ring.control[C_STAT_STEPS])
+    out = await collect(client.generate("r", [5], SamplingParams(max_tokens=max_tokens)))
+    steps = int(setup.ring.control[C_STAT_STEPS]) - steps0
+    await client.close()
+    return ticks, out, steps
+
+
 def test_the_poller_sleeps_through_each_step_and_still_sees_every_token(setup):
     """With steps of ~20 ms the poller aligned to the step clock ticks a few times per step
     (asleep through the step, fine ticks around its end), far fewer than the backoff alone
@@ -437,19 +456,7 @@ def test_the_poller_sleeps_through_each_step_and_still_sees_every_token(setup):
         ring = RingClient(LoopbackTransport(setup.region.name, setup.region.total_bytes))
         client = RingEngineClient(ring, model_name="fake", poll_min_interval_s=1e-4,
                                   poll_max_interval_s=1e-3, align_to_steps=align)
-        ticks = 0
-        tick = client._tick
-
-        def counted() -> bool:
-            nonlocal ticks
-            ticks += 1
-            return tick()
-
-        client._tick = counted
-        steps0 = int(setup.ring.control[C_STAT_STEPS])
-        out = await collect(client.generate("r", [5], SamplingParams(max_tokens=24)))
-        steps = int(setup.ring.control[C_STAT_STEPS]) - steps0
-        await client.close()
+        ticks, out, steps = await ticks_and_steps(setup, client, 24)
         return ticks / steps, len(out), sum(len(o.token_ids) for o in out)
 
     async def main():

@@ -41,7 +41,22 @@ def valid_name(name: object) -> bool:
     return isinstance(name, str) and _NAME.fullmatch(name) is not None
 
 
-class DoorbellListener:
+class _DatagramEnd:
+    """A non-blocking UNIX datagram socket, closed by :meth:`close` or when dropped (the engine's
+    bell is dropped by whoever held it last: the lease's end, or the loop's step)."""
+
+    _sock: socket.socket
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __del__(self) -> None:
+        sock = getattr(self, "_sock", None)
+        if sock is not None:
+            sock.close()
+
+
+class DoorbellListener(_DatagramEnd):
     """The frontend's end: a bound, non-blocking datagram socket under a fresh random name."""
 
     def __init__(self) -> None:
@@ -67,16 +82,8 @@ class DoorbellListener:
         except (BlockingIOError, InterruptedError):
             return count
 
-    def close(self) -> None:
-        self._sock.close()
 
-    def __del__(self) -> None:  # dropped by whoever held it last (the lease's end, or the loop)
-        sock = getattr(self, "_sock", None)
-        if sock is not None:
-            sock.close()
-
-
-class Doorbell:
+class Doorbell(_DatagramEnd):
     """The engine's end, connected to one listener's name."""
 
     def __init__(self, name: str) -> None:
@@ -99,10 +106,3 @@ class Doorbell:
         except OSError:
             pass
 
-    def close(self) -> None:
-        self._sock.close()
-
-    def __del__(self) -> None:  # dropped by whoever held it last (the lease's end, or the loop)
-        sock = getattr(self, "_sock", None)
-        if sock is not None:
-            sock.close()
