@@ -205,7 +205,7 @@ def test_step_clock_cadence_is_the_recent_step_time():
 def _poller(clock: StepClock, *, active: bool = True, masks: bool = False, align: bool = True):
     """What RingEngineClient._poll_delay reads, with the defaults' numbers."""
     return SimpleNamespace(step_clock=clock, align_to_steps=align, align_min_step_s=ALIGN_MIN_STEP_S,
-                           align_max_sleep_s=0.1, poll_min_interval_s=2e-4,
+                           align_max_sleep_s=0.1, poll_min_interval_s=2e-4, doorbell=None, _line=[],
                            ring=SimpleNamespace(active=[object()] if active else [], masks_pending=masks))
 
 

@@ -38,8 +38,11 @@ from e2e_helpers import (  # noqa: E402
 pytestmark = pytest.mark.slow
 
 SLOTS = 8
-FLAGS = ("--model", "null", "--max-model-len", "1024", "--max-num-seqs", str(SLOTS),
-         "--kv-cache-tokens", "8192")
+# Long enough that six null-model streams are still running when the engine is killed: the
+# frontend reads each step's tokens at once (its doorbell), so 1,000 of them could finish first.
+LONG_STREAM = 8000
+FLAGS = ("--model", "null", "--max-model-len", "8192", "--max-num-seqs", str(SLOTS),
+         "--kv-cache-tokens", str(8 * 8192))
 CLEAR_ERRORS = {"engine_unavailable", "engine_overloaded"}
 
 
@@ -119,7 +122,7 @@ def test_load_disconnects_engine_kill_and_restart():
         # 2. the engine dies with streams in flight
         started = [threading.Event() for _ in range(6)]
         with cf.ThreadPoolExecutor(6) as pool:
-            inflight = [pool.submit(_stream, url, 1000, None, ev) for ev in started]
+            inflight = [pool.submit(_stream, url, LONG_STREAM, None, ev) for ev in started]
             for ev in started:
                 assert ev.wait(60), "a stream did not start"
             server.engine_pid = None
