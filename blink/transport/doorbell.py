@@ -6,8 +6,8 @@ the kernels during a step), each tick of the frontend's ring poller that lands m
 kernel thread, and the step waits for the part that thread holds. SmolLM2-135M's steps are
 ~2.6 ms; the poller's backoff (0.2 ms after output, doubling) ticks ~3 times in each, and finds
 the token up to a backoff late. With the doorbell the poller wakes once a step, right after the
-step published its tokens, while the engine's loop does its host work and the kernels' second
-core is free (docs/performance.md#doorbell).
+step published its tokens, while the engine's loop does its host work and no kernel part runs
+(docs/performance.md#doorbell).
 
 How: the frontend binds a Linux abstract-namespace UNIX datagram socket under a random name
 (:class:`DoorbellListener`) and sends the name in its bootstrap hello; an engine serving the
