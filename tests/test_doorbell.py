@@ -15,17 +15,11 @@ from blink.transport import doorbell as doorbells
 from blink.transport.doorbell import Doorbell, DoorbellListener
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
+from e2e_helpers import wait_until  # noqa: E402
 from test_bootstrap_hostile import region  # noqa: E402,F401 - the fixture
 from test_ring_client import Setup, ticks_and_steps  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not doorbells.supported(), reason="abstract UNIX sockets are Linux's")
-
-
-def wait_until(cond, what: str, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
 
 
 def test_a_bell_reaches_its_listener_and_a_gone_listener_is_no_error():
@@ -35,7 +29,7 @@ def test_a_bell_reaches_its_listener_and_a_gone_listener_is_no_error():
     assert listener.drain() == 0
     for _ in range(3):
         bell.ring()
-    wait_until(lambda: listener.drain() > 0, "the bells")
+    wait_until(lambda: listener.drain() > 0, 5, 0.005, "the bells")
     listener.close()
     bell.ring()  # its frontend exited: nobody to wake, nothing raised
     bell.close()
@@ -67,14 +61,14 @@ def test_the_lease_holders_doorbell_goes_to_the_engine_until_its_lease_ends(regi
         assert info.connection[doorbells.FIELD] is True
         assert len(bells) == 1 and bells[0].name == listener.name
         bells[0].ring()
-        wait_until(lambda: listener.drain() == 1, "the engine's bell")
+        wait_until(lambda: listener.drain() == 1, 5, 0.005, "the engine's bell")
         # a monitor (no lease) gets no bell, whatever it asks
         monitor, monitor_transport = connect(*server.address, secret=server.secret, timeout_s=2.0,
                                              role="monitor", doorbell=DoorbellListener().name)
         monitor_transport.close()
         assert doorbells.FIELD not in monitor.connection and len(bells) == 1
         transport.close()  # the frontend goes: the engine drops its bell
-        wait_until(lambda: len(bells) == 2, "the lease's end")
+        wait_until(lambda: len(bells) == 2, 5, 0.005, "the lease's end")
         assert bells[1] is None
     finally:
         server.stop()
@@ -97,7 +91,7 @@ def test_no_bell_without_a_ringer_or_with_a_name_that_is_no_listeners(region):
             info, transport = connect(*server.address, secret=server.secret, timeout_s=2.0, doorbell=name)
             transport.close()
             assert doorbells.FIELD not in info.connection  # welcomed all the same
-        wait_until(lambda: bells == [None, None], "both leases' ends")  # and never a bell
+        wait_until(lambda: bells == [None, None], 5, 0.005, "both leases' ends")  # and never a bell
     finally:
         server.stop()
         listener.close()

@@ -357,15 +357,12 @@ class Scheduler(Admission, KvReservation, PrefixHookup, Budget, Batching, Publis
         return batch
 
     def wants_prompt_logprobs(self, rows: int) -> bool:
-        """Whether any of the first ``rows`` rows asks for prompt logprobs: a host read (the
-        CPU loop's), through a numpy view of the state's column where it is on the CPU."""
+        """Whether any of the first ``rows`` rows asks for prompt logprobs: a host read (the CPU
+        loop's: its state is in host memory) through a numpy view of the state's column."""
         if rows <= 0:
             return False
-        column = self.state.sampling["prompt_logprobs"]
-        if column.device.type != "cpu":
-            return bool((column[:rows] >= 0).any())
-        if self._prompt_logprobs_words is None:
-            self._prompt_logprobs_words = column.numpy()  # (the state is never reallocated)
+        if self._prompt_logprobs_words is None:  # (the state is never reallocated)
+            self._prompt_logprobs_words = self.state.sampling["prompt_logprobs"].numpy()
         return int(self._prompt_logprobs_words[:rows].max()) >= 0
 
     def host_counts(self, batch: StepBatch) -> tuple[int, int]:
