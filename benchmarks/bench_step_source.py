@@ -23,6 +23,13 @@ defaults here do:
         --model /opt/blink-peers/models/llama-1b-shaped/model-Q4_K_M.gguf --tokens 64 --rounds 8
 
 Another build than the CPU's own: ``BLINK_CPU_Q4=avx2_int8`` (both versions are built as it).
+
+``--pool-before`` compares two versions of the worker pool (kernels/cpu/pool.c) the same way:
+every kernel library is handed one pool or the other between rounds (``blink_use_pool``, as
+:func:`blink.kernels.cpu.pool.attach` does at load), each with its own workers:
+
+    git show HEAD:kernels/cpu/pool.c > /tmp/pool_before.c
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.bench_step_source --pool-before /tmp/pool_before.c
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 #: the recorded kernel calls that go to one version or the other
@@ -38,7 +46,9 @@ KERNELS = frozenset({"blink_quant_linear"})
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--before", type=Path, required=True, help="the other version of quant_linear.c")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--before", type=Path, help="the other version of quant_linear.c")
+    which.add_argument("--pool-before", type=Path, help="the other version of pool.c")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--threads", type=int, default=1, help="engine compute threads (default 1, as served on 2 cores)")
     p.add_argument("--kernel-threads", type=int, default=2, help="the C kernels' threads (default 2)")
@@ -49,8 +59,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--allow-different-bits", action="store_true",
                    help="time a change of arithmetic (else different tokens stop the run)")
     args = p.parse_args(argv)
-    if not args.before.is_file():
-        p.error(f"--before {args.before}: no such file")
+    source = args.before or args.pool_before
+    if not source.is_file():
+        p.error(f"{source}: no such file")
     if args.rounds < 1 or args.tokens < 1 or args.prompt_words < 1:
         p.error("--rounds, --tokens and --prompt-words must be at least 1")
 
@@ -74,19 +85,27 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit("no decode step replays a call of quant_linear.c here (CPU graphs off, or "
                              "the model's projections run on another kernel): nothing to compare")
         with tempfile.TemporaryDirectory(prefix="blink-ab-") as tmp:
-            before = before_library(args.before, build, Path(tmp))
-            versions = {"before": before, "now": now}
+            if args.pool_before is not None:
+                use = _pool_switch(args.pool_before, Path(tmp), build)
+                what = "the pool's"
+            else:
+                before = before_library(args.before, build, Path(tmp))
+                versions = {"before": before, "now": now}
+
+                def use(name: str) -> None:
+                    for graph in graphs:
+                        graph.retarget(versions[name], KERNELS)
+                what = "the kernel's"
             prompt = "The sea and the wind. " * args.prompt_words
             params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
             ms: dict[str, list[float]] = {"before": [], "now": []}
             print(f"{args.model}: build {build}, {len(graphs)} CPU graphs, {calls} calls of the kernel, "
-                  f"{args.rounds} rounds of {args.tokens} tokens", flush=True)
+                  f"{args.rounds} rounds of {args.tokens} tokens, two versions of {what} source", flush=True)
             try:
                 for r in range(args.rounds):
                     tokens = {}
                     for name in (("before", "now") if r % 2 == 0 else ("now", "before")):
-                        for graph in graphs:
-                            graph.retarget(versions[name], KERNELS)
+                        use(name)
                         # untimed: the first replay after a retarget makes replay.c's arrays again
                         llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0))
                         t0 = time.perf_counter()
@@ -99,8 +118,7 @@ def main(argv: list[str] | None = None) -> None:
                                              "(--allow-different-bits to time them anyway)")
                         print(f"note: round {r} generated different tokens")
             finally:
-                for graph in graphs:  # the checkout's build again, before its temporary twin goes
-                    graph.retarget(now, KERNELS)
+                use("now")  # the checkout's build again, before its temporary twin goes
     finally:
         llm.close()
     ratios = [b / n for b, n in zip(ms["before"], ms["now"])]
@@ -109,6 +127,35 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {name} | {statistics.median(ms[name]):.3f} | {min(ms[name]):.3f} |")
     print(f"now / before: median {statistics.median(ratios):.3f}x, rounds "
           + " ".join(f"{x:.3f}" for x in ratios))
+
+
+def _pool_switch(source: Path, workdir: Path, build: str) -> Callable[[str], None]:
+    """``source`` built as the checkout's pool is, and a function that hands every loaded
+    kernel library the checkout's pool ("now") or that one ("before")."""
+    import ctypes
+    import shutil
+
+    from blink.kernels.cpu import attention, fused, pool, q4_linear, quant_linear, sampling
+    from blink.shared.native_build import NativeBuildError, build_library
+
+    copy = workdir / "pool.c"
+    shutil.copyfile(source, copy)
+    shutil.copyfile(Path(pool.__file__).with_name("kernels.h"), workdir / "kernels.h")
+    try:
+        before = build_library(copy, pool.LIBRARY.flags, None, (workdir / "kernels.h",))
+    except NativeBuildError as exc:
+        raise SystemExit(f"{source} does not build as the pool: {exc}") from None
+    now = pool.LIBRARY.get()
+    entry = {name: ctypes.cast(library.blink_pool_split, ctypes.c_void_p).value
+             for name, library in (("now", now), ("before", before))}
+    libraries = [library for library in (attention.LIBRARY.get(), fused.LIBRARY.get(), sampling.LIBRARY.get(),
+                                         q4_linear.LIBRARY.get(), quant_linear.LIBRARIES[build].get())
+                 if library is not None]
+
+    def use(name: str) -> None:
+        for library in libraries:
+            library.blink_use_pool(entry[name])
+    return use
 
 
 if __name__ == "__main__":

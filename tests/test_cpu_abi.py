@@ -124,7 +124,7 @@ def test_the_checker_sees_a_wrong_table():
 
 
 def test_a_function_pointer_parameter_is_a_pointer():
-    text = "int blink_pool_split(void *(*run)(void *), const void *args, int64_t items, int threads) {}"
+    text = "int blink_pool_split(void *(*run)(void *), const void *args, int64_t items, int threads, int64_t parts) {}"
     assert exported(text) == [("blink_pool_split", abi.POOL["blink_pool_split"])]
 
 

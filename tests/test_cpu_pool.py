@@ -4,8 +4,10 @@ in every kernel library, concurrent callers and a forked child still get right a
 a hang), and the setting refuses nonsense, from the API and from the command line."""
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import threading
+import time
 
 import pytest
 import torch
@@ -209,3 +211,59 @@ def test_serve_gives_the_kernels_every_core():
     cores = len(os.sched_getaffinity(0))
     assert serve_kernel_threads() == cores and serve_kernel_threads(2) == max(1, cores // 2)
     assert serve_engine_threads() == max(1, cores - 1)
+
+
+class _Part(ctypes.Structure):
+    """kernels.h's blink_part_t."""
+
+    _fields_ = [("args", ctypes.c_void_p), ("lo", ctypes.c_int64), ("hi", ctypes.c_int64), ("status", ctypes.c_int)]
+
+
+_RUN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(_Part))
+
+
+@needs_pool
+def test_the_pool_hands_out_every_part_once_whether_its_workers_poll_or_sleep():
+    """blink_pool_split straight from Python: each call's parts are the even cut of its items
+    into ``parts`` (more parts than threads, claimed in turn), each run exactly once, on the
+    caller and the worker; between calls the gaps are shorter than the workers' poll (a polling
+    worker takes the call) and longer (a sleeping one is woken, or the caller takes every part),
+    and no call is lost or hangs; a part's nonzero status reaches the caller."""
+    pool = cpu_pool.LIBRARY.get()
+    seen: list[tuple[int, int, int]] = []
+
+    def run(part):
+        p = part.contents
+        seen.append((p.lo, p.hi, threading.get_ident()))
+        if p.lo <= 37 < p.hi and fail[0]:
+            p.status = 7
+        return None
+
+    fail = [False]
+    callback = _RUN(run)  # (kept alive for the calls)
+    run_address = ctypes.cast(callback, ctypes.c_void_p)
+    threads_seen: set[int] = set()
+    results: list[str] = []
+
+    def calls() -> None:
+        for call in range(240):
+            seen.clear()
+            items, parts = 100 + call % 7, (2, 5, 16)[call % 3]
+            if pool.blink_pool_split(run_address, None, items, 2, parts) != 0:
+                results.append(f"call {call}: a nonzero status")
+            want = [(items * c // parts, items * (c + 1) // parts) for c in range(parts)]
+            if sorted((lo, hi) for lo, hi, _ in seen) != want:
+                results.append(f"call {call}: parts {sorted(seen)}, not {want}")
+            threads_seen.update(ident for *_, ident in seen)
+            time.sleep((0, 5e-5, 1e-3)[call % 3])  # the poll is 200 us
+        fail[0] = True
+        results.append(f"status {pool.blink_pool_split(run_address, None, 100, 2, 16)}")
+        fail[0] = False
+        results.append(f"status {pool.blink_pool_split(run_address, None, 100, 2, 16)}")
+
+    caller = threading.Thread(target=calls, daemon=True)
+    caller.start()
+    caller.join(timeout=120)
+    assert not caller.is_alive(), "a call of the pool hung"
+    assert results == ["status 7", "status 0"]
+    assert len(threads_seen) == 2, "no worker ever took a part"

@@ -45,7 +45,8 @@ KERNELS_H: dict[str, Signature] = {
 #: library gets it through blink_use_pool)
 POOL: dict[str, Signature] = {
     **KERNELS_H,
-    "blink_pool_split": Signature(INT, _args("run args", P) + _args("items", I64) + _args("threads", INT)),
+    "blink_pool_split": Signature(INT, _args("run args", P) + _args("items", I64) + _args("threads", INT)
+                                  + _args("parts", I64)),
 }
 
 #: attention.c: the paged attention

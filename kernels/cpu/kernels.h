@@ -222,7 +222,7 @@ enum { BLINK_MAX_THREADS = 64 };
  * calls never wait for each other's workers), given to each library at load
  * (kernels/cpu/pool.py); NULL until then, or where it could not be built: calls run on the
  * calling thread. */
-typedef int (*blink_pool_run_t)(void *(*run)(void *), const void *args, int64_t items, int threads);
+typedef int (*blink_pool_run_t)(void *(*run)(void *), const void *args, int64_t items, int threads, int64_t parts);
 static blink_pool_run_t blink_pool_run = NULL;
 
 void blink_use_pool(void *run) { blink_pool_run = (blink_pool_run_t)run; }
@@ -234,12 +234,21 @@ static inline int blink_threads_for(int64_t work, int64_t per_thread, int thread
     return threads;
 }
 
-/* run(part) over [0, items) split evenly into `threads` parts (at most BLINK_MAX_THREADS and
- * `items`), on the pool when there is one and more than one part, else one after the other
- * here. Returns 0 or the last nonzero status. Callers pick `threads` by the call's work. */
-static inline int blink_run_parts(void *(*run)(void *), const void *args, int64_t items, int threads) {
-    if (threads > 1 && items > 1 && blink_pool_run != NULL) return blink_pool_run(run, args, items, threads);
+/* run(part) over [0, items) split evenly into `parts` parts (at least `threads`, at most
+ * `items`) that up to `threads` threads (at most BLINK_MAX_THREADS) claim, on the pool when there
+ * is one and more than one thread, else all items here in one part. Returns 0 or the last
+ * nonzero status. Callers pick `threads` by the call's work, and more parts than threads only
+ * where the parts' results do not depend on where the items were cut (each claimed part then
+ * evens out the threads' speeds: one core slowed by another process's work, say). */
+static inline int blink_run_parts_of(void *(*run)(void *), const void *args, int64_t items, int threads,
+                                     int64_t parts) {
+    if (threads > 1 && items > 1 && blink_pool_run != NULL) return blink_pool_run(run, args, items, threads, parts);
     blink_part_t part = {args, 0, items, 0};
     run(&part);
     return part.status;
+}
+
+/* blink_run_parts_of with one part a thread. */
+static inline int blink_run_parts(void *(*run)(void *), const void *args, int64_t items, int threads) {
+    return blink_run_parts_of(run, args, items, threads, threads);
 }

@@ -33,7 +33,7 @@ static int64_t thunk_1(const void *fn, const blink_arg_t *a) {
 }
 
 static int64_t thunk_2(const void *fn, const blink_arg_t *a) {
-    return (int64_t)((int (*)(void *, void *, int64_t, int))fn)(a[0].p, a[1].p, a[2].i, (int)a[3].i);
+    return (int64_t)((int (*)(void *, void *, int64_t, int, int64_t))fn)(a[0].p, a[1].p, a[2].i, (int)a[3].i, a[4].i);
 }
 
 static int64_t thunk_3(const void *fn, const blink_arg_t *a) {

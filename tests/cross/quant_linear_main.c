@@ -18,7 +18,7 @@ int blink_quant_linear(const uint16_t *x, int64_t x_stride, const void *codes, c
                        int format, int threads);
 int blink_quant_linear_isa(void);
 void blink_use_pool(void *run);
-int blink_pool_split(void *(*run)(void *), const void *args, int64_t items, int threads);
+int blink_pool_split(void *(*run)(void *), const void *args, int64_t items, int threads, int64_t parts);
 
 static void *read_file(const char *prefix, const char *suffix) {
     char path[4096];
