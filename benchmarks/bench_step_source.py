@@ -24,6 +24,13 @@ defaults here do:
 
 Another build than the CPU's own: ``BLINK_CPU_Q4=avx2_int8`` (both versions are built as it).
 
+``--attention-before`` compares two versions of the paged attention (kernels/cpu/attention.c)
+the same way, its recorded calls retargeted:
+
+    git show HEAD:kernels/cpu/attention.c > /tmp/attention_before.c
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.bench_step_source --attention-before /tmp/attention_before.c \\
+        --prompt-words 40
+
 ``--pool-before`` compares two versions of the worker pool (kernels/cpu/pool.c) the same way:
 every kernel library is handed one pool or the other between rounds (``blink_use_pool``, as
 :func:`blink.kernels.cpu.pool.attach` does at load), each with its own workers:
@@ -42,12 +49,14 @@ from pathlib import Path
 
 #: the recorded kernel calls that go to one version or the other
 KERNELS = frozenset({"blink_quant_linear"})
+ATTENTION_KERNELS = frozenset({"blink_paged_attention"})
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--before", type=Path, help="the other version of quant_linear.c")
+    which.add_argument("--attention-before", type=Path, help="the other version of attention.c")
     which.add_argument("--pool-before", type=Path, help="the other version of pool.c")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--threads", type=int, default=1, help="engine compute threads (default 1, as served on 2 cores)")
@@ -59,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--allow-different-bits", action="store_true",
                    help="time a change of arithmetic (else different tokens stop the run)")
     args = p.parse_args(argv)
-    source = args.before or args.pool_before
+    source = args.before or args.attention_before or args.pool_before
     if not source.is_file():
         p.error(f"{source}: no such file")
     if args.rounds < 1 or args.tokens < 1 or args.prompt_words < 1:
@@ -88,6 +97,9 @@ def main(argv: list[str] | None = None) -> None:
             if args.pool_before is not None:
                 use = _pool_switch(args.pool_before, Path(tmp), build)
                 what = "the pool's"
+            elif args.attention_before is not None:
+                use = _attention_switch(args.attention_before, Path(tmp), graphs)
+                what = "the attention's"
             else:
                 before = before_library(args.before, build, Path(tmp))
                 versions = {"before": before, "now": now}
@@ -127,6 +139,33 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {name} | {statistics.median(ms[name]):.3f} | {min(ms[name]):.3f} |")
     print(f"now / before: median {statistics.median(ratios):.3f}x, rounds "
           + " ".join(f"{x:.3f}" for x in ratios))
+
+
+def _attention_switch(source: Path, workdir: Path, graphs: list) -> Callable[[str], None]:
+    """``source`` built as the checkout's attention.c is, and a function that points the
+    graphs' recorded attention calls at the checkout's build ("now") or that one ("before")."""
+    import shutil
+
+    from blink.kernels.cpu import attention
+    from blink.shared.native_build import NativeBuildError, build_library
+
+    copy = workdir / "attention.c"
+    shutil.copyfile(source, copy)
+    shutil.copyfile(Path(attention.__file__).with_name("kernels.h"), workdir / "kernels.h")
+    try:
+        before = build_library(copy, attention.LIBRARY.flags, attention.LIBRARY.fallback_flags,
+                               (workdir / "kernels.h",))
+        attention._declare(before)
+    except (NativeBuildError, AttributeError) as exc:
+        raise SystemExit(f"{source} does not build as the attention: {exc}") from None
+    versions = {"now": attention.LIBRARY.get(), "before": before}
+    if sum(call.name in ATTENTION_KERNELS for graph in graphs for call in graph.calls) == 0:
+        raise SystemExit("no decode step replays a call of attention.c here: nothing to compare")
+
+    def use(name: str) -> None:
+        for graph in graphs:
+            graph.retarget(versions[name], ATTENTION_KERNELS)
+    return use
 
 
 def _pool_switch(source: Path, workdir: Path, build: str) -> Callable[[str], None]:
