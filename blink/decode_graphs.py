@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from blink.kernels.cpu import attention as cpu_attention, graph as cpu_graph
+from blink.kernels.cpu import attention as cpu_attention, fused as cpu_fused, graph as cpu_graph
 from blink.kernels.cpu.threads import kernel_threads
 from blink.kernels.attention_metadata import AttentionMetadata
 
@@ -92,9 +92,6 @@ class DecodeGraphs:
         #: the most new tokens per row a replayed step may have: 1 (decode steps) unless the
         #: speculative runner raised it to K + 1 (verify steps: :meth:`allow_rows_of`)
         self.max_query_len = 1
-        #: 0, 1, 2, ...: the logits indices of a step that wants every token's logits in order
-        self._in_order = torch.arange(max(DECODE_BUCKETS + VERIFY_BUCKETS))
-        self._in_order_views: dict[int, torch.Tensor] = {}
 
     def allow_rows_of(self, positions: int) -> None:
         """Let steps whose rows carry up to ``positions`` new tokens replay too (the
@@ -148,24 +145,17 @@ class DecodeGraphs:
         graph = self._graph(next(b for b in self.buckets if b >= tokens))
         if graph is None:
             return None
-        graph.replay_layers(input_ids, md)
+        in_order = graph.replay_layers(input_ids, md, logits_indices)
         if self.model.on_layer is not None:
             self.model.on_layer()  # progress (progress_only): once for the step's layers
         if logits_indices.shape[0] == tokens and graph.head is not None:
             graph.head.replay()
-            if logits_indices.dtype == torch.int64 and torch.equal(logits_indices, self._in_order_of(tokens)):
+            if in_order:
                 # every token's logits in order (a decode step's): one copy, no gather
                 logits = graph.logits if graph.logits.shape[0] == tokens else graph.logits[:tokens]
                 return logits.to(torch.float32, copy=True)
             return graph.logits.index_select(0, logits_indices).float()
         return self.model.compute_logits(graph.hidden.index_select(0, logits_indices)).float()
-
-    def _in_order_of(self, tokens: int) -> torch.Tensor:
-        """0, 1, ..., tokens - 1 (a view made once per count)."""
-        view = self._in_order_views.get(tokens)
-        if view is None:
-            view = self._in_order_views[tokens] = self._in_order[:tokens]
-        return view
 
     def record(self, max_rows: int) -> int:
         """Record now every bucket a step of at most ``max_rows`` rows (of at most
@@ -257,11 +247,36 @@ class _DecodeGraph:
         self.layers = layers
         self.seq_lens.zero_()
         self._inputs: dict[tuple[int, int, int], _StepInputs] = {}
+        #: per step shape, the C call that writes the inputs (cpu_fused.StepInputs)
+        self._writers: dict[tuple[int, int, int], cpu_fused.StepInputs] = {}
+        self._arange = torch.arange(tokens)
 
-    def replay_layers(self, input_ids: torch.Tensor, md: AttentionMetadata) -> None:
+    def replay_layers(self, input_ids: torch.Tensor, md: AttentionMetadata, logits_indices: torch.Tensor) -> bool:
         """Write the step's inputs (its n tokens and r <= n rows; the rest padding: tokens
         past n are rows of their own with no context) and replay the layers into
-        :attr:`hidden` (then :attr:`head` replays into :attr:`logits`, one row per token)."""
+        :attr:`hidden` (then :attr:`head` replays into :attr:`logits`, one row per token).
+        Returns whether ``logits_indices`` are 0 .. k - 1 (int64): a decode step's order."""
+        n, r, width = input_ids.shape[0], md.seq_lens.shape[0], md.block_tables.shape[1]
+        key = (n, r, width)
+        writer = self._writers.get(key)
+        if writer is None or not writer.serves(input_ids, md, logits_indices):
+            writer = cpu_fused.StepInputs.make(self.embedding, input_ids, md, logits_indices, {
+                "embedded": self.embedded, "positions": self.positions, "slot_mapping": self.slot_mapping,
+                "pad_slots": self.pad_slots, "token_seq_idx": self.token_seq_idx,
+                "query_start_loc": self.query_start_loc, "seq_lens": self.seq_lens, "block_tables": self.block_tables})
+            if writer is not None:
+                self._writers[key] = writer
+        if writer is not None:
+            in_order = writer.write()
+        else:
+            self._write_inputs(input_ids, md)
+            k = logits_indices.shape[0]
+            in_order = logits_indices.dtype == torch.int64 and torch.equal(logits_indices, self._arange[:k])
+        self.layers.replay()
+        return in_order
+
+    def _write_inputs(self, input_ids: torch.Tensor, md: AttentionMetadata) -> None:
+        """:meth:`replay_layers`' inputs with torch, where the C call does not take them."""
         n, r, width = input_ids.shape[0], md.seq_lens.shape[0], md.block_tables.shape[1]
         views = self._inputs.get((n, r, width))
         if views is None:
@@ -279,7 +294,6 @@ class _DecodeGraph:
         if r < self.seq_lens.shape[0]:  # rows past r: no tokens (and no context)
             self.query_start_loc[r + 1:].fill_(n)
             self.seq_lens[r:].zero_()
-        self.layers.replay()
 
     def _input_views(self, n: int, r: int, width: int) -> _StepInputs:
         """The buffers' parts a step of n tokens, r rows and block tables ``width`` wide

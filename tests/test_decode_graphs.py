@@ -292,6 +292,69 @@ def test_replayed_steps_leave_one_torch_thread_and_eager_steps_the_loops(executo
         torch.set_num_threads(previous)
 
 
+def _graph_inputs(ex, rows: int) -> tuple[torch.Tensor, ...]:
+    graph = ex.decode_graphs.graphs[(next(b for b in ex.decode_graphs.buckets if b >= rows), kernel_threads())]
+    return (graph.embedded.clone(), graph.positions.clone(), graph.slot_mapping.clone(), graph.token_seq_idx.clone(),
+            graph.query_start_loc.clone(), graph.seq_lens.clone(), graph.block_tables.clone())
+
+
+@needs_fused
+def test_the_step_inputs_call_writes_what_the_torch_copies_write_and_follows_its_tensors(executor, monkeypatch):
+    """A step's inputs written by one C call (cpu_fused.StepInputs) fill the graph's buffers as
+    the torch copies do, padding included, for 3 rows in a bucket of 4 after a step of 4 (the
+    padding reset); the call made for a shape serves later steps over the same tensors with new
+    contents (the CPU loop's buffers), and is made again for other tensors."""
+    ex = executor
+    ex.decode_graphs.record(4)
+    _fill_cache(ex, 7)
+    full = _decode_step(ex, [30, 12, 50, 7], 1)
+    step = _decode_step(ex, [9, 40, 17], 2)
+    _, _, _, _ = _eager_and_graph(ex, full)
+    _, replayed_c, _, _ = _eager_and_graph(ex, step)
+    inputs_c = _graph_inputs(ex, 3)
+    graph = ex.decode_graphs.graphs[(4, kernel_threads())]
+    assert graph._writers[(3, 3, step[1].block_tables.shape[1])].serves(*step)
+    with monkeypatch.context() as m:
+        m.setattr(cpu_fused.StepInputs, "make", classmethod(lambda cls, *a: None))
+        graph._writers.clear()
+        _fill_cache(ex, 7)  # (the steps' K/V writes change what the next run reads)
+        _, _, _, _ = _eager_and_graph(ex, full)
+        _, replayed_torch, _, _ = _eager_and_graph(ex, step)
+        inputs_torch = _graph_inputs(ex, 3)
+    for name, c, t in zip("embedded positions slot_mapping token_seq_idx query_start_loc seq_lens block_tables".split(),
+                          inputs_c, inputs_torch):
+        assert torch.equal(c, t), (name, c, t)
+    assert torch.equal(replayed_c, replayed_torch)
+    # the same tensors, new contents: the writer made for them writes them
+    _, _, _, _ = _eager_and_graph(ex, step)
+    writer = graph._writers[(3, 3, step[1].block_tables.shape[1])]
+    later = _decode_step(ex, [5, 44, 20], 3)  # (as many blocks a row as the step)
+    ids, md, last = step
+    for mine, theirs in ((ids, later[0]), (md.positions, later[1].positions), (md.slot_mapping, later[1].slot_mapping),
+                         (md.token_seq_idx, later[1].token_seq_idx), (md.seq_lens, later[1].seq_lens),
+                         (md.query_start_loc, later[1].query_start_loc), (md.block_tables, later[1].block_tables)):
+        mine.copy_(theirs)
+    md.max_context = later[1].max_context
+    _, _, _, _ = _eager_and_graph(ex, full)
+    eager, replayed, _, _ = _eager_and_graph(ex, step)
+    assert graph._writers[(3, 3, md.block_tables.shape[1])] is writer
+    assert torch.equal(replayed, eager)
+    # other tensors of the same shape: a call of their own
+    _, replayed, _, _ = _eager_and_graph(ex, later)
+    assert graph._writers[(3, 3, md.block_tables.shape[1])] is not writer
+
+
+@needs_fused
+def test_a_step_with_a_token_id_outside_the_embedding_raises(executor):
+    ex = executor
+    ids, md, last = _decode_step(ex, [40, 20], 0)
+    ids[1] = ex.config.vocab_size + 3
+    ex.decode_graphs.record(2)
+    assert ex.decode_graphs.takes(ids, md)
+    with pytest.raises(IndexError, match="outside the embedding"):
+        ex.execute(ids, md, last)
+
+
 def test_a_replay_with_a_bad_block_id_raises(executor):
     ex = executor
     ids, md, last = _decode_step(ex, [40, 20], 0)

@@ -92,6 +92,8 @@ FUSED: dict[str, Signature] = {
         None,
         _args("x", P) + _args("x_stride", I64) + _args("words", P) + _args("w_stride n_words", I64)
         + _args("slot mode out", P) + _args("rows cols", I64) + _args("threads", INT)),
+    "blink_step_inputs_size": Signature(I64),
+    "blink_step_inputs": Signature(INT, _args("s", P)),
 }
 
 #: sampling.c: the sampler's penalties, seeded draw and top-k / top-p / min-p filter, and the

@@ -417,3 +417,54 @@ void blink_token_mask_rows(const float *x, int64_t x_stride, const uint32_t *wor
     const token_mask_args_t a = {x, x_stride, words, w_stride, n_words, slot, mode, cols, out};
     blink_run_parts(token_mask_part, &a, rows, blink_threads_for(rows * cols, ELEMENTS_PER_THREAD, threads));
 }
+
+/* A CPU graph's inputs for one decode step (blink/decode_graphs.py): the n tokens' embedding
+ * rows, their positions, slots and rows, the r rows' query starts, lengths and block tables,
+ * copied into the graph's buffers of `tokens` tokens and rows, the rest padding (position 0,
+ * a slot of the scratch block, rows with no tokens and no context), as the torch code's index
+ * select, six copies and four fills do, in one call. Also whether `logits_indices` (k of them)
+ * are 0 .. k - 1, a decode step's own order. */
+typedef struct {
+    const uint8_t *table;  /* the embedding: table_rows rows of row_bytes, table_stride bytes apart */
+    int64_t table_rows, row_bytes, table_stride;
+    const int64_t *ids;
+    uint8_t *embedded;     /* rows of row_bytes, contiguous */
+    const int64_t *positions_src, *slots_src, *seq_idx_src, *pad_slots;
+    int64_t *positions, *slots, *seq_idx;
+    const int32_t *query_start_src, *seq_lens_src, *tables_src;
+    int32_t *query_start, *seq_lens, *tables;
+    int64_t n, tokens, r, width, tables_src_stride, tables_stride;
+    const int64_t *logits_indices;
+    int64_t k;
+} blink_step_inputs_t;
+
+int64_t blink_step_inputs_size(void) { return (int64_t)sizeof(blink_step_inputs_t); }
+
+/* Returns -1 for a token id outside the embedding (nothing is written past the ids checked
+ * before it), else 1 when the logits indices are in order and 0 when not. */
+int blink_step_inputs(const blink_step_inputs_t *s) {
+    for (int64_t i = 0; i < s->n; i++) {
+        const int64_t id = s->ids[i];
+        if (id < 0 || id >= s->table_rows) return -1;
+        memcpy(s->embedded + i * s->row_bytes, s->table + id * s->table_stride, (size_t)s->row_bytes);
+    }
+    memcpy(s->positions, s->positions_src, (size_t)s->n * sizeof(int64_t));
+    memcpy(s->slots, s->slots_src, (size_t)s->n * sizeof(int64_t));
+    memcpy(s->seq_idx, s->seq_idx_src, (size_t)s->n * sizeof(int64_t));
+    for (int64_t i = s->n; i < s->tokens; i++) {
+        s->positions[i] = 0;
+        s->slots[i] = s->pad_slots[i];
+    }
+    memcpy(s->query_start, s->query_start_src, (size_t)(s->r + 1) * sizeof(int32_t));
+    memcpy(s->seq_lens, s->seq_lens_src, (size_t)s->r * sizeof(int32_t));
+    for (int64_t i = 0; i < s->r; i++)
+        memcpy(s->tables + i * s->tables_stride, s->tables_src + i * s->tables_src_stride,
+               (size_t)s->width * sizeof(int32_t));
+    for (int64_t i = s->r; i < s->tokens; i++) {
+        s->query_start[i + 1] = (int32_t)s->n;
+        s->seq_lens[i] = 0;
+    }
+    for (int64_t i = 0; i < s->k; i++)
+        if (s->logits_indices[i] != i) return 0;
+    return 1;
+}

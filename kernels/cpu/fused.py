@@ -220,3 +220,97 @@ def apply_token_mask(logits: torch.Tensor, words: torch.Tensor, epoch: torch.Ten
                               words.stride(0), words.shape[1], s.data_ptr(), mode.data_ptr(),
                               out.data_ptr(), rows, cols, kernel_threads())
     return out, missing
+
+
+class _StepInputsStruct(ctypes.Structure):
+    """fused.c's blink_step_inputs_t (its size checked against the C at first use)."""
+
+    _fields_ = [("table", ctypes.c_void_p), ("table_rows", ctypes.c_int64), ("row_bytes", ctypes.c_int64),
+                ("table_stride", ctypes.c_int64), ("ids", ctypes.c_void_p), ("embedded", ctypes.c_void_p),
+                ("positions_src", ctypes.c_void_p), ("slots_src", ctypes.c_void_p), ("seq_idx_src", ctypes.c_void_p),
+                ("pad_slots", ctypes.c_void_p), ("positions", ctypes.c_void_p), ("slots", ctypes.c_void_p),
+                ("seq_idx", ctypes.c_void_p), ("query_start_src", ctypes.c_void_p), ("seq_lens_src", ctypes.c_void_p),
+                ("tables_src", ctypes.c_void_p), ("query_start", ctypes.c_void_p), ("seq_lens", ctypes.c_void_p),
+                ("tables", ctypes.c_void_p), ("n", ctypes.c_int64), ("tokens", ctypes.c_int64), ("r", ctypes.c_int64),
+                ("width", ctypes.c_int64), ("tables_src_stride", ctypes.c_int64), ("tables_stride", ctypes.c_int64),
+                ("logits_indices", ctypes.c_void_p), ("k", ctypes.c_int64)]
+
+
+def _int64_run(t: torch.Tensor) -> bool:
+    return t.dtype is torch.int64 and t.is_cpu and t.ndim == 1 and t.stride(0) == 1
+
+
+def _int32_run(t: torch.Tensor) -> bool:
+    return t.dtype is torch.int32 and t.is_cpu and t.ndim == 1 and t.stride(0) == 1
+
+
+class StepInputs:
+    """A decode graph's inputs for one step shape written by one C call (``blink_step_inputs``)
+    instead of an index select, six copies and four fills (each a torch call on the step's
+    host path): built over the step's source tensors and the graph's buffers, whose addresses
+    it keeps, so it serves the steps whose sources are these same tensors (:meth:`serves`; the
+    CPU loop's batch and compacted metadata are views made once per shape). :meth:`make`
+    returns None where the C library or a layout is missing: the caller copies with torch."""
+
+    def __init__(self, lib: ctypes.CDLL, sources: tuple[torch.Tensor, ...], struct: _StepInputsStruct,
+                 keep: tuple[torch.Tensor, ...]) -> None:
+        self._lib, self.sources, self._struct, self._keep = lib, sources, struct, keep
+        self._ref = ctypes.byref(struct)
+
+    @classmethod
+    def make(cls, embedding: torch.Tensor, input_ids: torch.Tensor, md, logits_indices: torch.Tensor,
+             buffers: dict[str, torch.Tensor]) -> "StepInputs | None":
+        """``buffers``: the graph's ``embedded`` [tokens, dim], ``positions``, ``slot_mapping``,
+        ``pad_slots``, ``token_seq_idx`` [tokens] int64, ``query_start_loc`` [tokens + 1],
+        ``seq_lens`` [tokens] and ``block_tables`` [tokens, width] int32."""
+        lib = LIBRARY.get()
+        if lib is None:
+            return None
+        if not hasattr(lib, "step_inputs_checked"):
+            lib.step_inputs_checked = lib.blink_step_inputs_size() == ctypes.sizeof(_StepInputsStruct)
+        embedded, tables, src_tables = buffers["embedded"], buffers["block_tables"], md.block_tables
+        n, r, tokens = input_ids.shape[0], md.seq_lens.shape[0], buffers["positions"].shape[0]
+        if not (lib.step_inputs_checked and embedding.ndim == 2 and embedding.stride(1) == 1 and embedding.is_cpu
+                and embedded.dtype is embedding.dtype and embedded.is_contiguous()
+                and all(map(_int64_run, (input_ids, md.positions, md.slot_mapping, md.token_seq_idx, logits_indices,
+                                         buffers["positions"], buffers["slot_mapping"], buffers["pad_slots"],
+                                         buffers["token_seq_idx"])))
+                and all(map(_int32_run, (md.query_start_loc, md.seq_lens, buffers["query_start_loc"],
+                                         buffers["seq_lens"])))
+                and src_tables.dtype is torch.int32 and tables.dtype is torch.int32 and src_tables.ndim == 2
+                and src_tables.stride(1) == 1 and tables.stride(1) == 1 and src_tables.shape[1] <= tables.shape[1]
+                and md.positions.shape[0] == n and md.slot_mapping.shape[0] == n and md.token_seq_idx.shape[0] == n
+                and md.query_start_loc.shape[0] == r + 1 and src_tables.shape[0] == r and n <= tokens and r <= tokens):
+            return None
+        sources = (input_ids, md.positions, md.slot_mapping, md.token_seq_idx, md.query_start_loc, md.seq_lens,
+                   src_tables, logits_indices)
+        struct = _StepInputsStruct(
+            embedding.data_ptr(), embedding.shape[0], embedding.shape[1] * embedding.element_size(),
+            embedding.stride(0) * embedding.element_size(), input_ids.data_ptr(), embedded.data_ptr(),
+            md.positions.data_ptr(), md.slot_mapping.data_ptr(), md.token_seq_idx.data_ptr(),
+            buffers["pad_slots"].data_ptr(), buffers["positions"].data_ptr(), buffers["slot_mapping"].data_ptr(),
+            buffers["token_seq_idx"].data_ptr(), md.query_start_loc.data_ptr(), md.seq_lens.data_ptr(),
+            src_tables.data_ptr(), buffers["query_start_loc"].data_ptr(), buffers["seq_lens"].data_ptr(),
+            tables.data_ptr(), n, tokens, r, src_tables.shape[1], src_tables.stride(0), tables.stride(0),
+            logits_indices.data_ptr(), logits_indices.shape[0])
+        return cls(lib, sources, struct, (embedding, *sources, *buffers.values()))
+
+    def serves(self, input_ids: torch.Tensor, md, logits_indices: torch.Tensor) -> bool:
+        """Whether this step's sources are the tensors this call was built over: the
+        metadata's the same tensors, the token ids and logits indices (sliced anew each step)
+        the same memory and length."""
+        s, c = self.sources, self._struct
+        return (md.positions is s[1] and md.slot_mapping is s[2] and md.token_seq_idx is s[3]
+                and md.query_start_loc is s[4] and md.seq_lens is s[5] and md.block_tables is s[6]
+                and input_ids.shape[0] == c.n and logits_indices.shape[0] == c.k
+                and input_ids.data_ptr() == c.ids and logits_indices.data_ptr() == c.logits_indices
+                and input_ids.dtype is torch.int64 and logits_indices.dtype is torch.int64
+                and input_ids.stride(0) == 1 and logits_indices.stride(0) == 1)
+
+    def write(self) -> bool:
+        """Write the step's inputs; returns whether the logits indices are 0 .. k - 1.
+        Raises IndexError for a token id outside the embedding (as the index select does)."""
+        status = self._lib.blink_step_inputs(self._ref)
+        if status < 0:
+            raise IndexError("a step's token id lies outside the embedding")
+        return status == 1

@@ -74,14 +74,23 @@ static int64_t thunk_10(const void *fn, const blink_arg_t *a) {
 }
 
 static int64_t thunk_11(const void *fn, const blink_arg_t *a) {
-    return (int64_t)((int (*)(void *, int64_t, void *, void *, void *, void *, int64_t, int64_t, int64_t, int64_t, int))fn)(a[0].p, a[1].i, a[2].p, a[3].p, a[4].p, a[5].p, a[6].i, a[7].i, a[8].i, a[9].i, (int)a[10].i);
+    (void)a;
+    return (int64_t)((int64_t (*)(void))fn)();
 }
 
 static int64_t thunk_12(const void *fn, const blink_arg_t *a) {
-    return (int64_t)((int (*)(void *, int64_t, void *, void *, void *, void *, int64_t, int64_t, int64_t, int64_t, int, int))fn)(a[0].p, a[1].i, a[2].p, a[3].p, a[4].p, a[5].p, a[6].i, a[7].i, a[8].i, a[9].i, (int)a[10].i, (int)a[11].i);
+    return (int64_t)((int (*)(void *))fn)(a[0].p);
 }
 
 static int64_t thunk_13(const void *fn, const blink_arg_t *a) {
+    return (int64_t)((int (*)(void *, int64_t, void *, void *, void *, void *, int64_t, int64_t, int64_t, int64_t, int))fn)(a[0].p, a[1].i, a[2].p, a[3].p, a[4].p, a[5].p, a[6].i, a[7].i, a[8].i, a[9].i, (int)a[10].i);
+}
+
+static int64_t thunk_14(const void *fn, const blink_arg_t *a) {
+    return (int64_t)((int (*)(void *, int64_t, void *, void *, void *, void *, int64_t, int64_t, int64_t, int64_t, int, int))fn)(a[0].p, a[1].i, a[2].p, a[3].p, a[4].p, a[5].p, a[6].i, a[7].i, a[8].i, a[9].i, (int)a[10].i, (int)a[11].i);
+}
+
+static int64_t thunk_15(const void *fn, const blink_arg_t *a) {
     return (int64_t)((int64_t (*)(void *, int64_t, void *, void *))fn)(a[0].p, a[1].i, a[2].p, a[3].p);
 }
 
@@ -100,6 +109,8 @@ static int64_t (*const THUNKS[])(const void *, const blink_arg_t *) = {
     thunk_11,
     thunk_12,
     thunk_13,
+    thunk_14,
+    thunk_15,
 };
 
 /* Make calls[0..n) in order. Returns -1 when every call is done, else the index of the
