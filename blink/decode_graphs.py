@@ -132,10 +132,12 @@ class DecodeGraphs:
         return cpu_attention.prefer_native(md, tokens, self.block_size, tile_min, tile_ns)
 
     def run(self, input_ids: torch.Tensor, md: AttentionMetadata,
-            logits_indices: torch.Tensor) -> torch.Tensor | None:
+            logits_indices: torch.Tensor, fp32: bool = True) -> torch.Tensor | None:
         """fp32 logits ``[len(logits_indices), vocab]`` of a step :meth:`takes`, its K/V written
         to the cache, as the eager forward returns them; None when the graph cannot be recorded
-        (the caller runs the step eagerly, and so do all later steps).
+        (the caller runs the step eagerly, and so do all later steps). ``fp32`` False: a step
+        whose every token's logits are asked for in order gets the head's own output instead,
+        in the model's dtype, no copy (the graph's buffer: the next replay overwrites it).
 
         The head: replayed when the step asks for every token's logits (decode steps, verify
         steps whose every token is a lane) and the bucket has a head graph, else run eagerly
@@ -153,7 +155,7 @@ class DecodeGraphs:
             if in_order:
                 # every token's logits in order (a decode step's): one copy, no gather
                 logits = graph.logits if graph.logits.shape[0] == tokens else graph.logits[:tokens]
-                return logits.to(torch.float32, copy=True)
+                return logits.to(torch.float32, copy=True) if fp32 else logits
             return graph.logits.index_select(0, logits_indices).float()
         return self.model.compute_logits(graph.hidden.index_select(0, logits_indices)).float()
 

@@ -206,20 +206,23 @@ class ModelExecutor:
         md: AttentionMetadata,
         logits_indices: torch.Tensor,
         hidden_hook: Callable[[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]], None] | None = None,
+        fp32: bool = True,
     ) -> torch.Tensor:
         """Forward the step's tokens (writing their K/V into the cache) and return fp32
         logits ``[len(logits_indices), vocab]`` for the selected token rows.
         ``hidden_hook(hidden, compute_logits)``: called with every token's final hidden state
         and the head before the logits are taken (prompt logprobs,
-        :mod:`blink.engine.prompt_logprobs`); such a step runs eagerly. In inference mode
-        (entered here unless the caller, the engine's loop, already is)."""
+        :mod:`blink.engine.prompt_logprobs`); such a step runs eagerly. ``fp32`` False: the
+        logits in the model's dtype, and a replayed decode step's are the head's own output,
+        valid until the next step (a greedy step's sampler reads them so: no fp32 copy). In
+        inference mode (entered here unless the caller, the engine's loop, already is)."""
         if not torch.is_inference_mode_enabled():
             with torch.inference_mode():
-                return self.execute(input_ids, md, logits_indices, hidden_hook)
+                return self.execute(input_ids, md, logits_indices, hidden_hook, fp32)
         graphs = self.decode_graphs
         if graphs is not None and hidden_hook is None and graphs.takes(input_ids, md):
             self._torch_threads(1)
-            logits = graphs.run(input_ids, md, logits_indices)
+            logits = graphs.run(input_ids, md, logits_indices, fp32)
             if logits is not None:
                 return logits
         self._torch_threads(self.eager_threads)
@@ -228,7 +231,8 @@ class ModelExecutor:
             hidden = self.model(input_ids, md, self.kv_caches)
             if hidden_hook is not None:
                 hidden_hook(hidden, self.model.compute_logits)
-            return self.model.compute_logits(hidden.index_select(0, logits_indices)).float()
+            logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
+            return logits.float() if fp32 else logits
 
     @torch.inference_mode()
     def fill_cache(self, input_ids: torch.Tensor, md: AttentionMetadata) -> None:

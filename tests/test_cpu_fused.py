@@ -173,6 +173,28 @@ def test_argmax_logsumexp_rows(rows, cols):
     assert torch.equal(ref[0], argmax) and torch.equal(ref[2], (x.gather(-1, argmax.unsqueeze(-1)) - ref[1]).squeeze(-1))
 
 
+@pytest.mark.parametrize("cols", [49152, 100, 7])
+def test_argmax_logsumexp_rows_of_bf16_rows_are_those_of_the_rows_widened(cols):
+    """bf16 rows read as they are (a greedy step's logits as the head leaves them) give the
+    three values of the fp32 rows x.float(), bit for bit, ties, NaN, -inf and +inf rows
+    included, and so does the reference."""
+    x = (torch.randn(8, cols, generator=_gen(19)) * 8).to(torch.bfloat16)
+    x[1, cols // 2], x[1, cols // 3] = 9.0, 9.0  # a tie: the first
+    x[2, cols - 1] = float("nan")
+    x[3] = float("-inf")
+    x[4, cols - 1] = float("inf")
+    x[5] = 0.0
+    wide = x.float()
+    want = cpu_fused.argmax_logsumexp_rows(wide)
+    for got in (cpu_fused.argmax_logsumexp_rows(x), cpu_fused.argmax_logsumexp_rows(torch.cat([x, x], 1)[:, :cols])):
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
+    ref = sampling_reference.argmax_logsumexp_rows(x)
+    assert torch.equal(ref[0], want[0])
+    torch.testing.assert_close(ref[1], sampling_reference.argmax_logsumexp_rows(wide)[1], rtol=0, atol=0,
+                               equal_nan=True)
+
+
 def test_argmax_logsumexp_rows_ties_special_values_strides_and_threads():
     """The first maximum whichever of the 16 lanes holds it (ties within a lane and across
     lanes, in the masked tail), the first NaN, 0 for a row of -inf, the first of two +inf;

@@ -71,8 +71,8 @@ def _count_replays(recorded) -> list[int]:
     replayed: list[int] = []
     run = recorded.run
 
-    def counted(input_ids, md, logits_indices):
-        out = run(input_ids, md, logits_indices)
+    def counted(input_ids, md, logits_indices, *rest):
+        out = run(input_ids, md, logits_indices, *rest)
         if out is not None:
             replayed.append(md.max_query_len)
         return out

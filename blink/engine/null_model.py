@@ -100,6 +100,7 @@ class NullExecutor:
         return self._logits[:rows]
 
     @torch.inference_mode()
-    def execute(self, input_ids: torch.Tensor, md: Any, logits_indices: torch.Tensor) -> torch.Tensor:
-        """fp32 logits ``[len(logits_indices), vocab]`` in which ``token_id`` wins."""
+    def execute(self, input_ids: torch.Tensor, md: Any, logits_indices: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """fp32 logits ``[len(logits_indices), vocab]`` in which ``token_id`` wins (whatever
+        ``fp32`` asks: the model's dtype is fp32)."""
         return self._template(int(logits_indices.shape[0]))

@@ -288,6 +288,15 @@ class SamplerPlan:
     any_allowed: bool = True  # any row with allowed_token_ids
     any_bad_words: bool = True  # any row with bad_words
 
+    @property
+    def greedy_untouched(self) -> bool:
+        """Every row greedy, no stage that changes the logits, no alternatives and no masks: each
+        token is the raw logits' argmax, taken with the log-normaliser in one pass that reads
+        the logits in the model's dtype (:meth:`Sampler.__call__`; the CPU loop then asks its
+        executor for logits as the head leaves them, no fp32 copy)."""
+        return not (self.any_random or self.any_penalty or self.any_top_logprobs or self.any_logit_bias
+                    or self.any_suppress or self.any_constrained or self.any_allowed or self.any_bad_words)
+
     @classmethod
     def of(cls, st: SamplingTensors, suppress_ids: torch.Tensor | None = None,
            constrained: torch.Tensor | None = None) -> "SamplerPlan":
@@ -418,8 +427,8 @@ class Sampler:
         """
         plan = plan or _FULL_PLAN
         ops = self.ops_for(logits.device)
-        if logits.dtype != torch.float32:
-            logits = logits.float()
+        if logits.dtype != torch.float32 and not (plan.greedy_untouched and logits.is_cpu):
+            logits = logits.float()  # (a greedy step's one pass reads a CPU step's bf16 logits as they are)
         missing = None
         if masks is not None and plan.any_constrained:  # host-side choices
             if masks.rows is None or masks.rows.numel():

@@ -90,6 +90,8 @@ def model_phase(
     # CPU loop: rows asking for prompt logprobs get them from this step's hidden states.
     jobs = prompt_logprob_jobs(scheduler, batch) if compact else []
     hook = {"hidden_hook": functools.partial(write_prompt_logprobs, jobs, scheduler.ring)} if jobs else {}
+    if plan is not None and plan.greedy_untouched:  # its sampler reads the logits in the model's dtype
+        hook = {**hook, "fp32": False}
     logits = executor.execute(batch.input_ids[:tokens], md, batch.logits_indices[:rows], **hook)
     # The [rows, max_model_len] history only when a row has a penalty (graphs: always).
     history = (scheduler.token_history(batch, rows)

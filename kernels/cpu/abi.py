@@ -88,6 +88,9 @@ FUSED: dict[str, Signature] = {
     "blink_argmax_logsumexp_rows": Signature(
         None, _args("x", P) + _args("x_stride", I64) + _args("argmax out logprob", P) + _args("rows cols", I64)
         + _args("threads", INT)),
+    "blink_argmax_logsumexp_rows_bf16": Signature(
+        None, _args("x", P) + _args("x_stride", I64) + _args("argmax out logprob", P) + _args("rows cols", I64)
+        + _args("threads", INT)),
     "blink_token_mask_rows": Signature(
         None,
         _args("x", P) + _args("x_stride", I64) + _args("words", P) + _args("w_stride n_words", I64)

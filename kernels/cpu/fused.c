@@ -27,6 +27,13 @@
 #define BLINK_VECTOR_OPS 1 /* load_bf16x16, round_bf16x16, silu_times16...: kernels.h */
 #endif
 
+#ifdef BLINK_VECTOR_OPS
+/* 16 bf16 widened exactly to fp32; lanes outside `live` are 0 (not read). */
+static inline __m512 widen_bf16x16(const uint16_t *p, __mmask16 live) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, p)), 16));
+}
+#endif
+
 /* Whether this build runs the norms and the SiLU on AVX512-BF16 intrinsics (tests). */
 int blink_has_vector_ops(void) {
 #ifdef BLINK_VECTOR_OPS
@@ -250,8 +257,14 @@ int blink_rope(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k
  * (kernels.h's exp, 16 lanes). A NaN gives NaN, a row of -inf -inf, a +inf +inf (torch's
  * results); the sum's order is not torch's, so the last bit may differ. With `argmax`, also
  * the index torch.argmax gives (the first NaN, else the first maximum), found in the first
- * pass over the row. */
-static float logsumexp_row(const float *x, int64_t n, int64_t *argmax) {
+ * pass over the row. `bf16`: the row is bf16, each value widened exactly to fp32 as it is read
+ * (the fp32 row's results for the widened row, bit for bit). */
+static inline __attribute__((always_inline)) float row_value(const void *x, int64_t j, const int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)x)[j]) : ((const float *)x)[j];
+}
+
+static inline __attribute__((always_inline)) float logsumexp_row_as(const void *x, int64_t n, int64_t *argmax,
+                                                                    const int bf16) {
 #ifdef BLINK_VECTOR_OPS
     const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
     __m512 top = minus_inf, best = minus_inf; /* best: each lane's first maximum, at best_at */
@@ -260,7 +273,8 @@ static float logsumexp_row(const float *x, int64_t n, int64_t *argmax) {
     __mmask16 nan = 0;
     for (int64_t j = 0; j < n; j += 16) {
         const __mmask16 live = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1u);
-        const __m512 v = _mm512_mask_loadu_ps(minus_inf, live, x + j);
+        const __m512 v = bf16 ? _mm512_mask_mov_ps(minus_inf, live, widen_bf16x16((const uint16_t *)x + j, live))
+                              : _mm512_mask_loadu_ps(minus_inf, live, (const float *)x + j);
         nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
         top = _mm512_max_ps(top, v);
         if (argmax != NULL) {
@@ -273,7 +287,7 @@ static float logsumexp_row(const float *x, int64_t n, int64_t *argmax) {
     if (argmax != NULL) {
         if (nan) {
             int64_t j = 0;
-            while (!isnan(x[j])) j++;
+            while (!isnan(row_value(x, j, bf16))) j++;
             *argmax = j;
         } else { /* the lowest index among the lanes holding the row's maximum */
             const __mmask16 tied = _mm512_cmp_ps_mask(best, _mm512_set1_ps(_mm512_reduce_max_ps(best)), _CMP_EQ_OQ);
@@ -287,7 +301,9 @@ static float logsumexp_row(const float *x, int64_t n, int64_t *argmax) {
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {
         const __mmask16 live = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1u);
-        const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_mask_loadu_ps(shift, live, x + j), shift));
+        const __m512 v = bf16 ? _mm512_mask_mov_ps(shift, live, widen_bf16x16((const uint16_t *)x + j, live))
+                              : _mm512_mask_loadu_ps(shift, live, (const float *)x + j);
+        const __m512 e = exp_nonpositive16(_mm512_sub_ps(v, shift));
         sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(live, e));
     }
     return m + logf(_mm512_reduce_add_ps(sum));
@@ -295,12 +311,13 @@ static float logsumexp_row(const float *x, int64_t n, int64_t *argmax) {
     float m = -INFINITY;
     int64_t first = 0;
     for (int64_t j = 0; j < n; j++) {
-        if (isnan(x[j])) {
+        const float v = row_value(x, j, bf16);
+        if (isnan(v)) {
             if (argmax != NULL) *argmax = j;
             return NAN;
         }
-        if (x[j] > m) {
-            m = x[j];
+        if (v > m) {
+            m = v;
             first = j;
         }
     }
@@ -311,15 +328,22 @@ static float logsumexp_row(const float *x, int64_t n, int64_t *argmax) {
 #if defined(BLINK_AVX2_EXP) /* 8 lanes (kernels.h's exp_nonpositive8) */
     const __m256 shift = _mm256_set1_ps(m);
     __m256 sums = _mm256_setzero_ps();
-    for (; j + 8 <= n; j += 8) sums = _mm256_add_ps(sums, exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(x + j), shift)));
+    for (; j + 8 <= n; j += 8) {
+        const __m256 v = bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(
+                                    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + j))), 16))
+                              : _mm256_loadu_ps((const float *)x + j);
+        sums = _mm256_add_ps(sums, exp_nonpositive8(_mm256_sub_ps(v, shift)));
+    }
     float lanes[8];
     _mm256_storeu_ps(lanes, sums);
     for (int i = 0; i < 8; i++) sum += lanes[i];
 #endif
-    for (; j < n; j++) sum += exp_nonpositive(x[j] - m);
+    for (; j < n; j++) sum += exp_nonpositive(row_value(x, j, bf16) - m);
     return m + logf(sum);
 #endif
 }
+
+static float logsumexp_row(const float *x, int64_t n, int64_t *argmax) { return logsumexp_row_as(x, n, argmax, 0); }
 
 typedef struct {
     const uint16_t *x;
@@ -346,22 +370,32 @@ typedef struct {
     float *out;
     int64_t *argmax; /* NULL: the log-normaliser alone */
     float *logprob;  /* with argmax: x[argmax] - out, the greedy token's logprob */
+    const uint16_t *x_bf16; /* or the rows in bf16 (x NULL) */
 } logsumexp_args_t;
 
 static void *logsumexp_part(void *arg) {
     blink_part_t *p = (blink_part_t *)arg;
     const logsumexp_args_t *a = (const logsumexp_args_t *)p->args;
     for (int64_t r = p->lo; r < p->hi; r++) {
-        const float *x = a->x + r * a->x_stride;
-        a->out[r] = logsumexp_row(x, a->cols, a->argmax != NULL ? a->argmax + r : NULL);
-        if (a->logprob != NULL) a->logprob[r] = x[a->argmax[r]] - a->out[r]; /* the sampler's gather - log_norm */
+        int64_t *at = a->argmax != NULL ? a->argmax + r : NULL;
+        float value; /* x[argmax], for the logprob */
+        if (a->x_bf16 != NULL) {
+            const uint16_t *x = a->x_bf16 + r * a->x_stride;
+            a->out[r] = logsumexp_row_as(x, a->cols, at, 1);
+            value = at != NULL ? bf16_to_f32(x[*at]) : 0.0f;
+        } else {
+            const float *x = a->x + r * a->x_stride;
+            a->out[r] = logsumexp_row(x, a->cols, at);
+            value = at != NULL ? x[*at] : 0.0f;
+        }
+        if (a->logprob != NULL) a->logprob[r] = value - a->out[r]; /* the sampler's gather - log_norm */
     }
     return NULL;
 }
 
 /* out[r] = logsumexp of fp32 row r (rows x_stride apart): the sampler's log-normaliser. */
 void blink_logsumexp_rows(const float *x, int64_t x_stride, float *out, int64_t rows, int64_t cols, int threads) {
-    const logsumexp_args_t a = {x, x_stride, cols, out, NULL, NULL};
+    const logsumexp_args_t a = {x, x_stride, cols, out, NULL, NULL, NULL};
     blink_run_parts(logsumexp_part, &a, rows, blink_threads_for(rows * cols, 16 * ELEMENTS_PER_THREAD, threads));
 }
 
@@ -370,7 +404,16 @@ void blink_logsumexp_rows(const float *x, int64_t x_stride, float *out, int64_t 
  * gather and subtraction): a greedy step's token, log-normaliser and the token's logprob. */
 void blink_argmax_logsumexp_rows(const float *x, int64_t x_stride, int64_t *argmax, float *out, float *logprob,
                                  int64_t rows, int64_t cols, int threads) {
-    const logsumexp_args_t a = {x, x_stride, cols, out, argmax, logprob};
+    const logsumexp_args_t a = {x, x_stride, cols, out, argmax, logprob, NULL};
+    blink_run_parts(logsumexp_part, &a, rows, blink_threads_for(rows * cols, 16 * ELEMENTS_PER_THREAD, threads));
+}
+
+/* blink_argmax_logsumexp_rows of bf16 rows (x_stride elements apart), each value widened to fp32
+ * as it is read: the fp32 call's bits for the widened rows, without writing them (a greedy
+ * step's logits as the head leaves them). */
+void blink_argmax_logsumexp_rows_bf16(const uint16_t *x, int64_t x_stride, int64_t *argmax, float *out, float *logprob,
+                                      int64_t rows, int64_t cols, int threads) {
+    const logsumexp_args_t a = {NULL, x_stride, cols, out, argmax, logprob, x};
     blink_run_parts(logsumexp_part, &a, rows, blink_threads_for(rows * cols, 16 * ELEMENTS_PER_THREAD, threads));
 }
 

@@ -45,7 +45,8 @@ IMPL_ENV = "BLINK_CPU_FUSED"
 _BF16 = torch.bfloat16
 #: the library's compute calls (their signatures: abi.FUSED)
 _KERNELS = ("blink_add_rms_norm", "blink_rope", "blink_write_kv", "blink_silu_and_mul",
-            "blink_logsumexp_rows", "blink_argmax_logsumexp_rows", "blink_token_mask_rows")
+            "blink_logsumexp_rows", "blink_argmax_logsumexp_rows", "blink_argmax_logsumexp_rows_bf16",
+            "blink_token_mask_rows", "blink_step_inputs")
 
 # No fused multiply-adds the reference does not do (the rotary embedding stays bit-exact);
 # no floating-point traps to keep, so the compiler may vectorise branches (exp's clamps).
@@ -186,17 +187,19 @@ def argmax_logsumexp_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     first pass over each row (torch's index: the first NaN, else the first maximum), and the
     argmax's logprob (its logit minus the log-normaliser), where the reference reads the logits
     twice more and takes the logprob in four more ops (a greedy step's sampler,
-    blink.engine.sampler)."""
+    blink.engine.sampler). bf16 rows are read as they are, each value widened to fp32: the
+    results of the fp32 rows ``x.float()``, without making them."""
     lib = LIBRARY.get()
-    if (lib is None or x.dtype is not torch.float32 or not x.is_cpu or x.ndim != 2
+    if (lib is None or x.dtype not in (torch.float32, _BF16) or not x.is_cpu or x.ndim != 2
             or x.stride(1) != 1 or x.shape[1] == 0 or x.shape[1] >= 2**31
             or torch.compiler.is_compiling() or isinstance(x, FakeTensor)):  # (as logsumexp_rows)
         return sampling_reference.argmax_logsumexp_rows(x)
     argmax = torch.empty(x.shape[0], dtype=torch.int64)
     out = torch.empty((x.shape[0], 1), dtype=torch.float32)
     logprob = torch.empty(x.shape[0], dtype=torch.float32)
-    lib.blink_argmax_logsumexp_rows(x.data_ptr(), x.stride(0), argmax.data_ptr(), out.data_ptr(),
-                                    logprob.data_ptr(), x.shape[0], x.shape[1], kernel_threads())
+    kernel = lib.blink_argmax_logsumexp_rows if x.dtype is torch.float32 else lib.blink_argmax_logsumexp_rows_bf16
+    kernel(x.data_ptr(), x.stride(0), argmax.data_ptr(), out.data_ptr(), logprob.data_ptr(), x.shape[0], x.shape[1],
+           kernel_threads())
     return argmax, out, logprob
 
 

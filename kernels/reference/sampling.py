@@ -262,7 +262,10 @@ def argmax_logsumexp_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     """``(argmax_rows(x), logsumexp_rows(x), the argmax's logprob)``: a greedy step's tokens,
     log-normaliser and the tokens' logprobs ([B]: their logits minus the log-normaliser) when no
     stage changes the logits in between (the sampler asks for all at once, so that a kernel can
-    take them in one pass)."""
+    take them in one pass). bf16 and fp16 are widened to fp32 first (the C kernel reads a CPU
+    step's bf16 logits so)."""
+    if x.dtype in (torch.bfloat16, torch.float16):
+        x = x.float()
     tokens, log_norm = argmax_rows(x), logsumexp_rows(x)
     return tokens, log_norm, (x.gather(-1, tokens.unsqueeze(-1)) - log_norm).squeeze(-1)
 
