@@ -109,8 +109,9 @@ def test_bench_step_parts_prints_every_part(tmp_path, monkeypatch, capsys):
     cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in out.splitlines()
              if line.startswith("| ") and not line.startswith(("| part", "|---"))]
     rows = {name: float(ms) for name, ms in cells}
-    assert set(rows) == set(bench_step_parts.PARTS), out
+    assert set(rows) == {*bench_step_parts.PARTS, "host (step - replay)"}, out
     assert rows["forward"] > 0 and rows["step"] >= rows["forward"] >= rows["replay"], out
+    assert rows["host (step - replay)"] == pytest.approx(rows["step"] - rows["replay"], abs=2e-3), out
 
 
 def test_bench_step_source_times_whole_steps_and_stops_on_different_tokens(tmp_path, capsys):

@@ -22,7 +22,6 @@ same order); each wrapper checks the dtypes and layouts it relies on once and re
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import logging
 from pathlib import Path
 from typing import NamedTuple
@@ -162,6 +161,9 @@ class CStages:
         _check(stat_words, torch.int64, "the stat words")
         self.eos, self.stat_words = eos, stat_words
         self._publish: dict[int, tuple[_Rows, _RingStreams]] = {}
+        self._stats_args: dict[int, tuple[torch.Tensor, tuple]] = {}
+        self._build_args: dict[int, tuple] = {}
+        self._begin_args: tuple | None = None
         self._prefix: dict[int, _Prefix] = {}
         self._alloc: dict[int, tuple[_Alloc, torch.Tensor, torch.Tensor]] = {}
         self._gather: _SamplerGather | None = None
@@ -200,11 +202,14 @@ class CStages:
                               ("cancel", cancel, torch.int32, False), ("the window sizes", window_sizes, torch.int64))
             self._begin = torch.zeros(5, dtype=torch.int64)
             self._begin_words = self._begin.numpy()
-        out = self._begin
-        self.lib.blink_sched_begin_step(st.status.shape[0], st.status.data_ptr(), slot_state.data_ptr(),
-                                        cancel.data_ptr(), cancel.stride(0), st.needs_lookup.data_ptr(),
-                                        window_sizes.data_ptr(), window_sizes.shape[0], st.step.data_ptr(),
-                                        st.counters.data_ptr(), out.data_ptr())
+        # the arguments, made again only when the snapshot is another tensor (the scheduler
+        # keeps one; the state, the ring and the sizes are never reallocated)
+        if self._begin_args is None or self._begin_args[0] is not slot_state:
+            self._begin_args = (slot_state, (
+                st.status.shape[0], st.status.data_ptr(), slot_state.data_ptr(), cancel.data_ptr(), cancel.stride(0),
+                st.needs_lookup.data_ptr(), window_sizes.data_ptr(), window_sizes.shape[0], st.step.data_ptr(),
+                st.counters.data_ptr(), self._begin.data_ptr()))
+        self.lib.blink_sched_begin_step(*self._begin_args[1])
         size, cancelled, releasing, admissible, lookup = self._begin_words.tolist()
         return StepGuards(size, bool(cancelled), bool(releasing), bool(admissible), bool(lookup))
 
@@ -213,18 +218,24 @@ class CStages:
     def build_batch(self, st, num_new: torch.Tensor, buckets: torch.Tensor, out, host_lanes: bool) -> int:
         """:meth:`Scheduler._build_batch` into ``out`` (BatchBuffers) for the window's rows;
         returns the flat lanes written (all T, or with ``host_lanes`` the step's bucket)."""
-        S, M = st.block_table.shape
-        self._check_first("build_batch", ("num_new", num_new, torch.int64),
-                          ("num_computed", st.num_computed, torch.int64), ("num_tokens", st.num_tokens, torch.int64),
-                          ("the tokens table", st.tokens, torch.int32), ("block_table", st.block_table, torch.int32),
-                          ("the buckets", buckets, torch.int64))
-        lanes = self.lib.blink_sched_build_batch(
-            S, out.input_ids.shape[0], self.num_blocks, self.block_size, M, int(host_lanes),
-            num_new.data_ptr(), st.num_computed.data_ptr(), st.num_tokens.data_ptr(), st.tokens.data_ptr(),
-            st.tokens.stride(0), st.block_table.data_ptr(), buckets.data_ptr(), buckets.shape[0],
-            out.input_ids.data_ptr(), out.positions.data_ptr(), out.seq_idx.data_ptr(), out.slot_mapping.data_ptr(),
-            out.query_start_loc.data_ptr(), out.seq_lens.data_ptr(), out.total.data_ptr(), out.bucket.data_ptr(),
-            out.sample_rows.data_ptr(), out.num_sample_rows.data_ptr(), out.logits_indices.data_ptr())
+        # the arguments, made once per window and buffers (the state's window views, the
+        # allocation's num_new and the batch buffers are the same tensors every step)
+        cached = self._build_args.get(st.block_table.shape[0])
+        if (cached is None or cached[0] is not num_new or cached[1] is not out or cached[2] is not buckets
+                or cached[3] is not st.block_table or cached[4] != host_lanes):
+            S, M = st.block_table.shape
+            self._check_first("build_batch", ("num_new", num_new, torch.int64),
+                              ("num_computed", st.num_computed, torch.int64), ("num_tokens", st.num_tokens, torch.int64),
+                              ("the tokens table", st.tokens, torch.int32), ("block_table", st.block_table, torch.int32),
+                              ("the buckets", buckets, torch.int64))
+            cached = self._build_args[S] = (num_new, out, buckets, st.block_table, host_lanes, (
+                S, out.input_ids.shape[0], self.num_blocks, self.block_size, M, int(host_lanes),
+                num_new.data_ptr(), st.num_computed.data_ptr(), st.num_tokens.data_ptr(), st.tokens.data_ptr(),
+                st.tokens.stride(0), st.block_table.data_ptr(), buckets.data_ptr(), buckets.shape[0],
+                out.input_ids.data_ptr(), out.positions.data_ptr(), out.seq_idx.data_ptr(), out.slot_mapping.data_ptr(),
+                out.query_start_loc.data_ptr(), out.seq_lens.data_ptr(), out.total.data_ptr(), out.bucket.data_ptr(),
+                out.sample_rows.data_ptr(), out.num_sample_rows.data_ptr(), out.logits_indices.data_ptr()))
+        lanes = self.lib.blink_sched_build_batch(*cached[5])
         if lanes < 0:
             raise ValueError(f"{int(num_new.sum())} tokens exceed the largest bucket {int(buckets[-1])}")
         return lanes
@@ -232,13 +243,17 @@ class CStages:
     # ------------------------------------------------------------------------------ stats
 
     def write_stats(self, st, ring_state: torch.Tensor, control: torch.Tensor) -> None:
-        """:meth:`Scheduler._write_stats` for the window's rows."""
-        self._check_first("stats", ("status", st.status, torch.int32), ("the slot states", ring_state, torch.int32, False),
-                          ("block_ref", st.block_ref, torch.int32), ("counters", st.counters, torch.int64),
-                          ("the control block", control, torch.int64))
-        self.lib.blink_sched_write_stats(
-            st.status.shape[0], self.num_blocks, st.status.data_ptr(), ring_state.data_ptr(), ring_state.stride(0),
-            st.block_ref.data_ptr(), st.counters.data_ptr(), control.data_ptr(), self.stat_words.data_ptr())
+        """:meth:`Scheduler._write_stats` for the window's rows (its arguments made once per
+        window: the state, the ring and the control block are never reallocated)."""
+        args = self._stats_args.get(st.status.shape[0])
+        if args is None or args[0] is not ring_state:
+            self._check_first("stats", ("status", st.status, torch.int32),
+                              ("the slot states", ring_state, torch.int32, False), ("block_ref", st.block_ref, torch.int32),
+                              ("counters", st.counters, torch.int64), ("the control block", control, torch.int64))
+            args = self._stats_args[st.status.shape[0]] = (ring_state, (
+                st.status.shape[0], self.num_blocks, st.status.data_ptr(), ring_state.data_ptr(), ring_state.stride(0),
+                st.block_ref.data_ptr(), st.counters.data_ptr(), control.data_ptr(), self.stat_words.data_ptr()))
+        self.lib.blink_sched_write_stats(*args[1])
 
     # ---------------------------------------------------------------------------- publish
 
@@ -279,6 +294,7 @@ class CStages:
             top_lps.data_ptr(), top_lps.stride(0), top_lps.stride(1),
             ring["finish_reason"].data_ptr(), ring["finish_reason"].stride(0),
             state_words.data_ptr(), stream_capacity, num_top)
+        rows.ref, streams.ref = ctypes.byref(rows), ctypes.byref(streams)  # (made once, not per call)
         self._publish[S] = views = (rows, streams)
         return views
 
@@ -293,18 +309,20 @@ class CStages:
             tokens = tokens.long()
         if logprob.dtype != torch.float32:
             logprob = logprob.float()
-        logprob = logprob.contiguous()
+        if logprob.ndim != 1 or logprob.stride(0) != 1:
+            logprob = logprob.contiguous()
         width = top_ids.shape[1]
         if width:
             if top_ids.dtype not in (torch.int32, torch.int64):
                 top_ids = top_ids.long()
             top_ids, top_logprobs = top_ids.contiguous(), top_logprobs.float().contiguous()
-        tokens = tokens.contiguous()
+        if tokens.ndim != 1 or tokens.stride(0) != 1:
+            tokens = tokens.contiguous()
         sampled = _Sampled(tokens.data_ptr(), tokens.dtype == torch.int64, logprob.data_ptr(),
                            top_ids.data_ptr() if width else None, width and top_ids.dtype == torch.int64,
                            top_logprobs.data_ptr() if width else None, top_ids.stride(0) if width else 0, width)
-        self.lib.blink_sched_publish(R, sample_rows.data_ptr(), ctypes.byref(sampled), ctypes.byref(rows),
-                                     ctypes.byref(streams), done.data_ptr())
+        self.lib.blink_sched_publish(R, sample_rows.data_ptr(), ctypes.byref(sampled), rows.ref, streams.ref,
+                                     done.data_ptr())
 
     # --------------------------------------------------------------- prefix-cache insert
 
@@ -346,9 +364,11 @@ class CStages:
             self._fills = torch.empty(n * _FILL_BYTES, dtype=torch.uint8)
         md = batch.attn
         # (every batch of these stages is build_batch's buffers: checked once)
-        self._check_first("register", *((f"the batch's {name}", tensor, torch.int64, tensor.dim() > 0) for name, tensor in (
-            ("input_ids", batch.input_ids), ("positions", md.positions), ("token_seq_idx", md.token_seq_idx),
-            ("slot_mapping", md.slot_mapping), ("num_scheduled_tokens", batch.num_scheduled_tokens))))
+        if "register" not in self._checked:
+            self._check_first("register", *((f"the batch's {name}", tensor, torch.int64, tensor.dim() > 0)
+                                            for name, tensor in (
+                ("input_ids", batch.input_ids), ("positions", md.positions), ("token_seq_idx", md.token_seq_idx),
+                ("slot_mapping", md.slot_mapping), ("num_scheduled_tokens", batch.num_scheduled_tokens))))
         self.lib.blink_sched_register(n, batch.input_ids.data_ptr(), md.positions.data_ptr(),
                                       md.token_seq_idx.data_ptr(), md.slot_mapping.data_ptr(),
                                       batch.num_scheduled_tokens.data_ptr(), ctypes.byref(view),
@@ -445,7 +465,11 @@ class CStages:
                 block_tables=b["block_tables"][:A])
             # (keyed by the batch's views too: the C batch's are made once per shape)
             cached = self._compacted[(n, A)] = (md.slot_mapping, md.positions, views)
-        return dataclasses.replace(cached[2], max_context=max_context, max_query_len=max_query)
+        # the same object each step of this shape, as its tensors are (a forward that memoises
+        # per step takes its own copy: blink.models.decoder)
+        compacted = cached[2]
+        compacted.max_context, compacted.max_query_len, compacted.step_cache = max_context, max_query, None
+        return compacted
 
 
 class _SamplerGather:

@@ -155,14 +155,18 @@ class Batching:
         if self._c is not None:  # the CPU loop: one C call into buffers (kernels/cpu/sched.c)
             summary = self._c.sampler_inputs(st, _SAMPLER_NAMES, batch.sample_rows, rows)
             if summary is not None:
-                inputs = self._c_sampler_inputs.get(rows)
-                if inputs is None:  # views of the buffers: made once per row count
-                    gathered = self._c.sampler_views(rows)
-                    inputs = self._c_sampler_inputs[rows] = SamplerInputs(
-                        SamplingTensors(**{name: gathered[name] for name in _SAMPLER_NAMES}),
-                        gathered["num_prompt"], gathered["num_tokens"], gathered["suppress_ids"],
-                        gathered["sampler_features"])
-                return inputs._replace(plan=SamplerPlan.from_word(summary & 0xFFFFFFFF, summary >> 32 != 0))
+                inputs = self._c_sampler_inputs.get((rows, summary))
+                if inputs is None:  # views of the buffers and the plan: made once per row count and plan
+                    views = self._c_sampler_inputs.get(rows)
+                    if views is None:
+                        gathered = self._c.sampler_views(rows)
+                        views = self._c_sampler_inputs[rows] = SamplerInputs(
+                            SamplingTensors(**{name: gathered[name] for name in _SAMPLER_NAMES}),
+                            gathered["num_prompt"], gathered["num_tokens"], gathered["suppress_ids"],
+                            gathered["sampler_features"])
+                    inputs = self._c_sampler_inputs[(rows, summary)] = views._replace(
+                        plan=SamplerPlan.from_word(summary & 0xFFFFFFFF, summary >> 32 != 0))
+                return inputs
         r = self.sample_rows(batch, rows).clamp(min=0)
         sp = st.sampling
         sampling = SamplingTensors(**{f.name: sp[f.name][r] for f in SAMPLER_FIELDS})

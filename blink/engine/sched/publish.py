@@ -44,7 +44,7 @@ class Publish:
                                  self._publish_consts)
             return
         if self._c is not None:  # the CPU loop: one C call (kernels/cpu/sched.c), same order
-            self._c.publish(st, w.ring, self._words[self._state_word0: self._state_word0 + w.size],
+            self._c.publish(st, w.ring, self._state_words_of(w.size),
                             batch.sample_rows, tokens, logprob, top_ids, top_logprobs, self._done,
                             stream_capacity=self.stream_capacity, num_top=self.num_top)
             return

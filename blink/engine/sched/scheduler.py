@@ -164,6 +164,8 @@ class Scheduler(Admission, KvReservation, PrefixHookup, Budget, Batching, Publis
             raise BlinkError("ring_tensors['region'] does not alias ring_tensors['state']")
         self._words = region[: layout.total_bytes].view(torch.int32)
         self._state_word0 = state_offset // 4
+        self._state_words: dict[int, torch.Tensor] = {}  # per window size (_state_words_of)
+        self._slot_state = ring_tensors["state"].clone()  # the step's snapshot of the slot states (schedule)
         self._scratch_word = (layout.fields["control"].offset + 8 * C_ENGINE_SCRATCH) // 4
 
         M, B = config.max_blocks_per_seq, config.block_size
@@ -309,7 +311,7 @@ class Scheduler(Admission, KvReservation, PrefixHookup, Budget, Batching, Publis
         with torch.inference_mode():
             self._batch_out = BatchBuffers(self.num_slots, config.max_num_batched_tokens, self.device)
         self._done = torch.zeros(self.num_slots, dtype=torch.int64, device=self.device)
-        self._c_sampler_inputs: dict[int, SamplerInputs] = {}  # by row count (batch.py)
+        self._c_sampler_inputs: dict[int | tuple[int, int], SamplerInputs] = {}  # by row count, and plan (batch.py)
         self._c_batches: dict[tuple[int, int], StepBatch] = {}  # by (lanes, window) (batch.py)
         # the step's token and sample-row counts, read by the host through numpy (host_counts)
         self._c_counts = (self._batch_out.total.numpy(), self._batch_out.num_sample_rows.numpy())
@@ -322,8 +324,9 @@ class Scheduler(Admission, KvReservation, PrefixHookup, Budget, Batching, Publis
         """One step's control plane up to the forward pass: the stages in order, each skipped
         (host guards) when it has nothing to do. Returns the step's batch."""
         cfg, st0 = self.config, self.state
-        # Acquire: the slot state words are read once, then a fence, then any payload.
-        slot_state = self.ring["state"].clone()
+        # Acquire: the slot state words are read once (into the step's snapshot, one buffer
+        # for every step), then a fence, then any payload.
+        slot_state = self._slot_state.copy_(self.ring["state"])
         self._fence()
         # The CPU loop's C stages read the counters, the row window and the guards in one call.
         g = None if self._c is None or self.kv_enabled else self._c.begin_step(
@@ -356,6 +359,14 @@ class Scheduler(Admission, KvReservation, PrefixHookup, Budget, Batching, Publis
             self._write_stats()                                           # stats.py
         return batch
 
+    def _state_words_of(self, size: int) -> torch.Tensor:
+        """The slot state words of the window's ``size`` rows in the ring's int32 view (a view
+        made once per size)."""
+        words = self._state_words.get(size)
+        if words is None:
+            words = self._state_words[size] = self._words[self._state_word0: self._state_word0 + size]
+        return words
+
     def wants_prompt_logprobs(self, rows: int) -> bool:
         """Whether any of the first ``rows`` rows asks for prompt logprobs: a host read (the CPU
         loop's: its state is in host memory) through a numpy view of the state's column."""
@@ -363,7 +374,7 @@ class Scheduler(Admission, KvReservation, PrefixHookup, Budget, Batching, Publis
             return False
         if self._prompt_logprobs_words is None:  # (the state is never reallocated)
             self._prompt_logprobs_words = self.state.sampling["prompt_logprobs"].numpy()
-        return int(self._prompt_logprobs_words[:rows].max()) >= 0
+        return max(self._prompt_logprobs_words[:rows].tolist()) >= 0  # (a list's max: no numpy reduction)
 
     def host_counts(self, batch: StepBatch) -> tuple[int, int]:
         """(tokens, sample rows) of a scheduled batch, read on the host (the CPU loop): from
