@@ -43,6 +43,7 @@ from types import SimpleNamespace
 from typing import NamedTuple, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 import torch.nn.functional as F
 
 from blink.shared.sampling_params import (
@@ -389,6 +390,9 @@ class Sampler:
         if ops is None and device is not None:
             ops = ops_for(device)
         self.ops: SimpleNamespace | None = ops  # None: ops_for(logits.device) at each call
+        #: (rows, device) -> the empty alternatives a plan without top logprobs returns (made
+        #: once: nothing is ever written into a tensor of no elements)
+        self._no_alternatives: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def ops_for(self, device: torch.device | str) -> SimpleNamespace:
         """The op table a call on ``device`` tensors uses."""
@@ -489,8 +493,15 @@ class Sampler:
             tokens = torch.where(missing, -1, tokens)
         # A vocabulary smaller than N (tiny test models) leaves the tail as padding.
         if not plan.any_top_logprobs:  # no row asks for alternatives: none to compute or publish
-            none = torch.empty(logits.shape[0], 0, dtype=torch.int64, device=logits.device)
-            return SamplerOutput(tokens, logprob, none, none.float())
+            # (a traced call makes its own: its tensors are fake, or graph values)
+            traced = torch.compiler.is_compiling() or isinstance(logits, FakeTensor)
+            none = None if traced else self._no_alternatives.get((logits.shape[0], logits.device))
+            if none is None:
+                ids = torch.empty(logits.shape[0], 0, dtype=torch.int64, device=logits.device)
+                none = (ids, ids.float())
+                if not traced:
+                    self._no_alternatives[(logits.shape[0], logits.device)] = none
+            return SamplerOutput(tokens, logprob, *none)
         k = min(self.max_logprobs, raw_logits.shape[-1])
         top_values, top_ids = ops.top_rows(raw_logits, k)
         top_logprobs = top_values - log_norm
