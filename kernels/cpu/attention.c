@@ -419,8 +419,8 @@ static inline __attribute__((always_inline)) int attend_as(const args_t *a, int6
  * attend_as:
  * - units of (token, chunk, all its KV heads or two of 4+: unit_kv_heads) instead of (token, KV
  *   head): a one-row decode step of SmolLM2 (3 KV heads) split 2:1 over two threads; now a long
- *   context splits evenly, and a row's short context too from 129 keys (chunks of 256 measured
- *   no different);
+ *   context splits evenly, and a row's short context too from 65 keys (chunk_keys: an even
+ *   count; chunks of 256 measured no different);
  * - with AVX512_BF16, scores by vdpbf16ps on the raw bf16 pairs: K is not widened, and a key
  *   costs NL instructions a head instead of 2 NL conversions plus 2 NL FMAs; the products are
  *   exact in fp32 (bf16 x bf16), summed in fp32 in another order than attend_as', then scaled.
@@ -436,6 +436,7 @@ static inline __attribute__((always_inline)) int attend_as(const args_t *a, int6
 #ifndef DECODE_CHUNK_KEYS
 #define DECODE_CHUNK_KEYS 128
 #endif
+
 enum { DECODE_CHUNK = 2 * DECODE_CHUNK_KEYS }; /* the most keys a chunk can have (below) */
 
 /* The few operations the chunks take, on W-float vectors: a load of 2W bf16 (a "part"), widened
@@ -526,10 +527,14 @@ enum { UNIT = 6 };
  * keys: 3 chunks, 12 units), else all of them. */
 static inline int64_t unit_kv_heads(int64_t KVH) { return KVH >= 4 && KVH % 2 == 0 ? 2 : KVH; }
 
-/* A token's chunks: as many as DECODE_CHUNK_KEYS keys make, the keys shared out evenly in
- * whole blocks (so at most DECODE_CHUNK_KEYS + block_size - 1 <= DECODE_CHUNK a chunk). */
+/* A token's chunks: as many as DECODE_CHUNK_KEYS keys make, an even number from 65 keys (two
+ * threads then share a one-row step's chunks evenly: SmolLM2's attention 0.94-0.96x the time
+ * in whole decode steps at 30-410 keys, where 129-384 keys made 2:1 splits and 65-128 none), the
+ * keys shared out evenly in whole blocks (so at most DECODE_CHUNK_KEYS + block_size - 1 <=
+ * DECODE_CHUNK a chunk). By the token's keys alone: its bits never depend on the threads. */
 static inline int64_t chunk_keys(int64_t n_keys, int64_t block_size) {
-    const int64_t chunks = (n_keys + DECODE_CHUNK_KEYS - 1) / DECODE_CHUNK_KEYS;
+    int64_t chunks = (n_keys + DECODE_CHUNK_KEYS - 1) / DECODE_CHUNK_KEYS;
+    if (n_keys > DECODE_CHUNK_KEYS / 2 && chunks % 2) chunks++;
     const int64_t keys = (n_keys + chunks - 1) / chunks;
     return (keys + block_size - 1) / block_size * block_size;
 }
