@@ -9,7 +9,7 @@ causal limits from the metadata buffers, so the same graph of T tokens serves an
 T tokens into rows (:attr:`DecodeGraphs.max_query_len`, raised by the speculative runner).
 Per bucket of token counts, :class:`DecodeGraphs` records the forward and the head once, on
 inputs it keeps in buffers of its own; each later step writes its inputs into those buffers
-(a few small copies) and replays the calls. The Python between the calls (module calls, checks, allocations, ctypes
+(one C call, ``blink_step_inputs``, made once per step shape) and replays the calls. The Python between the calls (module calls, checks, allocations, ctypes
 argument conversion) is gone: measured on SmolLM2-135M, 16 rows, one core, 36.4 ms eager
 against 26.5 ms for the same calls replayed (docs/performance.md#decode-graphs).
 
