@@ -8,6 +8,7 @@ import ctypes
 import multiprocessing
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -267,3 +268,25 @@ def test_the_pool_hands_out_every_part_once_whether_its_workers_poll_or_sleep():
     assert not caller.is_alive(), "a call of the pool hung"
     assert results == ["status 7", "status 0"]
     assert len(threads_seen) == 2, "no worker ever took a part"
+
+
+def test_the_pool_runs_every_item_once_under_a_stress_of_calls(tmp_path):
+    """tests/native/pool_stress.c built with pool.c: 60,000 calls of varying items, threads (2-4)
+    and parts, back to back and around the workers' poll, each item run exactly once inside its
+    call and each call's status returned. (A late worker that read the next call's part count
+    once claimed a part of the finished call and ran items twice: the call now closes its claim
+    word before the next call's fields are written.)"""
+    import subprocess
+
+    from blink.shared.native_build import find_compiler
+
+    compiler = find_compiler()
+    if compiler is None:
+        pytest.skip("no C compiler here")
+    source = Path(cpu_pool.__file__).with_name("pool.c")
+    binary = tmp_path / "pool_stress"
+    subprocess.run([compiler, "-O2", "-pthread", "-I", str(source.parent),
+                    str(Path(__file__).with_name("native") / "pool_stress.c"), str(source), "-o", str(binary)],
+                   check=True, capture_output=True, timeout=120)
+    done = subprocess.run([str(binary), "60000"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok 60000", done.stdout + done.stderr

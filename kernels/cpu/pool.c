@@ -53,8 +53,10 @@ typedef struct {
     int workers;            /* started; worker i (1-based) takes part in calls of more than i threads */
     int sleepers;           /* workers asleep on `wake`, or about to be */
     int caller_sleeps;      /* the caller asleep on `done`, or about to be */
-    /* the call: written before `generation`, read after it (a late worker may read the next
-     * call's: its claims carry the generation it saw, and fail) */
+    /* the call: written (release) before `generation`, read (acquire) after it. A late worker
+     * may read some of the next call's fields: each call closes its claim word before the next
+     * call's fields are written, so a worker that read any of them sees the closed word (or the
+     * next call's), and its claim, which carries the generation it saw, fails */
     _Alignas(64) unsigned long generation; /* bumped per call (the call's fields share its line) */
     int threads;            /* this call's */
     int64_t parts;          /* and its parts (at least one per thread) */
@@ -125,13 +127,13 @@ static void *blink_pool_worker(void *arg) {
             pthread_mutex_unlock(&blink_pool.lock);
         }
         seen = __atomic_load_n(&blink_pool.generation, __ATOMIC_ACQUIRE);
-        const int threads = __atomic_load_n(&blink_pool.threads, __ATOMIC_RELAXED);
+        const int threads = __atomic_load_n(&blink_pool.threads, __ATOMIC_ACQUIRE);
         if (index >= threads) continue; /* not needed by this call */
-        const int64_t parts = __atomic_load_n(&blink_pool.parts, __ATOMIC_RELAXED);
+        const int64_t parts = __atomic_load_n(&blink_pool.parts, __ATOMIC_ACQUIRE);
         /* the call's fields, as of `seen` or a later call's (then no claim succeeds) */
-        void *(*run)(void *) = __atomic_load_n(&blink_pool.run, __ATOMIC_RELAXED);
-        const void *args = __atomic_load_n(&blink_pool.args, __ATOMIC_RELAXED);
-        const int64_t items = __atomic_load_n(&blink_pool.items, __ATOMIC_RELAXED);
+        void *(*run)(void *) = __atomic_load_n(&blink_pool.run, __ATOMIC_ACQUIRE);
+        const void *args = __atomic_load_n(&blink_pool.args, __ATOMIC_ACQUIRE);
+        const int64_t items = __atomic_load_n(&blink_pool.items, __ATOMIC_ACQUIRE);
         blink_claim_parts(seen & 0xffffffffu, run, args, items, parts);
     }
     return NULL;
@@ -171,14 +173,15 @@ int blink_pool_split(void *(*run)(void *), const void *args, int64_t items, int 
         }
         if (blink_pool.workers > 0) {
             const unsigned long generation = __atomic_load_n(&blink_pool.generation, __ATOMIC_RELAXED) + 1;
-            __atomic_store_n(&blink_pool.threads, threads, __ATOMIC_RELAXED);
-            __atomic_store_n(&blink_pool.parts, parts, __ATOMIC_RELAXED);
-            __atomic_store_n(&blink_pool.run, run, __ATOMIC_RELAXED);
-            __atomic_store_n(&blink_pool.args, args, __ATOMIC_RELAXED);
-            __atomic_store_n(&blink_pool.items, items, __ATOMIC_RELAXED);
+            /* (the previous call closed its claim word before these stores: see blink_pool_t) */
+            __atomic_store_n(&blink_pool.threads, threads, __ATOMIC_RELEASE);
+            __atomic_store_n(&blink_pool.parts, parts, __ATOMIC_RELEASE);
+            __atomic_store_n(&blink_pool.run, run, __ATOMIC_RELEASE);
+            __atomic_store_n(&blink_pool.args, args, __ATOMIC_RELEASE);
+            __atomic_store_n(&blink_pool.items, items, __ATOMIC_RELEASE);
             __atomic_store_n(&blink_pool.finished, 0, __ATOMIC_RELAXED);
             __atomic_store_n(&blink_pool.status, 0, __ATOMIC_RELAXED);
-            __atomic_store_n(&blink_pool.claim, (uint64_t)(generation & 0xffffffffu) << 32, __ATOMIC_RELAXED);
+            __atomic_store_n(&blink_pool.claim, (uint64_t)(generation & 0xffffffffu) << 32, __ATOMIC_RELEASE);
             __atomic_store_n(&blink_pool.generation, generation, __ATOMIC_SEQ_CST); /* publishes the above */
             if (__atomic_load_n(&blink_pool.sleepers, __ATOMIC_SEQ_CST) > 0) {
                 pthread_mutex_lock(&blink_pool.lock);
@@ -201,6 +204,8 @@ int blink_pool_split(void *(*run)(void *), const void *args, int64_t items, int 
                 pthread_mutex_unlock(&blink_pool.lock);
             }
             const int status = __atomic_load_n(&blink_pool.status, __ATOMIC_ACQUIRE);
+            /* close the claim word: no part is left, whatever `parts` a late worker reads */
+            __atomic_store_n(&blink_pool.claim, (uint64_t)(generation & 0xffffffffu) << 32 | 0xffffffffu, __ATOMIC_RELEASE);
             pthread_mutex_unlock(&blink_pool.in_use);
             return status;
         }
