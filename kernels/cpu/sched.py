@@ -161,9 +161,10 @@ class CStages:
         _check(stat_words, torch.int64, "the stat words")
         self.eos, self.stat_words = eos, stat_words
         self._publish: dict[int, tuple[_Rows, _RingStreams]] = {}
-        self._stats_args: dict[int, tuple[torch.Tensor, tuple]] = {}
+        self._stats_args: dict[int, tuple] = {}
         self._build_args: dict[int, tuple] = {}
         self._begin_args: tuple | None = None
+        self._begin_keep: tuple = ()  # the tensors _begin_args' addresses are of
         self._prefix: dict[int, _Prefix] = {}
         self._alloc: dict[int, tuple[_Alloc, torch.Tensor, torch.Tensor]] = {}
         self._gather: _SamplerGather | None = None
@@ -202,10 +203,12 @@ class CStages:
                               ("cancel", cancel, torch.int32, False), ("the window sizes", window_sizes, torch.int64))
             self._begin = torch.zeros(5, dtype=torch.int64)
             self._begin_words = self._begin.numpy()
-        # the arguments, made again only when the snapshot is another tensor (the scheduler
-        # keeps one; the state, the ring and the sizes are never reallocated)
-        if self._begin_args is None or self._begin_args[0] is not slot_state:
-            self._begin_args = (slot_state, (
+        # the arguments, made again only when a tensor is another one (the scheduler keeps one
+        # snapshot; the state, the ring and the sizes are never reallocated)
+        if self._begin_args is None or self._begin_args[0] != (id(slot_state), id(st.status), id(cancel),
+                                                               id(window_sizes)):
+            self._begin_keep = (slot_state, st.status, cancel, window_sizes)
+            self._begin_args = ((id(slot_state), id(st.status), id(cancel), id(window_sizes)), (
                 st.status.shape[0], st.status.data_ptr(), slot_state.data_ptr(), cancel.data_ptr(), cancel.stride(0),
                 st.needs_lookup.data_ptr(), window_sizes.data_ptr(), window_sizes.shape[0], st.step.data_ptr(),
                 st.counters.data_ptr(), self._begin.data_ptr()))
@@ -246,13 +249,14 @@ class CStages:
         """:meth:`Scheduler._write_stats` for the window's rows (its arguments made once per
         window: the state, the ring and the control block are never reallocated)."""
         args = self._stats_args.get(st.status.shape[0])
-        if args is None or args[0] is not ring_state:
+        if args is None or args[0] is not ring_state or args[2] is not st.status or args[3] is not control:
             self._check_first("stats", ("status", st.status, torch.int32),
                               ("the slot states", ring_state, torch.int32, False), ("block_ref", st.block_ref, torch.int32),
                               ("counters", st.counters, torch.int64), ("the control block", control, torch.int64))
             args = self._stats_args[st.status.shape[0]] = (ring_state, (
                 st.status.shape[0], self.num_blocks, st.status.data_ptr(), ring_state.data_ptr(), ring_state.stride(0),
-                st.block_ref.data_ptr(), st.counters.data_ptr(), control.data_ptr(), self.stat_words.data_ptr()))
+                st.block_ref.data_ptr(), st.counters.data_ptr(), control.data_ptr(), self.stat_words.data_ptr()),
+                st.status, control)
         self.lib.blink_sched_write_stats(*args[1])
 
     # ---------------------------------------------------------------------------- publish
