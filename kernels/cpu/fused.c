@@ -1,4 +1,5 @@
-/* Fused bf16 elementwise ops for the eager CPU forward: each one call instead of 6-18 aten ops.
+/* Fused bf16 elementwise ops for the eager CPU forward: each one call instead of 6-18 aten ops
+ * (and, at the end, a replayed decode graph's step inputs in one call: blink_step_inputs).
  *
  * At a decode step's sizes (a few rows of 576-1536 channels) an aten op costs microseconds
  * of dispatch whatever it computes, and the torch references (kernels/reference/layers.py) spend
@@ -253,16 +254,17 @@ int blink_rope(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k
                            blink_threads_for(tokens * (H + KVH) * D, ELEMENTS_PER_THREAD, threads));
 }
 
+/* x[j] of an fp32 row, or of a bf16 one widened to fp32 (exactly) */
+static inline __attribute__((always_inline)) float row_value(const void *x, int64_t j, const int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)x)[j]) : ((const float *)x)[j];
+}
+
 /* log(sum_j e^x[j]) of one fp32 row, as torch.logsumexp: its max m, then m + log(sum e^(x - m))
  * (kernels.h's exp, 16 lanes). A NaN gives NaN, a row of -inf -inf, a +inf +inf (torch's
  * results); the sum's order is not torch's, so the last bit may differ. With `argmax`, also
  * the index torch.argmax gives (the first NaN, else the first maximum), found in the first
  * pass over the row. `bf16`: the row is bf16, each value widened exactly to fp32 as it is read
  * (the fp32 row's results for the widened row, bit for bit). */
-static inline __attribute__((always_inline)) float row_value(const void *x, int64_t j, const int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)x)[j]) : ((const float *)x)[j];
-}
-
 static inline __attribute__((always_inline)) float logsumexp_row_as(const void *x, int64_t n, int64_t *argmax,
                                                                     const int bf16) {
 #ifdef BLINK_VECTOR_OPS

@@ -14,6 +14,9 @@ Each op takes the C path only for bf16 CPU tensors in the layouts the model pass
 strided, channels contiguous); anything else (fp32, the exact mode against transformers;
 per-head q/k norms; a missing compiler, said once in the log; ``$BLINK_CPU_FUSED=torch``)
 runs the reference, so callers never need to know.
+
+:class:`StepInputs` also lives here: a replayed decode graph's inputs written by one C call
+(``blink_step_inputs``) instead of ten torch calls (blink.decode_graphs).
 """
 from __future__ import annotations
 
