@@ -156,6 +156,36 @@ def test_bench_step_source_times_whole_steps_and_stops_on_different_tokens(tmp_p
     assert "missing.c: no such file" in capsys.readouterr().err
 
 
+def test_bench_step_source_compares_attention_and_pool_versions(tmp_path, capsys):
+    """bench_step_source's --attention-before and --pool-before: the checkout's attention.c or
+    pool.c against a copy of itself in whole replayed steps (same tokens, both versions timed);
+    an attention whose every call fails makes the replayed steps fail (they call it)."""
+    from gguf import GGMLQuantizationType as Q
+
+    from benchmarks import bench_step_source
+    from blink.kernels.cpu import attention, pool, quant_linear as q
+    from test_loader_gguf import export_to_gguf
+
+    if q.variant() is None or attention.LIBRARY.get() is None or pool.LIBRARY.get() is None:
+        pytest.skip("no build of the kernels without AMX runs here")
+    model = export_to_gguf(make_tiny_model("llama", tmp_path), tmp_path / "q4_1.gguf", Q.Q4_1)
+    base = ["--model", str(model), "--rounds", "2", "--tokens", "4", "--prompt-words", "2",
+            "--max-model-len", "64", "--kernel-threads", "2"]
+    for flag, name, what in (("--attention-before", "attention.c", "attention's"), ("--pool-before", "pool.c", "pool's")):
+        copy = tmp_path / name
+        copy.write_text(Path(q.__file__).with_name(name).read_text())
+        bench_step_source.main([flag, str(copy), *base])
+        out = capsys.readouterr().out
+        assert f"two versions of the {what} source" in out and "now / before: median " in out, out
+    source = Path(q.__file__).with_name("attention.c").read_text()
+    opening = "                          float scale, int threads) {\n"
+    assert source.count(opening) == 1
+    changed = tmp_path / "changed_attention.c"  # every call fails: the replayed steps are its
+    changed.write_text(source.replace(opening, opening + "    if (T > 0) return -2;\n"))
+    with pytest.raises(Exception, match="blink_paged_attention failed"):
+        bench_step_source.main(["--attention-before", str(changed), *base])
+
+
 def test_bench_quant_source_times_two_versions_and_stops_on_different_bits(tmp_path, capsys):
     """benchmarks/bench_quant_source.py: the checkout's quant_linear.c against a copy of itself
     prints a row per row count; a version whose products differ by one bit stops the run
