@@ -1690,11 +1690,14 @@ static void *run_tiles(void *arg) {
 }
 #endif
 
-/* The parts a call's `tiles` output tiles are claimed in: one a thread, up to 8 a thread where
- * each keeps 128 tiles or more (a tile's columns do not depend on the split). Claimed in turn,
- * they even out two threads' speeds: SmolLM2's head (3,072 tiles, 30 MB) in two halves had one
- * thread idle 3-60 us a decode step while the other finished its half. */
-static inline int64_t tile_parts(int64_t tiles, int threads) {
+/* The parts a call's `tiles` output tiles are claimed in: one a thread, and for a call of one
+ * pass over the tiles (`passes`, a decode step's few rows) up to 8 a thread where each keeps 128
+ * tiles or more (a tile's columns do not depend on the split). Claimed in turn, they even out
+ * two threads' speeds: SmolLM2's head (3,072 tiles, 30 MB) in two halves had one thread idle
+ * 3-60 us a decode step while the other finished its half. (Calls of several passes keep one
+ * part a thread: each part reads all of x's panels; not measured with more.) */
+static inline int64_t tile_parts(int64_t tiles, int threads, int64_t passes) {
+    if (passes > 1) return threads;
     int64_t per_thread = tiles / ((int64_t)threads * 128);
     if (per_thread > 8) per_thread = 8;
     return per_thread < 1 ? threads : per_thread * threads;
@@ -1734,7 +1737,8 @@ int blink_quant_linear(const uint16_t *x, int64_t x_stride, const void *codes, c
     if (status == 0) {
         const int tile_threads = blink_threads_for(((M + BLINK_QUANT_INT8_ROWS - 1) / BLINK_QUANT_INT8_ROWS) * N * K,
                                                    BLINK_QUANT_INT8_PER_THREAD, threads);
-        status = blink_run_parts_of(run_tiles, &a, N / TILE, tile_threads, tile_parts(N / TILE, tile_threads));
+        status = blink_run_parts_of(run_tiles, &a, N / TILE, tile_threads,
+                                    tile_parts(N / TILE, tile_threads, (M + BLINK_QUANT_INT8_ROWS - 1) / BLINK_QUANT_INT8_ROWS));
     }
     free(block);
     (void)x_sums; (void)xf;
@@ -1758,7 +1762,7 @@ int blink_quant_linear(const uint16_t *x, int64_t x_stride, const void *codes, c
     threads = blink_threads_for(passes * N * K, (int64_t)1 << 16, threads);
     a.x_sums = x_sums;
     a.xf = xf;
-    const int status = blink_run_parts_of(run_tiles, &a, N / TILE, threads, tile_parts(N / TILE, threads));
+    const int status = blink_run_parts_of(run_tiles, &a, N / TILE, threads, tile_parts(N / TILE, threads, passes));
     free(x_sums);
     free(xf);
 #endif
