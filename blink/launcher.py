@@ -183,7 +183,11 @@ def run_engine(args: argparse.Namespace) -> int:
                 secret_path, secret_path)
         engine.start()
         freeze_startup_heap(engine_logger, "engine")  # no full collection scans the model (blink.gc_freeze)
-        print(f"{ENGINE_READY_PREFIX}{bound_host}:{bound_port}", flush=True)
+        # One write with its newline (print() writes the end apart): the engine's threads log
+        # from here on, and a log line written between the two landed on the same line
+        # ("...:47447" + "2026-12-07 ..."), which a reader then took for the address.
+        sys.stdout.write(f"{ENGINE_READY_PREFIX}{bound_host}:{bound_port}\n")
+        sys.stdout.flush()
         engine_logger.info(
             "role %s, model %r (%s), dtype %s (%s), max_model_len %d, %d KV blocks of %d, "
             "%s compute thread(s), bootstrap at %s:%d", engine.config.role, model_name, engine.source,
