@@ -161,10 +161,8 @@ class CStages:
         _check(stat_words, torch.int64, "the stat words")
         self.eos, self.stat_words = eos, stat_words
         self._publish: dict[int, tuple[_Rows, _RingStreams]] = {}
-        self._stats_args: dict[int, tuple] = {}
-        self._build_args: dict[int, tuple] = {}
-        self._begin_args: tuple | None = None
-        self._begin_keep: tuple = ()  # the tensors _begin_args' addresses are of
+        #: a stage's C arguments by key: (its tensors' ids, the arguments, the tensors) (_args_of)
+        self._args: dict[object, tuple] = {}
         self._prefix: dict[int, _Prefix] = {}
         self._alloc: dict[int, tuple[_Alloc, torch.Tensor, torch.Tensor]] = {}
         self._gather: _SamplerGather | None = None
@@ -191,6 +189,18 @@ class CStages:
                 _check(tensor, dtype, what, *contiguous)
             self._checked.add(stage)
 
+    def _args_of(self, key: object, tensors: tuple, make) -> tuple:
+        """A stage's C arguments under ``key``: ``make()``'s, made once and again only when one
+        of ``tensors`` (the objects whose addresses they hold) is another object. Each is a
+        torch call or more per argument on the step's host path otherwise; the state, its
+        windows' views, the ring and the batch buffers are never reallocated. The tensors are
+        kept, so their ids stay theirs."""
+        ids = tuple(map(id, tensors))
+        cached = self._args.get(key)
+        if cached is None or cached[0] != ids:
+            cached = self._args[key] = (ids, make(), tensors)
+        return cached[1]
+
     # ------------------------------------------------------------------ the step's guards
 
     def begin_step(self, st, slot_state: torch.Tensor, cancel: torch.Tensor, window_sizes: torch.Tensor
@@ -203,16 +213,11 @@ class CStages:
                               ("cancel", cancel, torch.int32, False), ("the window sizes", window_sizes, torch.int64))
             self._begin = torch.zeros(5, dtype=torch.int64)
             self._begin_words = self._begin.numpy()
-        # the arguments, made again only when a tensor is another one (the scheduler keeps one
-        # snapshot; the state, the ring and the sizes are never reallocated)
-        if self._begin_args is None or self._begin_args[0] != (id(slot_state), id(st.status), id(cancel),
-                                                               id(window_sizes)):
-            self._begin_keep = (slot_state, st.status, cancel, window_sizes)
-            self._begin_args = ((id(slot_state), id(st.status), id(cancel), id(window_sizes)), (
-                st.status.shape[0], st.status.data_ptr(), slot_state.data_ptr(), cancel.data_ptr(), cancel.stride(0),
-                st.needs_lookup.data_ptr(), window_sizes.data_ptr(), window_sizes.shape[0], st.step.data_ptr(),
-                st.counters.data_ptr(), self._begin.data_ptr()))
-        self.lib.blink_sched_begin_step(*self._begin_args[1])
+        self.lib.blink_sched_begin_step(*self._args_of("begin", (slot_state, st.status, st.needs_lookup, st.step,
+                                                                  st.counters, cancel, window_sizes), lambda: (
+            st.status.shape[0], st.status.data_ptr(), slot_state.data_ptr(), cancel.data_ptr(), cancel.stride(0),
+            st.needs_lookup.data_ptr(), window_sizes.data_ptr(), window_sizes.shape[0], st.step.data_ptr(),
+            st.counters.data_ptr(), self._begin.data_ptr())))
         size, cancelled, releasing, admissible, lookup = self._begin_words.tolist()
         return StepGuards(size, bool(cancelled), bool(releasing), bool(admissible), bool(lookup))
 
@@ -221,24 +226,23 @@ class CStages:
     def build_batch(self, st, num_new: torch.Tensor, buckets: torch.Tensor, out, host_lanes: bool) -> int:
         """:meth:`Scheduler._build_batch` into ``out`` (BatchBuffers) for the window's rows;
         returns the flat lanes written (all T, or with ``host_lanes`` the step's bucket)."""
-        # the arguments, made once per window and buffers (the state's window views, the
-        # allocation's num_new and the batch buffers are the same tensors every step)
-        cached = self._build_args.get(st.block_table.shape[0])
-        if (cached is None or cached[0] is not num_new or cached[1] is not out or cached[2] is not buckets
-                or cached[3] is not st.block_table or cached[4] != host_lanes):
-            S, M = st.block_table.shape
+        S, M = st.block_table.shape
+
+        def make() -> tuple:
             self._check_first("build_batch", ("num_new", num_new, torch.int64),
                               ("num_computed", st.num_computed, torch.int64), ("num_tokens", st.num_tokens, torch.int64),
                               ("the tokens table", st.tokens, torch.int32), ("block_table", st.block_table, torch.int32),
                               ("the buckets", buckets, torch.int64))
-            cached = self._build_args[S] = (num_new, out, buckets, st.block_table, host_lanes, (
-                S, out.input_ids.shape[0], self.num_blocks, self.block_size, M, int(host_lanes),
-                num_new.data_ptr(), st.num_computed.data_ptr(), st.num_tokens.data_ptr(), st.tokens.data_ptr(),
-                st.tokens.stride(0), st.block_table.data_ptr(), buckets.data_ptr(), buckets.shape[0],
-                out.input_ids.data_ptr(), out.positions.data_ptr(), out.seq_idx.data_ptr(), out.slot_mapping.data_ptr(),
-                out.query_start_loc.data_ptr(), out.seq_lens.data_ptr(), out.total.data_ptr(), out.bucket.data_ptr(),
-                out.sample_rows.data_ptr(), out.num_sample_rows.data_ptr(), out.logits_indices.data_ptr()))
-        lanes = self.lib.blink_sched_build_batch(*cached[5])
+            return (S, out.input_ids.shape[0], self.num_blocks, self.block_size, M, int(host_lanes),
+                    num_new.data_ptr(), st.num_computed.data_ptr(), st.num_tokens.data_ptr(), st.tokens.data_ptr(),
+                    st.tokens.stride(0), st.block_table.data_ptr(), buckets.data_ptr(), buckets.shape[0],
+                    out.input_ids.data_ptr(), out.positions.data_ptr(), out.seq_idx.data_ptr(),
+                    out.slot_mapping.data_ptr(), out.query_start_loc.data_ptr(), out.seq_lens.data_ptr(),
+                    out.total.data_ptr(), out.bucket.data_ptr(), out.sample_rows.data_ptr(),
+                    out.num_sample_rows.data_ptr(), out.logits_indices.data_ptr())
+        lanes = self.lib.blink_sched_build_batch(*self._args_of(
+            ("build", S, host_lanes), (num_new, out, buckets, st.block_table, st.num_computed, st.num_tokens, st.tokens),
+            make))
         if lanes < 0:
             raise ValueError(f"{int(num_new.sum())} tokens exceed the largest bucket {int(buckets[-1])}")
         return lanes
@@ -246,18 +250,16 @@ class CStages:
     # ------------------------------------------------------------------------------ stats
 
     def write_stats(self, st, ring_state: torch.Tensor, control: torch.Tensor) -> None:
-        """:meth:`Scheduler._write_stats` for the window's rows (its arguments made once per
-        window: the state, the ring and the control block are never reallocated)."""
-        args = self._stats_args.get(st.status.shape[0])
-        if args is None or args[0] is not ring_state or args[2] is not st.status or args[3] is not control:
+        """:meth:`Scheduler._write_stats` for the window's rows."""
+        def make() -> tuple:
             self._check_first("stats", ("status", st.status, torch.int32),
                               ("the slot states", ring_state, torch.int32, False), ("block_ref", st.block_ref, torch.int32),
                               ("counters", st.counters, torch.int64), ("the control block", control, torch.int64))
-            args = self._stats_args[st.status.shape[0]] = (ring_state, (
-                st.status.shape[0], self.num_blocks, st.status.data_ptr(), ring_state.data_ptr(), ring_state.stride(0),
-                st.block_ref.data_ptr(), st.counters.data_ptr(), control.data_ptr(), self.stat_words.data_ptr()),
-                st.status, control)
-        self.lib.blink_sched_write_stats(*args[1])
+            return (st.status.shape[0], self.num_blocks, st.status.data_ptr(), ring_state.data_ptr(),
+                    ring_state.stride(0), st.block_ref.data_ptr(), st.counters.data_ptr(), control.data_ptr(),
+                    self.stat_words.data_ptr())
+        self.lib.blink_sched_write_stats(*self._args_of(
+            ("stats", st.status.shape[0]), (ring_state, st.status, st.block_ref, st.counters, control), make))
 
     # ---------------------------------------------------------------------------- publish
 
