@@ -50,23 +50,33 @@ from typing import Any
 from benchmarks.bench_kquant_bytes import X86_BUILDS
 
 
-def before_library(source: Path, build: str, workdir: Path):
-    """``source`` built as the checkout's ``build`` is (that NativeLibrary's own flags, with a
-    copy of kernels.h beside it) and declared as it is declared; the A/B runs it in the
-    checkout's place (its NativeLibrary's ``using``; benchmarks/bench_step_source.py in the
-    recorded calls of whole decode steps)."""
-    from blink.kernels.cpu import quant_linear as q
+def built_like(native, source: Path, workdir: Path, what: str):
+    """``source`` built in ``workdir`` as the NativeLibrary ``native`` builds its own (its flags
+    and fallback flags, with copies of its headers beside it) and set up as it sets up (declared,
+    handed the pool); SystemExit where it does not build. An A/B's "before" version."""
     from blink.shared.native_build import NativeBuildError, build_library
 
-    copy = workdir / "quant_linear.c"
+    copy = workdir / native.source.name
     shutil.copyfile(source, copy)
-    shutil.copyfile(Path(q.__file__).with_name("kernels.h"), workdir / "kernels.h")
+    headers = tuple(workdir / header.name for header in native.headers)
+    for header, mine in zip(native.headers, headers):
+        shutil.copyfile(header, mine)
     try:
-        library = build_library(copy, q.LIBRARIES[build].flags, None, (workdir / "kernels.h",))
-        q._declare(q.VARIANTS[build][2])(library)
+        library = build_library(copy, native.flags, native.fallback_flags, headers)
+        if native.setup is not None:
+            native.setup(library)
     except (NativeBuildError, AttributeError) as exc:
-        raise SystemExit(f"{source} does not build as the {build} kernel: {exc}") from None
+        raise SystemExit(f"{source} does not build as {what}: {exc}") from None
     return library
+
+
+def before_library(source: Path, build: str, workdir: Path):
+    """``source`` built as the checkout's ``build`` is (:func:`built_like`); the A/B runs it in
+    the checkout's place (its NativeLibrary's ``using``; benchmarks/bench_step_source.py in the
+    recorded calls of whole decode steps)."""
+    from blink.kernels.cpu import quant_linear as q
+
+    return built_like(q.LIBRARIES[build], source, workdir, f"the {build} kernel")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -144,21 +144,10 @@ def main(argv: list[str] | None = None) -> None:
 def _attention_switch(source: Path, workdir: Path, graphs: list) -> Callable[[str], None]:
     """``source`` built as the checkout's attention.c is, and a function that points the
     graphs' recorded attention calls at the checkout's build ("now") or that one ("before")."""
-    import shutil
-
+    from benchmarks.bench_quant_source import built_like
     from blink.kernels.cpu import attention
-    from blink.shared.native_build import NativeBuildError, build_library
 
-    copy = workdir / "attention.c"
-    shutil.copyfile(source, copy)
-    shutil.copyfile(Path(attention.__file__).with_name("kernels.h"), workdir / "kernels.h")
-    try:
-        before = build_library(copy, attention.LIBRARY.flags, attention.LIBRARY.fallback_flags,
-                               (workdir / "kernels.h",))
-        attention._declare(before)
-    except (NativeBuildError, AttributeError) as exc:
-        raise SystemExit(f"{source} does not build as the attention: {exc}") from None
-    versions = {"now": attention.LIBRARY.get(), "before": before}
+    versions = {"now": attention.LIBRARY.get(), "before": built_like(attention.LIBRARY, source, workdir, "the attention")}
     if sum(call.name in ATTENTION_KERNELS for graph in graphs for call in graph.calls) == 0:
         raise SystemExit("no decode step replays a call of attention.c here: nothing to compare")
 
@@ -172,18 +161,11 @@ def _pool_switch(source: Path, workdir: Path, build: str) -> Callable[[str], Non
     """``source`` built as the checkout's pool is, and a function that hands every loaded
     kernel library the checkout's pool ("now") or that one ("before")."""
     import ctypes
-    import shutil
 
+    from benchmarks.bench_quant_source import built_like
     from blink.kernels.cpu import attention, fused, pool, q4_linear, quant_linear, sampling
-    from blink.shared.native_build import NativeBuildError, build_library
 
-    copy = workdir / "pool.c"
-    shutil.copyfile(source, copy)
-    shutil.copyfile(Path(pool.__file__).with_name("kernels.h"), workdir / "kernels.h")
-    try:
-        before = build_library(copy, pool.LIBRARY.flags, None, (workdir / "kernels.h",))
-    except NativeBuildError as exc:
-        raise SystemExit(f"{source} does not build as the pool: {exc}") from None
+    before = built_like(pool.LIBRARY, source, workdir, "the pool")
     now = pool.LIBRARY.get()
     entry = {name: ctypes.cast(library.blink_pool_split, ctypes.c_void_p).value
              for name, library in (("now", now), ("before", before))}
