@@ -16,6 +16,14 @@ today's build in the same rounds, and its speed-up column (today's against it); 
 32 --kv-heads 8`` gives a Llama-3.2-1B's heads, ``--only decode`` the decode steps alone.
 
     python -m benchmarks.bench_cpu_attention --threads 2 --against DECODE_CASES=0 --only decode
+
+``--cold MB`` times each call after reading MB megabytes of other memory (outside the timing),
+as a decode step reaches each layer's attention after streaming the weights through the caches:
+the KV cache comes from memory then, not from L2 as in back-to-back calls. One thread only (the
+kernel pool's worker would fall asleep during each read, and its wake-up would be timed), e.g.
+the values pass without its prefetch of the other KV heads' rows against with it:
+
+    python -m benchmarks.bench_cpu_attention --threads 1 --cold 64 --against VALUES_PREFETCH=0 --only decode
 """
 from __future__ import annotations
 
@@ -56,7 +64,12 @@ def main() -> None:
     p.add_argument("--against", metavar="DEFINE", default=None,
                    help="also time the C kernel built with -DDEFINE (e.g. DECODE_CASES=0), alternating")
     p.add_argument("--only", default=None, help="the steps whose name starts with this (e.g. decode)")
+    p.add_argument("--cold", metavar="MB", type=int, default=0,
+                   help="read this many MB of other memory before each timed call (with --threads 1)")
     args = p.parse_args()
+    if args.cold and args.threads != 1:
+        p.error("--cold times one thread (--threads 1): the kernel pool's worker sleeps through each "
+                "read of other memory, and its wake-up would be timed")
 
     import torch
 
@@ -66,6 +79,7 @@ def main() -> None:
     from attention_cases import make_batch
 
     torch.set_num_threads(args.threads)
+    evict = torch.ones(max(args.cold, 1) << 18).sum  # MB of fp32 read (a decode step's weights between layers)
     if cpu_attention.native_kernel() is None:
         sys.exit("the C kernel did not build here (see the warning above)")
 
@@ -86,15 +100,25 @@ def main() -> None:
         for _ in range(args.rounds):
             for which, library in enumerate(builds):
                 with cpu_attention.LIBRARY.using(library) if library is not None else contextlib.nullcontext():
-                    start = time.perf_counter()
-                    for _ in range(args.calls):
-                        fn()
-                    times[which].append((time.perf_counter() - start) / args.calls * 1e3)
+                    if args.cold:
+                        elapsed = 0.0
+                        for _ in range(args.calls):
+                            evict()
+                            start = time.perf_counter()
+                            fn()
+                            elapsed += time.perf_counter() - start
+                    else:
+                        start = time.perf_counter()
+                        for _ in range(args.calls):
+                            fn()
+                        elapsed = time.perf_counter() - start
+                    times[which].append(elapsed / args.calls * 1e3)
         return [min(t) for t in times]
 
     print(f"torch {torch.__version__}, {args.threads} thread(s), heads {args.heads}/{args.kv_heads}, "
           f"head dim {args.head_dim}, bf16, block 16; the C kernel's tiles for rows of at least "
-          f"{cpu_attention.tile_min_tokens() or '(none: no AMX)'} new tokens")
+          f"{cpu_attention.tile_min_tokens() or '(none: no AMX)'} new tokens"
+          + (f"; each call after reading {args.cold} MB of other memory" if args.cold else ""))
     extra = f" | C -D{args.against} ms | C speed-up over it" if against is not None else ""
     print(f"| step | C ms | SDPA path ms | C speed-up | the estimate picks | right{extra} |")
     print("|---|---:|---:|---:|---|---|" + ("---:|---:|" if against is not None else ""))

@@ -45,6 +45,9 @@ bits), both replaying decode graphs as served (``BLINK_CPU_Q4=avx2_int8`` for th
 or ``--before attention-generic-decode``: today's forward with the C attention kernel's per-token
 pass (decode rows) as before 2026-12-07, its group size read at run time and without the bf16
 chunks of ``vdpbf16ps`` scores (``-DDECODE_CASES=0``), both replaying decode graphs as served;
+or ``--before attention-no-values-prefetch``: today's forward with the C attention kernel's
+chunks' values pass not asking for the other KV heads' rows of each key in the first head's pass
+(``-DVALUES_PREFETCH=0``), both replaying decode graphs as served;
 and ``now`` the default one.
 For each dtype and shape the two are timed alternately, ``--rounds`` rounds of ``--steps``
 calls each, so a load spike on this shared machine hits both; the table gives the median
@@ -262,7 +265,8 @@ def main() -> None:
                                              "attention-no-prefetch", "attention-no-tiles", "bf16-head",
                                              "unfused-silu", "no-cpu-graphs", "one-kernel-thread", "q4-one-pass",
                                              "q4-tile-parts", "python-replay", "4k-pages", "amx-every-step",
-                                             "int8-coarse-split", "int8-per-group-scales", "attention-generic-decode"],
+                                             "int8-coarse-split", "int8-per-group-scales", "attention-generic-decode",
+                                             "attention-no-values-prefetch"],
                    default="reference",
                    help="the baseline: the reference forward, or today's without one feature (the int4 path, the C attention kernel, the C elementwise ops, ..., the decode steps' CPU graphs)")
     p.add_argument("--now-graphs", action="store_true",
@@ -324,12 +328,12 @@ def main() -> None:
                   "unfused-silu": {}, "no-cpu-graphs": {}, "one-kernel-thread": {},
                   "q4-one-pass": {}, "q4-tile-parts": {}, "python-replay": {}, "4k-pages": {},
                   "amx-every-step": {}, "int8-coarse-split": {}, "int8-per-group-scales": {},
-                  "attention-generic-decode": {}}[args.before]
+                  "attention-generic-decode": {}, "attention-no-values-prefetch": {}}[args.before]
         # Decode graphs in "now" only for no-cpu-graphs, and in both for the baselines in `served`
         # (as served): the other baselines measure their feature eager against eager (a baseline
         # with torch ops would not be recorded).
         served = ("one-kernel-thread", "python-replay", "4k-pages", "amx-every-step", "int8-coarse-split",
-                  "int8-per-group-scales", "attention-generic-decode")
+                  "int8-per-group-scales", "attention-generic-decode", "attention-no-values-prefetch")
         graphs = args.before in ("no-cpu-graphs", *served) or args.now_graphs
         execs = {}
         for name, kw in (("before", {**before, "cpu_graphs": args.before in served}),
@@ -349,6 +353,8 @@ def main() -> None:
             _with_library(execs["before"], cpu_attention.LIBRARY, _built_with(cpu_attention.LIBRARY, "TILES=0"))
         elif args.before == "attention-generic-decode":
             _with_library(execs["before"], cpu_attention.LIBRARY, _built_with(cpu_attention.LIBRARY, "DECODE_CASES=0"))
+        elif args.before == "attention-no-values-prefetch":
+            _with_library(execs["before"], cpu_attention.LIBRARY, _built_with(cpu_attention.LIBRARY, "VALUES_PREFETCH=0"))
         elif args.before in ("q4-one-pass", "q4-tile-parts"):
             if not cpu_q4_linear.available():
                 raise SystemExit(f"--before {args.before}: the 4-bit AMX kernel does not run here")

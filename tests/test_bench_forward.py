@@ -96,6 +96,31 @@ def test_bench_cpu_fused_prints_its_table(monkeypatch, capsys):
     assert cpu_fused.library() is not None  # the host's build is back in place
 
 
+def test_bench_cpu_attention_times_cold_calls_against_a_define(monkeypatch, capsys):
+    """benchmarks/bench_cpu_attention.py --cold: each call after a read of other memory, against
+    the kernel built without the values pass's prefetch (the define must exist: a build that
+    ignored it would still run, so the row's columns are checked, not a speed-up); --cold with
+    two threads is refused with a message."""
+    from benchmarks import bench_cpu_attention
+    from blink.kernels.cpu import attention as cpu_attention
+
+    if cpu_attention.native_kernel() is None:
+        pytest.skip("the C kernel does not build here")
+    source = cpu_attention.LIBRARY.source.read_text()
+    assert "#ifndef VALUES_PREFETCH" in source and "VALUES_PREFETCH && g == g_first" in source
+    monkeypatch.setattr(sys, "argv", ["bench_cpu_attention", "--threads", "1", "--cold", "2", "--against",
+                                      "VALUES_PREFETCH=0", "--only", "decode 1 x 128", "--calls", "2", "--rounds", "1"])
+    bench_cpu_attention.main()
+    out = capsys.readouterr().out
+    assert "each call after reading 2 MB of other memory" in out
+    rows = [line for line in out.splitlines() if line.startswith("| decode 1 x 128 ctx |")]
+    assert len(rows) == 1 and rows[0].endswith("x |") and rows[0].count("|") == 9, out
+    monkeypatch.setattr(sys, "argv", ["bench_cpu_attention", "--threads", "2", "--cold", "2"])
+    with pytest.raises(SystemExit):
+        bench_cpu_attention.main()
+    assert "--cold times one thread" in capsys.readouterr().err
+
+
 def test_bench_step_parts_prints_every_part(tmp_path, monkeypatch, capsys):
     from benchmarks import bench_step_parts
     from test_loader_gguf import export_to_gguf

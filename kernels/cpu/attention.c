@@ -75,6 +75,12 @@
 #define PREFETCH 1
 #endif
 
+/* -DVALUES_PREFETCH=0: the chunks' values pass without asking for the other KV heads' rows
+ * (attend_chunk_as; benchmarks/bench_cpu_attention.py --cold --against VALUES_PREFETCH=0) */
+#ifndef VALUES_PREFETCH
+#define VALUES_PREFETCH PREFETCH
+#endif
+
 /* Limits of the per-call stack arrays; kernels/cpu/attention.py sends larger shapes to the
  * torch path. */
 enum { MAX_GROUP = 16, MAX_HEAD_DIM = 256, MAX_BLOCK = 128 };
@@ -641,7 +647,7 @@ static inline __attribute__((always_inline)) int attend_chunk_as(const args_t *a
         l[h] = 0.0f;
         softmax_block(s + h * SW, c_keys, &m[h], &l[h]);
     }
-    for (int64_t g = g_first; g < g_end; g++) { /* weighted values, a KV head at a time (its rows in L2 by now) */
+    for (int64_t g = g_first; g < g_end; g++) { /* weighted values, a KV head at a time */
         cvec acc[MAX_GROUP][MAX_HEAD_DIM / W];
         for (int64_t i = 0; i < G; i++)
             for (int64_t n = 0; n < 2 * NL; n++) acc[i][n] = CV_ZERO();
@@ -650,6 +656,16 @@ static inline __attribute__((always_inline)) int attend_chunk_as(const args_t *a
             const uint16_t *values = V + table[j0 / BS] * BS * key_stride + g * D; /* block checked above */
             for (int64_t jj = 0; jj < nk; jj++) {
                 cvec value[MAX_HEAD_DIM / W];
+                /* the first head's pass also asks for the key's rows of the unit's other KV heads,
+                 * which follow its own: a pass a head at a time reads D of every (g_end - g_first)
+                 * x D channels, and each later pass missed its rows again. SmolLM2's one-row decode
+                 * attention (3 KV heads), timed inside whole decode steps: 1.18-1.25x faster. Summing key by
+                 * key over all the unit's heads instead was as fast there and up to 2.6x slower
+                 * for larger groups of heads, whose accumulators spilled
+                 * (docs/performance.md#values-prefetch). */
+                if (VALUES_PREFETCH && g == g_first)
+                    for (int64_t byte = 2 * D; byte < 2 * D * (g_end - g_first); byte += 64)
+                        __builtin_prefetch((const char *)(values + jj * key_stride) + byte);
                 for (int64_t n = 0; n < NL; n++) {
                     const cvec_i x = CV_LOAD_I(values + jj * key_stride + n * 2 * W);
                     value[2 * n] = CV_WIDEN_LO(x);
