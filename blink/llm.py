@@ -23,6 +23,12 @@ from blink.shared.sampling_params import SamplingParams, SamplingParamsError
 from blink.errors import BlinkError
 from blink.loader import load_tokenizer_files
 from blink.transport import InProcessTransport, LoopbackTransport
+from blink.transport import doorbell as doorbells
+
+
+#: the longest generate() waits for the engine's doorbell before it reads the ring anyway (a
+#: bell is never lost while the engine steps, but an idle loop rings none)
+BELL_SAFETY_S = 0.02
 
 
 @dataclass
@@ -117,6 +123,8 @@ class LLM:
         self.max_model_len = self.engine.max_model_len
         #: structured-output grammars for this tokenizer (checked in a worker, cached)
         self.grammars = GrammarService(self.tokenizer)
+        #: rung by the engine's loop after each step (None: generate() polls on a backoff)
+        self._bell = self._attach_doorbell()
 
     # ------------------------------------------------------------------------------ public
 
@@ -162,7 +170,11 @@ class LLM:
     def close(self) -> None:
         self.grammars.close()
         self._ring.close()
+        if self._bell is not None:
+            self.engine.doorbell = None
         self.engine.close()
+        if self._bell is not None:
+            self._bell.close()
 
     def __enter__(self) -> "LLM":
         return self
@@ -261,10 +273,25 @@ class LLM:
             else:
                 if deadline is not None and time.monotonic() > deadline:
                     raise BlinkError(f"generate() timed out after {timeout_s} s")
-                # Back off while the engine computes a step, so polling does not take the
-                # CPU the engine thread needs (a step is milliseconds to seconds on CPU).
-                idle_sleep = min(max(idle_sleep * 2, 1e-4), 2e-3)
-                time.sleep(idle_sleep)
+                if self._bell is not None:  # until the next step ends (or a safety net's time)
+                    self._bell.wait(BELL_SAFETY_S)
+                else:
+                    # Back off while the engine computes a step, so polling does not take the
+                    # CPU the engine thread needs (a step is milliseconds to seconds on CPU).
+                    idle_sleep = min(max(idle_sleep * 2, 1e-4), 2e-3)
+                    time.sleep(idle_sleep)
+
+    def _attach_doorbell(self) -> doorbells.DoorbellListener | None:
+        """The engine's doorbell (blink.transport.doorbell), as a frontend on its host has it:
+        generate() then reads the ring once after each step. On a backoff of its own it woke
+        mid-step, and the threads running the kernels were preempted ~4.5 times a step of
+        SmolLM2 (~1.1 on the bell; docs/performance.md#llm-doorbell). None where the engine
+        rings no bell (a GPU loop with no host step) or the platform has none."""
+        if not (getattr(self.engine, "rings_doorbell", False) and doorbells.supported()):
+            return None
+        listener = doorbells.DoorbellListener()
+        self.engine.doorbell = doorbells.Doorbell(listener.name)
+        return listener
 
     def _abandon(self, active: dict[RingHandle, _Choice], wait_s: float = 5.0) -> None:
         """Cancel what is still in flight and read it to the end (bounded), so that the slots

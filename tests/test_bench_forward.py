@@ -139,6 +139,27 @@ def test_bench_step_parts_prints_every_part(tmp_path, monkeypatch, capsys):
     assert rows["host (step - replay)"] == pytest.approx(rows["step"] - rows["replay"], abs=2e-3), out
 
 
+def test_bench_llm_wait_alternates_the_bell_and_the_backoff(tmp_path, monkeypatch, capsys):
+    """benchmarks/bench_llm_wait.py: generate() on the engine's doorbell and on its backoff in
+    alternate rounds of one process, both rows and a ratio a round; the LLM's bell is back in
+    place between and after the rounds."""
+    from benchmarks import bench_llm_wait
+    from blink.transport import doorbell as doorbells
+    from test_loader_gguf import export_to_gguf
+
+    if not doorbells.supported():
+        pytest.skip("abstract UNIX sockets are Linux's")
+    model = export_to_gguf(make_tiny_model("llama", tmp_path), tmp_path / "tiny.gguf")
+    monkeypatch.setattr(sys, "argv", ["bench_llm_wait", "--model", str(model), "--threads", "1",
+                                      "--kernel-threads", "1", "--batch", "2", "--tokens", "3",
+                                      "--rounds", "2", "--max-model-len", "64"])
+    bench_llm_wait.main()
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(("| bell |", "| backoff |"))]
+    assert len(rows) == 2 and all(len(line.split("|")[3].split()) == 2 for line in rows), out
+    assert "bell / backoff: " in out and out.count("(rounds ") == 1, out
+
+
 def test_bench_step_source_times_whole_steps_and_stops_on_different_tokens(tmp_path, capsys):
     """benchmarks/bench_step_source.py: the checkout's quant_linear.c against a copy of itself in
     the replayed calls of whole decode steps prints both versions and a ratio a round; a version

@@ -38,6 +38,24 @@ def test_a_bell_reaches_its_listener_and_a_gone_listener_is_no_error():
         Doorbell(doorbells.NAME_PREFIX + "f" * 32)  # a name nobody bound
 
 
+def test_a_listener_waits_for_a_bell_or_its_timeout():
+    """DoorbellListener.wait (blink.llm's thread): 0 after the timeout with no bell, the count of
+    the bells waiting after one came, and at once when a bell was already there."""
+    listener = DoorbellListener()
+    bell = Doorbell(listener.name)
+    t0 = time.monotonic()
+    assert listener.wait(0.05) == 0
+    assert time.monotonic() - t0 >= 0.04
+    bell.ring()
+    bell.ring()
+    t0 = time.monotonic()
+    assert listener.wait(5.0) == 2
+    assert time.monotonic() - t0 < 2.0
+    assert listener.wait(0.0) == 0  # drained
+    listener.close()
+    bell.close()
+
+
 @pytest.mark.parametrize("name", [None, 7, "", "blink-doorbell-", "blink-doorbell-XYZ" + "0" * 29,
                                   "other-" + "0" * 32, "blink-doorbell-" + "0" * 32 + "\n"])
 def test_only_a_listeners_name_is_a_doorbell(name):

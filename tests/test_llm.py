@@ -9,6 +9,8 @@ The model is the tiny random Llama of tests/test_engine.py with a byte-level tok
 from __future__ import annotations
 
 import string
+import time
+import types
 import sys
 from pathlib import Path
 
@@ -240,6 +242,31 @@ def test_n_choices(llm):
     assert [c.index for c in o.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in o.outputs}) > 1
     assert o.token_ids == o.outputs[0].token_ids
+
+
+def test_generate_reads_the_ring_on_the_engines_bell(root, monkeypatch):
+    """The CPU engine rings the LLM's doorbell after each step (blink.transport.doorbell), and
+    generate() waits on it instead of sleeping on a backoff (whose wakes landed mid-step); the
+    bell is taken back from the engine at close. Without it (llm._bell None) the backoff serves."""
+    import blink.llm as llm_module
+
+    with LLM(str(tiny_model_dir(root)), **{**BASE, "max_num_seqs": 2}) as llm:
+        assert llm._bell is not None and llm.engine.doorbell is not None
+        waits = []
+        real_wait = llm._bell.wait
+        monkeypatch.setattr(llm._bell, "wait", lambda timeout_s: waits.append(real_wait(timeout_s)) or waits[-1])
+        sleeps = []  # (blink.llm's own: the engine's loop keeps its idle backoff)
+        monkeypatch.setattr(llm_module, "time", types.SimpleNamespace(
+            sleep=sleeps.append, monotonic=time.monotonic))
+        [out] = llm.generate([PROMPTS[0]], _greedy(max_tokens=12, ignore_eos=True), timeout_s=60)
+        assert len(out.token_ids) == 12
+        assert sleeps == [] and any(count > 0 for count in waits), (waits, sleeps)
+        monkeypatch.undo()
+        bell, llm._bell = llm._bell, None  # the backoff
+        [again] = llm.generate([PROMPTS[0]], _greedy(max_tokens=12, ignore_eos=True), timeout_s=60)
+        assert again.token_ids == out.token_ids
+        llm._bell = bell
+    assert llm.engine.doorbell is None
 
 
 def test_lifecycle_context_manager(root):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 import secrets
+import select
 import socket
 import sys
 
@@ -71,6 +72,13 @@ class DoorbellListener(_DatagramEnd):
 
     def fileno(self) -> int:
         return self._sock.fileno()
+
+    def wait(self, timeout_s: float) -> int:
+        """Block until a bell comes or ``timeout_s`` passes, then read every bell waiting; how
+        many there were (0: timed out). For a thread of its own (:class:`blink.llm.LLM`); the
+        frontend's event loop watches :meth:`fileno` instead."""
+        select.select([self._sock], [], [], timeout_s)
+        return self.drain()
 
     def drain(self) -> int:
         """Read every bell waiting; how many there were."""
