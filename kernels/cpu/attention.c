@@ -654,6 +654,9 @@ static inline __attribute__((always_inline)) int attend_chunk_as(const args_t *a
         for (int64_t j0 = c_first; j0 < c_first + c_keys; j0 += BS) {
             const int64_t nk = c_first + c_keys - j0 < BS ? c_first + c_keys - j0 : BS;
             const uint16_t *values = V + table[j0 / BS] * BS * key_stride + g * D; /* block checked above */
+            /* the next block's rows (chunks start on a block: j0 is a block's first key) */
+            const int64_t ahead_keys = c_first + c_keys - (j0 + BS);
+            const uint16_t *ahead = ahead_keys > 0 ? V + table[j0 / BS + 1] * BS * key_stride + g * D : NULL;
             for (int64_t jj = 0; jj < nk; jj++) {
                 cvec value[MAX_HEAD_DIM / W];
                 /* the first head's pass also asks for the key's rows of the unit's other KV heads,
@@ -661,11 +664,16 @@ static inline __attribute__((always_inline)) int attend_chunk_as(const args_t *a
                  * x D channels, and each later pass missed its rows again. SmolLM2's one-row decode
                  * attention (3 KV heads), timed inside whole decode steps: 1.18-1.25x faster. Summing key by
                  * key over all the unit's heads instead was as fast there and up to 2.6x slower
-                 * for larger groups of heads, whose accumulators spilled
-                 * (docs/performance.md#values-prefetch). */
-                if (VALUES_PREFETCH && g == g_first)
+                 * for larger groups of heads, whose accumulators spilled. It also asks for all the
+                 * unit's rows of the key a block ahead in the chunk (blocks lie anywhere): 1.08x
+                 * more (docs/performance.md#values-prefetch). */
+                if (VALUES_PREFETCH && g == g_first) {
                     for (int64_t byte = 2 * D; byte < 2 * D * (g_end - g_first); byte += 64)
                         __builtin_prefetch((const char *)(values + jj * key_stride) + byte);
+                    if (jj < ahead_keys)
+                        for (int64_t byte = 0; byte < 2 * D * (g_end - g_first); byte += 64)
+                            __builtin_prefetch((const char *)(ahead + jj * key_stride) + byte);
+                }
                 for (int64_t n = 0; n < NL; n++) {
                     const cvec_i x = CV_LOAD_I(values + jj * key_stride + n * 2 * W);
                     value[2 * n] = CV_WIDEN_LO(x);
