@@ -21,7 +21,7 @@ today's build in the same rounds, and its speed-up column (today's against it); 
 as a decode step reaches each layer's attention after streaming the weights through the caches:
 the KV cache comes from memory then, not from L2 as in back-to-back calls. One thread only (the
 kernel pool's worker would fall asleep during each read, and its wake-up would be timed), e.g.
-the values pass without its prefetch of the other KV heads' rows against with it:
+today's kernel against its values pass without its prefetches:
 
     python -m benchmarks.bench_cpu_attention --threads 1 --cold 64 --against VALUES_PREFETCH=0 --only decode
 """

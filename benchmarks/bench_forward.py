@@ -46,8 +46,8 @@ or ``--before attention-generic-decode``: today's forward with the C attention k
 pass (decode rows) as before 2026-12-07, its group size read at run time and without the bf16
 chunks of ``vdpbf16ps`` scores (``-DDECODE_CASES=0``), both replaying decode graphs as served;
 or ``--before attention-no-values-prefetch``: today's forward with the C attention kernel's
-chunks' values pass not asking for the other KV heads' rows of each key in the first head's pass
-(``-DVALUES_PREFETCH=0``), both replaying decode graphs as served;
+chunks' values pass without its prefetches (a key's rows of the other KV heads, the next block's
+rows: ``-DVALUES_PREFETCH=0``), both replaying decode graphs as served;
 and ``now`` the default one.
 For each dtype and shape the two are timed alternately, ``--rounds`` rounds of ``--steps``
 calls each, so a load spike on this shared machine hits both; the table gives the median

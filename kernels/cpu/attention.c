@@ -75,8 +75,9 @@
 #define PREFETCH 1
 #endif
 
-/* -DVALUES_PREFETCH=0: the chunks' values pass without asking for the other KV heads' rows
- * (attend_chunk_as; benchmarks/bench_cpu_attention.py --cold --against VALUES_PREFETCH=0) */
+/* -DVALUES_PREFETCH=0: the chunks' values pass without its prefetches (attend_chunk_as: a key's
+ * rows of the unit's other KV heads, and the unit's rows of the key a block ahead;
+ * benchmarks/bench_cpu_attention.py --cold --against VALUES_PREFETCH=0) */
 #ifndef VALUES_PREFETCH
 #define VALUES_PREFETCH PREFETCH
 #endif
@@ -659,14 +660,14 @@ static inline __attribute__((always_inline)) int attend_chunk_as(const args_t *a
             const uint16_t *ahead = ahead_keys > 0 ? V + table[j0 / BS + 1] * BS * key_stride + g * D : NULL;
             for (int64_t jj = 0; jj < nk; jj++) {
                 cvec value[MAX_HEAD_DIM / W];
-                /* the first head's pass also asks for the key's rows of the unit's other KV heads,
-                 * which follow its own: a pass a head at a time reads D of every (g_end - g_first)
-                 * x D channels, and each later pass missed its rows again. SmolLM2's one-row decode
-                 * attention (3 KV heads), timed inside whole decode steps: 1.18-1.25x faster. Summing key by
-                 * key over all the unit's heads instead was as fast there and up to 2.6x slower
-                 * for larger groups of heads, whose accumulators spilled. It also asks for all the
-                 * unit's rows of the key a block ahead in the chunk (blocks lie anywhere): 1.08x
-                 * more (docs/performance.md#values-prefetch). */
+                /* The first head's pass also asks for the key's rows of the unit's other KV heads,
+                 * which follow its own (a pass reads D of each key's (g_end - g_first) x D channels,
+                 * and each later pass missed its rows again), and for all the unit's rows of the key
+                 * a block ahead (a chunk's blocks lie anywhere: no hardware prefetcher runs ahead).
+                 * Per layer after 64 MB of other memory, 1.14-1.84x at 1,024+ keys or 16 rows; the
+                 * same arithmetic. Summing key by key over all the unit's heads instead (their
+                 * accumulators spilled) was up to 2.6x slower for larger groups of heads
+                 * (docs/performance.md#values-prefetch). */
                 if (VALUES_PREFETCH && g == g_first) {
                     for (int64_t byte = 2 * D; byte < 2 * D * (g_end - g_first); byte += 64)
                         __builtin_prefetch((const char *)(values + jj * key_stride) + byte);
