@@ -463,6 +463,34 @@ def test_with_tiles_the_kernel_takes_prefills_too(rows, tile_ns):
     assert cpu_attention.prefer_native(md, md.slot_mapping.shape[0], 16, tile_min=8, tile_ns_per_visit=tile_ns)
 
 
+def test_the_estimate_prices_sdpa_on_torchs_threads_and_the_kernel_on_its_own():
+    """SDPA runs on torch's intra-op threads, the C kernel on the kernel threads: with one of
+    the first and two of the second (blink serve on two cores) SDPA's estimate doubles, and a
+    long chunk over a long cached prefix goes to the C kernel's tiles (14.9 ms a layer on SDPA
+    there against 3.8 on the tiles, docs/performance.md#chunk-over-cache); at equal counts the
+    figures are the fitted ones, which priced SDPA below AVX-512's tiles for this step."""
+    from blink.kernels.cpu import threads as cpu_threads
+
+    rows = [(1632, 268)]
+    _, _, _, _, md, _ = make_batch(rows, n_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    md = dataclasses.replace(md, max_context=1900, max_query_len=268)
+
+    def picks(torch_threads: int, pool_threads: int) -> bool:
+        saved_torch, saved_pool = torch.get_num_threads(), cpu_threads._threads  # (None: torch's)
+        torch.set_num_threads(torch_threads)
+        cpu_threads.set_kernel_threads(pool_threads)
+        try:
+            return cpu_attention.prefer_native(dataclasses.replace(md, step_cache={}), 268, 16, tile_min=8,
+                                               tile_ns_per_visit=cpu_attention._AVX512_TILE_NS_PER_VISIT)
+        finally:
+            torch.set_num_threads(saved_torch)
+            cpu_threads.set_kernel_threads(saved_pool)
+
+    assert not picks(1, 1) and not picks(2, 2)
+    assert picks(1, 2)
+    assert not picks(4, 1)  # (torch's many threads, the kernel on one: SDPA the more)
+
+
 NO_AMX_CC = """#!/bin/sh
 # the system compiler, building for this CPU less its AMX: what a CPU without AMX builds
 exec cc "$@" -mno-amx-tile -mno-amx-bf16 -mno-amx-int8

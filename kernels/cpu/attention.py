@@ -167,7 +167,12 @@ def prefer_native(md: AttentionMetadata, T: int, block_size: int, tile_min: int 
     tokens are decodes; SDPA's blocked products win for prefills, whose tokens share one
     context, unless the kernel has tiles for them: rows of ``tile_min`` new tokens or more
     (0: none; :func:`prompt_tiles`) cost ``tile_ns_per_visit`` per key, a fraction. The
-    estimate replays the torch path's tiling (:func:`_attention_plan`'s ``Qt``)."""
+    estimate replays the torch path's tiling (:func:`_attention_plan`'s ``Qt``). The constants
+    hold for the two paths on as many threads; SDPA runs on torch's intra-op threads and the
+    C kernel on the kernel threads, so SDPA's estimate is scaled by their ratio (``blink
+    serve`` on two cores: one compute thread, two kernel threads, so SDPA costs twice its
+    figure: a 268-token chunk over 1,632 cached tokens took 14.9 ms a layer there against the
+    C kernel's 3.8, where the unscaled estimate chose SDPA; docs/performance.md#chunk-over-cache)."""
     cache = md.step_cache
     if cache is not None and "cpu_attention_prefer_native" in cache:
         return cache["cpu_attention_prefer_native"]
@@ -189,6 +194,7 @@ def prefer_native(md: AttentionMetadata, T: int, block_size: int, tile_min: int 
     native = (float(row_visits[~tiled].sum()) * per_visit
               + float(row_visits[tiled].sum()) * tile_ns_per_visit)
     sdpa = tiles * L * (_SDPA_NS_PER_TILE_KEY + Qt * _SDPA_NS_PER_CELL) + _SDPA_NS_PER_CALL
+    sdpa *= kernel_threads() / max(1, torch.get_num_threads())
     choice = native <= sdpa
     if cache is not None:
         cache["cpu_attention_prefer_native"] = choice
