@@ -1,6 +1,9 @@
 """Random paged-attention steps shared by the attention kernel tests (Triton and CPU)."""
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 
 from blink.kernels.attention_metadata import AttentionMetadata
@@ -81,3 +84,19 @@ CPU_CASES = [
     ([(5, 1), (50, 1)], 6, 2, 96, 16, torch.bfloat16),
     ([(0, 33)], 4, 1, 32, 8, torch.float32),      # MQA, one prefill
 ]
+
+
+@contextlib.contextmanager
+def kernel_threads_as_torchs() -> Iterator[None]:
+    """The C kernels' threads following torch's for the block (restored after): the attention
+    estimate prices SDPA on torch's threads and the C kernel on the kernel threads
+    (kernels/cpu/attention.py, ``prefer_native``), and an engine started earlier in the same
+    process leaves its own kernel thread count set."""
+    from blink.kernels.cpu import threads as cpu_threads
+
+    saved = cpu_threads._threads
+    cpu_threads.set_kernel_threads(None)
+    try:
+        yield
+    finally:
+        cpu_threads.set_kernel_threads(saved)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib adds no test dir
-from attention_cases import CPU_CASES, MIXED, make_batch  # noqa: E402
+from attention_cases import CPU_CASES, MIXED, kernel_threads_as_torchs, make_batch  # noqa: E402
 from native_helpers import forced_native  # noqa: E402
 
 from blink.kernels import ops_for  # noqa: E402
@@ -262,7 +262,8 @@ def test_which_path_a_step_takes(rows, native):
     md = dataclasses.replace(md, max_context=max(c + n for c, n in rows),
                              max_query_len=max(n for c, n in rows), step_cache={})
     T = md.slot_mapping.shape[0]
-    assert cpu_attention.prefer_native(md, T, 16) is native
+    with kernel_threads_as_torchs():
+        assert cpu_attention.prefer_native(md, T, 16) is native
     assert md.step_cache["cpu_attention_prefer_native"] is native
 
 
@@ -316,7 +317,8 @@ def test_a_build_without_avx512_runs_priced_as_measured(request, tmp_path, monke
     def picks_native(rows):
         *_, md, _ = make_batch(rows, n_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
         md = dataclasses.replace(md, max_query_len=max(n for _, n in rows), step_cache={})
-        return cpu_attention.prefer_native(md, sum(n for _, n in rows), 16)
+        with kernel_threads_as_torchs():
+            return cpu_attention.prefer_native(md, sum(n for _, n in rows), 16)
 
     assert picks_native([(127, 1)]) and picks_native([(2047, 1)] * 16) and picks_native([(4095, 1)])
     assert not picks_native([(0, 512)]) and not picks_native([(300, 1)] * 8 + [(1536, 512)])
@@ -460,7 +462,8 @@ def test_with_tiles_the_kernel_takes_prefills_too(rows, tile_ns):
     _, _, _, _, md, _ = make_batch(rows, n_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
     md = dataclasses.replace(md, max_context=max(c + n for c, n in rows),
                              max_query_len=max(n for c, n in rows))
-    assert cpu_attention.prefer_native(md, md.slot_mapping.shape[0], 16, tile_min=8, tile_ns_per_visit=tile_ns)
+    with kernel_threads_as_torchs():
+        assert cpu_attention.prefer_native(md, md.slot_mapping.shape[0], 16, tile_min=8, tile_ns_per_visit=tile_ns)
 
 
 def test_the_estimate_prices_sdpa_on_torchs_threads_and_the_kernel_on_its_own():
