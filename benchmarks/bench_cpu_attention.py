@@ -79,7 +79,8 @@ def main() -> None:
     from attention_cases import make_batch
 
     torch.set_num_threads(args.threads)
-    evict = torch.ones(max(args.cold, 1) << 18).sum  # MB of fp32 read (a decode step's weights between layers)
+    # --cold: MB of fp32 read before each timed call (a decode step's weights between layers)
+    evict = torch.ones(args.cold << 18).sum if args.cold else None
     if cpu_attention.native_kernel() is None:
         sys.exit("the C kernel did not build here (see the warning above)")
 

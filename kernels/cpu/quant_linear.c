@@ -1735,10 +1735,9 @@ int blink_quant_linear(const uint16_t *x, int64_t x_stride, const void *codes, c
     a.xq = (int8_t *)(block + 2 * sums_bytes + scale_bytes_);
     int status = blink_run_parts(quantize_rows, &a, M, blink_threads_for(M * K, (int64_t)1 << 15, threads));
     if (status == 0) {
-        const int tile_threads = blink_threads_for(((M + BLINK_QUANT_INT8_ROWS - 1) / BLINK_QUANT_INT8_ROWS) * N * K,
-                                                   BLINK_QUANT_INT8_PER_THREAD, threads);
-        status = blink_run_parts_of(run_tiles, &a, N / TILE, tile_threads,
-                                    tile_parts(N / TILE, tile_threads, (M + BLINK_QUANT_INT8_ROWS - 1) / BLINK_QUANT_INT8_ROWS));
+        const int64_t row_passes = (M + BLINK_QUANT_INT8_ROWS - 1) / BLINK_QUANT_INT8_ROWS;
+        const int tile_threads = blink_threads_for(row_passes * N * K, BLINK_QUANT_INT8_PER_THREAD, threads);
+        status = blink_run_parts_of(run_tiles, &a, N / TILE, tile_threads, tile_parts(N / TILE, tile_threads, row_passes));
     }
     free(block);
     (void)x_sums; (void)xf;

@@ -156,11 +156,11 @@ class Batching:
             summary = self._c.sampler_inputs(st, _SAMPLER_NAMES, batch.sample_rows, rows)
             if summary is not None:
                 inputs = self._c_sampler_inputs.get((rows, summary))
-                if inputs is None:  # views of the buffers and the plan: made once per row count and plan
-                    views = self._c_sampler_inputs.get(rows)
-                    if views is None:
+                if inputs is None:  # the views with the plan: made once per row count and plan
+                    views = self._c_sampler_views.get(rows)
+                    if views is None:  # views of the buffers: made once per row count
                         gathered = self._c.sampler_views(rows)
-                        views = self._c_sampler_inputs[rows] = SamplerInputs(
+                        views = self._c_sampler_views[rows] = SamplerInputs(
                             SamplingTensors(**{name: gathered[name] for name in _SAMPLER_NAMES}),
                             gathered["num_prompt"], gathered["num_tokens"], gathered["suppress_ids"],
                             gathered["sampler_features"])

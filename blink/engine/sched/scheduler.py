@@ -311,7 +311,8 @@ class Scheduler(Admission, KvReservation, PrefixHookup, Budget, Batching, Publis
         with torch.inference_mode():
             self._batch_out = BatchBuffers(self.num_slots, config.max_num_batched_tokens, self.device)
         self._done = torch.zeros(self.num_slots, dtype=torch.int64, device=self.device)
-        self._c_sampler_inputs: dict[int | tuple[int, int], SamplerInputs] = {}  # by row count, and plan (batch.py)
+        self._c_sampler_views: dict[int, SamplerInputs] = {}  # by row count (batch.py)
+        self._c_sampler_inputs: dict[tuple[int, int], SamplerInputs] = {}  # by row count and plan (batch.py)
         self._c_batches: dict[tuple[int, int], StepBatch] = {}  # by (lanes, window) (batch.py)
         # the step's token and sample-row counts, read by the host through numpy (host_counts)
         self._c_counts = (self._batch_out.total.numpy(), self._batch_out.num_sample_rows.numpy())
