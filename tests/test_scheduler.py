@@ -8,6 +8,7 @@ and every stream is compared with a plain-Python reference generation.
 """
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -568,6 +569,48 @@ def test_forced_hash_collisions_never_give_false_hits(monkeypatch):
     out = run(reqs, _cfg(), n_slots=4)
     check_outcome(out)
     assert int(out.sched.state.counters[K_PREFIX_REJECTS]) > 0  # collisions were seen and refused
+
+
+def _second_send_hits(seed: int, make=None) -> int:
+    """Send one random 254-token prompt twice (4-token blocks, 72 of them, a 256-slot table):
+    its 63 full blocks are filled in one step, and several pairs of them share a home slot.
+    Returns the tokens the second send found cached (252 when all 63 full blocks hit: the
+    prompt's last two tokens are computed again)."""
+    L = 256
+    cfg = _cfg(num_blocks=72, max_model_len=L, max_num_batched_tokens=L, admit_window_tokens=L,
+               lookup_window_blocks=L // 4)
+    assert cfg.hash_table_size == 256
+    ring = make_ring(2, L, 8)
+    sched = (make or Scheduler)(cfg, ring_tensors(ring))
+    model, fe = FakeModel(cfg, 2), Frontend(ring)
+    prompt = np.random.default_rng(seed).integers(1, VOCAB, size=L - 2).tolist()
+    cached = []
+    for _ in range(2):
+        req = Req(prompt=prompt, max_tokens=1)
+        fe.submit(req)
+        batch = sched.schedule()
+        cached.append(int(ring.num_cached_tokens[req.slot]))
+        while req.finish is None:
+            sched.update(batch, *model(sched, batch))
+            fe.poll()
+            batch = sched.schedule() if req.finish is None else None
+    assert cached[0] == 0
+    return cached[1]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_blocks_of_one_step_sharing_a_slot_are_all_cached(seed):
+    """The table insert's rounds: a block that loses its slot to an older block of the same
+    step chooses again among the slots left, so a prompt whose blocks collide is still
+    cached whole (before, the loser stayed out and every block after it was unreachable)."""
+    assert _second_send_hits(seed) == 252
+
+
+def test_one_insert_round_loses_blocks_of_that_prompt(monkeypatch):
+    """The workload above does collide: with one round the reference leaves blocks out."""
+    monkeypatch.setattr(prefix_cache, "INSERT_ROUNDS", 1)
+    reference = functools.partial(Scheduler, host_guards=True, c_stages=False)
+    assert all(_second_send_hits(seed, reference) < 252 for seed in (0, 1))
 
 
 def _cached_prompt_scheduler(prompt: list[int]) -> Scheduler:

@@ -50,6 +50,13 @@ def test_c_stages_over_several_row_windows():
     assert 20 in scheds[1]._windows and 16 in scheds[1]._windows
 
 
+def test_c_stages_insert_rounds_match_the_reference():
+    """Prompts of up to 128 tokens in 4-token blocks, three admitted a step, a 256-slot table:
+    blocks of one step share slots, and the insert's later rounds run."""
+    side_by_side(4, 72, REFERENCE, WITH_C, max_model_len=256, max_num_batched_tokens=256,
+                 admit_window_tokens=256, lookup_window_blocks=64)
+
+
 def test_c_stages_with_every_prefix_key_colliding(monkeypatch):
     """Verification alone keeps the prefix cache right (the C insert's keys collide as the
     reference's do with ``table_key`` replaced)."""

@@ -134,6 +134,8 @@ _NOT_FOR_FUSED = {
     # reference below (pool 14, preemptions asserted) and by the oracle's tiny pools; this
     # workload adds only its length (~20 s in the interpreter)
     "test_tiny_pool_preempts_and_recomputes",
+    # the torch reference with one insert round (the fused stages' rounds are compiled in)
+    "test_one_insert_round_loses_blocks_of_that_prompt",
 }
 for _name in dir(ts):
     if _name.startswith("test_") and _name not in _NOT_FOR_FUSED and callable(getattr(ts, _name)):
@@ -147,11 +149,19 @@ def test_forced_hash_collisions_never_give_false_hits(monkeypatch):
     ts.test_forced_hash_collisions_never_give_false_hits(monkeypatch)
 
 
-def test_prefix_primes_agree():
+def test_prefix_constants_agree():
     from blink.engine import prefix_cache
     from blink.kernels.triton import sched as triton_sched
 
     assert triton_sched.PRIMES == prefix_cache.PRIMES
+    assert triton_sched.INSERT_ROUNDS == prefix_cache.INSERT_ROUNDS
+
+
+def test_fused_insert_rounds_match_the_reference():
+    """Prompts of up to 128 tokens in 4-token blocks, three admitted a step, a 256-slot table:
+    blocks of one step share slots, and the insert's later rounds run."""
+    _side_by_side(4, 72, False, max_model_len=256, max_num_batched_tokens=256, admit_window_tokens=256,
+                  lookup_window_blocks=64)
 
 
 # The property tests' random workloads: few examples, the interpreter is slow (~3-8 s each);

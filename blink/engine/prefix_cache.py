@@ -34,6 +34,12 @@ import torch
 from blink.engine.sched.state import EngineState, SchedulerConfig
 
 INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+#: how many rounds the table insert runs: a block that lost its slot to an older request's
+#: block of the same step chooses again among the slots left (a fixed count: a captured GPU
+#: step has no loop that depends on data). Measured with 31-127 blocks a step filling a
+#: quarter of the table: one round left half of such prompts partly uncached, three none.
+INSERT_ROUNDS = 3
 
 # Two Mersenne-ish primes and bases: key = (h1 << 31) | h2, a 62-bit prefix key.
 PRIMES = (2_147_483_647, 2_147_483_629)
@@ -206,13 +212,46 @@ def register(
     j = positions // B
     key = salted(table_key(prefix), st.sampling["cache_salt"][rows])
     parent = torch.where(j > 0, st.block_table[rows, (j - 1).clamp(min=0)].long(), N)
+    # Several inserts into one slot this step: the oldest request wins (it is the one ahead
+    # in FCFS order, so its chain keeps winning).
+    prio = -(st.arrival[rows] * (cfg.max_blocks_per_seq + 1) + j)
+    best = st.insert_best  # all INT64_MIN between steps; INT64_MAX marks a slot taken this step
+    pending = fills
+    won = torch.full_like(key, H)  # the slot each block took (H: none)
+    for r in range(INSERT_ROUNDS):
+        target, taken, free = _choose_slot(st, cfg, key, best, r)
+        pending = pending & ~taken & free
+        lanes = torch.where(pending, target, H)
+        best.scatter_reduce_(0, lanes, torch.where(pending, prio, INT64_MIN), "amax")
+        win = pending & (best[lanes] == prio)
+        _enter(st, win, torch.where(win, target, H), slot_mapping // B, key, parent, stamp)
+        best.index_put_((lanes,), torch.full_like(lanes, INT64_MAX))  # every bid slot has its winner
+        best[H:].fill_(INT64_MIN)  # slice fills, not ``t[i] = v`` (a tensor from Python data)
+        won = torch.where(win, target, won)
+        # A loser tries again in the next round, among the slots no block took this step,
+        # unless the winner holds its own key (a key has at most one live entry).
+        pending = pending & ~win & (st.block_key[st.hash_table[lanes]] != key)
+    best.index_put_((won,), torch.full_like(won, INT64_MIN))
+    best[H:].fill_(INT64_MIN)
 
-    # Slot choice in the probe window. A key has at most one live entry. If it is anchored
-    # (its parent is still the live entry of the previous key, or it is a first block) it is
-    # part of a reachable chain and is kept: this block stays uncached. An orphaned entry is
-    # replaced. A new key takes the first dead slot, else the least recently used entry
-    # (entries of free cached blocks before those of blocks in use).
-    probe = ((key % H).unsqueeze(-1) + torch.arange(cfg.prefix_probes, device=dev)) % H
+
+def _choose_slot(
+    st: EngineState, cfg: SchedulerConfig, key: torch.Tensor, best: torch.Tensor, r: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each key's slot in its probe window, among the slots no block took this step
+    (``best`` is INT64_MAX at those). A key has at most one live entry: if it is anchored (its
+    parent is still the live entry of the previous key, or it is a first block) it is part of a
+    reachable chain and is kept (``taken``: this block stays uncached). An orphaned entry is
+    replaced. A new key takes the first dead slot, else the least recently used entry
+    (entries of free cached blocks before those of blocks in use); "first" from the window's
+    start in round ``r`` 0, from a point the key picks in later rounds. Returns (slot, taken,
+    free: the window had a slot not taken this step)."""
+    N, H, P = cfg.num_blocks, cfg.hash_table_size, cfg.prefix_probes
+    k = torch.arange(P, device=key.device)
+    if r > 0:  # a retry scans its window from a point its key picks, so that two losers of
+        # one slot (one home) do not choose the same next slot again
+        k = (k + ((key // H) >> (3 * r)).unsqueeze(-1)) % P
+    probe = ((key % H).unsqueeze(-1) + k) % H
     occupant = st.hash_table[probe]
     live = st.block_slot[occupant] == probe
     same_key = live & (st.block_key[occupant] == key.unsqueeze(-1))
@@ -220,21 +259,23 @@ def register(
     anchored = (up == N) | ((st.block_slot[up] >= 0) & (st.block_parent_gen[occupant] == st.block_gen[up]))
     in_use = (st.block_ref[occupant] > 0).long() << 62
     score = torch.where(same_key, -2, torch.where(live, st.block_last_used[occupant] + in_use, -1))
+    score = torch.where(best[probe] == INT64_MAX, INT64_MAX, score)
     choice = score.argmin(1, keepdim=True)
     target = probe.gather(1, choice).squeeze(1)
     taken = (same_key & anchored).gather(1, choice).squeeze(1)
-    fills = fills & ~taken
-    # Several inserts into one slot this step: the oldest request wins (it is the one ahead
-    # in FCFS order, so its chain keeps winning); the others stay uncached.
-    prio = torch.where(fills, -(st.arrival[rows] * (cfg.max_blocks_per_seq + 1) + j), INT64_MIN)
-    best = st.insert_best  # all INT64_MIN between steps: reset below, lane by lane
-    lanes = torch.where(fills, target, H)
-    best.scatter_reduce_(0, lanes, prio, "amax")
-    win = fills & (best[target] == prio)
-    best.index_put_((lanes,), torch.full_like(lanes, INT64_MIN))
-    target = torch.where(win, target, H)  # slot H is the sink
-    blk = torch.where(win, slot_mapping // B, N)
+    free = score.gather(1, choice).squeeze(1) != INT64_MAX
+    return target, taken, free
 
+
+def _enter(
+    st: EngineState, win: torch.Tensor, target: torch.Tensor, blk: torch.Tensor, key: torch.Tensor,
+    parent: torch.Tensor, stamp: torch.Tensor,
+) -> None:
+    """The winners' table writes (``target``: their slots, H elsewhere): each evicts what its
+    slot held, then the slot names its block and the block records its key, parent and
+    stamp. Lanes that did not win write into the sinks (slot H, block N), restored after."""
+    N, H = st.block_slot.shape[0] - 1, st.hash_table.shape[0] - 1
+    blk = torch.where(win, blk, N)
     victim = st.hash_table[target]
     evicted = win & (st.block_slot[victim] == target)
     st.block_slot.index_put_((torch.where(evicted, victim, N),), torch.full_like(victim, -1))
@@ -243,8 +284,6 @@ def register(
     st.block_key.index_put_((blk,), key)
     st.block_parent.index_put_((blk,), parent)
     st.block_parent_gen.index_put_((blk,), st.block_gen[parent])
-    # The sink lanes took the writes of the losers above: restore them (slice fills, not
-    # ``t[i] = v``, which builds a tensor from Python data).
     st.block_slot[N:].fill_(-1)
     st.hash_table[H:].fill_(N)
     st.block_last_used.scatter_reduce_(0, blk, torch.where(win, stamp, 0), "amax")

@@ -272,19 +272,58 @@ typedef struct {
 
 /* One block a step filled: where its insert goes. */
 typedef struct {
-    int64_t lane, row, j, key, parent, target, prio, victim;
+    int64_t lane, row, j, key, parent;
+    int64_t target; /* this round's slot; -1: not pending (taken, inserted, or out of rounds) */
+    int64_t prio, victim, won, lost;
 } fill_t;
+
+/* prefix_cache.INSERT_ROUNDS */
+#define INSERT_ROUNDS 3
+
+/* prefix_cache._choose_slot for one key in round r: its slot in the probe window among those
+ * no block took this step (on the table as the earlier rounds left it). A live entry of the
+ * same key that is anchored keeps the block uncached (-1); else the first dead slot, else the
+ * least recently used entry (those of free cached blocks first), "first" from the window's
+ * start in round 0 and from a point the key picks in later rounds. -1 also when every slot
+ * of the window was taken this step. */
+static int64_t choose_slot(const blink_prefix_t *pc, const fill_t *fills, int64_t n_fills, int64_t key, int r) {
+    const int64_t N = pc->N, H = pc->H, P = pc->probes;
+    const int64_t rotate = r > 0 ? ((key / H) >> (3 * r)) % P : 0;
+    int64_t best_score = 0, choice = -1;
+    int taken = 0;
+    for (int64_t k = 0; k < P; k++) {
+        int64_t probe = (key % H + (k + rotate) % P) % H;
+        int claimed = 0; /* nothing is taken before the first round's writes */
+        for (int64_t i = 0; r > 0 && i < n_fills && !claimed; i++)
+            claimed = fills[i].won == probe;
+        if (claimed)
+            continue;
+        int64_t occupant = pc->hash_table[probe];
+        int live = pc->block_slot[occupant] == probe;
+        int same_key = live && pc->block_key[occupant] == key;
+        int64_t up = pc->block_parent[occupant];
+        int anchored = up == N || (pc->block_slot[up] >= 0 && pc->block_parent_gen[occupant] == pc->block_gen[up]);
+        int64_t in_use = (int64_t)(pc->block_ref[occupant] > 0) << 62;
+        int64_t score = same_key ? -2 : live ? pc->block_last_used[occupant] + in_use : -1;
+        if (choice < 0 || score < best_score) {
+            best_score = score;
+            choice = probe;
+            taken = same_key && anchored;
+        }
+    }
+    return taken ? -1 : choice;
+}
 
 /* prefix_cache.register: record the step's tokens into their blocks, advance the rows'
  * prefix hashes, and insert every block the step filled into the table (the reference's
- * vectorised order: every choice is made on the table as it was before the step, then the
- * writes, phase by phase). Lanes [0, n) of the flat batch; lane t is a token when
- * t < *total. ``fills_scratch``: room for n fill_t (64 bytes each). Returns the blocks
+ * vectorised order: in each round every choice is made on the table as the round found it,
+ * then the writes, phase by phase). Lanes [0, n) of the flat batch; lane t is a token when
+ * t < *total. ``fills_scratch``: room for n fill_t (80 bytes each). Returns the blocks
  * inserted. */
 int64_t blink_sched_register(
     int64_t n, const int64_t *input_ids, const int64_t *positions, const int64_t *rows,
     const int64_t *slot_mapping, const int64_t *total, const blink_prefix_t *pc, void *fills_scratch) {
-    const int64_t N = pc->N, B = pc->B, M = pc->M, H = pc->H, P = pc->probes;
+    const int64_t N = pc->N, B = pc->B, M = pc->M;
     const int64_t *p = pc->primes;
     fill_t *fills = (fill_t *)fills_scratch;
     int64_t n_fills = 0, tokens = *total;
@@ -322,68 +361,63 @@ int64_t blink_sched_register(
             pc->row_hash[run_row * 2 + m] = (pc->row_hash[run_row * 2 + m] + sum[m]) % p[m];
     if (!n_fills)
         return 0;
-    /* Slot choice in the probe window, on the table before the step: a live entry of the
-     * same key that is anchored keeps the block uncached; else the first dead slot, else the
-     * least recently used entry (those of free cached blocks first). */
     for (int64_t i = 0; i < n_fills; i++) {
-        fill_t *f = &fills[i];
-        int64_t best_score = 0, choice = -1;
-        int taken = 0;
-        for (int64_t k = 0; k < P; k++) {
-            int64_t probe = (f->key % H + k) % H;
-            int64_t occupant = pc->hash_table[probe];
-            int live = pc->block_slot[occupant] == probe;
-            int same_key = live && pc->block_key[occupant] == f->key;
-            int64_t up = pc->block_parent[occupant];
-            int anchored = up == N || (pc->block_slot[up] >= 0 && pc->block_parent_gen[occupant] == pc->block_gen[up]);
-            int64_t in_use = (int64_t)(pc->block_ref[occupant] > 0) << 62;
-            int64_t score = same_key ? -2 : live ? pc->block_last_used[occupant] + in_use : -1;
-            if (choice < 0 || score < best_score) {
-                best_score = score;
-                choice = probe;
-                taken = same_key && anchored;
-            }
-        }
-        f->target = taken ? -1 : choice;
-        f->prio = -(pc->arrival[f->row] * (M + 1) + f->j);
+        fills[i].prio = -(pc->arrival[fills[i].row] * (M + 1) + fills[i].j);
+        fills[i].won = -1;
+        fills[i].target = 0; /* pending */
     }
-    /* Several inserts into one slot: the oldest request wins (the highest prio; the winner
-     * is never marked lost, so every loser still meets it). */
-    for (int64_t i = 0; i < n_fills; i++) {
-        if (fills[i].target < 0)
-            continue;
-        for (int64_t k = 0; k < n_fills; k++)
-            if (k != i && fills[k].target == fills[i].target && fills[k].prio > fills[i].prio) {
-                fills[i].target = -1;
-                break;
-            }
-    }
-    /* Phase by phase, as the reference's scatters: the evicted entries first (read on the
-     * table before any write), then the new ones. */
-    for (int64_t i = 0; i < n_fills; i++) {
-        fill_t *f = &fills[i];
-        f->victim = -1;
-        if (f->target >= 0 && pc->block_slot[pc->hash_table[f->target]] == f->target)
-            f->victim = pc->hash_table[f->target];
-    }
-    for (int64_t i = 0; i < n_fills; i++)
-        if (fills[i].victim >= 0)
-            pc->block_slot[fills[i].victim] = -1;
+    /* Rounds, as the reference's: each pending block chooses a slot among those no block took
+     * this step; the oldest request wins a contested slot; the winners' writes; a loser tries
+     * again unless the winner holds its own key. */
     int64_t inserted = 0;
     const int64_t stamp = *pc->step * (M + 1);
-    for (int64_t i = 0; i < n_fills; i++) {
-        fill_t *f = &fills[i];
-        if (f->target < 0)
-            continue;
-        int64_t blk = slot_mapping[f->lane] / B;
-        pc->hash_table[f->target] = blk;
-        pc->block_slot[blk] = f->target;
-        pc->block_key[blk] = f->key;
-        pc->block_parent[blk] = f->parent;
-        pc->block_parent_gen[blk] = pc->block_gen[f->parent];
-        if (pc->block_last_used[blk] < stamp)
-            pc->block_last_used[blk] = stamp;
-        inserted++;
+    int64_t pending = n_fills;
+    for (int round = 0; round < INSERT_ROUNDS && pending; round++) {
+        for (int64_t i = 0; i < n_fills; i++)
+            if (fills[i].target >= 0)
+                fills[i].target = choose_slot(pc, fills, n_fills, fills[i].key, round);
+        /* the winner is never marked lost, so every loser still meets it */
+        for (int64_t i = 0; i < n_fills; i++) {
+            fills[i].lost = fills[i].target < 0;
+            for (int64_t k = 0; k < n_fills && !fills[i].lost; k++)
+                if (k != i && fills[k].target == fills[i].target && fills[k].prio > fills[i].prio)
+                    fills[i].lost = 1;
+        }
+        /* Phase by phase, as the reference's scatters: the evicted entries first (read on the
+         * table before any write), then the new ones. */
+        for (int64_t i = 0; i < n_fills; i++) {
+            fill_t *f = &fills[i];
+            f->victim = -1;
+            if (!f->lost && pc->block_slot[pc->hash_table[f->target]] == f->target)
+                f->victim = pc->hash_table[f->target];
+        }
+        for (int64_t i = 0; i < n_fills; i++)
+            if (fills[i].victim >= 0)
+                pc->block_slot[fills[i].victim] = -1;
+        for (int64_t i = 0; i < n_fills; i++) {
+            fill_t *f = &fills[i];
+            if (f->lost)
+                continue;
+            int64_t blk = slot_mapping[f->lane] / B;
+            pc->hash_table[f->target] = blk;
+            pc->block_slot[blk] = f->target;
+            pc->block_key[blk] = f->key;
+            pc->block_parent[blk] = f->parent;
+            pc->block_parent_gen[blk] = pc->block_gen[f->parent];
+            if (pc->block_last_used[blk] < stamp)
+                pc->block_last_used[blk] = stamp;
+            f->won = f->target;
+            inserted++;
+        }
+        pending = 0;
+        for (int64_t i = 0; i < n_fills; i++) {
+            fill_t *f = &fills[i];
+            if (f->won >= 0)
+                f->target = -1; /* done */
+            else if (f->target >= 0 && pc->block_key[pc->hash_table[f->target]] == f->key)
+                f->target = -1; /* the slot went to a block of its own key */
+            pending += f->target >= 0;
+        }
     }
     return inserted;
 }

@@ -42,7 +42,7 @@ ENV = "BLINK_CPU_SCHED"
 #: tests only: every prefix key 0, so every lookup collides and verification alone decides
 #: (what the reference's tests force by replacing ``prefix_cache.table_key``)
 COLLIDE_KEYS = False
-_FILL_BYTES = 64  # sizeof(fill_t) in sched.c
+_FILL_BYTES = 80  # sizeof(fill_t) in sched.c
 
 
 class StepGuards(NamedTuple):

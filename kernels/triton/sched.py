@@ -29,7 +29,8 @@ Stages (issue 32, part 1):
   ``produced`` counters, the finish checks and finish reasons; then (after the fence) the
   FINISHED state words: three launches;
 - ``register``: the prefix-cache insert (block tokens, the rows' prefix hashes, the probe
-  window, the oldest request winning a contested slot, eviction);
+  window, the oldest request winning a contested slot and the losers' later rounds,
+  eviction);
 - ``lookup``: the prefix-cache lookup of the oldest waiting rows (hash per block, first live
   match, verification of tokens and the parent chain, the hits taken);
 - ``admit``: admission's FCFS pick, prompt gather out of the arena, the rows' state, their
@@ -706,6 +707,7 @@ def _register_kernel(
     excl_ptr, key_ptr, target_ptr, prio_ptr, parent_ptr, salt_ptr,
     S, N, B, M, H, P,
     BLOCK_T: tl.constexpr, P_P2: tl.constexpr, S_P2: tl.constexpr, COLLIDE: tl.constexpr,
+    INSERT_ROUNDS: tl.constexpr,
 ):
     """:func:`blink.engine.prefix_cache.register` (``Scheduler._register``, prefix.py): the prefix-
     cache insert of the step's filled blocks."""
@@ -767,76 +769,112 @@ def _register_kernel(
     rm = r < S
     tl.store(row_hash_ptr + 2 * r, tl.load(row_hash_ptr + 2 * r, mask=rm, other=0) % p0, mask=rm)
     tl.store(row_hash_ptr + 2 * r + 1, tl.load(row_hash_ptr + 2 * r + 1, mask=rm, other=0) % p1, mask=rm)
-    # Pass 3: each block-completing token picks its slot in the probe window and bids.
-    k = tl.arange(0, P_P2)
+    # Pass 3: the blocks this step filled, staged: parent, bid (prio), pending (1/0), the slot
+    # taken (H: none yet).
     for t0 in range(0, n, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         tm = t < n
         row = tl.load(rows_ptr + t, mask=tm, other=0)
         pos = tl.load(pos_ptr + t, mask=tm, other=0)
-        key = tl.load(parent_ptr + t, mask=tm, other=0)
         fills = (t < total) & tm & ((pos + 1) % B == 0)
         j = pos // B
         parent = tl.where(j > 0, tl.load(table_ptr + row * M + tl.maximum(j - 1, 0), mask=tm, other=N).to(tl.int64), N)
-        probe = ((key % H)[:, None] + k[None, :]) % H
-        pm = tm[:, None] & (k[None, :] < P)
-        occ = tl.load(hash_table_ptr + probe, mask=pm, other=N)
-        live = (tl.load(block_slot_ptr + occ, mask=pm, other=-1) == probe) & pm
-        same = live & (tl.load(block_key_ptr + occ, mask=pm, other=-1) == key[:, None])
-        up = tl.load(block_parent_ptr + occ, mask=pm, other=N)
-        anchored = (up == N) | ((tl.load(block_slot_ptr + up, mask=pm, other=-1) >= 0)
-                                & (tl.load(block_parent_gen_ptr + occ, mask=pm, other=0)
-                                   == tl.load(block_gen_ptr + up, mask=pm, other=0)))
-        in_use = (tl.load(block_ref_ptr + occ, mask=pm, other=0) > 0).to(tl.int64) << 62
-        score = tl.where(same, -2, tl.where(live, tl.load(last_used_ptr + occ, mask=pm, other=0) + in_use, -1))
-        score = tl.where(pm, score, _INT64_MAX)
-        best_score = tl.min(score, 1)
-        choice = tl.min(tl.where(score == best_score[:, None], k[None, :], P_P2), 1)  # the first minimum
-        pick = k[None, :] == choice[:, None]
-        target = tl.sum(tl.where(pick, probe, 0), 1)
-        taken = tl.sum((pick & same & anchored).to(tl.int32), 1) > 0
-        fills = fills & ~taken
         arrival = tl.load(arrival_ptr + row, mask=tm, other=0)
-        prio = tl.where(fills, -(arrival * (M + 1) + j), INT64_MIN)
-        tl.atomic_max(insert_best_ptr + tl.where(fills, target, H), prio, mask=tm)
-        tl.store(target_ptr + t, tl.where(fills, target, H), mask=tm)
-        tl.store(prio_ptr + t, prio, mask=tm)
         tl.store(excl_ptr + t, parent, mask=tm)  # the parent, staged
+        tl.store(prio_ptr + t, tl.where(fills, -(arrival * (M + 1) + j), INT64_MIN), mask=tm)
+        tl.store(key_ptr + t, fills.to(tl.int64), mask=tm)  # pending
+        tl.store(target_ptr + t, tl.zeros([BLOCK_T], dtype=tl.int64) + H, mask=tm)
     tl.debug_barrier()
-    # Pass 4: the winners (the oldest request per slot) evict what their slot held.
-    for t0 in range(0, n, BLOCK_T):
-        t = t0 + tl.arange(0, BLOCK_T)
-        tm = t < n
-        target = tl.load(target_ptr + t, mask=tm, other=H)
-        prio = tl.load(prio_ptr + t, mask=tm, other=INT64_MIN)
-        win = (target < H) & (tl.load(insert_best_ptr + target, mask=tm, other=INT64_MIN) == prio) & tm
-        tl.store(target_ptr + t, tl.where(win, target, H), mask=tm)
-        victim = tl.load(hash_table_ptr + tl.where(win, target, H), mask=tm, other=N)
-        evicted = win & (tl.load(block_slot_ptr + victim, mask=tm, other=-1) == target)
-        tl.store(block_slot_ptr + tl.where(evicted, victim, N), tl.zeros([BLOCK_T], dtype=tl.int64) - 1, mask=tm)
-    tl.debug_barrier()
+    # The insert's rounds (prefix_cache.INSERT_ROUNDS): this round's slot of each block is
+    # staged in excl[n + t]; insert_best is INT64_MAX at the slots taken this step.
+    k = tl.arange(0, P_P2)
+    step = tl.load(step_ptr)
+    for r in tl.static_range(INSERT_ROUNDS):
+        # Pass 4: each pending block picks its slot in the probe window and bids.
+        for t0 in range(0, n, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            tm = t < n
+            key = tl.load(parent_ptr + t, mask=tm, other=0)
+            pending = (tl.load(key_ptr + t, mask=tm, other=0) != 0) & tm
+            kr = k
+            if r > 0:  # a retry scans its window from a point its key picks
+                kr = (k[None, :] + ((key // H) >> (3 * r))[:, None]) % P
+            probe = ((key % H)[:, None] + kr) % H
+            pm = tm[:, None] & (k[None, :] < P)
+            occ = tl.load(hash_table_ptr + probe, mask=pm, other=N)
+            live = (tl.load(block_slot_ptr + occ, mask=pm, other=-1) == probe) & pm
+            same = live & (tl.load(block_key_ptr + occ, mask=pm, other=-1) == key[:, None])
+            up = tl.load(block_parent_ptr + occ, mask=pm, other=N)
+            anchored = (up == N) | ((tl.load(block_slot_ptr + up, mask=pm, other=-1) >= 0)
+                                    & (tl.load(block_parent_gen_ptr + occ, mask=pm, other=0)
+                                       == tl.load(block_gen_ptr + up, mask=pm, other=0)))
+            in_use = (tl.load(block_ref_ptr + occ, mask=pm, other=0) > 0).to(tl.int64) << 62
+            score = tl.where(same, -2, tl.where(live, tl.load(last_used_ptr + occ, mask=pm, other=0) + in_use, -1))
+            claimed = tl.load(insert_best_ptr + probe, mask=pm, other=INT64_MIN) == _INT64_MAX
+            score = tl.where(pm & ~claimed, score, _INT64_MAX)
+            best_score = tl.min(score, 1)
+            choice = tl.min(tl.where(score == best_score[:, None], k[None, :], P_P2), 1)  # the first minimum
+            pick = k[None, :] == choice[:, None]
+            target = tl.sum(tl.where(pick, probe, 0), 1)
+            taken = tl.sum((pick & same & anchored).to(tl.int32), 1) > 0
+            pending = pending & ~taken & (best_score != _INT64_MAX)
+            prio = tl.load(prio_ptr + t, mask=tm, other=INT64_MIN)
+            lanes = tl.where(pending, target, H)
+            tl.atomic_max(insert_best_ptr + lanes, tl.where(pending, prio, INT64_MIN), mask=tm)
+            tl.store(excl_ptr + n + t, lanes, mask=tm)
+            tl.store(key_ptr + t, pending.to(tl.int64), mask=tm)
+        tl.debug_barrier()
+        # Pass 5: the winners (the oldest request per slot) evict what their slot held.
+        for t0 in range(0, n, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            tm = t < n
+            lanes = tl.load(excl_ptr + n + t, mask=tm, other=H)
+            prio = tl.load(prio_ptr + t, mask=tm, other=INT64_MIN)
+            win = (lanes < H) & (tl.load(insert_best_ptr + lanes, mask=tm, other=INT64_MIN) == prio) & tm
+            tl.store(target_ptr + t, tl.where(win, lanes, tl.load(target_ptr + t, mask=tm, other=H)), mask=tm)
+            victim = tl.load(hash_table_ptr + tl.where(win, lanes, H), mask=tm, other=N)
+            evicted = win & (tl.load(block_slot_ptr + victim, mask=tm, other=-1) == lanes)
+            tl.store(block_slot_ptr + tl.where(evicted, victim, N), tl.zeros([BLOCK_T], dtype=tl.int64) - 1, mask=tm)
+        tl.debug_barrier()
+        # Pass 6: the winners' table entries and their blocks' records.
+        for t0 in range(0, n, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            tm = t < n
+            lanes = tl.load(excl_ptr + n + t, mask=tm, other=H)
+            win = (lanes < H) & (tl.load(target_ptr + t, mask=tm, other=H) == lanes) & tm
+            blk = tl.where(win, tl.load(slot_ptr + t, mask=tm, other=0) // B, N)
+            key = tl.load(parent_ptr + t, mask=tm, other=0)
+            parent = tl.load(excl_ptr + t, mask=tm, other=N)
+            tl.store(hash_table_ptr + lanes, blk, mask=win)
+            tl.store(block_slot_ptr + blk, lanes, mask=win)
+            tl.store(block_key_ptr + blk, key, mask=win)
+            tl.store(block_parent_ptr + blk, parent, mask=win)
+            tl.store(block_parent_gen_ptr + blk, tl.load(block_gen_ptr + parent, mask=win, other=0), mask=win)
+            tl.atomic_max(last_used_ptr + blk, tl.where(win, step * (M + 1), 0), mask=win)
+        tl.store(block_slot_ptr + N, -1)
+        tl.store(hash_table_ptr + H, N)
+        tl.debug_barrier()
+        # Pass 7: the slots bid on are taken; a loser tries again next round unless the winner
+        # holds its own key (a key has at most one live entry).
+        for t0 in range(0, n, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            tm = t < n
+            lanes = tl.load(excl_ptr + n + t, mask=tm, other=H)
+            pending = (tl.load(key_ptr + t, mask=tm, other=0) != 0) & tm
+            win = pending & (tl.load(target_ptr + t, mask=tm, other=H) == lanes)
+            key = tl.load(parent_ptr + t, mask=tm, other=0)
+            holder = tl.load(hash_table_ptr + lanes, mask=tm, other=N)
+            pending = pending & ~win & (tl.load(block_key_ptr + holder, mask=tm, other=0) != key)
+            tl.store(insert_best_ptr + lanes, tl.zeros([BLOCK_T], dtype=tl.int64) + _INT64_MAX, mask=tm & (lanes < H))
+            tl.store(key_ptr + t, pending.to(tl.int64), mask=tm)
+        tl.store(insert_best_ptr + H, INT64_MIN)
+        tl.debug_barrier()
     for t0 in range(0, n, BLOCK_T):  # bids reset (all INT64_MIN between steps)
         t = t0 + tl.arange(0, BLOCK_T)
         tm = t < n
         tl.store(insert_best_ptr + tl.load(target_ptr + t, mask=tm, other=H),
                  tl.zeros([BLOCK_T], dtype=tl.int64) + INT64_MIN, mask=tm)
     tl.store(insert_best_ptr + H, INT64_MIN)
-    # Pass 5: the table entries and the blocks' records.
-    step = tl.load(step_ptr)
-    for t0 in range(0, n, BLOCK_T):
-        t = t0 + tl.arange(0, BLOCK_T)
-        tm = t < n
-        target = tl.load(target_ptr + t, mask=tm, other=H)
-        win = (target < H) & tm
-        blk = tl.where(win, tl.load(slot_ptr + t, mask=tm, other=0) // B, N)
-        key = tl.load(parent_ptr + t, mask=tm, other=0)
-        parent = tl.load(excl_ptr + t, mask=tm, other=N)
-        tl.store(hash_table_ptr + target, blk, mask=win)
-        tl.store(block_slot_ptr + blk, target, mask=win)
-        tl.store(block_key_ptr + blk, key, mask=win)
-        tl.store(block_parent_ptr + blk, parent, mask=win)
-        tl.store(block_parent_gen_ptr + blk, tl.load(block_gen_ptr + parent, mask=win, other=0), mask=win)
-        tl.atomic_max(last_used_ptr + blk, tl.where(win, step * (M + 1), 0), mask=win)
     tl.store(block_slot_ptr + N, -1)
     tl.store(hash_table_ptr + H, N)
 
@@ -855,7 +893,8 @@ def register(st, batch, n: int, hc, scratch: RegisterScratch, *, num_blocks: int
              hash_table_size: int, probes: int) -> None:
     """:func:`blink.engine.prefix_cache.register` in one launch: block tokens, the rows'
     prefix hashes, and the insert of every block the step filled (probe window, the oldest
-    request winning a contested slot, eviction of the slot's previous entry)."""
+    request winning a contested slot and the losers choosing again in later rounds, eviction
+    of the slot's previous entry)."""
     md = batch.attn
     S, M = st.block_table.shape
     pows = hc.pows
@@ -870,11 +909,14 @@ def register(st, batch, n: int, hc, scratch: RegisterScratch, *, num_blocks: int
             st.sampling["cache_salt"],
             S, num_blocks, block_size, M, hash_table_size, probes,
             BLOCK_T=min(_p2(n), 512), P_P2=_p2(probes), S_P2=_p2(S), COLLIDE=COLLIDE_KEYS,
+            INSERT_ROUNDS=INSERT_ROUNDS,
         )
 
 
-# the prefix hash's moduli (blink.engine.prefix_cache.PRIMES; repeated here: kernels import no engine)
+# the prefix hash's moduli and the insert's rounds (blink.engine.prefix_cache.PRIMES and
+# INSERT_ROUNDS; repeated here: kernels import no engine)
 PRIMES = (2_147_483_647, 2_147_483_629)
+INSERT_ROUNDS = 3
 #: tests only: every prefix key 0, so every lookup collides and verification alone decides
 #: (what the reference's tests force by replacing ``prefix_cache.table_key``)
 COLLIDE_KEYS = False
