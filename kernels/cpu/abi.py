@@ -164,7 +164,7 @@ SCHED: dict[str, Signature] = {
         I64, _args("n", I64) + _args("input_ids positions rows slot_mapping total pc fills_scratch", P)),
     "blink_sched_allocate": Signature(I64, _args("a num_new", P)),
     "blink_sched_begin_step": Signature(
-        None, _args("S", I64) + _args("status slot_state cancel", P) + _args("cancel_stride", I64)
+        None, _args("S", I64) + _args("status ring_state slot_state cancel", P) + _args("cancel_stride", I64)
         + _args("needs_lookup window_sizes", P) + _args("n_sizes", I64) + _args("step counters out", P)),
     "blink_sched_compact": Signature(
         None, _args("S n M", I64) + _args("num_new token_seq_idx query_start_loc seq_lens block_table seq_idx_out "

@@ -619,14 +619,20 @@ void blink_sched_compact(int64_t S, int64_t n, int64_t M, const int64_t *num_new
 
 /* ------------------------------------------------------------------ the step's guards */
 
-/* Scheduler.schedule's opening (scheduler.py): the step counters, the row window (the smallest
- * of ``window_sizes`` holding every row not EMPTY and every slot the frontend has written;
- * ``slot_state``: the step's snapshot of the state words) and the stage guards over it.
- * ``out``: the window's size, then whether a live row is cancelled, a row is RELEASING, a
- * WRITTEN slot has an EMPTY row, a row waits for its prefix lookup. */
-void blink_sched_begin_step(int64_t S, const int32_t *status, const int32_t *slot_state, const int32_t *cancel,
-                            int64_t cancel_stride, const uint8_t *needs_lookup, const int64_t *window_sizes,
-                            int64_t n_sizes, int64_t *step, int64_t *counters, int64_t *out) {
+/* Scheduler.schedule's opening (scheduler.py): the step's snapshot of the ring's state words
+ * (``ring_state``, written by the frontend at any time) into ``slot_state``, each word read
+ * once, then a full fence (acquire: a payload the words publish is read after them), the step
+ * counters, the row window (the smallest of ``window_sizes`` holding every row not EMPTY and
+ * every slot the frontend has written) and the stage guards over it. ``out``: the window's
+ * size, then whether a live row is cancelled, a row is RELEASING, a WRITTEN slot has an EMPTY
+ * row, a row waits for its prefix lookup. */
+void blink_sched_begin_step(int64_t S, const int32_t *status, const int32_t *ring_state, int32_t *slot_state,
+                            const int32_t *cancel, int64_t cancel_stride, const uint8_t *needs_lookup,
+                            const int64_t *window_sizes, int64_t n_sizes, int64_t *step, int64_t *counters,
+                            int64_t *out) {
+    for (int64_t r = 0; r < S; r++)
+        slot_state[r] = __atomic_load_n(&ring_state[r], __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST); /* memory_fence: mfence / dmb ish */
     *step += 1;
     counters[K[C_K_STEPS]] += 1;
     int64_t last = -1;

@@ -203,21 +203,27 @@ class CStages:
 
     # ------------------------------------------------------------------ the step's guards
 
-    def begin_step(self, st, slot_state: torch.Tensor, cancel: torch.Tensor, window_sizes: torch.Tensor
-                   ) -> StepGuards:
-        """:meth:`Scheduler.schedule`'s opening over the whole table ``st``: the step
-        counters, the row window and the stage guards (read by the host)."""
+    def begin_step(self, st, ring_state: torch.Tensor, slot_state: torch.Tensor, cancel: torch.Tensor,
+                   window_sizes: torch.Tensor) -> StepGuards:
+        """:meth:`Scheduler.schedule`'s opening over the whole table ``st``: the snapshot of
+        the ring's slot state words into ``slot_state`` and the fence after it (acquire: the
+        payloads are read after the words), the step counters, the row window and the stage
+        guards (read by the host)."""
         if self._begin is None:
             self._check_first("begin_step", ("status", st.status, torch.int32),
-                              ("needs_lookup", st.needs_lookup, torch.bool), ("the slot states", slot_state, torch.int32),
+                              ("needs_lookup", st.needs_lookup, torch.bool), ("the ring's slot states", ring_state, torch.int32),
+                              ("the slot states", slot_state, torch.int32),
                               ("cancel", cancel, torch.int32, False), ("the window sizes", window_sizes, torch.int64))
+            if ring_state.shape != slot_state.shape or slot_state.shape[0] != st.status.shape[0]:
+                raise ValueError(f"begin_step: the snapshot {tuple(slot_state.shape)} is not the ring's slot states "
+                                 f"{tuple(ring_state.shape)} for {st.status.shape[0]} rows")
             self._begin = torch.zeros(5, dtype=torch.int64)
             self._begin_words = self._begin.numpy()
-        self.lib.blink_sched_begin_step(*self._args_of("begin", (slot_state, st.status, st.needs_lookup, st.step,
-                                                                  st.counters, cancel, window_sizes), lambda: (
-            st.status.shape[0], st.status.data_ptr(), slot_state.data_ptr(), cancel.data_ptr(), cancel.stride(0),
-            st.needs_lookup.data_ptr(), window_sizes.data_ptr(), window_sizes.shape[0], st.step.data_ptr(),
-            st.counters.data_ptr(), self._begin.data_ptr())))
+        self.lib.blink_sched_begin_step(*self._args_of("begin", (ring_state, slot_state, st.status, st.needs_lookup,
+                                                                  st.step, st.counters, cancel, window_sizes), lambda: (
+            st.status.shape[0], st.status.data_ptr(), ring_state.data_ptr(), slot_state.data_ptr(), cancel.data_ptr(),
+            cancel.stride(0), st.needs_lookup.data_ptr(), window_sizes.data_ptr(), window_sizes.shape[0],
+            st.step.data_ptr(), st.counters.data_ptr(), self._begin.data_ptr())))
         size, cancelled, releasing, admissible, lookup = self._begin_words.tolist()
         return StepGuards(size, bool(cancelled), bool(releasing), bool(admissible), bool(lookup))
 

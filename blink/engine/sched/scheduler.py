@@ -327,20 +327,23 @@ class Scheduler(Admission, KvReservation, PrefixHookup, Budget, Batching, Publis
         cfg, st0 = self.config, self.state
         # Acquire: the slot state words are read once (into the step's snapshot, one buffer
         # for every step), then a fence, then any payload.
-        slot_state = self._slot_state.copy_(self.ring["state"])
-        self._fence()
-        # The CPU loop's C stages read the counters, the row window and the guards in one call.
-        g = None if self._c is None or self.kv_enabled else self._c.begin_step(
-            st0, slot_state, self.ring["cancel"], self._window_sizes_t)
-        if g is None:
+        slot_state = self._slot_state
+        if self._c is None or self.kv_enabled:
+            slot_state.copy_(self.ring["state"])
+            self._fence()
+            g = None
             st0.step += 1
             st0.counters[K_STEPS] += 1
+        else:  # the CPU loop's C stages: the snapshot, the fence, the counters, the row window
+            # and the guards in one call
+            g = self._c.begin_step(st0, self.ring["state"], slot_state, self.ring["cancel"], self._window_sizes_t)
         w = self._w = self._window_for(slot_state) if g is None else self._window(g.window)
-        st, slot_state = w.state, slot_state[: w.size]
+        st = w.state
 
         # A step where none of the four stages below has work (read at once, before any of them
         # runs: each only creates work for those after it) skips them all.
         if g is None or g.cancelled or g.releasing or g.admissible or g.lookup:
+            slot_state = slot_state[: w.size]
             cancel = self._cancel()                                       # admission.py
             if self._when(lambda: (st.status == ROW_RELEASING).any()):
                 self._release_finished()                                  # budget.py
