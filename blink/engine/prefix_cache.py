@@ -191,7 +191,6 @@ def register(
     is enough); ``valid`` masks the padding. ``when``: the scheduler's stage guard, asked
     whether any block was filled before the table insert runs."""
     N, B, H = cfg.num_blocks, cfg.block_size, cfg.hash_table_size
-    dev = input_ids.device
     p = hc.primes
 
     # Token ids go where their KV went (padding lands in the scratch block).

@@ -707,7 +707,7 @@ def _register_kernel(
     excl_ptr, key_ptr, target_ptr, prio_ptr, parent_ptr, salt_ptr,
     S, N, B, M, H, P,
     BLOCK_T: tl.constexpr, P_P2: tl.constexpr, S_P2: tl.constexpr, COLLIDE: tl.constexpr,
-    INSERT_ROUNDS: tl.constexpr,
+    INSERT_ROUNDS: tl.constexpr, BLOCK_F: tl.constexpr,
 ):
     """:func:`blink.engine.prefix_cache.register` (``Scheduler._register``, prefix.py): the prefix-
     cache insert of the step's filled blocks."""
@@ -789,17 +789,17 @@ def _register_kernel(
     # staged in excl[n + t]; insert_best is INT64_MAX at the slots taken this step.
     k = tl.arange(0, P_P2)
     step = tl.load(step_ptr)
-    for r in tl.static_range(INSERT_ROUNDS):
-        # Pass 4: each pending block picks its slot in the probe window and bids.
-        for t0 in range(0, n, BLOCK_T):
-            t = t0 + tl.arange(0, BLOCK_T)
+    for r in range(INSERT_ROUNDS):  # a loop, not unrolled: one copy of the passes' code
+        # Pass 4: each pending block picks its slot in the probe window and bids (in chunks of
+        # BLOCK_F tokens: its [tokens, probes] tiles stay in registers).
+        for t0 in range(0, n, BLOCK_F):
+            t = t0 + tl.arange(0, BLOCK_F)
             tm = t < n
             key = tl.load(parent_ptr + t, mask=tm, other=0)
             pending = (tl.load(key_ptr + t, mask=tm, other=0) != 0) & tm
-            kr = k
-            if r > 0:  # a retry scans its window from a point its key picks
-                kr = (k[None, :] + ((key // H) >> (3 * r))[:, None]) % P
-            probe = ((key % H)[:, None] + kr) % H
+            # a retry (round r > 0) scans its window from a point its key picks
+            rotate = tl.where(r > 0, ((key // H) >> (3 * r)) % P, 0)
+            probe = ((key % H)[:, None] + (k[None, :] + rotate[:, None]) % P) % H
             pm = tm[:, None] & (k[None, :] < P)
             occ = tl.load(hash_table_ptr + probe, mask=pm, other=N)
             live = (tl.load(block_slot_ptr + occ, mask=pm, other=-1) == probe) & pm
@@ -909,7 +909,7 @@ def register(st, batch, n: int, hc, scratch: RegisterScratch, *, num_blocks: int
             st.sampling["cache_salt"],
             S, num_blocks, block_size, M, hash_table_size, probes,
             BLOCK_T=min(_p2(n), 512), P_P2=_p2(probes), S_P2=_p2(S), COLLIDE=COLLIDE_KEYS,
-            INSERT_ROUNDS=INSERT_ROUNDS,
+            INSERT_ROUNDS=INSERT_ROUNDS, BLOCK_F=min(_p2(n), 64),
         )
 
 
