@@ -12,6 +12,7 @@ import inspect
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated
 
@@ -62,3 +63,27 @@ def test_every_kernel_compiles_for_sm90_without_spills():
         cols = line.split()
         if line.startswith("_") and cols[-1] != "?":
             assert int(cols[-1]) == 0, f"register spills: {line}"
+
+
+@pytest.mark.slow
+def test_the_fused_scheduler_stages_compile_for_sm90():
+    """Every Triton stage of one captured scheduler step compiles for sm_90
+    (tests/sched_compile_check.py); the prefix insert keeps its tiles in registers."""
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this Triton build has no CUDA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    script = Path(__file__).with_name("sched_compile_check.py")
+    proc = subprocess.run([sys.executable, str(script), "--arch", "90"], capture_output=True, text=True,
+                          env=env, timeout=600)
+    report = proc.stdout + proc.stderr[-3000:]
+    assert proc.returncode == 0, report
+    assert " 0 error(s)" in proc.stdout, report
+    rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()[1:] if line.startswith("_")}
+    expected = {
+        "_cancel_kernel", "_release_kernel", "_admit_kernel", "_lookup_kernel", "_allocate_kernel",
+        "_build_batch_kernel", "_stats_kernel", "_register_kernel", "_publish_words_kernel",
+        "_publish_payload_kernel", "_publish_finish_kernel", "_publish_state_kernel",
+    }
+    assert expected <= set(rows), f"not compiled: {expected - set(rows)}"
+    assert rows["_register_kernel"][1] == "0", f"the prefix insert spills: {rows['_register_kernel']}"
