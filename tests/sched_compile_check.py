@@ -8,9 +8,9 @@ accepts. Run by tests/test_kernels_compile.py in a process without ``TRITON_INTE
     python tests/sched_compile_check.py [--arch 90]
 
 Prints one line a kernel (name, registers, spill bytes) and the count of errors; exits 1 on
-any. The step's shape is a modest one (64 slots, a 2,048-token budget and model length, 4,096
-blocks of 16 tokens) so that the compile takes seconds; the fused allocator sorts its whole
-pool in one program, and at 16,384 blocks its compile takes minutes.
+any. The step's shape is a production one: 256 slots, an 8,192-token budget and model length,
+16,384 blocks of 16 tokens (the fused allocator's largest pool: it sorts the whole pool in one
+program).
 """
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 or 80")
     args = parser.parse_args(argv)
-    cfg = SchedulerConfig(block_size=16, num_blocks=4096, max_model_len=2048, max_num_batched_tokens=2048,
+    cfg = SchedulerConfig(block_size=16, num_blocks=16384, max_model_len=8192, max_num_batched_tokens=8192,
                           max_admit_per_step=16, enable_prefix_caching=True, eos_token_ids=(2,))
-    ring = ts.make_ring(64, cfg.max_model_len, 16)
+    ring = ts.make_ring(256, cfg.max_model_len, 16)
     with record_launches(args.arch) as launches:
         sched = Scheduler(cfg, ring_tensors(ring), host_guards=False, fused=True)
         batch = sched.schedule()
