@@ -7,10 +7,10 @@ accepts. Run by tests/test_kernels_compile.py in a process without ``TRITON_INTE
 
     python tests/sched_compile_check.py [--arch 90]
 
-Prints one line a kernel (name, registers, spill bytes) and the count of errors; exits 1 on
-any. The step's shape is a production one: 256 slots, an 8,192-token budget and model length,
-16,384 blocks of 16 tokens (the fused allocator's largest pool: it sorts the whole pool in one
-program).
+Prints :func:`blink.kernels.triton.compile_check.print_reports`' table (a kernel a line, its
+spill bytes last) and the count of errors; exits 1 on any. The step's shape is a production
+one: 256 slots, an 8,192-token budget and model length, 16,384 blocks of 16 tokens (the fused
+allocator's largest pool: it sorts the whole pool in one program).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import test_scheduler as ts  # noqa: E402
 from blink.engine.sched.scheduler import Scheduler  # noqa: E402
 from blink.engine.sched.state import SchedulerConfig, ring_tensors  # noqa: E402
-from blink.kernels.triton.compile_check import compile_launch, record_launches  # noqa: E402
+from blink.kernels.triton.compile_check import compile_unique, print_reports, record_launches  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,27 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg = SchedulerConfig(block_size=16, num_blocks=16384, max_model_len=8192, max_num_batched_tokens=8192,
                           max_admit_per_step=16, enable_prefix_caching=True, eos_token_ids=(2,))
     ring = ts.make_ring(256, cfg.max_model_len, 16)
-    with record_launches(args.arch) as launches:
+    with record_launches(args.arch, lambda: "scheduler step") as launches:
         sched = Scheduler(cfg, ring_tensors(ring), host_guards=False, fused=True)
         batch = sched.schedule()
         rows = batch.sample_rows.shape[0]
         sched.update(batch, torch.zeros(rows, dtype=torch.int64), torch.zeros(rows),
                      torch.zeros(rows, 0, dtype=torch.int64), torch.zeros(rows, 0))
-    unique = {}
-    for launch in launches:
-        unique.setdefault(launch.key(), launch)
-    failed = 0
-    print(f"{'kernel':28} {'regs':>5} {'spill B':>8}")
-    for launch in unique.values():
-        report = compile_launch(launch, args.arch)
-        print(f"{launch.name:28} {report.registers if report.registers is not None else '?':>5} "
-              f"{report.spill_bytes if report.spill_bytes is not None else '?':>8}")
-        for err in report.errors:
-            failed += 1
-            print(f"    ERROR: {err}")
-    print(f"{len(unique)} launches of the fused scheduler compiled for sm_{args.arch}; {failed} error(s)")
-    return 1 if failed else 0
-
+    return 1 if print_reports(compile_unique(launches, args.arch), args.arch) else 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -227,19 +227,22 @@ def realistic_launches(arch: int = 90) -> list[Launch]:
     return launches
 
 
-def compile_all(arch: int = 90) -> list[Report]:
-    """Compile each distinct recorded launch once."""
+def compile_unique(launches: list[Launch], arch: int = 90) -> list[Report]:
+    """Compile each distinct launch of ``launches`` once."""
     unique: dict[tuple, Launch] = {}
-    for launch in realistic_launches(arch):
+    for launch in launches:
         unique.setdefault(launch.key(), launch)
     return [compile_launch(launch, arch) for launch in unique.values()]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 or 80")
-    args = parser.parse_args(argv)
-    reports = compile_all(args.arch)
+def compile_all(arch: int = 90) -> list[Report]:
+    """Compile each distinct recorded launch of :func:`realistic_launches` once."""
+    return compile_unique(realistic_launches(arch), arch)
+
+
+def print_reports(reports: list[Report], arch: int) -> int:
+    """The reports as a table (a kernel a line, its spill bytes last), then a line counting
+    the errors; returns that count."""
     failed = 0
     print(f"{'kernel':28} {'scenario':32} {'warps':>5} {'smem KB':>8} {'regs':>5} {'spill B':>8}")
     for r in reports:
@@ -251,9 +254,15 @@ def main(argv: list[str] | None = None) -> int:
             failed += 1
             print(f"    ERROR: {err}")
     kernels = sorted({r.launch.name for r in reports})
-    print(f"{len(reports)} launches of {len(kernels)} kernels compiled for sm_{args.arch}; "
-          f"{failed} error(s)")
-    return 1 if failed else 0
+    print(f"{len(reports)} launches of {len(kernels)} kernels compiled for sm_{arch}; {failed} error(s)")
+    return failed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 or 80")
+    args = parser.parse_args(argv)
+    return 1 if print_reports(compile_all(args.arch), args.arch) else 0
 
 
 if __name__ == "__main__":
