@@ -217,13 +217,14 @@ def register(
     best = st.insert_best  # all INT64_MIN between steps; INT64_MAX marks a slot taken this step
     pending = fills
     won = torch.full_like(key, H)  # the slot each block took (H: none)
+    blocks = slot_mapping // B  # each token's block
     for r in range(INSERT_ROUNDS):
         target, taken, free = _choose_slot(st, cfg, key, best, r)
         pending = pending & ~taken & free
         lanes = torch.where(pending, target, H)
         best.scatter_reduce_(0, lanes, torch.where(pending, prio, INT64_MIN), "amax")
         win = pending & (best[lanes] == prio)
-        _enter(st, win, torch.where(win, target, H), slot_mapping // B, key, parent, stamp)
+        _enter(st, win, torch.where(win, target, H), blocks, key, parent, stamp)
         best.index_put_((lanes,), torch.full_like(lanes, INT64_MAX))  # every bid slot has its winner
         best[H:].fill_(INT64_MIN)  # slice fills, not ``t[i] = v`` (a tensor from Python data)
         won = torch.where(win, target, won)
