@@ -21,6 +21,7 @@ from test_engine import BASE, random_prompts, tiny_model_dir  # noqa: E402
 
 from blink.engine import factory  # noqa: E402
 from blink.engine.gpu import checks, host_sim, tier_b  # noqa: E402
+from blink.engine.gpu.base import GpuEngine  # noqa: E402
 from blink import llm as llm_module  # noqa: E402
 from blink.engine.engine import EngineConfig  # noqa: E402
 from blink.shared.sampling_params import SamplingParams  # noqa: E402
@@ -51,15 +52,26 @@ def test_a_failing_capture_is_ended_and_named(model_dir, monkeypatch):
     def broken_model_phase(parts, batch, *, tokens, rows):
         raise RuntimeError("operation not permitted when stream is capturing")
 
+    # The engine's own segments, by name: a diff of /dev/shm would also see segments that other
+    # tests' engines in this worker create or remove meanwhile (a CI run failed on one).
+    regions: list = []
+    orig_create_region = GpuEngine._create_region
+
+    def create_region(self, total_bytes):
+        region = orig_create_region(self, total_bytes)
+        regions.append(region)
+        return region
+
     monkeypatch.setattr(host_sim.EagerGraphApi, "__init__", init)
     monkeypatch.setattr(tier_b, "graph_model_phase", broken_model_phase)
-    before = _segments()
+    monkeypatch.setattr(GpuEngine, "_create_region", create_region)
     cfg = EngineConfig(model=str(model_dir), device="cpu", **SMALL)
     with pytest.raises(BlinkError, match=r"capturing bucket \d+ into tier B's graph failed: RuntimeError"):
         factory.create_engine(cfg, "device", simulation=host_sim.HostSimulation())
     api = apis[-1]
     assert api.aborted_captures == 1 and api._capture is None  # the capture was ended
-    assert _segments() <= before  # the failed engine left no shared-memory ring behind
+    names = {region.name for region in regions}
+    assert len(names) == 1 and names.isdisjoint(_segments())  # the failed engine's ring is gone
 
 
 def _tier_b_with(monkeypatch, *, backend: str, bindings: str | None) -> list[str]:
