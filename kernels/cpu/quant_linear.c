@@ -100,6 +100,12 @@ enum { PREFETCH_BYTES = 6144 };
 #define PREFETCH_CODES(p) __builtin_prefetch((p), 0, 3)
 #endif
 
+/* The int8 builds' one pass prefetches the scales' stream too (scales_ahead); 0 builds the
+ * version before it (bench_quant_source --before with -DPREFETCH_SCALES=0 in the source). */
+#ifndef PREFETCH_SCALES
+#define PREFETCH_SCALES 1
+#endif
+
 /* The int8 builds' passes over a tile of several passes prefetch the next tile's codes into L2,
  * a share each (step bytes a group): the first pass alone would draw them from memory at the
  * rate its products go, the bandwidth's limit on two cores at 8+ rows, while the others draw
@@ -178,6 +184,22 @@ static inline scale_at_t scale_at(const args_t *a, int64_t t, int64_t s) {
         at.dm16 = at.d16 + sb / 2;
     }
     return at;
+}
+
+/* The int8 builds' one pass over tile t (a decode step, its scales formed inline): the tile's
+ * scales are a second stream beside its codes, prefetched as many groups ahead as the codes (the
+ * tiles' scales follow each other as their codes do): where group g's prefetch points (at + g
+ * step). Left to the hardware, a one-row pass over a 1B's Q4_1 down_proj (64 bytes of scales a
+ * 256 of codes) ran 1.07x slower, its gate/up 1.03x (docs/performance.md#scales-prefetch). */
+static inline __attribute__((unused)) far_t scales_ahead(const args_t *a, int64_t t) {
+    const int format = a->format;
+    const int64_t ahead = PREFETCH_BYTES / tile_bytes(format);
+    if (format & F_K) {
+        const int64_t kb = k_block_bytes(format);
+        return (far_t){a->scales + t * (a->K >> 8) * kb + ahead * (kb / (SUPER / GROUP)), kb / (SUPER / GROUP)};
+    }
+    const int64_t step = (GROUP / group_size(format)) * scale_bytes(format);
+    return (far_t){a->scales + t * (a->K / GROUP) * step + ahead * step, step};
 }
 
 /* The int8 builds' sums of row r's int8 x over group g (s0, s1: channels 0-15 and 16-31 of
@@ -466,9 +488,11 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
     const int64_t k_bytes = k_block_bytes(a->format), nsub = g16 ? 16 : 8;
     const uint8_t *super_at = NULL;
     __m512 super_d = _mm512_setzero_ps(), super_m = _mm512_setzero_ps();
+    const far_t scales_far = scales_ahead(a, t);
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *gc = codes + g * tb;
         for (int line = 0; line < tb; line += 64) PREFETCH_CODES(gc + line + PREFETCH_BYTES);
+        if (PREFETCH_SCALES && !scales) PREFETCH_CODES(scales_far.at + g * scales_far.step);
         prefetch_far(far, g);
         const int8_t *xg = xq + g * ROWS * GROUP;
         if (HOIST_SUPER_SCALES && k256 && !scales && (g & 7) == 0) { /* a super-block starts (SUPER / GROUP groups) */
@@ -942,9 +966,11 @@ static inline __attribute__((always_inline)) void tile_rows(const args_t *a, int
     const int64_t k_bytes = k_block_bytes(a->format), nsub = g16 ? 16 : 8;
     const uint8_t *super_at = NULL;
     __m256 super_d[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, super_m[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    const far_t scales_far = scales_ahead(a, t);
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *gc = codes + g * tb;
         for (int line = 0; line < tb; line += 64) PREFETCH_CODES(gc + line + PREFETCH_BYTES);
+        if (PREFETCH_SCALES && !scales) PREFETCH_CODES(scales_far.at + g * scales_far.step);
         prefetch_far(far, g);
         const int8_t *xg = xq + g * ROWS_I8 * GROUP;
         if (HOIST_SUPER_SCALES && k256 && !scales && (g & 7) == 0) { /* a super-block starts */
