@@ -5,6 +5,7 @@ replayed is refused at the recording, and those steps stay eager."""
 from __future__ import annotations
 
 import ctypes
+import subprocess
 import sys
 from pathlib import Path
 
@@ -40,6 +41,26 @@ def test_a_replay_recomputes_from_the_buffers_new_contents():
         graph.replay()
     assert torch.equal(out, want[0]) and torch.equal(res_out, want[1])
     assert graph.kept_bytes >= out.nbytes + res_out.nbytes  # the outputs the calls write into
+
+
+@needs_fused
+def test_a_recording_imports_neither_dynamo_nor_triton():
+    """torch wraps every dispatch mode's handler in ``torch._disable_dynamo``, whose first call
+    imports torch._dynamo and Triton; the recorder's mode opts out (its nanobind module listed
+    hundreds of "leaked" objects as every ``blink serve`` exited). In a fresh process: this one
+    has imported both long ago."""
+    code = (
+        "import sys, torch\n"
+        "from blink.kernels.cpu import fused, graph\n"
+        "x, w = torch.randn(2, 64).bfloat16(), torch.randn(64).bfloat16()\n"
+        "with torch.inference_mode(), graph.record() as g:\n"
+        "    fused.rms_norm(x, w, 1e-5)\n"
+        "assert [c.name for c in g.calls] == ['blink_add_rms_norm'], g.calls\n"
+        "print(sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
 @needs_fused

@@ -228,6 +228,15 @@ class _NoComputeMode(TorchDispatchMode):
         super().__init__()
         self.graph = graph
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """False: torch would wrap this mode's ``__torch_dispatch__`` in ``torch._disable_dynamo``,
+        whose first call imports ``torch._dynamo`` and with it Triton where it is installed. A
+        recording is never compiled, and the CPU engine then never imports Triton: its nanobind
+        module listed hundreds of "leaked" types and functions as every ``blink serve`` exited,
+        and the import cost start time and memory for nothing."""
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in _ALLOCATIONS:
