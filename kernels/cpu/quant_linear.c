@@ -190,7 +190,7 @@ static inline scale_at_t scale_at(const args_t *a, int64_t t, int64_t s) {
  * scales are a second stream beside its codes, prefetched as many groups ahead as the codes (the
  * tiles' scales follow each other as their codes do): where group g's prefetch points (at + g
  * step). Left to the hardware, a one-row pass over a 1B's Q4_1 down_proj (64 bytes of scales a
- * 256 of codes) ran 1.04-1.08x slower, its gate/up up to 1.06x (docs/performance.md#scales-prefetch). */
+ * 256 of codes) ran 1.04-1.08x slower, its gate/up 1.01-1.04x (docs/performance.md#scales-prefetch). */
 static inline __attribute__((unused)) far_t scales_ahead(const args_t *a, int64_t t) {
     const int format = a->format;
     const int64_t ahead = PREFETCH_BYTES / tile_bytes(format);
