@@ -231,8 +231,7 @@ def register(
         # A loser tries again in the next round, among the slots no block took this step,
         # unless the winner holds its own key (a key has at most one live entry).
         pending = pending & ~win & (st.block_key[st.hash_table[lanes]] != key)
-    best.index_put_((won,), torch.full_like(won, INT64_MIN))
-    best[H:].fill_(INT64_MIN)
+    best.index_put_((won,), torch.full_like(won, INT64_MIN))  # (won is H where none: the sink too)
 
 
 def _choose_slot(
